@@ -1,0 +1,335 @@
+//! The messages of protocol generation 1.
+//!
+//! Every request carries an `id` chosen by the host; every reply to it carries
+//! the same `id`, so many requests (several commands, a file transfer) can be in
+//! flight on one connection at once. A request ends with exactly one of
+//! [`Message::Done`], [`Message::Exited`] (for [`Message::Exec`]) or
+//! [`Message::Error`].
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Request id, chosen by the host, unique per connection.
+pub type RequestId = u64;
+
+/// One protocol message (the JSON header of a frame).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Message {
+    // ---- host → guest -------------------------------------------------
+    /// First message of every connection. `nonce` is echoed in the ack so the
+    /// host can skip bytes left over from an earlier connection.
+    Hello { protocol: u32, nonce: u64 },
+    /// Give the guest its identity, clock and network. The frame body carries
+    /// fresh entropy from the host, which the agent adds to the kernel's pool.
+    Configure { id: RequestId, config: GuestConfig },
+    /// Liveness check; answered with [`Message::Done`] / [`DoneResult::Pong`].
+    Ping { id: RequestId },
+    /// Run a shell command as the guest user.
+    Exec { id: RequestId, request: ExecRequest },
+    /// Kill a running command (its whole process group) and report it cancelled.
+    Cancel { id: RequestId },
+    /// Start writing a file of `size` bytes; the content follows in
+    /// [`Message::FileData`] frames with the same id (none when `size` is 0).
+    WriteFile {
+        id: RequestId,
+        path: String,
+        size: u64,
+        #[serde(default)]
+        mode: Option<u32>,
+    },
+    /// Read a file; answered with [`Message::FileInfo`], then [`Message::FileData`]
+    /// frames, then [`Message::Done`] / [`DoneResult::Read`].
+    ReadFile {
+        id: RequestId,
+        path: String,
+        max_bytes: u64,
+    },
+    /// List a directory (or describe one file).
+    ListFiles {
+        id: RequestId,
+        path: String,
+        recursive: bool,
+        max_entries: u64,
+    },
+    /// Delete a file, a symlink, an empty directory, or (recursive) a tree.
+    DeleteFile {
+        id: RequestId,
+        path: String,
+        recursive: bool,
+    },
+
+    // ---- guest → host -------------------------------------------------
+    /// Answer to [`Message::Hello`].
+    HelloAck {
+        protocol: u32,
+        nonce: u64,
+        agent_version: String,
+        kernel_release: String,
+        hostname: String,
+    },
+    /// A command started.
+    Started { id: RequestId, pid: u32 },
+    /// Output of a command on stdout (frame body).
+    Stdout { id: RequestId },
+    /// Output of a command on stderr (frame body).
+    Stderr { id: RequestId },
+    /// A command ended; the last message for its id.
+    Exited { id: RequestId, result: ExecResult },
+    /// Size and resolved path of a file about to be sent by [`Message::ReadFile`].
+    FileInfo {
+        id: RequestId,
+        path: String,
+        size: u64,
+    },
+    /// A piece of file content (frame body), in either direction.
+    FileData { id: RequestId },
+    /// A request succeeded.
+    Done { id: RequestId, result: DoneResult },
+    /// A request failed. `id` is 0 for errors not tied to a request.
+    Error { id: RequestId, error: AgentError },
+}
+
+impl Message {
+    /// The request id a message belongs to, if any.
+    pub fn request_id(&self) -> Option<RequestId> {
+        use Message::*;
+        match self {
+            Hello { .. } | HelloAck { .. } => None,
+            Configure { id, .. }
+            | Ping { id }
+            | Exec { id, .. }
+            | Cancel { id }
+            | WriteFile { id, .. }
+            | ReadFile { id, .. }
+            | ListFiles { id, .. }
+            | DeleteFile { id, .. }
+            | Started { id, .. }
+            | Stdout { id }
+            | Stderr { id }
+            | Exited { id, .. }
+            | FileInfo { id, .. }
+            | FileData { id }
+            | Done { id, .. }
+            | Error { id, .. } => Some(*id),
+        }
+    }
+}
+
+/// What the guest needs to become a particular sandbox.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GuestConfig {
+    /// Hostname to set (also written to /etc/hostname).
+    pub hostname: String,
+    /// 32 lowercase hex digits for /etc/machine-id.
+    pub machine_id: String,
+    /// The host's wall clock, milliseconds since the Unix epoch, when sent.
+    pub time_unix_ms: u64,
+    /// Network set-up; `None` leaves the guest without network.
+    #[serde(default)]
+    pub network: Option<NetworkConfig>,
+    /// Most processes the guest user may have at once (fork-bomb guard).
+    pub user_pids_max: u32,
+    /// Memory kept back from the guest user for the agent and kernel, in MiB.
+    pub reserved_memory_mb: u32,
+}
+
+/// Static IPv4 configuration of the guest's one network interface and its
+/// egress filter.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NetworkConfig {
+    /// Guest address with prefix length, e.g. `10.0.2.15/24`.
+    pub address: String,
+    /// Default gateway, e.g. `10.0.2.2`.
+    pub gateway: String,
+    /// Name servers for /etc/resolv.conf.
+    pub dns: Vec<String>,
+    /// Destinations (CIDRs, IPv4) the guest must never reach. Enforced in the
+    /// guest before any user command runs; connections are rejected, not dropped,
+    /// so a denied connect fails at once instead of hanging.
+    pub deny: Vec<String>,
+    /// Interface MTU.
+    pub mtu: u32,
+}
+
+/// A shell command to run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExecRequest {
+    /// Passed to `bash -c` (or `sh -c` where bash is absent).
+    pub command: String,
+    /// Working directory; relative to /workspace or absolute. Default /workspace.
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// Extra environment, exported before the command runs.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Kill the command's whole process group after this long.
+    pub timeout_ms: u64,
+    /// Output kept per stream; the rest is read and dropped, and flagged truncated.
+    pub max_output_bytes: u64,
+}
+
+/// How a command ended.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExecResult {
+    /// Exit code, when the shell exited normally.
+    pub exit_code: Option<i32>,
+    /// Signal number, when the shell was killed by one.
+    pub signal: Option<i32>,
+    /// Killed because it ran past its timeout.
+    pub timed_out: bool,
+    /// Killed because the host asked ([`Message::Cancel`]) or went away.
+    pub cancelled: bool,
+    /// Bytes the command wrote to stdout (including dropped ones).
+    pub stdout_bytes: u64,
+    /// Bytes the command wrote to stderr (including dropped ones).
+    pub stderr_bytes: u64,
+    /// Some stdout was dropped past `max_output_bytes`.
+    pub stdout_truncated: bool,
+    /// Some stderr was dropped past `max_output_bytes`.
+    pub stderr_truncated: bool,
+    /// Wall time from start to exit, in milliseconds.
+    pub duration_ms: u64,
+}
+
+/// The successful outcome of a request other than exec.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum DoneResult {
+    Pong,
+    Configured,
+    Written {
+        path: String,
+        bytes: u64,
+    },
+    Read {
+        path: String,
+        bytes: u64,
+    },
+    Listing {
+        path: String,
+        entries: Vec<FileEntry>,
+        truncated: bool,
+    },
+    Deleted {
+        path: String,
+    },
+    Cancelled,
+}
+
+/// One entry of a listing.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileEntry {
+    /// Path relative to the listed directory, `/`-separated.
+    pub name: String,
+    #[serde(rename = "type")]
+    pub kind: FileKind,
+    pub size_bytes: u64,
+}
+
+/// Type of a directory entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FileKind {
+    File,
+    Dir,
+    Symlink,
+    Other,
+}
+
+/// A typed failure reported by the agent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{kind}: {message}")]
+pub struct AgentError {
+    pub kind: ErrorKind,
+    pub message: String,
+}
+
+impl AgentError {
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        AgentError {
+            kind,
+            message: message.into(),
+        }
+    }
+}
+
+/// Stable error kinds; hosts map them to API error types.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorKind {
+    NotFound,
+    IsADirectory,
+    NotADirectory,
+    TooLarge,
+    PermissionDenied,
+    InvalidPath,
+    InvalidRequest,
+    Unsupported,
+    Io,
+}
+
+impl std::fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = match self {
+            ErrorKind::NotFound => "not found",
+            ErrorKind::IsADirectory => "is a directory",
+            ErrorKind::NotADirectory => "not a directory",
+            ErrorKind::TooLarge => "too large",
+            ErrorKind::PermissionDenied => "permission denied",
+            ErrorKind::InvalidPath => "invalid path",
+            ErrorKind::InvalidRequest => "invalid request",
+            ErrorKind::Unsupported => "unsupported",
+            ErrorKind::Io => "i/o error",
+        };
+        f.write_str(s)
+    }
+}
+
+/// Resolve a user-supplied path the way every file and cwd parameter is
+/// resolved: relative to /workspace, or absolute; `.` and `..` are folded
+/// lexically (no symlinks are followed here); NUL bytes and empty paths are
+/// rejected. Permission checks happen in the guest, as the guest user.
+pub fn resolve_guest_path(path: &str) -> Result<String, AgentError> {
+    if path.is_empty() {
+        return Err(AgentError::new(ErrorKind::InvalidPath, "path is empty"));
+    }
+    if path.contains('\0') {
+        return Err(AgentError::new(
+            ErrorKind::InvalidPath,
+            "path contains a NUL byte",
+        ));
+    }
+    let joined = if path.starts_with('/') {
+        path.to_string()
+    } else {
+        format!("{}/{}", crate::WORKSPACE, path)
+    };
+    let mut parts: Vec<&str> = Vec::new();
+    for part in joined.split('/') {
+        match part {
+            "" | "." => {}
+            ".." => {
+                parts.pop();
+            }
+            p => parts.push(p),
+        }
+    }
+    Ok(format!("/{}", parts.join("/")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_resolve_against_workspace() {
+        assert_eq!(resolve_guest_path("a/b").unwrap(), "/workspace/a/b");
+        assert_eq!(resolve_guest_path("/etc/passwd").unwrap(), "/etc/passwd");
+        assert_eq!(resolve_guest_path("../x").unwrap(), "/x");
+        assert_eq!(resolve_guest_path("/../../").unwrap(), "/");
+        assert_eq!(resolve_guest_path("./a//b/.").unwrap(), "/workspace/a/b");
+        assert!(resolve_guest_path("").is_err());
+        assert!(resolve_guest_path("a\0b").is_err());
+    }
+}
