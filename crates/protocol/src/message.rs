@@ -59,6 +59,9 @@ pub enum Message {
         recursive: bool,
     },
 
+    /// Sync the disks and power the guest off. The VM then exits; nothing answers.
+    PowerOff { id: RequestId },
+
     // ---- guest → host -------------------------------------------------
     /// Answer to [`Message::Hello`].
     HelloAck {
@@ -104,6 +107,7 @@ impl Message {
             | ReadFile { id, .. }
             | ListFiles { id, .. }
             | DeleteFile { id, .. }
+            | PowerOff { id }
             | Started { id, .. }
             | Stdout { id }
             | Stderr { id }
