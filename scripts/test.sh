@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The whole test suite on a fresh Debian 12 machine, as root: installs the
+# system packages, builds the agent and the guest image (cached under
+# target/sandpit-images, rebuilt only when its recipe changes), checks
+# formatting and lints, then runs every test, the real-VM ones included.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/install-deps.sh
+scripts/build.sh
+export SANDPIT_IMAGES_DIR="$PWD/target/sandpit-images"
+export SANDPIT_AGENT_BIN="$PWD/target/x86_64-unknown-linux-gnu/release/sandpit-agent"
+target/release/sandpit image build
+cargo fmt --all --check
+cargo clippy --locked --workspace --all-targets -- -D warnings
+# VM tests boot real guests under emulation on few cores: bound parallelism.
+cargo test --locked --workspace -- --test-threads="${SANDPIT_TEST_THREADS:-2}"
