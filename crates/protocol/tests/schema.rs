@@ -1,0 +1,198 @@
+//! Freezes protocol generation 1: every message, serialised, must match
+//! `generation-1.json` byte for byte (as JSON values). A change here breaks
+//! guests built from older images; if it is intended, start generation 2.
+//! To record a deliberate, compatible addition: `SANDPIT_BLESS=1 cargo test -p sandpit-protocol`.
+
+use sandpit_protocol::*;
+use std::collections::BTreeMap;
+
+fn samples() -> Vec<Message> {
+    let result = ExecResult {
+        exit_code: Some(3),
+        signal: None,
+        timed_out: false,
+        cancelled: false,
+        stdout_bytes: 10,
+        stderr_bytes: 0,
+        stdout_truncated: false,
+        stderr_truncated: false,
+        duration_ms: 12,
+    };
+    let mut env = BTreeMap::new();
+    env.insert("A".to_string(), "b".to_string());
+    vec![
+        Message::Hello {
+            protocol: 1,
+            nonce: 42,
+        },
+        Message::Configure {
+            id: 1,
+            config: GuestConfig {
+                hostname: "sbx-x".into(),
+                machine_id: "0123456789abcdef0123456789abcdef".into(),
+                time_unix_ms: 1_700_000_000_000,
+                network: Some(NetworkConfig {
+                    address: "10.0.2.15/24".into(),
+                    gateway: "10.0.2.2".into(),
+                    dns: vec!["10.0.2.3".into()],
+                    deny: vec!["169.254.0.0/16".into()],
+                    mtu: 65520,
+                }),
+                user_pids_max: 4096,
+                reserved_memory_mb: 96,
+            },
+        },
+        Message::Ping { id: 2 },
+        Message::Exec {
+            id: 3,
+            request: ExecRequest {
+                command: "echo hi".into(),
+                cwd: Some("/tmp".into()),
+                env,
+                timeout_ms: 1000,
+                max_output_bytes: 1 << 20,
+            },
+        },
+        Message::Cancel { id: 3 },
+        Message::WriteFile {
+            id: 4,
+            path: "a".into(),
+            size: 3,
+            mode: Some(0o644),
+        },
+        Message::ReadFile {
+            id: 5,
+            path: "a".into(),
+            max_bytes: 10,
+        },
+        Message::ListFiles {
+            id: 6,
+            path: "/workspace".into(),
+            recursive: true,
+            max_entries: 10,
+        },
+        Message::DeleteFile {
+            id: 7,
+            path: "a".into(),
+            recursive: false,
+        },
+        Message::PowerOff { id: 8 },
+        Message::HelloAck {
+            protocol: 1,
+            nonce: 42,
+            agent_version: "0.1.0".into(),
+            kernel_release: "6.1.0".into(),
+            hostname: "sandpit".into(),
+        },
+        Message::Started { id: 3, pid: 99 },
+        Message::Stdout { id: 3 },
+        Message::Stderr { id: 3 },
+        Message::Exited { id: 3, result },
+        Message::FileInfo {
+            id: 5,
+            path: "/workspace/a".into(),
+            size: 3,
+        },
+        Message::FileData { id: 5 },
+        Message::Done {
+            id: 2,
+            result: DoneResult::Pong,
+        },
+        Message::Done {
+            id: 1,
+            result: DoneResult::Configured,
+        },
+        Message::Done {
+            id: 4,
+            result: DoneResult::Written {
+                path: "/workspace/a".into(),
+                bytes: 3,
+            },
+        },
+        Message::Done {
+            id: 5,
+            result: DoneResult::Read {
+                path: "/workspace/a".into(),
+                bytes: 3,
+            },
+        },
+        Message::Done {
+            id: 6,
+            result: DoneResult::Listing {
+                path: "/workspace".into(),
+                entries: vec![FileEntry {
+                    name: "a".into(),
+                    kind: FileKind::File,
+                    size_bytes: 3,
+                }],
+                truncated: false,
+            },
+        },
+        Message::Done {
+            id: 7,
+            result: DoneResult::Deleted {
+                path: "/workspace/a".into(),
+            },
+        },
+        Message::Done {
+            id: 3,
+            result: DoneResult::Cancelled,
+        },
+        Message::Error {
+            id: 5,
+            error: AgentError::new(ErrorKind::NotFound, "no such file"),
+        },
+    ]
+}
+
+/// Fails to compile when a message is added without a sample above.
+#[allow(dead_code)]
+fn exhaustive(m: &Message) -> &'static str {
+    match m {
+        Message::Hello { .. } => "hello",
+        Message::Configure { .. } => "configure",
+        Message::Ping { .. } => "ping",
+        Message::Exec { .. } => "exec",
+        Message::Cancel { .. } => "cancel",
+        Message::WriteFile { .. } => "write_file",
+        Message::ReadFile { .. } => "read_file",
+        Message::ListFiles { .. } => "list_files",
+        Message::DeleteFile { .. } => "delete_file",
+        Message::PowerOff { .. } => "power_off",
+        Message::HelloAck { .. } => "hello_ack",
+        Message::Started { .. } => "started",
+        Message::Stdout { .. } => "stdout",
+        Message::Stderr { .. } => "stderr",
+        Message::Exited { .. } => "exited",
+        Message::FileInfo { .. } => "file_info",
+        Message::FileData { .. } => "file_data",
+        Message::Done { .. } => "done",
+        Message::Error { .. } => "error",
+    }
+}
+
+#[test]
+fn generation_1_is_frozen() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/generation-1.json");
+    let actual: Vec<serde_json::Value> = samples()
+        .iter()
+        .map(|m| serde_json::to_value(m).unwrap())
+        .collect();
+    if std::env::var_os("SANDPIT_BLESS").is_some() {
+        std::fs::write(path, serde_json::to_string_pretty(&actual).unwrap() + "\n").unwrap();
+    }
+    let frozen: Vec<serde_json::Value> = serde_json::from_str(
+        &std::fs::read_to_string(path).expect("tests/generation-1.json is committed"),
+    )
+    .unwrap();
+    assert_eq!(actual.len(), frozen.len(), "messages were added or removed");
+    for (a, f) in actual.iter().zip(&frozen) {
+        assert_eq!(a, f, "the wire form of a generation-1 message changed");
+    }
+    // And every frozen form still parses into the same message.
+    for (m, f) in samples().iter().zip(&frozen) {
+        let back: Message = serde_json::from_value(f.clone()).unwrap();
+        assert_eq!(&back, m);
+    }
+    assert_eq!(PROTOCOL_GENERATION, 1);
+}
