@@ -1,0 +1,210 @@
+//! cgroup v2 limits for the guest user.
+//!
+//! Every user command lives in `/sys/fs/cgroup/user/exec-N`; `user` carries
+//! the limits (pids.max against fork bombs, memory.max so the agent and
+//! kernel always keep `reserved_memory_mb`), the agent itself stays in the
+//! root cgroup. One cgroup per command gives a reliable "kill everything this
+//! command started" (`cgroup.kill`), even processes that left the process
+//! group with setsid.
+//!
+//! Empty exec cgroups are removed when a command ends and, for those still
+//! busy then (background processes), by a sweep at the start of the next
+//! exec: no timers, so an idle sandbox costs nothing. cgroups that are still
+//! being set up are never swept (they are tracked in `live`).
+
+use crate::sys::{self, lock};
+use std::collections::BTreeSet;
+use std::fs;
+use std::io;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::Mutex;
+
+const ROOT: &str = "/sys/fs/cgroup";
+const USER: &str = "/sys/fs/cgroup/user";
+
+/// pids.max before the host's Configure arrives.
+pub const DEFAULT_PIDS_MAX: u32 = 4096;
+/// Memory kept back before the host's Configure arrives, MiB.
+pub const DEFAULT_RESERVED_MB: u32 = 64;
+/// The user never gets less than this, whatever the reservation says.
+const MIN_USER_MEMORY: u64 = 32 * 1024 * 1024;
+
+static ENABLED: AtomicBool = AtomicBool::new(false);
+static PIDS_MAX: AtomicU32 = AtomicU32::new(DEFAULT_PIDS_MAX);
+
+struct State {
+    next: u64,
+    live: BTreeSet<u64>,
+}
+
+static STATE: Mutex<State> = Mutex::new(State {
+    next: 1,
+    live: BTreeSet::new(),
+});
+
+/// Enable the controllers and create the user cgroup (PID 1 only).
+pub fn setup() {
+    for c in ["+pids", "+memory", "+cpu"] {
+        if let Err(e) = sys::write_kernel_file(format!("{ROOT}/cgroup.subtree_control"), c) {
+            crate::error!("cgroup: cannot enable {c} at the root: {e}");
+        }
+    }
+    if let Err(e) = fs::create_dir(USER) {
+        if e.kind() != io::ErrorKind::AlreadyExists {
+            crate::error!("cgroup: cannot create {USER}: {e}; running without limits");
+            return;
+        }
+    }
+    for c in ["+pids", "+memory"] {
+        if let Err(e) = sys::write_kernel_file(format!("{USER}/cgroup.subtree_control"), c) {
+            crate::error!("cgroup: cannot enable {c} for {USER}: {e}");
+        }
+    }
+    ENABLED.store(true, Ordering::SeqCst);
+    if let Err(e) = apply_limits(DEFAULT_PIDS_MAX, DEFAULT_RESERVED_MB) {
+        crate::error!("cgroup: default limits: {e}");
+    }
+}
+
+/// Most processes the user may have; also used for RLIMIT_NPROC. 0 = unlimited.
+pub fn pids_max() -> u32 {
+    PIDS_MAX.load(Ordering::SeqCst)
+}
+
+/// Set the user's limits (idempotent).
+pub fn apply_limits(pids_max: u32, reserved_mb: u32) -> io::Result<()> {
+    PIDS_MAX.store(pids_max, Ordering::SeqCst);
+    if !ENABLED.load(Ordering::SeqCst) {
+        return Ok(());
+    }
+    let pids = if pids_max == 0 {
+        "max".to_string()
+    } else {
+        pids_max.to_string()
+    };
+    sys::write_kernel_file(format!("{USER}/pids.max"), &pids)
+        .map_err(|e| io::Error::new(e.kind(), format!("pids.max: {e}")))?;
+    let meminfo = fs::read_to_string("/proc/meminfo")?;
+    let total = parse_mem_total(&meminfo)
+        .ok_or_else(|| io::Error::other("no MemTotal in /proc/meminfo"))?;
+    let limit = user_memory_limit(total, reserved_mb);
+    sys::write_kernel_file(format!("{USER}/memory.max"), &limit.to_string())
+        .map_err(|e| io::Error::new(e.kind(), format!("memory.max: {e}")))?;
+    Ok(())
+}
+
+/// MemTotal in bytes.
+pub fn parse_mem_total(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// memory.max for the user: total minus the reservation, page-aligned, and
+/// never absurdly small.
+pub fn user_memory_limit(total: u64, reserved_mb: u32) -> u64 {
+    let limit = total.saturating_sub(u64::from(reserved_mb) * 1024 * 1024);
+    let limit = limit.max(MIN_USER_MEMORY.min(total));
+    limit & !4095
+}
+
+/// The cgroup of one command; removed (if empty) when dropped.
+#[derive(Debug)]
+pub struct ExecCgroup {
+    n: u64,
+    path: PathBuf,
+}
+
+impl ExecCgroup {
+    /// `cgroup.procs`, which the child writes "0" into to move itself in.
+    pub fn procs_path(&self) -> PathBuf {
+        self.path.join("cgroup.procs")
+    }
+
+    /// Kill every process in the cgroup (kernel 5.14+).
+    pub fn kill(&self) {
+        if let Err(e) = sys::write_kernel_file(self.path.join("cgroup.kill"), "1") {
+            if sys::errno(&e) != libc::ENOENT {
+                crate::error!("cgroup.kill {}: {e}", self.path.display());
+            }
+        }
+    }
+}
+
+impl Drop for ExecCgroup {
+    fn drop(&mut self) {
+        let mut st = lock(&STATE);
+        let _ = fs::remove_dir(&self.path);
+        st.live.remove(&self.n);
+    }
+}
+
+/// Create the cgroup for a new command, sweeping empty old ones first.
+/// `None` when cgroups are unavailable (development, or setup failed).
+pub fn create_exec() -> Option<ExecCgroup> {
+    if !ENABLED.load(Ordering::SeqCst) {
+        return None;
+    }
+    let mut st = lock(&STATE);
+    sweep(&st.live);
+    for _ in 0..16 {
+        let n = st.next;
+        st.next += 1;
+        let path = PathBuf::from(format!("{USER}/exec-{n}"));
+        match fs::create_dir(&path) {
+            Ok(()) => {
+                st.live.insert(n);
+                return Some(ExecCgroup { n, path });
+            }
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+            Err(e) => {
+                crate::error!("cgroup: cannot create {}: {e}", path.display());
+                return None;
+            }
+        }
+    }
+    None
+}
+
+/// rmdir every exec cgroup not in use by a running command; busy ones fail
+/// with EBUSY and stay.
+fn sweep(live: &BTreeSet<u64>) {
+    let Ok(dir) = fs::read_dir(USER) else { return };
+    for entry in dir.flatten() {
+        let name = entry.file_name();
+        let Some(n) = name
+            .to_str()
+            .and_then(|s| s.strip_prefix("exec-"))
+            .and_then(|s| s.parse::<u64>().ok())
+        else {
+            continue;
+        };
+        if !live.contains(&n) {
+            let _ = fs::remove_dir(entry.path());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_meminfo() {
+        let m = "MemTotal:        2030000 kB\nMemFree:  100 kB\n";
+        assert_eq!(parse_mem_total(m), Some(2_030_000 * 1024));
+        assert_eq!(parse_mem_total("nothing"), None);
+    }
+
+    #[test]
+    fn memory_limit_keeps_the_reservation() {
+        let gib = 1024 * 1024 * 1024;
+        assert_eq!(user_memory_limit(gib, 64), gib - 64 * 1024 * 1024);
+        // A reservation larger than memory leaves the user a minimum.
+        assert_eq!(user_memory_limit(gib, 4096), MIN_USER_MEMORY);
+        // ... but never more than there is.
+        assert_eq!(user_memory_limit(16 * 1024 * 1024, 64), 16 * 1024 * 1024);
+        assert_eq!(user_memory_limit(gib + 123, 0) % 4096, 0);
+    }
+}

@@ -1,0 +1,326 @@
+//! The virtio-serial port to the host: finding it, reading frames, writing
+//! frames, and noticing the host come and go.
+//!
+//! The port is opened once (a second open fails with EBUSY). One reader thread
+//! owns reads; one writer thread owns writes, so frames never interleave. Every
+//! other thread hands the writer whole frames over a bounded channel, which
+//! back-pressures a chatty command onto its own pipe instead of into memory.
+//!
+//! Sessions: each host connection (opened by `Hello`, or ended by EOF) gets a
+//! new generation number; frames are tagged with the generation of the request
+//! they answer, and the writer drops frames of older generations, so a new host
+//! never sees answers meant for an old one.
+//!
+//! When the host side is closed, read() returns 0 at once and poll() reports
+//! POLLHUP forever, so waiting must not spin: the port is set to raise SIGIO
+//! (F_SETOWN + O_ASYNC) when the host reconnects or data arrives, and the
+//! reader sleeps in `sigtimedwait(SIGIO, 1 s)` between attempts.
+
+use sandpit_protocol::{
+    encode_frame, AgentError, DoneResult, Frame, FrameDecoder, FrameError, Message, RequestId,
+};
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, SyncSender};
+use std::sync::Arc;
+use std::thread;
+use std::time::Duration;
+
+/// Frames queued for the writer before senders block.
+const OUTBOX_FRAMES: usize = 64;
+
+static GENERATION: AtomicU64 = AtomicU64::new(1);
+
+/// The current session generation.
+pub fn generation() -> u64 {
+    GENERATION.load(Ordering::SeqCst)
+}
+
+/// Start a new session; returns its generation.
+pub fn new_session() -> u64 {
+    GENERATION.fetch_add(1, Ordering::SeqCst) + 1
+}
+
+/// Handle to the writer thread.
+#[derive(Clone)]
+pub struct Outbox {
+    tx: SyncSender<(u64, Vec<u8>)>,
+}
+
+impl Outbox {
+    #[cfg(test)]
+    pub fn for_test(tx: SyncSender<(u64, Vec<u8>)>) -> Self {
+        Outbox { tx }
+    }
+}
+
+/// Where answers to one request go: the outbox plus the request's session.
+#[derive(Clone)]
+pub struct Reply {
+    gen: u64,
+    out: Outbox,
+}
+
+impl Reply {
+    pub fn new(gen: u64, out: Outbox) -> Self {
+        Reply { gen, out }
+    }
+
+    /// The session this request came from.
+    pub fn generation(&self) -> u64 {
+        self.gen
+    }
+
+    /// True while the session this request came from is still current.
+    pub fn is_current(&self) -> bool {
+        self.gen >= generation()
+    }
+
+    /// Queue one frame; blocks while the outbox is full. Frames of a session
+    /// that has ended are dropped right here.
+    pub fn send(&self, message: &Message, body: &[u8]) {
+        if !self.is_current() {
+            return;
+        }
+        let _ = self.out.tx.send((self.gen, encode_frame(message, body)));
+    }
+
+    pub fn done(&self, id: RequestId, result: DoneResult) {
+        self.send(&Message::Done { id, result }, &[]);
+    }
+
+    pub fn error(&self, id: RequestId, error: AgentError) {
+        self.send(&Message::Error { id, error }, &[]);
+    }
+}
+
+/// The device node of the virtio port named `name`, per sysfs under `sys`.
+pub fn find_port(sys: &Path, dev: &Path, name: &str) -> Option<(PathBuf, String)> {
+    let mut found = Vec::new();
+    for entry in fs::read_dir(sys).ok()?.flatten() {
+        let Ok(n) = fs::read_to_string(entry.path().join("name")) else {
+            continue;
+        };
+        if n.trim_end_matches(['\n', '\0']) == name {
+            let devnum = fs::read_to_string(entry.path().join("dev")).unwrap_or_default();
+            found.push((dev.join(entry.file_name()), devnum.trim().to_string()));
+        }
+    }
+    found.sort();
+    found.into_iter().next()
+}
+
+/// Create the device node from sysfs' `major:minor` when devtmpfs lacks it.
+fn mknod_port(path: &Path, devnum: &str) -> io::Result<()> {
+    let (major, minor) = devnum
+        .split_once(':')
+        .and_then(|(a, b)| Some((a.parse::<u32>().ok()?, b.parse::<u32>().ok()?)))
+        .ok_or_else(|| io::Error::other(format!("bad device number {devnum:?}")))?;
+    let c = crate::sys::cstring(&path.to_string_lossy())?;
+    // SAFETY: valid C path; makedev is pure arithmetic.
+    crate::sys::cvt(unsafe {
+        libc::mknod(
+            c.as_ptr(),
+            libc::S_IFCHR | 0o600,
+            libc::makedev(major, minor),
+        )
+    })?;
+    Ok(())
+}
+
+/// Find and open the agent port, waiting for it as long as it takes.
+pub fn open_port() -> File {
+    if std::process::id() != 1 {
+        // Development: serve a descriptor handed over by a test harness.
+        if let Some(fd) = std::env::var("SANDPIT_AGENT_FD")
+            .ok()
+            .and_then(|s| s.parse::<i32>().ok())
+        {
+            crate::info!("serving inherited fd {fd}");
+            // SAFETY: the harness passed us this descriptor to own.
+            return unsafe { File::from_raw_fd(fd) };
+        }
+    }
+    let name = sandpit_protocol::AGENT_PORT_NAME;
+    let mut attempt: u64 = 0;
+    loop {
+        if let Some((path, devnum)) = find_port(
+            Path::new("/sys/class/virtio-ports"),
+            Path::new("/dev"),
+            name,
+        ) {
+            if !path.exists() {
+                let _ = mknod_port(&path, &devnum);
+            }
+            match OpenOptions::new()
+                .read(true)
+                .write(true)
+                .custom_flags(libc::O_CLOEXEC | libc::O_NOCTTY)
+                .open(&path)
+            {
+                Ok(f) => {
+                    crate::info!("serving on {} ({name})", path.display());
+                    return f;
+                }
+                Err(e) => {
+                    if attempt.is_multiple_of(50) {
+                        crate::error!("cannot open {}: {e}", path.display());
+                    }
+                }
+            }
+        } else if attempt == 50 || (attempt > 0 && attempt.is_multiple_of(600)) {
+            crate::error!("virtio port {name} not found yet; still waiting");
+        }
+        attempt += 1;
+        // Fast retries while the device is being probed, then slowly.
+        let pause = if attempt < 100 { 100 } else { 1000 };
+        thread::sleep(Duration::from_millis(pause));
+    }
+}
+
+/// Ask the kernel for SIGIO when the host (re)connects or sends data.
+fn enable_sigio(port: &File) {
+    let fd = port.as_raw_fd();
+    // SAFETY: fcntl on our own descriptor.
+    unsafe {
+        libc::fcntl(fd, libc::F_SETOWN, libc::getpid());
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        if flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags | libc::O_ASYNC) < 0 {
+            crate::error!("O_ASYNC on the port: {}", io::Error::last_os_error());
+        }
+    }
+}
+
+/// Start the writer thread for `port`.
+pub fn start_writer(port: Arc<File>) -> io::Result<Outbox> {
+    let (tx, rx) = mpsc::sync_channel(OUTBOX_FRAMES);
+    thread::Builder::new()
+        .name("writer".into())
+        .spawn(move || write_frames(&port, rx))?;
+    Ok(Outbox { tx })
+}
+
+fn write_frames(port: &File, rx: Receiver<(u64, Vec<u8>)>) {
+    let mut failures: u64 = 0;
+    for (gen, frame) in rx {
+        if gen < generation() {
+            continue;
+        }
+        // Blocks while the host is not connected; the kernel wakes us when
+        // it reconnects.
+        match (&*port).write_all(&frame) {
+            Ok(()) => failures = 0,
+            Err(e) => {
+                failures += 1;
+                if failures.is_power_of_two() {
+                    crate::error!("writing to the host: {e} ({failures} failures)");
+                }
+                if failures > 1 {
+                    thread::sleep(Duration::from_millis(100));
+                }
+            }
+        }
+    }
+}
+
+/// What the reader tells the server.
+pub trait Handler {
+    /// A complete frame arrived.
+    fn frame(&mut self, frame: Frame);
+    /// Bytes that were not a valid frame.
+    fn bad_frame(&mut self, error: FrameError);
+    /// The host closed its end.
+    fn disconnected(&mut self);
+}
+
+/// Read frames forever (only returns by panicking out of a handler).
+pub fn read_frames(port: &File, handler: &mut dyn Handler) {
+    enable_sigio(port);
+    let sigio = crate::sys::sigset(&[libc::SIGIO]);
+    let mut decoder = FrameDecoder::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut connected = false;
+    let mut failures: u64 = 0;
+    loop {
+        match (&*port).read(&mut buf) {
+            Ok(0) => {
+                if connected {
+                    connected = false;
+                    decoder.reset();
+                    handler.disconnected();
+                }
+                crate::sys::wait_signal(&sigio, Some(Duration::from_secs(1)));
+            }
+            Ok(n) => {
+                connected = true;
+                failures = 0;
+                decoder.push(&buf[..n]);
+                loop {
+                    match decoder.next_frame() {
+                        Ok(Some(frame)) => handler.frame(frame),
+                        Ok(None) => break,
+                        Err(e) => handler.bad_frame(e),
+                    }
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                failures += 1;
+                if failures.is_power_of_two() {
+                    crate::error!("reading from the host: {e} ({failures} failures)");
+                }
+                crate::sys::wait_signal(&sigio, Some(Duration::from_secs(1)));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scratch(name: &str) -> PathBuf {
+        let d =
+            std::env::temp_dir().join(format!("sandpit-agent-test-{}-{name}", std::process::id()));
+        let _ = fs::remove_dir_all(&d);
+        fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn finds_the_named_port() {
+        let sys = scratch("ports");
+        for (dir, name) in [
+            ("vport0p0", "org.qemu.guest_agent.0"),
+            ("vport1p1", "sandpit.agent.0"),
+        ] {
+            fs::create_dir(sys.join(dir)).unwrap();
+            fs::write(sys.join(dir).join("name"), format!("{name}\n")).unwrap();
+            fs::write(sys.join(dir).join("dev"), "244:1\n").unwrap();
+        }
+        fs::create_dir(sys.join("vport2p0")).unwrap(); // unnamed port
+        let (path, dev) = find_port(&sys, Path::new("/dev"), "sandpit.agent.0").unwrap();
+        assert_eq!(path, Path::new("/dev/vport1p1"));
+        assert_eq!(dev, "244:1");
+        assert!(find_port(&sys, Path::new("/dev"), "other").is_none());
+        fs::remove_dir_all(sys).unwrap();
+    }
+
+    #[test]
+    fn stale_replies_are_dropped() {
+        let (tx, rx) = mpsc::sync_channel(4);
+        let out = Outbox { tx };
+        let old = Reply::new(generation(), out.clone());
+        old.send(&Message::Ping { id: 1 }, b"");
+        assert!(rx.try_recv().is_ok());
+        let g = new_session();
+        old.send(&Message::Ping { id: 2 }, b"");
+        assert!(rx.try_recv().is_err());
+        Reply::new(g, out).send(&Message::Ping { id: 3 }, b"");
+        assert!(rx.try_recv().is_ok());
+    }
+}

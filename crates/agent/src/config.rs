@@ -1,0 +1,207 @@
+//! `Configure`: turn the generic guest image into one particular sandbox
+//! (identity, clock, entropy, limits, network).
+//!
+//! It runs at first boot and again after every snapshot restore, where the
+//! clock has jumped and the RNG state is a copy shared with every other clone
+//! of the snapshot, so the host's entropy is mixed in and the CRNG reseeded
+//! right away. Every step is idempotent. The request is validated before
+//! anything changes; a failing step is named in the error.
+
+use crate::{cgroup, net, sys};
+use sandpit_protocol::{AgentError, ErrorKind, GuestConfig};
+use std::fs::{self, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::path::Path;
+
+/// `_IOW('R', 0x03, int[2])`: add entropy and credit it.
+const RNDADDENTROPY: libc::c_ulong = 0x4008_5203;
+/// `_IO('R', 0x07)`: reseed the CRNG now.
+const RNDRESEEDCRNG: libc::c_ulong = 0x5207;
+
+fn invalid(msg: String) -> AgentError {
+    AgentError::new(ErrorKind::InvalidRequest, msg)
+}
+
+/// A hostname the kernel and /etc/hosts accept: 1-64 of `[A-Za-z0-9.-]`,
+/// not starting with a dot or dash.
+pub fn check_hostname(h: &str) -> Result<(), AgentError> {
+    let ok = !h.is_empty()
+        && h.len() <= 64
+        && h.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
+        && !h.starts_with(['-', '.']);
+    if ok {
+        Ok(())
+    } else {
+        Err(invalid(format!("invalid hostname {h:?}")))
+    }
+}
+
+/// 32 lowercase hex digits.
+pub fn check_machine_id(id: &str) -> Result<(), AgentError> {
+    if id.len() == 32
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    {
+        Ok(())
+    } else {
+        Err(invalid(format!("invalid machine id {id:?}")))
+    }
+}
+
+/// /etc/hosts with exactly one `127.0.1.1 <hostname>` line (and a localhost
+/// line if there was none).
+pub fn hosts_with(existing: &str, hostname: &str) -> String {
+    let mut out = String::new();
+    let mut has_localhost = false;
+    for line in existing.lines() {
+        match line.split_whitespace().next() {
+            Some("127.0.1.1") => continue,
+            Some("127.0.0.1") => has_localhost = true,
+            _ => {}
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    if !has_localhost {
+        out.insert_str(0, "127.0.0.1\tlocalhost\n");
+    }
+    out.push_str(&format!("127.0.1.1\t{hostname}\n"));
+    out
+}
+
+/// Set the kernel hostname.
+pub fn set_hostname(name: &str) -> io::Result<()> {
+    // SAFETY: pointer and length of a valid buffer.
+    sys::cvt(unsafe { libc::sethostname(name.as_ptr().cast(), name.len()) }).map(drop)
+}
+
+fn set_clock(unix_ms: u64) -> io::Result<()> {
+    let ts = libc::timespec {
+        tv_sec: (unix_ms / 1000) as libc::time_t,
+        tv_nsec: ((unix_ms % 1000) * 1_000_000) as libc::c_long,
+    };
+    // SAFETY: valid timespec.
+    sys::cvt(unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &ts) }).map(drop)
+}
+
+/// The `struct rand_pool_info` for RNDADDENTROPY: entropy_count (bits),
+/// buf_size (bytes), then the bytes, in native-endian 32-bit words.
+pub fn rand_pool_info(bytes: &[u8]) -> Vec<u32> {
+    let mut words = vec![0u32; 2 + bytes.len().div_ceil(4)];
+    let bits = (bytes.len() as u64 * 8).min(i32::MAX as u64);
+    words[0] = bits as u32;
+    words[1] = bytes.len() as u32;
+    for (i, chunk) in bytes.chunks(4).enumerate() {
+        let mut w = [0u8; 4];
+        w[..chunk.len()].copy_from_slice(chunk);
+        words[2 + i] = u32::from_ne_bytes(w);
+    }
+    words
+}
+
+/// Mix the host's bytes into the kernel pool and reseed the CRNG.
+fn add_entropy(bytes: &[u8]) -> io::Result<()> {
+    if bytes.is_empty() {
+        return Ok(());
+    }
+    let f = OpenOptions::new().write(true).open("/dev/urandom")?;
+    let info = rand_pool_info(bytes);
+    // SAFETY: info is a valid rand_pool_info of the advertised size.
+    sys::cvt(unsafe { libc::ioctl(f.as_raw_fd(), RNDADDENTROPY, info.as_ptr()) })?;
+    // Crediting alone does not reseed a CRNG that is already initialised;
+    // ENODATA here just means it was not initialised yet (then the credit
+    // above did it).
+    // SAFETY: argument-less ioctl.
+    unsafe { libc::ioctl(f.as_raw_fd(), RNDRESEEDCRNG) };
+    Ok(())
+}
+
+/// Apply a whole configuration. `entropy` is the frame body.
+pub fn configure(cfg: &GuestConfig, entropy: &[u8]) -> Result<(), AgentError> {
+    check_hostname(&cfg.hostname)?;
+    check_machine_id(&cfg.machine_id)?;
+    let plan = cfg.network.as_ref().map(net::Plan::new).transpose()?;
+    if !crate::is_pid1() {
+        crate::info!("configure: development mode, validated but not applied");
+        return Ok(());
+    }
+    let step = |name: &'static str| {
+        move |e: io::Error| AgentError::new(ErrorKind::Io, format!("{name}: {e}"))
+    };
+
+    set_hostname(&cfg.hostname).map_err(step("hostname"))?;
+    sys::replace_file(
+        Path::new("/etc/hostname"),
+        format!("{}\n", cfg.hostname).as_bytes(),
+        0o644,
+    )
+    .map_err(step("/etc/hostname"))?;
+    let hosts = fs::read_to_string("/etc/hosts").unwrap_or_default();
+    sys::replace_file(
+        Path::new("/etc/hosts"),
+        hosts_with(&hosts, &cfg.hostname).as_bytes(),
+        0o644,
+    )
+    .map_err(step("/etc/hosts"))?;
+    sys::replace_file(
+        Path::new("/etc/machine-id"),
+        format!("{}\n", cfg.machine_id).as_bytes(),
+        0o444,
+    )
+    .map_err(step("/etc/machine-id"))?;
+    if cfg.time_unix_ms > 0 {
+        set_clock(cfg.time_unix_ms).map_err(step("clock"))?;
+    }
+    add_entropy(entropy).map_err(step("entropy"))?;
+    cgroup::apply_limits(cfg.user_pids_max, cfg.reserved_memory_mb)
+        .map_err(step("cgroup limits"))?;
+    if let Some(plan) = &plan {
+        net::apply(plan)?;
+    }
+    crate::info!("configured as {}", cfg.hostname);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hostnames() {
+        assert!(check_hostname("sandpit-1a.example").is_ok());
+        for bad in ["", "-x", ".x", "a b", "a\nb", &"x".repeat(65)] {
+            assert!(check_hostname(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn machine_ids() {
+        assert!(check_machine_id("0123456789abcdef0123456789abcdef").is_ok());
+        assert!(check_machine_id("0123456789ABCDEF0123456789abcdef").is_err());
+        assert!(check_machine_id("0123").is_err());
+    }
+
+    #[test]
+    fn hosts_file_gets_one_line_for_the_hostname() {
+        let debian = "127.0.0.1\tlocalhost\n127.0.1.1\tdebian\n::1 localhost ip6-localhost\n";
+        let once = hosts_with(debian, "sb-1");
+        assert_eq!(
+            once,
+            "127.0.0.1\tlocalhost\n::1 localhost ip6-localhost\n127.0.1.1\tsb-1\n"
+        );
+        assert_eq!(hosts_with(&once, "sb-1"), once, "idempotent");
+        assert_eq!(hosts_with("", "x"), "127.0.0.1\tlocalhost\n127.0.1.1\tx\n");
+    }
+
+    #[test]
+    fn rand_pool_info_layout() {
+        let w = rand_pool_info(&[1, 2, 3, 4, 5]);
+        assert_eq!(w.len(), 4);
+        assert_eq!((w[0], w[1]), (40, 5));
+        assert_eq!(w[2], u32::from_ne_bytes([1, 2, 3, 4]));
+        assert_eq!(w[3], u32::from_ne_bytes([5, 0, 0, 0]));
+    }
+}

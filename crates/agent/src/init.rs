@@ -1,0 +1,175 @@
+//! PID 1 duties: make the root filesystem a usable system before serving.
+//!
+//! The initramfs has moved /dev, /proc and /sys into the new root; everything
+//! else (devpts, /dev/shm, cgroup2, /dev/fd links, hostname, quiet console,
+//! loopback) is ours. Each step is best effort and logged: a sandbox with one
+//! missing mount is more useful than a kernel panic.
+
+use crate::{cgroup, reaper, sys};
+use std::fs;
+use std::io;
+use std::os::unix::fs::{symlink, MetadataExt, PermissionsExt};
+use std::path::Path;
+use std::thread;
+use std::time::Duration;
+
+/// Mount `fstype` on `target` unless something is mounted there already.
+fn ensure_mount(source: &str, target: &str, fstype: &str, flags: libc::c_ulong, data: &str) {
+    let _ = fs::create_dir_all(target);
+    if is_mountpoint(Path::new(target)) {
+        return;
+    }
+    let result = (|| {
+        let (s, t, f, d) = (
+            sys::cstring(source)?,
+            sys::cstring(target)?,
+            sys::cstring(fstype)?,
+            sys::cstring(data)?,
+        );
+        // SAFETY: valid C strings.
+        sys::cvt(unsafe {
+            libc::mount(s.as_ptr(), t.as_ptr(), f.as_ptr(), flags, d.as_ptr().cast())
+        })
+    })();
+    if let Err(e) = result {
+        if sys::errno(&e) != libc::EBUSY {
+            crate::error!("mount {fstype} on {target}: {e}");
+        }
+    }
+}
+
+/// A directory is a mount point when its device differs from its parent's.
+fn is_mountpoint(p: &Path) -> bool {
+    match (fs::metadata(p), fs::metadata(p.join(".."))) {
+        (Ok(a), Ok(b)) => a.dev() != b.dev() || a.ino() == b.ino(),
+        _ => false,
+    }
+}
+
+fn mount_all() {
+    let nse = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+    ensure_mount("proc", "/proc", "proc", nse, "");
+    ensure_mount("sysfs", "/sys", "sysfs", nse, "");
+    ensure_mount("devtmpfs", "/dev", "devtmpfs", libc::MS_NOSUID, "mode=0755");
+    ensure_mount(
+        "devpts",
+        "/dev/pts",
+        "devpts",
+        libc::MS_NOSUID | libc::MS_NOEXEC,
+        "gid=5,mode=0620,ptmxmode=0666",
+    );
+    ensure_mount(
+        "shm",
+        "/dev/shm",
+        "tmpfs",
+        libc::MS_NOSUID | libc::MS_NODEV,
+        "mode=1777",
+    );
+    ensure_mount(
+        "tmpfs",
+        "/run",
+        "tmpfs",
+        libc::MS_NOSUID | libc::MS_NODEV,
+        "mode=0755",
+    );
+    ensure_mount("cgroup2", "/sys/fs/cgroup", "cgroup2", nse, "");
+    // devtmpfs has no /dev/fd: bash's <(...) and many scripts need it.
+    for (link, target) in [
+        ("/dev/fd", "/proc/self/fd"),
+        ("/dev/stdin", "/proc/self/fd/0"),
+        ("/dev/stdout", "/proc/self/fd/1"),
+        ("/dev/stderr", "/proc/self/fd/2"),
+    ] {
+        if fs::symlink_metadata(link).is_err() {
+            let _ = symlink(target, link);
+        }
+    }
+}
+
+/// Bring a network interface up (SIOCSIFFLAGS), without spawning `ip`.
+fn link_up(name: &str) -> io::Result<()> {
+    // SAFETY: a socket we close again, and an ifreq we fully initialise.
+    unsafe {
+        let fd = sys::cvt(libc::socket(
+            libc::AF_INET,
+            libc::SOCK_DGRAM | libc::SOCK_CLOEXEC,
+            0,
+        ))?;
+        let mut ifr: libc::ifreq = std::mem::zeroed();
+        for (dst, src) in ifr
+            .ifr_name
+            .iter_mut()
+            .zip(name.bytes().take(libc::IFNAMSIZ - 1))
+        {
+            *dst = src as libc::c_char;
+        }
+        let mut result = sys::cvt(libc::ioctl(fd, libc::SIOCGIFFLAGS, &mut ifr));
+        if result.is_ok() {
+            ifr.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short;
+            result = sys::cvt(libc::ioctl(fd, libc::SIOCSIFFLAGS, &ifr));
+        }
+        libc::close(fd);
+        result.map(drop)
+    }
+}
+
+/// Everything PID 1 does before it can serve.
+pub fn early() {
+    mount_all();
+    crate::log::use_kmsg();
+    // Only emergencies (panics) reach the console; the rest is in dmesg.
+    let _ = sys::write_kernel_file("/proc/sys/kernel/printk", "1 4 1 7");
+    // Our own /dev/kmsg lines are not rate-limited away.
+    let _ = sys::write_kernel_file("/proc/sys/kernel/printk_devkmsg", "on");
+    if let Err(e) = sys::write_kernel_file("/proc/self/oom_score_adj", "-1000") {
+        crate::error!("oom_score_adj: {e}");
+    }
+    let _ = fs::create_dir_all("/tmp");
+    if let Err(e) = fs::set_permissions("/tmp", fs::Permissions::from_mode(0o1777)) {
+        crate::error!("chmod /tmp: {e}");
+    }
+    if let Err(e) = crate::config::set_hostname("sandpit") {
+        crate::error!("hostname: {e}");
+    }
+    if let Err(e) = link_up("lo") {
+        crate::error!("bringing lo up: {e}");
+    }
+    cgroup::setup();
+    let (release, _) = sys::uname();
+    crate::info!(
+        "sandpit-agent {} up on Linux {release}",
+        env!("CARGO_PKG_VERSION")
+    );
+}
+
+/// Grow the root filesystem to the disk, once, in the background (the disk
+/// may have been enlarged since the image was built).
+pub fn grow_root_fs() {
+    if !Path::new("/dev/vda").exists() {
+        return;
+    }
+    let spawned = thread::Builder::new().name("resize2fs".into()).spawn(|| {
+        match reaper::run("resize2fs", &["/dev/vda"], None, Duration::from_secs(1800)) {
+            Ok(out) if out.status.success() => {
+                crate::info!("resize2fs /dev/vda: {}", out.diagnostics())
+            }
+            Ok(out) => crate::error!("resize2fs /dev/vda: {}: {}", out.status, out.diagnostics()),
+            Err(e) => crate::error!("resize2fs /dev/vda: {e}"),
+        }
+    });
+    if let Err(e) = spawned {
+        crate::error!("cannot start resize2fs: {e}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn detects_mount_points() {
+        assert!(is_mountpoint(Path::new("/")));
+        assert!(is_mountpoint(Path::new("/proc")));
+        assert!(!is_mountpoint(Path::new("/proc/self")));
+    }
+}

@@ -1,0 +1,391 @@
+//! The guest's network: static address, default route, DNS, and the egress
+//! filter, applied with the distribution's `ip` and `nft` (run through the
+//! reaper like everything else).
+//!
+//! Everything is validated before anything is changed, and every step is
+//! idempotent (replace, flush-then-add, delete-then-create), because the host
+//! sends Configure again after restoring a snapshot.
+//!
+//! The filter is an nftables table `inet sandpit` of our own (other tables are
+//! left alone) with an output hook, so it applies to every local process,
+//! root included. Denied destinations are rejected, not dropped: TCP gets a
+//! reset and everything else ICMP admin-prohibited, so a denied connect fails
+//! at once instead of hanging until a timeout.
+//!
+//! With an IPv4 configuration, IPv6 is disabled on the interface: otherwise
+//! router advertisements (QEMU's user network sends them) would open a second,
+//! unfiltered path to the same hosts the deny list is about.
+
+use crate::reaper;
+use crate::sys;
+use sandpit_protocol::{AgentError, ErrorKind, NetworkConfig};
+use std::fs;
+use std::net::IpAddr;
+use std::path::Path;
+use std::time::Duration;
+
+/// A network prefix: address and prefix length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cidr {
+    pub addr: IpAddr,
+    pub prefix: u8,
+}
+
+impl Cidr {
+    /// Parse `a.b.c.d/n`, `a.b.c.d` (a /32), or the IPv6 equivalents.
+    pub fn parse(s: &str) -> Option<Cidr> {
+        let (addr, prefix) = match s.trim().split_once('/') {
+            Some((a, p)) => (a.parse::<IpAddr>().ok()?, Some(p.parse::<u8>().ok()?)),
+            None => (s.trim().parse::<IpAddr>().ok()?, None),
+        };
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        let prefix = prefix.unwrap_or(max);
+        (prefix <= max).then_some(Cidr { addr, prefix })
+    }
+
+    /// The same prefix with the host bits cleared (what nft wants).
+    pub fn network(self) -> Cidr {
+        let addr = match self.addr {
+            IpAddr::V4(a) => {
+                let mask = u32::MAX
+                    .checked_shl(32 - u32::from(self.prefix))
+                    .unwrap_or(0);
+                IpAddr::V4((u32::from(a) & mask).into())
+            }
+            IpAddr::V6(a) => {
+                let mask = u128::MAX
+                    .checked_shl(128 - u32::from(self.prefix))
+                    .unwrap_or(0);
+                IpAddr::V6((u128::from(a) & mask).into())
+            }
+        };
+        Cidr { addr, ..self }
+    }
+}
+
+impl std::fmt::Display for Cidr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix)
+    }
+}
+
+/// A validated network configuration, ready to apply.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    address: Cidr,
+    gateway: IpAddr,
+    dns: Vec<IpAddr>,
+    deny: Vec<Cidr>,
+    mtu: u32,
+}
+
+fn invalid(what: &str, value: &str) -> AgentError {
+    AgentError::new(
+        ErrorKind::InvalidRequest,
+        format!("network: invalid {what} {value:?}"),
+    )
+}
+
+impl Plan {
+    pub fn new(net: &NetworkConfig) -> Result<Plan, AgentError> {
+        let address = Cidr::parse(&net.address)
+            .filter(|c| net.address.contains('/') && c.prefix > 0)
+            .ok_or_else(|| invalid("address", &net.address))?;
+        let gateway = net
+            .gateway
+            .trim()
+            .parse::<IpAddr>()
+            .map_err(|_| invalid("gateway", &net.gateway))?;
+        let dns = net
+            .dns
+            .iter()
+            .map(|d| {
+                d.trim()
+                    .parse::<IpAddr>()
+                    .map_err(|_| invalid("name server", d))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let deny = net
+            .deny
+            .iter()
+            .map(|d| {
+                Cidr::parse(d)
+                    .map(Cidr::network)
+                    .ok_or_else(|| invalid("deny CIDR", d))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        if !(68..=65535).contains(&net.mtu) {
+            return Err(invalid("mtu", &net.mtu.to_string()));
+        }
+        Ok(Plan {
+            address,
+            gateway,
+            dns,
+            deny,
+            mtu: net.mtu,
+        })
+    }
+}
+
+/// The nftables script: (re)create table `inet sandpit` with one reject pair
+/// per denied prefix. Declaring the table before deleting it makes the delete
+/// succeed whether or not it existed; all of it is one atomic transaction.
+///
+/// Loopback is exempt: traffic to the guest's own addresses is not egress,
+/// and the TCP resets that `reject` sends back to local sockets travel over
+/// `lo`; were the guest's own subnet denied, they would be rejected in turn
+/// and a denied connect would hang instead of failing at once.
+pub fn ruleset(deny: &[Cidr]) -> String {
+    let mut s = String::from(
+        "table inet sandpit\n\
+         delete table inet sandpit\n\
+         table inet sandpit {\n\
+         \tchain output {\n\
+         \t\ttype filter hook output priority 0; policy accept;\n\
+         \t\toifname \"lo\" accept\n",
+    );
+    for c in deny {
+        let (family, icmp) = match c.addr {
+            IpAddr::V4(_) => ("ip", "icmp"),
+            IpAddr::V6(_) => ("ip6", "icmpv6"),
+        };
+        s.push_str(&format!(
+            "\t\t{family} daddr {c} meta l4proto tcp reject with tcp reset\n\
+             \t\t{family} daddr {c} reject with {icmp} type admin-prohibited\n"
+        ));
+    }
+    s.push_str("\t}\n}\n");
+    s
+}
+
+/// /etc/resolv.conf for these servers.
+pub fn resolv_conf(dns: &[IpAddr]) -> String {
+    let mut s = String::from("# written by sandpit-agent\n");
+    for d in dns {
+        s.push_str(&format!("nameserver {d}\n"));
+    }
+    s
+}
+
+/// The first interface in `/sys/class/net` other than `lo`, by name.
+pub fn first_interface(class_net: &Path) -> Option<String> {
+    let mut names: Vec<String> = fs::read_dir(class_net)
+        .ok()?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n != "lo")
+        .collect();
+    names.sort();
+    names.into_iter().next()
+}
+
+const TOOL_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Run a tool; a failure names the step and carries the tool's stderr.
+fn tool(
+    step: &str,
+    program: &str,
+    args: &[&str],
+    stdin: Option<Vec<u8>>,
+) -> Result<(), AgentError> {
+    let fail =
+        |detail: String| AgentError::new(ErrorKind::Io, format!("network: {step}: {detail}"));
+    let out = reaper::run(program, args, stdin, TOOL_TIMEOUT).map_err(|e| fail(e.to_string()))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(fail(format!(
+            "{program} failed ({}): {}",
+            out.status,
+            out.diagnostics()
+        )))
+    }
+}
+
+/// Apply a validated plan.
+pub fn apply(plan: &Plan) -> Result<(), AgentError> {
+    let ifname = first_interface(Path::new("/sys/class/net"))
+        .ok_or_else(|| AgentError::new(ErrorKind::Io, "network: no network interface found"))?;
+    // The filter first: no packet leaves before it is in place.
+    tool(
+        "egress filter",
+        "nft",
+        &["-f", "-"],
+        Some(ruleset(&plan.deny).into_bytes()),
+    )?;
+    if plan.address.addr.is_ipv4() {
+        let knob = format!("/proc/sys/net/ipv6/conf/{ifname}/disable_ipv6");
+        if Path::new(&knob).exists() {
+            sys::write_kernel_file(&knob, "1").map_err(|e| {
+                AgentError::new(ErrorKind::Io, format!("network: disabling IPv6: {e}"))
+            })?;
+        }
+    }
+    let mtu = plan.mtu.to_string();
+    let address = plan.address.to_string();
+    let gateway = plan.gateway.to_string();
+    tool(
+        "link up",
+        "ip",
+        &["link", "set", "dev", &ifname, "up", "mtu", &mtu],
+        None,
+    )?;
+    tool(
+        "flush addresses",
+        "ip",
+        &["addr", "flush", "dev", &ifname, "scope", "global"],
+        None,
+    )?;
+    tool(
+        "add address",
+        "ip",
+        &["addr", "add", &address, "dev", &ifname],
+        None,
+    )?;
+    tool(
+        "default route",
+        "ip",
+        &[
+            "route", "replace", "default", "via", &gateway, "dev", &ifname,
+        ],
+        None,
+    )?;
+    sys::replace_file(
+        Path::new("/etc/resolv.conf"),
+        resolv_conf(&plan.dns).as_bytes(),
+        0o644,
+    )
+    .map_err(|e| AgentError::new(ErrorKind::Io, format!("network: /etc/resolv.conf: {e}")))?;
+    crate::info!(
+        "network: {address} via {gateway} on {ifname}, {} denied prefix(es)",
+        plan.deny.len()
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn net() -> NetworkConfig {
+        NetworkConfig {
+            address: "10.0.2.15/24".into(),
+            gateway: "10.0.2.2".into(),
+            dns: vec!["10.0.2.3".into()],
+            deny: vec![
+                "169.254.169.254".into(),
+                "10.0.0.1/8".into(),
+                "fd00::1/8".into(),
+            ],
+            mtu: 1500,
+        }
+    }
+
+    #[test]
+    fn cidrs_parse_and_normalise() {
+        let c = Cidr::parse("10.1.2.3/8").unwrap();
+        assert_eq!(c.to_string(), "10.1.2.3/8");
+        assert_eq!(c.network().to_string(), "10.0.0.0/8");
+        assert_eq!(Cidr::parse("1.2.3.4").unwrap().to_string(), "1.2.3.4/32");
+        assert_eq!(
+            Cidr::parse("0.0.0.0/0").unwrap().network().to_string(),
+            "0.0.0.0/0"
+        );
+        assert_eq!(
+            Cidr::parse("fd00::1/8").unwrap().network().to_string(),
+            "fd00::/8"
+        );
+        assert!(Cidr::parse("1.2.3.4/33").is_none());
+        assert!(Cidr::parse("1.2.3/8").is_none());
+        assert!(Cidr::parse("1.2.3.4/8; flush ruleset").is_none());
+        assert!(Cidr::parse("").is_none());
+    }
+
+    #[test]
+    fn plans_validate_everything_first() {
+        let p = Plan::new(&net()).unwrap();
+        assert_eq!(p.deny.len(), 3);
+        assert_eq!(p.deny[1].to_string(), "10.0.0.0/8");
+        for bad in [
+            NetworkConfig {
+                address: "10.0.2.15".into(),
+                ..net()
+            },
+            NetworkConfig {
+                gateway: "gw".into(),
+                ..net()
+            },
+            NetworkConfig {
+                dns: vec!["1.1.1.1\nnameserver 6.6.6.6".into()],
+                ..net()
+            },
+            NetworkConfig {
+                deny: vec!["10/8".into()],
+                ..net()
+            },
+            NetworkConfig { mtu: 20, ..net() },
+        ] {
+            assert_eq!(Plan::new(&bad).unwrap_err().kind, ErrorKind::InvalidRequest);
+        }
+    }
+
+    #[test]
+    fn ruleset_rejects_each_prefix() {
+        let p = Plan::new(&net()).unwrap();
+        let r = ruleset(&p.deny);
+        assert!(r.starts_with("table inet sandpit\ndelete table inet sandpit\n"));
+        assert!(r.contains("policy accept;\n\t\toifname \"lo\" accept\n"));
+        assert!(r.contains("ip daddr 10.0.0.0/8 meta l4proto tcp reject with tcp reset\n"));
+        assert!(r.contains("ip daddr 10.0.0.0/8 reject with icmp type admin-prohibited\n"));
+        assert!(r.contains("ip6 daddr fd00::/8 reject with icmpv6 type admin-prohibited\n"));
+        assert!(ruleset(&[]).contains("policy accept;"));
+    }
+
+    /// Let the real nft parse the ruleset in check mode (nothing is applied)
+    /// where nft exists and may talk to the kernel.
+    #[test]
+    fn nft_accepts_the_ruleset() {
+        if reaper::find_program("nft").is_none() {
+            return;
+        }
+        let p = Plan::new(&net()).unwrap();
+        let out = std::process::Command::new(reaper::find_program("nft").unwrap())
+            .args(["-c", "-f", "-"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .and_then(|mut c| {
+                use std::io::Write;
+                c.stdin
+                    .take()
+                    .unwrap()
+                    .write_all(ruleset(&p.deny).as_bytes())?;
+                c.wait_with_output()
+            })
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if stderr.contains("Operation not permitted") || stderr.contains("Permission denied") {
+            return;
+        }
+        assert!(out.status.success(), "nft rejected the ruleset: {stderr}");
+    }
+
+    #[test]
+    fn resolv_conf_lists_servers() {
+        let r = resolv_conf(&["10.0.2.3".parse().unwrap(), "::1".parse().unwrap()]);
+        assert!(r.ends_with("nameserver 10.0.2.3\nnameserver ::1\n"));
+    }
+
+    #[test]
+    fn picks_the_first_non_loopback_interface() {
+        let d = std::env::temp_dir().join(format!("sandpit-agent-net-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&d);
+        for n in ["lo", "eth1", "eth0"] {
+            fs::create_dir_all(d.join(n)).unwrap();
+        }
+        assert_eq!(first_interface(&d).as_deref(), Some("eth0"));
+        fs::remove_dir_all(&d).unwrap();
+        assert_eq!(first_interface(&d), None);
+    }
+}
