@@ -20,7 +20,7 @@ use sandpit_protocol::{
     encode_frame, AgentError, DoneResult, Frame, FrameDecoder, FrameError, Message, RequestId,
 };
 use std::fs::{self, File, OpenOptions};
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
@@ -210,10 +210,8 @@ fn write_frames(port: &File, rx: Receiver<(u64, Vec<u8>)>) {
         if gen < generation() {
             continue;
         }
-        // Blocks while the host is not connected; the kernel wakes us when
-        // it reconnects.
-        match (&*port).write_all(&frame) {
-            Ok(()) => failures = 0,
+        match write_frame(port, &frame) {
+            Ok(_) => failures = 0,
             Err(e) => {
                 failures += 1;
                 if failures.is_power_of_two() {
@@ -225,6 +223,66 @@ fn write_frames(port: &File, rx: Receiver<(u64, Vec<u8>)>) {
             }
         }
     }
+}
+
+/// Write one frame whole, or drop it if the host goes away first.
+///
+/// A write to a virtio port blocks while the host is disconnected and resumes
+/// on the next connection, which would then receive the tail of a frame meant
+/// for the previous one. poll() says POLLHUP instead, so such frames (and the
+/// rest of one cut short) are dropped: nobody is left to read them. Returns
+/// whether the frame was written.
+fn write_frame(port: &File, frame: &[u8]) -> io::Result<bool> {
+    let fd = port.as_raw_fd();
+    let mut off = 0;
+    while off < frame.len() {
+        let mut p = [libc::pollfd {
+            fd,
+            events: libc::POLLOUT,
+            revents: 0,
+        }];
+        crate::sys::poll_forever(&mut p)?;
+        if p[0].revents & (libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) != 0 {
+            // The host is not there.
+            return Ok(false);
+        }
+        let rest = &frame[off..];
+        // SAFETY: rest is a valid buffer.
+        let n = unsafe { libc::write(fd, rest.as_ptr().cast(), rest.len()) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            match e.kind() {
+                io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock => continue,
+                io::ErrorKind::BrokenPipe => return Ok(false),
+                _ => return Err(e),
+            }
+        }
+        off += n as usize;
+    }
+    Ok(true)
+}
+
+/// True when `chunk` begins with a complete `Hello` frame.
+///
+/// Every host connection opens with `Hello`, and QEMU never puts bytes of two
+/// connections in one virtio buffer, so such a chunk marks a new connection
+/// even when the disconnect itself went unseen (the host left and came back
+/// before the reader ran). Whatever the decoder still holds is then the
+/// unfinished frame of the old connection and must be dropped, or it would
+/// swallow the new Hello.
+pub fn starts_with_hello(chunk: &[u8]) -> bool {
+    if !chunk.starts_with(&sandpit_protocol::FRAME_MAGIC) || chunk.len() < 12 {
+        return false;
+    }
+    let header_len = u32::from_be_bytes([chunk[4], chunk[5], chunk[6], chunk[7]]) as usize;
+    let body_len = u32::from_be_bytes([chunk[8], chunk[9], chunk[10], chunk[11]]);
+    if body_len != 0 || header_len > 1024 || chunk.len() < 12 + header_len {
+        return false;
+    }
+    matches!(
+        serde_json::from_slice::<Message>(&chunk[12..12 + header_len]),
+        Ok(Message::Hello { .. })
+    )
 }
 
 /// What the reader tells the server.
@@ -258,6 +316,9 @@ pub fn read_frames(port: &File, handler: &mut dyn Handler) {
             Ok(n) => {
                 connected = true;
                 failures = 0;
+                if starts_with_hello(&buf[..n]) {
+                    decoder.reset();
+                }
                 decoder.push(&buf[..n]);
                 loop {
                     match decoder.next_frame() {
@@ -308,6 +369,58 @@ mod tests {
         assert_eq!(dev, "244:1");
         assert!(find_port(&sys, Path::new("/dev"), "other").is_none());
         fs::remove_dir_all(sys).unwrap();
+    }
+
+    #[test]
+    fn recognises_a_new_connection_by_its_hello() {
+        let hello = encode_frame(
+            &Message::Hello {
+                protocol: 1,
+                nonce: 5,
+            },
+            b"",
+        );
+        assert!(starts_with_hello(&hello));
+        let mut more = hello.clone();
+        more.extend(encode_frame(&Message::Ping { id: 1 }, b""));
+        assert!(starts_with_hello(&more));
+        assert!(!starts_with_hello(&hello[..hello.len() - 1]));
+        assert!(!starts_with_hello(&hello[1..]));
+        assert!(!starts_with_hello(&encode_frame(
+            &Message::Ping { id: 1 },
+            b""
+        )));
+        assert!(!starts_with_hello(&encode_frame(
+            &Message::Hello {
+                protocol: 1,
+                nonce: 5
+            },
+            b"x"
+        )));
+
+        // An old connection's unfinished frame does not swallow the new Hello.
+        let mut d = FrameDecoder::new();
+        let big = encode_frame(&Message::FileData { id: 3 }, &[7u8; 1000]);
+        d.push(&big[..500]);
+        assert!(d.next_frame().unwrap().is_none());
+        if starts_with_hello(&hello) {
+            d.reset();
+        }
+        d.push(&hello);
+        assert!(matches!(
+            d.next_frame().unwrap().unwrap().message,
+            Message::Hello { nonce: 5, .. }
+        ));
+    }
+
+    #[test]
+    fn frames_to_an_absent_host_are_dropped_not_blocked_on() {
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let file = File::from(std::os::fd::OwnedFd::from(a));
+        assert!(write_frame(&file, b"hello").unwrap());
+        drop(b);
+        // The peer is gone: POLLHUP, the frame is dropped, nothing blocks.
+        assert!(!write_frame(&file, &[0u8; 1 << 20]).unwrap());
     }
 
     #[test]

@@ -128,6 +128,9 @@ pub fn configure(cfg: &GuestConfig, entropy: &[u8]) -> Result<(), AgentError> {
         crate::info!("configure: development mode, validated but not applied");
         return Ok(());
     }
+    // Two Configures at once would interleave their ip/nft steps.
+    static APPLYING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _applying = sys::lock(&APPLYING);
     let step = |name: &'static str| {
         move |e: io::Error| AgentError::new(ErrorKind::Io, format!("{name}: {e}"))
     };

@@ -262,6 +262,9 @@ fn send_content(
     let mut buf = vec![0u8; CHUNK_LEN.min(size as usize).max(1)];
     let mut sent: u64 = 0;
     while sent < size {
+        if !reply.is_current() {
+            return Ok(()); // the session ended: nobody to send to
+        }
         let want = (size - sent).min(buf.len() as u64) as usize;
         let n = match src.read(&mut buf[..want]) {
             Ok(0) => break, // the file shrank meanwhile

@@ -121,6 +121,15 @@ pub fn early() {
     let _ = sys::write_kernel_file("/proc/sys/kernel/printk", "1 4 1 7");
     // Our own /dev/kmsg lines are not rate-limited away.
     let _ = sys::write_kernel_file("/proc/sys/kernel/printk_devkmsg", "on");
+    // The link protections Debian's systemd would have set (no systemd here).
+    for (knob, value) in [
+        ("protected_symlinks", "1"),
+        ("protected_hardlinks", "1"),
+        ("protected_fifos", "1"),
+        ("protected_regular", "2"),
+    ] {
+        let _ = sys::write_kernel_file(format!("/proc/sys/fs/{knob}"), value);
+    }
     if let Err(e) = sys::write_kernel_file("/proc/self/oom_score_adj", "-1000") {
         crate::error!("oom_score_adj: {e}");
     }
@@ -149,6 +158,10 @@ pub fn grow_root_fs() {
         return;
     }
     let spawned = thread::Builder::new().name("resize2fs".into()).spawn(|| {
+        // Nice values are per thread and inherited by children: resize2fs
+        // gets a low priority instead of the agent's high one.
+        // SAFETY: plain syscall on the calling thread.
+        unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 10) };
         match reaper::run("resize2fs", &["/dev/vda"], None, Duration::from_secs(1800)) {
             Ok(out) if out.status.success() => {
                 crate::info!("resize2fs /dev/vda: {}", out.diagnostics())

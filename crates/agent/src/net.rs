@@ -131,11 +131,16 @@ impl Plan {
 /// per denied prefix. Declaring the table before deleting it makes the delete
 /// succeed whether or not it existed; all of it is one atomic transaction.
 ///
-/// Loopback is exempt: traffic to the guest's own addresses is not egress,
-/// and the TCP resets that `reject` sends back to local sockets travel over
-/// `lo`; were the guest's own subnet denied, they would be rejected in turn
-/// and a denied connect would hang instead of failing at once.
-pub fn ruleset(deny: &[Cidr]) -> String {
+/// Two exemptions come first:
+/// - loopback: traffic to the guest's own addresses is not egress, and the
+///   TCP resets that `reject` sends back to local sockets travel over `lo`;
+///   with the guest's own subnet denied (the default list denies 10.0.0.0/8
+///   and 127.0.0.0/8) they would be rejected in turn, and a denied connect
+///   would hang instead of failing at once;
+/// - DNS (port 53) to the configured name servers, which the host may well
+///   place inside a denied range (passt's forwarder is 10.0.2.3).
+pub fn ruleset(deny: &[Cidr], dns: &[IpAddr]) -> String {
+    let family = |a: &IpAddr| if a.is_ipv4() { "ip" } else { "ip6" };
     let mut s = String::from(
         "table inet sandpit\n\
          delete table inet sandpit\n\
@@ -144,14 +149,19 @@ pub fn ruleset(deny: &[Cidr]) -> String {
          \t\ttype filter hook output priority 0; policy accept;\n\
          \t\toifname \"lo\" accept\n",
     );
-    for c in deny {
-        let (family, icmp) = match c.addr {
-            IpAddr::V4(_) => ("ip", "icmp"),
-            IpAddr::V6(_) => ("ip6", "icmpv6"),
-        };
+    for d in dns {
+        let f = family(d);
         s.push_str(&format!(
-            "\t\t{family} daddr {c} meta l4proto tcp reject with tcp reset\n\
-             \t\t{family} daddr {c} reject with {icmp} type admin-prohibited\n"
+            "\t\t{f} daddr {d} udp dport 53 accept\n\
+             \t\t{f} daddr {d} tcp dport 53 accept\n"
+        ));
+    }
+    for c in deny {
+        let f = family(&c.addr);
+        let icmp = if c.addr.is_ipv4() { "icmp" } else { "icmpv6" };
+        s.push_str(&format!(
+            "\t\t{f} daddr {c} meta l4proto tcp reject with tcp reset\n\
+             \t\t{f} daddr {c} reject with {icmp} type admin-prohibited\n"
         ));
     }
     s.push_str("\t}\n}\n");
@@ -211,7 +221,7 @@ pub fn apply(plan: &Plan) -> Result<(), AgentError> {
         "egress filter",
         "nft",
         &["-f", "-"],
-        Some(ruleset(&plan.deny).into_bytes()),
+        Some(ruleset(&plan.deny, &plan.dns).into_bytes()),
     )?;
     if plan.address.addr.is_ipv4() {
         let knob = format!("/proc/sys/net/ipv6/conf/{ifname}/disable_ipv6");
@@ -332,13 +342,19 @@ mod tests {
     #[test]
     fn ruleset_rejects_each_prefix() {
         let p = Plan::new(&net()).unwrap();
-        let r = ruleset(&p.deny);
+        let r = ruleset(&p.deny, &p.dns);
         assert!(r.starts_with("table inet sandpit\ndelete table inet sandpit\n"));
         assert!(r.contains("policy accept;\n\t\toifname \"lo\" accept\n"));
         assert!(r.contains("ip daddr 10.0.0.0/8 meta l4proto tcp reject with tcp reset\n"));
         assert!(r.contains("ip daddr 10.0.0.0/8 reject with icmp type admin-prohibited\n"));
         assert!(r.contains("ip6 daddr fd00::/8 reject with icmpv6 type admin-prohibited\n"));
-        assert!(ruleset(&[]).contains("policy accept;"));
+        assert!(r.contains("ip daddr 10.0.2.3 udp dport 53 accept\n"));
+        let dns_at = r.find("dport 53").unwrap();
+        assert!(
+            dns_at < r.find("reject").unwrap(),
+            "DNS exemption must come first"
+        );
+        assert!(ruleset(&[], &[]).contains("policy accept;"));
     }
 
     /// Let the real nft parse the ruleset in check mode (nothing is applied)
@@ -360,7 +376,7 @@ mod tests {
                 c.stdin
                     .take()
                     .unwrap()
-                    .write_all(ruleset(&p.deny).as_bytes())?;
+                    .write_all(ruleset(&p.deny, &p.dns).as_bytes())?;
                 c.wait_with_output()
             })
             .unwrap();

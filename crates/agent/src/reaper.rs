@@ -39,7 +39,7 @@ static WAITERS: Mutex<BTreeMap<libc::pid_t, ExitCallback>> = Mutex::new(BTreeMap
 pub fn start() -> io::Result<()> {
     thread::Builder::new()
         .name("reaper".into())
-        .stack_size(64 * 1024)
+        .stack_size(128 * 1024)
         .spawn(reap_forever)?;
     Ok(())
 }
