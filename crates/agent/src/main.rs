@@ -47,6 +47,13 @@ fn main() {
     unsafe {
         libc::umask(0o022);
         if is_pid1() {
+            // Whatever the initramfs left open must not leak into commands.
+            libc::syscall(
+                libc::SYS_close_range,
+                3 as libc::c_uint,
+                libc::c_uint::MAX,
+                libc::CLOSE_RANGE_CLOEXEC,
+            );
             // Nice values are per thread and inherited: set before threads
             // start, so the user's CPU hogs cannot starve any of ours.
             libc::setpriority(libc::PRIO_PROCESS, 0, -10);
