@@ -1,1 +1,2 @@
 //! Host runtime.
+pub mod image;
