@@ -1,1 +1,107 @@
-fn main() {}
+//! `sandpit`: the command line of Sandpit.
+//!
+//! Errors are `anyhow` here and only here: each command prints the whole error
+//! chain once, on stderr, and exits non-zero.
+
+mod bench;
+mod images;
+mod sandbox;
+mod settings;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(
+    name = "sandpit",
+    version,
+    about = "Real Linux VMs that AI agents can break"
+)]
+struct Cli {
+    /// Where images, disks and state live [default: /var/lib/sandpit for root,
+    /// ~/.local/share/sandpit otherwise]
+    #[arg(long, global = true, env = "SANDPIT_DATA_DIR")]
+    data_dir: Option<PathBuf>,
+    /// Where guest images are cached [default: DATA_DIR/images]
+    #[arg(long, global = true, env = "SANDPIT_IMAGES_DIR")]
+    images_dir: Option<PathBuf>,
+    /// TOML config file (sizes, network policy, accelerator, limits)
+    #[arg(long, global = true, env = "SANDPIT_CONFIG")]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Guest images
+    Image {
+        #[command(subcommand)]
+        command: ImageCommand,
+    },
+    /// Sandboxes running on this machine
+    Sandbox {
+        #[command(subcommand)]
+        command: sandbox::SandboxCommand,
+    },
+    /// Create a sandbox, run commands in it, move a file, destroy it
+    Demo,
+    /// Measure create, exec and file-transfer speed and idle memory; print medians
+    Bench(bench::BenchArgs),
+}
+
+#[derive(Subcommand)]
+enum ImageCommand {
+    /// Build the guest image if it is missing or its recipe changed
+    Build {
+        /// The static sandpit-agent binary to put in the image
+        #[arg(long)]
+        agent: Option<PathBuf>,
+    },
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("SANDPIT_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        )
+        .init();
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let code = match rt.block_on(run(cli)) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            1
+        }
+    };
+    std::process::exit(code);
+}
+
+async fn run(cli: Cli) -> Result<i32> {
+    let settings = settings::Settings::load(cli.data_dir, cli.images_dir, cli.config.as_deref())?;
+    match cli.command {
+        Command::Image {
+            command: ImageCommand::Build { agent },
+        } => {
+            let dir = settings.images_dir.clone();
+            let img = tokio::task::spawn_blocking(move || images::build(&dir, agent.as_deref()))
+                .await??;
+            eprintln!(
+                "guest image {} ready (kernel {})",
+                img.id, img.kernel_release
+            );
+            println!("{}", img.dir.display());
+            Ok(0)
+        }
+        Command::Sandbox { command } => sandbox::run(&settings, command).await,
+        Command::Demo => sandbox::demo(&settings).await,
+        Command::Bench(args) => bench::run(&settings, args).await,
+    }
+}

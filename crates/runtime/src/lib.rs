@@ -1,2 +1,24 @@
-//! Host runtime.
+//! Sandpit's host runtime: guest images, one QEMU VM per sandbox, and the
+//! channel to the agent inside each VM.
+//!
+//! It knows nothing about accounts, money or HTTP: the control plane asks it
+//! for VMs by id and size and gets back a handle that runs commands and moves
+//! files. Everything a VM owns lives under one directory, so destroy can prove
+//! that nothing is left behind.
+
+pub mod accel;
+pub mod channel;
+pub mod config;
+pub mod console;
+mod error;
 pub mod image;
+pub mod net;
+pub mod process;
+pub mod qmp;
+pub mod vm;
+
+pub use accel::Accel;
+pub use channel::{AgentClient, ExecEvent, ExecHandle, ExecOutput};
+pub use config::{AccelChoice, NetworkPolicy, RuntimeConfig, SizeSpec};
+pub use error::{Result, RuntimeError};
+pub use vm::{CreateVm, Vm, VmManager, VmRecord, VmState};

@@ -1,0 +1,413 @@
+//! `sandpit sandbox ...`: VMs on this machine, driven directly through the
+//! runtime (no server). State lives in the data directory, so a sandbox made
+//! by one invocation is used by the next.
+//!
+//! Expiry without a server: `create` starts a detached watchdog
+//! (`sandpit sandbox watch ID`) that destroys the sandbox when its time is up,
+//! whether or not anyone remembered to.
+
+use crate::images;
+use crate::settings::Settings;
+use anyhow::{anyhow, bail, Context, Result};
+use clap::{Args, Subcommand};
+use sandpit_protocol::ExecRequest;
+use sandpit_runtime::{CreateVm, ExecEvent, RuntimeError, VmManager, VmRecord, VmState};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+use time::OffsetDateTime;
+
+#[derive(Subcommand)]
+pub enum SandboxCommand {
+    /// Create a sandbox; prints its id (or, with --json, the whole object)
+    Create(CreateArgs),
+    /// Run a shell command in a sandbox, streaming its output; exits with its code
+    Exec(ExecArgs),
+    /// Copy a file: `cp LOCAL ID:PATH` or `cp ID:PATH LOCAL`
+    Cp { src: String, dst: String },
+    /// List sandboxes on this machine
+    Ls {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Destroy sandboxes
+    Rm {
+        #[arg(required = true)]
+        ids: Vec<String>,
+    },
+    /// (internal) destroy ID when it expires
+    #[command(hide = true)]
+    Watch { id: String },
+}
+
+#[derive(Args)]
+pub struct CreateArgs {
+    #[arg(long, default_value = "small")]
+    size: String,
+    /// Lifetime, e.g. 15m, 2h (1 minute .. 24 hours)
+    #[arg(long, default_value = "15m")]
+    timeout: humantime::Duration,
+    #[arg(long)]
+    name: Option<String>,
+    /// Print the whole sandbox object as JSON
+    #[arg(long)]
+    json: bool,
+    /// Do not start the expiry watchdog (tests and benchmarks that clean up)
+    #[arg(long, hide = true)]
+    no_watchdog: bool,
+}
+
+#[derive(Args)]
+pub struct ExecArgs {
+    id: String,
+    /// Kill the command after this many milliseconds
+    #[arg(long, default_value_t = 60_000)]
+    timeout_ms: u64,
+    /// Working directory (relative to /workspace, or absolute)
+    #[arg(long)]
+    cwd: Option<String>,
+    /// Environment variables, KEY=VALUE (repeatable)
+    #[arg(long = "env", short = 'e')]
+    env: Vec<String>,
+    /// The command: one argument is taken as a shell command line, several are quoted and joined
+    #[arg(last = true, required = true)]
+    command: Vec<String>,
+}
+
+/// Default output kept per stream.
+pub const MAX_OUTPUT: u64 = 1024 * 1024;
+/// Largest file `cp` moves out of a sandbox.
+const CP_MAX: u64 = 1024 * 1024 * 1024;
+
+pub fn manager(settings: &Settings) -> Result<VmManager> {
+    let img = images::current(&settings.images_dir, None)?;
+    Ok(VmManager::new(settings.runtime.clone(), img)?)
+}
+
+/// A new sandbox id: `sbx_` and 120 random bits in base32.
+pub fn new_id() -> String {
+    const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz234567";
+    let mut s = String::from("sbx_");
+    for _ in 0..24 {
+        s.push(ALPHABET[rand::random::<u8>() as usize % 32] as char);
+    }
+    s
+}
+
+fn rfc3339(t: OffsetDateTime) -> String {
+    t.format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default()
+}
+
+/// The sandbox object as the CLI shows it.
+pub fn to_json(m: &VmManager, r: &VmRecord) -> serde_json::Value {
+    let state = m.state(r);
+    let (status, reason) = match &state {
+        VmState::Running => ("running", None),
+        VmState::Exited { cause } => ("failed", Some(cause.clone())),
+    };
+    serde_json::json!({
+        "id": r.id,
+        "object": "sandbox",
+        "name": r.metadata.get("name"),
+        "status": status,
+        "deleted_reason": reason.map(|c| format!("failed: {c}")),
+        "size": r.size,
+        "resources": {"vcpus": r.resources.vcpus, "memory_mb": r.resources.memory_mb, "disk_gb": r.resources.disk_gb},
+        "accel": r.accel,
+        "kernel": r.kernel_release,
+        "timeout_minutes": r.metadata.get("timeout_minutes").and_then(|t| t.parse::<u64>().ok()),
+        "created_at": rfc3339(r.created_at),
+        "ready_at": r.ready_at.map(rfc3339),
+        "expires_at": r.metadata.get("expires_at"),
+    })
+}
+
+pub async fn run(settings: &Settings, cmd: SandboxCommand) -> Result<i32> {
+    match cmd {
+        SandboxCommand::Create(a) => create(settings, a).await,
+        SandboxCommand::Exec(a) => exec(settings, a).await,
+        SandboxCommand::Cp { src, dst } => cp(settings, &src, &dst).await,
+        SandboxCommand::Ls { json } => ls(settings, json),
+        SandboxCommand::Rm { ids } => rm(settings, ids).await,
+        SandboxCommand::Watch { id } => watch(settings, &id).await,
+    }
+}
+
+async fn create(settings: &Settings, a: CreateArgs) -> Result<i32> {
+    let timeout: Duration = a.timeout.into();
+    if timeout < Duration::from_secs(60) || timeout > Duration::from_secs(24 * 3600) {
+        bail!("--timeout must be between 1m and 24h");
+    }
+    let m = manager(settings)?;
+    let id = new_id();
+    let created = OffsetDateTime::now_utc();
+    let mut metadata = BTreeMap::new();
+    if let Some(n) = &a.name {
+        metadata.insert("name".into(), n.clone());
+    }
+    metadata.insert(
+        "timeout_minutes".into(),
+        (timeout.as_secs() / 60).to_string(),
+    );
+    metadata.insert("expires_at".into(), rfc3339(created + timeout));
+    eprintln!("creating {id} ({}, {} acceleration)...", a.size, m.accel());
+    let start = Instant::now();
+    let vm = m
+        .create(CreateVm {
+            id: id.clone(),
+            size: a.size.clone(),
+            metadata,
+        })
+        .await?;
+    eprintln!("{id} is running ({:.1} s)", start.elapsed().as_secs_f64());
+    if !a.no_watchdog {
+        spawn_watchdog(settings, &id)?;
+    }
+    if a.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&to_json(&m, &vm.record))?
+        );
+    } else {
+        println!("{id}");
+    }
+    Ok(0)
+}
+
+fn spawn_watchdog(settings: &Settings, id: &str) -> Result<()> {
+    use std::os::unix::process::CommandExt;
+    let exe = std::env::current_exe()?;
+    let mut cmd = std::process::Command::new(exe);
+    cmd.arg("--data-dir")
+        .arg(&settings.data_dir)
+        .arg("--images-dir")
+        .arg(&settings.images_dir)
+        .args(["sandbox", "watch", id])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    // SAFETY: setsid is async-signal-safe.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::setsid();
+            Ok(())
+        });
+    }
+    cmd.spawn().context("starting the expiry watchdog")?;
+    Ok(())
+}
+
+async fn watch(settings: &Settings, id: &str) -> Result<i32> {
+    let m = manager(settings)?;
+    loop {
+        let Ok(r) = m.record(id) else { return Ok(0) };
+        let Some(exp) = r.metadata.get("expires_at").and_then(|e| {
+            OffsetDateTime::parse(e, &time::format_description::well_known::Rfc3339).ok()
+        }) else {
+            return Ok(0);
+        };
+        let left = exp - OffsetDateTime::now_utc();
+        if left <= time::Duration::ZERO {
+            let _ = m.destroy(id).await;
+            return Ok(0);
+        }
+        let nap = Duration::from_secs_f64(left.as_seconds_f64().min(30.0));
+        tokio::time::sleep(nap).await;
+    }
+}
+
+fn command_line(parts: &[String]) -> String {
+    if parts.len() == 1 {
+        parts[0].clone()
+    } else {
+        shell_words::join(parts)
+    }
+}
+
+async fn exec(settings: &Settings, a: ExecArgs) -> Result<i32> {
+    let m = manager(settings)?;
+    let vm = m.attach(&a.id).await?;
+    let mut env = BTreeMap::new();
+    for kv in &a.env {
+        let (k, v) = kv
+            .split_once('=')
+            .ok_or_else(|| anyhow!("--env takes KEY=VALUE, got {kv:?}"))?;
+        env.insert(k.to_string(), v.to_string());
+    }
+    let mut h = vm.agent.exec(ExecRequest {
+        command: command_line(&a.command),
+        cwd: a.cwd,
+        env,
+        timeout_ms: a.timeout_ms,
+        max_output_bytes: MAX_OUTPUT,
+    })?;
+    let mut out = std::io::stdout();
+    let mut err = std::io::stderr();
+    loop {
+        tokio::select! {
+            ev = h.next() => match ev? {
+                ExecEvent::Started { .. } => {}
+                ExecEvent::Stdout(b) => { out.write_all(&b)?; out.flush()?; }
+                ExecEvent::Stderr(b) => { err.write_all(&b)?; err.flush()?; }
+                ExecEvent::Exited(r) => {
+                    if r.stdout_truncated || r.stderr_truncated {
+                        eprintln!("sandpit: output past {MAX_OUTPUT} bytes per stream was dropped");
+                    }
+                    if r.timed_out {
+                        eprintln!("sandpit: the command timed out after {} ms and was killed", a.timeout_ms);
+                        return Ok(124);
+                    }
+                    return Ok(match (r.exit_code, r.signal) {
+                        (Some(c), _) => c,
+                        (None, Some(s)) => 128 + s,
+                        _ => 1,
+                    });
+                }
+            },
+            _ = tokio::signal::ctrl_c() => {
+                h.cancel();
+                eprintln!("sandpit: interrupted; the command was killed");
+                return Ok(130);
+            }
+        }
+    }
+}
+
+enum Loc {
+    Local(PathBuf),
+    Remote(String, String),
+}
+
+fn parse_loc(s: &str) -> Loc {
+    match s.split_once(':') {
+        Some((id, path)) if id.starts_with("sbx_") => Loc::Remote(id.into(), path.into()),
+        _ => Loc::Local(PathBuf::from(s)),
+    }
+}
+
+async fn cp(settings: &Settings, src: &str, dst: &str) -> Result<i32> {
+    let m = manager(settings)?;
+    match (parse_loc(src), parse_loc(dst)) {
+        (Loc::Local(l), Loc::Remote(id, path)) => {
+            let bytes = std::fs::read(&l).with_context(|| format!("reading {}", l.display()))?;
+            let vm = m.attach(&id).await?;
+            let (p, n) = vm.agent.write_file(&path, &bytes, None).await?;
+            eprintln!("wrote {n} bytes to {id}:{p}");
+        }
+        (Loc::Remote(id, path), Loc::Local(l)) => {
+            let vm = m.attach(&id).await?;
+            let (p, bytes) = vm.agent.read_file(&path, CP_MAX).await?;
+            std::fs::write(&l, &bytes).with_context(|| format!("writing {}", l.display()))?;
+            eprintln!("copied {} bytes from {id}:{p}", bytes.len());
+        }
+        _ => {
+            bail!("one side of cp must be a sandbox path (sbx_...:PATH) and the other a local path")
+        }
+    }
+    Ok(0)
+}
+
+fn ls(settings: &Settings, json: bool) -> Result<i32> {
+    let m = match manager(settings) {
+        Ok(m) => m,
+        Err(e) if !settings.runtime.vms_dir().exists() => {
+            tracing::debug!("no sandboxes yet: {e:#}");
+            if json {
+                println!("[]");
+            }
+            return Ok(0);
+        }
+        Err(e) => return Err(e),
+    };
+    let mut records = m.list();
+    records.reverse(); // newest first
+    if json {
+        let all: Vec<_> = records.iter().map(|r| to_json(&m, r)).collect();
+        println!("{}", serde_json::to_string_pretty(&all)?);
+        return Ok(0);
+    }
+    println!(
+        "{:<30} {:<8} {:<7} {:<22} {:<22} NAME",
+        "ID", "STATUS", "SIZE", "CREATED", "EXPIRES"
+    );
+    for r in &records {
+        let v = to_json(&m, r);
+        println!(
+            "{:<30} {:<8} {:<7} {:<22} {:<22} {}",
+            r.id,
+            v["status"].as_str().unwrap_or("?"),
+            r.size,
+            v["created_at"].as_str().unwrap_or(""),
+            v["expires_at"].as_str().unwrap_or("-"),
+            v["name"].as_str().unwrap_or("")
+        );
+    }
+    Ok(0)
+}
+
+async fn rm(settings: &Settings, ids: Vec<String>) -> Result<i32> {
+    let m = manager(settings)?;
+    let mut code = 0;
+    for id in ids {
+        match m.destroy(&id).await {
+            Ok(()) => println!("{id}"),
+            Err(RuntimeError::NotFound(_)) => {
+                eprintln!("error: no sandbox {id} on this machine");
+                code = 1;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(code)
+}
+
+/// The main job until the server exists: one sandbox, end to end.
+pub async fn demo(settings: &Settings) -> Result<i32> {
+    let dir = settings.images_dir.clone();
+    tokio::task::spawn_blocking(move || images::build(&dir, None)).await??;
+    let m = manager(settings)?;
+    let id = new_id();
+    let t = Instant::now();
+    eprintln!("creating sandbox {id} ({} acceleration)...", m.accel());
+    let vm = m
+        .create(CreateVm {
+            id: id.clone(),
+            size: "small".into(),
+            metadata: BTreeMap::new(),
+        })
+        .await?;
+    eprintln!("running after {:.2} s", t.elapsed().as_secs_f64());
+    let result = async {
+        for cmd in [
+            "uname -sr; id; cat /etc/debian_version",
+            "python3 -c 'import sys; print(\"python\", sys.version.split()[0])'",
+        ] {
+            let t = Instant::now();
+            let out = vm
+                .agent
+                .exec_collect(ExecRequest {
+                    command: cmd.into(),
+                    cwd: None,
+                    env: BTreeMap::new(),
+                    timeout_ms: 60_000,
+                    max_output_bytes: MAX_OUTPUT,
+                })
+                .await?;
+            println!("$ {cmd}   ({:.2} s)", t.elapsed().as_secs_f64());
+            print!("{}", String::from_utf8_lossy(&out.stdout));
+            eprint!("{}", String::from_utf8_lossy(&out.stderr));
+        }
+        vm.agent
+            .write_file("hello.txt", b"hello from the host\n", None)
+            .await?;
+        let (p, back) = vm.agent.read_file("hello.txt", 1024).await?;
+        println!("read back {p}: {}", String::from_utf8_lossy(&back).trim());
+        anyhow::Ok(())
+    }
+    .await;
+    m.destroy(&id).await?;
+    eprintln!("destroyed {id}");
+    result.map(|_| 0)
+}

@@ -1,0 +1,189 @@
+//! Shared set-up of the real-VM tests: the guest image built by
+//! `scripts/test.sh`, a throw-away data directory per test binary, a small
+//! size table (so a disk filler finishes), and cleanup that runs even when a
+//! test fails.
+#![allow(dead_code)]
+
+use sandpit_protocol::ExecRequest;
+use sandpit_runtime::config::SizeSpec;
+use sandpit_runtime::image::GuestImage;
+use sandpit_runtime::{CreateVm, ExecOutput, RuntimeConfig, Vm, VmManager};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, OnceLock};
+
+/// The images directory the test script prepared.
+pub fn images_dir() -> PathBuf {
+    std::env::var_os("SANDPIT_IMAGES_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/sandpit-images")
+        })
+}
+
+/// The guest image to boot; fails loudly when it was not built.
+pub fn image() -> GuestImage {
+    let ptr = images_dir().join("current.json");
+    let bytes = std::fs::read(&ptr).unwrap_or_else(|_| {
+        panic!(
+            "no guest image at {}: run scripts/test.sh (it installs QEMU, debootstrap and passt, \
+             builds the agent and the image), or `sandpit image build --images-dir {}`",
+            ptr.display(),
+            images_dir().display()
+        )
+    });
+    serde_json::from_slice(&bytes).expect("current.json")
+}
+
+/// The size table of the tests: a 4 GB disk (the smallest the base image
+/// allows) so filling it is quick, 1 GiB of memory.
+pub fn test_sizes() -> BTreeMap<String, SizeSpec> {
+    let mut m = BTreeMap::new();
+    m.insert(
+        "small".to_string(),
+        SizeSpec {
+            vcpus: 2,
+            memory_mb: 1024,
+            disk_gb: 4,
+        },
+    );
+    m
+}
+
+/// Data directories to remove (and VMs to kill) when the test binary exits.
+static CLEANUP: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+static REGISTERED: OnceLock<()> = OnceLock::new();
+
+extern "C" fn cleanup_at_exit() {
+    let dirs = CLEANUP.lock().map(|d| d.clone()).unwrap_or_default();
+    for dir in dirs {
+        kill_vms_under(&dir);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// SIGKILL every QEMU/passt whose command line mentions `dir`.
+pub fn kill_vms_under(dir: &Path) {
+    let needle = dir.display().to_string();
+    for pid in pids_mentioning(&needle) {
+        // SAFETY: signalling processes this test started.
+        unsafe {
+            libc::kill(pid as i32, libc::SIGKILL);
+        }
+    }
+}
+
+/// Pids of live processes whose command line contains `needle`.
+pub fn pids_mentioning(needle: &str) -> Vec<u32> {
+    let me = std::process::id();
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        if pid == me {
+            continue;
+        }
+        if let Ok(c) = std::fs::read(format!("/proc/{pid}/cmdline")) {
+            if String::from_utf8_lossy(&c).contains(needle) {
+                out.push(pid);
+            }
+        }
+    }
+    out
+}
+
+/// A fresh data directory (short path: it holds unix sockets).
+pub fn data_dir() -> PathBuf {
+    REGISTERED.get_or_init(|| {
+        // SAFETY: registering a plain extern "C" fn.
+        unsafe {
+            libc::atexit(cleanup_at_exit);
+        }
+    });
+    let dir = tempfile::Builder::new()
+        .prefix("sp-")
+        .tempdir_in("/tmp")
+        .unwrap()
+        .keep();
+    CLEANUP.lock().unwrap().push(dir.clone());
+    dir
+}
+
+/// A runtime config for tests in `dir`.
+pub fn config(dir: &Path) -> RuntimeConfig {
+    let mut c = RuntimeConfig::new(dir);
+    c.sizes = test_sizes();
+    c
+}
+
+pub fn manager_with(c: RuntimeConfig) -> VmManager {
+    VmManager::new(c, image()).expect("VmManager::new")
+}
+
+pub fn manager() -> VmManager {
+    manager_with(config(&data_dir()))
+}
+
+pub fn new_vm(id: &str) -> CreateVm {
+    CreateVm {
+        id: id.to_string(),
+        size: "small".into(),
+        metadata: BTreeMap::new(),
+    }
+}
+
+pub fn req(cmd: &str) -> ExecRequest {
+    ExecRequest {
+        command: cmd.into(),
+        cwd: None,
+        env: BTreeMap::new(),
+        timeout_ms: 60_000,
+        max_output_bytes: 1 << 20,
+    }
+}
+
+pub fn req_timeout(cmd: &str, timeout_ms: u64) -> ExecRequest {
+    ExecRequest {
+        timeout_ms,
+        ..req(cmd)
+    }
+}
+
+/// Run a command, returning trimmed stdout; panics with everything on failure.
+pub async fn sh(vm: &Vm, cmd: &str) -> String {
+    let out = vm.agent.exec_collect(req(cmd)).await.expect("exec");
+    assert_eq!(
+        out.result.exit_code,
+        Some(0),
+        "`{cmd}` failed: {:?}\nstdout: {}\nstderr: {}",
+        out.result,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+pub async fn run(vm: &Vm, r: ExecRequest) -> ExecOutput {
+    vm.agent.exec_collect(r).await.expect("exec")
+}
+
+/// One VM shared by the tests of a binary, on a runtime that outlives them.
+pub struct Shared {
+    pub rt: tokio::runtime::Runtime,
+    pub manager: VmManager,
+    pub vm: Vm,
+}
+
+pub fn shared(id: &str, make: impl FnOnce() -> RuntimeConfig) -> Shared {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let manager = manager_with(make());
+    let vm = rt
+        .block_on(manager.create(new_vm(id)))
+        .expect("creating the shared test VM");
+    Shared { rt, manager, vm }
+}

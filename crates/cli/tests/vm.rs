@@ -1,0 +1,387 @@
+//! Real-VM tests of the guest: kernel, user, exec semantics, output limits,
+//! timeouts, background processes, files. One VM is booted for this file and
+//! shared; each test leaves it healthy for the next.
+
+mod common;
+
+use common::*;
+use sandpit_protocol::ErrorKind;
+use sandpit_runtime::{ExecEvent, RuntimeError};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+static VM: OnceLock<Shared> = OnceLock::new();
+
+fn vm() -> &'static Shared {
+    VM.get_or_init(|| shared("sbx_vmtests", || config(&data_dir())))
+}
+
+fn block<F: std::future::Future>(f: F) -> F::Output {
+    vm().rt.block_on(f)
+}
+
+#[test]
+fn boots_the_guest_kernel_and_debian() {
+    let s = vm();
+    block(async {
+        let release = sh(&s.vm, "uname -r").await;
+        assert_eq!(release, s.manager.image().kernel_release);
+        assert_eq!(s.vm.agent.info().kernel_release, release);
+        let debian = sh(&s.vm, "cat /etc/debian_version").await;
+        assert!(debian.starts_with("12"), "not Debian 12: {debian}");
+        for tool in [
+            "bash", "python3", "node", "npm", "git", "curl", "jq", "gcc", "make", "unzip", "less",
+            "pip3",
+        ] {
+            sh(&s.vm, &format!("command -v {tool}")).await;
+        }
+        sh(&s.vm, "python3 -m venv --help >/dev/null").await;
+    });
+}
+
+#[test]
+fn commands_run_as_the_unprivileged_user_without_sudo() {
+    let s = vm();
+    block(async {
+        assert_eq!(sh(&s.vm, "id -u").await, "1000");
+        assert_eq!(sh(&s.vm, "id -un").await, "user");
+        assert_eq!(sh(&s.vm, "echo $HOME").await, "/home/user");
+        assert_eq!(sh(&s.vm, "pwd").await, "/workspace");
+        assert_eq!(sh(&s.vm, "stat -c %U /workspace").await, "user");
+        let out = run(&s.vm, req("command -v sudo || ls /usr/bin/sudo")).await;
+        assert_ne!(
+            out.result.exit_code,
+            Some(0),
+            "sudo exists: {:?}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let out = run(&s.vm, req("cat /etc/shadow")).await;
+        assert_ne!(
+            out.result.exit_code,
+            Some(0),
+            "the user can read /etc/shadow"
+        );
+    });
+}
+
+#[test]
+fn exit_codes_stderr_env_and_cwd() {
+    let s = vm();
+    block(async {
+        let out = run(&s.vm, req("echo out; echo err >&2; exit 7")).await;
+        assert_eq!(out.result.exit_code, Some(7));
+        assert_eq!(out.stdout, b"out\n");
+        assert_eq!(out.stderr, b"err\n");
+        assert!(!out.result.timed_out);
+
+        let mut r = req("echo $FOO && echo $BAR-$FOO");
+        r.env.insert("FOO".into(), "it's \"quoted\" $x".into());
+        r.env.insert("BAR".into(), "bar".into());
+        let out = run(&s.vm, r).await;
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            "it's \"quoted\" $x\nbar-it's \"quoted\" $x\n"
+        );
+
+        let mut r = req("pwd");
+        r.cwd = Some("/tmp".into());
+        assert_eq!(run(&s.vm, r).await.stdout, b"/tmp\n");
+        sh(&s.vm, "mkdir -p sub/dir").await;
+        let mut r = req("pwd");
+        r.cwd = Some("sub/dir".into());
+        assert_eq!(run(&s.vm, r).await.stdout, b"/workspace/sub/dir\n");
+
+        let mut r = req("pwd");
+        r.cwd = Some("/does/not/exist".into());
+        match s.vm.agent.exec_collect(r).await {
+            Err(RuntimeError::Agent(e)) => assert_eq!(e.kind, ErrorKind::NotFound),
+            other => panic!("expected not found, got {other:?}"),
+        }
+
+        let out = run(&s.vm, req("kill -TERM $$")).await;
+        assert_eq!(out.result.exit_code, None);
+        assert_eq!(out.result.signal, Some(15));
+    });
+}
+
+#[test]
+fn output_is_streamed_as_it_is_produced() {
+    let s = vm();
+    block(async {
+        let mut h =
+            s.vm.agent
+                .exec(req("echo first; sleep 3; echo second"))
+                .unwrap();
+        let start = Instant::now();
+        let mut first_at = None;
+        let mut all = Vec::new();
+        loop {
+            match h.next().await.unwrap() {
+                ExecEvent::Stdout(b) => {
+                    if first_at.is_none() {
+                        first_at = Some(start.elapsed());
+                    }
+                    all.extend(b);
+                }
+                ExecEvent::Exited(r) => {
+                    assert_eq!(r.exit_code, Some(0));
+                    break;
+                }
+                _ => {}
+            }
+        }
+        let total = start.elapsed();
+        assert_eq!(all, b"first\nsecond\n");
+        // "first" must arrive before the command's 3 s sleep is over.
+        assert!(
+            first_at.unwrap() + Duration::from_secs(2) < total,
+            "output was not streamed"
+        );
+    });
+}
+
+#[test]
+fn a_gigabyte_of_output_is_truncated_and_the_vm_still_answers() {
+    let s = vm();
+    block(async {
+        let out = run(
+            &s.vm,
+            req_timeout("head -c 1000000000 /dev/zero; echo done >&2", 300_000),
+        )
+        .await;
+        assert_eq!(out.result.exit_code, Some(0));
+        assert!(out.result.stdout_truncated);
+        assert!(!out.result.stderr_truncated);
+        assert_eq!(out.stdout.len(), 1 << 20, "kept exactly the 1 MiB limit");
+        assert_eq!(out.result.stdout_bytes, 1_000_000_000);
+        assert_eq!(out.stderr, b"done\n");
+        s.vm.agent.ping().await.unwrap();
+        assert_eq!(sh(&s.vm, "echo alive").await, "alive");
+    });
+}
+
+#[test]
+fn a_timeout_kills_the_command_and_its_children() {
+    let s = vm();
+    block(async {
+        let out = run(
+            &s.vm,
+            req_timeout(
+                "sleep 1000 & setsid sleep 1001 & echo started; sleep 1002",
+                2_000,
+            ),
+        )
+        .await;
+        assert!(out.result.timed_out, "{:?}", out.result);
+        assert_eq!(out.stdout, b"started\n", "output before the kill is kept");
+        let left = run(&s.vm, req("pgrep -u user -f 'sleep 100[012]' || true")).await;
+        assert!(
+            left.stdout.is_empty(),
+            "survivors: {}",
+            String::from_utf8_lossy(&left.stdout)
+        );
+    });
+}
+
+#[test]
+fn a_background_server_survives_its_command() {
+    let s = vm();
+    block(async {
+        let t = Instant::now();
+        let out = run(
+            &s.vm,
+            req_timeout("mkdir -p /tmp/www && echo hello-bg > /tmp/www/index.txt && cd /tmp/www && python3 -m http.server 8123 &", 30_000),
+        )
+        .await;
+        assert_eq!(out.result.exit_code, Some(0));
+        assert!(!out.result.timed_out);
+        assert!(
+            t.elapsed() < Duration::from_secs(25),
+            "the command waited for its background child"
+        );
+        let body = sh(
+            &s.vm,
+            "for i in $(seq 100); do curl -sf http://127.0.0.1:8123/index.txt && exit 0; sleep 0.3; done; exit 1",
+        )
+        .await;
+        assert_eq!(body, "hello-bg");
+        // It keeps serving (and logging to the closed command's stderr) later on.
+        assert_eq!(
+            sh(&s.vm, "curl -sf http://127.0.0.1:8123/index.txt").await,
+            "hello-bg"
+        );
+        sh(&s.vm, "pkill -f 'http.server 8123'").await;
+    });
+}
+
+#[test]
+fn several_commands_run_at_once() {
+    let s = vm();
+    block(async {
+        sh(&s.vm, "rm -f /tmp/go").await;
+        // The waiter can only finish if the second command runs while it waits.
+        let waiter = s.vm.agent.exec_collect(req_timeout(
+            "while [ ! -f /tmp/go ]; do sleep 0.1; done; echo waited",
+            60_000,
+        ));
+        let starter = async {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            s.vm.agent
+                .exec_collect(req("touch /tmp/go; echo started"))
+                .await
+        };
+        let (w, st) = tokio::join!(waiter, starter);
+        assert_eq!(w.unwrap().stdout, b"waited\n");
+        assert_eq!(st.unwrap().stdout, b"started\n");
+    });
+}
+
+#[test]
+fn files_with_every_byte_value_round_trip() {
+    let s = vm();
+    block(async {
+        let bytes: Vec<u8> = (0..=255u8).cycle().take(256 * 41).collect();
+        let (path, n) =
+            s.vm.agent
+                .write_file("bin/all-bytes.bin", &bytes, None)
+                .await
+                .unwrap();
+        assert_eq!(path, "/workspace/bin/all-bytes.bin");
+        assert_eq!(n, bytes.len() as u64);
+        let (_, back) =
+            s.vm.agent
+                .read_file("/workspace/bin/all-bytes.bin", 1 << 20)
+                .await
+                .unwrap();
+        assert_eq!(back, bytes);
+        assert_eq!(
+            sh(&s.vm, "stat -c %U:%G bin bin/all-bytes.bin").await,
+            "user:user\nuser:user"
+        );
+        assert_eq!(
+            sh(&s.vm, "sha256sum bin/all-bytes.bin | cut -d' ' -f1").await,
+            sha256_hex(&bytes)
+        );
+        // Quotes and newlines survive: content never passes through a shell.
+        let tricky = b"'$(rm -rf /)' \"\n`x`\r\n\\0\x00end";
+        s.vm.agent
+            .write_file("tricky.txt", tricky, None)
+            .await
+            .unwrap();
+        assert_eq!(
+            s.vm.agent.read_file("tricky.txt", 100).await.unwrap().1,
+            tricky
+        );
+        // Empty file.
+        s.vm.agent.write_file("empty", b"", None).await.unwrap();
+        assert_eq!(s.vm.agent.read_file("empty", 100).await.unwrap().1, b"");
+    });
+}
+
+fn sha256_hex(b: &[u8]) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(b))
+}
+
+#[test]
+fn a_20_mb_file_round_trips() {
+    let s = vm();
+    block(async {
+        let bytes: Vec<u8> = (0..20_000_000u32)
+            .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+            .collect();
+        s.vm.agent
+            .write_file("big.bin", &bytes, None)
+            .await
+            .unwrap();
+        assert_eq!(sh(&s.vm, "stat -c %s big.bin").await, "20000000");
+        assert_eq!(
+            sh(&s.vm, "sha256sum big.bin | cut -d' ' -f1").await,
+            sha256_hex(&bytes)
+        );
+        let (_, back) = s.vm.agent.read_file("big.bin", 32 << 20).await.unwrap();
+        assert!(back == bytes, "20 MB read back differs");
+        match s.vm.agent.read_file("big.bin", 1 << 20).await {
+            Err(RuntimeError::Agent(e)) => assert_eq!(e.kind, ErrorKind::TooLarge),
+            other => panic!(
+                "expected too large, got {:?}",
+                other.map(|(p, b)| (p, b.len()))
+            ),
+        }
+        sh(&s.vm, "rm big.bin").await;
+    });
+}
+
+#[test]
+fn file_errors_are_typed() {
+    let s = vm();
+    block(async {
+        let kind = |r: Result<(String, Vec<u8>), RuntimeError>| match r {
+            Err(RuntimeError::Agent(e)) => e.kind,
+            other => panic!("expected an agent error, got {:?}", other.map(|(p, _)| p)),
+        };
+        assert_eq!(
+            kind(s.vm.agent.read_file("nope.txt", 10).await),
+            ErrorKind::NotFound
+        );
+        assert_eq!(
+            kind(s.vm.agent.read_file("/workspace", 10).await),
+            ErrorKind::IsADirectory
+        );
+        assert_eq!(
+            kind(s.vm.agent.read_file("/etc/shadow", 10).await),
+            ErrorKind::PermissionDenied
+        );
+        match s.vm.agent.write_file("/etc/evil", b"x", None).await {
+            Err(RuntimeError::Agent(e)) => assert_eq!(e.kind, ErrorKind::PermissionDenied),
+            other => panic!("{other:?}"),
+        }
+        match s.vm.agent.write_file("/workspace", b"x", None).await {
+            Err(RuntimeError::Agent(e)) => assert_eq!(e.kind, ErrorKind::IsADirectory),
+            other => panic!("{other:?}"),
+        }
+    });
+}
+
+#[test]
+fn listing_a_tree_and_deleting() {
+    let s = vm();
+    block(async {
+        sh(&s.vm, "rm -rf tree && mkdir -p tree/a/b && printf 12345 > tree/a/b/five && printf x > tree/one && ln -s one tree/link").await;
+        let (path, entries, truncated) = s.vm.agent.list_files("tree", true, 1000).await.unwrap();
+        assert_eq!(path, "/workspace/tree");
+        assert!(!truncated);
+        let mut got: Vec<(String, String, u64)> = entries
+            .iter()
+            .map(|e| (e.name.clone(), format!("{:?}", e.kind), e.size_bytes))
+            .collect();
+        got.sort();
+        let want = vec![
+            ("a".to_string(), "Dir".to_string(), 0),
+            ("a/b".to_string(), "Dir".to_string(), 0),
+            ("a/b/five".to_string(), "File".to_string(), 5),
+            ("link".to_string(), "Symlink".to_string(), 3),
+            ("one".to_string(), "File".to_string(), 1),
+        ];
+        assert_eq!(got.len(), want.len(), "{got:?}");
+        for (g, w) in got.iter().zip(&want) {
+            assert_eq!((&g.0, &g.1), (&w.0, &w.1));
+            if w.1 == "File" {
+                assert_eq!(g.2, w.2);
+            }
+        }
+        let (_, top, _) = s.vm.agent.list_files("tree", false, 1000).await.unwrap();
+        assert_eq!(top.len(), 3, "{top:?}");
+        let (_, capped, truncated) = s.vm.agent.list_files("tree", true, 2).await.unwrap();
+        assert_eq!(capped.len(), 2);
+        assert!(truncated);
+
+        s.vm.agent.delete_file("tree/one", false).await.unwrap();
+        assert!(matches!(
+            s.vm.agent.delete_file("tree/a", false).await,
+            Err(RuntimeError::Agent(_))
+        ));
+        s.vm.agent.delete_file("tree", true).await.unwrap();
+        assert_eq!(sh(&s.vm, "test -e tree && echo yes || echo no").await, "no");
+    });
+}

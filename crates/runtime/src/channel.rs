@@ -1,0 +1,479 @@
+//! The host end of the agent channel: one connection to a guest's agent over
+//! QEMU's virtio-serial chardev socket, multiplexing many requests at once.
+//!
+//! A reader task decodes frames and routes each to the request it answers (by
+//! id); a writer task owns the socket's write half, so callers never block one
+//! another and a request dropped half-way can still queue its `Cancel`. The
+//! session starts with `Hello{nonce}`; everything before the `HelloAck` that
+//! echoes our nonce is discarded, because the port may hold bytes an earlier
+//! host connection left behind.
+
+use crate::{Result, RuntimeError};
+use sandpit_protocol::{
+    encode_frame, AgentError, DoneResult, ErrorKind, ExecRequest, ExecResult, FileEntry, Frame,
+    FrameDecoder, GuestConfig, Message, RequestId, CHUNK_LEN, PROTOCOL_GENERATION,
+};
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
+use tokio::sync::mpsc;
+
+/// What the agent said about itself in the handshake.
+#[derive(Debug, Clone)]
+pub struct AgentInfo {
+    pub protocol: u32,
+    pub agent_version: String,
+    pub kernel_release: String,
+    pub hostname: String,
+}
+
+struct Inner {
+    out: mpsc::UnboundedSender<Vec<u8>>,
+    pending: Mutex<HashMap<RequestId, mpsc::UnboundedSender<Frame>>>,
+    next_id: AtomicU64,
+    closed: AtomicBool,
+}
+
+impl Inner {
+    fn send(&self, message: &Message, body: &[u8]) -> Result<()> {
+        self.out
+            .send(encode_frame(message, body))
+            .map_err(|_| RuntimeError::Disconnected("the connection is closed".into()))
+    }
+}
+
+/// A live connection to one guest agent. Cheap to clone.
+#[derive(Clone)]
+pub struct AgentClient {
+    inner: Arc<Inner>,
+    info: Arc<AgentInfo>,
+}
+
+/// An event of a running command.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ExecEvent {
+    Started { pid: u32 },
+    Stdout(Vec<u8>),
+    Stderr(Vec<u8>),
+    Exited(ExecResult),
+}
+
+/// A command running in the guest. Dropping it before it exits cancels it.
+pub struct ExecHandle {
+    id: RequestId,
+    inner: Arc<Inner>,
+    rx: mpsc::UnboundedReceiver<Frame>,
+    finished: bool,
+}
+
+impl ExecHandle {
+    /// The next event; `Exited` is the last one.
+    pub async fn next(&mut self) -> Result<ExecEvent> {
+        if self.finished {
+            return Err(RuntimeError::Disconnected(
+                "the command already exited".into(),
+            ));
+        }
+        let frame = self.rx.recv().await.ok_or_else(|| {
+            RuntimeError::Disconnected("the agent connection closed while the command ran".into())
+        })?;
+        match frame.message {
+            Message::Started { pid, .. } => Ok(ExecEvent::Started { pid }),
+            Message::Stdout { .. } => Ok(ExecEvent::Stdout(frame.body)),
+            Message::Stderr { .. } => Ok(ExecEvent::Stderr(frame.body)),
+            Message::Exited { result, .. } => {
+                self.finished = true;
+                Ok(ExecEvent::Exited(result))
+            }
+            Message::Error { error, .. } => {
+                self.finished = true;
+                Err(RuntimeError::Agent(error))
+            }
+            other => Err(RuntimeError::Disconnected(format!(
+                "unexpected message for a command: {other:?}"
+            ))),
+        }
+    }
+
+    /// Ask the guest to kill the command; its `Exited` follows with `cancelled`.
+    pub fn cancel(&self) {
+        let _ = self.inner.send(&Message::Cancel { id: self.id }, &[]);
+    }
+}
+
+impl Drop for ExecHandle {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.cancel();
+        }
+        self.inner.pending.lock().unwrap().remove(&self.id);
+    }
+}
+
+/// Output of a command collected whole.
+#[derive(Debug, Clone)]
+pub struct ExecOutput {
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+    pub result: ExecResult,
+}
+
+impl AgentClient {
+    /// Connect to the agent socket and complete the handshake within `timeout`
+    /// (which is also how long a booting guest has to come up).
+    pub async fn connect(socket: &Path, timeout: Duration) -> Result<AgentClient> {
+        let stream = UnixStream::connect(socket)
+            .await
+            .map_err(RuntimeError::io(format!(
+                "connecting to the agent socket {}",
+                socket.display()
+            )))?;
+        let (mut rd, mut wr) = stream.into_split();
+        let nonce: u64 = rand::random();
+        wr.write_all(&encode_frame(
+            &Message::Hello {
+                protocol: PROTOCOL_GENERATION,
+                nonce,
+            },
+            &[],
+        ))
+        .await
+        .map_err(RuntimeError::io("sending the handshake"))?;
+
+        let mut decoder = FrameDecoder::new();
+        let mut buf = vec![0u8; 64 * 1024];
+        let handshake = async {
+            loop {
+                while let Some(frame) = decoder.next_frame().ok().flatten() {
+                    if let Message::HelloAck {
+                        protocol,
+                        nonce: n,
+                        agent_version,
+                        kernel_release,
+                        hostname,
+                    } = frame.message
+                    {
+                        if n == nonce {
+                            return Ok(AgentInfo {
+                                protocol,
+                                agent_version,
+                                kernel_release,
+                                hostname,
+                            });
+                        }
+                    }
+                }
+                let n = rd
+                    .read(&mut buf)
+                    .await
+                    .map_err(RuntimeError::io("reading the handshake"))?;
+                if n == 0 {
+                    return Err(RuntimeError::Disconnected(
+                        "the VM closed the agent channel during the handshake".into(),
+                    ));
+                }
+                decoder.push(&buf[..n]);
+            }
+        };
+        let info = match tokio::time::timeout(timeout, handshake).await {
+            Ok(r) => r?,
+            Err(_) => {
+                return Err(RuntimeError::BootTimeout {
+                    secs: timeout.as_secs(),
+                    console_tail: String::new(),
+                })
+            }
+        };
+        if info.protocol != PROTOCOL_GENERATION {
+            return Err(RuntimeError::ProtocolMismatch {
+                host: PROTOCOL_GENERATION,
+                guest: info.protocol,
+            });
+        }
+
+        let (out_tx, mut out_rx) = mpsc::unbounded_channel::<Vec<u8>>();
+        let inner = Arc::new(Inner {
+            out: out_tx,
+            pending: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            closed: AtomicBool::new(false),
+        });
+        tokio::spawn(async move {
+            while let Some(bytes) = out_rx.recv().await {
+                if wr.write_all(&bytes).await.is_err() {
+                    break;
+                }
+            }
+        });
+        let reader_inner = inner.clone();
+        tokio::spawn(async move {
+            loop {
+                loop {
+                    match decoder.next_frame() {
+                        Ok(Some(frame)) => route(&reader_inner, frame),
+                        Ok(None) => break,
+                        Err(e) => tracing::warn!("bad frame from the agent: {e}"),
+                    }
+                }
+                match rd.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => decoder.push(&buf[..n]),
+                }
+            }
+            reader_inner.closed.store(true, Ordering::SeqCst);
+            reader_inner.pending.lock().unwrap().clear();
+        });
+        Ok(AgentClient {
+            inner,
+            info: Arc::new(info),
+        })
+    }
+
+    /// What the agent reported in the handshake.
+    pub fn info(&self) -> &AgentInfo {
+        &self.info
+    }
+
+    /// Has the connection closed (VM gone or agent unreachable)?
+    pub fn is_closed(&self) -> bool {
+        self.inner.closed.load(Ordering::SeqCst)
+    }
+
+    fn register(&self) -> Result<(RequestId, mpsc::UnboundedReceiver<Frame>)> {
+        if self.is_closed() {
+            return Err(RuntimeError::Disconnected(
+                "the connection is closed".into(),
+            ));
+        }
+        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.inner.pending.lock().unwrap().insert(id, tx);
+        Ok((id, rx))
+    }
+
+    async fn finish(
+        &self,
+        id: RequestId,
+        rx: &mut mpsc::UnboundedReceiver<Frame>,
+    ) -> Result<Frame> {
+        let r = rx.recv().await;
+        self.inner.pending.lock().unwrap().remove(&id);
+        let frame = r.ok_or_else(|| {
+            RuntimeError::Disconnected("the agent connection closed mid-request".into())
+        })?;
+        match frame.message {
+            Message::Error { error, .. } => Err(RuntimeError::Agent(error)),
+            _ => Ok(frame),
+        }
+    }
+
+    async fn simple(
+        &self,
+        make: impl FnOnce(RequestId) -> Message,
+        body: &[u8],
+    ) -> Result<DoneResult> {
+        let (id, mut rx) = self.register()?;
+        self.inner.send(&make(id), body)?;
+        let frame = self.finish(id, &mut rx).await?;
+        match frame.message {
+            Message::Done { result, .. } => Ok(result),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Round trip through the agent.
+    pub async fn ping(&self) -> Result<()> {
+        self.simple(|id| Message::Ping { id }, &[])
+            .await
+            .map(|_| ())
+    }
+
+    /// Give the guest its identity, clock, limits and network (and fresh entropy).
+    pub async fn configure(&self, config: GuestConfig, entropy: &[u8]) -> Result<()> {
+        self.simple(|id| Message::Configure { id, config }, entropy)
+            .await
+            .map(|_| ())
+    }
+
+    /// Start a command; read its events from the handle.
+    pub fn exec(&self, request: ExecRequest) -> Result<ExecHandle> {
+        let (id, rx) = self.register()?;
+        self.inner.send(&Message::Exec { id, request }, &[])?;
+        Ok(ExecHandle {
+            id,
+            inner: self.inner.clone(),
+            rx,
+            finished: false,
+        })
+    }
+
+    /// Run a command and collect its whole output.
+    pub async fn exec_collect(&self, request: ExecRequest) -> Result<ExecOutput> {
+        let mut h = self.exec(request)?;
+        let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
+        loop {
+            match h.next().await? {
+                ExecEvent::Started { .. } => {}
+                ExecEvent::Stdout(b) => stdout.extend_from_slice(&b),
+                ExecEvent::Stderr(b) => stderr.extend_from_slice(&b),
+                ExecEvent::Exited(result) => {
+                    return Ok(ExecOutput {
+                        stdout,
+                        stderr,
+                        result,
+                    })
+                }
+            }
+        }
+    }
+
+    /// Write a whole file (binary-exact; parents created; owned by the user).
+    /// Returns the resolved path and the byte count.
+    pub async fn write_file(
+        &self,
+        path: &str,
+        content: &[u8],
+        mode: Option<u32>,
+    ) -> Result<(String, u64)> {
+        let (id, mut rx) = self.register()?;
+        self.inner.send(
+            &Message::WriteFile {
+                id,
+                path: path.to_string(),
+                size: content.len() as u64,
+                mode,
+            },
+            &[],
+        )?;
+        for chunk in content.chunks(CHUNK_LEN) {
+            self.inner.send(&Message::FileData { id }, chunk)?;
+        }
+        let frame = self.finish(id, &mut rx).await?;
+        match frame.message {
+            Message::Done {
+                result: DoneResult::Written { path, bytes },
+                ..
+            } => Ok((path, bytes)),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Read a whole file of at most `max_bytes`. Returns the resolved path and content.
+    pub async fn read_file(&self, path: &str, max_bytes: u64) -> Result<(String, Vec<u8>)> {
+        let (id, mut rx) = self.register()?;
+        self.inner.send(
+            &Message::ReadFile {
+                id,
+                path: path.to_string(),
+                max_bytes,
+            },
+            &[],
+        )?;
+        let mut content = Vec::new();
+        let result = loop {
+            let frame = rx.recv().await.ok_or_else(|| {
+                RuntimeError::Disconnected("the agent connection closed mid-read".into())
+            });
+            let frame = match frame {
+                Ok(f) => f,
+                Err(e) => break Err(e),
+            };
+            match frame.message {
+                Message::FileInfo { size, .. } => {
+                    content.reserve(size.min(max_bytes) as usize);
+                }
+                Message::FileData { .. } => {
+                    if content.len() as u64 + frame.body.len() as u64 > max_bytes {
+                        break Err(RuntimeError::Agent(AgentError::new(
+                            ErrorKind::TooLarge,
+                            format!("the file grew past the {max_bytes}-byte read limit while being read"),
+                        )));
+                    }
+                    content.extend_from_slice(&frame.body);
+                }
+                Message::Done {
+                    result: DoneResult::Read { path, .. },
+                    ..
+                } => break Ok((path, content)),
+                Message::Error { error, .. } => break Err(RuntimeError::Agent(error)),
+                other => break Err(unexpected(other)),
+            }
+        };
+        self.inner.pending.lock().unwrap().remove(&id);
+        result
+    }
+
+    /// List a directory tree.
+    pub async fn list_files(
+        &self,
+        path: &str,
+        recursive: bool,
+        max_entries: u64,
+    ) -> Result<(String, Vec<FileEntry>, bool)> {
+        match self
+            .simple(
+                |id| Message::ListFiles {
+                    id,
+                    path: path.to_string(),
+                    recursive,
+                    max_entries,
+                },
+                &[],
+            )
+            .await?
+        {
+            DoneResult::Listing {
+                path,
+                entries,
+                truncated,
+            } => Ok((path, entries, truncated)),
+            other => Err(RuntimeError::Disconnected(format!(
+                "unexpected answer to a listing: {other:?}"
+            ))),
+        }
+    }
+
+    /// Delete a file or (recursive) a tree. Returns the resolved path.
+    pub async fn delete_file(&self, path: &str, recursive: bool) -> Result<String> {
+        match self
+            .simple(
+                |id| Message::DeleteFile {
+                    id,
+                    path: path.to_string(),
+                    recursive,
+                },
+                &[],
+            )
+            .await?
+        {
+            DoneResult::Deleted { path } => Ok(path),
+            other => Err(RuntimeError::Disconnected(format!(
+                "unexpected answer to a delete: {other:?}"
+            ))),
+        }
+    }
+
+    /// Ask the guest to power itself off (it does not answer).
+    pub fn power_off(&self) -> Result<()> {
+        let (id, _rx) = self.register()?;
+        self.inner.send(&Message::PowerOff { id }, &[])
+    }
+}
+
+fn route(inner: &Inner, frame: Frame) {
+    let Some(id) = frame.message.request_id() else {
+        return;
+    };
+    let pending = inner.pending.lock().unwrap();
+    if let Some(tx) = pending.get(&id) {
+        let _ = tx.send(frame);
+    }
+}
+
+fn unexpected(m: Message) -> RuntimeError {
+    RuntimeError::Disconnected(format!("unexpected message from the agent: {m:?}"))
+}

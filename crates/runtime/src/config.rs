@@ -1,0 +1,159 @@
+//! Runtime configuration: sizes, accelerator, network policy, limits.
+//!
+//! Defaults follow the public API's size table; operators change them in the
+//! server's config file (and tests shrink them so a disk filler finishes).
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Resources of one sandbox size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SizeSpec {
+    pub vcpus: u32,
+    pub memory_mb: u32,
+    pub disk_gb: u32,
+}
+
+/// Which accelerator QEMU uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum AccelChoice {
+    /// KVM when it is really usable, otherwise TCG.
+    #[default]
+    Auto,
+    Kvm,
+    Tcg,
+}
+
+/// Outbound network of sandboxes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetworkPolicy {
+    /// Give sandboxes a network at all.
+    pub enabled: bool,
+    /// IPv4 CIDRs the guest may never reach. The host's own addresses are added
+    /// at start-up.
+    pub deny: Vec<String>,
+    /// Name servers the guest uses; default: passt forwards to the host's resolver.
+    pub dns: Option<Vec<String>>,
+}
+
+/// The safe default deny list: link-local (cloud metadata at 169.254.169.254),
+/// private ranges (the operator's own network), carrier-grade NAT (some clouds'
+/// metadata), loopback and "this network", multicast and reserved space.
+pub const DEFAULT_DENY: &[&str] = &[
+    "0.0.0.0/8",
+    "10.0.0.0/8",
+    "100.64.0.0/10",
+    "127.0.0.0/8",
+    "169.254.0.0/16",
+    "172.16.0.0/12",
+    "192.0.0.0/24",
+    "192.168.0.0/16",
+    "224.0.0.0/4",
+    "240.0.0.0/4",
+];
+
+impl Default for NetworkPolicy {
+    fn default() -> Self {
+        NetworkPolicy {
+            enabled: true,
+            deny: DEFAULT_DENY.iter().map(|s| s.to_string()).collect(),
+            dns: None,
+        }
+    }
+}
+
+/// Everything the runtime needs to know.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RuntimeConfig {
+    /// Where VM directories live (`<data_dir>/vms/<id>`).
+    pub data_dir: PathBuf,
+    /// Size table.
+    pub sizes: BTreeMap<String, SizeSpec>,
+    pub accel: AccelChoice,
+    /// A VM whose agent does not answer within this bound is a failed create.
+    #[serde(with = "humantime_secs")]
+    pub boot_timeout: Duration,
+    pub network: NetworkPolicy,
+    /// Most processes the guest user may have at once.
+    pub user_pids_max: u32,
+    /// Guest memory kept from the user for the agent and kernel.
+    pub reserved_memory_mb: u32,
+    /// TCG translation cache per VM, MiB (host memory per sandbox).
+    pub tcg_tb_size_mb: u32,
+    pub qemu_binary: PathBuf,
+    pub passt_binary: PathBuf,
+}
+
+mod humantime_secs {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::time::Duration;
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(d.as_secs())
+    }
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        Ok(Duration::from_secs(u64::deserialize(d)?))
+    }
+}
+
+/// The public API's default size table.
+pub fn default_sizes() -> BTreeMap<String, SizeSpec> {
+    let mut m = BTreeMap::new();
+    m.insert(
+        "small".into(),
+        SizeSpec {
+            vcpus: 2,
+            memory_mb: 4096,
+            disk_gb: 40,
+        },
+    );
+    m.insert(
+        "medium".into(),
+        SizeSpec {
+            vcpus: 4,
+            memory_mb: 8192,
+            disk_gb: 40,
+        },
+    );
+    m.insert(
+        "large".into(),
+        SizeSpec {
+            vcpus: 8,
+            memory_mb: 16384,
+            disk_gb: 40,
+        },
+    );
+    m
+}
+
+impl RuntimeConfig {
+    pub fn new(data_dir: impl Into<PathBuf>) -> Self {
+        RuntimeConfig {
+            data_dir: data_dir.into(),
+            sizes: default_sizes(),
+            accel: AccelChoice::Auto,
+            boot_timeout: Duration::from_secs(60),
+            network: NetworkPolicy::default(),
+            user_pids_max: 4096,
+            reserved_memory_mb: 96,
+            tcg_tb_size_mb: 64,
+            qemu_binary: "qemu-system-x86_64".into(),
+            passt_binary: "passt".into(),
+        }
+    }
+
+    pub fn vms_dir(&self) -> PathBuf {
+        self.data_dir.join("vms")
+    }
+
+    pub fn size(&self, name: &str) -> crate::Result<SizeSpec> {
+        self.sizes.get(name).copied().ok_or_else(|| {
+            crate::RuntimeError::UnknownSize(
+                name.to_string(),
+                self.sizes.keys().cloned().collect::<Vec<_>>().join(", "),
+            )
+        })
+    }
+}

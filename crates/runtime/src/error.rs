@@ -1,0 +1,56 @@
+//! One error type for the runtime, one variant per thing that can go wrong, so
+//! callers (the CLI now, the control plane later) can map each to a stable API
+//! error without parsing messages.
+
+use sandpit_protocol::AgentError;
+
+/// Everything the runtime can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    /// No VM with this id lives on this host.
+    #[error("no sandbox VM with id {0} on this host")]
+    NotFound(String),
+    /// The size name is not in the configured size table.
+    #[error("unknown size {0:?} (configured sizes: {1})")]
+    UnknownSize(String, String),
+    /// The guest agent reported a typed failure (not found, permission denied...).
+    #[error(transparent)]
+    Agent(#[from] AgentError),
+    /// The guest did not reach its agent within the boot bound.
+    #[error("the VM did not boot within {secs} s; last console lines:\n{console_tail}")]
+    BootTimeout { secs: u64, console_tail: String },
+    /// The VM is gone: QEMU exited (guest power-off, panic, crash or kill).
+    #[error("the VM is not running: {cause}")]
+    VmExited { cause: String },
+    /// The agent channel closed or misbehaved.
+    #[error("lost the connection to the guest agent: {0}")]
+    Disconnected(String),
+    /// The guest agent speaks another protocol generation.
+    #[error("guest agent speaks protocol generation {guest}, this host speaks {host}; rebuild the image")]
+    ProtocolMismatch { host: u32, guest: u32 },
+    /// Starting or driving QEMU (or passt) failed.
+    #[error("{0}")]
+    Launch(String),
+    /// A host tool is missing.
+    #[error(
+        "{tool} is not installed; install the Debian package {package} (apt-get install {package})"
+    )]
+    MissingTool { tool: String, package: String },
+    /// Filesystem or socket error on the host.
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl RuntimeError {
+    /// Wrap an I/O error with what was being done.
+    pub fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> RuntimeError {
+        let context = context.into();
+        move |source| RuntimeError::Io { context, source }
+    }
+}
+
+pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;

@@ -1,0 +1,80 @@
+//! Host processes the runtime owns (QEMU, passt), found again by pid across
+//! CLI invocations and server restarts.
+//!
+//! A pid alone is not an identity (pids are reused), so a process counts as
+//! ours only while its command line still carries the marker we gave it.
+
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::time::Duration;
+
+/// Is `pid` alive (not a zombie) with `marker` in its command line?
+pub fn alive_with_marker(pid: u32, marker: &str) -> bool {
+    if pid == 0 {
+        return false;
+    }
+    let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+        return false;
+    };
+    if !String::from_utf8_lossy(&cmdline).contains(marker) {
+        return false;
+    }
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => {
+            // state is the field after the parenthesised comm
+            let state = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().next())
+                .unwrap_or("?");
+            state != "Z" && state != "X"
+        }
+        Err(_) => false,
+    }
+}
+
+/// Open a pidfd (Linux ≥ 5.3): readable once the process exits.
+pub fn pidfd_open(pid: u32) -> Option<OwnedFd> {
+    // SAFETY: plain syscall; a non-negative result is a new fd we own.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if fd < 0 {
+        None
+    } else {
+        // SAFETY: fd is a fresh descriptor returned by the kernel.
+        Some(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+    }
+}
+
+/// Wait until the process behind a pidfd exits.
+pub async fn wait_pidfd(fd: OwnedFd) {
+    // SAFETY: the OwnedFd is moved into the AsyncFd and stays open, unchanged,
+    // for its whole lifetime.
+    match unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE)
+    } {
+        Ok(afd) => {
+            let _ = afd.readable().await;
+        }
+        Err(_) => std::future::pending::<()>().await,
+    }
+}
+
+/// SIGKILL a process that is ours and wait (bounded) until it is gone.
+pub async fn kill_and_wait(pid: u32, marker: &str, bound: Duration) -> bool {
+    if !alive_with_marker(pid, marker) {
+        return true;
+    }
+    let fd = pidfd_open(pid);
+    // SAFETY: signalling a pid we just verified carries our marker.
+    unsafe {
+        libc::kill(pid as libc::pid_t, libc::SIGKILL);
+    }
+    match fd {
+        Some(fd) => tokio::time::timeout(bound, wait_pidfd(fd)).await.is_ok(),
+        None => {
+            let deadline = std::time::Instant::now() + bound;
+            while alive_with_marker(pid, marker) && std::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            !alive_with_marker(pid, marker)
+        }
+    }
+}

@@ -1,0 +1,668 @@
+//! One QEMU process per sandbox: launch, find again, health, destroy.
+//!
+//! Every VM owns one directory, `<data_dir>/vms/<id>/`, and nothing outside
+//! it: the copy-on-write overlay disk, the agent and QMP sockets, the console
+//! log, passt's socket and `vm.json`. Destroy kills the processes and removes
+//! the directory, so "nothing leaks" is checkable by listing one folder.
+//!
+//! QEMU runs in its own session (it outlives the CLI call that started it),
+//! under seccomp (`-sandbox on`), and, when the runtime is root, as an
+//! unprivileged uid of its own after start-up (each VM a different uid), so a
+//! compromised QEMU cannot signal another sandbox's QEMU or open its files.
+
+use crate::accel::Accel;
+use crate::channel::AgentClient;
+use crate::config::{RuntimeConfig, SizeSpec};
+use crate::image::GuestImage;
+use crate::{console, net, process, Result, RuntimeError};
+use rand::RngCore;
+use sandpit_protocol::{GuestConfig, NetworkConfig, AGENT_PORT_NAME};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+use time::OffsetDateTime;
+
+/// What the runtime remembers about a VM (`vm.json`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct VmRecord {
+    pub id: String,
+    pub size: String,
+    pub resources: SizeSpec,
+    pub accel: Accel,
+    pub image_id: String,
+    pub kernel_release: String,
+    #[serde(with = "time::serde::rfc3339")]
+    pub created_at: OffsetDateTime,
+    #[serde(with = "time::serde::rfc3339::option", default)]
+    pub ready_at: Option<OffsetDateTime>,
+    pub qemu_pid: u32,
+    #[serde(default)]
+    pub passt_pid: Option<u32>,
+    /// The unprivileged uid QEMU runs as (when the runtime is root).
+    #[serde(default)]
+    pub qemu_uid: Option<u32>,
+    /// Free-form labels of the caller (name, expiry, owner...).
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
+}
+
+impl VmRecord {
+    /// The marker in QEMU's command line that identifies this VM's process.
+    pub fn qemu_marker(&self) -> String {
+        qemu_marker(&self.id)
+    }
+}
+
+fn qemu_marker(id: &str) -> String {
+    format!("sandpit-vm-{id}")
+}
+
+/// Is the VM running, or why not?
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "state", rename_all = "lowercase")]
+pub enum VmState {
+    Running,
+    Exited { cause: String },
+}
+
+/// The files of one VM.
+#[derive(Debug, Clone)]
+pub struct VmPaths {
+    pub dir: PathBuf,
+}
+
+impl VmPaths {
+    pub fn record(&self) -> PathBuf {
+        self.dir.join("vm.json")
+    }
+    pub fn disk(&self) -> PathBuf {
+        self.dir.join("disk.qcow2")
+    }
+    pub fn agent_socket(&self) -> PathBuf {
+        self.dir.join("agent.sock")
+    }
+    pub fn qmp_socket(&self) -> PathBuf {
+        self.dir.join("qmp.sock")
+    }
+    pub fn console(&self) -> PathBuf {
+        self.dir.join("console.log")
+    }
+    pub fn qemu_log(&self) -> PathBuf {
+        self.dir.join("qemu.log")
+    }
+}
+
+/// Owns the VMs of one data directory.
+pub struct VmManager {
+    config: RuntimeConfig,
+    image: GuestImage,
+    accel: Accel,
+    deny: Vec<String>,
+    qemu_major: u32,
+}
+
+/// What to create.
+#[derive(Debug, Clone)]
+pub struct CreateVm {
+    pub id: String,
+    pub size: String,
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// A running VM and a live connection to its agent.
+pub struct Vm {
+    pub record: VmRecord,
+    pub paths: VmPaths,
+    pub agent: AgentClient,
+}
+
+impl VmManager {
+    /// A manager for `config.data_dir` booting `image`.
+    pub fn new(config: RuntimeConfig, image: GuestImage) -> Result<VmManager> {
+        let accel = crate::accel::choose(config.accel);
+        std::fs::create_dir_all(config.vms_dir()).map_err(RuntimeError::io(format!(
+            "creating {}",
+            config.vms_dir().display()
+        )))?;
+        let mut deny = config.network.deny.clone();
+        deny.extend(
+            net::host_addresses()
+                .into_iter()
+                .filter(|a| !a.starts_with("127.")),
+        );
+        let qemu_major = qemu_major_version(&config.qemu_binary)?;
+        Ok(VmManager {
+            config,
+            image,
+            accel,
+            deny,
+            qemu_major,
+        })
+    }
+
+    pub fn accel(&self) -> Accel {
+        self.accel
+    }
+
+    pub fn config(&self) -> &RuntimeConfig {
+        &self.config
+    }
+
+    pub fn image(&self) -> &GuestImage {
+        &self.image
+    }
+
+    /// The files of VM `id` (which may not exist).
+    pub fn paths(&self, id: &str) -> VmPaths {
+        VmPaths {
+            dir: self.config.vms_dir().join(id),
+        }
+    }
+
+    /// Boot a new VM and wait until its agent is configured and answering.
+    /// On any failure nothing of it is left behind.
+    pub async fn create(&self, req: CreateVm) -> Result<Vm> {
+        validate_id(&req.id)?;
+        let size = self.config.size(&req.size)?;
+        let paths = self.paths(&req.id);
+        std::fs::create_dir(&paths.dir).map_err(RuntimeError::io(format!(
+            "creating the VM directory {}",
+            paths.dir.display()
+        )))?;
+        match self.boot(&req, size, &paths).await {
+            Ok(vm) => Ok(vm),
+            Err(e) => {
+                let e = match e {
+                    RuntimeError::BootTimeout { secs, .. } => RuntimeError::BootTimeout {
+                        secs,
+                        console_tail: console::tail_lines(&paths.console(), 30),
+                    },
+                    RuntimeError::Disconnected(_) => RuntimeError::VmExited {
+                        cause: format!(
+                            "{}; last console lines:\n{}",
+                            console::exit_cause(&paths.console(), &paths.qemu_log()),
+                            console::tail_lines(&paths.console(), 30)
+                        ),
+                    },
+                    other => other,
+                };
+                let _ = self.destroy(&req.id).await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn boot(&self, req: &CreateVm, size: SizeSpec, paths: &VmPaths) -> Result<Vm> {
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            // Only root (the runtime) walks into a VM's directory; QEMU opens
+            // everything it needs before it drops to its own uid.
+            let _ = std::fs::set_permissions(&paths.dir, std::fs::Permissions::from_mode(0o700));
+        }
+        let sock_len = paths.agent_socket().as_os_str().len();
+        if sock_len > 100 {
+            return Err(RuntimeError::Launch(format!(
+                "the data directory path is too long for unix sockets ({} bytes); use a shorter --data-dir",
+                sock_len
+            )));
+        }
+        create_overlay(&self.image.rootfs, &paths.disk(), size.disk_gb).await?;
+
+        let passt = if self.config.network.enabled {
+            Some(net::start_passt(&self.config.passt_binary, &paths.dir).await?)
+        } else {
+            None
+        };
+
+        let run_as = if nix::unistd::geteuid().is_root() {
+            Some(self.vm_uid(&req.id))
+        } else {
+            None
+        };
+        if let Some(uid) = run_as {
+            // The overlay belongs to this VM's uid alone.
+            use std::os::unix::fs::PermissionsExt;
+            let _ = std::os::unix::fs::chown(paths.disk(), Some(uid), Some(uid));
+            let _ = std::fs::set_permissions(paths.disk(), std::fs::Permissions::from_mode(0o600));
+        }
+        let args = self.qemu_args(
+            req,
+            size,
+            paths,
+            passt.as_ref().map(|p| p.1.as_path()),
+            run_as,
+        );
+        let qemu_log = std::fs::File::create(paths.qemu_log())
+            .map_err(RuntimeError::io("creating qemu.log"))?;
+        let mut cmd = tokio::process::Command::new(&self.config.qemu_binary);
+        cmd.args(&args)
+            .stdin(Stdio::null())
+            .stdout(qemu_log.try_clone().map_err(RuntimeError::io("qemu.log"))?)
+            .stderr(qemu_log)
+            .kill_on_drop(false);
+        net::detach(&mut cmd);
+        let child = cmd.spawn().map_err(|e| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                RuntimeError::MissingTool {
+                    tool: self.config.qemu_binary.display().to_string(),
+                    package: "qemu-system-x86".into(),
+                }
+            } else {
+                RuntimeError::Launch(format!("starting QEMU: {e}"))
+            }
+        })?;
+        let qemu_pid = child.id().unwrap_or(0);
+        drop(child); // tokio reaps it if it exits while we live; we track it by pid.
+
+        let mut record = VmRecord {
+            id: req.id.clone(),
+            size: req.size.clone(),
+            resources: size,
+            accel: self.accel,
+            image_id: self.image.id.clone(),
+            kernel_release: self.image.kernel_release.clone(),
+            created_at: OffsetDateTime::now_utc(),
+            ready_at: None,
+            qemu_pid,
+            passt_pid: passt.as_ref().map(|p| p.0),
+            qemu_uid: run_as,
+            metadata: req.metadata.clone(),
+        };
+        write_record(paths, &record)?;
+
+        // Wait for the agent socket, then the handshake, while watching QEMU.
+        let marker = qemu_marker(&req.id);
+        let exited = process::pidfd_open(qemu_pid);
+        let boot_timeout = self.config.boot_timeout;
+        let connect = async {
+            let start = Instant::now();
+            while !paths.agent_socket().exists() {
+                if !process::alive_with_marker(qemu_pid, &marker) {
+                    return Err(RuntimeError::Disconnected("QEMU exited at start".into()));
+                }
+                if start.elapsed() > Duration::from_secs(10) {
+                    return Err(RuntimeError::Launch(format!(
+                        "QEMU did not create its agent socket: {}",
+                        console::tail_lines(&paths.qemu_log(), 5)
+                    )));
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            AgentClient::connect(&paths.agent_socket(), boot_timeout).await
+        };
+        let agent = match exited {
+            Some(fd) => tokio::select! {
+                r = connect => r?,
+                _ = process::wait_pidfd(fd) => {
+                    return Err(RuntimeError::Disconnected("QEMU exited during boot".into()))
+                }
+            },
+            None => connect.await?,
+        };
+
+        let mut entropy = vec![0u8; 64];
+        rand::rngs::OsRng.fill_bytes(&mut entropy);
+        let network = passt.as_ref().map(|_| NetworkConfig {
+            address: net::GUEST_ADDRESS.into(),
+            gateway: net::GUEST_GATEWAY.into(),
+            dns: self
+                .config
+                .network
+                .dns
+                .clone()
+                .unwrap_or_else(|| vec![net::GUEST_DNS_FORWARD.into()]),
+            deny: self.deny.clone(),
+            mtu: net::GUEST_MTU,
+        });
+        let mut machine_id = [0u8; 16];
+        rand::rngs::OsRng.fill_bytes(&mut machine_id);
+        agent
+            .configure(
+                GuestConfig {
+                    hostname: hostname_for(&req.id),
+                    machine_id: hex::encode(machine_id),
+                    time_unix_ms: (OffsetDateTime::now_utc().unix_timestamp_nanos() / 1_000_000)
+                        as u64,
+                    network,
+                    user_pids_max: self.config.user_pids_max,
+                    reserved_memory_mb: self.config.reserved_memory_mb,
+                },
+                &entropy,
+            )
+            .await?;
+        record.ready_at = Some(OffsetDateTime::now_utc());
+        write_record(paths, &record)?;
+        Ok(Vm {
+            record,
+            paths: paths.clone(),
+            agent,
+        })
+    }
+
+    fn qemu_args(
+        &self,
+        req: &CreateVm,
+        size: SizeSpec,
+        paths: &VmPaths,
+        passt_sock: Option<&Path>,
+        run_as: Option<u32>,
+    ) -> Vec<String> {
+        let p = |p: PathBuf| p.display().to_string();
+        let machine = match self.accel {
+            // Under TCG the legacy timers keep the TSC calibration from hanging
+            // (see the notes); under KVM they are not needed.
+            Accel::Tcg => "microvm,accel=tcg,pit=on,pic=on,rtc=on",
+            Accel::Kvm => "microvm,accel=kvm,pit=off,pic=off,rtc=on",
+        };
+        let mut a: Vec<String> = vec![
+            "-name".into(),
+            format!("{},process={}", qemu_marker(&req.id), qemu_marker(&req.id)),
+            "-M".into(),
+            machine.into(),
+        ];
+        match self.accel {
+            Accel::Tcg => {
+                a.push("-accel".into());
+                a.push(format!("tcg,tb-size={}", self.config.tcg_tb_size_mb));
+                a.push("-cpu".into());
+                a.push("max".into());
+            }
+            Accel::Kvm => {
+                a.push("-cpu".into());
+                a.push("host".into());
+            }
+        }
+        a.extend(
+            [
+                "-smp",
+                &size.vcpus.to_string(),
+                "-m",
+                &format!("{}M", size.memory_mb),
+                "-nodefaults",
+                "-no-user-config",
+                "-display",
+                "none",
+                "-no-reboot",
+                "-chardev",
+                &format!("file,id=console,path={},append=on", p(paths.console())),
+                "-serial",
+                "chardev:console",
+                "-device",
+                "virtio-serial-device",
+                "-chardev",
+                &format!(
+                    "socket,id=agent,path={},server=on,wait=off",
+                    p(paths.agent_socket())
+                ),
+                "-device",
+                &format!("virtserialport,chardev=agent,name={AGENT_PORT_NAME}"),
+                "-qmp",
+                &format!("unix:{},server=on,wait=off", p(paths.qmp_socket())),
+                "-drive",
+                &format!(
+                    "id=root,file={},format=qcow2,if=none,discard=unmap",
+                    p(paths.disk())
+                ),
+                "-device",
+                "virtio-blk-device,drive=root",
+                "-object",
+                "rng-random,id=rng0,filename=/dev/urandom",
+                "-device",
+                "virtio-rng-device,rng=rng0",
+                "-kernel",
+                &p(self.image.kernel.clone()),
+                "-initrd",
+                &p(self.image.initrd.clone()),
+                "-append",
+                &kernel_cmdline(self.accel),
+                "-sandbox",
+                "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+            ]
+            .iter()
+            .map(|s| s.to_string()),
+        );
+        if let Some(sock) = passt_sock {
+            a.push("-netdev".into());
+            a.push(format!(
+                "stream,id=net0,server=off,addr.type=unix,addr.path={}",
+                sock.display()
+            ));
+            a.push("-device".into());
+            a.push("virtio-net-device,netdev=net0".into());
+        }
+        if let Some(uid) = run_as {
+            if self.qemu_major >= 9 {
+                a.push("-run-with".into());
+                a.push(format!("user={uid}:{uid}"));
+            } else {
+                a.push("-runas".into());
+                a.push(format!("{uid}:{uid}"));
+            }
+        }
+        a
+    }
+
+    /// An unprivileged uid for this VM's QEMU, not used by any other live VM.
+    fn vm_uid(&self, id: &str) -> u32 {
+        const BASE: u32 = 3_000_000;
+        const SPAN: u32 = 1_000_000;
+        let used: Vec<u32> = self.list().iter().filter_map(|r| r.qemu_uid).collect();
+        let mut h: u32 = id
+            .bytes()
+            .fold(2166136261u32, |h, b| (h ^ b as u32).wrapping_mul(16777619));
+        loop {
+            let uid = BASE + h % SPAN;
+            if !used.contains(&uid) {
+                return uid;
+            }
+            h = h.wrapping_add(1);
+        }
+    }
+
+    /// Every VM directory on this host, with its record (oldest first).
+    pub fn list(&self) -> Vec<VmRecord> {
+        let mut out = Vec::new();
+        let Ok(rd) = std::fs::read_dir(self.config.vms_dir()) else {
+            return out;
+        };
+        for e in rd.flatten() {
+            if let Ok(bytes) = std::fs::read(e.path().join("vm.json")) {
+                if let Ok(r) = serde_json::from_slice::<VmRecord>(&bytes) {
+                    out.push(r);
+                }
+            }
+        }
+        out.sort_by_key(|r| r.created_at);
+        out
+    }
+
+    /// The record of VM `id`.
+    pub fn record(&self, id: &str) -> Result<VmRecord> {
+        validate_id(id)?;
+        let bytes = std::fs::read(self.paths(id).record())
+            .map_err(|_| RuntimeError::NotFound(id.to_string()))?;
+        serde_json::from_slice(&bytes)
+            .map_err(|e| RuntimeError::Launch(format!("corrupt vm.json of {id}: {e}")))
+    }
+
+    /// Replace the caller's metadata of VM `id`.
+    pub fn set_metadata(&self, id: &str, metadata: BTreeMap<String, String>) -> Result<VmRecord> {
+        let mut r = self.record(id)?;
+        r.metadata = metadata;
+        write_record(&self.paths(id), &r)?;
+        Ok(r)
+    }
+
+    /// Running, or exited and why.
+    pub fn state(&self, record: &VmRecord) -> VmState {
+        let paths = self.paths(&record.id);
+        console::enforce_cap(&paths.console());
+        if process::alive_with_marker(record.qemu_pid, &record.qemu_marker()) {
+            VmState::Running
+        } else {
+            VmState::Exited {
+                cause: console::exit_cause(&paths.console(), &paths.qemu_log()),
+            }
+        }
+    }
+
+    /// Connect to the agent of a running VM.
+    pub async fn attach(&self, id: &str) -> Result<Vm> {
+        let record = self.record(id)?;
+        if let VmState::Exited { cause } = self.state(&record) {
+            return Err(RuntimeError::VmExited { cause });
+        }
+        let paths = self.paths(id);
+        let agent = AgentClient::connect(&paths.agent_socket(), Duration::from_secs(30))
+            .await
+            .map_err(|e| match self.state(&record) {
+                VmState::Exited { cause } => RuntimeError::VmExited { cause },
+                VmState::Running => e,
+            })?;
+        Ok(Vm {
+            record,
+            paths,
+            agent,
+        })
+    }
+
+    /// Wait until the VM's QEMU process exits; returns why.
+    pub async fn wait_exit(&self, record: &VmRecord) -> VmState {
+        if let Some(fd) = process::pidfd_open(record.qemu_pid) {
+            if process::alive_with_marker(record.qemu_pid, &record.qemu_marker()) {
+                process::wait_pidfd(fd).await;
+            }
+        }
+        self.state(record)
+    }
+
+    /// Kill the VM's processes and remove every file it owned. Idempotent:
+    /// destroying a VM that is already gone is `NotFound`.
+    pub async fn destroy(&self, id: &str) -> Result<()> {
+        validate_id(id)?;
+        let paths = self.paths(id);
+        if !paths.dir.exists() {
+            return Err(RuntimeError::NotFound(id.to_string()));
+        }
+        if let Ok(record) = self.record(id) {
+            process::kill_and_wait(
+                record.qemu_pid,
+                &record.qemu_marker(),
+                Duration::from_secs(10),
+            )
+            .await;
+            if let Some(pid) = record.passt_pid {
+                process::kill_and_wait(
+                    pid,
+                    &paths.dir.display().to_string(),
+                    Duration::from_secs(5),
+                )
+                .await;
+            }
+        } else {
+            // A VM that died before its record was written: find its QEMU by marker.
+            if let Some(pid) = find_by_marker(&qemu_marker(id)) {
+                process::kill_and_wait(pid, &qemu_marker(id), Duration::from_secs(10)).await;
+            }
+        }
+        std::fs::remove_dir_all(&paths.dir).map_err(RuntimeError::io(format!(
+            "removing {}",
+            paths.dir.display()
+        )))
+    }
+}
+
+fn write_record(paths: &VmPaths, record: &VmRecord) -> Result<()> {
+    let tmp = paths.dir.join("vm.json.tmp");
+    std::fs::write(&tmp, serde_json::to_vec_pretty(record).expect("json"))
+        .map_err(RuntimeError::io("writing vm.json"))?;
+    std::fs::rename(&tmp, paths.record()).map_err(RuntimeError::io("writing vm.json"))
+}
+
+/// Find a process whose command line carries `marker`.
+pub fn find_by_marker(marker: &str) -> Option<u32> {
+    let rd = std::fs::read_dir("/proc").ok()?;
+    for e in rd.flatten() {
+        if let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) {
+            if process::alive_with_marker(pid, marker) {
+                return Some(pid);
+            }
+        }
+    }
+    None
+}
+
+/// Ids become directory and process names: keep them to a safe alphabet.
+fn validate_id(id: &str) -> Result<()> {
+    let ok = !id.is_empty()
+        && id.len() <= 64
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    if ok {
+        Ok(())
+    } else {
+        Err(RuntimeError::NotFound(id.to_string()))
+    }
+}
+
+fn hostname_for(id: &str) -> String {
+    id.replace('_', "-").to_ascii_lowercase()
+}
+
+/// The guest kernel command line.
+pub fn kernel_cmdline(accel: Accel) -> String {
+    let mut s = String::from("console=ttyS0 panic=-1 quiet loglevel=4 root=/dev/vda rw");
+    if accel == Accel::Tcg {
+        s.push_str(" tsc=reliable tsc_early_khz=2000000");
+    }
+    s
+}
+
+async fn create_overlay(base: &Path, disk: &Path, disk_gb: u32) -> Result<()> {
+    let out = tokio::process::Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"])
+        .arg(base)
+        .arg(disk)
+        .arg(format!("{disk_gb}G"))
+        .output()
+        .await
+        .map_err(|e| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                RuntimeError::MissingTool {
+                    tool: "qemu-img".into(),
+                    package: "qemu-utils".into(),
+                }
+            } else {
+                RuntimeError::Launch(format!("qemu-img: {e}"))
+            }
+        })?;
+    if !out.status.success() {
+        return Err(RuntimeError::Launch(format!(
+            "qemu-img create failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(())
+}
+
+fn qemu_major_version(qemu: &Path) -> Result<u32> {
+    let out = std::process::Command::new(qemu)
+        .arg("--version")
+        .output()
+        .map_err(|_| RuntimeError::MissingTool {
+            tool: qemu.display().to_string(),
+            package: "qemu-system-x86".into(),
+        })?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    Ok(text
+        .split_whitespace()
+        .skip_while(|w| *w != "version")
+        .nth(1)
+        .and_then(|v| v.split('.').next())
+        .and_then(|m| m.parse().ok())
+        .unwrap_or(7))
+}
