@@ -167,10 +167,9 @@ impl AgentClient {
                         }
                     }
                 }
-                let n = rd
-                    .read(&mut buf)
-                    .await
-                    .map_err(RuntimeError::io("reading the handshake"))?;
+                let n = rd.read(&mut buf).await.map_err(|e| {
+                    RuntimeError::Disconnected(format!("reading the handshake: {e}"))
+                })?;
                 if n == 0 {
                     return Err(RuntimeError::Disconnected(
                         "the VM closed the agent channel during the handshake".into(),

@@ -9,9 +9,10 @@
 //! agent installs before any user command runs; see docs/threat-model.md.
 
 use crate::{Result, RuntimeError};
-use std::path::{Path, PathBuf};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
 use std::process::Stdio;
-use std::time::{Duration, Instant};
 
 /// Guest-side addressing, the same in every sandbox (each has its own NAT).
 pub const GUEST_ADDRESS: &str = "10.0.2.15/24";
@@ -20,14 +21,21 @@ pub const GUEST_GATEWAY: &str = "10.0.2.2";
 pub const GUEST_DNS_FORWARD: &str = "10.0.2.3";
 pub const GUEST_MTU: u32 = 65520;
 
-/// Start passt for a VM and wait until its socket exists. Returns its pid.
-pub async fn start_passt(passt: &Path, dir: &Path) -> Result<(u32, PathBuf)> {
-    let sock = dir.join("passt.sock");
+/// The descriptor number at which QEMU and passt find their ends of the
+/// network socket pair.
+pub const NET_FD: i32 = 3;
+
+/// Start passt for a VM on one end of a fresh socket pair; the other end is
+/// returned for QEMU (`-netdev stream,addr.type=fd`). No socket file, no
+/// waiting for one: both processes start at once, and passt (`--one-off`)
+/// exits by itself when QEMU's end closes.
+pub fn start_passt(passt: &Path, dir: &Path) -> Result<(u32, OwnedFd)> {
+    let (ours, theirs) =
+        UnixStream::pair().map_err(RuntimeError::io("creating the network socket pair"))?;
     let log = dir.join("passt.log");
     let mut cmd = tokio::process::Command::new(passt);
     cmd.args(["--foreground", "--quiet", "--one-off", "--ipv4-only"])
-        .arg("--socket")
-        .arg(&sock)
+        .args(["--fd", &NET_FD.to_string()])
         .args(["--address", "10.0.2.15", "--netmask", "24"])
         .args(["--gateway", GUEST_GATEWAY, "--no-map-gw"])
         .args([
@@ -44,8 +52,15 @@ pub async fn start_passt(passt: &Path, dir: &Path) -> Result<(u32, PathBuf)> {
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .kill_on_drop(false);
-    detach(&mut cmd);
-    let mut child = cmd.spawn().map_err(|e| {
+    let fd = theirs.as_raw_fd();
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            libc::setsid();
+            pass_fd(fd, NET_FD)
+        });
+    }
+    let child = cmd.spawn().map_err(|e| {
         if e.kind() == std::io::ErrorKind::NotFound {
             RuntimeError::MissingTool {
                 tool: passt.display().to_string(),
@@ -55,36 +70,24 @@ pub async fn start_passt(passt: &Path, dir: &Path) -> Result<(u32, PathBuf)> {
             RuntimeError::Launch(format!("starting passt: {e}"))
         }
     })?;
-    let pid = child.id().unwrap_or(0);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !sock.exists() {
-        if let Ok(Some(status)) = child.try_wait() {
-            return Err(RuntimeError::Launch(format!(
-                "passt exited ({status}) before creating its socket: {}",
-                crate::console::tail_lines(&log, 5)
-            )));
-        }
-        if Instant::now() > deadline {
-            let _ = child.start_kill();
-            return Err(RuntimeError::Launch(
-                "passt did not create its socket within 5 s".into(),
-            ));
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-    Ok((pid, sock))
+    drop(theirs);
+    Ok((child.id().unwrap_or(0), ours.into()))
 }
 
-/// Put a helper process in its own session so it outlives the CLI that started
-/// it and no terminal signal reaches it.
-pub(crate) fn detach(cmd: &mut tokio::process::Command) {
-    // SAFETY: setsid is async-signal-safe and touches no memory of the parent.
+/// In a child between fork and exec: make `fd` available, inheritable, as `target`.
+pub(crate) fn pass_fd(fd: i32, target: i32) -> std::io::Result<()> {
+    // SAFETY: plain descriptor syscalls in the child.
     unsafe {
-        cmd.pre_exec(|| {
-            libc::setsid();
-            Ok(())
-        });
+        if fd == target {
+            let flags = libc::fcntl(fd, libc::F_GETFD);
+            if flags < 0 || libc::fcntl(fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+        } else if libc::dup2(fd, target) < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
     }
+    Ok(())
 }
 
 /// The host's own IPv4 addresses (added to the guest's deny list).

@@ -19,6 +19,7 @@ use rand::RngCore;
 use sandpit_protocol::{GuestConfig, NetworkConfig, AGENT_PORT_NAME};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -212,7 +213,7 @@ impl VmManager {
         create_overlay(&self.image.rootfs, &paths.disk(), size.disk_gb).await?;
 
         let passt = if self.config.network.enabled {
-            Some(net::start_passt(&self.config.passt_binary, &paths.dir).await?)
+            Some(net::start_passt(&self.config.passt_binary, &paths.dir)?)
         } else {
             None
         };
@@ -228,13 +229,8 @@ impl VmManager {
             let _ = std::os::unix::fs::chown(paths.disk(), Some(uid), Some(uid));
             let _ = std::fs::set_permissions(paths.disk(), std::fs::Permissions::from_mode(0o600));
         }
-        let args = self.qemu_args(
-            req,
-            size,
-            paths,
-            passt.as_ref().map(|p| p.1.as_path()),
-            run_as,
-        );
+        let args = self.qemu_args(req, size, paths, passt.is_some(), run_as);
+        tracing::debug!(id = %req.id, "starting QEMU: {}", args.join(" "));
         let qemu_log = std::fs::File::create(paths.qemu_log())
             .map_err(RuntimeError::io("creating qemu.log"))?;
         let mut cmd = tokio::process::Command::new(&self.config.qemu_binary);
@@ -243,7 +239,17 @@ impl VmManager {
             .stdout(qemu_log.try_clone().map_err(RuntimeError::io("qemu.log"))?)
             .stderr(qemu_log)
             .kill_on_drop(false);
-        net::detach(&mut cmd);
+        let net_fd = passt.as_ref().map(|p| p.1.as_raw_fd());
+        // SAFETY: only async-signal-safe calls between fork and exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                libc::setsid();
+                match net_fd {
+                    Some(fd) => net::pass_fd(fd, net::NET_FD),
+                    None => Ok(()),
+                }
+            });
+        }
         let child = cmd.spawn().map_err(|e| {
             if e.kind() == std::io::ErrorKind::NotFound {
                 RuntimeError::MissingTool {
@@ -255,6 +261,12 @@ impl VmManager {
             }
         })?;
         let qemu_pid = child.id().unwrap_or(0);
+        // QEMU holds its end of the network pair now; passt must see it close
+        // when QEMU exits, so the parent keeps no copy.
+        let passt = passt.map(|(pid, fd)| {
+            drop(fd);
+            pid
+        });
         drop(child); // tokio reaps it if it exits while we live; we track it by pid.
 
         let mut record = VmRecord {
@@ -267,7 +279,7 @@ impl VmManager {
             created_at: OffsetDateTime::now_utc(),
             ready_at: None,
             qemu_pid,
-            passt_pid: passt.as_ref().map(|p| p.0),
+            passt_pid: passt,
             qemu_uid: run_as,
             metadata: req.metadata.clone(),
         };
@@ -347,15 +359,15 @@ impl VmManager {
         req: &CreateVm,
         size: SizeSpec,
         paths: &VmPaths,
-        passt_sock: Option<&Path>,
+        network: bool,
         run_as: Option<u32>,
     ) -> Vec<String> {
         let p = |p: PathBuf| p.display().to_string();
         let machine = match self.accel {
             // Under TCG the legacy timers keep the TSC calibration from hanging
             // (see the notes); under KVM they are not needed.
-            Accel::Tcg => "microvm,accel=tcg,pit=on,pic=on,rtc=on",
-            Accel::Kvm => "microvm,accel=kvm,pit=off,pic=off,rtc=on",
+            Accel::Tcg => "microvm,pit=on,pic=on,rtc=on",
+            Accel::Kvm => "microvm,pit=off,pic=off,rtc=on",
         };
         let mut a: Vec<String> = vec![
             "-name".into(),
@@ -371,6 +383,8 @@ impl VmManager {
                 a.push("max".into());
             }
             Accel::Kvm => {
+                a.push("-accel".into());
+                a.push("kvm".into());
                 a.push("-cpu".into());
                 a.push("host".into());
             }
@@ -418,21 +432,28 @@ impl VmManager {
                 &p(self.image.initrd.clone()),
                 "-append",
                 &kernel_cmdline(self.accel),
-                "-sandbox",
-                "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
             ]
             .iter()
             .map(|s| s.to_string()),
         );
-        if let Some(sock) = passt_sock {
+        if network {
             a.push("-netdev".into());
             a.push(format!(
-                "stream,id=net0,server=off,addr.type=unix,addr.path={}",
-                sock.display()
+                "stream,id=net0,server=off,addr.type=fd,addr.str={}",
+                net::NET_FD
             ));
             a.push("-device".into());
             a.push("virtio-net-device,netdev=net0".into());
         }
+        // seccomp: no spawning, no obsolete calls, no resource control. The
+        // set*id calls stay allowed only when QEMU must drop to its own uid
+        // (the filter is installed before the drop); once it runs as that
+        // unprivileged uid it cannot raise itself again anyway.
+        a.push("-sandbox".into());
+        a.push(format!(
+            "on,obsolete=deny,spawn=deny,resourcecontrol=deny,elevateprivileges={}",
+            if run_as.is_some() { "allow" } else { "deny" }
+        ));
         if let Some(uid) = run_as {
             if self.qemu_major >= 9 {
                 a.push("-run-with".into());
