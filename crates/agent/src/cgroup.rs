@@ -3,7 +3,8 @@
 //! Every user command lives in `/sys/fs/cgroup/user/exec-N`; `user` carries
 //! the limits (pids.max against fork bombs, memory.max so the agent and
 //! kernel always keep `reserved_memory_mb`), the agent itself stays in the
-//! root cgroup. One cgroup per command gives a reliable "kill everything this
+//! root cgroup. Commands share the CPU per command, not per process (the cpu
+//! controller is on in `user`'s subtree). One cgroup per command gives a reliable "kill everything this
 //! command started" (`cgroup.kill`), even processes that left the process
 //! group with setsid.
 //!
@@ -56,7 +57,9 @@ pub fn setup() {
             return;
         }
     }
-    for c in ["+pids", "+memory"] {
+    // cpu in the user's subtree: every command's cgroup gets an equal share,
+    // so one command's thousand busy processes cannot starve the next command.
+    for c in ["+pids", "+memory", "+cpu"] {
         if let Err(e) = sys::write_kernel_file(format!("{USER}/cgroup.subtree_control"), c) {
             crate::error!("cgroup: cannot enable {c} for {USER}: {e}");
         }
@@ -140,6 +143,17 @@ impl Drop for ExecCgroup {
     }
 }
 
+/// The most processes one command (with everything it started) may have:
+/// the user's limit minus a reserve, so a fork bomb left running in the
+/// background cannot stop the next command from starting (or from killing it).
+pub fn per_command_pids_max(user_pids_max: u32) -> Option<u32> {
+    if user_pids_max == 0 {
+        return None;
+    }
+    let reserve = (user_pids_max / 4).min(256);
+    Some(user_pids_max - reserve)
+}
+
 /// Create the cgroup for a new command, sweeping empty old ones first.
 /// `None` when cgroups are unavailable (development, or setup failed).
 pub fn create_exec() -> Option<ExecCgroup> {
@@ -154,6 +168,12 @@ pub fn create_exec() -> Option<ExecCgroup> {
         let path = PathBuf::from(format!("{USER}/exec-{n}"));
         match fs::create_dir(&path) {
             Ok(()) => {
+                if let Some(cap) = per_command_pids_max(pids_max()) {
+                    if let Err(e) = sys::write_kernel_file(path.join("pids.max"), &cap.to_string())
+                    {
+                        crate::error!("cgroup: pids.max of {}: {e}", path.display());
+                    }
+                }
                 st.live.insert(n);
                 return Some(ExecCgroup { n, path });
             }
@@ -189,6 +209,13 @@ fn sweep(live: &BTreeSet<u64>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_command_leaves_room_for_another() {
+        assert_eq!(per_command_pids_max(4096), Some(3840));
+        assert_eq!(per_command_pids_max(100), Some(75));
+        assert_eq!(per_command_pids_max(0), None);
+    }
 
     #[test]
     fn parses_meminfo() {

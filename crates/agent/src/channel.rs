@@ -11,7 +11,8 @@
 //! they answer, and the writer drops frames of older generations, so a new host
 //! never sees answers meant for an old one.
 //!
-//! When the host side is closed, read() returns 0 at once and poll() reports
+//! A session ends with a new `Hello`, or when the host side stays closed for
+//! [`HOST_GONE_GRACE`]. When the host side is closed, read() returns 0 at once and poll() reports
 //! POLLHUP forever, so waiting must not spin: the port is set to raise SIGIO
 //! (F_SETOWN + O_ASYNC) when the host reconnects or data arrives, and the
 //! reader sleeps in `sigtimedwait(SIGIO, 1 s)` between attempts.
@@ -28,7 +29,18 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender};
 use std::sync::Arc;
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+/// How long the host side must stay closed before its session ends.
+///
+/// An EOF alone does not prove the host left: the guest learns of a host
+/// connecting or leaving from control messages handled in a kernel work item,
+/// while data is delivered at once, so when a host reconnects quickly the
+/// reader can see the new connection's `Hello` *before* the old connection's
+/// close, and then a momentary EOF. Ending the session on that EOF would cancel
+/// the new session and drop its `HelloAck`. A new `Hello` always ends the
+/// previous session at once; a silent departure ends it after this grace.
+const HOST_GONE_GRACE: Duration = Duration::from_secs(2);
 
 /// Frames queued for the writer before senders block.
 const OUTBOX_FRAMES: usize = 64;
@@ -210,7 +222,7 @@ fn write_frames(port: &File, rx: Receiver<(u64, Vec<u8>)>) {
         if gen < generation() {
             continue;
         }
-        match write_frame(port, &frame) {
+        match write_frame(port, &frame, || gen >= generation()) {
             Ok(_) => failures = 0,
             Err(e) => {
                 failures += 1;
@@ -225,16 +237,23 @@ fn write_frames(port: &File, rx: Receiver<(u64, Vec<u8>)>) {
     }
 }
 
-/// Write one frame whole, or drop it if the host goes away first.
+/// Write one frame whole, or drop it once nobody can read it.
 ///
 /// A write to a virtio port blocks while the host is disconnected and resumes
 /// on the next connection, which would then receive the tail of a frame meant
-/// for the previous one. poll() says POLLHUP instead, so such frames (and the
-/// rest of one cut short) are dropped: nobody is left to read them. Returns
-/// whether the frame was written.
-fn write_frame(port: &File, frame: &[u8]) -> io::Result<bool> {
+/// for the previous one. poll() says POLLHUP instead. POLLHUP alone does not
+/// mean the frame is stale, though: QEMU delivers a new connection's first
+/// bytes (its `Hello`) on the data queue and the "host connected" event on the
+/// control queue, and the data can win, so the `HelloAck` may be written
+/// while the port still looks closed. So while `current()` says the frame
+/// belongs to the live session, the writer waits (briefly, in 2 ms naps) for
+/// the port to open; once the session has moved on (EOF or a new `Hello`), the
+/// frame (or the rest of one cut short) is dropped. Returns whether the frame
+/// was written.
+fn write_frame(port: &File, frame: &[u8], current: impl Fn() -> bool) -> io::Result<bool> {
     let fd = port.as_raw_fd();
     let mut off = 0;
+    let mut naps = 0u32;
     while off < frame.len() {
         let mut p = [libc::pollfd {
             fd,
@@ -243,7 +262,14 @@ fn write_frame(port: &File, frame: &[u8]) -> io::Result<bool> {
         }];
         crate::sys::poll_forever(&mut p)?;
         if p[0].revents & (libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) != 0 {
-            // The host is not there.
+            // The host is not there (yet).
+            if off == 0 && current() && p[0].revents & libc::POLLNVAL == 0 {
+                // Short naps first (a connection being opened), longer ones
+                // once it looks like the host really left.
+                naps += 1;
+                thread::sleep(Duration::from_millis(if naps < 100 { 2 } else { 50 }));
+                continue;
+            }
             return Ok(false);
         }
         let rest = &frame[off..];
@@ -302,19 +328,31 @@ pub fn read_frames(port: &File, handler: &mut dyn Handler) {
     let mut decoder = FrameDecoder::new();
     let mut buf = vec![0u8; 64 * 1024];
     let mut connected = false;
+    let mut gone_since: Option<Instant> = None;
     let mut failures: u64 = 0;
     loop {
         match (&*port).read(&mut buf) {
             Ok(0) => {
                 if connected {
                     connected = false;
-                    decoder.reset();
-                    handler.disconnected();
+                    gone_since = Some(Instant::now());
                 }
-                crate::sys::wait_signal(&sigio, Some(Duration::from_secs(1)));
+                let mut nap = Duration::from_secs(1);
+                if let Some(since) = gone_since {
+                    let gone_for = since.elapsed();
+                    if gone_for >= HOST_GONE_GRACE {
+                        gone_since = None;
+                        decoder.reset();
+                        handler.disconnected();
+                    } else {
+                        nap = HOST_GONE_GRACE - gone_for;
+                    }
+                }
+                crate::sys::wait_signal(&sigio, Some(nap));
             }
             Ok(n) => {
                 connected = true;
+                gone_since = None;
                 failures = 0;
                 if starts_with_hello(&buf[..n]) {
                     decoder.reset();
@@ -417,10 +455,10 @@ mod tests {
     fn frames_to_an_absent_host_are_dropped_not_blocked_on() {
         let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
         let file = File::from(std::os::fd::OwnedFd::from(a));
-        assert!(write_frame(&file, b"hello").unwrap());
+        assert!(write_frame(&file, b"hello", || false).unwrap());
         drop(b);
         // The peer is gone: POLLHUP, the frame is dropped, nothing blocks.
-        assert!(!write_frame(&file, &[0u8; 1 << 20]).unwrap());
+        assert!(!write_frame(&file, &[0u8; 1 << 20], || false).unwrap());
     }
 
     #[test]

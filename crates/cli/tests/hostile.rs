@@ -14,17 +14,33 @@ async fn healthy(s: &Shared) {
     assert_eq!(s.manager.state(&s.vm.record), VmState::Running);
 }
 
+/// Processes of the guest user, counted from the agent's side of the fence.
+async fn user_processes(s: &Shared) -> usize {
+    let out = sh(&s.vm, "cat /sys/fs/cgroup/user/pids.current").await;
+    out.trim().parse().unwrap()
+}
+
 #[test]
 fn the_agent_survives_what_the_user_does() {
     let s = shared("sbx_hostile", || config(&data_dir()));
     s.rt.block_on(async {
-        // Fork bomb: the pids limit stops it, the timeout kills it, the agent answers.
-        let out = run(&s.vm, req_timeout("bomb() { bomb | bomb & }; bomb", 15_000)).await;
-        assert!(out.result.timed_out || out.result.exit_code.is_some(), "{:?}", out.result);
+        // Fork bomb in the foreground: the pids limit holds it, the timeout
+        // kills all of it (the command's cgroup), the agent answers throughout.
+        let out = run(&s.vm, req_timeout("bomb() { bomb | bomb & }; bomb; sleep 600", 10_000)).await;
+        assert!(out.result.timed_out, "{:?}", out.result);
         healthy(&s).await;
-        // Nothing of the bomb is left.
-        let left = sh(&s.vm, "ps -u user -o pid= | wc -l").await;
-        assert!(left.parse::<u32>().unwrap() < 5, "{left} user processes left");
+        assert!(user_processes(&s).await < 5, "the bomb outlived its timeout");
+
+        // A fork bomb left running in the background: the next command still
+        // starts (one command cannot take every pid) and can clean up.
+        let out = run(&s.vm, req_timeout("bomb() { bomb | bomb & }; bomb", 10_000)).await;
+        assert_eq!(out.result.exit_code, Some(0));
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        healthy(&s).await;
+        for _ in 0..5 {
+            let _ = run(&s.vm, req_timeout("kill -9 -1", 10_000)).await;
+        }
+        assert!(user_processes(&s).await < 5, "the background bomb survived kill -9 -1");
 
         // Disk filler: the user fills the disk; the agent still works, and says
         // why a write failed.

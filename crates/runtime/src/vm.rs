@@ -541,7 +541,12 @@ impl VmManager {
             .await
             .map_err(|e| match self.state(&record) {
                 VmState::Exited { cause } => RuntimeError::VmExited { cause },
-                VmState::Running => e,
+                VmState::Running => match e {
+                    RuntimeError::BootTimeout { secs, .. } => RuntimeError::Disconnected(format!(
+                        "the guest agent did not answer within {secs} s"
+                    )),
+                    other => other,
+                },
             })?;
         Ok(Vm {
             record,
