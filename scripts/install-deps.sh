@@ -21,7 +21,7 @@ else
   apt-get install -y -qq qemu-system-x86 qemu-utils >/dev/null
 fi
 apt-get install -y -qq debootstrap passt e2fsprogs iproute2 python3 curl ca-certificates \
-  gcc libc6-dev pkg-config >/dev/null
+  gcc libc6-dev pkg-config nftables >/dev/null
 if ! command -v cargo >/dev/null; then
   if [ -x "$HOME/.cargo/bin/cargo" ]; then
     echo "install-deps.sh: cargo is in ~/.cargo/bin; add it to PATH" >&2

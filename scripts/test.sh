@@ -13,4 +13,4 @@ target/release/sandpit image build
 cargo fmt --all --check
 cargo clippy --locked --workspace --all-targets -- -D warnings
 # VM tests boot real guests under emulation on few cores: bound parallelism.
-cargo test --locked --workspace -- --test-threads="${SANDPIT_TEST_THREADS:-2}"
+cargo test --locked --workspace --no-fail-fast -- --test-threads="${SANDPIT_TEST_THREADS:-2}"

@@ -135,6 +135,28 @@ impl ExecCgroup {
     }
 }
 
+impl ExecCgroup {
+    /// Wait (bounded) until no process is left in the cgroup, re-killing
+    /// stragglers. Only on the kill path: the idle agent never polls.
+    pub fn wait_empty(&self, bound: std::time::Duration) {
+        let deadline = std::time::Instant::now() + bound;
+        let events = self.path.join("cgroup.events");
+        loop {
+            match fs::read_to_string(&events) {
+                Ok(text) if text.lines().any(|l| l == "populated 0") => return,
+                Ok(_) => {}
+                Err(_) => return,
+            }
+            if std::time::Instant::now() >= deadline {
+                crate::error!("cgroup {} still populated after kill", self.path.display());
+                return;
+            }
+            self.kill();
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+}
+
 impl Drop for ExecCgroup {
     fn drop(&mut self) {
         let mut st = lock(&STATE);

@@ -237,6 +237,13 @@ fn run(
         }
     };
     drop(tx);
+    if timed_out || cancelled {
+        // A killed command is reported only once nothing of it is left, so
+        // "timed out" means every process it started is gone.
+        if let Some(cg) = cg.as_ref() {
+            cg.wait_empty(Duration::from_secs(10));
+        }
+    }
     let duration_ms = start.elapsed().as_millis() as u64;
     exited.signal();
     let (out, err) = match pump {

@@ -69,6 +69,52 @@ pub fn become_user() -> io::Result<()> {
         if uid != GUEST_UID as libc::c_long || gid != GUEST_UID as libc::c_long {
             return Err(io::Error::other("could not switch to the guest user"));
         }
+        drop_effective_capabilities()?;
+    }
+    Ok(())
+}
+
+/// Clear the calling thread's effective capabilities (capabilities are per
+/// thread). setfsuid drops only the file-permission ones; without this the
+/// thread would keep e.g. CAP_SYS_RESOURCE and write into the blocks ext4
+/// reserves for root, so a user who filled the disk could still write through
+/// the agent, and the reserve that keeps the agent working would be gone.
+fn drop_effective_capabilities() -> io::Result<()> {
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: i32,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy, Default)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    const VERSION_3: u32 = 0x2008_0522;
+    let mut header = Header {
+        version: VERSION_3,
+        pid: 0,
+    };
+    let mut data = [Data::default(); 2];
+    // SAFETY: capget/capset with a v3 header and two data words, as the ABI says;
+    // they change only the calling thread.
+    unsafe {
+        if libc::syscall(
+            libc::SYS_capget,
+            &mut header as *mut Header,
+            data.as_mut_ptr(),
+        ) < 0
+        {
+            return Err(io::Error::last_os_error());
+        }
+        for d in &mut data {
+            d.effective = 0;
+        }
+        if libc::syscall(libc::SYS_capset, &mut header as *mut Header, data.as_ptr()) < 0 {
+            return Err(io::Error::last_os_error());
+        }
     }
     Ok(())
 }

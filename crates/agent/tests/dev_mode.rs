@@ -173,10 +173,11 @@ fn scratch() -> PathBuf {
 #[test]
 fn serves_the_protocol_end_to_end() {
     // SAFETY: plain syscall.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipped: needs root to run commands as uid 1000");
-        return;
-    }
+    assert_eq!(
+        unsafe { libc::geteuid() },
+        0,
+        "this test needs root (it runs commands as uid 1000): run scripts/test.sh as root"
+    );
     let dir = scratch();
     let ws = dir.to_string_lossy().into_owned();
     let mut a = Agent::start();

@@ -37,10 +37,15 @@ fn the_agent_survives_what_the_user_does() {
         assert_eq!(out.result.exit_code, Some(0));
         tokio::time::sleep(Duration::from_secs(3)).await;
         healthy(&s).await;
-        for _ in 0..5 {
-            let _ = run(&s.vm, req_timeout("kill -9 -1", 10_000)).await;
-        }
-        assert!(user_processes(&s).await < 5, "the background bomb survived kill -9 -1");
+        // kill -9 -1 alone races with the forks; stopping everything first
+        // (stopped processes cannot fork) makes the cleanup converge.
+        let _ = run(
+            &s.vm,
+            req_timeout("for i in 1 2 3 4 5 6 7 8; do kill -STOP -1; done; kill -KILL -1", 30_000),
+        )
+        .await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(user_processes(&s).await < 5, "the background bomb survived STOP+KILL");
 
         // Disk filler: the user fills the disk; the agent still works, and says
         // why a write failed.

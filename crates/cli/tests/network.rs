@@ -39,8 +39,13 @@ impl TestHost {
         let ns = format!("spnet{tag}");
         let veth = format!("spv{tag}");
         let peer = format!("spp{tag}");
-        let _ = Command::new("ip").args(["netns", "del", &ns]).status();
-        let _ = Command::new("ip").args(["link", "del", &veth]).status();
+        // Leftovers of an earlier run that died (quietly: usually none).
+        for args in [["netns", "del", &ns], ["link", "del", &veth]] {
+            let _ = Command::new("ip")
+                .args(args)
+                .stderr(std::process::Stdio::null())
+                .status();
+        }
         ip(&["netns", "add", &ns]);
         ip(&["link", "add", &veth, "type", "veth", "peer", "name", &peer]);
         ip(&["link", "set", &peer, "netns", &ns]);
