@@ -31,6 +31,39 @@ pub fn alive_with_marker(pid: u32, marker: &str) -> bool {
     }
 }
 
+/// When a process started (clock ticks since boot, field 22 of its stat):
+/// with the pid, a unique identity even across exec (passt re-executes
+/// itself into a CPU-specific binary, changing its command line).
+pub fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = stat.rsplit_once(')')?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    if fields.first() == Some(&"Z") {
+        return None;
+    }
+    fields.get(19)?.parse().ok()
+}
+
+/// SIGKILL the process `(pid, started)` if it still is that process, and wait
+/// (bounded) until it is gone.
+pub async fn kill_identified(pid: u32, started: u64, bound: Duration) -> bool {
+    if start_time(pid) != Some(started) {
+        return true;
+    }
+    let fd = pidfd_open(pid);
+    if start_time(pid) != Some(started) {
+        return true;
+    }
+    // SAFETY: the pidfd pins the process; its start time proves it is ours.
+    unsafe {
+        libc::kill(pid as libc::pid_t, libc::SIGKILL);
+    }
+    match fd {
+        Some(fd) => tokio::time::timeout(bound, wait_pidfd(fd)).await.is_ok(),
+        None => false,
+    }
+}
+
 /// Open a pidfd (Linux ≥ 5.3): readable once the process exits.
 pub fn pidfd_open(pid: u32) -> Option<OwnedFd> {
     // SAFETY: plain syscall; a non-negative result is a new fd we own.

@@ -14,6 +14,7 @@ use crate::accel::Accel;
 use crate::channel::AgentClient;
 use crate::config::{RuntimeConfig, SizeSpec};
 use crate::image::GuestImage;
+use crate::qmp::Qmp;
 use crate::{console, net, process, Result, RuntimeError};
 use rand::RngCore;
 use sandpit_protocol::{GuestConfig, NetworkConfig, AGENT_PORT_NAME};
@@ -41,6 +42,9 @@ pub struct VmRecord {
     pub qemu_pid: u32,
     #[serde(default)]
     pub passt_pid: Option<u32>,
+    /// passt's start time, which with its pid identifies it (see `process`).
+    #[serde(default)]
+    pub passt_started: Option<u64>,
     /// The unprivileged uid QEMU runs as (when the runtime is root).
     #[serde(default)]
     pub qemu_uid: Option<u32>,
@@ -280,6 +284,7 @@ impl VmManager {
             ready_at: None,
             qemu_pid,
             passt_pid: passt,
+            passt_started: passt.and_then(process::start_time),
             qemu_uid: run_as,
             metadata: req.metadata.clone(),
         };
@@ -574,19 +579,23 @@ impl VmManager {
             return Err(RuntimeError::NotFound(id.to_string()));
         }
         if let Ok(record) = self.record(id) {
+            // Ask QEMU to quit through QMP first (it closes its files itself),
+            // then SIGKILL whatever is left.
+            if process::alive_with_marker(record.qemu_pid, &record.qemu_marker()) {
+                let quit = async {
+                    let mut qmp = Qmp::connect(&paths.qmp_socket()).await?;
+                    qmp.execute("quit", serde_json::json!({})).await
+                };
+                let _ = tokio::time::timeout(Duration::from_millis(500), quit).await;
+            }
             process::kill_and_wait(
                 record.qemu_pid,
                 &record.qemu_marker(),
                 Duration::from_secs(10),
             )
             .await;
-            if let Some(pid) = record.passt_pid {
-                process::kill_and_wait(
-                    pid,
-                    &paths.dir.display().to_string(),
-                    Duration::from_secs(5),
-                )
-                .await;
+            if let (Some(pid), Some(started)) = (record.passt_pid, record.passt_started) {
+                process::kill_identified(pid, started, Duration::from_secs(5)).await;
             }
         } else {
             // A VM that died before its record was written: find its QEMU by marker.
