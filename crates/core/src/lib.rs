@@ -1,0 +1,17 @@
+//! Sandpit's domain: what a sandbox, an execution, an account and a credit
+//! ledger are, and the one place where each behaviour lives.
+//!
+//! REST (`sandpit-api`) and MCP (`sandpit-mcp`) are thin adapters over the
+//! [`SandboxApi`] trait: the core service implements it for local VMs, and a
+//! REST client implements it for `sandpit mcp --remote`. Neither adapter
+//! decides anything: validation, billing, ownership and state changes happen
+//! here, so both transports behave identically by construction.
+
+pub mod api;
+pub mod error;
+pub mod model;
+pub mod utf8;
+
+pub use api::{Caller, ExecEvent, ExecStream, SandboxApi};
+pub use error::{CoreError, ErrorType};
+pub use model::*;

@@ -1,0 +1,344 @@
+//! The public objects, field for field as in `shared/spec/rest-api.md`. They
+//! are what REST returns and what MCP tools put in `structuredContent`.
+//!
+//! Money is kept as integer micro-dollars inside Sandpit ([`Micros`]) and
+//! shown as USD (`f64`) only at the edge.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Millionths of a US dollar.
+pub type Micros = i64;
+
+/// Micro-dollars as USD for display.
+pub fn usd(m: Micros) -> f64 {
+    m as f64 / 1_000_000.0
+}
+
+/// USD (as typed by an operator) to micro-dollars, rounded to the nearest micro.
+pub fn micros(usd: f64) -> Micros {
+    (usd * 1_000_000.0).round() as Micros
+}
+
+/// Lifecycle of a sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum SandboxStatus {
+    Provisioning,
+    Running,
+    Deleting,
+    Deleted,
+    Failed,
+}
+
+impl SandboxStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SandboxStatus::Provisioning => "provisioning",
+            SandboxStatus::Running => "running",
+            SandboxStatus::Deleting => "deleting",
+            SandboxStatus::Deleted => "deleted",
+            SandboxStatus::Failed => "failed",
+        }
+    }
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "provisioning" => SandboxStatus::Provisioning,
+            "running" => SandboxStatus::Running,
+            "deleting" => SandboxStatus::Deleting,
+            "deleted" => SandboxStatus::Deleted,
+            "failed" => SandboxStatus::Failed,
+            _ => return None,
+        })
+    }
+    /// Still holding (or about to hold) a VM.
+    pub fn is_live(self) -> bool {
+        matches!(
+            self,
+            SandboxStatus::Provisioning | SandboxStatus::Running | SandboxStatus::Deleting
+        )
+    }
+}
+
+/// vCPUs, memory and disk of a sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Resources {
+    pub vcpus: u32,
+    pub memory_mb: u32,
+    pub disk_gb: u32,
+}
+
+/// The sandbox object.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Sandbox {
+    pub id: String,
+    /// Always `"sandbox"`.
+    pub object: String,
+    pub name: Option<String>,
+    pub status: SandboxStatus,
+    pub size: String,
+    pub resources: Resources,
+    pub timeout_minutes: u32,
+    /// RFC 3339 UTC.
+    pub created_at: String,
+    pub ready_at: Option<String>,
+    pub expires_at: String,
+    pub deleted_at: Option<String>,
+    /// Why it ended: `destroyed`, `expired` or `failed: <cause>`.
+    pub deleted_reason: Option<String>,
+}
+
+/// `POST /sandboxes` body and `create_sandbox` input.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSandbox {
+    /// `small` (default), `medium` or `large`.
+    #[serde(default)]
+    pub size: Option<String>,
+    /// A label of your own.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Lifetime in minutes, 1..1440 (default 15). The sandbox is destroyed when it runs out.
+    #[serde(default)]
+    pub timeout_minutes: Option<u32>,
+}
+
+/// `GET /sandboxes` query and `list_sandboxes` input.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ListSandboxes {
+    /// 1..100, default 20.
+    #[serde(default)]
+    pub limit: Option<u32>,
+    /// A sandbox id: list those created before it (the previous page's `next_cursor`).
+    #[serde(default)]
+    pub starting_after: Option<String>,
+    /// Also list deleted and failed sandboxes.
+    #[serde(default)]
+    pub include_deleted: Option<bool>,
+}
+
+/// A page of a list.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct List<T> {
+    /// Always `"list"`.
+    pub object: String,
+    pub data: Vec<T>,
+    pub has_more: bool,
+    pub next_cursor: Option<String>,
+}
+
+impl<T> List<T> {
+    pub fn new(data: Vec<T>, has_more: bool, next_cursor: Option<String>) -> Self {
+        List {
+            object: "list".into(),
+            data,
+            has_more,
+            next_cursor,
+        }
+    }
+}
+
+/// `POST /sandboxes/{id}/exec` body and `run_command` input (minus the sandbox id).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ExecParams {
+    /// Shell command line, run with `bash -c` as the unprivileged user.
+    pub command: String,
+    /// Kill the command (its whole process group) after this many ms; 1000..600000, default 60000.
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+    /// Working directory, relative to /workspace or absolute; default /workspace.
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// Environment variables exported before the command runs.
+    #[serde(default)]
+    pub env: Option<BTreeMap<String, String>>,
+    /// REST only: answer as a server-sent event stream.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream: Option<bool>,
+}
+
+/// How a command ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ExecutionStatus {
+    Completed,
+    TimedOut,
+    Cancelled,
+    Failed,
+}
+
+impl ExecutionStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ExecutionStatus::Completed => "completed",
+            ExecutionStatus::TimedOut => "timed_out",
+            ExecutionStatus::Cancelled => "cancelled",
+            ExecutionStatus::Failed => "failed",
+        }
+    }
+}
+
+/// The execution object.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Execution {
+    pub id: String,
+    /// Always `"execution"`.
+    pub object: String,
+    pub sandbox_id: String,
+    pub status: ExecutionStatus,
+    pub exit_code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+    /// Output past 1 MiB per stream was dropped.
+    pub truncated: bool,
+    pub duration_ms: u64,
+    pub started_at: String,
+    pub finished_at: Option<String>,
+}
+
+/// Content encodings of file content.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Encoding {
+    #[default]
+    Utf8,
+    Base64,
+}
+
+/// `PUT /sandboxes/{id}/files` body and `write_file` input (minus the sandbox id).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct WriteFile {
+    /// Relative to /workspace, or absolute.
+    pub path: String,
+    pub content: String,
+    #[serde(default)]
+    pub encoding: Option<Encoding>,
+}
+
+/// Answer to a write.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct FileWritten {
+    pub path: String,
+    pub bytes: u64,
+}
+
+/// A file read back.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct FileContent {
+    pub path: String,
+    pub content: String,
+    pub bytes: u64,
+    pub encoding: Encoding,
+}
+
+/// Type of a listed entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum EntryType {
+    File,
+    Dir,
+    Symlink,
+    Other,
+}
+
+/// One listed entry.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct FileEntry {
+    /// Relative to the listed directory.
+    pub name: String,
+    #[serde(rename = "type")]
+    pub kind: EntryType,
+    pub size_bytes: u64,
+}
+
+/// A directory listing.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct FileList {
+    pub path: String,
+    pub entries: Vec<FileEntry>,
+    pub truncated: bool,
+}
+
+/// Answer to a delete.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct FileDeleted {
+    pub path: String,
+    pub deleted: bool,
+}
+
+/// An exposed port.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Port {
+    pub port: u16,
+    pub url: String,
+    pub created_at: String,
+}
+
+/// One sandbox in a usage report.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct SandboxUsage {
+    pub id: String,
+    pub size: String,
+    pub seconds: u64,
+    pub cost_usd: f64,
+    pub created_at: String,
+    pub deleted_at: Option<String>,
+}
+
+/// The usage object.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Usage {
+    /// Always `"usage"`.
+    pub object: String,
+    pub credit_remaining_usd: f64,
+    pub period_days: u32,
+    pub total_cost_usd: f64,
+    pub sandboxes: Vec<SandboxUsage>,
+}
+
+/// The account object.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Account {
+    /// Always `"account"`.
+    pub object: String,
+    pub id: String,
+    pub name: String,
+    pub credit_remaining_usd: f64,
+    pub max_concurrent_sandboxes: u32,
+    pub created_at: String,
+}
+
+/// A size with its resources and price.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct SizeInfo {
+    pub name: String,
+    pub resources: Resources,
+    pub price_usd_per_hour: f64,
+}
+
+/// What this service is.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ServiceInfo {
+    pub name: String,
+    pub version: String,
+    pub sizes: Vec<SizeInfo>,
+    pub default_timeout_minutes: u32,
+    pub max_timeout_minutes: u32,
+    pub max_lifetime_minutes: u32,
+    pub max_concurrent_sandboxes: u32,
+    /// `kvm` or `tcg`.
+    pub acceleration: String,
+    pub hosts: Vec<String>,
+    pub authentication: String,
+    pub guest: GuestInfo,
+}
+
+/// What a sandbox looks like from inside.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct GuestInfo {
+    pub os: String,
+    pub kernel: String,
+    pub user: String,
+    pub workdir: String,
+}
