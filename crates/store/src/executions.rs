@@ -1,0 +1,286 @@
+//! Executions (commands run in a sandbox, kept so `GET /executions/{id}`
+//! can answer later) and exposed ports.
+
+use crate::error::{Result, StoreError};
+use crate::exec_status;
+use crate::util::{format_ts, get_i64, get_opt_ts, get_str, get_ts, now};
+use crate::Store;
+use sqlx::sqlite::SqliteRow;
+use time::OffsetDateTime;
+
+/// A command run in a sandbox.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExecutionRow {
+    /// Chosen by the caller, e.g. [`crate::new_id`]`("exec")`.
+    pub id: String,
+    pub sandbox_id: String,
+    /// The sandbox's account, so look-ups can be scoped without a join.
+    pub account_id: String,
+    pub command: String,
+    /// One of [`exec_status`]'s constants; `running` until finished.
+    pub status: String,
+    pub exit_code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+    pub truncated: bool,
+    pub duration_ms: u64,
+    pub started_at: OffsetDateTime,
+    pub finished_at: Option<OffsetDateTime>,
+}
+
+/// How a command ended: the input of [`Store::finish_execution`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExecutionResult {
+    /// `completed`, `timed_out`, `cancelled` or `failed`.
+    pub status: String,
+    pub exit_code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+    pub truncated: bool,
+    pub duration_ms: u64,
+    pub finished_at: OffsetDateTime,
+}
+
+/// An exposed port of a sandbox.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PortRow {
+    pub sandbox_id: String,
+    pub port: u16,
+    pub url: String,
+    /// When it was (last) opened.
+    pub created_at: OffsetDateTime,
+    pub closed_at: Option<OffsetDateTime>,
+}
+
+fn execution_from(row: &SqliteRow) -> Result<ExecutionRow> {
+    let exit_code = row_opt_i64(row, "exit_code")?
+        .map(|c| i32::try_from(c).map_err(|_| StoreError::Corrupt(format!("exit_code {c}"))))
+        .transpose()?;
+    let duration = get_i64(row, "duration_ms")?;
+    Ok(ExecutionRow {
+        id: get_str(row, "id")?,
+        sandbox_id: get_str(row, "sandbox_id")?,
+        account_id: get_str(row, "account_id")?,
+        command: get_str(row, "command")?,
+        status: get_str(row, "status")?,
+        exit_code,
+        stdout: get_str(row, "stdout")?,
+        stderr: get_str(row, "stderr")?,
+        truncated: get_i64(row, "truncated")? != 0,
+        duration_ms: u64::try_from(duration)
+            .map_err(|_| StoreError::Corrupt(format!("duration_ms {duration}")))?,
+        started_at: get_ts(row, "started_at")?,
+        finished_at: get_opt_ts(row, "finished_at")?,
+    })
+}
+
+fn row_opt_i64(row: &SqliteRow, col: &str) -> Result<Option<i64>> {
+    use sqlx::Row;
+    Ok(row.try_get::<Option<i64>, _>(col)?)
+}
+
+fn port_from(row: &SqliteRow) -> Result<PortRow> {
+    let port = get_i64(row, "port")?;
+    Ok(PortRow {
+        sandbox_id: get_str(row, "sandbox_id")?,
+        port: u16::try_from(port).map_err(|_| StoreError::Corrupt(format!("port {port}")))?,
+        url: get_str(row, "url")?,
+        created_at: get_ts(row, "created_at")?,
+        closed_at: get_opt_ts(row, "closed_at")?,
+    })
+}
+
+fn duration_i64(ms: u64) -> Result<i64> {
+    i64::try_from(ms).map_err(|_| StoreError::Invalid(format!("duration_ms {ms}")))
+}
+
+fn check_exec_status(s: &str) -> Result<()> {
+    if exec_status::ALL.contains(&s) {
+        Ok(())
+    } else {
+        Err(StoreError::Invalid(format!(
+            "unknown execution status {s:?}"
+        )))
+    }
+}
+
+impl Store {
+    /// Records an execution (usually as `running`, before it starts). A
+    /// duplicate id is [`StoreError::Conflict`]; an unknown sandbox
+    /// [`StoreError::NotFound`].
+    pub async fn insert_execution(&self, row: &ExecutionRow) -> Result<()> {
+        check_exec_status(&row.status)?;
+        let res = sqlx::query(
+            "INSERT INTO executions (id, sandbox_id, account_id, command, status, exit_code, \
+                 stdout, stderr, truncated, duration_ms, started_at, finished_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+        )
+        .bind(&row.id)
+        .bind(&row.sandbox_id)
+        .bind(&row.account_id)
+        .bind(&row.command)
+        .bind(&row.status)
+        .bind(row.exit_code.map(i64::from))
+        .bind(&row.stdout)
+        .bind(&row.stderr)
+        .bind(i64::from(row.truncated))
+        .bind(duration_i64(row.duration_ms)?)
+        .bind(format_ts(row.started_at))
+        .bind(row.finished_at.map(format_ts))
+        .execute(&self.pool)
+        .await;
+        match res {
+            Ok(_) => Ok(()),
+            Err(e) => match e.as_database_error() {
+                Some(d) if d.is_unique_violation() => {
+                    Err(StoreError::Conflict(format!("execution {} exists", row.id)))
+                }
+                Some(d) if d.is_foreign_key_violation() => Err(StoreError::NotFound(format!(
+                    "sandbox {} or account {}",
+                    row.sandbox_id, row.account_id
+                ))),
+                _ => Err(e.into()),
+            },
+        }
+    }
+
+    /// Stores how a `running` execution ended. `false` if it had already
+    /// ended (the first result stays); [`StoreError::NotFound`] if there is
+    /// no such execution.
+    pub async fn finish_execution(&self, id: &str, result: &ExecutionResult) -> Result<bool> {
+        check_exec_status(&result.status)?;
+        if result.status == exec_status::RUNNING {
+            return Err(StoreError::Invalid(
+                "an execution cannot finish as running".into(),
+            ));
+        }
+        let done = sqlx::query(
+            "UPDATE executions SET status = $2, exit_code = $3, stdout = $4, stderr = $5, \
+                 truncated = $6, duration_ms = $7, finished_at = $8 \
+             WHERE id = $1 AND status = 'running'",
+        )
+        .bind(id)
+        .bind(&result.status)
+        .bind(result.exit_code.map(i64::from))
+        .bind(&result.stdout)
+        .bind(&result.stderr)
+        .bind(i64::from(result.truncated))
+        .bind(duration_i64(result.duration_ms)?)
+        .bind(format_ts(result.finished_at))
+        .execute(&self.pool)
+        .await?;
+        if done.rows_affected() > 0 {
+            return Ok(true);
+        }
+        match self.execution(id).await? {
+            Some(_) => Ok(false),
+            None => Err(StoreError::NotFound(format!("execution {id}"))),
+        }
+    }
+
+    /// The execution with this id (of any account: compare `account_id`).
+    pub async fn execution(&self, id: &str) -> Result<Option<ExecutionRow>> {
+        sqlx::query("SELECT * FROM executions WHERE id = $1")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?
+            .as_ref()
+            .map(execution_from)
+            .transpose()
+    }
+
+    /// Marks every still-`running` execution of a sandbox as `failed`
+    /// (its sandbox ended, or the server restarted and lost the command).
+    /// Returns how many.
+    pub async fn fail_running_executions(
+        &self,
+        sandbox_id: &str,
+        finished_at: OffsetDateTime,
+    ) -> Result<u64> {
+        Ok(sqlx::query(
+            "UPDATE executions SET status = 'failed', finished_at = $2 \
+             WHERE sandbox_id = $1 AND status = 'running'",
+        )
+        .bind(sandbox_id)
+        .bind(format_ts(finished_at))
+        .execute(&self.pool)
+        .await?
+        .rows_affected())
+    }
+
+    /// Opens a port of a sandbox. If it is already open, returns that row
+    /// unchanged (same URL, same `created_at`); a closed one is reopened
+    /// with `url`.
+    pub async fn upsert_port(&self, sandbox_id: &str, port: u16, url: &str) -> Result<PortRow> {
+        if port == 0 {
+            return Err(StoreError::Invalid("port 0".into()));
+        }
+        let mut tx = self.write_tx().await?;
+        let res = sqlx::query(
+            "INSERT INTO ports (sandbox_id, port, url, created_at) VALUES ($1, $2, $3, $4) \
+             ON CONFLICT (sandbox_id, port) DO UPDATE \
+                 SET url = excluded.url, created_at = excluded.created_at, closed_at = NULL \
+                 WHERE ports.closed_at IS NOT NULL",
+        )
+        .bind(sandbox_id)
+        .bind(i64::from(port))
+        .bind(url)
+        .bind(format_ts(now()))
+        .execute(&mut *tx)
+        .await;
+        if let Err(e) = res {
+            if e.as_database_error()
+                .is_some_and(|d| d.is_foreign_key_violation())
+            {
+                return Err(StoreError::NotFound(format!("sandbox {sandbox_id}")));
+            }
+            return Err(e.into());
+        }
+        let row = sqlx::query("SELECT * FROM ports WHERE sandbox_id = $1 AND port = $2")
+            .bind(sandbox_id)
+            .bind(i64::from(port))
+            .fetch_one(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        port_from(&row)
+    }
+
+    /// A sandbox's open ports, by port number.
+    pub async fn list_ports(&self, sandbox_id: &str) -> Result<Vec<PortRow>> {
+        sqlx::query("SELECT * FROM ports WHERE sandbox_id = $1 AND closed_at IS NULL ORDER BY port")
+            .bind(sandbox_id)
+            .fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(port_from)
+            .collect()
+    }
+
+    /// Closes an open port. `false` if it was not open.
+    pub async fn close_port(&self, sandbox_id: &str, port: u16) -> Result<bool> {
+        Ok(sqlx::query(
+            "UPDATE ports SET closed_at = $3 \
+             WHERE sandbox_id = $1 AND port = $2 AND closed_at IS NULL",
+        )
+        .bind(sandbox_id)
+        .bind(i64::from(port))
+        .bind(format_ts(now()))
+        .execute(&self.pool)
+        .await?
+        .rows_affected()
+            > 0)
+    }
+
+    /// Closes every open port of a sandbox. Returns how many.
+    /// ([`Store::finish_sandbox`] does this itself.)
+    pub async fn close_all_ports(&self, sandbox_id: &str) -> Result<u64> {
+        Ok(sqlx::query(
+            "UPDATE ports SET closed_at = $2 WHERE sandbox_id = $1 AND closed_at IS NULL",
+        )
+        .bind(sandbox_id)
+        .bind(format_ts(now()))
+        .execute(&self.pool)
+        .await?
+        .rows_affected())
+    }
+}

@@ -1,0 +1,720 @@
+//! Sandboxes: creation with its reservation, status changes, extension,
+//! the end with its settlement, listing, expiry and usage.
+
+use crate::accounts::balance_in;
+use crate::error::{Result, StoreError};
+use crate::status;
+use crate::util::{
+    format_ts, get_i64, get_opt_str, get_opt_ts, get_str, get_ts, get_u32, now, parse_ts,
+};
+use crate::Store;
+use sqlx::sqlite::SqliteRow;
+use sqlx::{Sqlite, Transaction};
+use time::OffsetDateTime;
+
+/// A sandbox as stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SandboxRow {
+    pub id: String,
+    pub account_id: String,
+    pub name: Option<String>,
+    pub size: String,
+    pub vcpus: u32,
+    pub memory_mb: u32,
+    pub disk_gb: u32,
+    pub timeout_minutes: u32,
+    /// One of [`status`]'s constants.
+    pub status: String,
+    /// The price it was created at (a later price change does not apply).
+    pub price_micros_per_hour: i64,
+    /// Which host runs (ran) its VM.
+    pub host: String,
+    pub created_at: OffsetDateTime,
+    pub ready_at: Option<OffsetDateTime>,
+    pub expires_at: OffsetDateTime,
+    pub deleted_at: Option<OffsetDateTime>,
+    /// `destroyed`, `expired`, `failed: <cause>`, as the caller said.
+    pub deleted_reason: Option<String>,
+}
+
+impl SandboxRow {
+    /// Whether it still holds (or is about to hold) a VM and a reservation.
+    pub fn is_live(&self) -> bool {
+        status::is_live(&self.status)
+    }
+}
+
+/// Input of [`Store::create_sandbox`]: the sandbox's fields plus what the
+/// creation must check.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewSandbox {
+    /// Chosen by the caller, e.g. [`crate::new_id`]`("sbx")`.
+    pub id: String,
+    pub account_id: String,
+    pub name: Option<String>,
+    pub size: String,
+    pub vcpus: u32,
+    pub memory_mb: u32,
+    pub disk_gb: u32,
+    pub timeout_minutes: u32,
+    pub price_micros_per_hour: i64,
+    pub host: String,
+    pub created_at: OffsetDateTime,
+    pub expires_at: OffsetDateTime,
+    /// What to hold back from the balance (the cost of the whole timeout).
+    pub reserve_micros: i64,
+    /// The live-sandbox limit to enforce; `None` means the account's own
+    /// `max_concurrent`.
+    pub max_concurrent: Option<u32>,
+    /// `(Idempotency-Key, hash of the request body)`, if the request had a key.
+    pub idempotency: Option<(String, String)>,
+}
+
+/// What [`Store::create_sandbox`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CreateOutcome {
+    /// A new sandbox, status `provisioning`, its reservation made.
+    Created(SandboxRow),
+    /// The idempotency key was used before with the same request: the
+    /// sandbox that request created (in whatever state it is now). Nothing
+    /// was reserved.
+    Replay(SandboxRow),
+    /// The idempotency key was used before with a different request.
+    IdempotencyConflict,
+    /// The balance does not cover the reservation.
+    InsufficientCredits { balance: i64, needed: i64 },
+    /// The account already has `limit` live sandboxes.
+    TooManySandboxes { live: u32, limit: u32 },
+}
+
+/// What [`Store::extend_sandbox`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExtendOutcome {
+    /// The new expiry and timeout are stored and the extra reserved.
+    Extended(SandboxRow),
+    /// The balance does not cover the extra reservation.
+    InsufficientCredits { balance: i64, needed: i64 },
+    /// The sandbox is not `provisioning` or `running` (it is being deleted
+    /// or has ended): the row as it is.
+    NotLive(SandboxRow),
+}
+
+/// One status change of a sandbox.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EventRow {
+    pub id: i64,
+    pub sandbox_id: String,
+    pub status: String,
+    pub reason: Option<String>,
+    pub at: OffsetDateTime,
+}
+
+/// A page of [`Store::list_sandboxes`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SandboxPage {
+    /// Newest first.
+    pub data: Vec<SandboxRow>,
+    /// More rows follow the last one; pass its id as `starting_after`.
+    pub has_more: bool,
+}
+
+/// A sandbox in a usage report, with what has been charged for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UsageRow {
+    pub sandbox: SandboxRow,
+    /// Sum of its `charge` rows, as a positive number. 0 while it is live
+    /// (the caller computes the running cost from `created_at` and the
+    /// price).
+    pub charged_micros: i64,
+}
+
+pub(crate) fn sandbox_from(row: &SqliteRow) -> Result<SandboxRow> {
+    Ok(SandboxRow {
+        id: get_str(row, "id")?,
+        account_id: get_str(row, "account_id")?,
+        name: get_opt_str(row, "name")?,
+        size: get_str(row, "size")?,
+        vcpus: get_u32(row, "vcpus")?,
+        memory_mb: get_u32(row, "memory_mb")?,
+        disk_gb: get_u32(row, "disk_gb")?,
+        timeout_minutes: get_u32(row, "timeout_minutes")?,
+        status: get_str(row, "status")?,
+        price_micros_per_hour: get_i64(row, "price_micros_per_hour")?,
+        host: get_str(row, "host")?,
+        created_at: get_ts(row, "created_at")?,
+        ready_at: get_opt_ts(row, "ready_at")?,
+        expires_at: get_ts(row, "expires_at")?,
+        deleted_at: get_opt_ts(row, "deleted_at")?,
+        deleted_reason: get_opt_str(row, "deleted_reason")?,
+    })
+}
+
+fn event_from(row: &SqliteRow) -> Result<EventRow> {
+    Ok(EventRow {
+        id: get_i64(row, "id")?,
+        sandbox_id: get_str(row, "sandbox_id")?,
+        status: get_str(row, "status")?,
+        reason: get_opt_str(row, "reason")?,
+        at: get_ts(row, "at")?,
+    })
+}
+
+async fn sandbox_in(tx: &mut Transaction<'static, Sqlite>, id: &str) -> Result<Option<SandboxRow>> {
+    sqlx::query("SELECT * FROM sandboxes WHERE id = $1")
+        .bind(id)
+        .fetch_optional(&mut **tx)
+        .await?
+        .as_ref()
+        .map(sandbox_from)
+        .transpose()
+}
+
+async fn insert_event(
+    tx: &mut Transaction<'static, Sqlite>,
+    sandbox_id: &str,
+    status: &str,
+    reason: Option<&str>,
+    at: OffsetDateTime,
+) -> Result<()> {
+    sqlx::query(
+        "INSERT INTO sandbox_events (sandbox_id, status, reason, at) VALUES ($1, $2, $3, $4)",
+    )
+    .bind(sandbox_id)
+    .bind(status)
+    .bind(reason)
+    .bind(format_ts(at))
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+async fn insert_ledger(
+    tx: &mut Transaction<'static, Sqlite>,
+    account_id: &str,
+    sandbox_id: &str,
+    kind: &str,
+    amount: i64,
+    note: Option<&str>,
+    at: OffsetDateTime,
+) -> Result<()> {
+    sqlx::query(
+        "INSERT INTO ledger (account_id, sandbox_id, kind, amount_micros, note, at) \
+         VALUES ($1, $2, $3, $4, $5, $6)",
+    )
+    .bind(account_id)
+    .bind(sandbox_id)
+    .bind(kind)
+    .bind(amount)
+    .bind(note)
+    .bind(format_ts(at))
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+impl Store {
+    /// Creates a sandbox row in `provisioning`, with its first event, its
+    /// reservation (`reserve` ledger row of −`reserve_micros`) and its
+    /// idempotency row, after checking — in this order — the idempotency
+    /// key, the balance and the live-sandbox limit.
+    ///
+    /// All in one `BEGIN IMMEDIATE` transaction: concurrent creates (of any
+    /// account) run one after another, so reservations that together exceed
+    /// the balance can never all pass the check.
+    pub async fn create_sandbox(&self, new: NewSandbox) -> Result<CreateOutcome> {
+        if new.reserve_micros < 0 {
+            return Err(StoreError::Invalid(format!(
+                "reserve_micros must not be negative, not {}",
+                new.reserve_micros
+            )));
+        }
+        let mut tx = self.write_tx().await?;
+
+        if let Some((key, hash)) = &new.idempotency {
+            let seen: Option<(String, String)> = sqlx::query_as(
+                "SELECT request_hash, sandbox_id FROM idempotency \
+                 WHERE account_id = $1 AND key = $2",
+            )
+            .bind(&new.account_id)
+            .bind(key)
+            .fetch_optional(&mut *tx)
+            .await?;
+            if let Some((seen_hash, sandbox_id)) = seen {
+                if &seen_hash != hash {
+                    return Ok(CreateOutcome::IdempotencyConflict);
+                }
+                let row = sandbox_in(&mut tx, &sandbox_id).await?.ok_or_else(|| {
+                    StoreError::Corrupt(format!("idempotency row names missing {sandbox_id}"))
+                })?;
+                return Ok(CreateOutcome::Replay(row));
+            }
+        }
+
+        let limit = match new.max_concurrent {
+            Some(l) => l,
+            None => {
+                let l: Option<i64> =
+                    sqlx::query_scalar("SELECT max_concurrent FROM accounts WHERE id = $1")
+                        .bind(&new.account_id)
+                        .fetch_optional(&mut *tx)
+                        .await?;
+                let l =
+                    l.ok_or_else(|| StoreError::NotFound(format!("account {}", new.account_id)))?;
+                u32::try_from(l).map_err(|_| StoreError::Corrupt(format!("max_concurrent {l}")))?
+            }
+        };
+
+        let balance = balance_in(&mut *tx, &new.account_id).await?;
+        if balance < new.reserve_micros {
+            return Ok(CreateOutcome::InsufficientCredits {
+                balance,
+                needed: new.reserve_micros,
+            });
+        }
+
+        let live: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM sandboxes WHERE account_id = $1 \
+             AND status IN ('provisioning', 'running', 'deleting')",
+        )
+        .bind(&new.account_id)
+        .fetch_one(&mut *tx)
+        .await?;
+        let live = u32::try_from(live).unwrap_or(u32::MAX);
+        if live >= limit {
+            return Ok(CreateOutcome::TooManySandboxes { live, limit });
+        }
+
+        let inserted = sqlx::query(
+            "INSERT INTO sandboxes (id, account_id, name, size, vcpus, memory_mb, disk_gb, \
+                 timeout_minutes, status, price_micros_per_hour, host, created_at, expires_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'provisioning', $9, $10, $11, $12) \
+             RETURNING *",
+        )
+        .bind(&new.id)
+        .bind(&new.account_id)
+        .bind(&new.name)
+        .bind(&new.size)
+        .bind(i64::from(new.vcpus))
+        .bind(i64::from(new.memory_mb))
+        .bind(i64::from(new.disk_gb))
+        .bind(i64::from(new.timeout_minutes))
+        .bind(new.price_micros_per_hour)
+        .bind(&new.host)
+        .bind(format_ts(new.created_at))
+        .bind(format_ts(new.expires_at))
+        .fetch_one(&mut *tx)
+        .await;
+        let row = match inserted {
+            Ok(r) => sandbox_from(&r)?,
+            Err(e) => {
+                let e = StoreError::from(e);
+                if e.is_unique_violation() {
+                    return Err(StoreError::Conflict(format!("sandbox {} exists", new.id)));
+                }
+                if let StoreError::Db(d) = &e {
+                    if d.as_database_error()
+                        .is_some_and(|d| d.is_foreign_key_violation())
+                    {
+                        return Err(StoreError::NotFound(format!("account {}", new.account_id)));
+                    }
+                }
+                return Err(e);
+            }
+        };
+        insert_event(&mut tx, &row.id, status::PROVISIONING, None, row.created_at).await?;
+        if new.reserve_micros > 0 {
+            insert_ledger(
+                &mut tx,
+                &row.account_id,
+                &row.id,
+                "reserve",
+                -new.reserve_micros,
+                Some("create"),
+                row.created_at,
+            )
+            .await?;
+        }
+        if let Some((key, hash)) = &new.idempotency {
+            sqlx::query(
+                "INSERT INTO idempotency (account_id, key, request_hash, sandbox_id, created_at) \
+                 VALUES ($1, $2, $3, $4, $5)",
+            )
+            .bind(&row.account_id)
+            .bind(key)
+            .bind(hash)
+            .bind(&row.id)
+            .bind(format_ts(row.created_at))
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(CreateOutcome::Created(row))
+    }
+
+    /// Moves a live sandbox to another live status (`provisioning`,
+    /// `running`, `deleting`) and records the event; sets `ready_at` the
+    /// first time it becomes `running`. Setting the status it already has
+    /// changes nothing and records nothing.
+    ///
+    /// An ended sandbox is never revived: that is [`StoreError::Conflict`]
+    /// (e.g. the VM came up after the sandbox expired). Ending is
+    /// [`Store::finish_sandbox`]'s job, since it settles the money.
+    pub async fn set_status(
+        &self,
+        id: &str,
+        new_status: &str,
+        reason: Option<&str>,
+    ) -> Result<SandboxRow> {
+        if !status::is_live(new_status) {
+            return Err(StoreError::Invalid(format!(
+                "set_status takes a live status, not {new_status:?} (use finish_sandbox)"
+            )));
+        }
+        let mut tx = self.write_tx().await?;
+        let row = sandbox_in(&mut tx, id)
+            .await?
+            .ok_or_else(|| StoreError::NotFound(format!("sandbox {id}")))?;
+        if !row.is_live() {
+            return Err(StoreError::Conflict(format!(
+                "sandbox {id} is {}, it cannot become {new_status}",
+                row.status
+            )));
+        }
+        if row.status == new_status {
+            return Ok(row);
+        }
+        let at = now();
+        let updated = sqlx::query(
+            "UPDATE sandboxes SET status = $2, \
+                 ready_at = CASE WHEN $2 = 'running' AND ready_at IS NULL THEN $3 ELSE ready_at END \
+             WHERE id = $1 RETURNING *",
+        )
+        .bind(id)
+        .bind(new_status)
+        .bind(format_ts(at))
+        .fetch_one(&mut *tx)
+        .await?;
+        let updated = sandbox_from(&updated)?;
+        insert_event(&mut tx, id, new_status, reason, at).await?;
+        tx.commit().await?;
+        Ok(updated)
+    }
+
+    /// Extends a `provisioning` or `running` sandbox of `account_id`: stores
+    /// the new expiry and timeout and reserves `extra_reserve_micros` more,
+    /// if the balance covers it. Same transaction discipline as
+    /// [`Store::create_sandbox`]. A sandbox of another account is
+    /// [`StoreError::NotFound`]; an expiry earlier than the current one is
+    /// [`StoreError::Invalid`].
+    pub async fn extend_sandbox(
+        &self,
+        id: &str,
+        account_id: &str,
+        new_expires_at: OffsetDateTime,
+        new_timeout_minutes: u32,
+        extra_reserve_micros: i64,
+    ) -> Result<ExtendOutcome> {
+        if extra_reserve_micros < 0 {
+            return Err(StoreError::Invalid(format!(
+                "extra_reserve_micros must not be negative, not {extra_reserve_micros}"
+            )));
+        }
+        let mut tx = self.write_tx().await?;
+        let row = sandbox_in(&mut tx, id)
+            .await?
+            .filter(|r| r.account_id == account_id)
+            .ok_or_else(|| StoreError::NotFound(format!("sandbox {id}")))?;
+        if !(row.status == status::PROVISIONING || row.status == status::RUNNING) {
+            return Ok(ExtendOutcome::NotLive(row));
+        }
+        if new_expires_at < row.expires_at {
+            return Err(StoreError::Invalid(format!(
+                "new expiry {} is before the current {}",
+                format_ts(new_expires_at),
+                format_ts(row.expires_at)
+            )));
+        }
+        let balance = balance_in(&mut *tx, account_id).await?;
+        if balance < extra_reserve_micros {
+            return Ok(ExtendOutcome::InsufficientCredits {
+                balance,
+                needed: extra_reserve_micros,
+            });
+        }
+        let updated = sqlx::query(
+            "UPDATE sandboxes SET expires_at = $2, timeout_minutes = $3 WHERE id = $1 RETURNING *",
+        )
+        .bind(id)
+        .bind(format_ts(new_expires_at))
+        .bind(i64::from(new_timeout_minutes))
+        .fetch_one(&mut *tx)
+        .await?;
+        let updated = sandbox_from(&updated)?;
+        if extra_reserve_micros > 0 {
+            insert_ledger(
+                &mut tx,
+                account_id,
+                id,
+                "reserve",
+                -extra_reserve_micros,
+                Some("extend"),
+                now(),
+            )
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(ExtendOutcome::Extended(updated))
+    }
+
+    /// Ends a live sandbox as `deleted` or `failed` and settles its money,
+    /// atomically: releases what is still reserved for it (`release` row,
+    /// +), charges `charge_micros` (`charge` row, −) but never more than was
+    /// reserved — so the balance cannot go negative — sets `status`,
+    /// `deleted_at` = `ended_at`, `deleted_reason` = `reason`, records the
+    /// event and closes its open ports.
+    ///
+    /// `None` if the sandbox had already ended: nothing is changed, so
+    /// calling this twice never charges twice. An unknown id is
+    /// [`StoreError::NotFound`].
+    pub async fn finish_sandbox(
+        &self,
+        id: &str,
+        end_status: &str,
+        reason: &str,
+        ended_at: OffsetDateTime,
+        charge_micros: i64,
+    ) -> Result<Option<SandboxRow>> {
+        if !status::ENDED.contains(&end_status) {
+            return Err(StoreError::Invalid(format!(
+                "finish_sandbox ends as deleted or failed, not {end_status:?}"
+            )));
+        }
+        let mut tx = self.write_tx().await?;
+        let row = sandbox_in(&mut tx, id)
+            .await?
+            .ok_or_else(|| StoreError::NotFound(format!("sandbox {id}")))?;
+        if !row.is_live() {
+            return Ok(None);
+        }
+        let (reserved, released, charged): (i64, i64, i64) = sqlx::query_as(
+            "SELECT \
+                 COALESCE(SUM(CASE WHEN kind = 'reserve' THEN -amount_micros ELSE 0 END), 0), \
+                 COALESCE(SUM(CASE WHEN kind = 'release' THEN amount_micros ELSE 0 END), 0), \
+                 COALESCE(SUM(CASE WHEN kind = 'charge' THEN -amount_micros ELSE 0 END), 0) \
+             FROM ledger WHERE sandbox_id = $1",
+        )
+        .bind(id)
+        .fetch_one(&mut *tx)
+        .await?;
+        let release = (reserved - released).max(0);
+        let charge = charge_micros.clamp(0, (reserved - released - charged).max(0));
+        if release > 0 {
+            insert_ledger(
+                &mut tx,
+                &row.account_id,
+                id,
+                "release",
+                release,
+                Some(reason),
+                ended_at,
+            )
+            .await?;
+        }
+        if charge > 0 {
+            insert_ledger(
+                &mut tx,
+                &row.account_id,
+                id,
+                "charge",
+                -charge,
+                Some(reason),
+                ended_at,
+            )
+            .await?;
+        }
+        let updated = sqlx::query(
+            "UPDATE sandboxes SET status = $2, deleted_at = $3, deleted_reason = $4 \
+             WHERE id = $1 RETURNING *",
+        )
+        .bind(id)
+        .bind(end_status)
+        .bind(format_ts(ended_at))
+        .bind(reason)
+        .fetch_one(&mut *tx)
+        .await?;
+        let updated = sandbox_from(&updated)?;
+        insert_event(&mut tx, id, end_status, Some(reason), ended_at).await?;
+        sqlx::query("UPDATE ports SET closed_at = $2 WHERE sandbox_id = $1 AND closed_at IS NULL")
+            .bind(id)
+            .bind(format_ts(ended_at))
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(Some(updated))
+    }
+
+    /// The sandbox with this id, of any account (compare `account_id`, or
+    /// use [`Store::sandbox_of`]).
+    pub async fn sandbox(&self, id: &str) -> Result<Option<SandboxRow>> {
+        sqlx::query("SELECT * FROM sandboxes WHERE id = $1")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?
+            .as_ref()
+            .map(sandbox_from)
+            .transpose()
+    }
+
+    /// The sandbox with this id if it belongs to `account_id`.
+    pub async fn sandbox_of(&self, account_id: &str, id: &str) -> Result<Option<SandboxRow>> {
+        sqlx::query("SELECT * FROM sandboxes WHERE id = $1 AND account_id = $2")
+            .bind(id)
+            .bind(account_id)
+            .fetch_optional(&self.pool)
+            .await?
+            .as_ref()
+            .map(sandbox_from)
+            .transpose()
+    }
+
+    /// A page of an account's sandboxes, newest first (equal `created_at`
+    /// ordered by id, descending). `starting_after` is the id of the last
+    /// sandbox of the previous page; it must be a sandbox of this account
+    /// ([`StoreError::NotFound`] otherwise), in any status. Without
+    /// `include_deleted` only live sandboxes are listed.
+    pub async fn list_sandboxes(
+        &self,
+        account_id: &str,
+        limit: u32,
+        starting_after: Option<&str>,
+        include_deleted: bool,
+    ) -> Result<SandboxPage> {
+        if limit == 0 {
+            return Err(StoreError::Invalid("limit must be at least 1".into()));
+        }
+        let cursor = match starting_after {
+            None => None,
+            Some(c) => {
+                let at: Option<String> = sqlx::query_scalar(
+                    "SELECT created_at FROM sandboxes WHERE id = $1 AND account_id = $2",
+                )
+                .bind(c)
+                .bind(account_id)
+                .fetch_optional(&self.pool)
+                .await?;
+                Some((
+                    at.ok_or_else(|| StoreError::NotFound(format!("sandbox {c}")))?,
+                    c,
+                ))
+            }
+        };
+        let (c_at, c_id) = match &cursor {
+            Some((at, id)) => (Some(at.as_str()), Some(*id)),
+            None => (None, None),
+        };
+        let rows = sqlx::query(
+            "SELECT * FROM sandboxes WHERE account_id = $1 \
+               AND ($2 = 1 OR status IN ('provisioning', 'running', 'deleting')) \
+               AND ($3 IS NULL OR created_at < $3 OR (created_at = $3 AND id < $4)) \
+             ORDER BY created_at DESC, id DESC LIMIT $5",
+        )
+        .bind(account_id)
+        .bind(i64::from(include_deleted))
+        .bind(c_at)
+        .bind(c_id)
+        .bind(i64::from(limit) + 1)
+        .fetch_all(&self.pool)
+        .await?;
+        let mut data = rows.iter().map(sandbox_from).collect::<Result<Vec<_>>>()?;
+        let has_more = data.len() > limit as usize;
+        data.truncate(limit as usize);
+        Ok(SandboxPage { data, has_more })
+    }
+
+    /// Every live sandbox of every account, oldest first: what the host
+    /// should be running (for reconciliation after a restart).
+    pub async fn live_sandboxes(&self) -> Result<Vec<SandboxRow>> {
+        sqlx::query(
+            "SELECT * FROM sandboxes WHERE status IN ('provisioning', 'running', 'deleting') \
+             ORDER BY created_at, id",
+        )
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(sandbox_from)
+        .collect()
+    }
+
+    /// Live sandboxes whose `expires_at` ≤ `now`, soonest first.
+    pub async fn expired_sandboxes(&self, now: OffsetDateTime) -> Result<Vec<SandboxRow>> {
+        sqlx::query(
+            "SELECT * FROM sandboxes WHERE status IN ('provisioning', 'running', 'deleting') \
+               AND expires_at <= $1 ORDER BY expires_at, id",
+        )
+        .bind(format_ts(now))
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(sandbox_from)
+        .collect()
+    }
+
+    /// The earliest `expires_at` of any live sandbox: when the expiry
+    /// sweeper next has work.
+    pub async fn next_expiry(&self) -> Result<Option<OffsetDateTime>> {
+        let at: Option<String> = sqlx::query_scalar(
+            "SELECT MIN(expires_at) FROM sandboxes \
+             WHERE status IN ('provisioning', 'running', 'deleting')",
+        )
+        .fetch_one(&self.pool)
+        .await?;
+        at.as_deref().map(parse_ts).transpose()
+    }
+
+    /// A sandbox's status history, oldest first.
+    pub async fn events(&self, sandbox_id: &str) -> Result<Vec<EventRow>> {
+        sqlx::query("SELECT * FROM sandbox_events WHERE sandbox_id = $1 ORDER BY id")
+            .bind(sandbox_id)
+            .fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(event_from)
+            .collect()
+    }
+
+    /// The account's sandboxes created at or after `since`, or alive at or
+    /// after it (live, or ended at/after it), newest first, each with what
+    /// has been charged for it.
+    pub async fn usage(&self, account_id: &str, since: OffsetDateTime) -> Result<Vec<UsageRow>> {
+        let rows = sqlx::query(
+            "SELECT s.*, COALESCE((SELECT -SUM(l.amount_micros) FROM ledger l \
+                                   WHERE l.sandbox_id = s.id AND l.kind = 'charge'), 0) \
+                         AS charged_micros \
+             FROM sandboxes s WHERE s.account_id = $1 \
+               AND (s.created_at >= $2 OR s.deleted_at IS NULL OR s.deleted_at >= $2) \
+             ORDER BY s.created_at DESC, s.id DESC",
+        )
+        .bind(account_id)
+        .bind(format_ts(since))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(UsageRow {
+                    sandbox: sandbox_from(r)?,
+                    charged_micros: get_i64(r, "charged_micros")?,
+                })
+            })
+            .collect()
+    }
+
+    /// Forgets idempotency keys recorded before `before` (keys are meant
+    /// for retries within hours, not forever). Returns how many went.
+    pub async fn purge_idempotency(&self, before: OffsetDateTime) -> Result<u64> {
+        Ok(sqlx::query("DELETE FROM idempotency WHERE created_at < $1")
+            .bind(format_ts(before))
+            .execute(&self.pool)
+            .await?
+            .rows_affected())
+    }
+}

@@ -1,0 +1,973 @@
+//! The store against real SQLite files in a temporary directory.
+
+use sandpit_store::{
+    exec_status, format_ts, hash_key, new_id, status, CreateOutcome, ExecutionResult, ExecutionRow,
+    ExtendOutcome, NewSandbox, Store, StoreError,
+};
+use std::collections::HashSet;
+use tempfile::TempDir;
+use time::macros::datetime;
+use time::{Duration, OffsetDateTime};
+
+const T0: OffsetDateTime = datetime!(2026-03-01 12:00:00 UTC);
+/// Price of the test size: $0.09/h.
+const PRICE: i64 = 90_000;
+
+async fn open() -> (TempDir, Store) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open_sqlite(dir.path().join("sandpit.db"))
+        .await
+        .unwrap();
+    (dir, store)
+}
+
+fn sandbox(account_id: &str, created_at: OffsetDateTime, minutes: u32, reserve: i64) -> NewSandbox {
+    NewSandbox {
+        id: new_id("sbx"),
+        account_id: account_id.to_string(),
+        name: None,
+        size: "small".into(),
+        vcpus: 2,
+        memory_mb: 4096,
+        disk_gb: 40,
+        timeout_minutes: minutes,
+        price_micros_per_hour: PRICE,
+        host: "local".into(),
+        created_at,
+        expires_at: created_at + Duration::minutes(minutes.into()),
+        reserve_micros: reserve,
+        max_concurrent: None,
+        idempotency: None,
+    }
+}
+
+fn created(o: CreateOutcome) -> sandpit_store::SandboxRow {
+    match o {
+        CreateOutcome::Created(r) => r,
+        other => panic!("expected Created, got {other:?}"),
+    }
+}
+
+/// Every prefix sum of the account's ledger is ≥ 0: no row ever took the
+/// balance below zero.
+async fn assert_never_negative(store: &Store, account_id: &str) {
+    let mut sum = 0i64;
+    for row in store.ledger(account_id).await.unwrap() {
+        sum += row.amount_micros;
+        assert!(sum >= 0, "ledger row {row:?} took the balance to {sum}");
+    }
+    assert_eq!(sum, store.balance(account_id).await.unwrap());
+}
+
+#[tokio::test]
+async fn migrations_apply_to_a_fresh_file_and_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("db").join("x.db");
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    let store = Store::open_sqlite(&path).await.unwrap();
+    assert!(path.exists());
+    let acct = store.create_account("a", 20).await.unwrap();
+    store.close().await;
+
+    // Again: the migration is recorded, not re-run, and data survives.
+    let store = Store::open_sqlite(&path).await.unwrap();
+    let applied: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM _sqlx_migrations")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(applied, 1);
+    assert_eq!(store.account(&acct.id).await.unwrap(), Some(acct));
+    let mode: String = sqlx::query_scalar("PRAGMA journal_mode")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(mode, "wal");
+    let fk: i64 = sqlx::query_scalar("PRAGMA foreign_keys")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(fk, 1);
+    store.close().await;
+
+    // By URL too.
+    let url = format!("sqlite://{}", path.display());
+    let store = Store::connect(&url).await.unwrap();
+    assert_eq!(store.list_accounts().await.unwrap().len(), 1);
+    assert!(matches!(
+        Store::connect("postgres://localhost/x").await,
+        Err(StoreError::Invalid(_))
+    ));
+    let mem = Store::connect("sqlite::memory:").await.unwrap();
+    mem.create_account("m", 1).await.unwrap();
+    assert_eq!(mem.list_accounts().await.unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn accounts_have_unique_names() {
+    let (_d, store) = open().await;
+    let a = store.create_account("alice", 20).await.unwrap();
+    assert!(a.id.starts_with("acct_") && a.id.len() == 5 + 24);
+    assert!(matches!(
+        store.create_account("alice", 3).await,
+        Err(StoreError::Conflict(_))
+    ));
+    assert!(matches!(
+        store.create_account(" ", 3).await,
+        Err(StoreError::Invalid(_))
+    ));
+    let b = store.create_account("bob", 3).await.unwrap();
+    assert_eq!(store.account_by_name("bob").await.unwrap(), Some(b.clone()));
+    assert_eq!(store.account("acct_nope").await.unwrap(), None);
+    assert_eq!(store.list_accounts().await.unwrap(), vec![a, b]);
+}
+
+#[tokio::test]
+async fn keys_store_a_hash_show_a_prefix_and_can_be_revoked() {
+    let (_d, store) = open().await;
+    let acct = store.create_account("alice", 20).await.unwrap();
+    let (key, row) = store.create_key(&acct.id).await.unwrap();
+    assert!(key.starts_with("sp_"));
+    assert_eq!(key.len(), 3 + 40);
+    assert_eq!(row.prefix, key[..12]);
+    assert_eq!(row.account_id, acct.id);
+
+    // Only the hash is stored; the key appears nowhere in the database.
+    let (hash, prefix): (String, String) =
+        sqlx::query_as("SELECT hash, prefix FROM api_keys WHERE id = $1")
+            .bind(&row.id)
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+    assert_eq!(hash, hash_key(&key));
+    assert_eq!(hash.len(), 64);
+    assert_eq!(prefix, row.prefix);
+    let leaked: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM api_keys WHERE id = $1 OR prefix = $1 OR hash = $1",
+    )
+    .bind(&key)
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(leaked, 0);
+
+    // Authentication, recording the use once a minute at most.
+    let (k, a) = store.authenticate(&key).await.unwrap().unwrap();
+    assert_eq!(a, acct);
+    let first_use = k.last_used_at.expect("first use recorded");
+    let (k2, _) = store.authenticate(&key).await.unwrap().unwrap();
+    assert_eq!(k2.last_used_at, Some(first_use));
+    let two_min_ago = format_ts(OffsetDateTime::now_utc() - Duration::minutes(2));
+    sqlx::query("UPDATE api_keys SET last_used_at = $1 WHERE id = $2")
+        .bind(&two_min_ago)
+        .bind(&row.id)
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let (k3, _) = store.authenticate(&key).await.unwrap().unwrap();
+    assert!(k3.last_used_at.unwrap() > first_use - Duration::seconds(1));
+    assert_ne!(format_ts(k3.last_used_at.unwrap()), two_min_ago);
+
+    assert!(store.authenticate("sp_wrong").await.unwrap().is_none());
+    assert!(store.authenticate(&key[..42]).await.unwrap().is_none());
+
+    // A second key, then revoke the first by its prefix.
+    let (key2, row2) = store.create_key(&acct.id).await.unwrap();
+    assert!(store.revoke_key(&row.prefix).await.unwrap());
+    assert!(store.authenticate(&key).await.unwrap().is_none());
+    assert!(!store.revoke_key(&row.prefix).await.unwrap());
+    assert!(store.authenticate(&key2).await.unwrap().is_some());
+    let keys = store.list_keys(Some(&acct.id)).await.unwrap();
+    assert_eq!(keys.len(), 2);
+    assert!(keys
+        .iter()
+        .find(|k| k.id == row.id)
+        .unwrap()
+        .revoked_at
+        .is_some());
+    assert!(keys
+        .iter()
+        .find(|k| k.id == row2.id)
+        .unwrap()
+        .revoked_at
+        .is_none());
+    // By id as well; unknown is false.
+    assert!(store.revoke_key(&row2.id).await.unwrap());
+    assert!(store.authenticate(&key2).await.unwrap().is_none());
+    assert!(!store.revoke_key("key_unknown").await.unwrap());
+    assert_eq!(store.list_keys(None).await.unwrap().len(), 2);
+    assert!(matches!(
+        store.create_key("acct_nope").await,
+        Err(StoreError::NotFound(_))
+    ));
+}
+
+#[tokio::test]
+async fn the_ledger_reserves_refunds_and_settles_once() {
+    let (_d, store) = open().await;
+    let acct = store.create_account("alice", 20).await.unwrap();
+    assert_eq!(store.balance(&acct.id).await.unwrap(), 0);
+    store
+        .add_credit(&acct.id, 1_000_000, Some("welcome"))
+        .await
+        .unwrap();
+    assert!(matches!(
+        store.add_credit(&acct.id, 0, None).await,
+        Err(StoreError::Invalid(_))
+    ));
+    assert!(matches!(
+        store.add_credit("acct_nope", 5, None).await,
+        Err(StoreError::NotFound(_))
+    ));
+
+    // 60 minutes reserved: 90_000.
+    let sbx = created(
+        store
+            .create_sandbox(sandbox(&acct.id, T0, 60, 90_000))
+            .await
+            .unwrap(),
+    );
+    assert_eq!(sbx.status, status::PROVISIONING);
+    assert_eq!(store.balance(&acct.id).await.unwrap(), 910_000);
+
+    // Destroyed after 10 minutes: charged 15_000, the rest comes back.
+    let ended = T0 + Duration::minutes(10);
+    let done = store
+        .finish_sandbox(&sbx.id, status::DELETED, "destroyed", ended, 15_000)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(done.status, status::DELETED);
+    assert_eq!(done.deleted_at, Some(ended));
+    assert_eq!(done.deleted_reason.as_deref(), Some("destroyed"));
+    assert_eq!(store.balance(&acct.id).await.unwrap(), 985_000);
+    let kinds: Vec<(String, i64)> = store
+        .ledger(&acct.id)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| (r.kind, r.amount_micros))
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            ("credit".into(), 1_000_000),
+            ("reserve".into(), -90_000),
+            ("release".into(), 90_000),
+            ("charge".into(), -15_000)
+        ]
+    );
+
+    // Finishing again (a retried delete, the sweeper) changes nothing.
+    let rows_before = store.ledger(&acct.id).await.unwrap();
+    assert_eq!(
+        store
+            .finish_sandbox(
+                &sbx.id,
+                status::DELETED,
+                "expired",
+                ended + Duration::hours(1),
+                90_000
+            )
+            .await
+            .unwrap(),
+        None
+    );
+    assert_eq!(store.ledger(&acct.id).await.unwrap(), rows_before);
+    assert_eq!(store.sandbox(&sbx.id).await.unwrap().unwrap(), done);
+    let events: Vec<String> = store
+        .events(&sbx.id)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.status)
+        .collect();
+    assert_eq!(events, ["provisioning", "deleted"]);
+
+    // A charge above the reservation is capped at it.
+    let sbx2 = created(
+        store
+            .create_sandbox(sandbox(&acct.id, T0, 60, 90_000))
+            .await
+            .unwrap(),
+    );
+    store
+        .finish_sandbox(&sbx2.id, status::FAILED, "failed: boot", T0, 1_000_000)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(store.balance(&acct.id).await.unwrap(), 985_000 - 90_000);
+    assert_never_negative(&store, &acct.id).await;
+
+    assert!(matches!(
+        store
+            .finish_sandbox("sbx_nope", status::DELETED, "destroyed", T0, 0)
+            .await,
+        Err(StoreError::NotFound(_))
+    ));
+    assert!(matches!(
+        store
+            .finish_sandbox(&sbx2.id, status::RUNNING, "x", T0, 0)
+            .await,
+        Err(StoreError::Invalid(_))
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_creates_never_overdraw() {
+    let (_d, store) = open().await;
+    let acct = store.create_account("alice", 100).await.unwrap();
+    let reserve = 90_000;
+    // Enough for 7 reservations and a bit, not for 8.
+    store
+        .add_credit(&acct.id, 7 * reserve + 50_000, None)
+        .await
+        .unwrap();
+
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(20));
+    let tasks: Vec<_> = (0..20)
+        .map(|_| {
+            let store = store.clone();
+            let acct = acct.id.clone();
+            let barrier = barrier.clone();
+            tokio::spawn(async move {
+                barrier.wait().await;
+                store
+                    .create_sandbox(sandbox(&acct, T0, 60, reserve))
+                    .await
+                    .unwrap()
+            })
+        })
+        .collect();
+    let mut made = 0;
+    let mut refused = 0;
+    for t in tasks {
+        match t.await.unwrap() {
+            CreateOutcome::Created(_) => made += 1,
+            CreateOutcome::InsufficientCredits { balance, needed } => {
+                assert!(balance < needed);
+                assert!(balance >= 0);
+                refused += 1;
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!((made, refused), (7, 13));
+    assert_eq!(store.balance(&acct.id).await.unwrap(), 50_000);
+    assert_never_negative(&store, &acct.id).await;
+    let page = store
+        .list_sandboxes(&acct.id, 100, None, true)
+        .await
+        .unwrap();
+    assert_eq!(page.data.len(), 7);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_creates_respect_the_concurrency_limit() {
+    let (_d, store) = open().await;
+    let acct = store.create_account("alice", 5).await.unwrap();
+    store.add_credit(&acct.id, 100_000_000, None).await.unwrap();
+
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(20));
+    let tasks: Vec<_> = (0..20)
+        .map(|_| {
+            let store = store.clone();
+            let acct = acct.id.clone();
+            let barrier = barrier.clone();
+            tokio::spawn(async move {
+                barrier.wait().await;
+                store
+                    .create_sandbox(sandbox(&acct, T0, 15, 22_500))
+                    .await
+                    .unwrap()
+            })
+        })
+        .collect();
+    let mut live = Vec::new();
+    for t in tasks {
+        match t.await.unwrap() {
+            CreateOutcome::Created(r) => live.push(r),
+            CreateOutcome::TooManySandboxes { live, limit } => assert_eq!((live, limit), (5, 5)),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(live.len(), 5);
+
+    // An ended sandbox frees its slot; `deleting` still holds one.
+    store
+        .set_status(&live[0].id, status::DELETING, None)
+        .await
+        .unwrap();
+    assert!(matches!(
+        store
+            .create_sandbox(sandbox(&acct.id, T0, 15, 22_500))
+            .await
+            .unwrap(),
+        CreateOutcome::TooManySandboxes { live: 5, limit: 5 }
+    ));
+    store
+        .finish_sandbox(&live[0].id, status::DELETED, "destroyed", T0, 0)
+        .await
+        .unwrap();
+    created(
+        store
+            .create_sandbox(sandbox(&acct.id, T0, 15, 22_500))
+            .await
+            .unwrap(),
+    );
+
+    // An explicit limit overrides the account's.
+    let mut n = sandbox(&acct.id, T0, 15, 22_500);
+    n.max_concurrent = Some(6);
+    created(store.create_sandbox(n).await.unwrap());
+    assert_eq!(store.live_sandboxes().await.unwrap().len(), 6);
+}
+
+#[tokio::test]
+async fn idempotency_keys_replay_or_conflict() {
+    let (_d, store) = open().await;
+    let acct = store.create_account("alice", 20).await.unwrap();
+    let other = store.create_account("bob", 20).await.unwrap();
+    store.add_credit(&acct.id, 100_000, None).await.unwrap();
+    store.add_credit(&other.id, 100_000, None).await.unwrap();
+
+    let mut n = sandbox(&acct.id, T0, 60, 90_000);
+    n.idempotency = Some(("k1".into(), "hash-a".into()));
+    let first = created(store.create_sandbox(n.clone()).await.unwrap());
+
+    // Same key and body, even with another id and no credit left: the original.
+    let mut again = n.clone();
+    again.id = new_id("sbx");
+    assert_eq!(
+        store.create_sandbox(again.clone()).await.unwrap(),
+        CreateOutcome::Replay(first.clone())
+    );
+    // Same key, different body.
+    again.idempotency = Some(("k1".into(), "hash-b".into()));
+    assert_eq!(
+        store.create_sandbox(again).await.unwrap(),
+        CreateOutcome::IdempotencyConflict
+    );
+    // One sandbox, one reservation.
+    assert_eq!(store.balance(&acct.id).await.unwrap(), 10_000);
+    assert_eq!(
+        store
+            .list_sandboxes(&acct.id, 10, None, true)
+            .await
+            .unwrap()
+            .data
+            .len(),
+        1
+    );
+
+    // The replay follows the sandbox's state.
+    let running = store
+        .set_status(&first.id, status::RUNNING, None)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.create_sandbox(n).await.unwrap(),
+        CreateOutcome::Replay(running)
+    );
+
+    // Keys are per account.
+    let mut b = sandbox(&other.id, T0, 60, 90_000);
+    b.idempotency = Some(("k1".into(), "hash-b".into()));
+    created(store.create_sandbox(b).await.unwrap());
+
+    // Purged keys are forgotten.
+    assert_eq!(
+        store
+            .purge_idempotency(T0 + Duration::days(1))
+            .await
+            .unwrap(),
+        2
+    );
+}
+
+#[tokio::test]
+async fn lists_are_newest_first_with_cursors() {
+    let (_d, store) = open().await;
+    let acct = store.create_account("alice", 100).await.unwrap();
+    let other = store.create_account("bob", 100).await.unwrap();
+    // 9 sandboxes; three pairs share a created_at (ties go by id).
+    let mut all = Vec::new();
+    for i in 0..9i64 {
+        let at = T0 + Duration::seconds(i / 2 * 10);
+        all.push(created(
+            store
+                .create_sandbox(sandbox(&acct.id, at, 15, 0))
+                .await
+                .unwrap(),
+        ));
+    }
+    let theirs = created(
+        store
+            .create_sandbox(sandbox(&other.id, T0, 15, 0))
+            .await
+            .unwrap(),
+    );
+    let mut expected = all.clone();
+    expected.sort_by(|a, b| (b.created_at, &b.id).cmp(&(a.created_at, &a.id)));
+
+    let mut seen = Vec::new();
+    let mut cursor: Option<String> = None;
+    let mut pages = 0;
+    loop {
+        let page = store
+            .list_sandboxes(&acct.id, 4, cursor.as_deref(), false)
+            .await
+            .unwrap();
+        pages += 1;
+        seen.extend(page.data.iter().cloned());
+        if !page.has_more {
+            break;
+        }
+        cursor = Some(page.data.last().unwrap().id.clone());
+    }
+    assert_eq!(pages, 3);
+    assert_eq!(seen, expected);
+
+    // Ended sandboxes only with include_deleted; a deleted cursor still works.
+    let gone = &expected[1];
+    store
+        .finish_sandbox(
+            &gone.id,
+            status::DELETED,
+            "destroyed",
+            T0 + Duration::hours(1),
+            0,
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    let live = store
+        .list_sandboxes(&acct.id, 100, None, false)
+        .await
+        .unwrap();
+    assert_eq!(live.data.len(), 8);
+    assert!(!live.has_more);
+    assert!(live.data.iter().all(|s| s.id != gone.id));
+    let with = store
+        .list_sandboxes(&acct.id, 100, None, true)
+        .await
+        .unwrap();
+    assert_eq!(with.data.len(), 9);
+    let after_gone = store
+        .list_sandboxes(&acct.id, 100, Some(&gone.id), false)
+        .await
+        .unwrap();
+    assert_eq!(after_gone.data, expected[2..].to_vec());
+    let exact = store.list_sandboxes(&acct.id, 9, None, true).await.unwrap();
+    assert!(!exact.has_more);
+
+    // Unknown cursors, and other accounts' ids, are not found.
+    assert!(matches!(
+        store
+            .list_sandboxes(&acct.id, 4, Some("sbx_nope"), false)
+            .await,
+        Err(StoreError::NotFound(_))
+    ));
+    assert!(matches!(
+        store
+            .list_sandboxes(&acct.id, 4, Some(&theirs.id), false)
+            .await,
+        Err(StoreError::NotFound(_))
+    ));
+    assert!(matches!(
+        store.list_sandboxes(&acct.id, 0, None, false).await,
+        Err(StoreError::Invalid(_))
+    ));
+    assert_eq!(store.sandbox_of(&other.id, &all[0].id).await.unwrap(), None);
+    assert_eq!(
+        store.sandbox_of(&acct.id, &all[0].id).await.unwrap(),
+        Some(all[0].clone())
+    );
+}
+
+#[tokio::test]
+async fn expiry_finds_live_sandboxes_past_their_time() {
+    let (_d, store) = open().await;
+    let acct = store.create_account("alice", 100).await.unwrap();
+    assert_eq!(store.next_expiry().await.unwrap(), None);
+    let short = created(
+        store
+            .create_sandbox(sandbox(&acct.id, T0, 5, 0))
+            .await
+            .unwrap(),
+    );
+    let mid = created(
+        store
+            .create_sandbox(sandbox(&acct.id, T0, 10, 0))
+            .await
+            .unwrap(),
+    );
+    let long = created(
+        store
+            .create_sandbox(sandbox(&acct.id, T0, 60, 0))
+            .await
+            .unwrap(),
+    );
+    let ended = created(
+        store
+            .create_sandbox(sandbox(&acct.id, T0, 1, 0))
+            .await
+            .unwrap(),
+    );
+    store
+        .finish_sandbox(&ended.id, status::DELETED, "destroyed", T0, 0)
+        .await
+        .unwrap();
+
+    assert_eq!(store.next_expiry().await.unwrap(), Some(short.expires_at));
+    assert!(store.expired_sandboxes(T0).await.unwrap().is_empty());
+    // Exactly at expires_at counts.
+    let due = store.expired_sandboxes(mid.expires_at).await.unwrap();
+    assert_eq!(
+        due.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(),
+        [short.id.as_str(), mid.id.as_str()]
+    );
+    store
+        .finish_sandbox(&short.id, status::DELETED, "expired", short.expires_at, 0)
+        .await
+        .unwrap();
+    assert_eq!(store.next_expiry().await.unwrap(), Some(mid.expires_at));
+    let later = store
+        .expired_sandboxes(T0 + Duration::days(1))
+        .await
+        .unwrap();
+    let ids: HashSet<_> = later.iter().map(|s| s.id.clone()).collect();
+    assert_eq!(ids, HashSet::from([mid.id.clone(), long.id.clone()]));
+}
+
+#[tokio::test]
+async fn status_changes_are_recorded_and_ended_sandboxes_stay_ended() {
+    let (_d, store) = open().await;
+    let acct = store.create_account("alice", 100).await.unwrap();
+    let s = created(
+        store
+            .create_sandbox(sandbox(&acct.id, T0, 15, 0))
+            .await
+            .unwrap(),
+    );
+    assert_eq!(s.ready_at, None);
+    let r = store
+        .set_status(&s.id, status::RUNNING, Some("booted"))
+        .await
+        .unwrap();
+    assert_eq!(r.status, status::RUNNING);
+    let ready = r.ready_at.expect("ready_at set");
+    // Same status: no event, no change.
+    assert_eq!(
+        store
+            .set_status(&s.id, status::RUNNING, None)
+            .await
+            .unwrap(),
+        r
+    );
+    let d = store
+        .set_status(&s.id, status::DELETING, None)
+        .await
+        .unwrap();
+    assert_eq!(d.ready_at, Some(ready));
+    assert!(matches!(
+        store.set_status(&s.id, status::DELETED, None).await,
+        Err(StoreError::Invalid(_))
+    ));
+    store
+        .finish_sandbox(&s.id, status::DELETED, "destroyed", T0, 0)
+        .await
+        .unwrap();
+    assert!(matches!(
+        store.set_status(&s.id, status::RUNNING, None).await,
+        Err(StoreError::Conflict(_))
+    ));
+    assert!(matches!(
+        store.set_status("sbx_nope", status::RUNNING, None).await,
+        Err(StoreError::NotFound(_))
+    ));
+    let events: Vec<(String, Option<String>)> = store
+        .events(&s.id)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| (e.status, e.reason))
+        .collect();
+    assert_eq!(
+        events,
+        [
+            ("provisioning".into(), None),
+            ("running".into(), Some("booted".into())),
+            ("deleting".into(), None),
+            ("deleted".into(), Some("destroyed".into())),
+        ]
+    );
+}
+
+#[tokio::test]
+async fn extending_reserves_more_and_checks_the_balance() {
+    let (_d, store) = open().await;
+    let acct = store.create_account("alice", 100).await.unwrap();
+    let bob = store.create_account("bob", 100).await.unwrap();
+    store.add_credit(&acct.id, 100_000, None).await.unwrap();
+    let s = created(
+        store
+            .create_sandbox(sandbox(&acct.id, T0, 15, 22_500))
+            .await
+            .unwrap(),
+    );
+    let new_exp = s.expires_at + Duration::minutes(30);
+
+    let ExtendOutcome::Extended(e) = store
+        .extend_sandbox(&s.id, &acct.id, new_exp, 45, 45_000)
+        .await
+        .unwrap()
+    else {
+        panic!("not extended")
+    };
+    assert_eq!((e.expires_at, e.timeout_minutes), (new_exp, 45));
+    assert_eq!(store.balance(&acct.id).await.unwrap(), 32_500);
+
+    assert_eq!(
+        store
+            .extend_sandbox(&s.id, &acct.id, new_exp + Duration::hours(1), 105, 90_000)
+            .await
+            .unwrap(),
+        ExtendOutcome::InsufficientCredits {
+            balance: 32_500,
+            needed: 90_000
+        }
+    );
+    assert!(matches!(
+        store.extend_sandbox(&s.id, &bob.id, new_exp, 45, 0).await,
+        Err(StoreError::NotFound(_))
+    ));
+    assert!(matches!(
+        store.extend_sandbox(&s.id, &acct.id, T0, 45, 0).await,
+        Err(StoreError::Invalid(_))
+    ));
+
+    // Finishing releases both reservations.
+    store
+        .finish_sandbox(
+            &s.id,
+            status::DELETED,
+            "destroyed",
+            T0 + Duration::minutes(20),
+            30_000,
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(store.balance(&acct.id).await.unwrap(), 70_000);
+    assert_never_negative(&store, &acct.id).await;
+    assert!(matches!(
+        store
+            .extend_sandbox(&s.id, &acct.id, new_exp, 45, 0)
+            .await
+            .unwrap(),
+        ExtendOutcome::NotLive(_)
+    ));
+}
+
+#[tokio::test]
+async fn executions_are_recorded_and_finished_once() {
+    let (_d, store) = open().await;
+    let acct = store.create_account("alice", 100).await.unwrap();
+    let s = created(
+        store
+            .create_sandbox(sandbox(&acct.id, T0, 15, 0))
+            .await
+            .unwrap(),
+    );
+    let row = ExecutionRow {
+        id: new_id("exec"),
+        sandbox_id: s.id.clone(),
+        account_id: acct.id.clone(),
+        command: "echo hi".into(),
+        status: exec_status::RUNNING.into(),
+        exit_code: None,
+        stdout: String::new(),
+        stderr: String::new(),
+        truncated: false,
+        duration_ms: 0,
+        started_at: T0,
+        finished_at: None,
+    };
+    store.insert_execution(&row).await.unwrap();
+    assert!(matches!(
+        store.insert_execution(&row).await,
+        Err(StoreError::Conflict(_))
+    ));
+    assert_eq!(store.execution(&row.id).await.unwrap(), Some(row.clone()));
+
+    let result = ExecutionResult {
+        status: exec_status::COMPLETED.into(),
+        exit_code: Some(0),
+        stdout: "hi\n".into(),
+        stderr: "ünïcode\u{0}".into(),
+        truncated: true,
+        duration_ms: 12,
+        finished_at: T0 + Duration::milliseconds(12),
+    };
+    assert!(store.finish_execution(&row.id, &result).await.unwrap());
+    let mut second = result.clone();
+    second.status = exec_status::CANCELLED.into();
+    assert!(!store.finish_execution(&row.id, &second).await.unwrap());
+    let got = store.execution(&row.id).await.unwrap().unwrap();
+    assert_eq!(got.status, "completed");
+    assert_eq!(got.exit_code, Some(0));
+    assert_eq!(got.stdout, "hi\n");
+    assert_eq!(got.stderr, "ünïcode\u{0}");
+    assert!(got.truncated);
+    assert_eq!(got.duration_ms, 12);
+    assert_eq!(got.finished_at, Some(result.finished_at));
+    assert_eq!(got.account_id, acct.id);
+    assert!(matches!(
+        store.finish_execution("exec_nope", &result).await,
+        Err(StoreError::NotFound(_))
+    ));
+
+    let mut orphan = row.clone();
+    orphan.id = new_id("exec");
+    orphan.sandbox_id = "sbx_nope".into();
+    assert!(matches!(
+        store.insert_execution(&orphan).await,
+        Err(StoreError::NotFound(_))
+    ));
+
+    let mut running = row.clone();
+    running.id = new_id("exec");
+    store.insert_execution(&running).await.unwrap();
+    assert_eq!(store.fail_running_executions(&s.id, T0).await.unwrap(), 1);
+    assert_eq!(
+        store.execution(&running.id).await.unwrap().unwrap().status,
+        "failed"
+    );
+}
+
+#[tokio::test]
+async fn ports_are_opened_once_and_closed() {
+    let (_d, store) = open().await;
+    let acct = store.create_account("alice", 100).await.unwrap();
+    let s = created(
+        store
+            .create_sandbox(sandbox(&acct.id, T0, 15, 0))
+            .await
+            .unwrap(),
+    );
+    let p = store
+        .upsert_port(&s.id, 8080, "https://8080-x.example")
+        .await
+        .unwrap();
+    assert_eq!((p.port, p.closed_at), (8080, None));
+    // Asking again returns the same row, whatever URL is offered.
+    assert_eq!(
+        store
+            .upsert_port(&s.id, 8080, "https://other")
+            .await
+            .unwrap(),
+        p
+    );
+    store
+        .upsert_port(&s.id, 3000, "https://3000-x.example")
+        .await
+        .unwrap();
+    let ports: Vec<u16> = store
+        .list_ports(&s.id)
+        .await
+        .unwrap()
+        .iter()
+        .map(|p| p.port)
+        .collect();
+    assert_eq!(ports, [3000, 8080]);
+
+    assert!(store.close_port(&s.id, 8080).await.unwrap());
+    assert!(!store.close_port(&s.id, 8080).await.unwrap());
+    assert_eq!(store.list_ports(&s.id).await.unwrap().len(), 1);
+    // Reopened with the new URL.
+    let again = store
+        .upsert_port(&s.id, 8080, "https://8080-y.example")
+        .await
+        .unwrap();
+    assert_eq!(
+        (again.url.as_str(), again.closed_at),
+        ("https://8080-y.example", None)
+    );
+    assert_eq!(store.close_all_ports(&s.id).await.unwrap(), 2);
+    assert!(store.list_ports(&s.id).await.unwrap().is_empty());
+
+    // Ending the sandbox closes what is open.
+    store
+        .upsert_port(&s.id, 9000, "https://9000")
+        .await
+        .unwrap();
+    store
+        .finish_sandbox(&s.id, status::DELETED, "destroyed", T0, 0)
+        .await
+        .unwrap();
+    assert!(store.list_ports(&s.id).await.unwrap().is_empty());
+    assert!(matches!(
+        store.upsert_port("sbx_nope", 80, "u").await,
+        Err(StoreError::NotFound(_))
+    ));
+}
+
+#[tokio::test]
+async fn usage_lists_recent_sandboxes_with_their_charges() {
+    let (_d, store) = open().await;
+    let acct = store.create_account("alice", 100).await.unwrap();
+    store.add_credit(&acct.id, 10_000_000, None).await.unwrap();
+    let day = Duration::days(1);
+    // Ended long ago: out of the window.
+    let old = created(
+        store
+            .create_sandbox(sandbox(&acct.id, T0 - 40 * day, 60, 90_000))
+            .await
+            .unwrap(),
+    );
+    store
+        .finish_sandbox(
+            &old.id,
+            status::DELETED,
+            "expired",
+            T0 - 40 * day + Duration::hours(1),
+            90_000,
+        )
+        .await
+        .unwrap();
+    // Created before the window, ended inside it.
+    let spans = created(
+        store
+            .create_sandbox(sandbox(&acct.id, T0 - 31 * day, 60, 90_000))
+            .await
+            .unwrap(),
+    );
+    store
+        .finish_sandbox(
+            &spans.id,
+            status::DELETED,
+            "destroyed",
+            T0 - 29 * day,
+            45_000,
+        )
+        .await
+        .unwrap();
+    // Inside, still live.
+    let live = created(
+        store
+            .create_sandbox(sandbox(&acct.id, T0 - day, 60, 90_000))
+            .await
+            .unwrap(),
+    );
+
+    let usage = store.usage(&acct.id, T0 - 30 * day).await.unwrap();
+    let got: Vec<(&str, i64)> = usage
+        .iter()
+        .map(|u| (u.sandbox.id.as_str(), u.charged_micros))
+        .collect();
+    assert_eq!(got, [(live.id.as_str(), 0), (spans.id.as_str(), 45_000)]);
+    assert_eq!(
+        store.balance(&acct.id).await.unwrap(),
+        10_000_000 - 90_000 - 45_000 - 90_000
+    );
+}
