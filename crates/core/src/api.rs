@@ -62,15 +62,23 @@ pub trait SandboxApi: Send + Sync {
     ) -> Result<(Sandbox, bool)>;
     async fn get_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox>;
     async fn list_sandboxes(&self, caller: &Caller, q: ListSandboxes) -> Result<List<Sandbox>>;
-    async fn extend_sandbox(&self, caller: &Caller, id: &str, additional_minutes: Option<u32>)
-        -> Result<Sandbox>;
+    async fn extend_sandbox(
+        &self,
+        caller: &Caller,
+        id: &str,
+        additional_minutes: Option<u32>,
+    ) -> Result<Sandbox>;
     async fn destroy_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox>;
 
     /// Run a command to completion.
     async fn exec(&self, caller: &Caller, id: &str, params: ExecParams) -> Result<Execution>;
     /// Run a command, streaming its output.
-    async fn exec_stream(&self, caller: &Caller, id: &str, params: ExecParams)
-        -> Result<ExecStream>;
+    async fn exec_stream(
+        &self,
+        caller: &Caller,
+        id: &str,
+        params: ExecParams,
+    ) -> Result<ExecStream>;
     async fn get_execution(&self, caller: &Caller, exec_id: &str) -> Result<Execution>;
 
     async fn write_file(&self, caller: &Caller, id: &str, req: WriteFile) -> Result<FileWritten>;

@@ -8,10 +8,15 @@
 //! here, so both transports behave identically by construction.
 
 pub mod api;
+pub mod backend;
+pub mod config;
 pub mod error;
+pub mod ids;
 pub mod model;
+pub mod service;
 pub mod utf8;
 
 pub use api::{Caller, ExecEvent, ExecStream, SandboxApi};
 pub use error::{CoreError, ErrorType};
 pub use model::*;
+pub use service::Service;

@@ -1,0 +1,117 @@
+//! Service configuration: sizes and prices, limits, and where the service is
+//! reachable. Loaded from the server's TOML (see `sandpit serve --config`).
+
+use crate::model::{micros, Micros, Resources};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// One size: resources and price.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SizeConfig {
+    pub vcpus: u32,
+    pub memory_mb: u32,
+    pub disk_gb: u32,
+    pub price_usd_per_hour: f64,
+}
+
+impl SizeConfig {
+    pub fn resources(&self) -> Resources {
+        Resources {
+            vcpus: self.vcpus,
+            memory_mb: self.memory_mb,
+            disk_gb: self.disk_gb,
+        }
+    }
+    pub fn price_micros_per_hour(&self) -> Micros {
+        micros(self.price_usd_per_hour)
+    }
+}
+
+/// Limits and defaults of the service.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ServiceConfig {
+    pub sizes: BTreeMap<String, SizeConfig>,
+    pub default_size: String,
+    pub default_timeout_minutes: u32,
+    pub max_timeout_minutes: u32,
+    /// A sandbox may not live longer than this from creation, extensions included.
+    pub max_lifetime_minutes: u32,
+    pub default_extend_minutes: u32,
+    /// New accounts' concurrency limit.
+    pub default_max_concurrent_sandboxes: u32,
+    pub exec_default_timeout_ms: u64,
+    pub exec_min_timeout_ms: u64,
+    pub exec_max_timeout_ms: u64,
+    /// Output kept per stream of a command.
+    pub max_output_bytes: u64,
+    /// Largest file read back.
+    pub max_read_bytes: u64,
+    /// Largest file written.
+    pub max_write_bytes: u64,
+    /// Entries in one listing.
+    pub max_list_entries: u64,
+    /// Scheme of preview URLs (`http` or `https`).
+    pub preview_scheme: String,
+    /// Domain of preview URLs: `{port}-{id}.{preview_domain}`.
+    pub preview_domain: String,
+    /// This host's name, shown in service info.
+    pub host_name: String,
+}
+
+impl Default for ServiceConfig {
+    fn default() -> Self {
+        let size = |vcpus, memory_mb, price| SizeConfig {
+            vcpus,
+            memory_mb,
+            disk_gb: 40,
+            price_usd_per_hour: price,
+        };
+        let mut sizes = BTreeMap::new();
+        sizes.insert("small".into(), size(2, 4096, 0.09));
+        sizes.insert("medium".into(), size(4, 8192, 0.28));
+        sizes.insert("large".into(), size(8, 16384, 0.55));
+        ServiceConfig {
+            sizes,
+            default_size: "small".into(),
+            default_timeout_minutes: 15,
+            max_timeout_minutes: 1440,
+            max_lifetime_minutes: 1440,
+            default_extend_minutes: 15,
+            default_max_concurrent_sandboxes: 20,
+            exec_default_timeout_ms: 60_000,
+            exec_min_timeout_ms: 1_000,
+            exec_max_timeout_ms: 600_000,
+            max_output_bytes: 1024 * 1024,
+            max_read_bytes: 32 * 1024 * 1024,
+            max_write_bytes: 32 * 1024 * 1024,
+            max_list_entries: 10_000,
+            preview_scheme: "http".into(),
+            preview_domain: "localhost:8080".into(),
+            host_name: "localhost".into(),
+        }
+    }
+}
+
+/// What `seconds` of a size costs, rounded up to the next micro-dollar.
+pub fn cost(price_micros_per_hour: Micros, seconds: u64) -> Micros {
+    let num = price_micros_per_hour as i128 * seconds as i128;
+    ((num + 3599) / 3600) as Micros
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn costs_are_per_second_and_round_up() {
+        // small: $0.09/h = 90_000 µ$/h = 25 µ$/s
+        assert_eq!(cost(90_000, 1), 25);
+        assert_eq!(cost(90_000, 3600), 90_000);
+        assert_eq!(cost(90_000, 15 * 60), 22_500);
+        // medium: $0.28/h is not a whole number of µ$ per second: round up
+        assert_eq!(cost(280_000, 1), 78);
+        assert_eq!(cost(280_000, 3600), 280_000);
+        assert_eq!(cost(280_000, 0), 0);
+    }
+}

@@ -1,0 +1,1110 @@
+//! The core service: every behaviour of the API in one place.
+//!
+//! Ownership: every look-up is scoped to the calling account; another
+//! account's sandbox is `not_found`, always. Money: creating and extending
+//! reserve the cost of the whole timeout in the same store transaction that
+//! checks the balance and the concurrency limit; ending a sandbox releases
+//! the reservation and charges the seconds it lived (never more than was
+//! reserved), exactly once. Lifetime: the reaper ends every sandbox whose
+//! `expires_at` has passed; on start, `reconcile` settles what happened while
+//! the server was down.
+
+use crate::api::{Caller, ExecEvent, ExecStream, SandboxApi};
+use crate::backend::LocalVms;
+use crate::config::{cost, ServiceConfig};
+use crate::error::{CoreError, ErrorType, Result};
+use crate::ids::{new_id, rfc3339};
+use crate::model::*;
+use crate::utf8::Utf8Chunker;
+use async_trait::async_trait;
+use base64::Engine;
+use sandpit_protocol::{ErrorKind, ExecRequest};
+use sandpit_runtime::{ExecEvent as VmEvent, RuntimeError, VmState};
+use sandpit_store::{
+    exec_status, status, CreateOutcome, ExecutionResult, ExecutionRow, ExtendOutcome, SandboxRow,
+    Store, StoreError,
+};
+use sha2::Digest;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+use time::OffsetDateTime;
+use tokio::sync::{mpsc, oneshot, Notify};
+
+/// The core service over this host's VMs and one store.
+pub struct Service {
+    config: ServiceConfig,
+    store: Store,
+    vms: Arc<LocalVms>,
+    reaper: Arc<Notify>,
+    /// Itself, for tasks that outlive a call (streaming exec).
+    me: Weak<Service>,
+}
+
+impl From<StoreError> for CoreError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::NotFound(what) => {
+                CoreError::new(ErrorType::NotFound, format!("{what} not found"))
+            }
+            StoreError::Conflict(m) => CoreError::conflict(m),
+            StoreError::Invalid(m) => CoreError::invalid(m),
+            other => {
+                tracing::error!("store: {other}");
+                CoreError::new(
+                    ErrorType::ServiceUnavailable,
+                    "the database is unavailable; retry shortly",
+                )
+                .with_retry_after(1)
+            }
+        }
+    }
+}
+
+/// A runtime failure as the API reports it.
+fn runtime_error(e: RuntimeError) -> CoreError {
+    match e {
+        RuntimeError::Agent(a) => {
+            let kind = match a.kind {
+                ErrorKind::NotFound => ErrorType::NotFound,
+                ErrorKind::PermissionDenied => ErrorType::Forbidden,
+                ErrorKind::IsADirectory
+                | ErrorKind::NotADirectory
+                | ErrorKind::TooLarge
+                | ErrorKind::InvalidPath
+                | ErrorKind::InvalidRequest
+                | ErrorKind::Unsupported => ErrorType::InvalidRequest,
+                // Disk full and the like: the sandbox's state prevents it.
+                ErrorKind::Io => ErrorType::Conflict,
+            };
+            CoreError::new(kind, a.message)
+        }
+        RuntimeError::VmExited { cause } => CoreError::conflict(format!(
+            "the sandbox's VM has stopped ({cause}); create a new sandbox"
+        )),
+        RuntimeError::Disconnected(m) => CoreError::new(
+            ErrorType::ServiceUnavailable,
+            format!("lost the connection to the sandbox ({m}); retry"),
+        )
+        .with_retry_after(1),
+        RuntimeError::BootTimeout { secs, .. } => CoreError::new(
+            ErrorType::ServiceUnavailable,
+            format!("the VM did not boot within {secs} s; retry"),
+        )
+        .with_retry_after(1),
+        other => {
+            tracing::error!("runtime: {other}");
+            CoreError::new(
+                ErrorType::ServiceUnavailable,
+                format!("the host cannot run this now: {other}"),
+            )
+            .with_retry_after(5)
+        }
+    }
+}
+
+fn to_sandbox(r: &SandboxRow) -> Sandbox {
+    Sandbox {
+        id: r.id.clone(),
+        object: "sandbox".into(),
+        name: r.name.clone(),
+        status: SandboxStatus::parse(&r.status).unwrap_or(SandboxStatus::Failed),
+        size: r.size.clone(),
+        resources: Resources {
+            vcpus: r.vcpus,
+            memory_mb: r.memory_mb,
+            disk_gb: r.disk_gb,
+        },
+        timeout_minutes: r.timeout_minutes,
+        created_at: rfc3339(r.created_at),
+        ready_at: r.ready_at.map(rfc3339),
+        expires_at: rfc3339(r.expires_at),
+        deleted_at: r.deleted_at.map(rfc3339),
+        deleted_reason: r.deleted_reason.clone(),
+    }
+}
+
+fn to_execution(r: &ExecutionRow) -> Execution {
+    let status = match r.status.as_str() {
+        exec_status::COMPLETED => ExecutionStatus::Completed,
+        exec_status::TIMED_OUT => ExecutionStatus::TimedOut,
+        exec_status::CANCELLED => ExecutionStatus::Cancelled,
+        _ => ExecutionStatus::Failed,
+    };
+    Execution {
+        id: r.id.clone(),
+        object: "execution".into(),
+        sandbox_id: r.sandbox_id.clone(),
+        status,
+        exit_code: r.exit_code,
+        stdout: r.stdout.clone(),
+        stderr: r.stderr.clone(),
+        truncated: r.truncated,
+        duration_ms: r.duration_ms,
+        started_at: rfc3339(r.started_at),
+        finished_at: r.finished_at.map(rfc3339),
+    }
+}
+
+/// Seconds a sandbox lived from creation to `end` (rounded up), for billing.
+fn lived_seconds(created: OffsetDateTime, end: OffsetDateTime) -> u64 {
+    let d = end - created;
+    if d.is_negative() {
+        return 0;
+    }
+    let ms = d.whole_milliseconds() as u64;
+    ms.div_ceil(1000)
+}
+
+impl Service {
+    /// A service over `store` and `vms`; call [`Service::start`] to reconcile
+    /// and run the reaper.
+    pub fn new(config: ServiceConfig, store: Store, vms: Arc<LocalVms>) -> Arc<Service> {
+        Arc::new_cyclic(|me| Service {
+            config,
+            store,
+            vms,
+            reaper: Arc::new(Notify::new()),
+            me: me.clone(),
+        })
+    }
+
+    pub fn config(&self) -> &ServiceConfig {
+        &self.config
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Settle what happened while no server ran, then start the reaper.
+    pub async fn start(self: &Arc<Self>) -> Result<()> {
+        self.reconcile().await?;
+        let me = Arc::downgrade(self);
+        let wake = self.reaper.clone();
+        tokio::spawn(async move {
+            loop {
+                let Some(svc) = me.upgrade() else { return };
+                let woken = wake.notified();
+                tokio::pin!(woken);
+                woken.as_mut().enable();
+                let nap = svc.reap_once().await;
+                drop(svc);
+                tokio::select! {
+                    _ = tokio::time::sleep(nap) => {}
+                    _ = woken => {}
+                }
+            }
+        });
+        Ok(())
+    }
+
+    /// End every expired sandbox; returns how long to sleep until the next expiry.
+    async fn reap_once(&self) -> Duration {
+        let now = OffsetDateTime::now_utc();
+        match self.store.expired_sandboxes(now).await {
+            Ok(rows) => {
+                for row in rows {
+                    if let Err(e) = self.end(&row, status::DELETED, "expired").await {
+                        tracing::warn!(id = %row.id, "expiring: {e}");
+                    }
+                }
+            }
+            Err(e) => tracing::warn!("reaper: {e}"),
+        }
+        match self.store.next_expiry().await {
+            Ok(Some(next)) => {
+                let d = next - OffsetDateTime::now_utc();
+                if d.is_negative() {
+                    Duration::from_millis(50)
+                } else {
+                    Duration::from_secs_f64(d.as_seconds_f64().min(60.0))
+                        + Duration::from_millis(20)
+                }
+            }
+            _ => Duration::from_secs(60),
+        }
+    }
+
+    /// After a restart: expired sandboxes are destroyed, sandboxes whose VM
+    /// vanished are failed (and refunded), half-created ones are failed, and
+    /// VM directories or QEMU processes that no live sandbox owns are removed.
+    pub async fn reconcile(&self) -> Result<()> {
+        let now = OffsetDateTime::now_utc();
+        let live = self.store.live_sandboxes().await?;
+        let mut keep = Vec::new();
+        for row in &live {
+            if row.expires_at <= now {
+                self.end(row, status::DELETED, "expired").await?;
+                continue;
+            }
+            match row.status.as_str() {
+                status::PROVISIONING => {
+                    self.end(
+                        row,
+                        status::FAILED,
+                        "failed: the server stopped while it was being created",
+                    )
+                    .await?;
+                }
+                status::DELETING => {
+                    self.end(row, status::DELETED, "destroyed").await?;
+                }
+                _ => match self.vms.state(&row.id) {
+                    Some(VmState::Running) => keep.push(row.id.clone()),
+                    Some(VmState::Exited { cause }) => {
+                        self.end(row, status::FAILED, &format!("failed: {cause}"))
+                            .await?;
+                    }
+                    None => {
+                        self.end(
+                            row,
+                            status::FAILED,
+                            "failed: its VM vanished while the server was down",
+                        )
+                        .await?;
+                    }
+                },
+            }
+        }
+        for vm in self.vms.list() {
+            if !keep.contains(&vm.id) {
+                tracing::info!(id = %vm.id, "removing a VM no live sandbox owns");
+                let _ = self.vms.destroy(&vm.id).await;
+            }
+        }
+        for dir in self.vms.stray_dirs() {
+            if !keep.contains(&dir) {
+                let _ = self.vms.destroy(&dir).await;
+            }
+        }
+        Ok(())
+    }
+
+    /// End a live sandbox: destroy its VM, release its reservation, charge
+    /// what it used (up to its expiry at most), record why. Idempotent.
+    async fn end(
+        &self,
+        row: &SandboxRow,
+        end_status: &str,
+        reason: &str,
+    ) -> Result<Option<SandboxRow>> {
+        if let Err(e) = self.vms.destroy(&row.id).await {
+            tracing::warn!(id = %row.id, "destroying the VM: {e}");
+        }
+        let now = OffsetDateTime::now_utc();
+        let billed_until = now.min(row.expires_at);
+        let charge = if end_status == status::FAILED && reason.contains("vanished") {
+            0
+        } else {
+            cost(
+                row.price_micros_per_hour,
+                lived_seconds(row.created_at, billed_until),
+            )
+        };
+        Ok(self
+            .store
+            .finish_sandbox(&row.id, end_status, reason, now, charge)
+            .await?)
+    }
+
+    async fn owned(&self, caller: &Caller, id: &str) -> Result<SandboxRow> {
+        self.store
+            .sandbox_of(&caller.account_id, id)
+            .await?
+            .ok_or_else(|| CoreError::not_found("sandbox", id))
+    }
+
+    /// A running sandbox of the caller, or why it cannot be used.
+    async fn running(&self, caller: &Caller, id: &str) -> Result<SandboxRow> {
+        let row = self.owned(caller, id).await?;
+        if row.status != status::RUNNING {
+            let why = row
+                .deleted_reason
+                .as_deref()
+                .map(|r| format!(" ({r})"))
+                .unwrap_or_default();
+            return Err(CoreError::conflict(format!(
+                "sandbox {id} is {}{why}; create a new one",
+                row.status
+            )));
+        }
+        Ok(row)
+    }
+
+    /// The agent of a running sandbox; a VM found dead fails the sandbox.
+    async fn agent(&self, row: &SandboxRow) -> Result<sandpit_runtime::AgentClient> {
+        match self.vms.agent(&row.id).await {
+            Ok(a) => Ok(a),
+            Err(RuntimeError::VmExited { cause }) | Err(RuntimeError::NotFound(cause)) => {
+                let _ = self
+                    .end(row, status::FAILED, &format!("failed: {cause}"))
+                    .await;
+                Err(CoreError::conflict(format!(
+                    "the sandbox's VM has stopped ({cause}); create a new sandbox"
+                )))
+            }
+            Err(e) => Err(runtime_error(e)),
+        }
+    }
+
+    fn validate_exec(&self, p: &ExecParams) -> Result<ExecRequest> {
+        if p.command.trim().is_empty() {
+            return Err(CoreError::invalid("command must not be empty"));
+        }
+        let timeout = p.timeout_ms.unwrap_or(self.config.exec_default_timeout_ms);
+        if timeout < self.config.exec_min_timeout_ms || timeout > self.config.exec_max_timeout_ms {
+            return Err(CoreError::invalid(format!(
+                "timeout_ms must be between {} and {}, not {timeout}",
+                self.config.exec_min_timeout_ms, self.config.exec_max_timeout_ms
+            )));
+        }
+        let env = p.env.clone().unwrap_or_default();
+        for k in env.keys() {
+            let ok = !k.is_empty()
+                && !k.as_bytes()[0].is_ascii_digit()
+                && k.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+            if !ok {
+                return Err(CoreError::invalid(format!(
+                    "env name {k:?} is not a valid variable name (letters, digits, _)"
+                )));
+            }
+        }
+        Ok(ExecRequest {
+            command: p.command.clone(),
+            cwd: p.cwd.clone(),
+            env,
+            timeout_ms: timeout,
+            max_output_bytes: self.config.max_output_bytes,
+        })
+    }
+
+    /// Start a command and feed its events to `tx`; returns the final execution.
+    async fn run_exec(
+        &self,
+        row: &SandboxRow,
+        req: ExecRequest,
+        tx: Option<mpsc::Sender<ExecEvent>>,
+        mut cancel: oneshot::Receiver<()>,
+    ) -> Result<Execution> {
+        let agent = self.agent(row).await?;
+        let exec_id = new_id("exec_");
+        let started = OffsetDateTime::now_utc();
+        self.store
+            .insert_execution(&ExecutionRow {
+                id: exec_id.clone(),
+                sandbox_id: row.id.clone(),
+                account_id: row.account_id.clone(),
+                command: req.command.clone(),
+                status: exec_status::RUNNING.into(),
+                exit_code: None,
+                stdout: String::new(),
+                stderr: String::new(),
+                truncated: false,
+                duration_ms: 0,
+                started_at: started,
+                finished_at: None,
+            })
+            .await?;
+        let mut handle = agent.exec(req).map_err(runtime_error)?;
+        let (mut out, mut err) = (Utf8Chunker::new(), Utf8Chunker::new());
+        let (mut stdout, mut stderr) = (String::new(), String::new());
+        let mut cancelled_by_client = false;
+        let outcome = loop {
+            let ev = tokio::select! {
+                ev = handle.next() => ev,
+                _ = &mut cancel, if !cancelled_by_client => {
+                    cancelled_by_client = true;
+                    handle.cancel();
+                    continue;
+                }
+            };
+            match ev {
+                Ok(VmEvent::Started { .. }) => {}
+                Ok(VmEvent::Stdout(b)) => {
+                    let s = out.push(&b);
+                    stdout.push_str(&s);
+                    if let (Some(tx), false) = (&tx, s.is_empty()) {
+                        let _ = tx.send(ExecEvent::Stdout(s)).await;
+                    }
+                }
+                Ok(VmEvent::Stderr(b)) => {
+                    let s = err.push(&b);
+                    stderr.push_str(&s);
+                    if let (Some(tx), false) = (&tx, s.is_empty()) {
+                        let _ = tx.send(ExecEvent::Stderr(s)).await;
+                    }
+                }
+                Ok(VmEvent::Exited(r)) => break Ok(r),
+                Err(e) => break Err(e),
+            }
+        };
+        stdout.push_str(&out.finish());
+        stderr.push_str(&err.finish());
+        let finished = OffsetDateTime::now_utc();
+        let result = match outcome {
+            Ok(r) => {
+                let st = if r.timed_out {
+                    exec_status::TIMED_OUT
+                } else if r.cancelled || cancelled_by_client {
+                    exec_status::CANCELLED
+                } else {
+                    exec_status::COMPLETED
+                };
+                ExecutionResult {
+                    status: st.into(),
+                    exit_code: r.exit_code.or(r.signal.map(|s| 128 + s)),
+                    stdout,
+                    stderr,
+                    truncated: r.stdout_truncated || r.stderr_truncated,
+                    duration_ms: r.duration_ms,
+                    finished_at: finished,
+                }
+            }
+            Err(e) => {
+                let _ = self
+                    .store
+                    .finish_execution(
+                        &exec_id,
+                        &ExecutionResult {
+                            status: exec_status::FAILED.into(),
+                            exit_code: None,
+                            stdout,
+                            stderr,
+                            truncated: false,
+                            duration_ms: (finished - started).whole_milliseconds() as u64,
+                            finished_at: finished,
+                        },
+                    )
+                    .await;
+                if let RuntimeError::Agent(_) = e {
+                    return Err(runtime_error(e));
+                }
+                // The VM may have died under the command.
+                if let Some(VmState::Exited { cause }) = self.vms.state(&row.id) {
+                    let _ = self
+                        .end(row, status::FAILED, &format!("failed: {cause}"))
+                        .await;
+                }
+                return Err(runtime_error(e));
+            }
+        };
+        self.store.finish_execution(&exec_id, &result).await?;
+        let row = self
+            .store
+            .execution(&exec_id)
+            .await?
+            .ok_or_else(|| CoreError::internal("the execution vanished"))?;
+        Ok(to_execution(&row))
+    }
+
+    // ---- administration (CLI and first start) -------------------------
+
+    /// Create an account with `credit_usd`.
+    pub async fn create_account(&self, name: &str, credit_usd: f64) -> Result<Account> {
+        let name = name.trim();
+        if name.is_empty() || name.len() > 100 {
+            return Err(CoreError::invalid("account names are 1 to 100 characters"));
+        }
+        let row = self
+            .store
+            .create_account(name, self.config.default_max_concurrent_sandboxes)
+            .await?;
+        if credit_usd > 0.0 {
+            self.store
+                .add_credit(&row.id, micros(credit_usd), Some("initial credit"))
+                .await?;
+        }
+        self.account(&Caller { account_id: row.id }).await
+    }
+
+    /// Add credit to an account (by name).
+    pub async fn add_credit(&self, account_name: &str, usd_amount: f64) -> Result<Account> {
+        if usd_amount <= 0.0 || !usd_amount.is_finite() {
+            return Err(CoreError::invalid(
+                "the amount must be a positive number of USD",
+            ));
+        }
+        let acct = self
+            .store
+            .account_by_name(account_name)
+            .await?
+            .ok_or_else(|| CoreError::not_found("account", account_name))?;
+        self.store
+            .add_credit(
+                &acct.id,
+                micros(usd_amount),
+                Some("credit added by an operator"),
+            )
+            .await?;
+        self.account(&Caller {
+            account_id: acct.id,
+        })
+        .await
+    }
+
+    /// A new API key for an account (by name); the key is returned once.
+    pub async fn create_key(&self, account_name: &str) -> Result<(String, sandpit_store::KeyRow)> {
+        let acct = self
+            .store
+            .account_by_name(account_name)
+            .await?
+            .ok_or_else(|| CoreError::not_found("account", account_name))?;
+        Ok(self.store.create_key(&acct.id).await?)
+    }
+
+    /// Ids of the VMs on this host (for tests and operators).
+    pub fn vms_on_host(&self) -> Vec<String> {
+        self.vms.list().into_iter().map(|r| r.id).collect()
+    }
+
+    fn arc_self(&self) -> Option<Arc<Service>> {
+        self.me.upgrade()
+    }
+
+    /// Wake the reaper (an expiry moved earlier).
+    fn wake_reaper(&self) {
+        self.reaper.notify_one();
+    }
+}
+
+#[async_trait]
+impl SandboxApi for Service {
+    async fn authenticate(&self, api_key: &str) -> Result<Caller> {
+        match self.store.authenticate(api_key).await? {
+            Some((_, acct)) => Ok(Caller {
+                account_id: acct.id,
+            }),
+            None => Err(CoreError::unauthorized()),
+        }
+    }
+
+    async fn create_sandbox(
+        &self,
+        caller: &Caller,
+        req: CreateSandbox,
+        idempotency_key: Option<String>,
+    ) -> Result<(Sandbox, bool)> {
+        let size_name = req
+            .size
+            .clone()
+            .unwrap_or_else(|| self.config.default_size.clone());
+        let size = self.config.sizes.get(&size_name).ok_or_else(|| {
+            CoreError::invalid(format!(
+                "unknown size {size_name:?}; use one of: {}",
+                self.config
+                    .sizes
+                    .keys()
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))
+        })?;
+        let timeout = req
+            .timeout_minutes
+            .unwrap_or(self.config.default_timeout_minutes);
+        if timeout < 1 || timeout > self.config.max_timeout_minutes {
+            return Err(CoreError::invalid(format!(
+                "timeout_minutes must be between 1 and {}, not {timeout}",
+                self.config.max_timeout_minutes
+            )));
+        }
+        if let Some(n) = &req.name {
+            if n.chars().count() > 200 {
+                return Err(CoreError::invalid("name is at most 200 characters"));
+            }
+        }
+        if let Some(k) = &idempotency_key {
+            if k.is_empty() || k.len() > 255 {
+                return Err(CoreError::invalid(
+                    "Idempotency-Key must be 1 to 255 characters",
+                ));
+            }
+        }
+        let price = size.price_micros_per_hour();
+        let reserve = cost(price, timeout as u64 * 60);
+        let now = OffsetDateTime::now_utc();
+        let request_hash = hex::encode(sha2::Sha256::digest(
+            serde_json::to_vec(&(&size_name, &req.name, timeout)).expect("json"),
+        ));
+        let id = new_id("sbx_");
+        let outcome = self
+            .store
+            .create_sandbox(sandpit_store::NewSandbox {
+                id: id.clone(),
+                account_id: caller.account_id.clone(),
+                name: req.name.clone(),
+                size: size_name.clone(),
+                vcpus: size.vcpus,
+                memory_mb: size.memory_mb,
+                disk_gb: size.disk_gb,
+                timeout_minutes: timeout,
+                price_micros_per_hour: price,
+                host: self.config.host_name.clone(),
+                created_at: now,
+                expires_at: now + time::Duration::minutes(timeout as i64),
+                reserve_micros: reserve,
+                max_concurrent: None,
+                idempotency: idempotency_key.map(|k| (k, request_hash)),
+            })
+            .await?;
+        let row = match outcome {
+            CreateOutcome::Created(row) => row,
+            CreateOutcome::Replay(row) => return Ok((to_sandbox(&row), true)),
+            CreateOutcome::IdempotencyConflict => {
+                return Err(CoreError::conflict(
+                    "this Idempotency-Key was already used with a different request body",
+                ))
+            }
+            CreateOutcome::InsufficientCredits { balance, needed } => {
+                return Err(CoreError::new(
+                    ErrorType::InsufficientCredits,
+                    format!(
+                        "a {size_name} sandbox for {timeout} minutes reserves ${:.6}, but the account has ${:.6} left; add credit or ask for a shorter timeout",
+                        usd(needed),
+                        usd(balance)
+                    ),
+                ))
+            }
+            CreateOutcome::TooManySandboxes { live, limit } => {
+                return Err(CoreError::new(
+                    ErrorType::RateLimited,
+                    format!(
+                        "the account has {live} live sandboxes, its limit is {limit}; destroy one first"
+                    ),
+                )
+                .with_retry_after(10))
+            }
+        };
+        self.wake_reaper();
+        match self.vms.create(&row.id, &row.size).await {
+            Ok(_) => {
+                let row = self
+                    .store
+                    .set_status(&row.id, status::RUNNING, None)
+                    .await?;
+                Ok((to_sandbox(&row), false))
+            }
+            Err(e) => {
+                tracing::warn!(id = %row.id, "create failed: {e}");
+                let _ = self
+                    .store
+                    .finish_sandbox(
+                        &row.id,
+                        status::FAILED,
+                        &format!("failed: {e}"),
+                        OffsetDateTime::now_utc(),
+                        0,
+                    )
+                    .await;
+                let _ = self.vms.destroy(&row.id).await;
+                Err(CoreError::new(
+                    ErrorType::ServiceUnavailable,
+                    format!(
+                        "the sandbox's VM could not be started ({e}); nothing was charged, retry"
+                    ),
+                )
+                .with_retry_after(5))
+            }
+        }
+    }
+
+    async fn get_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
+        Ok(to_sandbox(&self.owned(caller, id).await?))
+    }
+
+    async fn list_sandboxes(&self, caller: &Caller, q: ListSandboxes) -> Result<List<Sandbox>> {
+        let limit = q.limit.unwrap_or(20);
+        if !(1..=100).contains(&limit) {
+            return Err(CoreError::invalid(format!(
+                "limit must be between 1 and 100, not {limit}"
+            )));
+        }
+        if let Some(c) = &q.starting_after {
+            if self
+                .store
+                .sandbox_of(&caller.account_id, c)
+                .await?
+                .is_none()
+            {
+                return Err(CoreError::invalid(format!(
+                    "starting_after {c:?} is not a sandbox of this account"
+                )));
+            }
+        }
+        let page = self
+            .store
+            .list_sandboxes(
+                &caller.account_id,
+                limit,
+                q.starting_after.as_deref(),
+                q.include_deleted.unwrap_or(false),
+            )
+            .await?;
+        let next = if page.has_more {
+            page.data.last().map(|r| r.id.clone())
+        } else {
+            None
+        };
+        Ok(List::new(
+            page.data.iter().map(to_sandbox).collect(),
+            page.has_more,
+            next,
+        ))
+    }
+
+    async fn extend_sandbox(
+        &self,
+        caller: &Caller,
+        id: &str,
+        additional_minutes: Option<u32>,
+    ) -> Result<Sandbox> {
+        let add = additional_minutes.unwrap_or(self.config.default_extend_minutes);
+        if add < 1 {
+            return Err(CoreError::invalid("additional_minutes must be at least 1"));
+        }
+        let row = self.owned(caller, id).await?;
+        let total = row.timeout_minutes as u64 + add as u64;
+        if total > self.config.max_lifetime_minutes as u64 {
+            return Err(CoreError::invalid(format!(
+                "a sandbox may live at most {} minutes from creation; it has {} and asked for {add} more",
+                self.config.max_lifetime_minutes, row.timeout_minutes
+            )));
+        }
+        let extra = cost(row.price_micros_per_hour, add as u64 * 60);
+        let new_expires = row.created_at + time::Duration::minutes(total as i64);
+        match self
+            .store
+            .extend_sandbox(id, &caller.account_id, new_expires, total as u32, extra)
+            .await?
+        {
+            ExtendOutcome::Extended(row) => Ok(to_sandbox(&row)),
+            ExtendOutcome::InsufficientCredits { balance, needed } => Err(CoreError::new(
+                ErrorType::InsufficientCredits,
+                format!(
+                    "{add} more minutes reserve ${:.6}, but the account has ${:.6} left",
+                    usd(needed),
+                    usd(balance)
+                ),
+            )),
+            ExtendOutcome::NotLive(row) => Err(CoreError::conflict(format!(
+                "sandbox {id} is {}; only a running sandbox can be extended",
+                row.status
+            ))),
+        }
+    }
+
+    async fn destroy_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
+        let row = self.owned(caller, id).await?;
+        if !row.is_live() {
+            return Ok(to_sandbox(&row));
+        }
+        let _ = self.store.set_status(id, status::DELETING, None).await;
+        match self.end(&row, status::DELETED, "destroyed").await? {
+            Some(row) => Ok(to_sandbox(&row)),
+            None => Ok(to_sandbox(&self.owned(caller, id).await?)),
+        }
+    }
+
+    async fn exec(&self, caller: &Caller, id: &str, params: ExecParams) -> Result<Execution> {
+        let req = self.validate_exec(&params)?;
+        let row = self.running(caller, id).await?;
+        let (_keep, cancel) = oneshot::channel();
+        self.run_exec(&row, req, None, cancel).await
+    }
+
+    async fn exec_stream(
+        &self,
+        caller: &Caller,
+        id: &str,
+        params: ExecParams,
+    ) -> Result<ExecStream> {
+        let req = self.validate_exec(&params)?;
+        let row = self.running(caller, id).await?;
+        // Fail fast (before the stream starts) if the VM is unreachable.
+        self.agent(&row).await?;
+        let (tx, rx) = mpsc::channel(64);
+        let (cancel_tx, cancel_rx) = oneshot::channel();
+        let me = self.arc_self();
+        tokio::spawn(async move {
+            let Some(me) = me else { return };
+            let last = match me.run_exec(&row, req, Some(tx.clone()), cancel_rx).await {
+                Ok(exec) => ExecEvent::Exit(exec),
+                Err(e) => ExecEvent::Error(e),
+            };
+            let _ = tx.send(last).await;
+        });
+        Ok(ExecStream {
+            events: rx,
+            cancel: Some(cancel_tx),
+        })
+    }
+
+    async fn get_execution(&self, caller: &Caller, exec_id: &str) -> Result<Execution> {
+        match self.store.execution(exec_id).await? {
+            Some(r) if r.account_id == caller.account_id => Ok(to_execution(&r)),
+            _ => Err(CoreError::not_found("execution", exec_id)),
+        }
+    }
+
+    async fn write_file(&self, caller: &Caller, id: &str, req: WriteFile) -> Result<FileWritten> {
+        let bytes = match req.encoding.unwrap_or_default() {
+            Encoding::Utf8 => req.content.into_bytes(),
+            Encoding::Base64 => base64::engine::general_purpose::STANDARD
+                .decode(req.content.trim())
+                .map_err(|e| CoreError::invalid(format!("content is not valid base64: {e}")))?,
+        };
+        if bytes.len() as u64 > self.config.max_write_bytes {
+            return Err(CoreError::invalid(format!(
+                "the file is {} bytes; the limit is {} bytes",
+                bytes.len(),
+                self.config.max_write_bytes
+            )));
+        }
+        check_path(&req.path)?;
+        let row = self.running(caller, id).await?;
+        let agent = self.agent(&row).await?;
+        let (path, n) = agent
+            .write_file(&req.path, &bytes, None)
+            .await
+            .map_err(runtime_error)?;
+        Ok(FileWritten { path, bytes: n })
+    }
+
+    async fn read_file(
+        &self,
+        caller: &Caller,
+        id: &str,
+        path: &str,
+        encoding: Encoding,
+    ) -> Result<FileContent> {
+        check_path(path)?;
+        let row = self.running(caller, id).await?;
+        let agent = self.agent(&row).await?;
+        let (path, bytes) = agent
+            .read_file(path, self.config.max_read_bytes)
+            .await
+            .map_err(|e| match e {
+                RuntimeError::Agent(a) if a.kind == ErrorKind::TooLarge => {
+                    CoreError::invalid(format!(
+                        "{}; the read limit is {} bytes",
+                        a.message, self.config.max_read_bytes
+                    ))
+                }
+                other => runtime_error(other),
+            })?;
+        let n = bytes.len() as u64;
+        let content = match encoding {
+            Encoding::Utf8 => String::from_utf8(bytes).map_err(|_| {
+                CoreError::invalid(format!(
+                    "{path} is not valid UTF-8 text; read it with encoding \"base64\""
+                ))
+            })?,
+            Encoding::Base64 => base64::engine::general_purpose::STANDARD.encode(&bytes),
+        };
+        Ok(FileContent {
+            path,
+            content,
+            bytes: n,
+            encoding,
+        })
+    }
+
+    async fn list_files(
+        &self,
+        caller: &Caller,
+        id: &str,
+        path: Option<&str>,
+        recursive: bool,
+    ) -> Result<FileList> {
+        let path = path.unwrap_or(sandpit_protocol::WORKSPACE);
+        check_path(path)?;
+        let row = self.running(caller, id).await?;
+        let agent = self.agent(&row).await?;
+        let (path, entries, truncated) = agent
+            .list_files(path, recursive, self.config.max_list_entries)
+            .await
+            .map_err(runtime_error)?;
+        Ok(FileList {
+            path,
+            entries: entries
+                .into_iter()
+                .map(|e| FileEntry {
+                    name: e.name,
+                    kind: match e.kind {
+                        sandpit_protocol::FileKind::File => EntryType::File,
+                        sandpit_protocol::FileKind::Dir => EntryType::Dir,
+                        sandpit_protocol::FileKind::Symlink => EntryType::Symlink,
+                        sandpit_protocol::FileKind::Other => EntryType::Other,
+                    },
+                    size_bytes: e.size_bytes,
+                })
+                .collect(),
+            truncated,
+        })
+    }
+
+    async fn delete_file(
+        &self,
+        caller: &Caller,
+        id: &str,
+        path: &str,
+        recursive: bool,
+    ) -> Result<FileDeleted> {
+        check_path(path)?;
+        let row = self.running(caller, id).await?;
+        let agent = self.agent(&row).await?;
+        let path = agent
+            .delete_file(path, recursive)
+            .await
+            .map_err(runtime_error)?;
+        Ok(FileDeleted {
+            path,
+            deleted: true,
+        })
+    }
+
+    async fn expose_port(&self, caller: &Caller, id: &str, port: u16) -> Result<Port> {
+        if port == 0 {
+            return Err(CoreError::invalid("port must be between 1 and 65535"));
+        }
+        let row = self.running(caller, id).await?;
+        let url = format!(
+            "{}://{port}-{}.{}",
+            self.config.preview_scheme, row.id, self.config.preview_domain
+        );
+        let p = self.store.upsert_port(&row.id, port, &url).await?;
+        Ok(Port {
+            port: p.port,
+            url: p.url,
+            created_at: rfc3339(p.created_at),
+        })
+    }
+
+    async fn list_ports(&self, caller: &Caller, id: &str) -> Result<List<Port>> {
+        let row = self.owned(caller, id).await?;
+        let ports = self.store.list_ports(&row.id).await?;
+        Ok(List::new(
+            ports
+                .into_iter()
+                .filter(|p| p.closed_at.is_none())
+                .map(|p| Port {
+                    port: p.port,
+                    url: p.url,
+                    created_at: rfc3339(p.created_at),
+                })
+                .collect(),
+            false,
+            None,
+        ))
+    }
+
+    async fn close_port(&self, caller: &Caller, id: &str, port: u16) -> Result<()> {
+        let row = self.owned(caller, id).await?;
+        if self.store.close_port(&row.id, port).await? {
+            Ok(())
+        } else {
+            Err(CoreError::not_found("exposed port", &port.to_string()))
+        }
+    }
+
+    async fn usage(&self, caller: &Caller, days: Option<u32>) -> Result<Usage> {
+        let days = days.unwrap_or(30);
+        if !(1..=366).contains(&days) {
+            return Err(CoreError::invalid(format!(
+                "days must be between 1 and 366, not {days}"
+            )));
+        }
+        let now = OffsetDateTime::now_utc();
+        let rows = self
+            .store
+            .usage(&caller.account_id, now - time::Duration::days(days as i64))
+            .await?;
+        let mut total = 0;
+        let sandboxes = rows
+            .iter()
+            .map(|u| {
+                let r = &u.sandbox;
+                let end = r.deleted_at.unwrap_or(now).min(r.expires_at);
+                let seconds = lived_seconds(r.created_at, end);
+                let cost_micros = if r.is_live() {
+                    cost(r.price_micros_per_hour, seconds)
+                } else {
+                    u.charged_micros
+                };
+                total += cost_micros;
+                SandboxUsage {
+                    id: r.id.clone(),
+                    size: r.size.clone(),
+                    seconds,
+                    cost_usd: usd(cost_micros),
+                    created_at: rfc3339(r.created_at),
+                    deleted_at: r.deleted_at.map(rfc3339),
+                }
+            })
+            .collect();
+        let balance = self.store.balance(&caller.account_id).await?;
+        Ok(Usage {
+            object: "usage".into(),
+            credit_remaining_usd: usd(balance),
+            period_days: days,
+            total_cost_usd: usd(total),
+            sandboxes,
+        })
+    }
+
+    async fn account(&self, caller: &Caller) -> Result<Account> {
+        let acct = self
+            .store
+            .account(&caller.account_id)
+            .await?
+            .ok_or_else(CoreError::unauthorized)?;
+        let balance = self.store.balance(&acct.id).await?;
+        Ok(Account {
+            object: "account".into(),
+            id: acct.id,
+            name: acct.name,
+            credit_remaining_usd: usd(balance),
+            max_concurrent_sandboxes: acct.max_concurrent,
+            created_at: rfc3339(acct.created_at),
+        })
+    }
+
+    async fn service_info(&self) -> Result<ServiceInfo> {
+        let m = self.vms.manager();
+        Ok(ServiceInfo {
+            name: "Sandpit".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            sizes: self
+                .config
+                .sizes
+                .iter()
+                .map(|(name, s)| SizeInfo {
+                    name: name.clone(),
+                    resources: s.resources(),
+                    price_usd_per_hour: s.price_usd_per_hour,
+                })
+                .collect(),
+            default_timeout_minutes: self.config.default_timeout_minutes,
+            max_timeout_minutes: self.config.max_timeout_minutes,
+            max_lifetime_minutes: self.config.max_lifetime_minutes,
+            max_concurrent_sandboxes: self.config.default_max_concurrent_sandboxes,
+            acceleration: m.accel().to_string(),
+            hosts: vec![self.config.host_name.clone()],
+            authentication: "send the account's API key as `Authorization: Bearer <key>` or `x-api-key: <key>`; over stdio (`sandpit mcp`) no key is needed".into(),
+            guest: GuestInfo {
+                os: "Debian GNU/Linux 12 (bookworm)".into(),
+                kernel: m.image().kernel_release.clone(),
+                user: format!("{} (uid {}), no sudo", sandpit_protocol::GUEST_USER, sandpit_protocol::GUEST_UID),
+                workdir: sandpit_protocol::WORKSPACE.into(),
+            },
+        })
+    }
+}
+
+/// Paths are checked here only for what the guest cannot judge; permissions
+/// are the guest user's own.
+fn check_path(path: &str) -> Result<()> {
+    sandpit_protocol::resolve_guest_path(path)
+        .map(|_| ())
+        .map_err(|e| CoreError::invalid(format!("bad path {path:?}: {}", e.message)))
+}

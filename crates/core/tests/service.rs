@@ -1,0 +1,369 @@
+//! The core service against real VMs and a real SQLite file: the agent flow,
+//! billing and refunds, isolation between accounts, credit that concurrent
+//! creates can never overdraw, and expiry while the service runs.
+
+use sandpit_core::config::{ServiceConfig, SizeConfig};
+use sandpit_core::{
+    backend::LocalVms, Caller, CreateSandbox, Encoding, ErrorType, ExecEvent, ExecParams,
+    ExecutionStatus, ListSandboxes, SandboxApi, SandboxStatus, Service, WriteFile,
+};
+use sandpit_runtime::config::SizeSpec;
+use sandpit_runtime::image::GuestImage;
+use sandpit_runtime::{RuntimeConfig, VmManager};
+use sandpit_store::Store;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+fn image() -> GuestImage {
+    let dir = std::env::var_os("SANDPIT_IMAGES_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/sandpit-images")
+        });
+    let bytes = std::fs::read(dir.join("current.json")).unwrap_or_else(|_| {
+        panic!(
+            "no guest image in {}: run scripts/test.sh (it builds the agent and the image)",
+            dir.display()
+        )
+    });
+    serde_json::from_slice(&bytes).unwrap()
+}
+
+/// A service on a fresh data directory with a small test size.
+async fn service() -> (Arc<Service>, tempfile::TempDir) {
+    let dir = tempfile::Builder::new()
+        .prefix("spc-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let mut rt = RuntimeConfig::new(dir.path());
+    rt.sizes.clear();
+    rt.sizes.insert(
+        "small".into(),
+        SizeSpec {
+            vcpus: 2,
+            memory_mb: 1024,
+            disk_gb: 4,
+        },
+    );
+    let mut cfg = ServiceConfig::default();
+    cfg.sizes.clear();
+    cfg.sizes.insert(
+        "small".into(),
+        SizeConfig {
+            vcpus: 2,
+            memory_mb: 1024,
+            disk_gb: 4,
+            price_usd_per_hour: 0.09,
+        },
+    );
+    let store = Store::open_sqlite(dir.path().join("sandpit.db"))
+        .await
+        .unwrap();
+    let vms = LocalVms::new(VmManager::new(rt, image()).unwrap());
+    let svc = Service::new(cfg, store, vms);
+    svc.start().await.unwrap();
+    (svc, dir)
+}
+
+async fn account(svc: &Service, name: &str, usd: f64) -> Caller {
+    let a = svc.create_account(name, usd).await.unwrap();
+    Caller { account_id: a.id }
+}
+
+fn cmd(c: &str) -> ExecParams {
+    ExecParams {
+        command: c.into(),
+        ..Default::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_flow_and_its_bill() {
+    let (svc, _dir) = service().await;
+    let me = account(&svc, "alice", 1.0).await;
+    let (sbx, replay) = svc
+        .create_sandbox(
+            &me,
+            CreateSandbox {
+                name: Some("flow".into()),
+                ..Default::default()
+            },
+            None,
+        )
+        .await
+        .unwrap();
+    assert!(!replay);
+    assert_eq!(sbx.status, SandboxStatus::Running);
+    assert_eq!(sbx.timeout_minutes, 15);
+    assert!(sbx.ready_at.is_some());
+    // 15 minutes of small ($0.09/h) are reserved: $0.0225.
+    let acct = svc.account(&me).await.unwrap();
+    assert!(
+        (acct.credit_remaining_usd - 0.9775).abs() < 1e-9,
+        "{acct:?}"
+    );
+
+    svc.write_file(
+        &me,
+        &sbx.id,
+        WriteFile {
+            path: "job.py".into(),
+            content: "import json\nopen('out.json','w').write(json.dumps({'sum': sum(range(10))}))\nprint('done')\n".into(),
+            encoding: None,
+        },
+    )
+    .await
+    .unwrap();
+    let ex = svc.exec(&me, &sbx.id, cmd("python3 job.py")).await.unwrap();
+    assert_eq!(ex.status, ExecutionStatus::Completed);
+    assert_eq!(ex.exit_code, Some(0));
+    assert_eq!(ex.stdout, "done\n");
+    assert_eq!(svc.get_execution(&me, &ex.id).await.unwrap(), ex);
+    let out = svc
+        .read_file(&me, &sbx.id, "out.json", Encoding::Utf8)
+        .await
+        .unwrap();
+    assert_eq!(out.content, "{\"sum\": 45}");
+    let list = svc.list_files(&me, &sbx.id, None, true).await.unwrap();
+    let names: Vec<_> = list.entries.iter().map(|e| e.name.as_str()).collect();
+    assert!(
+        names.contains(&"job.py") && names.contains(&"out.json"),
+        "{names:?}"
+    );
+
+    // Streaming: output arrives as events, then the execution.
+    let mut s = svc
+        .exec_stream(&me, &sbx.id, cmd("echo one; echo two >&2"))
+        .await
+        .unwrap();
+    let (mut so, mut se, mut exit) = (String::new(), String::new(), None);
+    while let Some(ev) = s.next().await {
+        match ev {
+            ExecEvent::Stdout(t) => so += &t,
+            ExecEvent::Stderr(t) => se += &t,
+            ExecEvent::Exit(e) => exit = Some(e),
+            ExecEvent::Error(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!((so.as_str(), se.as_str()), ("one\n", "two\n"));
+    assert_eq!(exit.unwrap().status, ExecutionStatus::Completed);
+
+    let ext = svc.extend_sandbox(&me, &sbx.id, Some(10)).await.unwrap();
+    assert_eq!(ext.timeout_minutes, 25);
+    let too_long = svc
+        .extend_sandbox(&me, &sbx.id, Some(1440))
+        .await
+        .unwrap_err();
+    assert_eq!(too_long.kind, ErrorType::InvalidRequest);
+
+    let usage = svc.usage(&me, None).await.unwrap();
+    assert_eq!(usage.sandboxes.len(), 1);
+    assert_eq!(usage.sandboxes[0].id, sbx.id);
+
+    let gone = svc.destroy_sandbox(&me, &sbx.id).await.unwrap();
+    assert_eq!(gone.status, SandboxStatus::Deleted);
+    assert_eq!(gone.deleted_reason.as_deref(), Some("destroyed"));
+    // Destroying again returns it again.
+    assert_eq!(
+        svc.destroy_sandbox(&me, &sbx.id).await.unwrap().status,
+        SandboxStatus::Deleted
+    );
+    // The unused reservation came back: only the seconds it lived were charged.
+    let usage = svc.usage(&me, None).await.unwrap();
+    let spent = usage.total_cost_usd;
+    assert!(spent > 0.0 && spent < 0.005, "charged {spent}");
+    let acct = svc.account(&me).await.unwrap();
+    assert!(
+        (acct.credit_remaining_usd - (1.0 - spent)).abs() < 1e-9,
+        "{acct:?} vs {spent}"
+    );
+    // And it is no longer usable.
+    let e = svc.exec(&me, &sbx.id, cmd("true")).await.unwrap_err();
+    assert_eq!(e.kind, ErrorType::Conflict);
+    assert!(svc.vms_on_host().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accounts_cannot_see_each_other() {
+    let (svc, _dir) = service().await;
+    let a = account(&svc, "a", 1.0).await;
+    let b = account(&svc, "b", 1.0).await;
+    let (sbx, _) = svc
+        .create_sandbox(&a, CreateSandbox::default(), None)
+        .await
+        .unwrap();
+    for e in [
+        svc.get_sandbox(&b, &sbx.id).await.unwrap_err(),
+        svc.exec(&b, &sbx.id, cmd("true")).await.unwrap_err(),
+        svc.destroy_sandbox(&b, &sbx.id).await.unwrap_err(),
+        svc.read_file(&b, &sbx.id, "x", Encoding::Utf8)
+            .await
+            .unwrap_err(),
+        svc.extend_sandbox(&b, &sbx.id, None).await.unwrap_err(),
+    ] {
+        assert_eq!(e.kind, ErrorType::NotFound, "{e}");
+    }
+    let unknown = svc.get_sandbox(&b, "sbx_doesnotexist").await.unwrap_err();
+    assert_eq!(
+        unknown.message.replace("sbx_doesnotexist", "X"),
+        svc.get_sandbox(&b, &sbx.id)
+            .await
+            .unwrap_err()
+            .message
+            .replace(&sbx.id, "X")
+    );
+    assert!(svc
+        .list_sandboxes(&b, ListSandboxes::default())
+        .await
+        .unwrap()
+        .data
+        .is_empty());
+    svc.destroy_sandbox(&a, &sbx.id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_creates_never_overdraw_the_credit() {
+    let (svc, _dir) = service().await;
+    // Two 15-minute small sandboxes cost $0.0225 each: $0.05 covers two.
+    let me = account(&svc, "thrifty", 0.05).await;
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let svc = svc.clone();
+        let me = me.clone();
+        tasks.push(tokio::spawn(async move {
+            svc.create_sandbox(&me, CreateSandbox::default(), None)
+                .await
+        }));
+    }
+    let mut made = Vec::new();
+    let mut refused = 0;
+    for t in tasks {
+        match t.await.unwrap() {
+            Ok((s, _)) => made.push(s.id),
+            Err(e) => {
+                assert_eq!(e.kind, ErrorType::InsufficientCredits, "{e}");
+                refused += 1;
+            }
+        }
+    }
+    assert_eq!((made.len(), refused), (2, 2));
+    let acct = svc.account(&me).await.unwrap();
+    assert!(acct.credit_remaining_usd >= 0.0);
+    assert!((acct.credit_remaining_usd - 0.005).abs() < 1e-9, "{acct:?}");
+    for id in made {
+        svc.destroy_sandbox(&me, &id).await.unwrap();
+    }
+    assert!(svc.account(&me).await.unwrap().credit_remaining_usd > 0.04);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_changes_nothing() {
+    let (svc, _dir) = service().await;
+    let me = account(&svc, "careful", 1.0).await;
+    let bad = [
+        CreateSandbox {
+            size: Some("huge".into()),
+            ..Default::default()
+        },
+        CreateSandbox {
+            timeout_minutes: Some(0),
+            ..Default::default()
+        },
+        CreateSandbox {
+            timeout_minutes: Some(1441),
+            ..Default::default()
+        },
+    ];
+    for req in bad {
+        let e = svc.create_sandbox(&me, req, None).await.unwrap_err();
+        assert_eq!(e.kind, ErrorType::InvalidRequest, "{e}");
+    }
+    assert!((svc.account(&me).await.unwrap().credit_remaining_usd - 1.0).abs() < 1e-9);
+    assert!(svc.vms_on_host().is_empty());
+    let poor = account(&svc, "poor", 0.0).await;
+    let e = svc
+        .create_sandbox(&poor, CreateSandbox::default(), None)
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorType::InsufficientCredits);
+    assert!(e.message.contains("add credit"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idempotent_creates_return_the_original() {
+    let (svc, _dir) = service().await;
+    let me = account(&svc, "retry", 1.0).await;
+    let req = CreateSandbox {
+        name: Some("once".into()),
+        ..Default::default()
+    };
+    let (a, ra) = svc
+        .create_sandbox(&me, req.clone(), Some("key-1".into()))
+        .await
+        .unwrap();
+    let (b, rb) = svc
+        .create_sandbox(&me, req, Some("key-1".into()))
+        .await
+        .unwrap();
+    assert!(!ra && rb);
+    assert_eq!(a.id, b.id);
+    let other = CreateSandbox {
+        name: Some("twice".into()),
+        ..Default::default()
+    };
+    let e = svc
+        .create_sandbox(&me, other, Some("key-1".into()))
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorType::Conflict);
+    assert_eq!(
+        svc.list_sandboxes(&me, ListSandboxes::default())
+            .await
+            .unwrap()
+            .data
+            .len(),
+        1
+    );
+    svc.destroy_sandbox(&me, &a.id).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_expires_on_time_while_the_service_runs() {
+    let (svc, _dir) = service().await;
+    let me = account(&svc, "late", 1.0).await;
+    let (sbx, _) = svc
+        .create_sandbox(
+            &me,
+            CreateSandbox {
+                timeout_minutes: Some(1),
+                ..Default::default()
+            },
+            None,
+        )
+        .await
+        .unwrap();
+    let expires = sandpit_core::ids::parse_rfc3339(&sbx.expires_at).unwrap();
+    loop {
+        let s = svc.get_sandbox(&me, &sbx.id).await.unwrap();
+        if s.status == SandboxStatus::Deleted {
+            assert_eq!(s.deleted_reason.as_deref(), Some("expired"));
+            let at = sandpit_core::ids::parse_rfc3339(s.deleted_at.as_deref().unwrap()).unwrap();
+            let late = at - expires;
+            assert!(
+                late <= time::Duration::seconds(2),
+                "reaped {late} after expiry"
+            );
+            break;
+        }
+        assert!(
+            time::OffsetDateTime::now_utc() < expires + time::Duration::seconds(10),
+            "not reaped"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert!(svc.vms_on_host().is_empty());
+    // Charged for at most its minute.
+    let spent = svc.usage(&me, None).await.unwrap().total_cost_usd;
+    assert!(spent <= 0.0015 + 1e-9, "{spent}");
+}
