@@ -1,0 +1,41 @@
+//! Sandpit's REST API (`/v1`), as an adapter and nothing more.
+//!
+//! Why this crate exists: the public "Sandbox as a Service" REST contract
+//! (`shared/spec/rest-api.md`) must be served field for field so that
+//! existing SDKs work against Sandpit by changing only the base URL and key.
+//! Everything that *decides* (validation of values, ownership, billing, state
+//! changes) lives in `sandpit-core` behind [`SandboxApi`]; this crate only
+//! translates HTTP to trait calls and back, so REST and MCP cannot drift apart.
+//!
+//! What it adds on top of the trait is purely HTTP:
+//!
+//! - [`router`]: the axum router for every `/v1` route, with the key taken
+//!   only from headers, one JSON error shape for *every* non-2xx response
+//!   (including axum's own rejections, unknown routes and wrong methods), an
+//!   `x-request-id` on every response, `Retry-After` on 429/503, strict body
+//!   and query parsing (unknown fields are errors, not silently ignored), and
+//!   server-sent events for streaming exec.
+//! - [`openapi()`]: the OpenAPI 3.1 document, generated from the same model
+//!   types the handlers serialize (their `schemars` derives), served at
+//!   `/v1/openapi.json` and committed as `docs/openapi.json`.
+//! - [`RemoteApi`]: a [`SandboxApi`] that is a client of this REST API, so
+//!   anything written against the trait (the MCP adapter) can drive a remote
+//!   Sandpit server (`sandpit mcp --remote URL`, key in `SANDPIT_API_KEY`).
+
+mod error;
+mod extract;
+mod openapi;
+mod remote;
+mod server;
+mod sse;
+
+pub use error::{ErrorBody, ErrorObject};
+pub use openapi::openapi;
+pub use remote::{RemoteApi, API_KEY_ENV};
+pub use server::{
+    router, ExposePortBody, ExtendBody, FilesQuery, PortClosed, RestConfig, UsageQuery,
+};
+pub use sse::OutputChunk;
+
+#[doc(no_inline)]
+pub use sandpit_core::SandboxApi;

@@ -1,0 +1,666 @@
+//! The OpenAPI 3.1 document, generated from code.
+//!
+//! Component schemas come from the `schemars::JsonSchema` derives of the very
+//! types the handlers parse and serialize (requests with the *deserialize*
+//! contract, responses with the *serialize* contract), so the document cannot
+//! describe a field the server does not have. The operations below are
+//! written by hand next to the router; a test checks both list the same
+//! routes, and another that `docs/openapi.json` is this document.
+
+use crate::error::ErrorBody;
+use crate::server::{ExposePortBody, ExtendBody, FilesQuery, PortClosed, UsageQuery};
+use crate::sse::OutputChunk;
+use sandpit_core::{
+    Account, CreateSandbox, ExecParams, Execution, FileContent, FileDeleted, FileList, FileWritten,
+    List, ListSandboxes, Port, Sandbox, ServiceInfo, Usage, WriteFile,
+};
+use schemars::generate::{Contract, SchemaGenerator, SchemaSettings};
+use schemars::JsonSchema;
+use serde_json::{json, Map, Value};
+
+fn generator(contract: Contract) -> SchemaGenerator {
+    SchemaSettings::draft2020_12()
+        .with(|s| {
+            s.definitions_path = "/components/schemas".into();
+            s.meta_schema = None;
+            s.contract = contract;
+        })
+        .into_generator()
+}
+
+/// Which error responses an operation can give.
+#[derive(Clone, Copy)]
+struct Errors {
+    auth: bool,
+    body: bool,
+    not_found: bool,
+    conflict: bool,
+    credits: bool,
+}
+
+const NONE: Errors = Errors {
+    auth: false,
+    body: false,
+    not_found: false,
+    conflict: false,
+    credits: false,
+};
+const AUTH: Errors = Errors { auth: true, ..NONE };
+const ON_SANDBOX: Errors = Errors {
+    not_found: true,
+    conflict: true,
+    ..AUTH
+};
+
+struct Op {
+    method: &'static str,
+    path: &'static str,
+    id: &'static str,
+    summary: &'static str,
+    description: &'static str,
+    params: Vec<Value>,
+    body: Option<Value>,
+    responses: Vec<(&'static str, &'static str, Value)>,
+    errors: Errors,
+}
+
+fn path_param(name: &str, description: &str, schema: Value) -> Value {
+    json!({"name": name, "in": "path", "required": true, "description": description, "schema": schema})
+}
+
+fn id_param(what: &str) -> Value {
+    path_param("id", &format!("The {what} id."), json!({"type": "string"}))
+}
+
+/// Query parameters from the properties of a query type's schema.
+fn query_params<T: JsonSchema>(gen: &mut SchemaGenerator) -> Vec<Value> {
+    let schema = T::json_schema(gen).to_value();
+    let required: Vec<&str> = schema
+        .get("required")
+        .and_then(Value::as_array)
+        .map(|r| r.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    let mut out = Vec::new();
+    if let Some(props) = schema.get("properties").and_then(Value::as_object) {
+        for (name, prop) in props {
+            let mut prop = prop.clone();
+            let description = prop
+                .as_object_mut()
+                .and_then(|o| o.remove("description"))
+                .unwrap_or(Value::String(String::new()));
+            strip_null(&mut prop);
+            out.push(json!({
+                "name": name,
+                "in": "query",
+                "required": required.contains(&name.as_str()),
+                "description": description,
+                "schema": prop,
+            }));
+        }
+    }
+    out
+}
+
+/// A query parameter is absent or has a value; it is never `null`.
+fn strip_null(schema: &mut Value) {
+    let Some(o) = schema.as_object_mut() else {
+        return;
+    };
+    if o.get("default") == Some(&Value::Null) {
+        o.remove("default");
+    }
+    if let Some(Value::Array(types)) = o.get_mut("type") {
+        types.retain(|t| t != "null");
+        if types.len() == 1 {
+            let t = types.remove(0);
+            o.insert("type".into(), t);
+        }
+    }
+    if let Some(Value::Array(any)) = o.get("anyOf") {
+        let rest: Vec<Value> = any
+            .iter()
+            .filter(|s| s.get("type") != Some(&json!("null")))
+            .cloned()
+            .collect();
+        if rest.len() == 1 {
+            o.remove("anyOf");
+            if let Some(Value::Object(only)) = rest.into_iter().next() {
+                o.extend(only);
+            }
+        }
+    }
+}
+
+/// Give a generated schema a name of our choosing (generic types such as
+/// `List<T>` otherwise get `List`, `List2`, ...), rewriting every `$ref`.
+fn rename_schema(doc: &mut Value, reference: &Value, new_name: &str) {
+    let Some(old_ref) = reference.get("$ref").and_then(Value::as_str) else {
+        return;
+    };
+    let old_ref = old_ref.to_owned();
+    let old_name = old_ref.rsplit('/').next().unwrap_or_default().to_owned();
+    let new_ref = format!("#/components/schemas/{new_name}");
+    if let Some(schemas) = doc
+        .pointer_mut("/components/schemas")
+        .and_then(Value::as_object_mut)
+    {
+        if let Some(s) = schemas.remove(&old_name) {
+            schemas.insert(new_name.to_owned(), s);
+        }
+    }
+    fn walk(v: &mut Value, old: &str, new: &str) {
+        match v {
+            Value::Object(m) => {
+                for (k, v) in m.iter_mut() {
+                    if k == "$ref" && v.as_str() == Some(old) {
+                        *v = Value::String(new.to_owned());
+                    } else {
+                        walk(v, old, new);
+                    }
+                }
+            }
+            Value::Array(a) => a.iter_mut().for_each(|v| walk(v, old, new)),
+            _ => {}
+        }
+    }
+    walk(doc, &old_ref, &new_ref);
+}
+
+fn json_content(schema: Value) -> Value {
+    json!({"application/json": {"schema": schema}})
+}
+
+fn error_responses(e: Errors, responses: &mut Map<String, Value>) {
+    let mut add = |status: &str, name: &str| {
+        responses.insert(
+            status.into(),
+            json!({"$ref": format!("#/components/responses/{name}")}),
+        );
+    };
+    add("400", "InvalidRequest");
+    if e.auth {
+        add("401", "Unauthorized");
+        add("403", "Forbidden");
+    }
+    if e.credits {
+        add("402", "InsufficientCredits");
+    }
+    if e.not_found {
+        add("404", "NotFound");
+    }
+    if e.conflict {
+        add("409", "Conflict");
+    }
+    if e.body {
+        add("413", "PayloadTooLarge");
+    }
+    add("429", "RateLimited");
+    add("500", "InternalError");
+    add("503", "ServiceUnavailable");
+}
+
+fn operation(op: &Op) -> Value {
+    let mut responses = Map::new();
+    for (status, description, content) in &op.responses {
+        let mut r = json!({
+            "description": description,
+            "headers": {"x-request-id": {"$ref": "#/components/headers/RequestId"}},
+        });
+        if !content.is_null() {
+            r["content"] = content.clone();
+        }
+        responses.insert((*status).into(), r);
+    }
+    error_responses(op.errors, &mut responses);
+    let mut o = json!({
+        "operationId": op.id,
+        "summary": op.summary,
+        "description": op.description,
+        "responses": responses,
+    });
+    if !op.params.is_empty() {
+        o["parameters"] = Value::Array(op.params.clone());
+    }
+    if let Some(body) = &op.body {
+        o["requestBody"] = json!({"required": true, "content": json_content(body.clone())});
+    }
+    if !op.errors.auth {
+        o["security"] = json!([]);
+    }
+    o
+}
+
+fn error_response(description: &str, retry_after: bool) -> Value {
+    let mut headers = json!({"x-request-id": {"$ref": "#/components/headers/RequestId"}});
+    if retry_after {
+        headers["Retry-After"] = json!({"$ref": "#/components/headers/RetryAfter"});
+    }
+    json!({
+        "description": description,
+        "headers": headers,
+        "content": json_content(json!({"$ref": "#/components/schemas/Error"})),
+    })
+}
+
+const DESCRIPTION: &str = "\
+Sandpit's REST API: disposable Linux VMs (sandboxes) for AI agents, wire-compatible \
+with the public \"Sandbox as a Service\" REST API.
+
+Authentication: every operation except `GET /v1/service` and `GET /v1/openapi.json` \
+needs the account's API key as `Authorization: Bearer <key>` or `x-api-key: <key>`. \
+A key in the URL is never accepted (401, even next to a valid header). A resource of \
+another account is reported exactly like one that does not exist (404).
+
+Errors: every non-2xx response, including unknown routes (404) and wrong methods \
+(405, `invalid_request`), has the body `{\"error\": {\"type\", \"message\"}, \"request_id\"}`. \
+Every response carries `x-request-id`. 429 and 503 carry `Retry-After` (seconds). \
+Bodies must be JSON (`Content-Type: application/json`; an empty body is read as `{}`); \
+unknown body fields and unknown query parameters are `invalid_request`, never ignored. \
+A body over the size limit (default 64 MiB) is 413 with type `invalid_request`.
+
+Times are RFC 3339 UTC strings. IDs are opaque strings.";
+
+const EXEC_DESCRIPTION: &str = "\
+Runs the command through `/bin/sh -c` (bash where installed) as the unprivileged sandbox \
+user, with `env` exported first. Output past 1 MiB per stream is dropped and `truncated` \
+is set; a command running past `timeout_ms` is killed with its process group and \
+reported as `timed_out`.
+
+With `\"stream\": true` or `Accept: text/event-stream` the answer is a server-sent event \
+stream: `event: stdout` / `event: stderr` with `data: {\"data\": \"<chunk>\"}` \
+(OutputChunk), then one last `event: exit` whose data is the Execution, or \
+`event: error` whose data is the Error body if the platform fails mid-way. \
+`: ping` comments keep an idle stream alive (every 15 s). If the client disconnects \
+before the exit event, the command is killed and recorded as `cancelled`. Errors \
+found before the command starts are ordinary JSON error responses.";
+
+/// The OpenAPI 3.1 document of the REST API (also served at `GET /v1/openapi.json`).
+pub fn openapi() -> Value {
+    let mut req = generator(Contract::Deserialize);
+    let mut res = generator(Contract::Serialize);
+
+    let sandbox = res.subschema_for::<Sandbox>().to_value();
+    let sandbox_list = res.subschema_for::<List<Sandbox>>().to_value();
+    let sandbox_list_ref = sandbox_list.clone();
+    let port_list = res.subschema_for::<List<Port>>().to_value();
+    let execution = res.subschema_for::<Execution>().to_value();
+    let chunk = res.subschema_for::<OutputChunk>().to_value();
+    let error = res.subschema_for::<ErrorBody>().to_value();
+    let sandbox_resp = json_content(sandbox.clone());
+
+    let ops = vec![
+        Op {
+            method: "get",
+            path: "/v1/service",
+            id: "getService",
+            summary: "What this service is",
+            description: "Sizes, prices, limits and the guest environment. No key needed.",
+            params: vec![],
+            body: None,
+            responses: vec![(
+                "200",
+                "The service description.",
+                json_content(res.subschema_for::<ServiceInfo>().to_value()),
+            )],
+            errors: NONE,
+        },
+        Op {
+            method: "get",
+            path: "/v1/openapi.json",
+            id: "getOpenApi",
+            summary: "This document",
+            description: "The OpenAPI 3.1 document of this API. No key needed.",
+            params: vec![],
+            body: None,
+            responses: vec![(
+                "200",
+                "The OpenAPI document.",
+                json_content(json!({"type": "object"})),
+            )],
+            errors: NONE,
+        },
+        Op {
+            method: "get",
+            path: "/v1/account",
+            id: "getAccount",
+            summary: "The calling account",
+            description: "The account the key belongs to, with its remaining credit.",
+            params: vec![],
+            body: None,
+            responses: vec![(
+                "200",
+                "The account object.",
+                json_content(res.subschema_for::<Account>().to_value()),
+            )],
+            errors: AUTH,
+        },
+        Op {
+            method: "get",
+            path: "/v1/usage",
+            id: "getUsage",
+            summary: "Remaining credit and recent usage",
+            description: "Cost per sandbox over the last `days` days.",
+            params: query_params::<UsageQuery>(&mut req),
+            body: None,
+            responses: vec![(
+                "200",
+                "The usage object.",
+                json_content(res.subschema_for::<Usage>().to_value()),
+            )],
+            errors: AUTH,
+        },
+        Op {
+            method: "post",
+            path: "/v1/sandboxes",
+            id: "createSandbox",
+            summary: "Create a sandbox",
+            description: "Synchronous: answers once the sandbox accepts commands (status `running`). \
+                The cost of the whole timeout is reserved from the credit (402 if it cannot be). \
+                With `Idempotency-Key`, a retry with the same key and body returns the original \
+                sandbox (200); the same key with a different body is 409.",
+            params: vec![json!({
+                "name": "Idempotency-Key",
+                "in": "header",
+                "required": false,
+                "description": "Makes retries safe: the same key and body return the sandbox created first.",
+                "schema": {"type": "string"},
+            })],
+            body: Some(req.subschema_for::<CreateSandbox>().to_value()),
+            responses: vec![
+                ("201", "Created.", sandbox_resp.clone()),
+                ("200", "Idempotent replay: the sandbox created by the first request with this key.", sandbox_resp.clone()),
+            ],
+            errors: Errors { body: true, credits: true, conflict: true, ..AUTH },
+        },
+        Op {
+            method: "get",
+            path: "/v1/sandboxes",
+            id: "listSandboxes",
+            summary: "List sandboxes",
+            description: "Newest first, paged with `limit` (1..100) and `starting_after` (the previous page's `next_cursor`).",
+            params: query_params::<ListSandboxes>(&mut req),
+            body: None,
+            responses: vec![("200", "A page of sandboxes.", json_content(sandbox_list))],
+            errors: AUTH,
+        },
+        Op {
+            method: "get",
+            path: "/v1/sandboxes/{id}",
+            id: "getSandbox",
+            summary: "Get a sandbox",
+            description: "The sandbox object.",
+            params: vec![id_param("sandbox")],
+            body: None,
+            responses: vec![("200", "The sandbox object.", sandbox_resp.clone())],
+            errors: Errors { not_found: true, ..AUTH },
+        },
+        Op {
+            method: "delete",
+            path: "/v1/sandboxes/{id}",
+            id: "destroySandbox",
+            summary: "Destroy a sandbox",
+            description: "Destroys it and stops billing; the unused reserved credit is returned. \
+                Answers with status `deleted` (or `deleting` while teardown finishes). \
+                Destroying a destroyed sandbox returns it again.",
+            params: vec![id_param("sandbox")],
+            body: None,
+            responses: vec![("200", "The sandbox object.", sandbox_resp.clone())],
+            errors: ON_SANDBOX,
+        },
+        Op {
+            method: "post",
+            path: "/v1/sandboxes/{id}/extend",
+            id: "extendSandbox",
+            summary: "Extend a sandbox's lifetime",
+            description: "Reserves the extra time from the credit. The total lifetime may not pass 24 h from creation (400).",
+            params: vec![id_param("sandbox")],
+            body: Some(req.subschema_for::<ExtendBody>().to_value()),
+            responses: vec![("200", "The updated sandbox.", sandbox_resp.clone())],
+            errors: Errors { body: true, credits: true, ..ON_SANDBOX },
+        },
+        Op {
+            method: "post",
+            path: "/v1/sandboxes/{id}/exec",
+            id: "execCommand",
+            summary: "Run a shell command",
+            description: EXEC_DESCRIPTION,
+            params: vec![
+                id_param("sandbox"),
+                json!({
+                    "name": "Accept",
+                    "in": "header",
+                    "required": false,
+                    "description": "`text/event-stream` asks for the streaming answer (like `\"stream\": true`).",
+                    "schema": {"type": "string"},
+                }),
+            ],
+            body: Some(req.subschema_for::<ExecParams>().to_value()),
+            responses: vec![(
+                "200",
+                "The finished execution, or (streaming) its events.",
+                json!({
+                    "application/json": {"schema": execution.clone()},
+                    "text/event-stream": {
+                        "schema": {"type": "string", "description": "Server-sent events; see the operation's description."},
+                        "x-sse-events": {
+                            "stdout": chunk.clone(),
+                            "stderr": chunk,
+                            "exit": execution.clone(),
+                            "error": error,
+                        },
+                    },
+                }),
+            )],
+            errors: Errors { body: true, ..ON_SANDBOX },
+        },
+        Op {
+            method: "get",
+            path: "/v1/executions/{id}",
+            id: "getExecution",
+            summary: "Get an execution",
+            description: "An execution object, later.",
+            params: vec![id_param("execution")],
+            body: None,
+            responses: vec![("200", "The execution object.", json_content(execution))],
+            errors: Errors { not_found: true, ..AUTH },
+        },
+        Op {
+            method: "put",
+            path: "/v1/sandboxes/{id}/files",
+            id: "writeFile",
+            summary: "Write a file",
+            description: "`path` is relative to /workspace or absolute; parent directories are created; \
+                the file belongs to the sandbox user. Content travels out of band (never through a shell), \
+                so any bytes survive exactly (send binary content as `base64`).",
+            params: vec![id_param("sandbox")],
+            body: Some(req.subschema_for::<WriteFile>().to_value()),
+            responses: vec![(
+                "200",
+                "Written.",
+                json_content(res.subschema_for::<FileWritten>().to_value()),
+            )],
+            errors: Errors { body: true, ..ON_SANDBOX },
+        },
+        Op {
+            method: "get",
+            path: "/v1/sandboxes/{id}/files",
+            id: "readOrListFiles",
+            summary: "Read a file, or list a directory (`list=true`)",
+            description: "Without `list`: reads `path` (required). Reading a non-UTF-8 file with `utf8` is 400 \
+                (use `base64`); a file over the read limit (default 32 MiB) is 400. \
+                With `list=true`: lists `path` (default /workspace), recursively with `recursive=true`; \
+                entries are capped (default 10,000) and `truncated` says so.",
+            params: {
+                let mut p = vec![id_param("sandbox")];
+                p.extend(query_params::<FilesQuery>(&mut req));
+                p
+            },
+            body: None,
+            responses: vec![(
+                "200",
+                "The file content (FileContent), or the listing (FileList) with `list=true`.",
+                json_content(json!({"oneOf": [
+                    res.subschema_for::<FileContent>().to_value(),
+                    res.subschema_for::<FileList>().to_value(),
+                ]})),
+            )],
+            errors: ON_SANDBOX,
+        },
+        Op {
+            method: "delete",
+            path: "/v1/sandboxes/{id}/files",
+            id: "deleteFile",
+            summary: "Delete a file or directory",
+            description: "Deletes `path` (required); a non-empty directory needs `recursive=true`. \
+                `list` and `encoding` do not apply.",
+            params: {
+                let mut p = vec![id_param("sandbox")];
+                p.extend(query_params::<FilesQuery>(&mut req));
+                p
+            },
+            body: None,
+            responses: vec![(
+                "200",
+                "Deleted.",
+                json_content(res.subschema_for::<FileDeleted>().to_value()),
+            )],
+            errors: ON_SANDBOX,
+        },
+        Op {
+            method: "post",
+            path: "/v1/sandboxes/{id}/ports",
+            id: "exposePort",
+            summary: "Expose a port",
+            description: "Gives a public URL for a port the sandbox listens on (localhost is enough); \
+                asking again for the same port returns the same URL. WebSocket upgrades pass through.",
+            params: vec![id_param("sandbox")],
+            body: Some(req.subschema_for::<ExposePortBody>().to_value()),
+            responses: vec![(
+                "200",
+                "The exposed port.",
+                json_content(res.subschema_for::<Port>().to_value()),
+            )],
+            errors: Errors { body: true, ..ON_SANDBOX },
+        },
+        Op {
+            method: "get",
+            path: "/v1/sandboxes/{id}/ports",
+            id: "listPorts",
+            summary: "List exposed ports",
+            description: "Every exposed port of the sandbox.",
+            params: vec![id_param("sandbox")],
+            body: None,
+            responses: vec![(
+                "200",
+                "The exposed ports.",
+                json_content(port_list.clone()),
+            )],
+            errors: Errors { not_found: true, ..AUTH },
+        },
+        Op {
+            method: "delete",
+            path: "/v1/sandboxes/{id}/ports/{port}",
+            id: "closePort",
+            summary: "Close an exposed port",
+            description: "Its URL stops answering. Always 200 with `{\"port\": N, \"closed\": true}` (never 204), \
+                so every success has a JSON body.",
+            params: vec![
+                id_param("sandbox"),
+                path_param(
+                    "port",
+                    "The exposed port.",
+                    json!({"type": "integer", "minimum": 1, "maximum": 65535}),
+                ),
+            ],
+            body: None,
+            responses: vec![(
+                "200",
+                "Closed.",
+                json_content(res.subschema_for::<PortClosed>().to_value()),
+            )],
+            errors: ON_SANDBOX,
+        },
+    ];
+
+    let mut paths = Map::new();
+    for op in &ops {
+        let item = paths.entry(op.path.to_owned()).or_insert_with(|| json!({}));
+        item[op.method] = operation(op);
+    }
+
+    let mut schemas = res.take_definitions(true);
+    for (name, schema) in req.take_definitions(true) {
+        match schemas.get(&name) {
+            Some(existing) if *existing != schema => panic!(
+                "schema {name} differs between request and response contracts; give one a distinct name"
+            ),
+            Some(_) => {}
+            None => {
+                schemas.insert(name, schema);
+            }
+        }
+    }
+
+    let mut doc = json!({
+        "openapi": "3.1.0",
+        "info": {
+            "title": "Sandpit REST API",
+            "version": env!("CARGO_PKG_VERSION"),
+            "description": DESCRIPTION,
+            "license": {"name": "Apache-2.0", "identifier": "Apache-2.0"},
+        },
+        "jsonSchemaDialect": "https://json-schema.org/draft/2020-12/schema",
+        "security": [{"bearerAuth": []}, {"apiKeyAuth": []}],
+        "paths": paths,
+        "components": {
+            "schemas": schemas,
+            "securitySchemes": {
+                "bearerAuth": {"type": "http", "scheme": "bearer", "description": "`Authorization: Bearer <key>`"},
+                "apiKeyAuth": {"type": "apiKey", "in": "header", "name": "x-api-key", "description": "`x-api-key: <key>`"},
+            },
+            "headers": {
+                "RequestId": {
+                    "description": "This request's id (`req_...`), also in error bodies as `request_id`.",
+                    "schema": {"type": "string"},
+                },
+                "RetryAfter": {
+                    "description": "Seconds after which a retry may succeed.",
+                    "schema": {"type": "integer", "minimum": 0},
+                },
+            },
+            "responses": {
+                "InvalidRequest": error_response("`invalid_request`: the body, query or path was not accepted; also 405 for a method a path does not have.", false),
+                "Unauthorized": error_response("`unauthorized`: no key, an unknown or revoked key, or a key in the URL.", false),
+                "InsufficientCredits": error_response("`insufficient_credits`: the account cannot pay for what was asked.", false),
+                "Forbidden": error_response("`forbidden`: the key is valid but not allowed to do this.", false),
+                "NotFound": error_response("`not_found`: no such resource (or it belongs to another account), or no such route.", false),
+                "Conflict": error_response("`conflict`: the sandbox's state does not allow this, or an Idempotency-Key clash.", false),
+                "PayloadTooLarge": error_response("`invalid_request` with status 413: the body is over the size limit, stated in the message.", false),
+                "RateLimited": error_response("`rate_limited`: too many requests or too many live sandboxes.", true),
+                "InternalError": error_response("`internal_error`: a failure of the platform.", false),
+                "ServiceUnavailable": error_response("`service_unavailable`: the host cannot serve now; safe to retry.", true),
+            },
+        },
+    });
+    rename_schema(&mut doc, &sandbox_list_ref, "SandboxList");
+    rename_schema(&mut doc, &port_list, "PortList");
+    sort_keys(&mut doc);
+    doc
+}
+
+/// Object keys in sorted order at every level, so the document's text is the
+/// same whether or not some other crate turns on serde_json's `preserve_order`.
+fn sort_keys(v: &mut Value) {
+    match v {
+        Value::Object(m) => {
+            let mut entries: Vec<(String, Value)> = std::mem::take(m).into_iter().collect();
+            entries.sort_by(|a, b| a.0.cmp(&b.0));
+            for (k, mut v) in entries {
+                sort_keys(&mut v);
+                m.insert(k, v);
+            }
+        }
+        Value::Array(a) => a.iter_mut().for_each(sort_keys),
+        _ => {}
+    }
+}

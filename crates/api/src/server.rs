@@ -1,0 +1,344 @@
+//! The `/v1` routes: each handler authenticates, extracts, calls one
+//! [`SandboxApi`] method and serializes its answer. Nothing is decided here.
+
+use crate::error::{finish, ApiError};
+use crate::extract::{Authed, JsonBody, QueryParams, ReqId};
+use crate::sse;
+use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use axum::{Json, Router};
+use sandpit_core::{
+    CoreError, CreateSandbox, Encoding, ExecParams, ListSandboxes, SandboxApi, WriteFile,
+};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Settings of the HTTP layer (everything else is the core's).
+#[derive(Debug, Clone)]
+pub struct RestConfig {
+    /// Largest accepted request body; larger is 413. Default 64 MiB, which
+    /// fits a 32 MiB file (the read limit) as base64 in a write.
+    pub max_body_bytes: usize,
+    /// How often an idle exec event stream sends a `: ping` comment. Default 15 s.
+    pub sse_ping_interval: Duration,
+}
+
+impl Default for RestConfig {
+    fn default() -> Self {
+        RestConfig {
+            max_body_bytes: 64 * 1024 * 1024,
+            sse_ping_interval: Duration::from_secs(15),
+        }
+    }
+}
+
+#[derive(Clone)]
+pub(crate) struct AppState {
+    pub api: Arc<dyn SandboxApi>,
+    pub cfg: Arc<RestConfig>,
+    openapi: Arc<serde_json::Value>,
+}
+
+/// `POST /sandboxes/{id}/extend` body.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ExtendBody {
+    /// Minutes to add to the lifetime (default 15). The total lifetime may not pass 24 h from creation.
+    #[serde(default)]
+    pub additional_minutes: Option<u32>,
+}
+
+/// `POST /sandboxes/{id}/ports` body.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ExposePortBody {
+    /// The port the server inside the sandbox listens on (localhost is enough), 1..65535.
+    pub port: u16,
+}
+
+/// Answer to `DELETE /sandboxes/{id}/ports/{port}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct PortClosed {
+    pub port: u16,
+    /// Always `true`.
+    pub closed: bool,
+}
+
+/// Query of `GET`/`DELETE /sandboxes/{id}/files`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct FilesQuery {
+    /// Relative to /workspace, or absolute. Required to read or delete; listing defaults to /workspace.
+    #[serde(default)]
+    pub path: Option<String>,
+    /// Read: how to return the content (`utf8` default; `base64` for binary files).
+    #[serde(default)]
+    pub encoding: Option<Encoding>,
+    /// `true`: list the directory instead of reading a file.
+    #[serde(default)]
+    pub list: Option<bool>,
+    /// List: descend into subdirectories. Delete: remove a directory and its content. Default false.
+    #[serde(default)]
+    pub recursive: Option<bool>,
+}
+
+/// Query of `GET /usage`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct UsageQuery {
+    /// How many days back to report (default 30).
+    #[serde(default)]
+    pub days: Option<u32>,
+}
+
+/// The REST API: every `/v1` route of `shared/spec/rest-api.md`, plus
+/// `GET /v1/service` and `GET /v1/openapi.json` (both without a key).
+///
+/// Serve it with `axum::serve(listener, router(api, config))`.
+pub fn router(api: Arc<dyn SandboxApi>, config: RestConfig) -> Router {
+    let state = AppState {
+        api,
+        openapi: Arc::new(crate::openapi()),
+        cfg: Arc::new(config.clone()),
+    };
+    Router::new()
+        .route("/v1/service", get(service))
+        .route("/v1/openapi.json", get(openapi_doc))
+        .route("/v1/account", get(account))
+        .route("/v1/usage", get(usage))
+        .route("/v1/sandboxes", post(create_sandbox).get(list_sandboxes))
+        .route(
+            "/v1/sandboxes/{id}",
+            get(get_sandbox).delete(destroy_sandbox),
+        )
+        .route("/v1/sandboxes/{id}/extend", post(extend_sandbox))
+        .route("/v1/sandboxes/{id}/exec", post(exec))
+        .route("/v1/executions/{id}", get(get_execution))
+        .route(
+            "/v1/sandboxes/{id}/files",
+            get(get_files).put(write_file).delete(delete_file),
+        )
+        .route(
+            "/v1/sandboxes/{id}/ports",
+            post(expose_port).get(list_ports),
+        )
+        .route("/v1/sandboxes/{id}/ports/{port}", delete(close_port))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(config.max_body_bytes))
+        .layer(tower_http::catch_panic::CatchPanicLayer::new())
+        .layer(axum::middleware::from_fn(finish))
+        .with_state(state)
+}
+
+type ApiResult<T = Response> = Result<T, ApiError>;
+
+fn ok<T: Serialize>(value: T) -> ApiResult {
+    Ok(Json(value).into_response())
+}
+
+async fn not_found() -> ApiError {
+    CoreError::new(
+        sandpit_core::ErrorType::NotFound,
+        "no such route: every path is under /v1 (see GET /v1/openapi.json)",
+    )
+    .into()
+}
+
+async fn service(State(st): State<AppState>) -> ApiResult {
+    ok(st.api.service_info().await?)
+}
+
+async fn openapi_doc(State(st): State<AppState>) -> ApiResult {
+    Ok(Json(st.openapi.as_ref().clone()).into_response())
+}
+
+async fn account(State(st): State<AppState>, Authed(c): Authed) -> ApiResult {
+    ok(st.api.account(&c).await?)
+}
+
+async fn usage(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    QueryParams(q): QueryParams<UsageQuery>,
+) -> ApiResult {
+    ok(st.api.usage(&c, q.days).await?)
+}
+
+async fn create_sandbox(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    headers: HeaderMap,
+    JsonBody(body): JsonBody<CreateSandbox>,
+) -> ApiResult {
+    let key = match headers.get("idempotency-key") {
+        None => None,
+        Some(v) => Some(
+            v.to_str()
+                .map_err(|_| ApiError::invalid("Idempotency-Key must be printable ASCII"))?
+                .to_owned(),
+        ),
+    };
+    let (sandbox, replayed) = st.api.create_sandbox(&c, body, key).await?;
+    let status = if replayed {
+        StatusCode::OK
+    } else {
+        StatusCode::CREATED
+    };
+    Ok((status, Json(sandbox)).into_response())
+}
+
+async fn list_sandboxes(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    QueryParams(q): QueryParams<ListSandboxes>,
+) -> ApiResult {
+    ok(st.api.list_sandboxes(&c, q).await?)
+}
+
+async fn get_sandbox(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(id): Path<String>,
+) -> ApiResult {
+    ok(st.api.get_sandbox(&c, &id).await?)
+}
+
+async fn destroy_sandbox(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(id): Path<String>,
+) -> ApiResult {
+    ok(st.api.destroy_sandbox(&c, &id).await?)
+}
+
+async fn extend_sandbox(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(id): Path<String>,
+    JsonBody(body): JsonBody<ExtendBody>,
+) -> ApiResult {
+    ok(st
+        .api
+        .extend_sandbox(&c, &id, body.additional_minutes)
+        .await?)
+}
+
+fn wants_event_stream(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|m| {
+            m.split(';')
+                .next()
+                .unwrap_or("")
+                .trim()
+                .eq_ignore_ascii_case("text/event-stream")
+        })
+}
+
+async fn exec(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    ReqId(rid): ReqId,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    JsonBody(params): JsonBody<ExecParams>,
+) -> ApiResult {
+    if params.stream == Some(true) || wants_event_stream(&headers) {
+        let stream = st.api.exec_stream(&c, &id, params).await?;
+        return Ok(sse::respond(stream, rid, st.cfg.sse_ping_interval));
+    }
+    ok(st.api.exec(&c, &id, params).await?)
+}
+
+async fn get_execution(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(id): Path<String>,
+) -> ApiResult {
+    ok(st.api.get_execution(&c, &id).await?)
+}
+
+async fn write_file(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(id): Path<String>,
+    JsonBody(body): JsonBody<WriteFile>,
+) -> ApiResult {
+    ok(st.api.write_file(&c, &id, body).await?)
+}
+
+fn required_path(q: &FilesQuery) -> ApiResult<&str> {
+    q.path
+        .as_deref()
+        .ok_or_else(|| ApiError::invalid("query parameter `path` is required"))
+}
+
+async fn get_files(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(id): Path<String>,
+    QueryParams(q): QueryParams<FilesQuery>,
+) -> ApiResult {
+    if q.list == Some(true) {
+        return ok(st
+            .api
+            .list_files(&c, &id, q.path.as_deref(), q.recursive.unwrap_or(false))
+            .await?);
+    }
+    let path = required_path(&q)?;
+    ok(st
+        .api
+        .read_file(&c, &id, path, q.encoding.unwrap_or_default())
+        .await?)
+}
+
+async fn delete_file(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(id): Path<String>,
+    QueryParams(q): QueryParams<FilesQuery>,
+) -> ApiResult {
+    let path = required_path(&q)?;
+    ok(st
+        .api
+        .delete_file(&c, &id, path, q.recursive.unwrap_or(false))
+        .await?)
+}
+
+async fn expose_port(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(id): Path<String>,
+    JsonBody(body): JsonBody<ExposePortBody>,
+) -> ApiResult {
+    ok(st.api.expose_port(&c, &id, body.port).await?)
+}
+
+async fn list_ports(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(id): Path<String>,
+) -> ApiResult {
+    ok(st.api.list_ports(&c, &id).await?)
+}
+
+async fn close_port(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path((id, port)): Path<(String, String)>,
+) -> ApiResult {
+    let port: u16 = port.parse().map_err(|_| {
+        ApiError::invalid(format!(
+            "invalid port {port:?}: expected an integer 1..65535"
+        ))
+    })?;
+    st.api.close_port(&c, &id, port).await?;
+    ok(PortClosed { port, closed: true })
+}

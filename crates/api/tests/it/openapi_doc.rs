@@ -1,0 +1,144 @@
+//! The committed `docs/openapi.json` is what the code generates
+//! (`SANDPIT_BLESS=1 cargo test -p sandpit-api` rewrites it), it is
+//! self-consistent, and it describes exactly the routes the router serves.
+
+use crate::Server;
+use serde_json::Value;
+use std::collections::BTreeSet;
+
+const COMMITTED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/openapi.json");
+
+fn rendered() -> String {
+    let mut s = serde_json::to_string_pretty(&sandpit_api::openapi()).unwrap();
+    s.push('\n');
+    s
+}
+
+#[test]
+fn committed_document_is_current() {
+    let want = rendered();
+    if std::env::var_os("SANDPIT_BLESS").is_some_and(|v| v == "1") {
+        std::fs::write(COMMITTED, &want).unwrap();
+        return;
+    }
+    let have = std::fs::read_to_string(COMMITTED).unwrap_or_default();
+    assert!(
+        have == want,
+        "docs/openapi.json is not what the code generates; \
+         run `SANDPIT_BLESS=1 cargo test -p sandpit-api committed_document` and commit it"
+    );
+}
+
+fn refs(v: &Value, out: &mut Vec<String>) {
+    match v {
+        Value::Object(m) => {
+            for (k, v) in m {
+                if k == "$ref" {
+                    out.push(v.as_str().unwrap().to_owned());
+                } else {
+                    refs(v, out);
+                }
+            }
+        }
+        Value::Array(a) => a.iter().for_each(|v| refs(v, out)),
+        _ => {}
+    }
+}
+
+#[test]
+fn every_ref_resolves_and_ids_are_unique() {
+    let doc = sandpit_api::openapi();
+    assert_eq!(doc["openapi"], "3.1.0");
+    let mut all = Vec::new();
+    refs(&doc, &mut all);
+    assert!(!all.is_empty());
+    for r in &all {
+        let pointer = r.strip_prefix('#').expect("local refs only");
+        assert!(doc.pointer(pointer).is_some(), "dangling {r}");
+    }
+    let schemas = doc["components"]["schemas"].as_object().unwrap();
+    for name in [
+        "Sandbox",
+        "Execution",
+        "Error",
+        "CreateSandbox",
+        "ExecParams",
+        "WriteFile",
+        "Port",
+        "Usage",
+        "Account",
+        "ServiceInfo",
+        "OutputChunk",
+        "FileList",
+        "FileContent",
+    ] {
+        assert!(schemas.contains_key(name), "no schema {name}");
+    }
+    // No JSON Schema leftovers that do not belong in components.
+    assert!(!serde_json::to_string(&doc).unwrap().contains("\"$schema\""));
+    let mut ids = BTreeSet::new();
+    for (_, item) in doc["paths"].as_object().unwrap() {
+        for (_, op) in item.as_object().unwrap() {
+            assert!(ids.insert(op["operationId"].as_str().unwrap().to_owned()));
+            assert!(op["responses"]["400"].is_object());
+        }
+    }
+    // The error schema says what the body is.
+    let error = &schemas["Error"];
+    assert!(error["properties"]["request_id"].is_object(), "{error}");
+}
+
+fn documented() -> BTreeSet<(String, String)> {
+    let doc = sandpit_api::openapi();
+    let mut out = BTreeSet::new();
+    for (path, item) in doc["paths"].as_object().unwrap() {
+        for method in item.as_object().unwrap().keys() {
+            out.insert((method.to_uppercase(), path.clone()));
+        }
+    }
+    out
+}
+
+#[test]
+fn documents_exactly_the_contract_routes() {
+    let want: BTreeSet<(String, String)> = [
+        ("GET", "/v1/service"),
+        ("GET", "/v1/openapi.json"),
+        ("GET", "/v1/account"),
+        ("GET", "/v1/usage"),
+        ("POST", "/v1/sandboxes"),
+        ("GET", "/v1/sandboxes"),
+        ("GET", "/v1/sandboxes/{id}"),
+        ("DELETE", "/v1/sandboxes/{id}"),
+        ("POST", "/v1/sandboxes/{id}/extend"),
+        ("POST", "/v1/sandboxes/{id}/exec"),
+        ("GET", "/v1/executions/{id}"),
+        ("PUT", "/v1/sandboxes/{id}/files"),
+        ("GET", "/v1/sandboxes/{id}/files"),
+        ("DELETE", "/v1/sandboxes/{id}/files"),
+        ("POST", "/v1/sandboxes/{id}/ports"),
+        ("GET", "/v1/sandboxes/{id}/ports"),
+        ("DELETE", "/v1/sandboxes/{id}/ports/{port}"),
+    ]
+    .into_iter()
+    .map(|(m, p)| (m.to_owned(), p.to_owned()))
+    .collect();
+    assert_eq!(documented(), want);
+}
+
+#[tokio::test]
+async fn every_documented_route_is_served() {
+    let s = Server::start().await;
+    for (method, path) in documented() {
+        let url = format!(
+            "{}{}",
+            s.url,
+            path.replace("{id}", "x").replace("{port}", "1")
+        );
+        let m = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+        let r = s.http.request(m, &url).send().await.unwrap();
+        let status = r.status().as_u16();
+        let public = path == "/v1/service" || path == "/v1/openapi.json";
+        assert_eq!(status, if public { 200 } else { 401 }, "{method} {path}");
+    }
+}
