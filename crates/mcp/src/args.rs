@@ -1,0 +1,199 @@
+//! The tools' inputs. Each derives its JSON Schema (the tool's `inputSchema`)
+//! and is parsed by the server itself, not by rmcp's `Parameters` extractor,
+//! so that a bad argument becomes an `isError` tool result the agent can read
+//! and fix instead of a JSON-RPC protocol error it never sees.
+//!
+//! Unknown fields are refused: an agent that guessed `timeout` instead of
+//! `timeout_ms` learns it at once rather than having its value ignored.
+
+use sandpit_core::{CreateSandbox, Encoding, ExecParams, ListSandboxes, WriteFile};
+use schemars::JsonSchema;
+use serde::Deserialize;
+use std::collections::BTreeMap;
+
+/// `create_sandbox`: what to create.
+#[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSandboxArgs {
+    /// `small` (default), `medium` or `large`; get_service_info lists the sizes with their vCPUs, memory and price.
+    #[serde(default)]
+    pub size: Option<String>,
+    /// A label of your own, shown in list_sandboxes.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Lifetime in minutes (default 15, max 1440). The sandbox is destroyed when it runs out; extend_sandbox pushes it out.
+    #[serde(default)]
+    #[schemars(range(min = 1, max = 1440))]
+    pub timeout_minutes: Option<u32>,
+}
+
+impl From<CreateSandboxArgs> for CreateSandbox {
+    fn from(a: CreateSandboxArgs) -> Self {
+        CreateSandbox {
+            size: a.size,
+            name: a.name,
+            timeout_minutes: a.timeout_minutes,
+        }
+    }
+}
+
+/// A tool that acts on one sandbox and needs nothing else.
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SandboxIdArgs {
+    /// The sandbox's id (`sbx_...`), as returned by create_sandbox or list_sandboxes.
+    pub sandbox_id: String,
+}
+
+/// `run_command`.
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RunCommandArgs {
+    /// The sandbox's id (`sbx_...`).
+    pub sandbox_id: String,
+    /// A shell command line, run with `bash -c` as the unprivileged user `user`. Pipes, `&&` and redirections work; end with `&` to leave a server running.
+    pub command: String,
+    /// Kill the command (its whole process group) after this many milliseconds; 1000..600000, default 60000.
+    #[serde(default)]
+    #[schemars(range(min = 1000, max = 600000))]
+    pub timeout_ms: Option<u64>,
+    /// Working directory, relative to /workspace or absolute; default /workspace.
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// Environment variables exported before the command runs.
+    #[serde(default)]
+    pub env: Option<BTreeMap<String, String>>,
+}
+
+impl RunCommandArgs {
+    pub fn into_parts(self) -> (String, ExecParams) {
+        (
+            self.sandbox_id,
+            ExecParams {
+                command: self.command,
+                timeout_ms: self.timeout_ms,
+                cwd: self.cwd,
+                env: self.env,
+                stream: None,
+            },
+        )
+    }
+}
+
+/// `write_file`.
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct WriteFileArgs {
+    /// The sandbox's id (`sbx_...`).
+    pub sandbox_id: String,
+    /// Relative to /workspace, or absolute. Parent directories are created.
+    pub path: String,
+    /// The file's content: text as is with `utf8`, or bytes as base64 with `base64`.
+    pub content: String,
+    /// `utf8` (default) or `base64` (for binary content).
+    #[serde(default)]
+    pub encoding: Option<Encoding>,
+}
+
+impl WriteFileArgs {
+    pub fn into_parts(self) -> (String, WriteFile) {
+        (
+            self.sandbox_id,
+            WriteFile {
+                path: self.path,
+                content: self.content,
+                encoding: self.encoding,
+            },
+        )
+    }
+}
+
+/// `read_file`.
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReadFileArgs {
+    /// The sandbox's id (`sbx_...`).
+    pub sandbox_id: String,
+    /// Relative to /workspace, or absolute.
+    pub path: String,
+    /// `utf8` (default) or `base64`; use base64 for files that are not UTF-8 text.
+    #[serde(default)]
+    pub encoding: Option<Encoding>,
+}
+
+/// `list_files`.
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ListFilesArgs {
+    /// The sandbox's id (`sbx_...`).
+    pub sandbox_id: String,
+    /// Directory to list, relative to /workspace or absolute; default /workspace.
+    #[serde(default)]
+    pub path: Option<String>,
+    /// List the whole tree below `path` (default true), or only its direct entries.
+    #[serde(default)]
+    pub recursive: Option<bool>,
+}
+
+/// `expose_port`.
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ExposePortArgs {
+    /// The sandbox's id (`sbx_...`).
+    pub sandbox_id: String,
+    /// The TCP port a server inside the sandbox listens on (localhost is enough), 1..65535.
+    #[schemars(range(min = 1, max = 65535))]
+    pub port: u16,
+}
+
+/// `list_sandboxes`.
+#[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ListSandboxesArgs {
+    /// How many to return, 1..100 (default 20).
+    #[serde(default)]
+    #[schemars(range(min = 1, max = 100))]
+    pub limit: Option<u32>,
+    /// The previous page's `next_cursor`: list the sandboxes created before that one.
+    #[serde(default)]
+    pub starting_after: Option<String>,
+    /// Also list deleted and failed sandboxes (default false).
+    #[serde(default)]
+    pub include_deleted: Option<bool>,
+}
+
+impl From<ListSandboxesArgs> for ListSandboxes {
+    fn from(a: ListSandboxesArgs) -> Self {
+        ListSandboxes {
+            limit: a.limit,
+            starting_after: a.starting_after,
+            include_deleted: a.include_deleted,
+        }
+    }
+}
+
+/// `extend_sandbox`.
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ExtendSandboxArgs {
+    /// The sandbox's id (`sbx_...`).
+    pub sandbox_id: String,
+    /// Minutes to add to its expiry (default 15). The total lifetime may not pass 24 h from creation.
+    #[serde(default)]
+    #[schemars(range(min = 1, max = 1440))]
+    pub additional_minutes: Option<u32>,
+}
+
+/// `get_usage`.
+#[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct GetUsageArgs {
+    /// How many days of usage to report (default 30).
+    #[serde(default)]
+    #[schemars(range(min = 1))]
+    pub days: Option<u32>,
+}
+
+/// `get_service_info` takes nothing (anything given is ignored).
+#[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
+pub struct NoArgs {}

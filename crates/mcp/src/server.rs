@@ -1,0 +1,848 @@
+//! The rmcp handler: twelve tools over an `Arc<dyn SandboxApi>`.
+//!
+//! Every tool does the same three things: find out who is calling
+//! ([`CallerSource`]), parse its arguments ([`crate::args`]), call the core,
+//! and shape the answer. Successes carry the core's object as
+//! `structuredContent` and the same JSON as a text block; failures an agent can
+//! act on are `isError` results whose text says what to do next; only
+//! `internal_error` (a bug or a platform failure) becomes a JSON-RPC error.
+
+use crate::args::*;
+use rmcp::{
+    handler::server::{router::tool::ToolRouter, tool::schema_for_output},
+    model::{
+        CallToolResult, ContentBlock, Implementation, JsonObject, MetaObject,
+        NotificationMetaObject, ProgressNotificationParam, ProgressToken, ProtocolVersion,
+        ServerCapabilities, ServerConfig,
+    },
+    service::RequestContext,
+    tool, tool_handler, tool_router, ErrorData, RoleServer, ServerHandler,
+};
+use sandpit_core::{
+    Caller, CoreError, Encoding, ErrorType, ExecEvent, ExecParams, Execution, ExecutionStatus,
+    FileContent, FileList, FileWritten, List, Port, Sandbox, SandboxApi, ServiceInfo, Usage,
+};
+use schemars::JsonSchema;
+use serde::{de::DeserializeOwned, Serialize};
+use std::{borrow::Cow, sync::Arc};
+
+/// The MCP revisions this server speaks, oldest first.
+///
+/// `2025-06-18` and `2025-11-25` use the `initialize` handshake (the answer
+/// echoes the client's version when it is one of these, and is `2025-11-25`
+/// otherwise); `2026-07-28` has no handshake: `server/discover` advertises
+/// this list and each request names its version in `_meta`, which rmcp checks
+/// against this list.
+pub const SUPPORTED_PROTOCOL_VERSIONS: &[ProtocolVersion] = &[
+    ProtocolVersion::V_2025_06_18,
+    ProtocolVersion::V_2025_11_25,
+    ProtocolVersion::V_2026_07_28,
+];
+
+/// The server's `instructions`: what an agent should know before its first call.
+pub const INSTRUCTIONS: &str = "\
+Sandpit gives you real Linux virtual machines (sandboxes) that you are free to break: \
+create one, run shell commands in it, move files in and out, give a server inside it a \
+public URL, and destroy it when you are done.
+
+Typical flow: create_sandbox -> write_file / run_command (as often as needed) -> \
+read_file / list_files to collect what your code produced -> destroy_sandbox.
+
+Notes for agents:
+- Code runs as an unprivileged user (`user`, uid 1000) in /workspace. There is no sudo, so \
+`apt-get` will not work; use `pip install --user --break-system-packages ...` or `npm install ...`.
+- run_command waits for the command to finish, so start servers in the background with `&` \
+(e.g. `python3 -m http.server 8000 > server.log 2>&1 &`), then call expose_port.
+- Sandboxes are destroyed when they time out, whether or not destroy_sandbox is called. \
+Calling it anyway returns the unused time (the reserved credit comes back). \
+extend_sandbox pushes the expiry out when a job outgrows its timeout.
+- A sandbox is billed per second while it exists. get_usage shows your remaining credit; \
+get_service_info shows the sizes, prices and limits.
+- Over HTTP every tool except get_service_info needs an API key, sent on each request as \
+`Authorization: Bearer <key>` or `x-api-key: <key>`.";
+
+const D_CREATE: &str = "\
+Create a new sandbox: a fresh Linux VM (Debian, python3, node/npm, build tools, git, curl) \
+for this account. Returns the sandbox object (id, status, size, resources, expires_at) once \
+it accepts commands. It is billed per second until destroyed and is destroyed automatically \
+at expires_at (default 15 minutes, max 1440). Code runs as the unprivileged `user` in \
+/workspace; there is no sudo, so apt-get will not work: use `pip install --user \
+--break-system-packages ...` or `npm install ...`.";
+
+const D_RUN: &str = "\
+Run a shell command in a sandbox as the unprivileged user (uid 1000, in /workspace unless \
+`cwd` says otherwise) and wait for it to finish. Returns stdout, stderr, exit_code, status \
+(completed, timed_out, cancelled, failed), duration_ms and truncated (output past 1 MiB per \
+stream is dropped). A non-zero exit_code is a normal result, not a tool error; a command that \
+times out is killed and reported as an error with the output it had produced. Because the call \
+waits, start servers in the background with `&` (e.g. `python3 -m http.server 8000 > \
+server.log 2>&1 &`), then use expose_port. No sudo: apt-get will not work; use `pip install \
+--user --break-system-packages ...` or `npm install ...`. When the request carries a progress \
+token, stdout/stderr chunks are streamed as progress notifications (message = the chunk, \
+_meta.\"sandpit/stream\" = stdout or stderr).";
+
+const D_WRITE: &str = "\
+Write a file into a sandbox (parent directories are created; the file belongs to the sandbox \
+user). The content travels out of band, never through a shell, so quotes, newlines and binary \
+bytes survive exactly: send text with encoding utf8 (default) or bytes as base64. Overwrites \
+an existing file. Returns the absolute path and the number of bytes written.";
+
+const D_READ: &str = "\
+Read a file back from a sandbox: how you get at what your code produced. Use encoding base64 \
+for files that are not UTF-8 text (reading such a file as utf8 is an error that says so).";
+
+const D_LIST: &str = "\
+List a directory in a sandbox (default /workspace, recursive by default): each entry's name \
+relative to the listed directory, its type (file, dir, symlink, other) and size, so you can \
+find what a run produced.";
+
+const D_EXPOSE: &str = "\
+Give a server running inside a sandbox a public URL to share. The server only has to listen \
+on the port (localhost is enough); start it in the background with `&` first, since \
+run_command waits for commands to finish. Asking again for the same port returns the same URL.";
+
+const D_GET: &str = "Get a sandbox's status, size, resources and expiry (expires_at).";
+
+const D_LIST_SANDBOXES: &str = "\
+List the sandboxes on this account, newest first (live ones only unless include_deleted): \
+useful for finding strays to destroy. Pages with limit and starting_after = the previous \
+page's next_cursor.";
+
+const D_EXTEND: &str = "\
+Push a sandbox's expiry out by additional_minutes (default 15) when a job outgrows its \
+timeout. The extra time is reserved from the credit; the total lifetime may not pass 24 h \
+from creation.";
+
+const D_DESTROY: &str = "\
+Destroy a sandbox and stop billing for it; the unused part of its reserved credit comes back. \
+Everything in it is lost. Sandboxes are destroyed at expiry anyway, but destroying one when \
+you are done returns the unused time. Destroying an already destroyed sandbox returns it again.";
+
+const D_USAGE: &str = "\
+Remaining credit (USD) and the usage of the last `days` days (default 30): each sandbox with \
+its size, seconds and cost.";
+
+const D_INFO: &str = "\
+What this service is: name and version, the sandbox sizes with their resources and prices, \
+timeouts and limits, hosts, the acceleration in use (kvm or tcg), what the guest looks like \
+and how to authenticate. Needs no API key.";
+
+/// Who a tool call acts for.
+#[derive(Debug, Clone)]
+pub enum CallerSource {
+    /// Every call acts for this account: stdio, where whoever started the
+    /// process is the user (the local account, or the account of the key a
+    /// remote `SandboxApi` client was built with).
+    Fixed(Caller),
+    /// Each call carries its own API key in the HTTP request that brought it
+    /// (`Authorization: Bearer <key>` or `x-api-key: <key>`; never the URL),
+    /// resolved with [`SandboxApi::authenticate`]. rmcp's Streamable HTTP
+    /// server puts the request's `http::request::Parts` into the request
+    /// context's extensions, which is where the key is read from.
+    RequestApiKey,
+}
+
+/// The MCP server: the twelve tools over one [`SandboxApi`].
+#[derive(Clone)]
+pub struct SandpitMcp {
+    api: Arc<dyn SandboxApi>,
+    callers: CallerSource,
+    tool_router: ToolRouter<SandpitMcp>,
+}
+
+impl std::fmt::Debug for SandpitMcp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SandpitMcp")
+            .field("callers", &self.callers)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A tool input's JSON Schema; our argument types are all objects.
+fn input_schema<T: JsonSchema + 'static>() -> Arc<JsonObject> {
+    rmcp::handler::server::common::schema_for_input::<T>()
+        .unwrap_or_else(|e| panic!("input schema of {}: {e}", std::any::type_name::<T>()))
+}
+
+/// Parse a tool's arguments; a failure is an `isError` result that quotes
+/// serde's reason (which names the field) and points at the schema.
+fn parse<T: DeserializeOwned>(tool: &str, args: JsonObject) -> Result<T, CallToolResult> {
+    serde_json::from_value(serde_json::Value::Object(args)).map_err(|e| {
+        tool_error(format!(
+            "invalid_request: the arguments of {tool} were not accepted: {e}. \
+             Fix them (see the tool's input schema) and call it again."
+        ))
+    })
+}
+
+fn tool_error(message: String) -> CallToolResult {
+    CallToolResult::error(vec![ContentBlock::text(message)])
+}
+
+/// What to do next, per error type: appended to the core's message.
+fn next_step(e: &CoreError) -> String {
+    let retry = |default: &str| match e.retry_after {
+        Some(s) => format!("Retry in {s} s."),
+        None => default.to_string(),
+    };
+    match e.kind {
+        ErrorType::InvalidRequest => {
+            "Fix the argument and call the tool again (its input schema gives the ranges)."
+                .to_string()
+        }
+        ErrorType::Unauthorized => "Configure your MCP client to send the key on every request: \
+             `Authorization: Bearer <key>` or `x-api-key: <key>` (never in the URL). \
+             get_service_info works without a key."
+            .to_string(),
+        ErrorType::InsufficientCredits => "get_usage shows the remaining credit; destroy \
+             sandboxes you no longer need (list_sandboxes finds them), or ask for a smaller size \
+             or a shorter timeout."
+            .to_string(),
+        ErrorType::Forbidden => {
+            "This key may not do that; use a key of an account that may.".to_string()
+        }
+        ErrorType::NotFound => "Check the id: list_sandboxes shows this account's sandboxes \
+             (include_deleted=true also shows ended ones); a sandbox that expired or was \
+             destroyed is gone, so create a new one."
+            .to_string(),
+        ErrorType::Conflict => "get_sandbox shows the sandbox's current status; a sandbox that \
+             is deleting or deleted cannot be used, so create a new one."
+            .to_string(),
+        ErrorType::RateLimited => format!(
+            "{} Too many live sandboxes also count: destroy the ones you no longer need \
+             (list_sandboxes finds them).",
+            retry("Wait a little and retry.")
+        ),
+        ErrorType::ServiceUnavailable => {
+            format!("{} It is safe to retry.", retry("Retry shortly."))
+        }
+        ErrorType::InternalError => String::new(),
+    }
+}
+
+/// A core failure as the tool's answer: `isError` with the type, the core's
+/// message and the next step; `internal_error` as a JSON-RPC error.
+fn failure(e: CoreError) -> Result<CallToolResult, ErrorData> {
+    if e.kind == ErrorType::InternalError {
+        return Err(ErrorData::internal_error(e.message, None));
+    }
+    let mut message = format!("{}: {}", e.kind, e.message);
+    if !message.ends_with('.') {
+        message.push('.');
+    }
+    Ok(tool_error(format!("{message} {}", next_step(&e))))
+}
+
+fn success<T: Serialize>(value: &T) -> Result<CallToolResult, ErrorData> {
+    let value = serde_json::to_value(value)
+        .map_err(|e| ErrorData::internal_error(format!("serializing the result: {e}"), None))?;
+    Ok(CallToolResult::structured(value))
+}
+
+fn answer<T: Serialize>(r: Result<T, CoreError>) -> Result<CallToolResult, ErrorData> {
+    match r {
+        Ok(v) => success(&v),
+        Err(e) => failure(e),
+    }
+}
+
+/// An execution as `run_command`'s answer: a command that ran to its end is a
+/// success whatever its exit code; one that timed out, was cancelled or could
+/// not run is an `isError` result that still carries the execution (with the
+/// output it produced) and says what to do.
+fn execution_answer(x: Execution) -> Result<CallToolResult, ErrorData> {
+    let hint = match x.status {
+        ExecutionStatus::Completed => return success(&x),
+        ExecutionStatus::TimedOut => format!(
+            "The command ran past its timeout and was killed after {} ms (the output it \
+             produced is above). Raise timeout_ms (up to 600000), or start long jobs in the \
+             background with `&`, redirect their output to a file and poll it.",
+            x.duration_ms
+        ),
+        ExecutionStatus::Cancelled => {
+            "The command was cancelled before it finished; run it again if it is still needed."
+                .to_string()
+        }
+        ExecutionStatus::Failed => "The command could not be run to its end by the platform; \
+             get_sandbox shows whether the sandbox is still running. Retry, or create a new \
+             sandbox if it is gone."
+            .to_string(),
+    };
+    let mut result = success(&x)?;
+    result.is_error = Some(true);
+    result.content.push(ContentBlock::text(hint));
+    Ok(result)
+}
+
+/// The API key of an HTTP request: `Authorization: Bearer <key>` (scheme
+/// case-insensitive) or `x-api-key: <key>`.
+pub(crate) fn api_key_of(headers: &http::HeaderMap) -> Option<String> {
+    let bearer = headers
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, key)| key.trim())
+        .filter(|key| !key.is_empty());
+    if let Some(key) = bearer {
+        return Some(key.to_string());
+    }
+    headers
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|k| !k.is_empty())
+        .map(str::to_string)
+}
+
+impl SandpitMcp {
+    pub fn new(api: Arc<dyn SandboxApi>, callers: CallerSource) -> Self {
+        SandpitMcp {
+            api,
+            callers,
+            tool_router: Self::tool_router(),
+        }
+    }
+
+    /// Who this call acts for, or the `isError` answer saying how to authenticate.
+    async fn caller(&self, ctx: &RequestContext<RoleServer>) -> Result<Caller, CoreError> {
+        match &self.callers {
+            CallerSource::Fixed(caller) => Ok(caller.clone()),
+            CallerSource::RequestApiKey => {
+                let key = ctx
+                    .extensions
+                    .get::<http::request::Parts>()
+                    .and_then(|parts| api_key_of(&parts.headers))
+                    .ok_or_else(CoreError::unauthorized)?;
+                self.api.authenticate(&key).await
+            }
+        }
+    }
+
+    /// Authenticate, then parse: an anonymous caller always learns how to
+    /// authenticate first, whatever its arguments.
+    async fn prepare<T: DeserializeOwned>(
+        &self,
+        tool: &str,
+        ctx: &RequestContext<RoleServer>,
+        args: JsonObject,
+    ) -> Result<(Caller, T), Result<CallToolResult, ErrorData>> {
+        let caller = self.caller(ctx).await.map_err(failure)?;
+        let args = parse(tool, args).map_err(Ok)?;
+        Ok((caller, args))
+    }
+
+    /// Run a command, streaming its output as progress notifications.
+    async fn exec_with_progress(
+        &self,
+        caller: &Caller,
+        id: &str,
+        params: ExecParams,
+        token: ProgressToken,
+        ctx: &RequestContext<RoleServer>,
+    ) -> Option<Result<Execution, CoreError>> {
+        let mut stream = match self.api.exec_stream(caller, id, params).await {
+            Ok(s) => s,
+            Err(e) => return Some(Err(e)),
+        };
+        let mut bytes = 0u64;
+        loop {
+            let event = tokio::select! {
+                event = stream.next() => event,
+                // Dropping the stream cancels the command.
+                _ = ctx.ct.cancelled() => return None,
+            };
+            let (which, chunk) = match event {
+                Some(ExecEvent::Stdout(s)) => ("stdout", s),
+                Some(ExecEvent::Stderr(s)) => ("stderr", s),
+                Some(ExecEvent::Exit(x)) => return Some(Ok(x)),
+                Some(ExecEvent::Error(e)) => return Some(Err(e)),
+                None => {
+                    return Some(Err(CoreError::internal(
+                        "the command's output stream ended without an exit event",
+                    )));
+                }
+            };
+            if chunk.is_empty() {
+                continue;
+            }
+            bytes += chunk.len() as u64;
+            let mut meta = MetaObject::new();
+            meta.insert("sandpit/stream".into(), which.into());
+            let mut progress =
+                ProgressNotificationParam::new(token.clone(), bytes as f64).with_message(chunk);
+            progress.meta = Some(NotificationMetaObject(meta));
+            if let Err(e) = ctx.peer.notify_progress(progress).await {
+                tracing::debug!(error = %e, "progress notification not delivered");
+            }
+        }
+    }
+}
+
+/// The answer to a `run_command` whose request the client cancelled (the
+/// client will not read it, but every request gets an answer).
+fn cancelled() -> CallToolResult {
+    tool_error(
+        "cancelled: the request was cancelled by the client, so the command was cancelled."
+            .to_string(),
+    )
+}
+
+#[tool_router]
+impl SandpitMcp {
+    #[tool(
+        name = "create_sandbox",
+        description = D_CREATE,
+        input_schema = input_schema::<CreateSandboxArgs>(),
+        output_schema = schema_for_output::<Sandbox>(),
+        annotations(
+            title = "Create a sandbox",
+            read_only_hint = false,
+            destructive_hint = false,
+            idempotent_hint = false,
+            open_world_hint = false
+        )
+    )]
+    async fn create_sandbox(
+        &self,
+        ctx: RequestContext<RoleServer>,
+        args: JsonObject,
+    ) -> Result<CallToolResult, ErrorData> {
+        let (caller, a) = match self
+            .prepare::<CreateSandboxArgs>("create_sandbox", &ctx, args)
+            .await
+        {
+            Ok(v) => v,
+            Err(r) => return r,
+        };
+        answer(
+            self.api
+                .create_sandbox(&caller, a.into(), None)
+                .await
+                .map(|(sandbox, _replayed)| sandbox),
+        )
+    }
+
+    #[tool(
+        name = "run_command",
+        description = D_RUN,
+        input_schema = input_schema::<RunCommandArgs>(),
+        output_schema = schema_for_output::<Execution>(),
+        annotations(
+            title = "Run a shell command",
+            read_only_hint = false,
+            destructive_hint = true,
+            idempotent_hint = false,
+            open_world_hint = true
+        )
+    )]
+    async fn run_command(
+        &self,
+        ctx: RequestContext<RoleServer>,
+        args: JsonObject,
+    ) -> Result<CallToolResult, ErrorData> {
+        let (caller, a) = match self
+            .prepare::<RunCommandArgs>("run_command", &ctx, args)
+            .await
+        {
+            Ok(v) => v,
+            Err(r) => return r,
+        };
+        let (id, params) = a.into_parts();
+        let result = match ctx.meta.get_progress_token() {
+            Some(token) => {
+                self.exec_with_progress(&caller, &id, params, token, &ctx)
+                    .await
+            }
+            // Dropping the `exec` future cancels the command.
+            None => tokio::select! {
+                r = self.api.exec(&caller, &id, params) => Some(r),
+                _ = ctx.ct.cancelled() => None,
+            },
+        };
+        match result {
+            Some(Ok(x)) => execution_answer(x),
+            Some(Err(e)) => failure(e),
+            None => Ok(cancelled()),
+        }
+    }
+
+    #[tool(
+        name = "write_file",
+        description = D_WRITE,
+        input_schema = input_schema::<WriteFileArgs>(),
+        output_schema = schema_for_output::<FileWritten>(),
+        annotations(
+            title = "Write a file",
+            read_only_hint = false,
+            destructive_hint = true,
+            idempotent_hint = true,
+            open_world_hint = false
+        )
+    )]
+    async fn write_file(
+        &self,
+        ctx: RequestContext<RoleServer>,
+        args: JsonObject,
+    ) -> Result<CallToolResult, ErrorData> {
+        let (caller, a) = match self
+            .prepare::<WriteFileArgs>("write_file", &ctx, args)
+            .await
+        {
+            Ok(v) => v,
+            Err(r) => return r,
+        };
+        let (id, req) = a.into_parts();
+        answer(self.api.write_file(&caller, &id, req).await)
+    }
+
+    #[tool(
+        name = "read_file",
+        description = D_READ,
+        input_schema = input_schema::<ReadFileArgs>(),
+        output_schema = schema_for_output::<FileContent>(),
+        annotations(
+            title = "Read a file",
+            read_only_hint = true,
+            destructive_hint = false,
+            idempotent_hint = true,
+            open_world_hint = false
+        )
+    )]
+    async fn read_file(
+        &self,
+        ctx: RequestContext<RoleServer>,
+        args: JsonObject,
+    ) -> Result<CallToolResult, ErrorData> {
+        let (caller, a) = match self.prepare::<ReadFileArgs>("read_file", &ctx, args).await {
+            Ok(v) => v,
+            Err(r) => return r,
+        };
+        let encoding = a.encoding.unwrap_or(Encoding::Utf8);
+        answer(
+            self.api
+                .read_file(&caller, &a.sandbox_id, &a.path, encoding)
+                .await,
+        )
+    }
+
+    #[tool(
+        name = "list_files",
+        description = D_LIST,
+        input_schema = input_schema::<ListFilesArgs>(),
+        output_schema = schema_for_output::<FileList>(),
+        annotations(
+            title = "List files",
+            read_only_hint = true,
+            destructive_hint = false,
+            idempotent_hint = true,
+            open_world_hint = false
+        )
+    )]
+    async fn list_files(
+        &self,
+        ctx: RequestContext<RoleServer>,
+        args: JsonObject,
+    ) -> Result<CallToolResult, ErrorData> {
+        let (caller, a) = match self
+            .prepare::<ListFilesArgs>("list_files", &ctx, args)
+            .await
+        {
+            Ok(v) => v,
+            Err(r) => return r,
+        };
+        answer(
+            self.api
+                .list_files(
+                    &caller,
+                    &a.sandbox_id,
+                    a.path.as_deref(),
+                    a.recursive.unwrap_or(true),
+                )
+                .await,
+        )
+    }
+
+    #[tool(
+        name = "expose_port",
+        description = D_EXPOSE,
+        input_schema = input_schema::<ExposePortArgs>(),
+        output_schema = schema_for_output::<Port>(),
+        annotations(
+            title = "Expose a port on a public URL",
+            read_only_hint = false,
+            destructive_hint = false,
+            idempotent_hint = true,
+            open_world_hint = true
+        )
+    )]
+    async fn expose_port(
+        &self,
+        ctx: RequestContext<RoleServer>,
+        args: JsonObject,
+    ) -> Result<CallToolResult, ErrorData> {
+        let (caller, a) = match self
+            .prepare::<ExposePortArgs>("expose_port", &ctx, args)
+            .await
+        {
+            Ok(v) => v,
+            Err(r) => return r,
+        };
+        answer(self.api.expose_port(&caller, &a.sandbox_id, a.port).await)
+    }
+
+    #[tool(
+        name = "get_sandbox",
+        description = D_GET,
+        input_schema = input_schema::<SandboxIdArgs>(),
+        output_schema = schema_for_output::<Sandbox>(),
+        annotations(
+            title = "Get a sandbox",
+            read_only_hint = true,
+            destructive_hint = false,
+            idempotent_hint = true,
+            open_world_hint = false
+        )
+    )]
+    async fn get_sandbox(
+        &self,
+        ctx: RequestContext<RoleServer>,
+        args: JsonObject,
+    ) -> Result<CallToolResult, ErrorData> {
+        let (caller, a) = match self
+            .prepare::<SandboxIdArgs>("get_sandbox", &ctx, args)
+            .await
+        {
+            Ok(v) => v,
+            Err(r) => return r,
+        };
+        answer(self.api.get_sandbox(&caller, &a.sandbox_id).await)
+    }
+
+    #[tool(
+        name = "list_sandboxes",
+        description = D_LIST_SANDBOXES,
+        input_schema = input_schema::<ListSandboxesArgs>(),
+        output_schema = schema_for_output::<List<Sandbox>>(),
+        annotations(
+            title = "List sandboxes",
+            read_only_hint = true,
+            destructive_hint = false,
+            idempotent_hint = true,
+            open_world_hint = false
+        )
+    )]
+    async fn list_sandboxes(
+        &self,
+        ctx: RequestContext<RoleServer>,
+        args: JsonObject,
+    ) -> Result<CallToolResult, ErrorData> {
+        let (caller, a) = match self
+            .prepare::<ListSandboxesArgs>("list_sandboxes", &ctx, args)
+            .await
+        {
+            Ok(v) => v,
+            Err(r) => return r,
+        };
+        answer(self.api.list_sandboxes(&caller, a.into()).await)
+    }
+
+    #[tool(
+        name = "extend_sandbox",
+        description = D_EXTEND,
+        input_schema = input_schema::<ExtendSandboxArgs>(),
+        output_schema = schema_for_output::<Sandbox>(),
+        annotations(
+            title = "Extend a sandbox's lifetime",
+            read_only_hint = false,
+            destructive_hint = false,
+            idempotent_hint = false,
+            open_world_hint = false
+        )
+    )]
+    async fn extend_sandbox(
+        &self,
+        ctx: RequestContext<RoleServer>,
+        args: JsonObject,
+    ) -> Result<CallToolResult, ErrorData> {
+        let (caller, a) = match self
+            .prepare::<ExtendSandboxArgs>("extend_sandbox", &ctx, args)
+            .await
+        {
+            Ok(v) => v,
+            Err(r) => return r,
+        };
+        answer(
+            self.api
+                .extend_sandbox(&caller, &a.sandbox_id, a.additional_minutes)
+                .await,
+        )
+    }
+
+    #[tool(
+        name = "destroy_sandbox",
+        description = D_DESTROY,
+        input_schema = input_schema::<SandboxIdArgs>(),
+        output_schema = schema_for_output::<Sandbox>(),
+        annotations(
+            title = "Destroy a sandbox",
+            read_only_hint = false,
+            destructive_hint = true,
+            idempotent_hint = true,
+            open_world_hint = false
+        )
+    )]
+    async fn destroy_sandbox(
+        &self,
+        ctx: RequestContext<RoleServer>,
+        args: JsonObject,
+    ) -> Result<CallToolResult, ErrorData> {
+        let (caller, a) = match self
+            .prepare::<SandboxIdArgs>("destroy_sandbox", &ctx, args)
+            .await
+        {
+            Ok(v) => v,
+            Err(r) => return r,
+        };
+        answer(self.api.destroy_sandbox(&caller, &a.sandbox_id).await)
+    }
+
+    #[tool(
+        name = "get_usage",
+        description = D_USAGE,
+        input_schema = input_schema::<GetUsageArgs>(),
+        output_schema = schema_for_output::<Usage>(),
+        annotations(
+            title = "Get credit and usage",
+            read_only_hint = true,
+            destructive_hint = false,
+            idempotent_hint = true,
+            open_world_hint = false
+        )
+    )]
+    async fn get_usage(
+        &self,
+        ctx: RequestContext<RoleServer>,
+        args: JsonObject,
+    ) -> Result<CallToolResult, ErrorData> {
+        let (caller, a) = match self.prepare::<GetUsageArgs>("get_usage", &ctx, args).await {
+            Ok(v) => v,
+            Err(r) => return r,
+        };
+        answer(self.api.usage(&caller, a.days).await)
+    }
+
+    #[tool(
+        name = "get_service_info",
+        description = D_INFO,
+        input_schema = input_schema::<NoArgs>(),
+        output_schema = schema_for_output::<ServiceInfo>(),
+        annotations(
+            title = "Get service info",
+            read_only_hint = true,
+            destructive_hint = false,
+            idempotent_hint = true,
+            open_world_hint = false
+        )
+    )]
+    async fn get_service_info(&self) -> Result<CallToolResult, ErrorData> {
+        // Free discovery: no caller needed.
+        answer(self.api.service_info().await)
+    }
+}
+
+#[tool_handler(router = self.tool_router)]
+impl ServerHandler for SandpitMcp {
+    fn get_info(&self) -> ServerConfig {
+        // `protocol_version` stays rmcp's default (the newest it knows); the
+        // `initialize` answer is negotiated against `supported_protocol_versions`.
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+            .with_server_info(
+                Implementation::new("sandpit", env!("CARGO_PKG_VERSION"))
+                    .with_title("Sandpit: Linux VMs for agents"),
+            )
+            .with_instructions(INSTRUCTIONS)
+    }
+
+    fn supported_protocol_versions(&self) -> Cow<'static, [ProtocolVersion]> {
+        Cow::Borrowed(SUPPORTED_PROTOCOL_VERSIONS)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(&'static str, &'static str)]) -> http::HeaderMap {
+        let mut h = http::HeaderMap::new();
+        for (k, v) in pairs {
+            h.append(*k, http::HeaderValue::from_static(v));
+        }
+        h
+    }
+
+    #[test]
+    fn the_key_comes_from_bearer_or_x_api_key() {
+        assert_eq!(
+            api_key_of(&headers(&[("authorization", "Bearer sk_1")])).as_deref(),
+            Some("sk_1")
+        );
+        assert_eq!(
+            api_key_of(&headers(&[("authorization", "bearer   sk_1  ")])).as_deref(),
+            Some("sk_1")
+        );
+        assert_eq!(
+            api_key_of(&headers(&[("x-api-key", " sk_2 ")])).as_deref(),
+            Some("sk_2")
+        );
+        // Another scheme is not a key; x-api-key still counts beside it.
+        assert_eq!(
+            api_key_of(&headers(&[("authorization", "Basic dXNlcg==")])),
+            None
+        );
+        assert_eq!(
+            api_key_of(&headers(&[
+                ("authorization", "Basic dXNlcg=="),
+                ("x-api-key", "sk_3")
+            ]))
+            .as_deref(),
+            Some("sk_3")
+        );
+        assert_eq!(api_key_of(&headers(&[("authorization", "Bearer ")])), None);
+        assert_eq!(api_key_of(&headers(&[("x-api-key", "")])), None);
+        assert_eq!(api_key_of(&headers(&[])), None);
+    }
+
+    #[test]
+    fn every_actionable_error_says_what_to_do_next() {
+        for kind in [
+            ErrorType::InvalidRequest,
+            ErrorType::Unauthorized,
+            ErrorType::InsufficientCredits,
+            ErrorType::Forbidden,
+            ErrorType::NotFound,
+            ErrorType::Conflict,
+            ErrorType::RateLimited,
+            ErrorType::ServiceUnavailable,
+        ] {
+            let r = failure(CoreError::new(kind, "it went wrong")).expect("a tool result");
+            assert_eq!(r.is_error, Some(true));
+            let text = &r.content[0].as_text().unwrap().text;
+            assert!(
+                text.starts_with(&format!("{kind}: it went wrong. ")),
+                "{text}"
+            );
+            assert!(
+                text.len() > format!("{kind}: it went wrong. ").len() + 20,
+                "{text}"
+            );
+        }
+        let r = failure(CoreError::new(ErrorType::RateLimited, "slow down").with_retry_after(7));
+        assert!(r.unwrap().content[0]
+            .as_text()
+            .unwrap()
+            .text
+            .contains("Retry in 7 s"));
+        assert!(failure(CoreError::internal("bug")).is_err());
+    }
+}

@@ -1,0 +1,311 @@
+//! The server over an in-process byte pipe, exactly as `serve_stdio` runs it
+//! (newline-delimited JSON-RPC), driven by a real rmcp client.
+
+mod common;
+
+use common::*;
+use rmcp::{
+    model::{CallToolRequestParams, ProtocolVersion},
+    ClientLifecycleMode, ClientServiceExt, ServiceExt,
+};
+use sandpit_core::{Caller, SandboxApi};
+use serde_json::json;
+use std::sync::Arc;
+
+/// Start the server on one end of a duplex pipe; return the other end.
+fn start(api: Arc<FakeApi>) -> tokio::io::DuplexStream {
+    let (server_end, client_end) = tokio::io::duplex(1 << 20);
+    let caller = Caller {
+        account_id: ACCOUNT.into(),
+    };
+    let api: Arc<dyn SandboxApi> = api;
+    tokio::spawn(async move {
+        let (r, w) = tokio::io::split(server_end);
+        sandpit_mcp::serve_io(api, caller, r, w).await
+    });
+    client_end
+}
+
+async fn client(api: Arc<FakeApi>, version: ProtocolVersion) -> Client {
+    TestClient::new(version)
+        .serve(start(api))
+        .await
+        .expect("initialize")
+}
+
+#[tokio::test]
+async fn tools_list_has_the_twelve_tools_with_schemas_and_annotations() {
+    let c = client(FakeApi::new(), ProtocolVersion::V_2025_11_25).await;
+    let tools = c.list_all_tools().await.unwrap();
+    let mut names: Vec<&str> = tools.iter().map(|t| t.name.as_ref()).collect();
+    names.sort();
+    let mut expected = TOOLS.to_vec();
+    expected.sort();
+    assert_eq!(names, expected);
+
+    for t in &tools {
+        assert_eq!(t.input_schema["type"], "object", "{}", t.name);
+        let out = t.output_schema.as_ref().expect("outputSchema");
+        assert_eq!(out["type"], "object", "{}", t.name);
+        assert!(t.description.as_ref().is_some_and(|d| d.len() > 40));
+        let a = t.annotations.as_ref().expect("annotations");
+        assert!(a.title.is_some());
+        for hint in [
+            a.read_only_hint,
+            a.destructive_hint,
+            a.idempotent_hint,
+            a.open_world_hint,
+        ] {
+            assert!(hint.is_some(), "{}: every hint is stated", t.name);
+        }
+    }
+    let get = |n: &str| tools.iter().find(|t| t.name == n).unwrap();
+    let hints = |n: &str| {
+        let a = get(n).annotations.clone().unwrap();
+        (
+            a.read_only_hint.unwrap(),
+            a.destructive_hint.unwrap(),
+            a.idempotent_hint.unwrap(),
+            a.open_world_hint.unwrap(),
+        )
+    };
+    for ro in [
+        "get_sandbox",
+        "list_sandboxes",
+        "get_usage",
+        "get_service_info",
+        "read_file",
+        "list_files",
+    ] {
+        assert!(hints(ro).0, "{ro} is read-only");
+        assert!(!hints(ro).1, "{ro} is not destructive");
+    }
+    assert_eq!(hints("destroy_sandbox"), (false, true, true, false));
+    assert_eq!(hints("run_command"), (false, true, false, true));
+    assert_eq!(hints("create_sandbox"), (false, false, false, false));
+    assert!(!hints("extend_sandbox").2, "extending twice adds twice");
+    assert!(hints("expose_port").3, "a public URL is open world");
+
+    // Input schemas name the spec's fields, with the right ones required.
+    let run = &get("run_command").input_schema;
+    for f in ["sandbox_id", "command", "timeout_ms", "cwd", "env"] {
+        assert!(run["properties"].get(f).is_some(), "run_command.{f}");
+    }
+    assert_eq!(run["required"], json!(["sandbox_id", "command"]));
+    assert_eq!(run["properties"]["timeout_ms"]["maximum"], 600000);
+    let create = &get("create_sandbox").input_schema;
+    assert!(create.get("required").is_none_or(|r| r == &json!([])));
+    let enc = &get("write_file").input_schema["properties"]["encoding"];
+    assert!(enc.to_string().contains("base64"), "{enc}");
+    assert!(get("run_command")
+        .description
+        .as_ref()
+        .unwrap()
+        .contains('&'));
+    assert!(get("create_sandbox")
+        .description
+        .as_ref()
+        .unwrap()
+        .contains("sudo"));
+
+    // The notes for agents are in the instructions.
+    let info = c.peer_info().unwrap();
+    let instructions = info.instructions.as_ref().unwrap();
+    for note in [
+        "uid 1000",
+        "no sudo",
+        "--break-system-packages",
+        "&",
+        "expose_port",
+        "time out",
+    ] {
+        assert!(instructions.contains(note), "instructions mention {note:?}");
+    }
+    c.cancel().await.unwrap();
+}
+
+#[tokio::test]
+async fn every_tool_answers_with_structured_content_and_text() {
+    let api = FakeApi::new();
+    let c = client(api.clone(), ProtocolVersion::V_2025_06_18).await;
+    happy_paths(&c).await;
+    // The stdio caller is fixed: no key needed, and every call acted for it
+    // (the fake asserts the account on each call).
+    assert!(api.calls().contains(&"destroy_sandbox".to_string()));
+    assert!(api
+        .calls()
+        .contains(&"list_files recursive=false".to_string()));
+    c.cancel().await.unwrap();
+}
+
+#[tokio::test]
+async fn actionable_failures_are_tool_errors_that_say_what_to_do() {
+    let c = client(FakeApi::new(), ProtocolVersion::V_2025_11_25).await;
+
+    let m = err(&call(&c, "get_sandbox", json!({"sandbox_id": "sbx_nope"})).await);
+    assert!(
+        m.starts_with("not_found: no sandbox with id \"sbx_nope\""),
+        "{m}"
+    );
+    assert!(m.contains("list_sandboxes"), "{m}");
+
+    let m = err(&call(&c, "create_sandbox", json!({"size": "giant"})).await);
+    assert!(m.starts_with("invalid_request: unknown size"), "{m}");
+
+    let m = err(&call(&c, "create_sandbox", json!({"timeout_minutes": 1440})).await);
+    assert!(m.starts_with("insufficient_credits"), "{m}");
+    assert!(m.contains("get_usage"), "{m}");
+
+    let m = err(&call(
+        &c,
+        "read_file",
+        json!({"sandbox_id": "sbx_existing", "path": "binary.bin"}),
+    )
+    .await);
+    assert!(m.contains("base64"), "{m}");
+
+    // Arguments the schema does not accept: a tool error naming the field.
+    let m = err(&call(&c, "get_sandbox", json!({})).await);
+    assert!(m.contains("missing field `sandbox_id`"), "{m}");
+    let m = err(&call(
+        &c,
+        "run_command",
+        json!({"sandbox_id": "sbx_existing", "command": "ls", "timeout": 5}),
+    )
+    .await);
+    assert!(m.contains("unknown field `timeout`"), "{m}");
+    let m = err(&call(
+        &c,
+        "expose_port",
+        json!({"sandbox_id": "sbx_existing", "port": "eighty"}),
+    )
+    .await);
+    assert!(m.starts_with("invalid_request"), "{m}");
+
+    // A command that timed out: an error that still carries the execution.
+    let r = call(
+        &c,
+        "run_command",
+        json!({"sandbox_id": "sbx_existing", "command": "sleep 1000"}),
+    )
+    .await;
+    let m = err(&r);
+    assert!(m.contains("timeout_ms"), "{m}");
+    assert_eq!(
+        r.structured_content.as_ref().unwrap()["status"],
+        "timed_out"
+    );
+
+    // An internal error is the one protocol error.
+    let e = c
+        .call_tool(
+            CallToolRequestParams::new("run_command").with_arguments(args(
+                json!({"sandbox_id": "sbx_existing", "command": "boom"}),
+            )),
+        )
+        .await;
+    let e = e.expect_err("internal_error is a protocol error");
+    assert!(e.to_string().contains("the fake platform broke"), "{e}");
+    c.cancel().await.unwrap();
+}
+
+#[tokio::test]
+async fn run_command_streams_output_as_progress() {
+    let api = FakeApi::new();
+    let client = TestClient::new(ProtocolVersion::V_2025_11_25);
+    let progress = client.progress.clone();
+    let c = client.serve(start(api.clone())).await.unwrap();
+    // rmcp's client puts a progress token on every request.
+    let r = call(
+        &c,
+        "run_command",
+        json!({"sandbox_id": "sbx_existing", "command": "make"}),
+    )
+    .await;
+    assert_ne!(r.is_error, Some(true), "{}", text(&r));
+    assert_eq!(
+        r.structured_content.as_ref().unwrap()["stdout"],
+        "hello world\n[make]"
+    );
+    assert_eq!(api.calls(), vec!["exec_stream"]);
+    // Notifications precede the response on the same pipe, but the client
+    // dispatches them on its own task: give it a moment.
+    for _ in 0..100 {
+        if progress.lock().unwrap().len() >= 3 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let p = progress.lock().unwrap().clone();
+    let chunks: Vec<(String, String)> = p
+        .iter()
+        .map(|p| {
+            let stream = p.meta.as_ref().unwrap()["sandpit/stream"]
+                .as_str()
+                .unwrap()
+                .to_string();
+            (stream, p.message.clone().unwrap())
+        })
+        .collect();
+    assert_eq!(
+        chunks,
+        vec![
+            ("stdout".to_string(), "hello ".to_string()),
+            ("stderr".to_string(), "warning\n".to_string()),
+            ("stdout".to_string(), "world\n".to_string()),
+        ]
+    );
+    let values: Vec<f64> = p.iter().map(|p| p.progress).collect();
+    assert_eq!(
+        values,
+        vec![6.0, 14.0, 20.0],
+        "progress counts bytes, increasing"
+    );
+    c.cancel().await.unwrap();
+}
+
+#[tokio::test]
+async fn initialize_negotiates_the_protocol_version() {
+    for (asked, answered) in [
+        (ProtocolVersion::V_2025_06_18, ProtocolVersion::V_2025_06_18),
+        (ProtocolVersion::V_2025_11_25, ProtocolVersion::V_2025_11_25),
+        // Not offered over initialize: answered with the newest we have there.
+        (ProtocolVersion::V_2026_07_28, ProtocolVersion::V_2025_11_25),
+        (ProtocolVersion::V_2025_03_26, ProtocolVersion::V_2025_11_25),
+        (ProtocolVersion::V_2024_11_05, ProtocolVersion::V_2025_11_25),
+    ] {
+        let api = FakeApi::new();
+        let client = TestClient::new(asked.clone()).serve(start(api)).await;
+        // rmcp's client refuses a version it did not ask for; what matters
+        // here is what the server answered, which it reports either way.
+        match client {
+            Ok(c) => {
+                assert_eq!(c.peer_info().unwrap().protocol_version, answered, "{asked}");
+                c.cancel().await.unwrap();
+            }
+            Err(e) => {
+                let s = e.to_string();
+                assert!(s.contains(answered.as_str()), "asked {asked}: {s}");
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn revision_2026_07_28_works_without_initialize() {
+    let api = FakeApi::new();
+    let c = TestClient::new(ProtocolVersion::V_2026_07_28)
+        .serve_with_lifecycle(
+            start(api),
+            ClientLifecycleMode::Discover {
+                preferred_versions: vec![ProtocolVersion::V_2026_07_28],
+            },
+        )
+        .await
+        .expect("server/discover");
+    let info = c.peer_info().unwrap();
+    assert_eq!(info.protocol_version, ProtocolVersion::V_2026_07_28);
+    assert!(info.instructions.as_ref().unwrap().contains("uid 1000"));
+    happy_paths(&c).await;
+    c.cancel().await.unwrap();
+}
