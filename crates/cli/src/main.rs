@@ -6,6 +6,7 @@
 mod bench;
 mod images;
 mod sandbox;
+mod server;
 mod settings;
 
 use anyhow::Result;
@@ -45,6 +46,28 @@ enum Command {
         #[command(subcommand)]
         command: sandbox::SandboxCommand,
     },
+    /// Run the control plane: REST /v1 and MCP (Streamable HTTP) at /v1/mcp
+    Serve(server::ServeArgs),
+    /// MCP over stdio: VMs on this machine for a local account, or --remote
+    Mcp(server::McpArgs),
+    /// Accounts of the control plane in the data directory
+    Account {
+        #[command(subcommand)]
+        command: server::AccountCommand,
+    },
+    /// API keys
+    Key {
+        #[command(subcommand)]
+        command: server::KeyCommand,
+    },
+    /// Prepaid credit
+    Credit {
+        #[command(subcommand)]
+        command: server::CreditCommand,
+    },
+    /// (internal) expire this data directory's sandboxes until none is left
+    #[command(hide = true)]
+    Reap,
     /// Create a sandbox, run commands in it, move a file, destroy it
     Demo,
     /// Measure create, exec and file-transfer speed and idle memory; print medians
@@ -101,6 +124,12 @@ async fn run(cli: Cli) -> Result<i32> {
             Ok(0)
         }
         Command::Sandbox { command } => sandbox::run(&settings, command).await,
+        Command::Serve(a) => server::serve(&settings, a).await,
+        Command::Mcp(a) => server::mcp(&settings, a).await,
+        Command::Account { command } => server::account(&settings, command).await,
+        Command::Key { command } => server::key(&settings, command).await,
+        Command::Credit { command } => server::credit(&settings, command).await,
+        Command::Reap => server::reap(&settings).await,
         Command::Demo => sandbox::demo(&settings).await,
         Command::Bench(args) => bench::run(&settings, args).await,
     }

@@ -183,8 +183,11 @@ fn spawn_watchdog(settings: &Settings, id: &str) -> Result<()> {
     cmd.arg("--data-dir")
         .arg(&settings.data_dir)
         .arg("--images-dir")
-        .arg(&settings.images_dir)
-        .args(["sandbox", "watch", id])
+        .arg(&settings.images_dir);
+    if let Some(c) = &settings.config_file {
+        cmd.arg("--config").arg(c);
+    }
+    cmd.args(["sandbox", "watch", id])
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null());

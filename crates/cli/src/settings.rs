@@ -5,6 +5,7 @@
 //! file, then the built-in default.
 
 use anyhow::{Context, Result};
+use sandpit_core::config::{ServiceConfig, SizeConfig};
 use sandpit_runtime::config::{AccelChoice, SizeSpec};
 use sandpit_runtime::RuntimeConfig;
 use serde::Deserialize;
@@ -30,13 +31,60 @@ pub fn default_data_dir() -> PathBuf {
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FileConfig {
-    pub sizes: Option<BTreeMap<String, SizeSpec>>,
+    /// `sandpit serve` listens here (default 127.0.0.1:8080).
+    pub listen: Option<String>,
+    /// The URL clients reach the server at (shown in the MCP configuration).
+    pub public_url: Option<String>,
+    pub sizes: Option<BTreeMap<String, SizeEntry>>,
+    pub limits: Option<LimitsSection>,
+    pub mcp: Option<McpSection>,
+    pub preview: Option<PreviewSection>,
     pub accel: Option<AccelChoice>,
     pub boot_timeout_secs: Option<u64>,
     pub network: Option<NetworkSection>,
     pub user_pids_max: Option<u32>,
     pub reserved_memory_mb: Option<u32>,
     pub tcg_tb_size_mb: Option<u32>,
+}
+
+/// A size: resources and (for the server) its price.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SizeEntry {
+    pub vcpus: u32,
+    pub memory_mb: u32,
+    pub disk_gb: u32,
+    pub price_usd_per_hour: Option<f64>,
+}
+
+/// Limits of the service.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsSection {
+    pub default_timeout_minutes: Option<u32>,
+    pub max_timeout_minutes: Option<u32>,
+    pub max_lifetime_minutes: Option<u32>,
+    pub max_concurrent_sandboxes: Option<u32>,
+    pub max_output_bytes: Option<u64>,
+    pub max_read_bytes: Option<u64>,
+    pub max_write_bytes: Option<u64>,
+    pub max_body_bytes: Option<usize>,
+}
+
+/// MCP over HTTP: DNS-rebinding protection.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct McpSection {
+    pub allowed_hosts: Option<Vec<String>>,
+    pub allowed_origins: Option<Vec<String>>,
+}
+
+/// Preview URLs.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PreviewSection {
+    pub domain: Option<String>,
+    pub scheme: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -53,7 +101,25 @@ pub struct NetworkSection {
 pub struct Settings {
     pub data_dir: PathBuf,
     pub images_dir: PathBuf,
+    pub config_file: Option<PathBuf>,
     pub runtime: RuntimeConfig,
+    pub service: ServiceConfig,
+    pub listen: String,
+    pub public_url: Option<String>,
+    pub mcp_allowed_hosts: Option<Vec<String>>,
+    pub mcp_allowed_origins: Option<Vec<String>>,
+    pub max_body_bytes: Option<usize>,
+}
+
+impl Settings {
+    /// The SQLite file of the control plane.
+    pub fn database(&self) -> PathBuf {
+        self.data_dir.join("sandpit.db")
+    }
+}
+
+fn env_or(name: &str, v: Option<String>) -> Option<String> {
+    std::env::var(name).ok().filter(|s| !s.is_empty()).or(v)
 }
 
 impl Settings {
@@ -73,8 +139,82 @@ impl Settings {
             None => FileConfig::default(),
         };
         let mut rt = RuntimeConfig::new(&data_dir);
-        if let Some(s) = file.sizes {
-            rt.sizes = s;
+        let mut service = ServiceConfig::default();
+        if let Some(sizes) = &file.sizes {
+            let defaults = ServiceConfig::default().sizes;
+            rt.sizes = sizes
+                .iter()
+                .map(|(n, s)| {
+                    (
+                        n.clone(),
+                        SizeSpec {
+                            vcpus: s.vcpus,
+                            memory_mb: s.memory_mb,
+                            disk_gb: s.disk_gb,
+                        },
+                    )
+                })
+                .collect();
+            service.sizes = sizes
+                .iter()
+                .map(|(n, s)| {
+                    let price = s
+                        .price_usd_per_hour
+                        .or_else(|| defaults.get(n).map(|d| d.price_usd_per_hour))
+                        .unwrap_or(0.09);
+                    (
+                        n.clone(),
+                        SizeConfig {
+                            vcpus: s.vcpus,
+                            memory_mb: s.memory_mb,
+                            disk_gb: s.disk_gb,
+                            price_usd_per_hour: price,
+                        },
+                    )
+                })
+                .collect();
+            if !service.sizes.contains_key(&service.default_size) {
+                if let Some(first) = service.sizes.keys().next() {
+                    service.default_size = first.clone();
+                }
+            }
+        }
+        if let Some(l) = &file.limits {
+            let set = |dst: &mut u32, v: Option<u32>| {
+                if let Some(v) = v {
+                    *dst = v
+                }
+            };
+            set(
+                &mut service.default_timeout_minutes,
+                l.default_timeout_minutes,
+            );
+            set(&mut service.max_timeout_minutes, l.max_timeout_minutes);
+            set(&mut service.max_lifetime_minutes, l.max_lifetime_minutes);
+            set(
+                &mut service.default_max_concurrent_sandboxes,
+                l.max_concurrent_sandboxes,
+            );
+            if let Some(v) = l.max_output_bytes {
+                service.max_output_bytes = v;
+            }
+            if let Some(v) = l.max_read_bytes {
+                service.max_read_bytes = v;
+            }
+            if let Some(v) = l.max_write_bytes {
+                service.max_write_bytes = v;
+            }
+        }
+        let listen = env_or("SANDPIT_LISTEN", file.listen.clone())
+            .unwrap_or_else(|| "127.0.0.1:8080".into());
+        let public_url = env_or("SANDPIT_PUBLIC_URL", file.public_url.clone());
+        if let Some(p) = &file.preview {
+            if let Some(d) = &p.domain {
+                service.preview_domain = d.clone();
+            }
+            if let Some(s) = &p.scheme {
+                service.preview_scheme = s.clone();
+            }
         }
         if let Some(a) = file.accel {
             rt.accel = a;
@@ -102,10 +242,29 @@ impl Settings {
         if let Some(v) = file.tcg_tb_size_mb {
             rt.tcg_tb_size_mb = v;
         }
+        if let Some(a) = env_or("SANDPIT_ACCEL", None) {
+            rt.accel = match a.as_str() {
+                "kvm" => AccelChoice::Kvm,
+                "tcg" => AccelChoice::Tcg,
+                "auto" => AccelChoice::Auto,
+                other => anyhow::bail!("SANDPIT_ACCEL must be auto, kvm or tcg, not {other:?}"),
+            };
+        }
+        let (mcp_allowed_hosts, mcp_allowed_origins) = match file.mcp {
+            Some(m) => (m.allowed_hosts, m.allowed_origins),
+            None => (None, None),
+        };
         Ok(Settings {
             data_dir,
             images_dir,
+            config_file: config.map(Path::to_path_buf),
             runtime: rt,
+            service,
+            listen,
+            public_url,
+            mcp_allowed_hosts,
+            mcp_allowed_origins,
+            max_body_bytes: file.limits.as_ref().and_then(|l| l.max_body_bytes),
         })
     }
 }

@@ -7,6 +7,7 @@
 //! decides anything: validation, billing, ownership and state changes happen
 //! here, so both transports behave identically by construction.
 
+pub mod admin;
 pub mod api;
 pub mod backend;
 pub mod config;

@@ -176,6 +176,11 @@ impl Service {
         &self.store
     }
 
+    /// Create an account with `credit_usd` (see [`crate::admin`]).
+    pub async fn create_account(&self, name: &str, credit_usd: f64) -> Result<Account> {
+        crate::admin::create_account(&self.store, &self.config, name, credit_usd).await
+    }
+
     /// Settle what happened while no server ran, then start the reaper.
     pub async fn start(self: &Arc<Self>) -> Result<()> {
         self.reconcile().await?;
@@ -281,7 +286,8 @@ impl Service {
     }
 
     /// End a live sandbox: destroy its VM, release its reservation, charge
-    /// what it used (up to its expiry at most), record why. Idempotent.
+    /// what it used (up to its expiry at most; nothing if it failed), record
+    /// why. Idempotent.
     async fn end(
         &self,
         row: &SandboxRow,
@@ -293,7 +299,9 @@ impl Service {
         }
         let now = OffsetDateTime::now_utc();
         let billed_until = now.min(row.expires_at);
-        let charge = if end_status == status::FAILED && reason.contains("vanished") {
+        // A sandbox the platform lost (its VM died, it never came up) is
+        // not charged at all: the whole reservation comes back.
+        let charge = if end_status == status::FAILED {
             0
         } else {
             cost(
@@ -497,59 +505,9 @@ impl Service {
         Ok(to_execution(&row))
     }
 
-    // ---- administration (CLI and first start) -------------------------
-
-    /// Create an account with `credit_usd`.
-    pub async fn create_account(&self, name: &str, credit_usd: f64) -> Result<Account> {
-        let name = name.trim();
-        if name.is_empty() || name.len() > 100 {
-            return Err(CoreError::invalid("account names are 1 to 100 characters"));
-        }
-        let row = self
-            .store
-            .create_account(name, self.config.default_max_concurrent_sandboxes)
-            .await?;
-        if credit_usd > 0.0 {
-            self.store
-                .add_credit(&row.id, micros(credit_usd), Some("initial credit"))
-                .await?;
-        }
-        self.account(&Caller { account_id: row.id }).await
-    }
-
-    /// Add credit to an account (by name).
-    pub async fn add_credit(&self, account_name: &str, usd_amount: f64) -> Result<Account> {
-        if usd_amount <= 0.0 || !usd_amount.is_finite() {
-            return Err(CoreError::invalid(
-                "the amount must be a positive number of USD",
-            ));
-        }
-        let acct = self
-            .store
-            .account_by_name(account_name)
-            .await?
-            .ok_or_else(|| CoreError::not_found("account", account_name))?;
-        self.store
-            .add_credit(
-                &acct.id,
-                micros(usd_amount),
-                Some("credit added by an operator"),
-            )
-            .await?;
-        self.account(&Caller {
-            account_id: acct.id,
-        })
-        .await
-    }
-
-    /// A new API key for an account (by name); the key is returned once.
-    pub async fn create_key(&self, account_name: &str) -> Result<(String, sandpit_store::KeyRow)> {
-        let acct = self
-            .store
-            .account_by_name(account_name)
-            .await?
-            .ok_or_else(|| CoreError::not_found("account", account_name))?;
-        Ok(self.store.create_key(&acct.id).await?)
+    /// The accelerator this host's VMs use.
+    pub fn vms_accel(&self) -> sandpit_runtime::Accel {
+        self.vms.manager().accel()
     }
 
     /// Ids of the VMs on this host (for tests and operators).
@@ -1058,15 +1016,7 @@ impl SandboxApi for Service {
             .account(&caller.account_id)
             .await?
             .ok_or_else(CoreError::unauthorized)?;
-        let balance = self.store.balance(&acct.id).await?;
-        Ok(Account {
-            object: "account".into(),
-            id: acct.id,
-            name: acct.name,
-            credit_remaining_usd: usd(balance),
-            max_concurrent_sandboxes: acct.max_concurrent,
-            created_at: rfc3339(acct.created_at),
-        })
+        crate::admin::account_object(&self.store, acct).await
     }
 
     async fn service_info(&self) -> Result<ServiceInfo> {

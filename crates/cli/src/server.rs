@@ -1,0 +1,320 @@
+//! `sandpit serve`, `sandpit mcp` and the operator commands (`account`,
+//! `key`, `credit`): the control plane assembled from the core service, the
+//! store in the data directory, this host's VMs, and the REST and MCP
+//! adapters.
+
+use crate::images;
+use crate::settings::Settings;
+use anyhow::{bail, Context, Result};
+use clap::{Args, Subcommand};
+use sandpit_core::backend::LocalVms;
+use sandpit_core::{admin, Caller, SandboxApi, Service};
+use sandpit_runtime::VmManager;
+use sandpit_store::Store;
+use std::sync::Arc;
+
+/// Name of the account `sandpit mcp` (local, stdio) acts for.
+pub const LOCAL_ACCOUNT: &str = "local";
+
+#[derive(Args)]
+pub struct ServeArgs {
+    /// Address to listen on [default: 127.0.0.1:8080; config `listen`; env SANDPIT_LISTEN]
+    #[arg(long)]
+    listen: Option<String>,
+}
+
+#[derive(Args)]
+pub struct McpArgs {
+    /// Forward to a Sandpit server's REST API instead of running VMs here;
+    /// the key comes from SANDPIT_API_KEY
+    #[arg(long)]
+    remote: Option<String>,
+}
+
+#[derive(Subcommand)]
+pub enum AccountCommand {
+    /// Create an account
+    Create {
+        name: String,
+        /// Initial credit in USD
+        #[arg(long, default_value_t = 0.0)]
+        credit: f64,
+    },
+    /// List accounts with their credit
+    List,
+}
+
+#[derive(Subcommand)]
+pub enum KeyCommand {
+    /// Create an API key; prints the key alone on stdout (it is shown only once)
+    Create {
+        #[arg(long)]
+        account: String,
+    },
+    /// List keys (prefixes, never the keys)
+    List {
+        #[arg(long)]
+        account: Option<String>,
+    },
+    /// Revoke a key by id or prefix
+    Revoke { key: String },
+}
+
+#[derive(Subcommand)]
+pub enum CreditCommand {
+    /// Add credit (USD) to an account
+    Add {
+        #[arg(long)]
+        account: String,
+        usd: f64,
+    },
+}
+
+async fn open_store(settings: &Settings) -> Result<Store> {
+    std::fs::create_dir_all(&settings.data_dir)
+        .with_context(|| format!("creating {}", settings.data_dir.display()))?;
+    Store::open_sqlite(settings.database())
+        .await
+        .with_context(|| format!("opening {}", settings.database().display()))
+}
+
+/// The core service over this host's VMs, reconciled and reaping.
+async fn service(settings: &Settings) -> Result<Arc<Service>> {
+    let store = open_store(settings).await?;
+    let dir = settings.images_dir.clone();
+    let image = tokio::task::spawn_blocking(move || images::current(&dir, None)).await??;
+    let vms = LocalVms::new(VmManager::new(settings.runtime.clone(), image)?);
+    let svc = Service::new(settings.service.clone(), store, vms);
+    svc.start().await?;
+    Ok(svc)
+}
+
+pub async fn account(settings: &Settings, cmd: AccountCommand) -> Result<i32> {
+    let store = open_store(settings).await?;
+    match cmd {
+        AccountCommand::Create { name, credit } => {
+            let a = admin::create_account(&store, &settings.service, &name, credit).await?;
+            println!("{}", serde_json::to_string_pretty(&a)?);
+        }
+        AccountCommand::List => {
+            println!(
+                "{:<30} {:<20} {:>12} {:>6}",
+                "ID", "NAME", "CREDIT USD", "MAX"
+            );
+            for a in admin::list_accounts(&store).await? {
+                println!(
+                    "{:<30} {:<20} {:>12.6} {:>6}",
+                    a.id, a.name, a.credit_remaining_usd, a.max_concurrent_sandboxes
+                );
+            }
+        }
+    }
+    Ok(0)
+}
+
+pub async fn key(settings: &Settings, cmd: KeyCommand) -> Result<i32> {
+    let store = open_store(settings).await?;
+    match cmd {
+        KeyCommand::Create { account } => {
+            let (key, row) = admin::create_key(&store, &account).await?;
+            eprintln!(
+                "key {} ({}) for account {account}; it is shown only now",
+                row.id, row.prefix
+            );
+            println!("{key}");
+        }
+        KeyCommand::List { account } => {
+            let acct = match account {
+                Some(name) => Some(admin::account_by_name(&store, &name).await?.id),
+                None => None,
+            };
+            println!(
+                "{:<30} {:<14} {:<30} {:<22} REVOKED",
+                "ID", "PREFIX", "ACCOUNT", "LAST USED"
+            );
+            for k in store.list_keys(acct.as_deref()).await? {
+                println!(
+                    "{:<30} {:<14} {:<30} {:<22} {}",
+                    k.id,
+                    k.prefix,
+                    k.account_id,
+                    k.last_used_at
+                        .map(sandpit_core::ids::rfc3339)
+                        .unwrap_or_else(|| "-".into()),
+                    k.revoked_at
+                        .map(sandpit_core::ids::rfc3339)
+                        .unwrap_or_else(|| "-".into())
+                );
+            }
+        }
+        KeyCommand::Revoke { key } => {
+            if store.revoke_key(&key).await? {
+                eprintln!("revoked {key}");
+            } else {
+                bail!("no active key matches {key:?}");
+            }
+        }
+    }
+    Ok(0)
+}
+
+pub async fn credit(settings: &Settings, cmd: CreditCommand) -> Result<i32> {
+    let store = open_store(settings).await?;
+    let CreditCommand::Add { account, usd } = cmd;
+    let a = admin::add_credit(&store, &account, usd).await?;
+    println!("{}", serde_json::to_string_pretty(&a)?);
+    Ok(0)
+}
+
+/// On a store without accounts: an `admin` account and its first key,
+/// printed once with the MCP client configuration to paste.
+async fn first_start(settings: &Settings, store: &Store, public_url: &str) -> Result<()> {
+    if !store.list_accounts().await?.is_empty() {
+        return Ok(());
+    }
+    admin::create_account(store, &settings.service, "admin", 100.0).await?;
+    let (key, _) = admin::create_key(store, "admin").await?;
+    let mcp = serde_json::json!({
+        "mcpServers": {"sandbox": {
+            "type": "http",
+            "url": format!("{public_url}/v1/mcp"),
+            "headers": {"Authorization": format!("Bearer {key}")}
+        }}
+    });
+    println!("First start: created the account \"admin\" with $100.00 of credit.");
+    println!("Its API key (shown only now):\n\n    {key}\n");
+    println!(
+        "MCP client configuration:\n{}\n",
+        serde_json::to_string_pretty(&mcp)?
+    );
+    Ok(())
+}
+
+pub async fn serve(settings: &Settings, args: ServeArgs) -> Result<i32> {
+    let listen = args.listen.unwrap_or_else(|| settings.listen.clone());
+    let listener = tokio::net::TcpListener::bind(&listen)
+        .await
+        .with_context(|| format!("listening on {listen}"))?;
+    let addr = listener.local_addr()?;
+    let public_url = settings
+        .public_url
+        .clone()
+        .unwrap_or_else(|| format!("http://{addr}"));
+    let svc = service(settings).await?;
+    first_start(settings, svc.store(), &public_url).await?;
+    let api: Arc<dyn SandboxApi> = svc.clone();
+
+    let mut rest = sandpit_api::RestConfig::default();
+    if let Some(b) = settings.max_body_bytes {
+        rest.max_body_bytes = b;
+    }
+    let mut mcp = sandpit_mcp::HttpConfig::default();
+    if let Some(h) = &settings.mcp_allowed_hosts {
+        mcp.allowed_hosts = h.clone();
+    }
+    if let Some(o) = &settings.mcp_allowed_origins {
+        mcp.allowed_origins = o.clone();
+    }
+    let shutdown = mcp.shutdown.clone();
+    let app = sandpit_api::router(api.clone(), rest)
+        .nest_service("/v1/mcp", sandpit_mcp::http_service(api, mcp));
+    eprintln!(
+        "sandpit {} serving {public_url} (REST /v1, MCP /v1/mcp; {} acceleration; data in {})",
+        env!("CARGO_PKG_VERSION"),
+        svc.vms_accel(),
+        settings.data_dir.display()
+    );
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async move {
+            wait_for_signal().await;
+            eprintln!("shutting down: finishing requests in flight; sandboxes keep running");
+            shutdown.cancel();
+        })
+        .await?;
+    Ok(0)
+}
+
+async fn wait_for_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
+
+pub async fn mcp(settings: &Settings, args: McpArgs) -> Result<i32> {
+    if let Some(url) = args.remote {
+        let key = std::env::var("SANDPIT_API_KEY")
+            .context("sandpit mcp --remote needs the API key in SANDPIT_API_KEY")?;
+        let remote = Arc::new(sandpit_api::RemoteApi::new(&url)?);
+        let caller = remote.authenticate(&key).await?;
+        sandpit_mcp::serve_stdio(remote, caller).await?;
+        return Ok(0);
+    }
+    let svc = service(settings).await?;
+    let store = svc.store();
+    let account = match store.account_by_name(LOCAL_ACCOUNT).await? {
+        Some(a) => a,
+        None => {
+            let a =
+                admin::create_account(store, &settings.service, LOCAL_ACCOUNT, 1_000_000.0).await?;
+            store
+                .account(&a.id)
+                .await?
+                .context("the local account vanished")?
+        }
+    };
+    let caller = Caller {
+        account_id: account.id,
+    };
+    let api: Arc<dyn SandboxApi> = svc.clone();
+    let served = sandpit_mcp::serve_stdio(api, caller).await;
+    // The client went away; sandboxes stay until they expire, and someone
+    // must be there to expire them.
+    spawn_reaper(settings);
+    served?;
+    Ok(0)
+}
+
+/// Start a detached `sandpit reap` that expires this data directory's
+/// sandboxes and exits when none is left.
+fn spawn_reaper(settings: &Settings) {
+    use std::os::unix::process::CommandExt;
+    let Ok(exe) = std::env::current_exe() else {
+        return;
+    };
+    let mut cmd = std::process::Command::new(exe);
+    cmd.arg("--data-dir")
+        .arg(&settings.data_dir)
+        .arg("--images-dir")
+        .arg(&settings.images_dir);
+    if let Some(c) = &settings.config_file {
+        cmd.arg("--config").arg(c);
+    }
+    cmd.arg("reap")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    // SAFETY: setsid is async-signal-safe.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::setsid();
+            Ok(())
+        });
+    }
+    if let Err(e) = cmd.spawn() {
+        tracing::warn!("could not start the reaper: {e}");
+    }
+}
+
+/// `sandpit reap`: expire sandboxes until none is live, then exit.
+pub async fn reap(settings: &Settings) -> Result<i32> {
+    let svc = service(settings).await?;
+    loop {
+        if svc.store().live_sandboxes().await?.is_empty() {
+            return Ok(0);
+        }
+        tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+    }
+}

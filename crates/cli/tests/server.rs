@@ -1,0 +1,532 @@
+//! The control plane end to end: a real `sandpit serve` process on a fresh
+//! data directory, real VMs, a real HTTP client for REST, rmcp's client over
+//! Streamable HTTP and over stdio (`sandpit mcp`), and the operator commands.
+//! Includes the SIGKILL-and-restart reconciliation.
+
+mod common;
+
+use common::*;
+use rmcp::model::CallToolRequestParams;
+use rmcp::ServiceExt;
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const CONFIG: &str =
+    "[sizes.small]\nvcpus = 2\nmemory_mb = 1024\ndisk_gb = 4\nprice_usd_per_hour = 0.09\n";
+
+fn sandpit(data: &Path) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_sandpit"));
+    c.arg("--data-dir")
+        .arg(data)
+        .arg("--images-dir")
+        .arg(images_dir())
+        .arg("--config")
+        .arg(data.join("config.toml"));
+    c
+}
+
+/// A running `sandpit serve`.
+struct Server {
+    data: PathBuf,
+    child: Child,
+    url: String,
+    admin_key: Option<String>,
+}
+
+impl Server {
+    fn start(data: &Path) -> Server {
+        std::fs::write(data.join("config.toml"), CONFIG).unwrap();
+        let mut child = sandpit(data)
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let tx2 = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                // The key alone on its line (it also appears in the MCP config).
+                let t = line.trim();
+                if t.starts_with("sp_") && t.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+                {
+                    let _ = tx2.send(format!("KEY {t}"));
+                }
+            }
+        });
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                eprintln!("[serve] {line}");
+                if let Some(rest) = line.split("serving ").nth(1) {
+                    let url = rest.split_whitespace().next().unwrap().to_string();
+                    let _ = tx.send(format!("URL {url}"));
+                }
+            }
+        });
+        let (mut url, mut key) = (None, None);
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while url.is_none() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(m) if m.starts_with("URL ") => url = Some(m[4..].to_string()),
+                Ok(m) if m.starts_with("KEY ") => key = Some(m[4..].to_string()),
+                Ok(_) => {}
+                Err(_) => panic!("sandpit serve did not start"),
+            }
+        }
+        // The first-start key is printed before the serving line.
+        while let Ok(m) = rx.try_recv() {
+            if let Some(k) = m.strip_prefix("KEY ") {
+                key = Some(k.to_string());
+            }
+        }
+        Server {
+            data: data.to_path_buf(),
+            child,
+            url: url.unwrap(),
+            admin_key: key,
+        }
+    }
+
+    fn sigkill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        std::mem::forget(self);
+    }
+
+    /// `sandpit key create` for a new account with `usd` of credit.
+    fn new_account(&self, name: &str, usd: f64) -> String {
+        let out = sandpit(&self.data)
+            .args(["account", "create", name, "--credit", &usd.to_string()])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let out = sandpit(&self.data)
+            .args(["key", "create", "--account", name])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap().trim().to_string()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        // SAFETY: a plain signal to our child.
+        unsafe {
+            libc::kill(self.child.id() as i32, libc::SIGTERM);
+        }
+        let _ = self.child.wait();
+    }
+}
+
+struct Rest {
+    http: reqwest::Client,
+    url: String,
+    key: String,
+}
+
+impl Rest {
+    fn new(s: &Server, key: &str) -> Rest {
+        Rest {
+            http: reqwest::Client::new(),
+            url: s.url.clone(),
+            key: key.to_string(),
+        }
+    }
+    async fn call(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> (u16, Value) {
+        let mut r = self
+            .http
+            .request(method, format!("{}/v1{path}", self.url))
+            .bearer_auth(&self.key);
+        if let Some(b) = body {
+            r = r.json(&b);
+        }
+        let resp = r.send().await.unwrap();
+        let status = resp.status().as_u16();
+        assert!(resp.headers().contains_key("x-request-id"));
+        let v = resp.json::<Value>().await.unwrap_or(Value::Null);
+        (status, v)
+    }
+    async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        self.call(reqwest::Method::POST, path, Some(body)).await
+    }
+    async fn get(&self, path: &str) -> (u16, Value) {
+        self.call(reqwest::Method::GET, path, None).await
+    }
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn the_agent_flow_over_rest() {
+    let data = data_dir();
+    let server = Server::start(&data);
+    let key = server
+        .admin_key
+        .clone()
+        .expect("first start prints the admin key");
+    rt().block_on(async {
+        let api = Rest::new(&server, &key);
+        let (st, sbx) = api.post("/sandboxes", json!({"name": "flow", "timeout_minutes": 10})).await;
+        assert_eq!(st, 201, "{sbx}");
+        assert_eq!(sbx["status"], "running");
+        let id = sbx["id"].as_str().unwrap().to_string();
+        let (st, w) = api
+            .call(
+                reqwest::Method::PUT,
+                &format!("/sandboxes/{id}/files"),
+                Some(json!({"path": "job.py", "content": "print(6*7)\nopen('out.txt','w').write('ok')\n", "encoding": "utf8"})),
+            )
+            .await;
+        assert_eq!(st, 200, "{w}");
+        assert_eq!(w["path"], "/workspace/job.py");
+        let (st, ex) = api.post(&format!("/sandboxes/{id}/exec"), json!({"command": "python3 job.py"})).await;
+        assert_eq!(st, 200, "{ex}");
+        assert_eq!(ex["stdout"], "42\n");
+        assert_eq!(ex["status"], "completed");
+        let (_, again) = api.get(&format!("/executions/{}", ex["id"].as_str().unwrap())).await;
+        assert_eq!(again, ex);
+        let (st, f) = api.get(&format!("/sandboxes/{id}/files?path=out.txt")).await;
+        assert_eq!((st, f["content"].as_str()), (200, Some("ok")));
+        let (st, l) = api.get(&format!("/sandboxes/{id}/files?path=/workspace&list=true&recursive=true")).await;
+        assert_eq!(st, 200, "{l}");
+        assert!(l["entries"].as_array().unwrap().iter().any(|e| e["name"] == "out.txt"));
+        let (st, e) = api.post(&format!("/sandboxes/{id}/extend"), json!({"additional_minutes": 5})).await;
+        assert_eq!((st, e["timeout_minutes"].as_u64()), (200, Some(15)));
+        let (st, u) = api.get("/usage").await;
+        assert_eq!(st, 200);
+        assert_eq!(u["sandboxes"][0]["id"], id.as_str());
+        let (st, d) = api.call(reqwest::Method::DELETE, &format!("/sandboxes/{id}"), None).await;
+        assert_eq!((st, d["status"].as_str()), (200, Some("deleted")));
+        let (st, err) = api.post(&format!("/sandboxes/{id}/exec"), json!({"command": "true"})).await;
+        assert_eq!(st, 409, "{err}");
+        assert!(err["request_id"].as_str().unwrap().starts_with("req_"));
+    });
+}
+
+#[test]
+fn keys_isolation_and_credit_over_rest() {
+    let data = data_dir();
+    let server = Server::start(&data);
+    let alice = server.new_account("alice", 1.0);
+    let bob = server.new_account("bob", 0.05); // two 15-minute small sandboxes
+    rt().block_on(async {
+        let a = Rest::new(&server, &alice);
+        let b = Rest::new(&server, &bob);
+        let nobody = Rest::new(&server, "sp_not_a_key");
+        let (st, e) = nobody.get("/account").await;
+        assert_eq!(
+            (st, e["error"]["type"].as_str()),
+            (401, Some("unauthorized"))
+        );
+
+        let (st, sbx) = a.post("/sandboxes", json!({})).await;
+        assert_eq!(st, 201);
+        let id = sbx["id"].as_str().unwrap();
+        // Bob can't see, use or destroy Alice's sandbox: exactly like a missing one.
+        let (st, e) = b.get(&format!("/sandboxes/{id}")).await;
+        let (st2, e2) = b.get("/sandboxes/sbx_aaaaaaaaaaaaaaaaaaaaaaaa").await;
+        assert_eq!((st, st2), (404, 404));
+        assert_eq!(e["error"]["type"], e2["error"]["type"]);
+        assert_eq!(
+            b.post(&format!("/sandboxes/{id}/exec"), json!({"command": "id"}))
+                .await
+                .0,
+            404
+        );
+        assert_eq!(
+            b.call(reqwest::Method::DELETE, &format!("/sandboxes/{id}"), None)
+                .await
+                .0,
+            404
+        );
+
+        // Four concurrent creates against credit for two: exactly two, never overdrawn.
+        let results = futures_join4(&b).await;
+        let created: Vec<&Value> = results
+            .iter()
+            .filter(|(s, _)| *s == 201)
+            .map(|(_, v)| v)
+            .collect();
+        let refused = results
+            .iter()
+            .filter(|(s, v)| *s == 402 && v["error"]["type"] == "insufficient_credits")
+            .count();
+        assert_eq!((created.len(), refused), (2, 2), "{results:?}");
+        let (_, acct) = b.get("/account").await;
+        assert!(acct["credit_remaining_usd"].as_f64().unwrap() >= 0.0);
+        for s in created {
+            b.call(
+                reqwest::Method::DELETE,
+                &format!("/sandboxes/{}", s["id"].as_str().unwrap()),
+                None,
+            )
+            .await;
+        }
+        a.call(reqwest::Method::DELETE, &format!("/sandboxes/{id}"), None)
+            .await;
+
+        // A revoked key stops working at once.
+        let out = sandpit(&server.data)
+            .args(["key", "revoke", &bob[..12]])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(b.get("/account").await.0, 401);
+    });
+}
+
+async fn futures_join4(b: &Rest) -> Vec<(u16, Value)> {
+    let (r1, r2, r3, r4) = tokio::join!(
+        b.post("/sandboxes", json!({})),
+        b.post("/sandboxes", json!({})),
+        b.post("/sandboxes", json!({})),
+        b.post("/sandboxes", json!({})),
+    );
+    vec![r1, r2, r3, r4]
+}
+
+fn args(v: Value) -> serde_json::Map<String, Value> {
+    v.as_object().unwrap().clone()
+}
+
+/// The agent flow through MCP tools; returns the sandbox id it destroyed.
+async fn mcp_flow<S: rmcp::service::Service<rmcp::RoleClient>>(
+    c: &rmcp::service::RunningService<rmcp::RoleClient, S>,
+) {
+    let tools = c.list_all_tools().await.unwrap();
+    assert_eq!(tools.len(), 12);
+    let call = |name: &'static str, a: Value| {
+        let req = CallToolRequestParams::new(name).with_arguments(args(a));
+        async move {
+            let r = c.call_tool(req).await.unwrap();
+            assert_ne!(r.is_error, Some(true), "{name}: {r:?}");
+            r.structured_content.clone().expect("structuredContent")
+        }
+    };
+    let sbx = call("create_sandbox", json!({"timeout_minutes": 10})).await;
+    let id = sbx["id"].as_str().unwrap().to_string();
+    call(
+        "write_file",
+        json!({"sandbox_id": id, "path": "hi.py", "content": "print('hello from mcp')"}),
+    )
+    .await;
+    let ex = call(
+        "run_command",
+        json!({"sandbox_id": id, "command": "python3 hi.py > out.txt; cat out.txt"}),
+    )
+    .await;
+    assert_eq!(ex["stdout"], "hello from mcp\n");
+    let f = call("read_file", json!({"sandbox_id": id, "path": "out.txt"})).await;
+    assert_eq!(f["content"], "hello from mcp\n");
+    let l = call("list_files", json!({"sandbox_id": id})).await;
+    assert!(l["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|e| e["name"] == "out.txt"));
+    let e = call(
+        "extend_sandbox",
+        json!({"sandbox_id": id, "additional_minutes": 5}),
+    )
+    .await;
+    assert_eq!(e["timeout_minutes"], 15);
+    let u = call("get_usage", json!({})).await;
+    assert!(u["sandboxes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|s| s["id"] == id.as_str()));
+    let d = call("destroy_sandbox", json!({"sandbox_id": id})).await;
+    assert_eq!(d["status"], "deleted");
+    // Using it now is an error the agent can act on, not a protocol error.
+    let r = c
+        .call_tool(
+            CallToolRequestParams::new("run_command")
+                .with_arguments(args(json!({"sandbox_id": id, "command": "true"}))),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.is_error, Some(true));
+}
+
+#[test]
+fn the_agent_flow_over_mcp_streamable_http() {
+    use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+    use rmcp::transport::StreamableHttpClientTransport;
+    let data = data_dir();
+    let server = Server::start(&data);
+    let key = server.admin_key.clone().unwrap();
+    rt().block_on(async {
+        let url = format!("{}/v1/mcp", server.url);
+        // Anonymous: discovery works, acting does not.
+        let anon = ()
+            .serve(StreamableHttpClientTransport::from_config(
+                StreamableHttpClientTransportConfig::with_uri(url.clone()),
+            ))
+            .await
+            .unwrap();
+        assert_eq!(anon.list_all_tools().await.unwrap().len(), 12);
+        let info = anon
+            .call_tool(CallToolRequestParams::new("get_service_info"))
+            .await
+            .unwrap();
+        assert_ne!(info.is_error, Some(true));
+        assert_eq!(info.structured_content.unwrap()["acceleration"], "tcg");
+        let denied = anon
+            .call_tool(CallToolRequestParams::new("create_sandbox").with_arguments(args(json!({}))))
+            .await
+            .unwrap();
+        assert_eq!(denied.is_error, Some(true));
+        anon.cancel().await.unwrap();
+
+        let client = ()
+            .serve(StreamableHttpClientTransport::from_config(
+                StreamableHttpClientTransportConfig::with_uri(url).auth_header(key),
+            ))
+            .await
+            .unwrap();
+        mcp_flow(&client).await;
+        client.cancel().await.unwrap();
+    });
+}
+
+#[test]
+fn the_agent_flow_over_mcp_stdio() {
+    use rmcp::transport::TokioChildProcess;
+    let data = data_dir();
+    std::fs::write(data.join("config.toml"), CONFIG).unwrap();
+    rt().block_on(async {
+        let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_sandpit"));
+        cmd.arg("--data-dir")
+            .arg(&data)
+            .arg("--images-dir")
+            .arg(images_dir())
+            .arg("--config")
+            .arg(data.join("config.toml"))
+            .arg("mcp");
+        let client = ().serve(TokioChildProcess::new(cmd).unwrap()).await.unwrap();
+        mcp_flow(&client).await;
+        client.cancel().await.unwrap();
+    });
+}
+
+/// Wait until `f` holds, polling.
+fn eventually(what: &str, bound: Duration, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + bound;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+#[test]
+fn a_killed_server_reconciles_on_restart() {
+    let data = data_dir();
+    let server = Server::start(&data);
+    let key = server.admin_key.clone().unwrap();
+    let (keep, expire, vanish) = rt().block_on(async {
+        let api = Rest::new(&server, &key);
+        let mut ids = Vec::new();
+        for t in [30, 1, 30] {
+            let (st, s) = api.post("/sandboxes", json!({"timeout_minutes": t})).await;
+            assert_eq!(st, 201, "{s}");
+            ids.push(s["id"].as_str().unwrap().to_string());
+        }
+        (ids[0].clone(), ids[1].clone(), ids[2].clone())
+    });
+    server.sigkill();
+    // The VMs outlive the server...
+    assert!(!pids_mentioning(&format!("sandpit-vm-{keep}")).is_empty());
+    // ...one of them dies while it is down, and another expires meanwhile.
+    for pid in pids_mentioning(&format!("sandpit-vm-{vanish}")) {
+        // SAFETY: killing the test's own VM.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    }
+    std::thread::sleep(Duration::from_secs(65));
+
+    let server = Server::start(&data);
+    assert!(
+        server.admin_key.is_none(),
+        "a second start must not make a new admin"
+    );
+    rt().block_on(async {
+        let api = Rest::new(&server, &key);
+        let (_, s) = api.get(&format!("/sandboxes/{expire}")).await;
+        assert_eq!(
+            (s["status"].as_str(), s["deleted_reason"].as_str()),
+            (Some("deleted"), Some("expired")),
+            "{s}"
+        );
+        let (_, s) = api.get(&format!("/sandboxes/{vanish}")).await;
+        assert_eq!(s["status"], "failed", "{s}");
+        assert!(
+            s["deleted_reason"]
+                .as_str()
+                .unwrap()
+                .starts_with("failed: "),
+            "{s}"
+        );
+        let (_, s) = api.get(&format!("/sandboxes/{keep}")).await;
+        assert_eq!(s["status"], "running");
+        let (st, ex) = api
+            .post(
+                &format!("/sandboxes/{keep}/exec"),
+                json!({"command": "echo still here"}),
+            )
+            .await;
+        assert_eq!(
+            (st, ex["stdout"].as_str()),
+            (200, Some("still here\n")),
+            "{ex}"
+        );
+        api.call(reqwest::Method::DELETE, &format!("/sandboxes/{keep}"), None)
+            .await;
+        // Nothing of the ended ones is left on the host.
+        for id in [&expire, &vanish, &keep] {
+            assert!(
+                pids_mentioning(&format!("sandpit-vm-{id}")).is_empty(),
+                "{id} still has a QEMU"
+            );
+            assert!(!data.join("vms").join(id).exists(), "{id} still has files");
+        }
+        // The vanished one was refunded: only the expired one's minute and the kept one's seconds were charged.
+        let (_, u) = api.get("/usage").await;
+        let vanished = u["sandboxes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["id"] == vanish.as_str())
+            .unwrap()
+            .clone();
+        assert_eq!(vanished["cost_usd"].as_f64(), Some(0.0), "{u}");
+    });
+    eventually("no VM left", Duration::from_secs(10), || {
+        std::fs::read_dir(data.join("vms"))
+            .map(|d| d.count() == 0)
+            .unwrap_or(true)
+    });
+}
