@@ -25,6 +25,9 @@ pub struct BenchArgs {
     /// Sandbox size to use
     #[arg(long, default_value = "small")]
     size: String,
+    /// Measure only the runtime, not the server's REST and MCP paths
+    #[arg(long)]
+    skip_control_plane: bool,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -135,6 +138,7 @@ pub async fn run(settings: &Settings, a: BenchArgs) -> Result<i32> {
     .await;
     m.destroy(&id).await?;
     let (execs, writes, reads, pss, idle_cpu) = result?;
+    let execs_for_ratio = execs.clone();
 
     println!();
     println!("| measurement ({}) | median |", m.accel());
@@ -167,5 +171,149 @@ pub async fn run(settings: &Settings, a: BenchArgs) -> Result<i32> {
         "| host CPU of an idle sandbox (10 s) | {:.2} % of one core |",
         idle_cpu
     );
+    if a.skip_control_plane {
+        return Ok(0);
+    }
+    let cp = control_plane(settings, &a).await?;
+    println!(
+        "| create through REST until running ({} runs) | {:.2} s |",
+        cp.creates.len(),
+        median(cp.creates)
+    );
+    let list_ms = median(cp.list.clone());
+    println!(
+        "| MCP `tools/list` over HTTP, loopback ({} calls) | {:.2} ms ({:.0}/s) |",
+        cp.list.len(),
+        list_ms,
+        1000.0 / list_ms
+    );
+    let get_ms = median(cp.get.clone());
+    println!(
+        "| MCP `get_sandbox` over HTTP, loopback ({} calls) | {:.2} ms ({:.0}/s) |",
+        cp.get.len(),
+        get_ms,
+        1000.0 / get_ms
+    );
+    let run_ms = median(cp.run.clone());
+    println!(
+        "| MCP `run_command(\"true\")` over HTTP ({} calls) | {:.2} ms |",
+        cp.run.len(),
+        run_ms
+    );
+    println!(
+        "| ratio: MCP `run_command` / direct agent exec | {:.2}x |",
+        run_ms / median(execs_for_ratio)
+    );
     Ok(0)
+}
+
+struct ControlPlane {
+    creates: Vec<f64>,
+    list: Vec<f64>,
+    get: Vec<f64>,
+    run: Vec<f64>,
+}
+
+/// The server in this process (store in a scratch file, VMs in the data
+/// directory), driven over loopback by a real HTTP client and rmcp's client.
+async fn control_plane(settings: &Settings, a: &BenchArgs) -> Result<ControlPlane> {
+    use rmcp::model::CallToolRequestParams;
+    use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+    use rmcp::transport::StreamableHttpClientTransport;
+    use rmcp::ServiceExt;
+    use sandpit_core::SandboxApi;
+    use std::sync::Arc;
+
+    let scratch = tempfile::tempdir()?;
+    let store = sandpit_store::Store::open_sqlite(scratch.path().join("bench.db")).await?;
+    let vms = sandpit_core::backend::LocalVms::new(manager(settings)?);
+    let svc = sandpit_core::Service::new(settings.service.clone(), store, vms);
+    svc.start().await?;
+    sandpit_core::admin::create_account(svc.store(), &settings.service, "bench", 1000.0).await?;
+    let (key, _) = sandpit_core::admin::create_key(svc.store(), "bench").await?;
+    let api: Arc<dyn SandboxApi> = svc.clone();
+    let app = sandpit_api::router(api.clone(), sandpit_api::RestConfig::default()).nest_service(
+        "/v1/mcp",
+        sandpit_mcp::http_service(api, sandpit_mcp::HttpConfig::default()),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+
+    let http = reqwest::Client::new();
+    let mut creates = Vec::new();
+    let mut ids = Vec::new();
+    for _ in 0..a.creates.max(1) {
+        let t = Instant::now();
+        let resp = http
+            .post(format!("{url}/v1/sandboxes"))
+            .bearer_auth(&key)
+            .json(&serde_json::json!({"size": a.size}))
+            .send()
+            .await?;
+        anyhow::ensure!(
+            resp.status() == 201,
+            "create through REST: {}",
+            resp.text().await?
+        );
+        creates.push(t.elapsed().as_secs_f64());
+        let v: serde_json::Value = resp.json().await?;
+        ids.push(v["id"].as_str().unwrap_or_default().to_string());
+    }
+    let id = ids[0].clone();
+    for other in &ids[1..] {
+        http.delete(format!("{url}/v1/sandboxes/{other}"))
+            .bearer_auth(&key)
+            .send()
+            .await?;
+    }
+
+    let client = ()
+        .serve(StreamableHttpClientTransport::from_config(
+            StreamableHttpClientTransportConfig::with_uri(format!("{url}/v1/mcp"))
+                .auth_header(key.clone()),
+        ))
+        .await?;
+    let args = |v: serde_json::Value| v.as_object().cloned().unwrap_or_default();
+    let (mut list, mut get, mut run) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..200 {
+        let t = Instant::now();
+        client.list_tools(None).await?;
+        list.push(t.elapsed().as_secs_f64() * 1000.0);
+    }
+    for _ in 0..200 {
+        let t = Instant::now();
+        let r = client
+            .call_tool(
+                CallToolRequestParams::new("get_sandbox")
+                    .with_arguments(args(serde_json::json!({"sandbox_id": id}))),
+            )
+            .await?;
+        anyhow::ensure!(r.is_error != Some(true), "get_sandbox failed: {r:?}");
+        get.push(t.elapsed().as_secs_f64() * 1000.0);
+    }
+    for _ in 0..a.execs {
+        let t = Instant::now();
+        let r = client
+            .call_tool(
+                CallToolRequestParams::new("run_command").with_arguments(args(
+                    serde_json::json!({"sandbox_id": id, "command": "true"}),
+                )),
+            )
+            .await?;
+        anyhow::ensure!(r.is_error != Some(true), "run_command failed: {r:?}");
+        run.push(t.elapsed().as_secs_f64() * 1000.0);
+    }
+    let _ = client.cancel().await;
+    http.delete(format!("{url}/v1/sandboxes/{id}"))
+        .bearer_auth(&key)
+        .send()
+        .await?;
+    server.abort();
+    Ok(ControlPlane {
+        creates,
+        list,
+        get,
+        run,
+    })
 }

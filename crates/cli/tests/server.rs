@@ -434,6 +434,31 @@ fn the_agent_flow_over_mcp_stdio() {
     });
 }
 
+#[test]
+fn the_agent_flow_over_mcp_stdio_forwarding_to_a_server() {
+    use rmcp::transport::TokioChildProcess;
+    let data = data_dir();
+    let server = Server::start(&data);
+    let key = server.admin_key.clone().unwrap();
+    rt().block_on(async {
+        let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_sandpit"));
+        cmd.args(["mcp", "--remote", &server.url])
+            .env("SANDPIT_API_KEY", &key);
+        let client = ().serve(TokioChildProcess::new(cmd).unwrap()).await.unwrap();
+        mcp_flow(&client).await;
+        client.cancel().await.unwrap();
+    });
+    // A wrong key is refused at start, with a message.
+    let out = Command::new(env!("CARGO_BIN_EXE_sandpit"))
+        .args(["mcp", "--remote", &server.url])
+        .env("SANDPIT_API_KEY", "sp_wrong")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("API key"));
+}
+
 /// Wait until `f` holds, polling.
 fn eventually(what: &str, bound: Duration, mut f: impl FnMut() -> bool) {
     let deadline = Instant::now() + bound;
@@ -448,15 +473,20 @@ fn a_killed_server_reconciles_on_restart() {
     let data = data_dir();
     let server = Server::start(&data);
     let key = server.admin_key.clone().unwrap();
-    let (keep, expire, vanish) = rt().block_on(async {
+    let (keep, expire, vanish, orphan) = rt().block_on(async {
         let api = Rest::new(&server, &key);
         let mut ids = Vec::new();
-        for t in [30, 1, 30] {
+        for t in [30, 1, 30, 30] {
             let (st, s) = api.post("/sandboxes", json!({"timeout_minutes": t})).await;
             assert_eq!(st, 201, "{s}");
             ids.push(s["id"].as_str().unwrap().to_string());
         }
-        (ids[0].clone(), ids[1].clone(), ids[2].clone())
+        (
+            ids[0].clone(),
+            ids[1].clone(),
+            ids[2].clone(),
+            ids[3].clone(),
+        )
     });
     server.sigkill();
     // The VMs outlive the server...
@@ -466,6 +496,8 @@ fn a_killed_server_reconciles_on_restart() {
         // SAFETY: killing the test's own VM.
         unsafe { libc::kill(pid as i32, libc::SIGKILL) };
     }
+    // ...and one loses its files while its QEMU keeps running.
+    std::fs::remove_dir_all(data.join("vms").join(&orphan)).unwrap();
     std::thread::sleep(Duration::from_secs(65));
 
     let server = Server::start(&data);
@@ -490,6 +522,8 @@ fn a_killed_server_reconciles_on_restart() {
                 .starts_with("failed: "),
             "{s}"
         );
+        let (_, s) = api.get(&format!("/sandboxes/{orphan}")).await;
+        assert_eq!(s["status"], "failed", "{s}");
         let (_, s) = api.get(&format!("/sandboxes/{keep}")).await;
         assert_eq!(s["status"], "running");
         let (st, ex) = api
@@ -506,7 +540,7 @@ fn a_killed_server_reconciles_on_restart() {
         api.call(reqwest::Method::DELETE, &format!("/sandboxes/{keep}"), None)
             .await;
         // Nothing of the ended ones is left on the host.
-        for id in [&expire, &vanish, &keep] {
+        for id in [&expire, &vanish, &orphan, &keep] {
             assert!(
                 pids_mentioning(&format!("sandpit-vm-{id}")).is_empty(),
                 "{id} still has a QEMU"

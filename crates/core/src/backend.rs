@@ -80,6 +80,43 @@ impl LocalVms {
         self.manager.list()
     }
 
+    /// Kill QEMU processes of this data directory whose VM is not in `keep`
+    /// (their directory is gone, or was never finished).
+    pub async fn kill_orphan_qemus(&self, keep: &[String]) {
+        let vms_dir = self.manager.config().vms_dir().display().to_string();
+        let Ok(rd) = std::fs::read_dir("/proc") else {
+            return;
+        };
+        for e in rd.flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+                continue;
+            };
+            let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+                continue;
+            };
+            let cmdline = String::from_utf8_lossy(&cmdline);
+            // Ours: a QEMU of a VM under this data directory.
+            let Some(id) = cmdline
+                .split('\0')
+                .find_map(|a| a.strip_prefix("sandpit-vm-"))
+                .and_then(|rest| rest.split(',').next())
+            else {
+                continue;
+            };
+            if !cmdline.contains(&vms_dir) || keep.iter().any(|k| k == id) {
+                continue;
+            }
+            let marker = format!("sandpit-vm-{id}");
+            tracing::info!(id, pid, "killing a QEMU no live sandbox owns");
+            sandpit_runtime::process::kill_and_wait(
+                pid,
+                &marker,
+                std::time::Duration::from_secs(5),
+            )
+            .await;
+        }
+    }
+
     /// VM directories whose record is unreadable (a create that crashed early).
     pub fn stray_dirs(&self) -> Vec<String> {
         let known: Vec<String> = self.list().into_iter().map(|r| r.id).collect();

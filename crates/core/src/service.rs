@@ -282,6 +282,7 @@ impl Service {
                 let _ = self.vms.destroy(&dir).await;
             }
         }
+        self.vms.kill_orphan_qemus(&keep).await;
         Ok(())
     }
 
