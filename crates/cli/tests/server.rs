@@ -459,6 +459,45 @@ fn the_agent_flow_over_mcp_stdio_forwarding_to_a_server() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("API key"));
 }
 
+#[test]
+fn a_client_that_hangs_up_mid_create_leaks_nothing() {
+    let data = data_dir();
+    let server = Server::start(&data);
+    let key = server.admin_key.clone().unwrap();
+    rt().block_on(async {
+        let impatient = reqwest::Client::builder()
+            .timeout(Duration::from_millis(300))
+            .build()
+            .unwrap();
+        let r = impatient
+            .post(format!("{}/v1/sandboxes", server.url))
+            .bearer_auth(&key)
+            .json(&json!({}))
+            .send()
+            .await;
+        assert!(r.is_err(), "the create answered within 300 ms?");
+        // The boot goes on; the sandbox shows up running, and can be destroyed.
+        let api = Rest::new(&server, &key);
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let id = loop {
+            let (_, l) = api.get("/sandboxes").await;
+            if let Some(s) = l["data"].as_array().and_then(|d| d.first()) {
+                if s["status"] == "running" {
+                    break s["id"].as_str().unwrap().to_string();
+                }
+            }
+            assert!(Instant::now() < deadline, "the sandbox never came up");
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        };
+        let (st, d) = api
+            .call(reqwest::Method::DELETE, &format!("/sandboxes/{id}"), None)
+            .await;
+        assert_eq!((st, d["status"].as_str()), (200, Some("deleted")));
+        assert!(pids_mentioning(&format!("sandpit-vm-{id}")).is_empty());
+        assert!(!data.join("vms").join(&id).exists());
+    });
+}
+
 /// Wait until `f` holds, polling.
 fn eventually(what: &str, bound: Duration, mut f: impl FnMut() -> bool) {
     let deadline = Instant::now() + bound;

@@ -14,7 +14,7 @@ use tokio::sync::Mutex;
 /// This host's VMs.
 pub struct LocalVms {
     manager: VmManager,
-    agents: Mutex<HashMap<String, AgentClient>>,
+    agents: Mutex<HashMap<String, Arc<Mutex<Option<AgentClient>>>>>,
 }
 
 impl LocalVms {
@@ -42,21 +42,31 @@ impl LocalVms {
         self.agents
             .lock()
             .await
-            .insert(id.to_string(), vm.agent.clone());
+            .insert(id.to_string(), Arc::new(Mutex::new(Some(vm.agent.clone()))));
         Ok(vm.record)
     }
 
     /// The agent of a running VM (reconnecting if needed).
     pub async fn agent(&self, id: &str) -> Result<AgentClient, RuntimeError> {
-        let mut agents = self.agents.lock().await;
-        if let Some(a) = agents.get(id) {
+        // One slot per VM: the map lock is held only to find the slot, and a
+        // slow (re)attach holds only its own VM's slot, so a dead VM never
+        // stalls other sandboxes, and two requests never attach twice (QEMU
+        // serves one client per agent socket).
+        let slot = self
+            .agents
+            .lock()
+            .await
+            .entry(id.to_string())
+            .or_default()
+            .clone();
+        let mut slot = slot.lock().await;
+        if let Some(a) = slot.as_ref() {
             if !a.is_closed() {
                 return Ok(a.clone());
             }
-            agents.remove(id);
         }
         let vm = self.manager.attach(id).await?;
-        agents.insert(id.to_string(), vm.agent.clone());
+        *slot = Some(vm.agent.clone());
         Ok(vm.agent)
     }
 

@@ -511,6 +511,38 @@ impl Service {
         self.vms.manager().accel()
     }
 
+    /// Boot the VM of a sandbox row in `provisioning`; running, or failed
+    /// (and refunded) with the cause.
+    async fn boot(&self, row: SandboxRow) -> Result<SandboxRow> {
+        match self.vms.create(&row.id, &row.size).await {
+            Ok(_) => Ok(self
+                .store
+                .set_status(&row.id, status::RUNNING, None)
+                .await?),
+            Err(e) => {
+                tracing::warn!(id = %row.id, "create failed: {e}");
+                let _ = self.vms.destroy(&row.id).await;
+                let _ = self
+                    .store
+                    .finish_sandbox(
+                        &row.id,
+                        status::FAILED,
+                        &format!("failed: {e}"),
+                        OffsetDateTime::now_utc(),
+                        0,
+                    )
+                    .await;
+                Err(CoreError::new(
+                    ErrorType::ServiceUnavailable,
+                    format!(
+                        "the sandbox's VM could not be started ({e}); nothing was charged, retry"
+                    ),
+                )
+                .with_retry_after(5))
+            }
+        }
+    }
+
     /// Ids of the VMs on this host (for tests and operators).
     pub fn vms_on_host(&self) -> Vec<String> {
         self.vms.list().into_iter().map(|r| r.id).collect()
@@ -635,36 +667,17 @@ impl SandboxApi for Service {
             }
         };
         self.wake_reaper();
-        match self.vms.create(&row.id, &row.size).await {
-            Ok(_) => {
-                let row = self
-                    .store
-                    .set_status(&row.id, status::RUNNING, None)
-                    .await?;
-                Ok((to_sandbox(&row), false))
-            }
-            Err(e) => {
-                tracing::warn!(id = %row.id, "create failed: {e}");
-                let _ = self
-                    .store
-                    .finish_sandbox(
-                        &row.id,
-                        status::FAILED,
-                        &format!("failed: {e}"),
-                        OffsetDateTime::now_utc(),
-                        0,
-                    )
-                    .await;
-                let _ = self.vms.destroy(&row.id).await;
-                Err(CoreError::new(
-                    ErrorType::ServiceUnavailable,
-                    format!(
-                        "the sandbox's VM could not be started ({e}); nothing was charged, retry"
-                    ),
-                )
-                .with_retry_after(5))
-            }
-        }
+        // Boot in a task of its own: a client that hangs up mid-create must
+        // not cancel the boot half-way (that would leave a VM and a
+        // "provisioning" row behind). The sandbox is finished either way; the
+        // client finds it with list_sandboxes or an idempotent retry.
+        let me = self
+            .arc_self()
+            .ok_or_else(|| CoreError::internal("the service is shutting down"))?;
+        tokio::spawn(async move { me.boot(row).await })
+            .await
+            .map_err(|e| CoreError::internal(format!("the create task failed: {e}")))?
+            .map(|row| (to_sandbox(&row), false))
     }
 
     async fn get_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
@@ -758,7 +771,14 @@ impl SandboxApi for Service {
             return Ok(to_sandbox(&row));
         }
         let _ = self.store.set_status(id, status::DELETING, None).await;
-        match self.end(&row, status::DELETED, "destroyed").await? {
+        // As for create: a client that hangs up does not stop the teardown.
+        let me = self
+            .arc_self()
+            .ok_or_else(|| CoreError::internal("the service is shutting down"))?;
+        let ended = tokio::spawn(async move { me.end(&row, status::DELETED, "destroyed").await })
+            .await
+            .map_err(|e| CoreError::internal(format!("the destroy task failed: {e}")))??;
+        match ended {
             Some(row) => Ok(to_sandbox(&row)),
             None => Ok(to_sandbox(&self.owned(caller, id).await?)),
         }
