@@ -76,12 +76,24 @@ pub fn build(images_dir: &Path, agent: Option<&Path>) -> Result<GuestImage> {
     Ok(img)
 }
 
-/// The image to boot: built from this binary's agent when it can be found
-/// (building it if needed), else the last one built.
-pub fn current(images_dir: &Path, agent: Option<&Path>) -> Result<GuestImage> {
-    if locate_agent(agent).is_some() {
-        return build(images_dir, agent);
+/// An image that already exists, never building one: the one built from this
+/// binary's agent if it is cached, else the last one built. For commands that
+/// only look at or tear down existing sandboxes (`ls`, `rm`, `exec`, `cp`),
+/// which must not start a multi-minute image build.
+pub fn existing(images_dir: &Path) -> Result<GuestImage> {
+    if let Some(agent) = locate_agent(None) {
+        let spec = ImageSpec {
+            agent_binary: agent,
+            ..ImageSpec::default()
+        };
+        if let Ok(Some(img)) = image::find_image(images_dir, &spec) {
+            return Ok(img);
+        }
     }
+    pointed(images_dir)
+}
+
+fn pointed(images_dir: &Path) -> Result<GuestImage> {
     let ptr = current_pointer(images_dir);
     let bytes = std::fs::read(&ptr).with_context(|| {
         format!(
@@ -97,6 +109,15 @@ pub fn current(images_dir: &Path, agent: Option<&Path>) -> Result<GuestImage> {
         );
     }
     Ok(img)
+}
+
+/// The image to boot: built from this binary's agent when it can be found
+/// (building it if needed), else the last one built.
+pub fn current(images_dir: &Path, agent: Option<&Path>) -> Result<GuestImage> {
+    if locate_agent(agent).is_some() {
+        return build(images_dir, agent);
+    }
+    pointed(images_dir)
 }
 
 #[cfg(test)]

@@ -80,8 +80,15 @@ pub const MAX_OUTPUT: u64 = 1024 * 1024;
 /// Largest file `cp` moves out of a sandbox.
 const CP_MAX: u64 = 1024 * 1024 * 1024;
 
+/// A VM manager that may boot new VMs (builds the image if it is missing).
 pub fn manager(settings: &Settings) -> Result<VmManager> {
     let img = images::current(&settings.images_dir, None)?;
+    Ok(VmManager::new(settings.runtime.clone(), img)?)
+}
+
+/// A VM manager for existing VMs only: never builds an image.
+fn existing_manager(settings: &Settings) -> Result<VmManager> {
+    let img = images::existing(&settings.images_dir)?;
     Ok(VmManager::new(settings.runtime.clone(), img)?)
 }
 
@@ -203,7 +210,7 @@ fn spawn_watchdog(settings: &Settings, id: &str) -> Result<()> {
 }
 
 async fn watch(settings: &Settings, id: &str) -> Result<i32> {
-    let m = manager(settings)?;
+    let m = existing_manager(settings)?;
     loop {
         let Ok(r) = m.record(id) else { return Ok(0) };
         let Some(exp) = r.metadata.get("expires_at").and_then(|e| {
@@ -230,7 +237,7 @@ fn command_line(parts: &[String]) -> String {
 }
 
 async fn exec(settings: &Settings, a: ExecArgs) -> Result<i32> {
-    let m = manager(settings)?;
+    let m = existing_manager(settings)?;
     let vm = m.attach(&a.id).await?;
     let mut env = BTreeMap::new();
     for kv in &a.env {
@@ -291,7 +298,7 @@ fn parse_loc(s: &str) -> Loc {
 }
 
 async fn cp(settings: &Settings, src: &str, dst: &str) -> Result<i32> {
-    let m = manager(settings)?;
+    let m = existing_manager(settings)?;
     match (parse_loc(src), parse_loc(dst)) {
         (Loc::Local(l), Loc::Remote(id, path)) => {
             let bytes = std::fs::read(&l).with_context(|| format!("reading {}", l.display()))?;
@@ -313,7 +320,7 @@ async fn cp(settings: &Settings, src: &str, dst: &str) -> Result<i32> {
 }
 
 fn ls(settings: &Settings, json: bool) -> Result<i32> {
-    let m = match manager(settings) {
+    let m = match existing_manager(settings) {
         Ok(m) => m,
         Err(e) if !settings.runtime.vms_dir().exists() => {
             tracing::debug!("no sandboxes yet: {e:#}");
@@ -351,7 +358,7 @@ fn ls(settings: &Settings, json: bool) -> Result<i32> {
 }
 
 async fn rm(settings: &Settings, ids: Vec<String>) -> Result<i32> {
-    let m = manager(settings)?;
+    let m = existing_manager(settings)?;
     let mut code = 0;
     for id in ids {
         match m.destroy(&id).await {

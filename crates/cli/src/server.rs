@@ -78,11 +78,20 @@ async fn open_store(settings: &Settings) -> Result<Store> {
         .with_context(|| format!("opening {}", settings.database().display()))
 }
 
-/// The core service over this host's VMs, reconciled and reaping.
-async fn service(settings: &Settings) -> Result<Arc<Service>> {
+/// The core service over this host's VMs, reconciled and reaping. With
+/// `build`, the guest image is built if it is missing (serve, mcp); without,
+/// only an existing one is used (the reaper).
+async fn service_with(settings: &Settings, build: bool) -> Result<Arc<Service>> {
     let store = open_store(settings).await?;
     let dir = settings.images_dir.clone();
-    let image = tokio::task::spawn_blocking(move || images::current(&dir, None)).await??;
+    let image = tokio::task::spawn_blocking(move || {
+        if build {
+            images::current(&dir, None)
+        } else {
+            images::existing(&dir)
+        }
+    })
+    .await??;
     let vms = LocalVms::new(VmManager::new(settings.runtime.clone(), image)?);
     let svc = Service::new(settings.service.clone(), store, vms);
     svc.start().await?;
@@ -188,6 +197,10 @@ async fn first_start(settings: &Settings, store: &Store, public_url: &str) -> Re
         serde_json::to_string_pretty(&mcp)?
     );
     Ok(())
+}
+
+async fn service(settings: &Settings) -> Result<Arc<Service>> {
+    service_with(settings, true).await
 }
 
 pub async fn serve(settings: &Settings, args: ServeArgs) -> Result<i32> {
@@ -310,7 +323,7 @@ fn spawn_reaper(settings: &Settings) {
 
 /// `sandpit reap`: expire sandboxes until none is live, then exit.
 pub async fn reap(settings: &Settings) -> Result<i32> {
-    let svc = service(settings).await?;
+    let svc = service_with(settings, false).await?;
     loop {
         if svc.store().live_sandboxes().await?.is_empty() {
             return Ok(0);
