@@ -498,6 +498,53 @@ fn a_client_that_hangs_up_mid_create_leaks_nothing() {
     });
 }
 
+#[test]
+fn a_client_that_hangs_up_mid_command_kills_the_command() {
+    let data = data_dir();
+    let server = Server::start(&data);
+    let key = server.admin_key.clone().unwrap();
+    rt().block_on(async {
+        let api = Rest::new(&server, &key);
+        let (_, sbx) = api.post("/sandboxes", json!({})).await;
+        let id = sbx["id"].as_str().unwrap().to_string();
+        let impatient = reqwest::Client::builder()
+            .timeout(Duration::from_millis(1500))
+            .build()
+            .unwrap();
+        for (cmd, stream) in [("sleep 301", false), ("echo started; sleep 302", true)] {
+            let r = impatient
+                .post(format!("{}/v1/sandboxes/{id}/exec", server.url))
+                .bearer_auth(&key)
+                .json(&json!({"command": cmd, "stream": stream}))
+                .send()
+                .await;
+            if let Ok(resp) = r {
+                // The stream's headers came back; read until the client gives up.
+                let _ = resp.bytes().await;
+            }
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                let (_, ex) = api
+                    .post(
+                        &format!("/sandboxes/{id}/exec"),
+                        json!({"command": "pgrep -f 'sleep 30[12]' || echo none"}),
+                    )
+                    .await;
+                if ex["stdout"] == "none\n" {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "`{cmd}` survived its client: {ex}"
+                );
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+        }
+        api.call(reqwest::Method::DELETE, &format!("/sandboxes/{id}"), None)
+            .await;
+    });
+}
+
 /// Wait until `f` holds, polling.
 fn eventually(what: &str, bound: Duration, mut f: impl FnMut() -> bool) {
     let deadline = Instant::now() + bound;

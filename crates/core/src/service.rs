@@ -787,8 +787,19 @@ impl SandboxApi for Service {
     async fn exec(&self, caller: &Caller, id: &str, params: ExecParams) -> Result<Execution> {
         let req = self.validate_exec(&params)?;
         let row = self.running(caller, id).await?;
-        let (_keep, cancel) = oneshot::channel();
-        self.run_exec(&row, req, None, cancel).await
+        // The command runs in a task of its own; if this call is dropped (the
+        // client hung up), the cancel sender goes with it, the task kills the
+        // command and records the execution as cancelled.
+        let (cancel_tx, cancel) = oneshot::channel::<()>();
+        let me = self
+            .arc_self()
+            .ok_or_else(|| CoreError::internal("the service is shutting down"))?;
+        let task = tokio::spawn(async move { me.run_exec(&row, req, None, cancel).await });
+        let result = task
+            .await
+            .map_err(|e| CoreError::internal(format!("the exec task failed: {e}")))?;
+        drop(cancel_tx);
+        result
     }
 
     async fn exec_stream(
