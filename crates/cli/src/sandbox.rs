@@ -92,20 +92,12 @@ fn existing_manager(settings: &Settings) -> Result<VmManager> {
     Ok(VmManager::new(settings.runtime.clone(), img)?)
 }
 
-/// A new sandbox id: `sbx_` and 120 random bits in base32.
+/// A new sandbox id: `sbx_` and 120 random bits in base32 (as the server makes them).
 pub fn new_id() -> String {
-    const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz234567";
-    let mut s = String::from("sbx_");
-    for _ in 0..24 {
-        s.push(ALPHABET[rand::random::<u8>() as usize % 32] as char);
-    }
-    s
+    sandpit_core::ids::new_id("sbx_")
 }
 
-fn rfc3339(t: OffsetDateTime) -> String {
-    t.format(&time::format_description::well_known::Rfc3339)
-        .unwrap_or_default()
-}
+use sandpit_core::ids::rfc3339;
 
 /// The sandbox object as the CLI shows it.
 pub fn to_json(m: &VmManager, r: &VmRecord) -> serde_json::Value {
