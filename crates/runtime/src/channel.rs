@@ -36,6 +36,9 @@ struct Inner {
     pending: Mutex<HashMap<RequestId, mpsc::UnboundedSender<Frame>>>,
     next_id: AtomicU64,
     closed: AtomicBool,
+    /// The reader and writer tasks, so `close` can end the connection while
+    /// clones of the client still exist.
+    tasks: Mutex<Vec<tokio::task::AbortHandle>>,
 }
 
 impl Inner {
@@ -200,8 +203,9 @@ impl AgentClient {
             pending: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             closed: AtomicBool::new(false),
+            tasks: Mutex::new(Vec::new()),
         });
-        tokio::spawn(async move {
+        let writer = tokio::spawn(async move {
             while let Some(bytes) = out_rx.recv().await {
                 if wr.write_all(&bytes).await.is_err() {
                     break;
@@ -209,7 +213,7 @@ impl AgentClient {
             }
         });
         let reader_inner = inner.clone();
-        tokio::spawn(async move {
+        let reader = tokio::spawn(async move {
             loop {
                 loop {
                     match decoder.next_frame() {
@@ -226,6 +230,7 @@ impl AgentClient {
             reader_inner.closed.store(true, Ordering::SeqCst);
             reader_inner.pending.lock().unwrap().clear();
         });
+        *inner.tasks.lock().unwrap() = vec![writer.abort_handle(), reader.abort_handle()];
         Ok(AgentClient {
             inner,
             info: Arc::new(info),
@@ -235,6 +240,16 @@ impl AgentClient {
     /// What the agent reported in the handshake.
     pub fn info(&self) -> &AgentInfo {
         &self.info
+    }
+
+    /// Hang up: the socket closes now, for every clone; requests in flight
+    /// fail as disconnected.
+    pub fn close(&self) {
+        self.inner.closed.store(true, Ordering::SeqCst);
+        for t in self.inner.tasks.lock().unwrap().drain(..) {
+            t.abort();
+        }
+        self.inner.pending.lock().unwrap().clear();
     }
 
     /// Has the connection closed (VM gone or agent unreachable)?
