@@ -2,17 +2,10 @@
 //! billing and refunds, isolation between accounts, credit that concurrent
 //! creates can never overdraw, and expiry while the service runs.
 
-use sandpit_core::config::{ServiceConfig, SizeConfig};
 use sandpit_core::{
-    backend::LocalVms, Caller, CreateSandbox, Encoding, ErrorType, ExecEvent, ExecParams,
-    ExecutionStatus, ListSandboxes, SandboxApi, SandboxStatus, Service, WriteFile,
+    CreateSandbox, Encoding, ErrorType, ExecEvent, ExecutionStatus, ListSandboxes, SandboxApi,
+    SandboxStatus, WriteFile,
 };
-use sandpit_runtime::config::SizeSpec;
-use sandpit_runtime::image::GuestImage;
-use sandpit_runtime::{RuntimeConfig, VmManager};
-use sandpit_store::Store;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
 mod common;
