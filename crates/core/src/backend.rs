@@ -76,6 +76,10 @@ pub struct LocalVms {
     dead: std::sync::Mutex<Vec<String>>,
     refill: Arc<Notify>,
     stopping: AtomicBool,
+    paused: AtomicBool,
+    /// Held while a refill runs, so shutdown can wait for it to finish
+    /// rather than cut a VM start in half.
+    refilling: Mutex<()>,
     starts: Semaphore,
     waiting: AtomicUsize,
 }
@@ -98,6 +102,8 @@ impl LocalVms {
             dead: std::sync::Mutex::new(Vec::new()),
             refill: Arc::new(Notify::new()),
             stopping: AtomicBool::new(false),
+            paused: AtomicBool::new(false),
+            refilling: Mutex::new(()),
             starts,
             waiting: AtomicUsize::new(0),
         })
@@ -251,6 +257,10 @@ impl LocalVms {
     /// Add one VM to the emptiest size below its target; `false` when every
     /// size is full. Dead pool VMs are dropped on the way.
     async fn refill_one(&self) -> Result<bool, RuntimeError> {
+        let _refilling = self.refilling.lock().await;
+        if self.stopping.load(Ordering::SeqCst) {
+            return Ok(false);
+        }
         let mut want: Option<(String, usize)> = None;
         {
             let mut ready = self.ready.lock().unwrap();
@@ -280,6 +290,9 @@ impl LocalVms {
         let Some((size, _)) = want else {
             return Ok(false);
         };
+        if self.paused.load(Ordering::SeqCst) {
+            return Ok(false);
+        }
         if self.manager.snapshots_supported() && self.manager.template(&size).is_none() {
             self.manager.ensure_template(&size).await?;
         }
@@ -291,7 +304,7 @@ impl LocalVms {
                 BTreeMap::from([(POOL_LABEL.to_string(), size.clone())]),
             )
             .await?;
-        if self.stopping.load(Ordering::SeqCst) {
+        if self.stopping.load(Ordering::SeqCst) || self.paused.load(Ordering::SeqCst) {
             let _ = self.destroy(&id).await;
             return Ok(false);
         }
@@ -310,10 +323,27 @@ impl LocalVms {
         Ok(true)
     }
 
+    /// Pause the pool (empty it and stop refilling) or resume it. For
+    /// operators and the benchmark's empty-pool measurements.
+    pub async fn pause_pool(&self, paused: bool) {
+        self.paused.store(paused, Ordering::SeqCst);
+        self.refill.notify_one();
+        if paused {
+            let _refilling = self.refilling.lock().await;
+            self.empty_pool().await;
+        }
+    }
+
     /// Stop refilling and destroy every ready pool VM (server shutdown).
     pub async fn drain_pool(&self) {
         self.stopping.store(true, Ordering::SeqCst);
         self.refill.notify_one();
+        // A refill in flight finishes (and removes its VM) first.
+        let _refilling = self.refilling.lock().await;
+        self.empty_pool().await;
+    }
+
+    async fn empty_pool(&self) {
         let ids: Vec<String> = self
             .ready
             .lock()

@@ -563,6 +563,16 @@ impl Service {
         self.vms.warm_ids()
     }
 
+    /// Empty the warm pool and stop refilling it, or resume it.
+    pub async fn set_pool_paused(&self, paused: bool) {
+        self.vms.pause_pool(paused).await;
+    }
+
+    /// The runtime's record of a sandbox's VM on this host.
+    pub fn vm_record(&self, id: &str) -> Option<sandpit_runtime::VmRecord> {
+        self.vms.manager().record(id).ok()
+    }
+
     /// Ids of the VMs on this host (for tests and operators).
     pub fn vms_on_host(&self) -> Vec<String> {
         self.vms.list().into_iter().map(|r| r.id).collect()
