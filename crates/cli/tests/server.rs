@@ -545,15 +545,6 @@ fn a_client_that_hangs_up_mid_command_kills_the_command() {
     });
 }
 
-/// Wait until `f` holds, polling.
-fn eventually(what: &str, bound: Duration, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + bound;
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(250));
-    }
-}
-
 #[test]
 fn a_killed_server_reconciles_on_restart() {
     let data = data_dir();
