@@ -302,6 +302,7 @@ impl VmManager {
         start: &Start<'_>,
         nice: i32,
     ) -> Result<Vm> {
+        let setup_started = Instant::now();
         #[cfg(unix)]
         let sock_len = paths.agent_socket().as_os_str().len();
         if sock_len > 100 {
@@ -392,6 +393,7 @@ impl VmManager {
             }
         })?;
         let qemu_pid = child.id().unwrap_or(0);
+        let spawned = Instant::now();
         // QEMU holds its end of the network pair now; passt must see it close
         // when QEMU exits, so the parent keeps no copy.
         let passt = passt.map(|(pid, fd)| {
@@ -457,6 +459,7 @@ impl VmManager {
                 console_tail: String::new(),
             })??;
         }
+        let loaded = spawned.elapsed();
         let agent = match exited {
             Some(fd) => tokio::select! {
                 r = connect => r?,
@@ -466,6 +469,7 @@ impl VmManager {
             },
             None => connect.await?,
         };
+        let answered = spawned.elapsed();
 
         let mut entropy = vec![0u8; 64];
         rand::rngs::OsRng.fill_bytes(&mut entropy);
@@ -489,6 +493,14 @@ impl VmManager {
                 &entropy,
             )
             .await?;
+        tracing::debug!(
+            id = %req.id,
+            "started in {} ms (state loaded {} ms, agent {} ms) after {} ms of set-up",
+            spawned.elapsed().as_millis(),
+            loaded.as_millis(),
+            answered.as_millis(),
+            setup_started.elapsed().saturating_sub(spawned.elapsed()).as_millis(),
+        );
         record.ready_at = Some(OffsetDateTime::now_utc());
         write_record(paths, &record)?;
         Ok(Vm {
