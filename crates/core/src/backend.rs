@@ -225,6 +225,16 @@ impl LocalVms {
             .map_or(0, VecDeque::len)
     }
 
+    /// The pool's target per size (sizes without a pool left out).
+    pub fn pool_targets(&self) -> Vec<(String, usize)> {
+        self.pool
+            .sizes
+            .iter()
+            .filter(|(_, n)| **n > 0)
+            .map(|(s, n)| (s.clone(), *n))
+            .collect()
+    }
+
     /// Ids of every ready pool VM.
     pub fn warm_ids(&self) -> Vec<String> {
         self.ready
