@@ -239,9 +239,11 @@ fn run(
     drop(tx);
     if timed_out || cancelled {
         // A killed command is reported only once nothing of it is left, so
-        // "timed out" means every process it started is gone.
+        // "timed out" means every process it started is gone. Killing a
+        // few thousand forks takes seconds under emulation on a busy host,
+        // hence the generous bound.
         if let Some(cg) = cg.as_ref() {
-            cg.wait_empty(Duration::from_secs(10));
+            cg.wait_empty(Duration::from_secs(60));
         }
     }
     let duration_ms = start.elapsed().as_millis() as u64;
