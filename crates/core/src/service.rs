@@ -669,10 +669,14 @@ impl SandboxApi for Service {
                 max_concurrent: None,
                 idempotency: idempotency_key.map(|k| (k, request_hash)),
             })
-            .await?;
-        if let (Some(id), false) = (&warm, matches!(outcome, CreateOutcome::Created(_))) {
-            self.vms.return_warm(id, &size_name);
+            .await;
+        // A pool VM whose sandbox was not created goes back, never used.
+        if let Some(id) = &warm {
+            if !matches!(outcome, Ok(CreateOutcome::Created(_))) {
+                self.vms.return_warm(id, &size_name);
+            }
         }
+        let outcome = outcome?;
         let row = match outcome {
             CreateOutcome::Created(row) => row,
             CreateOutcome::Replay(row) => return Ok((to_sandbox(&row), true)),
