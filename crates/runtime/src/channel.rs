@@ -31,15 +31,18 @@ pub struct AgentInfo {
     pub hostname: String,
 }
 
-struct Inner {
+pub(crate) struct Inner {
     out: mpsc::UnboundedSender<Vec<u8>>,
-    pending: Mutex<HashMap<RequestId, mpsc::UnboundedSender<Frame>>>,
+    pub(crate) pending: Mutex<HashMap<RequestId, mpsc::UnboundedSender<Frame>>>,
+    /// Send credit of open tunnel streams; `TunnelAck`s go here directly, so
+    /// a writer learns of credit even while nobody reads its stream.
+    pub(crate) credits: Mutex<HashMap<RequestId, Arc<crate::tunnel::SendCredit>>>,
     next_id: AtomicU64,
-    closed: AtomicBool,
+    pub(crate) closed: AtomicBool,
 }
 
 impl Inner {
-    fn send(&self, message: &Message, body: &[u8]) -> Result<()> {
+    pub(crate) fn send(&self, message: &Message, body: &[u8]) -> Result<()> {
         self.out
             .send(encode_frame(message, body))
             .map_err(|_| RuntimeError::Disconnected("the connection is closed".into()))
@@ -198,6 +201,7 @@ impl AgentClient {
         let inner = Arc::new(Inner {
             out: out_tx,
             pending: Mutex::new(HashMap::new()),
+            credits: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             closed: AtomicBool::new(false),
         });
@@ -225,6 +229,9 @@ impl AgentClient {
             }
             reader_inner.closed.store(true, Ordering::SeqCst);
             reader_inner.pending.lock().unwrap().clear();
+            for (_, c) in reader_inner.credits.lock().unwrap().drain() {
+                c.close();
+            }
         });
         Ok(AgentClient {
             inner,
@@ -242,7 +249,11 @@ impl AgentClient {
         self.inner.closed.load(Ordering::SeqCst)
     }
 
-    fn register(&self) -> Result<(RequestId, mpsc::UnboundedReceiver<Frame>)> {
+    pub(crate) fn inner(&self) -> &Arc<Inner> {
+        &self.inner
+    }
+
+    pub(crate) fn register(&self) -> Result<(RequestId, mpsc::UnboundedReceiver<Frame>)> {
         if self.is_closed() {
             return Err(RuntimeError::Disconnected(
                 "the connection is closed".into(),
@@ -467,12 +478,18 @@ fn route(inner: &Inner, frame: Frame) {
     let Some(id) = frame.message.request_id() else {
         return;
     };
+    if let Message::TunnelAck { bytes, .. } = frame.message {
+        if let Some(c) = inner.credits.lock().unwrap().get(&id) {
+            c.add(bytes as u64);
+        }
+        return;
+    }
     let pending = inner.pending.lock().unwrap();
     if let Some(tx) = pending.get(&id) {
         let _ = tx.send(frame);
     }
 }
 
-fn unexpected(m: Message) -> RuntimeError {
+pub(crate) fn unexpected(m: Message) -> RuntimeError {
     RuntimeError::Disconnected(format!("unexpected message from the agent: {m:?}"))
 }

@@ -15,10 +15,12 @@ pub mod image;
 pub mod net;
 pub mod process;
 pub mod qmp;
+pub mod tunnel;
 pub mod vm;
 
 pub use accel::Accel;
 pub use channel::{AgentClient, ExecEvent, ExecHandle, ExecOutput};
 pub use config::{AccelChoice, NetworkPolicy, RuntimeConfig, SizeSpec};
 pub use error::{Result, RuntimeError};
+pub use tunnel::{TunnelCloser, TunnelStream};
 pub use vm::{CreateVm, Vm, VmManager, VmRecord, VmState};
