@@ -256,14 +256,12 @@ fn up(reply: &Reply, id: RequestId, port: u16, window: u32, rx: Receiver<Event>)
         match ev {
             Event::Data(bytes) => {
                 let n = bytes.len() as u32;
-                if writable {
-                    if sock.write_all(&bytes).is_err() {
-                        // The server closed its read side or reset: the
-                        // stream is over for the host too.
-                        writable = false;
-                        reply.send(&Message::TunnelClose { id }, &[]);
-                        let _ = sock.shutdown(Shutdown::Both);
-                    }
+                if writable && sock.write_all(&bytes).is_err() {
+                    // The server closed its read side or reset: the stream is
+                    // over for the host too.
+                    writable = false;
+                    reply.send(&Message::TunnelClose { id }, &[]);
+                    let _ = sock.shutdown(Shutdown::Both);
                 }
                 // Acknowledge even dropped bytes, so the host's writer never
                 // waits on credit that cannot come.
