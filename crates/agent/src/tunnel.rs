@@ -31,8 +31,9 @@ use std::time::Duration;
 pub const WINDOW: u32 = 1024 * 1024;
 /// Largest piece of a stream in one frame.
 const CHUNK: usize = 64 * 1024;
-/// How long a connect to the guest's own loopback may take.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a connect to the guest's own loopback may take (generous: a
+/// SYN dropped by a full listen backlog is retried after a second or more).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What the reader thread hands a stream's up thread.
 enum Event {

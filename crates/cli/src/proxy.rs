@@ -115,6 +115,10 @@ impl Proxy {
             }
         } else {
             strip_hop_by_hop(resp.headers_mut(), false);
+            // Our side of the connection speaks HTTP/1.1 (or 2) whatever the
+            // guest's server answered with (Python's says 1.0), so the
+            // client's connection stays open.
+            *resp.version_mut() = Version::HTTP_11;
         }
         resp.map(Body::new)
     }

@@ -22,6 +22,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::Semaphore;
 
 /// The URL of `port` of sandbox `id`.
 pub fn preview_url(scheme: &str, domain: &str, port: u16, id: &str) -> String {
@@ -198,8 +199,15 @@ type OpenConns = HashMap<u64, (u16, TunnelCloser)>;
 pub(crate) struct Previews {
     traffic: Mutex<HashMap<String, Arc<Traffic>>>,
     open: Mutex<HashMap<String, OpenConns>>,
+    /// Connection attempts in flight per (sandbox, port) are limited: a
+    /// burst of new connections would overflow a small server's listen
+    /// backlog (Python's is 5), and a dropped SYN costs a second or more.
+    connecting: Mutex<HashMap<(String, u16), Arc<Semaphore>>>,
     serial: AtomicU64,
 }
+
+/// Connection attempts in flight per (sandbox, port).
+const CONNECTS_IN_FLIGHT: usize = 4;
 
 impl Previews {
     pub(crate) fn traffic(&self, id: &str) -> Arc<Traffic> {
@@ -250,9 +258,20 @@ impl Previews {
         t.bytes_out.fetch_add(bytes_out, Ordering::Relaxed);
     }
 
-    /// Forget a sandbox's counters (after its last flush).
+    /// Forget a sandbox's counters (after its last flush) and gates.
     pub(crate) fn forget(&self, id: &str) {
         self.traffic.lock().unwrap().remove(id);
+        self.connecting.lock().unwrap().retain(|(s, _), _| s != id);
+    }
+
+    /// The gate connection attempts to `port` of sandbox `id` pass.
+    pub(crate) fn connect_gate(&self, id: &str, port: u16) -> Arc<Semaphore> {
+        self.connecting
+            .lock()
+            .unwrap()
+            .entry((id.to_string(), port))
+            .or_insert_with(|| Arc::new(Semaphore::new(CONNECTS_IN_FLIGHT)))
+            .clone()
     }
 
     pub(crate) fn register(

@@ -637,7 +637,9 @@ impl Service {
     pub async fn open_preview(&self, id: &str, port: u16) -> Result<PreviewConn, PreviewError> {
         self.check_preview(id, port).await?;
         let (sid, p) = (id.to_string(), port);
+        let gate = self.previews.connect_gate(id, port);
         let open = async {
+            let _permit = gate.acquire().await;
             let agent = self
                 .vms
                 .agent(id)
