@@ -572,3 +572,76 @@ fn closing_a_port_or_destroying_the_sandbox_stops_its_urls() {
         assert_eq!(r.status(), 404);
     });
 }
+
+#[test]
+fn tls_with_a_wildcard_certificate_serves_previews_over_http2() {
+    let data = data_dir();
+    // A wildcard needs two labels below it (`*.localhost` is refused like
+    // `*.com`), so the previews get a domain of their own.
+    let rcgen::CertifiedKey { cert, signing_key } =
+        rcgen::generate_simple_self_signed(vec!["localhost".into(), "*.preview.localhost".into()])
+            .unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let (cert_path, key_path) = (data.join("cert.pem"), data.join("key.pem"));
+    std::fs::write(&cert_path, cert.pem()).unwrap();
+    std::fs::write(&key_path, signing_key.serialize_pem()).unwrap();
+    let server = Server::start_on(
+        &data,
+        &format!(
+            "[preview]\ndomain = \"preview.localhost:{port}\"\ntls_cert = {:?}\ntls_key = {:?}\n",
+            cert_path.display().to_string(),
+            key_path.display().to_string()
+        ),
+        &format!("127.0.0.1:{port}"),
+    );
+    assert!(server.url.starts_with("https://"), "{}", server.url);
+    let http = reqwest::Client::builder()
+        .dns_resolver(std::sync::Arc::new(Loopback))
+        .add_root_certificate(reqwest::Certificate::from_pem(cert.pem().as_bytes()).unwrap())
+        .https_only(true)
+        .timeout(Duration::from_secs(300))
+        .build()
+        .unwrap();
+    let api = Rest {
+        http: http.clone(),
+        url: format!("https://localhost:{port}"),
+        key: server.admin_key.clone().expect("the admin key"),
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        // The API shares the listener and the certificate.
+        let (st, _) = api.get("/account").await;
+        assert_eq!(st, 200);
+
+        let (st, sbx) = api
+            .post("/sandboxes", json!({"name": "tls", "timeout_minutes": 10}))
+            .await;
+        assert_eq!(st, 201, "{sbx}");
+        let id = sbx["id"].as_str().unwrap().to_string();
+        let url = expose(&api, &id, 8000).await;
+        assert_eq!(url, format!("https://8000-{id}.preview.localhost:{port}"));
+        sh(
+            &api,
+            &id,
+            "mkdir -p /workspace/t && cd /workspace/t && echo over-tls > index.html \
+             && (nohup python3 -m http.server 8000 > /tmp/t.log 2>&1 &)",
+        )
+        .await;
+        let r = get_when_listening(&http, &url).await;
+        assert_eq!(r.status(), 200);
+        // ALPN chose HTTP/2.
+        assert_eq!(r.version(), reqwest::Version::HTTP_2);
+        assert_eq!(r.text().await.unwrap(), "over-tls\n");
+        let (st, _) = api
+            .call(reqwest::Method::DELETE, &format!("/sandboxes/{id}"), None)
+            .await;
+        assert_eq!(st, 200);
+    });
+}

@@ -38,9 +38,14 @@ impl Server {
 
     /// Start with `extra` appended to the test config (TOML).
     pub fn start_with(data: &Path, extra: &str) -> Server {
+        Server::start_on(data, extra, "127.0.0.1:0")
+    }
+
+    /// Start listening on `listen`, with `extra` appended to the test config.
+    pub fn start_on(data: &Path, extra: &str, listen: &str) -> Server {
         std::fs::write(data.join("config.toml"), format!("{CONFIG}{extra}")).unwrap();
         let mut child = sandpit(data)
-            .args(["serve", "--listen", "127.0.0.1:0"])
+            .args(["serve", "--listen", listen])
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
