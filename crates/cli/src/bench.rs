@@ -420,10 +420,7 @@ async fn preview(
         .await?
         .json()
         .await?;
-    let preview = format!(
-        "{}/bench.txt",
-        p["url"].as_str().unwrap_or_default()
-    );
+    let preview = format!("{}/bench.txt", p["url"].as_str().unwrap_or_default());
     // The preview host resolves to this server, as `*.localhost` does in a browser.
     let host = preview
         .trim_start_matches("http://")

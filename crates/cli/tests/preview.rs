@@ -645,3 +645,48 @@ fn tls_with_a_wildcard_certificate_serves_previews_over_http2() {
         assert_eq!(st, 200);
     });
 }
+
+#[test]
+fn a_stalled_download_blocks_nothing_else() {
+    let f = fix();
+    f.rt.block_on(async {
+        let api = f.api();
+        let url = expose(&api, &f.id, 8003).await;
+        sh(
+            &api,
+            &f.id,
+            "mkdir -p /workspace/stall && cd /workspace/stall && head -c 30000000 /dev/zero > big.bin \
+             && echo small > small.txt && (nohup python3 -m http.server 8003 > /tmp/http8003.log 2>&1 &)",
+        )
+        .await;
+        let client = f.client(false);
+        assert_eq!(
+            get_when_listening(&client, &format!("{url}/small.txt"))
+                .await
+                .status(),
+            200
+        );
+        // Start a 30 MB download on its own connection and stop reading it.
+        let stalled_client = f.client(false);
+        let mut stalled = stalled_client
+            .get(format!("{url}/big.bin"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(stalled.status(), 200);
+        let first = stalled.chunk().await.unwrap().unwrap();
+        assert!(!first.is_empty());
+        // Everything else on the sandbox's channel keeps moving.
+        for _ in 0..5 {
+            let r = client.get(format!("{url}/small.txt")).send().await.unwrap();
+            assert_eq!(r.text().await.unwrap(), "small\n");
+            assert_eq!(sh(&api, &f.id, "echo still-here").await, "still-here");
+        }
+        // And the stalled download resumes, complete.
+        let mut n = first.len();
+        while let Some(c) = stalled.chunk().await.unwrap() {
+            n += c.len();
+        }
+        assert_eq!(n, 30_000_000);
+    });
+}
