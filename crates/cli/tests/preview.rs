@@ -203,6 +203,17 @@ async fn write(api: &Rest, id: &str, path: &str, content: &str) {
     assert_eq!(st, 200, "{w}");
 }
 
+/// In the sandbox: run `setup` (a shell command list; it may `cd`), then
+/// start `server` in the background there. Returns `setup`'s output.
+async fn start_server(api: &Rest, id: &str, port: u16, setup: &str, server: &str) -> String {
+    sh(
+        api,
+        id,
+        &format!("cd /workspace && {setup} && (nohup {server} > /tmp/server-{port}.log 2>&1 &)"),
+    )
+    .await
+}
+
 /// Expose `port`; returns its URL.
 async fn expose(api: &Rest, id: &str, port: u16) -> String {
     let (st, p) = api
@@ -242,12 +253,13 @@ fn a_50_mb_file_arrives_byte_exact_and_502_says_not_listening_first() {
         // Asking again gives the same URL.
         assert_eq!(expose(&api, &f.id, 8000).await, url);
 
-        let want = sh(
+        let want = start_server(
             &api,
             &f.id,
+            8000,
             "mkdir -p /workspace/www && cd /workspace/www && head -c 50000000 /dev/urandom > big.bin \
-             && sha256sum big.bin | cut -d' ' -f1 \
-             && (nohup python3 -m http.server 8000 > /tmp/http8000.log 2>&1 &)",
+             && sha256sum big.bin | cut -d' ' -f1",
+            "python3 -m http.server 8000",
         )
         .await;
         let r = get_when_listening(&client, &url).await;
@@ -288,11 +300,12 @@ fn many_concurrent_requests_over_http1_and_http2() {
     f.rt.block_on(async {
         let api = f.api();
         let url = expose(&api, &f.id, 8001).await;
-        sh(
+        start_server(
             &api,
             &f.id,
-            "mkdir -p /workspace/small && cd /workspace/small && seq 1 2000 > n.txt \
-             && (nohup python3 -m http.server 8001 > /tmp/http8001.log 2>&1 &)",
+            8001,
+            "mkdir -p /workspace/small && cd /workspace/small && seq 1 2000 > n.txt",
+            "python3 -m http.server 8001",
         )
         .await;
         let want: String = (1..=2000).map(|i| format!("{i}\n")).collect();
@@ -335,10 +348,12 @@ fn websocket_messages_round_trip() {
         let api = f.api();
         let url = expose(&api, &f.id, 8765).await;
         write(&api, &f.id, "ws_echo.py", WS_ECHO).await;
-        sh(
+        start_server(
             &api,
             &f.id,
-            "(nohup python3 /workspace/ws_echo.py 8765 > /tmp/ws.log 2>&1 &)",
+            8765,
+            "true",
+            "python3 /workspace/ws_echo.py 8765",
         )
         .await;
         let ws_url = url.replacen("http://", "ws://", 1) + "/echo";
@@ -384,10 +399,12 @@ fn uploads_and_streamed_responses_pass_through() {
         let api = f.api();
         let url = expose(&api, &f.id, 8100).await;
         write(&api, &f.id, "updown.py", UPLOAD_AND_STREAM).await;
-        sh(
+        start_server(
             &api,
             &f.id,
-            "rm -f /tmp/go-8100; (nohup python3 /workspace/updown.py 8100 > /tmp/updown.log 2>&1 &)",
+            8100,
+            "rm -f /tmp/go-8100",
+            "python3 /workspace/updown.py 8100",
         )
         .await;
         for http2 in [false, true] {
@@ -436,11 +453,12 @@ fn host_names_cannot_be_tricked() {
     f.rt.block_on(async {
         let api = f.api();
         let url = expose(&api, &f.id, 8002).await;
-        sh(
+        start_server(
             &api,
             &f.id,
-            "mkdir -p /workspace/h && cd /workspace/h && echo guest-content > index.html \
-             && (nohup python3 -m http.server 8002 > /tmp/http8002.log 2>&1 &)",
+            8002,
+            "mkdir -p /workspace/h && cd /workspace/h && echo guest-content > index.html",
+            "python3 -m http.server 8002",
         )
         .await;
         let plain = reqwest::Client::new();
@@ -507,19 +525,30 @@ fn closing_a_port_or_destroying_the_sandbox_stops_its_urls() {
     f.rt.block_on(async {
         let api = f.api();
         let (st, sbx) = api
-            .post("/sandboxes", json!({"name": "short-lived", "timeout_minutes": 10}))
+            .post(
+                "/sandboxes",
+                json!({"name": "short-lived", "timeout_minutes": 10}),
+            )
             .await;
         assert_eq!(st, 201, "{sbx}");
         let id = sbx["id"].as_str().unwrap().to_string();
         let url = expose(&api, &id, 8100).await;
         let url2 = expose(&api, &id, 8000).await;
         write(&api, &id, "updown.py", UPLOAD_AND_STREAM).await;
-        sh(
+        start_server(
             &api,
             &id,
-            "rm -f /tmp/go-8100; (nohup python3 /workspace/updown.py 8100 > /tmp/updown.log 2>&1 &); \
-             mkdir -p /workspace/w && cd /workspace/w && echo hi > index.html && \
-             (nohup python3 -m http.server 8000 > /tmp/h.log 2>&1 &)",
+            8100,
+            "rm -f /tmp/go-8100",
+            "python3 /workspace/updown.py 8100",
+        )
+        .await;
+        start_server(
+            &api,
+            &id,
+            8000,
+            "mkdir -p /workspace/w && cd /workspace/w && echo hi > index.html",
+            "python3 -m http.server 8000",
         )
         .await;
         let client = f.client(false);
@@ -537,7 +566,10 @@ fn closing_a_port_or_destroying_the_sandbox_stops_its_urls() {
         // A stream in progress is cut when its port closes.
         let mut events = get_when_listening(&client, &format!("{url}/events")).await;
         assert_eq!(events.status(), 200);
-        assert_eq!(&events.chunk().await.unwrap().unwrap()[..], b"data: first\n\n");
+        assert_eq!(
+            &events.chunk().await.unwrap().unwrap()[..],
+            b"data: first\n\n"
+        );
         let (st, _) = api
             .call(
                 reqwest::Method::DELETE,
@@ -627,11 +659,12 @@ fn tls_with_a_wildcard_certificate_serves_previews_over_http2() {
         let id = sbx["id"].as_str().unwrap().to_string();
         let url = expose(&api, &id, 8000).await;
         assert_eq!(url, format!("https://8000-{id}.preview.localhost:{port}"));
-        sh(
+        start_server(
             &api,
             &id,
-            "mkdir -p /workspace/t && cd /workspace/t && echo over-tls > index.html \
-             && (nohup python3 -m http.server 8000 > /tmp/t.log 2>&1 &)",
+            8000,
+            "mkdir -p /workspace/t && cd /workspace/t && echo over-tls > index.html",
+            "python3 -m http.server 8000",
         )
         .await;
         let r = get_when_listening(&http, &url).await;
@@ -652,11 +685,13 @@ fn a_stalled_download_blocks_nothing_else() {
     f.rt.block_on(async {
         let api = f.api();
         let url = expose(&api, &f.id, 8003).await;
-        sh(
+        start_server(
             &api,
             &f.id,
+            8003,
             "mkdir -p /workspace/stall && cd /workspace/stall && head -c 30000000 /dev/zero > big.bin \
-             && echo small > small.txt && (nohup python3 -m http.server 8003 > /tmp/http8003.log 2>&1 &)",
+             && echo small > small.txt",
+            "python3 -m http.server 8003",
         )
         .await;
         let client = f.client(false);

@@ -104,27 +104,22 @@ impl Server {
         std::mem::forget(self);
     }
 
-    /// `sandpit key create` for a new account with `usd` of credit.
-    pub fn new_account(&self, name: &str, usd: f64) -> String {
-        let out = sandpit(&self.data)
-            .args(["account", "create", name, "--credit", &usd.to_string()])
-            .output()
-            .unwrap();
+    /// Run an operator command on this server's data directory; panics
+    /// unless it succeeds; returns its trimmed stdout.
+    pub fn admin(&self, args: &[&str]) -> String {
+        let out = sandpit(&self.data).args(args).output().unwrap();
         assert!(
             out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let out = sandpit(&self.data)
-            .args(["key", "create", "--account", name])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
+            "sandpit {args:?}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
         String::from_utf8(out.stdout).unwrap().trim().to_string()
+    }
+
+    /// `sandpit key create` for a new account with `usd` of credit.
+    pub fn new_account(&self, name: &str, usd: f64) -> String {
+        self.admin(&["account", "create", name, "--credit", &usd.to_string()]);
+        self.admin(&["key", "create", "--account", name])
     }
 }
 
