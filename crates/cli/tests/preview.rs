@@ -725,3 +725,67 @@ fn a_stalled_download_blocks_nothing_else() {
         assert_eq!(n, 30_000_000);
     });
 }
+
+#[test]
+fn an_expired_sandbox_cuts_its_open_streams_and_answers_410() {
+    let f = fix();
+    f.rt.block_on(async {
+        let api = f.api();
+        let (st, sbx) = api
+            .post(
+                "/sandboxes",
+                json!({"name": "expiring", "timeout_minutes": 1}),
+            )
+            .await;
+        assert_eq!(st, 201, "{sbx}");
+        let id = sbx["id"].as_str().unwrap().to_string();
+        let expires = time::OffsetDateTime::parse(
+            sbx["expires_at"].as_str().unwrap(),
+            &time::format_description::well_known::Rfc3339,
+        )
+        .unwrap();
+        let url = expose(&api, &id, 8100).await;
+        write(&api, &id, "updown.py", UPLOAD_AND_STREAM).await;
+        start_server(
+            &api,
+            &id,
+            8100,
+            "rm -f /tmp/go-8100",
+            "python3 /workspace/updown.py 8100",
+        )
+        .await;
+        let client = f.client(false);
+        // A stream that would stay open forever: the server waits for a file
+        // nobody creates.
+        let mut events = get_when_listening(&client, &format!("{url}/events")).await;
+        assert_eq!(events.status(), 200);
+        assert_eq!(
+            &events.chunk().await.unwrap().unwrap()[..],
+            b"data: first\n\n"
+        );
+        let ended = tokio::time::timeout(Duration::from_secs(180), async {
+            while let Ok(Some(_)) = events.chunk().await {}
+        })
+        .await;
+        assert!(ended.is_ok(), "the stream outlived its sandbox");
+        let now = time::OffsetDateTime::now_utc();
+        assert!(
+            now >= expires,
+            "the stream ended before the sandbox expired"
+        );
+        let r = client.get(&url).send().await.unwrap();
+        assert_eq!(r.status(), 410);
+        // The reaper finishes its bookkeeping after cutting the URLs.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let (_, s) = api.get(&format!("/sandboxes/{id}")).await;
+            if s["status"] == "deleted" {
+                assert_eq!(s["deleted_reason"], "expired");
+                break;
+            }
+            assert!(Instant::now() < deadline, "never recorded as expired: {s}");
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        assert_eq!(client.get(&url).send().await.unwrap().status(), 410);
+    });
+}

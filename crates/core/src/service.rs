@@ -607,17 +607,25 @@ impl Service {
             .await
             .map_err(unavailable)?
             .ok_or_else(|| PreviewError::NoSuchSandbox(id.to_string()))?;
+        // Gone from the moment it expires or its destroy starts, even while
+        // the reaper or the destroy is still at work.
+        let gone = |reason: &str| PreviewError::Gone {
+            id: id.to_string(),
+            reason: reason.to_string(),
+        };
+        if !row.is_live() {
+            return Err(gone(row.deleted_reason.as_deref().unwrap_or(&row.status)));
+        }
+        if row.expires_at <= OffsetDateTime::now_utc() {
+            return Err(gone("expired"));
+        }
+        if row.status == status::DELETING {
+            return Err(gone("destroyed"));
+        }
         if row.status != status::RUNNING {
-            return Err(if row.is_live() {
-                PreviewError::Unavailable {
-                    id: id.to_string(),
-                    message: format!("it is {}", row.status),
-                }
-            } else {
-                PreviewError::Gone {
-                    id: id.to_string(),
-                    reason: row.deleted_reason.unwrap_or_else(|| row.status.clone()),
-                }
+            return Err(PreviewError::Unavailable {
+                id: id.to_string(),
+                message: format!("it is {}", row.status),
             });
         }
         let ports = self.store.list_ports(id).await.map_err(unavailable)?;

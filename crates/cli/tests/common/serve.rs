@@ -84,10 +84,19 @@ impl Server {
                 Err(_) => panic!("sandpit serve did not start"),
             }
         }
-        // The first-start key is printed before the serving line.
-        while let Ok(m) = rx.try_recv() {
-            if let Some(k) = m.strip_prefix("KEY ") {
-                key = Some(k.to_string());
+        // The first-start key is printed (on stdout) before the serving line
+        // (on stderr), but the two are read by different threads: give the
+        // stdout reader a moment.
+        let until = Instant::now() + Duration::from_secs(2);
+        while key.is_none() {
+            let left = until.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(m) => {
+                    if let Some(k) = m.strip_prefix("KEY ") {
+                        key = Some(k.to_string());
+                    }
+                }
+                Err(_) => break,
             }
         }
         Server {
