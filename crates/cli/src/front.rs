@@ -18,6 +18,7 @@ use hyper_util::server::conn::auto;
 use sandpit_core::preview::{parse_host, HostKind, PreviewError};
 use std::convert::Infallible;
 use std::future::Future;
+use std::net::IpAddr;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -42,7 +43,7 @@ pub struct Front {
 }
 
 impl Front {
-    async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<Body> {
+    async fn handle(self: Arc<Self>, req: Request<Incoming>, peer: IpAddr) -> Response<Body> {
         // HTTP/2 names the host in `:authority` (the URI); HTTP/1.1 in `Host`
         // (an absolute-form URI wins, as RFC 9112 says).
         let authority = req
@@ -67,7 +68,9 @@ impl Front {
             HostKind::Invalid => error_page(&PreviewError::UnknownHost),
             HostKind::Preview { port, sandbox_id } => {
                 let authority = authority.unwrap_or_default();
-                self.proxy.serve(req, &sandbox_id, port, &authority).await
+                self.proxy
+                    .serve(req, &sandbox_id, port, &authority, peer)
+                    .await
             }
         }
     }
@@ -108,7 +111,7 @@ pub async fn serve(
     tokio::pin!(shutdown);
     loop {
         while conns.try_join_next().is_some() {}
-        let (tcp, _peer) = tokio::select! {
+        let (tcp, peer) = tokio::select! {
             r = listener.accept() => match r {
                 Ok(c) => c,
                 Err(e) => {
@@ -124,10 +127,12 @@ pub async fn serve(
         let (front, tls, stop) = (front.clone(), tls.clone(), stop_rx.clone());
         conns.spawn(async move {
             match tls {
-                None => serve_conn(TokioIo::new(tcp), front, stop).await,
+                None => serve_conn(TokioIo::new(tcp), peer.ip(), front, stop).await,
                 Some(tls) => {
                     match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, tls.accept(tcp)).await {
-                        Ok(Ok(stream)) => serve_conn(TokioIo::new(stream), front, stop).await,
+                        Ok(Ok(stream)) => {
+                            serve_conn(TokioIo::new(stream), peer.ip(), front, stop).await
+                        }
                         Ok(Err(e)) => tracing::debug!("TLS handshake: {e}"),
                         Err(_) => tracing::debug!("TLS handshake timed out"),
                     }
@@ -144,13 +149,13 @@ pub async fn serve(
     Ok(())
 }
 
-async fn serve_conn<I>(io: I, front: Arc<Front>, mut stop: watch::Receiver<bool>)
+async fn serve_conn<I>(io: I, peer: IpAddr, front: Arc<Front>, mut stop: watch::Receiver<bool>)
 where
     I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
 {
     let service = hyper::service::service_fn(move |req| {
         let front = front.clone();
-        async move { Ok::<_, Infallible>(front.handle(req).await) }
+        async move { Ok::<_, Infallible>(front.handle(req, peer).await) }
     });
     let builder = auto::Builder::new(TokioExecutor::new());
     let conn = builder

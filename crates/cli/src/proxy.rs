@@ -24,6 +24,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use sandpit_core::preview::{PreviewConn, PreviewError};
 use sandpit_core::Service;
 use std::future::Future;
+use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -61,6 +62,7 @@ impl Proxy {
         id: &str,
         port: u16,
         authority: &str,
+        peer: IpAddr,
     ) -> Response<Body> {
         if let Err(e) = self.svc.check_preview(id, port).await {
             return error_page(&e);
@@ -84,6 +86,12 @@ impl Proxy {
             parts
                 .headers
                 .insert(HeaderName::from_static("x-forwarded-host"), v);
+        }
+        // This server is the edge: what the client claims is replaced.
+        if let Ok(v) = HeaderValue::from_str(&peer.to_string()) {
+            parts
+                .headers
+                .insert(HeaderName::from_static("x-forwarded-for"), v);
         }
         if let Ok(v) = HeaderValue::from_str(&self.scheme) {
             parts

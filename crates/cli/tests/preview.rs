@@ -67,8 +67,9 @@ class S(socketserver.ThreadingTCPServer):
 S(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 "#;
 
-/// POST: answers the body's length and SHA-256. GET: a chunked event
-/// stream that sends one event, waits for /tmp/go-PORT, then a second.
+/// POST: answers the body's length and SHA-256. GET /headers: the request
+/// headers as received. Other GETs: a chunked event stream that sends one
+/// event, waits for /tmp/go-PORT, then a second.
 const UPLOAD_AND_STREAM: &str = r#"
 import hashlib, http.server, os, sys, time
 PORT = int(sys.argv[1])
@@ -86,6 +87,12 @@ class H(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers(); self.wfile.write(body)
     def do_GET(self):
+        if self.path == "/headers":
+            body = "".join("%s: %s\n" % (k.lower(), v) for k, v in self.headers.items()).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers(); self.wfile.write(body)
+            return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Transfer-Encoding", "chunked")
@@ -428,6 +435,25 @@ fn uploads_and_streamed_responses_pass_through() {
                 break r.text().await.unwrap();
             };
             assert_eq!(got, want);
+
+            // The server sees the public name and the client's address.
+            let seen = client
+                .get(format!("{url}/headers"))
+                .header("x-forwarded-for", "6.6.6.6")
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            let host = url.trim_start_matches("http://");
+            for line in [
+                format!("host: {host}"),
+                "x-forwarded-for: 127.0.0.1".to_string(),
+                "x-forwarded-proto: http".to_string(),
+            ] {
+                assert!(seen.lines().any(|l| l == line), "{line} not in:\n{seen}");
+            }
 
             // A streamed response: the first event arrives while the server
             // is still waiting to send the second.
