@@ -478,11 +478,26 @@ fn route(inner: &Inner, frame: Frame) {
     let Some(id) = frame.message.request_id() else {
         return;
     };
-    if let Message::TunnelAck { bytes, .. } = frame.message {
-        if let Some(c) = inner.credits.lock().unwrap().get(&id) {
-            c.add(bytes as u64);
+    match frame.message {
+        Message::TunnelAck { bytes, .. } => {
+            if let Some(c) = inner.credits.lock().unwrap().get(&id) {
+                c.add(bytes as u64);
+            }
+            return;
         }
-        return;
+        Message::TunnelData { .. } => {
+            let within = inner
+                .credits
+                .lock()
+                .unwrap()
+                .get(&id)
+                .is_none_or(|c| c.receive(frame.body.len() as u64));
+            if !within {
+                crate::tunnel::violated(inner, id);
+                return;
+            }
+        }
+        _ => {}
     }
     let pending = inner.pending.lock().unwrap();
     if let Some(tx) = pending.get(&id) {

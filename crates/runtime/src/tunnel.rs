@@ -14,6 +14,7 @@ use crate::{Result, RuntimeError};
 use sandpit_protocol::{Frame, Message, RequestId};
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -24,9 +25,11 @@ pub const WINDOW: u32 = 1024 * 1024;
 /// Largest piece of a stream sent in one frame.
 const CHUNK: usize = 64 * 1024;
 
-/// How many bytes this side may still send on a stream.
+/// How many bytes this side may still send on a stream, and how many the
+/// guest sent that this side has not acknowledged yet.
 pub(crate) struct SendCredit {
     state: Mutex<CreditState>,
+    unacked: AtomicU64,
 }
 
 #[derive(Default)]
@@ -40,7 +43,14 @@ impl SendCredit {
     fn new() -> Self {
         SendCredit {
             state: Mutex::new(CreditState::default()),
+            unacked: AtomicU64::new(0),
         }
+    }
+
+    /// Count `n` bytes arriving from the guest; false if that exceeds the
+    /// window this side granted (a guest that ignores flow control).
+    pub(crate) fn receive(&self, n: u64) -> bool {
+        self.unacked.fetch_add(n, Ordering::SeqCst) + n <= WINDOW as u64
     }
 
     pub(crate) fn add(&self, n: u64) {
@@ -85,6 +95,13 @@ impl TunnelCloser {
     pub fn close(&self) {
         close_stream(&self.inner, self.id);
     }
+}
+
+/// Close a stream whose guest side broke the protocol (sent past its window):
+/// the guest is not trusted to bound what the host buffers.
+pub(crate) fn violated(inner: &Inner, id: RequestId) {
+    tracing::warn!(id, "a tunnel stream sent past its window; closing it");
+    close_stream(inner, id);
 }
 
 fn close_stream(inner: &Inner, id: RequestId) {
@@ -173,6 +190,9 @@ impl AsyncRead for TunnelStream {
                     let bytes = this.buf.len() as u32;
                     this.buf.clear();
                     this.pos = 0;
+                    this.credit
+                        .unacked
+                        .fetch_sub(bytes as u64, Ordering::SeqCst);
                     let _ = this
                         .inner
                         .send(&Message::TunnelAck { id: this.id, bytes }, &[]);
@@ -261,5 +281,135 @@ impl AsyncWrite for TunnelStream {
 impl Drop for TunnelStream {
     fn drop(&mut self) {
         close_stream(&self.inner, self.id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sandpit_protocol::{encode_frame, FrameDecoder};
+    use std::time::Duration;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::UnixListener;
+
+    /// A scripted guest on a unix socket: answers the handshake and one
+    /// `TunnelOpen` (granting `window`), then runs `then` on the socket.
+    async fn fake_guest<F, Fut>(window: u32, then: F) -> (AgentClient, tempfile::TempDir)
+    where
+        F: FnOnce(tokio::net::UnixStream, FrameDecoder, RequestId) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send,
+    {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut d = FrameDecoder::new();
+            let mut buf = vec![0u8; 1 << 16];
+            let next = |d: &mut FrameDecoder| d.next_frame().unwrap();
+            loop {
+                let n = s.read(&mut buf).await.unwrap();
+                d.push(&buf[..n]);
+                match next(&mut d) {
+                    Some(f) => match f.message {
+                        Message::Hello { nonce, .. } => {
+                            let ack = Message::HelloAck {
+                                protocol: sandpit_protocol::PROTOCOL_GENERATION,
+                                nonce,
+                                agent_version: "test".into(),
+                                kernel_release: "test".into(),
+                                hostname: "test".into(),
+                            };
+                            s.write_all(&encode_frame(&ack, b"")).await.unwrap();
+                            break;
+                        }
+                        other => panic!("{other:?}"),
+                    },
+                    None => continue,
+                }
+            }
+            let id = loop {
+                if let Some(f) = next(&mut d) {
+                    match f.message {
+                        Message::TunnelOpen { id, .. } => break id,
+                        other => panic!("{other:?}"),
+                    }
+                }
+                let n = s.read(&mut buf).await.unwrap();
+                d.push(&buf[..n]);
+            };
+            s.write_all(&encode_frame(&Message::TunnelOpened { id, window }, b""))
+                .await
+                .unwrap();
+            then(s, d, id).await;
+        });
+        let client = AgentClient::connect(&path, Duration::from_secs(10))
+            .await
+            .unwrap();
+        (client, dir)
+    }
+
+    #[tokio::test]
+    async fn writes_stay_within_the_window_until_acked() {
+        let (tx, mut rx) = mpsc::unbounded_channel::<u64>();
+        let (client, _dir) = fake_guest(1000, move |mut s, mut d, id| async move {
+            let mut buf = vec![0u8; 1 << 16];
+            let (mut total, mut granted) = (0u64, false);
+            loop {
+                while let Some(f) = d.next_frame().unwrap() {
+                    if let Message::TunnelData { .. } = f.message {
+                        total += f.body.len() as u64;
+                        let _ = tx.send(total);
+                    }
+                }
+                if total == 1000 && !granted {
+                    // Grant the rest only now.
+                    granted = true;
+                    let ack = Message::TunnelAck { id, bytes: 4000 };
+                    s.write_all(&encode_frame(&ack, b"")).await.unwrap();
+                }
+                let n = s.read(&mut buf).await.unwrap();
+                if n == 0 {
+                    return;
+                }
+                d.push(&buf[..n]);
+            }
+        })
+        .await;
+        let mut t = client.open_tunnel(80).await.unwrap();
+        // 5000 bytes: the first 1000 go at once, the rest after the ack.
+        tokio::time::timeout(Duration::from_secs(10), t.write_all(&[7u8; 5000]))
+            .await
+            .expect("the writer was never given credit")
+            .unwrap();
+        let mut seen = Vec::new();
+        while let Ok(Some(n)) = tokio::time::timeout(Duration::from_millis(500), rx.recv()).await {
+            seen.push(n);
+        }
+        assert_eq!(seen.first(), Some(&1000), "{seen:?}");
+        assert_eq!(seen.last(), Some(&5000), "{seen:?}");
+    }
+
+    #[tokio::test]
+    async fn a_guest_that_ignores_the_window_loses_the_stream() {
+        let (client, _dir) = fake_guest(1000, move |mut s, _d, id| async move {
+            // Past the host's window, never waiting for an ack.
+            for _ in 0..(WINDOW as usize / CHUNK + 2) {
+                let f = encode_frame(&Message::TunnelData { id }, &vec![1u8; CHUNK]);
+                if s.write_all(&f).await.is_err() {
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_secs(30)).await;
+        })
+        .await;
+        let mut t = client.open_tunnel(80).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let mut sink = Vec::new();
+        let r = tokio::time::timeout(Duration::from_secs(10), t.read_to_end(&mut sink))
+            .await
+            .expect("reading a flooded stream hung");
+        assert!(r.is_err(), "the stream survived a flood");
+        assert!(sink.len() <= WINDOW as usize);
     }
 }
