@@ -4,7 +4,8 @@
 //! It runs at first boot and again after every snapshot restore, where the
 //! clock has jumped and the RNG state is a copy shared with every other clone
 //! of the snapshot, so the host's entropy is mixed in and the CRNG reseeded
-//! right away. Every step is idempotent. The request is validated before
+//! right away. Every step is idempotent, and the network step, the only slow
+//! one, is skipped when the same plan is already in place. The request is validated before
 //! anything changes; a failing step is named in the error.
 
 use crate::{cgroup, net, sys};
@@ -162,7 +163,17 @@ pub fn configure(cfg: &GuestConfig, entropy: &[u8]) -> Result<(), AgentError> {
     cgroup::apply_limits(cfg.user_pids_max, cfg.reserved_memory_mb)
         .map_err(step("cgroup limits"))?;
     if let Some(plan) = &plan {
-        net::apply(plan)?;
+        // A VM restored from a template already carries the template's
+        // network, which is the same plan on the same host: applying it again
+        // would only spend a few hundred milliseconds of emulated process
+        // starts. Anything else is applied in full.
+        static APPLIED: std::sync::Mutex<Option<net::Plan>> = std::sync::Mutex::new(None);
+        let mut applied = sys::lock(&APPLIED);
+        if applied.as_ref() != Some(plan) {
+            *applied = None;
+            net::apply(plan)?;
+            *applied = Some(plan.clone());
+        }
     }
     crate::info!("configured as {}", cfg.hostname);
     Ok(())

@@ -13,9 +13,18 @@ use std::time::{Duration, Instant};
 
 #[derive(Args)]
 pub struct BenchArgs {
-    /// Cold creates to time
+    /// Cold boots and restores to time
     #[arg(long, default_value_t = 5)]
     creates: usize,
+    /// Creates over MCP to time, with a warm pool and with none
+    #[arg(long, default_value_t = 20)]
+    mcp_creates: usize,
+    /// Concurrent creates in the burst
+    #[arg(long, default_value_t = 20)]
+    burst: usize,
+    /// Idle sandboxes alive for the density measurement
+    #[arg(long, default_value_t = 50)]
+    idle: usize,
     /// `true` round trips to time
     #[arg(long, default_value_t = 50)]
     execs: usize,
@@ -70,6 +79,46 @@ fn cpu_ticks(pid: u32) -> Option<u64> {
     Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
 }
 
+/// Median and the largest sample (the p99 of the small runs used here).
+fn median_max(v: &[f64]) -> (f64, f64) {
+    (
+        median(v.to_vec()),
+        v.iter().cloned().fold(f64::NAN, f64::max),
+    )
+}
+
+/// Host PSS (MiB) and CPU (% of one core, over `window`) of VMs' QEMU and
+/// passt processes, per VM.
+async fn idle_cost(records: &[sandpit_runtime::VmRecord], window: Duration) -> (f64, f64) {
+    let pids: Vec<u32> = records
+        .iter()
+        .flat_map(|r| std::iter::once(r.qemu_pid).chain(r.passt_pid))
+        .collect();
+    let mut pss = Vec::new();
+    for _ in 0..3 {
+        let total: u64 = pids.iter().filter_map(|p| pss_kib(*p)).sum();
+        pss.push(total as f64 / 1024.0 / records.len() as f64);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let ticks = || pids.iter().filter_map(|p| cpu_ticks(*p)).sum::<u64>();
+    let c0 = ticks();
+    tokio::time::sleep(window).await;
+    let c1 = ticks();
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let cpu =
+        (c1.saturating_sub(c0)) as f64 / hz / window.as_secs_f64() * 100.0 / records.len() as f64;
+    (median(pss), cpu)
+}
+
+struct Row(String, String);
+
+fn row(rows: &mut Vec<Row>, what: impl Into<String>, value: impl Into<String>) {
+    let (what, value) = (what.into(), value.into());
+    eprintln!("{what}: {value}");
+    rows.push(Row(what, value));
+}
+
 pub async fn run(settings: &Settings, a: BenchArgs) -> Result<i32> {
     let m = manager(settings)?;
     eprintln!("accelerator: {}; size {}", m.accel(), a.size);
@@ -78,17 +127,56 @@ pub async fn run(settings: &Settings, a: BenchArgs) -> Result<i32> {
         size: a.size.clone(),
         metadata: BTreeMap::new(),
     };
+    let mut rows = Vec::new();
 
-    let mut creates = Vec::new();
-    for i in 0..a.creates {
+    let mut cold = Vec::new();
+    for _ in 0..a.creates {
         let id = new_id();
         let t = Instant::now();
-        let vm = m.create(new(id.clone())).await?;
+        let vm = m.create_cold(new(id.clone())).await?;
         vm.agent.exec_collect(true_cmd()).await?;
-        let s = t.elapsed().as_secs_f64();
-        eprintln!("cold create {}/{}: {:.2} s", i + 1, a.creates, s);
-        creates.push(s);
+        cold.push(t.elapsed().as_secs_f64());
         m.destroy(&id).await?;
+    }
+    let cold_s = median(cold.clone());
+    row(
+        &mut rows,
+        format!("cold boot to first command ({} runs)", cold.len()),
+        format!("{:.2} s", cold_s),
+    );
+
+    let snapshots = m.snapshots_supported();
+    let mut restore_s = f64::NAN;
+    if snapshots {
+        let template = m.ensure_template(&a.size).await?;
+        row(
+            &mut rows,
+            "snapshot template build (once per image, size and QEMU)",
+            format!("{:.2} s", template.record.build_secs),
+        );
+        let mut restores = Vec::new();
+        for _ in 0..a.creates {
+            let id = new_id();
+            let t = Instant::now();
+            let vm = m.create(new(id.clone())).await?;
+            vm.agent.exec_collect(true_cmd()).await?;
+            restores.push(t.elapsed().as_secs_f64());
+            anyhow::ensure!(vm.record.template.is_some(), "the create booted cold");
+            m.destroy(&id).await?;
+        }
+        restore_s = median(restores.clone());
+        row(
+            &mut rows,
+            format!(
+                "restore from template to first command ({} runs)",
+                restores.len()
+            ),
+            format!(
+                "{:.0} ms ({:.1}x faster than cold)",
+                restore_s * 1000.0,
+                cold_s / restore_s
+            ),
+        );
     }
 
     let id = new_id();
@@ -117,125 +205,74 @@ pub async fn run(settings: &Settings, a: BenchArgs) -> Result<i32> {
             reads.push(mb / t.elapsed().as_secs_f64());
             anyhow::ensure!(back == payload, "read back differs from what was written");
         }
-        // Idle: let the guest settle, then sample memory and CPU.
-        tokio::time::sleep(Duration::from_secs(5)).await;
-        let pid = vm.record.qemu_pid;
-        let passt_pss = vm.record.passt_pid.and_then(pss_kib).unwrap_or(0);
-        let mut pss = Vec::new();
-        for _ in 0..3 {
-            pss.push((pss_kib(pid).unwrap_or(0) + passt_pss) as f64 / 1024.0);
-            tokio::time::sleep(Duration::from_millis(300)).await;
-        }
-        let window = Duration::from_secs(10);
-        let c0 = cpu_ticks(pid).unwrap_or(0);
-        tokio::time::sleep(window).await;
-        let c1 = cpu_ticks(pid).unwrap_or(0);
-        // SAFETY: sysconf has no preconditions.
-        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-        let idle_cpu = (c1 - c0) as f64 / hz / window.as_secs_f64() * 100.0;
-        anyhow::Ok((execs, writes, reads, pss, idle_cpu))
+        anyhow::Ok((execs, writes, reads))
     }
     .await;
     m.destroy(&id).await?;
-    let (execs, writes, reads, pss, idle_cpu) = result?;
-    let execs_for_ratio = execs.clone();
+    let (execs, writes, reads) = result?;
+    let exec_ms = median(execs.clone());
+    row(
+        &mut rows,
+        format!("`true` exec round trip, direct ({} runs)", execs.len()),
+        format!("{:.2} ms", exec_ms),
+    );
+    row(
+        &mut rows,
+        format!("write 16 MiB ({} runs)", writes.len()),
+        format!("{:.1} MB/s", median(writes)),
+    );
+    row(
+        &mut rows,
+        format!("read 16 MiB ({} runs)", reads.len()),
+        format!("{:.1} MB/s", median(reads)),
+    );
 
-    println!();
-    println!("| measurement ({}) | median |", m.accel());
-    println!("|---|---|");
-    println!(
-        "| cold create to first command ({} runs) | {:.2} s |",
-        creates.len(),
-        median(creates)
+    // Idle cost of one fresh sandbox, as it is started (restored if it can be).
+    let id = new_id();
+    let vm = m.create(new(id.clone())).await?;
+    vm.agent.exec_collect(true_cmd()).await?;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let (pss, cpu) = idle_cost(std::slice::from_ref(&vm.record), Duration::from_secs(10)).await;
+    m.destroy(&id).await?;
+    let how = if vm.record.template.is_some() {
+        "restored"
+    } else {
+        "cold"
+    };
+    row(
+        &mut rows,
+        format!("host PSS of one idle sandbox ({how}; QEMU + passt)"),
+        format!("{pss:.1} MiB"),
     );
-    println!(
-        "| `true` exec round trip ({} runs) | {:.2} ms |",
-        execs.len(),
-        median(execs)
+    row(
+        &mut rows,
+        format!("host CPU of one idle sandbox ({how}; 10 s)"),
+        format!("{cpu:.2} % of one core"),
     );
-    println!(
-        "| write 16 MiB ({} runs) | {:.1} MB/s |",
-        writes.len(),
-        median(writes)
-    );
-    println!(
-        "| read 16 MiB ({} runs) | {:.1} MB/s |",
-        reads.len(),
-        median(reads)
-    );
-    println!(
-        "| host PSS of an idle sandbox (QEMU + passt) | {:.1} MiB |",
-        median(pss)
-    );
-    println!(
-        "| host CPU of an idle sandbox (10 s) | {:.2} % of one core |",
-        idle_cpu
-    );
-    if a.skip_control_plane {
-        return Ok(0);
+
+    if !a.skip_control_plane {
+        control_plane(settings, &a, &mut rows, exec_ms, cold_s, restore_s).await?;
     }
-    let cp = control_plane(settings, &a).await?;
-    println!(
-        "| create through REST until running ({} runs) | {:.2} s |",
-        cp.creates.len(),
-        median(cp.creates)
-    );
-    let list_ms = median(cp.list.clone());
-    println!(
-        "| MCP `tools/list` over HTTP, loopback ({} calls) | {:.2} ms ({:.0}/s) |",
-        cp.list.len(),
-        list_ms,
-        1000.0 / list_ms
-    );
-    let get_ms = median(cp.get.clone());
-    println!(
-        "| MCP `get_sandbox` over HTTP, loopback ({} calls) | {:.2} ms ({:.0}/s) |",
-        cp.get.len(),
-        get_ms,
-        1000.0 / get_ms
-    );
-    let run_ms = median(cp.run.clone());
-    println!(
-        "| MCP `run_command(\"true\")` over HTTP ({} calls) | {:.2} ms |",
-        cp.run.len(),
-        run_ms
-    );
-    println!(
-        "| ratio: MCP `run_command` / direct agent exec | {:.2}x |",
-        run_ms / median(execs_for_ratio)
-    );
-    let p = &cp.preview;
-    // The in-guest client is emulated too (TCG here), so on this machine
-    // it can be slower than the native client going through the proxy.
-    println!(
-        "| preview URL: GET 1 KiB, sequential ({} runs) | {:.2} ms (client in the guest: {:.2} ms; added {:+.2} ms; ratio {:.2}) |",
-        p.n,
-        p.url_ms,
-        p.guest_ms,
-        p.url_ms - p.guest_ms,
-        p.url_ms / p.guest_ms
-    );
-    println!(
-        "| preview URL: requests/s, {PREVIEW_CONCURRENCY} concurrent ({} requests) | {:.0}/s (client in the guest: {:.0}/s; ratio {:.2}) |",
-        p.n / PREVIEW_CONCURRENCY * PREVIEW_CONCURRENCY,
-        p.url_rps,
-        p.guest_rps,
-        p.url_rps / p.guest_rps
-    );
+    println!();
+    println!("| measurement ({}, size {}) | median |", m.accel(), a.size);
+    println!("|---|---|");
+    for Row(what, value) in rows {
+        println!("| {what} | {value} |");
+    }
     Ok(0)
 }
 
-struct ControlPlane {
-    creates: Vec<f64>,
-    list: Vec<f64>,
-    get: Vec<f64>,
-    run: Vec<f64>,
-    preview: PreviewFigures,
-}
-
 /// The server in this process (store in a scratch file, VMs in the data
-/// directory), driven over loopback by a real HTTP client and rmcp's client.
-async fn control_plane(settings: &Settings, a: &BenchArgs) -> Result<ControlPlane> {
+/// directory, a warm pool as configured), driven over loopback by rmcp's
+/// client, as an agent would.
+async fn control_plane(
+    settings: &Settings,
+    a: &BenchArgs,
+    rows: &mut Vec<Row>,
+    exec_ms: f64,
+    cold_s: f64,
+    restore_s: f64,
+) -> Result<()> {
     use rmcp::model::CallToolRequestParams;
     use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
     use rmcp::transport::StreamableHttpClientTransport;
@@ -243,18 +280,30 @@ async fn control_plane(settings: &Settings, a: &BenchArgs) -> Result<ControlPlan
     use sandpit_core::SandboxApi;
     use std::sync::Arc;
 
+    let pool_target = settings
+        .pool
+        .sizes
+        .get(&a.size)
+        .copied()
+        .unwrap_or(0)
+        .max(1);
+    let mut pool = settings.pool.clone();
+    pool.sizes = BTreeMap::from([(a.size.clone(), pool_target)]);
+    // Room for the idle crowd and the burst.
+    let mut service = settings.service.clone();
+    service.default_max_concurrent_sandboxes = (a.idle + a.burst + 10) as u32;
     let scratch = tempfile::tempdir()?;
     let store = sandpit_store::Store::open_sqlite(scratch.path().join("bench.db")).await?;
-    let vms = sandpit_core::backend::LocalVms::new(manager(settings)?);
+    let vms = sandpit_core::backend::LocalVms::with_pool(manager(settings)?, pool);
+    // Preview URLs of this in-process server: `localhost:{its port}`.
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let port = listener.local_addr()?.port();
     let url = format!("http://127.0.0.1:{port}");
-    let mut config = settings.service.clone();
-    config.preview_scheme = "http".into();
-    config.preview_domain = format!("localhost:{port}");
-    let svc = sandpit_core::Service::new(config.clone(), store, vms);
+    service.preview_scheme = "http".into();
+    service.preview_domain = format!("localhost:{port}");
+    let svc = sandpit_core::Service::new(service.clone(), store, vms);
     svc.start().await?;
-    sandpit_core::admin::create_account(svc.store(), &settings.service, "bench", 1000.0).await?;
+    sandpit_core::admin::create_account(svc.store(), &service, "bench", 100_000.0).await?;
     let (key, _) = sandpit_core::admin::create_key(svc.store(), "bench").await?;
     let api: Arc<dyn SandboxApi> = svc.clone();
     let app = sandpit_api::router(api.clone(), sandpit_api::RestConfig::default()).nest_service(
@@ -264,8 +313,8 @@ async fn control_plane(settings: &Settings, a: &BenchArgs) -> Result<ControlPlan
     let front = Arc::new(crate::front::Front {
         api: app,
         proxy: crate::proxy::Proxy::new(svc.clone()),
-        preview_domain: config.preview_domain.clone(),
-        preview_scheme: config.preview_scheme.clone(),
+        preview_domain: service.preview_domain.clone(),
+        preview_scheme: service.preview_scheme.clone(),
     });
     let server = tokio::spawn(crate::front::serve(
         listener,
@@ -273,35 +322,6 @@ async fn control_plane(settings: &Settings, a: &BenchArgs) -> Result<ControlPlan
         front,
         std::future::pending(),
     ));
-
-    let http = reqwest::Client::new();
-    let mut creates = Vec::new();
-    let mut ids = Vec::new();
-    for _ in 0..a.creates.max(1) {
-        let t = Instant::now();
-        let resp = http
-            .post(format!("{url}/v1/sandboxes"))
-            .bearer_auth(&key)
-            .json(&serde_json::json!({"size": a.size}))
-            .send()
-            .await?;
-        anyhow::ensure!(
-            resp.status() == 201,
-            "create through REST: {}",
-            resp.text().await?
-        );
-        creates.push(t.elapsed().as_secs_f64());
-        let v: serde_json::Value = resp.json().await?;
-        ids.push(v["id"].as_str().unwrap_or_default().to_string());
-    }
-    let id = ids[0].clone();
-    for other in &ids[1..] {
-        http.delete(format!("{url}/v1/sandboxes/{other}"))
-            .bearer_auth(&key)
-            .send()
-            .await?;
-    }
-
     let client = ()
         .serve(StreamableHttpClientTransport::from_config(
             StreamableHttpClientTransportConfig::with_uri(format!("{url}/v1/mcp"))
@@ -309,49 +329,275 @@ async fn control_plane(settings: &Settings, a: &BenchArgs) -> Result<ControlPlan
         ))
         .await?;
     let args = |v: serde_json::Value| v.as_object().cloned().unwrap_or_default();
-    let (mut list, mut get, mut run) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..200 {
+    let size = a.size.clone();
+    let call = |name: &'static str, v: serde_json::Value| {
+        let client = &client;
+        let params = CallToolRequestParams::new(name).with_arguments(args(v));
+        async move {
+            let r = client.call_tool(params).await?;
+            anyhow::ensure!(r.is_error != Some(true), "{name} failed: {r:?}");
+            let v = r.structured_content.clone().unwrap_or_default();
+            anyhow::Ok(v)
+        }
+    };
+    let create = || call("create_sandbox", serde_json::json!({"size": size}));
+    let destroy = |id: String| call("destroy_sandbox", serde_json::json!({"sandbox_id": id}));
+    let wait_pool = |n: usize| {
+        let svc = svc.clone();
+        let size = a.size.clone();
+        async move {
+            let t = Instant::now();
+            while svc.warm_count(&size) < n {
+                anyhow::ensure!(
+                    t.elapsed() < Duration::from_secs(300),
+                    "the pool did not fill"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            anyhow::Ok(t.elapsed().as_secs_f64())
+        }
+    };
+    let sandbox_id = |v: &serde_json::Value| -> Result<String> {
+        v.get("id")
+            .or_else(|| v.get("sandbox_id"))
+            .and_then(|i| i.as_str())
+            .map(str::to_string)
+            .ok_or_else(|| anyhow::anyhow!("create_sandbox returned no id: {v}"))
+    };
+
+    // Warm pool: each create finds a full pool.
+    wait_pool(pool_target).await?;
+    let mut warm = Vec::new();
+    let mut first_cmd = Vec::new();
+    for _ in 0..a.mcp_creates {
+        wait_pool(pool_target).await?;
         let t = Instant::now();
-        client.list_tools(None).await?;
-        list.push(t.elapsed().as_secs_f64() * 1000.0);
+        let v = create().await?;
+        warm.push(t.elapsed().as_secs_f64() * 1000.0);
+        let id = sandbox_id(&v)?;
+        call(
+            "run_command",
+            serde_json::json!({"sandbox_id": id, "command": "true"}),
+        )
+        .await?;
+        first_cmd.push(t.elapsed().as_secs_f64() * 1000.0);
+        destroy(id).await?;
     }
-    for _ in 0..200 {
-        let t = Instant::now();
-        let r = client
-            .call_tool(
-                CallToolRequestParams::new("get_sandbox")
-                    .with_arguments(args(serde_json::json!({"sandbox_id": id}))),
-            )
-            .await?;
-        anyhow::ensure!(r.is_error != Some(true), "get_sandbox failed: {r:?}");
-        get.push(t.elapsed().as_secs_f64() * 1000.0);
-    }
+    let (warm_med, warm_max) = median_max(&warm);
+    row(
+        rows,
+        format!("MCP `create_sandbox`, warm pool ({} calls): median / max", warm.len()),
+        format!(
+            "{warm_med:.1} ms / {warm_max:.1} ms ({:.1}x p99/median; {:.0}x faster than a cold boot)",
+            warm_max / warm_med,
+            cold_s * 1000.0 / warm_med
+        ),
+    );
+    row(
+        rows,
+        "MCP `create_sandbox` + first `run_command`, warm pool",
+        format!("{:.1} ms", median(first_cmd)),
+    );
+
+    // MCP command round trip.
+    let id = sandbox_id(&create().await?)?;
+    let mut run = Vec::new();
     for _ in 0..a.execs {
         let t = Instant::now();
-        let r = client
-            .call_tool(
-                CallToolRequestParams::new("run_command").with_arguments(args(
-                    serde_json::json!({"sandbox_id": id, "command": "true"}),
-                )),
-            )
-            .await?;
-        anyhow::ensure!(r.is_error != Some(true), "run_command failed: {r:?}");
+        call(
+            "run_command",
+            serde_json::json!({"sandbox_id": id, "command": "true"}),
+        )
+        .await?;
         run.push(t.elapsed().as_secs_f64() * 1000.0);
     }
-    let _ = client.cancel().await;
-    let preview = preview(&http, &url, &key, &id, (a.execs * 2).max(40)).await?;
-    http.delete(format!("{url}/v1/sandboxes/{id}"))
-        .bearer_auth(&key)
-        .send()
+    let run_ms = median(run.clone());
+    row(
+        rows,
+        format!(
+            "MCP `run_command(\"true\")` round trip ({} calls)",
+            run.len()
+        ),
+        format!(
+            "{run_ms:.2} ms ({:.2}x a direct agent exec)",
+            run_ms / exec_ms
+        ),
+    );
+
+    // Refill: take the whole pool, time it coming back, and time a live
+    // sandbox's commands meanwhile against the same commands at rest.
+    let live = id.clone();
+    let mut taken = Vec::new();
+    wait_pool(pool_target).await?;
+    for _ in 0..pool_target {
+        taken.push(sandbox_id(&create().await?)?);
+    }
+    let refill_start = Instant::now();
+    let mut during = Vec::new();
+    while svc.warm_count(&a.size) < pool_target {
+        let t = Instant::now();
+        call(
+            "run_command",
+            serde_json::json!({"sandbox_id": live, "command": "true"}),
+        )
         .await?;
+        during.push(t.elapsed().as_secs_f64() * 1000.0);
+        anyhow::ensure!(
+            refill_start.elapsed() < Duration::from_secs(300),
+            "the pool did not refill"
+        );
+    }
+    let refill_per_vm = refill_start.elapsed().as_secs_f64() / pool_target as f64;
+    for t in taken {
+        destroy(t).await?;
+    }
+    row(
+        rows,
+        format!("pool refill, per VM ({pool_target} VMs)"),
+        format!("{:.0} ms", refill_per_vm * 1000.0),
+    );
+    if !during.is_empty() {
+        row(
+            rows,
+            format!(
+                "live sandbox's `run_command` during refill ({} calls)",
+                during.len()
+            ),
+            format!(
+                "{:.2} ms ({:.2}x at rest)",
+                median(during.clone()),
+                median(during) / run_ms
+            ),
+        );
+    }
+
+    // Empty pool: creates restore (or boot) on demand.
+    svc.set_pool_paused(true).await;
+    let mut empty = Vec::new();
+    for _ in 0..a.mcp_creates.min(10) {
+        let t = Instant::now();
+        let v = create().await?;
+        empty.push(t.elapsed().as_secs_f64() * 1000.0);
+        destroy(sandbox_id(&v)?).await?;
+    }
+    let (empty_med, empty_max) = median_max(&empty);
+    row(
+        rows,
+        format!("MCP `create_sandbox`, empty pool ({} calls): median / max", empty.len()),
+        format!(
+            "{empty_med:.0} ms / {empty_max:.0} ms ({:.1}x p99/median; runtime restore alone {:.0} ms)",
+            empty_max / empty_med,
+            restore_s * 1000.0
+        ),
+    );
+
+    // A burst of concurrent creates, the pool full at the start.
+    svc.set_pool_paused(false).await;
+    wait_pool(pool_target).await?;
+    let t = Instant::now();
+    let burst: Vec<_> = (0..a.burst)
+        .map(|_| {
+            let c = create();
+            async move {
+                let v = c.await?;
+                anyhow::Ok((sandbox_id(&v)?, Instant::now()))
+            }
+        })
+        .collect();
+    let results = futures::future::join_all(burst).await;
+    let mut burst_ids = Vec::new();
+    let mut last = 0.0f64;
+    for r in results {
+        let (id, done) = r?;
+        last = last.max(done.duration_since(t).as_secs_f64());
+        burst_ids.push(id);
+    }
+    row(
+        rows,
+        format!("{} concurrent `create_sandbox` calls, all running", a.burst),
+        format!("{last:.2} s"),
+    );
+    for id in burst_ids {
+        destroy(id).await?;
+    }
+
+    // Density: many idle sandboxes, their cost, and a warm create among them.
+    let mut idle_ids = Vec::new();
+    for _ in 0..a.idle {
+        idle_ids.push(sandbox_id(&create().await?)?);
+    }
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let records: Vec<_> = idle_ids.iter().filter_map(|id| svc.vm_record(id)).collect();
+    let (pss, cpu) = idle_cost(&records, Duration::from_secs(10)).await;
+    row(
+        rows,
+        format!("{} idle sandboxes: host PSS per sandbox", a.idle),
+        format!("{pss:.1} MiB"),
+    );
+    row(
+        rows,
+        format!("{} idle sandboxes: host CPU per sandbox (10 s)", a.idle),
+        format!("{cpu:.2} % of one core"),
+    );
+    let mut crowded = Vec::new();
+    for _ in 0..a.mcp_creates.min(10) {
+        wait_pool(pool_target).await?;
+        let t = Instant::now();
+        let v = create().await?;
+        crowded.push(t.elapsed().as_secs_f64() * 1000.0);
+        destroy(sandbox_id(&v)?).await?;
+    }
+    let crowded_med = median(crowded.clone());
+    row(
+        rows,
+        format!(
+            "MCP `create_sandbox`, warm pool, {} idle sandboxes alive ({} calls)",
+            a.idle,
+            crowded.len()
+        ),
+        format!(
+            "{crowded_med:.1} ms ({:.2}x an idle host)",
+            crowded_med / warm_med
+        ),
+    );
+    for id in idle_ids {
+        destroy(id).await?;
+    }
+
+    // Preview URL vs. the same server reached from inside the guest.
+    let http = reqwest::Client::new();
+    let p = preview(&http, &url, &key, &live, (a.execs * 2).max(40)).await?;
+    // The in-guest client is emulated too (TCG here), so on this machine
+    // it can be slower than the native client going through the proxy.
+    row(
+        rows,
+        format!("preview URL: GET 1 KiB, sequential ({} runs)", p.n),
+        format!(
+            "{:.2} ms (client in the guest: {:.2} ms; added {:+.2} ms; ratio {:.2})",
+            p.url_ms,
+            p.guest_ms,
+            p.url_ms - p.guest_ms,
+            p.url_ms / p.guest_ms
+        ),
+    );
+    row(
+        rows,
+        format!(
+            "preview URL: requests/s, {PREVIEW_CONCURRENCY} concurrent ({} requests)",
+            p.n / PREVIEW_CONCURRENCY * PREVIEW_CONCURRENCY
+        ),
+        format!(
+            "{:.0}/s (client in the guest: {:.0}/s; ratio {:.2})",
+            p.url_rps,
+            p.guest_rps,
+            p.url_rps / p.guest_rps
+        ),
+    );
+    destroy(live).await?;
+    let _ = client.cancel().await;
+    svc.shutdown().await;
     server.abort();
-    Ok(ControlPlane {
-        creates,
-        list,
-        get,
-        run,
-        preview,
-    })
+    Ok(())
 }
 
 /// A client loop run inside the guest against the same server: N

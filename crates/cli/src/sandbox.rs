@@ -151,6 +151,7 @@ async fn create(settings: &Settings, a: CreateArgs) -> Result<i32> {
         (timeout.as_secs() / 60).to_string(),
     );
     metadata.insert("expires_at".into(), rfc3339(created + timeout));
+    ensure_template(&m, &a.size).await;
     eprintln!("creating {id} ({}, {} acceleration)...", a.size, m.accel());
     let start = Instant::now();
     let vm = m
@@ -363,6 +364,21 @@ async fn rm(settings: &Settings, ids: Vec<String>) -> Result<i32> {
         }
     }
     Ok(code)
+}
+
+/// Build the size's snapshot template when there is none yet, so this and
+/// every later create restores instead of booting. A failure only costs
+/// speed: the create boots cold.
+async fn ensure_template(m: &VmManager, size: &str) {
+    if !m.snapshots_supported() || m.template(size).is_some() {
+        return;
+    }
+    eprintln!(
+        "preparing the snapshot template of size {size} (once; about a cold boot and 3 s)..."
+    );
+    if let Err(e) = m.ensure_template(size).await {
+        eprintln!("warning: no snapshot template ({e}); booting cold");
+    }
 }
 
 /// The main job until the server exists: one sandbox, end to end.

@@ -94,7 +94,13 @@ async fn service_with(settings: &Settings, build: bool) -> Result<Arc<Service>> 
         }
     })
     .await??;
-    let vms = LocalVms::new(VmManager::new(settings.runtime.clone(), image)?);
+    let manager = VmManager::new(settings.runtime.clone(), image)?;
+    // The reaper only expires sandboxes; serve and mcp keep a warm pool.
+    let vms = if build {
+        LocalVms::with_pool(manager, settings.pool.clone())
+    } else {
+        LocalVms::new(manager)
+    };
     let svc = Service::new(settings.service.clone(), store, vms);
     svc.start().await?;
     Ok(svc)
@@ -269,6 +275,7 @@ pub async fn serve(settings: &Settings, args: ServeArgs) -> Result<i32> {
         shutdown.cancel();
     })
     .await?;
+    svc.shutdown().await;
     Ok(0)
 }
 
@@ -308,6 +315,7 @@ pub async fn mcp(settings: &Settings, args: McpArgs) -> Result<i32> {
     };
     let api: Arc<dyn SandboxApi> = svc.clone();
     let served = sandpit_mcp::serve_stdio(api, caller).await;
+    svc.shutdown().await;
     // The client went away; sandboxes stay until they expire, and someone
     // must be there to expire them.
     spawn_reaper(settings);

@@ -45,6 +45,10 @@ pub struct FileConfig {
     pub user_pids_max: Option<u32>,
     pub reserved_memory_mb: Option<u32>,
     pub tcg_tb_size_mb: Option<u32>,
+    /// Start VMs from snapshot templates (default true).
+    pub snapshots: Option<bool>,
+    /// The warm pool: `[pool] sizes = { small = 2 }`, start limits.
+    pub pool: Option<sandpit_core::backend::PoolConfig>,
 }
 
 /// A size: resources and (for the server) its price.
@@ -123,6 +127,8 @@ pub struct Settings {
     pub preview_scheme_set: bool,
     /// TLS certificate and key (PEM) for serve's listener.
     pub tls: Option<(PathBuf, PathBuf)>,
+    /// The warm pool of `serve` and `mcp`.
+    pub pool: sandpit_core::backend::PoolConfig,
 }
 
 impl Settings {
@@ -267,6 +273,9 @@ impl Settings {
         if let Some(v) = file.tcg_tb_size_mb {
             rt.tcg_tb_size_mb = v;
         }
+        if let Some(v) = file.snapshots {
+            rt.snapshots = v;
+        }
         if let Some(a) = env_or("SANDPIT_ACCEL", None) {
             rt.accel = match a.as_str() {
                 "kvm" => AccelChoice::Kvm,
@@ -274,6 +283,16 @@ impl Settings {
                 "auto" => AccelChoice::Auto,
                 other => anyhow::bail!("SANDPIT_ACCEL must be auto, kvm or tcg, not {other:?}"),
             };
+        }
+        let mut pool = file.pool.unwrap_or_default();
+        if let Some(v) = env_or("SANDPIT_POOL", None) {
+            pool.sizes = parse_pool_sizes(&v)?;
+        }
+        if let Some(unknown) = pool.sizes.keys().find(|s| !rt.sizes.contains_key(*s)) {
+            anyhow::bail!(
+                "the warm pool names size {unknown:?}, which is not in the size table ({})",
+                rt.sizes.keys().cloned().collect::<Vec<_>>().join(", ")
+            );
         }
         let (mcp_allowed_hosts, mcp_allowed_origins) = match file.mcp {
             Some(m) => (m.allowed_hosts, m.allowed_origins),
@@ -293,6 +312,43 @@ impl Settings {
             preview_domain_set,
             preview_scheme_set,
             tls,
+            pool,
         })
+    }
+}
+
+/// `SANDPIT_POOL`: `small=2,medium=1`, or `none` (also `0` or empty) for no pool.
+fn parse_pool_sizes(v: &str) -> Result<BTreeMap<String, usize>> {
+    let v = v.trim();
+    if v == "none" || v == "0" {
+        return Ok(BTreeMap::new());
+    }
+    v.split(',')
+        .map(|kv| {
+            let (k, n) = kv
+                .split_once('=')
+                .with_context(|| format!("SANDPIT_POOL: expected size=count, got {kv:?}"))?;
+            let n: usize = n
+                .trim()
+                .parse()
+                .with_context(|| format!("SANDPIT_POOL: {n:?} is not a count"))?;
+            Ok((k.trim().to_string(), n))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod pool_tests {
+    use super::parse_pool_sizes;
+
+    #[test]
+    fn pool_sizes_parse() {
+        assert!(parse_pool_sizes("none").unwrap().is_empty());
+        assert!(parse_pool_sizes("0").unwrap().is_empty());
+        let m = parse_pool_sizes("small=2, medium=1").unwrap();
+        assert_eq!(m["small"], 2);
+        assert_eq!(m["medium"], 1);
+        assert!(parse_pool_sizes("small").is_err());
+        assert!(parse_pool_sizes("small=x").is_err());
     }
 }

@@ -381,15 +381,6 @@ fn a_client_that_hangs_up_mid_command_kills_the_command() {
     });
 }
 
-/// Wait until `f` holds, polling.
-fn eventually(what: &str, bound: Duration, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + bound;
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(250));
-    }
-}
-
 #[test]
 fn a_killed_server_reconciles_on_restart() {
     let data = data_dir();
@@ -480,9 +471,24 @@ fn a_killed_server_reconciles_on_restart() {
             .clone();
         assert_eq!(vanished["cost_usd"].as_f64(), Some(0.0), "{u}");
     });
-    eventually("no VM left", Duration::from_secs(10), || {
+    // Stopping the server removes its warm pool too.
+    drop(server);
+    let left = || -> Vec<String> {
         std::fs::read_dir(data.join("vms"))
-            .map(|d| d.count() == 0)
-            .unwrap_or(true)
-    });
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().to_string())
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let gone = Instant::now() + Duration::from_secs(10);
+    while !left().is_empty() {
+        assert!(
+            Instant::now() < gone,
+            "VMs left after the server stopped: {:?}",
+            left()
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
 }

@@ -1,27 +1,111 @@
-//! The VMs of this host, as the core service sees them: create, destroy, and a
-//! long-lived connection to each guest agent.
+//! The VMs of this host, as the core service sees them: create, destroy, a
+//! long-lived connection to each guest agent, and a warm pool.
 //!
 //! The server keeps one agent connection per sandbox and multiplexes every
 //! command and file transfer over it (QEMU serves one client per agent
 //! socket). A connection that dropped (server restart, agent hiccup) is
 //! re-established on the next use.
+//!
+//! The warm pool keeps a few restored, configured, never-used VMs per size.
+//! A pooled VM already carries the id of the sandbox it will become (ids are
+//! random and never shown before), so a create that finds one just takes it
+//! off the queue: no boot, no restore, no rename. Taking is a pop under a
+//! lock, so no VM is ever handed out twice; a VM taken for a create that then
+//! fails its checks (credit, limits) goes back, still never used. One
+//! background task refills the pool, one VM at a time, so refilling never
+//! takes more than one core from live sandboxes. Creates that find the pool
+//! empty restore (or boot) a VM themselves; at most `max_concurrent_starts`
+//! run at once and `max_waiting_starts` more wait their turn, past which a
+//! create is refused as busy rather than left to time out.
 
+use crate::ids::new_id;
 use sandpit_runtime::{AgentClient, CreateVm, RuntimeError, VmManager, VmRecord, VmState};
-use std::collections::{BTreeMap, HashMap};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use tokio::sync::Mutex;
+use std::time::Duration;
+use tokio::sync::{Mutex, Notify, Semaphore};
+
+/// The warm pool and the bound on VM starts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PoolConfig {
+    /// Restored, never-used VMs kept ready, per size name.
+    pub sizes: BTreeMap<String, usize>,
+    /// VM starts (restores or cold boots) for creates running at once.
+    pub max_concurrent_starts: usize,
+    /// Creates that may wait for a start; past that a create is refused
+    /// (503, retry) instead of queueing without bound.
+    pub max_waiting_starts: usize,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        PoolConfig {
+            sizes: BTreeMap::from([("small".to_string(), 2)]),
+            max_concurrent_starts: 8,
+            max_waiting_starts: 128,
+        }
+    }
+}
+
+impl PoolConfig {
+    /// No pool (VMs start on demand only).
+    pub fn none() -> Self {
+        PoolConfig {
+            sizes: BTreeMap::new(),
+            ..PoolConfig::default()
+        }
+    }
+}
+
+/// Metadata key that marks a VM as made for the pool.
+const POOL_LABEL: &str = "pool";
 
 /// This host's VMs.
 pub struct LocalVms {
     manager: VmManager,
     agents: Mutex<HashMap<String, Arc<Mutex<Option<AgentClient>>>>>,
+    pool: PoolConfig,
+    /// Ready VMs per size, oldest first.
+    ready: std::sync::Mutex<HashMap<String, VecDeque<String>>>,
+    /// Pool VMs taken for a create that has not finished yet.
+    claimed: std::sync::Mutex<HashSet<String>>,
+    /// Pool VMs found dead, to remove.
+    dead: std::sync::Mutex<Vec<String>>,
+    refill: Arc<Notify>,
+    stopping: AtomicBool,
+    paused: AtomicBool,
+    /// Held while a refill runs, so shutdown can wait for it to finish
+    /// rather than cut a VM start in half.
+    refilling: Mutex<()>,
+    starts: Semaphore,
+    waiting: AtomicUsize,
 }
 
 impl LocalVms {
+    /// VMs started on demand only.
     pub fn new(manager: VmManager) -> Arc<LocalVms> {
+        LocalVms::with_pool(manager, PoolConfig::none())
+    }
+
+    /// VMs with a warm pool (started by [`LocalVms::start_pool`]).
+    pub fn with_pool(manager: VmManager, pool: PoolConfig) -> Arc<LocalVms> {
+        let starts = Semaphore::new(pool.max_concurrent_starts.max(1));
         Arc::new(LocalVms {
             manager,
             agents: Mutex::new(HashMap::new()),
+            pool,
+            ready: std::sync::Mutex::new(HashMap::new()),
+            claimed: std::sync::Mutex::new(HashSet::new()),
+            dead: std::sync::Mutex::new(Vec::new()),
+            refill: Arc::new(Notify::new()),
+            stopping: AtomicBool::new(false),
+            paused: AtomicBool::new(false),
+            refilling: Mutex::new(()),
+            starts,
+            waiting: AtomicUsize::new(0),
         })
     }
 
@@ -29,14 +113,29 @@ impl LocalVms {
         &self.manager
     }
 
-    /// Boot a VM and keep its agent connection.
+    /// The VM of a new sandbox: the pool VM taken for it (see
+    /// [`LocalVms::take_warm`]), or one restored or booted now, and keep its
+    /// agent connection.
     pub async fn create(&self, id: &str, size: &str) -> Result<VmRecord, RuntimeError> {
+        if self.claimed.lock().unwrap().remove(id) {
+            return self.manager.record(id);
+        }
+        let _slot = self.start_slot().await?;
+        self.start_vm(id, size, BTreeMap::new()).await
+    }
+
+    async fn start_vm(
+        &self,
+        id: &str,
+        size: &str,
+        metadata: BTreeMap<String, String>,
+    ) -> Result<VmRecord, RuntimeError> {
         let vm = self
             .manager
             .create(CreateVm {
                 id: id.to_string(),
                 size: size.to_string(),
-                metadata: BTreeMap::new(),
+                metadata,
             })
             .await?;
         self.agents
@@ -44,6 +143,217 @@ impl LocalVms {
             .await
             .insert(id.to_string(), Arc::new(Mutex::new(Some(vm.agent.clone()))));
         Ok(vm.record)
+    }
+
+    /// A turn to start a VM, waiting in a bounded queue.
+    async fn start_slot(&self) -> Result<tokio::sync::SemaphorePermit<'_>, RuntimeError> {
+        if let Ok(p) = self.starts.try_acquire() {
+            return Ok(p);
+        }
+        if self.waiting.fetch_add(1, Ordering::SeqCst) >= self.pool.max_waiting_starts {
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+            return Err(RuntimeError::Busy(format!(
+                "{} sandboxes are already waiting to start on this host; retry shortly",
+                self.pool.max_waiting_starts
+            )));
+        }
+        let permit = self.starts.acquire().await;
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
+        permit.map_err(|_| RuntimeError::Busy("the host is shutting down".into()))
+    }
+
+    /// Take a ready pool VM of `size` for a new sandbox; its id becomes the
+    /// sandbox's id. `None` when the pool is empty.
+    pub fn take_warm(&self, size: &str) -> Option<String> {
+        loop {
+            let id = self.ready.lock().unwrap().get_mut(size)?.pop_front()?;
+            self.refill.notify_one();
+            if matches!(self.state(&id), Some(VmState::Running)) {
+                self.claimed.lock().unwrap().insert(id.clone());
+                return Some(id);
+            }
+            tracing::warn!(id, "a pool VM died while it waited; discarding it");
+            self.discard_soon(id);
+        }
+    }
+
+    /// Put back a VM taken with [`LocalVms::take_warm`] whose create did not
+    /// happen; nothing ever ran in it.
+    pub fn return_warm(&self, id: &str, size: &str) {
+        if self.claimed.lock().unwrap().remove(id) {
+            self.ready
+                .lock()
+                .unwrap()
+                .entry(size.to_string())
+                .or_default()
+                .push_front(id.to_string());
+        }
+    }
+
+    /// How many ready VMs the pool holds for `size`.
+    pub fn warm_count(&self, size: &str) -> usize {
+        self.ready
+            .lock()
+            .unwrap()
+            .get(size)
+            .map_or(0, VecDeque::len)
+    }
+
+    /// Ids of every ready pool VM.
+    pub fn warm_ids(&self) -> Vec<String> {
+        self.ready
+            .lock()
+            .unwrap()
+            .values()
+            .flat_map(|q| q.iter().cloned())
+            .collect()
+    }
+
+    /// Leave a dead pool VM to the refill task to remove.
+    fn discard_soon(&self, id: String) {
+        self.dead.lock().unwrap().push(id);
+        self.refill.notify_one();
+    }
+
+    /// Start the task that keeps the pool full (nothing without pool sizes).
+    pub fn start_pool(self: &Arc<Self>) {
+        if self.pool.sizes.values().all(|n| *n == 0) {
+            return;
+        }
+        let me = Arc::downgrade(self);
+        let wake = self.refill.clone();
+        tokio::spawn(async move {
+            let mut backoff = Duration::from_secs(1);
+            loop {
+                let Some(vms) = me.upgrade() else { return };
+                if vms.stopping.load(Ordering::SeqCst) {
+                    return;
+                }
+                let woken = wake.notified();
+                tokio::pin!(woken);
+                woken.as_mut().enable();
+                let nap = match vms.refill_one().await {
+                    Ok(true) => {
+                        backoff = Duration::from_secs(1);
+                        continue;
+                    }
+                    Ok(false) => Duration::from_secs(30),
+                    Err(e) => {
+                        tracing::warn!("refilling the warm pool: {e}; retrying in {backoff:?}");
+                        let nap = backoff;
+                        backoff = (backoff * 2).min(Duration::from_secs(60));
+                        nap
+                    }
+                };
+                drop(vms);
+                tokio::select! {
+                    _ = tokio::time::sleep(nap) => {}
+                    _ = woken => {}
+                }
+            }
+        });
+    }
+
+    /// Add one VM to the emptiest size below its target; `false` when every
+    /// size is full. Dead pool VMs are dropped on the way.
+    async fn refill_one(&self) -> Result<bool, RuntimeError> {
+        let _refilling = self.refilling.lock().await;
+        if self.stopping.load(Ordering::SeqCst) {
+            return Ok(false);
+        }
+        let mut want: Option<(String, usize)> = None;
+        {
+            let mut ready = self.ready.lock().unwrap();
+            for (size, target) in &self.pool.sizes {
+                let q = ready.entry(size.clone()).or_default();
+                let missing = target.saturating_sub(q.len());
+                if missing > 0 && want.as_ref().is_none_or(|(_, m)| missing > *m) {
+                    want = Some((size.clone(), missing));
+                }
+            }
+        }
+        let mut dead: Vec<String> = self
+            .warm_ids()
+            .into_iter()
+            .filter(|id| !matches!(self.state(id), Some(VmState::Running)))
+            .collect();
+        for id in &dead {
+            tracing::warn!(id, "a pool VM died while it waited; discarding it");
+            for q in self.ready.lock().unwrap().values_mut() {
+                q.retain(|x| x != id);
+            }
+        }
+        dead.append(&mut self.dead.lock().unwrap());
+        for id in dead {
+            let _ = self.destroy(&id).await;
+        }
+        let Some((size, _)) = want else {
+            return Ok(false);
+        };
+        if self.paused.load(Ordering::SeqCst) {
+            return Ok(false);
+        }
+        if self.manager.snapshots_supported() && self.manager.template(&size).is_none() {
+            self.manager.ensure_template(&size).await?;
+        }
+        let id = new_id("sbx_");
+        let record = self
+            .start_vm(
+                &id,
+                &size,
+                BTreeMap::from([(POOL_LABEL.to_string(), size.clone())]),
+            )
+            .await?;
+        if self.stopping.load(Ordering::SeqCst) || self.paused.load(Ordering::SeqCst) {
+            let _ = self.destroy(&id).await;
+            return Ok(false);
+        }
+        tracing::debug!(
+            id,
+            size,
+            restored = record.template.is_some(),
+            "pool VM ready"
+        );
+        self.ready
+            .lock()
+            .unwrap()
+            .entry(size)
+            .or_default()
+            .push_back(id);
+        Ok(true)
+    }
+
+    /// Pause the pool (empty it and stop refilling) or resume it. For
+    /// operators and the benchmark's empty-pool measurements.
+    pub async fn pause_pool(&self, paused: bool) {
+        self.paused.store(paused, Ordering::SeqCst);
+        self.refill.notify_one();
+        if paused {
+            let _refilling = self.refilling.lock().await;
+            self.empty_pool().await;
+        }
+    }
+
+    /// Stop refilling and destroy every ready pool VM (server shutdown).
+    pub async fn drain_pool(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
+        self.refill.notify_one();
+        // A refill in flight finishes (and removes its VM) first.
+        let _refilling = self.refilling.lock().await;
+        self.empty_pool().await;
+    }
+
+    async fn empty_pool(&self) {
+        let ids: Vec<String> = self
+            .ready
+            .lock()
+            .unwrap()
+            .values_mut()
+            .flat_map(|q| q.drain(..))
+            .collect();
+        for id in ids {
+            let _ = self.destroy(&id).await;
+        }
     }
 
     /// The agent of a running VM (reconnecting if needed).

@@ -97,6 +97,9 @@ fn runtime_error(e: RuntimeError) -> CoreError {
             format!("lost the connection to the sandbox ({m}); retry"),
         )
         .with_retry_after(1),
+        RuntimeError::Busy(m) => {
+            CoreError::new(ErrorType::ServiceUnavailable, m).with_retry_after(2)
+        }
         RuntimeError::BootTimeout { secs, .. } => CoreError::new(
             ErrorType::ServiceUnavailable,
             format!("the VM did not boot within {secs} s; retry"),
@@ -196,6 +199,7 @@ impl Service {
     /// Settle what happened while no server ran, then start the reaper.
     pub async fn start(self: &Arc<Self>) -> Result<()> {
         self.reconcile().await?;
+        self.vms.start_pool();
         let me = Arc::downgrade(self);
         tokio::spawn(async move {
             loop {
@@ -221,6 +225,12 @@ impl Service {
             }
         });
         Ok(())
+    }
+
+    /// The server is stopping: remove the warm pool's VMs (no sandbox owns
+    /// them). Sandboxes keep running; the next start takes them over.
+    pub async fn shutdown(&self) {
+        self.vms.drain_pool().await;
     }
 
     /// End every expired sandbox; returns how long to sleep until the next expiry.
@@ -567,6 +577,26 @@ impl Service {
         }
     }
 
+    /// Ready VMs in the warm pool for `size`.
+    pub fn warm_count(&self, size: &str) -> usize {
+        self.vms.warm_count(size)
+    }
+
+    /// Ids of the warm pool's ready VMs (for tests and operators).
+    pub fn warm_ids(&self) -> Vec<String> {
+        self.vms.warm_ids()
+    }
+
+    /// Empty the warm pool and stop refilling it, or resume it.
+    pub async fn set_pool_paused(&self, paused: bool) {
+        self.vms.pause_pool(paused).await;
+    }
+
+    /// The runtime's record of a sandbox's VM on this host.
+    pub fn vm_record(&self, id: &str) -> Option<sandpit_runtime::VmRecord> {
+        self.vms.manager().record(id).ok()
+    }
+
     /// Ids of the VMs on this host (for tests and operators).
     pub fn vms_on_host(&self) -> Vec<String> {
         self.vms.list().into_iter().map(|r| r.id).collect()
@@ -753,7 +783,9 @@ impl SandboxApi for Service {
         let request_hash = hex::encode(sha2::Sha256::digest(
             serde_json::to_vec(&(&size_name, &req.name, timeout)).expect("json"),
         ));
-        let id = new_id("sbx_");
+        // A warm pool VM already carries the id its sandbox will have.
+        let warm = self.vms.take_warm(&size_name);
+        let id = warm.clone().unwrap_or_else(|| new_id("sbx_"));
         let outcome = self
             .store
             .create_sandbox(sandpit_store::NewSandbox {
@@ -774,6 +806,9 @@ impl SandboxApi for Service {
                 idempotency: idempotency_key.map(|k| (k, request_hash)),
             })
             .await?;
+        if let (Some(id), false) = (&warm, matches!(outcome, CreateOutcome::Created(_))) {
+            self.vms.return_warm(id, &size_name);
+        }
         let row = match outcome {
             CreateOutcome::Created(row) => row,
             CreateOutcome::Replay(row) => return Ok((to_sandbox(&row), true)),

@@ -2,81 +2,15 @@
 //! billing and refunds, isolation between accounts, credit that concurrent
 //! creates can never overdraw, and expiry while the service runs.
 
-use sandpit_core::config::{ServiceConfig, SizeConfig};
 use sandpit_core::{
-    backend::LocalVms, Caller, CreateSandbox, Encoding, ErrorType, ExecEvent, ExecParams,
-    ExecutionStatus, ListSandboxes, SandboxApi, SandboxStatus, Service, WriteFile,
+    CreateSandbox, Encoding, ErrorType, ExecEvent, ExecutionStatus, ListSandboxes, SandboxApi,
+    SandboxStatus, WriteFile,
 };
-use sandpit_runtime::config::SizeSpec;
-use sandpit_runtime::image::GuestImage;
-use sandpit_runtime::{RuntimeConfig, VmManager};
-use sandpit_store::Store;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
-fn image() -> GuestImage {
-    let dir = std::env::var_os("SANDPIT_IMAGES_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/sandpit-images")
-        });
-    let bytes = std::fs::read(dir.join("current.json")).unwrap_or_else(|_| {
-        panic!(
-            "no guest image in {}: run scripts/test.sh (it builds the agent and the image)",
-            dir.display()
-        )
-    });
-    serde_json::from_slice(&bytes).unwrap()
-}
+mod common;
 
-/// A service on a fresh data directory with a small test size.
-async fn service() -> (Arc<Service>, tempfile::TempDir) {
-    let dir = tempfile::Builder::new()
-        .prefix("spc-")
-        .tempdir_in("/tmp")
-        .unwrap();
-    let mut rt = RuntimeConfig::new(dir.path());
-    rt.sizes.clear();
-    rt.sizes.insert(
-        "small".into(),
-        SizeSpec {
-            vcpus: 2,
-            memory_mb: 1024,
-            disk_gb: 4,
-        },
-    );
-    let mut cfg = ServiceConfig::default();
-    cfg.sizes.clear();
-    cfg.sizes.insert(
-        "small".into(),
-        SizeConfig {
-            vcpus: 2,
-            memory_mb: 1024,
-            disk_gb: 4,
-            price_usd_per_hour: 0.09,
-        },
-    );
-    let store = Store::open_sqlite(dir.path().join("sandpit.db"))
-        .await
-        .unwrap();
-    let vms = LocalVms::new(VmManager::new(rt, image()).unwrap());
-    let svc = Service::new(cfg, store, vms);
-    svc.start().await.unwrap();
-    (svc, dir)
-}
-
-async fn account(svc: &Service, name: &str, usd: f64) -> Caller {
-    let a = svc.create_account(name, usd).await.unwrap();
-    Caller { account_id: a.id }
-}
-
-fn cmd(c: &str) -> ExecParams {
-    ExecParams {
-        command: c.into(),
-        ..Default::default()
-    }
-}
+use common::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_agent_flow_and_its_bill() {

@@ -39,9 +39,21 @@ pub(crate) struct Inner {
     pub(crate) credits: Mutex<HashMap<RequestId, Arc<crate::tunnel::SendCredit>>>,
     next_id: AtomicU64,
     pub(crate) closed: AtomicBool,
+    /// The reader and writer tasks, so `close` can end the connection while
+    /// clones of the client still exist.
+    tasks: Mutex<Vec<tokio::task::AbortHandle>>,
 }
 
 impl Inner {
+    /// The connection is over: every request and tunnel stream fails now.
+    fn hang_up(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        self.pending.lock().unwrap().clear();
+        for (_, c) in self.credits.lock().unwrap().drain() {
+            c.close();
+        }
+    }
+
     pub(crate) fn send(&self, message: &Message, body: &[u8]) -> Result<()> {
         self.out
             .send(encode_frame(message, body))
@@ -204,8 +216,9 @@ impl AgentClient {
             credits: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             closed: AtomicBool::new(false),
+            tasks: Mutex::new(Vec::new()),
         });
-        tokio::spawn(async move {
+        let writer = tokio::spawn(async move {
             while let Some(bytes) = out_rx.recv().await {
                 if wr.write_all(&bytes).await.is_err() {
                     break;
@@ -213,7 +226,7 @@ impl AgentClient {
             }
         });
         let reader_inner = inner.clone();
-        tokio::spawn(async move {
+        let reader = tokio::spawn(async move {
             loop {
                 loop {
                     match decoder.next_frame() {
@@ -227,12 +240,9 @@ impl AgentClient {
                     Ok(n) => decoder.push(&buf[..n]),
                 }
             }
-            reader_inner.closed.store(true, Ordering::SeqCst);
-            reader_inner.pending.lock().unwrap().clear();
-            for (_, c) in reader_inner.credits.lock().unwrap().drain() {
-                c.close();
-            }
+            reader_inner.hang_up();
         });
+        *inner.tasks.lock().unwrap() = vec![writer.abort_handle(), reader.abort_handle()];
         Ok(AgentClient {
             inner,
             info: Arc::new(info),
@@ -242,6 +252,15 @@ impl AgentClient {
     /// What the agent reported in the handshake.
     pub fn info(&self) -> &AgentInfo {
         &self.info
+    }
+
+    /// Hang up: the socket closes now, for every clone; requests in flight
+    /// fail as disconnected.
+    pub fn close(&self) {
+        for t in self.inner.tasks.lock().unwrap().drain(..) {
+            t.abort();
+        }
+        self.inner.hang_up();
     }
 
     /// Has the connection closed (VM gone or agent unreachable)?

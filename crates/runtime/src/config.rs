@@ -83,8 +83,16 @@ pub struct RuntimeConfig {
     pub reserved_memory_mb: u32,
     /// TCG translation cache per VM, MiB (host memory per sandbox).
     pub tcg_tb_size_mb: u32,
+    /// Start VMs by restoring a snapshot template of their size (built on
+    /// first use) rather than booting them.
+    #[serde(default = "yes")]
+    pub snapshots: bool,
     pub qemu_binary: PathBuf,
     pub passt_binary: PathBuf,
+}
+
+fn yes() -> bool {
+    true
 }
 
 mod humantime_secs {
@@ -139,6 +147,7 @@ impl RuntimeConfig {
             user_pids_max: 4096,
             reserved_memory_mb: 96,
             tcg_tb_size_mb: 64,
+            snapshots: true,
             qemu_binary: "qemu-system-x86_64".into(),
             passt_binary: "passt".into(),
         }

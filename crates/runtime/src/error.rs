@@ -28,6 +28,9 @@ pub enum RuntimeError {
     /// The guest agent speaks another protocol generation.
     #[error("guest agent speaks protocol generation {guest}, this host speaks {host}; rebuild the image")]
     ProtocolMismatch { host: u32, guest: u32 },
+    /// Too many VMs are starting at once and the wait queue is full.
+    #[error("{0}")]
+    Busy(String),
     /// Starting or driving QEMU (or passt) failed.
     #[error("{0}")]
     Launch(String),

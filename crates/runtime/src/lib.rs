@@ -15,6 +15,7 @@ pub mod image;
 pub mod net;
 pub mod process;
 pub mod qmp;
+pub mod template;
 pub mod tunnel;
 pub mod vm;
 
@@ -22,5 +23,6 @@ pub use accel::Accel;
 pub use channel::{AgentClient, ExecEvent, ExecHandle, ExecOutput};
 pub use config::{AccelChoice, NetworkPolicy, RuntimeConfig, SizeSpec};
 pub use error::{Result, RuntimeError};
+pub use template::Template;
 pub use tunnel::{TunnelCloser, TunnelStream};
 pub use vm::{CreateVm, Vm, VmManager, VmRecord, VmState};

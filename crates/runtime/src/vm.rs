@@ -15,6 +15,7 @@ use crate::channel::AgentClient;
 use crate::config::{RuntimeConfig, SizeSpec};
 use crate::image::GuestImage;
 use crate::qmp::Qmp;
+use crate::template::{self, Template, TemplateInputs};
 use crate::{console, net, process, Result, RuntimeError};
 use rand::RngCore;
 use sandpit_protocol::{GuestConfig, NetworkConfig, AGENT_PORT_NAME};
@@ -51,6 +52,9 @@ pub struct VmRecord {
     /// Free-form labels of the caller (name, expiry, owner...).
     #[serde(default)]
     pub metadata: BTreeMap<String, String>,
+    /// The snapshot template it was restored from; `None`: booted cold.
+    #[serde(default)]
+    pub template: Option<String>,
 }
 
 impl VmRecord {
@@ -105,7 +109,26 @@ pub struct VmManager {
     image: GuestImage,
     accel: Accel,
     deny: Vec<String>,
-    qemu_major: u32,
+    qemu_version: QemuVersion,
+}
+
+/// QEMU's version: its `--version` line and the numbers that gate features.
+#[derive(Debug, Clone)]
+struct QemuVersion {
+    line: String,
+    major: u32,
+    minor: u32,
+}
+
+/// How a VM comes to life.
+enum Start<'a> {
+    /// Boot the kernel.
+    Cold,
+    /// Boot the kernel with guest RAM in the shared file `mem`: a template
+    /// in the making.
+    Template { mem: &'a Path },
+    /// Restore a template's saved state.
+    Restore(&'a Template),
 }
 
 /// What to create.
@@ -137,13 +160,20 @@ impl VmManager {
                 .into_iter()
                 .filter(|a| !a.starts_with("127.")),
         );
-        let qemu_major = qemu_major_version(&config.qemu_binary)?;
+        let qemu_version = qemu_version(&config.qemu_binary)?;
+        if nix::unistd::geteuid().is_root() {
+            // VMs' QEMUs (each its own uid) reopen their disks by path, so
+            // they must be able to walk (not list) the way there.
+            for dir in [&config.data_dir, &config.vms_dir()] {
+                allow_traverse(dir);
+            }
+        }
         Ok(VmManager {
             config,
             image,
             accel,
             deny,
-            qemu_major,
+            qemu_version,
         })
     }
 
@@ -166,17 +196,43 @@ impl VmManager {
         }
     }
 
-    /// Boot a new VM and wait until its agent is configured and answering.
-    /// On any failure nothing of it is left behind.
+    /// Start a new VM and wait until its agent is configured and answering:
+    /// restored from the size's snapshot template when there is one, booted
+    /// cold otherwise, or when the restore fails (the template is then
+    /// discarded, to be rebuilt). On any failure nothing of it is left behind.
     pub async fn create(&self, req: CreateVm) -> Result<Vm> {
         validate_id(&req.id)?;
         let size = self.config.size(&req.size)?;
+        if let Some(template) = self.template(&req.size) {
+            match self.start(&req, size, Start::Restore(&template)).await {
+                Ok(vm) => return Ok(vm),
+                Err(e) => {
+                    tracing::warn!(
+                        id = %req.id,
+                        template = %template.key,
+                        "restoring from the snapshot template failed, falling back to a cold boot: {e}"
+                    );
+                    self.discard_template(&template);
+                }
+            }
+        }
+        self.start(&req, size, Start::Cold).await
+    }
+
+    /// Boot a new VM cold, whatever templates exist.
+    pub async fn create_cold(&self, req: CreateVm) -> Result<Vm> {
+        validate_id(&req.id)?;
+        let size = self.config.size(&req.size)?;
+        self.start(&req, size, Start::Cold).await
+    }
+
+    async fn start(&self, req: &CreateVm, size: SizeSpec, start: Start<'_>) -> Result<Vm> {
         let paths = self.paths(&req.id);
         std::fs::create_dir(&paths.dir).map_err(RuntimeError::io(format!(
             "creating the VM directory {}",
             paths.dir.display()
         )))?;
-        match self.boot(&req, size, &paths).await {
+        match self.boot(req, size, &paths, &start).await {
             Ok(vm) => Ok(vm),
             Err(e) => {
                 let e = match e {
@@ -199,14 +255,14 @@ impl VmManager {
         }
     }
 
-    async fn boot(&self, req: &CreateVm, size: SizeSpec, paths: &VmPaths) -> Result<Vm> {
+    async fn boot(
+        &self,
+        req: &CreateVm,
+        size: SizeSpec,
+        paths: &VmPaths,
+        start: &Start<'_>,
+    ) -> Result<Vm> {
         #[cfg(unix)]
-        {
-            use std::os::unix::fs::PermissionsExt;
-            // Only root (the runtime) walks into a VM's directory; QEMU opens
-            // everything it needs before it drops to its own uid.
-            let _ = std::fs::set_permissions(&paths.dir, std::fs::Permissions::from_mode(0o700));
-        }
         let sock_len = paths.agent_socket().as_os_str().len();
         if sock_len > 100 {
             return Err(RuntimeError::Launch(format!(
@@ -214,7 +270,11 @@ impl VmManager {
                 sock_len
             )));
         }
-        create_overlay(&self.image.rootfs, &paths.disk(), size.disk_gb).await?;
+        let base = match start {
+            Start::Restore(t) => t.disk(),
+            Start::Cold | Start::Template { .. } => self.image.rootfs.clone(),
+        };
+        create_overlay(&base, &paths.disk(), size.disk_gb).await?;
 
         let passt = if self.config.network.enabled {
             Some(net::start_passt(&self.config.passt_binary, &paths.dir)?)
@@ -222,18 +282,42 @@ impl VmManager {
             None
         };
 
-        let run_as = if nix::unistd::geteuid().is_root() {
+        // A template runs no user code and must write its state file.
+        let run_as = if nix::unistd::geteuid().is_root() && !matches!(start, Start::Template { .. })
+        {
             Some(self.vm_uid(&req.id))
         } else {
             None
         };
-        if let Some(uid) = run_as {
-            // The overlay belongs to this VM's uid alone.
+        {
             use std::os::unix::fs::PermissionsExt;
-            let _ = std::os::unix::fs::chown(paths.disk(), Some(uid), Some(uid));
-            let _ = std::fs::set_permissions(paths.disk(), std::fs::Permissions::from_mode(0o600));
+            // Only root (the runtime) and this VM's QEMU walk into a VM's
+            // directory: QEMU reopens its disk by path after it dropped to its
+            // own uid (when a restore activates the block devices), so the
+            // directory is group-owned by that uid's group, 0710, and the
+            // overlay belongs to the uid alone.
+            match run_as {
+                Some(uid) => {
+                    let _ = std::os::unix::fs::chown(&paths.dir, Some(0), Some(uid));
+                    let _ = std::fs::set_permissions(
+                        &paths.dir,
+                        std::fs::Permissions::from_mode(0o710),
+                    );
+                    let _ = std::os::unix::fs::chown(paths.disk(), Some(uid), Some(uid));
+                    let _ = std::fs::set_permissions(
+                        paths.disk(),
+                        std::fs::Permissions::from_mode(0o600),
+                    );
+                }
+                None => {
+                    let _ = std::fs::set_permissions(
+                        &paths.dir,
+                        std::fs::Permissions::from_mode(0o700),
+                    );
+                }
+            }
         }
-        let args = self.qemu_args(req, size, paths, passt.is_some(), run_as);
+        let args = self.qemu_args(req, size, paths, passt.is_some(), run_as, start);
         tracing::debug!(id = %req.id, "starting QEMU: {}", args.join(" "));
         let qemu_log = std::fs::File::create(paths.qemu_log())
             .map_err(RuntimeError::io("creating qemu.log"))?;
@@ -287,13 +371,22 @@ impl VmManager {
             passt_started: passt.and_then(process::start_time),
             qemu_uid: run_as,
             metadata: req.metadata.clone(),
+            template: match start {
+                Start::Restore(t) => Some(t.key.clone()),
+                _ => None,
+            },
         };
         write_record(paths, &record)?;
 
         // Wait for the agent socket, then the handshake, while watching QEMU.
         let marker = qemu_marker(&req.id);
         let exited = process::pidfd_open(qemu_pid);
-        let boot_timeout = self.config.boot_timeout;
+        let boot_timeout = match start {
+            // A restore answers in well under a second; one that has not in
+            // 20 s is broken, and the cold boot it falls back to needs the time.
+            Start::Restore(_) => self.config.boot_timeout.min(Duration::from_secs(20)),
+            _ => self.config.boot_timeout,
+        };
         let connect = async {
             let start = Instant::now();
             while !paths.agent_socket().exists() {
@@ -310,6 +403,17 @@ impl VmManager {
             }
             AgentClient::connect(&paths.agent_socket(), boot_timeout).await
         };
+        if let Start::Restore(t) = start {
+            tokio::time::timeout(
+                boot_timeout,
+                load_template_state(paths, t, qemu_pid, &marker),
+            )
+            .await
+            .map_err(|_| RuntimeError::BootTimeout {
+                secs: boot_timeout.as_secs(),
+                console_tail: String::new(),
+            })??;
+        }
         let agent = match exited {
             Some(fd) => tokio::select! {
                 r = connect => r?,
@@ -322,24 +426,16 @@ impl VmManager {
 
         let mut entropy = vec![0u8; 64];
         rand::rngs::OsRng.fill_bytes(&mut entropy);
-        let network = passt.as_ref().map(|_| NetworkConfig {
-            address: net::GUEST_ADDRESS.into(),
-            gateway: net::GUEST_GATEWAY.into(),
-            dns: self
-                .config
-                .network
-                .dns
-                .clone()
-                .unwrap_or_else(|| vec![net::GUEST_DNS_FORWARD.into()]),
-            deny: self.deny.clone(),
-            mtu: net::GUEST_MTU,
-        });
+        let network = passt.as_ref().map(|_| self.network_config());
         let mut machine_id = [0u8; 16];
         rand::rngs::OsRng.fill_bytes(&mut machine_id);
         agent
             .configure(
                 GuestConfig {
-                    hostname: hostname_for(&req.id),
+                    hostname: match start {
+                        Start::Template { .. } => "sandpit-template".into(),
+                        _ => hostname_for(&req.id),
+                    },
                     machine_id: hex::encode(machine_id),
                     time_unix_ms: (OffsetDateTime::now_utc().unix_timestamp_nanos() / 1_000_000)
                         as u64,
@@ -359,6 +455,22 @@ impl VmManager {
         })
     }
 
+    /// The guest network plan of this host's VMs.
+    fn network_config(&self) -> NetworkConfig {
+        NetworkConfig {
+            address: net::GUEST_ADDRESS.into(),
+            gateway: net::GUEST_GATEWAY.into(),
+            dns: self
+                .config
+                .network
+                .dns
+                .clone()
+                .unwrap_or_else(|| vec![net::GUEST_DNS_FORWARD.into()]),
+            deny: self.deny.clone(),
+            mtu: net::GUEST_MTU,
+        }
+    }
+
     fn qemu_args(
         &self,
         req: &CreateVm,
@@ -366,20 +478,52 @@ impl VmManager {
         paths: &VmPaths,
         network: bool,
         run_as: Option<u32>,
+        start: &Start<'_>,
     ) -> Vec<String> {
         let p = |p: PathBuf| p.display().to_string();
-        let machine = match self.accel {
+        let mut machine = match self.accel {
             // Under TCG the legacy timers keep the TSC calibration from hanging
             // (see the notes); under KVM they are not needed.
-            Accel::Tcg => "microvm,pit=on,pic=on,rtc=on",
-            Accel::Kvm => "microvm,pit=off,pic=off,rtc=on",
+            Accel::Tcg => "microvm,pit=on,pic=on,rtc=on".to_string(),
+            Accel::Kvm => "microvm,pit=off,pic=off,rtc=on".to_string(),
         };
+        // Template and restored VMs keep guest RAM in the template's file:
+        // shared while the template is made, a private copy-on-write mapping
+        // of the read-only file in each restored VM (`rom=off` keeps the
+        // mapping writable although the file is opened read-only, so no VM
+        // can write the pages others share).
+        let ram = match start {
+            Start::Cold => None,
+            Start::Template { mem } => Some(format!(
+                "memory-backend-file,id=ram,size={}M,mem-path={},share=on",
+                size.memory_mb,
+                mem.display()
+            )),
+            Start::Restore(t) => Some(format!(
+                "memory-backend-file,id=ram,size={}M,mem-path={},share=off,readonly=on,rom=off",
+                size.memory_mb,
+                t.mem().display()
+            )),
+        };
+        if ram.is_some() {
+            machine.push_str(",memory-backend=ram");
+        }
         let mut a: Vec<String> = vec![
             "-name".into(),
             format!("{},process={}", qemu_marker(&req.id), qemu_marker(&req.id)),
             "-M".into(),
-            machine.into(),
+            machine,
         ];
+        if let Some(ram) = ram {
+            a.push("-object".into());
+            a.push(ram);
+        }
+        if let Start::Restore(_) = start {
+            // The state is loaded through QMP once `x-ignore-shared` is on
+            // (see `load_template_state`).
+            a.push("-incoming".into());
+            a.push("defer".into());
+        }
         match self.accel {
             Accel::Tcg => {
                 a.push("-accel".into());
@@ -436,7 +580,7 @@ impl VmManager {
                 "-initrd",
                 &p(self.image.initrd.clone()),
                 "-append",
-                &kernel_cmdline(self.accel),
+                &kernel_cmdline(self.accel, crate::accel::host_tsc_khz()),
             ]
             .iter()
             .map(|s| s.to_string()),
@@ -460,7 +604,7 @@ impl VmManager {
             if run_as.is_some() { "allow" } else { "deny" }
         ));
         if let Some(uid) = run_as {
-            if self.qemu_major >= 9 {
+            if self.qemu_version.major >= 9 {
                 a.push("-run-with".into());
                 a.push(format!("user={uid}:{uid}"));
             } else {
@@ -579,24 +723,7 @@ impl VmManager {
             return Err(RuntimeError::NotFound(id.to_string()));
         }
         if let Ok(record) = self.record(id) {
-            // Ask QEMU to quit through QMP first (it closes its files itself),
-            // then SIGKILL whatever is left.
-            if process::alive_with_marker(record.qemu_pid, &record.qemu_marker()) {
-                let quit = async {
-                    let mut qmp = Qmp::connect(&paths.qmp_socket()).await?;
-                    qmp.execute("quit", serde_json::json!({})).await
-                };
-                let _ = tokio::time::timeout(Duration::from_millis(500), quit).await;
-            }
-            process::kill_and_wait(
-                record.qemu_pid,
-                &record.qemu_marker(),
-                Duration::from_secs(10),
-            )
-            .await;
-            if let (Some(pid), Some(started)) = (record.passt_pid, record.passt_started) {
-                process::kill_identified(pid, started, Duration::from_secs(5)).await;
-            }
+            stop_processes(&record, &paths).await;
         } else {
             // A VM that died before its record was written: find its QEMU by marker.
             if let Some(pid) = find_by_marker(&qemu_marker(id)) {
@@ -610,11 +737,43 @@ impl VmManager {
     }
 }
 
+/// Ask QEMU to quit through QMP (it closes its files itself), SIGKILL
+/// whatever is left, then stop passt.
+async fn stop_processes(record: &VmRecord, paths: &VmPaths) {
+    if process::alive_with_marker(record.qemu_pid, &record.qemu_marker()) {
+        let quit = async {
+            let mut qmp = Qmp::connect(&paths.qmp_socket()).await?;
+            qmp.execute("quit", serde_json::json!({})).await
+        };
+        let _ = tokio::time::timeout(Duration::from_millis(500), quit).await;
+    }
+    process::kill_and_wait(
+        record.qemu_pid,
+        &record.qemu_marker(),
+        Duration::from_secs(10),
+    )
+    .await;
+    if let (Some(pid), Some(started)) = (record.passt_pid, record.passt_started) {
+        process::kill_identified(pid, started, Duration::from_secs(5)).await;
+    }
+}
+
 fn write_record(paths: &VmPaths, record: &VmRecord) -> Result<()> {
     let tmp = paths.dir.join("vm.json.tmp");
     std::fs::write(&tmp, serde_json::to_vec_pretty(record).expect("json"))
         .map_err(RuntimeError::io("writing vm.json"))?;
     std::fs::rename(&tmp, paths.record()).map_err(RuntimeError::io("writing vm.json"))
+}
+
+/// Let every user walk through `dir` (`o+x`), without listing it.
+fn allow_traverse(dir: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    if let Ok(meta) = std::fs::metadata(dir) {
+        let mode = meta.permissions().mode();
+        if mode & 0o001 == 0 {
+            let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode | 0o001));
+        }
+    }
 }
 
 /// Find a process whose command line carries `marker`.
@@ -648,11 +807,12 @@ fn hostname_for(id: &str) -> String {
     id.replace('_', "-").to_ascii_lowercase()
 }
 
-/// The guest kernel command line.
-pub fn kernel_cmdline(accel: Accel) -> String {
+/// The guest kernel command line. Under TCG the guest's TSC is the host's,
+/// so the kernel is told the host's rate (see `accel::host_tsc_khz`).
+pub fn kernel_cmdline(accel: Accel, tsc_khz: u32) -> String {
     let mut s = String::from("console=ttyS0 panic=-1 quiet loglevel=4 root=/dev/vda rw");
     if accel == Accel::Tcg {
-        s.push_str(" tsc=reliable tsc_early_khz=2000000");
+        s.push_str(&format!(" tsc=reliable tsc_early_khz={tsc_khz}"));
     }
     s
 }
@@ -684,7 +844,7 @@ async fn create_overlay(base: &Path, disk: &Path, disk_gb: u32) -> Result<()> {
     Ok(())
 }
 
-fn qemu_major_version(qemu: &Path) -> Result<u32> {
+fn qemu_version(qemu: &Path) -> Result<QemuVersion> {
     let out = std::process::Command::new(qemu)
         .arg("--version")
         .output()
@@ -693,11 +853,310 @@ fn qemu_major_version(qemu: &Path) -> Result<u32> {
             package: "qemu-system-x86".into(),
         })?;
     let text = String::from_utf8_lossy(&out.stdout);
-    Ok(text
+    let line = text.lines().next().unwrap_or_default().trim().to_string();
+    let mut numbers = line
         .split_whitespace()
         .skip_while(|w| *w != "version")
         .nth(1)
-        .and_then(|v| v.split('.').next())
-        .and_then(|m| m.parse().ok())
-        .unwrap_or(7))
+        .unwrap_or("7.0")
+        .split(['.', '('])
+        .map(|n| n.parse::<u32>().unwrap_or(0));
+    Ok(QemuVersion {
+        major: numbers.next().unwrap_or(7),
+        minor: numbers.next().unwrap_or(0),
+        line,
+    })
+}
+
+/// Snapshot templates (see `template`): find, build, discard.
+impl VmManager {
+    /// Restoring needs `file:` migration and `rom=` on RAM files (QEMU 8.2).
+    pub fn snapshots_supported(&self) -> bool {
+        self.config.snapshots && (self.qemu_version.major, self.qemu_version.minor) >= (8, 2)
+    }
+
+    /// Where templates live.
+    pub fn templates_dir(&self) -> PathBuf {
+        self.config.data_dir.join("templates")
+    }
+
+    fn template_inputs(&self, size_name: &str, size: SizeSpec) -> TemplateInputs {
+        TemplateInputs {
+            format: template::FORMAT,
+            image_id: self.image.id.clone(),
+            size: size_name.to_string(),
+            resources: size,
+            qemu_version: self.qemu_version.line.clone(),
+            accel: self.accel,
+            tcg_tb_size_mb: self.config.tcg_tb_size_mb,
+            kernel_cmdline: kernel_cmdline(self.accel, 0),
+            network: self
+                .config
+                .network
+                .enabled
+                .then(|| serde_json::to_value(self.network_config()).expect("json")),
+            user_pids_max: self.config.user_pids_max,
+            reserved_memory_mb: self.config.reserved_memory_mb,
+        }
+    }
+
+    /// The finished template of `size` for this image, QEMU and config, if
+    /// one has been built.
+    pub fn template(&self, size_name: &str) -> Option<Template> {
+        if !self.snapshots_supported() {
+            return None;
+        }
+        let size = self.config.size(size_name).ok()?;
+        let inputs = self.template_inputs(size_name, size);
+        let dir = self
+            .templates_dir()
+            .join(template::dir_name(size_name, &inputs.key()));
+        template::load(&dir, &inputs, crate::accel::host_tsc_khz())
+    }
+
+    /// The template of `size`, built first when there is none (about a cold
+    /// boot plus three seconds). Concurrent callers, in this process or
+    /// another on the same data directory, build it once.
+    pub async fn ensure_template(&self, size_name: &str) -> Result<Template> {
+        if !self.snapshots_supported() {
+            return Err(RuntimeError::Launch(format!(
+                "snapshot templates need QEMU 8.2 or newer (this is {}) and snapshots enabled",
+                self.qemu_version.line
+            )));
+        }
+        if let Some(t) = self.template(size_name) {
+            return Ok(t);
+        }
+        let size = self.config.size(size_name)?;
+        validate_id(size_name)?;
+        let dir = self.templates_dir();
+        std::fs::create_dir_all(&dir)
+            .map_err(RuntimeError::io(format!("creating {}", dir.display())))?;
+        allow_traverse(&dir);
+        let _lock = template::lock(&dir, size_name).await?;
+        if let Some(t) = self.template(size_name) {
+            return Ok(t);
+        }
+        let inputs = self.template_inputs(size_name, size);
+        let name = template::dir_name(size_name, &inputs.key());
+        // Outdated templates and the leftovers of builds that died.
+        template::remove_others(&dir, size_name, None);
+        let tmp = dir.join(format!(".{name}.{}.tmp", rand::random::<u32>()));
+        let started = Instant::now();
+        tracing::info!(size = size_name, template = %name, "building a snapshot template");
+        if let Err(e) = self.build_template_in(&tmp, size_name, size).await {
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(e);
+        }
+        let record = template::TemplateRecord {
+            inputs,
+            tsc_khz: crate::accel::host_tsc_khz(),
+            created_at: OffsetDateTime::now_utc(),
+            build_secs: started.elapsed().as_secs_f64(),
+        };
+        let finish = || -> std::io::Result<()> {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::write(
+                tmp.join(template::RECORD),
+                serde_json::to_vec_pretty(&record).expect("json"),
+            )?;
+            // Restored VMs' QEMUs (each its own uid) only read these; none
+            // may write them.
+            for f in [template::MEM, template::STATE, template::DISK] {
+                let f = tmp.join(f);
+                std::os::unix::fs::chown(&f, Some(0), Some(0)).ok();
+                std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o644))?;
+            }
+            std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755))?;
+            std::fs::rename(&tmp, dir.join(&name))
+        };
+        if let Err(e) = finish() {
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(RuntimeError::io("finishing the template")(e));
+        }
+        tracing::info!(
+            size = size_name,
+            template = %name,
+            "snapshot template ready in {:.1} s",
+            record.build_secs
+        );
+        self.template(size_name).ok_or_else(|| {
+            RuntimeError::Launch(format!(
+                "the template {name} vanished right after its build"
+            ))
+        })
+    }
+
+    /// Remove a template that failed to restore, so the next
+    /// `ensure_template` builds it again.
+    pub fn discard_template(&self, template: &Template) {
+        let gone = template.dir.with_file_name(format!(
+            ".{}-{}.{}.tmp",
+            template.size,
+            template.key,
+            rand::random::<u32>()
+        ));
+        if std::fs::rename(&template.dir, &gone).is_ok() {
+            let _ = std::fs::remove_dir_all(&gone);
+        }
+    }
+
+    async fn build_template_in(&self, dir: &Path, size_name: &str, size: SizeSpec) -> Result<()> {
+        std::fs::create_dir(dir)
+            .map_err(RuntimeError::io(format!("creating {}", dir.display())))?;
+        let paths = VmPaths {
+            dir: dir.to_path_buf(),
+        };
+        let req = CreateVm {
+            id: format!("template-{size_name}"),
+            size: size_name.to_string(),
+            metadata: BTreeMap::new(),
+        };
+        let mem = dir.join(template::MEM);
+        let booted = self
+            .boot(&req, size, &paths, &Start::Template { mem: &mem })
+            .await;
+        let saved = match &booted {
+            Ok(vm) => save_template(vm).await,
+            Err(e) => Err(RuntimeError::Launch(format!(
+                "booting the template VM: {e}; last console lines:\n{}",
+                console::tail_lines(&paths.console(), 20)
+            ))),
+        };
+        // Whatever happened, nothing of the template VM keeps running.
+        match std::fs::read(paths.record())
+            .ok()
+            .and_then(|b| serde_json::from_slice::<VmRecord>(&b).ok())
+        {
+            Some(record) => stop_processes(&record, &paths).await,
+            None => {
+                if let Some(pid) = find_by_marker(&dir.display().to_string()) {
+                    process::kill_and_wait(pid, &qemu_marker(&req.id), Duration::from_secs(10))
+                        .await;
+                }
+            }
+        }
+        saved?;
+        for f in [
+            paths.agent_socket(),
+            paths.qmp_socket(),
+            paths.record(),
+            dir.join("passt.log"),
+        ] {
+            let _ = std::fs::remove_file(f);
+        }
+        Ok(())
+    }
+}
+
+/// Start loading a template's device state into a QEMU waiting with
+/// `-incoming defer`. Only device state is in the file: with `x-ignore-shared`
+/// the RAM is the template's file itself. QEMU exits if the load fails.
+async fn load_template_state(
+    paths: &VmPaths,
+    template: &Template,
+    qemu_pid: u32,
+    marker: &str,
+) -> Result<()> {
+    let start = Instant::now();
+    while !paths.qmp_socket().exists() {
+        if !process::alive_with_marker(qemu_pid, marker) {
+            return Err(RuntimeError::Disconnected("QEMU exited at start".into()));
+        }
+        if start.elapsed() > Duration::from_secs(10) {
+            return Err(RuntimeError::Launch(format!(
+                "QEMU did not create its QMP socket: {}",
+                console::tail_lines(&paths.qemu_log(), 5)
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let mut qmp = Qmp::connect(&paths.qmp_socket()).await?;
+    qmp.execute(
+        "migrate-set-capabilities",
+        serde_json::json!({"capabilities": [{"capability": "x-ignore-shared", "state": true}]}),
+    )
+    .await?;
+    qmp.execute(
+        "migrate-incoming",
+        serde_json::json!({"uri": format!("file:{}", template.state().display())}),
+    )
+    .await?;
+    // Connect to the agent only once the guest runs: a host that connects
+    // while the device state is still loading is not seen by the guest
+    // (the loaded state says "no host"), and its first bytes go unanswered.
+    // A load that fails makes QEMU exit, which closes QMP.
+    loop {
+        let event = qmp.next_event().await.map_err(|_| {
+            RuntimeError::Disconnected(format!(
+                "QEMU exited while loading the template's state: {}",
+                console::tail_lines(&paths.qemu_log(), 3)
+            ))
+        })?;
+        if event.get("event").and_then(|e| e.as_str()) == Some("RESUME") {
+            return Ok(());
+        }
+    }
+}
+
+/// Warm the template guest, let its agent settle, and save the VM's device
+/// state next to its RAM file.
+async fn save_template(vm: &Vm) -> Result<()> {
+    // The first command of every restored sandbox then finds the shell and
+    // its libraries in the guest's page cache.
+    let warm = vm
+        .agent
+        .exec_collect(sandpit_protocol::ExecRequest {
+            command: "true".into(),
+            cwd: None,
+            env: BTreeMap::new(),
+            timeout_ms: 60_000,
+            max_output_bytes: 1024,
+        })
+        .await?;
+    if warm.result.exit_code != Some(0) {
+        return Err(RuntimeError::Launch(format!(
+            "the template's warm-up command failed: {:?}",
+            warm.result
+        )));
+    }
+    vm.agent.close();
+    // The agent ends a session 2 s after its host went away; saved after
+    // that, every restore starts from an agent waiting for its first host.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let state = vm.paths.dir.join(template::STATE);
+    let mut qmp = Qmp::connect(&vm.paths.qmp_socket()).await?;
+    // Saved while running (QEMU stops the guest for the last step itself),
+    // so the saved run state is "running" and a restore starts the guest as
+    // soon as the state is loaded, without another QMP round trip. RAM is not
+    // copied at all, so there is nothing to iterate over.
+    qmp.execute(
+        "migrate-set-capabilities",
+        serde_json::json!({"capabilities": [{"capability": "x-ignore-shared", "state": true}]}),
+    )
+    .await?;
+    qmp.execute(
+        "migrate",
+        serde_json::json!({"uri": format!("file:{}", state.display())}),
+    )
+    .await?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let st = qmp.execute("query-migrate", serde_json::json!({})).await?;
+        match st.get("status").and_then(|s| s.as_str()).unwrap_or("") {
+            "completed" => return Ok(()),
+            "failed" | "cancelled" => {
+                return Err(RuntimeError::Launch(format!(
+                    "saving the template failed: {}",
+                    st.get("error-desc").unwrap_or(&st)
+                )))
+            }
+            _ if Instant::now() > deadline => {
+                return Err(RuntimeError::Launch(
+                    "saving the template took over 60 s".into(),
+                ))
+            }
+            _ => tokio::time::sleep(Duration::from_millis(10)).await,
+        }
+    }
 }

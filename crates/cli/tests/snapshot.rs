@@ -1,0 +1,172 @@
+//! Snapshot templates, for real: a template is built from the real image,
+//! VMs restored from it each get a fresh identity (entropy, hostname,
+//! machine-id, clock) and a disk of their own, a broken template falls back to
+//! a cold boot, and a changed image gets a template of its own.
+
+mod common;
+
+use common::*;
+use sandpit_runtime::{VmManager, VmState};
+use std::time::Duration;
+
+fn rt() -> tokio::runtime::Runtime {
+    // The runtime logs why a restore fell back; show it with the test.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter("sandpit_runtime=info")
+        .with_test_writer()
+        .try_init();
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Host wall clock, seconds since the epoch.
+fn host_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
+/// Guest wall clock minus host wall clock, seconds (the host's clock read
+/// half-way through the round trip).
+async fn clock_offset(vm: &sandpit_runtime::Vm) -> f64 {
+    let before = host_now();
+    let guest: f64 = sh(vm, "date +%s.%N").await.parse().unwrap();
+    let after = host_now();
+    guest - (before + after) / 2.0
+}
+
+fn template_dirs(m: &VmManager) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(m.templates_dir())
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name().to_string_lossy().to_string())
+                .filter(|n| !n.starts_with('.'))
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+#[test]
+fn restored_vms_get_their_own_identity_clock_and_disk() {
+    let m = manager();
+    rt().block_on(async {
+        assert!(
+            m.snapshots_supported(),
+            "this QEMU cannot restore templates: scripts/install-deps.sh installs QEMU 10 from bookworm-backports"
+        );
+        assert!(m.template("small").is_none());
+        let t = m.ensure_template("small").await.expect("building the template");
+        assert_eq!(template_dirs(&m), [format!("small-{}", t.key)]);
+
+        let a = m.create(new_vm("sbx_snap_a")).await.expect("restore a");
+        let b = m.create(new_vm("sbx_snap_b")).await.expect("restore b");
+        assert_eq!(a.record.template.as_deref(), Some(t.key.as_str()));
+        assert_eq!(b.record.template.as_deref(), Some(t.key.as_str()));
+
+        // Entropy: the same 32 bytes would mean a shared RNG state.
+        let ra = sh(&a, "head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'").await;
+        let rb = sh(&b, "head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'").await;
+        assert_eq!(ra.len(), 64);
+        assert_ne!(ra, rb, "two restored VMs read the same random bytes");
+
+        // Identity.
+        assert_eq!(sh(&a, "hostname").await, "sbx-snap-a");
+        assert_eq!(sh(&b, "hostname").await, "sbx-snap-b");
+        assert_eq!(sh(&a, "cat /etc/hostname").await, "sbx-snap-a");
+        let ma = sh(&a, "cat /etc/machine-id").await;
+        let mb = sh(&b, "cat /etc/machine-id").await;
+        assert_eq!(ma.len(), 32);
+        assert_ne!(ma, mb, "two restored VMs share a machine-id");
+
+        // The clock is the host's, not the template's, and it keeps time.
+        for vm in [&a, &b] {
+            let off = clock_offset(vm).await;
+            assert!(off.abs() < 1.0, "guest clock is {off:.3} s off the host's");
+        }
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        let off = clock_offset(&a).await;
+        assert!(
+            off.abs() < 1.0,
+            "after 10 s the guest clock is {off:.3} s off the host's"
+        );
+
+        // Disks: a file written in one never appears in the other, nor in a
+        // VM restored afterwards.
+        sh(&a, "echo secret-a > /workspace/mine && sync").await;
+        sh(&b, "test ! -e /workspace/mine").await;
+        let c = m.create(new_vm("sbx_snap_c")).await.expect("restore c");
+        sh(&c, "test ! -e /workspace/mine").await;
+        assert_eq!(sh(&a, "cat /workspace/mine").await, "secret-a");
+
+        // The network the template configured is in place in a restored VM.
+        let addr = sh(&c, "ip -4 -o addr show scope global | awk '{print $4}'").await;
+        assert_eq!(addr, "10.0.2.15/24");
+
+        for id in ["sbx_snap_a", "sbx_snap_b", "sbx_snap_c"] {
+            m.destroy(id).await.unwrap();
+        }
+        // The template survives its VMs.
+        assert!(m.template("small").is_some());
+    });
+}
+
+#[test]
+fn a_broken_template_falls_back_to_a_cold_boot_and_is_rebuilt() {
+    let m = manager();
+    rt().block_on(async {
+        let t = m.ensure_template("small").await.expect("template");
+        // Corrupt the saved device state.
+        std::fs::write(t.state(), b"not a migration stream").unwrap();
+        let vm = m.create(new_vm("sbx_fallback")).await.expect("create");
+        assert_eq!(vm.record.template, None, "expected a cold boot");
+        assert_eq!(sh(&vm, "echo ok").await, "ok");
+        // The broken template is gone; the next ensure builds a good one.
+        assert!(m.template("small").is_none());
+        assert!(template_dirs(&m).is_empty(), "{:?}", template_dirs(&m));
+        let t2 = m.ensure_template("small").await.expect("rebuilt");
+        let vm2 = m.create(new_vm("sbx_fallback2")).await.expect("restore");
+        assert_eq!(vm2.record.template.as_deref(), Some(t2.key.as_str()));
+        // A missing state file: the same.
+        std::fs::remove_file(t2.state()).unwrap();
+        assert!(m.template("small").is_none());
+        let vm3 = m.create(new_vm("sbx_fallback3")).await.expect("create");
+        assert_eq!(vm3.record.template, None);
+        for id in ["sbx_fallback", "sbx_fallback2", "sbx_fallback3"] {
+            m.destroy(id).await.unwrap();
+        }
+        assert!(m.list().is_empty());
+    });
+}
+
+#[test]
+fn a_changed_image_gets_a_new_template_and_old_vms_keep_running() {
+    let dir = data_dir();
+    let m = manager_with(config(&dir));
+    rt().block_on(async {
+        let t1 = m.ensure_template("small").await.expect("template");
+        let old = m.create(new_vm("sbx_old_image")).await.expect("restore");
+        assert_eq!(old.record.template.as_deref(), Some(t1.key.as_str()));
+
+        // The same files under another image id stand for a rebuilt image.
+        let mut image = image();
+        image.id = format!("{}-next", image.id);
+        let m2 = VmManager::new(config(&dir), image).unwrap();
+        assert!(
+            m2.template("small").is_none(),
+            "the old template was reused"
+        );
+        let t2 = m2.ensure_template("small").await.expect("new template");
+        assert_ne!(t1.key, t2.key);
+        assert_eq!(template_dirs(&m2), [format!("small-{}", t2.key)]);
+
+        // The VM restored from the removed template still works.
+        assert_eq!(sh(&old, "echo still here").await, "still here");
+        assert!(matches!(m.state(&old.record), VmState::Running));
+        m.destroy("sbx_old_image").await.unwrap();
+    });
+}

@@ -1,0 +1,134 @@
+//! The warm pool against real VMs restored from a real template: creates take
+//! ready VMs, never the same one twice, the pool refills, a create that fails
+//! its checks gives its VM back unused, each sandbox has its own identity,
+//! clock and disk, and shutdown leaves no pool VM behind.
+
+mod common;
+
+use common::*;
+use sandpit_core::backend::PoolConfig;
+use sandpit_core::{CreateSandbox, ErrorType, SandboxApi};
+use std::collections::{BTreeMap, HashSet};
+use std::time::{Duration, Instant};
+
+fn pool_of(n: usize) -> PoolConfig {
+    PoolConfig {
+        sizes: BTreeMap::from([("small".to_string(), n)]),
+        ..PoolConfig::default()
+    }
+}
+
+async fn wait_for_pool(svc: &sandpit_core::Service, n: usize) {
+    let start = Instant::now();
+    while svc.warm_count("small") < n {
+        assert!(
+            start.elapsed() < Duration::from_secs(240),
+            "the pool did not fill to {n} in 240 s (has {})",
+            svc.warm_count("small")
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn out(svc: &sandpit_core::Service, me: &sandpit_core::Caller, id: &str, c: &str) -> String {
+    let ex = svc.exec(me, id, cmd(c)).await.unwrap();
+    assert_eq!(ex.exit_code, Some(0), "`{c}`: {}", ex.stderr);
+    ex.stdout.trim().to_string()
+}
+
+fn host_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn creates_take_pool_vms_once_and_the_pool_refills() {
+    let (svc, _dir) = service_with_pool(pool_of(2)).await;
+    let me = account(&svc, "pool", 10.0).await;
+    wait_for_pool(&svc, 2).await;
+    let pooled: HashSet<String> = svc.warm_ids().into_iter().collect();
+    assert_eq!(pooled.len(), 2);
+    // Let the pool VMs sit a while: their clocks must still be right.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+
+    // A create the account cannot pay for gives its pool VM back, unused.
+    let broke = account(&svc, "broke", 0.0).await;
+    let e = svc
+        .create_sandbox(&broke, CreateSandbox::default(), None)
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorType::InsufficientCredits);
+    assert_eq!(
+        svc.warm_ids().into_iter().collect::<HashSet<_>>(),
+        pooled,
+        "the pool lost or changed a VM on a refused create"
+    );
+
+    // Four creates against a pool of two: two from the pool, two restored
+    // on demand; four different sandboxes either way.
+    let mut ids = Vec::new();
+    let mut from_pool = 0;
+    for _ in 0..4 {
+        let (sbx, _) = svc
+            .create_sandbox(&me, CreateSandbox::default(), None)
+            .await
+            .unwrap();
+        if pooled.contains(&sbx.id) {
+            from_pool += 1;
+        }
+        ids.push(sbx.id);
+    }
+    assert!(from_pool >= 2, "only {from_pool} creates used the pool");
+    assert_eq!(ids.iter().collect::<HashSet<_>>().len(), 4, "{ids:?}");
+    for id in &ids {
+        assert!(
+            !svc.warm_ids().contains(id),
+            "{id} is a sandbox and still in the pool"
+        );
+    }
+
+    // Each has its own identity, clock and disk.
+    let mut hostnames = HashSet::new();
+    let mut machine_ids = HashSet::new();
+    let mut random = HashSet::new();
+    for id in &ids {
+        hostnames.insert(out(&svc, &me, id, "hostname").await);
+        machine_ids.insert(out(&svc, &me, id, "cat /etc/machine-id").await);
+        random.insert(out(&svc, &me, id, "head -c 16 /dev/urandom | od -An -tx1").await);
+        let before = host_now();
+        let guest: f64 = out(&svc, &me, id, "date +%s.%N").await.parse().unwrap();
+        let off = guest - (before + host_now()) / 2.0;
+        assert!(
+            off.abs() < 1.0,
+            "{id}: guest clock {off:.3} s off the host's"
+        );
+    }
+    assert_eq!(hostnames.len(), 4);
+    assert_eq!(machine_ids.len(), 4);
+    assert_eq!(random.len(), 4);
+    out(&svc, &me, &ids[0], "echo mine > /workspace/only-here").await;
+    for id in &ids[1..] {
+        out(&svc, &me, id, "test ! -e /workspace/only-here").await;
+    }
+
+    // The pool refills with new VMs, none of them a sandbox.
+    wait_for_pool(&svc, 2).await;
+    for id in svc.warm_ids() {
+        assert!(!ids.contains(&id));
+    }
+
+    // Shutdown removes the pool's VMs and only those.
+    let warm = svc.warm_ids();
+    svc.shutdown().await;
+    let on_host: HashSet<String> = svc.vms_on_host().into_iter().collect();
+    for id in &warm {
+        assert!(!on_host.contains(id), "pool VM {id} survived shutdown");
+    }
+    for id in &ids {
+        assert!(on_host.contains(id), "sandbox {id} was removed by shutdown");
+        svc.destroy_sandbox(&me, id).await.unwrap();
+    }
+    assert!(svc.vms_on_host().is_empty(), "{:?}", svc.vms_on_host());
+}

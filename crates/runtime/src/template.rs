@@ -1,0 +1,298 @@
+//! Snapshot templates: boot a size once, save it, and start every later VM of
+//! that size by restoring the save instead of booting.
+//!
+//! A template is a guest booted to a configured, answering agent (and one
+//! command run, so the shell is in its page cache), stopped, and saved with
+//! QEMU's `x-ignore-shared` migration capability. Its RAM lives in a file
+//! (`mem`) that the template VM mapped shared, so the saved state (`state`)
+//! holds only device state, a few hundred KiB, and the RAM is the file
+//! itself. A restored VM maps `mem` read-only and private: it reads nothing up
+//! front, pages come in as the guest touches them, writes are copy-on-write,
+//! and every VM of the template shares the unchanged pages through the page
+//! cache. The guest's disk at save time (`disk.qcow2`, an overlay on the
+//! image's root filesystem) becomes the backing file of each restored VM's own
+//! overlay, so what the guest's page cache believes is on disk is on disk.
+//!
+//! A template is identified by everything that would make a restore wrong or
+//! impossible: the image, the size, the QEMU version and accelerator, the
+//! translation cache size, the network plan and guest limits. When any of
+//! them changes the key changes, the template is rebuilt under the new key,
+//! and the old directories are removed (running VMs keep their open files).
+//! The host's TSC rate is checked separately, with a tolerance, because it is
+//! measured. Building takes a per-size file lock, so two processes sharing a
+//! data directory build a template once.
+//!
+//! Restored guests share the template's memory, so the template must hold no
+//! secret: it is configured with a throwaway identity, and every restore is
+//! configured again (clock, entropy with a forced CRNG reseed, hostname,
+//! machine-id) before it is handed out.
+
+use crate::accel::Accel;
+use crate::config::SizeSpec;
+use crate::{Result, RuntimeError};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::path::{Path, PathBuf};
+
+/// Bumped when the layout or the way templates are made changes.
+pub(crate) const FORMAT: u32 = 1;
+
+/// Everything a template depends on (`template.json` keeps a copy).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TemplateInputs {
+    pub format: u32,
+    pub image_id: String,
+    pub size: String,
+    pub resources: SizeSpec,
+    /// `qemu-system-x86_64 --version`, first line.
+    pub qemu_version: String,
+    pub accel: Accel,
+    pub tcg_tb_size_mb: u32,
+    /// The kernel command line without the measured TSC rate.
+    pub kernel_cmdline: String,
+    /// The guest network plan (JSON), `None` without a network.
+    pub network: Option<serde_json::Value>,
+    pub user_pids_max: u32,
+    pub reserved_memory_mb: u32,
+}
+
+impl TemplateInputs {
+    /// A short hash of the inputs: the template's name.
+    pub fn key(&self) -> String {
+        let json = serde_json::to_vec(self).expect("json");
+        hex::encode(&Sha256::digest(&json)[..8])
+    }
+}
+
+/// What `template.json` records.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TemplateRecord {
+    pub inputs: TemplateInputs,
+    /// The host TSC rate the template's kernel was told (TCG only).
+    pub tsc_khz: u32,
+    #[serde(with = "time::serde::rfc3339")]
+    pub created_at: time::OffsetDateTime,
+    /// How long the build took, seconds.
+    pub build_secs: f64,
+}
+
+/// A finished template on disk.
+#[derive(Debug, Clone)]
+pub struct Template {
+    pub key: String,
+    pub size: String,
+    pub dir: PathBuf,
+    pub record: TemplateRecord,
+}
+
+impl Template {
+    /// The guest RAM file.
+    pub fn mem(&self) -> PathBuf {
+        self.dir.join(MEM)
+    }
+    /// The saved device state.
+    pub fn state(&self) -> PathBuf {
+        self.dir.join(STATE)
+    }
+    /// The guest disk at save time (read-only backing file).
+    pub fn disk(&self) -> PathBuf {
+        self.dir.join(DISK)
+    }
+}
+
+pub(crate) const MEM: &str = "mem";
+pub(crate) const STATE: &str = "state";
+pub(crate) const DISK: &str = "disk.qcow2";
+pub(crate) const RECORD: &str = "template.json";
+
+/// The directory name of the template of `size` with `key`.
+pub(crate) fn dir_name(size: &str, key: &str) -> String {
+    format!("{size}-{key}")
+}
+
+/// Read a finished template, if `dir` holds one made from `inputs` on a host
+/// whose TSC runs at `tsc_khz` (within 0.05 %).
+pub(crate) fn load(dir: &Path, inputs: &TemplateInputs, tsc_khz: u32) -> Option<Template> {
+    let bytes = std::fs::read(dir.join(RECORD)).ok()?;
+    let record: TemplateRecord = serde_json::from_slice(&bytes).ok()?;
+    if &record.inputs != inputs {
+        return None;
+    }
+    if inputs.accel == Accel::Tcg {
+        let drift = (record.tsc_khz as f64 - tsc_khz as f64).abs() / tsc_khz as f64;
+        if drift > 0.0005 {
+            return None;
+        }
+    }
+    if ![MEM, STATE, DISK].iter().all(|f| dir.join(f).is_file()) {
+        return None;
+    }
+    Some(Template {
+        key: inputs.key(),
+        size: inputs.size.clone(),
+        dir: dir.to_path_buf(),
+        record,
+    })
+}
+
+/// Remove every template directory of `size` except `keep`, and leftovers of
+/// builds that died (`.{size}-*.tmp`). Running VMs restored from a removed
+/// template keep working: QEMU holds its files open.
+pub(crate) fn remove_others(templates_dir: &Path, size: &str, keep: Option<&str>) {
+    let Ok(rd) = std::fs::read_dir(templates_dir) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().to_string();
+        let finished = name
+            .strip_prefix(&format!("{size}-"))
+            .is_some_and(|rest| rest.len() == 16 && !rest.contains('.'));
+        let unfinished = name.starts_with(&format!(".{size}-")) && name.ends_with(".tmp");
+        if (finished || unfinished) && Some(name.as_str()) != keep {
+            tracing::info!(template = %name, "removing an outdated snapshot template");
+        }
+        if finished && Some(name.as_str()) != keep {
+            // VMs restored from it name it on their command line: they keep
+            // running on the files they hold open.
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+        if unfinished {
+            // A build that died may have left its QEMU or passt running.
+            let marker = e.path().display().to_string();
+            for _ in 0..4 {
+                let Some(pid) = crate::vm::find_by_marker(&marker) else {
+                    break;
+                };
+                // SAFETY: plain kill(2) of a process whose command line names
+                // this directory.
+                unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
+/// Hold the build lock of `size` until the returned file is dropped.
+pub(crate) async fn lock(templates_dir: &Path, size: &str) -> Result<std::fs::File> {
+    let path = templates_dir.join(format!(".{size}.lock"));
+    tokio::task::spawn_blocking(move || {
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(RuntimeError::io(format!("opening {}", path.display())))?;
+        use std::os::fd::AsRawFd;
+        // SAFETY: flock on an fd we own; it is released when the file closes.
+        let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) };
+        if rc != 0 {
+            return Err(RuntimeError::io(format!("locking {}", path.display()))(
+                std::io::Error::last_os_error(),
+            ));
+        }
+        Ok(f)
+    })
+    .await
+    .map_err(|e| RuntimeError::Launch(format!("the lock task failed: {e}")))?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn inputs() -> TemplateInputs {
+        TemplateInputs {
+            format: FORMAT,
+            image_id: "abc".into(),
+            size: "small".into(),
+            resources: SizeSpec {
+                vcpus: 2,
+                memory_mb: 512,
+                disk_gb: 4,
+            },
+            qemu_version: "QEMU emulator version 10.0.2".into(),
+            accel: Accel::Tcg,
+            tcg_tb_size_mb: 16,
+            kernel_cmdline: "console=ttyS0".into(),
+            network: None,
+            user_pids_max: 100,
+            reserved_memory_mb: 64,
+        }
+    }
+
+    #[test]
+    fn every_input_changes_the_key() {
+        let base = inputs().key();
+        assert_eq!(base.len(), 16);
+        let mut i = inputs();
+        i.image_id = "abd".into();
+        assert_ne!(i.key(), base);
+        let mut i = inputs();
+        i.qemu_version.push('1');
+        assert_ne!(i.key(), base);
+        let mut i = inputs();
+        i.resources.memory_mb += 1;
+        assert_ne!(i.key(), base);
+        let mut i = inputs();
+        i.network = Some(serde_json::json!({"deny": []}));
+        assert_ne!(i.key(), base);
+        assert_eq!(inputs().key(), base);
+    }
+
+    #[test]
+    fn load_checks_inputs_files_and_tsc() {
+        let dir = tempfile::tempdir().unwrap();
+        let record = TemplateRecord {
+            inputs: inputs(),
+            tsc_khz: 2_600_000,
+            created_at: time::OffsetDateTime::now_utc(),
+            build_secs: 1.0,
+        };
+        std::fs::write(
+            dir.path().join(RECORD),
+            serde_json::to_vec(&record).unwrap(),
+        )
+        .unwrap();
+        // Files missing: not a template.
+        assert!(load(dir.path(), &inputs(), 2_600_000).is_none());
+        for f in [MEM, STATE, DISK] {
+            std::fs::write(dir.path().join(f), b"x").unwrap();
+        }
+        assert!(load(dir.path(), &inputs(), 2_600_000).is_some());
+        assert!(load(dir.path(), &inputs(), 2_600_500).is_some());
+        assert!(load(dir.path(), &inputs(), 2_610_000).is_none());
+        let mut other = inputs();
+        other.image_id = "zzz".into();
+        assert!(load(dir.path(), &other, 2_600_000).is_none());
+    }
+
+    #[test]
+    fn remove_others_keeps_the_current_one() {
+        let dir = tempfile::tempdir().unwrap();
+        for n in [
+            "small-0123456789abcdef",
+            "small-fedcba9876543210",
+            ".small-0123456789abcdef.1.tmp",
+            "medium-0123456789abcdef",
+            ".small.lock",
+        ] {
+            std::fs::create_dir(dir.path().join(n)).unwrap();
+        }
+        remove_others(dir.path(), "small", Some("small-0123456789abcdef"));
+        let mut left: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().to_string())
+            .collect();
+        left.sort();
+        assert_eq!(
+            left,
+            [
+                ".small.lock",
+                "medium-0123456789abcdef",
+                "small-0123456789abcdef"
+            ]
+        );
+    }
+}
