@@ -39,13 +39,21 @@ fn the_agent_survives_what_the_user_does() {
         healthy(&s).await;
         // kill -9 -1 alone races with the forks; stopping everything first
         // (stopped processes cannot fork) makes the cleanup converge.
-        let _ = run(
-            &s.vm,
-            req_timeout("for i in 1 2 3 4 5 6 7 8; do kill -STOP -1; done; kill -KILL -1", 30_000),
-        )
-        .await;
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        assert!(user_processes(&s).await < 5, "the background bomb survived STOP+KILL");
+        // On a loaded host a round can miss forks in flight; a user repeats it.
+        let mut left = usize::MAX;
+        for _ in 0..3 {
+            let _ = run(
+                &s.vm,
+                req_timeout("for i in 1 2 3 4 5 6 7 8; do kill -STOP -1; done; kill -KILL -1", 30_000),
+            )
+            .await;
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            left = user_processes(&s).await;
+            if left < 5 {
+                break;
+            }
+        }
+        assert!(left < 5, "the background bomb survived three rounds of STOP+KILL: {left} processes");
 
         // Disk filler: the user fills the disk; the agent still works, and says
         // why a write failed.

@@ -30,6 +30,21 @@ fn the_agent_flow_over_rest() {
         .expect("first start prints the admin key");
     rt().block_on(async {
         let api = Rest::new(&server, &key);
+        // The server restores VMs from snapshots and keeps a warm pool of
+        // two small ones (the default), which fills by itself.
+        let pool_ready = || async {
+            let (st, info) = api.get("/service").await;
+            assert_eq!(st, 200, "{info}");
+            assert_eq!(info["fast_start"]["snapshots"], true, "{info}");
+            assert_eq!(info["fast_start"]["warm_pool"][0]["size"], "small", "{info}");
+            assert_eq!(info["fast_start"]["warm_pool"][0]["target"], 2, "{info}");
+            info["fast_start"]["warm_pool"][0]["ready"].as_u64().unwrap()
+        };
+        let deadline = Instant::now() + Duration::from_secs(180);
+        while pool_ready().await < 2 {
+            assert!(Instant::now() < deadline, "the warm pool did not fill");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
         let (st, sbx) = api.post("/sandboxes", json!({"name": "flow", "timeout_minutes": 10})).await;
         assert_eq!(st, 201, "{sbx}");
         assert_eq!(sbx["status"], "running");

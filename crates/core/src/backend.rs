@@ -118,10 +118,13 @@ impl LocalVms {
     /// agent connection.
     pub async fn create(&self, id: &str, size: &str) -> Result<VmRecord, RuntimeError> {
         if self.claimed.lock().unwrap().remove(id) {
-            return self.manager.record(id);
+            let record = self.manager.record(id)?;
+            // It was made at background priority; now it is live.
+            sandpit_runtime::process::renice(record.qemu_pid, 0);
+            return Ok(record);
         }
         let _slot = self.start_slot().await?;
-        self.start_vm(id, size, BTreeMap::new()).await
+        self.start_vm(id, size, BTreeMap::new(), 0).await
     }
 
     async fn start_vm(
@@ -129,15 +132,38 @@ impl LocalVms {
         id: &str,
         size: &str,
         metadata: BTreeMap<String, String>,
+        nice: i32,
     ) -> Result<VmRecord, RuntimeError> {
         let vm = self
             .manager
-            .create(CreateVm {
-                id: id.to_string(),
-                size: size.to_string(),
-                metadata,
-            })
+            .create_with_nice(
+                CreateVm {
+                    id: id.to_string(),
+                    size: size.to_string(),
+                    metadata,
+                },
+                nice,
+            )
             .await?;
+        if nice != 0 {
+            // A VM made ahead of demand runs one command before it is
+            // handed out, so this QEMU has translated the shell's code and
+            // the user's first command is as quick as any other.
+            let warm = vm
+                .agent
+                .exec_collect(sandpit_protocol::ExecRequest {
+                    command: "true".into(),
+                    cwd: None,
+                    env: BTreeMap::new(),
+                    timeout_ms: 60_000,
+                    max_output_bytes: 1024,
+                })
+                .await;
+            if let Err(e) = warm {
+                let _ = self.manager.destroy(id).await;
+                return Err(e);
+            }
+        }
         self.agents
             .lock()
             .await
@@ -197,6 +223,16 @@ impl LocalVms {
             .unwrap()
             .get(size)
             .map_or(0, VecDeque::len)
+    }
+
+    /// The pool's target per size (sizes without a pool left out).
+    pub fn pool_targets(&self) -> Vec<(String, usize)> {
+        self.pool
+            .sizes
+            .iter()
+            .filter(|(_, n)| **n > 0)
+            .map(|(s, n)| (s.clone(), *n))
+            .collect()
     }
 
     /// Ids of every ready pool VM.
@@ -297,11 +333,13 @@ impl LocalVms {
             self.manager.ensure_template(&size).await?;
         }
         let id = new_id("sbx_");
+        // Made at the lowest CPU priority: live sandboxes come first.
         let record = self
             .start_vm(
                 &id,
                 &size,
                 BTreeMap::from([(POOL_LABEL.to_string(), size.clone())]),
+                19,
             )
             .await?;
         if self.stopping.load(Ordering::SeqCst) || self.paused.load(Ordering::SeqCst) {

@@ -338,6 +338,25 @@ pub struct ServiceInfo {
     pub hosts: Vec<String>,
     pub authentication: String,
     pub guest: GuestInfo,
+    /// How sandboxes start on this host: snapshot restore, warm pool.
+    pub fast_start: FastStartInfo,
+}
+
+/// Snapshot restore and the warm pool, as they stand now.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct FastStartInfo {
+    /// New VMs are restored from snapshot templates (else booted).
+    pub snapshots: bool,
+    /// Ready VMs and the target, per size with a pool.
+    pub warm_pool: Vec<WarmPoolInfo>,
+}
+
+/// The warm pool of one size.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct WarmPoolInfo {
+    pub size: String,
+    pub ready: usize,
+    pub target: usize,
 }
 
 /// What a sandbox looks like from inside.

@@ -1256,6 +1256,19 @@ impl SandboxApi for Service {
                 user: format!("{} (uid {}), no sudo", sandpit_protocol::GUEST_USER, sandpit_protocol::GUEST_UID),
                 workdir: sandpit_protocol::WORKSPACE.into(),
             },
+            fast_start: crate::model::FastStartInfo {
+                snapshots: m.snapshots_supported(),
+                warm_pool: self
+                    .vms
+                    .pool_targets()
+                    .into_iter()
+                    .map(|(size, target)| crate::model::WarmPoolInfo {
+                        ready: self.vms.warm_count(&size),
+                        size,
+                        target,
+                    })
+                    .collect(),
+            },
         })
     }
 }

@@ -141,12 +141,24 @@ impl AgentClient {
     /// Connect to the agent socket and complete the handshake within `timeout`
     /// (which is also how long a booting guest has to come up).
     pub async fn connect(socket: &Path, timeout: Duration) -> Result<AgentClient> {
-        let stream = UnixStream::connect(socket)
-            .await
-            .map_err(RuntimeError::io(format!(
-                "connecting to the agent socket {}",
-                socket.display()
-            )))?;
+        // QEMU binds the socket a moment before it listens: a connect in
+        // between is refused, so that is retried briefly.
+        let mut refused = 0;
+        let stream = loop {
+            match UnixStream::connect(socket).await {
+                Ok(s) => break s,
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused && refused < 200 => {
+                    refused += 1;
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                Err(e) => {
+                    return Err(RuntimeError::io(format!(
+                        "connecting to the agent socket {}",
+                        socket.display()
+                    ))(e))
+                }
+            }
+        };
         let (mut rd, mut wr) = stream.into_split();
         let nonce: u64 = rand::random();
         wr.write_all(&encode_frame(

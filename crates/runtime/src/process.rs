@@ -111,3 +111,17 @@ pub async fn kill_and_wait(pid: u32, marker: &str, bound: Duration) -> bool {
         }
     }
 }
+
+/// Set the nice value of every thread of process `pid` (nice is per thread
+/// on Linux, and QEMU's vCPU threads inherit it only when they are created).
+pub fn renice(pid: u32, nice: i32) {
+    let Ok(rd) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return;
+    };
+    for t in rd.flatten() {
+        if let Some(tid) = t.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) {
+            // SAFETY: setpriority on a thread id; failure only leaves it as it was.
+            unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, nice) };
+        }
+    }
+}

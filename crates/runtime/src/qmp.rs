@@ -23,12 +23,24 @@ pub struct Qmp {
 impl Qmp {
     /// Connect to a QMP socket and negotiate capabilities.
     pub async fn connect(path: &Path) -> Result<Qmp> {
-        let stream = UnixStream::connect(path)
-            .await
-            .map_err(RuntimeError::io(format!(
-                "connecting to QMP at {}",
-                path.display()
-            )))?;
+        // QEMU binds the socket a moment before it listens: retry a refusal
+        // briefly.
+        let mut refused = 0;
+        let stream = loop {
+            match UnixStream::connect(path).await {
+                Ok(s) => break s,
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused && refused < 100 => {
+                    refused += 1;
+                    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+                }
+                Err(e) => {
+                    return Err(RuntimeError::io(format!(
+                        "connecting to QMP at {}",
+                        path.display()
+                    ))(e))
+                }
+            }
+        };
         let (r, w) = stream.into_split();
         let mut qmp = Qmp {
             reader: BufReader::new(r),

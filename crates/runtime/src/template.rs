@@ -50,6 +50,8 @@ pub struct TemplateInputs {
     pub tcg_tb_size_mb: u32,
     /// The kernel command line without the measured TSC rate.
     pub kernel_cmdline: String,
+    /// QEMU's `-M` (machine type and its devices).
+    pub machine: String,
     /// The guest network plan (JSON), `None` without a network.
     pub network: Option<serde_json::Value>,
     pub user_pids_max: u32,
@@ -215,6 +217,7 @@ mod tests {
             accel: Accel::Tcg,
             tcg_tb_size_mb: 16,
             kernel_cmdline: "console=ttyS0".into(),
+            machine: "microvm".into(),
             network: None,
             user_pids_max: 100,
             reserved_memory_mb: 64,

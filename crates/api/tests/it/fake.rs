@@ -569,6 +569,14 @@ impl SandboxApi for Fake {
                 user: "user".into(),
                 workdir: "/workspace".into(),
             },
+            fast_start: sandpit_core::model::FastStartInfo {
+                snapshots: true,
+                warm_pool: vec![sandpit_core::model::WarmPoolInfo {
+                    size: "small".into(),
+                    ready: 2,
+                    target: 2,
+                }],
+            },
         })
     }
 }

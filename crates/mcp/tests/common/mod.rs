@@ -406,6 +406,14 @@ impl SandboxApi for FakeApi {
                 user: "user".into(),
                 workdir: "/workspace".into(),
             },
+            fast_start: sandpit_core::model::FastStartInfo {
+                snapshots: true,
+                warm_pool: vec![sandpit_core::model::WarmPoolInfo {
+                    size: "small".into(),
+                    ready: 2,
+                    target: 2,
+                }],
+            },
         })
     }
 }
