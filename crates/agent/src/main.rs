@@ -26,6 +26,7 @@ mod output;
 mod reaper;
 mod server;
 mod sys;
+mod tunnel;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;

@@ -1,7 +1,8 @@
 //! Dispatch: what the reader thread does with each frame.
 //!
 //! The reader never blocks on slow work: quick requests (Ping, Cancel, Hello)
-//! are answered inline, everything else gets a thread of its own. The reader
+//! are answered inline, everything else gets a thread of its own (tunnel
+//! frames are queued to their stream's thread; credit bounds that queue). The reader
 //! only keeps the upload table (WriteFile id -> channel to its thread), since
 //! it is the one routing FileData frames.
 //!
@@ -9,7 +10,7 @@
 //! never die.
 
 use crate::channel::{self, Handler, Outbox, Reply};
-use crate::{config, exec, files, sys};
+use crate::{config, exec, files, sys, tunnel};
 use sandpit_protocol::{
     AgentError, DoneResult, ErrorKind, Frame, FrameError, Message, RequestId, PROTOCOL_GENERATION,
 };
@@ -75,6 +76,7 @@ impl Server {
     /// Forget the requests of ended sessions.
     fn end_sessions_before(&mut self, gen: u64) {
         exec::cancel_sessions_before(gen);
+        tunnel::close_sessions_before(gen);
         // Dropping the senders makes the upload threads give up.
         self.uploads.clear();
     }
@@ -158,6 +160,11 @@ impl Server {
                 });
             }
             Message::PowerOff { id } => power_off(&reply, id),
+            Message::TunnelOpen { id, port, window } => tunnel::open(reply, id, port, window),
+            Message::TunnelData { id } => tunnel::data(id, body),
+            Message::TunnelAck { id, bytes } => tunnel::ack(id, bytes),
+            Message::TunnelShutdown { id } => tunnel::shutdown(id),
+            Message::TunnelClose { id } => tunnel::close(id),
             other => {
                 let id = other.request_id().unwrap_or(0);
                 reply.error(

@@ -628,3 +628,92 @@ fn serves_the_protocol_end_to_end() {
     assert!(a.child.try_wait().unwrap().is_none(), "the agent exited");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn tunnels_reach_loopback_servers_within_their_window() {
+    let mut a = Agent::start();
+    a.send(
+        Message::Hello {
+            protocol: PROTOCOL_GENERATION,
+            nonce: 5,
+        },
+        b"",
+    );
+    assert!(matches!(a.next().1.message, Message::HelloAck { .. }));
+
+    // An echo server: reads until the client half-closes, answers it all.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let server = thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut got = Vec::new();
+        s.read_to_end(&mut got).unwrap();
+        s.write_all(&got).unwrap();
+    });
+
+    const WINDOW: u32 = 4096;
+    a.send(
+        Message::TunnelOpen {
+            id: 2,
+            port,
+            window: WINDOW,
+        },
+        b"",
+    );
+    let (_, f) = a.next();
+    let Message::TunnelOpened { id: 2, window } = f.message else {
+        panic!("{:?}", f.message)
+    };
+    let payload: Vec<u8> = (0..100_000u32).map(|i| (i % 253) as u8).collect();
+    for c in payload.chunks(16 * 1024) {
+        assert!(c.len() as u32 <= window);
+        a.send(Message::TunnelData { id: 2 }, c);
+    }
+    a.send(Message::TunnelShutdown { id: 2 }, b"");
+
+    let (mut echoed, mut in_flight, mut acked) = (Vec::new(), 0u32, 0usize);
+    loop {
+        let (_, f) = a.next();
+        match f.message {
+            Message::TunnelAck { id: 2, bytes } => acked += bytes as usize,
+            Message::TunnelData { id: 2 } => {
+                in_flight += f.body.len() as u32;
+                assert!(in_flight <= WINDOW, "{in_flight} bytes past the window");
+                echoed.extend_from_slice(&f.body);
+                // Acknowledge what we "consumed".
+                a.send(
+                    Message::TunnelAck {
+                        id: 2,
+                        bytes: in_flight,
+                    },
+                    b"",
+                );
+                in_flight = 0;
+            }
+            Message::TunnelShutdown { id: 2 } => break,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(acked, payload.len(), "every byte sent was acknowledged");
+    assert_eq!(echoed, payload);
+    a.send(Message::TunnelClose { id: 2 }, b"");
+    server.join().unwrap();
+
+    // Nothing listens: a typed refusal, not a hang.
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let closed = l.local_addr().unwrap().port();
+    drop(l);
+    a.send(
+        Message::TunnelOpen {
+            id: 3,
+            port: closed,
+            window: WINDOW,
+        },
+        b"",
+    );
+    let (_, f) = a.next();
+    let Message::Error { id: 3, error } = f.message else {
+        panic!("{:?}", f.message)
+    };
+    assert_eq!(error.kind, ErrorKind::ConnectionRefused);
+}

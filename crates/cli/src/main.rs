@@ -4,7 +4,9 @@
 //! chain once, on stderr, and exits non-zero.
 
 mod bench;
+mod front;
 mod images;
+mod proxy;
 mod sandbox;
 mod server;
 mod settings;

@@ -3,7 +3,9 @@
 //! store in the data directory, this host's VMs, and the REST and MCP
 //! adapters.
 
+use crate::front;
 use crate::images;
+use crate::proxy::Proxy;
 use crate::settings::Settings;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
@@ -215,10 +217,26 @@ pub async fn serve(settings: &Settings, args: ServeArgs) -> Result<i32> {
         .await
         .with_context(|| format!("listening on {listen}"))?;
     let addr = listener.local_addr()?;
+    let tls = match &settings.tls {
+        Some((cert, key)) => Some(front::tls_acceptor(cert, key)?),
+        None => None,
+    };
+    let scheme = if tls.is_some() { "https" } else { "http" };
     let public_url = settings
         .public_url
         .clone()
-        .unwrap_or_else(|| format!("http://{addr}"));
+        .unwrap_or_else(|| format!("{scheme}://{addr}"));
+    // Preview URLs follow this server unless configured: on a machine with
+    // no DNS, `http://{port}-{id}.localhost:{our port}` reaches us, since
+    // browsers resolve every `*.localhost` to the loopback.
+    let mut settings = settings.clone();
+    if !settings.preview_domain_set {
+        settings.service.preview_domain = format!("localhost:{}", addr.port());
+    }
+    if !settings.preview_scheme_set {
+        settings.service.preview_scheme = scheme.into();
+    }
+    let settings = &settings;
     let svc = service(settings).await?;
     first_start(settings, svc.store(), &public_url).await?;
     let api: Arc<dyn SandboxApi> = svc.clone();
@@ -237,19 +255,26 @@ pub async fn serve(settings: &Settings, args: ServeArgs) -> Result<i32> {
     let shutdown = mcp.shutdown.clone();
     let app = sandpit_api::router(api.clone(), rest)
         .nest_service("/v1/mcp", sandpit_mcp::http_service(api, mcp));
+    let front = Arc::new(front::Front {
+        api: app,
+        proxy: Proxy::new(svc.clone()),
+        preview_domain: settings.service.preview_domain.clone(),
+        preview_scheme: settings.service.preview_scheme.clone(),
+    });
     eprintln!(
-        "sandpit {} serving {public_url} (REST /v1, MCP /v1/mcp; {} acceleration; data in {})",
+        "sandpit {} serving {public_url} (REST /v1, MCP /v1/mcp, previews {}://PORT-ID.{}; {} acceleration; data in {})",
         env!("CARGO_PKG_VERSION"),
+        settings.service.preview_scheme,
+        settings.service.preview_domain,
         svc.vms_accel(),
         settings.data_dir.display()
     );
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move {
-            wait_for_signal().await;
-            eprintln!("shutting down: finishing requests in flight; sandboxes keep running");
-            shutdown.cancel();
-        })
-        .await?;
+    front::serve(listener, tls, front, async move {
+        wait_for_signal().await;
+        eprintln!("shutting down: finishing requests in flight; sandboxes keep running");
+        shutdown.cancel();
+    })
+    .await?;
     svc.shutdown().await;
     Ok(0)
 }

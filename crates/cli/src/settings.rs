@@ -4,7 +4,7 @@
 //! Precedence: command-line flag, then environment variable, then config
 //! file, then the built-in default.
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use sandpit_core::config::{ServiceConfig, SizeConfig};
 use sandpit_runtime::config::{AccelChoice, SizeSpec};
 use sandpit_runtime::RuntimeConfig;
@@ -87,8 +87,16 @@ pub struct McpSection {
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PreviewSection {
+    /// Preview URLs are `{scheme}://{port}-{id}.{domain}`; the domain may
+    /// carry a port. Default: `localhost:{the port serve listens on}`.
     pub domain: Option<String>,
+    /// Default: `https` with a TLS certificate, else `http`.
     pub scheme: Option<String>,
+    /// PEM certificate chain for TLS on serve's listener (a wildcard for
+    /// `*.{domain}`, plus the API's name if it shares the listener).
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of `tls_cert`.
+    pub tls_key: Option<PathBuf>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -113,6 +121,12 @@ pub struct Settings {
     pub mcp_allowed_hosts: Option<Vec<String>>,
     pub mcp_allowed_origins: Option<Vec<String>>,
     pub max_body_bytes: Option<usize>,
+    /// The preview domain was configured (else serve derives it from its port).
+    pub preview_domain_set: bool,
+    /// The preview scheme was configured (else serve derives it from TLS).
+    pub preview_scheme_set: bool,
+    /// TLS certificate and key (PEM) for serve's listener.
+    pub tls: Option<(PathBuf, PathBuf)>,
     /// The warm pool of `serve` and `mcp`.
     pub pool: sandpit_core::backend::PoolConfig,
 }
@@ -214,12 +228,23 @@ impl Settings {
         let listen = env_or("SANDPIT_LISTEN", file.listen.clone())
             .unwrap_or_else(|| "127.0.0.1:8080".into());
         let public_url = env_or("SANDPIT_PUBLIC_URL", file.public_url.clone());
+        let (mut preview_domain_set, mut preview_scheme_set, mut tls) = (false, false, None);
         if let Some(p) = &file.preview {
             if let Some(d) = &p.domain {
                 service.preview_domain = d.clone();
+                preview_domain_set = true;
             }
             if let Some(s) = &p.scheme {
+                if s != "http" && s != "https" {
+                    bail!("[preview] scheme must be \"http\" or \"https\", not {s:?}");
+                }
                 service.preview_scheme = s.clone();
+                preview_scheme_set = true;
+            }
+            match (&p.tls_cert, &p.tls_key) {
+                (Some(c), Some(k)) => tls = Some((c.clone(), k.clone())),
+                (None, None) => {}
+                _ => bail!("[preview] needs both tls_cert and tls_key, or neither"),
             }
         }
         if let Some(a) = file.accel {
@@ -284,6 +309,9 @@ impl Settings {
             mcp_allowed_hosts,
             mcp_allowed_origins,
             max_body_bytes: file.limits.as_ref().and_then(|l| l.max_body_bytes),
+            preview_domain_set,
+            preview_scheme_set,
+            tls,
             pool,
         })
     }

@@ -5,169 +5,13 @@
 
 mod common;
 
+use common::serve::*;
 use common::*;
 use rmcp::model::CallToolRequestParams;
 use rmcp::ServiceExt;
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-
-const CONFIG: &str =
-    "[sizes.small]\nvcpus = 2\nmemory_mb = 1024\ndisk_gb = 4\nprice_usd_per_hour = 0.09\n";
-
-fn sandpit(data: &Path) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_sandpit"));
-    c.arg("--data-dir")
-        .arg(data)
-        .arg("--images-dir")
-        .arg(images_dir())
-        .arg("--config")
-        .arg(data.join("config.toml"));
-    c
-}
-
-/// A running `sandpit serve`.
-struct Server {
-    data: PathBuf,
-    child: Child,
-    url: String,
-    admin_key: Option<String>,
-}
-
-impl Server {
-    fn start(data: &Path) -> Server {
-        std::fs::write(data.join("config.toml"), CONFIG).unwrap();
-        let mut child = sandpit(data)
-            .args(["serve", "--listen", "127.0.0.1:0"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let stdout = child.stdout.take().unwrap();
-        let stderr = child.stderr.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        let tx2 = tx.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                // The key alone on its line (it also appears in the MCP config).
-                let t = line.trim();
-                if t.starts_with("sp_") && t.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
-                {
-                    let _ = tx2.send(format!("KEY {t}"));
-                }
-            }
-        });
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                eprintln!("[serve] {line}");
-                if let Some(rest) = line.split("serving ").nth(1) {
-                    let url = rest.split_whitespace().next().unwrap().to_string();
-                    let _ = tx.send(format!("URL {url}"));
-                }
-            }
-        });
-        let (mut url, mut key) = (None, None);
-        let deadline = Instant::now() + Duration::from_secs(120);
-        while url.is_none() {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match rx.recv_timeout(left) {
-                Ok(m) if m.starts_with("URL ") => url = Some(m[4..].to_string()),
-                Ok(m) if m.starts_with("KEY ") => key = Some(m[4..].to_string()),
-                Ok(_) => {}
-                Err(_) => panic!("sandpit serve did not start"),
-            }
-        }
-        // The first-start key is printed before the serving line.
-        while let Ok(m) = rx.try_recv() {
-            if let Some(k) = m.strip_prefix("KEY ") {
-                key = Some(k.to_string());
-            }
-        }
-        Server {
-            data: data.to_path_buf(),
-            child,
-            url: url.unwrap(),
-            admin_key: key,
-        }
-    }
-
-    fn sigkill(mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        std::mem::forget(self);
-    }
-
-    /// `sandpit key create` for a new account with `usd` of credit.
-    fn new_account(&self, name: &str, usd: f64) -> String {
-        let out = sandpit(&self.data)
-            .args(["account", "create", name, "--credit", &usd.to_string()])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let out = sandpit(&self.data)
-            .args(["key", "create", "--account", name])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap().trim().to_string()
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        // SAFETY: a plain signal to our child.
-        unsafe {
-            libc::kill(self.child.id() as i32, libc::SIGTERM);
-        }
-        let _ = self.child.wait();
-    }
-}
-
-struct Rest {
-    http: reqwest::Client,
-    url: String,
-    key: String,
-}
-
-impl Rest {
-    fn new(s: &Server, key: &str) -> Rest {
-        Rest {
-            http: reqwest::Client::new(),
-            url: s.url.clone(),
-            key: key.to_string(),
-        }
-    }
-    async fn call(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> (u16, Value) {
-        let mut r = self
-            .http
-            .request(method, format!("{}/v1{path}", self.url))
-            .bearer_auth(&self.key);
-        if let Some(b) = body {
-            r = r.json(&b);
-        }
-        let resp = r.send().await.unwrap();
-        let status = resp.status().as_u16();
-        assert!(resp.headers().contains_key("x-request-id"));
-        let v = resp.json::<Value>().await.unwrap_or(Value::Null);
-        (status, v)
-    }
-    async fn post(&self, path: &str, body: Value) -> (u16, Value) {
-        self.call(reqwest::Method::POST, path, Some(body)).await
-    }
-    async fn get(&self, path: &str) -> (u16, Value) {
-        self.call(reqwest::Method::GET, path, None).await
-    }
-}
 
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
@@ -301,15 +145,7 @@ fn keys_isolation_and_credit_over_rest() {
             .await;
 
         // A revoked key stops working at once.
-        let out = sandpit(&server.data)
-            .args(["key", "revoke", &bob[..12]])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        server.admin(&["key", "revoke", &bob[..12]]);
         assert_eq!(b.get("/account").await.0, 401);
     });
 }

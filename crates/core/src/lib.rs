@@ -14,6 +14,7 @@ pub mod config;
 pub mod error;
 pub mod ids;
 pub mod model;
+pub mod preview;
 pub mod service;
 pub mod utf8;
 

@@ -284,6 +284,12 @@ pub struct SandboxUsage {
     pub cost_usd: f64,
     pub created_at: String,
     pub deleted_at: Option<String>,
+    /// Bytes clients sent to it through its preview URLs.
+    #[serde(default)]
+    pub preview_bytes_in: u64,
+    /// Bytes it sent back through its preview URLs.
+    #[serde(default)]
+    pub preview_bytes_out: u64,
 }
 
 /// The usage object.

@@ -15,6 +15,7 @@ use crate::config::{cost, ServiceConfig};
 use crate::error::{CoreError, ErrorType, Result};
 use crate::ids::{new_id, rfc3339};
 use crate::model::*;
+use crate::preview::{preview_url, PreviewConn, PreviewError, Previews};
 use crate::utf8::Utf8Chunker;
 use async_trait::async_trait;
 use base64::Engine;
@@ -36,9 +37,16 @@ pub struct Service {
     store: Store,
     vms: Arc<LocalVms>,
     reaper: Arc<Notify>,
+    /// Open preview connections and their unflushed traffic.
+    previews: Arc<Previews>,
     /// Itself, for tasks that outlive a call (streaming exec).
     me: Weak<Service>,
 }
+
+/// How often preview traffic counters are written to the store.
+const TRAFFIC_FLUSH: Duration = Duration::from_secs(2);
+/// How long opening a preview connection may take, end to end.
+const PREVIEW_CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
 
 impl From<StoreError> for CoreError {
     fn from(e: StoreError) -> Self {
@@ -73,8 +81,11 @@ fn runtime_error(e: RuntimeError) -> CoreError {
                 | ErrorKind::InvalidPath
                 | ErrorKind::InvalidRequest
                 | ErrorKind::Unsupported => ErrorType::InvalidRequest,
-                // Disk full and the like: the sandbox's state prevents it.
-                ErrorKind::Io => ErrorType::Conflict,
+                // Disk full, nothing listening and the like: the sandbox's
+                // state prevents it.
+                ErrorKind::Io | ErrorKind::ConnectionRefused | ErrorKind::TimedOut => {
+                    ErrorType::Conflict
+                }
             };
             CoreError::new(kind, a.message)
         }
@@ -167,6 +178,7 @@ impl Service {
             store,
             vms,
             reaper: Arc::new(Notify::new()),
+            previews: Arc::new(Previews::default()),
             me: me.clone(),
         })
     }
@@ -188,6 +200,14 @@ impl Service {
     pub async fn start(self: &Arc<Self>) -> Result<()> {
         self.reconcile().await?;
         self.vms.start_pool();
+        let me = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(TRAFFIC_FLUSH).await;
+                let Some(svc) = me.upgrade() else { return };
+                svc.flush_traffic(None).await;
+            }
+        });
         let me = Arc::downgrade(self);
         let wake = self.reaper.clone();
         tokio::spawn(async move {
@@ -305,9 +325,13 @@ impl Service {
         end_status: &str,
         reason: &str,
     ) -> Result<Option<SandboxRow>> {
+        // Its preview URLs stop now, before anything else.
+        self.previews.close(&row.id, None);
         if let Err(e) = self.vms.destroy(&row.id).await {
             tracing::warn!(id = %row.id, "destroying the VM: {e}");
         }
+        self.flush_traffic(Some(&row.id)).await;
+        self.previews.forget(&row.id);
         let now = OffsetDateTime::now_utc();
         let billed_until = now.min(row.expires_at);
         // A sandbox the platform lost (its VM died, it never came up) is
@@ -580,6 +604,118 @@ impl Service {
 
     fn arc_self(&self) -> Option<Arc<Service>> {
         self.me.upgrade()
+    }
+
+    /// Write preview traffic counters to the store (of one sandbox, or all).
+    async fn flush_traffic(&self, only: Option<&str>) {
+        for (id, bytes_in, bytes_out) in self.previews.take_all() {
+            if only.is_some_and(|o| o != id) {
+                self.previews.restore(&id, bytes_in, bytes_out);
+                continue;
+            }
+            if let Err(e) = self
+                .store
+                .add_preview_traffic(&id, bytes_in, bytes_out)
+                .await
+            {
+                tracing::warn!(%id, "storing preview traffic: {e}");
+                self.previews.restore(&id, bytes_in, bytes_out);
+            }
+        }
+    }
+
+    /// Can `port` of sandbox `id` be served through its preview URL now?
+    /// Anyone with the URL may ask: no account is involved.
+    pub async fn check_preview(&self, id: &str, port: u16) -> Result<(), PreviewError> {
+        let unavailable = |e: StoreError| PreviewError::Unavailable {
+            id: id.to_string(),
+            message: e.to_string(),
+        };
+        let row = self
+            .store
+            .sandbox(id)
+            .await
+            .map_err(unavailable)?
+            .ok_or_else(|| PreviewError::NoSuchSandbox(id.to_string()))?;
+        // Gone from the moment it expires or its destroy starts, even while
+        // the reaper or the destroy is still at work.
+        let gone = |reason: &str| PreviewError::Gone {
+            id: id.to_string(),
+            reason: reason.to_string(),
+        };
+        if !row.is_live() {
+            return Err(gone(row.deleted_reason.as_deref().unwrap_or(&row.status)));
+        }
+        if row.expires_at <= OffsetDateTime::now_utc() {
+            return Err(gone("expired"));
+        }
+        if row.status == status::DELETING {
+            return Err(gone("destroyed"));
+        }
+        if row.status != status::RUNNING {
+            return Err(PreviewError::Unavailable {
+                id: id.to_string(),
+                message: format!("it is {}", row.status),
+            });
+        }
+        let ports = self.store.list_ports(id).await.map_err(unavailable)?;
+        if !ports.iter().any(|p| p.port == port) {
+            return Err(PreviewError::PortClosed {
+                id: id.to_string(),
+                port,
+            });
+        }
+        Ok(())
+    }
+
+    /// Open a connection to `port` of sandbox `id` for its preview URL:
+    /// checked as [`Service::check_preview`], bounded in time, counted as
+    /// the sandbox's preview traffic, and cut when the port is closed or the
+    /// sandbox ends.
+    pub async fn open_preview(&self, id: &str, port: u16) -> Result<PreviewConn, PreviewError> {
+        self.check_preview(id, port).await?;
+        let (sid, p) = (id.to_string(), port);
+        let gate = self.previews.connect_gate(id, port);
+        let open = async {
+            let _permit = gate.acquire().await;
+            let agent = self
+                .vms
+                .agent(id)
+                .await
+                .map_err(|e| PreviewError::Unavailable {
+                    id: sid.clone(),
+                    message: e.to_string(),
+                })?;
+            agent.open_tunnel(port).await.map_err(|e| match e {
+                RuntimeError::Agent(a) if a.kind == ErrorKind::ConnectionRefused => {
+                    PreviewError::NotListening {
+                        id: sid.clone(),
+                        port: p,
+                    }
+                }
+                RuntimeError::Agent(a) if a.kind == ErrorKind::TimedOut => PreviewError::Timeout {
+                    id: sid.clone(),
+                    port: p,
+                },
+                other => PreviewError::Unavailable {
+                    id: sid.clone(),
+                    message: other.to_string(),
+                },
+            })
+        };
+        let stream = tokio::time::timeout(PREVIEW_CONNECT_TIMEOUT, open)
+            .await
+            .map_err(|_| PreviewError::Timeout {
+                id: id.to_string(),
+                port,
+            })??;
+        let conn = self.previews.register(id, port, stream);
+        // Closed or ended while connecting: cut it now rather than serve it.
+        if let Err(e) = self.check_preview(id, port).await {
+            self.previews.close(id, Some(port));
+            return Err(e);
+        }
+        Ok(conn)
     }
 
     /// Wake the reaper (an expiry moved earlier).
@@ -997,9 +1133,11 @@ impl SandboxApi for Service {
             return Err(CoreError::invalid("port must be between 1 and 65535"));
         }
         let row = self.running(caller, id).await?;
-        let url = format!(
-            "{}://{port}-{}.{}",
-            self.config.preview_scheme, row.id, self.config.preview_domain
+        let url = preview_url(
+            &self.config.preview_scheme,
+            &self.config.preview_domain,
+            port,
+            &row.id,
         );
         let p = self.store.upsert_port(&row.id, port, &url).await?;
         Ok(Port {
@@ -1030,6 +1168,7 @@ impl SandboxApi for Service {
     async fn close_port(&self, caller: &Caller, id: &str, port: u16) -> Result<()> {
         let row = self.owned(caller, id).await?;
         if self.store.close_port(&row.id, port).await? {
+            self.previews.close(&row.id, Some(port));
             Ok(())
         } else {
             Err(CoreError::not_found("exposed port", &port.to_string()))
@@ -1061,7 +1200,10 @@ impl SandboxApi for Service {
                     u.charged_micros
                 };
                 total += cost_micros;
+                let (pending_in, pending_out) = self.previews.pending(&r.id);
                 SandboxUsage {
+                    preview_bytes_in: u.preview_bytes_in as u64 + pending_in,
+                    preview_bytes_out: u.preview_bytes_out as u64 + pending_out,
                     id: r.id.clone(),
                     size: r.size.clone(),
                     seconds,

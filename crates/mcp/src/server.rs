@@ -99,7 +99,9 @@ find what a run produced.";
 const D_EXPOSE: &str = "\
 Give a server running inside a sandbox a public URL to share. The server only has to listen \
 on the port (localhost is enough); start it in the background with `&` first, since \
-run_command waits for commands to finish. Asking again for the same port returns the same URL.";
+run_command waits for commands to finish. Asking again for the same port returns the same URL. \
+The URL answers 502 (\"not listening yet\") until the server listens, and stops working when \
+the sandbox is destroyed or expires. HTTP, streaming responses and WebSockets pass through.";
 
 const D_GET: &str = "Get a sandbox's status, size, resources and expiry (expires_at).";
 

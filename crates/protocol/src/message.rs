@@ -61,6 +61,30 @@ pub enum Message {
 
     /// Sync the disks and power the guest off. The VM then exits; nothing answers.
     PowerOff { id: RequestId },
+    /// Open a TCP connection to `port` on the guest's loopback (127.0.0.1,
+    /// then ::1). The request id names the stream from then on. Answered by
+    /// [`Message::TunnelOpened`], or by [`Message::Error`] with
+    /// [`ErrorKind::ConnectionRefused`] (nothing listens) or
+    /// [`ErrorKind::TimedOut`]. `window` is how many bytes the guest may send
+    /// on this stream before the host acknowledges them ([`Message::TunnelAck`]).
+    TunnelOpen {
+        id: RequestId,
+        port: u16,
+        window: u32,
+    },
+
+    // ---- either direction (tunnels) ------------------------------------
+    /// Bytes of a tunnel stream (frame body). The sender never has more
+    /// unacknowledged bytes in flight than the window the other side granted.
+    TunnelData { id: RequestId },
+    /// The receiver consumed `bytes` of the stream's data: the sender may send
+    /// that many more.
+    TunnelAck { id: RequestId, bytes: u32 },
+    /// The sender will send no more data on this stream (a TCP half-close).
+    TunnelShutdown { id: RequestId },
+    /// The stream is over, in both directions: sent by the host when it is
+    /// done with it, by the guest when the connection failed. Needs no answer.
+    TunnelClose { id: RequestId },
 
     // ---- guest → host -------------------------------------------------
     /// Answer to [`Message::Hello`].
@@ -91,6 +115,9 @@ pub enum Message {
     Done { id: RequestId, result: DoneResult },
     /// A request failed. `id` is 0 for errors not tied to a request.
     Error { id: RequestId, error: AgentError },
+    /// The guest connected a [`Message::TunnelOpen`]; `window` is how many
+    /// bytes the host may send before the guest acknowledges them.
+    TunnelOpened { id: RequestId, window: u32 },
 }
 
 impl Message {
@@ -108,6 +135,12 @@ impl Message {
             | ListFiles { id, .. }
             | DeleteFile { id, .. }
             | PowerOff { id }
+            | TunnelOpen { id, .. }
+            | TunnelData { id }
+            | TunnelAck { id, .. }
+            | TunnelShutdown { id }
+            | TunnelClose { id }
+            | TunnelOpened { id, .. }
             | Started { id, .. }
             | Stdout { id }
             | Stderr { id }
@@ -271,6 +304,10 @@ pub enum ErrorKind {
     InvalidRequest,
     Unsupported,
     Io,
+    /// Nothing accepts connections on the address (a tunnel's port).
+    ConnectionRefused,
+    /// An operation gave up after its bound (a tunnel's connect).
+    TimedOut,
 }
 
 impl std::fmt::Display for ErrorKind {
@@ -285,6 +322,8 @@ impl std::fmt::Display for ErrorKind {
             ErrorKind::InvalidRequest => "invalid request",
             ErrorKind::Unsupported => "unsupported",
             ErrorKind::Io => "i/o error",
+            ErrorKind::ConnectionRefused => "connection refused",
+            ErrorKind::TimedOut => "timed out",
         };
         f.write_str(s)
     }

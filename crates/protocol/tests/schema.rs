@@ -142,6 +142,31 @@ fn samples() -> Vec<Message> {
             id: 5,
             error: AgentError::new(ErrorKind::NotFound, "no such file"),
         },
+        // Added within generation 1: port tunnels.
+        Message::TunnelOpen {
+            id: 9,
+            port: 8000,
+            window: 1 << 20,
+        },
+        Message::TunnelOpened {
+            id: 9,
+            window: 1 << 20,
+        },
+        Message::TunnelData { id: 9 },
+        Message::TunnelAck {
+            id: 9,
+            bytes: 65536,
+        },
+        Message::TunnelShutdown { id: 9 },
+        Message::TunnelClose { id: 9 },
+        Message::Error {
+            id: 9,
+            error: AgentError::new(ErrorKind::ConnectionRefused, "nothing listens on port 8000"),
+        },
+        Message::Error {
+            id: 9,
+            error: AgentError::new(ErrorKind::TimedOut, "connecting to port 8000 timed out"),
+        },
     ]
 }
 
@@ -168,6 +193,12 @@ fn exhaustive(m: &Message) -> &'static str {
         Message::FileData { .. } => "file_data",
         Message::Done { .. } => "done",
         Message::Error { .. } => "error",
+        Message::TunnelOpen { .. } => "tunnel_open",
+        Message::TunnelOpened { .. } => "tunnel_opened",
+        Message::TunnelData { .. } => "tunnel_data",
+        Message::TunnelAck { .. } => "tunnel_ack",
+        Message::TunnelShutdown { .. } => "tunnel_shutdown",
+        Message::TunnelClose { .. } => "tunnel_close",
     }
 }
 

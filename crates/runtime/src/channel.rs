@@ -31,18 +31,30 @@ pub struct AgentInfo {
     pub hostname: String,
 }
 
-struct Inner {
+pub(crate) struct Inner {
     out: mpsc::UnboundedSender<Vec<u8>>,
-    pending: Mutex<HashMap<RequestId, mpsc::UnboundedSender<Frame>>>,
+    pub(crate) pending: Mutex<HashMap<RequestId, mpsc::UnboundedSender<Frame>>>,
+    /// Send credit of open tunnel streams; `TunnelAck`s go here directly, so
+    /// a writer learns of credit even while nobody reads its stream.
+    pub(crate) credits: Mutex<HashMap<RequestId, Arc<crate::tunnel::SendCredit>>>,
     next_id: AtomicU64,
-    closed: AtomicBool,
+    pub(crate) closed: AtomicBool,
     /// The reader and writer tasks, so `close` can end the connection while
     /// clones of the client still exist.
     tasks: Mutex<Vec<tokio::task::AbortHandle>>,
 }
 
 impl Inner {
-    fn send(&self, message: &Message, body: &[u8]) -> Result<()> {
+    /// The connection is over: every request and tunnel stream fails now.
+    fn hang_up(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        self.pending.lock().unwrap().clear();
+        for (_, c) in self.credits.lock().unwrap().drain() {
+            c.close();
+        }
+    }
+
+    pub(crate) fn send(&self, message: &Message, body: &[u8]) -> Result<()> {
         self.out
             .send(encode_frame(message, body))
             .map_err(|_| RuntimeError::Disconnected("the connection is closed".into()))
@@ -213,6 +225,7 @@ impl AgentClient {
         let inner = Arc::new(Inner {
             out: out_tx,
             pending: Mutex::new(HashMap::new()),
+            credits: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             closed: AtomicBool::new(false),
             tasks: Mutex::new(Vec::new()),
@@ -239,8 +252,7 @@ impl AgentClient {
                     Ok(n) => decoder.push(&buf[..n]),
                 }
             }
-            reader_inner.closed.store(true, Ordering::SeqCst);
-            reader_inner.pending.lock().unwrap().clear();
+            reader_inner.hang_up();
         });
         *inner.tasks.lock().unwrap() = vec![writer.abort_handle(), reader.abort_handle()];
         Ok(AgentClient {
@@ -257,11 +269,10 @@ impl AgentClient {
     /// Hang up: the socket closes now, for every clone; requests in flight
     /// fail as disconnected.
     pub fn close(&self) {
-        self.inner.closed.store(true, Ordering::SeqCst);
         for t in self.inner.tasks.lock().unwrap().drain(..) {
             t.abort();
         }
-        self.inner.pending.lock().unwrap().clear();
+        self.inner.hang_up();
     }
 
     /// Has the connection closed (VM gone or agent unreachable)?
@@ -269,7 +280,11 @@ impl AgentClient {
         self.inner.closed.load(Ordering::SeqCst)
     }
 
-    fn register(&self) -> Result<(RequestId, mpsc::UnboundedReceiver<Frame>)> {
+    pub(crate) fn inner(&self) -> &Arc<Inner> {
+        &self.inner
+    }
+
+    pub(crate) fn register(&self) -> Result<(RequestId, mpsc::UnboundedReceiver<Frame>)> {
         if self.is_closed() {
             return Err(RuntimeError::Disconnected(
                 "the connection is closed".into(),
@@ -494,12 +509,33 @@ fn route(inner: &Inner, frame: Frame) {
     let Some(id) = frame.message.request_id() else {
         return;
     };
+    match frame.message {
+        Message::TunnelAck { bytes, .. } => {
+            if let Some(c) = inner.credits.lock().unwrap().get(&id) {
+                c.add(bytes as u64);
+            }
+            return;
+        }
+        Message::TunnelData { .. } => {
+            let within = inner
+                .credits
+                .lock()
+                .unwrap()
+                .get(&id)
+                .is_none_or(|c| c.receive(frame.body.len() as u64));
+            if !within {
+                crate::tunnel::violated(inner, id);
+                return;
+            }
+        }
+        _ => {}
+    }
     let pending = inner.pending.lock().unwrap();
     if let Some(tx) = pending.get(&id) {
         let _ = tx.send(frame);
     }
 }
 
-fn unexpected(m: Message) -> RuntimeError {
+pub(crate) fn unexpected(m: Message) -> RuntimeError {
     RuntimeError::Disconnected(format!("unexpected message from the agent: {m:?}"))
 }

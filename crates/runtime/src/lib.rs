@@ -16,6 +16,7 @@ pub mod net;
 pub mod process;
 pub mod qmp;
 pub mod template;
+pub mod tunnel;
 pub mod vm;
 
 pub use accel::Accel;
@@ -23,4 +24,5 @@ pub use channel::{AgentClient, ExecEvent, ExecHandle, ExecOutput};
 pub use config::{AccelChoice, NetworkPolicy, RuntimeConfig, SizeSpec};
 pub use error::{Result, RuntimeError};
 pub use template::Template;
+pub use tunnel::{TunnelCloser, TunnelStream};
 pub use vm::{CreateVm, Vm, VmManager, VmRecord, VmState};

@@ -126,6 +126,10 @@ pub struct UsageRow {
     /// (the caller computes the running cost from `created_at` and the
     /// price).
     pub charged_micros: i64,
+    /// Bytes clients sent to it through its preview URLs.
+    pub preview_bytes_in: i64,
+    /// Bytes it sent back through its preview URLs.
+    pub preview_bytes_out: i64,
 }
 
 pub(crate) fn sandbox_from(row: &SqliteRow) -> Result<SandboxRow> {
@@ -703,9 +707,31 @@ impl Store {
                 Ok(UsageRow {
                     sandbox: sandbox_from(r)?,
                     charged_micros: get_i64(r, "charged_micros")?,
+                    preview_bytes_in: get_i64(r, "preview_bytes_in")?,
+                    preview_bytes_out: get_i64(r, "preview_bytes_out")?,
                 })
             })
             .collect()
+    }
+
+    /// Adds preview traffic to a sandbox's counters.
+    pub async fn add_preview_traffic(
+        &self,
+        sandbox_id: &str,
+        bytes_in: u64,
+        bytes_out: u64,
+    ) -> Result<()> {
+        sqlx::query(
+            "UPDATE sandboxes SET preview_bytes_in = preview_bytes_in + $2, \
+                                  preview_bytes_out = preview_bytes_out + $3 \
+             WHERE id = $1",
+        )
+        .bind(sandbox_id)
+        .bind(bytes_in as i64)
+        .bind(bytes_out as i64)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
     }
 
     /// Forgets idempotency keys recorded before `before` (keys are meant

@@ -75,7 +75,11 @@ async fn migrations_apply_to_a_fresh_file_and_again() {
         .fetch_one(store.pool())
         .await
         .unwrap();
-    assert_eq!(applied, 1);
+    // One row per file in crates/store/migrations.
+    let files = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/migrations"))
+        .unwrap()
+        .count() as i64;
+    assert_eq!(applied, files);
     assert_eq!(store.account(&acct.id).await.unwrap(), Some(acct));
     let mode: String = sqlx::query_scalar("PRAGMA journal_mode")
         .fetch_one(store.pool())
@@ -969,5 +973,26 @@ async fn usage_lists_recent_sandboxes_with_their_charges() {
     assert_eq!(
         store.balance(&acct.id).await.unwrap(),
         10_000_000 - 90_000 - 45_000 - 90_000
+    );
+}
+
+#[tokio::test]
+async fn preview_traffic_adds_up_in_usage() {
+    let (_d, store) = open().await;
+    let acct = store.create_account("alice", 100).await.unwrap();
+    store.add_credit(&acct.id, 10_000_000, None).await.unwrap();
+    let s = created(
+        store
+            .create_sandbox(sandbox(&acct.id, T0, 60, 90_000))
+            .await
+            .unwrap(),
+    );
+    store.add_preview_traffic(&s.id, 100, 5_000).await.unwrap();
+    store.add_preview_traffic(&s.id, 20, 7).await.unwrap();
+    let usage = store.usage(&acct.id, T0 - Duration::days(1)).await.unwrap();
+    assert_eq!(usage.len(), 1);
+    assert_eq!(
+        (usage[0].preview_bytes_in, usage[0].preview_bytes_out),
+        (120, 5_007)
     );
 }

@@ -519,6 +519,8 @@ impl SandboxApi for Fake {
                 cost_usd: 0.0015,
                 created_at: s.created_at.clone(),
                 deleted_at: s.deleted_at.clone(),
+                preview_bytes_in: 0,
+                preview_bytes_out: 0,
             })
             .collect::<Vec<_>>();
         Ok(Usage {

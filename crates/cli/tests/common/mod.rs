@@ -4,6 +4,8 @@
 //! test fails.
 #![allow(dead_code)]
 
+pub mod serve;
+
 use sandpit_protocol::ExecRequest;
 use sandpit_runtime::config::SizeSpec;
 use sandpit_runtime::image::GuestImage;

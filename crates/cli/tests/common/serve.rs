@@ -1,0 +1,184 @@
+//! A real `sandpit serve` process for tests: started on an ephemeral port
+//! with a test config, its first-start admin key captured, stopped with
+//! SIGTERM on drop; and a small REST client for it.
+
+use super::images_dir;
+use serde_json::Value;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub const CONFIG: &str =
+    "[sizes.small]\nvcpus = 2\nmemory_mb = 1024\ndisk_gb = 4\nprice_usd_per_hour = 0.09\n";
+
+pub fn sandpit(data: &Path) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_sandpit"));
+    c.arg("--data-dir")
+        .arg(data)
+        .arg("--images-dir")
+        .arg(images_dir())
+        .arg("--config")
+        .arg(data.join("config.toml"));
+    c
+}
+
+/// A running `sandpit serve`.
+pub struct Server {
+    pub data: PathBuf,
+    pub child: Child,
+    pub url: String,
+    pub admin_key: Option<String>,
+}
+
+impl Server {
+    pub fn start(data: &Path) -> Server {
+        Server::start_with(data, "")
+    }
+
+    /// Start with `extra` appended to the test config (TOML).
+    pub fn start_with(data: &Path, extra: &str) -> Server {
+        Server::start_on(data, extra, "127.0.0.1:0")
+    }
+
+    /// Start listening on `listen`, with `extra` appended to the test config.
+    pub fn start_on(data: &Path, extra: &str, listen: &str) -> Server {
+        std::fs::write(data.join("config.toml"), format!("{CONFIG}{extra}")).unwrap();
+        let mut child = sandpit(data)
+            .args(["serve", "--listen", listen])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let tx2 = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                // The key alone on its line (it also appears in the MCP config).
+                let t = line.trim();
+                if t.starts_with("sp_") && t.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+                {
+                    let _ = tx2.send(format!("KEY {t}"));
+                }
+            }
+        });
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                eprintln!("[serve] {line}");
+                if let Some(rest) = line.split("serving ").nth(1) {
+                    let url = rest.split_whitespace().next().unwrap().to_string();
+                    let _ = tx.send(format!("URL {url}"));
+                }
+            }
+        });
+        let (mut url, mut key) = (None, None);
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while url.is_none() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(m) if m.starts_with("URL ") => url = Some(m[4..].to_string()),
+                Ok(m) if m.starts_with("KEY ") => key = Some(m[4..].to_string()),
+                Ok(_) => {}
+                Err(_) => panic!("sandpit serve did not start"),
+            }
+        }
+        // The first-start key is printed (on stdout) before the serving line
+        // (on stderr), but the two are read by different threads: give the
+        // stdout reader a moment.
+        let until = Instant::now() + Duration::from_secs(2);
+        while key.is_none() {
+            let left = until.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(m) => {
+                    if let Some(k) = m.strip_prefix("KEY ") {
+                        key = Some(k.to_string());
+                    }
+                }
+                Err(_) => break,
+            }
+        }
+        Server {
+            data: data.to_path_buf(),
+            child,
+            url: url.unwrap(),
+            admin_key: key,
+        }
+    }
+
+    pub fn sigkill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        std::mem::forget(self);
+    }
+
+    /// Run an operator command on this server's data directory; panics
+    /// unless it succeeds; returns its trimmed stdout.
+    pub fn admin(&self, args: &[&str]) -> String {
+        let out = sandpit(&self.data).args(args).output().unwrap();
+        assert!(
+            out.status.success(),
+            "sandpit {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap().trim().to_string()
+    }
+
+    /// `sandpit key create` for a new account with `usd` of credit.
+    pub fn new_account(&self, name: &str, usd: f64) -> String {
+        self.admin(&["account", "create", name, "--credit", &usd.to_string()]);
+        self.admin(&["key", "create", "--account", name])
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        // SAFETY: a plain signal to our child.
+        unsafe {
+            libc::kill(self.child.id() as i32, libc::SIGTERM);
+        }
+        let _ = self.child.wait();
+    }
+}
+
+pub struct Rest {
+    pub http: reqwest::Client,
+    pub url: String,
+    pub key: String,
+}
+
+impl Rest {
+    pub fn new(s: &Server, key: &str) -> Rest {
+        Rest {
+            http: reqwest::Client::new(),
+            url: s.url.clone(),
+            key: key.to_string(),
+        }
+    }
+    pub async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> (u16, Value) {
+        let mut r = self
+            .http
+            .request(method, format!("{}/v1{path}", self.url))
+            .bearer_auth(&self.key);
+        if let Some(b) = body {
+            r = r.json(&b);
+        }
+        let resp = r.send().await.unwrap();
+        let status = resp.status().as_u16();
+        assert!(resp.headers().contains_key("x-request-id"));
+        let v = resp.json::<Value>().await.unwrap_or(Value::Null);
+        (status, v)
+    }
+    pub async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        self.call(reqwest::Method::POST, path, Some(body)).await
+    }
+    pub async fn get(&self, path: &str) -> (u16, Value) {
+        self.call(reqwest::Method::GET, path, None).await
+    }
+}

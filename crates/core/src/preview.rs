@@ -1,0 +1,517 @@
+//! Preview URLs: which host names are preview URLs, and the connections
+//! behind them.
+//!
+//! A preview URL is `{scheme}://{port}-{sandbox_id}.{domain}`. Anyone who has
+//! it can open it, so the host name is the only input that picks a sandbox,
+//! and [`parse_host`] is the one place that reads it: strict (one label, a
+//! canonical port number, an id of id characters, the configured domain and
+//! port, nothing else), so no odd spelling reaches another sandbox or the
+//! API by accident. [`preview_url`] is the one place that writes it.
+//!
+//! A connection ([`PreviewConn`]) is a tunnel over the sandbox's agent
+//! channel, counted (bytes in and out, per sandbox, flushed to the store by
+//! the service) and registered, so closing the port or ending the sandbox
+//! cuts every connection at once.
+
+use sandpit_runtime::{TunnelCloser, TunnelStream};
+use std::collections::HashMap;
+use std::io;
+use std::net::Ipv4Addr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::Semaphore;
+
+/// The URL of `port` of sandbox `id`.
+pub fn preview_url(scheme: &str, domain: &str, port: u16, id: &str) -> String {
+    format!("{scheme}://{port}-{id}.{domain}")
+}
+
+/// What a request's host names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HostKind {
+    /// Not under the preview domain: the API.
+    Api,
+    /// A preview URL: this port of this sandbox.
+    Preview { port: u16, sandbox_id: String },
+    /// Under the preview domain, but not a preview URL (answer 404).
+    Invalid,
+}
+
+/// Longest sandbox id accepted in a host name.
+const MAX_ID_LEN: usize = 64;
+
+/// Split `host[:port]` (IPv6 literals in brackets) into name and port text.
+fn split_port(s: &str) -> (&str, Option<&str>) {
+    if s.starts_with('[') {
+        return match s.find(']') {
+            Some(end) => match s[end + 1..].strip_prefix(':') {
+                Some(p) => (&s[..=end], Some(p)),
+                None => (&s[..=end], None),
+            },
+            None => (s, None),
+        };
+    }
+    match s.rsplit_once(':') {
+        Some((h, p)) => (h, Some(p)),
+        None => (s, None),
+    }
+}
+
+/// A port as written canonically: 1 to 65535, no sign, no leading zero.
+fn canonical_port(s: &str) -> Option<u16> {
+    if s.is_empty() || s.len() > 5 || s.starts_with('0') || !s.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    s.parse::<u16>().ok()
+}
+
+/// Classify the `Host` header (or HTTP/2 `:authority`) of a request.
+///
+/// `domain` is the configured preview domain, with a `:port` when URLs
+/// carry one (`localhost:8080`); `scheme` gives the port a host without one
+/// means (80 or 443). Case does not matter; one trailing dot on the name is
+/// allowed (it is the same DNS name). The port must be the domain's.
+pub fn parse_host(host: &str, domain: &str, scheme: &str) -> HostKind {
+    let default_port = if scheme.eq_ignore_ascii_case("https") {
+        "443"
+    } else {
+        "80"
+    };
+    let host = host.to_ascii_lowercase();
+    let domain = domain.to_ascii_lowercase();
+    let (name, port) = split_port(&host);
+    let (dname, dport) = split_port(&domain);
+    let name = name.strip_suffix('.').unwrap_or(name);
+    let dname = dname.strip_suffix('.').unwrap_or(dname);
+    if name.is_empty() || name.starts_with('[') || name.parse::<Ipv4Addr>().is_ok() {
+        return HostKind::Api;
+    }
+    let Some(label) = name
+        .strip_suffix(dname)
+        .and_then(|rest| rest.strip_suffix('.'))
+    else {
+        return HostKind::Api;
+    };
+    // Under the preview domain from here on: anything wrong is a 404.
+    let port_ok = match port {
+        Some(p) => {
+            canonical_port(p).map(|p| p.to_string())
+                == Some(dport.unwrap_or(default_port).to_string())
+        }
+        None => dport.is_none_or(|d| d == default_port),
+    };
+    if !port_ok {
+        return HostKind::Invalid;
+    }
+    let Some((p, id)) = label.split_once('-') else {
+        return HostKind::Invalid;
+    };
+    let id_ok = !id.is_empty()
+        && id.len() <= MAX_ID_LEN
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+    match (canonical_port(p), id_ok) {
+        (Some(port), true) => HostKind::Preview {
+            port,
+            sandbox_id: id.to_string(),
+        },
+        _ => HostKind::Invalid,
+    }
+}
+
+/// Why a preview request cannot be served, each with its own page.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PreviewError {
+    /// not a preview URL of this server
+    #[error("there is no preview at this address")]
+    UnknownHost,
+    /// no sandbox has this id
+    #[error("there is no sandbox {0}")]
+    NoSuchSandbox(String),
+    /// the sandbox ended; its URLs stopped with it
+    #[error("sandbox {id} is gone ({reason})")]
+    Gone { id: String, reason: String },
+    /// the port is not exposed (never was, or was closed)
+    #[error("port {port} of sandbox {id} is not exposed")]
+    PortClosed { id: String, port: u16 },
+    /// nothing listens on the port in the guest
+    #[error("port {port} in sandbox {id} is not listening yet")]
+    NotListening { id: String, port: u16 },
+    /// the connection to the guest's server took too long
+    #[error("connecting to port {port} in sandbox {id} timed out")]
+    Timeout { id: String, port: u16 },
+    /// the sandbox cannot be reached right now
+    #[error("sandbox {id} cannot be reached right now: {message}")]
+    Unavailable { id: String, message: String },
+}
+
+impl PreviewError {
+    /// The HTTP status of this error (the one mapping).
+    pub fn http_status(&self) -> u16 {
+        match self {
+            PreviewError::UnknownHost
+            | PreviewError::NoSuchSandbox(_)
+            | PreviewError::PortClosed { .. } => 404,
+            PreviewError::Gone { .. } => 410,
+            PreviewError::NotListening { .. } => 502,
+            PreviewError::Timeout { .. } => 504,
+            PreviewError::Unavailable { .. } => 503,
+        }
+    }
+
+    /// A sentence for a person reading the page, saying what to do.
+    pub fn advice(&self) -> &'static str {
+        match self {
+            PreviewError::UnknownHost | PreviewError::NoSuchSandbox(_) => {
+                "Check the address: a preview URL looks like PORT-SANDBOX_ID.DOMAIN."
+            }
+            PreviewError::Gone { .. } => {
+                "A sandbox's preview URLs stop when it is destroyed or expires."
+            }
+            PreviewError::PortClosed { .. } => "Expose the port (expose_port) to get its URL.",
+            PreviewError::NotListening { .. } => {
+                "Start the server inside the sandbox (on 127.0.0.1 or 0.0.0.0), then reload."
+            }
+            PreviewError::Timeout { .. } => {
+                "The server inside the sandbox did not accept the connection in time; reload."
+            }
+            PreviewError::Unavailable { .. } => "Try again in a moment.",
+        }
+    }
+}
+
+/// Bytes carried through one sandbox's preview URLs and not yet stored.
+#[derive(Debug, Default)]
+pub(crate) struct Traffic {
+    pub(crate) bytes_in: AtomicU64,
+    pub(crate) bytes_out: AtomicU64,
+}
+
+/// A sandbox's open preview connections: serial -> (port, closer).
+type OpenConns = HashMap<u64, (u16, TunnelCloser)>;
+
+/// Open preview connections and unflushed traffic, per sandbox.
+#[derive(Default)]
+pub(crate) struct Previews {
+    traffic: Mutex<HashMap<String, Arc<Traffic>>>,
+    open: Mutex<HashMap<String, OpenConns>>,
+    /// Connection attempts in flight per (sandbox, port) are limited: a
+    /// burst of new connections would overflow a small server's listen
+    /// backlog (Python's is 5), and a dropped SYN costs a second or more.
+    connecting: Mutex<HashMap<(String, u16), Arc<Semaphore>>>,
+    serial: AtomicU64,
+}
+
+/// Connection attempts in flight per (sandbox, port).
+const CONNECTS_IN_FLIGHT: usize = 4;
+
+impl Previews {
+    pub(crate) fn traffic(&self, id: &str) -> Arc<Traffic> {
+        self.traffic
+            .lock()
+            .unwrap()
+            .entry(id.to_string())
+            .or_default()
+            .clone()
+    }
+
+    /// Unflushed traffic of a sandbox (in, out), without taking it.
+    pub(crate) fn pending(&self, id: &str) -> (u64, u64) {
+        self.traffic
+            .lock()
+            .unwrap()
+            .get(id)
+            .map(|t| {
+                (
+                    t.bytes_in.load(Ordering::Relaxed),
+                    t.bytes_out.load(Ordering::Relaxed),
+                )
+            })
+            .unwrap_or_default()
+    }
+
+    /// Take every sandbox's unflushed traffic.
+    pub(crate) fn take_all(&self) -> Vec<(String, u64, u64)> {
+        self.traffic
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(id, t)| {
+                (
+                    id.clone(),
+                    t.bytes_in.swap(0, Ordering::Relaxed),
+                    t.bytes_out.swap(0, Ordering::Relaxed),
+                )
+            })
+            .filter(|(_, i, o)| *i > 0 || *o > 0)
+            .collect()
+    }
+
+    /// Give back traffic that could not be stored.
+    pub(crate) fn restore(&self, id: &str, bytes_in: u64, bytes_out: u64) {
+        let t = self.traffic(id);
+        t.bytes_in.fetch_add(bytes_in, Ordering::Relaxed);
+        t.bytes_out.fetch_add(bytes_out, Ordering::Relaxed);
+    }
+
+    /// Forget a sandbox's counters (after its last flush) and gates.
+    pub(crate) fn forget(&self, id: &str) {
+        self.traffic.lock().unwrap().remove(id);
+        self.connecting.lock().unwrap().retain(|(s, _), _| s != id);
+    }
+
+    /// The gate connection attempts to `port` of sandbox `id` pass.
+    pub(crate) fn connect_gate(&self, id: &str, port: u16) -> Arc<Semaphore> {
+        self.connecting
+            .lock()
+            .unwrap()
+            .entry((id.to_string(), port))
+            .or_insert_with(|| Arc::new(Semaphore::new(CONNECTS_IN_FLIGHT)))
+            .clone()
+    }
+
+    pub(crate) fn register(
+        self: &Arc<Self>,
+        id: &str,
+        port: u16,
+        stream: TunnelStream,
+    ) -> PreviewConn {
+        let serial = self.serial.fetch_add(1, Ordering::Relaxed);
+        self.open
+            .lock()
+            .unwrap()
+            .entry(id.to_string())
+            .or_default()
+            .insert(serial, (port, stream.closer()));
+        PreviewConn {
+            stream,
+            traffic: self.traffic(id),
+            registry: Arc::downgrade(self),
+            sandbox_id: id.to_string(),
+            serial,
+        }
+    }
+
+    /// Cut the open connections of a sandbox (`port`: of that port only).
+    pub(crate) fn close(&self, id: &str, port: Option<u16>) -> usize {
+        let closers: Vec<TunnelCloser> = {
+            let mut open = self.open.lock().unwrap();
+            let Some(conns) = open.get_mut(id) else {
+                return 0;
+            };
+            let keys: Vec<u64> = conns
+                .iter()
+                .filter(|(_, (p, _))| port.is_none_or(|want| *p == want))
+                .map(|(k, _)| *k)
+                .collect();
+            let taken = keys
+                .iter()
+                .filter_map(|k| conns.remove(k))
+                .map(|(_, c)| c)
+                .collect();
+            if conns.is_empty() {
+                open.remove(id);
+            }
+            taken
+        };
+        for c in &closers {
+            c.close();
+        }
+        closers.len()
+    }
+
+    fn unregister(&self, id: &str, serial: u64) {
+        let mut open = self.open.lock().unwrap();
+        if let Some(conns) = open.get_mut(id) {
+            conns.remove(&serial);
+            if conns.is_empty() {
+                open.remove(id);
+            }
+        }
+    }
+}
+
+/// A connection to a port of a sandbox through its preview URL: a byte
+/// stream to the server in the guest, counted as preview traffic.
+pub struct PreviewConn {
+    stream: TunnelStream,
+    traffic: Arc<Traffic>,
+    registry: std::sync::Weak<Previews>,
+    sandbox_id: String,
+    serial: u64,
+}
+
+impl Drop for PreviewConn {
+    fn drop(&mut self) {
+        if let Some(r) = self.registry.upgrade() {
+            r.unregister(&self.sandbox_id, self.serial);
+        }
+    }
+}
+
+impl AsyncRead for PreviewConn {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.stream).poll_read(cx, buf);
+        let n = buf.filled().len() - before;
+        self.traffic
+            .bytes_out
+            .fetch_add(n as u64, Ordering::Relaxed);
+        r
+    }
+}
+
+impl AsyncWrite for PreviewConn {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let r = Pin::new(&mut self.stream).poll_write(cx, buf);
+        if let Poll::Ready(Ok(n)) = r {
+            self.traffic.bytes_in.fetch_add(n as u64, Ordering::Relaxed);
+        }
+        r
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const D: &str = "localhost:8080";
+
+    fn preview(port: u16, id: &str) -> HostKind {
+        HostKind::Preview {
+            port,
+            sandbox_id: id.into(),
+        }
+    }
+
+    #[test]
+    fn reads_the_urls_it_writes() {
+        let url = preview_url("http", D, 8000, "sbx_abc");
+        assert_eq!(url, "http://8000-sbx_abc.localhost:8080");
+        let host = url.strip_prefix("http://").unwrap();
+        assert_eq!(parse_host(host, D, "http"), preview(8000, "sbx_abc"));
+    }
+
+    #[test]
+    fn tells_api_from_preview_from_nonsense() {
+        let p = |h| parse_host(h, D, "http");
+        assert_eq!(p("localhost:8080"), HostKind::Api);
+        assert_eq!(p("127.0.0.1:8080"), HostKind::Api);
+        assert_eq!(p("[::1]:8080"), HostKind::Api);
+        assert_eq!(p("example.com"), HostKind::Api);
+        assert_eq!(p("8000-sbx_a.localhostx:8080"), HostKind::Api);
+        assert_eq!(p("8000-sbx_a.xlocalhost:8080"), HostKind::Api);
+        // Not a DNS name under the domain at all.
+        assert_eq!(p("8000-sbx_a.localhost..:8080"), HostKind::Api);
+        assert_eq!(p("8000-SBX_A.LocalHost:8080"), preview(8000, "sbx_a"));
+        assert_eq!(p("8000-sbx_a.localhost.:8080"), preview(8000, "sbx_a"));
+        assert_eq!(p("65535-sbx_a.localhost:8080"), preview(65535, "sbx_a"));
+        for bad in [
+            "8000-sbx_a.localhost:8081",
+            "8000-sbx_a.localhost",
+            "8000-sbx_a.localhost:08080",
+            "8000-sbx_a.localhost:",
+            "08000-sbx_a.localhost:8080",
+            "0-sbx_a.localhost:8080",
+            "65536-sbx_a.localhost:8080",
+            "+80-sbx_a.localhost:8080",
+            "8000-.localhost:8080",
+            "-sbx_a.localhost:8080",
+            "8000sbx_a.localhost:8080",
+            "8000-sbx_a..localhost:8080",
+            ".localhost:8080",
+            "8000-sbx_b.8000-sbx_a.localhost:8080",
+            "8000-sbx-a.localhost:8080",
+            "8000-sbx_a%2e.localhost:8080",
+            "u@8000-sbx_a.localhost:8080",
+        ] {
+            assert_eq!(p(bad), HostKind::Invalid, "{bad}");
+        }
+        // Without a port in the domain, the scheme's default port.
+        assert_eq!(
+            parse_host("80-sbx_a.p.example.com:443", "p.example.com", "https"),
+            preview(80, "sbx_a")
+        );
+        assert_eq!(
+            parse_host("80-sbx_a.p.example.com", "p.example.com", "https"),
+            preview(80, "sbx_a")
+        );
+        assert_eq!(
+            parse_host("80-sbx_a.p.example.com:80", "p.example.com", "https"),
+            HostKind::Invalid
+        );
+        // An IP literal is never a preview, even with a numeric domain.
+        assert_eq!(parse_host("1.2.3.4", "3.4", "http"), HostKind::Api);
+    }
+
+    fn id() -> impl Strategy<Value = String> {
+        "sbx_[a-z2-7]{24}"
+    }
+
+    proptest! {
+        /// Every URL expose_port hands out leads back to its port and sandbox,
+        /// whatever the case and with or without a trailing dot.
+        #[test]
+        fn every_url_parses_back(port in 1u16.., id in id(), upper in any::<bool>(), dot in any::<bool>()) {
+            let url = preview_url("http", D, port, &id);
+            let mut host = url.strip_prefix("http://").unwrap().to_string();
+            if dot { host = host.replace("localhost:", "localhost.:"); }
+            if upper { host = host.to_uppercase(); }
+            prop_assert_eq!(parse_host(&host, D, "http"), preview(port, &id));
+        }
+
+        /// Whatever the host, a preview it names is the one canonical
+        /// spelling of that name: no other text reaches a sandbox.
+        #[test]
+        fn only_canonical_names_reach_a_sandbox(host in prop_oneof![
+            "[0-9a-zA-Z_.:@%\\[\\]-]{0,40}",
+            "[0-9]{1,6}-[a-zA-Z0-9_.-]{1,30}\\.(localhost|LOCALHOST|localhost\\.|localhost\\.\\.)(:[0-9]{0,6})?",
+        ]) {
+            if let HostKind::Preview { port, sandbox_id } = parse_host(&host, D, "http") {
+                let canonical = format!("{port}-{sandbox_id}.{D}");
+                let normal = host.to_ascii_lowercase().replace("localhost.:", "localhost:");
+                prop_assert_eq!(normal, canonical);
+            }
+        }
+
+        /// Another domain (or a domain merely ending like ours) is never a preview.
+        #[test]
+        fn other_domains_are_not_previews(port in 1u16.., id in id(), other in "[a-z]{1,10}") {
+            prop_assume!(other != "localhost");
+            let host = format!("{port}-{id}.{other}:8080");
+            prop_assert_eq!(parse_host(&host, D, "http"), HostKind::Api);
+            let host = format!("{port}-{id}.{other}localhost:8080");
+            prop_assert_eq!(parse_host(&host, D, "http"), HostKind::Api);
+        }
+
+        /// Ports with leading zeros, out of range, or odd are never a preview.
+        #[test]
+        fn odd_ports_are_rejected(n in 65536u32..1_000_000, z in 1u16.., id in id()) {
+            let host = format!("{n}-{id}.{D}");
+            prop_assert_eq!(parse_host(&host, D, "http"), HostKind::Invalid);
+            let host = format!("0{z}-{id}.{D}");
+            prop_assert_eq!(parse_host(&host, D, "http"), HostKind::Invalid);
+        }
+    }
+}

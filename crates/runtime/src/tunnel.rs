@@ -1,0 +1,415 @@
+//! The host end of a port tunnel: a TCP connection to a server on the
+//! guest's loopback, as a tokio `AsyncRead + AsyncWrite`, so hyper (or
+//! anything else) can speak over it as over a socket.
+//!
+//! Many streams share the one agent connection with commands and file
+//! transfers, so each direction is credit-based (see the agent's `tunnel`
+//! module): this side sends at most the window the guest granted and waits
+//! for its `TunnelAck`s; it acknowledges what it has handed to its reader,
+//! so a reader that stops reading stops the guest from sending on that
+//! stream, and no stream buffers without bound.
+
+use crate::channel::{unexpected, AgentClient, Inner};
+use crate::{Result, RuntimeError};
+use sandpit_protocol::{Frame, Message, RequestId};
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Waker};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::mpsc;
+
+/// Bytes the guest may send on one stream before this side acknowledges them.
+pub const WINDOW: u32 = 1024 * 1024;
+/// Largest piece of a stream sent in one frame.
+const CHUNK: usize = 64 * 1024;
+
+/// How many bytes this side may still send on a stream, and how many the
+/// guest sent that this side has not acknowledged yet.
+pub(crate) struct SendCredit {
+    state: Mutex<CreditState>,
+    unacked: AtomicU64,
+}
+
+#[derive(Default)]
+struct CreditState {
+    available: u64,
+    closed: bool,
+    waker: Option<Waker>,
+}
+
+impl SendCredit {
+    fn new() -> Self {
+        SendCredit {
+            state: Mutex::new(CreditState::default()),
+            unacked: AtomicU64::new(0),
+        }
+    }
+
+    /// Count `n` bytes arriving from the guest; false if that exceeds the
+    /// window this side granted (a guest that ignores flow control).
+    pub(crate) fn receive(&self, n: u64) -> bool {
+        self.unacked.fetch_add(n, Ordering::SeqCst) + n <= WINDOW as u64
+    }
+
+    pub(crate) fn add(&self, n: u64) {
+        let mut s = self.state.lock().unwrap();
+        s.available += n;
+        if let Some(w) = s.waker.take() {
+            w.wake();
+        }
+    }
+
+    pub(crate) fn close(&self) {
+        let mut s = self.state.lock().unwrap();
+        s.closed = true;
+        if let Some(w) = s.waker.take() {
+            w.wake();
+        }
+    }
+}
+
+/// A TCP connection to a port in the guest. Dropping it closes the stream.
+pub struct TunnelStream {
+    id: RequestId,
+    inner: Arc<Inner>,
+    rx: mpsc::UnboundedReceiver<Frame>,
+    credit: Arc<SendCredit>,
+    /// The frame being read, and how much of it was handed out.
+    buf: Vec<u8>,
+    pos: usize,
+    read_eof: bool,
+    write_shut: bool,
+}
+
+/// Closes a stream from elsewhere (the port was closed, the sandbox ended):
+/// its reads fail, its writes fail, the guest drops the connection.
+#[derive(Clone)]
+pub struct TunnelCloser {
+    id: RequestId,
+    inner: Arc<Inner>,
+}
+
+impl TunnelCloser {
+    pub fn close(&self) {
+        close_stream(&self.inner, self.id);
+    }
+}
+
+/// Close a stream whose guest side broke the protocol (sent past its window):
+/// the guest is not trusted to bound what the host buffers.
+pub(crate) fn violated(inner: &Inner, id: RequestId) {
+    tracing::warn!(id, "a tunnel stream sent past its window; closing it");
+    close_stream(inner, id);
+}
+
+fn close_stream(inner: &Inner, id: RequestId) {
+    let had = inner.pending.lock().unwrap().remove(&id).is_some();
+    if let Some(c) = inner.credits.lock().unwrap().remove(&id) {
+        c.close();
+    }
+    if had {
+        let _ = inner.send(&Message::TunnelClose { id }, &[]);
+    }
+}
+
+impl AgentClient {
+    /// Connect to `port` on the guest's loopback. An agent error of kind
+    /// `ConnectionRefused` means nothing listens there; `TimedOut`, that the
+    /// connect took too long. The caller bounds the wait for an answer.
+    pub async fn open_tunnel(&self, port: u16) -> Result<TunnelStream> {
+        let (id, rx) = self.register()?;
+        let inner = self.inner().clone();
+        let credit = Arc::new(SendCredit::new());
+        inner.credits.lock().unwrap().insert(id, credit.clone());
+        // From here on, dropping `stream` (also mid-open) closes the stream.
+        let mut stream = TunnelStream {
+            id,
+            inner: inner.clone(),
+            rx,
+            credit,
+            buf: Vec::new(),
+            pos: 0,
+            read_eof: false,
+            write_shut: false,
+        };
+        inner.send(
+            &Message::TunnelOpen {
+                id,
+                port,
+                window: WINDOW,
+            },
+            &[],
+        )?;
+        let frame = stream.rx.recv().await.ok_or_else(|| {
+            RuntimeError::Disconnected("the agent connection closed while opening a tunnel".into())
+        })?;
+        match frame.message {
+            Message::TunnelOpened { window, .. } => {
+                stream.credit.add(window as u64);
+                Ok(stream)
+            }
+            Message::Error { error, .. } => {
+                // The guest already forgot the stream.
+                inner.pending.lock().unwrap().remove(&id);
+                Err(RuntimeError::Agent(error))
+            }
+            other => Err(unexpected(other)),
+        }
+    }
+}
+
+impl TunnelStream {
+    /// A handle that closes this stream from another task.
+    pub fn closer(&self) -> TunnelCloser {
+        TunnelCloser {
+            id: self.id,
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+fn broken(what: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::BrokenPipe, what.to_string())
+}
+
+impl AsyncRead for TunnelStream {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        out: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        loop {
+            if this.pos < this.buf.len() {
+                let n = out.remaining().min(this.buf.len() - this.pos);
+                out.put_slice(&this.buf[this.pos..this.pos + n]);
+                this.pos += n;
+                if this.pos == this.buf.len() {
+                    let bytes = this.buf.len() as u32;
+                    this.buf.clear();
+                    this.pos = 0;
+                    this.credit
+                        .unacked
+                        .fetch_sub(bytes as u64, Ordering::SeqCst);
+                    let _ = this
+                        .inner
+                        .send(&Message::TunnelAck { id: this.id, bytes }, &[]);
+                }
+                return Poll::Ready(Ok(()));
+            }
+            if this.read_eof {
+                return Poll::Ready(Ok(()));
+            }
+            match this.rx.poll_recv(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(None) => return Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::ConnectionAborted,
+                    "the tunnel was closed (port closed, sandbox gone, or agent connection lost)",
+                ))),
+                Poll::Ready(Some(frame)) => match frame.message {
+                    Message::TunnelData { .. } => {
+                        this.buf = frame.body;
+                        this.pos = 0;
+                    }
+                    Message::TunnelShutdown { .. } => this.read_eof = true,
+                    Message::TunnelClose { .. } => {
+                        // The guest's socket failed: no more either way.
+                        this.read_eof = true;
+                        this.credit.close();
+                    }
+                    Message::Error { error, .. } => {
+                        return Poll::Ready(Err(io::Error::other(error)));
+                    }
+                    _ => {}
+                },
+            }
+        }
+    }
+}
+
+impl AsyncWrite for TunnelStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        if self.write_shut {
+            return Poll::Ready(Err(broken("the tunnel's write side is shut")));
+        }
+        if buf.is_empty() {
+            return Poll::Ready(Ok(0));
+        }
+        let n = {
+            let mut s = self.credit.state.lock().unwrap();
+            if s.closed {
+                return Poll::Ready(Err(broken("the tunnel is closed")));
+            }
+            if s.available == 0 {
+                s.waker = Some(cx.waker().clone());
+                return Poll::Pending;
+            }
+            let n = (s.available as usize).min(buf.len()).min(CHUNK);
+            s.available -= n as u64;
+            n
+        };
+        match self
+            .inner
+            .send(&Message::TunnelData { id: self.id }, &buf[..n])
+        {
+            Ok(()) => Poll::Ready(Ok(n)),
+            Err(_) => Poll::Ready(Err(broken("the agent connection is closed"))),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if !self.write_shut {
+            self.write_shut = true;
+            let _ = self
+                .inner
+                .send(&Message::TunnelShutdown { id: self.id }, &[]);
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl Drop for TunnelStream {
+    fn drop(&mut self) {
+        close_stream(&self.inner, self.id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sandpit_protocol::{encode_frame, FrameDecoder};
+    use std::time::Duration;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::UnixListener;
+
+    /// A scripted guest on a unix socket: answers the handshake and one
+    /// `TunnelOpen` (granting `window`), then runs `then` on the socket.
+    async fn fake_guest<F, Fut>(window: u32, then: F) -> (AgentClient, tempfile::TempDir)
+    where
+        F: FnOnce(tokio::net::UnixStream, FrameDecoder, RequestId) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send,
+    {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut d = FrameDecoder::new();
+            let mut buf = vec![0u8; 1 << 16];
+            let next = |d: &mut FrameDecoder| d.next_frame().unwrap();
+            loop {
+                let n = s.read(&mut buf).await.unwrap();
+                d.push(&buf[..n]);
+                match next(&mut d) {
+                    Some(f) => match f.message {
+                        Message::Hello { nonce, .. } => {
+                            let ack = Message::HelloAck {
+                                protocol: sandpit_protocol::PROTOCOL_GENERATION,
+                                nonce,
+                                agent_version: "test".into(),
+                                kernel_release: "test".into(),
+                                hostname: "test".into(),
+                            };
+                            s.write_all(&encode_frame(&ack, b"")).await.unwrap();
+                            break;
+                        }
+                        other => panic!("{other:?}"),
+                    },
+                    None => continue,
+                }
+            }
+            let id = loop {
+                if let Some(f) = next(&mut d) {
+                    match f.message {
+                        Message::TunnelOpen { id, .. } => break id,
+                        other => panic!("{other:?}"),
+                    }
+                }
+                let n = s.read(&mut buf).await.unwrap();
+                d.push(&buf[..n]);
+            };
+            s.write_all(&encode_frame(&Message::TunnelOpened { id, window }, b""))
+                .await
+                .unwrap();
+            then(s, d, id).await;
+        });
+        let client = AgentClient::connect(&path, Duration::from_secs(10))
+            .await
+            .unwrap();
+        (client, dir)
+    }
+
+    #[tokio::test]
+    async fn writes_stay_within_the_window_until_acked() {
+        let (tx, mut rx) = mpsc::unbounded_channel::<u64>();
+        let (client, _dir) = fake_guest(1000, move |mut s, mut d, id| async move {
+            let mut buf = vec![0u8; 1 << 16];
+            let (mut total, mut granted) = (0u64, false);
+            loop {
+                while let Some(f) = d.next_frame().unwrap() {
+                    if let Message::TunnelData { .. } = f.message {
+                        total += f.body.len() as u64;
+                        let _ = tx.send(total);
+                    }
+                }
+                if total == 1000 && !granted {
+                    // Grant the rest only now.
+                    granted = true;
+                    let ack = Message::TunnelAck { id, bytes: 4000 };
+                    s.write_all(&encode_frame(&ack, b"")).await.unwrap();
+                }
+                let n = s.read(&mut buf).await.unwrap();
+                if n == 0 {
+                    return;
+                }
+                d.push(&buf[..n]);
+            }
+        })
+        .await;
+        let mut t = client.open_tunnel(80).await.unwrap();
+        // 5000 bytes: the first 1000 go at once, the rest after the ack.
+        tokio::time::timeout(Duration::from_secs(10), t.write_all(&[7u8; 5000]))
+            .await
+            .expect("the writer was never given credit")
+            .unwrap();
+        let mut seen = Vec::new();
+        while let Ok(Some(n)) = tokio::time::timeout(Duration::from_millis(500), rx.recv()).await {
+            seen.push(n);
+        }
+        assert_eq!(seen.first(), Some(&1000), "{seen:?}");
+        assert_eq!(seen.last(), Some(&5000), "{seen:?}");
+    }
+
+    #[tokio::test]
+    async fn a_guest_that_ignores_the_window_loses_the_stream() {
+        let (client, _dir) = fake_guest(1000, move |mut s, _d, id| async move {
+            // Past the host's window, never waiting for an ack.
+            for _ in 0..(WINDOW as usize / CHUNK + 2) {
+                let f = encode_frame(&Message::TunnelData { id }, &vec![1u8; CHUNK]);
+                if s.write_all(&f).await.is_err() {
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_secs(30)).await;
+        })
+        .await;
+        let mut t = client.open_tunnel(80).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let mut sink = Vec::new();
+        let r = tokio::time::timeout(Duration::from_secs(10), t.read_to_end(&mut sink))
+            .await
+            .expect("reading a flooded stream hung");
+        assert!(r.is_err(), "the stream survived a flood");
+        assert!(sink.len() <= WINDOW as usize);
+    }
+}
