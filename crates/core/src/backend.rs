@@ -19,6 +19,7 @@
 //! create is refused as busy rather than left to time out.
 
 use crate::ids::new_id;
+use sandpit_runtime::process::Priority;
 use sandpit_runtime::{AgentClient, CreateVm, RuntimeError, VmManager, VmRecord, VmState};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
@@ -120,11 +121,12 @@ impl LocalVms {
         if self.claimed.lock().unwrap().remove(id) {
             let record = self.manager.record(id)?;
             // It was made at background priority; now it is live.
-            sandpit_runtime::process::renice(record.qemu_pid, 0);
+            sandpit_runtime::process::set_priority(record.qemu_pid, Priority::Normal);
             return Ok(record);
         }
         let _slot = self.start_slot().await?;
-        self.start_vm(id, size, BTreeMap::new(), 0).await
+        self.start_vm(id, size, BTreeMap::new(), Priority::Normal)
+            .await
     }
 
     async fn start_vm(
@@ -132,20 +134,20 @@ impl LocalVms {
         id: &str,
         size: &str,
         metadata: BTreeMap<String, String>,
-        nice: i32,
+        priority: Priority,
     ) -> Result<VmRecord, RuntimeError> {
         let vm = self
             .manager
-            .create_with_nice(
+            .create_with_priority(
                 CreateVm {
                     id: id.to_string(),
                     size: size.to_string(),
                     metadata,
                 },
-                nice,
+                priority,
             )
             .await?;
-        if nice != 0 {
+        if priority == Priority::Background {
             // A VM made ahead of demand runs one command before it is
             // handed out, so this QEMU has translated the shell's code and
             // the user's first command is as quick as any other.
@@ -333,13 +335,13 @@ impl LocalVms {
             self.manager.ensure_template(&size).await?;
         }
         let id = new_id("sbx_");
-        // Made at the lowest CPU priority: live sandboxes come first.
+        // Made with only the CPU nothing else wants: live sandboxes first.
         let record = self
             .start_vm(
                 &id,
                 &size,
                 BTreeMap::from([(POOL_LABEL.to_string(), size.clone())]),
-                19,
+                Priority::Background,
             )
             .await?;
         if self.stopping.load(Ordering::SeqCst) || self.paused.load(Ordering::SeqCst) {

@@ -112,16 +112,45 @@ pub async fn kill_and_wait(pid: u32, marker: &str, bound: Duration) -> bool {
     }
 }
 
-/// Set the nice value of every thread of process `pid` (nice is per thread
-/// on Linux, and QEMU's vCPU threads inherit it only when they are created).
-pub fn renice(pid: u32, nice: i32) {
+/// How much CPU a VM's processes may take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Priority {
+    /// Like any other process.
+    Normal,
+    /// Only what nothing else wants (`SCHED_IDLE`, nice 19): for VMs made
+    /// ahead of demand, so they never slow live sandboxes down.
+    Background,
+}
+
+/// Apply `priority` to the calling thread (between fork and exec: only
+/// async-signal-safe calls).
+pub fn apply_priority_to_self(priority: Priority) {
+    set_thread_priority(0, priority);
+}
+
+/// Apply `priority` to every thread of process `pid` (scheduling policy and
+/// nice are per thread on Linux; QEMU's vCPU threads inherit them only when
+/// they are created).
+pub fn set_priority(pid: u32, priority: Priority) {
     let Ok(rd) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
         return;
     };
     for t in rd.flatten() {
-        if let Some(tid) = t.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) {
-            // SAFETY: setpriority on a thread id; failure only leaves it as it was.
-            unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, nice) };
+        if let Some(tid) = t.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) {
+            set_thread_priority(tid, priority);
         }
+    }
+}
+
+fn set_thread_priority(tid: i32, priority: Priority) {
+    let (policy, nice) = match priority {
+        Priority::Normal => (libc::SCHED_OTHER, 0),
+        Priority::Background => (libc::SCHED_IDLE, 19),
+    };
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: plain syscalls on a thread id; a failure leaves it as it was.
+    unsafe {
+        libc::sched_setscheduler(tid, policy, &param);
+        libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, nice);
     }
 }

@@ -14,6 +14,7 @@ use crate::accel::Accel;
 use crate::channel::AgentClient;
 use crate::config::{RuntimeConfig, SizeSpec};
 use crate::image::GuestImage;
+use crate::process::Priority;
 use crate::qmp::Qmp;
 use crate::template::{self, Template, TemplateInputs};
 use crate::{console, net, process, Result, RuntimeError};
@@ -123,7 +124,7 @@ struct QemuVersion {
 /// How a VM is started, and at what CPU priority.
 struct Launch<'a> {
     how: Start<'a>,
-    nice: i32,
+    priority: Priority,
 }
 
 /// How a VM comes to life.
@@ -207,13 +208,13 @@ impl VmManager {
     /// cold otherwise, or when the restore fails (the template is then
     /// discarded, to be rebuilt). On any failure nothing of it is left behind.
     pub async fn create(&self, req: CreateVm) -> Result<Vm> {
-        self.create_with_nice(req, 0).await
+        self.create_with_priority(req, Priority::Normal).await
     }
 
-    /// [`VmManager::create`] with QEMU and passt at CPU priority `nice`
-    /// (19: only what live VMs leave over), for VMs made ahead of demand;
-    /// [`process::renice`] them when they go live.
-    pub async fn create_with_nice(&self, req: CreateVm, nice: i32) -> Result<Vm> {
+    /// [`VmManager::create`] with QEMU at CPU `priority`: `Background` for
+    /// VMs made ahead of demand ([`process::set_priority`] them to `Normal`
+    /// when they go live).
+    pub async fn create_with_priority(&self, req: CreateVm, priority: Priority) -> Result<Vm> {
         validate_id(&req.id)?;
         let size = self.config.size(&req.size)?;
         if let Some(template) = self.template(&req.size) {
@@ -223,7 +224,7 @@ impl VmManager {
                     size,
                     Launch {
                         how: Start::Restore(&template),
-                        nice,
+                        priority,
                     },
                 )
                 .await
@@ -244,7 +245,7 @@ impl VmManager {
             size,
             Launch {
                 how: Start::Cold,
-                nice,
+                priority,
             },
         )
         .await
@@ -259,7 +260,7 @@ impl VmManager {
             size,
             Launch {
                 how: Start::Cold,
-                nice: 0,
+                priority: Priority::Normal,
             },
         )
         .await
@@ -271,7 +272,10 @@ impl VmManager {
             "creating the VM directory {}",
             paths.dir.display()
         )))?;
-        match self.boot(req, size, &paths, &launch.how, launch.nice).await {
+        match self
+            .boot(req, size, &paths, &launch.how, launch.priority)
+            .await
+        {
             Ok(vm) => Ok(vm),
             Err(e) => {
                 let e = match e {
@@ -300,7 +304,7 @@ impl VmManager {
         size: SizeSpec,
         paths: &VmPaths,
         start: &Start<'_>,
-        nice: i32,
+        priority: Priority,
     ) -> Result<Vm> {
         let setup_started = Instant::now();
         #[cfg(unix)]
@@ -373,9 +377,7 @@ impl VmManager {
         unsafe {
             cmd.pre_exec(move || {
                 libc::setsid();
-                if nice != 0 {
-                    libc::setpriority(libc::PRIO_PROCESS, 0, nice);
-                }
+                process::apply_priority_to_self(priority);
                 match net_fd {
                     Some(fd) => net::pass_fd(fd, net::NET_FD),
                     None => Ok(()),
@@ -1076,7 +1078,13 @@ impl VmManager {
         };
         let mem = dir.join(template::MEM);
         let booted = self
-            .boot(&req, size, &paths, &Start::Template { mem: &mem }, 0)
+            .boot(
+                &req,
+                size,
+                &paths,
+                &Start::Template { mem: &mem },
+                Priority::Normal,
+            )
             .await;
         let saved = match &booted {
             Ok(vm) => save_template(vm).await,
