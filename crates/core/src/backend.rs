@@ -151,17 +151,7 @@ impl LocalVms {
             // A VM made ahead of demand runs one command before it is
             // handed out, so this QEMU has translated the shell's code and
             // the user's first command is as quick as any other.
-            let warm = vm
-                .agent
-                .exec_collect(sandpit_protocol::ExecRequest {
-                    command: "true".into(),
-                    cwd: None,
-                    env: BTreeMap::new(),
-                    timeout_ms: 60_000,
-                    max_output_bytes: 1024,
-                })
-                .await;
-            if let Err(e) = warm {
+            if let Err(e) = vm.agent.warm_up().await {
                 let _ = self.manager.destroy(id).await;
                 return Err(e);
             }

@@ -22,6 +22,22 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 use tokio::sync::mpsc;
 
+/// Connect to a unix socket QEMU serves. QEMU binds it a moment before it
+/// listens, and a connect in between is refused: that is retried for up to
+/// a second.
+pub(crate) async fn connect_qemu_socket(path: &Path) -> std::io::Result<UnixStream> {
+    let mut refused = 0;
+    loop {
+        match UnixStream::connect(path).await {
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused && refused < 200 => {
+                refused += 1;
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            other => return other,
+        }
+    }
+}
+
 /// What the agent said about itself in the handshake.
 #[derive(Debug, Clone)]
 pub struct AgentInfo {
@@ -141,24 +157,12 @@ impl AgentClient {
     /// Connect to the agent socket and complete the handshake within `timeout`
     /// (which is also how long a booting guest has to come up).
     pub async fn connect(socket: &Path, timeout: Duration) -> Result<AgentClient> {
-        // QEMU binds the socket a moment before it listens: a connect in
-        // between is refused, so that is retried briefly.
-        let mut refused = 0;
-        let stream = loop {
-            match UnixStream::connect(socket).await {
-                Ok(s) => break s,
-                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused && refused < 200 => {
-                    refused += 1;
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-                Err(e) => {
-                    return Err(RuntimeError::io(format!(
-                        "connecting to the agent socket {}",
-                        socket.display()
-                    ))(e))
-                }
-            }
-        };
+        let stream = connect_qemu_socket(socket)
+            .await
+            .map_err(RuntimeError::io(format!(
+                "connecting to the agent socket {}",
+                socket.display()
+            )))?;
         let (mut rd, mut wr) = stream.into_split();
         let nonce: u64 = rand::random();
         wr.write_all(&encode_frame(
@@ -264,6 +268,29 @@ impl AgentClient {
     /// What the agent reported in the handshake.
     pub fn info(&self) -> &AgentInfo {
         &self.info
+    }
+
+    /// Run `true` as the guest user and check it succeeded: a VM prepared
+    /// ahead of use runs it so its QEMU has already translated the shell's
+    /// code (and the guest has it in its page cache) when the first real
+    /// command comes.
+    pub async fn warm_up(&self) -> Result<()> {
+        let out = self
+            .exec_collect(ExecRequest {
+                command: "true".into(),
+                cwd: None,
+                env: Default::default(),
+                timeout_ms: 60_000,
+                max_output_bytes: 1024,
+            })
+            .await?;
+        if out.result.exit_code != Some(0) {
+            return Err(RuntimeError::Launch(format!(
+                "the warm-up command failed: {:?}",
+                out.result
+            )));
+        }
+        Ok(())
     }
 
     /// Hang up: the socket closes now, for every clone; requests in flight

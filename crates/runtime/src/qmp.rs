@@ -10,7 +10,6 @@ use serde_json::{json, Value};
 use std::path::Path;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::net::UnixStream;
 
 /// A connected, negotiated QMP session.
 pub struct Qmp {
@@ -23,24 +22,12 @@ pub struct Qmp {
 impl Qmp {
     /// Connect to a QMP socket and negotiate capabilities.
     pub async fn connect(path: &Path) -> Result<Qmp> {
-        // QEMU binds the socket a moment before it listens: retry a refusal
-        // briefly.
-        let mut refused = 0;
-        let stream = loop {
-            match UnixStream::connect(path).await {
-                Ok(s) => break s,
-                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused && refused < 100 => {
-                    refused += 1;
-                    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-                }
-                Err(e) => {
-                    return Err(RuntimeError::io(format!(
-                        "connecting to QMP at {}",
-                        path.display()
-                    ))(e))
-                }
-            }
-        };
+        let stream = crate::channel::connect_qemu_socket(path)
+            .await
+            .map_err(RuntimeError::io(format!(
+                "connecting to QMP at {}",
+                path.display()
+            )))?;
         let (r, w) = stream.into_split();
         let mut qmp = Qmp {
             reader: BufReader::new(r),

@@ -435,19 +435,7 @@ impl VmManager {
             _ => self.config.boot_timeout,
         };
         let connect = async {
-            let start = Instant::now();
-            while !paths.agent_socket().exists() {
-                if !process::alive_with_marker(qemu_pid, &marker) {
-                    return Err(RuntimeError::Disconnected("QEMU exited at start".into()));
-                }
-                if start.elapsed() > Duration::from_secs(10) {
-                    return Err(RuntimeError::Launch(format!(
-                        "QEMU did not create its agent socket: {}",
-                        console::tail_lines(&paths.qemu_log(), 5)
-                    )));
-                }
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            }
+            wait_for_socket(paths, &paths.agent_socket(), "agent", qemu_pid, &marker).await?;
             AgentClient::connect(&paths.agent_socket(), boot_timeout).await
         };
         if let Start::Restore(t) = start {
@@ -1119,6 +1107,31 @@ impl VmManager {
     }
 }
 
+/// Wait until a starting QEMU has created `socket` (its `what` socket),
+/// failing as soon as QEMU exits, or after 10 s.
+async fn wait_for_socket(
+    paths: &VmPaths,
+    socket: &Path,
+    what: &str,
+    qemu_pid: u32,
+    marker: &str,
+) -> Result<()> {
+    let start = Instant::now();
+    while !socket.exists() {
+        if !process::alive_with_marker(qemu_pid, marker) {
+            return Err(RuntimeError::Disconnected("QEMU exited at start".into()));
+        }
+        if start.elapsed() > Duration::from_secs(10) {
+            return Err(RuntimeError::Launch(format!(
+                "QEMU did not create its {what} socket: {}",
+                console::tail_lines(&paths.qemu_log(), 5)
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    Ok(())
+}
+
 /// Start loading a template's device state into a QEMU waiting with
 /// `-incoming defer`. Only device state is in the file: with `x-ignore-shared`
 /// the RAM is the template's file itself. QEMU exits if the load fails.
@@ -1128,19 +1141,7 @@ async fn load_template_state(
     qemu_pid: u32,
     marker: &str,
 ) -> Result<()> {
-    let start = Instant::now();
-    while !paths.qmp_socket().exists() {
-        if !process::alive_with_marker(qemu_pid, marker) {
-            return Err(RuntimeError::Disconnected("QEMU exited at start".into()));
-        }
-        if start.elapsed() > Duration::from_secs(10) {
-            return Err(RuntimeError::Launch(format!(
-                "QEMU did not create its QMP socket: {}",
-                console::tail_lines(&paths.qemu_log(), 5)
-            )));
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    wait_for_socket(paths, &paths.qmp_socket(), "QMP", qemu_pid, marker).await?;
     let mut qmp = Qmp::connect(&paths.qmp_socket()).await?;
     qmp.execute(
         "migrate-set-capabilities",
@@ -1174,22 +1175,7 @@ async fn load_template_state(
 async fn save_template(vm: &Vm) -> Result<()> {
     // The first command of every restored sandbox then finds the shell and
     // its libraries in the guest's page cache.
-    let warm = vm
-        .agent
-        .exec_collect(sandpit_protocol::ExecRequest {
-            command: "true".into(),
-            cwd: None,
-            env: BTreeMap::new(),
-            timeout_ms: 60_000,
-            max_output_bytes: 1024,
-        })
-        .await?;
-    if warm.result.exit_code != Some(0) {
-        return Err(RuntimeError::Launch(format!(
-            "the template's warm-up command failed: {:?}",
-            warm.result
-        )));
-    }
+    vm.agent.warm_up().await?;
     vm.agent.close();
     // The agent ends a session 2 s after its host went away; saved after
     // that, every restore starts from an agent waiting for its first host.
