@@ -81,6 +81,17 @@ impl Qmp {
         }
     }
 
+    /// Turn on `x-ignore-shared` (both ends of a template save/restore): RAM
+    /// in a shared, named file is not copied, the file is the RAM.
+    pub async fn ignore_shared_ram(&mut self) -> Result<()> {
+        self.execute(
+            "migrate-set-capabilities",
+            json!({"capabilities": [{"capability": "x-ignore-shared", "state": true}]}),
+        )
+        .await
+        .map(drop)
+    }
+
     /// Wait for the next event (or the socket closing, which means QEMU exited).
     pub async fn next_event(&mut self) -> Result<Value> {
         if !self.events.is_empty() {

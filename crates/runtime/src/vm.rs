@@ -121,12 +121,6 @@ struct QemuVersion {
     minor: u32,
 }
 
-/// How a VM is started, and at what CPU priority.
-struct Launch<'a> {
-    how: Start<'a>,
-    priority: Priority,
-}
-
 /// How a VM comes to life.
 enum Start<'a> {
     /// Boot the kernel.
@@ -219,14 +213,7 @@ impl VmManager {
         let size = self.config.size(&req.size)?;
         if let Some(template) = self.template(&req.size) {
             match self
-                .start(
-                    &req,
-                    size,
-                    Launch {
-                        how: Start::Restore(&template),
-                        priority,
-                    },
-                )
+                .start(&req, size, Start::Restore(&template), priority)
                 .await
             {
                 Ok(vm) => return Ok(vm),
@@ -240,42 +227,29 @@ impl VmManager {
                 }
             }
         }
-        self.start(
-            &req,
-            size,
-            Launch {
-                how: Start::Cold,
-                priority,
-            },
-        )
-        .await
+        self.start(&req, size, Start::Cold, priority).await
     }
 
     /// Boot a new VM cold, whatever templates exist.
     pub async fn create_cold(&self, req: CreateVm) -> Result<Vm> {
         validate_id(&req.id)?;
         let size = self.config.size(&req.size)?;
-        self.start(
-            &req,
-            size,
-            Launch {
-                how: Start::Cold,
-                priority: Priority::Normal,
-            },
-        )
-        .await
+        self.start(&req, size, Start::Cold, Priority::Normal).await
     }
 
-    async fn start(&self, req: &CreateVm, size: SizeSpec, launch: Launch<'_>) -> Result<Vm> {
+    async fn start(
+        &self,
+        req: &CreateVm,
+        size: SizeSpec,
+        how: Start<'_>,
+        priority: Priority,
+    ) -> Result<Vm> {
         let paths = self.paths(&req.id);
         std::fs::create_dir(&paths.dir).map_err(RuntimeError::io(format!(
             "creating the VM directory {}",
             paths.dir.display()
         )))?;
-        match self
-            .boot(req, size, &paths, &launch.how, launch.priority)
-            .await
-        {
+        match self.boot(req, size, &paths, &how, priority).await {
             Ok(vm) => Ok(vm),
             Err(e) => {
                 let e = match e {
@@ -1143,11 +1117,7 @@ async fn load_template_state(
 ) -> Result<()> {
     wait_for_socket(paths, &paths.qmp_socket(), "QMP", qemu_pid, marker).await?;
     let mut qmp = Qmp::connect(&paths.qmp_socket()).await?;
-    qmp.execute(
-        "migrate-set-capabilities",
-        serde_json::json!({"capabilities": [{"capability": "x-ignore-shared", "state": true}]}),
-    )
-    .await?;
+    qmp.ignore_shared_ram().await?;
     qmp.execute(
         "migrate-incoming",
         serde_json::json!({"uri": format!("file:{}", template.state().display())}),
@@ -1186,11 +1156,7 @@ async fn save_template(vm: &Vm) -> Result<()> {
     // so the saved run state is "running" and a restore starts the guest as
     // soon as the state is loaded, without another QMP round trip. RAM is not
     // copied at all, so there is nothing to iterate over.
-    qmp.execute(
-        "migrate-set-capabilities",
-        serde_json::json!({"capabilities": [{"capability": "x-ignore-shared", "state": true}]}),
-    )
-    .await?;
+    qmp.ignore_shared_ram().await?;
     qmp.execute(
         "migrate",
         serde_json::json!({"uri": format!("file:{}", state.display())}),
