@@ -22,6 +22,14 @@
 //! measured. Building takes a per-size file lock, so two processes sharing a
 //! data directory build a template once.
 //!
+//! A restored VM never runs the boot loader path, yet QEMU still reads the
+//! `-kernel` file whole into its own heap for the firmware interface: 13.5
+//! MiB of anonymous memory in every sandbox. A restore therefore gets
+//! `kernel-stub`, the image kernel's boot-protocol header and setup sectors
+//! and nothing else: QEMU accepts it and sets up the same devices and option
+//! ROM, so the saved state loads; the guest kernel itself is in `mem`. QEMU
+//! runs with `-no-reboot`, so the stub is never booted.
+//!
 //! Restored guests share the template's memory, so the template must hold no
 //! secret: it is configured with a throwaway identity, and every restore is
 //! configured again (clock, entropy with a forced CRNG reseed, hostname,
@@ -35,7 +43,7 @@ use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 
 /// Bumped when the layout or the way templates are made changes.
-pub(crate) const FORMAT: u32 = 1;
+pub(crate) const FORMAT: u32 = 2;
 
 /// Everything a template depends on (`template.json` keeps a copy).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -100,12 +108,53 @@ impl Template {
     pub fn disk(&self) -> PathBuf {
         self.dir.join(DISK)
     }
+    /// The `-kernel` a restore passes (see the module docs).
+    pub fn kernel_stub(&self) -> PathBuf {
+        self.dir.join(KERNEL_STUB)
+    }
 }
 
 pub(crate) const MEM: &str = "mem";
 pub(crate) const STATE: &str = "state";
 pub(crate) const DISK: &str = "disk.qcow2";
+pub(crate) const KERNEL_STUB: &str = "kernel-stub";
 pub(crate) const RECORD: &str = "template.json";
+
+/// Write `kernel`'s boot header and setup sectors to `stub` (Linux x86 boot
+/// protocol: `setup_sects` at 0x1f1, 0 meaning 4, plus the boot sector; the
+/// magic `HdrS` at 0x202). One sector of the kernel proper follows, since
+/// QEMU wants the file longer than its setup.
+pub(crate) fn write_kernel_stub(kernel: &Path, stub: &Path) -> std::io::Result<()> {
+    use std::io::Read;
+    let mut head = vec![0u8; 64 * 1024];
+    let mut f = std::fs::File::open(kernel)?;
+    let mut n = 0;
+    while n < head.len() {
+        match f.read(&mut head[n..])? {
+            0 => break,
+            k => n += k,
+        }
+    }
+    head.truncate(n);
+    let bad = |why: &str| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("{}: {why}", kernel.display()),
+        )
+    };
+    if head.len() < 0x206 || &head[0x202..0x206] != b"HdrS" {
+        return Err(bad("not a Linux bzImage (no HdrS header)"));
+    }
+    let sects = match head[0x1f1] {
+        0 => 4,
+        s => s as usize,
+    };
+    let len = (sects + 1) * 512 + 512;
+    if head.len() < len {
+        return Err(bad("shorter than its own setup"));
+    }
+    std::fs::write(stub, &head[..len])
+}
 
 /// The directory name of the template of `size` with `key`.
 pub(crate) fn dir_name(size: &str, key: &str) -> String {
@@ -126,7 +175,10 @@ pub(crate) fn load(dir: &Path, inputs: &TemplateInputs, tsc_khz: u32) -> Option<
             return None;
         }
     }
-    if ![MEM, STATE, DISK].iter().all(|f| dir.join(f).is_file()) {
+    if ![MEM, STATE, DISK, KERNEL_STUB]
+        .iter()
+        .all(|f| dir.join(f).is_file())
+    {
         return None;
     }
     Some(Template {
@@ -259,7 +311,7 @@ mod tests {
         .unwrap();
         // Files missing: not a template.
         assert!(load(dir.path(), &inputs(), 2_600_000).is_none());
-        for f in [MEM, STATE, DISK] {
+        for f in [MEM, STATE, DISK, KERNEL_STUB] {
             std::fs::write(dir.path().join(f), b"x").unwrap();
         }
         assert!(load(dir.path(), &inputs(), 2_600_000).is_some());
@@ -268,6 +320,32 @@ mod tests {
         let mut other = inputs();
         other.image_id = "zzz".into();
         assert!(load(dir.path(), &other, 2_600_000).is_none());
+    }
+
+    #[test]
+    fn kernel_stub_keeps_the_setup_and_drops_the_kernel() {
+        let dir = tempfile::tempdir().unwrap();
+        let kernel = dir.path().join("vmlinuz");
+        let stub = dir.path().join("stub");
+        let mut image = vec![7u8; 1 << 20];
+        image[0x1f1] = 27;
+        image[0x202..0x206].copy_from_slice(b"HdrS");
+        std::fs::write(&kernel, &image).unwrap();
+        write_kernel_stub(&kernel, &stub).unwrap();
+        let got = std::fs::read(&stub).unwrap();
+        assert_eq!(got.len(), 28 * 512 + 512);
+        assert_eq!(got[..], image[..got.len()]);
+        // setup_sects 0 means 4.
+        image[0x1f1] = 0;
+        std::fs::write(&kernel, &image).unwrap();
+        write_kernel_stub(&kernel, &stub).unwrap();
+        assert_eq!(std::fs::metadata(&stub).unwrap().len(), 5 * 512 + 512);
+        // Not a bzImage, or cut inside its setup: refused.
+        std::fs::write(&kernel, vec![0u8; 4096]).unwrap();
+        assert!(write_kernel_stub(&kernel, &stub).is_err());
+        image[0x1f1] = 100;
+        std::fs::write(&kernel, &image[..8192]).unwrap();
+        assert!(write_kernel_stub(&kernel, &stub).is_err());
     }
 
     #[test]
