@@ -147,15 +147,6 @@ impl LocalVms {
                 priority,
             )
             .await?;
-        if priority == Priority::Background {
-            // A VM made ahead of demand runs one command before it is
-            // handed out, so this QEMU has translated the shell's code and
-            // the user's first command is as quick as any other.
-            if let Err(e) = vm.agent.warm_up().await {
-                let _ = self.manager.destroy(id).await;
-                return Err(e);
-            }
-        }
         self.agents
             .lock()
             .await

@@ -429,6 +429,8 @@ impl Service {
         tx: Option<mpsc::Sender<ExecEvent>>,
         mut cancel: oneshot::Receiver<()>,
     ) -> Result<Execution> {
+        // Warm-pool refills stop while a command runs (bounded).
+        let _live = self.vms.manager().hold_background();
         let agent = self.agent(row).await?;
         let exec_id = new_id("exec_");
         let started = OffsetDateTime::now_utc();
@@ -1027,6 +1029,7 @@ impl SandboxApi for Service {
         }
         check_path(&req.path)?;
         let row = self.running(caller, id).await?;
+        let _live = self.vms.manager().hold_background();
         let agent = self.agent(&row).await?;
         let (path, n) = agent
             .write_file(&req.path, &bytes, None)
@@ -1044,6 +1047,7 @@ impl SandboxApi for Service {
     ) -> Result<FileContent> {
         check_path(path)?;
         let row = self.running(caller, id).await?;
+        let _live = self.vms.manager().hold_background();
         let agent = self.agent(&row).await?;
         let (path, bytes) = agent
             .read_file(path, self.config.max_read_bytes)

@@ -111,6 +111,7 @@ pub struct VmManager {
     accel: Accel,
     deny: Vec<String>,
     qemu_version: QemuVersion,
+    give_way: crate::give_way::GiveWay,
 }
 
 /// QEMU's version: its `--version` line and the numbers that gate features.
@@ -175,7 +176,20 @@ impl VmManager {
             accel,
             deny,
             qemu_version,
+            give_way: Default::default(),
         })
+    }
+
+    /// Live work (a command, a file transfer) is running: VMs being started
+    /// at [`Priority::Background`] stop until the guard drops, within bounds
+    /// (see [`crate::give_way`]).
+    pub fn hold_background(&self) -> crate::give_way::Held {
+        self.give_way.hold()
+    }
+
+    /// The background starts in flight and those stopped now.
+    pub fn background_starts(&self) -> (usize, usize) {
+        (self.give_way.starting(), self.give_way.stopped())
     }
 
     pub fn accel(&self) -> Accel {
@@ -207,7 +221,8 @@ impl VmManager {
 
     /// [`VmManager::create`] with QEMU at CPU `priority`: `Background` for
     /// VMs made ahead of demand ([`process::set_priority`] them to `Normal`
-    /// when they go live).
+    /// when they go live). A background start also runs one command to warm
+    /// the VM up, and gives way to live work ([`VmManager::hold_background`]).
     pub async fn create_with_priority(&self, req: CreateVm, priority: Priority) -> Result<Vm> {
         validate_id(&req.id)?;
         let size = self.config.size(&req.size)?;
@@ -375,6 +390,8 @@ impl VmManager {
         })?;
         let qemu_pid = child.id().unwrap_or(0);
         let spawned = Instant::now();
+        let _giving_way = (priority == Priority::Background && qemu_pid != 0)
+            .then(|| self.give_way.track(qemu_pid));
         // QEMU holds its end of the network pair now; passt must see it close
         // when QEMU exits, so the parent keeps no copy.
         let passt = passt.map(|(pid, fd)| {
@@ -462,6 +479,12 @@ impl VmManager {
                 &entropy,
             )
             .await?;
+        if priority == Priority::Background && !matches!(start, Start::Template { .. }) {
+            // A VM made ahead of demand runs one command before it is handed
+            // out, so this QEMU has translated the shell's code and the
+            // user's first command is as quick as any other.
+            agent.warm_up().await?;
+        }
         tracing::debug!(
             id = %req.id,
             "started in {} ms (state loaded {} ms, agent {} ms) after {} ms of set-up",
