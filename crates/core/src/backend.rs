@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::{Mutex, Notify, Semaphore};
 
 /// The warm pool and the bound on VM starts.
@@ -83,7 +83,14 @@ pub struct LocalVms {
     refilling: Mutex<()>,
     starts: Semaphore,
     waiting: AtomicUsize,
+    /// When a create last took a pool VM (see [`REFILL_DELAY`]).
+    last_take: std::sync::Mutex<Option<Instant>>,
 }
+
+/// A refill waits this long after a create took a pool VM, so that create
+/// answers (and its first command starts) before a VM start competes with
+/// it for the CPU.
+const REFILL_DELAY: Duration = Duration::from_millis(100);
 
 impl LocalVms {
     /// VMs started on demand only.
@@ -107,6 +114,7 @@ impl LocalVms {
             refilling: Mutex::new(()),
             starts,
             waiting: AtomicUsize::new(0),
+            last_take: std::sync::Mutex::new(None),
         })
     }
 
@@ -124,6 +132,8 @@ impl LocalVms {
             sandpit_runtime::process::set_priority(record.qemu_pid, Priority::Normal);
             return Ok(record);
         }
+        // Someone waits for this one: a refill in flight gives way.
+        let _live = self.manager.hold_background();
         let _slot = self.start_slot().await?;
         self.start_vm(id, size, BTreeMap::new(), Priority::Normal)
             .await
@@ -176,6 +186,7 @@ impl LocalVms {
     pub fn take_warm(&self, size: &str) -> Option<String> {
         loop {
             let id = self.ready.lock().unwrap().get_mut(size)?.pop_front()?;
+            *self.last_take.lock().unwrap() = Some(Instant::now());
             self.refill.notify_one();
             if matches!(self.state(&id), Some(VmState::Running)) {
                 self.claimed.lock().unwrap().insert(id.clone());
@@ -314,6 +325,10 @@ impl LocalVms {
         }
         if self.manager.snapshots_supported() && self.manager.template(&size).is_none() {
             self.manager.ensure_template(&size).await?;
+        }
+        let taken = self.last_take.lock().unwrap().map(|t| t.elapsed());
+        if let Some(wait) = taken.and_then(|t| REFILL_DELAY.checked_sub(t)) {
+            tokio::time::sleep(wait).await;
         }
         let id = new_id("sbx_");
         // Made with only the CPU nothing else wants: live sandboxes first.
