@@ -589,6 +589,12 @@ impl Service {
         self.vms.warm_ids()
     }
 
+    /// Pool VMs being started now, and how many of those are stopped while
+    /// live work runs (for tests and operators).
+    pub fn background_starts(&self) -> (usize, usize) {
+        self.vms.manager().background_starts()
+    }
+
     /// Empty the warm pool and stop refilling it, or resume it.
     pub async fn set_pool_paused(&self, paused: bool) {
         self.vms.pause_pool(paused).await;

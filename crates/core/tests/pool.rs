@@ -1,7 +1,8 @@
 //! The warm pool against real VMs restored from a real template: creates take
 //! ready VMs, never the same one twice, the pool refills, a create that fails
 //! its checks gives its VM back unused, each sandbox has its own identity,
-//! clock and disk, and shutdown leaves no pool VM behind.
+//! clock and disk, shutdown leaves no pool VM behind, and a refill stops
+//! while a live sandbox runs a command.
 
 mod common;
 
@@ -130,5 +131,64 @@ async fn creates_take_pool_vms_once_and_the_pool_refills() {
         assert!(on_host.contains(id), "sandbox {id} was removed by shutdown");
         svc.destroy_sandbox(&me, id).await.unwrap();
     }
+    assert!(svc.vms_on_host().is_empty(), "{:?}", svc.vms_on_host());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refill_stops_while_a_command_runs() {
+    let (svc, _dir) = service_with_pool(pool_of(2)).await;
+    let me = account(&svc, "busy", 10.0).await;
+    wait_for_pool(&svc, 2).await;
+    // Take the whole pool: one live sandbox, and two VMs to refill.
+    let (live, _) = svc
+        .create_sandbox(&me, CreateSandbox::default(), None)
+        .await
+        .unwrap();
+    let (other, _) = svc
+        .create_sandbox(&me, CreateSandbox::default(), None)
+        .await
+        .unwrap();
+    let start = Instant::now();
+    while svc.background_starts().0 == 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "no refill started"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(svc.background_starts().1, 0, "stopped with nothing running");
+
+    // While a command runs in the live sandbox, the refill is stopped...
+    let command = {
+        let (svc, me, live) = (svc.clone(), me.clone(), live.id.clone());
+        tokio::spawn(async move { out(&svc, &me, &live, "sleep 1.5; echo done").await })
+    };
+    let mut seen_stopped = false;
+    while !command.is_finished() {
+        let (starting, stopped) = svc.background_starts();
+        assert!(stopped <= starting);
+        seen_stopped |= stopped == 1;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(command.await.unwrap(), "done");
+    assert!(seen_stopped, "the refill was never stopped for the command");
+    // ...and it goes on once the command is over: the pool fills, and its
+    // VMs run (none is left stopped).
+    assert_eq!(
+        svc.background_starts().1,
+        0,
+        "still stopped after the command"
+    );
+    wait_for_pool(&svc, 2).await;
+    assert_eq!(svc.background_starts(), (0, 0));
+    let (fresh, _) = svc
+        .create_sandbox(&me, CreateSandbox::default(), None)
+        .await
+        .unwrap();
+    assert_eq!(out(&svc, &me, &fresh.id, "echo alive").await, "alive");
+    for id in [&live.id, &other.id, &fresh.id] {
+        svc.destroy_sandbox(&me, id).await.unwrap();
+    }
+    svc.shutdown().await;
     assert!(svc.vms_on_host().is_empty(), "{:?}", svc.vms_on_host());
 }
