@@ -1019,7 +1019,12 @@ impl VmManager {
             )?;
             // Restored VMs' QEMUs (each its own uid) only read these; none
             // may write them.
-            template::write_kernel_stub(&self.image.kernel, &tmp.join(template::KERNEL_STUB))?;
+            let stub = tmp.join(template::KERNEL_STUB);
+            if let Err(e) = template::write_kernel_stub(&self.image.kernel, &stub) {
+                // Not a bzImage: restores pass the whole kernel, as a boot does.
+                tracing::info!("no kernel stub for restores ({e}); they use the kernel itself");
+                std::fs::copy(&self.image.kernel, &stub)?;
+            }
             for f in [
                 template::MEM,
                 template::STATE,
