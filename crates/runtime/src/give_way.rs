@@ -5,9 +5,9 @@
 //! `SCHED_IDLE` it slowed a live sandbox's commands 1.4–1.6x on a 2-core
 //! host: the two share caches and memory bandwidth, and an idle-class thread
 //! still runs whenever a live one blocks for a moment. So while live work
-//! holds a [`Held`] guard (a command, a file transfer), every background start
-//! in flight is stopped outright (`SIGSTOP`) and continued when the last guard
-//! drops.
+//! holds a [`Held`] guard (a command, a file transfer, a create someone waits
+//! for), every background start in flight is stopped outright (`SIGSTOP`)
+//! and continued when the last guard drops.
 //!
 //! A stop is bounded, so a refill cannot starve nor run into its own
 //! timeouts: one stop lasts at most [`MAX_STOP`] (a long command lets the

@@ -180,9 +180,9 @@ impl VmManager {
         })
     }
 
-    /// Live work (a command, a file transfer) is running: VMs being started
-    /// at [`Priority::Background`] stop until the guard drops, within bounds
-    /// (see [`crate::give_way`]).
+    /// Live work (a command, a file transfer, a create someone waits for) is
+    /// running: VMs being started at [`Priority::Background`] stop until the
+    /// guard drops, within bounds (see [`crate::give_way`]).
     pub fn hold_background(&self) -> crate::give_way::Held {
         self.give_way.hold()
     }
@@ -390,8 +390,10 @@ impl VmManager {
         })?;
         let qemu_pid = child.id().unwrap_or(0);
         let spawned = Instant::now();
-        let _giving_way = (priority == Priority::Background && qemu_pid != 0)
-            .then(|| self.give_way.track(qemu_pid));
+        let _giving_way = match priority {
+            Priority::Background => self.give_way.track(qemu_pid),
+            Priority::Normal => None,
+        };
         // QEMU holds its end of the network pair now; passt must see it close
         // when QEMU exits, so the parent keeps no copy.
         let passt = passt.map(|(pid, fd)| {
