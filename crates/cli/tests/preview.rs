@@ -143,13 +143,7 @@ fn fix() -> &'static Fixture {
             .unwrap();
         let id = rt.block_on(async {
             let api = Rest::new(&server, &key);
-            let (st, sbx) = api
-                .post(
-                    "/sandboxes",
-                    json!({"name": "preview", "timeout_minutes": 60}),
-                )
-                .await;
-            assert_eq!(st, 201, "{sbx}");
+            let sbx = create(&api, "preview", 60).await;
             sbx["id"].as_str().unwrap().to_string()
         });
         Fixture {
@@ -187,6 +181,18 @@ impl Fixture {
 }
 
 /// Run a shell command in the sandbox; panics unless it exits 0.
+/// Create a sandbox over REST; the 201 response's body.
+async fn create(api: &Rest, name: &str, timeout_minutes: u32) -> serde_json::Value {
+    let (st, sbx) = api
+        .post(
+            "/sandboxes",
+            json!({"name": name, "timeout_minutes": timeout_minutes}),
+        )
+        .await;
+    assert_eq!(st, 201, "{sbx}");
+    sbx
+}
+
 async fn sh(api: &Rest, id: &str, cmd: &str) -> String {
     let (st, ex) = api
         .post(
@@ -550,13 +556,7 @@ fn closing_a_port_or_destroying_the_sandbox_stops_its_urls() {
     let f = fix();
     f.rt.block_on(async {
         let api = f.api();
-        let (st, sbx) = api
-            .post(
-                "/sandboxes",
-                json!({"name": "short-lived", "timeout_minutes": 10}),
-            )
-            .await;
-        assert_eq!(st, 201, "{sbx}");
+        let sbx = create(&api, "short-lived", 10).await;
         let id = sbx["id"].as_str().unwrap().to_string();
         let url = expose(&api, &id, 8100).await;
         let url2 = expose(&api, &id, 8000).await;
@@ -678,10 +678,7 @@ fn tls_with_a_wildcard_certificate_serves_previews_over_http2() {
         let (st, _) = api.get("/account").await;
         assert_eq!(st, 200);
 
-        let (st, sbx) = api
-            .post("/sandboxes", json!({"name": "tls", "timeout_minutes": 10}))
-            .await;
-        assert_eq!(st, 201, "{sbx}");
+        let sbx = create(&api, "tls", 10).await;
         let id = sbx["id"].as_str().unwrap().to_string();
         let url = expose(&api, &id, 8000).await;
         assert_eq!(url, format!("https://8000-{id}.preview.localhost:{port}"));
@@ -757,13 +754,7 @@ fn an_expired_sandbox_cuts_its_open_streams_and_answers_410() {
     let f = fix();
     f.rt.block_on(async {
         let api = f.api();
-        let (st, sbx) = api
-            .post(
-                "/sandboxes",
-                json!({"name": "expiring", "timeout_minutes": 1}),
-            )
-            .await;
-        assert_eq!(st, 201, "{sbx}");
+        let sbx = create(&api, "expiring", 1).await;
         let id = sbx["id"].as_str().unwrap().to_string();
         let expires = time::OffsetDateTime::parse(
             sbx["expires_at"].as_str().unwrap(),
