@@ -90,6 +90,39 @@ fn cpu_ticks(pid: u32) -> Option<u64> {
     Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
 }
 
+/// The host's KSM daemon: when it merges idle sandboxes' pages, its CPU
+/// time is part of what they cost.
+fn ksmd_pid() -> Option<u32> {
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        let comm = std::fs::read_to_string(e.path().join("comm")).ok()?;
+        (comm.trim() == "ksmd").then_some(pid)
+    })
+}
+
+fn ksm_counter(name: &str) -> Option<u64> {
+    std::fs::read_to_string(format!("/sys/kernel/mm/ksm/{name}"))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// Wait, at most `limit`, until KSM has scanned all mergeable memory twice
+/// from now (its first pass only notes a page, the second merges it), so
+/// idle memory is measured as it stays. `None` when KSM is not running.
+async fn ksm_settle(limit: Duration) -> Option<Duration> {
+    if ksm_counter("run")? != 1 {
+        return None;
+    }
+    let start = ksm_counter("full_scans")?;
+    let t = Instant::now();
+    while t.elapsed() < limit && ksm_counter("full_scans")? < start + 2 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    Some(t.elapsed())
+}
+
 /// Median and the largest sample (the p99 of the small runs used here).
 fn median_max(v: &[f64]) -> (f64, f64) {
     (
@@ -99,8 +132,13 @@ fn median_max(v: &[f64]) -> (f64, f64) {
 }
 
 /// Host PSS (MiB) and CPU (% of one core, over `window`) of VMs' QEMU and
-/// passt processes, per VM.
-async fn idle_cost(records: &[sandpit_runtime::VmRecord], window: Duration) -> (f64, f64) {
+/// passt processes, per VM, once KSM has merged what it will. The CPU
+/// includes KSM's daemon. Also says how long KSM took to settle.
+async fn idle_cost(records: &[sandpit_runtime::VmRecord], window: Duration) -> (f64, f64, String) {
+    let ksm = match ksm_settle(Duration::from_secs(180)).await {
+        Some(d) => format!("KSM settled {:.0} s after", d.as_secs_f64()),
+        None => "KSM off".to_string(),
+    };
     let pids: Vec<u32> = records
         .iter()
         .flat_map(|r| std::iter::once(r.qemu_pid).chain(r.passt_pid))
@@ -111,7 +149,8 @@ async fn idle_cost(records: &[sandpit_runtime::VmRecord], window: Duration) -> (
         pss.push(total as f64 / 1024.0 / records.len() as f64);
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
-    let ticks = || pids.iter().filter_map(|p| cpu_ticks(*p)).sum::<u64>();
+    let cpu_pids: Vec<u32> = pids.iter().copied().chain(ksmd_pid()).collect();
+    let ticks = || cpu_pids.iter().filter_map(|p| cpu_ticks(*p)).sum::<u64>();
     let c0 = ticks();
     tokio::time::sleep(window).await;
     let c1 = ticks();
@@ -119,7 +158,7 @@ async fn idle_cost(records: &[sandpit_runtime::VmRecord], window: Duration) -> (
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     let cpu =
         (c1.saturating_sub(c0)) as f64 / hz / window.as_secs_f64() * 100.0 / records.len() as f64;
-    (median(pss), cpu)
+    (median(pss), cpu, ksm)
 }
 
 struct Row(String, String);
@@ -249,7 +288,8 @@ pub async fn run(settings: &Settings, a: BenchArgs) -> Result<i32> {
     let vm = m.create(new(id.clone())).await?;
     vm.agent.exec_collect(true_cmd()).await?;
     tokio::time::sleep(Duration::from_secs(5)).await;
-    let (pss, cpu) = idle_cost(std::slice::from_ref(&vm.record), Duration::from_secs(10)).await;
+    let (pss, cpu, ksm) =
+        idle_cost(std::slice::from_ref(&vm.record), Duration::from_secs(10)).await;
     m.destroy(&id).await?;
     let how = if vm.record.template.is_some() {
         "restored"
@@ -258,7 +298,7 @@ pub async fn run(settings: &Settings, a: BenchArgs) -> Result<i32> {
     };
     row(
         &mut rows,
-        format!("host PSS of one idle sandbox ({how}; QEMU + passt)"),
+        format!("host PSS of one idle sandbox ({how}; QEMU + passt; {ksm})"),
         format!("{pss:.1} MiB"),
     );
     row(
@@ -573,15 +613,18 @@ async fn control_plane(
     }
     tokio::time::sleep(Duration::from_secs(5)).await;
     let records: Vec<_> = idle_ids.iter().filter_map(|id| svc.vm_record(id)).collect();
-    let (pss, cpu) = idle_cost(&records, Duration::from_secs(10)).await;
+    let (pss, cpu, ksm) = idle_cost(&records, Duration::from_secs(10)).await;
     row(
         rows,
-        format!("{} idle sandboxes: host PSS per sandbox", a.idle),
+        format!("{} idle sandboxes: host PSS per sandbox ({ksm})", a.idle),
         format!("{pss:.1} MiB"),
     );
     row(
         rows,
-        format!("{} idle sandboxes: host CPU per sandbox (10 s)", a.idle),
+        format!(
+            "{} idle sandboxes: host CPU per sandbox, KSM's daemon included (10 s)",
+            a.idle
+        ),
         format!("{cpu:.2} % of one core"),
     );
     let mut crowded = Vec::new();

@@ -47,6 +47,8 @@ pub struct FileConfig {
     pub tcg_tb_size_mb: Option<u32>,
     /// Start VMs from snapshot templates (default true).
     pub snapshots: Option<bool>,
+    /// Merge the network helpers' identical pages with KSM (default true).
+    pub ksm: Option<bool>,
     /// The warm pool: `[pool] sizes = { small = 2 }`, start limits.
     pub pool: Option<sandpit_core::backend::PoolConfig>,
 }
@@ -275,6 +277,9 @@ impl Settings {
         }
         if let Some(v) = file.snapshots {
             rt.snapshots = v;
+        }
+        if let Some(v) = file.ksm {
+            rt.ksm = v;
         }
         if let Some(a) = env_or("SANDPIT_ACCEL", None) {
             rt.accel = match a.as_str() {

@@ -170,3 +170,64 @@ fn a_changed_image_gets_a_new_template_and_old_vms_keep_running() {
         m.destroy("sbx_old_image").await.unwrap();
     });
 }
+
+/// Each mapping of process `pid` (its `/proc/<pid>/smaps` header line) with
+/// its `VmFlags`.
+fn mappings_with_flags(pid: u32) -> Vec<(String, String)> {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap();
+    let is_header = |line: &str| {
+        line.split_whitespace()
+            .next()
+            .and_then(|range| range.split_once('-'))
+            .is_some_and(|(a, b)| {
+                u64::from_str_radix(a, 16).is_ok() && u64::from_str_radix(b, 16).is_ok()
+            })
+    };
+    let mut out = Vec::new();
+    let mut header = String::new();
+    for line in smaps.lines() {
+        if let Some(flags) = line.strip_prefix("VmFlags:") {
+            out.push((header.clone(), flags.trim().to_string()));
+        } else if is_header(line) {
+            header = line.to_string();
+        }
+    }
+    out
+}
+
+#[test]
+fn only_the_network_helper_is_offered_to_page_merging() {
+    let m = manager();
+    rt().block_on(async {
+        m.ensure_template("small").await.expect("template");
+        let vm = m.create(new_vm("sbx_ksm")).await.expect("restore");
+        assert!(vm.record.template.is_some(), "the VM was not restored");
+        let passt = vm.record.passt_pid.expect("a network helper");
+        let stat = std::fs::read_to_string(format!("/proc/{passt}/ksm_stat")).expect(
+            "/proc/PID/ksm_stat is missing: KSM needs a host kernel built with CONFIG_KSM",
+        );
+        assert!(
+            stat.contains("ksm_merge_any: yes"),
+            "passt did not opt into KSM (needs Linux 6.7 or newer for PR_SET_MEMORY_MERGE across exec): {stat}"
+        );
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } == 0 {
+            let run = std::fs::read_to_string("/sys/kernel/mm/ksm/run").unwrap();
+            assert_ne!(run.trim(), "0", "the service left the host's KSM daemon off");
+        }
+        // Guest RAM (the template's file, mapped privately) and every other
+        // QEMU mapping stay out of it: tenants' pages are never merged.
+        let qemu = mappings_with_flags(vm.record.qemu_pid);
+        assert!(
+            qemu.iter().any(|(name, _)| name.ends_with("/mem")),
+            "guest RAM mapping not found in QEMU's smaps"
+        );
+        let mergeable: Vec<_> = qemu
+            .iter()
+            .filter(|(_, flags)| flags.split_whitespace().any(|f| f == "mg"))
+            .map(|(name, _)| name.clone())
+            .collect();
+        assert!(mergeable.is_empty(), "QEMU offers {mergeable:?} to KSM");
+        m.destroy("sbx_ksm").await.unwrap();
+    });
+}

@@ -87,6 +87,11 @@ pub struct RuntimeConfig {
     /// first use) rather than booting them.
     #[serde(default = "yes")]
     pub snapshots: bool,
+    /// Merge the network helpers' identical pages with KSM, turning the
+    /// host's KSM daemon on if it is off (see `ksm`). Guest RAM is never
+    /// merged either way.
+    #[serde(default = "yes")]
+    pub ksm: bool,
     pub qemu_binary: PathBuf,
     pub passt_binary: PathBuf,
 }
@@ -148,6 +153,7 @@ impl RuntimeConfig {
             reserved_memory_mb: 96,
             tcg_tb_size_mb: 64,
             snapshots: true,
+            ksm: true,
             qemu_binary: "qemu-system-x86_64".into(),
             passt_binary: "passt".into(),
         }

@@ -13,6 +13,7 @@ pub mod console;
 mod error;
 pub mod give_way;
 pub mod image;
+pub mod ksm;
 pub mod net;
 pub mod process;
 pub mod qmp;

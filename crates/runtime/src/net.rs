@@ -29,7 +29,8 @@ pub const NET_FD: i32 = 3;
 /// returned for QEMU (`-netdev stream,addr.type=fd`). No socket file, no
 /// waiting for one: both processes start at once, and passt (`--one-off`)
 /// exits by itself when QEMU's end closes.
-pub fn start_passt(passt: &Path, dir: &Path) -> Result<(u32, OwnedFd)> {
+/// With `merge_pages`, passt's memory is offered to KSM (see `ksm`).
+pub fn start_passt(passt: &Path, dir: &Path, merge_pages: bool) -> Result<(u32, OwnedFd)> {
     let (ours, theirs) =
         UnixStream::pair().map_err(RuntimeError::io("creating the network socket pair"))?;
     let log = dir.join("passt.log");
@@ -57,6 +58,9 @@ pub fn start_passt(passt: &Path, dir: &Path) -> Result<(u32, OwnedFd)> {
     unsafe {
         cmd.pre_exec(move || {
             libc::setsid();
+            if merge_pages {
+                crate::ksm::opt_in_self();
+            }
             pass_fd(fd, NET_FD)
         });
     }

@@ -163,6 +163,9 @@ impl VmManager {
                 .filter(|a| !a.starts_with("127.")),
         );
         let qemu_version = qemu_version(&config.qemu_binary)?;
+        if config.ksm {
+            crate::ksm::ensure_running_logged();
+        }
         if nix::unistd::geteuid().is_root() {
             // VMs' QEMUs (each its own uid) reopen their disks by path, so
             // they must be able to walk (not list) the way there.
@@ -311,7 +314,11 @@ impl VmManager {
         create_overlay(&base, &paths.disk(), size.disk_gb).await?;
 
         let passt = if self.config.network.enabled {
-            Some(net::start_passt(&self.config.passt_binary, &paths.dir)?)
+            Some(net::start_passt(
+                &self.config.passt_binary,
+                &paths.dir,
+                self.config.ksm,
+            )?)
         } else {
             None
         };
@@ -858,10 +865,11 @@ fn hostname_for(id: &str) -> String {
 /// the PIT is off: the kernel is told the TSC rate (`tsc_early_khz`), so it
 /// needs no PIT to calibrate (which hung 1 boot in 8 without the rate), and a
 /// PIT left running costs an idle VM 36 host wake-ups a second.
+/// `mem-merge=off`: guest RAM is never offered to KSM (see `ksm`).
 fn machine_type(accel: Accel) -> String {
     match accel {
-        Accel::Tcg => "microvm,pit=off,pic=on,rtc=on".to_string(),
-        Accel::Kvm => "microvm,pit=off,pic=off,rtc=on".to_string(),
+        Accel::Tcg => "microvm,pit=off,pic=on,rtc=on,mem-merge=off".to_string(),
+        Accel::Kvm => "microvm,pit=off,pic=off,rtc=on,mem-merge=off".to_string(),
     }
 }
 
