@@ -84,7 +84,8 @@ printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d
 chmod 0755 /usr/sbin/policy-rc.d
 
 apt-get update
-apt-get install -y --no-install-recommends "$@"
+# libnss-myhostname: the guest's identity needs it (see /etc/hosts below).
+apt-get install -y --no-install-recommends "$@" libnss-myhostname
 if dpkg-query -W -f='${Status}' sudo 2>/dev/null | grep -q 'ok installed'; then
     apt-get purge -y sudo
 fi
@@ -96,16 +97,22 @@ rm -f /usr/sbin/policy-rc.d
 id -u user >/dev/null 2>&1 || useradd -m -u 1000 -U -s /bin/bash user
 install -d -o 1000 -g 1000 -m 0755 /workspace
 
-echo sandpit > /etc/hostname
+# The sandbox's identity lives in the kernel, so a restored snapshot takes a
+# new one without creating files: /etc/hostname is the kernel's hostname, and
+# nss-myhostname resolves it (to the guest's addresses), so /etc/hosts holds
+# no per-sandbox line.
+ln -sfn /proc/sys/kernel/hostname /etc/hostname
 cat > /etc/hosts <<'EOF'
 127.0.0.1	localhost
-127.0.1.1	sandpit
 ::1	localhost ip6-localhost ip6-loopback
 ff02::1	ip6-allnodes
 ff02::2	ip6-allrouters
 EOF
-# Empty: each sandbox gets its own identity at boot.
-: > /etc/machine-id
+sed -i -E 's/^hosts:.*/hosts:          files myhostname dns/' /etc/nsswitch.conf
+grep -q '^hosts:.*myhostname' /etc/nsswitch.conf
+# Each sandbox gets its own at boot; the agent rewrites these 33 bytes in
+# place (no new file, no rename).
+echo 00000000000000000000000000000000 > /etc/machine-id
 # A plain file (not a link) that the agent rewrites at boot.
 rm -f /etc/resolv.conf
 echo '# written by sandpit-agent at boot' > /etc/resolv.conf
