@@ -6,7 +6,9 @@
 //! * **One SQLite file by default.** A single-host Sandpit needs no database
 //!   server; WAL mode lets readers run beside the one writer, a ~5 s busy
 //!   timeout turns lock contention into waiting instead of errors, and
-//!   foreign keys are on so a row can never point at nothing.
+//!   foreign keys are on so a row can never point at nothing. Commits
+//!   never checkpoint the WAL: a background task does it every second, so
+//!   no request pays for the checkpoint's fsync.
 //! * **Money is a ledger, never a balance column.** Every movement is an
 //!   append-only `ledger` row (`credit` +, `reserve` −, `release` +,
 //!   `charge` −, in integer micro-dollars); an account's balance is
@@ -97,6 +99,7 @@ use sqlx::sqlite::{
 };
 use std::path::Path;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// The sandbox statuses, as stored and as the API spells them.
@@ -141,6 +144,47 @@ static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 #[derive(Clone, Debug)]
 pub struct Store {
     pool: SqlitePool,
+    /// The WAL checkpointer of a database file (none in memory); stops when
+    /// the last clone of the store goes.
+    _checkpointer: Option<Arc<Checkpointer>>,
+}
+
+/// How often the WAL is copied back into the database file.
+const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
+
+/// Checkpoints the WAL in the background. SQLite would otherwise do it inside
+/// whichever commit crosses 1000 WAL pages, with an fsync: a request that
+/// happened to make that commit took a few ms more (the warm create's p99).
+#[derive(Debug)]
+struct Checkpointer(tokio::task::JoinHandle<()>);
+
+impl Drop for Checkpointer {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl Checkpointer {
+    fn start(pool: SqlitePool) -> Checkpointer {
+        Checkpointer(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(CHECKPOINT_EVERY);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                if pool.is_closed() {
+                    return;
+                }
+                // PASSIVE: copies what it can without waiting for, or
+                // blocking, readers and writers.
+                if let Err(e) = sqlx::query("PRAGMA wal_checkpoint(PASSIVE)")
+                    .execute(&pool)
+                    .await
+                {
+                    tracing::warn!("WAL checkpoint failed: {e}");
+                }
+            }
+        }))
+    }
 }
 
 impl Store {
@@ -148,7 +192,7 @@ impl Store {
     /// brings its schema up to date.
     pub async fn open_sqlite(path: impl AsRef<Path>) -> Result<Store> {
         let opts = SqliteConnectOptions::new().filename(path.as_ref());
-        Store::from_sqlite_options(opts, 8).await
+        Store::from_sqlite_options(opts, false).await
     }
 
     /// Opens a database by URL and brings its schema up to date. Only
@@ -163,10 +207,10 @@ impl Store {
         }
         let opts = SqliteConnectOptions::from_str(url)?;
         let memory = url.contains(":memory:") || url.contains("mode=memory");
-        Store::from_sqlite_options(opts, if memory { 1 } else { 8 }).await
+        Store::from_sqlite_options(opts, memory).await
     }
 
-    async fn from_sqlite_options(opts: SqliteConnectOptions, max: u32) -> Result<Store> {
+    async fn from_sqlite_options(opts: SqliteConnectOptions, memory: bool) -> Result<Store> {
         let opts = opts
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
@@ -174,13 +218,19 @@ impl Store {
             // loss, never consistency; FULL would fsync every commit.
             .synchronous(SqliteSynchronous::Normal)
             .busy_timeout(BUSY_TIMEOUT)
-            .foreign_keys(true);
+            .foreign_keys(true)
+            // A file database is checkpointed by `Checkpointer`, not by commits.
+            .pragma("wal_autocheckpoint", if memory { "1000" } else { "0" });
         let pool = SqlitePoolOptions::new()
-            .max_connections(max)
+            .max_connections(if memory { 1 } else { 8 })
             .connect_with(opts)
             .await?;
         MIGRATOR.run(&pool).await?;
-        Ok(Store { pool })
+        let checkpointer = (!memory).then(|| Arc::new(Checkpointer::start(pool.clone())));
+        Ok(Store {
+            pool,
+            _checkpointer: checkpointer,
+        })
     }
 
     /// The underlying pool, for tests and one-off queries.

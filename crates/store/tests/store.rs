@@ -996,3 +996,35 @@ async fn preview_traffic_adds_up_in_usage() {
         (120, 5_007)
     );
 }
+
+/// Commits never checkpoint the WAL (no request pays for the fsync); the
+/// background checkpointer copies it into the database file within seconds.
+#[tokio::test]
+async fn the_wal_is_checkpointed_in_the_background_not_by_commits() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sandpit.db");
+    let store = Store::open_sqlite(&path).await.unwrap();
+    let wal = dir.path().join("sandpit.db-wal");
+    let autocheckpoint: i64 = sqlx::query_scalar("PRAGMA wal_autocheckpoint")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(autocheckpoint, 0, "commits would checkpoint");
+    // Let the first background checkpoint take the migrations.
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    let db_before = std::fs::metadata(&path).unwrap().len();
+    for i in 0..400 {
+        store.create_account(&format!("acct-{i}"), 1).await.unwrap();
+    }
+    let wal_len = std::fs::metadata(&wal).unwrap().len();
+    assert!(wal_len > 0, "the writes did not go to the WAL");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while std::fs::metadata(&path).unwrap().len() <= db_before {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the WAL ({wal_len} bytes) was not checkpointed into the database file"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(store.list_accounts().await.unwrap().len(), 400);
+}
