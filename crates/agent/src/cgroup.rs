@@ -9,9 +9,11 @@
 //! group with setsid.
 //!
 //! Empty exec cgroups are removed when a command ends and, for those still
-//! busy then (background processes), by a sweep at the start of the next
-//! exec: no timers, so an idle sandbox costs nothing. cgroups that are still
-//! being set up are never swept (they are tracked in `live`).
+//! busy then (background processes), retried at the start of each later
+//! exec: no timers, so an idle sandbox costs nothing. Making a cgroup (mkdir
+//! plus its pids.max) is done for the next command once a command has
+//! answered, so it is off the path of the next one: under emulation it is a
+//! millisecond or two of a `true`'s round trip.
 
 use crate::sys::{self, lock};
 use std::collections::BTreeSet;
@@ -36,13 +38,22 @@ static PIDS_MAX: AtomicU32 = AtomicU32::new(DEFAULT_PIDS_MAX);
 
 struct State {
     next: u64,
-    live: BTreeSet<u64>,
+    /// A made, unused cgroup for the next command, with the pids.max cap
+    /// written into it.
+    spare: Option<(u64, Option<u32>)>,
+    /// Ended commands' cgroups that still held processes.
+    busy: BTreeSet<u64>,
 }
 
 static STATE: Mutex<State> = Mutex::new(State {
     next: 1,
-    live: BTreeSet::new(),
+    spare: None,
+    busy: BTreeSet::new(),
 });
+
+fn exec_path(n: u64) -> PathBuf {
+    PathBuf::from(format!("{USER}/exec-{n}"))
+}
 
 /// Enable the controllers and create the user cgroup (PID 1 only).
 pub fn setup() {
@@ -159,9 +170,11 @@ impl ExecCgroup {
 
 impl Drop for ExecCgroup {
     fn drop(&mut self) {
-        let mut st = lock(&STATE);
-        let _ = fs::remove_dir(&self.path);
-        st.live.remove(&self.n);
+        if let Err(e) = fs::remove_dir(&self.path) {
+            if e.kind() != io::ErrorKind::NotFound {
+                lock(&STATE).busy.insert(self.n);
+            }
+        }
     }
 }
 
@@ -176,28 +189,58 @@ pub fn per_command_pids_max(user_pids_max: u32) -> Option<u32> {
     Some(user_pids_max - reserve)
 }
 
-/// Create the cgroup for a new command, sweeping empty old ones first.
+/// The cgroup for a new command: the spare one made ahead when there is one.
 /// `None` when cgroups are unavailable (development, or setup failed).
 pub fn create_exec() -> Option<ExecCgroup> {
     if !ENABLED.load(Ordering::SeqCst) {
         return None;
     }
     let mut st = lock(&STATE);
-    sweep(&st.live);
+    sweep(&mut st);
+    let cap = per_command_pids_max(pids_max());
+    if let Some((n, spare_cap)) = st.spare.take() {
+        let path = exec_path(n);
+        // The limits may have changed (Configure) since it was made.
+        if spare_cap == cap || write_cap(&path, cap) {
+            return Some(ExecCgroup { n, path });
+        }
+        let _ = fs::remove_dir(&path);
+    }
+    let n = make(&mut st, cap)?;
+    Some(ExecCgroup {
+        n,
+        path: exec_path(n),
+    })
+}
+
+/// Make the cgroup the next command will use, if there is none yet. Called
+/// once a command has answered, off the path of any request.
+pub fn prepare_spare() {
+    if !ENABLED.load(Ordering::SeqCst) {
+        return;
+    }
+    let mut st = lock(&STATE);
+    if st.spare.is_none() {
+        let cap = per_command_pids_max(pids_max());
+        if let Some(n) = make(&mut st, cap) {
+            st.spare = Some((n, cap));
+        }
+    }
+}
+
+/// mkdir a new exec cgroup with its pids.max; its number.
+fn make(st: &mut State, cap: Option<u32>) -> Option<u64> {
     for _ in 0..16 {
         let n = st.next;
         st.next += 1;
-        let path = PathBuf::from(format!("{USER}/exec-{n}"));
+        let path = exec_path(n);
         match fs::create_dir(&path) {
             Ok(()) => {
-                if let Some(cap) = per_command_pids_max(pids_max()) {
-                    if let Err(e) = sys::write_kernel_file(path.join("pids.max"), &cap.to_string())
-                    {
-                        crate::error!("cgroup: pids.max of {}: {e}", path.display());
-                    }
+                // A new cgroup starts at "max".
+                if cap.is_some() {
+                    write_cap(&path, cap);
                 }
-                st.live.insert(n);
-                return Some(ExecCgroup { n, path });
+                return Some(n);
             }
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
             Err(e) => {
@@ -209,23 +252,24 @@ pub fn create_exec() -> Option<ExecCgroup> {
     None
 }
 
-/// rmdir every exec cgroup not in use by a running command; busy ones fail
-/// with EBUSY and stay.
-fn sweep(live: &BTreeSet<u64>) {
-    let Ok(dir) = fs::read_dir(USER) else { return };
-    for entry in dir.flatten() {
-        let name = entry.file_name();
-        let Some(n) = name
-            .to_str()
-            .and_then(|s| s.strip_prefix("exec-"))
-            .and_then(|s| s.parse::<u64>().ok())
-        else {
-            continue;
-        };
-        if !live.contains(&n) {
-            let _ = fs::remove_dir(entry.path());
+fn write_cap(path: &std::path::Path, cap: Option<u32>) -> bool {
+    let value = cap.map_or_else(|| "max".to_string(), |c| c.to_string());
+    match sys::write_kernel_file(path.join("pids.max"), &value) {
+        Ok(()) => true,
+        Err(e) => {
+            crate::error!("cgroup: pids.max of {}: {e}", path.display());
+            false
         }
     }
+}
+
+/// rmdir the cgroups of ended commands whose background processes have
+/// exited since; those still busy fail with EBUSY and stay listed.
+fn sweep(st: &mut State) {
+    st.busy.retain(|n| match fs::remove_dir(exec_path(*n)) {
+        Ok(()) => false,
+        Err(e) => e.kind() != io::ErrorKind::NotFound,
+    });
 }
 
 #[cfg(test)]

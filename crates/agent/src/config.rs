@@ -160,6 +160,8 @@ pub fn configure(cfg: &GuestConfig, entropy: &[u8]) -> Result<(), AgentError> {
             *applied = Some(plan.clone());
         }
     }
+    // The first command's cgroup (a template carries it into its clones).
+    cgroup::prepare_spare();
     crate::info!("configured as {}", cfg.hostname);
     Ok(())
 }

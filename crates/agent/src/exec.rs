@@ -273,6 +273,8 @@ fn run(
         &[],
     );
     drop(cg);
+    // The next command's cgroup, made now that this one has its answer.
+    cgroup::prepare_spare();
 }
 
 fn exec_result(
