@@ -78,6 +78,12 @@ fn restored_vms_get_their_own_identity_clock_and_disk() {
         assert_eq!(sh(&a, "hostname").await, "sbx-snap-a");
         assert_eq!(sh(&b, "hostname").await, "sbx-snap-b");
         assert_eq!(sh(&a, "cat /etc/hostname").await, "sbx-snap-a");
+        // The new name resolves (tools look their own host up), to the
+        // guest's own address.
+        assert_eq!(
+            sh(&a, "getent ahostsv4 \"$(hostname)\" | awk 'NR==1{print $1}'").await,
+            "10.0.2.15"
+        );
         let ma = sh(&a, "cat /etc/machine-id").await;
         let mb = sh(&b, "cat /etc/machine-id").await;
         assert_eq!(ma.len(), 32);
