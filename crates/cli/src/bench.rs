@@ -108,16 +108,17 @@ fn ksm_counter(name: &str) -> Option<u64> {
         .ok()
 }
 
-/// Wait, at most `limit`, until KSM has scanned all mergeable memory twice
-/// from now (its first pass only notes a page, the second merges it), so
-/// idle memory is measured as it stays. `None` when KSM is not running.
+/// Wait, at most `limit`, until KSM has made three full passes from now, so
+/// idle memory is measured as it stays: a process that has just opted in is
+/// queued behind the pass in progress, its first pass only notes each page's
+/// checksum, and the next one merges. `None` when KSM is not running.
 async fn ksm_settle(limit: Duration) -> Option<Duration> {
     if ksm_counter("run")? != 1 {
         return None;
     }
     let start = ksm_counter("full_scans")?;
     let t = Instant::now();
-    while t.elapsed() < limit && ksm_counter("full_scans")? < start + 2 {
+    while t.elapsed() < limit && ksm_counter("full_scans")? < start + 3 {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     Some(t.elapsed())
@@ -135,7 +136,7 @@ fn median_max(v: &[f64]) -> (f64, f64) {
 /// passt processes, per VM, once KSM has merged what it will. The CPU
 /// includes KSM's daemon. Also says how long KSM took to settle.
 async fn idle_cost(records: &[sandpit_runtime::VmRecord], window: Duration) -> (f64, f64, String) {
-    let ksm = match ksm_settle(Duration::from_secs(180)).await {
+    let ksm = match ksm_settle(Duration::from_secs(300)).await {
         Some(d) => format!("KSM settled {:.0} s after", d.as_secs_f64()),
         None => "KSM off".to_string(),
     };
