@@ -22,9 +22,9 @@ use std::path::Path;
 
 const RUN: &str = "/sys/kernel/mm/ksm/run";
 
-/// What [`ensure_running`] found or did.
+/// What [`ensure_running_at`] found or did.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum HostKsm {
+enum HostKsm {
     /// The daemon was already running.
     Running,
     /// It was off and has been turned on now.
@@ -33,11 +33,8 @@ pub enum HostKsm {
     Unavailable(String),
 }
 
-/// Make sure the host's KSM daemon runs, turning it on if allowed.
-pub fn ensure_running() -> HostKsm {
-    ensure_running_at(Path::new(RUN))
-}
-
+/// Make sure the KSM daemon whose switch is `run` runs, turning it on if
+/// allowed.
 fn ensure_running_at(run: &Path) -> HostKsm {
     let state = match std::fs::read_to_string(run) {
         Ok(s) => s.trim().to_string(),
@@ -54,9 +51,10 @@ fn ensure_running_at(run: &Path) -> HostKsm {
     }
 }
 
-/// Turn on KSM for the host if the config asks for it, and say what happened.
+/// Make sure the host's KSM daemon runs, turning it on if allowed, and say
+/// what happened.
 pub fn ensure_running_logged() {
-    match ensure_running() {
+    match ensure_running_at(Path::new(RUN)) {
         HostKsm::Running => tracing::debug!("KSM is running"),
         HostKsm::Started => tracing::info!(
             "turned on KSM ({RUN}) to merge the network helpers' identical pages; \
