@@ -8,17 +8,26 @@
 //! command started" (`cgroup.kill`), even processes that left the process
 //! group with setsid.
 //!
-//! Empty exec cgroups are removed when a command ends and, for those still
-//! busy then (background processes), retried at the start of each later
-//! exec: no timers, so an idle sandbox costs nothing. Making a cgroup (mkdir
-//! plus its pids.max) is done for the next command once a command has
-//! answered, so it is off the path of the next one: under emulation it is a
-//! millisecond or two of a `true`'s round trip.
+//! A command's shell is created inside its cgroup (`CLONE_INTO_CGROUP`, see
+//! `spawn`), through a descriptor of the cgroup's directory opened when the
+//! cgroup was made.
+//!
+//! A command's cgroup that is empty when the command ends becomes the next
+//! command's: nothing of the old command is left in it, and no per-command
+//! statistic is ever read, so a new one would only cost a `mkdir` and a
+//! `rmdir` (a memory cgroup's set-up and tear-down, a millisecond or two
+//! under emulation). Not one that was killed, though (see `ExecCgroup`'s
+//! `Drop`). One still busy (background processes) is removed once empty,
+//! retried at the start of each later exec: no timers, so an idle sandbox
+//! costs nothing. When there is no spare, one is made once a command has
+//! answered, off the path of the next one.
 
 use crate::sys::{self, lock};
 use std::collections::BTreeSet;
 use std::fs;
 use std::io;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Mutex;
@@ -36,11 +45,17 @@ const MIN_USER_MEMORY: u64 = 32 * 1024 * 1024;
 static ENABLED: AtomicBool = AtomicBool::new(false);
 static PIDS_MAX: AtomicU32 = AtomicU32::new(DEFAULT_PIDS_MAX);
 
+/// A made, empty cgroup for the next command.
+struct Spare {
+    n: u64,
+    /// The pids.max cap written into it.
+    cap: Option<u32>,
+    dir: OwnedFd,
+}
+
 struct State {
     next: u64,
-    /// A made, unused cgroup for the next command, with the pids.max cap
-    /// written into it.
-    spare: Option<(u64, Option<u32>)>,
+    spare: Option<Spare>,
     /// Ended commands' cgroups that still held processes.
     busy: BTreeSet<u64>,
 }
@@ -123,21 +138,32 @@ pub fn user_memory_limit(total: u64, reserved_mb: u32) -> u64 {
     limit & !4095
 }
 
-/// The cgroup of one command; removed (if empty) when dropped.
+/// The cgroup of one command; when dropped, kept as the next command's if
+/// it can be, else removed once empty.
 #[derive(Debug)]
 pub struct ExecCgroup {
     n: u64,
+    cap: Option<u32>,
     path: PathBuf,
+    dir: Option<OwnedFd>,
+    /// `cgroup.kill` was written: never reuse it (see `Drop`).
+    killed: AtomicBool,
 }
 
 impl ExecCgroup {
-    /// `cgroup.procs`, which the child writes "0" into to move itself in.
-    pub fn procs_path(&self) -> PathBuf {
-        self.path.join("cgroup.procs")
+    /// A descriptor of the cgroup's directory, for `CLONE_INTO_CGROUP`.
+    pub fn dir_fd(&self) -> RawFd {
+        self.dir.as_ref().map_or(-1, |d| d.as_raw_fd())
+    }
+
+    fn is_empty(&self) -> bool {
+        fs::read_to_string(self.path.join("cgroup.events"))
+            .is_ok_and(|text| text.lines().any(|l| l == "populated 0"))
     }
 
     /// Kill every process in the cgroup (kernel 5.14+).
     pub fn kill(&self) {
+        self.killed.store(true, Ordering::SeqCst);
         if let Err(e) = sys::write_kernel_file(self.path.join("cgroup.kill"), "1") {
             if sys::errno(&e) != libc::ENOENT {
                 crate::error!("cgroup.kill {}: {e}", self.path.display());
@@ -170,9 +196,24 @@ impl ExecCgroup {
 
 impl Drop for ExecCgroup {
     fn drop(&mut self) {
+        let mut st = lock(&STATE);
+        // Never one that was killed: the guest's kernel (6.1) compares the
+        // cgroup's kill count with the parent cgroup's when a process is
+        // cloned into it, so every later shell there would die at birth.
+        let reusable = !self.killed.load(Ordering::SeqCst) && self.is_empty();
+        if st.spare.is_none() && reusable {
+            if let Some(dir) = self.dir.take() {
+                st.spare = Some(Spare {
+                    n: self.n,
+                    cap: self.cap,
+                    dir,
+                });
+                return;
+            }
+        }
         if let Err(e) = fs::remove_dir(&self.path) {
             if e.kind() != io::ErrorKind::NotFound {
-                lock(&STATE).busy.insert(self.n);
+                st.busy.insert(self.n);
             }
         }
     }
@@ -198,18 +239,22 @@ pub fn create_exec() -> Option<ExecCgroup> {
     let mut st = lock(&STATE);
     sweep(&mut st);
     let cap = per_command_pids_max(pids_max());
-    if let Some((n, spare_cap)) = st.spare.take() {
-        let path = exec_path(n);
-        // The limits may have changed (Configure) since it was made.
-        if spare_cap == cap || write_cap(&path, cap) {
-            return Some(ExecCgroup { n, path });
-        }
+    let spare = match st.spare.take() {
+        Some(spare) => spare,
+        None => make(&mut st, cap)?,
+    };
+    let path = exec_path(spare.n);
+    // The limits may have changed (Configure) since it was made.
+    if spare.cap != cap && !write_cap(&path, cap) {
         let _ = fs::remove_dir(&path);
+        return None;
     }
-    let n = make(&mut st, cap)?;
     Some(ExecCgroup {
-        n,
-        path: exec_path(n),
+        n: spare.n,
+        cap,
+        path,
+        dir: Some(spare.dir),
+        killed: AtomicBool::new(false),
     })
 }
 
@@ -222,14 +267,12 @@ pub fn prepare_spare() {
     let mut st = lock(&STATE);
     if st.spare.is_none() {
         let cap = per_command_pids_max(pids_max());
-        if let Some(n) = make(&mut st, cap) {
-            st.spare = Some((n, cap));
-        }
+        st.spare = make(&mut st, cap);
     }
 }
 
-/// mkdir a new exec cgroup with its pids.max; its number.
-fn make(st: &mut State, cap: Option<u32>) -> Option<u64> {
+/// mkdir a new exec cgroup with its pids.max, and open it.
+fn make(st: &mut State, cap: Option<u32>) -> Option<Spare> {
     for _ in 0..16 {
         let n = st.next;
         st.next += 1;
@@ -240,7 +283,22 @@ fn make(st: &mut State, cap: Option<u32>) -> Option<u64> {
                 if cap.is_some() {
                     write_cap(&path, cap);
                 }
-                return Some(n);
+                let dir = fs::OpenOptions::new()
+                    .read(true)
+                    .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
+                    .open(&path);
+                return match dir {
+                    Ok(dir) => Some(Spare {
+                        n,
+                        cap,
+                        dir: dir.into(),
+                    }),
+                    Err(e) => {
+                        crate::error!("cgroup: cannot open {}: {e}", path.display());
+                        let _ = fs::remove_dir(&path);
+                        None
+                    }
+                };
             }
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
             Err(e) => {

@@ -25,8 +25,10 @@ mod net;
 mod output;
 mod reaper;
 mod server;
+mod spawn;
 mod sys;
 mod tunnel;
+mod workers;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;

@@ -86,6 +86,15 @@ fn reset_child_signals() -> io::Result<()> {
     Ok(())
 }
 
+/// Start a child with `start` (which returns its pid) and register `on_exit`
+/// for its status, atomically with respect to the reaper.
+pub fn register(on_exit: ExitCallback, start: impl FnOnce() -> io::Result<u32>) -> io::Result<u32> {
+    let mut waiters = lock(&WAITERS);
+    let pid = start()?;
+    waiters.insert(pid as libc::pid_t, on_exit);
+    Ok(pid)
+}
+
 /// Spawn `cmd` and register `on_exit` for its status, atomically with respect
 /// to the reaper. Never call `wait` on the returned `Child`.
 pub fn spawn(cmd: &mut Command, on_exit: ExitCallback) -> io::Result<Child> {

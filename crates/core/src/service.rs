@@ -434,23 +434,29 @@ impl Service {
         let agent = self.agent(row).await?;
         let exec_id = new_id("exec_");
         let started = OffsetDateTime::now_utc();
-        self.store
-            .insert_execution(&ExecutionRow {
-                id: exec_id.clone(),
-                sandbox_id: row.id.clone(),
-                account_id: row.account_id.clone(),
-                command: req.command.clone(),
-                status: exec_status::RUNNING.into(),
-                exit_code: None,
-                stdout: String::new(),
-                stderr: String::new(),
-                truncated: false,
-                duration_ms: 0,
-                started_at: started,
-                finished_at: None,
-            })
-            .await?;
+        let mut record = ExecutionRow {
+            id: exec_id.clone(),
+            sandbox_id: row.id.clone(),
+            account_id: row.account_id.clone(),
+            command: req.command.clone(),
+            status: exec_status::RUNNING.into(),
+            exit_code: None,
+            stdout: String::new(),
+            stderr: String::new(),
+            truncated: false,
+            duration_ms: 0,
+            started_at: started,
+            finished_at: None,
+        };
+        // The command starts first and its record is written while it runs:
+        // the store's write is then off a short command's round trip. A
+        // record that cannot be written stops the command (it is killed
+        // with its process group) and the call fails.
         let mut handle = agent.exec(req).map_err(runtime_error)?;
+        if let Err(e) = self.store.insert_execution(&record).await {
+            handle.cancel();
+            return Err(e.into());
+        }
         let (mut out, mut err) = (Utf8Chunker::new(), Utf8Chunker::new());
         let (mut stdout, mut stderr) = (String::new(), String::new());
         let mut cancelled_by_client = false;
@@ -533,7 +539,18 @@ impl Service {
                 return Err(runtime_error(e));
             }
         };
-        self.store.finish_execution(&exec_id, &result).await?;
+        if self.store.finish_execution(&exec_id, &result).await? {
+            // Exactly what was written, so no need to read it back.
+            record.status = result.status;
+            record.exit_code = result.exit_code;
+            record.stdout = result.stdout;
+            record.stderr = result.stderr;
+            record.truncated = result.truncated;
+            record.duration_ms = result.duration_ms;
+            record.finished_at = Some(result.finished_at);
+            return Ok(to_execution(&record));
+        }
+        // Finished by someone else meanwhile (the sandbox ended): as stored.
         let row = self
             .store
             .execution(&exec_id)

@@ -1,0 +1,345 @@
+//! Starting the user's shell without copying the agent.
+//!
+//! `std::process::Command` with a `pre_exec` closure forks: the kernel copies
+//! the agent's page tables (a multi-threaded process with a thread stack per
+//! request), then every page either side writes before the child execs is a
+//! copy-on-write fault, and joining the command's cgroup is a write to
+//! `cgroup.procs`, a cgroup migration. Under emulation each of those is
+//! costly: fork plus exec of the agent's child was 5–7 ms of a `true`'s
+//! round trip.
+//!
+//! So the shell is started the way `posix_spawn` starts programs, with
+//! `clone3(CLONE_VM | CLONE_VFORK)`: the child runs on a small stack of its
+//! own in the agent's memory, the calling thread sleeps until the child has
+//! exec'd (or failed to), and nothing is copied. `CLONE_INTO_CGROUP` makes
+//! the child in its command's cgroup in the first place. glibc has no
+//! wrapper for a `clone3` with `CLONE_VM` (the child must not return into
+//! the caller's frame), hence the few lines of assembly in [`clone3`].
+//!
+//! The child shares the agent's memory until exec, so it only makes raw
+//! syscalls on data prepared before the clone: no allocation, no locks, no
+//! panics. Signals are blocked around the clone so that no agent handler can
+//! run in the child; the child resets SIGPIPE (ignored by Rust's runtime,
+//! and an ignored signal stays ignored across exec) and unblocks everything
+//! as its last step before `execve`. A failure in the child is reported
+//! through shared memory, as its errno.
+
+use crate::reaper::{self, ExitCallback};
+use crate::sys;
+use std::ffi::{c_void, CStr, CString};
+use std::io;
+use std::mem::MaybeUninit;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicI32, Ordering};
+
+/// Who the shell runs as, where, and in which cgroup.
+pub struct Sandbox<'a> {
+    pub uid: u32,
+    pub gid: u32,
+    /// The working directory, entered after dropping to the user (so the
+    /// user's permissions decide).
+    pub cwd: &'a CStr,
+    /// An open descriptor of the command's cgroup directory.
+    pub cgroup: Option<RawFd>,
+    /// RLIMIT_NPROC; 0 = unlimited.
+    pub nproc: u32,
+}
+
+/// A started shell: its pid and the read ends of its stdout and stderr.
+pub struct Spawned {
+    pub pid: u32,
+    pub stdout: OwnedFd,
+    pub stderr: OwnedFd,
+}
+
+/// Everything the child reads, prepared before the clone.
+struct ChildArgs<'a> {
+    program: &'a CStr,
+    argv: &'a [*const libc::c_char],
+    envp: &'a [*const libc::c_char],
+    stdin: RawFd,
+    stdout: RawFd,
+    stderr: RawFd,
+    sandbox: &'a Sandbox<'a>,
+    /// Set by the child when a step fails; read by the parent once the
+    /// child has exec'd or exited.
+    errno: AtomicI32,
+}
+
+/// The kernel's `struct clone_args` (version 2, with `cgroup`).
+#[repr(C)]
+#[derive(Default)]
+struct CloneArgs {
+    flags: u64,
+    pidfd: u64,
+    child_tid: u64,
+    parent_tid: u64,
+    exit_signal: u64,
+    stack: u64,
+    stack_size: u64,
+    tls: u64,
+    set_tid: u64,
+    set_tid_size: u64,
+    cgroup: u64,
+}
+
+const CLONE_INTO_CGROUP: u64 = 0x2_0000_0000;
+
+/// The child's stack. Its work is a dozen syscalls; 64 KiB leaves room for
+/// glibc's wrappers and for stack probes.
+const CHILD_STACK_WORDS: usize = 64 * 1024 / 16;
+
+/// Start `program` with `argv` (its first item the name it is called by)
+/// and exactly `env`, as `sandbox` says, stdin from /dev/null, stdout and
+/// stderr into new pipes; the reaper hands its wait status to `on_exit`.
+pub fn spawn(
+    program: &CStr,
+    argv: &[CString],
+    env: &[CString],
+    sandbox: &Sandbox<'_>,
+    on_exit: ExitCallback,
+) -> io::Result<Spawned> {
+    let devnull = open_devnull()?;
+    let (out_r, out_w) = pipe()?;
+    let (err_r, err_w) = pipe()?;
+    let argv = null_terminated(argv.iter().map(|a| a.as_c_str()));
+    let envp = null_terminated(env.iter().map(|e| e.as_c_str()));
+    let child = ChildArgs {
+        program,
+        argv: &argv,
+        envp: &envp,
+        stdin: devnull.as_raw_fd(),
+        stdout: out_w.as_raw_fd(),
+        stderr: err_w.as_raw_fd(),
+        sandbox,
+        errno: AtomicI32::new(0),
+    };
+    // Not initialised: only the child writes it, from the top down.
+    let mut stack: Vec<MaybeUninit<u128>> = Vec::with_capacity(CHILD_STACK_WORDS);
+    let mut args = CloneArgs {
+        flags: (libc::CLONE_VM | libc::CLONE_VFORK) as u64,
+        exit_signal: libc::SIGCHLD as u64,
+        stack: stack.as_mut_ptr() as u64,
+        stack_size: (stack.capacity() * std::mem::size_of::<u128>()) as u64,
+        ..CloneArgs::default()
+    };
+    if let Some(fd) = sandbox.cgroup {
+        args.flags |= CLONE_INTO_CGROUP;
+        args.cgroup = fd as u64;
+    }
+
+    let pid = reaper::register(on_exit, || {
+        let all = SignalsBlocked::all()?;
+        // SAFETY: `args` describes a valid stack owned by this frame; the
+        // child only runs `child_main` on `child`, which outlives it
+        // (CLONE_VFORK: this thread sleeps until the child exec'd or exited).
+        let rc = unsafe {
+            clone3(
+                &args,
+                child_main,
+                &child as *const ChildArgs<'_> as *mut c_void,
+            )
+        };
+        drop(all);
+        if rc < 0 {
+            return Err(io::Error::from_raw_os_error(-rc as i32));
+        }
+        Ok(rc as u32)
+    })?;
+    drop((out_w, err_w, devnull));
+    match child.errno.load(Ordering::SeqCst) {
+        // It exited; the reaper collects it (its status goes unread).
+        e if e != 0 => Err(io::Error::from_raw_os_error(e)),
+        _ => Ok(Spawned {
+            pid,
+            stdout: out_r,
+            stderr: err_r,
+        }),
+    }
+}
+
+/// Pointers to `items`, then a null: an argv or envp.
+fn null_terminated<'a>(items: impl Iterator<Item = &'a CStr>) -> Vec<*const libc::c_char> {
+    items
+        .map(CStr::as_ptr)
+        .chain(std::iter::once(std::ptr::null()))
+        .collect()
+}
+
+fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0; 2];
+    // SAFETY: valid array of two ints.
+    sys::cvt(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) })?;
+    // SAFETY: both descriptors are new and ours.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+fn open_devnull() -> io::Result<OwnedFd> {
+    // SAFETY: valid C path; the descriptor is new and ours.
+    let fd =
+        sys::cvt(unsafe { libc::open(c"/dev/null".as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) })?;
+    // SAFETY: new descriptor.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// All signals blocked in this thread until dropped.
+struct SignalsBlocked(libc::sigset_t);
+
+impl SignalsBlocked {
+    fn all() -> io::Result<Self> {
+        // SAFETY: sigfillset initialises the set; pthread_sigmask writes the
+        // old mask into `old`.
+        unsafe {
+            let mut all: libc::sigset_t = std::mem::zeroed();
+            libc::sigfillset(&mut all);
+            let mut old: libc::sigset_t = std::mem::zeroed();
+            let rc = libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut old);
+            if rc != 0 {
+                return Err(io::Error::from_raw_os_error(rc));
+            }
+            Ok(Self(old))
+        }
+    }
+}
+
+impl Drop for SignalsBlocked {
+    fn drop(&mut self) {
+        // SAFETY: restores the mask saved by `all`.
+        unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &self.0, std::ptr::null_mut()) };
+    }
+}
+
+/// `clone3(args)`; in the child, `child(arg)` on the new stack, never
+/// returning. Returns the child's pid, or `-errno`.
+///
+/// # Safety
+/// `args` must hold a valid stack for the child (16-byte aligned top) and
+/// `arg` must stay valid until the child execs or exits: pass CLONE_VFORK.
+unsafe fn clone3(
+    args: &CloneArgs,
+    child: extern "C" fn(*mut c_void) -> !,
+    arg: *mut c_void,
+) -> libc::c_long {
+    let rc: libc::c_long;
+    // SAFETY: the syscall returns in both processes. The parent continues
+    // after the label with rax = pid or -errno. The child (rax = 0) is on
+    // its own stack, so it calls `child`, which never returns; the call
+    // keeps the ABI's alignment because the stack's top is 16-aligned.
+    unsafe {
+        std::arch::asm!(
+            "syscall",
+            "test rax, rax",
+            "jnz 2f",
+            "xor ebp, ebp",
+            "mov rdi, r12",
+            "call r13",
+            "ud2",
+            "2:",
+            inlateout("rax") libc::SYS_clone3 => rc,
+            in("rdi") args as *const CloneArgs,
+            in("rsi") std::mem::size_of::<CloneArgs>(),
+            in("r12") arg,
+            in("r13") child,
+            lateout("rcx") _,
+            lateout("r11") _,
+            options(nostack),
+        );
+    }
+    rc
+}
+
+/// The child: put itself into its sandbox, then exec. Only raw syscalls on
+/// the prepared `ChildArgs`; on failure its errno is stored and it exits 127.
+extern "C" fn child_main(arg: *mut c_void) -> ! {
+    // SAFETY: `arg` is the parent's `ChildArgs`, alive until we exec or exit.
+    let a = unsafe { &*(arg as *const ChildArgs<'_>) };
+    let errno = match enter_and_exec(a) {
+        Err(e) => e,
+        Ok(()) => libc::EINVAL,
+    };
+    a.errno.store(errno, Ordering::SeqCst);
+    // SAFETY: exit without running anything of the parent's.
+    unsafe { libc::_exit(127) }
+}
+
+/// Each step in order; the errno of the first that fails. Only returns on
+/// failure.
+fn enter_and_exec(a: &ChildArgs<'_>) -> Result<(), i32> {
+    let check = |rc: libc::c_long| {
+        if rc < 0 {
+            // SAFETY: reads this thread's errno.
+            Err(unsafe { *libc::__errno_location() })
+        } else {
+            Ok(())
+        }
+    };
+    let s = a.sandbox;
+    // SAFETY: raw syscalls on valid descriptors, paths and arrays prepared
+    // by the parent; nothing here allocates or takes a lock.
+    unsafe {
+        for (from, to) in [(a.stdin, 0), (a.stdout, 1), (a.stderr, 2)] {
+            if from == to {
+                // dup2 onto itself would keep O_CLOEXEC.
+                check(libc::fcntl(from, libc::F_SETFD, 0) as libc::c_long)?;
+            } else {
+                check(libc::dup2(from, to) as libc::c_long)?;
+            }
+        }
+        // A new session, so the whole process group can be killed.
+        check(libc::setsid() as libc::c_long)?;
+        // The agent is exempt from the OOM killer and runs at its own
+        // priority; the user's commands are not.
+        write_raw(c"/proc/self/oom_score_adj", b"0");
+        libc::setpriority(libc::PRIO_PROCESS, 0, 0);
+        let lim = if s.nproc == 0 {
+            libc::RLIM_INFINITY
+        } else {
+            libc::rlim_t::from(s.nproc)
+        };
+        let rl = libc::rlimit {
+            rlim_cur: lim,
+            rlim_max: lim,
+        };
+        check(libc::setrlimit(libc::RLIMIT_NPROC, &rl) as libc::c_long)?;
+        // Raw syscalls: glibc's setuid would broadcast to "all threads",
+        // and this child is one thread sharing the agent's memory.
+        let groups = [s.gid as libc::gid_t];
+        check(libc::syscall(
+            libc::SYS_setgroups,
+            1 as libc::c_long,
+            groups.as_ptr(),
+        ))?;
+        check(libc::syscall(libc::SYS_setgid, s.gid as libc::c_long))?;
+        check(libc::syscall(libc::SYS_setuid, s.uid as libc::c_long))?;
+        check(libc::chdir(s.cwd.as_ptr()) as libc::c_long)?;
+        let mut dfl: libc::sigaction = std::mem::zeroed();
+        dfl.sa_sigaction = libc::SIG_DFL;
+        check(libc::sigaction(libc::SIGPIPE, &dfl, std::ptr::null_mut()) as libc::c_long)?;
+        // The kernel's 64-bit mask, raw: glibc's wrapper would keep its own
+        // internal signals as they are.
+        let empty = [0u64; 1];
+        check(libc::syscall(
+            libc::SYS_rt_sigprocmask,
+            libc::SIG_SETMASK as libc::c_long,
+            empty.as_ptr(),
+            std::ptr::null_mut::<u64>(),
+            8 as libc::c_long,
+        ))?;
+        libc::execve(a.program.as_ptr(), a.argv.as_ptr(), a.envp.as_ptr());
+        check(-1)
+    }
+}
+
+/// Write a short value to a file with raw syscalls; false on failure.
+fn write_raw(path: &CStr, value: &[u8]) -> bool {
+    // SAFETY: valid C path and buffer; the descriptor is closed again.
+    unsafe {
+        let fd = libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+        if fd < 0 {
+            return false;
+        }
+        let ok = libc::write(fd, value.as_ptr().cast(), value.len()) == value.len() as isize;
+        libc::close(fd);
+        ok
+    }
+}
