@@ -83,11 +83,7 @@ fn commands_run_in_bash_linked_statically_under_its_usual_name() {
         // A command gets signals in their default state (the agent blocks
         // and ignores some) and exactly the environment the agent gives.
         assert_eq!(
-            sh(
-                &s.vm,
-                "exec grep -E '^Sig(Blk|Ign)' /proc/self/status"
-            )
-            .await,
+            sh(&s.vm, "exec grep -E '^Sig(Blk|Ign)' /proc/self/status").await,
             "SigBlk:\t0000000000000000\nSigIgn:\t0000000000000000"
         );
         assert_eq!(
