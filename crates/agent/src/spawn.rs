@@ -23,6 +23,13 @@
 //! and an ignored signal stays ignored across exec) and unblocks everything
 //! as its last step before `execve`. A failure in the child is reported
 //! through shared memory, as its errno.
+//!
+//! Between its `setuid` and its `execve` the child is the user's and still
+//! shares the agent's memory. The credential change marks that memory
+//! non-dumpable (`fs.suid_dumpable` is 0), and the kernel lets no process
+//! without `CAP_SYS_PTRACE` attach to, or read or write through `/proc`,
+//! memory that is not dumpable: the user's processes cannot reach the
+//! agent through that window.
 
 use crate::reaper::{self, ExitCallback};
 use crate::sys;

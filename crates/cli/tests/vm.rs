@@ -80,6 +80,11 @@ fn commands_run_in_bash_linked_statically_under_its_usual_name() {
             sh(&s.vm, "readlink /proc/$$/exe; true").await,
             "/usr/bin/bash-static"
         );
+        // Until it execs, the shell's child shares the agent's memory; its
+        // switch to the user marks that memory non-dumpable, which keeps
+        // the user's processes from attaching to it, as long as the kernel
+        // keeps set-uid processes undumpable.
+        assert_eq!(sh(&s.vm, "cat /proc/sys/fs/suid_dumpable").await, "0");
         // A command gets signals in their default state (the agent blocks
         // and ignores some) and exactly the environment the agent gives.
         assert_eq!(
