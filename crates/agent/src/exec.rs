@@ -387,12 +387,12 @@ struct ShellCommand {
 /// called by the name `/bin/bash`, so `$0` and `$BASH` are what scripts
 /// expect; what it lacks is `enable -f` (loadable builtins).
 fn shell() -> (&'static CStr, &'static CStr) {
-    if is_executable(c"/bin/bash-static") && Path::new("/bin/bash").exists() {
-        (c"/bin/bash-static", c"/bin/bash")
-    } else if Path::new("/bin/bash").exists() {
-        (c"/bin/bash", c"/bin/bash")
-    } else {
+    if !Path::new("/bin/bash").exists() {
         (c"/bin/sh", c"/bin/sh")
+    } else if is_executable(c"/bin/bash-static") {
+        (c"/bin/bash-static", c"/bin/bash")
+    } else {
+        (c"/bin/bash", c"/bin/bash")
     }
 }
 
