@@ -39,6 +39,25 @@ pub struct BenchArgs {
     skip_control_plane: bool,
 }
 
+/// Interleaved timings, one row per round (milliseconds).
+#[derive(Default)]
+struct Laps(Vec<[f64; 6]>);
+
+impl Laps {
+    fn push(&mut self, lap: [f64; 6]) {
+        self.0.push(lap);
+    }
+
+    fn column(&self, i: usize) -> Vec<f64> {
+        self.0.iter().map(|l| l[i]).collect()
+    }
+
+    /// Median of `outer - inner`, round by round.
+    fn overhead(&self, outer: usize, inner: usize) -> f64 {
+        median(self.0.iter().map(|l| l[outer] - l[inner]).collect())
+    }
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let n = v.len();
@@ -366,7 +385,7 @@ async fn control_plane(
     let url = format!("http://127.0.0.1:{port}");
     service.preview_scheme = "http".into();
     service.preview_domain = format!("localhost:{port}");
-    let svc = sandpit_core::Service::new(service.clone(), store, vms);
+    let svc = sandpit_core::Service::new(service.clone(), store, vms.clone());
     svc.start().await?;
     sandpit_core::admin::create_account(svc.store(), &service, "bench", 100_000.0).await?;
     let (key, _) = sandpit_core::admin::create_key(svc.store(), "bench").await?;
@@ -480,7 +499,12 @@ async fn control_plane(
         )
         .await?;
     }
-    let (mut run, mut run_in_guest) = (Vec::new(), Vec::new());
+    // MCP, the service alone (store records, no HTTP or MCP) and the agent
+    // alone, interleaved call by call on one sandbox: the host's speed drifts
+    // over minutes, so each layer's cost is the median of paired differences.
+    let caller = svc.authenticate(&key).await?;
+    let agent = vms.agent(&id).await?;
+    let mut laps = Laps::default();
     for _ in 0..a.execs {
         let t = Instant::now();
         let v = call(
@@ -488,33 +512,51 @@ async fn control_plane(
             serde_json::json!({"sandbox_id": id, "command": "true"}),
         )
         .await?;
-        run.push(t.elapsed().as_secs_f64() * 1000.0);
-        run_in_guest.push(v["duration_ms"].as_f64().unwrap_or(f64::NAN));
-    }
-    // The same through the service alone (store records, no HTTP or MCP).
-    let caller = svc.authenticate(&key).await?;
-    let (mut direct, mut direct_in_guest) = (Vec::new(), Vec::new());
-    for _ in 0..a.execs {
+        let mcp = t.elapsed().as_secs_f64() * 1000.0;
         let t = Instant::now();
         let params: sandpit_core::model::ExecParams =
             serde_json::from_value(serde_json::json!({"command": "true"}))?;
         let e = svc.exec(&caller, &id, params).await?;
-        direct.push(t.elapsed().as_secs_f64() * 1000.0);
-        direct_in_guest.push(e.duration_ms as f64);
+        let service = t.elapsed().as_secs_f64() * 1000.0;
+        let t = Instant::now();
+        let out = agent.exec_collect(true_cmd()).await?;
+        let direct = t.elapsed().as_secs_f64() * 1000.0;
+        laps.push([
+            mcp,
+            v["duration_ms"].as_f64().unwrap_or(f64::NAN),
+            service,
+            e.duration_ms as f64,
+            direct,
+            out.result.duration_ms as f64,
+        ]);
     }
-    let run_ms = median(run.clone());
+    let run_ms = median(laps.column(0));
     row(
         rows,
         format!(
             "MCP `run_command(\"true\")` round trip ({} calls)",
-            run.len()
+            laps.0.len()
         ),
         format!(
             "{run_ms:.2} ms ({:.2}x a direct agent exec; the shell itself, timed by the agent: {:.0} ms; the service API without HTTP: {:.2} ms, shell {:.0} ms)",
             run_ms / exec_ms,
-            median(run_in_guest),
-            median(direct),
-            median(direct_in_guest)
+            median(laps.column(1)),
+            median(laps.column(2)),
+            median(laps.column(3))
+        ),
+    );
+    row(
+        rows,
+        format!(
+            "where `run_command` spends its time (interleaved, {} calls of each, median of paired differences)",
+            laps.0.len()
+        ),
+        format!(
+            "shell {:.2} ms; agent and channel +{:.2} ms; service and store +{:.2} ms; HTTP and MCP +{:.2} ms",
+            median(laps.column(5)),
+            laps.overhead(4, 5),
+            laps.overhead(2, 4),
+            laps.overhead(0, 2)
         ),
     );
 
