@@ -1,10 +1,12 @@
 //! Running a shell command as the guest user.
 //!
-//! Each `Exec` gets a thread that starts `bash -c` (see `spawn`; its status
-//! comes from the reaper, so PID 1's orphan reaping cannot steal it), a pump
-//! thread for its output (see `output`), and then waits for one of: the
-//! shell's exit status, a cancel, or its deadline. Commands never wait for
-//! each other.
+//! Each `Exec` gets a thread that starts `bash -c` (see `spawn`), then
+//! forwards its output (see `output`) while it waits for one of: the shell's
+//! pidfd saying it exited, a cancel, or its deadline. The exit status is read
+//! without reaping (`WNOWAIT`): the reaper, which PID 1 needs for orphans
+//! anyway, collects the shell, and hands the status over itself when it got
+//! there first, so its `waitpid(-1)` cannot steal it. Commands never wait
+//! for each other.
 //!
 //! The shell starts in its own cgroup and session (so the whole process group
 //! can be killed), with normal OOM score and priority, RLIMIT_NPROC, the
@@ -17,9 +19,9 @@
 use crate::cgroup::{self, ExecCgroup};
 use crate::channel::Reply;
 use crate::files;
-use crate::output::{Pump, StreamAcct};
+use crate::output::{Output, StreamAcct};
 use crate::reaper::ExitStatus;
-use crate::spawn::{self, Sandbox};
+use crate::spawn::{self, Sandbox, SpawnError, Spawned, Step};
 use crate::sys::{self, lock, EventFd};
 use crate::workers;
 use sandpit_protocol::{
@@ -28,27 +30,21 @@ use sandpit_protocol::{
 };
 use std::collections::BTreeMap;
 use std::ffi::{CStr, CString};
-use std::fs;
 use std::io;
+use std::os::fd::AsRawFd;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-
-/// What an exec thread waits for.
-enum Event {
-    /// The shell's raw wait status, from the reaper.
-    Exited(i32),
-    /// Kill it: the host cancelled, or its session ended.
-    Cancel,
-}
 
 struct Running {
     gen: u64,
     serial: u64,
-    tx: Sender<Event>,
+    /// Signalled to kill the command (the host cancelled, or its session
+    /// ended).
+    cancel: Arc<EventFd>,
 }
 
 /// Running commands by request id.
@@ -58,7 +54,10 @@ static SERIAL: AtomicU64 = AtomicU64::new(1);
 /// Start an `Exec` (called on the reader thread, so a `Cancel` that follows
 /// always finds it).
 pub fn start(reply: Reply, id: RequestId, request: ExecRequest) {
-    let (tx, rx) = mpsc::channel();
+    let cancel = match EventFd::new() {
+        Ok(e) => Arc::new(e),
+        Err(e) => return reply.error(id, AgentError::new(ErrorKind::Io, format!("eventfd: {e}"))),
+    };
     let serial = SERIAL.fetch_add(1, Ordering::SeqCst);
     {
         let mut running = lock(&RUNNING);
@@ -78,13 +77,13 @@ pub fn start(reply: Reply, id: RequestId, request: ExecRequest) {
             Running {
                 gen: reply.generation(),
                 serial,
-                tx: tx.clone(),
+                cancel: cancel.clone(),
             },
         );
     }
     let r = reply.clone();
     let spawned = workers::COMMANDS.run(move || {
-        let outcome = catch_unwind(AssertUnwindSafe(|| run(&r, id, serial, &request, tx, rx)));
+        let outcome = catch_unwind(AssertUnwindSafe(|| run(&r, id, serial, &request, &cancel)));
         if outcome.is_err() {
             unregister(id, serial);
             r.error(
@@ -106,7 +105,7 @@ pub fn start(reply: Reply, id: RequestId, request: ExecRequest) {
 pub fn cancel(id: RequestId) -> bool {
     match lock(&RUNNING).get(&id) {
         Some(r) => {
-            let _ = r.tx.send(Event::Cancel);
+            r.cancel.signal();
             true
         }
         None => false,
@@ -119,7 +118,7 @@ pub fn cancel_sessions_before(gen: u64) {
     let mut n = 0;
     lock(&RUNNING).retain(|_, r| {
         if r.gen < gen {
-            let _ = r.tx.send(Event::Cancel);
+            r.cancel.signal();
             n += 1;
             false
         } else {
@@ -138,33 +137,18 @@ fn unregister(id: RequestId, serial: u64) {
     }
 }
 
-fn run(
-    reply: &Reply,
-    id: RequestId,
-    serial: u64,
-    req: &ExecRequest,
-    tx: Sender<Event>,
-    rx: Receiver<Event>,
-) {
+fn run(reply: &Reply, id: RequestId, serial: u64, req: &ExecRequest, cancel: &EventFd) {
     let fail = |e: AgentError| {
         unregister(id, serial);
         reply.error(id, e);
     };
-    let cwd = match resolve_cwd(req.cwd.as_deref()) {
+    let cwd = match cwd_path(req.cwd.as_deref()) {
         Ok(c) => c,
         Err(e) => return fail(e),
     };
     if let Err(e) = check_request(req) {
         return fail(e);
     }
-    let exited = match EventFd::new() {
-        Ok(e) => Arc::new(e),
-        Err(e) => return fail(AgentError::new(ErrorKind::Io, format!("eventfd: {e}"))),
-    };
-    let shell = match shell_command(req, &cwd) {
-        Ok(c) => c,
-        Err(e) => return fail(e),
-    };
     let c_cwd = match sys::cstring(&cwd) {
         Ok(c) => c,
         Err(e) => return fail(AgentError::new(ErrorKind::InvalidPath, e.to_string())),
@@ -177,71 +161,69 @@ fn run(
         cgroup: cg.as_ref().map(ExecCgroup::dir_fd),
         nproc: cgroup::pids_max(),
     };
-    let on_exit = tx.clone();
+    let (status_tx, status_rx) = mpsc::channel();
     let start = Instant::now();
-    let child = match spawn::spawn(
-        shell.program,
-        &shell.argv,
-        &shell.env,
-        &sandbox,
-        Box::new(move |status| {
-            let _ = on_exit.send(Event::Exited(status));
-        }),
-    ) {
+    let child = match spawn_shell(req, &cwd, &sandbox, status_tx) {
         Ok(c) => c,
-        Err(e) => return fail(spawn_error(&e, &cwd)),
+        Err(e) => return fail(e),
     };
     let pid = child.pid;
     reply.send(&Message::Started { id, pid }, &[]);
 
-    let pump = Pump {
+    // Output is forwarded as it comes while waiting for the shell's exit
+    // (its pidfd), a cancel, or the deadline.
+    let mut output = Output::new(
         id,
-        reply: reply.clone(),
-        stdout: child.stdout,
-        stderr: child.stderr,
-        exited: exited.clone(),
-        max_output_bytes: req.max_output_bytes,
-    };
-    let (pumped_tx, pumped) = mpsc::sync_channel(1);
-    let pump = workers::COMMANDS.run(move || {
-        let _ = pumped_tx.send(pump.run());
-    });
-    if pump.is_err() {
-        // Without a reader the command would block on its pipes: stop it.
-        kill(pid, cg.as_ref());
-    }
-
+        reply.clone(),
+        child.stdout,
+        child.stderr,
+        req.max_output_bytes,
+    );
     let deadline = match req.timeout_ms {
         0 => None,
         ms => start.checked_add(Duration::from_millis(ms)),
     };
-    let (mut timed_out, mut cancelled) = (false, pump.is_err());
-    let status = loop {
-        let event = match deadline {
+    let (mut timed_out, mut cancelled) = (false, false);
+    loop {
+        let timeout = match deadline {
             Some(d) if !timed_out && !cancelled => {
-                match rx.recv_timeout(d.saturating_duration_since(Instant::now())) {
-                    Ok(ev) => Some(ev),
-                    Err(RecvTimeoutError::Timeout) => None,
-                    Err(RecvTimeoutError::Disconnected) => unreachable!("tx is held here"),
-                }
+                Some(d.saturating_duration_since(Instant::now()))
             }
-            _ => Some(rx.recv().expect("tx is held here")),
+            _ => None,
         };
-        match event {
-            Some(Event::Exited(status)) => break status,
-            Some(Event::Cancel) => {
-                if !timed_out && !cancelled {
+        let [exited, cancel_now] =
+            match output.pump([child.pidfd.as_raw_fd(), cancel.raw()], timeout) {
+                Ok(ready) => ready,
+                Err(e) => {
+                    // Cannot wait on descriptors: stop the command and take its
+                    // status from the reaper.
+                    crate::error!("exec {id}: poll: {e}");
                     cancelled = true;
                     kill(pid, cg.as_ref());
+                    let _ = status_rx.recv();
+                    [true, false]
                 }
-            }
-            None => {
-                timed_out = true;
+            };
+        if exited {
+            break;
+        }
+        if cancel_now {
+            cancel.clear();
+            if !timed_out && !cancelled {
+                cancelled = true;
                 kill(pid, cg.as_ref());
             }
         }
-    };
-    drop(tx);
+        if !timed_out && !cancelled && deadline.is_some_and(|d| Instant::now() >= d) {
+            timed_out = true;
+            kill(pid, cg.as_ref());
+        }
+    }
+    // Read without reaping: the reaper collects the shell. When it already
+    // has, the status is in its callback's channel.
+    let status = spawn::exit_status(&child.pidfd).unwrap_or_else(|| {
+        ExitStatus::from_raw(status_rx.recv().expect("the reaper reaped the shell"))
+    });
     if timed_out || cancelled {
         // A killed command is reported only once nothing of it is left, so
         // "timed out" means every process it started is gone. Killing a
@@ -252,34 +234,44 @@ fn run(
         }
     }
     let duration_ms = start.elapsed().as_millis() as u64;
-    exited.signal();
-    let (out, err) = match pump {
-        Ok(()) => pumped.recv().unwrap_or_default(),
-        Err(e) => {
-            return fail(AgentError::new(
-                ErrorKind::Io,
-                format!("cannot start the output thread: {e}"),
-            ))
-        }
-    };
+    let (out, err) = output.finish();
     unregister(id, serial);
     reply.send(
         &Message::Exited {
             id,
-            result: exec_result(
-                ExitStatus::from_raw(status),
-                timed_out,
-                cancelled,
-                out,
-                err,
-                duration_ms,
-            ),
+            result: exec_result(status, timed_out, cancelled, out, err, duration_ms),
         },
         &[],
     );
     drop(cg);
     // The next command's cgroup, made now that this one has its answer.
     cgroup::prepare_spare();
+}
+
+/// Start the shell for `req`. A shell that has gone missing since it was
+/// chosen is chosen again, once.
+fn spawn_shell(
+    req: &ExecRequest,
+    cwd: &str,
+    sandbox: &Sandbox<'_>,
+    status_tx: mpsc::Sender<i32>,
+) -> Result<Spawned, AgentError> {
+    let mut retried = false;
+    loop {
+        let shell = shell_command(req, cwd)?;
+        let tx = status_tx.clone();
+        let on_exit = Box::new(move |status| {
+            let _ = tx.send(status);
+        });
+        match spawn::spawn(shell.program, &shell.argv, &shell.env, sandbox, on_exit) {
+            Ok(c) => return Ok(c),
+            Err(e) if e.step == Step::Exec && !retried && sys::errno(&e.error) == libc::ENOENT => {
+                forget_shell();
+                retried = true;
+            }
+            Err(e) => return Err(spawn_error(&e, cwd)),
+        }
+    }
 }
 
 fn exec_result(
@@ -318,23 +310,12 @@ fn kill(pid: u32, cg: Option<&ExecCgroup>) {
     }
 }
 
-/// The working directory, resolved and checked to exist (as root: whether
-/// the user may enter it is decided by chdir in the child).
-fn resolve_cwd(cwd: Option<&str>) -> Result<String, AgentError> {
+/// The working directory, resolved. Whether it exists, is a directory and
+/// may be entered by the user is decided by the shell's own `chdir` (see
+/// `spawn`), which saves a `stat` per command.
+fn cwd_path(cwd: Option<&str>) -> Result<String, AgentError> {
     let cwd = cwd.filter(|c| !c.is_empty()).unwrap_or(WORKSPACE);
-    let path = resolve_guest_path(cwd)?;
-    match fs::metadata(&path) {
-        Ok(m) if m.is_dir() => Ok(path),
-        Ok(_) => Err(AgentError::new(
-            ErrorKind::NotADirectory,
-            format!("cwd {path} is not a directory"),
-        )),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Err(AgentError::new(
-            ErrorKind::NotFound,
-            format!("cwd {path} does not exist"),
-        )),
-        Err(e) => Err(files::io_error(&e, &format!("cwd {path}"))),
-    }
+    resolve_guest_path(cwd)
 }
 
 /// Reject what exec(2) cannot carry, before forking.
@@ -386,7 +367,22 @@ struct ShellCommand {
 /// sooner than the dynamically linked one (no loader, no relocations). It is
 /// called by the name `/bin/bash`, so `$0` and `$BASH` are what scripts
 /// expect; what it lacks is `enable -f` (loadable builtins).
+///
+/// The choice is made once and kept: two lookups per command cost more than
+/// a `true` takes to run. A shell that disappears is chosen again (see
+/// `spawn_shell`).
 fn shell() -> (&'static CStr, &'static CStr) {
+    *lock(&SHELL).get_or_insert_with(choose_shell)
+}
+
+static SHELL: Mutex<Option<(&'static CStr, &'static CStr)>> = Mutex::new(None);
+
+/// Choose the shell again at the next command.
+fn forget_shell() {
+    *lock(&SHELL) = None;
+}
+
+fn choose_shell() -> (&'static CStr, &'static CStr) {
     if !Path::new("/bin/bash").exists() {
         (c"/bin/sh", c"/bin/sh")
     } else if is_executable(c"/bin/bash-static") {
@@ -429,7 +425,11 @@ fn shell_command(req: &ExecRequest, cwd: &str) -> Result<ShellCommand, AgentErro
 }
 
 /// Map a failed spawn to an error for the host.
-fn spawn_error(e: &io::Error, cwd: &str) -> AgentError {
+fn spawn_error(e: &SpawnError, cwd: &str) -> AgentError {
+    if e.step == Step::Chdir {
+        return cwd_error(&e.error, cwd);
+    }
+    let e = &e.error;
     match sys::errno(e) {
         libc::EACCES | libc::EPERM => AgentError::new(
             ErrorKind::PermissionDenied,
@@ -443,6 +443,22 @@ fn spawn_error(e: &io::Error, cwd: &str) -> AgentError {
             format!("cannot start the command, too many processes: {e}"),
         ),
         _ => AgentError::new(ErrorKind::Io, format!("cannot start the command: {e}")),
+    }
+}
+
+/// Why the user's `chdir` into the working directory failed.
+fn cwd_error(e: &io::Error, cwd: &str) -> AgentError {
+    match sys::errno(e) {
+        libc::ENOENT => AgentError::new(ErrorKind::NotFound, format!("cwd {cwd} does not exist")),
+        libc::ENOTDIR => AgentError::new(
+            ErrorKind::NotADirectory,
+            format!("cwd {cwd} is not a directory"),
+        ),
+        libc::EACCES | libc::EPERM => AgentError::new(
+            ErrorKind::PermissionDenied,
+            format!("cannot run the command in {cwd}: {e}"),
+        ),
+        _ => files::io_error(e, &format!("cwd {cwd}")),
     }
 }
 
@@ -463,18 +479,28 @@ mod tests {
     }
 
     #[test]
-    fn cwd_must_exist_and_be_a_directory() {
-        assert_eq!(resolve_cwd(Some("/")).unwrap(), "/");
-        assert_eq!(resolve_cwd(Some("/tmp/../tmp")).unwrap(), "/tmp");
-        let e = resolve_cwd(Some("/no/such/dir")).unwrap_err();
-        assert_eq!(e.kind, ErrorKind::NotFound);
-        assert_eq!(e.message, "cwd /no/such/dir does not exist");
-        let e = resolve_cwd(Some("/proc/self/status")).unwrap_err();
-        assert_eq!(e.kind, ErrorKind::NotADirectory);
+    fn cwd_is_resolved_and_its_chdir_errors_explained() {
+        assert_eq!(cwd_path(Some("/")).unwrap(), "/");
+        assert_eq!(cwd_path(Some("/tmp/../tmp")).unwrap(), "/tmp");
+        assert_eq!(cwd_path(None).unwrap(), WORKSPACE);
         assert_eq!(
-            resolve_cwd(Some("a\0")).unwrap_err().kind,
+            cwd_path(Some("a\0")).unwrap_err().kind,
             ErrorKind::InvalidPath
         );
+        let chdir = |path: &str| {
+            let c = sys::cstring(path).unwrap();
+            // SAFETY: valid C path.
+            assert_eq!(unsafe { libc::chdir(c.as_ptr()) }, -1);
+            cwd_error(&io::Error::last_os_error(), path)
+        };
+        let e = chdir("/no/such/dir");
+        assert_eq!(e.kind, ErrorKind::NotFound);
+        assert_eq!(e.message, "cwd /no/such/dir does not exist");
+        let e = chdir("/proc/self/status");
+        assert_eq!(e.kind, ErrorKind::NotADirectory);
+        assert_eq!(e.message, "cwd /proc/self/status is not a directory");
+        let e = cwd_error(&io::Error::from_raw_os_error(libc::EACCES), "/root");
+        assert_eq!(e.kind, ErrorKind::PermissionDenied);
     }
 
     #[test]

@@ -1,8 +1,8 @@
 //! Streaming a command's stdout and stderr to the host.
 //!
-//! One pump thread per command polls both pipes plus an eventfd that says
-//! "the shell has exited", and forwards each read as a frame at once (no
-//! buffering to the end). Past `max_output_bytes` a stream is still read, so
+//! The thread that waits for a command polls both pipes along with the
+//! shell's pidfd (and its cancel eventfd), and forwards each read as a frame
+//! at once (no buffering to the end). Past `max_output_bytes` a stream is still read, so
 //! the command never blocks on a full pipe, but the bytes are only counted.
 //!
 //! A command is over when its shell exits, even if a background child
@@ -15,10 +15,11 @@ use crate::channel::Reply;
 use crate::sys::{self, lock, EventFd};
 use sandpit_protocol::{Message, RequestId, CHUNK_LEN};
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread;
+use std::time::{Duration, Instant};
 
 /// Byte accounting of one output stream.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -61,73 +62,79 @@ struct Stream {
     stderr: bool,
 }
 
-/// Everything the pump needs; runs on its own thread.
-pub struct Pump {
-    pub id: RequestId,
-    pub reply: Reply,
-    pub stdout: OwnedFd,
-    pub stderr: OwnedFd,
-    pub exited: Arc<EventFd>,
-    pub max_output_bytes: u64,
+/// A command's two output streams, forwarded by the thread that waits for
+/// the command (see `exec`).
+pub struct Output {
+    fwd: Forwarder,
+    streams: [Stream; 2],
+    buf: Vec<u8>,
 }
 
-impl Pump {
-    /// Forward output until both pipes close or the shell exits; returns the
-    /// stdout and stderr accounting.
-    pub fn run(self) -> (StreamAcct, StreamAcct) {
-        let Pump {
-            id,
-            reply,
-            stdout,
+impl Output {
+    pub fn new(
+        id: RequestId,
+        reply: Reply,
+        stdout: OwnedFd,
+        stderr: OwnedFd,
+        max_output_bytes: u64,
+    ) -> Self {
+        let stream = |fd, stderr| Stream {
+            fd: Some(fd),
+            acct: StreamAcct::new(max_output_bytes),
             stderr,
-            exited,
-            max_output_bytes,
-        } = self;
-        let fwd = Forwarder { id, reply };
-        let mut streams = [
-            Stream {
-                fd: Some(stdout),
-                acct: StreamAcct::new(max_output_bytes),
-                stderr: false,
-            },
-            Stream {
-                fd: Some(stderr),
-                acct: StreamAcct::new(max_output_bytes),
-                stderr: true,
-            },
-        ];
-        let mut buf = vec![0u8; CHUNK_LEN];
+        };
+        Output {
+            fwd: Forwarder { id, reply },
+            streams: [stream(stdout, false), stream(stderr, true)],
+            buf: vec![0u8; CHUNK_LEN],
+        }
+    }
+
+    /// Forward output until one of `wake` is readable or `timeout` passes
+    /// (`None`: no timeout); returns which of `wake` are readable. Returns
+    /// early, with none, when a signal interrupts the wait.
+    pub fn pump<const N: usize>(
+        &mut self,
+        wake: [RawFd; N],
+        timeout: Option<Duration>,
+    ) -> io::Result<[bool; N]> {
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         loop {
-            let open: Vec<usize> = (0..2).filter(|&i| streams[i].fd.is_some()).collect();
-            if open.is_empty() {
-                break;
-            }
+            let open: Vec<usize> = (0..2).filter(|&i| self.streams[i].fd.is_some()).collect();
             let mut fds: Vec<libc::pollfd> = open
                 .iter()
-                .map(|&i| sys::pollin(streams[i].fd.as_ref().unwrap().as_raw_fd()))
+                .map(|&i| sys::pollin(self.streams[i].fd.as_ref().unwrap().as_raw_fd()))
+                .chain(wake.iter().map(|&fd| sys::pollin(fd)))
                 .collect();
-            fds.push(sys::pollin(exited.raw()));
-            if let Err(e) = sys::poll_forever(&mut fds) {
-                crate::error!("exec {id}: poll: {e}");
-                break;
-            }
-            if sys::ready(&fds[open.len()]) {
-                for s in streams.iter_mut() {
-                    fwd.finish(s, &mut buf);
-                }
-                break;
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            if sys::poll(&mut fds, left)? == 0 {
+                // Timed out or interrupted.
+                return Ok([false; N]);
             }
             for (k, &i) in open.iter().enumerate() {
                 if sys::ready(&fds[k]) {
-                    fwd.read_once(&mut streams[i], &mut buf);
+                    self.fwd.read_once(&mut self.streams[i], &mut self.buf);
                 }
             }
+            let woken: [bool; N] = std::array::from_fn(|k| sys::ready(&fds[open.len() + k]));
+            if woken.contains(&true) {
+                return Ok(woken);
+            }
         }
-        (streams[0].acct, streams[1].acct)
+    }
+
+    /// The shell has exited: take what is in the pipes now, hand pipes still
+    /// held open (by a background process) to the discard thread, and return
+    /// the stdout and stderr accounting.
+    pub fn finish(mut self) -> (StreamAcct, StreamAcct) {
+        for s in self.streams.iter_mut() {
+            self.fwd.finish(s, &mut self.buf);
+        }
+        (self.streams[0].acct, self.streams[1].acct)
     }
 }
 
-/// Sends what a pump reads.
+/// Sends what is read.
 struct Forwarder {
     id: RequestId,
     reply: Reply,
@@ -304,21 +311,25 @@ mod tests {
     }
 
     #[test]
-    fn pump_forwards_counts_and_hands_off_open_pipes() {
+    fn output_is_forwarded_counted_and_open_pipes_handed_off() {
         let (out_r, mut out_w) = pipe();
         let (err_r, mut err_w) = pipe();
         let (tx, rx) = mpsc::sync_channel(64);
         let reply = Reply::new(u64::MAX, Outbox::for_test(tx));
         let exited = Arc::new(EventFd::new().unwrap());
-        let pump = Pump {
-            id: 9,
-            reply,
-            stdout: out_r,
-            stderr: err_r,
-            exited: exited.clone(),
-            max_output_bytes: 5,
-        };
-        let h = thread::spawn(move || pump.run());
+        let mut output = Output::new(9, reply, out_r, err_r, 5);
+        let wake = exited.clone();
+        let h = thread::spawn(move || {
+            // Nothing to wake for within the timeout: output is forwarded.
+            let idle = output.pump([wake.raw()], Some(Duration::from_millis(50)));
+            assert_eq!(idle.unwrap(), [false]);
+            loop {
+                match output.pump([wake.raw()], None).unwrap() {
+                    [true] => return output.finish(),
+                    [false] => continue,
+                }
+            }
+        });
         out_w.write_all(b"hello world").unwrap();
         err_w.write_all(b"e").unwrap();
         drop(err_w);

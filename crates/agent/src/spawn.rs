@@ -24,6 +24,15 @@
 //! as its last step before `execve`. A failure in the child is reported
 //! through shared memory, as its errno.
 //!
+//! The child also reports which step failed: a `chdir` that fails is the
+//! request's working directory (missing, not a directory, not the user's to
+//! enter), told apart from a shell that cannot be executed, with no `stat` of
+//! the directory beforehand.
+//!
+//! `CLONE_PIDFD` gives the caller a descriptor that becomes readable when the
+//! shell exits, so the thread that waits for the command wakes up directly
+//! (see `exec`) instead of through the reaper.
+//!
 //! Between its `setuid` and its `execve` the child is the user's and still
 //! shares the agent's memory. The credential change marks that memory
 //! non-dumpable (`fs.suid_dumpable` is 0), and the kernel lets no process
@@ -31,13 +40,13 @@
 //! memory that is not dumpable: the user's processes cannot reach the
 //! agent through that window.
 
-use crate::reaper::{self, ExitCallback};
+use crate::reaper::{self, ExitCallback, ExitStatus};
 use crate::sys;
 use std::ffi::{c_void, CStr, CString};
 use std::io;
 use std::mem::MaybeUninit;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU8, Ordering};
 
 /// Who the shell runs as, where, and in which cgroup.
 pub struct Sandbox<'a> {
@@ -52,11 +61,41 @@ pub struct Sandbox<'a> {
     pub nproc: u32,
 }
 
-/// A started shell: its pid and the read ends of its stdout and stderr.
+/// A started shell: its pid, a pidfd, and the read ends of its stdout and
+/// stderr.
 pub struct Spawned {
     pub pid: u32,
+    /// Readable once the shell has exited (see [`exit_status`]).
+    pub pidfd: OwnedFd,
     pub stdout: OwnedFd,
     pub stderr: OwnedFd,
+}
+
+/// The step of the child's set-up that failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    /// Before the clone, the clone itself, or the child's set-up.
+    Start,
+    /// Entering the working directory, as the user.
+    Chdir,
+    /// Executing the program.
+    Exec,
+}
+
+/// A failed spawn: the step and its error.
+#[derive(Debug)]
+pub struct SpawnError {
+    pub step: Step,
+    pub error: io::Error,
+}
+
+impl From<io::Error> for SpawnError {
+    fn from(error: io::Error) -> Self {
+        SpawnError {
+            step: Step::Start,
+            error,
+        }
+    }
 }
 
 /// Everything the child reads, prepared before the clone.
@@ -71,6 +110,8 @@ struct ChildArgs<'a> {
     /// Set by the child when a step fails; read by the parent once the
     /// child has exec'd or exited.
     errno: AtomicI32,
+    /// Which step failed (a [`Step`] as u8).
+    step: AtomicU8,
 }
 
 /// The kernel's `struct clone_args` (version 2, with `cgroup`).
@@ -91,6 +132,7 @@ struct CloneArgs {
 }
 
 const CLONE_INTO_CGROUP: u64 = 0x2_0000_0000;
+const CLONE_PIDFD: u64 = 0x1000;
 
 /// The child's stack. Its work is a dozen syscalls; 64 KiB leaves room for
 /// glibc's wrappers and for stack probes.
@@ -105,7 +147,7 @@ pub fn spawn(
     env: &[CString],
     sandbox: &Sandbox<'_>,
     on_exit: ExitCallback,
-) -> io::Result<Spawned> {
+) -> Result<Spawned, SpawnError> {
     let devnull = open_devnull()?;
     let (out_r, out_w) = pipe()?;
     let (err_r, err_w) = pipe()?;
@@ -120,11 +162,14 @@ pub fn spawn(
         stderr: err_w.as_raw_fd(),
         sandbox,
         errno: AtomicI32::new(0),
+        step: AtomicU8::new(Step::Start as u8),
     };
+    let mut pidfd: libc::c_int = -1;
     // Not initialised: only the child writes it, from the top down.
     let mut stack: Vec<MaybeUninit<u128>> = Vec::with_capacity(CHILD_STACK_WORDS);
     let mut args = CloneArgs {
-        flags: (libc::CLONE_VM | libc::CLONE_VFORK) as u64,
+        flags: (libc::CLONE_VM | libc::CLONE_VFORK) as u64 | CLONE_PIDFD,
+        pidfd: &mut pidfd as *mut libc::c_int as u64,
         exit_signal: libc::SIGCHLD as u64,
         stack: stack.as_mut_ptr() as u64,
         stack_size: (stack.capacity() * std::mem::size_of::<u128>()) as u64,
@@ -154,14 +199,53 @@ pub fn spawn(
         Ok(rc as u32)
     })?;
     drop((out_w, err_w, devnull));
+    // SAFETY: the kernel wrote a new descriptor (CLONE_PIDFD) when the clone
+    // succeeded, which it did: `pid` is its result.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd) };
     match child.errno.load(Ordering::SeqCst) {
         // It exited; the reaper collects it (its status goes unread).
-        e if e != 0 => Err(io::Error::from_raw_os_error(e)),
+        e if e != 0 => Err(SpawnError {
+            step: match child.step.load(Ordering::SeqCst) {
+                s if s == Step::Chdir as u8 => Step::Chdir,
+                s if s == Step::Exec as u8 => Step::Exec,
+                _ => Step::Start,
+            },
+            error: io::Error::from_raw_os_error(e),
+        }),
         _ => Ok(Spawned {
             pid,
+            pidfd,
             stdout: out_r,
             stderr: err_r,
         }),
+    }
+}
+
+/// The exit status of a shell whose pidfd is readable, left for the reaper
+/// to collect (`WNOWAIT`). `None` once the reaper has collected it: its
+/// status then comes through the reaper's callback.
+pub fn exit_status(pidfd: &OwnedFd) -> Option<ExitStatus> {
+    // SAFETY: zeroed siginfo is a valid out-parameter for waitid.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    // SAFETY: plain syscall on our descriptor and out-parameter.
+    let rc = unsafe {
+        libc::waitid(
+            libc::P_PIDFD,
+            pidfd.as_raw_fd() as libc::id_t,
+            &mut info,
+            libc::WEXITED | libc::WNOWAIT | libc::WNOHANG,
+        )
+    };
+    // SAFETY: waitid filled `info` for an exited child (si_pid 0 means
+    // none was ready).
+    let (pid, status) = unsafe { (info.si_pid(), info.si_status()) };
+    if rc != 0 || pid == 0 {
+        return None;
+    }
+    match info.si_code {
+        libc::CLD_EXITED => Some(ExitStatus::Code(status)),
+        libc::CLD_KILLED | libc::CLD_DUMPED => Some(ExitStatus::Signal(status)),
+        _ => None,
     }
 }
 
@@ -318,7 +402,9 @@ fn enter_and_exec(a: &ChildArgs<'_>) -> Result<(), i32> {
         ))?;
         check(libc::syscall(libc::SYS_setgid, s.gid as libc::c_long))?;
         check(libc::syscall(libc::SYS_setuid, s.uid as libc::c_long))?;
+        a.step.store(Step::Chdir as u8, Ordering::SeqCst);
         check(libc::chdir(s.cwd.as_ptr()) as libc::c_long)?;
+        a.step.store(Step::Start as u8, Ordering::SeqCst);
         let mut dfl: libc::sigaction = std::mem::zeroed();
         dfl.sa_sigaction = libc::SIG_DFL;
         check(libc::sigaction(libc::SIGPIPE, &dfl, std::ptr::null_mut()) as libc::c_long)?;
@@ -332,6 +418,7 @@ fn enter_and_exec(a: &ChildArgs<'_>) -> Result<(), i32> {
             std::ptr::null_mut::<u64>(),
             8 as libc::c_long,
         ))?;
+        a.step.store(Step::Exec as u8, Ordering::SeqCst);
         libc::execve(a.program.as_ptr(), a.argv.as_ptr(), a.envp.as_ptr());
         check(-1)
     }

@@ -150,6 +150,26 @@ pub fn poll_forever(fds: &mut [libc::pollfd]) -> io::Result<usize> {
     }
 }
 
+/// poll() for at most `timeout` (rounded up to whole milliseconds; `None`:
+/// forever). Returns how many descriptors are ready; 0 when the time ran
+/// out or a signal interrupted the wait.
+pub fn poll(fds: &mut [libc::pollfd], timeout: Option<Duration>) -> io::Result<usize> {
+    let ms = match timeout {
+        None => -1,
+        Some(t) => t.as_nanos().div_ceil(1_000_000).min(i32::MAX as u128) as libc::c_int,
+    };
+    // SAFETY: fds is a valid slice of pollfd.
+    let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+    if n >= 0 {
+        return Ok(n as usize);
+    }
+    let err = io::Error::last_os_error();
+    if err.kind() == io::ErrorKind::Interrupted {
+        return Ok(0);
+    }
+    Err(err)
+}
+
 /// A pollfd asking for readability.
 pub fn pollin(fd: RawFd) -> libc::pollfd {
     libc::pollfd {

@@ -1,7 +1,7 @@
 //! Reused threads for running commands.
 //!
-//! Every command needs two threads (one waits for it, one pumps its output,
-//! see `exec`). A new thread is a clone, a stack mapping and its first page
+//! Every command needs a thread that waits for it and forwards its output
+//! (see `exec`). A new thread is a clone, a stack mapping and its first page
 //! faults: about a millisecond of a `true`'s round trip under emulation. So
 //! a thread that finished its job parks in a [`Pool`], blocked on a channel
 //! (no CPU, no timer), and the next job takes the most recently parked one,
