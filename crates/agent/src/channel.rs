@@ -2,9 +2,13 @@
 //! frames, and noticing the host come and go.
 //!
 //! The port is opened once (a second open fails with EBUSY). One reader thread
-//! owns reads; one writer thread owns writes, so frames never interleave. Every
-//! other thread hands the writer whole frames over a bounded channel, which
-//! back-pressures a chatty command onto its own pipe instead of into memory.
+//! owns reads. Writes go through the [`Outbox`]: one frame at a time, so
+//! frames never interleave. A small frame is written by its sender at once
+//! when nothing is queued or being written and the port can take it without
+//! blocking; every other frame waits in a bounded queue for the writer
+//! thread, which back-pressures a chatty command onto its own pipe instead of
+//! into memory. Writing at once saves the hand-off to the writer thread,
+//! ~0.15 ms under emulation, on every short answer (a command's `Exited`).
 //!
 //! Sessions: each host connection (opened by `Hello`, or ended by EOF) gets a
 //! new generation number; frames are tagged with the generation of the request
@@ -17,17 +21,20 @@
 //! (F_SETOWN + O_ASYNC) when the host reconnects or data arrives, and the
 //! reader sleeps in `sigtimedwait(SIGIO, 1 s)` between attempts.
 
+use crate::sys::lock;
 use sandpit_protocol::{
     encode_frame, AgentError, DoneResult, Frame, FrameDecoder, FrameError, Message, RequestId,
 };
+use std::collections::VecDeque;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read};
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{self, Receiver, SyncSender};
-use std::sync::Arc;
+#[cfg(test)]
+use std::sync::mpsc::SyncSender;
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -45,6 +52,10 @@ const HOST_GONE_GRACE: Duration = Duration::from_secs(2);
 /// Frames queued for the writer before senders block.
 const OUTBOX_FRAMES: usize = 64;
 
+/// The largest frame a sender writes itself: one write to a virtio port
+/// takes up to 32 KiB, so a frame this size goes whole or not at all.
+const DIRECT_FRAME_MAX: usize = 4096;
+
 static GENERATION: AtomicU64 = AtomicU64::new(1);
 
 /// The current session generation.
@@ -57,17 +68,143 @@ pub fn new_session() -> u64 {
     GENERATION.fetch_add(1, Ordering::SeqCst) + 1
 }
 
-/// Handle to the writer thread.
+/// Where frames go (cheap to clone).
 #[derive(Clone)]
 pub struct Outbox {
-    tx: SyncSender<(u64, Vec<u8>)>,
+    inner: Arc<OutboxInner>,
+}
+
+struct OutboxInner {
+    port: Arc<File>,
+    /// Unit tests: frames go to this channel instead.
+    #[cfg(test)]
+    test_tx: Option<SyncSender<(u64, Vec<u8>)>>,
+    state: Mutex<OutboxState>,
+    /// Signalled when a frame is queued, taken, or a write ends.
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct OutboxState {
+    queue: VecDeque<(u64, Vec<u8>)>,
+    /// A frame is being written (by the writer thread or a sender).
+    writing: bool,
 }
 
 impl Outbox {
     #[cfg(test)]
     pub fn for_test(tx: SyncSender<(u64, Vec<u8>)>) -> Self {
-        Outbox { tx }
+        Outbox {
+            inner: Arc::new(OutboxInner {
+                port: Arc::new(File::open("/dev/null").expect("/dev/null")),
+                test_tx: Some(tx),
+                state: Mutex::new(OutboxState::default()),
+                changed: Condvar::new(),
+            }),
+        }
     }
+
+    fn new(port: Arc<File>) -> Self {
+        Outbox {
+            inner: Arc::new(OutboxInner {
+                port,
+                #[cfg(test)]
+                test_tx: None,
+                state: Mutex::new(OutboxState::default()),
+                changed: Condvar::new(),
+            }),
+        }
+    }
+
+    /// Send one frame of session `gen`: written at once when it can be
+    /// without waiting, else queued; blocks while the queue is full.
+    fn push(&self, gen: u64, frame: Vec<u8>) {
+        let inner = &*self.inner;
+        #[cfg(test)]
+        if let Some(tx) = &inner.test_tx {
+            if gen >= generation() {
+                let _ = tx.send((gen, frame));
+            }
+            return;
+        }
+        let mut st = lock(&inner.state);
+        if !st.writing && st.queue.is_empty() && frame.len() <= DIRECT_FRAME_MAX {
+            st.writing = true;
+            drop(st);
+            let done = gen < generation() || write_now(&inner.port, &frame);
+            let mut st = lock(&inner.state);
+            st.writing = false;
+            if !done {
+                // Nothing of it was written: the writer takes it first.
+                st.queue.push_front((gen, frame));
+            }
+            if !st.queue.is_empty() {
+                inner.changed.notify_all();
+            }
+            return;
+        }
+        while st.queue.len() >= OUTBOX_FRAMES {
+            st = inner
+                .changed
+                .wait(st)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+        st.queue.push_back((gen, frame));
+        inner.changed.notify_all();
+    }
+
+    /// The writer thread's next frame, marked as being written.
+    fn take(&self) -> (u64, Vec<u8>) {
+        let inner = &*self.inner;
+        let mut st = lock(&inner.state);
+        loop {
+            if !st.writing {
+                if let Some(next) = st.queue.pop_front() {
+                    st.writing = true;
+                    inner.changed.notify_all();
+                    return next;
+                }
+            }
+            st = inner
+                .changed
+                .wait(st)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+    }
+
+    fn written(&self) {
+        lock(&self.inner.state).writing = false;
+    }
+}
+
+/// Write a small frame if the port takes it now; false if nothing was
+/// written (the host is away or the port is full).
+fn write_now(port: &File, frame: &[u8]) -> bool {
+    let fd = port.as_raw_fd();
+    let mut p = [libc::pollfd {
+        fd,
+        events: libc::POLLOUT,
+        revents: 0,
+    }];
+    // SAFETY: one valid pollfd; zero timeout.
+    let n = unsafe { libc::poll(p.as_mut_ptr(), 1, 0) };
+    if n != 1 || p[0].revents & (libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) != 0 {
+        return false;
+    }
+    if p[0].revents & libc::POLLOUT == 0 {
+        return false;
+    }
+    // SAFETY: valid buffer.
+    let n = unsafe { libc::write(fd, frame.as_ptr().cast(), frame.len()) };
+    if n <= 0 {
+        return false;
+    }
+    let n = n as usize;
+    if n < frame.len() {
+        // Not expected for a frame this small; finish it the usual way.
+        let _ = write_frame(port, &frame[n..], || true);
+    }
+    true
 }
 
 /// Where answers to one request go: the outbox plus the request's session.
@@ -92,13 +229,13 @@ impl Reply {
         self.gen >= generation()
     }
 
-    /// Queue one frame; blocks while the outbox is full. Frames of a session
-    /// that has ended are dropped right here.
+    /// Send one frame (see [`Outbox`]); blocks while the outbox is full.
+    /// Frames of a session that has ended are dropped right here.
     pub fn send(&self, message: &Message, body: &[u8]) {
         if !self.is_current() {
             return;
         }
-        let _ = self.out.tx.send((self.gen, encode_frame(message, body)));
+        self.out.push(self.gen, encode_frame(message, body));
     }
 
     pub fn done(&self, id: RequestId, result: DoneResult) {
@@ -209,20 +346,25 @@ fn enable_sigio(port: &File) {
 
 /// Start the writer thread for `port`.
 pub fn start_writer(port: Arc<File>) -> io::Result<Outbox> {
-    let (tx, rx) = mpsc::sync_channel(OUTBOX_FRAMES);
+    let out = Outbox::new(port);
+    let writer = out.clone();
     thread::Builder::new()
         .name("writer".into())
-        .spawn(move || write_frames(&port, rx))?;
-    Ok(Outbox { tx })
+        .spawn(move || write_frames(&writer))?;
+    Ok(out)
 }
 
-fn write_frames(port: &File, rx: Receiver<(u64, Vec<u8>)>) {
+fn write_frames(out: &Outbox) {
     let mut failures: u64 = 0;
-    for (gen, frame) in rx {
-        if gen < generation() {
-            continue;
-        }
-        match write_frame(port, &frame, || gen >= generation()) {
+    loop {
+        let (gen, frame) = out.take();
+        let result = if gen < generation() {
+            Ok(false)
+        } else {
+            write_frame(&out.inner.port, &frame, || gen >= generation())
+        };
+        out.written();
+        match result {
             Ok(_) => failures = 0,
             Err(e) => {
                 failures += 1;
@@ -381,6 +523,98 @@ pub fn read_frames(port: &File, handler: &mut dyn Handler) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::net::UnixStream;
+    use std::sync::mpsc;
+
+    /// An outbox writing to a socket, and the socket's other end.
+    fn socket_outbox() -> (Outbox, UnixStream) {
+        let (a, b) = UnixStream::pair().unwrap();
+        let port = Arc::new(File::from(std::os::fd::OwnedFd::from(a)));
+        (start_writer(port).unwrap(), b)
+    }
+
+    /// Decode `n` frames from `peer`: (request id, body length) each.
+    fn read_frames_from(peer: &mut UnixStream, n: usize) -> Vec<(u64, usize)> {
+        let mut d = FrameDecoder::new();
+        let mut got = Vec::new();
+        let mut buf = vec![0u8; 64 * 1024];
+        while got.len() < n {
+            while let Some(f) = d.next_frame().unwrap() {
+                match f.message {
+                    Message::Stdout { id } => got.push((id, f.body.len())),
+                    m => panic!("unexpected {m:?}"),
+                }
+            }
+            if got.len() < n {
+                let k = peer.read(&mut buf).unwrap();
+                assert!(k > 0, "the outbox's end closed");
+                d.push(&buf[..k]);
+            }
+        }
+        got
+    }
+
+    #[test]
+    fn frames_of_concurrent_senders_arrive_whole_and_in_each_senders_order() {
+        let (out, mut peer) = socket_outbox();
+        let senders: Vec<_> = (0..4u64)
+            .map(|t| {
+                let reply = Reply::new(u64::MAX, out.clone());
+                thread::spawn(move || {
+                    for i in 0..50u64 {
+                        // Small frames (written at once) and large ones
+                        // (queued), mixed.
+                        let len = if i % 3 == 0 { 20_000 } else { 10 };
+                        let body = vec![t as u8; len];
+                        reply.send(&Message::Stdout { id: t * 1000 + i }, &body);
+                    }
+                })
+            })
+            .collect();
+        let got = read_frames_from(&mut peer, 200);
+        for s in senders {
+            s.join().unwrap();
+        }
+        for t in 0..4u64 {
+            let mine: Vec<u64> = got
+                .iter()
+                .filter(|(id, _)| id / 1000 == t)
+                .map(|(id, _)| id % 1000)
+                .collect();
+            assert_eq!(mine, (0..50).collect::<Vec<_>>(), "sender {t}");
+        }
+        for (id, len) in got {
+            assert_eq!(len, if id % 1000 % 3 == 0 { 20_000 } else { 10 });
+        }
+    }
+
+    #[test]
+    fn a_full_port_queues_small_frames_instead_of_blocking_the_sender() {
+        let (out, mut peer) = socket_outbox();
+        let reply = Reply::new(u64::MAX, out.clone());
+        // Fill the socket: the writer thread blocks inside a large frame.
+        let big = vec![1u8; 1 << 20];
+        reply.send(&Message::Stdout { id: 0 }, &big);
+        thread::sleep(Duration::from_millis(100));
+        let (done_tx, done_rx) = mpsc::channel();
+        let r = reply.clone();
+        thread::spawn(move || {
+            for i in 1..=10 {
+                r.send(&Message::Stdout { id: i }, b"x");
+            }
+            done_tx.send(()).unwrap();
+        });
+        done_rx
+            .recv_timeout(Duration::from_secs(5))
+            .expect("small frames were queued, not blocked on");
+        let got = read_frames_from(&mut peer, 11);
+        let ids: Vec<u64> = got.iter().map(|(id, _)| *id).collect();
+        assert_eq!(ids, (0..=10).collect::<Vec<_>>());
+        assert_eq!(got[0].1, 1 << 20);
+        // Once drained, a small frame is written by its sender.
+        reply.send(&Message::Stdout { id: 11 }, b"y");
+        assert_eq!(read_frames_from(&mut peer, 1), vec![(11, 1)]);
+    }
 
     fn scratch(name: &str) -> PathBuf {
         let d =
@@ -464,7 +698,7 @@ mod tests {
     #[test]
     fn stale_replies_are_dropped() {
         let (tx, rx) = mpsc::sync_channel(4);
-        let out = Outbox { tx };
+        let out = Outbox::for_test(tx);
         let old = Reply::new(generation(), out.clone());
         old.send(&Message::Ping { id: 1 }, b"");
         assert!(rx.try_recv().is_ok());
