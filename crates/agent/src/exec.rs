@@ -36,7 +36,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 struct Running {
@@ -248,30 +248,19 @@ fn run(reply: &Reply, id: RequestId, serial: u64, req: &ExecRequest, cancel: &Ev
     cgroup::prepare_spare();
 }
 
-/// Start the shell for `req`. A shell that has gone missing since it was
-/// chosen is chosen again, once.
+/// Start the shell for `req`; its wait status also goes to `status_tx`.
 fn spawn_shell(
     req: &ExecRequest,
     cwd: &str,
     sandbox: &Sandbox<'_>,
     status_tx: mpsc::Sender<i32>,
 ) -> Result<Spawned, AgentError> {
-    let mut retried = false;
-    loop {
-        let shell = shell_command(req, cwd)?;
-        let tx = status_tx.clone();
-        let on_exit = Box::new(move |status| {
-            let _ = tx.send(status);
-        });
-        match spawn::spawn(shell.program, &shell.argv, &shell.env, sandbox, on_exit) {
-            Ok(c) => return Ok(c),
-            Err(e) if e.step == Step::Exec && !retried && sys::errno(&e.error) == libc::ENOENT => {
-                forget_shell();
-                retried = true;
-            }
-            Err(e) => return Err(spawn_error(&e, cwd)),
-        }
-    }
+    let shell = shell_command(req, cwd)?;
+    let on_exit = Box::new(move |status| {
+        let _ = status_tx.send(status);
+    });
+    spawn::spawn(shell.program, &shell.argv, &shell.env, sandbox, on_exit)
+        .map_err(|e| spawn_error(&e, cwd))
 }
 
 fn exec_result(
@@ -368,18 +357,12 @@ struct ShellCommand {
 /// called by the name `/bin/bash`, so `$0` and `$BASH` are what scripts
 /// expect; what it lacks is `enable -f` (loadable builtins).
 ///
-/// The choice is made once and kept: two lookups per command cost more than
-/// a `true` takes to run. A shell that disappears is chosen again (see
-/// `spawn_shell`).
+/// The choice is made once: the shells are root's files, which the user
+/// cannot remove or replace, and two lookups per command would cost a tenth
+/// of a millisecond under emulation.
 fn shell() -> (&'static CStr, &'static CStr) {
-    *lock(&SHELL).get_or_insert_with(choose_shell)
-}
-
-static SHELL: Mutex<Option<(&'static CStr, &'static CStr)>> = Mutex::new(None);
-
-/// Choose the shell again at the next command.
-fn forget_shell() {
-    *lock(&SHELL) = None;
+    static SHELL: OnceLock<(&'static CStr, &'static CStr)> = OnceLock::new();
+    *SHELL.get_or_init(choose_shell)
 }
 
 fn choose_shell() -> (&'static CStr, &'static CStr) {

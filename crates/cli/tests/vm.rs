@@ -129,12 +129,36 @@ fn exit_codes_stderr_env_and_cwd() {
         r.cwd = Some("sub/dir".into());
         assert_eq!(run(&s.vm, r).await.stdout, b"/workspace/sub/dir\n");
 
-        let mut r = req("pwd");
-        r.cwd = Some("/does/not/exist".into());
-        match s.vm.agent.exec_collect(r).await {
-            Err(RuntimeError::Agent(e)) => assert_eq!(e.kind, ErrorKind::NotFound),
-            other => panic!("expected not found, got {other:?}"),
+        // A working directory that cannot be used fails the call with the
+        // reason, and runs nothing.
+        for (cwd, kind, message) in [
+            (
+                "/does/not/exist",
+                ErrorKind::NotFound,
+                "cwd /does/not/exist does not exist",
+            ),
+            (
+                "/etc/passwd",
+                ErrorKind::NotADirectory,
+                "cwd /etc/passwd is not a directory",
+            ),
+            (
+                "/root",
+                ErrorKind::PermissionDenied,
+                "cannot run the command in /root: Permission denied (os error 13)",
+            ),
+        ] {
+            let mut r = req("touch /workspace/ran");
+            r.cwd = Some(cwd.into());
+            match s.vm.agent.exec_collect(r).await {
+                Err(RuntimeError::Agent(e)) => {
+                    assert_eq!((e.kind, e.message.as_str()), (kind, message), "cwd {cwd}")
+                }
+                other => panic!("cwd {cwd}: expected {kind:?}, got {other:?}"),
+            }
         }
+        let out = run(&s.vm, req("test -e /workspace/ran; echo $?")).await;
+        assert_eq!(out.stdout, b"1\n");
 
         let out = run(&s.vm, req("kill -TERM $$")).await;
         assert_eq!(out.result.exit_code, None);
