@@ -184,6 +184,8 @@ fn run(reply: &Reply, id: RequestId, serial: u64, req: &ExecRequest, cancel: &Ev
         ms => start.checked_add(Duration::from_millis(ms)),
     };
     let (mut timed_out, mut cancelled) = (false, false);
+    // The status, when it had to come from the reaper.
+    let mut reaped = None;
     loop {
         let timeout = match deadline {
             Some(d) if !timed_out && !cancelled => {
@@ -200,7 +202,7 @@ fn run(reply: &Reply, id: RequestId, serial: u64, req: &ExecRequest, cancel: &Ev
                     crate::error!("exec {id}: poll: {e}");
                     cancelled = true;
                     kill(pid, cg.as_ref());
-                    let _ = status_rx.recv();
+                    reaped = status_rx.recv().ok();
                     [true, false]
                 }
             };
@@ -221,9 +223,12 @@ fn run(reply: &Reply, id: RequestId, serial: u64, req: &ExecRequest, cancel: &Ev
     }
     // Read without reaping: the reaper collects the shell. When it already
     // has, the status is in its callback's channel.
-    let status = spawn::exit_status(&child.pidfd).unwrap_or_else(|| {
-        ExitStatus::from_raw(status_rx.recv().expect("the reaper reaped the shell"))
-    });
+    let status = match reaped {
+        Some(raw) => ExitStatus::from_raw(raw),
+        None => spawn::exit_status(&child.pidfd).unwrap_or_else(|| {
+            ExitStatus::from_raw(status_rx.recv().expect("the reaper reaped the shell"))
+        }),
+    };
     if timed_out || cancelled {
         // A killed command is reported only once nothing of it is left, so
         // "timed out" means every process it started is gone. Killing a

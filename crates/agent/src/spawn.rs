@@ -437,3 +437,46 @@ fn write_raw(path: &CStr, value: &[u8]) -> bool {
         ok
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::process::Command;
+
+    fn pidfd_of(pid: u32) -> OwnedFd {
+        // SAFETY: plain syscall; the descriptor is new and ours.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+        assert!(fd >= 0, "pidfd_open: {}", io::Error::last_os_error());
+        // SAFETY: new descriptor.
+        unsafe { OwnedFd::from_raw_fd(fd as RawFd) }
+    }
+
+    fn wait_readable(fd: &OwnedFd) {
+        let mut p = [sys::pollin(fd.as_raw_fd())];
+        assert_eq!(
+            sys::poll(&mut p, Some(std::time::Duration::from_secs(10))).unwrap(),
+            1
+        );
+    }
+
+    #[test]
+    fn exit_status_reads_without_reaping_and_is_none_once_reaped() {
+        let mut child = Command::new("sh").args(["-c", "exit 3"]).spawn().unwrap();
+        let fd = pidfd_of(child.id());
+        wait_readable(&fd);
+        assert_eq!(exit_status(&fd), Some(ExitStatus::Code(3)));
+        // Still there to be reaped, with the same status.
+        assert_eq!(exit_status(&fd), Some(ExitStatus::Code(3)));
+        assert_eq!(child.wait().unwrap().code(), Some(3));
+        assert_eq!(exit_status(&fd), None);
+
+        let mut child = Command::new("sh")
+            .args(["-c", "kill -9 $$"])
+            .spawn()
+            .unwrap();
+        let fd = pidfd_of(child.id());
+        wait_readable(&fd);
+        assert_eq!(exit_status(&fd), Some(ExitStatus::Signal(9)));
+        child.wait().unwrap();
+    }
+}
