@@ -192,14 +192,16 @@ fn signal(pidfd: &OwnedFd, sig: libc::c_int) {
 mod tests {
     use super::*;
 
-    /// A child that counts: stopped, its counter stands still.
+    /// A child that counts, one byte appended per tick: stopped, its counter
+    /// stands still. (Appending, not rewriting a number: a rewrite truncates
+    /// the file first, and a read in between saw the count fall to 0.)
     fn counter() -> (std::process::Child, std::path::PathBuf) {
         let dir = tempfile::tempdir().unwrap().keep();
         let file = dir.join("n");
         let child = std::process::Command::new("sh")
             .arg("-c")
             .arg(format!(
-                "n=0; while true; do n=$((n+1)); echo $n > {}; sleep 0.01; done",
+                "while true; do printf . >> {}; sleep 0.01; done",
                 file.display()
             ))
             .spawn()
@@ -208,10 +210,7 @@ mod tests {
     }
 
     fn count(file: &std::path::Path) -> u64 {
-        std::fs::read_to_string(file)
-            .ok()
-            .and_then(|s| s.trim().parse().ok())
-            .unwrap_or(0)
+        std::fs::metadata(file).map_or(0, |m| m.len())
     }
 
     async fn advances(file: &std::path::Path) -> bool {
