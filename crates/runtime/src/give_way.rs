@@ -22,6 +22,11 @@ use std::time::{Duration, Instant};
 
 /// The longest one stop lasts.
 pub const MAX_STOP: Duration = Duration::from_secs(2);
+/// How long background starts stay stopped after the last live work ends.
+/// Back-to-back commands then hold them as one long command would, instead
+/// of letting them run in the millisecond between every two commands.
+pub const LINGER: Duration = Duration::from_millis(50);
+
 /// The longest one background start is stopped, in all.
 pub const MAX_TOTAL_STOP: Duration = Duration::from_secs(8);
 
@@ -39,6 +44,9 @@ struct Starting {
 #[derive(Debug, Default)]
 struct State {
     holders: usize,
+    /// Counts the times `holders` fell to 0: a linger ends only if no
+    /// live work came and went since.
+    idle_epoch: u64,
     starting: HashMap<u32, Starting>,
 }
 
@@ -99,12 +107,22 @@ impl GiveWay {
     fn release(&self) {
         let mut st = self.lock();
         st.holders = st.holders.saturating_sub(1);
-        if st.holders == 0 {
-            for s in st.starting.values_mut() {
-                resume(s);
-                s.let_run = false;
-            }
+        if st.holders > 0 {
+            return;
         }
+        st.idle_epoch += 1;
+        let epoch = st.idle_epoch;
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return resume_all(&mut st);
+        };
+        let me = self.clone();
+        rt.spawn(async move {
+            tokio::time::sleep(LINGER).await;
+            let mut st = me.lock();
+            if st.holders == 0 && st.idle_epoch == epoch {
+                resume_all(&mut st);
+            }
+        });
     }
 
     /// QEMU `pid` is a background start until the returned guard drops
@@ -164,6 +182,14 @@ impl GiveWay {
                 }
             }
         });
+    }
+}
+
+/// No live work left: every start goes on, and may be stopped again.
+fn resume_all(st: &mut State) {
+    for s in st.starting.values_mut() {
+        resume(s);
+        s.let_run = false;
     }
 }
 
@@ -233,6 +259,13 @@ mod tests {
         drop(held);
         assert!(!advances(&file).await, "still held by the second guard");
         drop(also);
+        assert_eq!(g.stopped(), 1, "stays stopped for LINGER");
+        // Live work within LINGER keeps it stopped past the first LINGER.
+        tokio::time::sleep(LINGER / 2).await;
+        drop(g.hold());
+        tokio::time::sleep(LINGER * 3 / 4).await;
+        assert_eq!(g.stopped(), 1, "held again within LINGER");
+        tokio::time::sleep(LINGER).await;
         assert_eq!(g.stopped(), 0);
         assert!(advances(&file).await, "continued once nothing holds it");
         // A start that begins while work is held is stopped at once, and
