@@ -92,7 +92,8 @@ impl Output {
 
     /// Forward output until one of `wake` is readable or `timeout` passes
     /// (`None`: no timeout); returns which of `wake` are readable. Returns
-    /// early, with none, when a signal interrupts the wait.
+    /// early, with none, when a signal interrupts the wait. The timeout holds
+    /// even while output never stops coming.
     pub fn pump<const N: usize>(
         &mut self,
         wake: [RawFd; N],
@@ -117,7 +118,7 @@ impl Output {
                 }
             }
             let woken: [bool; N] = std::array::from_fn(|k| sys::ready(&fds[open.len() + k]));
-            if woken.contains(&true) {
+            if woken.contains(&true) || deadline.is_some_and(|d| Instant::now() >= d) {
                 return Ok(woken);
             }
         }
@@ -308,6 +309,28 @@ mod tests {
                 std::fs::File::from_raw_fd(fds[1]),
             )
         }
+    }
+
+    #[test]
+    fn the_timeout_holds_while_output_never_stops() {
+        // /dev/zero: always readable, never at EOF, like a command that
+        // writes faster than it is read.
+        let flood: OwnedFd = std::fs::File::open("/dev/zero").unwrap().into();
+        let (err_r, _err_w) = pipe();
+        let (tx, rx) = mpsc::sync_channel(1 << 10);
+        let reply = Reply::new(u64::MAX, Outbox::for_test(tx));
+        let mut output = Output::new(9, reply, flood, err_r, 100_000);
+        let (done_tx, done_rx) = mpsc::channel();
+        thread::spawn(move || {
+            let wake = EventFd::new().unwrap();
+            let ready = output.pump([wake.raw()], Some(Duration::from_millis(200)));
+            let _ = done_tx.send(ready.unwrap());
+        });
+        let ready = done_rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("pump ran on past its 200 ms timeout");
+        assert_eq!(ready, [false]);
+        assert!(rx.try_iter().count() > 0, "output was forwarded meanwhile");
     }
 
     #[test]

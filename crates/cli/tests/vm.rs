@@ -252,6 +252,23 @@ fn a_timeout_kills_the_command_and_its_children() {
 }
 
 #[test]
+fn a_timeout_holds_while_the_command_floods_its_output() {
+    let s = vm();
+    block(async {
+        let mut r = req_timeout("yes", 2_000);
+        r.max_output_bytes = 1 << 20;
+        let out = tokio::time::timeout(Duration::from_secs(60), s.vm.agent.exec_collect(r))
+            .await
+            .expect("a 2 s timeout held while `yes` kept writing")
+            .expect("exec");
+        assert!(out.result.timed_out, "{:?}", out.result);
+        assert!(out.result.stdout_truncated && out.stdout.len() == 1 << 20);
+        assert!(out.result.stdout_bytes > 1 << 20, "{:?}", out.result);
+        assert_eq!(sh(&s.vm, "echo next").await, "next");
+    });
+}
+
+#[test]
 fn a_background_server_survives_its_command() {
     let s = vm();
     block(async {
