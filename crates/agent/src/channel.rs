@@ -201,8 +201,9 @@ fn write_now(port: &File, frame: &[u8]) -> bool {
     }
     let n = n as usize;
     if n < frame.len() {
-        // Not expected for a frame this small; finish it the usual way.
-        let _ = write_frame(port, &frame[n..], || true);
+        // Not expected for a frame this small. Finish it, but never wait for
+        // a host that left: the rest of a frame must not reach the next one.
+        let _ = write_frame(port, &frame[n..], || false);
     }
     true
 }
