@@ -7,7 +7,8 @@
 //! still runs whenever a live one blocks for a moment. So while live work
 //! holds a [`Held`] guard (a command, a file transfer, a create someone waits
 //! for), every background start in flight is stopped outright (`SIGSTOP`)
-//! and continued when the last guard drops.
+//! and continued [`LINGER`] after the last guard drops, so that commands
+//! sent back to back hold it as one long command would.
 //!
 //! A stop is bounded, so a refill cannot starve nor run into its own
 //! timeouts: one stop lasts at most [`MAX_STOP`] (a long command lets the
