@@ -160,8 +160,9 @@ pub fn configure(cfg: &GuestConfig, entropy: &[u8]) -> Result<(), AgentError> {
             *applied = Some(plan.clone());
         }
     }
-    // The first command's cgroup (a template carries it into its clones).
-    cgroup::prepare_spare();
+    // The first command's cgroup and pipes (a template carries them into
+    // its clones).
+    crate::exec::prepare_next();
     crate::info!("configured as {}", cfg.hostname);
     Ok(())
 }

@@ -168,7 +168,6 @@ fn run(reply: &Reply, id: RequestId, serial: u64, req: &ExecRequest, cancel: &Ev
         Err(e) => return fail(e),
     };
     let pid = child.pid;
-    reply.send(&Message::Started { id, pid }, &[]);
 
     // Output is forwarded as it comes while waiting for the shell's exit
     // (its pidfd), a cancel, or the deadline.
@@ -249,8 +248,16 @@ fn run(reply: &Reply, id: RequestId, serial: u64, req: &ExecRequest, cancel: &Ev
         &[],
     );
     drop(cg);
-    // The next command's cgroup, made now that this one has its answer.
+    // The next command's cgroup and pipes, made now that this one has its
+    // answer.
+    prepare_next();
+}
+
+/// Make what the next command needs before it is asked for: its cgroup and
+/// its pipes.
+pub fn prepare_next() {
     cgroup::prepare_spare();
+    spawn::prepare_spare_pipes();
 }
 
 /// Start the shell for `req`; its wait status also goes to `status_tx`.

@@ -111,6 +111,36 @@ fn mount_all() {
     }
 }
 
+/// Where the kernel's fault-around size is set (debugfs only).
+const FAULT_AROUND: &str = "/sys/kernel/debug/fault_around_bytes";
+
+/// Map up to a whole page table (2 MiB) of already cached file pages on a
+/// read fault, instead of 64 KiB. Under emulation a page fault costs tens of
+/// microseconds, and every command starts with a shell whose code is in the
+/// page cache but mapped anew: `bash -c true` takes 59 faults instead of 94
+/// with this. Nothing is read from disk for it (only cached pages are
+/// mapped). debugfs is mounted for the write and unmounted again.
+fn fault_around_whole_tables() {
+    const DEBUGFS: &str = "/sys/kernel/debug";
+    let mounted_here = !is_mountpoint(Path::new(DEBUGFS));
+    ensure_mount(
+        "debugfs",
+        DEBUGFS,
+        "debugfs",
+        libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+        &[""],
+    );
+    if let Err(e) = sys::write_kernel_file(FAULT_AROUND, "2097152") {
+        crate::error!("{FAULT_AROUND}: {e}");
+    }
+    if mounted_here {
+        if let Ok(target) = sys::cstring(DEBUGFS) {
+            // SAFETY: valid C path.
+            unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
+        }
+    }
+}
+
 /// Bring a network interface up (SIOCSIFFLAGS), without spawning `ip`.
 fn link_up(name: &str) -> io::Result<()> {
     // SAFETY: a socket we close again, and an ifreq we fully initialise.
@@ -155,9 +185,10 @@ pub fn early() {
     ] {
         let _ = sys::write_kernel_file(format!("/proc/sys/fs/{knob}"), value);
     }
-    if let Err(e) = sys::write_kernel_file("/proc/self/oom_score_adj", "-1000") {
-        crate::error!("oom_score_adj: {e}");
-    }
+    // No `oom_score_adj`: the OOM killer never picks the global init (the
+    // kernel's `oom_unkillable_task`), and a -1000 here would be inherited
+    // by every command, each then writing it back to 0 (~0.3 ms per command
+    // under emulation: procfs instantiates a new pid's directory).
     let _ = fs::create_dir_all("/tmp");
     if let Err(e) = fs::set_permissions("/tmp", fs::Permissions::from_mode(0o1777)) {
         crate::error!("chmod /tmp: {e}");
@@ -169,6 +200,7 @@ pub fn early() {
         crate::error!("bringing lo up: {e}");
     }
     cgroup::setup();
+    fault_around_whole_tables();
     let (release, _) = sys::uname();
     crate::info!(
         "sandpit-agent {} up on Linux {release}",

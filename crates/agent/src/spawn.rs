@@ -29,6 +29,11 @@
 //! enter), told apart from a shell that cannot be executed, with no `stat` of
 //! the directory beforehand.
 //!
+//! The descriptors a command needs are made ahead of it: `/dev/null` is
+//! opened once, and the next command's two pipes are made once the previous
+//! command has answered ([`prepare_spare_pipes`]). Each of those syscalls
+//! allocates kernel objects, tens of microseconds apiece under emulation.
+//!
 //! `CLONE_PIDFD` gives the caller a descriptor that becomes readable when the
 //! shell exits, so the thread that waits for the command wakes up directly
 //! (see `exec`) instead of through the reaper.
@@ -47,6 +52,7 @@ use std::io;
 use std::mem::MaybeUninit;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicI32, AtomicU8, Ordering};
+use std::sync::{Mutex, OnceLock};
 
 /// Who the shell runs as, where, and in which cgroup.
 pub struct Sandbox<'a> {
@@ -148,9 +154,11 @@ pub fn spawn(
     sandbox: &Sandbox<'_>,
     on_exit: ExitCallback,
 ) -> Result<Spawned, SpawnError> {
-    let devnull = open_devnull()?;
-    let (out_r, out_w) = pipe()?;
-    let (err_r, err_w) = pipe()?;
+    let devnull = devnull()?;
+    let Pipes {
+        out: (out_r, out_w),
+        err: (err_r, err_w),
+    } = take_pipes()?;
     let argv = null_terminated(argv.iter().map(|a| a.as_c_str()));
     let envp = null_terminated(env.iter().map(|e| e.as_c_str()));
     let child = ChildArgs {
@@ -198,7 +206,7 @@ pub fn spawn(
         }
         Ok(rc as u32)
     })?;
-    drop((out_w, err_w, devnull));
+    drop((out_w, err_w));
     // SAFETY: the kernel wrote a new descriptor (CLONE_PIDFD) when the clone
     // succeeded, which it did: `pid` is its result.
     let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd) };
@@ -257,6 +265,42 @@ fn null_terminated<'a>(items: impl Iterator<Item = &'a CStr>) -> Vec<*const libc
         .collect()
 }
 
+/// A command's stdout and stderr pipes: (read end, write end) each.
+struct Pipes {
+    out: (OwnedFd, OwnedFd),
+    err: (OwnedFd, OwnedFd),
+}
+
+/// The next command's pipes, made before it is asked for.
+static SPARE_PIPES: Mutex<Option<Pipes>> = Mutex::new(None);
+
+/// The spare pipes, or new ones when another command took them.
+fn take_pipes() -> io::Result<Pipes> {
+    match sys::lock(&SPARE_PIPES).take() {
+        Some(p) => Ok(p),
+        None => make_pipes(),
+    }
+}
+
+fn make_pipes() -> io::Result<Pipes> {
+    Ok(Pipes {
+        out: pipe()?,
+        err: pipe()?,
+    })
+}
+
+/// Make the next command's pipes, if there are none yet. Called once a
+/// command has answered, off the path of any request.
+pub fn prepare_spare_pipes() {
+    let mut spare = sys::lock(&SPARE_PIPES);
+    if spare.is_none() {
+        match make_pipes() {
+            Ok(p) => *spare = Some(p),
+            Err(e) => crate::error!("cannot make the next command's pipes: {e}"),
+        }
+    }
+}
+
 fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     let mut fds = [0; 2];
     // SAFETY: valid array of two ints.
@@ -265,12 +309,18 @@ fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }
 
-fn open_devnull() -> io::Result<OwnedFd> {
+/// `/dev/null`, opened once: every command's stdin.
+fn devnull() -> io::Result<&'static OwnedFd> {
+    static DEVNULL: OnceLock<OwnedFd> = OnceLock::new();
+    if let Some(fd) = DEVNULL.get() {
+        return Ok(fd);
+    }
     // SAFETY: valid C path; the descriptor is new and ours.
     let fd =
         sys::cvt(unsafe { libc::open(c"/dev/null".as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) })?;
-    // SAFETY: new descriptor.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    // SAFETY: new descriptor. Two threads may both open it; one keeps its.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    Ok(DEVNULL.get_or_init(|| fd))
 }
 
 /// All signals blocked in this thread until dropped.
@@ -378,9 +428,9 @@ fn enter_and_exec(a: &ChildArgs<'_>) -> Result<(), i32> {
         }
         // A new session, so the whole process group can be killed.
         check(libc::setsid() as libc::c_long)?;
-        // The agent is exempt from the OOM killer and runs at its own
-        // priority; the user's commands are not.
-        write_raw(c"/proc/self/oom_score_adj", b"0");
+        // The agent runs at a raised priority; the user's commands do not.
+        // (Nor are they exempt from the OOM killer: only the agent is, as
+        // the global init.)
         libc::setpriority(libc::PRIO_PROCESS, 0, 0);
         let lim = if s.nproc == 0 {
             libc::RLIM_INFINITY
@@ -421,20 +471,6 @@ fn enter_and_exec(a: &ChildArgs<'_>) -> Result<(), i32> {
         a.step.store(Step::Exec as u8, Ordering::SeqCst);
         libc::execve(a.program.as_ptr(), a.argv.as_ptr(), a.envp.as_ptr());
         check(-1)
-    }
-}
-
-/// Write a short value to a file with raw syscalls; false on failure.
-fn write_raw(path: &CStr, value: &[u8]) -> bool {
-    // SAFETY: valid C path and buffer; the descriptor is closed again.
-    unsafe {
-        let fd = libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-        if fd < 0 {
-            return false;
-        }
-        let ok = libc::write(fd, value.as_ptr().cast(), value.len()) == value.len() as isize;
-        libc::close(fd);
-        ok
     }
 }
 

@@ -251,7 +251,6 @@ async fn exec(settings: &Settings, a: ExecArgs) -> Result<i32> {
     loop {
         tokio::select! {
             ev = h.next() => match ev? {
-                ExecEvent::Started { .. } => {}
                 ExecEvent::Stdout(b) => { out.write_all(&b)?; out.flush()?; }
                 ExecEvent::Stderr(b) => { err.write_all(&b)?; err.flush()?; }
                 ExecEvent::Exited(r) => {

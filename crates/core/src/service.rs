@@ -470,7 +470,6 @@ impl Service {
                 }
             };
             match ev {
-                Ok(VmEvent::Started { .. }) => {}
                 Ok(VmEvent::Stdout(b)) => {
                     let s = out.push(&b);
                     stdout.push_str(&s);

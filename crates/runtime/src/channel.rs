@@ -87,7 +87,6 @@ pub struct AgentClient {
 /// An event of a running command.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ExecEvent {
-    Started { pid: u32 },
     Stdout(Vec<u8>),
     Stderr(Vec<u8>),
     Exited(ExecResult),
@@ -109,11 +108,18 @@ impl ExecHandle {
                 "the command already exited".into(),
             ));
         }
-        let frame = self.rx.recv().await.ok_or_else(|| {
-            RuntimeError::Disconnected("the agent connection closed while the command ran".into())
-        })?;
+        let frame = loop {
+            let frame = self.rx.recv().await.ok_or_else(|| {
+                RuntimeError::Disconnected(
+                    "the agent connection closed while the command ran".into(),
+                )
+            })?;
+            // Agents of older builds announce the start; nothing needs it.
+            if !matches!(frame.message, Message::Started { .. }) {
+                break frame;
+            }
+        };
         match frame.message {
-            Message::Started { pid, .. } => Ok(ExecEvent::Started { pid }),
             Message::Stdout { .. } => Ok(ExecEvent::Stdout(frame.body)),
             Message::Stderr { .. } => Ok(ExecEvent::Stderr(frame.body)),
             Message::Exited { result, .. } => {
@@ -385,7 +391,6 @@ impl AgentClient {
         let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
         loop {
             match h.next().await? {
-                ExecEvent::Started { .. } => {}
                 ExecEvent::Stdout(b) => stdout.extend_from_slice(&b),
                 ExecEvent::Stderr(b) => stderr.extend_from_slice(&b),
                 ExecEvent::Exited(result) => {
