@@ -9,7 +9,7 @@ use sandpit_runtime::image::GuestImage;
 use sandpit_runtime::{RuntimeConfig, VmManager};
 use sandpit_store::Store;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Once};
 
 pub fn image() -> GuestImage {
     let dir = std::env::var_os("SANDPIT_IMAGES_DIR")
@@ -26,17 +26,80 @@ pub fn image() -> GuestImage {
     serde_json::from_slice(&bytes).unwrap()
 }
 
+/// A test's data directory. A VM runs in a session of its own and would
+/// outlive a failed test (a panic leaves the service's VMs running): every
+/// QEMU and passt started under the directory is killed when it is dropped,
+/// also while a failed test unwinds, and again when the test binary exits
+/// (a pool refill still in flight during the unwinding may start one more).
+pub struct DataDir(tempfile::TempDir);
+
+/// Every test's data directory, for the kill at exit.
+static DATA_DIRS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+impl DataDir {
+    fn new() -> Self {
+        static AT_EXIT: Once = Once::new();
+        AT_EXIT.call_once(|| {
+            // SAFETY: registering a plain extern "C" fn.
+            unsafe { libc::atexit(kill_vms_at_exit) };
+        });
+        let dir = tempfile::Builder::new()
+            .prefix("spc-")
+            .tempdir_in("/tmp")
+            .unwrap();
+        DATA_DIRS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(dir.path().to_path_buf());
+        DataDir(dir)
+    }
+
+    pub fn path(&self) -> &Path {
+        self.0.path()
+    }
+}
+
+impl Drop for DataDir {
+    fn drop(&mut self) {
+        kill_vms_under(self.path());
+    }
+}
+
+extern "C" fn kill_vms_at_exit() {
+    let dirs = DATA_DIRS.lock().map(|d| d.clone()).unwrap_or_default();
+    for dir in dirs {
+        kill_vms_under(&dir);
+    }
+}
+
+/// SIGKILL every process whose command line mentions `dir`.
+fn kill_vms_under(dir: &Path) {
+    let needle = dir.display().to_string();
+    let me = std::process::id();
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return;
+    };
+    for e in procs.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if pid != me && String::from_utf8_lossy(&cmdline).contains(&needle) {
+            // SAFETY: a plain signal to a process started under a test's
+            // data directory.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        }
+    }
+}
+
 /// A service on a fresh data directory with a small test size.
-pub async fn service() -> (Arc<Service>, tempfile::TempDir) {
+pub async fn service() -> (Arc<Service>, DataDir) {
     service_with_pool(PoolConfig::none()).await
 }
 
 /// The same with a warm pool.
-pub async fn service_with_pool(pool: PoolConfig) -> (Arc<Service>, tempfile::TempDir) {
-    let dir = tempfile::Builder::new()
-        .prefix("spc-")
-        .tempdir_in("/tmp")
-        .unwrap();
+pub async fn service_with_pool(pool: PoolConfig) -> (Arc<Service>, DataDir) {
+    let dir = DataDir::new();
     let mut rt = RuntimeConfig::new(dir.path());
     rt.sizes.clear();
     rt.sizes.insert(
