@@ -61,6 +61,16 @@ fn commands_run_as_the_unprivileged_user_without_sudo() {
             Some(0),
             "the user can read /etc/shadow"
         );
+        // Nothing of the agent's own standing: the OOM killer may pick the
+        // user's processes (the agent, the guest's init, it never picks),
+        // and they run at the normal priority, not the agent's raised one.
+        assert_eq!(sh(&s.vm, "cat /proc/self/oom_score_adj").await, "0");
+        assert_eq!(sh(&s.vm, "ps -o ni= -p $$").await, "0");
+        // debugfs, mounted at boot to set the fault-around size, is gone.
+        assert_eq!(
+            sh(&s.vm, "awk '$3 == \"debugfs\"' /proc/mounts | wc -l").await,
+            "0"
+        );
     });
 }
 
