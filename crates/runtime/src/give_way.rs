@@ -112,6 +112,11 @@ impl GiveWay {
             return;
         }
         st.idle_epoch += 1;
+        // Nothing to continue (the usual case for a command): no linger
+        // task on the command's path.
+        if st.starting.is_empty() {
+            return;
+        }
         let epoch = st.idle_epoch;
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return resume_all(&mut st);

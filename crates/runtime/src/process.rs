@@ -31,6 +31,34 @@ pub fn alive_with_marker(pid: u32, marker: &str) -> bool {
     }
 }
 
+/// Pids of the processes, other than this one, whose command line contains
+/// `needle` (a marker, or a data directory's path), zombies included.
+pub fn pids_mentioning(needle: &str) -> Vec<u32> {
+    let me = std::process::id();
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    procs
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| pid != me)
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).contains(needle))
+        })
+        .collect()
+}
+
+/// SIGKILL every process [`pids_mentioning`] `needle`, without waiting.
+pub fn kill_mentioning(needle: &str) {
+    for pid in pids_mentioning(needle) {
+        // SAFETY: a plain signal.
+        unsafe {
+            libc::kill(pid as libc::pid_t, libc::SIGKILL);
+        }
+    }
+}
+
 /// When a process started (clock ticks since boot, field 22 of its stat):
 /// with the pid, a unique identity even across exec (passt re-executes
 /// itself into a CPU-specific binary, changing its command line).
@@ -152,5 +180,27 @@ fn set_thread_priority(tid: i32, priority: Priority) {
     unsafe {
         libc::sched_setscheduler(tid, policy, &param);
         libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, nice);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn processes_are_found_and_killed_by_what_their_command_line_mentions() {
+        let marker = format!("sandpit-test-marker-{}", std::process::id());
+        let mut child = std::process::Command::new("sh")
+            .args(["-c", "sleep 30", &marker])
+            .spawn()
+            .unwrap();
+        assert_eq!(pids_mentioning(&marker), vec![child.id()]);
+        kill_mentioning(&marker);
+        let status = child.wait().unwrap();
+        assert_eq!(
+            std::os::unix::process::ExitStatusExt::signal(&status),
+            Some(libc::SIGKILL)
+        );
+        assert!(pids_mentioning(&marker).is_empty());
     }
 }

@@ -9,6 +9,10 @@ pub mod serve;
 use sandpit_protocol::ExecRequest;
 use sandpit_runtime::config::SizeSpec;
 use sandpit_runtime::image::GuestImage;
+use sandpit_runtime::process::kill_mentioning;
+// Not every test binary uses it.
+#[allow(unused_imports)]
+pub use sandpit_runtime::process::pids_mentioning;
 use sandpit_runtime::{CreateVm, ExecOutput, RuntimeConfig, Vm, VmManager};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -66,33 +70,7 @@ extern "C" fn cleanup_at_exit() {
 
 /// SIGKILL every QEMU/passt whose command line mentions `dir`.
 pub fn kill_vms_under(dir: &Path) {
-    let needle = dir.display().to_string();
-    for pid in pids_mentioning(&needle) {
-        // SAFETY: signalling processes this test started.
-        unsafe {
-            libc::kill(pid as i32, libc::SIGKILL);
-        }
-    }
-}
-
-/// Pids of live processes whose command line contains `needle`.
-pub fn pids_mentioning(needle: &str) -> Vec<u32> {
-    let me = std::process::id();
-    let mut out = Vec::new();
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
-            continue;
-        };
-        if pid == me {
-            continue;
-        }
-        if let Ok(c) = std::fs::read(format!("/proc/{pid}/cmdline")) {
-            if String::from_utf8_lossy(&c).contains(needle) {
-                out.push(pid);
-            }
-        }
-    }
-    out
+    kill_mentioning(&dir.display().to_string());
 }
 
 /// A fresh data directory (short path: it holds unix sockets).

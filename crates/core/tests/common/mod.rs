@@ -72,24 +72,9 @@ extern "C" fn kill_vms_at_exit() {
     }
 }
 
-/// SIGKILL every process whose command line mentions `dir`.
+/// SIGKILL every QEMU/passt whose command line mentions `dir`.
 fn kill_vms_under(dir: &Path) {
-    let needle = dir.display().to_string();
-    let me = std::process::id();
-    let Ok(procs) = std::fs::read_dir("/proc") else {
-        return;
-    };
-    for e in procs.flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
-            continue;
-        };
-        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        if pid != me && String::from_utf8_lossy(&cmdline).contains(&needle) {
-            // SAFETY: a plain signal to a process started under a test's
-            // data directory.
-            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-        }
-    }
+    sandpit_runtime::process::kill_mentioning(&dir.display().to_string());
 }
 
 /// A service on a fresh data directory with a small test size.
