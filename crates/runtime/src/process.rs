@@ -194,6 +194,11 @@ mod tests {
             .args(["-c", "sleep 30", &marker])
             .spawn()
             .unwrap();
+        // Until the child has exec'd, its command line is this test's.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while pids_mentioning(&marker).is_empty() && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
         assert_eq!(pids_mentioning(&marker), vec![child.id()]);
         kill_mentioning(&marker);
         let status = child.wait().unwrap();
