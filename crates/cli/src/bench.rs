@@ -201,6 +201,8 @@ pub async fn run(settings: &Settings, a: BenchArgs) -> Result<i32> {
         id,
         size: a.size.clone(),
         metadata: BTreeMap::new(),
+        // The bench destroys its VMs; should it die, they go within the hour.
+        expires_at: time::OffsetDateTime::now_utc() + time::Duration::hours(1),
     };
     let mut rows = Vec::new();
 
@@ -406,7 +408,7 @@ async fn control_plane(
         preview_scheme: service.preview_scheme.clone(),
     });
     let server = tokio::spawn(crate::front::serve(
-        listener,
+        vec![listener],
         None,
         front,
         std::future::pending(),

@@ -2,9 +2,9 @@
 //! runtime (no server). State lives in the data directory, so a sandbox made
 //! by one invocation is used by the next.
 //!
-//! Expiry without a server: `create` starts a detached watchdog
-//! (`sandpit sandbox watch ID`) that destroys the sandbox when its time is up,
-//! whether or not anyone remembered to.
+//! Expiry without a server: the runtime gives every VM a watchdog of its own
+//! (`sandpit_runtime::expiry`) that destroys it when its time is up, whether
+//! or not anyone remembered to.
 
 use crate::images;
 use crate::settings::Settings;
@@ -36,9 +36,6 @@ pub enum SandboxCommand {
         #[arg(required = true)]
         ids: Vec<String>,
     },
-    /// (internal) destroy ID when it expires
-    #[command(hide = true)]
-    Watch { id: String },
 }
 
 #[derive(Args)]
@@ -53,9 +50,6 @@ pub struct CreateArgs {
     /// Print the whole sandbox object as JSON
     #[arg(long)]
     json: bool,
-    /// Do not start the expiry watchdog (tests and benchmarks that clean up)
-    #[arg(long, hide = true)]
-    no_watchdog: bool,
 }
 
 #[derive(Args)]
@@ -130,7 +124,6 @@ pub async fn run(settings: &Settings, cmd: SandboxCommand) -> Result<i32> {
         SandboxCommand::Cp { src, dst } => cp(settings, &src, &dst).await,
         SandboxCommand::Ls { json } => ls(settings, json),
         SandboxCommand::Rm { ids } => rm(settings, ids).await,
-        SandboxCommand::Watch { id } => watch(settings, &id).await,
     }
 }
 
@@ -159,12 +152,10 @@ async fn create(settings: &Settings, a: CreateArgs) -> Result<i32> {
             id: id.clone(),
             size: a.size.clone(),
             metadata,
+            expires_at: created + timeout,
         })
         .await?;
     eprintln!("{id} is running ({:.1} s)", start.elapsed().as_secs_f64());
-    if !a.no_watchdog {
-        spawn_watchdog(settings, &id)?;
-    }
     if a.json {
         println!(
             "{}",
@@ -174,51 +165,6 @@ async fn create(settings: &Settings, a: CreateArgs) -> Result<i32> {
         println!("{id}");
     }
     Ok(0)
-}
-
-fn spawn_watchdog(settings: &Settings, id: &str) -> Result<()> {
-    use std::os::unix::process::CommandExt;
-    let exe = std::env::current_exe()?;
-    let mut cmd = std::process::Command::new(exe);
-    cmd.arg("--data-dir")
-        .arg(&settings.data_dir)
-        .arg("--images-dir")
-        .arg(&settings.images_dir);
-    if let Some(c) = &settings.config_file {
-        cmd.arg("--config").arg(c);
-    }
-    cmd.args(["sandbox", "watch", id])
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null());
-    // SAFETY: setsid is async-signal-safe.
-    unsafe {
-        cmd.pre_exec(|| {
-            libc::setsid();
-            Ok(())
-        });
-    }
-    cmd.spawn().context("starting the expiry watchdog")?;
-    Ok(())
-}
-
-async fn watch(settings: &Settings, id: &str) -> Result<i32> {
-    let m = existing_manager(settings)?;
-    loop {
-        let Ok(r) = m.record(id) else { return Ok(0) };
-        let Some(exp) = r.metadata.get("expires_at").and_then(|e| {
-            OffsetDateTime::parse(e, &time::format_description::well_known::Rfc3339).ok()
-        }) else {
-            return Ok(0);
-        };
-        let left = exp - OffsetDateTime::now_utc();
-        if left <= time::Duration::ZERO {
-            let _ = m.destroy(id).await;
-            return Ok(0);
-        }
-        let nap = Duration::from_secs_f64(left.as_seconds_f64().min(30.0));
-        tokio::time::sleep(nap).await;
-    }
 }
 
 fn command_line(parts: &[String]) -> String {
@@ -393,6 +339,8 @@ pub async fn demo(settings: &Settings) -> Result<i32> {
             id: id.clone(),
             size: "small".into(),
             metadata: BTreeMap::new(),
+            // The demo destroys it; should the demo die, it goes anyway.
+            expires_at: OffsetDateTime::now_utc() + time::Duration::minutes(15),
         })
         .await?;
     eprintln!("running after {:.2} s", t.elapsed().as_secs_f64());

@@ -401,7 +401,7 @@ fn a_killed_server_reconciles_on_restart() {
     let data = data_dir();
     let server = Server::start(&data);
     let key = server.admin_key.clone().unwrap();
-    let (keep, expire, vanish, orphan) = rt().block_on(async {
+    let (keep, expire, vanish, orphan, expire_at) = rt().block_on(async {
         let api = Rest::new(&server, &key);
         let mut ids = Vec::new();
         for t in [30, 1, 30, 30] {
@@ -409,13 +409,50 @@ fn a_killed_server_reconciles_on_restart() {
             assert_eq!(st, 201, "{s}");
             ids.push(s["id"].as_str().unwrap().to_string());
         }
+        // An extension reaches the VM's own watchdog (see below).
+        let (st, s) = api
+            .post(
+                &format!("/sandboxes/{}/extend", ids[0]),
+                json!({"additional_minutes": 5}),
+            )
+            .await;
+        assert_eq!(st, 200, "{s}");
+        let kept_until = time::OffsetDateTime::parse(
+            s["expires_at"].as_str().unwrap(),
+            &time::format_description::well_known::Rfc3339,
+        )
+        .unwrap();
+        let watchdog_reads: i64 =
+            std::fs::read_to_string(data.join("vms").join(&ids[0]).join("expires"))
+                .unwrap()
+                .trim()
+                .parse()
+                .unwrap();
+        let lag = watchdog_reads - kept_until.unix_timestamp();
+        assert!(
+            (1..=2).contains(&lag),
+            "the VM's expiry is {lag} s past the sandbox's"
+        );
+        let (_, s) = api.get(&format!("/sandboxes/{}", ids[1])).await;
+        let expire_at = time::OffsetDateTime::parse(
+            s["expires_at"].as_str().unwrap(),
+            &time::format_description::well_known::Rfc3339,
+        )
+        .unwrap();
         (
             ids[0].clone(),
             ids[1].clone(),
             ids[2].clone(),
             ids[3].clone(),
+            expire_at,
         )
     });
+    let record: Value = serde_json::from_slice(
+        &std::fs::read(data.join("vms").join(&expire).join("vm.json")).unwrap(),
+    )
+    .unwrap();
+    let passt = record["passt_pid"].as_u64().expect("a network helper") as u32;
+    let passt_started = sandpit_runtime::process::start_time(passt).expect("passt runs");
     server.sigkill();
     // The VMs outlive the server...
     assert!(!pids_mentioning(&format!("sandpit-vm-{keep}")).is_empty());
@@ -426,7 +463,34 @@ fn a_killed_server_reconciles_on_restart() {
     }
     // ...and one loses its files while its QEMU keeps running.
     std::fs::remove_dir_all(data.join("vms").join(&orphan)).unwrap();
-    std::thread::sleep(Duration::from_secs(65));
+
+    // With no sandpit process alive, the expiring one runs until its expiry
+    // and is gone, QEMU, passt and files, within 5 s of it.
+    let expiring_qemu = || !pids_mentioning(&format!("sandpit-vm-{expire}")).is_empty();
+    let expiring_passt = || sandpit_runtime::process::start_time(passt) == Some(passt_started);
+    let until = |t: time::OffsetDateTime| {
+        let d = t - time::OffsetDateTime::now_utc();
+        Duration::from_secs_f64(d.as_seconds_f64().max(0.0))
+    };
+    std::thread::sleep(until(expire_at - time::Duration::seconds(2)));
+    assert!(expiring_qemu(), "{expire} was killed before its expiry");
+    std::thread::sleep(until(expire_at + time::Duration::seconds(5)));
+    assert!(
+        !expiring_qemu(),
+        "{expire}'s QEMU outlived its expiry by 5 s with the server dead"
+    );
+    assert!(
+        !expiring_passt(),
+        "{expire}'s passt outlived its expiry by 5 s"
+    );
+    assert!(
+        !data.join("vms").join(&expire).exists(),
+        "{expire}'s files outlived it"
+    );
+    assert!(
+        !pids_mentioning(&format!("sandpit-vm-{keep}")).is_empty(),
+        "{keep} was killed early"
+    );
 
     let server = Server::start(&data);
     assert!(
@@ -477,6 +541,19 @@ fn a_killed_server_reconciles_on_restart() {
         }
         // The vanished one was refunded: only the expired one's minute and the kept one's seconds were charged.
         let (_, u) = api.get("/usage").await;
+        // The expired one is charged to its expiry: 60 s at $0.09/h.
+        let expired = u["sandboxes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["id"] == expire.as_str())
+            .unwrap()
+            .clone();
+        assert_eq!(
+            (expired["seconds"].as_u64(), expired["cost_usd"].as_f64()),
+            (Some(60), Some(0.0015)),
+            "{u}"
+        );
         let vanished = u["sandboxes"]
             .as_array()
             .unwrap()

@@ -26,6 +26,7 @@ use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use time::OffsetDateTime;
 use tokio::sync::{Mutex, Notify, Semaphore};
 
 /// The warm pool and the bound on VM starts.
@@ -87,6 +88,13 @@ pub struct LocalVms {
     last_take: std::sync::Mutex<Option<Instant>>,
 }
 
+/// A pool VM has no sandbox, so no expiry of its own: it expires this long
+/// after the pool task last renewed it (every [`POOL_NAP`] at most), so if
+/// this process dies, its pool VMs follow (see [`sandpit_runtime::expiry`]).
+const POOL_LEASE: time::Duration = time::Duration::minutes(3);
+/// The pool task's longest sleep when the pool is full.
+const POOL_NAP: Duration = Duration::from_secs(30);
+
 /// A refill waits this long after a create took a pool VM, so that create
 /// answers (and its first command starts) before a VM start competes with
 /// it for the CPU.
@@ -125,8 +133,15 @@ impl LocalVms {
     /// The VM of a new sandbox: the pool VM taken for it (see
     /// [`LocalVms::take_warm`]), or one restored or booted now, and keep its
     /// agent connection.
-    pub async fn create(&self, id: &str, size: &str) -> Result<VmRecord, RuntimeError> {
+    pub async fn create(
+        &self,
+        id: &str,
+        size: &str,
+        expires_at: OffsetDateTime,
+    ) -> Result<VmRecord, RuntimeError> {
         if self.claimed.lock().unwrap().remove(id) {
+            // From a pool lease to the sandbox's own expiry.
+            self.manager.set_expiry(id, expires_at)?;
             let record = self.manager.record(id)?;
             // It was made at background priority; now it is live.
             sandpit_runtime::process::set_priority(record.qemu_pid, Priority::Normal);
@@ -135,8 +150,13 @@ impl LocalVms {
         // Someone waits for this one: a refill in flight gives way.
         let _live = self.manager.hold_background();
         let _slot = self.start_slot().await?;
-        self.start_vm(id, size, BTreeMap::new(), Priority::Normal)
+        self.start_vm(id, size, BTreeMap::new(), expires_at, Priority::Normal)
             .await
+    }
+
+    /// Move a sandbox's expiry (see [`sandpit_runtime::expiry`]).
+    pub fn set_expiry(&self, id: &str, at: OffsetDateTime) -> Result<(), RuntimeError> {
+        self.manager.set_expiry(id, at)
     }
 
     async fn start_vm(
@@ -144,6 +164,7 @@ impl LocalVms {
         id: &str,
         size: &str,
         metadata: BTreeMap<String, String>,
+        expires_at: OffsetDateTime,
         priority: Priority,
     ) -> Result<VmRecord, RuntimeError> {
         let vm = self
@@ -153,6 +174,7 @@ impl LocalVms {
                     id: id.to_string(),
                     size: size.to_string(),
                     metadata,
+                    expires_at,
                 },
                 priority,
             )
@@ -267,7 +289,7 @@ impl LocalVms {
                         backoff = Duration::from_secs(1);
                         continue;
                     }
-                    Ok(false) => Duration::from_secs(30),
+                    Ok(false) => POOL_NAP,
                     Err(e) => {
                         tracing::warn!("refilling the warm pool: {e}; retrying in {backoff:?}");
                         let nap = backoff;
@@ -317,6 +339,7 @@ impl LocalVms {
         for id in dead {
             let _ = self.destroy(&id).await;
         }
+        self.renew_leases();
         let Some((size, _)) = want else {
             return Ok(false);
         };
@@ -337,6 +360,7 @@ impl LocalVms {
                 &id,
                 &size,
                 BTreeMap::from([(POOL_LABEL.to_string(), size.clone())]),
+                OffsetDateTime::now_utc() + POOL_LEASE,
                 Priority::Background,
             )
             .await?;
@@ -357,6 +381,17 @@ impl LocalVms {
             .or_default()
             .push_back(id);
         Ok(true)
+    }
+
+    /// Push the expiry of every ready pool VM [`POOL_LEASE`] out: they live
+    /// while this process does, and not much longer.
+    fn renew_leases(&self) {
+        let until = OffsetDateTime::now_utc() + POOL_LEASE;
+        for id in self.warm_ids() {
+            if let Err(e) = self.manager.set_expiry(&id, until) {
+                tracing::debug!(id, "renewing a pool VM's lease: {e}");
+            }
+        }
     }
 
     /// Pause the pool (empty it and stop refilling) or resume it. For

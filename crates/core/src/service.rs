@@ -334,6 +334,13 @@ impl Service {
         self.previews.forget(&row.id);
         let now = OffsetDateTime::now_utc();
         let billed_until = now.min(row.expires_at);
+        // A VM found dead after its expiry ended on time (its watchdog
+        // killed it, see `sandpit_runtime::expiry`): expired, not failed.
+        let (end_status, reason) = if end_status == status::FAILED && row.expires_at <= now {
+            (status::DELETED, "expired")
+        } else {
+            (end_status, reason)
+        };
         // A sandbox the platform lost (its VM died, it never came up) is
         // not charged at all: the whole reservation comes back.
         let charge = if end_status == status::FAILED {
@@ -566,11 +573,18 @@ impl Service {
     /// Boot the VM of a sandbox row in `provisioning`; running, or failed
     /// (and refunded) with the cause.
     async fn boot(&self, row: SandboxRow) -> Result<SandboxRow> {
-        match self.vms.create(&row.id, &row.size).await {
-            Ok(_) => Ok(self
-                .store
-                .set_status(&row.id, status::RUNNING, None)
-                .await?),
+        match self.vms.create(&row.id, &row.size, row.expires_at).await {
+            Ok(_) => {
+                let running = self
+                    .store
+                    .set_status(&row.id, status::RUNNING, None)
+                    .await?;
+                // Extended while it booted: the VM's watchdog has the old expiry.
+                if running.expires_at != row.expires_at {
+                    let _ = self.vms.set_expiry(&row.id, running.expires_at);
+                }
+                Ok(running)
+            }
             Err(e) => {
                 tracing::warn!(id = %row.id, "create failed: {e}");
                 let _ = self.vms.destroy(&row.id).await;
@@ -943,11 +957,18 @@ impl SandboxApi for Service {
         }
         let extra = cost(row.price_micros_per_hour, add as u64 * 60);
         let new_expires = row.created_at + time::Duration::minutes(total as i64);
-        match self
+        // The VM's own watchdog learns the new expiry first: were it second,
+        // a crash in between would kill a VM its owner had paid to keep.
+        // Refused below, it goes back.
+        let vm_expiry = row.is_live().then(|| self.vms.set_expiry(id, new_expires));
+        let outcome = self
             .store
             .extend_sandbox(id, &caller.account_id, new_expires, total as u32, extra)
-            .await?
-        {
+            .await;
+        if !matches!(outcome, Ok(ExtendOutcome::Extended(_))) && matches!(vm_expiry, Some(Ok(()))) {
+            let _ = self.vms.set_expiry(id, row.expires_at);
+        }
+        match outcome? {
             ExtendOutcome::Extended(row) => Ok(to_sandbox(&row)),
             ExtendOutcome::InsufficientCredits { balance, needed } => Err(CoreError::new(
                 ErrorType::InsufficientCredits,

@@ -11,6 +11,7 @@ pub mod channel;
 pub mod config;
 pub mod console;
 mod error;
+pub mod expiry;
 pub mod give_way;
 pub mod image;
 pub mod ksm;

@@ -17,7 +17,7 @@ use crate::image::GuestImage;
 use crate::process::Priority;
 use crate::qmp::Qmp;
 use crate::template::{self, Template, TemplateInputs};
-use crate::{console, net, process, Result, RuntimeError};
+use crate::{console, expiry, net, process, Result, RuntimeError};
 use rand::RngCore;
 use sandpit_protocol::{GuestConfig, NetworkConfig, AGENT_PORT_NAME};
 use serde::{Deserialize, Serialize};
@@ -56,6 +56,9 @@ pub struct VmRecord {
     /// The snapshot template it was restored from; `None`: booted cold.
     #[serde(default)]
     pub template: Option<String>,
+    /// Its expiry watchdog's pid and start time (see `expiry`).
+    #[serde(default)]
+    pub watchdog: Option<(u32, u64)>,
 }
 
 impl VmRecord {
@@ -104,6 +107,9 @@ impl VmPaths {
     }
 }
 
+/// How long a template VM may run if its builder dies.
+const TEMPLATE_BUILD_LEASE: time::Duration = time::Duration::minutes(10);
+
 /// Owns the VMs of one data directory.
 pub struct VmManager {
     config: RuntimeConfig,
@@ -139,6 +145,9 @@ pub struct CreateVm {
     pub id: String,
     pub size: String,
     pub metadata: BTreeMap<String, String>,
+    /// When the VM is killed and removed even if no process of ours is left
+    /// to do it (see `expiry`); [`VmManager::set_expiry`] moves it later.
+    pub expires_at: OffsetDateTime,
 }
 
 /// A running VM and a live connection to its agent.
@@ -358,6 +367,9 @@ impl VmManager {
                 }
             }
         }
+        // The expiry is in place before anything could outlive us.
+        expiry::write_expiry(&paths.dir, req.expires_at)?;
+        let (life_read, life_write) = expiry::life_pipe()?;
         let args = self.qemu_args(req, size, paths, passt.is_some(), run_as, start);
         tracing::debug!(id = %req.id, "starting QEMU: {}", args.join(" "));
         let qemu_log = std::fs::File::create(paths.qemu_log())
@@ -369,6 +381,7 @@ impl VmManager {
             .stderr(qemu_log)
             .kill_on_drop(false);
         let net_fd = passt.as_ref().map(|p| p.1.as_raw_fd());
+        let life_fd = life_write.as_raw_fd();
         // SAFETY: only async-signal-safe calls between fork and exec.
         unsafe {
             cmd.pre_exec(move || {
@@ -379,10 +392,12 @@ impl VmManager {
                 // 4 MiB more per idle VM. Guest RAM is a file mapping and
                 // does not use them anyway.
                 libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0);
-                match net_fd {
-                    Some(fd) => net::pass_fd(fd, net::NET_FD),
-                    None => Ok(()),
+                if let Some(fd) = net_fd {
+                    net::pass_fd(fd, net::NET_FD)?;
                 }
+                // The watchdog's pipe: QEMU is its only writer, so its exit
+                // is the pipe's end. Second: `life_fd` is above both targets.
+                net::pass_fd(life_fd, expiry::QEMU_LIFE_FD)
             });
         }
         let child = cmd.spawn().map_err(|e| {
@@ -408,6 +423,20 @@ impl VmManager {
             pid
         });
         drop(child); // tokio reaps it if it exits while we live; we track it by pid.
+        drop(life_write);
+        let passt_started = passt.and_then(process::start_time);
+        let at_expiry = match start {
+            Start::Template { .. } => expiry::AtExpiry::Keep,
+            _ => expiry::AtExpiry::Remove,
+        };
+        let watchdog = expiry::start_watchdog(
+            &paths.dir,
+            &req.id,
+            qemu_pid,
+            passt.zip(passt_started),
+            at_expiry,
+            life_read,
+        );
 
         let mut record = VmRecord {
             id: req.id.clone(),
@@ -420,15 +449,18 @@ impl VmManager {
             ready_at: None,
             qemu_pid,
             passt_pid: passt,
-            passt_started: passt.and_then(process::start_time),
+            passt_started,
             qemu_uid: run_as,
             metadata: req.metadata.clone(),
             template: match start {
                 Start::Restore(t) => Some(t.key.clone()),
                 _ => None,
             },
+            watchdog: watchdog.as_ref().ok().copied(),
         };
         write_record(paths, &record)?;
+        // Recorded first, so a failed start's clean-up stops QEMU and passt.
+        watchdog?;
 
         // Wait for the agent socket, then the handshake, while watching QEMU.
         let marker = qemu_marker(&req.id);
@@ -720,6 +752,21 @@ impl VmManager {
         Ok(r)
     }
 
+    /// Move VM `id`'s expiry (see [`CreateVm::expires_at`]).
+    pub fn set_expiry(&self, id: &str, at: OffsetDateTime) -> Result<()> {
+        validate_id(id)?;
+        let paths = self.paths(id);
+        if !paths.dir.exists() {
+            return Err(RuntimeError::NotFound(id.to_string()));
+        }
+        expiry::write_expiry(&paths.dir, at)
+    }
+
+    /// When VM `id` is killed, whatever else happens (see [`CreateVm::expires_at`]).
+    pub fn expiry(&self, id: &str) -> Option<OffsetDateTime> {
+        expiry::read_expiry(&self.paths(id).dir)
+    }
+
     /// Running, or exited and why.
     pub fn state(&self, record: &VmRecord) -> VmState {
         let paths = self.paths(&record.id);
@@ -794,6 +841,10 @@ impl VmManager {
 /// Ask QEMU to quit through QMP (it closes its files itself), SIGKILL
 /// whatever is left, then stop passt.
 async fn stop_processes(record: &VmRecord, paths: &VmPaths) {
+    // The watchdog first: it must not race us to the directory.
+    if let Some((pid, started)) = record.watchdog {
+        process::kill_identified(pid, started, Duration::from_secs(5)).await;
+    }
     if process::alive_with_marker(record.qemu_pid, &record.qemu_marker()) {
         let quit = async {
             let mut qmp = Qmp::connect(&paths.qmp_socket()).await?;
@@ -1090,6 +1141,8 @@ impl VmManager {
             id: format!("template-{size_name}"),
             size: size_name.to_string(),
             metadata: BTreeMap::new(),
+            // Far more than a build takes; a builder that died leaves no VM.
+            expires_at: OffsetDateTime::now_utc() + TEMPLATE_BUILD_LEASE,
         };
         let mem = dir.join(template::MEM);
         let booted = self
@@ -1127,6 +1180,7 @@ impl VmManager {
             paths.qmp_socket(),
             paths.record(),
             dir.join("passt.log"),
+            dir.join(expiry::EXPIRES_FILE),
         ] {
             let _ = std::fs::remove_file(f);
         }

@@ -110,6 +110,7 @@ pub fn new_vm(id: &str) -> CreateVm {
         id: id.to_string(),
         size: "small".into(),
         metadata: BTreeMap::new(),
+        expires_at: time::OffsetDateTime::now_utc() + time::Duration::minutes(30),
     }
 }
 
