@@ -213,10 +213,12 @@ async fn service(settings: &Settings) -> Result<Arc<Service>> {
 
 pub async fn serve(settings: &Settings, args: ServeArgs) -> Result<i32> {
     let listen = args.listen.unwrap_or_else(|| settings.listen.clone());
-    let listener = tokio::net::TcpListener::bind(&listen)
-        .await
-        .with_context(|| format!("listening on {listen}"))?;
-    let addr = listener.local_addr()?;
+    let listeners = front::bind(&listen).await?;
+    let addr = listeners[0].local_addr()?;
+    let listening = listeners
+        .iter()
+        .filter_map(|l| l.local_addr().ok())
+        .collect::<Vec<_>>();
     let tls = match &settings.tls {
         Some((cert, key)) => Some(front::tls_acceptor(cert, key)?),
         None => None,
@@ -269,7 +271,12 @@ pub async fn serve(settings: &Settings, args: ServeArgs) -> Result<i32> {
         svc.vms_accel(),
         settings.data_dir.display()
     );
-    front::serve(listener, tls, front, async move {
+    front::check_preview_names(
+        &settings.service.preview_domain,
+        &settings.service.preview_scheme,
+        listening,
+    );
+    front::serve(listeners, tls, front, async move {
         wait_for_signal().await;
         eprintln!("shutting down: finishing requests in flight; sandboxes keep running");
         shutdown.cancel();
