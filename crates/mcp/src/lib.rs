@@ -32,6 +32,7 @@
 //! `_meta` or in the `MCP-Protocol-Version` header is refused.
 
 mod args;
+mod schema;
 mod server;
 mod streamable;
 

@@ -7,9 +7,9 @@
 //! act on are `isError` results whose text says what to do next; only
 //! `internal_error` (a bug or a platform failure) becomes a JSON-RPC error.
 
-use crate::args::*;
+use crate::{args::*, schema};
 use rmcp::{
-    handler::server::{router::tool::ToolRouter, tool::schema_for_output},
+    handler::server::router::tool::ToolRouter,
     model::{
         CallToolResult, ContentBlock, Implementation, JsonObject, MetaObject,
         NotificationMetaObject, ProgressNotificationParam, ProgressToken, ProtocolVersion,
@@ -22,7 +22,6 @@ use sandpit_core::{
     Caller, CoreError, Encoding, ErrorType, ExecEvent, ExecParams, Execution, ExecutionStatus,
     FileContent, FileList, FileWritten, List, Port, Sandbox, SandboxApi, ServiceInfo, Usage,
 };
-use schemars::JsonSchema;
 use serde::{de::DeserializeOwned, Serialize};
 use std::{borrow::Cow, sync::Arc};
 
@@ -158,12 +157,6 @@ impl std::fmt::Debug for SandpitMcp {
             .field("callers", &self.callers)
             .finish_non_exhaustive()
     }
-}
-
-/// A tool input's JSON Schema; our argument types are all objects.
-fn input_schema<T: JsonSchema + 'static>() -> Arc<JsonObject> {
-    rmcp::handler::server::common::schema_for_input::<T>()
-        .unwrap_or_else(|e| panic!("input schema of {}: {e}", std::any::type_name::<T>()))
 }
 
 /// Parse a tool's arguments; a failure is an `isError` result that quotes
@@ -395,8 +388,8 @@ impl SandpitMcp {
     #[tool(
         name = "create_sandbox",
         description = D_CREATE,
-        input_schema = input_schema::<CreateSandboxArgs>(),
-        output_schema = schema_for_output::<Sandbox>(),
+        input_schema = schema::input::<CreateSandboxArgs>(),
+        output_schema = schema::output::<Sandbox>(),
         annotations(
             title = "Create a sandbox",
             read_only_hint = false,
@@ -428,8 +421,8 @@ impl SandpitMcp {
     #[tool(
         name = "run_command",
         description = D_RUN,
-        input_schema = input_schema::<RunCommandArgs>(),
-        output_schema = schema_for_output::<Execution>(),
+        input_schema = schema::input::<RunCommandArgs>(),
+        output_schema = schema::output::<Execution>(),
         annotations(
             title = "Run a shell command",
             read_only_hint = false,
@@ -472,8 +465,8 @@ impl SandpitMcp {
     #[tool(
         name = "write_file",
         description = D_WRITE,
-        input_schema = input_schema::<WriteFileArgs>(),
-        output_schema = schema_for_output::<FileWritten>(),
+        input_schema = schema::input::<WriteFileArgs>(),
+        output_schema = schema::output::<FileWritten>(),
         annotations(
             title = "Write a file",
             read_only_hint = false,
@@ -501,8 +494,8 @@ impl SandpitMcp {
     #[tool(
         name = "read_file",
         description = D_READ,
-        input_schema = input_schema::<ReadFileArgs>(),
-        output_schema = schema_for_output::<FileContent>(),
+        input_schema = schema::input::<ReadFileArgs>(),
+        output_schema = schema::output::<FileContent>(),
         annotations(
             title = "Read a file",
             read_only_hint = true,
@@ -531,8 +524,8 @@ impl SandpitMcp {
     #[tool(
         name = "list_files",
         description = D_LIST,
-        input_schema = input_schema::<ListFilesArgs>(),
-        output_schema = schema_for_output::<FileList>(),
+        input_schema = schema::input::<ListFilesArgs>(),
+        output_schema = schema::output::<FileList>(),
         annotations(
             title = "List files",
             read_only_hint = true,
@@ -568,8 +561,8 @@ impl SandpitMcp {
     #[tool(
         name = "expose_port",
         description = D_EXPOSE,
-        input_schema = input_schema::<ExposePortArgs>(),
-        output_schema = schema_for_output::<Port>(),
+        input_schema = schema::input::<ExposePortArgs>(),
+        output_schema = schema::output::<Port>(),
         annotations(
             title = "Expose a port on a public URL",
             read_only_hint = false,
@@ -596,8 +589,8 @@ impl SandpitMcp {
     #[tool(
         name = "get_sandbox",
         description = D_GET,
-        input_schema = input_schema::<SandboxIdArgs>(),
-        output_schema = schema_for_output::<Sandbox>(),
+        input_schema = schema::input::<SandboxIdArgs>(),
+        output_schema = schema::output::<Sandbox>(),
         annotations(
             title = "Get a sandbox",
             read_only_hint = true,
@@ -624,8 +617,8 @@ impl SandpitMcp {
     #[tool(
         name = "list_sandboxes",
         description = D_LIST_SANDBOXES,
-        input_schema = input_schema::<ListSandboxesArgs>(),
-        output_schema = schema_for_output::<List<Sandbox>>(),
+        input_schema = schema::input::<ListSandboxesArgs>(),
+        output_schema = schema::output::<List<Sandbox>>(),
         annotations(
             title = "List sandboxes",
             read_only_hint = true,
@@ -652,8 +645,8 @@ impl SandpitMcp {
     #[tool(
         name = "extend_sandbox",
         description = D_EXTEND,
-        input_schema = input_schema::<ExtendSandboxArgs>(),
-        output_schema = schema_for_output::<Sandbox>(),
+        input_schema = schema::input::<ExtendSandboxArgs>(),
+        output_schema = schema::output::<Sandbox>(),
         annotations(
             title = "Extend a sandbox's lifetime",
             read_only_hint = false,
@@ -684,8 +677,8 @@ impl SandpitMcp {
     #[tool(
         name = "destroy_sandbox",
         description = D_DESTROY,
-        input_schema = input_schema::<SandboxIdArgs>(),
-        output_schema = schema_for_output::<Sandbox>(),
+        input_schema = schema::input::<SandboxIdArgs>(),
+        output_schema = schema::output::<Sandbox>(),
         annotations(
             title = "Destroy a sandbox",
             read_only_hint = false,
@@ -712,8 +705,8 @@ impl SandpitMcp {
     #[tool(
         name = "get_usage",
         description = D_USAGE,
-        input_schema = input_schema::<GetUsageArgs>(),
-        output_schema = schema_for_output::<Usage>(),
+        input_schema = schema::input::<GetUsageArgs>(),
+        output_schema = schema::output::<Usage>(),
         annotations(
             title = "Get credit and usage",
             read_only_hint = true,
@@ -737,8 +730,8 @@ impl SandpitMcp {
     #[tool(
         name = "get_service_info",
         description = D_INFO,
-        input_schema = input_schema::<NoArgs>(),
-        output_schema = schema_for_output::<ServiceInfo>(),
+        input_schema = schema::input::<NoArgs>(),
+        output_schema = schema::output::<ServiceInfo>(),
         annotations(
             title = "Get service info",
             read_only_hint = true,

@@ -9,7 +9,7 @@ use rmcp::{
     ClientLifecycleMode, ClientServiceExt, ServiceExt,
 };
 use sandpit_core::{Caller, SandboxApi};
-use serde_json::json;
+use serde_json::{json, Value};
 use std::sync::Arc;
 
 /// Start the server on one end of a duplex pipe; return the other end.
@@ -121,6 +121,157 @@ async fn tools_list_has_the_twelve_tools_with_schemas_and_annotations() {
     ] {
         assert!(instructions.contains(note), "instructions mention {note:?}");
     }
+    c.cancel().await.unwrap();
+}
+
+/// The `format` values JSON Schema 2020-12 defines (Validation, section 7.3).
+const STANDARD_FORMATS: [&str; 19] = [
+    "date-time",
+    "date",
+    "time",
+    "duration",
+    "email",
+    "idn-email",
+    "hostname",
+    "idn-hostname",
+    "ipv4",
+    "ipv6",
+    "uri",
+    "uri-reference",
+    "iri",
+    "iri-reference",
+    "uuid",
+    "uri-template",
+    "json-pointer",
+    "relative-json-pointer",
+    "regex",
+];
+
+/// The one signed integer the tools carry (a process's exit code); every
+/// other integer is a Rust unsigned type.
+const SIGNED_INTEGERS: [&str; 1] = ["exit_code"];
+
+/// Every subschema of `schema` with its JSON path, following only the
+/// keywords that hold schemas (so `default`, `enum` or a property that
+/// happens to be called `format` are not mistaken for schemas).
+fn subschemas<'a>(path: String, schema: &'a Value, out: &mut Vec<(String, &'a Value)>) {
+    let Some(o) = schema.as_object() else {
+        return;
+    };
+    out.push((path.clone(), schema));
+    for (key, value) in o {
+        let at = format!("{path}/{key}");
+        match key.as_str() {
+            "properties" | "patternProperties" | "$defs" | "definitions" | "dependentSchemas" => {
+                for (name, s) in value.as_object().into_iter().flatten() {
+                    subschemas(format!("{at}/{name}"), s, out);
+                }
+            }
+            "items" | "prefixItems" | "allOf" | "anyOf" | "oneOf" => match value.as_array() {
+                Some(list) => {
+                    for (i, s) in list.iter().enumerate() {
+                        subschemas(format!("{at}/{i}"), s, out);
+                    }
+                }
+                None => subschemas(at, value, out),
+            },
+            "additionalProperties"
+            | "unevaluatedProperties"
+            | "unevaluatedItems"
+            | "not"
+            | "if"
+            | "then"
+            | "else"
+            | "contains"
+            | "propertyNames" => subschemas(at, value, out),
+            _ => {}
+        }
+    }
+}
+
+fn is_integer(schema: &Value) -> bool {
+    match &schema["type"] {
+        Value::String(t) => t == "integer",
+        Value::Array(ts) => ts.iter().any(|t| t == "integer"),
+        _ => false,
+    }
+}
+
+/// Strict validators (Ajv in the official TypeScript SDK) warn about every
+/// `format` they do not know, and schemars writes Rust's number types as
+/// formats of its own (`uint32`, `uint64`, `double`...). Every schema
+/// `tools/list` serves must be standard JSON Schema: no such format, and an
+/// integer's range stated with `minimum`/`maximum`.
+#[tokio::test]
+async fn tool_schemas_are_standard_json_schema() {
+    let c = client(FakeApi::new(), ProtocolVersion::V_2025_11_25).await;
+    let tools = c.list_all_tools().await.unwrap();
+    let mut problems = Vec::new();
+    let mut integers = 0;
+    for t in &tools {
+        let input = Value::Object(t.input_schema.as_ref().clone());
+        let output = Value::Object(
+            t.output_schema
+                .as_ref()
+                .expect("outputSchema")
+                .as_ref()
+                .clone(),
+        );
+        let mut all = Vec::new();
+        subschemas(format!("{}.inputSchema", t.name), &input, &mut all);
+        subschemas(format!("{}.outputSchema", t.name), &output, &mut all);
+        for (path, s) in all {
+            if let Some(f) = s.get("format") {
+                if !f.as_str().is_some_and(|f| STANDARD_FORMATS.contains(&f)) {
+                    problems.push(format!("{path}: non-standard format {f}"));
+                }
+            }
+            if !is_integer(s) {
+                continue;
+            }
+            integers += 1;
+            let (min, max) = (s.get("minimum"), s.get("maximum"));
+            if !min.is_some_and(Value::is_number) || !max.is_some_and(Value::is_number) {
+                problems.push(format!("{path}: integer without minimum and maximum: {s}"));
+            }
+            let signed = SIGNED_INTEGERS
+                .iter()
+                .any(|n| path.ends_with(&format!("/{n}")));
+            if !signed && !min.and_then(Value::as_f64).is_some_and(|m| m >= 0.0) {
+                problems.push(format!(
+                    "{path}: an unsigned integer's minimum is not >= 0: {s}"
+                ));
+            }
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+    assert!(integers > 20, "the walk reached the integers ({integers})");
+
+    // Ranges declared on the arguments are kept, not widened to the type's.
+    let get = |n: &str| tools.iter().find(|t| t.name == n).unwrap();
+    for (tool, field, min, max) in [
+        ("create_sandbox", "timeout_minutes", 1, 1440),
+        ("run_command", "timeout_ms", 1000, 600000),
+        ("expose_port", "port", 1, 65535),
+        ("list_sandboxes", "limit", 1, 100),
+        ("extend_sandbox", "additional_minutes", 1, 1440),
+        ("get_usage", "days", 1, u64::from(u32::MAX)),
+    ] {
+        let p = &get(tool).input_schema["properties"][field];
+        assert_eq!(
+            (&p["minimum"], &p["maximum"]),
+            (&json!(min), &json!(max)),
+            "{tool}.{field}: {p}"
+        );
+    }
+    // And an output's range is its Rust type's.
+    let sandbox = get("get_sandbox").output_schema.clone().unwrap();
+    let t = &sandbox["properties"]["timeout_minutes"];
+    assert_eq!(
+        (&t["minimum"], &t["maximum"]),
+        (&json!(0), &json!(u32::MAX)),
+        "{t}"
+    );
     c.cancel().await.unwrap();
 }
 
