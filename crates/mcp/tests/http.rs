@@ -16,42 +16,7 @@ use rmcp::{
 use sandpit_core::SandboxApi;
 use sandpit_mcp::{http_service, CancellationToken, HttpConfig};
 use serde_json::{json, Value};
-use std::{collections::HashMap, net::SocketAddr, sync::Arc};
-
-struct Server {
-    addr: SocketAddr,
-    url: String,
-    api: Arc<FakeApi>,
-    shutdown: CancellationToken,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        self.shutdown.cancel();
-    }
-}
-
-async fn server() -> Server {
-    let api = FakeApi::new();
-    let config = HttpConfig::default();
-    let shutdown = config.shutdown.clone();
-    let dyn_api: Arc<dyn SandboxApi> = api.clone();
-    let app = axum::Router::new().nest_service("/v1/mcp", http_service(dyn_api, config));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let stop = shutdown.clone();
-    tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(stop.cancelled_owned())
-            .await
-    });
-    Server {
-        addr,
-        url: format!("http://{addr}/v1/mcp"),
-        api,
-        shutdown,
-    }
-}
+use std::{collections::HashMap, sync::Arc};
 
 enum Key {
     None,

@@ -14,9 +14,11 @@ use rmcp::{
     ClientHandler, RoleClient,
 };
 use sandpit_core::*;
+use sandpit_mcp::{http_service, CancellationToken, HttpConfig};
 use serde_json::{json, Value};
 use std::{
     collections::HashMap,
+    net::SocketAddr,
     sync::{Arc, Mutex},
 };
 use tokio::sync::mpsc;
@@ -638,4 +640,41 @@ pub async fn happy_paths(client: &Client) {
         &tool("destroy_sandbox"),
     );
     assert_eq!(x["status"], "deleted");
+}
+
+/// `http_service` over the fake, mounted at `/v1/mcp` in an axum app on
+/// 127.0.0.1:0 with the default `HttpConfig`; stopped when dropped.
+pub struct Server {
+    pub addr: SocketAddr,
+    pub url: String,
+    pub api: Arc<FakeApi>,
+    shutdown: CancellationToken,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+pub async fn server() -> Server {
+    let api = FakeApi::new();
+    let config = HttpConfig::default();
+    let shutdown = config.shutdown.clone();
+    let dyn_api: Arc<dyn SandboxApi> = api.clone();
+    let app = axum::Router::new().nest_service("/v1/mcp", http_service(dyn_api, config));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let stop = shutdown.clone();
+    tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(stop.cancelled_owned())
+            .await
+    });
+    Server {
+        addr,
+        url: format!("http://{addr}/v1/mcp"),
+        api,
+        shutdown,
+    }
 }
