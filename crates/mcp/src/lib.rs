@@ -29,7 +29,13 @@
 //! its list to them, so an `initialize` naming one of the first two is echoed,
 //! any other `initialize` is answered with `2025-11-25` (the newest revision
 //! that has a handshake), and a request naming an unsupported revision in its
-//! `_meta` or in the `MCP-Protocol-Version` header is refused.
+//! `_meta` or in the `MCP-Protocol-Version` header is refused with
+//! `UnsupportedProtocolVersionError`, which lists the supported revisions
+//! (over HTTP with status 400; see `streamable`).
+//!
+//! Tool schemas are standard JSON Schema (`schema`): schemars' own number
+//! formats (`uint32`...) become `minimum`/`maximum`, because strict
+//! validators, the TypeScript SDK's Ajv first, warn about every one.
 
 mod args;
 mod schema;

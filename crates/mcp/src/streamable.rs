@@ -12,22 +12,38 @@
 //! - A plain GET is answered 405 (`Allow: POST`): a stateless server has no
 //!   stream to offer, which the spec allows.
 //! - `MCP-Protocol-Version`, when present, must name one of the
-//!   [`SUPPORTED_PROTOCOL_VERSIONS`](crate::SUPPORTED_PROTOCOL_VERSIONS)
-//!   (400 otherwise, as the spec asks). rmcp alone would accept every revision
-//!   it knows, including ones this server does not negotiate.
+//!   [`SUPPORTED_PROTOCOL_VERSIONS`](crate::SUPPORTED_PROTOCOL_VERSIONS).
+//!   rmcp alone would accept every revision it knows, including ones this
+//!   server does not negotiate. Any other value is answered with HTTP 400
+//!   and the JSON-RPC error 2026-07-28 defines for it,
+//!   `UnsupportedProtocolVersionError`: code `-32022`, `data` =
+//!   `{"supported": [the revisions], "requested": "<the header's value>"}`
+//!   (the 2026-07-28 `schema.ts`, and rmcp 3.11; early drafts of that
+//!   revision numbered it `-32004`). Built with rmcp's own
+//!   `ErrorData::unsupported_protocol_version`, so it is the same error rmcp
+//!   gives in-band. The `supported` list is how a client that speaks several
+//!   revisions picks one and retries; it includes the revisions with an
+//!   `initialize` handshake, so a client that also speaks those can fall
+//!   back to them. The same answer goes to every request, whatever revision
+//!   its body follows: the 2025 revisions ask only for a 400, and a JSON-RPC
+//!   body with one is allowed there too.
 
 use crate::server::{CallerSource, SandpitMcp, SUPPORTED_PROTOCOL_VERSIONS};
 use axum::{
-    body::Body,
-    extract::Request,
-    middleware::{from_fn, Next},
+    extract::{Request, State},
+    middleware::{from_fn_with_state, Next},
     response::{IntoResponse, Response},
     Router,
 };
-use rmcp::transport::streamable_http_server::{
-    session::never::NeverSessionManager, StreamableHttpServerConfig, StreamableHttpService,
+use rmcp::{
+    model::{ErrorData, JsonRpcError, ProtocolVersion, RequestId},
+    transport::streamable_http_server::{
+        session::never::NeverSessionManager, StreamableHttpServerConfig, StreamableHttpService,
+    },
 };
 use sandpit_core::SandboxApi;
+use serde::Deserialize;
+use serde_json::Value;
 use std::{sync::Arc, time::Duration};
 use tokio_util::sync::CancellationToken;
 
@@ -82,6 +98,7 @@ impl Default for HttpConfig {
 /// Each tool call acts for the account of the API key on its own request
 /// ([`CallerSource::RequestApiKey`]).
 pub fn http_service(api: Arc<dyn SandboxApi>, config: HttpConfig) -> Router {
+    let max_body = config.max_request_body_bytes;
     let rmcp_config = StreamableHttpServerConfig::default()
         .with_legacy_session_mode(false)
         .with_json_response(config.json_response)
@@ -100,26 +117,53 @@ pub fn http_service(api: Arc<dyn SandboxApi>, config: HttpConfig) -> Router {
     );
     Router::new()
         .fallback_service(service)
-        .layer(from_fn(check_protocol_version_header))
+        .layer(from_fn_with_state(max_body, check_protocol_version_header))
 }
 
-async fn check_protocol_version_header(request: Request, next: Next) -> Response {
-    if let Some(value) = request.headers().get("mcp-protocol-version") {
-        let supported = value
-            .to_str()
-            .is_ok_and(|v| SUPPORTED_PROTOCOL_VERSIONS.iter().any(|s| s.as_str() == v));
-        if !supported {
-            let list: Vec<&str> = SUPPORTED_PROTOCOL_VERSIONS
-                .iter()
-                .map(|v| v.as_str())
-                .collect();
-            let message = format!(
-                "Bad Request: unsupported MCP-Protocol-Version {:?}; this server supports {}",
-                String::from_utf8_lossy(value.as_bytes()),
-                list.join(", ")
-            );
-            return (http::StatusCode::BAD_REQUEST, Body::from(message)).into_response();
-        }
+/// Refuse a request whose `MCP-Protocol-Version` names a revision this
+/// server does not support (see the module documentation for the answer's
+/// shape). The body is read only then, for the request's `id`.
+async fn check_protocol_version_header(
+    State(max_body): State<usize>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let Some(value) = request.headers().get("mcp-protocol-version") else {
+        return next.run(request).await;
+    };
+    if value
+        .to_str()
+        .is_ok_and(|v| SUPPORTED_PROTOCOL_VERSIONS.iter().any(|s| s.as_str() == v))
+    {
+        return next.run(request).await;
     }
-    next.run(request).await
+    let requested = String::from_utf8_lossy(value.as_bytes()).into_owned();
+    // A body that is too large, not JSON or not one request leaves the id out,
+    // as JSON-RPC does when it cannot tell which request it answers.
+    let id = axum::body::to_bytes(request.into_body(), max_body)
+        .await
+        .ok()
+        .and_then(|body| serde_json::from_slice::<Value>(&body).ok())
+        .and_then(|message| serde_json::from_value::<RequestId>(message.get("id")?.clone()).ok());
+    let list: Vec<&str> = SUPPORTED_PROTOCOL_VERSIONS
+        .iter()
+        .map(|v| v.as_str())
+        .collect();
+    let mut error = ErrorData::unsupported_protocol_version(
+        ProtocolVersion::deserialize(Value::String(requested.clone()))
+            .expect("any string is a ProtocolVersion"),
+        SUPPORTED_PROTOCOL_VERSIONS,
+    );
+    error.message = format!(
+        "Unsupported protocol version {requested:?} (MCP-Protocol-Version); this server supports {}",
+        list.join(", ")
+    )
+    .into();
+    let body = serde_json::to_vec(&JsonRpcError::new(id, error)).expect("an error serializes");
+    (
+        http::StatusCode::BAD_REQUEST,
+        [(http::header::CONTENT_TYPE, "application/json")],
+        body,
+    )
+        .into_response()
 }

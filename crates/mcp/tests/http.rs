@@ -303,25 +303,80 @@ async fn initialize_negotiates_over_http() {
     );
 }
 
+/// The `UnsupportedProtocolVersionError` of a 400 answer: checks its shape
+/// (2026-07-28's `schema.ts`) and returns the error object.
+async fn unsupported_version(r: reqwest::Response, requested: &str) -> Value {
+    assert_eq!(r.status(), 400, "{requested}");
+    assert!(
+        r.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("application/json"),
+        "{requested}: {:?}",
+        r.headers()
+    );
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["jsonrpc"], "2.0", "{body}");
+    let error = &body["error"];
+    assert_eq!(error["code"], -32022, "{body}");
+    assert_eq!(
+        error["data"],
+        json!({"supported": ["2025-06-18", "2025-11-25", "2026-07-28"], "requested": requested}),
+        "{body}"
+    );
+    assert!(
+        error["message"]
+            .as_str()
+            .unwrap()
+            .contains("2025-06-18, 2025-11-25, 2026-07-28"),
+        "{body}"
+    );
+    body
+}
+
 #[tokio::test]
-async fn unsupported_protocol_version_header_is_400() {
+async fn unsupported_protocol_version_is_400_with_the_supported_list() {
     let s = server().await;
-    for v in ["2024-11-05", "2025-03-26", "2030-01-01"] {
+    // Revisions rmcp knows but this server does not offer, and unknown ones.
+    for v in ["2024-11-05", "2025-03-26", "2030-01-01", "1999-01-01"] {
         let r = post(
             &s,
-            json!({"jsonrpc": "2.0", "id": 1, "method": "tools/list"}),
+            json!({"jsonrpc": "2.0", "id": 7, "method": "tools/list"}),
         )
         .header("mcp-protocol-version", v)
         .send()
         .await
         .unwrap();
-        assert_eq!(r.status(), 400, "{v}");
-        let body = r.text().await.unwrap();
-        assert!(
-            body.contains("2025-06-18, 2025-11-25, 2026-07-28"),
-            "{body}"
-        );
+        let body = unsupported_version(r, v).await;
+        assert_eq!(body["id"], 7, "the request's id is echoed: {body}");
     }
+    // A stateless (2026-07-28) request names its revision in _meta too.
+    let stateless = json!({"jsonrpc": "2.0", "id": "a-1", "method": "tools/list", "params": {
+        "_meta": {
+            "io.modelcontextprotocol/protocolVersion": "1999-01-01",
+            "io.modelcontextprotocol/clientInfo": {"name": "raw", "version": "0"},
+            "io.modelcontextprotocol/clientCapabilities": {}}}});
+    let r = post(&s, stateless)
+        .header("mcp-protocol-version", "1999-01-01")
+        .header("mcp-method", "tools/list")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(unsupported_version(r, "1999-01-01").await["id"], "a-1");
+    // A body that is not a request: the error has no id.
+    let r = reqwest::Client::new()
+        .post(&s.url)
+        .header("accept", "application/json, text/event-stream")
+        .header("content-type", "application/json")
+        .header("mcp-protocol-version", "1999-01-01")
+        .body("not json")
+        .send()
+        .await
+        .unwrap();
+    let body = unsupported_version(r, "1999-01-01").await;
+    assert!(body.get("id").is_none(), "{body}");
+    assert!(s.api.calls().is_empty());
+
     let r = post(
         &s,
         json!({"jsonrpc": "2.0", "id": 1, "method": "tools/list"}),
@@ -331,6 +386,32 @@ async fn unsupported_protocol_version_header_is_400() {
     .await
     .unwrap();
     assert_eq!(r.status(), 200);
+}
+
+/// What the error is for: a client that prefers a revision this server does
+/// not have learns the ones it has from the error, and retries with one.
+#[tokio::test]
+async fn a_client_asking_for_an_unknown_revision_retries_with_a_supported_one() {
+    let s = server().await;
+    let future: ProtocolVersion = serde_json::from_value(json!("2030-01-01")).unwrap();
+    let transport = StreamableHttpClientTransport::from_config(
+        StreamableHttpClientTransportConfig::with_uri(s.url.clone()).auth_header(KEY),
+    );
+    let c = TestClient::new(ProtocolVersion::V_2026_07_28)
+        .serve_with_lifecycle(
+            transport,
+            ClientLifecycleMode::Discover {
+                preferred_versions: vec![future, ProtocolVersion::V_2026_07_28],
+            },
+        )
+        .await
+        .expect("server/discover, retried with 2026-07-28");
+    assert_eq!(
+        c.peer_info().unwrap().protocol_version,
+        ProtocolVersion::V_2026_07_28
+    );
+    assert_eq!(c.list_all_tools().await.unwrap().len(), 12);
+    c.cancel().await.unwrap();
 }
 
 #[tokio::test]
