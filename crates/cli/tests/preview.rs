@@ -1,11 +1,13 @@
 //! Preview URLs end to end: a real `sandpit serve`, a real VM, real servers
 //! in the guest (Python's `http.server`, a stdlib WebSocket echo server, a
 //! small upload/streaming server), and real clients (reqwest over HTTP/1.1
-//! and HTTP/2, tokio-tungstenite) going through `http://PORT-ID.localhost:N`.
+//! and HTTP/2, tokio-tungstenite, Python's urllib and Node's fetch) going
+//! through `http://PORT-ID.localhost:N`.
 //!
-//! The host resolver here does not resolve `*.localhost` (browsers do), so
-//! the clients are told that those names are 127.0.0.1; the Host header is
-//! exactly what a browser would send.
+//! Every client finds the server through the system resolver (getaddrinfo,
+//! as Python, Node, Go and wget do; not curl or a browser, which resolve
+//! `*.localhost` themselves), which the set-up makes answer `*.localhost`
+//! with `::1` and `127.0.0.1` (nss-myhostname); the server listens on both.
 
 mod common;
 
@@ -14,7 +16,6 @@ use common::*;
 use futures_util::{SinkExt, StreamExt};
 use serde_json::json;
 use sha2::{Digest, Sha256};
-use std::net::SocketAddr;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 use tokio_tungstenite::tungstenite::Message as WsMessage;
@@ -107,18 +108,6 @@ class H(http.server.BaseHTTPRequestHandler):
 http.server.ThreadingHTTPServer(("127.0.0.1", PORT), H).serve_forever()
 "#;
 
-struct Loopback;
-
-impl reqwest::dns::Resolve for Loopback {
-    fn resolve(&self, _name: reqwest::dns::Name) -> reqwest::dns::Resolving {
-        Box::pin(async {
-            let addrs: reqwest::dns::Addrs =
-                Box::new(std::iter::once(SocketAddr::from(([127, 0, 0, 1], 0))));
-            Ok(addrs)
-        })
-    }
-}
-
 /// One server and one sandbox shared by the tests of this binary.
 struct Fixture {
     rt: tokio::runtime::Runtime,
@@ -165,12 +154,9 @@ impl Fixture {
         self.server.url.rsplit(':').next().unwrap().parse().unwrap()
     }
 
-    /// A client that resolves every name to the loopback, as browsers do
-    /// for `*.localhost`.
+    /// A client that resolves names with the system resolver.
     fn client(&self, http2: bool) -> reqwest::Client {
-        let mut b = reqwest::Client::builder()
-            .dns_resolver(std::sync::Arc::new(Loopback))
-            .timeout(Duration::from_secs(300));
+        let mut b = reqwest::Client::builder().timeout(Duration::from_secs(300));
         if http2 {
             b = b.http2_prior_knowledge();
         } else {
@@ -455,11 +441,18 @@ fn uploads_and_streamed_responses_pass_through() {
             let host = url.trim_start_matches("http://");
             for line in [
                 format!("host: {host}"),
-                "x-forwarded-for: 127.0.0.1".to_string(),
                 "x-forwarded-proto: http".to_string(),
             ] {
                 assert!(seen.lines().any(|l| l == line), "{line} not in:\n{seen}");
             }
+            // The client's own address (the name resolves to both loopbacks),
+            // never what it claimed.
+            assert!(
+                seen.lines()
+                    .any(|l| l == "x-forwarded-for: ::1" || l == "x-forwarded-for: 127.0.0.1"),
+                "no loopback x-forwarded-for in:\n{seen}"
+            );
+            assert!(!seen.contains("6.6.6.6"), "{seen}");
 
             // A streamed response: the first event arrives while the server
             // is still waiting to send the second.
@@ -658,7 +651,6 @@ fn tls_with_a_wildcard_certificate_serves_previews_over_http2() {
     );
     assert!(server.url.starts_with("https://"), "{}", server.url);
     let http = reqwest::Client::builder()
-        .dns_resolver(std::sync::Arc::new(Loopback))
         .add_root_certificate(reqwest::Certificate::from_pem(cert.pem().as_bytes()).unwrap())
         .https_only(true)
         .timeout(Duration::from_secs(300))
@@ -805,4 +797,118 @@ fn an_expired_sandbox_cuts_its_open_streams_and_answers_410() {
         }
         assert_eq!(client.get(&url).send().await.unwrap().status(), 410);
     });
+}
+
+/// A Python program on the host, as an agent's own checks are written: the
+/// URL through urllib, then each address the system resolver gives for its
+/// host name, connected to explicitly.
+const PYTHON_CLIENT: &str = r#"
+import http.client, socket, sys, urllib.parse, urllib.request
+url = sys.argv[1]
+print("urllib", urllib.request.urlopen(url + "/index.html", timeout=60).read().decode().strip())
+u = urllib.parse.urlsplit(url)
+for family, _, _, _, addr in socket.getaddrinfo(u.hostname, u.port, type=socket.SOCK_STREAM):
+    conn = http.client.HTTPConnection(addr[0], u.port, timeout=60)
+    conn.request("GET", "/index.html", headers={"Host": u.netloc})
+    r = conn.getresponse()
+    print(addr[0], r.status, r.read().decode().strip())
+"#;
+
+#[test]
+fn python_and_node_on_the_host_open_preview_urls_through_the_system_resolver() {
+    let f = fix();
+    let url = f.rt.block_on(async {
+        let api = f.api();
+        let url = expose(&api, &f.id, 8004).await;
+        start_server(
+            &api,
+            &f.id,
+            8004,
+            "mkdir -p /workspace/r && cd /workspace/r && echo resolved-by-the-system > index.html",
+            "python3 -m http.server 8004",
+        )
+        .await;
+        get_when_listening(&f.client(false), &url).await;
+        url
+    });
+    let out = std::process::Command::new("python3")
+        .args(["-c", PYTHON_CLIENT, &url])
+        .output()
+        .expect("python3 runs (scripts/install-deps.sh installs it)");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "Python could not open {url}: {}{text}\n(is libnss-myhostname installed and `myhostname` on the hosts: line of /etc/nsswitch.conf?)",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines[0], "urllib resolved-by-the-system", "{text}");
+    // Both loopbacks are answered, by this server.
+    for addr in ["::1", "127.0.0.1"] {
+        assert!(
+            lines.contains(&format!("{addr} 200 resolved-by-the-system").as_str()),
+            "{addr} missing or not served: {text}"
+        );
+    }
+    let node = std::process::Command::new("node")
+        .args([
+            "-e",
+            "fetch(process.argv[1]).then(async r => console.log(r.status, (await r.text()).trim()))\
+             .catch(e => { console.error(e); process.exit(1) })",
+            &format!("{url}/index.html"),
+        ])
+        .output()
+        .expect("node runs (scripts/install-deps.sh installs nodejs)");
+    assert_eq!(
+        String::from_utf8_lossy(&node.stdout).trim(),
+        "200 resolved-by-the-system",
+        "{}",
+        String::from_utf8_lossy(&node.stderr)
+    );
+    // Names resolve here, so the server gave no advice about them.
+    assert!(
+        f.server
+            .wait_for_log("do not resolve", Duration::ZERO)
+            .is_none(),
+        "the server says preview names do not resolve"
+    );
+}
+
+#[test]
+fn the_server_says_what_to_install_when_preview_names_do_not_resolve() {
+    // This machine with `myhostname` taken off the hosts: line, as on a
+    // Debian 12 without libnss-myhostname (a private mount namespace: the
+    // host's own file is untouched).
+    let data = data_dir();
+    let nsswitch = std::fs::read_to_string("/etc/nsswitch.conf").unwrap();
+    let without: String = nsswitch
+        .lines()
+        .map(|l| {
+            if l.starts_with("hosts:") {
+                "hosts: files dns".to_string()
+            } else {
+                l.to_string()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    let path = data.join("nsswitch.conf");
+    std::fs::write(&path, without + "\n").unwrap();
+    let bind = format!(
+        "mount --bind {} /etc/nsswitch.conf && exec \"$@\"",
+        path.display()
+    );
+    let server = Server::start_under(
+        &data,
+        "[pool]\nsizes = {}\n",
+        "127.0.0.1:0",
+        &["unshare", "-m", "sh", "-c", &bind, "sh"],
+    );
+    let advice = server
+        .wait_for_log("do not resolve", Duration::from_secs(30))
+        .expect("no word about preview names that do not resolve");
+    assert!(
+        advice.contains("libnss-myhostname") && advice.contains("myhostname"),
+        "{advice}"
+    );
 }

@@ -29,6 +29,8 @@ pub struct Server {
     pub child: Child,
     pub url: String,
     pub admin_key: Option<String>,
+    /// Its standard error so far, a line each.
+    pub log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 impl Server {
@@ -43,8 +45,25 @@ impl Server {
 
     /// Start listening on `listen`, with `extra` appended to the test config.
     pub fn start_on(data: &Path, extra: &str, listen: &str) -> Server {
+        Server::start_under(data, extra, listen, &[])
+    }
+
+    /// [`Server::start_on`], run by the command `wrapper` (which ends with
+    /// the program to run and its arguments, e.g. `unshare -m sh -c '...; exec "$@"' sh`).
+    pub fn start_under(data: &Path, extra: &str, listen: &str, wrapper: &[&str]) -> Server {
         std::fs::write(data.join("config.toml"), format!("{CONFIG}{extra}")).unwrap();
-        let mut child = sandpit(data)
+        let direct = sandpit(data);
+        let mut cmd = match wrapper.split_first() {
+            None => direct,
+            Some((program, args)) => {
+                let mut c = Command::new(program);
+                c.args(args)
+                    .arg(direct.get_program())
+                    .args(direct.get_args());
+                c
+            }
+        };
+        let mut child = cmd
             .args(["serve", "--listen", listen])
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -64,9 +83,12 @@ impl Server {
                 }
             }
         });
+        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log_writer = log.clone();
         std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
                 eprintln!("[serve] {line}");
+                log_writer.lock().unwrap().push(line.clone());
                 if let Some(rest) = line.split("serving ").nth(1) {
                     let url = rest.split_whitespace().next().unwrap().to_string();
                     let _ = tx.send(format!("URL {url}"));
@@ -104,6 +126,21 @@ impl Server {
             child,
             url: url.unwrap(),
             admin_key: key,
+            log,
+        }
+    }
+
+    /// Wait (up to `bound`) for a line of its log that contains `needle`.
+    pub fn wait_for_log(&self, needle: &str, bound: Duration) -> Option<String> {
+        let deadline = Instant::now() + bound;
+        loop {
+            if let Some(l) = self.log.lock().unwrap().iter().find(|l| l.contains(needle)) {
+                return Some(l.clone());
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
         }
     }
 
