@@ -157,7 +157,7 @@ fn median_max(v: &[f64]) -> (f64, f64) {
 }
 
 /// Host PSS (MiB) and CPU (% of one core, over `window`) of VMs' QEMU and
-/// passt processes, per VM, once KSM has merged what it will. The CPU
+/// passt processes and expiry watchdog, per VM, once KSM has merged what it will. The CPU
 /// includes KSM's daemon. Also says how long KSM took to settle.
 async fn idle_cost(records: &[sandpit_runtime::VmRecord], window: Duration) -> (f64, f64, String) {
     let ksm = match ksm_settle(Duration::from_secs(300)).await {
@@ -166,7 +166,11 @@ async fn idle_cost(records: &[sandpit_runtime::VmRecord], window: Duration) -> (
     };
     let pids: Vec<u32> = records
         .iter()
-        .flat_map(|r| std::iter::once(r.qemu_pid).chain(r.passt_pid))
+        .flat_map(|r| {
+            std::iter::once(r.qemu_pid)
+                .chain(r.passt_pid)
+                .chain(r.watchdog.map(|(pid, _)| pid))
+        })
         .collect();
     let mut pss = Vec::new();
     for _ in 0..3 {
@@ -332,7 +336,7 @@ pub async fn run(settings: &Settings, a: BenchArgs) -> Result<i32> {
     };
     row(
         &mut rows,
-        format!("host PSS of one idle sandbox ({how}; QEMU + passt; {ksm})"),
+        format!("host PSS of one idle sandbox ({how}; QEMU + passt + expiry watchdog; {ksm})"),
         format!("{pss:.1} MiB"),
     );
     row(
