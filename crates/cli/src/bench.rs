@@ -411,10 +411,11 @@ async fn control_plane(
         preview_domain: service.preview_domain.clone(),
         preview_scheme: service.preview_scheme.clone(),
     });
-    let server = tokio::spawn(crate::front::serve(
+    let server = tokio::spawn(crate::listener::serve(
         vec![listener],
         None,
         front,
+        crate::listener::ConnectionLimits::default(),
         std::future::pending(),
     ));
     let client = ()

@@ -6,6 +6,7 @@
 mod bench;
 mod front;
 mod images;
+mod listener;
 mod proxy;
 mod sandbox;
 mod server;

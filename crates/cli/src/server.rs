@@ -5,6 +5,7 @@
 
 use crate::front;
 use crate::images;
+use crate::listener;
 use crate::proxy::Proxy;
 use crate::settings::Settings;
 use anyhow::{bail, Context, Result};
@@ -213,7 +214,7 @@ async fn service(settings: &Settings) -> Result<Arc<Service>> {
 
 pub async fn serve(settings: &Settings, args: ServeArgs) -> Result<i32> {
     let listen = args.listen.unwrap_or_else(|| settings.listen.clone());
-    let listeners = front::bind(&listen).await?;
+    let listeners = listener::bind(&listen).await?;
     let addr = listeners[0].local_addr()?;
     let listening = listeners
         .iter()
@@ -271,12 +272,13 @@ pub async fn serve(settings: &Settings, args: ServeArgs) -> Result<i32> {
         svc.vms_accel(),
         settings.data_dir.display()
     );
-    front::check_preview_names(
+    listener::check_preview_names(
         &settings.service.preview_domain,
         &settings.service.preview_scheme,
         listening,
     );
-    front::serve(listeners, tls, front, async move {
+    let limits = settings.connections.fit_descriptors();
+    listener::serve(listeners, tls, front, limits, async move {
         wait_for_signal().await;
         eprintln!("shutting down: finishing requests in flight; sandboxes keep running");
         shutdown.cancel();

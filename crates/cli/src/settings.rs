@@ -51,6 +51,8 @@ pub struct FileConfig {
     pub ksm: Option<bool>,
     /// The warm pool: `[pool] sizes = { small = 2 }`, start limits.
     pub pool: Option<sandpit_core::backend::PoolConfig>,
+    /// `sandpit serve`'s client connections: how many, how long.
+    pub server: Option<crate::listener::ConnectionLimits>,
 }
 
 /// A size: resources and (for the server) its price.
@@ -131,6 +133,8 @@ pub struct Settings {
     pub tls: Option<(PathBuf, PathBuf)>,
     /// The warm pool of `serve` and `mcp`.
     pub pool: sandpit_core::backend::PoolConfig,
+    /// What bounds `serve`'s client connections.
+    pub connections: crate::listener::ConnectionLimits,
 }
 
 impl Settings {
@@ -318,6 +322,7 @@ impl Settings {
             preview_scheme_set,
             tls,
             pool,
+            connections: file.server.unwrap_or_default(),
         })
     }
 }
