@@ -2,6 +2,24 @@
 # Builds the static in-guest agent and the sandpit binary (release).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Rust comes from rustup, which reads rust-toolchain.toml and installs the
+# toolchain pinned there on the first build (scripts/install-deps.sh installs
+# only system packages, and may run where there is no Rust).
+channel=$(sed -n 's/^channel *= *"\(.*\)"/\1/p' rust-toolchain.toml)
+if ! command -v cargo >/dev/null; then
+  if [ -x "$HOME/.cargo/bin/cargo" ]; then
+    echo "build.sh: cargo is in ~/.cargo/bin, which is not on PATH: run \`. \"\$HOME/.cargo/env\"\`" >&2
+  else
+    echo "build.sh: Rust is missing: install rustup (https://rustup.rs); it then installs Rust $channel, pinned in rust-toolchain.toml, on the first build" >&2
+  fi
+  exit 1
+fi
+if ! command -v rustup >/dev/null; then
+  rustc_version=$(rustc --version 2>/dev/null || echo "rustc ?")
+  if [[ $rustc_version != "rustc $channel"[!.0-9]* ]]; then
+    echo "build.sh: warning: this cargo is not rustup's, so the Rust $channel pinned in rust-toolchain.toml is not used ($rustc_version); if the build fails, install rustup (https://rustup.rs)" >&2
+  fi
+fi
 # The agent runs inside the guest as PID 1: link it statically so it does not
 # depend on the guest's libc. --target keeps the flag off build scripts.
 RUSTFLAGS="-C target-feature=+crt-static" \

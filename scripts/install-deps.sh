@@ -22,12 +22,4 @@ else
 fi
 apt-get install -y -qq debootstrap passt e2fsprogs iproute2 python3 curl ca-certificates \
   gcc libc6-dev pkg-config nftables >/dev/null
-if ! command -v cargo >/dev/null; then
-  if [ -x "$HOME/.cargo/bin/cargo" ]; then
-    echo "install-deps.sh: cargo is in ~/.cargo/bin; add it to PATH" >&2
-  else
-    echo "install-deps.sh: Rust is missing: install rustup (https://rustup.rs) and a stable toolchain >= 1.80" >&2
-  fi
-  exit 1
-fi
 echo "install-deps.sh: $(qemu-system-x86_64 --version | head -1); $(passt --version 2>/dev/null | head -1 || echo passt)"
