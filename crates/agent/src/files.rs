@@ -15,7 +15,7 @@ use crate::channel::Reply;
 use crate::sys;
 use sandpit_protocol::{
     resolve_guest_path, AgentError, DoneResult, ErrorKind, FileEntry, FileKind, Message, RequestId,
-    CHUNK_LEN, GUEST_UID,
+    CHUNK_LEN, GUEST_UID, MAX_LISTING_BYTES,
 };
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
@@ -377,9 +377,10 @@ fn push_children(dir: &Path, prefix: &str, heap: &mut BinaryHeap<Pending>) -> io
     Ok(())
 }
 
-/// Entries under `root`, sorted by relative name, at most `max`; the bool
-/// says more were left out. Symlinks are never followed; unreadable
-/// subdirectories are listed but not entered.
+/// Entries under `root`, sorted by relative name, at most `max` and at most
+/// [`MAX_LISTING_BYTES`] encoded; the bool says more were left out.
+/// Symlinks are never followed; unreadable subdirectories are listed but not
+/// entered.
 ///
 /// Every descendant sorts after its directory, so expanding a directory only
 /// when it is popped still yields global order, and a listing cut at `max`
@@ -388,10 +389,17 @@ pub fn walk(root: &Path, recursive: bool, max: u64) -> io::Result<(Vec<FileEntry
     let mut heap = BinaryHeap::new();
     push_children(root, "", &mut heap)?;
     let mut entries = Vec::new();
+    let mut encoded = 0usize;
     while let Some(p) = heap.pop() {
         if entries.len() as u64 >= max {
             return Ok((entries, true));
         }
+        // The name as JSON (escapes included), plus the entry's other fields.
+        let cost = serde_json::to_string(&p.name).map_or(p.name.len() * 6, |j| j.len()) + 64;
+        if encoded + cost > MAX_LISTING_BYTES {
+            return Ok((entries, true));
+        }
+        encoded += cost;
         let size_bytes = match p.kind {
             FileKind::File => fs::symlink_metadata(&p.path).map(|m| m.len()).unwrap_or(0),
             _ => 0,

@@ -100,6 +100,14 @@ fn runtime_error(e: RuntimeError) -> CoreError {
         RuntimeError::Busy(m) => {
             CoreError::new(ErrorType::ServiceUnavailable, m).with_retry_after(2)
         }
+        RuntimeError::AgentTimeout { what, secs } => CoreError::new(
+            ErrorType::ServiceUnavailable,
+            format!(
+                "the sandbox did not answer {what} within {secs} s (it may be overloaded); \
+                 it is still usable, retry"
+            ),
+        )
+        .with_retry_after(1),
         RuntimeError::BootTimeout { secs, .. } => CoreError::new(
             ErrorType::ServiceUnavailable,
             format!("the VM did not boot within {secs} s; retry"),
@@ -408,7 +416,38 @@ impl Service {
                 self.config.exec_min_timeout_ms, self.config.exec_max_timeout_ms
             )));
         }
+        // Linux's limit on one argument of exec (MAX_ARG_STRLEN, with its
+        // NUL): the command is one (`bash -c COMMAND`), each variable one.
+        const MAX_ARG: usize = 128 * 1024 - 1;
+        if p.command.len() > MAX_ARG {
+            return Err(CoreError::invalid(format!(
+                "command is {} bytes; a command can be at most {MAX_ARG} bytes (Linux's limit \
+                 on one argument): write a longer script with write_file and run that",
+                p.command.len()
+            )));
+        }
+        if p.cwd.as_ref().is_some_and(|c| c.len() > 4095) {
+            return Err(CoreError::invalid("cwd is longer than 4095 bytes"));
+        }
         let env = p.env.clone().unwrap_or_default();
+        let mut env_bytes = 0usize;
+        for (k, v) in &env {
+            let len = k.len() + 1 + v.len();
+            if len > MAX_ARG {
+                return Err(CoreError::invalid(format!(
+                    "env {k} is {len} bytes; one variable can be at most {MAX_ARG} bytes"
+                )));
+            }
+            env_bytes += len;
+        }
+        // Everything exec is given must fit in ARG_MAX (a quarter of the
+        // default 8 MiB stack); half of that leaves room for the rest.
+        const MAX_ENV: usize = 512 * 1024;
+        if env_bytes > MAX_ENV {
+            return Err(CoreError::invalid(format!(
+                "env is {env_bytes} bytes in all; the limit is {MAX_ENV} bytes"
+            )));
+        }
         for k in env.keys() {
             let ok = !k.is_empty()
                 && !k.as_bytes()[0].is_ascii_digit()

@@ -18,6 +18,10 @@ pub const HEADER_PREFIX_LEN: usize = 12;
 pub const MAX_HEADER_LEN: usize = 1024 * 1024;
 /// Largest body accepted.
 pub const MAX_BODY_LEN: usize = 4 * 1024 * 1024;
+/// The most a directory listing's entries may take, encoded: a listing of
+/// many long names stops here (marked truncated) and its answer still fits
+/// in one header, whatever the guest's files are.
+pub const MAX_LISTING_BYTES: usize = MAX_HEADER_LEN / 2;
 
 /// One decoded frame.
 #[derive(Debug, Clone, PartialEq)]

@@ -21,7 +21,7 @@ mod message;
 
 pub use frame::{
     encode_frame, Frame, FrameDecoder, FrameError, FRAME_MAGIC, HEADER_PREFIX_LEN, MAX_BODY_LEN,
-    MAX_HEADER_LEN,
+    MAX_HEADER_LEN, MAX_LISTING_BYTES,
 };
 pub use message::*;
 

@@ -7,11 +7,19 @@
 //! session starts with `Hello{nonce}`; everything before the `HelloAck` that
 //! echoes our nonce is discarded, because the port may hold bytes an earlier
 //! host connection left behind.
+//!
+//! Nothing the guest does (or fails to do) can hold a caller for ever: every
+//! request has a deadline ([`REPLY_DEADLINE`] for each answer it waits for; a
+//! command its own timeout plus [`EXEC_GRACE`]), after which it fails with
+//! [`RuntimeError::AgentTimeout`] and its late answer is dropped. And nothing
+//! is sent that the agent would refuse unread: a message over the frame
+//! limits fails here, typed, before it is queued.
 
 use crate::{Result, RuntimeError};
 use sandpit_protocol::{
     encode_frame, AgentError, DoneResult, ErrorKind, ExecRequest, ExecResult, FileEntry, Frame,
-    FrameDecoder, GuestConfig, Message, RequestId, CHUNK_LEN, PROTOCOL_GENERATION,
+    FrameDecoder, GuestConfig, Message, RequestId, CHUNK_LEN, HEADER_PREFIX_LEN, MAX_BODY_LEN,
+    MAX_HEADER_LEN, PROTOCOL_GENERATION,
 };
 use std::collections::HashMap;
 use std::path::Path;
@@ -21,6 +29,30 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 use tokio::sync::mpsc;
+
+/// How long the host waits for each answer the agent owes it (a reply, the
+/// next chunk of a file).
+pub const REPLY_DEADLINE: Duration = Duration::from_secs(30);
+/// How long past its own timeout a command may take to report its exit.
+pub const EXEC_GRACE: Duration = Duration::from_secs(30);
+
+/// Wait for the next frame of a request, until `deadline`.
+pub(crate) async fn next_frame(
+    rx: &mut mpsc::UnboundedReceiver<Frame>,
+    deadline: tokio::time::Instant,
+    what: &str,
+) -> Result<Frame> {
+    match tokio::time::timeout_at(deadline, rx.recv()).await {
+        Ok(Some(frame)) => Ok(frame),
+        Ok(None) => Err(RuntimeError::Disconnected(format!(
+            "the agent connection closed during {what}"
+        ))),
+        Err(_) => Err(RuntimeError::AgentTimeout {
+            what: what.to_string(),
+            secs: REPLY_DEADLINE.as_secs(),
+        }),
+    }
+}
 
 /// Connect to a unix socket QEMU serves. QEMU binds it a moment before it
 /// listens, and a connect in between is refused: that is retried for up to
@@ -71,8 +103,19 @@ impl Inner {
     }
 
     pub(crate) fn send(&self, message: &Message, body: &[u8]) -> Result<()> {
+        let frame = encode_frame(message, body);
+        let header_len = frame.len() - HEADER_PREFIX_LEN - body.len();
+        if header_len > MAX_HEADER_LEN || body.len() > MAX_BODY_LEN {
+            return Err(RuntimeError::Agent(AgentError::new(
+                ErrorKind::TooLarge,
+                format!(
+                    "the request is {} bytes, over the {MAX_HEADER_LEN}-byte limit of one message to the sandbox",
+                    header_len.max(body.len())
+                ),
+            )));
+        }
         self.out
-            .send(encode_frame(message, body))
+            .send(frame)
             .map_err(|_| RuntimeError::Disconnected("the connection is closed".into()))
     }
 }
@@ -98,6 +141,8 @@ pub struct ExecHandle {
     inner: Arc<Inner>,
     rx: mpsc::UnboundedReceiver<Frame>,
     finished: bool,
+    /// The command's own timeout plus [`EXEC_GRACE`].
+    deadline: tokio::time::Instant,
 }
 
 impl ExecHandle {
@@ -109,11 +154,24 @@ impl ExecHandle {
             ));
         }
         let frame = loop {
-            let frame = self.rx.recv().await.ok_or_else(|| {
-                RuntimeError::Disconnected(
-                    "the agent connection closed while the command ran".into(),
-                )
-            })?;
+            let frame = match tokio::time::timeout_at(self.deadline, self.rx.recv()).await {
+                Ok(Some(frame)) => frame,
+                Ok(None) => {
+                    return Err(RuntimeError::Disconnected(
+                        "the agent connection closed while the command ran".into(),
+                    ))
+                }
+                Err(_) => {
+                    // The guest never reported the end: give up on it (and
+                    // ask it once more to kill the command).
+                    self.cancel();
+                    self.finished = true;
+                    return Err(RuntimeError::AgentTimeout {
+                        what: "the end of a command past its timeout".into(),
+                        secs: EXEC_GRACE.as_secs(),
+                    });
+                }
+            };
             // Agents of older builds announce the start; nothing needs it.
             if !matches!(frame.message, Message::Started { .. }) {
                 break frame;
@@ -333,12 +391,12 @@ impl AgentClient {
         &self,
         id: RequestId,
         rx: &mut mpsc::UnboundedReceiver<Frame>,
+        what: &str,
     ) -> Result<Frame> {
-        let r = rx.recv().await;
+        let deadline = tokio::time::Instant::now() + REPLY_DEADLINE;
+        let r = next_frame(rx, deadline, what).await;
         self.inner.pending.lock().unwrap().remove(&id);
-        let frame = r.ok_or_else(|| {
-            RuntimeError::Disconnected("the agent connection closed mid-request".into())
-        })?;
+        let frame = r?;
         match frame.message {
             Message::Error { error, .. } => Err(RuntimeError::Agent(error)),
             _ => Ok(frame),
@@ -347,12 +405,16 @@ impl AgentClient {
 
     async fn simple(
         &self,
+        what: &str,
         make: impl FnOnce(RequestId) -> Message,
         body: &[u8],
     ) -> Result<DoneResult> {
         let (id, mut rx) = self.register()?;
-        self.inner.send(&make(id), body)?;
-        let frame = self.finish(id, &mut rx).await?;
+        if let Err(e) = self.inner.send(&make(id), body) {
+            self.inner.pending.lock().unwrap().remove(&id);
+            return Err(e);
+        }
+        let frame = self.finish(id, &mut rx, what).await?;
         match frame.message {
             Message::Done { result, .. } => Ok(result),
             other => Err(unexpected(other)),
@@ -361,27 +423,37 @@ impl AgentClient {
 
     /// Round trip through the agent.
     pub async fn ping(&self) -> Result<()> {
-        self.simple(|id| Message::Ping { id }, &[])
+        self.simple("a ping", |id| Message::Ping { id }, &[])
             .await
             .map(|_| ())
     }
 
     /// Give the guest its identity, clock, limits and network (and fresh entropy).
     pub async fn configure(&self, config: GuestConfig, entropy: &[u8]) -> Result<()> {
-        self.simple(|id| Message::Configure { id, config }, entropy)
-            .await
-            .map(|_| ())
+        self.simple(
+            "its configuration",
+            |id| Message::Configure { id, config },
+            entropy,
+        )
+        .await
+        .map(|_| ())
     }
 
     /// Start a command; read its events from the handle.
     pub fn exec(&self, request: ExecRequest) -> Result<ExecHandle> {
         let (id, rx) = self.register()?;
-        self.inner.send(&Message::Exec { id, request }, &[])?;
+        let deadline =
+            tokio::time::Instant::now() + Duration::from_millis(request.timeout_ms) + EXEC_GRACE;
+        if let Err(e) = self.inner.send(&Message::Exec { id, request }, &[]) {
+            self.inner.pending.lock().unwrap().remove(&id);
+            return Err(e);
+        }
         Ok(ExecHandle {
             id,
             inner: self.inner.clone(),
             rx,
             finished: false,
+            deadline,
         })
     }
 
@@ -413,19 +485,27 @@ impl AgentClient {
         mode: Option<u32>,
     ) -> Result<(String, u64)> {
         let (id, mut rx) = self.register()?;
-        self.inner.send(
-            &Message::WriteFile {
-                id,
-                path: path.to_string(),
-                size: content.len() as u64,
-                mode,
-            },
-            &[],
-        )?;
-        for chunk in content.chunks(CHUNK_LEN) {
-            self.inner.send(&Message::FileData { id }, chunk)?;
+        let sent = self
+            .inner
+            .send(
+                &Message::WriteFile {
+                    id,
+                    path: path.to_string(),
+                    size: content.len() as u64,
+                    mode,
+                },
+                &[],
+            )
+            .and_then(|()| {
+                content
+                    .chunks(CHUNK_LEN)
+                    .try_for_each(|chunk| self.inner.send(&Message::FileData { id }, chunk))
+            });
+        if let Err(e) = sent {
+            self.inner.pending.lock().unwrap().remove(&id);
+            return Err(e);
         }
-        let frame = self.finish(id, &mut rx).await?;
+        let frame = self.finish(id, &mut rx, "a file write").await?;
         match frame.message {
             Message::Done {
                 result: DoneResult::Written { path, bytes },
@@ -438,19 +518,23 @@ impl AgentClient {
     /// Read a whole file of at most `max_bytes`. Returns the resolved path and content.
     pub async fn read_file(&self, path: &str, max_bytes: u64) -> Result<(String, Vec<u8>)> {
         let (id, mut rx) = self.register()?;
-        self.inner.send(
+        if let Err(e) = self.inner.send(
             &Message::ReadFile {
                 id,
                 path: path.to_string(),
                 max_bytes,
             },
             &[],
-        )?;
+        ) {
+            self.inner.pending.lock().unwrap().remove(&id);
+            return Err(e);
+        }
         let mut content = Vec::new();
         let result = loop {
-            let frame = rx.recv().await.ok_or_else(|| {
-                RuntimeError::Disconnected("the agent connection closed mid-read".into())
-            });
+            // Each chunk is owed within the deadline: a big file that keeps
+            // coming is fine, a guest that stops sending is not.
+            let deadline = tokio::time::Instant::now() + REPLY_DEADLINE;
+            let frame = next_frame(&mut rx, deadline, "a file read").await;
             let frame = match frame {
                 Ok(f) => f,
                 Err(e) => break Err(e),
@@ -489,6 +573,7 @@ impl AgentClient {
     ) -> Result<(String, Vec<FileEntry>, bool)> {
         match self
             .simple(
+                "a listing",
                 |id| Message::ListFiles {
                     id,
                     path: path.to_string(),
@@ -514,6 +599,7 @@ impl AgentClient {
     pub async fn delete_file(&self, path: &str, recursive: bool) -> Result<String> {
         match self
             .simple(
+                "a delete",
                 |id| Message::DeleteFile {
                     id,
                     path: path.to_string(),

@@ -25,6 +25,11 @@ pub enum RuntimeError {
     /// The agent channel closed or misbehaved.
     #[error("lost the connection to the guest agent: {0}")]
     Disconnected(String),
+    /// The guest agent did not answer a request within its deadline (a
+    /// guest that is overloaded, wedged or hostile); the request is dropped
+    /// and the connection stays usable.
+    #[error("the sandbox did not answer {what} within {secs} s")]
+    AgentTimeout { what: String, secs: u64 },
     /// The guest agent speaks another protocol generation.
     #[error("guest agent speaks protocol generation {guest}, this host speaks {host}; rebuild the image")]
     ProtocolMismatch { host: u32, guest: u32 },

@@ -142,9 +142,9 @@ impl AgentClient {
             },
             &[],
         )?;
-        let frame = stream.rx.recv().await.ok_or_else(|| {
-            RuntimeError::Disconnected("the agent connection closed while opening a tunnel".into())
-        })?;
+        let deadline = tokio::time::Instant::now() + crate::channel::REPLY_DEADLINE;
+        let frame =
+            crate::channel::next_frame(&mut stream.rx, deadline, "opening a tunnel").await?;
         match frame.message {
             Message::TunnelOpened { window, .. } => {
                 stream.credit.add(window as u64);
