@@ -146,9 +146,10 @@ pub(crate) fn start_watchdog(
     at_expiry: AtExpiry,
     life: OwnedFd,
 ) -> Result<(u32, u64)> {
-    use std::os::unix::process::CommandExt;
     let (passt_pid, passt_started) = passt.unwrap_or((0, 0));
-    let mut cmd = std::process::Command::new("/bin/bash");
+    // tokio's, so that its exit is reaped (no zombie per destroyed VM); it
+    // is never killed on drop.
+    let mut cmd = tokio::process::Command::new("/bin/bash");
     cmd.arg("--noprofile")
         .arg("--norc")
         .arg("-c")
@@ -166,7 +167,8 @@ pub(crate) fn start_watchdog(
         .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::null());
+        .stderr(Stdio::null())
+        .kill_on_drop(false);
     let fd = life.as_raw_fd();
     // SAFETY: only async-signal-safe calls between fork and exec.
     unsafe {
@@ -186,9 +188,10 @@ pub(crate) fn start_watchdog(
         }
     })?;
     drop(life);
-    let pid = child.id();
-    // Reaped by whoever adopts it; we track it by pid and start time.
-    std::mem::forget(child);
+    let pid = child.id().unwrap_or(0);
+    // Dropped, not killed: tokio reaps it if it exits while we live, init
+    // after that; we track it by pid and start time.
+    drop(child);
     Ok((pid, process::start_time(pid).unwrap_or(0)))
 }
 
@@ -244,8 +247,17 @@ mod tests {
         assert!(read_expiry(tmp.path()).unwrap() >= at);
     }
 
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
     #[test]
     fn the_watchdog_kills_at_the_expiry_as_extended_and_removes_the_directory() {
+        let rt = runtime();
+        let _in = rt.enter();
         let tmp = tempfile::tempdir().unwrap();
         let (dir, mut vm, life) = fake_vm(tmp.path(), "sbx_expiring");
         let now = OffsetDateTime::now_utc();
@@ -274,6 +286,8 @@ mod tests {
 
     #[test]
     fn the_watchdog_ends_with_its_vm_and_ignores_sigterm() {
+        let rt = runtime();
+        let _in = rt.enter();
         let tmp = tempfile::tempdir().unwrap();
         let (dir, mut vm, life) = fake_vm(tmp.path(), "sbx_destroyed");
         write_expiry(&dir, OffsetDateTime::now_utc() + time::Duration::hours(1)).unwrap();
