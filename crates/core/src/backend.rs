@@ -89,10 +89,11 @@ pub struct LocalVms {
 }
 
 /// A pool VM has no sandbox, so no expiry of its own: it expires this long
-/// after the pool task last renewed it (every [`POOL_NAP`] at most), so if
-/// this process dies, its pool VMs follow (see [`sandpit_runtime::expiry`]).
+/// after it was last renewed (every [`POOL_NAP`]), so if this process dies,
+/// its pool VMs follow (see [`sandpit_runtime::expiry`]).
 const POOL_LEASE: time::Duration = time::Duration::minutes(3);
-/// The pool task's longest sleep when the pool is full.
+/// The pool task's longest sleep when the pool is full, and how often pool
+/// VMs' leases are renewed.
 const POOL_NAP: Duration = Duration::from_secs(30);
 
 /// A refill waits this long after a create took a pool VM, so that create
@@ -272,6 +273,20 @@ impl LocalVms {
         if self.pool.sizes.values().all(|n| *n == 0) {
             return;
         }
+        // Leases are renewed on a clock of their own: a refill held up (a
+        // template build on a busy host) must not let ready VMs lapse.
+        let me = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                let Some(vms) = me.upgrade() else { return };
+                if vms.stopping.load(Ordering::SeqCst) {
+                    return;
+                }
+                vms.renew_leases();
+                drop(vms);
+                tokio::time::sleep(POOL_NAP).await;
+            }
+        });
         let me = Arc::downgrade(self);
         let wake = self.refill.clone();
         tokio::spawn(async move {
@@ -339,7 +354,6 @@ impl LocalVms {
         for id in dead {
             let _ = self.destroy(&id).await;
         }
-        self.renew_leases();
         let Some((size, _)) = want else {
             return Ok(false);
         };
