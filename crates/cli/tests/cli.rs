@@ -3,53 +3,10 @@
 
 mod common;
 
+use common::cli::Cli;
 use common::*;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::Path;
 use std::time::{Duration, Instant};
-
-struct Cli {
-    data: PathBuf,
-    config: PathBuf,
-}
-
-impl Cli {
-    fn new() -> Cli {
-        let data = data_dir();
-        let config = data.join("config.toml");
-        std::fs::write(
-            &config,
-            "[sizes.small]\nvcpus = 2\nmemory_mb = 1024\ndisk_gb = 4\n",
-        )
-        .unwrap();
-        Cli { data, config }
-    }
-
-    fn run(&self, args: &[&str]) -> Output {
-        Command::new(env!("CARGO_BIN_EXE_sandpit"))
-            .arg("--data-dir")
-            .arg(&self.data)
-            .arg("--images-dir")
-            .arg(images_dir())
-            .arg("--config")
-            .arg(&self.config)
-            .args(args)
-            .env_remove("SANDPIT_AGENT_BIN")
-            .output()
-            .unwrap()
-    }
-
-    fn ok(&self, args: &[&str]) -> String {
-        let out = self.run(args);
-        assert!(
-            out.status.success(),
-            "sandpit {args:?} failed: {}\n{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap()
-    }
-}
 
 #[test]
 fn create_exec_cp_ls_rm_across_invocations() {

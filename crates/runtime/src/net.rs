@@ -7,6 +7,20 @@
 //! Everything else on the deny list (link-local metadata, private ranges, the
 //! host's own addresses) is rejected by the guest's packet filter, which the
 //! agent installs before any user command runs; see docs/threat-model.md.
+//!
+//! Name resolution: the guest's resolver is [`GUEST_DNS_FORWARD`], which
+//! passt answers by forwarding each query to the host's resolver, so guests
+//! resolve names as the host does without reaching the host's resolver
+//! themselves (it is often on a denied address: systemd-resolved's
+//! 127.0.0.53, a cloud VPC resolver on a private or link-local address).
+//! Which resolver is passt's own choice, made at its start, and it is not
+//! what `--dns` says: measured with Debian 12's passt (0.0~git20230309),
+//! queries go to the first IPv4 `nameserver` of the host's
+//! `/etc/resolv.conf`, loopback included (also with `--no-map-gw`), and
+//! only when no `--dns` is given; with `--dns ADDR` they went to 0.0.0.0
+//! (the host itself), which is why `--dns 10.0.2.3` left guests without
+//! names. So passt gets `--dns-forward` and no `--dns`, and
+//! [`host_resolver`] reads the same line for the log.
 
 use crate::{Result, RuntimeError};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -17,7 +31,8 @@ use std::process::Stdio;
 /// Guest-side addressing, the same in every sandbox (each has its own NAT).
 pub const GUEST_ADDRESS: &str = "10.0.2.15/24";
 pub const GUEST_GATEWAY: &str = "10.0.2.2";
-/// passt answers DNS sent here with the host's resolver.
+/// The guest's name server: passt forwards DNS sent here (UDP) to the host's
+/// resolver (see the module docs).
 pub const GUEST_DNS_FORWARD: &str = "10.0.2.3";
 pub const GUEST_MTU: u32 = 65520;
 
@@ -39,12 +54,8 @@ pub fn start_passt(passt: &Path, dir: &Path, merge_pages: bool) -> Result<(u32, 
         .args(["--fd", &NET_FD.to_string()])
         .args(["--address", "10.0.2.15", "--netmask", "24"])
         .args(["--gateway", GUEST_GATEWAY, "--no-map-gw"])
-        .args([
-            "--dns",
-            GUEST_DNS_FORWARD,
-            "--dns-forward",
-            GUEST_DNS_FORWARD,
-        ])
+        // No `--dns`: with one, passt no longer forwards to the host's resolver.
+        .args(["--dns-forward", GUEST_DNS_FORWARD])
         .args(["--tcp-ports", "none", "--udp-ports", "none"])
         .args(["--no-dhcpv6", "--no-ndp", "--no-ra"])
         .arg("--log-file")
@@ -94,6 +105,17 @@ pub(crate) fn pass_fd(fd: i32, target: i32) -> std::io::Result<()> {
     Ok(())
 }
 
+/// The resolver passt forwards the guests' queries to, read from
+/// `resolv_conf` (the host's `/etc/resolv.conf`) as passt reads it: the
+/// first `nameserver` line whose address is IPv4 (a `%` suffix cut off).
+pub fn host_resolver(resolv_conf: &str) -> Option<std::net::Ipv4Addr> {
+    resolv_conf.lines().find_map(|line| {
+        let rest = line.strip_prefix("nameserver ")?;
+        let addr = rest.rsplit(' ').next()?;
+        addr.split('%').next()?.trim_end().parse().ok()
+    })
+}
+
 /// The host's own IPv4 addresses (added to the guest's deny list).
 pub fn host_addresses() -> Vec<String> {
     let mut out = Vec::new();
@@ -118,4 +140,22 @@ pub fn host_addresses() -> Vec<String> {
     out.sort();
     out.dedup();
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_host_resolver_is_the_first_ipv4_nameserver() {
+        let conf = "# generated\nsearch example.internal\nnameserver fe80::1%eth0\n\
+                    nameserver 127.0.0.53\nnameserver 10.255.255.53\noptions edns0\n";
+        assert_eq!(host_resolver(conf), Some([127, 0, 0, 53].into()));
+        assert_eq!(
+            host_resolver("nameserver 10.255.255.53\n"),
+            Some([10, 255, 255, 53].into())
+        );
+        assert_eq!(host_resolver("search x\n#nameserver 1.1.1.1\n"), None);
+        assert_eq!(host_resolver(""), None);
+    }
 }

@@ -171,6 +171,9 @@ impl VmManager {
                 .into_iter()
                 .filter(|a| !a.starts_with("127.")),
         );
+        if config.network.enabled && config.network.dns.is_none() {
+            log_guest_resolver();
+        }
         let qemu_version = qemu_version(&config.qemu_binary)?;
         if config.ksm {
             crate::ksm::ensure_running_logged();
@@ -1185,6 +1188,23 @@ impl VmManager {
             let _ = std::fs::remove_file(f);
         }
         Ok(())
+    }
+}
+
+/// Say where the guests' DNS goes by default (see `net`), and warn when it
+/// goes nowhere.
+fn log_guest_resolver() {
+    let conf = std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default();
+    match net::host_resolver(&conf) {
+        Some(upstream) => tracing::debug!(
+            "guests resolve names at {}, which passt forwards to {upstream} \
+             (the first IPv4 nameserver of /etc/resolv.conf)",
+            net::GUEST_DNS_FORWARD
+        ),
+        None => tracing::warn!(
+            "/etc/resolv.conf names no IPv4 nameserver, so guests cannot resolve names; \
+             name servers for them can be set with [network] dns"
+        ),
     }
 }
 

@@ -4,6 +4,7 @@
 //! test fails.
 #![allow(dead_code)]
 
+pub mod cli;
 pub mod serve;
 
 use sandpit_protocol::ExecRequest;

@@ -1,0 +1,64 @@
+//! The `sandpit` command line as a person uses it: each call is a separate
+//! process on one data directory, with a small size table.
+
+use super::{data_dir, images_dir};
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+pub struct Cli {
+    pub data: PathBuf,
+    pub config: PathBuf,
+}
+
+impl Cli {
+    pub fn new() -> Cli {
+        let data = data_dir();
+        let config = data.join("config.toml");
+        std::fs::write(
+            &config,
+            "[sizes.small]\nvcpus = 2\nmemory_mb = 1024\ndisk_gb = 4\n",
+        )
+        .unwrap();
+        Cli { data, config }
+    }
+
+    /// The `sandpit` binary under test.
+    pub fn program() -> &'static str {
+        env!("CARGO_BIN_EXE_sandpit")
+    }
+
+    /// The arguments every call starts with: this data directory, the
+    /// images and the config.
+    pub fn base_args(&self) -> Vec<OsString> {
+        vec![
+            "--data-dir".into(),
+            self.data.clone().into(),
+            "--images-dir".into(),
+            images_dir().into(),
+            "--config".into(),
+            self.config.clone().into(),
+        ]
+    }
+
+    pub fn run(&self, args: &[&str]) -> Output {
+        Command::new(Self::program())
+            .args(self.base_args())
+            .args(args)
+            // Found beside the binary, as an install finds it.
+            .env_remove("SANDPIT_AGENT_BIN")
+            .output()
+            .unwrap()
+    }
+
+    pub fn ok(&self, args: &[&str]) -> String {
+        let out = self.run(args);
+        assert!(
+            out.status.success(),
+            "sandpit {args:?} failed: {}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    }
+}
