@@ -1,15 +1,16 @@
 //! `Configure`: turn the generic guest image into one particular sandbox
-//! (identity, clock, entropy, limits, network).
+//! (identity, clock, entropy, limits, network, the operator's proxy and CAs).
 //!
 //! It runs at first boot and again after every snapshot restore, where the
 //! clock has jumped and the RNG state is a copy shared with every other clone
 //! of the snapshot, so the host's entropy is mixed in and the CRNG reseeded
-//! right away. Every step is idempotent; the network and the limits, which a
-//! restored VM already has from its template, are skipped when unchanged.
+//! right away. Every step is idempotent; the network, the limits and the
+//! outbound settings, which a restored VM already has from its template, are
+//! skipped when unchanged.
 //! The request is validated before anything changes; a failing step is named
 //! in the error.
 
-use crate::{cgroup, net, sys};
+use crate::{cgroup, net, outbound, sys};
 use sandpit_protocol::{AgentError, ErrorKind, GuestConfig};
 use std::fs::OpenOptions;
 use std::io;
@@ -105,6 +106,10 @@ pub fn configure(cfg: &GuestConfig, entropy: &[u8]) -> Result<(), AgentError> {
     check_hostname(&cfg.hostname)?;
     check_machine_id(&cfg.machine_id)?;
     let plan = cfg.network.as_ref().map(net::Plan::new).transpose()?;
+    let outbound = outbound::Outbound::new(
+        &cfg.ca_certificates,
+        cfg.network.as_ref().and_then(|n| n.proxy.as_ref()),
+    )?;
     if !crate::is_pid1() {
         crate::info!("configure: development mode, validated but not applied");
         return Ok(());
@@ -159,6 +164,15 @@ pub fn configure(cfg: &GuestConfig, entropy: &[u8]) -> Result<(), AgentError> {
             net::apply(plan)?;
             *applied = Some(plan.clone());
         }
+    }
+    // Likewise: a restored VM has the template's bundle and variables, made
+    // with the same settings (they are part of the template's key).
+    static OUTBOUND: std::sync::Mutex<Option<outbound::Outbound>> = std::sync::Mutex::new(None);
+    let mut applied_outbound = sys::lock(&OUTBOUND);
+    if applied_outbound.as_ref() != Some(&outbound) {
+        *applied_outbound = None;
+        outbound::apply(&outbound)?;
+        *applied_outbound = Some(outbound);
     }
     // The first command's cgroup and pipes (a template carries them into
     // its clones).

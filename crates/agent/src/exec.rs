@@ -19,6 +19,7 @@
 use crate::cgroup::{self, ExecCgroup};
 use crate::channel::Reply;
 use crate::files;
+use crate::outbound;
 use crate::output::{Output, StreamAcct};
 use crate::reaper::ExitStatus;
 use crate::spawn::{self, Sandbox, SpawnError, Spawned, Step};
@@ -395,15 +396,22 @@ fn is_executable(path: &CStr) -> bool {
 fn shell_command(req: &ExecRequest, cwd: &str) -> Result<ShellCommand, AgentError> {
     let (program, name) = shell();
     let invalid = |e: io::Error| AgentError::new(ErrorKind::InvalidRequest, e.to_string());
-    // The request's variables replace the base ones of the same name.
-    let mut env: BTreeMap<&str, &str> = BTreeMap::new();
+    // The base variables, then the operator's proxy and CA ones (see
+    // `outbound`); the request's replace any of them with the same name.
     let base = base_env(cwd);
-    for (k, v) in &base {
-        env.insert(k, v);
-    }
-    for (k, v) in &req.env {
-        env.insert(k, v);
-    }
+    let env = outbound::with_env(|outbound| {
+        let mut env: BTreeMap<&str, &str> = BTreeMap::new();
+        for (k, v) in base.iter().chain(outbound) {
+            env.insert(k, v);
+        }
+        for (k, v) in &req.env {
+            env.insert(k, v);
+        }
+        env.into_iter()
+            .map(|(k, v)| sys::cstring(&format!("{k}={v}")))
+            .collect::<io::Result<Vec<_>>>()
+    })
+    .map_err(invalid)?;
     Ok(ShellCommand {
         program,
         argv: [
@@ -411,11 +419,7 @@ fn shell_command(req: &ExecRequest, cwd: &str) -> Result<ShellCommand, AgentErro
             c"-c".to_owned(),
             sys::cstring(&req.command).map_err(invalid)?,
         ],
-        env: env
-            .into_iter()
-            .map(|(k, v)| sys::cstring(&format!("{k}={v}")))
-            .collect::<io::Result<_>>()
-            .map_err(invalid)?,
+        env,
     })
 }
 

@@ -4,7 +4,8 @@
 //! systemd, so the agent both keeps the system running (mounts, cgroups,
 //! reaping orphans, see `init` and `reaper`) and serves the host's requests
 //! over one virtio-serial port (`channel`, `server`): run commands (`exec`,
-//! `output`), move files (`files`), configure the guest (`config`, `net`).
+//! `output`), move files (`files`), configure the guest (`config`, `net`,
+//! `outbound`).
 //!
 //! It is a static binary with no async runtime: threads block in syscalls and
 //! an idle sandbox costs no CPU (no timers, no polling loops). As PID 1 it must
@@ -22,6 +23,7 @@ mod files;
 mod init;
 mod log;
 mod net;
+mod outbound;
 mod output;
 mod reaper;
 mod server;

@@ -76,6 +76,8 @@ pub struct Plan {
     gateway: IpAddr,
     dns: Vec<IpAddr>,
     deny: Vec<Cidr>,
+    /// The operator's HTTP proxy: address and TCP port.
+    proxy: Option<(IpAddr, u16)>,
     mtu: u32,
 }
 
@@ -117,11 +119,26 @@ impl Plan {
         if !(68..=65535).contains(&net.mtu) {
             return Err(invalid("mtu", &net.mtu.to_string()));
         }
+        let proxy = match &net.proxy {
+            Some(p) => {
+                let address = p
+                    .address
+                    .trim()
+                    .parse::<IpAddr>()
+                    .map_err(|_| invalid("proxy address", &p.address))?;
+                if p.port == 0 {
+                    return Err(invalid("proxy port", "0"));
+                }
+                Some((address, p.port))
+            }
+            None => None,
+        };
         Ok(Plan {
             address,
             gateway,
             dns,
             deny,
+            proxy,
             mtu: net.mtu,
         })
     }
@@ -131,15 +148,17 @@ impl Plan {
 /// per denied prefix. Declaring the table before deleting it makes the delete
 /// succeed whether or not it existed; all of it is one atomic transaction.
 ///
-/// Two exemptions come first:
+/// Three exemptions come first:
 /// - loopback: traffic to the guest's own addresses is not egress, and the
 ///   TCP resets that `reject` sends back to local sockets travel over `lo`;
 ///   with the guest's own subnet denied (the default list denies 10.0.0.0/8
 ///   and 127.0.0.0/8) they would be rejected in turn, and a denied connect
 ///   would hang instead of failing at once;
 /// - DNS (port 53) to the configured name servers, which the host may well
-///   place inside a denied range (passt's forwarder is 10.0.2.3).
-pub fn ruleset(deny: &[Cidr], dns: &[IpAddr]) -> String {
+///   place inside a denied range (passt's forwarder is 10.0.2.3);
+/// - the operator's HTTP proxy, its address and TCP port only: a corporate
+///   proxy usually sits on a private address.
+pub fn ruleset(deny: &[Cidr], dns: &[IpAddr], proxy: Option<(IpAddr, u16)>) -> String {
     let family = |a: &IpAddr| if a.is_ipv4() { "ip" } else { "ip6" };
     let mut s = String::from(
         "table inet sandpit\n\
@@ -155,6 +174,10 @@ pub fn ruleset(deny: &[Cidr], dns: &[IpAddr]) -> String {
             "\t\t{f} daddr {d} udp dport 53 accept\n\
              \t\t{f} daddr {d} tcp dport 53 accept\n"
         ));
+    }
+    if let Some((a, port)) = proxy {
+        let f = family(&a);
+        s.push_str(&format!("\t\t{f} daddr {a} tcp dport {port} accept\n"));
     }
     for c in deny {
         let f = family(&c.addr);
@@ -221,7 +244,7 @@ pub fn apply(plan: &Plan) -> Result<(), AgentError> {
         "egress filter",
         "nft",
         &["-f", "-"],
-        Some(ruleset(&plan.deny, &plan.dns).into_bytes()),
+        Some(ruleset(&plan.deny, &plan.dns, plan.proxy).into_bytes()),
     )?;
     if plan.address.addr.is_ipv4() {
         let knob = format!("/proc/sys/net/ipv6/conf/{ifname}/disable_ipv6");
@@ -276,6 +299,7 @@ pub fn apply(plan: &Plan) -> Result<(), AgentError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sandpit_protocol::ProxyConfig;
 
     fn net() -> NetworkConfig {
         NetworkConfig {
@@ -288,6 +312,12 @@ mod tests {
                 "fd00::1/8".into(),
             ],
             mtu: 1500,
+            proxy: Some(ProxyConfig {
+                url: "http://10.1.2.3:3128".into(),
+                address: "10.1.2.3".into(),
+                port: 3128,
+                no_proxy: vec![],
+            }),
         }
     }
 
@@ -334,6 +364,20 @@ mod tests {
                 ..net()
             },
             NetworkConfig { mtu: 20, ..net() },
+            NetworkConfig {
+                proxy: Some(ProxyConfig {
+                    address: "10.1.2.3; flush ruleset".into(),
+                    ..net().proxy.unwrap()
+                }),
+                ..net()
+            },
+            NetworkConfig {
+                proxy: Some(ProxyConfig {
+                    port: 0,
+                    ..net().proxy.unwrap()
+                }),
+                ..net()
+            },
         ] {
             assert_eq!(Plan::new(&bad).unwrap_err().kind, ErrorKind::InvalidRequest);
         }
@@ -342,7 +386,7 @@ mod tests {
     #[test]
     fn ruleset_rejects_each_prefix() {
         let p = Plan::new(&net()).unwrap();
-        let r = ruleset(&p.deny, &p.dns);
+        let r = ruleset(&p.deny, &p.dns, p.proxy);
         assert!(r.starts_with("table inet sandpit\ndelete table inet sandpit\n"));
         assert!(r.contains("policy accept;\n\t\toifname \"lo\" accept\n"));
         assert!(r.contains("ip daddr 10.0.0.0/8 meta l4proto tcp reject with tcp reset\n"));
@@ -354,7 +398,16 @@ mod tests {
             dns_at < r.find("reject").unwrap(),
             "DNS exemption must come first"
         );
-        assert!(ruleset(&[], &[]).contains("policy accept;"));
+        let proxy_at = r
+            .find("ip daddr 10.1.2.3 tcp dport 3128 accept\n")
+            .expect("the proxy is exempted");
+        assert!(
+            proxy_at < r.find("reject").unwrap(),
+            "the proxy's exemption must come before the rejects"
+        );
+        assert_eq!(r.matches("10.1.2.3").count(), 1, "the proxy only: {r}");
+        assert!(ruleset(&[], &[], None).contains("policy accept;"));
+        assert!(!ruleset(&p.deny, &p.dns, None).contains("3128"));
     }
 
     /// Let the real nft parse the ruleset in check mode (nothing is applied).
@@ -376,7 +429,7 @@ mod tests {
                 c.stdin
                     .take()
                     .unwrap()
-                    .write_all(ruleset(&p.deny, &p.dns).as_bytes())?;
+                    .write_all(ruleset(&p.deny, &p.dns, p.proxy).as_bytes())?;
                 c.wait_with_output()
             })
             .unwrap();

@@ -110,6 +110,11 @@ pub struct NetworkSection {
     /// Replaces the default deny list.
     pub deny: Option<Vec<String>>,
     pub dns: Option<Vec<String>>,
+    /// `http://HOST:PORT`: the HTTP proxy guests use (see `RuntimeConfig`).
+    pub proxy: Option<String>,
+    pub no_proxy: Option<Vec<String>>,
+    /// PEM files of CA certificates every guest trusts.
+    pub ca_certificates: Option<Vec<PathBuf>>,
 }
 
 /// Resolved settings of one invocation.
@@ -269,6 +274,9 @@ impl Settings {
             if n.dns.is_some() {
                 rt.network.dns = n.dns;
             }
+            rt.network.proxy = n.proxy;
+            rt.network.no_proxy = n.no_proxy.unwrap_or_default();
+            rt.network.ca_certificates = n.ca_certificates.unwrap_or_default();
         }
         if let Some(v) = file.user_pids_max {
             rt.user_pids_max = v;
@@ -360,5 +368,36 @@ mod pool_tests {
         assert_eq!(m["medium"], 1);
         assert!(parse_pool_sizes("small").is_err());
         assert!(parse_pool_sizes("small=x").is_err());
+    }
+}
+
+#[cfg(test)]
+mod network_tests {
+    use super::Settings;
+
+    #[test]
+    fn the_proxy_and_ca_settings_reach_the_runtime() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = dir.path().join("config.toml");
+        std::fs::write(
+            &config,
+            "[network]\nproxy = \"http://proxy.corp.example:3128\"\n\
+             no_proxy = [\".corp.example\"]\n\
+             ca_certificates = [\"/etc/sandpit/corp-root.pem\"]\n",
+        )
+        .unwrap();
+        let s = Settings::load(Some(dir.path().into()), None, Some(&config)).unwrap();
+        let n = &s.runtime.network;
+        assert_eq!(n.proxy.as_deref(), Some("http://proxy.corp.example:3128"));
+        assert_eq!(n.no_proxy, [".corp.example"]);
+        assert_eq!(
+            n.ca_certificates,
+            [std::path::Path::new("/etc/sandpit/corp-root.pem")]
+        );
+        assert_eq!(n.dns, None, "the guests' DNS stays passt's forwarder");
+
+        std::fs::write(&config, "[network]\nhttps_proxy = \"http://p:1\"\n").unwrap();
+        let e = Settings::load(Some(dir.path().into()), None, Some(&config)).unwrap_err();
+        assert!(format!("{e:#}").contains("https_proxy"), "{e:#}");
     }
 }

@@ -171,6 +171,12 @@ pub struct GuestConfig {
     pub user_pids_max: u32,
     /// Memory kept back from the guest user for the agent and kernel, in MiB.
     pub reserved_memory_mb: u32,
+    /// CA certificates the guest trusts besides its own (an operator's
+    /// TLS-inspecting proxy), one PEM `CERTIFICATE` block each: added to the
+    /// system bundle, which every command is pointed at. Added within
+    /// generation 1; absent means none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ca_certificates: Vec<String>,
 }
 
 /// Static IPv4 configuration of the guest's one network interface and its
@@ -189,6 +195,27 @@ pub struct NetworkConfig {
     pub deny: Vec<String>,
     /// Interface MTU.
     pub mtu: u32,
+    /// The HTTP proxy every command is told to use. Added within generation
+    /// 1; absent means none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub proxy: Option<ProxyConfig>,
+}
+
+/// An HTTP proxy for the guest's commands (`http_proxy`, `https_proxy`,
+/// `no_proxy` and their upper-case names). Its address and port are the one
+/// destination the egress filter lets through even inside a denied prefix.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProxyConfig {
+    /// The value of `http_proxy` and `https_proxy`: `http://ADDRESS:PORT`,
+    /// possibly with `user:password@`.
+    pub url: String,
+    /// The proxy's IP address, as in `url`.
+    pub address: String,
+    /// The proxy's TCP port, as in `url`.
+    pub port: u16,
+    /// Hosts, domains and addresses reached without the proxy (`no_proxy`),
+    /// the guest's own `localhost` included by the host.
+    pub no_proxy: Vec<String>,
 }
 
 /// A shell command to run.

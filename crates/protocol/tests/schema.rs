@@ -37,9 +37,11 @@ fn samples() -> Vec<Message> {
                     dns: vec!["10.0.2.3".into()],
                     deny: vec!["169.254.0.0/16".into()],
                     mtu: 65520,
+                    proxy: None,
                 }),
                 user_pids_max: 4096,
                 reserved_memory_mb: 96,
+                ca_certificates: vec![],
             },
         },
         Message::Ping { id: 2 },
@@ -166,6 +168,35 @@ fn samples() -> Vec<Message> {
         Message::Error {
             id: 9,
             error: AgentError::new(ErrorKind::TimedOut, "connecting to port 8000 timed out"),
+        },
+        // Added within generation 1: the operator's extra CA certificates
+        // and HTTP proxy (both optional; the Configure above, without them,
+        // keeps its wire form).
+        Message::Configure {
+            id: 10,
+            config: GuestConfig {
+                hostname: "sbx-y".into(),
+                machine_id: "0123456789abcdef0123456789abcdef".into(),
+                time_unix_ms: 1_700_000_000_000,
+                network: Some(NetworkConfig {
+                    address: "10.0.2.15/24".into(),
+                    gateway: "10.0.2.2".into(),
+                    dns: vec!["10.0.2.3".into()],
+                    deny: vec!["10.0.0.0/8".into()],
+                    mtu: 65520,
+                    proxy: Some(ProxyConfig {
+                        url: "http://10.1.2.3:3128".into(),
+                        address: "10.1.2.3".into(),
+                        port: 3128,
+                        no_proxy: vec!["localhost".into(), ".corp.example".into()],
+                    }),
+                }),
+                user_pids_max: 4096,
+                reserved_memory_mb: 96,
+                ca_certificates: vec![
+                    "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n".into(),
+                ],
+            },
         },
     ]
 }

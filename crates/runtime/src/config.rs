@@ -37,6 +37,19 @@ pub struct NetworkPolicy {
     pub deny: Vec<String>,
     /// Name servers the guest uses; default: passt forwards to the host's resolver.
     pub dns: Option<Vec<String>>,
+    /// An HTTP proxy every guest command is told to use (`http_proxy`,
+    /// `https_proxy`): `http://HOST:PORT`, resolved at start; guests may
+    /// reach that address and port even inside a denied prefix.
+    #[serde(default)]
+    pub proxy: Option<String>,
+    /// Hosts and domains reached without the proxy (`no_proxy`), besides the
+    /// guest's own `localhost`.
+    #[serde(default)]
+    pub no_proxy: Vec<String>,
+    /// PEM files of CA certificates every guest trusts besides its own (a
+    /// TLS-inspecting proxy's), read at start.
+    #[serde(default)]
+    pub ca_certificates: Vec<PathBuf>,
 }
 
 /// The safe default deny list: link-local (cloud metadata at 169.254.169.254),
@@ -61,6 +74,9 @@ impl Default for NetworkPolicy {
             enabled: true,
             deny: DEFAULT_DENY.iter().map(|s| s.to_string()).collect(),
             dns: None,
+            proxy: None,
+            no_proxy: Vec::new(),
+            ca_certificates: Vec::new(),
         }
     }
 }

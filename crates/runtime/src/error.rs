@@ -39,6 +39,10 @@ pub enum RuntimeError {
     /// Starting or driving QEMU (or passt) failed.
     #[error("{0}")]
     Launch(String),
+    /// A setting cannot be used as it is (a CA file with no certificate, a
+    /// proxy that does not resolve).
+    #[error("configuration: {0}")]
+    Config(String),
     /// A host tool is missing.
     #[error(
         "{tool} is not installed; install the Debian package {package} (apt-get install {package})"

@@ -21,8 +21,15 @@
 //! (the host itself), which is why `--dns 10.0.2.3` left guests without
 //! names. So passt gets `--dns-forward` and no `--dns`, and
 //! [`host_resolver`] reads the same line for the log.
+//!
+//! Behind an operator's TLS-inspecting proxy, guests get the proxy
+//! ([`resolve_proxy`]) and its CA certificates ([`read_ca_certificates`]),
+//! both read once at start; the agent exports them to every command and
+//! lets exactly the proxy's address and port through the deny list.
 
 use crate::{Result, RuntimeError};
+use sandpit_protocol::ProxyConfig;
+use std::net::{IpAddr, Ipv4Addr, ToSocketAddrs};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
@@ -108,12 +115,139 @@ pub(crate) fn pass_fd(fd: i32, target: i32) -> std::io::Result<()> {
 /// The resolver passt forwards the guests' queries to, read from
 /// `resolv_conf` (the host's `/etc/resolv.conf`) as passt reads it: the
 /// first `nameserver` line whose address is IPv4 (a `%` suffix cut off).
-pub fn host_resolver(resolv_conf: &str) -> Option<std::net::Ipv4Addr> {
+pub fn host_resolver(resolv_conf: &str) -> Option<Ipv4Addr> {
     resolv_conf.lines().find_map(|line| {
         let rest = line.strip_prefix("nameserver ")?;
         let addr = rest.rsplit(' ').next()?;
         addr.split('%').next()?.trim_end().parse().ok()
     })
+}
+
+/// Destinations the guest always reaches without the proxy: its own.
+const ALWAYS_DIRECT: &[&str] = &["localhost", "127.0.0.1", "::1"];
+
+/// The operator's proxy as guests use it: `url` is `http://[USER:PASSWORD@]HOST:PORT`
+/// (a trailing `/` allowed). The host name is resolved here, once, and
+/// guests get its first IPv4 address in the URL, so what they connect to is
+/// exactly what their filter lets through. The port must be given: tools
+/// disagree on a proxy's default port (curl takes 1080).
+pub fn resolve_proxy(url: &str, no_proxy: &[String]) -> Result<ProxyConfig> {
+    let bad = |why: &str| RuntimeError::Config(format!("[network] proxy {url:?}: {why}"));
+    let rest = url.strip_prefix("http://").ok_or_else(|| {
+        bad("must start with http:// (guests speak plain HTTP to it, CONNECT for https)")
+    })?;
+    let rest = rest.strip_suffix('/').unwrap_or(rest);
+    if rest.is_empty()
+        || !rest.chars().all(|c| c.is_ascii_graphic())
+        || rest.contains(['/', '?', '#'])
+    {
+        return Err(bad("expected http://HOST:PORT"));
+    }
+    let (userinfo, host_port) = match rest.rsplit_once('@') {
+        Some((u, h)) => (Some(u), h),
+        None => (None, rest),
+    };
+    let (host, port) = host_port
+        .rsplit_once(':')
+        .ok_or_else(|| bad("needs a port (http://HOST:PORT)"))?;
+    let port: u16 = port
+        .parse()
+        .ok()
+        .filter(|p| *p != 0)
+        .ok_or_else(|| bad("the port is not a port number"))?;
+    if host.is_empty() || host.starts_with('[') {
+        return Err(bad(
+            "needs a host name or an IPv4 address (guests have IPv4 only)",
+        ));
+    }
+    let address = (host, port)
+        .to_socket_addrs()
+        .map_err(|e| bad(&format!("cannot resolve {host}: {e}")))?
+        .map(|a| a.ip())
+        .find(IpAddr::is_ipv4)
+        .ok_or_else(|| bad(&format!("{host} has no IPv4 address")))?;
+    if address.is_loopback() {
+        return Err(bad(
+            "guests cannot reach the host's loopback; let the proxy listen on another address of the host",
+        ));
+    }
+    let mut direct: Vec<String> = ALWAYS_DIRECT.iter().map(|s| s.to_string()).collect();
+    for n in no_proxy {
+        if n.is_empty() || !n.chars().all(|c| c.is_ascii_graphic() && c != ',') {
+            return Err(RuntimeError::Config(format!(
+                "[network] no_proxy entry {n:?}: one host, domain or address per entry"
+            )));
+        }
+        if !direct.contains(n) {
+            direct.push(n.clone());
+        }
+    }
+    let userinfo = userinfo.map(|u| format!("{u}@")).unwrap_or_default();
+    Ok(ProxyConfig {
+        url: format!("http://{userinfo}{address}:{port}"),
+        address: address.to_string(),
+        port,
+        no_proxy: direct,
+    })
+}
+
+/// The certificates of these PEM files, one `CERTIFICATE` block each, as
+/// every guest will trust them. Anything else in the files (a private key
+/// saved alongside) is left out, never sent to a guest; a file without any
+/// certificate is an error, as is one that cannot be read.
+pub fn read_ca_certificates(paths: &[std::path::PathBuf]) -> Result<Vec<String>> {
+    const BEGIN: &str = "-----BEGIN CERTIFICATE-----";
+    const END: &str = "-----END CERTIFICATE-----";
+    let mut out = Vec::new();
+    for path in paths {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            RuntimeError::Config(format!(
+                "[network] ca_certificates: reading {}: {e}",
+                path.display()
+            ))
+        })?;
+        let before = out.len();
+        let mut lines = text.lines().map(str::trim);
+        while let Some(line) = lines.next() {
+            if line != BEGIN {
+                continue;
+            }
+            let mut pem = format!("{BEGIN}\n");
+            let mut complete = false;
+            for line in lines.by_ref() {
+                if line == END {
+                    complete = true;
+                    break;
+                }
+                if line.is_empty()
+                    || !line
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '/' | '='))
+                {
+                    break;
+                }
+                pem.push_str(line);
+                pem.push('\n');
+            }
+            if complete && pem.len() > BEGIN.len() + 1 {
+                pem.push_str(END);
+                pem.push('\n');
+                out.push(pem);
+            } else {
+                return Err(RuntimeError::Config(format!(
+                    "[network] ca_certificates: {} holds a broken PEM certificate",
+                    path.display()
+                )));
+            }
+        }
+        if out.len() == before {
+            return Err(RuntimeError::Config(format!(
+                "[network] ca_certificates: {} holds no PEM certificate",
+                path.display()
+            )));
+        }
+    }
+    Ok(out)
 }
 
 /// The host's own IPv4 addresses (added to the guest's deny list).
@@ -157,5 +291,75 @@ mod tests {
         );
         assert_eq!(host_resolver("search x\n#nameserver 1.1.1.1\n"), None);
         assert_eq!(host_resolver(""), None);
+    }
+
+    #[test]
+    fn proxies_are_resolved_once_with_an_explicit_port() {
+        let p = resolve_proxy("http://10.1.2.3:3128/", &["corp.example".into()]).unwrap();
+        assert_eq!(p.url, "http://10.1.2.3:3128");
+        assert_eq!((p.address.as_str(), p.port), ("10.1.2.3", 3128));
+        assert_eq!(
+            p.no_proxy,
+            ["localhost", "127.0.0.1", "::1", "corp.example"]
+        );
+        let p = resolve_proxy("http://me:s3cret@10.1.2.3:8080", &["localhost".into()]).unwrap();
+        assert_eq!(p.url, "http://me:s3cret@10.1.2.3:8080");
+        assert_eq!(p.no_proxy, ["localhost", "127.0.0.1", "::1"]);
+        // A name becomes the address guests are let through to.
+        let p = resolve_proxy("http://localhost.:3128", &[]);
+        assert!(p.is_err(), "the host's loopback is out of guests' reach");
+        for bad in [
+            "10.1.2.3:3128",
+            "https://10.1.2.3:3128",
+            "http://10.1.2.3",
+            "http://10.1.2.3:0",
+            "http://10.1.2.3:99999",
+            "http://10.1.2.3:3128/path",
+            "http://[fd00::1]:3128",
+            "http://127.0.0.1:3128",
+            "http://a b:3128",
+            "http://",
+        ] {
+            let e = resolve_proxy(bad, &[]).unwrap_err();
+            assert!(matches!(e, RuntimeError::Config(_)), "{bad}: {e}");
+        }
+        for bad in ["a,b", "", "a b"] {
+            assert!(resolve_proxy("http://10.1.2.3:3128", &[bad.into()]).is_err());
+        }
+    }
+
+    #[test]
+    fn ca_files_give_their_certificates_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let two = dir.path().join("two.pem");
+        std::fs::write(
+            &two,
+            "subject=CN=corp\n-----BEGIN CERTIFICATE-----\r\nMIIBxTCC\r\nAbC+/9==\r\n\
+             -----END CERTIFICATE-----\r\n-----BEGIN PRIVATE KEY-----\nSECRET\n\
+             -----END PRIVATE KEY-----\n-----BEGIN CERTIFICATE-----\nMIIC\n\
+             -----END CERTIFICATE-----",
+        )
+        .unwrap();
+        let certs = read_ca_certificates(std::slice::from_ref(&two)).unwrap();
+        assert_eq!(
+            certs,
+            [
+                "-----BEGIN CERTIFICATE-----\nMIIBxTCC\nAbC+/9==\n-----END CERTIFICATE-----\n",
+                "-----BEGIN CERTIFICATE-----\nMIIC\n-----END CERTIFICATE-----\n",
+            ]
+        );
+        let key = dir.path().join("key.pem");
+        std::fs::write(
+            &key,
+            "-----BEGIN PRIVATE KEY-----\nSECRET\n-----END PRIVATE KEY-----\n",
+        )
+        .unwrap();
+        let broken = dir.path().join("broken.pem");
+        std::fs::write(&broken, "-----BEGIN CERTIFICATE-----\nMIIC\n").unwrap();
+        for bad in [key, broken, dir.path().join("missing.pem")] {
+            let e = read_ca_certificates(&[two.clone(), bad.clone()]).unwrap_err();
+            assert!(e.to_string().contains(&bad.display().to_string()), "{e}");
+        }
+        assert!(read_ca_certificates(&[]).unwrap().is_empty());
     }
 }

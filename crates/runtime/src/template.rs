@@ -15,7 +15,8 @@
 //!
 //! A template is identified by everything that would make a restore wrong or
 //! impossible: the image, the size, the QEMU version and accelerator, the
-//! translation cache size, the network plan and guest limits. When any of
+//! translation cache size, the network plan (with the operator's proxy), the
+//! guest limits and the extra CA certificates. When any of
 //! them changes the key changes, the template is rebuilt under the new key,
 //! and the old directories are removed (running VMs keep their open files).
 //! The host's TSC rate is checked separately, with a tolerance, because it is
@@ -64,6 +65,24 @@ pub struct TemplateInputs {
     pub network: Option<serde_json::Value>,
     pub user_pids_max: u32,
     pub reserved_memory_mb: u32,
+    /// SHA-256 of the extra CA certificates the guest trusts ([`ca_digest`]);
+    /// absent without any, so templates made before the setting existed keep
+    /// their key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_certificates: Option<String>,
+}
+
+/// What [`TemplateInputs::ca_certificates`] holds for these certificates.
+pub fn ca_digest(pems: &[String]) -> Option<String> {
+    if pems.is_empty() {
+        return None;
+    }
+    let mut h = Sha256::new();
+    for pem in pems {
+        h.update(pem.as_bytes());
+        h.update([0]);
+    }
+    Some(hex::encode(h.finalize()))
 }
 
 impl TemplateInputs {
@@ -273,6 +292,7 @@ mod tests {
             network: None,
             user_pids_max: 100,
             reserved_memory_mb: 64,
+            ca_certificates: None,
         }
     }
 
@@ -292,7 +312,18 @@ mod tests {
         let mut i = inputs();
         i.network = Some(serde_json::json!({"deny": []}));
         assert_ne!(i.key(), base);
+        let mut i = inputs();
+        i.ca_certificates = ca_digest(&["-----BEGIN CERTIFICATE-----\n".into()]);
+        assert_ne!(i.key(), base);
+        assert_ne!(
+            ca_digest(&["a".into(), "b".into()]),
+            ca_digest(&["ab".into()])
+        );
+        assert_eq!(ca_digest(&[]), None);
         assert_eq!(inputs().key(), base);
+        // Templates made before the CA setting existed keep their key.
+        let old = serde_json::to_value(inputs()).unwrap();
+        assert!(old.get("ca_certificates").is_none());
     }
 
     #[test]

@@ -19,7 +19,7 @@ use crate::qmp::Qmp;
 use crate::template::{self, Template, TemplateInputs};
 use crate::{console, expiry, net, process, Result, RuntimeError};
 use rand::RngCore;
-use sandpit_protocol::{GuestConfig, NetworkConfig, AGENT_PORT_NAME};
+use sandpit_protocol::{GuestConfig, NetworkConfig, ProxyConfig, AGENT_PORT_NAME};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;
@@ -116,6 +116,10 @@ pub struct VmManager {
     image: GuestImage,
     accel: Accel,
     deny: Vec<String>,
+    /// The operator's proxy, resolved at start (see `net::resolve_proxy`).
+    proxy: Option<ProxyConfig>,
+    /// The extra CA certificates every guest trusts, read at start.
+    ca_certificates: Vec<String>,
     qemu_version: QemuVersion,
     give_way: crate::give_way::GiveWay,
 }
@@ -174,6 +178,11 @@ impl VmManager {
         if config.network.enabled && config.network.dns.is_none() {
             log_guest_resolver();
         }
+        let proxy = match (&config.network.proxy, config.network.enabled) {
+            (Some(url), true) => Some(net::resolve_proxy(url, &config.network.no_proxy)?),
+            _ => None,
+        };
+        let ca_certificates = net::read_ca_certificates(&config.network.ca_certificates)?;
         let qemu_version = qemu_version(&config.qemu_binary)?;
         if config.ksm {
             crate::ksm::ensure_running_logged();
@@ -190,6 +199,8 @@ impl VmManager {
             image,
             accel,
             deny,
+            proxy,
+            ca_certificates,
             qemu_version,
             give_way: Default::default(),
         })
@@ -519,6 +530,7 @@ impl VmManager {
                     network,
                     user_pids_max: self.config.user_pids_max,
                     reserved_memory_mb: self.config.reserved_memory_mb,
+                    ca_certificates: self.ca_certificates.clone(),
                 },
                 &entropy,
             )
@@ -559,6 +571,7 @@ impl VmManager {
                 .unwrap_or_else(|| vec![net::GUEST_DNS_FORWARD.into()]),
             deny: self.deny.clone(),
             mtu: net::GUEST_MTU,
+            proxy: self.proxy.clone(),
         }
     }
 
@@ -1019,6 +1032,7 @@ impl VmManager {
                 .then(|| serde_json::to_value(self.network_config()).expect("json")),
             user_pids_max: self.config.user_pids_max,
             reserved_memory_mb: self.config.reserved_memory_mb,
+            ca_certificates: template::ca_digest(&self.ca_certificates),
         }
     }
 
