@@ -10,10 +10,15 @@
 //! namespace of its own in which `/etc/resolv.conf` names the test's
 //! resolver: one on a private address of a test host (a cloud VPC's
 //! resolver), one on the host's loopback (systemd-resolved's kind).
+//!
+//! And TLS inspection without the internet: a site whose certificate an
+//! operator's CA signed is trusted by curl, Python and Node in a guest
+//! configured with that CA, and a site of another CA is not.
 
 mod common;
 
 use common::cli::Cli;
+use common::netns::*;
 use common::*;
 use std::io::{Read, Write};
 use std::net::TcpListener;
@@ -24,176 +29,6 @@ use std::sync::Arc;
 
 const HOST_SIDE: &str = "198.51.100.1";
 const INTERNET: &str = "198.51.100.2";
-
-fn ip(args: &[&str]) {
-    let st = Command::new("ip").args(args).status().unwrap_or_else(|e| {
-        panic!("`ip` is missing ({e}); install iproute2 (scripts/install-deps.sh does)")
-    });
-    assert!(
-        st.success(),
-        "ip {args:?} failed (the network tests need root)"
-    );
-}
-
-/// A host in its own network namespace, reachable from the host over a veth
-/// pair: the host side has `host_side`/24, the test host `address`/24.
-struct TestHost {
-    ns: String,
-    veth: String,
-    address: &'static str,
-    servers: Vec<Child>,
-}
-
-impl TestHost {
-    /// `name` tells apart the test hosts of one test binary (at most 5 bytes).
-    fn start(name: &str, host_side: &str, address: &'static str) -> TestHost {
-        let tag = std::process::id() % 100_000;
-        let ns = format!("sp{name}{tag}");
-        let veth = format!("sv{name}{tag}");
-        let peer = format!("sp{name}{tag}p");
-        // Leftovers of an earlier run that died (quietly: usually none).
-        for args in [["netns", "del", &ns], ["link", "del", &veth]] {
-            let _ = Command::new("ip")
-                .args(args)
-                .stderr(std::process::Stdio::null())
-                .status();
-        }
-        ip(&["netns", "add", &ns]);
-        let host = TestHost {
-            ns: ns.clone(),
-            veth: veth.clone(),
-            address,
-            servers: Vec::new(),
-        };
-        ip(&["link", "add", &veth, "type", "veth", "peer", "name", &peer]);
-        ip(&["link", "set", &peer, "netns", &ns]);
-        ip(&["addr", "add", &format!("{host_side}/24"), "dev", &veth]);
-        ip(&["link", "set", &veth, "up"]);
-        host.exec_ip(&["addr", "add", &format!("{address}/24"), "dev", &peer]);
-        host.exec_ip(&["link", "set", &peer, "up"]);
-        host.exec_ip(&["link", "set", "lo", "up"]);
-        host
-    }
-
-    fn exec_ip(&self, args: &[&str]) {
-        let mut all = vec!["netns", "exec", &self.ns, "ip"];
-        all.extend_from_slice(args);
-        ip(&all);
-    }
-
-    /// One more address of the test host, routed to it from the host.
-    fn add_address(&self, extra: &str) {
-        let peer = format!("{}p", self.ns);
-        self.exec_ip(&["addr", "add", &format!("{extra}/32"), "dev", &peer]);
-        ip(&[
-            "route",
-            "add",
-            &format!("{extra}/32"),
-            "via",
-            self.address,
-            "dev",
-            &self.veth,
-        ]);
-    }
-
-    /// Serve `www` over HTTP on port 8080 of the test host's address.
-    fn serve_http(&mut self, www: &std::path::Path) {
-        let http = Command::new("ip")
-            .args(["netns", "exec", &self.ns, "python3", "-m", "http.server"])
-            .args(["8080", "--bind", self.address, "--directory"])
-            .arg(www)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("python3 (install python3)");
-        self.servers.push(http);
-        for _ in 0..100 {
-            if std::net::TcpStream::connect((self.address, 8080)).is_ok() {
-                return;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(100));
-        }
-        panic!("the test host's HTTP server did not start");
-    }
-
-    /// A DNS server on `bind` (an address of the test host) that answers
-    /// every A query with `answer`.
-    fn serve_dns(&mut self, bind: &str, answer: &str) {
-        let dns = Command::new("ip")
-            .args(["netns", "exec", &self.ns, "python3", "-c", DNS_SERVER])
-            .args([bind, answer])
-            .spawn()
-            .expect("python3 (install python3)");
-        self.servers.push(dns);
-        wait_for_dns(bind, answer);
-    }
-}
-
-impl Drop for TestHost {
-    fn drop(&mut self) {
-        for s in &mut self.servers {
-            let _ = s.kill();
-            let _ = s.wait();
-        }
-        let _ = Command::new("ip")
-            .args(["link", "del", &self.veth])
-            .status();
-        let _ = Command::new("ip").args(["netns", "del", &self.ns]).status();
-    }
-}
-
-/// A DNS server on `argv[1]`, port 53, that answers every A query with the
-/// address `argv[2]`.
-const DNS_SERVER: &str = r#"
-import socket, struct, sys
-addr = socket.inet_aton(sys.argv[2])
-s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-s.bind((sys.argv[1], 53))
-while True:
-    q, peer = s.recvfrom(512)
-    qid = q[:2]
-    end = 12
-    while q[end] != 0:
-        end += q[end] + 1
-    question = q[12:end + 5]
-    qtype = struct.unpack('>H', q[end + 1:end + 3])[0]
-    answers = b''
-    count = 0
-    if qtype == 1:
-        answers = b'\xc0\x0c' + struct.pack('>HHIH', 1, 1, 60, 4) + addr
-        count = 1
-    header = qid + struct.pack('>HHHHH', 0x8180, 1, count, 0, 0)
-    s.sendto(header + question + answers, peer)
-"#;
-
-/// A DNS query for `probe.example.test`, type A.
-fn dns_query() -> Vec<u8> {
-    let mut q = vec![0x12, 0x34, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0];
-    for label in ["probe", "example", "test"] {
-        q.push(label.len() as u8);
-        q.extend_from_slice(label.as_bytes());
-    }
-    q.extend_from_slice(&[0, 0, 1, 0, 1]);
-    q
-}
-
-/// Wait until the DNS server on `server` answers with `answer`.
-fn wait_for_dns(server: &str, answer: &str) {
-    let sock = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
-    sock.set_read_timeout(Some(std::time::Duration::from_millis(200)))
-        .unwrap();
-    let want: std::net::Ipv4Addr = answer.parse().unwrap();
-    for _ in 0..50 {
-        let _ = sock.send_to(&dns_query(), (server, 53));
-        let mut buf = [0u8; 512];
-        if let Ok(n) = sock.recv(&mut buf) {
-            if n >= 4 && buf[n - 4..n] == want.octets() {
-                return;
-            }
-        }
-    }
-    panic!("the test's DNS server on {server} did not answer");
-}
 
 #[test]
 fn the_guest_reaches_the_internet_but_not_the_host() {
@@ -453,4 +288,103 @@ fn by_default_the_guest_resolves_names_with_the_hosts_loopback_resolver() {
         answer
     );
     cli.ok(&["sandbox", "rm", &id]);
+}
+
+/// The test host of the CA test, and its site's name.
+const TLS_HOST_SIDE: &str = "198.18.44.1";
+const TLS_INTERNET: &str = "198.18.44.2";
+const SITE: &str = "inspected.example.test";
+
+/// A CA as a TLS-inspecting proxy has one, and a certificate it made for
+/// `SITE`: (CA certificate, site certificate, site key), PEM.
+fn ca_and_site(name: &str) -> (String, String, String) {
+    use rcgen::{
+        BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair,
+        KeyUsagePurpose,
+    };
+    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    params
+        .distinguished_name
+        .push(DnType::CommonName, format!("Sandpit test {name} CA"));
+    let ca = CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let site = CertificateParams::new(vec![SITE.to_string()])
+        .unwrap()
+        .signed_by(&key, &ca)
+        .unwrap();
+    (ca.pem(), site.pem(), key.serialize_pem())
+}
+
+#[test]
+fn the_guest_trusts_the_operators_ca_certificates() {
+    let dir = data_dir();
+    let write = |name: &str, text: &str| {
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+    let (ca, site, key) = ca_and_site("inspection");
+    let (_, stranger, stranger_key) = ca_and_site("stranger");
+    let ca = write("operator-ca.pem", &ca);
+    let mut host = TestHost::start("tls", TLS_HOST_SIDE, TLS_INTERNET);
+    host.serve_dns(TLS_INTERNET, TLS_INTERNET);
+    host.serve_https(
+        8443,
+        &write("site.pem", &site),
+        &write("site.key", &key),
+        "trusted",
+    );
+    host.serve_https(
+        8444,
+        &write("stranger.pem", &stranger),
+        &write("stranger.key", &stranger_key),
+        "stranger",
+    );
+
+    let mut c = config(&dir);
+    c.network.dns = Some(vec![TLS_INTERNET.to_string()]);
+    c.network.ca_certificates = vec![ca];
+    let s = shared("sbx_tls", || c);
+    s.rt.block_on(async {
+        let fetch = |url: &str| {
+            [
+                ("curl", format!("curl -sS -m 20 {url}")),
+                (
+                    "Python",
+                    format!(
+                        "python3 -c 'import urllib.request; \
+                         print(urllib.request.urlopen(\"{url}\", timeout=20).read().decode(), end=\"\")'"
+                    ),
+                ),
+                (
+                    "Node",
+                    format!(
+                        "node -e 'require(\"https\").get(\"{url}\", r => r.pipe(process.stdout))\
+                         .on(\"error\", e => {{ console.error(e.message); process.exit(1) }})'"
+                    ),
+                ),
+            ]
+        };
+        for (tool, command) in fetch(&format!("https://{SITE}:8443/")) {
+            let out = run(&s.vm, req(&command)).await;
+            assert_eq!(
+                (out.result.exit_code, String::from_utf8_lossy(&out.stdout)),
+                (Some(0), "trusted".into()),
+                "{tool} did not trust the operator's CA: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        // They check certificates: another CA's site is refused.
+        for (tool, command) in fetch(&format!("https://{SITE}:8444/")) {
+            let out = run(&s.vm, req(&command)).await;
+            assert_ne!(
+                out.result.exit_code,
+                Some(0),
+                "{tool} trusted a CA nobody configured"
+            );
+        }
+        s.manager.destroy(&s.vm.record.id).await.unwrap();
+    });
 }

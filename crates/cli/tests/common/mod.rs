@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 pub mod cli;
+pub mod netns;
 pub mod serve;
 
 use sandpit_protocol::ExecRequest;

@@ -1,0 +1,223 @@
+//! A test host in a network namespace of its own, reachable from the host
+//! over a veth pair: "the internet" of the network tests (HTTP and DNS
+//! servers run inside it), or a place for a listener the guest may reach
+//! only at one address.
+
+use std::path::Path;
+use std::process::{Child, Command};
+
+pub fn ip(args: &[&str]) {
+    let st = Command::new("ip").args(args).status().unwrap_or_else(|e| {
+        panic!("`ip` is missing ({e}); install iproute2 (scripts/install-deps.sh does)")
+    });
+    assert!(
+        st.success(),
+        "ip {args:?} failed (the network tests need root)"
+    );
+}
+
+/// A host in its own network namespace, reachable from the host over a veth
+/// pair: the host side has `host_side`/24, the test host `address`/24.
+pub struct TestHost {
+    pub ns: String,
+    veth: String,
+    pub address: &'static str,
+    servers: Vec<Child>,
+}
+
+impl TestHost {
+    /// `name` tells apart the test hosts of one test binary (at most 5 bytes).
+    pub fn start(name: &str, host_side: &str, address: &'static str) -> TestHost {
+        let tag = std::process::id() % 100_000;
+        let ns = format!("sp{name}{tag}");
+        let veth = format!("sv{name}{tag}");
+        let peer = format!("sp{name}{tag}p");
+        // Leftovers of an earlier run that died (quietly: usually none).
+        for args in [["netns", "del", &ns], ["link", "del", &veth]] {
+            let _ = Command::new("ip")
+                .args(args)
+                .stderr(std::process::Stdio::null())
+                .status();
+        }
+        ip(&["netns", "add", &ns]);
+        let host = TestHost {
+            ns: ns.clone(),
+            veth: veth.clone(),
+            address,
+            servers: Vec::new(),
+        };
+        ip(&["link", "add", &veth, "type", "veth", "peer", "name", &peer]);
+        ip(&["link", "set", &peer, "netns", &ns]);
+        ip(&["addr", "add", &format!("{host_side}/24"), "dev", &veth]);
+        ip(&["link", "set", &veth, "up"]);
+        host.exec_ip(&["addr", "add", &format!("{address}/24"), "dev", &peer]);
+        host.exec_ip(&["link", "set", &peer, "up"]);
+        host.exec_ip(&["link", "set", "lo", "up"]);
+        host
+    }
+
+    /// The namespace's file, for `setns(2)`.
+    pub fn netns_path(&self) -> std::path::PathBuf {
+        std::path::Path::new("/var/run/netns").join(&self.ns)
+    }
+
+    pub fn exec_ip(&self, args: &[&str]) {
+        let mut all = vec!["netns", "exec", &self.ns, "ip"];
+        all.extend_from_slice(args);
+        ip(&all);
+    }
+
+    /// One more address of the test host, routed to it from the host.
+    pub fn add_address(&self, extra: &str) {
+        let peer = format!("{}p", self.ns);
+        self.exec_ip(&["addr", "add", &format!("{extra}/32"), "dev", &peer]);
+        ip(&[
+            "route",
+            "add",
+            &format!("{extra}/32"),
+            "via",
+            self.address,
+            "dev",
+            &self.veth,
+        ]);
+    }
+
+    /// Serve `www` over HTTP on port 8080 of the test host's address.
+    pub fn serve_http(&mut self, www: &Path) {
+        let http = Command::new("ip")
+            .args(["netns", "exec", &self.ns, "python3", "-m", "http.server"])
+            .args(["8080", "--bind", self.address, "--directory"])
+            .arg(www)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("python3 (install python3)");
+        self.servers.push(http);
+        for _ in 0..100 {
+            if std::net::TcpStream::connect((self.address, 8080)).is_ok() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        panic!("the test host's HTTP server did not start");
+    }
+
+    /// Serve `body` over HTTPS on `port` of the test host's address, with
+    /// this certificate chain and key (PEM files).
+    pub fn serve_https(&mut self, port: u16, cert: &Path, key: &Path, body: &str) {
+        let https = Command::new("ip")
+            .args(["netns", "exec", &self.ns, "python3", "-c", HTTPS_SERVER])
+            .args([self.address, &port.to_string()])
+            .args([cert, key])
+            .arg(body)
+            .spawn()
+            .expect("python3 (install python3)");
+        self.servers.push(https);
+        for _ in 0..100 {
+            if std::net::TcpStream::connect((self.address, port)).is_ok() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        panic!("the test host's HTTPS server did not start");
+    }
+
+    /// A DNS server on `bind` (an address of the test host) that answers
+    /// every A query with `answer`.
+    pub fn serve_dns(&mut self, bind: &str, answer: &str) {
+        let dns = Command::new("ip")
+            .args(["netns", "exec", &self.ns, "python3", "-c", DNS_SERVER])
+            .args([bind, answer])
+            .spawn()
+            .expect("python3 (install python3)");
+        self.servers.push(dns);
+        wait_for_dns(bind, answer);
+    }
+}
+
+impl Drop for TestHost {
+    fn drop(&mut self) {
+        for s in &mut self.servers {
+            let _ = s.kill();
+            let _ = s.wait();
+        }
+        let _ = Command::new("ip")
+            .args(["link", "del", &self.veth])
+            .status();
+        let _ = Command::new("ip").args(["netns", "del", &self.ns]).status();
+    }
+}
+
+/// An HTTPS server on `argv[1]`, port `argv[2]`, with the certificate chain
+/// `argv[3]` and key `argv[4]`, answering every GET with `argv[5]`.
+const HTTPS_SERVER: &str = r#"
+import http.server, ssl, sys
+addr, port, cert, key, body = sys.argv[1:6]
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        data = body.encode()
+        self.send_response(200)
+        self.send_header('Content-Length', str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+    def log_message(self, *args):
+        pass
+server = http.server.ThreadingHTTPServer((addr, int(port)), Handler)
+tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+tls.load_cert_chain(cert, key)
+server.socket = tls.wrap_socket(server.socket, server_side=True)
+server.serve_forever()
+"#;
+
+/// A DNS server on `argv[1]`, port 53, that answers every A query with the
+/// address `argv[2]`.
+pub const DNS_SERVER: &str = r#"
+import socket, struct, sys
+addr = socket.inet_aton(sys.argv[2])
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind((sys.argv[1], 53))
+while True:
+    q, peer = s.recvfrom(512)
+    qid = q[:2]
+    end = 12
+    while q[end] != 0:
+        end += q[end] + 1
+    question = q[12:end + 5]
+    qtype = struct.unpack('>H', q[end + 1:end + 3])[0]
+    answers = b''
+    count = 0
+    if qtype == 1:
+        answers = b'\xc0\x0c' + struct.pack('>HHIH', 1, 1, 60, 4) + addr
+        count = 1
+    header = qid + struct.pack('>HHHHH', 0x8180, 1, count, 0, 0)
+    s.sendto(header + question + answers, peer)
+"#;
+
+/// A DNS query for `probe.example.test`, type A.
+pub fn dns_query() -> Vec<u8> {
+    let mut q = vec![0x12, 0x34, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0];
+    for label in ["probe", "example", "test"] {
+        q.push(label.len() as u8);
+        q.extend_from_slice(label.as_bytes());
+    }
+    q.extend_from_slice(&[0, 0, 1, 0, 1]);
+    q
+}
+
+/// Wait until the DNS server on `server` answers with `answer`.
+pub fn wait_for_dns(server: &str, answer: &str) {
+    let sock = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+    sock.set_read_timeout(Some(std::time::Duration::from_millis(200)))
+        .unwrap();
+    let want: std::net::Ipv4Addr = answer.parse().unwrap();
+    for _ in 0..50 {
+        let _ = sock.send_to(&dns_query(), (server, 53));
+        let mut buf = [0u8; 512];
+        if let Ok(n) = sock.recv(&mut buf) {
+            if n >= 4 && buf[n - 4..n] == want.octets() {
+                return;
+            }
+        }
+    }
+    panic!("the test's DNS server on {server} did not answer");
+}
