@@ -132,7 +132,15 @@ const ALWAYS_DIRECT: &[&str] = &["localhost", "127.0.0.1", "::1"];
 /// exactly what their filter lets through. The port must be given: tools
 /// disagree on a proxy's default port (curl takes 1080).
 pub fn resolve_proxy(url: &str, no_proxy: &[String]) -> Result<ProxyConfig> {
-    let bad = |why: &str| RuntimeError::Config(format!("[network] proxy {url:?}: {why}"));
+    // Errors show the URL without its password.
+    let shown = match url.split_once('@') {
+        Some((before, after)) => match before.rsplit_once(':') {
+            Some((user, _)) if user != "http" => format!("{user}:***@{after}"),
+            _ => url.to_string(),
+        },
+        None => url.to_string(),
+    };
+    let bad = |why: &str| RuntimeError::Config(format!("[network] proxy {shown:?}: {why}"));
     let rest = url.strip_prefix("http://").ok_or_else(|| {
         bad("must start with http:// (guests speak plain HTTP to it, CONNECT for https)")
     })?;
@@ -326,6 +334,9 @@ mod tests {
         for bad in ["a,b", "", "a b"] {
             assert!(resolve_proxy("http://10.1.2.3:3128", &[bad.into()]).is_err());
         }
+        let e = resolve_proxy("http://me:s3cret@10.1.2.3", &[]).unwrap_err();
+        assert!(!e.to_string().contains("s3cret"), "{e}");
+        assert!(e.to_string().contains("http://me:***@10.1.2.3"), "{e}");
     }
 
     #[test]
