@@ -30,8 +30,19 @@ use std::sync::Arc;
 const HOST_SIDE: &str = "198.51.100.1";
 const INTERNET: &str = "198.51.100.2";
 
+/// Held for a whole test: the tests add addresses to the host (their test
+/// hosts' ends), and a guest's filter denies the host's addresses as they
+/// were when its VM started, so one test's new address must not appear
+/// while another checks that the guest reaches none of the host's.
+static HOST_NETWORK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn host_network() -> std::sync::MutexGuard<'static, ()> {
+    HOST_NETWORK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 #[test]
 fn the_guest_reaches_the_internet_but_not_the_host() {
+    let _net = host_network();
     let www = data_dir();
     std::fs::write(www.join("hello.txt"), "hello from the internet\n").unwrap();
     let mut host = TestHost::start("net", HOST_SIDE, INTERNET);
@@ -199,6 +210,7 @@ fn resolve(cli: &Cli, id: &str, name: &str, resolver: &str) -> String {
 
 #[test]
 fn by_default_the_guest_resolves_names_with_the_hosts_private_resolver() {
+    let _net = host_network();
     let www = data_dir();
     std::fs::write(www.join("hello.txt"), "hello by name\n").unwrap();
     let mut host = TestHost::start("dns", DNS_HOST_SIDE, DNS_INTERNET);
@@ -268,6 +280,7 @@ impl Drop for LoopbackResolver {
 
 #[test]
 fn by_default_the_guest_resolves_names_with_the_hosts_loopback_resolver() {
+    let _net = host_network();
     let answer = "198.51.100.53";
     let resolver = LoopbackResolver::start(answer);
     let cli = dns_cli();
@@ -319,6 +332,7 @@ fn ca_and_site(name: &str) -> (String, String, String) {
 
 #[test]
 fn the_guest_trusts_the_operators_ca_certificates() {
+    let _net = host_network();
     let dir = data_dir();
     let write = |name: &str, text: &str| {
         let p = dir.join(name);
