@@ -255,6 +255,7 @@ pub async fn serve(settings: &Settings, args: ServeArgs) -> Result<i32> {
     if let Some(o) = &settings.mcp_allowed_origins {
         mcp.allowed_origins = o.clone();
     }
+    mcp.limits = api.service_info().await?.limits;
     let shutdown = mcp.shutdown.clone();
     let app = sandpit_api::router(api.clone(), rest)
         .nest_service("/v1/mcp", sandpit_mcp::http_service(api, mcp));

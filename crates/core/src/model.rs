@@ -340,6 +340,75 @@ pub struct ServiceInfo {
     pub guest: GuestInfo,
     /// How sandboxes start on this host: snapshot restore, warm pool.
     pub fast_start: FastStartInfo,
+    /// What one call may ask for and how long it may take. Absent from
+    /// older servers, which had the defaults.
+    #[serde(default)]
+    pub limits: Limits,
+}
+
+/// The sizes and times a call is held to, as configured: what the tools'
+/// schemas advertise and what the service enforces.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(default)]
+pub struct Limits {
+    /// `timeout_minutes` of a new sandbox: the default and the most.
+    pub default_timeout_minutes: u32,
+    pub max_timeout_minutes: u32,
+    /// A sandbox lives at most this long from creation, extensions included.
+    pub max_lifetime_minutes: u32,
+    /// `timeout_ms` of a command: the default, the least and the most.
+    pub exec_default_timeout_ms: u64,
+    pub exec_min_timeout_ms: u64,
+    pub exec_max_timeout_ms: u64,
+    /// The longest command, in bytes (Linux's limit on one argument).
+    pub max_command_bytes: u64,
+    /// All of a command's `env`, in bytes.
+    pub max_env_bytes: u64,
+    /// Output kept per stream of a command; past it `truncated` is set.
+    pub max_output_bytes: u64,
+    /// The largest file `read_file` returns and `write_file` takes.
+    pub max_read_bytes: u64,
+    pub max_write_bytes: u64,
+    /// Entries in one listing; past it (or past 512 KiB of names) `truncated` is set.
+    pub max_list_entries: u64,
+    /// How long the service waits for each answer a sandbox owes it before
+    /// the call fails with `service_unavailable`.
+    pub reply_deadline_secs: u64,
+}
+
+/// Linux's limit on one argument of exec (`MAX_ARG_STRLEN` less its NUL):
+/// a command is one (`bash -c COMMAND`), each variable one.
+pub const MAX_COMMAND_BYTES: u64 = 128 * 1024 - 1;
+/// All variables of a command, in bytes: half of `ARG_MAX` (a quarter of the
+/// default 8 MiB stack), leaving room for the rest.
+pub const MAX_ENV_BYTES: u64 = 512 * 1024;
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits::of(&crate::config::ServiceConfig::default(), 30)
+    }
+}
+
+impl Limits {
+    /// The limits of a service configured with `c`, whose sandboxes owe each
+    /// answer within `reply_deadline_secs`.
+    pub fn of(c: &crate::config::ServiceConfig, reply_deadline_secs: u64) -> Limits {
+        Limits {
+            default_timeout_minutes: c.default_timeout_minutes,
+            max_timeout_minutes: c.max_timeout_minutes,
+            max_lifetime_minutes: c.max_lifetime_minutes,
+            exec_default_timeout_ms: c.exec_default_timeout_ms,
+            exec_min_timeout_ms: c.exec_min_timeout_ms,
+            exec_max_timeout_ms: c.exec_max_timeout_ms,
+            max_command_bytes: MAX_COMMAND_BYTES,
+            max_env_bytes: MAX_ENV_BYTES,
+            max_output_bytes: c.max_output_bytes,
+            max_read_bytes: c.max_read_bytes,
+            max_write_bytes: c.max_write_bytes,
+            max_list_entries: c.max_list_entries,
+            reply_deadline_secs,
+        }
+    }
 }
 
 /// Snapshot restore and the warm pool, as they stand now.

@@ -416,9 +416,7 @@ impl Service {
                 self.config.exec_min_timeout_ms, self.config.exec_max_timeout_ms
             )));
         }
-        // Linux's limit on one argument of exec (MAX_ARG_STRLEN, with its
-        // NUL): the command is one (`bash -c COMMAND`), each variable one.
-        const MAX_ARG: usize = 128 * 1024 - 1;
+        const MAX_ARG: usize = crate::model::MAX_COMMAND_BYTES as usize;
         if p.command.len() > MAX_ARG {
             return Err(CoreError::invalid(format!(
                 "command is {} bytes; a command can be at most {MAX_ARG} bytes (Linux's limit \
@@ -440,9 +438,7 @@ impl Service {
             }
             env_bytes += len;
         }
-        // Everything exec is given must fit in ARG_MAX (a quarter of the
-        // default 8 MiB stack); half of that leaves room for the rest.
-        const MAX_ENV: usize = 512 * 1024;
+        const MAX_ENV: usize = crate::model::MAX_ENV_BYTES as usize;
         if env_bytes > MAX_ENV {
             return Err(CoreError::invalid(format!(
                 "env is {env_bytes} bytes in all; the limit is {MAX_ENV} bytes"
@@ -1359,6 +1355,10 @@ impl SandboxApi for Service {
                     })
                     .collect(),
             },
+            limits: crate::model::Limits::of(
+                &self.config,
+                sandpit_runtime::channel::REPLY_DEADLINE.as_secs(),
+            ),
         })
     }
 }

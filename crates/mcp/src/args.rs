@@ -21,7 +21,7 @@ pub struct CreateSandboxArgs {
     /// A label of your own, shown in list_sandboxes.
     #[serde(default)]
     pub name: Option<String>,
-    /// Lifetime in minutes (default 15, max 1440). The sandbox is destroyed when it runs out; extend_sandbox pushes it out.
+    /// Lifetime in minutes (default 15; the most is this schema's maximum). The sandbox is destroyed when it runs out; extend_sandbox pushes it out.
     #[serde(default)]
     #[schemars(range(min = 1, max = 1440))]
     pub timeout_minutes: Option<u32>,
@@ -53,7 +53,7 @@ pub struct RunCommandArgs {
     pub sandbox_id: String,
     /// A shell command line, run with `bash -c` as the unprivileged user `user`. Pipes, `&&` and redirections work; end with `&` to leave a server running.
     pub command: String,
-    /// Kill the command (its whole process group) after this many milliseconds; 1000..600000, default 60000.
+    /// Kill the command (its whole process group) after this many milliseconds (default 60000; the range is this schema's).
     #[serde(default)]
     #[schemars(range(min = 1000, max = 600000))]
     pub timeout_ms: Option<u64>,
@@ -178,7 +178,7 @@ impl From<ListSandboxesArgs> for ListSandboxes {
 pub struct ExtendSandboxArgs {
     /// The sandbox's id (`sbx_...`).
     pub sandbox_id: String,
-    /// Minutes to add to its expiry (default 15). The total lifetime may not pass 24 h from creation.
+    /// Minutes to add to its expiry (default 15). The total lifetime may not pass the service's max_lifetime_minutes from creation.
     #[serde(default)]
     #[schemars(range(min = 1, max = 1440))]
     pub additional_minutes: Option<u32>,

@@ -73,7 +73,15 @@ where
     R: AsyncRead + Send + Unpin + 'static,
     W: AsyncWrite + Send + Unpin + 'static,
 {
+    // The tools' schemas say what this service enforces; a server that
+    // cannot say (an older one) leaves the defaults.
+    let limits = api
+        .service_info()
+        .await
+        .map(|i| i.limits)
+        .unwrap_or_default();
     let running = SandpitMcp::new(api, CallerSource::Fixed(caller))
+        .with_limits(&limits)
         .serve((reader, writer))
         .await
         .map_err(std::io::Error::other)?;

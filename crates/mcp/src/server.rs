@@ -20,7 +20,8 @@ use rmcp::{
 };
 use sandpit_core::{
     Caller, CoreError, Encoding, ErrorType, ExecEvent, ExecParams, Execution, ExecutionStatus,
-    FileContent, FileList, FileWritten, List, Port, Sandbox, SandboxApi, ServiceInfo, Usage,
+    FileContent, FileList, FileWritten, Limits, List, Port, Sandbox, SandboxApi, ServiceInfo,
+    Usage,
 };
 use serde::{de::DeserializeOwned, Serialize};
 use std::{borrow::Cow, sync::Arc};
@@ -64,7 +65,7 @@ const D_CREATE: &str = "\
 Create a new sandbox: a fresh Linux VM (Debian, python3, node/npm, build tools, git, curl) \
 for this account. Returns the sandbox object (id, status, size, resources, expires_at) once \
 it accepts commands. It is billed per second until destroyed and is destroyed automatically \
-at expires_at (default 15 minutes, max 1440). Code runs as the unprivileged `user` in \
+at expires_at (default 15 minutes; the most is timeout_minutes' maximum). Code runs as the unprivileged `user` in \
 /workspace; there is no sudo, so apt-get will not work: use `pip install --user \
 --break-system-packages ...` or `npm install ...`.";
 
@@ -149,6 +150,40 @@ pub struct SandpitMcp {
     api: Arc<dyn SandboxApi>,
     callers: CallerSource,
     tool_router: ToolRouter<SandpitMcp>,
+}
+
+/// Bounds of the tools' inputs that the service's limits set:
+/// `(tool, property, keyword, value)`.
+fn limit_bounds(l: &Limits) -> [(&'static str, &'static str, &'static str, u64); 6] {
+    [
+        (
+            "create_sandbox",
+            "timeout_minutes",
+            "maximum",
+            u64::from(l.max_timeout_minutes),
+        ),
+        (
+            "extend_sandbox",
+            "additional_minutes",
+            "maximum",
+            u64::from(l.max_lifetime_minutes),
+        ),
+        (
+            "run_command",
+            "timeout_ms",
+            "minimum",
+            l.exec_min_timeout_ms,
+        ),
+        (
+            "run_command",
+            "timeout_ms",
+            "maximum",
+            l.exec_max_timeout_ms,
+        ),
+        // Characters, not bytes: a bound no command within the limit passes.
+        ("run_command", "command", "maxLength", l.max_command_bytes),
+        ("run_command", "cwd", "maxLength", 4095),
+    ]
 }
 
 impl std::fmt::Debug for SandpitMcp {
@@ -250,7 +285,7 @@ fn execution_answer(x: Execution) -> Result<CallToolResult, ErrorData> {
         ExecutionStatus::Completed => return success(&x),
         ExecutionStatus::TimedOut => format!(
             "The command ran past its timeout and was killed after {} ms (the output it \
-             produced is above). Raise timeout_ms (up to 600000), or start long jobs in the \
+             produced is above). Raise timeout_ms (up to its schema's maximum), or start long jobs in the \
              background with `&`, redirect their output to a file and poll it.",
             x.duration_ms
         ),
@@ -297,6 +332,28 @@ impl SandpitMcp {
             callers,
             tool_router: Self::tool_router(),
         }
+        .with_limits(&Limits::default())
+    }
+
+    /// The tools as this service is configured: their input schemas carry
+    /// its limits (a server with `max_timeout_minutes = 60` advertises 60,
+    /// not the default), so a client validates against what will be
+    /// enforced.
+    pub fn with_limits(mut self, limits: &Limits) -> Self {
+        for (tool, property, keyword, value) in limit_bounds(limits) {
+            let Some(route) = self.tool_router.map.get_mut(tool) else {
+                continue;
+            };
+            let mut schema = route.attr.input_schema.as_ref().clone();
+            if let Some(serde_json::Value::Object(p)) = schema
+                .get_mut("properties")
+                .and_then(|ps| ps.get_mut(property))
+            {
+                p.insert(keyword.to_string(), value.into());
+            }
+            route.attr.input_schema = Arc::new(schema);
+        }
+        self
     }
 
     /// Who this call acts for, or the `isError` answer saying how to authenticate.

@@ -71,6 +71,9 @@ pub struct HttpConfig {
     pub max_request_body_bytes: usize,
     /// Cancelled on shutdown: open SSE streams end and new requests are refused.
     pub shutdown: CancellationToken,
+    /// The service's limits, which the tools' schemas advertise (default:
+    /// the default configuration's).
+    pub limits: sandpit_core::Limits,
 }
 
 impl Default for HttpConfig {
@@ -89,6 +92,7 @@ impl Default for HttpConfig {
             sse_keep_alive: Some(Duration::from_secs(15)),
             max_request_body_bytes: 16 * 1024 * 1024,
             shutdown: CancellationToken::new(),
+            limits: sandpit_core::Limits::default(),
         }
     }
 }
@@ -109,7 +113,7 @@ pub fn http_service(api: Arc<dyn SandboxApi>, config: HttpConfig) -> Router {
         .with_allowed_origins(config.allowed_origins)
         // An empty list must refuse every Origin, not switch the check off.
         .enforce_origin_validation();
-    let server = SandpitMcp::new(api, CallerSource::RequestApiKey);
+    let server = SandpitMcp::new(api, CallerSource::RequestApiKey).with_limits(&config.limits);
     let service = StreamableHttpService::new(
         move || Ok(server.clone()),
         Arc::new(NeverSessionManager::default()),

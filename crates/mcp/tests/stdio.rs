@@ -200,6 +200,34 @@ fn is_integer(schema: &Value) -> bool {
 /// Strict validators (Ajv in the official TypeScript SDK) warn about every
 /// `format` they do not know, and schemars writes Rust's number types as
 /// formats of its own (`uint32`, `uint64`, `double`...). Every schema
+/// A service configured with other limits advertises them: the schemas say
+/// what will be enforced, not the defaults.
+#[tokio::test]
+async fn tool_schemas_carry_the_configured_limits() {
+    let api = FakeApi::new();
+    {
+        let mut l = api.limits.lock().unwrap();
+        l.max_timeout_minutes = 60;
+        l.max_lifetime_minutes = 120;
+        l.exec_min_timeout_ms = 500;
+        l.exec_max_timeout_ms = 90_000;
+    }
+    let c = client(api, ProtocolVersion::V_2025_11_25).await;
+    let tools = c.list_all_tools().await.unwrap();
+    let prop = |tool: &str, p: &str| {
+        let t = tools.iter().find(|t| t.name == tool).unwrap();
+        t.input_schema["properties"][p].clone()
+    };
+    assert_eq!(prop("create_sandbox", "timeout_minutes")["maximum"], 60);
+    assert_eq!(prop("create_sandbox", "timeout_minutes")["minimum"], 1);
+    assert_eq!(prop("extend_sandbox", "additional_minutes")["maximum"], 120);
+    assert_eq!(prop("run_command", "timeout_ms")["minimum"], 500);
+    assert_eq!(prop("run_command", "timeout_ms")["maximum"], 90_000);
+    assert_eq!(prop("run_command", "command")["maxLength"], 131_071);
+    // Nothing else in those schemas changed.
+    assert_eq!(prop("run_command", "command")["type"], "string");
+}
+
 /// `tools/list` serves must be standard JSON Schema: no such format, and an
 /// integer's range stated with `minimum`/`maximum`.
 #[tokio::test]

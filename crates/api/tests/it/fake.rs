@@ -577,6 +577,7 @@ impl SandboxApi for Fake {
                     target: 2,
                 }],
             },
+            limits: Default::default(),
         })
     }
 }

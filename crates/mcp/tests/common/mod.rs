@@ -46,6 +46,8 @@ pub struct FakeApi {
     /// Operation names, in call order, with the caller's account.
     pub calls: Mutex<Vec<String>>,
     sandboxes: Mutex<HashMap<String, Sandbox>>,
+    /// What `get_service_info` says the limits are.
+    pub limits: Mutex<sandpit_core::Limits>,
 }
 
 fn now() -> String {
@@ -416,6 +418,7 @@ impl SandboxApi for FakeApi {
                     target: 2,
                 }],
             },
+            limits: self.limits.lock().unwrap().clone(),
         })
     }
 }
