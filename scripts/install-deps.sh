@@ -9,8 +9,9 @@
 # It must be right whatever the machine already has (nothing, bookworm's QEMU
 # 7.2, backports' QEMU, or half of each) and a second run changes nothing.
 #
-# No `cmd | grep -q` or `| head` in here: under pipefail the reader exits at
-# its first match, the writer dies of SIGPIPE, and the pipeline fails at
+# No pipe into a reader that stops early (grep's quiet mode, head): under
+# pipefail the reader exits at its first match, the writer dies of SIGPIPE,
+# and the pipeline fails at
 # random; that once sent this script down the wrong branch. Output is captured
 # in variables and matched with bash patterns instead.
 set -euo pipefail
