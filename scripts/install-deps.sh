@@ -11,9 +11,9 @@
 #
 # No pipe into a reader that stops early (grep's quiet mode, head): under
 # pipefail the reader exits at its first match, the writer dies of SIGPIPE,
-# and the pipeline fails at
-# random; that once sent this script down the wrong branch. Output is captured
-# in variables and matched with bash patterns instead.
+# and the pipeline fails at random; that once sent this script down the wrong
+# branch. Output is captured in variables and matched with bash patterns
+# instead.
 set -euo pipefail
 me=install-deps.sh
 die() {
