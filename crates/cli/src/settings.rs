@@ -107,8 +107,12 @@ pub struct PreviewSection {
 #[serde(deny_unknown_fields)]
 pub struct NetworkSection {
     pub enabled: Option<bool>,
-    /// Replaces the default deny list.
+    /// Added to the default deny list (an operator listing two ranges must
+    /// not reopen the rest).
     pub deny: Option<Vec<String>>,
+    /// `false` drops the default deny list, leaving only `deny` (and the
+    /// host's own addresses, which are always denied).
+    pub default_deny: Option<bool>,
     pub dns: Option<Vec<String>>,
     /// `http://HOST:PORT`: the HTTP proxy guests use (see `RuntimeConfig`).
     pub proxy: Option<String>,
@@ -268,8 +272,13 @@ impl Settings {
             if let Some(e) = n.enabled {
                 rt.network.enabled = e;
             }
-            if let Some(d) = n.deny {
-                rt.network.deny = d;
+            if n.default_deny == Some(false) {
+                rt.network.deny.clear();
+            }
+            for d in n.deny.unwrap_or_default() {
+                if !rt.network.deny.contains(&d) {
+                    rt.network.deny.push(d);
+                }
             }
             if n.dns.is_some() {
                 rt.network.dns = n.dns;
@@ -395,6 +404,27 @@ mod network_tests {
             [std::path::Path::new("/etc/sandpit/corp-root.pem")]
         );
         assert_eq!(n.dns, None, "the guests' DNS stays passt's forwarder");
+
+        // A configured deny list extends the default one; dropping the
+        // default takes saying so.
+        std::fs::write(&config, "[network]\ndeny = [\"203.0.113.0/24\"]\n").unwrap();
+        let s = Settings::load(Some(dir.path().into()), None, Some(&config)).unwrap();
+        let deny = &s.runtime.network.deny;
+        for cidr in [
+            "10.0.0.0/8",
+            "169.254.0.0/16",
+            "168.63.129.16/32",
+            "203.0.113.0/24",
+        ] {
+            assert!(deny.iter().any(|d| d == cidr), "{cidr} not in {deny:?}");
+        }
+        std::fs::write(
+            &config,
+            "[network]\ndefault_deny = false\ndeny = [\"203.0.113.0/24\"]\n",
+        )
+        .unwrap();
+        let s = Settings::load(Some(dir.path().into()), None, Some(&config)).unwrap();
+        assert_eq!(s.runtime.network.deny, ["203.0.113.0/24"]);
 
         std::fs::write(&config, "[network]\nhttps_proxy = \"http://p:1\"\n").unwrap();
         let e = Settings::load(Some(dir.path().into()), None, Some(&config)).unwrap_err();

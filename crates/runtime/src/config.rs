@@ -54,12 +54,15 @@ pub struct NetworkPolicy {
 
 /// The safe default deny list: link-local (cloud metadata at 169.254.169.254),
 /// private ranges (the operator's own network), carrier-grade NAT (some clouds'
-/// metadata), loopback and "this network", multicast and reserved space.
+/// metadata, Alibaba's 100.100.100.200), Azure's host endpoint 168.63.129.16
+/// (a public address), loopback and "this network", multicast and reserved
+/// space. A configured `deny` adds to it.
 pub const DEFAULT_DENY: &[&str] = &[
     "0.0.0.0/8",
     "10.0.0.0/8",
     "100.64.0.0/10",
     "127.0.0.0/8",
+    "168.63.129.16/32",
     "169.254.0.0/16",
     "172.16.0.0/12",
     "192.0.0.0/24",
