@@ -74,11 +74,28 @@ pub enum CreditCommand {
 }
 
 async fn open_store(settings: &Settings) -> Result<Store> {
-    std::fs::create_dir_all(&settings.data_dir)
-        .with_context(|| format!("creating {}", settings.data_dir.display()))?;
+    private_dir(&settings.data_dir)?;
     Store::open_sqlite(settings.database())
         .await
         .with_context(|| format!("opening {}", settings.database().display()))
+}
+
+/// Make the data directory if it is missing, and keep it its owner's: no
+/// one else lists or writes it (VMs' QEMUs, each its own uid, are given the
+/// right to walk through it by the runtime, and nothing more).
+fn private_dir(dir: &std::path::Path) -> Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .with_context(|| format!("creating {}", dir.display()))?;
+    let mode = std::fs::metadata(dir)?.permissions().mode() & 0o7777;
+    if mode & 0o066 != 0 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode & !0o066))
+            .with_context(|| format!("restricting {}", dir.display()))?;
+    }
+    Ok(())
 }
 
 /// The core service over this host's VMs, reconciled and reaping. With
@@ -225,6 +242,13 @@ pub async fn serve(settings: &Settings, args: ServeArgs) -> Result<i32> {
         None => None,
     };
     let scheme = if tls.is_some() { "https" } else { "http" };
+    if tls.is_none() && !addr.ip().is_loopback() {
+        tracing::warn!(
+            "serving on {addr} WITHOUT TLS: API keys, commands, files and preview traffic \
+             cross the network in clear text; set [preview] tls_cert and tls_key, or keep \
+             the server on 127.0.0.1 behind a TLS proxy"
+        );
+    }
     let public_url = settings
         .public_url
         .clone()

@@ -149,3 +149,20 @@ fn past_the_connection_limit_a_client_is_told_why() {
     service_answers(&server);
     drop(held);
 }
+
+#[test]
+fn serving_beyond_the_loopback_without_tls_is_warned_about() {
+    let data = data_dir();
+    let server = Server::start_on(&data, "[pool]\nsizes = {}\n", "0.0.0.0:0");
+    assert!(
+        server
+            .wait_for_log("WITHOUT TLS", Duration::from_secs(10))
+            .is_some(),
+        "no warning about clear text on 0.0.0.0"
+    );
+    let data = data_dir();
+    let server = Server::start_with(&data, "[pool]\nsizes = {}\n");
+    assert!(server
+        .wait_for_log("WITHOUT TLS", Duration::from_secs(2))
+        .is_none());
+}

@@ -190,9 +190,27 @@ impl Checkpointer {
 impl Store {
     /// Opens (creating if needed) the SQLite database file at `path` and
     /// brings its schema up to date.
+    ///
+    /// The database holds every tenant's commands and outputs and the keys'
+    /// hashes: its file and SQLite's `-wal` and `-shm` beside it are the
+    /// owner's alone (0600), whatever the umask (SQLite gives the two the
+    /// database file's mode, so the file is made 0600 before SQLite opens
+    /// it), and files an older version left readable are tightened.
     pub async fn open_sqlite(path: impl AsRef<Path>) -> Result<Store> {
-        let opts = SqliteConnectOptions::new().filename(path.as_ref());
-        Store::from_sqlite_options(opts, false).await
+        let path = path.as_ref();
+        {
+            use std::os::unix::fs::OpenOptionsExt;
+            let _ = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .mode(0o600)
+                .open(path);
+        }
+        restrict_to_owner(path);
+        let opts = SqliteConnectOptions::new().filename(path);
+        let store = Store::from_sqlite_options(opts, false).await?;
+        restrict_to_owner(path);
+        Ok(store)
     }
 
     /// Opens a database by URL and brings its schema up to date. Only
@@ -247,5 +265,21 @@ impl Store {
     /// its first statement (see the crate docs for why).
     async fn write_tx(&self) -> Result<sqlx::Transaction<'static, sqlx::Sqlite>> {
         Ok(self.pool.begin_with("BEGIN IMMEDIATE").await?)
+    }
+}
+
+/// Mode 0600 for a SQLite database and its `-wal` and `-shm` files, where
+/// they exist.
+fn restrict_to_owner(db: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    for suffix in ["", "-wal", "-shm"] {
+        let mut name = db.as_os_str().to_owned();
+        name.push(suffix);
+        let file = Path::new(&name);
+        if let Ok(meta) = std::fs::metadata(file) {
+            if meta.permissions().mode() & 0o077 != 0 {
+                let _ = std::fs::set_permissions(file, std::fs::Permissions::from_mode(0o600));
+            }
+        }
     }
 }

@@ -1028,3 +1028,30 @@ async fn the_wal_is_checkpointed_in_the_background_not_by_commits() {
     }
     assert_eq!(store.list_accounts().await.unwrap().len(), 400);
 }
+
+#[tokio::test]
+async fn the_database_files_are_the_owners_alone_and_old_ones_are_tightened() {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("sandpit.db");
+    // What an older version left: a database any local user could read.
+    drop(Store::open_sqlite(&db).await.unwrap());
+    for suffix in ["", "-wal", "-shm"] {
+        let f = dir.path().join(format!("sandpit.db{suffix}"));
+        if f.exists() {
+            std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o644)).unwrap();
+        }
+    }
+    let store = Store::open_sqlite(&db).await.unwrap();
+    store.create_account("a", 10).await.unwrap();
+    for suffix in ["", "-wal", "-shm"] {
+        let f = dir.path().join(format!("sandpit.db{suffix}"));
+        assert_eq!(mode(&f), 0o600, "sandpit.db{suffix}");
+    }
+    // A new one is 0600 from the start, whatever the umask.
+    let fresh = dir.path().join("fresh.db");
+    let store = Store::open_sqlite(&fresh).await.unwrap();
+    store.create_account("b", 10).await.unwrap();
+    assert_eq!(mode(&fresh), 0o600);
+}
