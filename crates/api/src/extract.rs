@@ -58,29 +58,13 @@ impl FromRequestParts<AppState> for Authed {
 }
 
 fn key_from_headers(parts: &Parts) -> Result<String, ApiError> {
-    if let Some(v) = parts.headers.get(header::AUTHORIZATION) {
-        let v = v.to_str().map_err(|_| CoreError::unauthorized())?.trim();
-        let (scheme, rest) = v.split_once(' ').unwrap_or((v, ""));
-        if !scheme.eq_ignore_ascii_case("bearer") {
-            return Err(CoreError::new(
-                ErrorType::Unauthorized,
-                "unsupported Authorization scheme: send `Authorization: Bearer <key>` or `x-api-key: <key>`",
-            )
-            .into());
-        }
-        let key = rest.trim();
-        if key.is_empty() {
-            return Err(CoreError::unauthorized().into());
-        }
-        return Ok(key.to_owned());
-    }
-    if let Some(v) = parts.headers.get("x-api-key") {
-        let key = v.to_str().map_err(|_| CoreError::unauthorized())?.trim();
-        if !key.is_empty() {
-            return Ok(key.to_owned());
-        }
-    }
-    Err(CoreError::unauthorized().into())
+    Ok(sandpit_core::api::api_key_from_headers(
+        parts
+            .headers
+            .get(header::AUTHORIZATION)
+            .map(|v| v.as_bytes()),
+        parts.headers.get("x-api-key").map(|v| v.as_bytes()),
+    )?)
 }
 
 /// This request's id (minted by the outermost middleware).

@@ -113,3 +113,69 @@ pub trait SandboxApi: Send + Sync {
     /// No key needed.
     async fn service_info(&self) -> Result<ServiceInfo>;
 }
+
+/// The API key an HTTP request carries, read the same way by REST and MCP:
+/// `Authorization: Bearer <key>` (scheme in any case) or `x-api-key: <key>`,
+/// given as the raw header values. An `Authorization` header of another
+/// scheme is refused, not skipped for `x-api-key` (a client that sends Basic
+/// credentials learns why it is not let in), as is one that is not text or
+/// carries no key.
+pub fn api_key_from_headers(
+    authorization: Option<&[u8]>,
+    x_api_key: Option<&[u8]>,
+) -> Result<String, crate::CoreError> {
+    use crate::{CoreError, ErrorType};
+    if let Some(v) = authorization {
+        let v = std::str::from_utf8(v)
+            .map_err(|_| CoreError::unauthorized())?
+            .trim();
+        let (scheme, rest) = v.split_once(' ').unwrap_or((v, ""));
+        if !scheme.eq_ignore_ascii_case("bearer") {
+            return Err(CoreError::new(
+                ErrorType::Unauthorized,
+                "unsupported Authorization scheme: send `Authorization: Bearer <key>` or `x-api-key: <key>`",
+            ));
+        }
+        let key = rest.trim();
+        if key.is_empty() {
+            return Err(CoreError::unauthorized());
+        }
+        return Ok(key.to_owned());
+    }
+    if let Some(v) = x_api_key {
+        let key = std::str::from_utf8(v)
+            .map_err(|_| CoreError::unauthorized())?
+            .trim();
+        if !key.is_empty() {
+            return Ok(key.to_owned());
+        }
+    }
+    Err(CoreError::unauthorized())
+}
+
+#[cfg(test)]
+mod key_tests {
+    use super::api_key_from_headers as key;
+    use crate::ErrorType;
+
+    #[test]
+    fn keys_are_read_from_either_header_and_other_schemes_are_refused() {
+        assert_eq!(key(Some(b"Bearer sp_1"), None).unwrap(), "sp_1");
+        assert_eq!(key(Some(b"bearer   sp_1 "), None).unwrap(), "sp_1");
+        assert_eq!(key(None, Some(b" sp_2")).unwrap(), "sp_2");
+        let e = key(Some(b"Basic dXNlcjpwYXNz"), Some(b"sp_2")).unwrap_err();
+        assert_eq!(e.kind, ErrorType::Unauthorized);
+        assert!(
+            e.message.contains("unsupported Authorization scheme"),
+            "{e}"
+        );
+        for (a, x) in [
+            (Some(&b"Bearer "[..]), None),
+            (None, Some(&b"  "[..])),
+            (None, None),
+            (Some(&b"Bearer \xff"[..]), None),
+        ] {
+            assert_eq!(key(a, x).unwrap_err().kind, ErrorType::Unauthorized);
+        }
+    }
+}

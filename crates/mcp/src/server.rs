@@ -304,27 +304,6 @@ fn execution_answer(x: Execution) -> Result<CallToolResult, ErrorData> {
     Ok(result)
 }
 
-/// The API key of an HTTP request: `Authorization: Bearer <key>` (scheme
-/// case-insensitive) or `x-api-key: <key>`.
-pub(crate) fn api_key_of(headers: &http::HeaderMap) -> Option<String> {
-    let bearer = headers
-        .get(http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().split_once(' '))
-        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-        .map(|(_, key)| key.trim())
-        .filter(|key| !key.is_empty());
-    if let Some(key) = bearer {
-        return Some(key.to_string());
-    }
-    headers
-        .get("x-api-key")
-        .and_then(|v| v.to_str().ok())
-        .map(str::trim)
-        .filter(|k| !k.is_empty())
-        .map(str::to_string)
-}
-
 impl SandpitMcp {
     pub fn new(api: Arc<dyn SandboxApi>, callers: CallerSource) -> Self {
         SandpitMcp {
@@ -361,11 +340,18 @@ impl SandpitMcp {
         match &self.callers {
             CallerSource::Fixed(caller) => Ok(caller.clone()),
             CallerSource::RequestApiKey => {
-                let key = ctx
+                let parts = ctx
                     .extensions
                     .get::<http::request::Parts>()
-                    .and_then(|parts| api_key_of(&parts.headers))
                     .ok_or_else(CoreError::unauthorized)?;
+                // The same reader as REST's: the same key, or the same refusal.
+                let key = sandpit_core::api::api_key_from_headers(
+                    parts
+                        .headers
+                        .get(http::header::AUTHORIZATION)
+                        .map(|v| v.as_bytes()),
+                    parts.headers.get("x-api-key").map(|v| v.as_bytes()),
+                )?;
                 self.api.authenticate(&key).await
             }
         }
@@ -824,46 +810,6 @@ impl ServerHandler for SandpitMcp {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn headers(pairs: &[(&'static str, &'static str)]) -> http::HeaderMap {
-        let mut h = http::HeaderMap::new();
-        for (k, v) in pairs {
-            h.append(*k, http::HeaderValue::from_static(v));
-        }
-        h
-    }
-
-    #[test]
-    fn the_key_comes_from_bearer_or_x_api_key() {
-        assert_eq!(
-            api_key_of(&headers(&[("authorization", "Bearer sk_1")])).as_deref(),
-            Some("sk_1")
-        );
-        assert_eq!(
-            api_key_of(&headers(&[("authorization", "bearer   sk_1  ")])).as_deref(),
-            Some("sk_1")
-        );
-        assert_eq!(
-            api_key_of(&headers(&[("x-api-key", " sk_2 ")])).as_deref(),
-            Some("sk_2")
-        );
-        // Another scheme is not a key; x-api-key still counts beside it.
-        assert_eq!(
-            api_key_of(&headers(&[("authorization", "Basic dXNlcg==")])),
-            None
-        );
-        assert_eq!(
-            api_key_of(&headers(&[
-                ("authorization", "Basic dXNlcg=="),
-                ("x-api-key", "sk_3")
-            ]))
-            .as_deref(),
-            Some("sk_3")
-        );
-        assert_eq!(api_key_of(&headers(&[("authorization", "Bearer ")])), None);
-        assert_eq!(api_key_of(&headers(&[("x-api-key", "")])), None);
-        assert_eq!(api_key_of(&headers(&[])), None);
-    }
 
     #[test]
     fn every_actionable_error_says_what_to_do_next() {

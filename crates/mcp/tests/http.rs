@@ -183,6 +183,26 @@ async fn messages(r: reqwest::Response) -> (String, Vec<Value>) {
 }
 
 #[tokio::test]
+async fn another_authorization_scheme_is_refused_as_rest_refuses_it() {
+    let s = server().await;
+    // Basic credentials beside a valid x-api-key: refused, with the reason,
+    // as the REST API refuses them (one reader for both).
+    let r = post(&s, tools_call(3, "get_usage", json!({}), None))
+        .header("authorization", "Basic dXNlcjpwYXNz")
+        .header("x-api-key", KEY)
+        .header("mcp-protocol-version", "2025-11-25")
+        .send()
+        .await
+        .unwrap();
+    let (_, msgs) = messages(r).await;
+    let result = &msgs[0]["result"];
+    assert_eq!(result["isError"], true, "{msgs:?}");
+    let text = result["content"][0]["text"].as_str().unwrap();
+    assert!(text.contains("unsupported Authorization scheme"), "{text}");
+    assert!(s.api.calls().is_empty(), "{:?}", s.api.calls());
+}
+
+#[tokio::test]
 async fn stateless_json_answers_and_exec_without_a_progress_token() {
     let s = server().await;
     let r = post(
