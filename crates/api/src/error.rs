@@ -129,6 +129,19 @@ const FOREIGN_BODY_LIMIT: usize = 16 * 1024;
 
 /// Outermost middleware: mint the request id, and give every response the
 /// `x-request-id` header and every non-2xx response the JSON error body.
+/// For a service nested beside the REST routes that speaks its own error
+/// format (MCP's JSON-RPC): the request id on the request and the response,
+/// as REST has it, and the body left as it is.
+pub(crate) async fn tag_request(mut req: Request, next: Next) -> Response {
+    let id = RequestId::generate();
+    req.extensions_mut().insert(id.clone());
+    let mut resp = next.run(req).await;
+    if let Ok(v) = HeaderValue::from_str(&id.0) {
+        resp.headers_mut().insert("x-request-id", v);
+    }
+    resp
+}
+
 pub(crate) async fn finish(mut req: Request, next: Next) -> Response {
     let id = RequestId::generate();
     req.extensions_mut().insert(id.clone());

@@ -33,7 +33,8 @@ pub use error::{ErrorBody, ErrorObject};
 pub use openapi::openapi;
 pub use remote::{RemoteApi, API_KEY_ENV};
 pub use server::{
-    router, ExposePortBody, ExtendBody, FilesQuery, PortClosed, RestConfig, UsageQuery,
+    router, with_request_layers, ExposePortBody, ExtendBody, FilesQuery, PortClosed, RestConfig,
+    UsageQuery,
 };
 pub use sse::OutputChunk;
 

@@ -134,6 +134,16 @@ pub fn router(api: Arc<dyn SandboxApi>, config: RestConfig) -> Router {
         .with_state(state)
 }
 
+/// `service` (MCP's Streamable HTTP endpoint) as it is mounted beside the
+/// REST routes: with their request ids and their panic guard (a panic is a
+/// 500, not a dropped connection). Its errors keep its own format, and its
+/// body limit is its own (`HttpConfig::max_request_body_bytes`).
+pub fn with_request_layers(service: Router) -> Router {
+    service
+        .layer(tower_http::catch_panic::CatchPanicLayer::new())
+        .layer(axum::middleware::from_fn(crate::error::tag_request))
+}
+
 type ApiResult<T = Response> = Result<T, ApiError>;
 
 fn ok<T: Serialize>(value: T) -> ApiResult {

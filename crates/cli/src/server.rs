@@ -281,8 +281,10 @@ pub async fn serve(settings: &Settings, args: ServeArgs) -> Result<i32> {
     }
     mcp.limits = api.service_info().await?.limits;
     let shutdown = mcp.shutdown.clone();
-    let app = sandpit_api::router(api.clone(), rest)
-        .nest_service("/v1/mcp", sandpit_mcp::http_service(api, mcp));
+    let app = sandpit_api::router(api.clone(), rest).nest_service(
+        "/v1/mcp",
+        sandpit_api::with_request_layers(sandpit_mcp::http_service(api, mcp)),
+    );
     let front = Arc::new(front::Front {
         api: app,
         proxy: Proxy::new(svc.clone()),

@@ -166,3 +166,46 @@ fn serving_beyond_the_loopback_without_tls_is_warned_about() {
         .wait_for_log("WITHOUT TLS", Duration::from_secs(2))
         .is_none());
 }
+
+#[test]
+fn mcp_answers_carry_request_ids_as_rest_answers_do() {
+    let data = data_dir();
+    let server = Server::start_with(&data, "[pool]\nsizes = {}\n");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let http = reqwest::Client::new();
+        let init = serde_json::json!({
+            "jsonrpc": "2.0", "id": 1, "method": "initialize",
+            "params": {"protocolVersion": "2025-11-25", "capabilities": {},
+                       "clientInfo": {"name": "t", "version": "1"}}
+        });
+        for version in ["2025-11-25", "1999-01-01"] {
+            let r = http
+                .post(format!("{}/v1/mcp", server.url))
+                .header("accept", "application/json, text/event-stream")
+                .header("mcp-protocol-version", version)
+                .json(&init)
+                .send()
+                .await
+                .unwrap();
+            let id = r
+                .headers()
+                .get("x-request-id")
+                .map(|v| v.to_str().unwrap().to_string());
+            assert!(
+                id.is_some_and(|id| id.starts_with("req_")),
+                "{version}: {:?}",
+                r.headers()
+            );
+            // MCP's own error format is kept (the unsupported version is a JSON-RPC error).
+            if version == "1999-01-01" {
+                assert_eq!(r.status(), 400);
+                let body: serde_json::Value = r.json().await.unwrap();
+                assert_eq!(body["error"]["code"], -32022, "{body}");
+            }
+        }
+    });
+}
