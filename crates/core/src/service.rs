@@ -501,6 +501,11 @@ impl Service {
         }
         let (mut out, mut err) = (Utf8Chunker::new(), Utf8Chunker::new());
         let (mut stdout, mut stderr) = (String::new(), String::new());
+        // The agent drops output past the limit itself; the host holds it to
+        // that too, so a guest whose agent does not (a guest root that
+        // replaced it) cannot fill the host's memory or the database.
+        let limit = self.config.max_output_bytes as usize;
+        let mut cut_here = false;
         let mut cancelled_by_client = false;
         let outcome = loop {
             let ev = tokio::select! {
@@ -513,14 +518,14 @@ impl Service {
             };
             match ev {
                 Ok(VmEvent::Stdout(b)) => {
-                    let s = out.push(&b);
+                    let s = within(&stdout, out.push(&b), limit, &mut cut_here);
                     stdout.push_str(&s);
                     if let (Some(tx), false) = (&tx, s.is_empty()) {
                         let _ = tx.send(ExecEvent::Stdout(s)).await;
                     }
                 }
                 Ok(VmEvent::Stderr(b)) => {
-                    let s = err.push(&b);
+                    let s = within(&stderr, err.push(&b), limit, &mut cut_here);
                     stderr.push_str(&s);
                     if let (Some(tx), false) = (&tx, s.is_empty()) {
                         let _ = tx.send(ExecEvent::Stderr(s)).await;
@@ -530,8 +535,10 @@ impl Service {
                 Err(e) => break Err(e),
             }
         };
-        stdout.push_str(&out.finish());
-        stderr.push_str(&err.finish());
+        let rest = within(&stdout, out.finish(), limit, &mut cut_here);
+        stdout.push_str(&rest);
+        let rest = within(&stderr, err.finish(), limit, &mut cut_here);
+        stderr.push_str(&rest);
         let finished = OffsetDateTime::now_utc();
         let result = match outcome {
             Ok(r) => {
@@ -547,7 +554,7 @@ impl Service {
                     exit_code: r.exit_code.or(r.signal.map(|s| 128 + s)),
                     stdout,
                     stderr,
-                    truncated: r.stdout_truncated || r.stderr_truncated,
+                    truncated: r.stdout_truncated || r.stderr_truncated || cut_here,
                     duration_ms: r.duration_ms,
                     finished_at: finished,
                 }
@@ -562,7 +569,7 @@ impl Service {
                             exit_code: None,
                             stdout,
                             stderr,
-                            truncated: false,
+                            truncated: cut_here,
                             duration_ms: (finished - started).whole_milliseconds() as u64,
                             finished_at: finished,
                         },
@@ -1360,6 +1367,42 @@ impl SandboxApi for Service {
                 sandpit_runtime::channel::REPLY_DEADLINE.as_secs(),
             ),
         })
+    }
+}
+
+/// What of `more` fits after `kept` within `limit` bytes (cut at a character
+/// boundary); `cut` is set when anything was left out.
+fn within(kept: &str, mut more: String, limit: usize, cut: &mut bool) -> String {
+    let room = limit.saturating_sub(kept.len());
+    if more.len() > room {
+        let mut end = room;
+        while !more.is_char_boundary(end) {
+            end -= 1;
+        }
+        more.truncate(end);
+        *cut = true;
+    }
+    more
+}
+
+#[cfg(test)]
+mod output_cap_tests {
+    use super::within;
+
+    #[test]
+    fn output_is_kept_up_to_the_limit_at_a_character_boundary() {
+        let mut cut = false;
+        assert_eq!(within("", "abc".into(), 10, &mut cut), "abc");
+        assert!(!cut);
+        assert_eq!(within("abcdefgh", "ijk".into(), 10, &mut cut), "ij");
+        assert!(cut);
+        let mut cut = false;
+        // "é" is two bytes: one byte of room keeps none of it.
+        assert_eq!(within("123456789", "é".into(), 10, &mut cut), "");
+        assert!(cut);
+        let mut cut = false;
+        assert_eq!(within("0123456789", String::new(), 10, &mut cut), "");
+        assert!(!cut);
     }
 }
 
