@@ -1385,6 +1385,14 @@ fn within(kept: &str, mut more: String, limit: usize, cut: &mut bool) -> String 
     more
 }
 
+/// Paths are checked here only for what the guest cannot judge; permissions
+/// are the guest user's own.
+fn check_path(path: &str) -> Result<()> {
+    sandpit_protocol::resolve_guest_path(path)
+        .map(|_| ())
+        .map_err(|e| CoreError::invalid(format!("bad path {path:?}: {}", e.message)))
+}
+
 #[cfg(test)]
 mod output_cap_tests {
     use super::within;
@@ -1404,12 +1412,4 @@ mod output_cap_tests {
         assert_eq!(within("0123456789", String::new(), 10, &mut cut), "");
         assert!(!cut);
     }
-}
-
-/// Paths are checked here only for what the guest cannot judge; permissions
-/// are the guest user's own.
-fn check_path(path: &str) -> Result<()> {
-    sandpit_protocol::resolve_guest_path(path)
-        .map(|_| ())
-        .map_err(|e| CoreError::invalid(format!("bad path {path:?}: {}", e.message)))
 }
