@@ -178,15 +178,14 @@ fn exec(cli: &Cli, id: &str, command: &str) -> Output {
 }
 
 fn exec_ok(cli: &Cli, id: &str, command: &str) -> String {
-    cli.ok(&[
-        "sandbox",
-        "exec",
-        id,
-        "--timeout-ms",
-        "60000",
-        "--",
-        command,
-    ])
+    let out = exec(cli, id, command);
+    assert!(
+        out.status.success(),
+        "`{command}` failed in {id}: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
 }
 
 /// The address the guest resolves `name` to (`getent hosts`, as glibc

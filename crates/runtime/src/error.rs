@@ -58,6 +58,23 @@ pub enum RuntimeError {
 }
 
 impl RuntimeError {
+    /// A host program that could not be started: missing (say which Debian
+    /// package has it) or failing to start (`what` says which step).
+    pub fn spawn(
+        tool: impl Into<String>,
+        package: &str,
+        what: &str,
+    ) -> impl FnOnce(std::io::Error) -> RuntimeError {
+        let (tool, package, what) = (tool.into(), package.to_string(), what.to_string());
+        move |e| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                RuntimeError::MissingTool { tool, package }
+            } else {
+                RuntimeError::Launch(format!("{what}: {e}"))
+            }
+        }
+    }
+
     /// Wrap an I/O error with what was being done.
     pub fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> RuntimeError {
         let context = context.into();

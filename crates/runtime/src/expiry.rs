@@ -177,16 +177,11 @@ pub(crate) fn start_watchdog(
             crate::net::pass_fd(fd, WATCHDOG_FD)
         });
     }
-    let child = cmd.spawn().map_err(|e| {
-        if e.kind() == std::io::ErrorKind::NotFound {
-            RuntimeError::MissingTool {
-                tool: "/bin/bash".into(),
-                package: "bash".into(),
-            }
-        } else {
-            RuntimeError::Launch(format!("starting the expiry watchdog: {e}"))
-        }
-    })?;
+    let child = cmd.spawn().map_err(RuntimeError::spawn(
+        "/bin/bash",
+        "bash",
+        "starting the expiry watchdog",
+    ))?;
     drop(life);
     let pid = child.id().unwrap_or(0);
     // Dropped, not killed: tokio reaps it if it exits while we live, init

@@ -82,16 +82,11 @@ pub fn start_passt(passt: &Path, dir: &Path, merge_pages: bool) -> Result<(u32, 
             pass_fd(fd, NET_FD)
         });
     }
-    let child = cmd.spawn().map_err(|e| {
-        if e.kind() == std::io::ErrorKind::NotFound {
-            RuntimeError::MissingTool {
-                tool: passt.display().to_string(),
-                package: "passt".into(),
-            }
-        } else {
-            RuntimeError::Launch(format!("starting passt: {e}"))
-        }
-    })?;
+    let child = cmd.spawn().map_err(RuntimeError::spawn(
+        passt.display().to_string(),
+        "passt",
+        "starting passt",
+    ))?;
     drop(theirs);
     Ok((child.id().unwrap_or(0), ours.into()))
 }

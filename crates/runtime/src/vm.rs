@@ -414,16 +414,11 @@ impl VmManager {
                 net::pass_fd(life_fd, expiry::QEMU_LIFE_FD)
             });
         }
-        let child = cmd.spawn().map_err(|e| {
-            if e.kind() == std::io::ErrorKind::NotFound {
-                RuntimeError::MissingTool {
-                    tool: self.config.qemu_binary.display().to_string(),
-                    package: "qemu-system-x86".into(),
-                }
-            } else {
-                RuntimeError::Launch(format!("starting QEMU: {e}"))
-            }
-        })?;
+        let child = cmd.spawn().map_err(RuntimeError::spawn(
+            self.config.qemu_binary.display().to_string(),
+            "qemu-system-x86",
+            "starting QEMU",
+        ))?;
         let qemu_pid = child.id().unwrap_or(0);
         let spawned = Instant::now();
         let _giving_way = match priority {
@@ -959,16 +954,7 @@ async fn create_overlay(base: &Path, disk: &Path, disk_gb: u32) -> Result<()> {
         .arg(format!("{disk_gb}G"))
         .output()
         .await
-        .map_err(|e| {
-            if e.kind() == std::io::ErrorKind::NotFound {
-                RuntimeError::MissingTool {
-                    tool: "qemu-img".into(),
-                    package: "qemu-utils".into(),
-                }
-            } else {
-                RuntimeError::Launch(format!("qemu-img: {e}"))
-            }
-        })?;
+        .map_err(RuntimeError::spawn("qemu-img", "qemu-utils", "qemu-img"))?;
     if !out.status.success() {
         return Err(RuntimeError::Launch(format!(
             "qemu-img create failed: {}",
