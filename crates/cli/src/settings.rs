@@ -101,6 +101,12 @@ pub struct PreviewSection {
     pub tls_cert: Option<PathBuf>,
     /// PEM private key of `tls_cert`.
     pub tls_key: Option<PathBuf>,
+    /// Connections to the guest one sandbox's previews hold open at most
+    /// (default 64); more requests wait for one, then get 503.
+    pub max_connections: Option<u32>,
+    /// Requests a second one sandbox's previews take (default 100, twice
+    /// as many in a burst); past it, 429.
+    pub requests_per_second: Option<u32>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -245,6 +251,24 @@ impl Settings {
         let public_url = env_or("SANDPIT_PUBLIC_URL", file.public_url.clone());
         let (mut preview_domain_set, mut preview_scheme_set, mut tls) = (false, false, None);
         if let Some(p) = &file.preview {
+            for (name, value, dst) in [
+                (
+                    "max_connections",
+                    p.max_connections,
+                    &mut service.preview_max_connections,
+                ),
+                (
+                    "requests_per_second",
+                    p.requests_per_second,
+                    &mut service.preview_requests_per_second,
+                ),
+            ] {
+                match value {
+                    Some(0) => bail!("[preview] {name} must be at least 1"),
+                    Some(v) => *dst = v,
+                    None => {}
+                }
+            }
             if let Some(d) = &p.domain {
                 service.preview_domain = d.clone();
                 preview_domain_set = true;

@@ -57,6 +57,11 @@ pub struct ServiceConfig {
     pub preview_domain: String,
     /// This host's name, shown in service info.
     pub host_name: String,
+    /// Connections to the guest one sandbox's preview URLs may hold open.
+    pub preview_max_connections: u32,
+    /// Requests a second one sandbox's preview URLs take (twice as many in
+    /// a burst); past it, 429.
+    pub preview_requests_per_second: u32,
 }
 
 impl Default for ServiceConfig {
@@ -89,6 +94,8 @@ impl Default for ServiceConfig {
             preview_scheme: "http".into(),
             preview_domain: "localhost:8080".into(),
             host_name: "localhost".into(),
+            preview_max_connections: 64,
+            preview_requests_per_second: 100,
         }
     }
 }

@@ -15,7 +15,7 @@ use crate::config::{cost, ServiceConfig};
 use crate::error::{CoreError, ErrorType, Result};
 use crate::ids::{new_id, rfc3339};
 use crate::model::*;
-use crate::preview::{preview_url, PreviewConn, PreviewError, Previews};
+use crate::preview::{preview_url, PreviewConn, PreviewError, PreviewLimits, Previews};
 use crate::utf8::Utf8Chunker;
 use async_trait::async_trait;
 use base64::Engine;
@@ -181,12 +181,16 @@ impl Service {
     /// A service over `store` and `vms`; call [`Service::start`] to reconcile
     /// and run the reaper.
     pub fn new(config: ServiceConfig, store: Store, vms: Arc<LocalVms>) -> Arc<Service> {
+        let limits = PreviewLimits {
+            max_connections: config.preview_max_connections,
+            requests_per_second: config.preview_requests_per_second,
+        };
         Arc::new_cyclic(|me| Service {
             config,
             store,
             vms,
             reaper: Arc::new(Notify::new()),
-            previews: Arc::new(Previews::default()),
+            previews: Arc::new(Previews::new(limits)),
             me: me.clone(),
         })
     }
@@ -707,6 +711,10 @@ impl Service {
     /// Can `port` of sandbox `id` be served through its preview URL now?
     /// Anyone with the URL may ask: no account is involved.
     pub async fn check_preview(&self, id: &str, port: u16) -> Result<(), PreviewError> {
+        if self.previews.recently_checked(id, port) {
+            return Ok(());
+        }
+        let epoch = self.previews.check_epoch();
         let unavailable = |e: StoreError| PreviewError::Unavailable {
             id: id.to_string(),
             message: e.to_string(),
@@ -745,7 +753,15 @@ impl Service {
                 port,
             });
         }
+        self.previews
+            .remember_check(id, port, row.expires_at, epoch);
         Ok(())
+    }
+
+    /// Take one request of the allowance of sandbox `id`'s preview URLs
+    /// (after [`Service::check_preview`]: only live sandboxes have one).
+    pub fn admit_preview_request(&self, id: &str) -> Result<(), PreviewError> {
+        self.previews.admit_request(id)
     }
 
     /// Open a connection to `port` of sandbox `id` for its preview URL:
@@ -754,6 +770,7 @@ impl Service {
     /// sandbox ends.
     pub async fn open_preview(&self, id: &str, port: u16) -> Result<PreviewConn, PreviewError> {
         self.check_preview(id, port).await?;
+        let slot = self.previews.admit_connection(id).await?;
         let (sid, p) = (id.to_string(), port);
         let gate = self.previews.connect_gate(id, port);
         let open = async {
@@ -789,7 +806,7 @@ impl Service {
                 id: id.to_string(),
                 port,
             })??;
-        let conn = self.previews.register(id, port, stream);
+        let conn = self.previews.register(id, port, stream, slot);
         // Closed or ended while connecting: cut it now rather than serve it.
         if let Err(e) = self.check_preview(id, port).await {
             self.previews.close(id, Some(port));
