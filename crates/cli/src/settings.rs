@@ -77,6 +77,11 @@ pub struct LimitsSection {
     pub max_read_bytes: Option<u64>,
     pub max_write_bytes: Option<u64>,
     pub max_body_bytes: Option<usize>,
+    /// What one account's stored executions may take, in MiB (default
+    /// 1024); past it, its oldest ended ones are deleted.
+    pub execution_storage_mb: Option<u64>,
+    /// Days the executions of an ended sandbox are kept (default 7).
+    pub execution_retention_days: Option<u32>,
 }
 
 /// MCP over HTTP: DNS-rebinding protection.
@@ -244,6 +249,12 @@ impl Settings {
             }
             if let Some(v) = l.max_write_bytes {
                 service.max_write_bytes = v;
+            }
+            if let Some(mb) = l.execution_storage_mb {
+                service.execution_storage_bytes = mb.saturating_mul(1024 * 1024);
+            }
+            if let Some(days) = l.execution_retention_days {
+                service.execution_retention_days = days;
             }
         }
         let listen = env_or("SANDPIT_LISTEN", file.listen.clone())

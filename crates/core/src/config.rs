@@ -62,6 +62,11 @@ pub struct ServiceConfig {
     /// Requests a second one sandbox's preview URLs take (twice as many in
     /// a burst); past it, 429.
     pub preview_requests_per_second: u32,
+    /// What one account's stored executions (commands and outputs) may
+    /// take; past it, its oldest ended ones are deleted.
+    pub execution_storage_bytes: u64,
+    /// Days the executions of an ended sandbox are kept.
+    pub execution_retention_days: u32,
 }
 
 impl Default for ServiceConfig {
@@ -96,6 +101,8 @@ impl Default for ServiceConfig {
             host_name: "localhost".into(),
             preview_max_connections: 64,
             preview_requests_per_second: 100,
+            execution_storage_bytes: 1024 * 1024 * 1024,
+            execution_retention_days: 7,
         }
     }
 }

@@ -378,6 +378,11 @@ pub struct Limits {
     pub preview_max_connections: u32,
     /// Requests a second one sandbox's preview URLs take (bursts of twice).
     pub preview_requests_per_second: u32,
+    /// What an account's stored executions may take; past it, its oldest
+    /// ended ones are deleted (and their `get` is 404).
+    pub execution_storage_bytes: u64,
+    /// Days an ended sandbox's executions are kept.
+    pub execution_retention_days: u32,
 }
 
 /// Linux's limit on one argument of exec (`MAX_ARG_STRLEN` less its NUL):
@@ -413,6 +418,8 @@ impl Limits {
             reply_deadline_secs,
             preview_max_connections: c.preview_max_connections,
             preview_requests_per_second: c.preview_requests_per_second,
+            execution_storage_bytes: c.execution_storage_bytes,
+            execution_retention_days: c.execution_retention_days,
         }
     }
 }

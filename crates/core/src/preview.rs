@@ -591,7 +591,11 @@ mod tests {
         b.at -= Duration::from_millis(400);
         assert!(b.take(5), "two tokens came back in 400 ms");
         b.at -= Duration::from_secs(10);
-        assert_eq!((0..20).filter(|_| b.take(5)).count(), 10, "at most a burst kept");
+        assert_eq!(
+            (0..20).filter(|_| b.take(5)).count(),
+            10,
+            "at most a burst kept"
+        );
     }
 
     #[test]

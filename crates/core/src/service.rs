@@ -47,6 +47,8 @@ pub struct Service {
 const TRAFFIC_FLUSH: Duration = Duration::from_secs(2);
 /// How long opening a preview connection may take, end to end.
 const PREVIEW_CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
+/// How often the executions of long-ended sandboxes are looked for.
+const RETENTION_SWEEP: Duration = Duration::from_secs(3600);
 
 impl From<StoreError> for CoreError {
     fn from(e: StoreError) -> Self {
@@ -221,6 +223,17 @@ impl Service {
             }
         });
         let me = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                let Some(svc) = me.upgrade() else { return };
+                if let Err(e) = svc.drop_old_executions().await {
+                    tracing::warn!("dropping old executions: {e}");
+                }
+                drop(svc);
+                tokio::time::sleep(RETENTION_SWEEP).await;
+            }
+        });
+        let me = Arc::downgrade(self);
         let wake = self.reaper.clone();
         tokio::spawn(async move {
             loop {
@@ -237,6 +250,31 @@ impl Service {
             }
         });
         Ok(())
+    }
+
+    /// Hold an account's stored executions to its budget (its oldest ended
+    /// ones go first).
+    async fn trim_executions(&self, account_id: &str) {
+        let budget = self.config.execution_storage_bytes;
+        match self.store.trim_executions(account_id, budget).await {
+            Ok(0) => {}
+            Ok(n) => tracing::debug!(%account_id, "deleted {n} old executions over the budget"),
+            Err(e) => tracing::warn!(%account_id, "trimming executions: {e}"),
+        }
+    }
+
+    /// Delete the executions of sandboxes that ended more than
+    /// `execution_retention_days` ago. Returns how many went.
+    pub async fn drop_old_executions(&self) -> Result<u64> {
+        let keep = time::Duration::days(i64::from(self.config.execution_retention_days));
+        let n = self
+            .store
+            .drop_ended_executions(OffsetDateTime::now_utc() - keep)
+            .await?;
+        if n > 0 {
+            tracing::info!("deleted {n} executions of sandboxes ended over {keep} ago");
+        }
+        Ok(n)
     }
 
     /// The server is stopping: remove the warm pool's VMs (no sandbox owns
@@ -591,7 +629,9 @@ impl Service {
                 return Err(runtime_error(e));
             }
         };
-        if self.store.finish_execution(&exec_id, &result).await? {
+        let finished = self.store.finish_execution(&exec_id, &result).await?;
+        self.trim_executions(&row.account_id).await;
+        if finished {
             // Exactly what was written, so no need to read it back.
             record.status = result.status;
             record.exit_code = result.exit_code;
