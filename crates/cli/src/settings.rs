@@ -77,6 +77,12 @@ pub struct LimitsSection {
     pub max_read_bytes: Option<u64>,
     pub max_write_bytes: Option<u64>,
     pub max_body_bytes: Option<usize>,
+    /// Request bodies the server holds at once, in MiB (default 512); a
+    /// request that cannot fit waits, then gets 503.
+    pub body_budget_mb: Option<usize>,
+    /// Concurrent file reads and writes of one account (default 4); more
+    /// wait, then get 429.
+    pub max_concurrent_transfers: Option<u32>,
     /// What one account's stored executions may take, in MiB (default
     /// 1024); past it, its oldest ended ones are deleted.
     pub execution_storage_mb: Option<u64>,
@@ -145,6 +151,7 @@ pub struct Settings {
     pub mcp_allowed_hosts: Option<Vec<String>>,
     pub mcp_allowed_origins: Option<Vec<String>>,
     pub max_body_bytes: Option<usize>,
+    pub body_budget_bytes: Option<usize>,
     /// The preview domain was configured (else serve derives it from its port).
     pub preview_domain_set: bool,
     /// The preview scheme was configured (else serve derives it from TLS).
@@ -249,6 +256,11 @@ impl Settings {
             }
             if let Some(v) = l.max_write_bytes {
                 service.max_write_bytes = v;
+            }
+            match l.max_concurrent_transfers {
+                Some(0) => bail!("[limits] max_concurrent_transfers must be at least 1"),
+                Some(n) => service.max_concurrent_transfers = n,
+                None => {}
             }
             if let Some(mb) = l.execution_storage_mb {
                 service.execution_storage_bytes = mb.saturating_mul(1024 * 1024);
@@ -370,6 +382,11 @@ impl Settings {
             mcp_allowed_hosts,
             mcp_allowed_origins,
             max_body_bytes: file.limits.as_ref().and_then(|l| l.max_body_bytes),
+            body_budget_bytes: file
+                .limits
+                .as_ref()
+                .and_then(|l| l.body_budget_mb)
+                .map(|mb| mb.saturating_mul(1024 * 1024)),
             preview_domain_set,
             preview_scheme_set,
             tls,

@@ -62,6 +62,9 @@ pub struct ServiceConfig {
     /// Requests a second one sandbox's preview URLs take (twice as many in
     /// a burst); past it, 429.
     pub preview_requests_per_second: u32,
+    /// File reads and writes one account runs at once; more wait (see
+    /// `TRANSFER_WAIT`), then get `rate_limited`.
+    pub max_concurrent_transfers: u32,
     /// What one account's stored executions (commands and outputs) may
     /// take; past it, its oldest ended ones are deleted.
     pub execution_storage_bytes: u64,
@@ -101,6 +104,7 @@ impl Default for ServiceConfig {
             host_name: "localhost".into(),
             preview_max_connections: 64,
             preview_requests_per_second: 100,
+            max_concurrent_transfers: 4,
             execution_storage_bytes: 1024 * 1024 * 1024,
             execution_retention_days: 7,
         }

@@ -378,6 +378,9 @@ pub struct Limits {
     pub preview_max_connections: u32,
     /// Requests a second one sandbox's preview URLs take (bursts of twice).
     pub preview_requests_per_second: u32,
+    /// File reads and writes one account runs at once; more wait, then
+    /// get `rate_limited`.
+    pub max_concurrent_transfers: u32,
     /// What an account's stored executions may take; past it, its oldest
     /// ended ones are deleted (and their `get` is 404).
     pub execution_storage_bytes: u64,
@@ -418,6 +421,7 @@ impl Limits {
             reply_deadline_secs,
             preview_max_connections: c.preview_max_connections,
             preview_requests_per_second: c.preview_requests_per_second,
+            max_concurrent_transfers: c.max_concurrent_transfers,
             execution_storage_bytes: c.execution_storage_bytes,
             execution_retention_days: c.execution_retention_days,
         }

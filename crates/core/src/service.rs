@@ -39,6 +39,8 @@ pub struct Service {
     reaper: Arc<Notify>,
     /// Open preview connections and their unflushed traffic.
     previews: Arc<Previews>,
+    /// Each account's file transfers in flight (see [`Service::transfer_slot`]).
+    transfers: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Semaphore>>>,
     /// Itself, for tasks that outlive a call (streaming exec).
     me: Weak<Service>,
 }
@@ -47,6 +49,8 @@ pub struct Service {
 const TRAFFIC_FLUSH: Duration = Duration::from_secs(2);
 /// How long opening a preview connection may take, end to end.
 const PREVIEW_CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
+/// How long a file transfer waits for one of its account's slots.
+pub const TRANSFER_WAIT: Duration = Duration::from_secs(30);
 /// How often the executions of long-ended sandboxes are looked for.
 const RETENTION_SWEEP: Duration = Duration::from_secs(3600);
 
@@ -193,6 +197,7 @@ impl Service {
             vms,
             reaper: Arc::new(Notify::new()),
             previews: Arc::new(Previews::new(limits)),
+            transfers: Default::default(),
             me: me.clone(),
         })
     }
@@ -250,6 +255,31 @@ impl Service {
             }
         });
         Ok(())
+    }
+
+    /// One of the account's `max_concurrent_transfers` slots for a file
+    /// read or write: its content, decoded and in flight, is in memory
+    /// until it ends. Waits [`TRANSFER_WAIT`] at most.
+    async fn transfer_slot(&self, caller: &Caller) -> Result<tokio::sync::OwnedSemaphorePermit> {
+        let max = self.config.max_concurrent_transfers;
+        let slots = {
+            let mut all = self.transfers.lock().unwrap();
+            // Entries nobody holds (no transfer, no waiter) go, so the map
+            // stays as small as the number of accounts transferring now.
+            all.retain(|_, s| Arc::strong_count(s) > 1);
+            all.entry(caller.account_id.clone())
+                .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(max as usize)))
+                .clone()
+        };
+        match tokio::time::timeout(TRANSFER_WAIT, slots.acquire_owned()).await {
+            Ok(Ok(permit)) => Ok(permit),
+            _ => Err(CoreError::new(
+                ErrorType::RateLimited,
+                format!(
+                    "this account has {max} file transfers in flight, its most; retry when one ends"
+                ),
+            )),
+        }
     }
 
     /// Hold an account's stored executions to its budget (its oldest ended
@@ -1156,6 +1186,7 @@ impl SandboxApi for Service {
     }
 
     async fn write_file(&self, caller: &Caller, id: &str, req: WriteFile) -> Result<FileWritten> {
+        let _slot = self.transfer_slot(caller).await?;
         let bytes = match req.encoding.unwrap_or_default() {
             Encoding::Utf8 => req.content.into_bytes(),
             Encoding::Base64 => base64::engine::general_purpose::STANDARD
@@ -1188,6 +1219,7 @@ impl SandboxApi for Service {
         encoding: Encoding,
     ) -> Result<FileContent> {
         check_path(path)?;
+        let _slot = self.transfer_slot(caller).await?;
         let row = self.running(caller, id).await?;
         let _live = self.vms.manager().hold_background();
         let agent = self.agent(&row).await?;
