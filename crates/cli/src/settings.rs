@@ -80,6 +80,9 @@ pub struct LimitsSection {
     /// Request bodies the server holds at once, in MiB (default 512); a
     /// request that cannot fit waits, then gets 503.
     pub body_budget_mb: Option<usize>,
+    /// Free space kept on the VMs' filesystem, in MiB; no new sandbox
+    /// starts below it (default 2048).
+    pub disk_reserve_mb: Option<u64>,
     /// Concurrent file reads and writes of one account (default 4); more
     /// wait, then get 429.
     pub max_concurrent_transfers: Option<u32>,
@@ -339,6 +342,9 @@ impl Settings {
         }
         if let Some(v) = file.reserved_memory_mb {
             rt.reserved_memory_mb = v;
+        }
+        if let Some(v) = file.limits.as_ref().and_then(|l| l.disk_reserve_mb) {
+            rt.disk_reserve_mb = v;
         }
         if let Some(v) = file.tcg_tb_size_mb {
             rt.tcg_tb_size_mb = v;

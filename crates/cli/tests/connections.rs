@@ -307,3 +307,41 @@ fn parallel_uploads_are_held_to_the_body_budget_and_the_accounts_transfers() {
         assert_eq!(sizes, vec![12 << 20; 16]);
     });
 }
+
+#[test]
+fn no_sandbox_starts_on_a_disk_under_its_reserve() {
+    let data = data_dir();
+    // A reserve no disk has: every create is refused, saying why.
+    let server = Server::start_with(&data, "[limits]\ndisk_reserve_mb = 1000000000\n");
+    let key = server
+        .admin_key
+        .clone()
+        .expect("first start prints the admin key");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let api = Rest::new(&server, &key);
+        let (_, before) = api.get("/account").await;
+        let (st, e) = api
+            .post("/sandboxes", serde_json::json!({"timeout_minutes": 5}))
+            .await;
+        assert_eq!(st, 503, "{e}");
+        assert_eq!(e["error"]["type"], "service_unavailable", "{e}");
+        let message = e["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("under its reserve of 1000000000 MiB"),
+            "{message}"
+        );
+        // Nothing was charged or left running.
+        let (st, sandboxes) = api.get("/sandboxes").await;
+        assert_eq!(st, 200);
+        assert_eq!(sandboxes["data"], serde_json::json!([]), "{sandboxes}");
+        let (_, after) = api.get("/account").await;
+        assert_eq!(
+            after["credit_remaining_usd"],
+            before["credit_remaining_usd"]
+        );
+    });
+}

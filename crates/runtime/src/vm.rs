@@ -252,6 +252,7 @@ impl VmManager {
     pub async fn create_with_priority(&self, req: CreateVm, priority: Priority) -> Result<Vm> {
         validate_id(&req.id)?;
         let size = self.config.size(&req.size)?;
+        self.check_disk_reserve()?;
         if let Some(template) = self.template(&req.size) {
             match self
                 .start(&req, size, Start::Restore(&template), priority)
@@ -558,6 +559,23 @@ impl VmManager {
     }
 
     /// The guest network plan of this host's VMs.
+    /// Refuse a new VM while the VMs' filesystem has less free than its
+    /// reserve: the guests already running need that room to grow into.
+    fn check_disk_reserve(&self) -> Result<()> {
+        let dir = self.config.vms_dir();
+        let st = nix::sys::statvfs::statvfs(&dir)
+            .map_err(|e| RuntimeError::Launch(format!("statvfs {}: {e}", dir.display())))?;
+        let free_mb = st.blocks_available() as u64 * st.fragment_size() as u64 >> 20;
+        if free_mb < self.config.disk_reserve_mb {
+            return Err(RuntimeError::Busy(format!(
+                "the host's disk has {free_mb} MiB free for sandboxes, under its reserve of {} MiB; \
+                 no new sandbox starts until space is freed",
+                self.config.disk_reserve_mb
+            )));
+        }
+        Ok(())
+    }
+
     /// What the host denies this manager's guests' passt (see `guard`):
     /// what their own filter denies, with the same exemptions.
     fn guard_plan(&self) -> guard::GuardPlan {
