@@ -565,7 +565,7 @@ impl VmManager {
         let dir = self.config.vms_dir();
         let st = nix::sys::statvfs::statvfs(&dir)
             .map_err(|e| RuntimeError::Launch(format!("statvfs {}: {e}", dir.display())))?;
-        let free_mb = st.blocks_available() as u64 * st.fragment_size() as u64 >> 20;
+        let free_mb = (st.blocks_available() as u64 * st.fragment_size() as u64) >> 20;
         if free_mb < self.config.disk_reserve_mb {
             return Err(RuntimeError::Busy(format!(
                 "the host's disk has {free_mb} MiB free for sandboxes, under its reserve of {} MiB; \
