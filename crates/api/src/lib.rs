@@ -30,6 +30,7 @@ mod server;
 mod sse;
 
 pub use error::{ErrorBody, ErrorObject};
+pub use extract::{parse_json_body, parse_query_string};
 pub use openapi::openapi;
 pub use remote::{RemoteApi, API_KEY_ENV};
 pub use server::{
