@@ -84,8 +84,9 @@ if [ -n "$auto" ]; then
 fi
 
 # --- Everything else -----------------------------------------------------
+# g++: libFuzzer, which the fuzz targets (scripts/fuzz.sh) link, is C++.
 pkgs=(debootstrap passt e2fsprogs iproute2 python3 curl ca-certificates
-  gcc libc6-dev pkg-config nftables libnss-myhostname)
+  gcc g++ libc6-dev pkg-config nftables libnss-myhostname)
 # Node.js only where there is none: a machine that has it from elsewhere
 # (NodeSource, nvm, a tarball) keeps it, and Debian's npm next to another
 # Node.js would pull Debian's nodejs in beside it, or conflict with it.

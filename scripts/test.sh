@@ -2,7 +2,8 @@
 # The whole test suite on a fresh Debian 12 machine, as root: installs the
 # system packages, builds the agent and the guest image (cached under
 # target/sandpit-images, rebuilt only when its recipe changes), checks
-# formatting and lints, then runs every test, the real-VM ones included.
+# formatting and lints, runs each fuzz target briefly, then runs every test,
+# the real-VM ones included.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
@@ -12,5 +13,8 @@ export SANDPIT_AGENT_BIN="$PWD/target/x86_64-unknown-linux-gnu/release/sandpit-a
 target/release/sandpit image build
 cargo fmt --all --check
 cargo clippy --locked --workspace --all-targets -- -D warnings
+# The fuzz targets (a workspace of their own): formatted, then a short run each.
+cargo fmt --check --manifest-path fuzz/Cargo.toml
+scripts/fuzz.sh
 # VM tests boot real guests under emulation on few cores: bound parallelism.
 cargo test --locked --workspace --no-fail-fast -- --test-threads="${SANDPIT_TEST_THREADS:-2}"

@@ -199,6 +199,17 @@ pub(crate) fn parse_json<T: DeserializeOwned + JsonSchema>(bytes: &[u8]) -> Resu
     Ok(value)
 }
 
+/// [`parse_json`] outside this crate (the fuzz targets in `fuzz/`): what a
+/// handler makes of a JSON body, or the error the client is sent.
+pub fn parse_json_body<T: DeserializeOwned + JsonSchema>(bytes: &[u8]) -> Result<T, CoreError> {
+    parse_json(bytes).map_err(|e| e.err)
+}
+
+/// [`parse_query`] outside this crate (the fuzz targets in `fuzz/`).
+pub fn parse_query_string<T: DeserializeOwned + JsonSchema>(query: &str) -> Result<T, CoreError> {
+    parse_query(query).map_err(|e| e.err)
+}
+
 /// Query parameters, strictly: unknown parameters and bad values are
 /// `invalid_request` naming the parameter.
 pub(crate) struct QueryParams<T>(pub T);

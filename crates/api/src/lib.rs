@@ -32,6 +32,7 @@ mod sse;
 
 pub use budget::BodyBudget;
 pub use error::{ErrorBody, ErrorObject};
+pub use extract::{parse_json_body, parse_query_string};
 pub use openapi::openapi;
 pub use remote::{RemoteApi, API_KEY_ENV};
 pub use server::{

@@ -11,7 +11,7 @@
 
 use crate::api::{Caller, ExecEvent, ExecStream, SandboxApi};
 use crate::backend::LocalVms;
-use crate::config::{cost, ServiceConfig};
+use crate::config::{cost, ServiceConfig, SizeConfig};
 use crate::error::{CoreError, ErrorType, Result};
 use crate::ids::{new_id, rfc3339};
 use crate::model::*;
@@ -477,64 +477,6 @@ impl Service {
         }
     }
 
-    fn validate_exec(&self, p: &ExecParams) -> Result<ExecRequest> {
-        if p.command.trim().is_empty() {
-            return Err(CoreError::invalid("command must not be empty"));
-        }
-        let timeout = p.timeout_ms.unwrap_or(self.config.exec_default_timeout_ms);
-        if timeout < self.config.exec_min_timeout_ms || timeout > self.config.exec_max_timeout_ms {
-            return Err(CoreError::invalid(format!(
-                "timeout_ms must be between {} and {}, not {timeout}",
-                self.config.exec_min_timeout_ms, self.config.exec_max_timeout_ms
-            )));
-        }
-        const MAX_ARG: usize = crate::model::MAX_COMMAND_BYTES as usize;
-        if p.command.len() > MAX_ARG {
-            return Err(CoreError::invalid(format!(
-                "command is {} bytes; a command can be at most {MAX_ARG} bytes (Linux's limit \
-                 on one argument): write a longer script with write_file and run that",
-                p.command.len()
-            )));
-        }
-        if p.cwd.as_ref().is_some_and(|c| c.len() > 4095) {
-            return Err(CoreError::invalid("cwd is longer than 4095 bytes"));
-        }
-        let env = p.env.clone().unwrap_or_default();
-        let mut env_bytes = 0usize;
-        for (k, v) in &env {
-            let len = k.len() + 1 + v.len();
-            if len > MAX_ARG {
-                return Err(CoreError::invalid(format!(
-                    "env {k} is {len} bytes; one variable can be at most {MAX_ARG} bytes"
-                )));
-            }
-            env_bytes += len;
-        }
-        const MAX_ENV: usize = crate::model::MAX_ENV_BYTES as usize;
-        if env_bytes > MAX_ENV {
-            return Err(CoreError::invalid(format!(
-                "env is {env_bytes} bytes in all; the limit is {MAX_ENV} bytes"
-            )));
-        }
-        for k in env.keys() {
-            let ok = !k.is_empty()
-                && !k.as_bytes()[0].is_ascii_digit()
-                && k.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
-            if !ok {
-                return Err(CoreError::invalid(format!(
-                    "env name {k:?} is not a valid variable name (letters, digits, _)"
-                )));
-            }
-        }
-        Ok(ExecRequest {
-            command: p.command.clone(),
-            cwd: p.cwd.clone(),
-            env,
-            timeout_ms: timeout,
-            max_output_bytes: self.config.max_output_bytes,
-        })
-    }
-
     /// Start a command and feed its events to `tx`; returns the final execution.
     async fn run_exec(
         &self,
@@ -908,42 +850,8 @@ impl SandboxApi for Service {
         req: CreateSandbox,
         idempotency_key: Option<String>,
     ) -> Result<(Sandbox, bool)> {
-        let size_name = req
-            .size
-            .clone()
-            .unwrap_or_else(|| self.config.default_size.clone());
-        let size = self.config.sizes.get(&size_name).ok_or_else(|| {
-            CoreError::invalid(format!(
-                "unknown size {size_name:?}; use one of: {}",
-                self.config
-                    .sizes
-                    .keys()
-                    .cloned()
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ))
-        })?;
-        let timeout = req
-            .timeout_minutes
-            .unwrap_or(self.config.default_timeout_minutes);
-        if timeout < 1 || timeout > self.config.max_timeout_minutes {
-            return Err(CoreError::invalid(format!(
-                "timeout_minutes must be between 1 and {}, not {timeout}",
-                self.config.max_timeout_minutes
-            )));
-        }
-        if let Some(n) = &req.name {
-            if n.chars().count() > 200 {
-                return Err(CoreError::invalid("name is at most 200 characters"));
-            }
-        }
-        if let Some(k) = &idempotency_key {
-            if k.is_empty() || k.len() > 255 {
-                return Err(CoreError::invalid(
-                    "Idempotency-Key must be 1 to 255 characters",
-                ));
-            }
-        }
+        let (size_name, size, timeout) =
+            check_create(&self.config, &req, idempotency_key.as_deref())?;
         let price = size.price_micros_per_hour();
         let reserve = cost(price, timeout as u64 * 60);
         let now = OffsetDateTime::now_utc();
@@ -1072,10 +980,7 @@ impl SandboxApi for Service {
         id: &str,
         additional_minutes: Option<u32>,
     ) -> Result<Sandbox> {
-        let add = additional_minutes.unwrap_or(self.config.default_extend_minutes);
-        if add < 1 {
-            return Err(CoreError::invalid("additional_minutes must be at least 1"));
-        }
+        let add = extension_minutes(&self.config, additional_minutes)?;
         let row = self.owned(caller, id).await?;
         let total = row.timeout_minutes as u64 + add as u64;
         if total > self.config.max_lifetime_minutes as u64 {
@@ -1134,7 +1039,7 @@ impl SandboxApi for Service {
     }
 
     async fn exec(&self, caller: &Caller, id: &str, params: ExecParams) -> Result<Execution> {
-        let req = self.validate_exec(&params)?;
+        let req = validate_exec(&self.config, &params)?;
         let row = self.running(caller, id).await?;
         // The command runs in a task of its own; if this call is dropped (the
         // client hung up), the cancel sender goes with it, the task kills the
@@ -1157,7 +1062,7 @@ impl SandboxApi for Service {
         id: &str,
         params: ExecParams,
     ) -> Result<ExecStream> {
-        let req = self.validate_exec(&params)?;
+        let req = validate_exec(&self.config, &params)?;
         let row = self.running(caller, id).await?;
         // Fail fast (before the stream starts) if the VM is unreachable.
         self.agent(&row).await?;
@@ -1187,25 +1092,12 @@ impl SandboxApi for Service {
 
     async fn write_file(&self, caller: &Caller, id: &str, req: WriteFile) -> Result<FileWritten> {
         let _slot = self.transfer_slot(caller).await?;
-        let bytes = match req.encoding.unwrap_or_default() {
-            Encoding::Utf8 => req.content.into_bytes(),
-            Encoding::Base64 => base64::engine::general_purpose::STANDARD
-                .decode(req.content.trim())
-                .map_err(|e| CoreError::invalid(format!("content is not valid base64: {e}")))?,
-        };
-        if bytes.len() as u64 > self.config.max_write_bytes {
-            return Err(CoreError::invalid(format!(
-                "the file is {} bytes; the limit is {} bytes",
-                bytes.len(),
-                self.config.max_write_bytes
-            )));
-        }
-        check_path(&req.path)?;
+        let (path, bytes) = write_content(&self.config, req)?;
         let row = self.running(caller, id).await?;
         let _live = self.vms.manager().hold_background();
         let agent = self.agent(&row).await?;
         let (path, n) = agent
-            .write_file(&req.path, &bytes, None)
+            .write_file(&path, &bytes, None)
             .await
             .map_err(runtime_error)?;
         Ok(FileWritten { path, bytes: n })
@@ -1307,9 +1199,7 @@ impl SandboxApi for Service {
     }
 
     async fn expose_port(&self, caller: &Caller, id: &str, port: u16) -> Result<Port> {
-        if port == 0 {
-            return Err(CoreError::invalid("port must be between 1 and 65535"));
-        }
+        check_port(port)?;
         let row = self.running(caller, id).await?;
         let url = preview_url(
             &self.config.preview_scheme,
@@ -1474,9 +1364,155 @@ fn within(kept: &str, mut more: String, limit: usize, cut: &mut bool) -> String 
     more
 }
 
+// ---- request checks -------------------------------------------------------
+//
+// What the service checks of a request before it touches the store or a VM:
+// functions of the configuration and the request only, public so that the
+// fuzz targets (`fuzz/`) run exactly these.
+
+/// What [`SandboxApi::create_sandbox`] checks of a request before anything
+/// else: the size (its name and configuration) and the timeout it asks for.
+pub fn check_create<'c>(
+    config: &'c ServiceConfig,
+    req: &CreateSandbox,
+    idempotency_key: Option<&str>,
+) -> Result<(String, &'c SizeConfig, u32)> {
+    let size_name = req
+        .size
+        .clone()
+        .unwrap_or_else(|| config.default_size.clone());
+    let size = config.sizes.get(&size_name).ok_or_else(|| {
+        CoreError::invalid(format!(
+            "unknown size {size_name:?}; use one of: {}",
+            config.sizes.keys().cloned().collect::<Vec<_>>().join(", ")
+        ))
+    })?;
+    let timeout = req
+        .timeout_minutes
+        .unwrap_or(config.default_timeout_minutes);
+    if timeout < 1 || timeout > config.max_timeout_minutes {
+        return Err(CoreError::invalid(format!(
+            "timeout_minutes must be between 1 and {}, not {timeout}",
+            config.max_timeout_minutes
+        )));
+    }
+    if let Some(n) = &req.name {
+        if n.chars().count() > 200 {
+            return Err(CoreError::invalid("name is at most 200 characters"));
+        }
+    }
+    if let Some(k) = idempotency_key {
+        if k.is_empty() || k.len() > 255 {
+            return Err(CoreError::invalid(
+                "Idempotency-Key must be 1 to 255 characters",
+            ));
+        }
+    }
+    Ok((size_name, size, timeout))
+}
+
+/// What [`SandboxApi::exec`] and [`SandboxApi::exec_stream`] check of a
+/// command, and the agent request it becomes (defaults filled in).
+pub fn validate_exec(config: &ServiceConfig, p: &ExecParams) -> Result<ExecRequest> {
+    if p.command.trim().is_empty() {
+        return Err(CoreError::invalid("command must not be empty"));
+    }
+    let timeout = p.timeout_ms.unwrap_or(config.exec_default_timeout_ms);
+    if timeout < config.exec_min_timeout_ms || timeout > config.exec_max_timeout_ms {
+        return Err(CoreError::invalid(format!(
+            "timeout_ms must be between {} and {}, not {timeout}",
+            config.exec_min_timeout_ms, config.exec_max_timeout_ms
+        )));
+    }
+    const MAX_ARG: usize = crate::model::MAX_COMMAND_BYTES as usize;
+    if p.command.len() > MAX_ARG {
+        return Err(CoreError::invalid(format!(
+            "command is {} bytes; a command can be at most {MAX_ARG} bytes (Linux's limit \
+             on one argument): write a longer script with write_file and run that",
+            p.command.len()
+        )));
+    }
+    if p.cwd.as_ref().is_some_and(|c| c.len() > 4095) {
+        return Err(CoreError::invalid("cwd is longer than 4095 bytes"));
+    }
+    let env = p.env.clone().unwrap_or_default();
+    let mut env_bytes = 0usize;
+    for (k, v) in &env {
+        let len = k.len() + 1 + v.len();
+        if len > MAX_ARG {
+            return Err(CoreError::invalid(format!(
+                "env {k} is {len} bytes; one variable can be at most {MAX_ARG} bytes"
+            )));
+        }
+        env_bytes += len;
+    }
+    const MAX_ENV: usize = crate::model::MAX_ENV_BYTES as usize;
+    if env_bytes > MAX_ENV {
+        return Err(CoreError::invalid(format!(
+            "env is {env_bytes} bytes in all; the limit is {MAX_ENV} bytes"
+        )));
+    }
+    for k in env.keys() {
+        let ok = !k.is_empty()
+            && !k.as_bytes()[0].is_ascii_digit()
+            && k.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+        if !ok {
+            return Err(CoreError::invalid(format!(
+                "env name {k:?} is not a valid variable name (letters, digits, _)"
+            )));
+        }
+    }
+    Ok(ExecRequest {
+        command: p.command.clone(),
+        cwd: p.cwd.clone(),
+        env,
+        timeout_ms: timeout,
+        max_output_bytes: config.max_output_bytes,
+    })
+}
+
+/// What [`SandboxApi::write_file`] checks of a request before it reaches a
+/// sandbox: the path, and the content decoded and within the limit. Returns
+/// the path as given and the bytes to write.
+pub fn write_content(config: &ServiceConfig, req: WriteFile) -> Result<(String, Vec<u8>)> {
+    let bytes = match req.encoding.unwrap_or_default() {
+        Encoding::Utf8 => req.content.into_bytes(),
+        Encoding::Base64 => base64::engine::general_purpose::STANDARD
+            .decode(req.content.trim())
+            .map_err(|e| CoreError::invalid(format!("content is not valid base64: {e}")))?,
+    };
+    if bytes.len() as u64 > config.max_write_bytes {
+        return Err(CoreError::invalid(format!(
+            "the file is {} bytes; the limit is {} bytes",
+            bytes.len(),
+            config.max_write_bytes
+        )));
+    }
+    check_path(&req.path)?;
+    Ok((req.path, bytes))
+}
+
+/// The minutes [`SandboxApi::extend_sandbox`] adds (checked before the
+/// sandbox is looked up; the lifetime limit is checked against it after).
+pub fn extension_minutes(config: &ServiceConfig, additional_minutes: Option<u32>) -> Result<u32> {
+    let add = additional_minutes.unwrap_or(config.default_extend_minutes);
+    if add < 1 {
+        return Err(CoreError::invalid("additional_minutes must be at least 1"));
+    }
+    Ok(add)
+}
+
+/// A port [`SandboxApi::expose_port`] accepts.
+pub fn check_port(port: u16) -> Result<()> {
+    if port == 0 {
+        return Err(CoreError::invalid("port must be between 1 and 65535"));
+    }
+    Ok(())
+}
+
 /// Paths are checked here only for what the guest cannot judge; permissions
 /// are the guest user's own.
-fn check_path(path: &str) -> Result<()> {
+pub fn check_path(path: &str) -> Result<()> {
     sandpit_protocol::resolve_guest_path(path)
         .map(|_| ())
         .map_err(|e| CoreError::invalid(format!("bad path {path:?}: {}", e.message)))

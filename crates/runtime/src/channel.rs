@@ -307,7 +307,15 @@ impl AgentClient {
         let mut buf = vec![0u8; 64 * 1024];
         let handshake = async {
             loop {
-                while let Some(frame) = decoder.next_frame().ok().flatten() {
+                loop {
+                    let frame = match decoder.next_frame() {
+                        Ok(Some(frame)) => frame,
+                        Ok(None) => break,
+                        // Leftovers of an earlier connection: skipped, and
+                        // what follows them in the same read still looked at
+                        // (the ack may be there, and the agent sends it once).
+                        Err(_) => continue,
+                    };
                     if let Message::HelloAck {
                         protocol,
                         nonce: n,
@@ -874,5 +882,59 @@ mod tests {
         for w in writes {
             w.abort();
         }
+    }
+
+    /// A port can hold the tail of a frame an earlier connection did not
+    /// read, with something that looks like a frame start in it (file or
+    /// command output can hold anything). When the ack follows a bad frame
+    /// in the same read, the handshake still finds it: the agent sends it
+    /// only once.
+    #[tokio::test]
+    async fn handshake_finds_the_ack_behind_a_bad_frame() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.sock");
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut d = sandpit_protocol::FrameDecoder::new();
+            let mut buf = vec![0u8; 1 << 16];
+            let nonce = loop {
+                let n = tokio::io::AsyncReadExt::read(&mut s, &mut buf)
+                    .await
+                    .unwrap();
+                d.push(&buf[..n]);
+                if let Some(f) = d.next_frame().unwrap() {
+                    match f.message {
+                        Message::Hello { nonce, .. } => break nonce,
+                        other => panic!("{other:?}"),
+                    }
+                }
+            };
+            let mut bytes = b"output of an old command ".to_vec();
+            bytes.extend_from_slice(&sandpit_protocol::FRAME_MAGIC);
+            bytes.extend_from_slice(&u32::MAX.to_be_bytes());
+            bytes.extend_from_slice(&0u32.to_be_bytes());
+            bytes.extend_from_slice(&encode_frame(
+                &Message::HelloAck {
+                    protocol: PROTOCOL_GENERATION,
+                    nonce,
+                    agent_version: "test".into(),
+                    kernel_release: "test".into(),
+                    hostname: "test".into(),
+                },
+                b"",
+            ));
+            s.write_all(&bytes).await.unwrap();
+            // Then nothing more, as a real agent.
+            while tokio::io::AsyncReadExt::read(&mut s, &mut buf)
+                .await
+                .unwrap_or(0)
+                > 0
+            {}
+        });
+        let client = AgentClient::connect(&path, Duration::from_secs(3))
+            .await
+            .expect("the ack behind the bad frame is found");
+        assert_eq!(client.info().agent_version, "test");
     }
 }
