@@ -269,10 +269,19 @@ impl Service {
     }
 
     /// After a restart: expired sandboxes are destroyed, sandboxes whose VM
-    /// vanished are failed (and refunded), half-created ones are failed, and
-    /// VM directories or QEMU processes that no live sandbox owns are removed.
+    /// vanished are failed (and refunded), half-created ones are failed,
+    /// VM directories or QEMU processes that no live sandbox owns are
+    /// removed, and executions left `running` by the process that ran them
+    /// are failed. Like all of it, that last assumes this process is the
+    /// only service on its data directory.
     pub async fn reconcile(&self) -> Result<()> {
         let now = OffsetDateTime::now_utc();
+        // A server killed mid-command never finished its record; its guest
+        // cancelled the command when the connection closed.
+        let lost = self.store.fail_all_running_executions(now).await?;
+        if lost > 0 {
+            tracing::info!("{lost} commands were cut by the previous server's end: failed");
+        }
         let live = self.store.live_sandboxes().await?;
         let mut keep = Vec::new();
         for row in &live {
