@@ -37,6 +37,13 @@ pub struct Service {
     store: Store,
     vms: Arc<LocalVms>,
     reaper: Arc<Notify>,
+    /// Held through an extension, from reading the sandbox to setting its
+    /// VM's expiry: two extensions that read the same row would each
+    /// store `timeout + add` (one of them lost, though both reserved), and
+    /// one that read a row an earlier one had since extended would move
+    /// the VM's watchdog back before the stored expiry, killing a sandbox
+    /// its owner had paid to keep. Extensions are rare and quick.
+    extending: tokio::sync::Mutex<()>,
     /// Open preview connections and their unflushed traffic.
     previews: Arc<Previews>,
     /// Itself, for tasks that outlive a call (streaming exec).
@@ -186,6 +193,7 @@ impl Service {
             store,
             vms,
             reaper: Arc::new(Notify::new()),
+            extending: tokio::sync::Mutex::new(()),
             previews: Arc::new(Previews::default()),
             me: me.clone(),
         })
@@ -353,8 +361,15 @@ impl Service {
         let billed_until = now.min(row.expires_at);
         // A VM found dead after its expiry ended on time (its watchdog
         // killed it, see `sandpit_runtime::expiry`): expired, not failed.
+        // One found dead while its sandbox is being destroyed (a command
+        // or a look-up saw the destroy's kill) was destroyed, not lost: the
+        // destroy ends it, charged, whichever of the two gets here first.
+        let destroying = end_status == status::FAILED
+            && matches!(self.store.sandbox(&row.id).await, Ok(Some(r)) if r.status == status::DELETING);
         let (end_status, reason) = if end_status == status::FAILED && row.expires_at <= now {
             (status::DELETED, "expired")
+        } else if destroying {
+            (status::DELETED, "destroyed")
         } else {
             (end_status, reason)
         };
@@ -998,6 +1013,7 @@ impl SandboxApi for Service {
         if add < 1 {
             return Err(CoreError::invalid("additional_minutes must be at least 1"));
         }
+        let _one_at_a_time = self.extending.lock().await;
         let row = self.owned(caller, id).await?;
         let total = row.timeout_minutes as u64 + add as u64;
         if total > self.config.max_lifetime_minutes as u64 {
