@@ -400,15 +400,7 @@ impl Service {
     async fn running(&self, caller: &Caller, id: &str) -> Result<SandboxRow> {
         let row = self.owned(caller, id).await?;
         if row.status != status::RUNNING {
-            let why = row
-                .deleted_reason
-                .as_deref()
-                .map(|r| format!(" ({r})"))
-                .unwrap_or_default();
-            return Err(CoreError::conflict(format!(
-                "sandbox {id} is {}{why}; create a new one",
-                row.status
-            )));
+            return Err(not_running(&row));
         }
         Ok(row)
     }
@@ -607,6 +599,13 @@ impl Service {
                     let _ = self
                         .end(row, status::FAILED, &format!("failed: {cause}"))
                         .await;
+                }
+                // Cut by its sandbox's end (a destroy, the expiry): say so,
+                // rather than "retry", which cannot help.
+                if let Ok(Some(now)) = self.store.sandbox(&row.id).await {
+                    if now.status != status::RUNNING {
+                        return Err(not_running(&now));
+                    }
                 }
                 return Err(runtime_error(e));
             }
@@ -1393,6 +1392,19 @@ impl SandboxApi for Service {
             ),
         })
     }
+}
+
+/// Why a sandbox that is not running cannot be used.
+fn not_running(row: &SandboxRow) -> CoreError {
+    let why = row
+        .deleted_reason
+        .as_deref()
+        .map(|r| format!(" ({r})"))
+        .unwrap_or_default();
+    CoreError::conflict(format!(
+        "sandbox {} is {}{why}; create a new one",
+        row.id, row.status
+    ))
 }
 
 /// What of `more` fits after `kept` within `limit` bytes (cut at a character
