@@ -1,6 +1,8 @@
 //! Chaos: a real `sandpit serve` on one data directory is SIGKILLed 50
 //! times at random moments while clients create, use, extend and destroy
-//! sandboxes over REST (and MCP), and restarted each time. After every
+//! sandboxes over REST (and run commands over MCP), and restarted each
+//! time. One-minute sandboxes (two per account at most) are never destroyed
+//! nor extended by the clients: they expire during the run. After every
 //! restart, once the server has reconciled (bounded, polled), nothing may
 //! be leaked or inconsistent:
 //!
@@ -49,7 +51,7 @@ const EXTRA_CONFIG: &str = "\
 [pool]
 sizes = { small = 1 }
 [limits]
-max_concurrent_sandboxes = 3
+max_concurrent_sandboxes = 4
 ";
 const POOL_TARGET: usize = 1;
 /// Clients per account.
@@ -94,6 +96,8 @@ impl Tally {
 /// What the clients share: the sandboxes each account created, the tally.
 struct Shared {
     ids: Vec<Mutex<Vec<String>>>,
+    /// Sandboxes of one minute, which no client destroys.
+    expiring: Mutex<Vec<String>>,
     tally: Mutex<Tally>,
     stop: AtomicBool,
 }
@@ -125,8 +129,18 @@ async fn client(shared: Arc<Shared>, api: Rest, account: usize, seed: u64) {
             rng.gen_range(0..100)
         };
         let (op, result) = if roll < 30 {
-            // Mostly one minute, so that sandboxes expire during the run.
-            let minutes = [1, 1, 2, 5][rng.gen_range(0..4)];
+            // Some of one minute, left to expire during the run; at most
+            // two of those per account, so that the others keep turning over.
+            let expiring = {
+                let ids = shared.ids[account].lock().unwrap();
+                let exp = shared.expiring.lock().unwrap();
+                ids.iter().filter(|i| exp.contains(i)).count()
+            };
+            let minutes = if expiring < 2 && rng.gen_bool(0.5) {
+                1
+            } else {
+                [2, 5][rng.gen_range(0..2)]
+            };
             let r = api
                 .try_call(
                     reqwest::Method::POST,
@@ -137,6 +151,11 @@ async fn client(shared: Arc<Shared>, api: Rest, account: usize, seed: u64) {
             if let Ok((201, v)) = &r {
                 if let Some(id) = v["id"].as_str() {
                     shared.ids[account].lock().unwrap().push(id.to_string());
+                    // Left to expire: the reaper's (or, while no server
+                    // runs, the watchdog's) to end.
+                    if minutes == 1 {
+                        shared.expiring.lock().unwrap().push(id.to_string());
+                    }
                 }
             }
             ("create", r)
@@ -168,6 +187,9 @@ async fn client(shared: Arc<Shared>, api: Rest, account: usize, seed: u64) {
             ("write_file", r)
         } else if roll < 92 {
             let Some(id) = pick(&mut rng) else { continue };
+            if shared.expiring.lock().unwrap().contains(&id) {
+                continue;
+            }
             let r = api
                 .try_call(reqwest::Method::DELETE, &format!("/sandboxes/{id}"), None)
                 .await;
@@ -177,6 +199,9 @@ async fn client(shared: Arc<Shared>, api: Rest, account: usize, seed: u64) {
             ("destroy", r)
         } else {
             let Some(id) = pick(&mut rng) else { continue };
+            if shared.expiring.lock().unwrap().contains(&id) {
+                continue;
+            }
             let r = api
                 .try_call(
                     reqwest::Method::POST,
@@ -220,6 +245,97 @@ async fn client(shared: Arc<Shared>, api: Rest, account: usize, seed: u64) {
 
 /// Why reconcile fails a sandbox whose create a kill cut short.
 const CUT_CREATE: &str = "failed: the server stopped while it was being created";
+
+/// A client over MCP (rmcp, Streamable HTTP), on account 0's sandboxes:
+/// `run_command`, or `create_sandbox` when there is none.
+async fn mcp_client(shared: Arc<Shared>, url: String, key: String, seed: u64) {
+    use rmcp::model::CallToolRequestParams;
+    use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+    use rmcp::transport::StreamableHttpClientTransport;
+    use rmcp::ServiceExt;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let transport = StreamableHttpClientTransport::from_config(
+        StreamableHttpClientTransportConfig::with_uri(format!("{url}/v1/mcp")).auth_header(key),
+    );
+    let c = match ().serve(transport).await {
+        Ok(c) => c,
+        Err(e) => {
+            let killed = shared.stop.load(Ordering::SeqCst);
+            let mut tally = shared.tally.lock().unwrap();
+            if !killed {
+                tally.unexpected.push(format!("mcp initialize: {e}"));
+            }
+            tally.count(
+                "mcp initialize",
+                if killed { "cut by the kill" } else { "error" }.into(),
+            );
+            return;
+        }
+    };
+    while !shared.stop.load(Ordering::SeqCst) {
+        let id = {
+            let ids = shared.ids[0].lock().unwrap();
+            (!ids.is_empty()).then(|| ids[rng.gen_range(0..ids.len())].clone())
+        };
+        let (op, params) = match &id {
+            Some(id) => (
+                "mcp run_command",
+                json!({"sandbox_id": id, "command": "echo mcp"}),
+            ),
+            None => ("mcp create_sandbox", json!({"timeout_minutes": 2})),
+        };
+        let name = if id.is_some() {
+            "run_command"
+        } else {
+            "create_sandbox"
+        };
+        let r = c
+            .call_tool(
+                CallToolRequestParams::new(name)
+                    .with_arguments(params.as_object().cloned().unwrap_or_default()),
+            )
+            .await;
+        let killed = shared.stop.load(Ordering::SeqCst);
+        let mut tally = shared.tally.lock().unwrap();
+        let outcome = match r {
+            Ok(r) if r.is_error == Some(true) => {
+                let text = r
+                    .content
+                    .iter()
+                    .find_map(|c| c.as_text().map(|t| t.text.clone()))
+                    .unwrap_or_default();
+                let kind = text.split(':').next().unwrap_or_default().to_string();
+                if kind == "internal" {
+                    tally.unexpected.push(format!("{op}: {text}"));
+                }
+                tally
+                    .examples
+                    .entry(format!("{op} {kind}"))
+                    .or_insert_with(|| text.clone());
+                kind
+            }
+            Ok(r) => {
+                if id.is_none() {
+                    let sc = r.structured_content.unwrap_or_default();
+                    if let Some(new) = sc["id"].as_str() {
+                        shared.ids[0].lock().unwrap().push(new.to_string());
+                    }
+                }
+                "ok".to_string()
+            }
+            Err(_) if killed => "cut by the kill".to_string(),
+            Err(e) => {
+                tally
+                    .unexpected
+                    .push(format!("{op}: transport error while the server ran: {e}"));
+                "transport error".to_string()
+            }
+        };
+        tally.count(op, outcome);
+    }
+    // The server may be dead: do not wait on a goodbye.
+    let _ = tokio::time::timeout(Duration::from_secs(2), c.cancel()).await;
+}
 
 /// A sandbox row as the checks need it.
 struct Row {
@@ -459,7 +575,15 @@ async fn usable(data: &Path, keys: &HashMap<String, Rest>, running: &[Row]) -> V
         if st == 200 && ex["stdout"] == "usable\n" {
             continue;
         }
-        let (_, s) = api.get(&format!("/sandboxes/{}", r.id)).await;
+        // Unless it has just expired (the reaper may still be ending it).
+        let mut s = json!(null);
+        for _ in 0..20 {
+            s = api.get(&format!("/sandboxes/{}", r.id)).await.1;
+            if s["deleted_reason"] == "expired" || r.expires_at > OffsetDateTime::now_utc() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
         if s["deleted_reason"] == "expired" {
             continue;
         }
@@ -536,6 +660,7 @@ fn fifty_sigkills_leak_nothing() {
 
     let shared = Arc::new(Shared {
         ids: (0..ACCOUNTS).map(|_| Mutex::new(Vec::new())).collect(),
+        expiring: Mutex::new(Vec::new()),
         tally: Mutex::new(Tally::default()),
         stop: AtomicBool::new(false),
     });
@@ -562,6 +687,12 @@ fn fifty_sigkills_leak_nothing() {
                     )));
                 }
             }
+            workers.push(tokio::spawn(mcp_client(
+                shared.clone(),
+                url.clone(),
+                account_keys[0].clone(),
+                worker_seed,
+            )));
             tokio::time::sleep(kill_after).await;
             // Stopped first, so that what the kill cuts is counted as such;
             // requests in flight stay in flight.
