@@ -2,7 +2,9 @@
 //! times at random moments while clients create, use, extend and destroy
 //! sandboxes over REST (and run commands over MCP), and restarted each
 //! time. One-minute sandboxes (two per account at most) are never destroyed
-//! nor extended by the clients: they expire during the run. After every
+//! nor extended by the clients: they expire during the run. Every fifth
+//! restart is itself killed early (reconciling, starting the pool) and
+//! started again. After every
 //! restart, once the server has reconciled (bounded, polled), nothing may
 //! be leaked or inconsistent:
 //!
@@ -665,6 +667,7 @@ fn fifty_sigkills_leak_nothing() {
         stop: AtomicBool::new(false),
     });
     let (mut restarts, mut settles, mut kill_moments) = (Vec::new(), Vec::new(), Vec::new());
+    let mut early_kills: Vec<f64> = Vec::new();
     let mut checked_running = 0usize;
     let started_run = Instant::now();
     for kill in 0..kills {
@@ -704,6 +707,21 @@ fn fifty_sigkills_leak_nothing() {
             }
         });
         server.sigkill();
+        // Every fifth time, the next start is killed too, early: while it
+        // reconciles what this kill left, or starts its pool.
+        if kill % 5 == 4 {
+            let early = Duration::from_millis(rng.gen_range(30..800));
+            let mut child = sandpit(&data)
+                .args(["serve", "--listen", "127.0.0.1:0"])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .unwrap();
+            std::thread::sleep(early);
+            let _ = child.kill();
+            let _ = child.wait();
+            early_kills.push(early.as_secs_f64());
+        }
 
         let since = OffsetDateTime::now_utc();
         let t = Instant::now();
@@ -808,7 +826,15 @@ fn fifty_sigkills_leak_nothing() {
     println!();
     println!("| chaos (seed {seed}) | |");
     println!("|---|---|");
-    println!("| SIGKILLs / restarts | {kills} / {kills} |");
+    println!(
+        "| SIGKILLs under load / restarts | {kills} / {} |",
+        kills + early_kills.len()
+    );
+    println!(
+        "| SIGKILLs of a starting server (reconcile, pool), median moment after spawn | {} ({:.2} s) |",
+        early_kills.len(),
+        median(early_kills.clone())
+    );
     println!(
         "| kill moment into the workload, median / max | {:.2} s / {:.2} s |",
         median(kill_moments.clone()),
