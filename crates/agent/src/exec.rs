@@ -155,15 +155,20 @@ fn run(reply: &Reply, id: RequestId, serial: u64, req: &ExecRequest, cancel: &Ev
         Err(e) => return fail(AgentError::new(ErrorKind::InvalidPath, e.to_string())),
     };
     let cg = cgroup::create_exec();
+    let start = Instant::now();
+    let deadline = match req.timeout_ms {
+        0 => None,
+        ms => start.checked_add(Duration::from_millis(ms)),
+    };
     let sandbox = Sandbox {
         uid: GUEST_UID,
         gid: GUEST_UID,
         cwd: &c_cwd,
         cgroup: cg.as_ref().map(ExecCgroup::dir_fd),
         nproc: cgroup::pids_max(),
+        deadline,
     };
     let (status_tx, status_rx) = mpsc::channel();
-    let start = Instant::now();
     let child = match spawn_shell(req, &cwd, &sandbox, status_tx) {
         Ok(c) => c,
         Err(e) => return fail(e),
@@ -179,11 +184,13 @@ fn run(reply: &Reply, id: RequestId, serial: u64, req: &ExecRequest, cancel: &Ev
         child.stderr,
         req.max_output_bytes,
     );
-    let deadline = match req.timeout_ms {
-        0 => None,
-        ms => start.checked_add(Duration::from_millis(ms)),
-    };
-    let (mut timed_out, mut cancelled) = (false, false);
+    // Time may be up already: the user kept the shell from starting, and
+    // the midwife killed it (see `reaper`).
+    let mut timed_out = deadline.is_some_and(|d| Instant::now() >= d);
+    if timed_out {
+        kill(pid, cg.as_ref());
+    }
+    let mut cancelled = false;
     // The status, when it had to come from the reaper.
     let mut reaped = None;
     loop {

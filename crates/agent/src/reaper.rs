@@ -9,10 +9,25 @@
 //! status to the callback registered for that pid; orphans' statuses are
 //! dropped.
 //!
-//! The race "child exits before its pid is registered" is closed by holding
-//! the registry lock both while spawning + registering and while reaping.
-//! The same lock also makes std's own `waitpid` in `Command::spawn`'s failure
-//! path (exec failed) safe: the reaper cannot steal that status meanwhile.
+//! The race "child exits before its pid is registered" is closed two ways.
+//! Root's own tools ([`spawn`]) are started with the registry locked, which
+//! also makes std's own `waitpid` in `Command::spawn`'s failure path (exec
+//! failed) safe. The user's shells ([`register`]) are not: the user can stop
+//! a shell between its `setuid` and its `execve` (`kill -STOP -1` in a loop),
+//! and the spawning thread sleeps until that `execve` (`CLONE_VFORK`); with
+//! the lock held, every later command and the reaper froze behind it. So a
+//! shell is announced beforehand as a [`Pending`] spawn, whose pid the kernel
+//! writes into it at the clone (`CLONE_PARENT_SETTID`, before the child can
+//! run, let alone exit); a status reaped before the shell's registration is
+//! kept there and handed over at registration.
+//!
+//! A pending spawn that takes long is looked after by the midwife thread: it
+//! sends the child SIGCONT every few milliseconds (a stopped child makes one
+//! step per SIGCONT, and it has only a few steps to go), and SIGKILL once the
+//! command's deadline has passed, so that the command fails by its timeout
+//! whatever the user keeps doing. Its signals are sent with the registry
+//! locked, and only to a child not yet reaped: its pid cannot have been
+//! reused.
 //!
 //! Children get a clean signal state (empty mask, default SIGPIPE): std
 //! nowadays lets a child inherit the parent's mask, and ours blocks SIGCHLD
@@ -24,24 +39,105 @@ use std::io::{self, Read, Write};
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicI32, AtomicI64, Ordering};
 use std::sync::mpsc;
-use std::sync::Mutex;
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-/// Called with the raw wait status, on the reaper thread, with the registry
-/// locked: it must be quick and never block (send on an unbounded channel).
+/// Called with the raw wait status, on the reaper thread with the registry
+/// locked (or on the spawning thread): it must be quick and never block
+/// (send on an unbounded channel).
 pub type ExitCallback = Box<dyn FnOnce(i32) + Send>;
 
-static WAITERS: Mutex<BTreeMap<libc::pid_t, ExitCallback>> = Mutex::new(BTreeMap::new());
+/// Who waits for which child, and the spawns whose pid is not known yet.
+struct Registry {
+    waiters: BTreeMap<libc::pid_t, ExitCallback>,
+    pending: Vec<Arc<Pending>>,
+}
 
-/// Start the reaper thread. SIGCHLD must already be blocked.
+static REGISTRY: Mutex<Registry> = Mutex::new(Registry {
+    waiters: BTreeMap::new(),
+    pending: Vec::new(),
+});
+
+/// Woken when a spawn becomes pending.
+static MIDWIFE: Condvar = Condvar::new();
+
+/// A spawn under way whose child may not have exec'd yet.
+pub struct Pending {
+    /// The child's pid, written by the kernel (`CLONE_PARENT_SETTID`); 0
+    /// before the clone.
+    tid: AtomicI32,
+    /// A wait status the reaper collected before the child was registered;
+    /// -1 for none.
+    status: AtomicI64,
+    since: Instant,
+    /// When the command's time is up: the midwife kills the child then.
+    deadline: Option<Instant>,
+}
+
+impl Pending {
+    /// Where the kernel writes the child's pid.
+    pub fn tid_ptr(&self) -> *const AtomicI32 {
+        &self.tid
+    }
+
+    fn reaped(&self) -> Option<i32> {
+        match self.status.load(Ordering::SeqCst) {
+            -1 => None,
+            s => Some(s as i32),
+        }
+    }
+}
+
+/// How long a spawn may take before the midwife steps in, and how often it
+/// looks again.
+const MIDWIFE_AFTER: Duration = Duration::from_millis(20);
+const MIDWIFE_EVERY: Duration = Duration::from_millis(5);
+
+/// Start the reaper and midwife threads. SIGCHLD must already be blocked.
 pub fn start() -> io::Result<()> {
     thread::Builder::new()
         .name("reaper".into())
         .stack_size(128 * 1024)
         .spawn(reap_forever)?;
+    thread::Builder::new()
+        .name("midwife".into())
+        .stack_size(64 * 1024)
+        .spawn(midwife_forever)?;
     Ok(())
+}
+
+fn midwife_forever() {
+    let mut registry = lock(&REGISTRY);
+    loop {
+        if registry.pending.is_empty() {
+            registry = MIDWIFE
+                .wait(registry)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            continue;
+        }
+        let now = Instant::now();
+        for p in &registry.pending {
+            let pid = p.tid.load(Ordering::SeqCst);
+            if pid <= 0 || p.reaped().is_some() || now < p.since + MIDWIFE_AFTER {
+                continue;
+            }
+            let signal = match p.deadline {
+                Some(d) if now >= d => libc::SIGKILL,
+                _ => libc::SIGCONT,
+            };
+            // SAFETY: plain syscall; the child has not been reaped (the
+            // registry is locked and holds no status for it), so `pid` is
+            // still the child's.
+            unsafe { libc::kill(pid, signal) };
+        }
+        registry = MIDWIFE
+            .wait_timeout(registry, MIDWIFE_EVERY)
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .0;
+    }
 }
 
 fn reap_forever() {
@@ -55,14 +151,20 @@ fn reap_forever() {
 }
 
 fn reap_all() {
-    let mut waiters = lock(&WAITERS);
+    let mut registry = lock(&REGISTRY);
     loop {
         let mut status = 0;
         // SAFETY: plain syscall with a valid status pointer.
         let pid = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
         if pid > 0 {
-            if let Some(callback) = waiters.remove(&pid) {
+            if let Some(callback) = registry.waiters.remove(&pid) {
                 callback(status);
+            } else if let Some(p) = registry
+                .pending
+                .iter()
+                .find(|p| p.tid.load(Ordering::SeqCst) == pid)
+            {
+                p.status.store(i64::from(status), Ordering::SeqCst);
             }
             continue;
         }
@@ -86,12 +188,37 @@ fn reset_child_signals() -> io::Result<()> {
     Ok(())
 }
 
-/// Start a child with `start` (which returns its pid) and register `on_exit`
-/// for its status, atomically with respect to the reaper.
-pub fn register(on_exit: ExitCallback, start: impl FnOnce() -> io::Result<u32>) -> io::Result<u32> {
-    let mut waiters = lock(&WAITERS);
-    let pid = start()?;
-    waiters.insert(pid as libc::pid_t, on_exit);
+/// Start a child with `start` and register `on_exit` for its status, without
+/// holding the registry meanwhile (see the module docs). `start` gets the
+/// [`Pending`] spawn, whose [`Pending::tid_ptr`] the clone must fill with the
+/// child's pid (`CLONE_PARENT_SETTID`), and returns that pid. The midwife
+/// kills the child at `deadline` if it has not exec'd by then.
+pub fn register(
+    on_exit: ExitCallback,
+    deadline: Option<Instant>,
+    start: impl FnOnce(&Pending) -> io::Result<u32>,
+) -> io::Result<u32> {
+    let pending = Arc::new(Pending {
+        tid: AtomicI32::new(0),
+        status: AtomicI64::new(-1),
+        since: Instant::now(),
+        deadline,
+    });
+    lock(&REGISTRY).pending.push(pending.clone());
+    MIDWIFE.notify_one();
+    let started = start(&pending);
+    let mut registry = lock(&REGISTRY);
+    registry.pending.retain(|p| !Arc::ptr_eq(p, &pending));
+    let pid = started?;
+    match pending.reaped() {
+        Some(status) => {
+            drop(registry);
+            on_exit(status);
+        }
+        None => {
+            registry.waiters.insert(pid as libc::pid_t, on_exit);
+        }
+    }
     Ok(pid)
 }
 
@@ -100,9 +227,9 @@ pub fn register(on_exit: ExitCallback, start: impl FnOnce() -> io::Result<u32>) 
 pub fn spawn(cmd: &mut Command, on_exit: ExitCallback) -> io::Result<Child> {
     // SAFETY: reset_child_signals is async-signal-safe.
     unsafe { cmd.pre_exec(reset_child_signals) };
-    let mut waiters = lock(&WAITERS);
+    let mut registry = lock(&REGISTRY);
     let child = cmd.spawn()?;
-    waiters.insert(child.id() as libc::pid_t, on_exit);
+    registry.waiters.insert(child.id() as libc::pid_t, on_exit);
     Ok(child)
 }
 

@@ -43,7 +43,9 @@
 //! non-dumpable (`fs.suid_dumpable` is 0), and the kernel lets no process
 //! without `CAP_SYS_PTRACE` attach to, or read or write through `/proc`,
 //! memory that is not dumpable: the user's processes cannot reach the
-//! agent through that window.
+//! agent through that window. They can signal the child, though, and a
+//! child stopped there keeps the spawning thread asleep: the reaper's
+//! midwife continues it, or kills it at the command's deadline.
 
 use crate::reaper::{self, ExitCallback, ExitStatus};
 use crate::sys;
@@ -53,6 +55,7 @@ use std::mem::MaybeUninit;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicI32, AtomicU8, Ordering};
 use std::sync::{Mutex, OnceLock};
+use std::time::Instant;
 
 /// Who the shell runs as, where, and in which cgroup.
 pub struct Sandbox<'a> {
@@ -65,6 +68,9 @@ pub struct Sandbox<'a> {
     pub cgroup: Option<RawFd>,
     /// RLIMIT_NPROC; 0 = unlimited.
     pub nproc: u32,
+    /// When the command's time is up: a shell the user keeps stopping
+    /// before its `execve` is killed then (see `reaper`).
+    pub deadline: Option<Instant>,
 }
 
 /// A started shell: its pid, a pidfd, and the read ends of its stdout and
@@ -139,6 +145,7 @@ struct CloneArgs {
 
 const CLONE_INTO_CGROUP: u64 = 0x2_0000_0000;
 const CLONE_PIDFD: u64 = 0x1000;
+const CLONE_PARENT_SETTID: u64 = 0x0010_0000;
 
 /// The child's stack. Its work is a dozen syscalls; 64 KiB leaves room for
 /// glibc's wrappers and for stack probes.
@@ -188,7 +195,11 @@ pub fn spawn(
         args.cgroup = fd as u64;
     }
 
-    let pid = reaper::register(on_exit, || {
+    let pid = reaper::register(on_exit, sandbox.deadline, |pending| {
+        // The kernel writes the child's pid there before the child runs,
+        // so the reaper can match a status that comes before registration.
+        args.flags |= CLONE_PARENT_SETTID;
+        args.parent_tid = pending.tid_ptr() as u64;
         let all = SignalsBlocked::all()?;
         // SAFETY: `args` describes a valid stack owned by this frame; the
         // child only runs `child_main` on `child`, which outlives it

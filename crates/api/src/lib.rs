@@ -22,6 +22,7 @@
 //!   anything written against the trait (the MCP adapter) can drive a remote
 //!   Sandpit server (`sandpit mcp --remote URL`, key in `SANDPIT_API_KEY`).
 
+mod budget;
 mod error;
 mod extract;
 mod openapi;
@@ -29,12 +30,13 @@ mod remote;
 mod server;
 mod sse;
 
+pub use budget::BodyBudget;
 pub use error::{ErrorBody, ErrorObject};
 pub use openapi::openapi;
 pub use remote::{RemoteApi, API_KEY_ENV};
 pub use server::{
     router, with_request_layers, ExposePortBody, ExtendBody, FilesQuery, PortClosed, RestConfig,
-    UsageQuery,
+    UsageQuery, DEFAULT_BODY_BUDGET,
 };
 pub use sse::OutputChunk;
 

@@ -1,6 +1,7 @@
 //! The `/v1` routes: each handler authenticates, extracts, calls one
 //! [`SandboxApi`] method and serializes its answer. Nothing is decided here.
 
+use crate::budget::BodyBudget;
 use crate::error::{finish, ApiError};
 use crate::extract::{Authed, JsonBody, QueryParams, ReqId};
 use crate::sse;
@@ -25,13 +26,20 @@ pub struct RestConfig {
     pub max_body_bytes: usize,
     /// How often an idle exec event stream sends a `: ping` comment. Default 15 s.
     pub sse_ping_interval: Duration,
+    /// Request bodies held at once (default 512 MiB; see `BodyBudget`).
+    pub body_budget: BodyBudget,
 }
+
+/// Default of [`RestConfig::body_budget`]'s total.
+pub const DEFAULT_BODY_BUDGET: usize = 512 * 1024 * 1024;
 
 impl Default for RestConfig {
     fn default() -> Self {
+        let max_body_bytes = 64 * 1024 * 1024;
         RestConfig {
-            max_body_bytes: 64 * 1024 * 1024,
+            max_body_bytes,
             sse_ping_interval: Duration::from_secs(15),
+            body_budget: BodyBudget::new(DEFAULT_BODY_BUDGET, max_body_bytes),
         }
     }
 }
@@ -129,6 +137,10 @@ pub fn router(api: Arc<dyn SandboxApi>, config: RestConfig) -> Router {
         .route("/v1/sandboxes/{id}/ports/{port}", delete(close_port))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(config.max_body_bytes))
+        .layer(axum::middleware::from_fn_with_state(
+            config.body_budget.clone(),
+            crate::budget::hold,
+        ))
         .layer(tower_http::catch_panic::CatchPanicLayer::new())
         .layer(axum::middleware::from_fn(finish))
         .with_state(state)
@@ -137,9 +149,14 @@ pub fn router(api: Arc<dyn SandboxApi>, config: RestConfig) -> Router {
 /// `service` (MCP's Streamable HTTP endpoint) as it is mounted beside the
 /// REST routes: with their request ids and their panic guard (a panic is a
 /// 500, not a dropped connection). Its errors keep its own format, and its
-/// body limit is its own (`HttpConfig::max_request_body_bytes`).
-pub fn with_request_layers(service: Router) -> Router {
+/// body limit is its own (`HttpConfig::max_request_body_bytes`); its bodies
+/// count against `budget`, the REST routes' (`RestConfig::body_budget`).
+pub fn with_request_layers(service: Router, budget: &BodyBudget) -> Router {
     service
+        .layer(axum::middleware::from_fn_with_state(
+            budget.clone(),
+            crate::budget::hold,
+        ))
         .layer(tower_http::catch_panic::CatchPanicLayer::new())
         .layer(axum::middleware::from_fn(crate::error::tag_request))
 }

@@ -12,7 +12,8 @@
 //! Every request is checked first (`Service::check_preview`: the sandbox
 //! runs, the port is exposed), and failures become small HTML pages a person
 //! can act on (404 unknown or closed, 410 gone, 502 not listening yet, 504
-//! connect timeout); the status codes come from `PreviewError` alone.
+//! connect timeout, 429 and 503 past the sandbox's preview limits); the
+//! status codes come from `PreviewError` alone.
 
 use axum::body::Body;
 use hyper::body::Incoming;
@@ -65,6 +66,9 @@ impl Proxy {
         peer: IpAddr,
     ) -> Response<Body> {
         if let Err(e) = self.svc.check_preview(id, port).await {
+            return error_page(&e);
+        }
+        if let Err(e) = self.svc.admit_preview_request(id) {
             return error_page(&e);
         }
         let upgrade = req.version() == Version::HTTP_11 && wants_upgrade(req.headers());
@@ -214,7 +218,7 @@ pub fn error_page(e: &PreviewError) -> Response<Body> {
         HeaderValue::from_static("text/html; charset=utf-8"),
     );
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
-    if status == StatusCode::SERVICE_UNAVAILABLE {
+    if status == StatusCode::SERVICE_UNAVAILABLE || status == StatusCode::TOO_MANY_REQUESTS {
         h.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
     }
     resp

@@ -272,6 +272,12 @@ pub async fn serve(settings: &Settings, args: ServeArgs) -> Result<i32> {
     if let Some(b) = settings.max_body_bytes {
         rest.max_body_bytes = b;
     }
+    rest.body_budget = sandpit_api::BodyBudget::new(
+        settings
+            .body_budget_bytes
+            .unwrap_or(sandpit_api::DEFAULT_BODY_BUDGET),
+        rest.max_body_bytes,
+    );
     let mut mcp = sandpit_mcp::HttpConfig::default();
     if let Some(h) = &settings.mcp_allowed_hosts {
         mcp.allowed_hosts = h.clone();
@@ -281,9 +287,10 @@ pub async fn serve(settings: &Settings, args: ServeArgs) -> Result<i32> {
     }
     mcp.limits = api.service_info().await?.limits;
     let shutdown = mcp.shutdown.clone();
+    let budget = rest.body_budget.clone();
     let app = sandpit_api::router(api.clone(), rest).nest_service(
         "/v1/mcp",
-        sandpit_api::with_request_layers(sandpit_mcp::http_service(api, mcp)),
+        sandpit_api::with_request_layers(sandpit_mcp::http_service(api, mcp), &budget),
     );
     let front = Arc::new(front::Front {
         api: app,

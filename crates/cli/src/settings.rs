@@ -77,6 +77,20 @@ pub struct LimitsSection {
     pub max_read_bytes: Option<u64>,
     pub max_write_bytes: Option<u64>,
     pub max_body_bytes: Option<usize>,
+    /// Request bodies the server holds at once, in MiB (default 512); a
+    /// request that cannot fit waits, then gets 503.
+    pub body_budget_mb: Option<usize>,
+    /// Free space kept on the VMs' filesystem, in MiB; no new sandbox
+    /// starts below it (default 2048).
+    pub disk_reserve_mb: Option<u64>,
+    /// Concurrent file reads and writes of one account (default 4); more
+    /// wait, then get 429.
+    pub max_concurrent_transfers: Option<u32>,
+    /// What one account's stored executions may take, in MiB (default
+    /// 1024); past it, its oldest ended ones are deleted.
+    pub execution_storage_mb: Option<u64>,
+    /// Days the executions of an ended sandbox are kept (default 7).
+    pub execution_retention_days: Option<u32>,
 }
 
 /// MCP over HTTP: DNS-rebinding protection.
@@ -101,6 +115,12 @@ pub struct PreviewSection {
     pub tls_cert: Option<PathBuf>,
     /// PEM private key of `tls_cert`.
     pub tls_key: Option<PathBuf>,
+    /// Connections to the guest one sandbox's previews hold open at most
+    /// (default 64); more requests wait for one, then get 503.
+    pub max_connections: Option<u32>,
+    /// Requests a second one sandbox's previews take (default 100, twice
+    /// as many in a burst); past it, 429.
+    pub requests_per_second: Option<u32>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -134,6 +154,7 @@ pub struct Settings {
     pub mcp_allowed_hosts: Option<Vec<String>>,
     pub mcp_allowed_origins: Option<Vec<String>>,
     pub max_body_bytes: Option<usize>,
+    pub body_budget_bytes: Option<usize>,
     /// The preview domain was configured (else serve derives it from its port).
     pub preview_domain_set: bool,
     /// The preview scheme was configured (else serve derives it from TLS).
@@ -239,12 +260,41 @@ impl Settings {
             if let Some(v) = l.max_write_bytes {
                 service.max_write_bytes = v;
             }
+            match l.max_concurrent_transfers {
+                Some(0) => bail!("[limits] max_concurrent_transfers must be at least 1"),
+                Some(n) => service.max_concurrent_transfers = n,
+                None => {}
+            }
+            if let Some(mb) = l.execution_storage_mb {
+                service.execution_storage_bytes = mb.saturating_mul(1024 * 1024);
+            }
+            if let Some(days) = l.execution_retention_days {
+                service.execution_retention_days = days;
+            }
         }
         let listen = env_or("SANDPIT_LISTEN", file.listen.clone())
             .unwrap_or_else(|| "127.0.0.1:8080".into());
         let public_url = env_or("SANDPIT_PUBLIC_URL", file.public_url.clone());
         let (mut preview_domain_set, mut preview_scheme_set, mut tls) = (false, false, None);
         if let Some(p) = &file.preview {
+            for (name, value, dst) in [
+                (
+                    "max_connections",
+                    p.max_connections,
+                    &mut service.preview_max_connections,
+                ),
+                (
+                    "requests_per_second",
+                    p.requests_per_second,
+                    &mut service.preview_requests_per_second,
+                ),
+            ] {
+                match value {
+                    Some(0) => bail!("[preview] {name} must be at least 1"),
+                    Some(v) => *dst = v,
+                    None => {}
+                }
+            }
             if let Some(d) = &p.domain {
                 service.preview_domain = d.clone();
                 preview_domain_set = true;
@@ -293,6 +343,9 @@ impl Settings {
         if let Some(v) = file.reserved_memory_mb {
             rt.reserved_memory_mb = v;
         }
+        if let Some(v) = file.limits.as_ref().and_then(|l| l.disk_reserve_mb) {
+            rt.disk_reserve_mb = v;
+        }
         if let Some(v) = file.tcg_tb_size_mb {
             rt.tcg_tb_size_mb = v;
         }
@@ -335,6 +388,11 @@ impl Settings {
             mcp_allowed_hosts,
             mcp_allowed_origins,
             max_body_bytes: file.limits.as_ref().and_then(|l| l.max_body_bytes),
+            body_budget_bytes: file
+                .limits
+                .as_ref()
+                .and_then(|l| l.body_budget_mb)
+                .map(|mb| mb.saturating_mul(1024 * 1024)),
             preview_domain_set,
             preview_scheme_set,
             tls,

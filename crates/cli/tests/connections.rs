@@ -209,3 +209,139 @@ fn mcp_answers_carry_request_ids_as_rest_answers_do() {
         }
     });
 }
+
+/// The most memory the process has held so far (its high-water mark), in bytes.
+fn peak_memory(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
+    let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    kib * 1024
+}
+
+/// Bodies held at once, and file transfers of one account, in the test's server.
+const BODY_BUDGET_MB: u64 = 64;
+const TRANSFERS: u64 = 2;
+
+#[test]
+fn parallel_uploads_are_held_to_the_body_budget_and_the_accounts_transfers() {
+    use base64::Engine;
+    let data = data_dir();
+    let server = Server::start_with(
+        &data,
+        &format!(
+            "[limits]\nbody_budget_mb = {BODY_BUDGET_MB}\nmax_concurrent_transfers = {TRANSFERS}\n"
+        ),
+    );
+    let key = server
+        .admin_key
+        .clone()
+        .expect("first start prints the admin key");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let api = Rest::new(&server, &key);
+        let (st, sbx) = api
+            .post("/sandboxes", serde_json::json!({"timeout_minutes": 10}))
+            .await;
+        assert_eq!(st, 201, "{sbx}");
+        let id = sbx["id"].as_str().unwrap().to_string();
+        let (st, info) = api.get("/service").await;
+        assert_eq!(st, 200);
+        assert_eq!(info["limits"]["max_concurrent_transfers"], TRANSFERS);
+
+        // 16 uploads of 12 MiB at once: 16 MiB of JSON each, 256 MiB in all,
+        // and a decoded copy and a queued copy each behind that.
+        let before = peak_memory(server.child.id());
+        let file = vec![0x5au8; 12 << 20];
+        let body = serde_json::json!({
+            "path": "up.bin",
+            "content": base64::engine::general_purpose::STANDARD.encode(&file),
+            "encoding": "base64",
+        });
+        let uploads: Vec<_> = (0..16)
+            .map(|i| {
+                let (http, url, key) = (api.http.clone(), api.url.clone(), api.key.clone());
+                let mut body = body.clone();
+                body["path"] = format!("up-{i}.bin").into();
+                let id = id.clone();
+                tokio::spawn(async move {
+                    let r = http
+                        .put(format!("{url}/v1/sandboxes/{id}/files"))
+                        .bearer_auth(key)
+                        .json(&body)
+                        .send()
+                        .await
+                        .unwrap();
+                    (r.status().as_u16(), r.text().await.unwrap())
+                })
+            })
+            .collect();
+        for u in uploads {
+            let (status, text) = u.await.unwrap();
+            assert_eq!(status, 200, "{text}");
+            assert!(text.contains("\"bytes\":12582912"), "{text}");
+        }
+        let grown = peak_memory(server.child.id()).saturating_sub(before);
+        eprintln!("the server's peak memory grew by {} MiB", grown >> 20);
+        // Unbounded, all 16 bodies and their copies were in memory at once;
+        // held to 64 MiB of bodies and 2 transfers, far less.
+        assert!(
+            grown < 320 << 20,
+            "the server's peak memory grew by {} MiB",
+            grown >> 20
+        );
+        let (st, listing) = api
+            .get(&format!("/sandboxes/{id}/files?path=/workspace&list=true"))
+            .await;
+        assert_eq!(st, 200);
+        let sizes: Vec<_> = listing["entries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["name"].as_str().unwrap().starts_with("up-"))
+            .map(|e| e["size_bytes"].as_u64().unwrap())
+            .collect();
+        assert_eq!(sizes, vec![12 << 20; 16]);
+    });
+}
+
+#[test]
+fn no_sandbox_starts_on_a_disk_under_its_reserve() {
+    let data = data_dir();
+    // A reserve no disk has: every create is refused, saying why.
+    let server = Server::start_with(&data, "[limits]\ndisk_reserve_mb = 1000000000\n");
+    let key = server
+        .admin_key
+        .clone()
+        .expect("first start prints the admin key");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let api = Rest::new(&server, &key);
+        let (_, before) = api.get("/account").await;
+        let (st, e) = api
+            .post("/sandboxes", serde_json::json!({"timeout_minutes": 5}))
+            .await;
+        assert_eq!(st, 503, "{e}");
+        assert_eq!(e["error"]["type"], "service_unavailable", "{e}");
+        let message = e["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("under its reserve of 1000000000 MiB"),
+            "{message}"
+        );
+        // Nothing was charged or left running.
+        let (st, sandboxes) = api.get("/sandboxes").await;
+        assert_eq!(st, 200);
+        assert_eq!(sandboxes["data"], serde_json::json!([]), "{sandboxes}");
+        let (_, after) = api.get("/account").await;
+        assert_eq!(
+            after["credit_remaining_usd"],
+            before["credit_remaining_usd"]
+        );
+    });
+}

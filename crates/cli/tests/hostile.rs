@@ -101,6 +101,38 @@ fn the_agent_survives_what_the_user_does() {
         let _ = run(&s.vm, req_timeout("kill -9 -1", 10_000)).await;
         healthy(&s).await;
 
+        // A user who keeps stopping all its own processes catches shells
+        // between their setuid and their execve, where the agent waits for
+        // them. Every command must still answer, done or timed out by its
+        // own timeout; the 45th used to hang for ever, and every one after.
+        let _ = run(
+            &s.vm,
+            req_timeout(
+                "setsid python3 -c 'import os, signal\n\
+                 while not os.path.exists(\"/workspace/stop-stopping\"): os.kill(-1, signal.SIGSTOP)' \
+                 >/dev/null 2>&1 & sleep 1",
+                10_000,
+            ),
+        )
+        .await;
+        let (mut done, mut timed_out) = (0, 0);
+        for i in 0..40 {
+            let out = tokio::time::timeout(Duration::from_millis(31_500), run(&s.vm, req_timeout("true", 1_500)))
+                .await
+                .unwrap_or_else(|_| panic!("command {i} did not answer 30 s past its 1.5 s timeout ({done} done, {timed_out} timed out before it)"));
+            if out.result.timed_out {
+                timed_out += 1;
+            } else {
+                assert_eq!(out.result.exit_code, Some(0), "{:?}", out.result);
+                done += 1;
+            }
+        }
+        eprintln!("under a SIGSTOP loop: {done} commands done, {timed_out} timed out");
+        s.vm.agent.ping().await.expect("agent answers ping under the SIGSTOP loop");
+        s.vm.agent.write_file("stop-stopping", b"", None).await.unwrap();
+        let _ = run(&s.vm, req_timeout("kill -9 -1", 10_000)).await;
+        healthy(&s).await;
+
         s.manager.destroy(&s.vm.record.id).await.unwrap();
     });
 }

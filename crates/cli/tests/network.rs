@@ -112,8 +112,84 @@ fn the_guest_reaches_the_internet_but_not_the_host() {
         // The user cannot lift the filter.
         let out = run(&s.vm, req("nft flush ruleset")).await;
         assert_ne!(out.result.exit_code, Some(0));
+
+        // Root in the guest could; the host's own guard stands behind it,
+        // keyed to the uid this VM's passt runs as.
+        let uid =
+            s.vm.record
+                .qemu_uid
+                .expect("a root runtime's VMs have uids of their own");
+        let passt = s.vm.record.passt_pid.expect("passt runs");
+        assert_eq!(uid_of(passt), uid, "passt runs as its VM's uid");
+        assert!(sandpit_runtime::guard::installed(uid));
+        // As that uid: the control plane on the host's addresses (loopback,
+        // the test host's side, one the host gains only now) is refused;
+        // the test host behind them, "the internet", is reached.
+        let late = LoopbackAddress::add("192.0.2.77");
+        assert!(
+            connects_as(0, late.0, port),
+            "root reaches the control plane"
+        );
+        for a in ["127.0.0.1", HOST_SIDE, late.0] {
+            assert!(!connects_as(uid, a, port), "passt's uid reached {a}:{port}");
+        }
+        assert!(
+            connects_as(uid, INTERNET, 8080),
+            "passt's uid cannot reach the internet"
+        );
         s.manager.destroy(&s.vm.record.id).await.unwrap();
+        assert!(
+            !sandpit_runtime::guard::installed(uid),
+            "the guard outlived its VM"
+        );
     });
+}
+
+/// The real uid of process `pid`.
+fn uid_of(pid: u32) -> u32 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with("Uid:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// Can a process running as `uid` open a TCP connection to `addr:port`?
+fn connects_as(uid: u32, addr: &str, port: u16) -> bool {
+    use std::os::unix::process::CommandExt;
+    let out = Command::new("python3")
+        .args([
+            "-c",
+            "import socket, sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5)",
+            addr,
+            &port.to_string(),
+        ])
+        .uid(uid)
+        .gid(uid)
+        .output()
+        .unwrap();
+    out.status.success()
+}
+
+/// An address on the host's loopback interface, removed when dropped.
+struct LoopbackAddress(&'static str);
+
+impl LoopbackAddress {
+    fn add(addr: &'static str) -> LoopbackAddress {
+        let ok = Command::new("ip")
+            .args(["addr", "add", &format!("{addr}/32"), "dev", "lo"])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "cannot add {addr} to lo");
+        LoopbackAddress(addr)
+    }
+}
+
+impl Drop for LoopbackAddress {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["addr", "del", &format!("{}/32", self.0), "dev", "lo"])
+            .status();
+    }
 }
 
 /// The test host of the default-DNS tests, and the private address of its

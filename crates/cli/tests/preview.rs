@@ -912,3 +912,106 @@ fn the_server_says_what_to_install_when_preview_names_do_not_resolve() {
         "{advice}"
     );
 }
+
+/// A guest server whose `/hold` answers only once `/tmp/release` exists.
+const HOLDING_SERVER: &str = r#"
+import http.server, os, time
+class H(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_GET(self):
+        while self.path == "/hold" and not os.path.exists("/tmp/release"): time.sleep(0.05)
+        self.send_response(200); self.send_header("Content-Length", "2"); self.end_headers()
+        self.wfile.write(b"ok")
+    def log_message(self, *a): pass
+http.server.ThreadingHTTPServer(("0.0.0.0", 8100), H).serve_forever()
+"#;
+
+#[test]
+fn a_sandboxs_previews_take_bounded_requests_and_connections() {
+    let data = data_dir();
+    let server = Server::start_with(
+        &data,
+        "[preview]\nmax_connections = 2\nrequests_per_second = 5\n",
+    );
+    let key = server
+        .admin_key
+        .clone()
+        .expect("first start prints the admin key");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let api = Rest::new(&server, &key);
+        let id = create(&api, "bounded", 30).await["id"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        write(&api, &id, "/workspace/hold.py", HOLDING_SERVER).await;
+        start_server(&api, &id, 8100, "true", "python3 /workspace/hold.py").await;
+        let url = expose(&api, &id, 8100).await;
+        let client = reqwest::Client::builder()
+            .http1_only()
+            .timeout(Duration::from_secs(120))
+            .build()
+            .unwrap();
+        assert_eq!(
+            get_when_listening(&client, &format!("{url}/ok"))
+                .await
+                .status(),
+            200
+        );
+
+        // Requests: 5 a second, bursts of 10; the rest are told to wait.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let (mut ok, mut limited) = (0, 0);
+        for _ in 0..40 {
+            let r = client.get(format!("{url}/ok")).send().await.unwrap();
+            match r.status().as_u16() {
+                200 => ok += 1,
+                429 => {
+                    assert_eq!(r.headers()["retry-after"], "1");
+                    let page = r.text().await.unwrap();
+                    assert!(
+                        page.contains("at most 5 preview requests a second"),
+                        "{page}"
+                    );
+                    limited += 1;
+                }
+                other => panic!("unexpected {other}: {}", r.text().await.unwrap()),
+            }
+        }
+        assert!(
+            ok >= 10,
+            "the burst of 10 was not served: {ok} ok, {limited} limited"
+        );
+        assert!(
+            limited > 0,
+            "40 requests at once passed a limit of 5 a second"
+        );
+
+        // Connections: two requests hold both; a third waits, then gets 503.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let holds: Vec<_> = (0..2)
+            .map(|_| {
+                let (client, url) = (client.clone(), format!("{url}/hold"));
+                tokio::spawn(async move { client.get(url).send().await.unwrap().status().as_u16() })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let r = client.get(format!("{url}/ok")).send().await.unwrap();
+        assert_eq!(r.status(), 503);
+        let page = r.text().await.unwrap();
+        assert!(
+            page.contains("2 preview connections open, its most"),
+            "{page}"
+        );
+        sh(&api, &id, "touch /tmp/release").await;
+        for h in holds {
+            assert_eq!(h.await.unwrap(), 200);
+        }
+        let r = client.get(format!("{url}/ok")).send().await.unwrap();
+        assert_eq!(r.status(), 200, "the connections were not given back");
+    });
+}

@@ -57,6 +57,19 @@ pub struct ServiceConfig {
     pub preview_domain: String,
     /// This host's name, shown in service info.
     pub host_name: String,
+    /// Connections to the guest one sandbox's preview URLs may hold open.
+    pub preview_max_connections: u32,
+    /// Requests a second one sandbox's preview URLs take (twice as many in
+    /// a burst); past it, 429.
+    pub preview_requests_per_second: u32,
+    /// File reads and writes one account runs at once; more wait (see
+    /// `TRANSFER_WAIT`), then get `rate_limited`.
+    pub max_concurrent_transfers: u32,
+    /// What one account's stored executions (commands and outputs) may
+    /// take; past it, its oldest ended ones are deleted.
+    pub execution_storage_bytes: u64,
+    /// Days the executions of an ended sandbox are kept.
+    pub execution_retention_days: u32,
 }
 
 impl Default for ServiceConfig {
@@ -89,6 +102,11 @@ impl Default for ServiceConfig {
             preview_scheme: "http".into(),
             preview_domain: "localhost:8080".into(),
             host_name: "localhost".into(),
+            preview_max_connections: 64,
+            preview_requests_per_second: 100,
+            max_concurrent_transfers: 4,
+            execution_storage_bytes: 1024 * 1024 * 1024,
+            execution_retention_days: 7,
         }
     }
 }

@@ -374,6 +374,18 @@ pub struct Limits {
     /// How long the service waits for each answer a sandbox owes it before
     /// the call fails with `service_unavailable`.
     pub reply_deadline_secs: u64,
+    /// Connections to the guest one sandbox's preview URLs hold open.
+    pub preview_max_connections: u32,
+    /// Requests a second one sandbox's preview URLs take (bursts of twice).
+    pub preview_requests_per_second: u32,
+    /// File reads and writes one account runs at once; more wait, then
+    /// get `rate_limited`.
+    pub max_concurrent_transfers: u32,
+    /// What an account's stored executions may take; past it, its oldest
+    /// ended ones are deleted (and their `get` is 404).
+    pub execution_storage_bytes: u64,
+    /// Days an ended sandbox's executions are kept.
+    pub execution_retention_days: u32,
 }
 
 /// Linux's limit on one argument of exec (`MAX_ARG_STRLEN` less its NUL):
@@ -407,6 +419,11 @@ impl Limits {
             max_write_bytes: c.max_write_bytes,
             max_list_entries: c.max_list_entries,
             reply_deadline_secs,
+            preview_max_connections: c.preview_max_connections,
+            preview_requests_per_second: c.preview_requests_per_second,
+            max_concurrent_transfers: c.max_concurrent_transfers,
+            execution_storage_bytes: c.execution_storage_bytes,
+            execution_retention_days: c.execution_retention_days,
         }
     }
 }

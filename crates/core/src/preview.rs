@@ -12,6 +12,15 @@
 //! channel, counted (bytes in and out, per sandbox, flushed to the store by
 //! the service) and registered, so closing the port or ending the sandbox
 //! cuts every connection at once.
+//!
+//! Anyone with a URL can also flood it, so each sandbox's previews are
+//! bounded ([`PreviewLimits`]): open connections to the guest (each holds a
+//! tunnel and two threads of the agent; past the bound a request waits a
+//! few seconds for one, then gets 503) and requests
+//! per second (a token bucket; past it, 429 with `Retry-After`). A request's
+//! check (the sandbox runs, the port is exposed) is remembered for a second
+//! ([`CHECK_REMEMBERED`]), so a busy preview does not cost a query per
+//! request; closing the port or ending the sandbox forgets it at once.
 
 use sandpit_runtime::{TunnelCloser, TunnelStream};
 use std::collections::HashMap;
@@ -21,8 +30,10 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+use time::OffsetDateTime;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// The URL of `port` of sandbox `id`.
 pub fn preview_url(scheme: &str, domain: &str, port: u16, id: &str) -> String {
@@ -147,6 +158,12 @@ pub enum PreviewError {
     /// the sandbox cannot be reached right now
     #[error("sandbox {id} cannot be reached right now: {message}")]
     Unavailable { id: String, message: String },
+    /// the sandbox's previews are taking more requests than they may
+    #[error("sandbox {id} takes at most {per_second} preview requests a second")]
+    TooManyRequests { id: String, per_second: u32 },
+    /// the sandbox's previews hold as many connections as they may
+    #[error("sandbox {id} has {max} preview connections open, its most")]
+    TooManyConnections { id: String, max: u32 },
 }
 
 impl PreviewError {
@@ -159,7 +176,8 @@ impl PreviewError {
             PreviewError::Gone { .. } => 410,
             PreviewError::NotListening { .. } => 502,
             PreviewError::Timeout { .. } => 504,
-            PreviewError::Unavailable { .. } => 503,
+            PreviewError::Unavailable { .. } | PreviewError::TooManyConnections { .. } => 503,
+            PreviewError::TooManyRequests { .. } => 429,
         }
     }
 
@@ -179,7 +197,9 @@ impl PreviewError {
             PreviewError::Timeout { .. } => {
                 "The server inside the sandbox did not accept the connection in time; reload."
             }
-            PreviewError::Unavailable { .. } => "Try again in a moment.",
+            PreviewError::Unavailable { .. }
+            | PreviewError::TooManyRequests { .. }
+            | PreviewError::TooManyConnections { .. } => "Try again in a moment.",
         }
     }
 }
@@ -194,11 +214,69 @@ pub(crate) struct Traffic {
 /// A sandbox's open preview connections: serial -> (port, closer).
 type OpenConns = HashMap<u64, (u16, TunnelCloser)>;
 
+/// How much of the preview proxy one sandbox may take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PreviewLimits {
+    /// Connections to the guest open at once (pooled idle ones included).
+    pub max_connections: u32,
+    /// Requests per second, on average; twice as many may come in a burst.
+    pub requests_per_second: u32,
+}
+
+/// How long a new connection waits for one of its sandbox's to be free.
+pub const CONNECTION_WAIT: Duration = Duration::from_secs(5);
+
+/// How long a passed check of a (sandbox, port) is trusted.
+pub const CHECK_REMEMBERED: Duration = Duration::from_secs(1);
+
+/// A token bucket: `rate` tokens a second, at most `2 * rate` kept.
+#[derive(Debug)]
+struct Bucket {
+    tokens: f64,
+    at: Instant,
+}
+
+impl Bucket {
+    fn new(rate: u32) -> Bucket {
+        Bucket {
+            tokens: 2.0 * f64::from(rate),
+            at: Instant::now(),
+        }
+    }
+
+    fn take(&mut self, rate: u32) -> bool {
+        let now = Instant::now();
+        let rate = f64::from(rate);
+        self.tokens =
+            (self.tokens + now.duration_since(self.at).as_secs_f64() * rate).min(2.0 * rate);
+        self.at = now;
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// What one live sandbox's previews may still take.
+struct Allowance {
+    requests: Bucket,
+    connections: Arc<Semaphore>,
+}
+
 /// Open preview connections and unflushed traffic, per sandbox.
-#[derive(Default)]
 pub(crate) struct Previews {
+    limits: PreviewLimits,
     traffic: Mutex<HashMap<String, Arc<Traffic>>>,
     open: Mutex<HashMap<String, OpenConns>>,
+    /// Per live sandbox whose previews were used.
+    allowances: Mutex<HashMap<String, Allowance>>,
+    /// Passed checks: (sandbox, port) -> (when, the sandbox's expiry).
+    checked: Mutex<HashMap<(String, u16), (Instant, OffsetDateTime)>>,
+    /// Bumped by every close: a check that began before a close must not be
+    /// remembered after it.
+    closes: AtomicU64,
     /// Connection attempts in flight per (sandbox, port) are limited: a
     /// burst of new connections would overflow a small server's listen
     /// backlog (Python's is 5), and a dropped SYN costs a second or more.
@@ -210,6 +288,94 @@ pub(crate) struct Previews {
 const CONNECTS_IN_FLIGHT: usize = 4;
 
 impl Previews {
+    pub(crate) fn new(limits: PreviewLimits) -> Previews {
+        Previews {
+            limits,
+            traffic: Mutex::default(),
+            open: Mutex::default(),
+            allowances: Mutex::default(),
+            checked: Mutex::default(),
+            closes: AtomicU64::new(0),
+            connecting: Mutex::default(),
+            serial: AtomicU64::new(0),
+        }
+    }
+
+    /// A number to give [`Previews::remember_check`]: read it before the
+    /// check's queries.
+    pub(crate) fn check_epoch(&self) -> u64 {
+        self.closes.load(Ordering::SeqCst)
+    }
+
+    /// Did `port` of `id` pass its check less than [`CHECK_REMEMBERED`] ago
+    /// (and has the sandbox not expired since)?
+    pub(crate) fn recently_checked(&self, id: &str, port: u16) -> bool {
+        let checked = self.checked.lock().unwrap();
+        checked
+            .get(&(id.to_string(), port))
+            .is_some_and(|(at, expires)| {
+                at.elapsed() < CHECK_REMEMBERED && *expires > OffsetDateTime::now_utc()
+            })
+    }
+
+    /// Remember that `port` of `id` passed a check that began at `epoch`,
+    /// unless something was closed since.
+    pub(crate) fn remember_check(&self, id: &str, port: u16, expires: OffsetDateTime, epoch: u64) {
+        let mut checked = self.checked.lock().unwrap();
+        if self.closes.load(Ordering::SeqCst) == epoch {
+            checked.insert((id.to_string(), port), (Instant::now(), expires));
+        }
+    }
+
+    /// Take one request of `id`'s allowance.
+    pub(crate) fn admit_request(&self, id: &str) -> Result<(), PreviewError> {
+        let rate = self.limits.requests_per_second;
+        let mut allowances = self.allowances.lock().unwrap();
+        let a = allowances
+            .entry(id.to_string())
+            .or_insert_with(|| self.allowance());
+        if a.requests.take(rate) {
+            Ok(())
+        } else {
+            Err(PreviewError::TooManyRequests {
+                id: id.to_string(),
+                per_second: rate,
+            })
+        }
+    }
+
+    /// Take one of `id`'s connections, given back when the permit drops;
+    /// wait [`CONNECTION_WAIT`] at most for one. (Meanwhile the proxy's
+    /// pool hands the request any connection that becomes idle.)
+    pub(crate) async fn admit_connection(
+        &self,
+        id: &str,
+    ) -> Result<OwnedSemaphorePermit, PreviewError> {
+        let connections = self
+            .allowances
+            .lock()
+            .unwrap()
+            .entry(id.to_string())
+            .or_insert_with(|| self.allowance())
+            .connections
+            .clone();
+        let busy = || PreviewError::TooManyConnections {
+            id: id.to_string(),
+            max: self.limits.max_connections,
+        };
+        match tokio::time::timeout(CONNECTION_WAIT, connections.acquire_owned()).await {
+            Ok(Ok(permit)) => Ok(permit),
+            _ => Err(busy()),
+        }
+    }
+
+    fn allowance(&self) -> Allowance {
+        Allowance {
+            requests: Bucket::new(self.limits.requests_per_second),
+            connections: Arc::new(Semaphore::new(self.limits.max_connections as usize)),
+        }
+    }
+
     pub(crate) fn traffic(&self, id: &str) -> Arc<Traffic> {
         self.traffic
             .lock()
@@ -262,6 +428,14 @@ impl Previews {
     pub(crate) fn forget(&self, id: &str) {
         self.traffic.lock().unwrap().remove(id);
         self.connecting.lock().unwrap().retain(|(s, _), _| s != id);
+        self.allowances.lock().unwrap().remove(id);
+        self.forget_checks(id, None);
+    }
+
+    fn forget_checks(&self, id: &str, port: Option<u16>) {
+        let mut checked = self.checked.lock().unwrap();
+        self.closes.fetch_add(1, Ordering::SeqCst);
+        checked.retain(|(s, p), _| s != id || port.is_some_and(|want| *p != want));
     }
 
     /// The gate connection attempts to `port` of sandbox `id` pass.
@@ -279,6 +453,7 @@ impl Previews {
         id: &str,
         port: u16,
         stream: TunnelStream,
+        slot: OwnedSemaphorePermit,
     ) -> PreviewConn {
         let serial = self.serial.fetch_add(1, Ordering::Relaxed);
         self.open
@@ -293,11 +468,13 @@ impl Previews {
             registry: Arc::downgrade(self),
             sandbox_id: id.to_string(),
             serial,
+            _slot: slot,
         }
     }
 
     /// Cut the open connections of a sandbox (`port`: of that port only).
     pub(crate) fn close(&self, id: &str, port: Option<u16>) -> usize {
+        self.forget_checks(id, port);
         let closers: Vec<TunnelCloser> = {
             let mut open = self.open.lock().unwrap();
             let Some(conns) = open.get_mut(id) else {
@@ -343,6 +520,8 @@ pub struct PreviewConn {
     registry: std::sync::Weak<Previews>,
     sandbox_id: String,
     serial: u64,
+    /// One of the sandbox's preview connections, while this one is open.
+    _slot: OwnedSemaphorePermit,
 }
 
 impl Drop for PreviewConn {
@@ -403,6 +582,20 @@ mod tests {
             port,
             sandbox_id: id.into(),
         }
+    }
+
+    #[test]
+    fn a_bucket_takes_a_burst_of_twice_its_rate_then_refills() {
+        let mut b = Bucket::new(5);
+        assert_eq!((0..20).filter(|_| b.take(5)).count(), 10);
+        b.at -= Duration::from_millis(400);
+        assert!(b.take(5), "two tokens came back in 400 ms");
+        b.at -= Duration::from_secs(10);
+        assert_eq!(
+            (0..20).filter(|_| b.take(5)).count(),
+            10,
+            "at most a burst kept"
+        );
     }
 
     #[test]

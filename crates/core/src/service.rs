@@ -15,7 +15,7 @@ use crate::config::{cost, ServiceConfig};
 use crate::error::{CoreError, ErrorType, Result};
 use crate::ids::{new_id, rfc3339};
 use crate::model::*;
-use crate::preview::{preview_url, PreviewConn, PreviewError, Previews};
+use crate::preview::{preview_url, PreviewConn, PreviewError, PreviewLimits, Previews};
 use crate::utf8::Utf8Chunker;
 use async_trait::async_trait;
 use base64::Engine;
@@ -46,6 +46,8 @@ pub struct Service {
     extending: tokio::sync::Mutex<()>,
     /// Open preview connections and their unflushed traffic.
     previews: Arc<Previews>,
+    /// Each account's file transfers in flight (see [`Service::transfer_slot`]).
+    transfers: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Semaphore>>>,
     /// Itself, for tasks that outlive a call (streaming exec).
     me: Weak<Service>,
 }
@@ -54,6 +56,10 @@ pub struct Service {
 const TRAFFIC_FLUSH: Duration = Duration::from_secs(2);
 /// How long opening a preview connection may take, end to end.
 const PREVIEW_CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
+/// How long a file transfer waits for one of its account's slots.
+pub const TRANSFER_WAIT: Duration = Duration::from_secs(30);
+/// How often the executions of long-ended sandboxes are looked for.
+const RETENTION_SWEEP: Duration = Duration::from_secs(3600);
 
 impl From<StoreError> for CoreError {
     fn from(e: StoreError) -> Self {
@@ -188,13 +194,18 @@ impl Service {
     /// A service over `store` and `vms`; call [`Service::start`] to reconcile
     /// and run the reaper.
     pub fn new(config: ServiceConfig, store: Store, vms: Arc<LocalVms>) -> Arc<Service> {
+        let limits = PreviewLimits {
+            max_connections: config.preview_max_connections,
+            requests_per_second: config.preview_requests_per_second,
+        };
         Arc::new_cyclic(|me| Service {
             config,
             store,
             vms,
             reaper: Arc::new(Notify::new()),
             extending: tokio::sync::Mutex::new(()),
-            previews: Arc::new(Previews::default()),
+            previews: Arc::new(Previews::new(limits)),
+            transfers: Default::default(),
             me: me.clone(),
         })
     }
@@ -225,6 +236,17 @@ impl Service {
             }
         });
         let me = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                let Some(svc) = me.upgrade() else { return };
+                if let Err(e) = svc.drop_old_executions().await {
+                    tracing::warn!("dropping old executions: {e}");
+                }
+                drop(svc);
+                tokio::time::sleep(RETENTION_SWEEP).await;
+            }
+        });
+        let me = Arc::downgrade(self);
         let wake = self.reaper.clone();
         tokio::spawn(async move {
             loop {
@@ -241,6 +263,56 @@ impl Service {
             }
         });
         Ok(())
+    }
+
+    /// One of the account's `max_concurrent_transfers` slots for a file
+    /// read or write: its content, decoded and in flight, is in memory
+    /// until it ends. Waits [`TRANSFER_WAIT`] at most.
+    async fn transfer_slot(&self, caller: &Caller) -> Result<tokio::sync::OwnedSemaphorePermit> {
+        let max = self.config.max_concurrent_transfers;
+        let slots = {
+            let mut all = self.transfers.lock().unwrap();
+            // Entries nobody holds (no transfer, no waiter) go, so the map
+            // stays as small as the number of accounts transferring now.
+            all.retain(|_, s| Arc::strong_count(s) > 1);
+            all.entry(caller.account_id.clone())
+                .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(max as usize)))
+                .clone()
+        };
+        match tokio::time::timeout(TRANSFER_WAIT, slots.acquire_owned()).await {
+            Ok(Ok(permit)) => Ok(permit),
+            _ => Err(CoreError::new(
+                ErrorType::RateLimited,
+                format!(
+                    "this account has {max} file transfers in flight, its most; retry when one ends"
+                ),
+            )),
+        }
+    }
+
+    /// Hold an account's stored executions to its budget (its oldest ended
+    /// ones go first).
+    async fn trim_executions(&self, account_id: &str) {
+        let budget = self.config.execution_storage_bytes;
+        match self.store.trim_executions(account_id, budget).await {
+            Ok(0) => {}
+            Ok(n) => tracing::debug!(%account_id, "deleted {n} old executions over the budget"),
+            Err(e) => tracing::warn!(%account_id, "trimming executions: {e}"),
+        }
+    }
+
+    /// Delete the executions of sandboxes that ended more than
+    /// `execution_retention_days` ago. Returns how many went.
+    pub async fn drop_old_executions(&self) -> Result<u64> {
+        let keep = time::Duration::days(i64::from(self.config.execution_retention_days));
+        let n = self
+            .store
+            .drop_ended_executions(OffsetDateTime::now_utc() - keep)
+            .await?;
+        if n > 0 {
+            tracing::info!("deleted {n} executions of sandboxes ended over {keep} ago");
+        }
+        Ok(n)
     }
 
     /// The server is stopping: remove the warm pool's VMs (no sandbox owns
@@ -610,7 +682,9 @@ impl Service {
                 return Err(runtime_error(e));
             }
         };
-        if self.store.finish_execution(&exec_id, &result).await? {
+        let finished = self.store.finish_execution(&exec_id, &result).await?;
+        self.trim_executions(&row.account_id).await;
+        if finished {
             // Exactly what was written, so no need to read it back.
             record.status = result.status;
             record.exit_code = result.exit_code;
@@ -730,6 +804,10 @@ impl Service {
     /// Can `port` of sandbox `id` be served through its preview URL now?
     /// Anyone with the URL may ask: no account is involved.
     pub async fn check_preview(&self, id: &str, port: u16) -> Result<(), PreviewError> {
+        if self.previews.recently_checked(id, port) {
+            return Ok(());
+        }
+        let epoch = self.previews.check_epoch();
         let unavailable = |e: StoreError| PreviewError::Unavailable {
             id: id.to_string(),
             message: e.to_string(),
@@ -768,7 +846,15 @@ impl Service {
                 port,
             });
         }
+        self.previews
+            .remember_check(id, port, row.expires_at, epoch);
         Ok(())
+    }
+
+    /// Take one request of the allowance of sandbox `id`'s preview URLs
+    /// (after [`Service::check_preview`]: only live sandboxes have one).
+    pub fn admit_preview_request(&self, id: &str) -> Result<(), PreviewError> {
+        self.previews.admit_request(id)
     }
 
     /// Open a connection to `port` of sandbox `id` for its preview URL:
@@ -777,6 +863,7 @@ impl Service {
     /// sandbox ends.
     pub async fn open_preview(&self, id: &str, port: u16) -> Result<PreviewConn, PreviewError> {
         self.check_preview(id, port).await?;
+        let slot = self.previews.admit_connection(id).await?;
         let (sid, p) = (id.to_string(), port);
         let gate = self.previews.connect_gate(id, port);
         let open = async {
@@ -812,7 +899,7 @@ impl Service {
                 id: id.to_string(),
                 port,
             })??;
-        let conn = self.previews.register(id, port, stream);
+        let conn = self.previews.register(id, port, stream, slot);
         // Closed or ended while connecting: cut it now rather than serve it.
         if let Err(e) = self.check_preview(id, port).await {
             self.previews.close(id, Some(port));
@@ -1123,6 +1210,7 @@ impl SandboxApi for Service {
     }
 
     async fn write_file(&self, caller: &Caller, id: &str, req: WriteFile) -> Result<FileWritten> {
+        let _slot = self.transfer_slot(caller).await?;
         let bytes = match req.encoding.unwrap_or_default() {
             Encoding::Utf8 => req.content.into_bytes(),
             Encoding::Base64 => base64::engine::general_purpose::STANDARD
@@ -1155,6 +1243,7 @@ impl SandboxApi for Service {
         encoding: Encoding,
     ) -> Result<FileContent> {
         check_path(path)?;
+        let _slot = self.transfer_slot(caller).await?;
         let row = self.running(caller, id).await?;
         let _live = self.vms.manager().hold_background();
         let agent = self.agent(&row).await?;

@@ -89,3 +89,53 @@ async fn oversized_input_a_huge_listing_and_a_frozen_guest_all_get_answers() {
     assert_eq!(ex.stdout, "back\n");
     svc.destroy_sandbox(&me, id).await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stored_executions_are_held_to_the_accounts_budget_and_dropped_after_the_end() {
+    const BUDGET: u64 = 1024 * 1024;
+    let (svc, _dir) = service_with(sandpit_core::backend::PoolConfig::none(), |c| {
+        c.execution_storage_bytes = BUDGET;
+        c.execution_retention_days = 0;
+    })
+    .await;
+    let me = account(&svc, "chatty", 1.0).await;
+    let (sbx, _) = svc
+        .create_sandbox(&me, CreateSandbox::default(), None)
+        .await
+        .unwrap();
+    let id = sbx.id.as_str();
+    // Six commands of 300 KB of output each: 1.8 MB, over a 1 MiB budget.
+    let mut execs = Vec::new();
+    for _ in 0..6 {
+        let ex = svc
+            .exec(&me, id, cmd("head -c 300000 /dev/zero | tr '\\0' y"))
+            .await
+            .unwrap();
+        assert_eq!(ex.stdout.len(), 300_000);
+        execs.push(ex.id);
+    }
+    let used = svc.store().execution_bytes(&me.account_id).await.unwrap();
+    assert!(used <= BUDGET, "{used} bytes stored, over the budget");
+    // The oldest went, the newest three are kept whole.
+    for (i, e) in execs.iter().enumerate() {
+        match svc.get_execution(&me, e).await {
+            Ok(ex) => {
+                assert!(i >= 3, "execution {i} is still stored");
+                assert_eq!(ex.stdout.len(), 300_000);
+            }
+            Err(err) => {
+                assert!(i < 3, "execution {i} was deleted: {err}");
+                assert_eq!(err.kind, ErrorType::NotFound, "{err}");
+            }
+        }
+    }
+    // Once the sandbox ended, a sweep past the retention drops the rest.
+    svc.destroy_sandbox(&me, id).await.unwrap();
+    assert_eq!(svc.drop_old_executions().await.unwrap(), 3);
+    let e = svc.get_execution(&me, &execs[5]).await.unwrap_err();
+    assert_eq!(e.kind, ErrorType::NotFound, "{e}");
+    assert_eq!(
+        svc.store().execution_bytes(&me.account_id).await.unwrap(),
+        0
+    );
+}

@@ -79,8 +79,18 @@ pub struct AgentInfo {
     pub hostname: String,
 }
 
+/// Bytes queued for a guest that is not reading them, at most: past it a
+/// send fails (`Busy`) instead of the host holding more and more for it.
+pub const OUT_QUEUE_LIMIT: u64 = 96 * 1024 * 1024;
+
+/// Frames this small (cancels, acks, closes, most requests) are queued
+/// whatever is already queued, so a full queue never loses a cancel.
+const ALWAYS_QUEUED: u64 = 4096;
+
 pub(crate) struct Inner {
     out: mpsc::UnboundedSender<Vec<u8>>,
+    /// Bytes in `out` not yet written to the guest.
+    queued: Arc<AtomicU64>,
     pub(crate) pending: Mutex<HashMap<RequestId, mpsc::UnboundedSender<Frame>>>,
     /// Send credit of open tunnel streams; `TunnelAck`s go here directly, so
     /// a writer learns of credit even while nobody reads its stream.
@@ -103,6 +113,34 @@ impl Inner {
     }
 
     pub(crate) fn send(&self, message: &Message, body: &[u8]) -> Result<()> {
+        self.send_all(vec![Self::frame(message, body)?])
+    }
+
+    /// Queue `frames` together, or none of them when the guest has more
+    /// than [`OUT_QUEUE_LIMIT`] waiting already.
+    pub(crate) fn send_all(&self, frames: Vec<Vec<u8>>) -> Result<()> {
+        let total: u64 = frames.iter().map(|f| f.len() as u64).sum();
+        let queued = self.queued.fetch_add(total, Ordering::SeqCst) + total;
+        if total > ALWAYS_QUEUED && queued > OUT_QUEUE_LIMIT {
+            self.queued.fetch_sub(total, Ordering::SeqCst);
+            return Err(RuntimeError::Busy(format!(
+                "the sandbox is not reading what it is sent ({} MiB are waiting for it); \
+                 try again later",
+                (queued - total) >> 20
+            )));
+        }
+        for frame in frames {
+            if self.out.send(frame).is_err() {
+                return Err(RuntimeError::Disconnected(
+                    "the connection is closed".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// One frame of `message` and `body`, checked against the frame limits.
+    pub(crate) fn frame(message: &Message, body: &[u8]) -> Result<Vec<u8>> {
         let frame = encode_frame(message, body);
         let header_len = frame.len() - HEADER_PREFIX_LEN - body.len();
         if header_len > MAX_HEADER_LEN || body.len() > MAX_BODY_LEN {
@@ -114,9 +152,7 @@ impl Inner {
                 ),
             )));
         }
-        self.out
-            .send(frame)
-            .map_err(|_| RuntimeError::Disconnected("the connection is closed".into()))
+        Ok(frame)
     }
 }
 
@@ -141,6 +177,13 @@ pub struct ExecHandle {
     inner: Arc<Inner>,
     rx: mpsc::UnboundedReceiver<Frame>,
     finished: bool,
+    /// Output still to be taken, per stream (`max_output_bytes` of the
+    /// request): the guest's agent keeps to it, and the host holds a guest
+    /// that does not to it as well.
+    stdout_left: u64,
+    stderr_left: u64,
+    /// Output the guest sent past those.
+    cut: (bool, bool),
     /// The command's own timeout plus [`EXEC_GRACE`].
     deadline: tokio::time::Instant,
 }
@@ -178,10 +221,20 @@ impl ExecHandle {
             }
         };
         match frame.message {
-            Message::Stdout { .. } => Ok(ExecEvent::Stdout(frame.body)),
-            Message::Stderr { .. } => Ok(ExecEvent::Stderr(frame.body)),
-            Message::Exited { result, .. } => {
+            Message::Stdout { .. } => Ok(ExecEvent::Stdout(take_within(
+                frame.body,
+                &mut self.stdout_left,
+                &mut self.cut.0,
+            ))),
+            Message::Stderr { .. } => Ok(ExecEvent::Stderr(take_within(
+                frame.body,
+                &mut self.stderr_left,
+                &mut self.cut.1,
+            ))),
+            Message::Exited { mut result, .. } => {
                 self.finished = true;
+                result.stdout_truncated |= self.cut.0;
+                result.stderr_truncated |= self.cut.1;
                 Ok(ExecEvent::Exited(result))
             }
             Message::Error { error, .. } => {
@@ -198,6 +251,17 @@ impl ExecHandle {
     pub fn cancel(&self) {
         let _ = self.inner.send(&Message::Cancel { id: self.id }, &[]);
     }
+}
+
+/// What of `body` fits in `left` bytes (which it uses up); `cut` is set when
+/// anything was left out.
+fn take_within(mut body: Vec<u8>, left: &mut u64, cut: &mut bool) -> Vec<u8> {
+    if body.len() as u64 > *left {
+        body.truncate(*left as usize);
+        *cut = true;
+    }
+    *left -= body.len() as u64;
+    body
 }
 
 impl Drop for ExecHandle {
@@ -290,8 +354,11 @@ impl AgentClient {
         }
 
         let (out_tx, mut out_rx) = mpsc::unbounded_channel::<Vec<u8>>();
+        let queued = Arc::new(AtomicU64::new(0));
+        let written = queued.clone();
         let inner = Arc::new(Inner {
             out: out_tx,
+            queued,
             pending: Mutex::new(HashMap::new()),
             credits: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
@@ -303,6 +370,7 @@ impl AgentClient {
                 if wr.write_all(&bytes).await.is_err() {
                     break;
                 }
+                written.fetch_sub(bytes.len() as u64, Ordering::SeqCst);
             }
         });
         let reader_inner = inner.clone();
@@ -444,6 +512,7 @@ impl AgentClient {
         let (id, rx) = self.register()?;
         let deadline =
             tokio::time::Instant::now() + Duration::from_millis(request.timeout_ms) + EXEC_GRACE;
+        let limit = request.max_output_bytes;
         if let Err(e) = self.inner.send(&Message::Exec { id, request }, &[]) {
             self.inner.pending.lock().unwrap().remove(&id);
             return Err(e);
@@ -453,6 +522,9 @@ impl AgentClient {
             inner: self.inner.clone(),
             rx,
             finished: false,
+            stdout_left: limit,
+            stderr_left: limit,
+            cut: (false, false),
             deadline,
         })
     }
@@ -485,22 +557,22 @@ impl AgentClient {
         mode: Option<u32>,
     ) -> Result<(String, u64)> {
         let (id, mut rx) = self.register()?;
-        let sent = self
-            .inner
-            .send(
-                &Message::WriteFile {
-                    id,
-                    path: path.to_string(),
-                    size: content.len() as u64,
-                    mode,
-                },
-                &[],
-            )
-            .and_then(|()| {
+        // All of it is queued or none: a write cut short would leave the
+        // guest waiting for the rest.
+        let head = Message::WriteFile {
+            id,
+            path: path.to_string(),
+            size: content.len() as u64,
+            mode,
+        };
+        let sent = std::iter::once(Inner::frame(&head, &[]))
+            .chain(
                 content
                     .chunks(CHUNK_LEN)
-                    .try_for_each(|chunk| self.inner.send(&Message::FileData { id }, chunk))
-            });
+                    .map(|chunk| Inner::frame(&Message::FileData { id }, chunk)),
+            )
+            .collect::<Result<Vec<_>>>()
+            .and_then(|frames| self.inner.send_all(frames));
         if let Err(e) = sent {
             self.inner.pending.lock().unwrap().remove(&id);
             return Err(e);
@@ -656,4 +728,151 @@ fn route(inner: &Inner, frame: Frame) {
 
 pub(crate) fn unexpected(m: Message) -> RuntimeError {
     RuntimeError::Disconnected(format!("unexpected message from the agent: {m:?}"))
+}
+
+/// A scripted guest agent on a unix socket, for tests of what the host does
+/// when the guest misbehaves (the real agent never does).
+#[cfg(test)]
+pub(crate) mod fake {
+    use super::*;
+    use sandpit_protocol::FrameDecoder;
+    use tokio::io::AsyncWriteExt;
+    use tokio::net::{UnixListener, UnixStream};
+
+    /// Answer the handshake, then run `then` on the socket and the decoder
+    /// (which may hold frames already).
+    pub(crate) async fn agent<F, Fut>(then: F) -> (AgentClient, tempfile::TempDir)
+    where
+        F: FnOnce(UnixStream, FrameDecoder) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send,
+    {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut d = FrameDecoder::new();
+            let Message::Hello { nonce, .. } = next(&mut s, &mut d).await.message else {
+                panic!("no hello");
+            };
+            let ack = Message::HelloAck {
+                protocol: sandpit_protocol::PROTOCOL_GENERATION,
+                nonce,
+                agent_version: "test".into(),
+                kernel_release: "test".into(),
+                hostname: "test".into(),
+            };
+            s.write_all(&encode_frame(&ack, b"")).await.unwrap();
+            then(s, d).await;
+        });
+        let client = AgentClient::connect(&path, Duration::from_secs(10))
+            .await
+            .unwrap();
+        (client, dir)
+    }
+
+    /// The next frame from the host.
+    pub(crate) async fn next(s: &mut UnixStream, d: &mut FrameDecoder) -> Frame {
+        use tokio::io::AsyncReadExt;
+        let mut buf = vec![0u8; 1 << 16];
+        loop {
+            if let Some(f) = d.next_frame().unwrap() {
+                return f;
+            }
+            let n = s.read(&mut buf).await.unwrap();
+            assert!(n > 0, "the host hung up");
+            d.push(&buf[..n]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncWriteExt;
+
+    fn exec_request(max_output_bytes: u64) -> ExecRequest {
+        ExecRequest {
+            command: "yes".into(),
+            cwd: None,
+            env: Default::default(),
+            timeout_ms: 10_000,
+            max_output_bytes,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_guest_sending_past_the_output_limit_is_cut_on_the_host() {
+        let (client, _dir) = fake::agent(|mut s, mut d| async move {
+            let Message::Exec { id, .. } = fake::next(&mut s, &mut d).await.message else {
+                panic!("no exec");
+            };
+            // 8 MiB of stdout and of stderr for a 1 MiB limit.
+            for _ in 0..128 {
+                for m in [Message::Stdout { id }, Message::Stderr { id }] {
+                    s.write_all(&encode_frame(&m, &[b'y'; 64 * 1024]))
+                        .await
+                        .unwrap();
+                }
+            }
+            let result = ExecResult {
+                exit_code: Some(0),
+                signal: None,
+                timed_out: false,
+                cancelled: false,
+                stdout_bytes: 8 << 20,
+                stderr_bytes: 8 << 20,
+                stdout_truncated: false,
+                stderr_truncated: false,
+                duration_ms: 1,
+            };
+            s.write_all(&encode_frame(&Message::Exited { id, result }, b""))
+                .await
+                .unwrap();
+            tokio::time::sleep(Duration::from_secs(30)).await;
+        })
+        .await;
+        let out = client.exec_collect(exec_request(1 << 20)).await.unwrap();
+        assert_eq!(out.stdout.len(), 1 << 20);
+        assert_eq!(out.stderr.len(), 1 << 20);
+        assert!(out.result.stdout_truncated && out.result.stderr_truncated);
+    }
+
+    #[tokio::test]
+    async fn a_guest_that_reads_nothing_gets_a_bounded_queue_and_still_its_cancels() {
+        let (client, _dir) = fake::agent(|s, d| async move {
+            // Keeps the connection and reads nothing, ever.
+            let _kept = (s, d);
+            tokio::time::sleep(Duration::from_secs(60)).await;
+        })
+        .await;
+        let chunk = vec![0u8; 40 << 20];
+        let writes: Vec<_> = (0..2)
+            .map(|_| {
+                let (c, data) = (client.clone(), chunk.clone());
+                tokio::spawn(async move { c.write_file("big", &data, None).await })
+            })
+            .collect();
+        // Both are queued (80 MiB, less what the socket took), the guest reads none.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while client.inner.queued.load(Ordering::SeqCst) < 79 << 20 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the writes were never queued"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // A third would pass the limit: refused whole, at once.
+        let e = client.write_file("more", &chunk, None).await.unwrap_err();
+        assert!(matches!(e, RuntimeError::Busy(_)), "{e}");
+        assert!(e.to_string().contains("not reading"), "{e}");
+        assert!(client.inner.queued.load(Ordering::SeqCst) <= OUT_QUEUE_LIMIT);
+        // Small frames still go: a command can still be cancelled.
+        let h = client.exec(exec_request(1024)).unwrap();
+        h.cancel();
+        drop(h);
+        for w in writes {
+            w.abort();
+        }
+    }
 }

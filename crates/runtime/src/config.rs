@@ -102,6 +102,9 @@ pub struct RuntimeConfig {
     pub reserved_memory_mb: u32,
     /// TCG translation cache per VM, MiB (host memory per sandbox).
     pub tcg_tb_size_mb: u32,
+    /// Free space kept on the VMs' filesystem: no new VM starts below it
+    /// (overlays grow as guests write, up to their size's disk each).
+    pub disk_reserve_mb: u64,
     /// Start VMs by restoring a snapshot template of their size (built on
     /// first use) rather than booting them.
     #[serde(default = "yes")]
@@ -171,6 +174,7 @@ impl RuntimeConfig {
             user_pids_max: 4096,
             reserved_memory_mb: 96,
             tcg_tb_size_mb: 64,
+            disk_reserve_mb: 2048,
             snapshots: true,
             ksm: true,
             qemu_binary: "qemu-system-x86_64".into(),

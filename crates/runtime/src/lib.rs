@@ -13,6 +13,7 @@ pub mod console;
 mod error;
 pub mod expiry;
 pub mod give_way;
+pub mod guard;
 pub mod image;
 pub mod ksm;
 pub mod net;

@@ -6,7 +6,8 @@
 //! reaching the host's loopback services (the control plane, the database).
 //! Everything else on the deny list (link-local metadata, private ranges, the
 //! host's own addresses) is rejected by the guest's packet filter, which the
-//! agent installs before any user command runs; see docs/threat-model.md.
+//! agent installs before any user command runs, and again on the host by
+//! passt's uid (see `guard`); see docs/threat-model.md.
 //!
 //! Name resolution: the guest's resolver is [`GUEST_DNS_FORWARD`], which
 //! passt answers by forwarding each query to the host's resolver, so guests
@@ -52,7 +53,14 @@ pub const NET_FD: i32 = 3;
 /// waiting for one: both processes start at once, and passt (`--one-off`)
 /// exits by itself when QEMU's end closes.
 /// With `merge_pages`, passt's memory is offered to KSM (see `ksm`).
-pub fn start_passt(passt: &Path, dir: &Path, merge_pages: bool) -> Result<(u32, OwnedFd)> {
+/// With `run_as`, passt drops to that uid (and gid) after its set-up, the
+/// uid the host's guard filters by (see `guard`).
+pub fn start_passt(
+    passt: &Path,
+    dir: &Path,
+    merge_pages: bool,
+    run_as: Option<u32>,
+) -> Result<(u32, OwnedFd)> {
     let (ours, theirs) =
         UnixStream::pair().map_err(RuntimeError::io("creating the network socket pair"))?;
     let log = dir.join("passt.log");
@@ -67,6 +75,7 @@ pub fn start_passt(passt: &Path, dir: &Path, merge_pages: bool) -> Result<(u32, 
         .args(["--no-dhcpv6", "--no-ndp", "--no-ra"])
         .arg("--log-file")
         .arg(&log)
+        .args(run_as.map(|uid| format!("--runas={uid}:{uid}")))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())

@@ -53,9 +53,12 @@ impl SendCredit {
         self.unacked.fetch_add(n, Ordering::SeqCst) + n <= WINDOW as u64
     }
 
+    /// Credit from the guest (its window, its acks), never past [`WINDOW`]:
+    /// a guest granting more, or acking what it never got, cannot make the
+    /// host queue more than that per stream.
     pub(crate) fn add(&self, n: u64) {
         let mut s = self.state.lock().unwrap();
-        s.available += n;
+        s.available = (s.available + n).min(WINDOW as u64);
         if let Some(w) = s.waker.take() {
             w.wake();
         }
@@ -290,63 +293,57 @@ mod tests {
     use sandpit_protocol::{encode_frame, FrameDecoder};
     use std::time::Duration;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio::net::UnixListener;
 
-    /// A scripted guest on a unix socket: answers the handshake and one
+    /// A scripted guest (see `channel::fake`): answers the handshake and one
     /// `TunnelOpen` (granting `window`), then runs `then` on the socket.
     async fn fake_guest<F, Fut>(window: u32, then: F) -> (AgentClient, tempfile::TempDir)
     where
         F: FnOnce(tokio::net::UnixStream, FrameDecoder, RequestId) -> Fut + Send + 'static,
         Fut: std::future::Future<Output = ()> + Send,
     {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("agent.sock");
-        let listener = UnixListener::bind(&path).unwrap();
-        tokio::spawn(async move {
-            let (mut s, _) = listener.accept().await.unwrap();
-            let mut d = FrameDecoder::new();
-            let mut buf = vec![0u8; 1 << 16];
-            let next = |d: &mut FrameDecoder| d.next_frame().unwrap();
-            loop {
-                let n = s.read(&mut buf).await.unwrap();
-                d.push(&buf[..n]);
-                match next(&mut d) {
-                    Some(f) => match f.message {
-                        Message::Hello { nonce, .. } => {
-                            let ack = Message::HelloAck {
-                                protocol: sandpit_protocol::PROTOCOL_GENERATION,
-                                nonce,
-                                agent_version: "test".into(),
-                                kernel_release: "test".into(),
-                                hostname: "test".into(),
-                            };
-                            s.write_all(&encode_frame(&ack, b"")).await.unwrap();
-                            break;
-                        }
-                        other => panic!("{other:?}"),
-                    },
-                    None => continue,
-                }
-            }
-            let id = loop {
-                if let Some(f) = next(&mut d) {
-                    match f.message {
-                        Message::TunnelOpen { id, .. } => break id,
-                        other => panic!("{other:?}"),
-                    }
-                }
-                let n = s.read(&mut buf).await.unwrap();
-                d.push(&buf[..n]);
+        crate::channel::fake::agent(move |mut s, mut d| async move {
+            let f = crate::channel::fake::next(&mut s, &mut d).await;
+            let Message::TunnelOpen { id, .. } = f.message else {
+                panic!("{:?}", f.message);
             };
             s.write_all(&encode_frame(&Message::TunnelOpened { id, window }, b""))
                 .await
                 .unwrap();
             then(s, d, id).await;
-        });
-        let client = AgentClient::connect(&path, Duration::from_secs(10))
-            .await
-            .unwrap();
-        (client, dir)
+        })
+        .await
+    }
+
+    #[tokio::test]
+    async fn a_guest_cannot_make_the_host_queue_past_its_own_window() {
+        let (tx, mut rx) = mpsc::unbounded_channel::<u64>();
+        // Grants the largest window there is, and acks a GiB it never got.
+        let (client, _dir) = fake_guest(u32::MAX, move |mut s, mut d, id| async move {
+            let ack = Message::TunnelAck { id, bytes: 1 << 30 };
+            s.write_all(&encode_frame(&ack, b"")).await.unwrap();
+            let mut total = 0u64;
+            loop {
+                let f = crate::channel::fake::next(&mut s, &mut d).await;
+                if let Message::TunnelData { .. } = f.message {
+                    total += f.body.len() as u64;
+                    let _ = tx.send(total);
+                }
+            }
+        })
+        .await;
+        let mut t = client.open_tunnel(80).await.unwrap();
+        let writer = tokio::spawn(async move { t.write_all(&vec![7u8; 8 << 20]).await });
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let mut seen = 0;
+        while let Ok(n) = rx.try_recv() {
+            seen = n;
+        }
+        assert_eq!(seen, WINDOW as u64, "the host sent {seen} bytes");
+        assert!(
+            !writer.is_finished(),
+            "8 MiB went to a guest granting 1 MiB"
+        );
+        writer.abort();
     }
 
     #[tokio::test]

@@ -17,7 +17,7 @@ use crate::image::GuestImage;
 use crate::process::Priority;
 use crate::qmp::Qmp;
 use crate::template::{self, Template, TemplateInputs};
-use crate::{console, expiry, net, process, Result, RuntimeError};
+use crate::{console, expiry, guard, net, process, Result, RuntimeError};
 use rand::RngCore;
 use sandpit_protocol::{GuestConfig, NetworkConfig, ProxyConfig, AGENT_PORT_NAME};
 use serde::{Deserialize, Serialize};
@@ -252,6 +252,7 @@ impl VmManager {
     pub async fn create_with_priority(&self, req: CreateVm, priority: Priority) -> Result<Vm> {
         validate_id(&req.id)?;
         let size = self.config.size(&req.size)?;
+        self.check_disk_reserve()?;
         if let Some(template) = self.template(&req.size) {
             match self
                 .start(&req, size, Start::Restore(&template), priority)
@@ -336,20 +337,24 @@ impl VmManager {
         };
         create_overlay(&base, &paths.disk(), size.disk_gb).await?;
 
-        let passt = if self.config.network.enabled {
-            Some(net::start_passt(
-                &self.config.passt_binary,
-                &paths.dir,
-                self.config.ksm,
-            )?)
-        } else {
-            None
-        };
-
         // A template runs no user code and must write its state file.
         let run_as = if nix::unistd::geteuid().is_root() && !matches!(start, Start::Template { .. })
         {
             Some(self.vm_uid(&req.id))
+        } else {
+            None
+        };
+        let passt = if self.config.network.enabled {
+            // The host's guard is in place before passt can send anything.
+            if let Some(uid) = run_as {
+                guard::install(uid, &self.guard_plan())?;
+            }
+            Some(net::start_passt(
+                &self.config.passt_binary,
+                &paths.dir,
+                self.config.ksm,
+                run_as,
+            )?)
         } else {
             None
         };
@@ -554,6 +559,47 @@ impl VmManager {
     }
 
     /// The guest network plan of this host's VMs.
+    /// Refuse a new VM while the VMs' filesystem has less free than its
+    /// reserve: the guests already running need that room to grow into.
+    fn check_disk_reserve(&self) -> Result<()> {
+        let dir = self.config.vms_dir();
+        let st = nix::sys::statvfs::statvfs(&dir)
+            .map_err(|e| RuntimeError::Launch(format!("statvfs {}: {e}", dir.display())))?;
+        let free_mb = (st.blocks_available() as u64 * st.fragment_size() as u64) >> 20;
+        if free_mb < self.config.disk_reserve_mb {
+            return Err(RuntimeError::Busy(format!(
+                "the host's disk has {free_mb} MiB free for sandboxes, under its reserve of {} MiB; \
+                 no new sandbox starts until space is freed",
+                self.config.disk_reserve_mb
+            )));
+        }
+        Ok(())
+    }
+
+    /// What the host denies this manager's guests' passt (see `guard`):
+    /// what their own filter denies, with the same exemptions.
+    fn guard_plan(&self) -> guard::GuardPlan {
+        let dns = match &self.config.network.dns {
+            Some(servers) => servers.iter().filter_map(|s| s.parse().ok()).collect(),
+            // passt forwards to the resolver it reads at its start, as here.
+            None => {
+                let conf = std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default();
+                net::host_resolver(&conf)
+                    .map(std::net::IpAddr::V4)
+                    .into_iter()
+                    .collect()
+            }
+        };
+        guard::GuardPlan {
+            deny: self.deny.clone(),
+            dns,
+            proxy: self
+                .proxy
+                .as_ref()
+                .and_then(|p| Some((p.address.parse().ok()?, p.port))),
+        }
+    }
+
     fn network_config(&self) -> NetworkConfig {
         NetworkConfig {
             address: net::GUEST_ADDRESS.into(),
@@ -836,6 +882,9 @@ impl VmManager {
         }
         if let Ok(record) = self.record(id) {
             stop_processes(&record, &paths).await;
+            if let Some(uid) = record.qemu_uid.filter(|_| self.config.network.enabled) {
+                guard::remove(uid);
+            }
         } else {
             // A VM that died before its record was written: find its QEMU by marker.
             if let Some(pid) = find_by_marker(&qemu_marker(id)) {

@@ -90,6 +90,31 @@ fn port_from(row: &SqliteRow) -> Result<PortRow> {
     })
 }
 
+/// Bytes an execution is counted for: its command, its outputs, and a fixed
+/// overhead for the rest of its row.
+fn stored_bytes(command: &str, stdout: &str, stderr: &str) -> i64 {
+    (command.len() + stdout.len() + stderr.len()) as i64 + ROW_OVERHEAD
+}
+
+/// What an execution row takes besides its command and outputs.
+const ROW_OVERHEAD: i64 = 256;
+
+/// Executions deleted per transaction while trimming.
+const TRIM_BATCH: i64 = 100;
+
+async fn add_execution_bytes(
+    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    account_id: &str,
+    bytes: i64,
+) -> Result<()> {
+    sqlx::query("UPDATE accounts SET execution_bytes = execution_bytes + $2 WHERE id = $1")
+        .bind(account_id)
+        .bind(bytes)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
 fn duration_i64(ms: u64) -> Result<i64> {
     i64::try_from(ms).map_err(|_| StoreError::Invalid(format!("duration_ms {ms}")))
 }
@@ -110,10 +135,12 @@ impl Store {
     /// [`StoreError::NotFound`].
     pub async fn insert_execution(&self, row: &ExecutionRow) -> Result<()> {
         check_exec_status(&row.status)?;
+        let size = stored_bytes(&row.command, &row.stdout, &row.stderr);
+        let mut tx = self.pool.begin().await?;
         let res = sqlx::query(
             "INSERT INTO executions (id, sandbox_id, account_id, command, status, exit_code, \
-                 stdout, stderr, truncated, duration_ms, started_at, finished_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+                 stdout, stderr, truncated, duration_ms, started_at, finished_at, stored_bytes) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
         )
         .bind(&row.id)
         .bind(&row.sandbox_id)
@@ -127,10 +154,15 @@ impl Store {
         .bind(duration_i64(row.duration_ms)?)
         .bind(format_ts(row.started_at))
         .bind(row.finished_at.map(format_ts))
-        .execute(&self.pool)
+        .bind(size)
+        .execute(&mut *tx)
         .await;
         match res {
-            Ok(_) => Ok(()),
+            Ok(_) => {
+                add_execution_bytes(&mut tx, &row.account_id, size).await?;
+                tx.commit().await?;
+                Ok(())
+            }
             Err(e) => match e.as_database_error() {
                 Some(d) if d.is_unique_violation() => {
                     Err(StoreError::Conflict(format!("execution {} exists", row.id)))
@@ -154,9 +186,31 @@ impl Store {
                 "an execution cannot finish as running".into(),
             ));
         }
-        let done = sqlx::query(
+        let mut tx = self.pool.begin().await?;
+        let before = sqlx::query(
+            "SELECT account_id, command, stored_bytes FROM executions \
+             WHERE id = $1 AND status = 'running'",
+        )
+        .bind(id)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(before) = before else {
+            drop(tx);
+            return match self.execution(id).await? {
+                Some(_) => Ok(false),
+                None => Err(StoreError::NotFound(format!("execution {id}"))),
+            };
+        };
+        let account = get_str(&before, "account_id")?;
+        let size = stored_bytes(
+            &get_str(&before, "command")?,
+            &result.stdout,
+            &result.stderr,
+        );
+        let grown = size - get_i64(&before, "stored_bytes")?;
+        sqlx::query(
             "UPDATE executions SET status = $2, exit_code = $3, stdout = $4, stderr = $5, \
-                 truncated = $6, duration_ms = $7, finished_at = $8 \
+                 truncated = $6, duration_ms = $7, finished_at = $8, stored_bytes = $9 \
              WHERE id = $1 AND status = 'running'",
         )
         .bind(id)
@@ -167,15 +221,94 @@ impl Store {
         .bind(i64::from(result.truncated))
         .bind(duration_i64(result.duration_ms)?)
         .bind(format_ts(result.finished_at))
-        .execute(&self.pool)
+        .bind(size)
+        .execute(&mut *tx)
         .await?;
-        if done.rows_affected() > 0 {
-            return Ok(true);
+        add_execution_bytes(&mut tx, &account, grown).await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+
+    /// What an account's executions take in the store, in bytes (see
+    /// [`Store::trim_executions`]).
+    pub async fn execution_bytes(&self, account_id: &str) -> Result<u64> {
+        let row = sqlx::query("SELECT execution_bytes FROM accounts WHERE id = $1")
+            .bind(account_id)
+            .fetch_optional(&self.pool)
+            .await?
+            .ok_or_else(|| StoreError::NotFound(format!("account {account_id}")))?;
+        Ok(get_i64(&row, "execution_bytes")?.max(0) as u64)
+    }
+
+    /// Deletes an account's oldest ended executions until what its
+    /// executions take is at most `budget` bytes (running ones stay).
+    /// Returns how many were deleted.
+    pub async fn trim_executions(&self, account_id: &str, budget: u64) -> Result<u64> {
+        let budget = i64::try_from(budget).unwrap_or(i64::MAX);
+        let mut deleted = 0;
+        loop {
+            let mut tx = self.pool.begin().await?;
+            let used: i64 = sqlx::query("SELECT execution_bytes FROM accounts WHERE id = $1")
+                .bind(account_id)
+                .fetch_optional(&mut *tx)
+                .await?
+                .map(|r| get_i64(&r, "execution_bytes"))
+                .transpose()?
+                .unwrap_or(0);
+            if used <= budget {
+                return Ok(deleted);
+            }
+            let oldest = sqlx::query(
+                "SELECT id, stored_bytes FROM executions \
+                 WHERE account_id = $1 AND status <> 'running' \
+                 ORDER BY started_at, id LIMIT $2",
+            )
+            .bind(account_id)
+            .bind(TRIM_BATCH)
+            .fetch_all(&mut *tx)
+            .await?;
+            if oldest.is_empty() {
+                return Ok(deleted);
+            }
+            let mut freed = 0;
+            for row in &oldest {
+                if used - freed <= budget {
+                    break;
+                }
+                sqlx::query("DELETE FROM executions WHERE id = $1")
+                    .bind(get_str(row, "id")?)
+                    .execute(&mut *tx)
+                    .await?;
+                freed += get_i64(row, "stored_bytes")?;
+                deleted += 1;
+            }
+            add_execution_bytes(&mut tx, account_id, -freed).await?;
+            tx.commit().await?;
         }
-        match self.execution(id).await? {
-            Some(_) => Ok(false),
-            None => Err(StoreError::NotFound(format!("execution {id}"))),
+    }
+
+    /// Deletes the executions of every sandbox that ended before `before`.
+    /// Returns how many.
+    pub async fn drop_ended_executions(&self, before: OffsetDateTime) -> Result<u64> {
+        let mut tx = self.pool.begin().await?;
+        let gone = sqlx::query(
+            "DELETE FROM executions WHERE sandbox_id IN ( \
+                 SELECT id FROM sandboxes WHERE status IN ('deleted', 'failed') \
+                 AND COALESCE(deleted_at, created_at) < $1) \
+             RETURNING account_id, stored_bytes",
+        )
+        .bind(format_ts(before))
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut freed: std::collections::BTreeMap<String, i64> = Default::default();
+        for r in &gone {
+            *freed.entry(get_str(r, "account_id")?).or_default() += get_i64(r, "stored_bytes")?;
         }
+        for (account, bytes) in freed {
+            add_execution_bytes(&mut tx, &account, -bytes).await?;
+        }
+        tx.commit().await?;
+        Ok(gone.len() as u64)
     }
 
     /// The execution with this id (of any account: compare `account_id`).

@@ -1073,3 +1073,179 @@ async fn the_database_files_are_the_owners_alone_and_old_ones_are_tightened() {
     store.create_account("b", 10).await.unwrap();
     assert_eq!(mode(&fresh), 0o600);
 }
+
+/// A finished execution of `s` started at `at`, with `out` bytes of stdout.
+async fn finished_execution(
+    store: &Store,
+    s: &sandpit_store::SandboxRow,
+    at: OffsetDateTime,
+    out: usize,
+) -> String {
+    let id = new_id("exec");
+    store
+        .insert_execution(&ExecutionRow {
+            id: id.clone(),
+            sandbox_id: s.id.clone(),
+            account_id: s.account_id.clone(),
+            command: "yes | head".into(),
+            status: exec_status::RUNNING.into(),
+            exit_code: None,
+            stdout: String::new(),
+            stderr: String::new(),
+            truncated: false,
+            duration_ms: 0,
+            started_at: at,
+            finished_at: None,
+        })
+        .await
+        .unwrap();
+    let done = ExecutionResult {
+        status: exec_status::COMPLETED.into(),
+        exit_code: Some(0),
+        stdout: "y".repeat(out),
+        stderr: "e".into(),
+        truncated: false,
+        duration_ms: 5,
+        finished_at: at + Duration::seconds(1),
+    };
+    assert!(store.finish_execution(&id, &done).await.unwrap());
+    id
+}
+
+#[tokio::test]
+async fn an_accounts_stored_executions_are_counted_and_trimmed_oldest_first() {
+    let (_d, store) = open().await;
+    let acct = store.create_account("alice", 100).await.unwrap();
+    let bob = store.create_account("bob", 100).await.unwrap();
+    let s = created(
+        store
+            .create_sandbox(sandbox(&acct.id, T0, 15, 0))
+            .await
+            .unwrap(),
+    );
+    let b = created(
+        store
+            .create_sandbox(sandbox(&bob.id, T0, 15, 0))
+            .await
+            .unwrap(),
+    );
+    let mut ids = Vec::new();
+    for i in 0..10 {
+        ids.push(finished_execution(&store, &s, T0 + Duration::seconds(i), 10_000).await);
+    }
+    let bobs = finished_execution(&store, &b, T0, 10_000).await;
+    // Each: command 10 + stdout 10,000 + stderr 1 + 256 of row.
+    let each = 10 + 10_000 + 1 + 256;
+    assert_eq!(store.execution_bytes(&acct.id).await.unwrap(), 10 * each);
+    // A running one counts its command now and its output when it ends.
+    let running = new_id("exec");
+    store
+        .insert_execution(&ExecutionRow {
+            id: running.clone(),
+            sandbox_id: s.id.clone(),
+            account_id: acct.id.clone(),
+            command: "sleep 1000".into(),
+            status: exec_status::RUNNING.into(),
+            exit_code: None,
+            stdout: String::new(),
+            stderr: String::new(),
+            truncated: false,
+            duration_ms: 0,
+            started_at: T0,
+            finished_at: None,
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        store.execution_bytes(&acct.id).await.unwrap(),
+        10 * each + 10 + 256
+    );
+
+    // Trimmed to 4 of them: the 6 oldest ended ones go, the running one stays.
+    let deleted = store
+        .trim_executions(&acct.id, 4 * each + 266)
+        .await
+        .unwrap();
+    assert_eq!(deleted, 6);
+    for (i, id) in ids.iter().enumerate() {
+        assert_eq!(
+            store.execution(id).await.unwrap().is_some(),
+            i >= 6,
+            "execution {i}"
+        );
+    }
+    assert!(store.execution(&running).await.unwrap().is_some());
+    assert_eq!(
+        store.execution_bytes(&acct.id).await.unwrap(),
+        4 * each + 266
+    );
+    // Another account's are not touched; under budget, nothing goes.
+    assert!(store.execution(&bobs).await.unwrap().is_some());
+    assert_eq!(
+        store
+            .trim_executions(&acct.id, 4 * each + 266)
+            .await
+            .unwrap(),
+        0
+    );
+    // Only running ones left over a tiny budget: they stay.
+    assert_eq!(store.trim_executions(&acct.id, 0).await.unwrap(), 4);
+    assert!(store.execution(&running).await.unwrap().is_some());
+    assert_eq!(store.execution_bytes(&acct.id).await.unwrap(), 266);
+}
+
+#[tokio::test]
+async fn an_ended_sandboxs_executions_go_after_the_retention() {
+    let (_d, store) = open().await;
+    let acct = store.create_account("alice", 100).await.unwrap();
+    let ended = created(
+        store
+            .create_sandbox(sandbox(&acct.id, T0, 15, 0))
+            .await
+            .unwrap(),
+    );
+    let live = created(
+        store
+            .create_sandbox(sandbox(&acct.id, T0, 15, 0))
+            .await
+            .unwrap(),
+    );
+    let old = finished_execution(&store, &ended, T0, 100).await;
+    let current = finished_execution(&store, &live, T0, 100).await;
+    store
+        .finish_sandbox(
+            &ended.id,
+            status::DELETED,
+            "destroyed",
+            T0 + Duration::minutes(5),
+            0,
+        )
+        .await
+        .unwrap();
+    // Ended at T0+5m: kept when the cut-off is before that, dropped after.
+    assert_eq!(
+        store
+            .drop_ended_executions(T0 + Duration::minutes(4))
+            .await
+            .unwrap(),
+        0
+    );
+    assert!(store.execution(&old).await.unwrap().is_some());
+    assert_eq!(
+        store
+            .drop_ended_executions(T0 + Duration::minutes(6))
+            .await
+            .unwrap(),
+        1
+    );
+    assert!(store.execution(&old).await.unwrap().is_none());
+    assert!(
+        store.execution(&current).await.unwrap().is_some(),
+        "a live sandbox's stay"
+    );
+    assert_eq!(
+        store.execution_bytes(&acct.id).await.unwrap(),
+        10 + 100 + 1 + 256,
+        "the account's count follows"
+    );
+}

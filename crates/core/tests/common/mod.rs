@@ -84,6 +84,14 @@ pub async fn service() -> (Arc<Service>, DataDir) {
 
 /// The same with a warm pool.
 pub async fn service_with_pool(pool: PoolConfig) -> (Arc<Service>, DataDir) {
+    service_with(pool, |_| {}).await
+}
+
+/// The same with a warm pool and the service's configuration changed by `f`.
+pub async fn service_with(
+    pool: PoolConfig,
+    f: impl FnOnce(&mut ServiceConfig),
+) -> (Arc<Service>, DataDir) {
     let dir = DataDir::new();
     let mut rt = RuntimeConfig::new(dir.path());
     rt.sizes.clear();
@@ -106,6 +114,7 @@ pub async fn service_with_pool(pool: PoolConfig) -> (Arc<Service>, DataDir) {
             price_usd_per_hour: 0.09,
         },
     );
+    f(&mut cfg);
     let store = Store::open_sqlite(dir.path().join("sandpit.db"))
         .await
         .unwrap();
