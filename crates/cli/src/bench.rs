@@ -13,6 +13,8 @@ use std::time::{Duration, Instant};
 
 #[derive(Args)]
 pub struct BenchArgs {
+    #[command(subcommand)]
+    mode: Option<BenchMode>,
     /// Cold boots and restores to time
     #[arg(long, default_value_t = 5)]
     creates: usize,
@@ -37,6 +39,14 @@ pub struct BenchArgs {
     /// Measure only the runtime, not the server's REST and MCP paths
     #[arg(long)]
     skip_control_plane: bool,
+}
+
+/// Other measurements than the default table.
+#[derive(clap::Subcommand)]
+pub enum BenchMode {
+    /// Many concurrent MCP clients (tools/list, get_usage, run_command)
+    /// against a running `sandpit serve`: errors and latency percentiles
+    Load(crate::load::LoadArgs),
 }
 
 /// Refills timed with a live sandbox's commands running.
@@ -77,7 +87,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// The nearest-rank percentile `q` (0..=1) of the samples.
-fn percentile(v: &[f64], q: f64) -> f64 {
+pub(crate) fn percentile(v: &[f64], q: f64) -> f64 {
     let mut v = v.to_vec();
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     if v.is_empty() {
@@ -199,6 +209,9 @@ fn row(rows: &mut Vec<Row>, what: impl Into<String>, value: impl Into<String>) {
 }
 
 pub async fn run(settings: &Settings, a: BenchArgs) -> Result<i32> {
+    if let Some(BenchMode::Load(load)) = a.mode {
+        return crate::load::run(load).await;
+    }
     let m = manager(settings)?;
     eprintln!("accelerator: {}; size {}", m.accel(), a.size);
     let new = |id: String| CreateVm {

@@ -76,34 +76,41 @@ impl ConnectionLimits {
     /// `max_connections` if even that cannot hold them (each is one
     /// descriptor, and a preview connection a tunnel besides).
     pub fn fit_descriptors(mut self) -> Self {
-        let mut lim = libc::rlimit {
-            rlim_cur: 0,
-            rlim_max: 0,
-        };
-        // SAFETY: getrlimit/setrlimit on a local struct.
-        unsafe {
-            if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
-                let raised = libc::rlimit {
-                    rlim_cur: lim.rlim_max,
-                    rlim_max: lim.rlim_max,
-                };
-                if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
-                    lim = raised;
-                }
-            }
-        }
-        let fits = (lim.rlim_cur.saturating_sub(RESERVED_DESCRIPTORS) / 2) as usize;
+        let limit = raise_descriptor_limit();
+        let fits = (limit.saturating_sub(RESERVED_DESCRIPTORS) / 2) as usize;
         if self.max_connections > fits {
             tracing::warn!(
                 "[server] max_connections = {} does not fit this process's descriptor limit \
                  ({}); using {fits}",
                 self.max_connections,
-                lim.rlim_cur
+                limit
             );
             self.max_connections = fits.max(1);
         }
         self
     }
+}
+
+/// Raise this process's descriptor limit to its hard limit; returns the
+/// limit in force (the server's connections, the load bench's clients).
+pub fn raise_descriptor_limit() -> u64 {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit on a local struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+            let raised = libc::rlimit {
+                rlim_cur: lim.rlim_max,
+                rlim_max: lim.rlim_max,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                lim = raised;
+            }
+        }
+    }
+    lim.rlim_cur
 }
 
 /// The loopback addresses a client on this machine may reach `addr` by,

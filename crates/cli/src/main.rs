@@ -7,6 +7,7 @@ mod bench;
 mod front;
 mod images;
 mod listener;
+mod load;
 mod proxy;
 mod sandbox;
 mod server;
@@ -73,7 +74,8 @@ enum Command {
     Reap,
     /// Create a sandbox, run commands in it, move a file, destroy it
     Demo,
-    /// Measure create, exec and file-transfer speed and idle memory; print medians
+    /// Measure create, exec and file-transfer speed and idle memory; print
+    /// medians (`bench load`: many MCP clients against a running server)
     Bench(bench::BenchArgs),
 }
 

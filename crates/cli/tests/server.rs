@@ -565,15 +565,7 @@ fn a_killed_server_reconciles_on_restart() {
     });
     // Stopping the server removes its warm pool too.
     drop(server);
-    let left = || -> Vec<String> {
-        std::fs::read_dir(data.join("vms"))
-            .map(|d| {
-                d.flatten()
-                    .map(|e| e.file_name().to_string_lossy().to_string())
-                    .collect()
-            })
-            .unwrap_or_default()
-    };
+    let left = || vm_dirs(&data);
     let gone = Instant::now() + Duration::from_secs(10);
     while !left().is_empty() {
         assert!(

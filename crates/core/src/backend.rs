@@ -399,10 +399,16 @@ impl LocalVms {
 
     /// Push the expiry of every ready pool VM [`POOL_LEASE`] out: they live
     /// while this process does, and not much longer.
+    ///
+    /// The pool's lock is held while the leases are written: a VM taken in
+    /// between (its sandbox's expiry written by [`LocalVms::create`]) would
+    /// otherwise get a pool lease instead, and die 3 minutes after the
+    /// renewal whatever its sandbox paid for (or outlive a shorter one).
     fn renew_leases(&self) {
         let until = OffsetDateTime::now_utc() + POOL_LEASE;
-        for id in self.warm_ids() {
-            if let Err(e) = self.manager.set_expiry(&id, until) {
+        let ready = self.ready.lock().unwrap();
+        for id in ready.values().flatten() {
+            if let Err(e) = self.manager.set_expiry(id, until) {
                 tracing::debug!(id, "renewing a pool VM's lease: {e}");
             }
         }

@@ -37,6 +37,13 @@ pub struct Service {
     store: Store,
     vms: Arc<LocalVms>,
     reaper: Arc<Notify>,
+    /// Held through an extension, from reading the sandbox to setting its
+    /// VM's expiry: two extensions that read the same row would each
+    /// store `timeout + add` (one of them lost, though both reserved), and
+    /// one that read a row an earlier one had since extended would move
+    /// the VM's watchdog back before the stored expiry, killing a sandbox
+    /// its owner had paid to keep. Extensions are rare and quick.
+    extending: tokio::sync::Mutex<()>,
     /// Open preview connections and their unflushed traffic.
     previews: Arc<Previews>,
     /// Each account's file transfers in flight (see [`Service::transfer_slot`]).
@@ -196,6 +203,7 @@ impl Service {
             store,
             vms,
             reaper: Arc::new(Notify::new()),
+            extending: tokio::sync::Mutex::new(()),
             previews: Arc::new(Previews::new(limits)),
             transfers: Default::default(),
             me: me.clone(),
@@ -341,10 +349,19 @@ impl Service {
     }
 
     /// After a restart: expired sandboxes are destroyed, sandboxes whose VM
-    /// vanished are failed (and refunded), half-created ones are failed, and
-    /// VM directories or QEMU processes that no live sandbox owns are removed.
+    /// vanished are failed (and refunded), half-created ones are failed,
+    /// VM directories or QEMU processes that no live sandbox owns are
+    /// removed, and executions left `running` by the process that ran them
+    /// are failed. Like all of it, that last assumes this process is the
+    /// only service on its data directory.
     pub async fn reconcile(&self) -> Result<()> {
         let now = OffsetDateTime::now_utc();
+        // A server killed mid-command never finished its record; its guest
+        // cancelled the command when the connection closed.
+        let lost = self.store.fail_all_running_executions(now).await?;
+        if lost > 0 {
+            tracing::info!("{lost} commands were cut by the previous server's end: failed");
+        }
         let live = self.store.live_sandboxes().await?;
         let mut keep = Vec::new();
         for row in &live {
@@ -416,8 +433,15 @@ impl Service {
         let billed_until = now.min(row.expires_at);
         // A VM found dead after its expiry ended on time (its watchdog
         // killed it, see `sandpit_runtime::expiry`): expired, not failed.
+        // One found dead while its sandbox is being destroyed (a command
+        // or a look-up saw the destroy's kill) was destroyed, not lost: the
+        // destroy ends it, charged, whichever of the two gets here first.
+        let destroying = end_status == status::FAILED
+            && matches!(self.store.sandbox(&row.id).await, Ok(Some(r)) if r.status == status::DELETING);
         let (end_status, reason) = if end_status == status::FAILED && row.expires_at <= now {
             (status::DELETED, "expired")
+        } else if destroying {
+            (status::DELETED, "destroyed")
         } else {
             (end_status, reason)
         };
@@ -448,15 +472,7 @@ impl Service {
     async fn running(&self, caller: &Caller, id: &str) -> Result<SandboxRow> {
         let row = self.owned(caller, id).await?;
         if row.status != status::RUNNING {
-            let why = row
-                .deleted_reason
-                .as_deref()
-                .map(|r| format!(" ({r})"))
-                .unwrap_or_default();
-            return Err(CoreError::conflict(format!(
-                "sandbox {id} is {}{why}; create a new one",
-                row.status
-            )));
+            return Err(not_running(&row));
         }
         Ok(row)
     }
@@ -597,6 +613,13 @@ impl Service {
                     let _ = self
                         .end(row, status::FAILED, &format!("failed: {cause}"))
                         .await;
+                }
+                // Cut by its sandbox's end (a destroy, the expiry): say so,
+                // rather than "retry", which cannot help.
+                if let Ok(Some(now)) = self.store.sandbox(&row.id).await {
+                    if now.status != status::RUNNING {
+                        return Err(not_running(&now));
+                    }
                 }
                 return Err(runtime_error(e));
             }
@@ -981,6 +1004,7 @@ impl SandboxApi for Service {
         additional_minutes: Option<u32>,
     ) -> Result<Sandbox> {
         let add = extension_minutes(&self.config, additional_minutes)?;
+        let _one_at_a_time = self.extending.lock().await;
         let row = self.owned(caller, id).await?;
         let total = row.timeout_minutes as u64 + add as u64;
         if total > self.config.max_lifetime_minutes as u64 {
@@ -1347,6 +1371,19 @@ impl SandboxApi for Service {
             ),
         })
     }
+}
+
+/// Why a sandbox that is not running cannot be used.
+fn not_running(row: &SandboxRow) -> CoreError {
+    let why = row
+        .deleted_reason
+        .as_deref()
+        .map(|r| format!(" ({r})"))
+        .unwrap_or_default();
+    CoreError::conflict(format!(
+        "sandbox {} is {}{why}; create a new one",
+        row.id, row.status
+    ))
 }
 
 /// What of `more` fits after `kept` within `limit` bytes (cut at a character

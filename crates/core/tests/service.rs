@@ -301,3 +301,103 @@ async fn a_sandbox_expires_on_time_while_the_service_runs() {
     let spent = svc.usage(&me, None).await.unwrap().total_cost_usd;
     assert!(spent <= 0.0015 + 1e-9, "{spent}");
 }
+
+/// Found by the chaos test (`crates/cli/tests/chaos.rs`): extensions that
+/// read the same sandbox at once each stored `timeout + 1` (one lost, both
+/// reserved), and one that read a row another had since extended moved the
+/// VM's watchdog back before the stored expiry. Eight at once must add
+/// eight minutes, in the database and on the VM's watchdog alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_extensions_all_count_and_the_vm_keeps_the_latest_expiry() {
+    let (svc, dir) = service().await;
+    let me = account(&svc, "extender", 1.0).await;
+    let (sbx, _) = svc
+        .create_sandbox(
+            &me,
+            CreateSandbox {
+                timeout_minutes: Some(1),
+                ..Default::default()
+            },
+            None,
+        )
+        .await
+        .unwrap();
+    let extensions: Vec<_> = (0..8)
+        .map(|_| {
+            let (svc, me, id) = (svc.clone(), me.clone(), sbx.id.clone());
+            tokio::spawn(async move { svc.extend_sandbox(&me, &id, Some(1)).await })
+        })
+        .collect();
+    for r in extensions {
+        r.await.unwrap().unwrap();
+    }
+    let s = svc.get_sandbox(&me, &sbx.id).await.unwrap();
+    assert_eq!(s.timeout_minutes, 9, "{s:?}");
+    let expires = sandpit_core::ids::parse_rfc3339(&s.expires_at).unwrap();
+    let watchdog: i64 =
+        std::fs::read_to_string(dir.path().join("vms").join(&sbx.id).join("expires"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+    let lag = watchdog - expires.unix_timestamp();
+    assert!(
+        (1..=2).contains(&lag),
+        "the VM's watchdog fires {lag} s after the stored expiry"
+    );
+    // Nine minutes reserved, no more: $0.09/h * 9/60.
+    let acct = svc.account(&me).await.unwrap();
+    assert!(
+        (acct.credit_remaining_usd - (1.0 - 0.0135)).abs() < 1e-9,
+        "{acct:?}"
+    );
+    svc.destroy_sandbox(&me, &sbx.id).await.unwrap();
+}
+
+/// Found by the chaos test: a command running while its sandbox was
+/// destroyed saw the VM die and failed the sandbox first, so a destroyed
+/// sandbox was recorded as failed and not charged at all; and the command
+/// was answered 503 "retry".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destroy_while_commands_run_is_a_destroy_and_is_charged() {
+    let (svc, _dir) = service().await;
+    let me = account(&svc, "destroyer", 1.0).await;
+    for round in 0..3 {
+        let (sbx, _) = svc
+            .create_sandbox(&me, CreateSandbox::default(), None)
+            .await
+            .unwrap();
+        let running: Vec<_> = (0..4)
+            .map(|_| {
+                let (svc, me, id) = (svc.clone(), me.clone(), sbx.id.clone());
+                tokio::spawn(async move { svc.exec(&me, &id, cmd("sleep 30")).await })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let d = svc.destroy_sandbox(&me, &sbx.id).await.unwrap();
+        for r in running {
+            // Each command ends now; one cut short says its sandbox is gone
+            // (409), not "retry" (503), which could not help.
+            if let Err(e) = r.await.unwrap() {
+                assert_eq!(e.kind, ErrorType::Conflict, "round {round}: {e:?}");
+            }
+        }
+        let s = svc.get_sandbox(&me, &sbx.id).await.unwrap();
+        assert_eq!(
+            (s.status, s.deleted_reason.as_deref()),
+            (SandboxStatus::Deleted, Some("destroyed")),
+            "round {round}: {s:?} (destroy answered {d:?})"
+        );
+        let usage = svc.usage(&me, None).await.unwrap();
+        let cost = usage
+            .sandboxes
+            .iter()
+            .find(|u| u.id == sbx.id)
+            .unwrap()
+            .cost_usd;
+        assert!(
+            cost > 0.0,
+            "round {round}: a destroyed sandbox cost nothing"
+        );
+    }
+}

@@ -891,10 +891,15 @@ impl VmManager {
                 process::kill_and_wait(pid, &qemu_marker(id), Duration::from_secs(10)).await;
             }
         }
-        std::fs::remove_dir_all(&paths.dir).map_err(RuntimeError::io(format!(
-            "removing {}",
-            paths.dir.display()
-        )))
+        match std::fs::remove_dir_all(&paths.dir) {
+            // A concurrent destroy (a command that saw this one's kill and
+            // ended its sandbox too) removed it first: gone is gone.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            r => r.map_err(RuntimeError::io(format!(
+                "removing {}",
+                paths.dir.display()
+            ))),
+        }
     }
 }
 

@@ -341,6 +341,20 @@ impl Store {
         .rows_affected())
     }
 
+    /// Marks every execution still `running`, of any sandbox, as `failed`:
+    /// for a server's start, when the process that ran them is gone (and a
+    /// guest agent cancels the commands of a host connection that closed).
+    /// Returns how many.
+    pub async fn fail_all_running_executions(&self, finished_at: OffsetDateTime) -> Result<u64> {
+        Ok(sqlx::query(
+            "UPDATE executions SET status = 'failed', finished_at = $1 WHERE status = 'running'",
+        )
+        .bind(format_ts(finished_at))
+        .execute(&self.pool)
+        .await?
+        .rows_affected())
+    }
+
     /// Opens a port of a sandbox. If it is already open, returns that row
     /// unchanged (same URL, same `created_at`); a closed one is reopened
     /// with `url`.

@@ -847,6 +847,24 @@ async fn executions_are_recorded_and_finished_once() {
         store.execution(&running.id).await.unwrap().unwrap().status,
         "failed"
     );
+
+    // A server's start fails what its killed predecessor left running, of
+    // every sandbox, and nothing that had finished.
+    let mut cut = row.clone();
+    cut.id = new_id("exec");
+    store.insert_execution(&cut).await.unwrap();
+    let later = T0 + Duration::seconds(5);
+    assert_eq!(store.fail_all_running_executions(later).await.unwrap(), 1);
+    let got = store.execution(&cut.id).await.unwrap().unwrap();
+    assert_eq!(
+        (got.status.as_str(), got.finished_at),
+        ("failed", Some(later))
+    );
+    assert_eq!(
+        store.execution(&row.id).await.unwrap().unwrap().status,
+        "completed"
+    );
+    assert_eq!(store.fail_all_running_executions(later).await.unwrap(), 0);
 }
 
 #[tokio::test]

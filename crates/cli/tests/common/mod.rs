@@ -170,3 +170,95 @@ pub fn shared(id: &str, make: impl FnOnce() -> RuntimeConfig) -> Shared {
         .expect("creating the shared test VM");
     Shared { rt, manager, vm }
 }
+
+/// The VM directories under a data directory (`<data>/vms/<id>`), by id.
+pub fn vm_dirs(data: &Path) -> Vec<String> {
+    std::fs::read_dir(data.join("vms"))
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().to_string())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// What a host process of a data directory is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HostRole {
+    /// A VM's QEMU (`sandpit-vm-<id>` in its command line).
+    Qemu,
+    /// A VM's network helper (its log file is in the VM's directory).
+    Passt,
+    /// A VM's expiry watchdog (`sandpit-expiry-<id>`, run in the VM's directory).
+    Watchdog,
+    /// Anything else that names the data directory.
+    Other,
+}
+
+/// A live process that belongs to a data directory.
+#[derive(Debug, Clone)]
+pub struct HostProcess {
+    pub pid: u32,
+    pub role: HostRole,
+    /// The VM it serves, when it serves one.
+    pub vm: Option<String>,
+    pub cmdline: String,
+}
+
+/// Every live process (zombies left out) whose command line or working
+/// directory is in `data`, classified: what a leak check counts. A
+/// watchdog's command line names only its VM's id, so it is found by its
+/// working directory (the VM's directory; `… (deleted)` once that is gone).
+pub fn host_processes(data: &Path) -> Vec<HostProcess> {
+    let me = std::process::id();
+    let root = data.display().to_string();
+    let vms = format!("{root}/vms/");
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for pid in procs
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| pid != me)
+    {
+        let Ok(raw) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+            continue;
+        };
+        if raw.is_empty() {
+            continue; // a zombie or a kernel thread
+        }
+        let args: Vec<String> = raw
+            .split(|b| *b == 0)
+            .map(|a| String::from_utf8_lossy(a).to_string())
+            .collect();
+        let cmdline = args.join(" ");
+        let cwd = std::fs::read_link(format!("/proc/{pid}/cwd"))
+            .map(|p| p.display().to_string())
+            .unwrap_or_default();
+        if !cmdline.contains(&root) && !cwd.starts_with(&root) {
+            continue;
+        }
+        let id_after = |s: &str, prefix: &str| -> Option<String> {
+            let rest = &s[s.find(prefix)? + prefix.len()..];
+            let end = rest.find([',', '/', ' ']).unwrap_or(rest.len());
+            Some(rest[..end].to_string())
+        };
+        let (role, vm) = if let Some(a) = args.iter().find(|a| a.starts_with("sandpit-vm-")) {
+            (HostRole::Qemu, id_after(a, "sandpit-vm-"))
+        } else if let Some(a) = args.iter().find(|a| a.starts_with("sandpit-expiry-")) {
+            (HostRole::Watchdog, id_after(a, "sandpit-expiry-"))
+        } else if args[0].contains("passt") {
+            (HostRole::Passt, id_after(&cmdline, &vms))
+        } else {
+            (HostRole::Other, id_after(&cmdline, &vms))
+        };
+        out.push(HostProcess {
+            pid,
+            role,
+            vm,
+            cmdline,
+        });
+    }
+    out
+}

@@ -52,6 +52,8 @@ impl Server {
     /// the program to run and its arguments, e.g. `unshare -m sh -c '...; exec "$@"' sh`).
     pub fn start_under(data: &Path, extra: &str, listen: &str, wrapper: &[&str]) -> Server {
         std::fs::write(data.join("config.toml"), format!("{CONFIG}{extra}")).unwrap();
+        // Only a first start (no database yet) prints an admin key.
+        let first_start = !data.join("sandpit.db").exists();
         let direct = sandpit(data);
         let mut cmd = match wrapper.split_first() {
             None => direct,
@@ -110,7 +112,7 @@ impl Server {
         // (on stderr), but the two are read by different threads: give the
         // stdout reader a moment.
         let until = Instant::now() + Duration::from_secs(2);
-        while key.is_none() {
+        while key.is_none() && first_start {
             let left = until.saturating_duration_since(Instant::now());
             match rx.recv_timeout(left) {
                 Ok(m) => {
@@ -199,6 +201,16 @@ impl Rest {
         path: &str,
         body: Option<Value>,
     ) -> (u16, Value) {
+        self.try_call(method, path, body).await.unwrap()
+    }
+    /// [`Rest::call`] that returns a failed connection (a server killed
+    /// mid-request) instead of panicking.
+    pub async fn try_call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> reqwest::Result<(u16, Value)> {
         let mut r = self
             .http
             .request(method, format!("{}/v1{path}", self.url))
@@ -206,11 +218,14 @@ impl Rest {
         if let Some(b) = body {
             r = r.json(&b);
         }
-        let resp = r.send().await.unwrap();
+        let resp = r.send().await?;
         let status = resp.status().as_u16();
         assert!(resp.headers().contains_key("x-request-id"));
-        let v = resp.json::<Value>().await.unwrap_or(Value::Null);
-        (status, v)
+        let v = match resp.bytes().await {
+            Ok(b) => serde_json::from_slice(&b).unwrap_or(Value::Null),
+            Err(e) => return Err(e),
+        };
+        Ok((status, v))
     }
     pub async fn post(&self, path: &str, body: Value) -> (u16, Value) {
         self.call(reqwest::Method::POST, path, Some(body)).await
