@@ -136,7 +136,7 @@ impl Store {
     pub async fn insert_execution(&self, row: &ExecutionRow) -> Result<()> {
         check_exec_status(&row.status)?;
         let size = stored_bytes(&row.command, &row.stdout, &row.stderr);
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         let res = sqlx::query(
             "INSERT INTO executions (id, sandbox_id, account_id, command, status, exit_code, \
                  stdout, stderr, truncated, duration_ms, started_at, finished_at, stored_bytes) \
@@ -186,7 +186,7 @@ impl Store {
                 "an execution cannot finish as running".into(),
             ));
         }
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         let before = sqlx::query(
             "SELECT account_id, command, stored_bytes FROM executions \
              WHERE id = $1 AND status = 'running'",
@@ -247,7 +247,7 @@ impl Store {
         let budget = i64::try_from(budget).unwrap_or(i64::MAX);
         let mut deleted = 0;
         loop {
-            let mut tx = self.pool.begin().await?;
+            let mut tx = self.write_tx().await?;
             let used: i64 = sqlx::query("SELECT execution_bytes FROM accounts WHERE id = $1")
                 .bind(account_id)
                 .fetch_optional(&mut *tx)
@@ -290,7 +290,7 @@ impl Store {
     /// Deletes the executions of every sandbox that ended before `before`.
     /// Returns how many.
     pub async fn drop_ended_executions(&self, before: OffsetDateTime) -> Result<u64> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         let gone = sqlx::query(
             "DELETE FROM executions WHERE sandbox_id IN ( \
                  SELECT id FROM sandboxes WHERE status IN ('deleted', 'failed') \
