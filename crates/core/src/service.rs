@@ -265,6 +265,20 @@ impl Service {
         Ok(())
     }
 
+    /// The error for a call to `row`'s guest that failed with `e`: when
+    /// the sandbox ended meanwhile (a destroy, the expiry), that it is no
+    /// longer running, rather than "retry", which cannot help.
+    async fn agent_failure(&self, row: &SandboxRow, e: RuntimeError) -> CoreError {
+        if !matches!(e, RuntimeError::Agent(_)) {
+            if let Ok(Some(now)) = self.store.sandbox(&row.id).await {
+                if now.status != status::RUNNING {
+                    return not_running(&now);
+                }
+            }
+        }
+        runtime_error(e)
+    }
+
     /// One of the account's `max_concurrent_transfers` slots for a file
     /// read or write: its content, decoded and in flight, is in memory
     /// until it ends. Waits [`TRANSFER_WAIT`] at most.
@@ -614,14 +628,7 @@ impl Service {
                         .end(row, status::FAILED, &format!("failed: {cause}"))
                         .await;
                 }
-                // Cut by its sandbox's end (a destroy, the expiry): say so,
-                // rather than "retry", which cannot help.
-                if let Ok(Some(now)) = self.store.sandbox(&row.id).await {
-                    if now.status != status::RUNNING {
-                        return Err(not_running(&now));
-                    }
-                }
-                return Err(runtime_error(e));
+                return Err(self.agent_failure(row, e).await);
             }
         };
         let finished = self.store.finish_execution(&exec_id, &result).await?;
@@ -1120,10 +1127,10 @@ impl SandboxApi for Service {
         let row = self.running(caller, id).await?;
         let _live = self.vms.manager().hold_background();
         let agent = self.agent(&row).await?;
-        let (path, n) = agent
-            .write_file(&path, &bytes, None)
-            .await
-            .map_err(runtime_error)?;
+        let (path, n) = match agent.write_file(&path, &bytes, None).await {
+            Ok(done) => done,
+            Err(e) => return Err(self.agent_failure(&row, e).await),
+        };
         Ok(FileWritten { path, bytes: n })
     }
 
@@ -1139,18 +1146,16 @@ impl SandboxApi for Service {
         let row = self.running(caller, id).await?;
         let _live = self.vms.manager().hold_background();
         let agent = self.agent(&row).await?;
-        let (path, bytes) = agent
-            .read_file(path, self.config.max_read_bytes)
-            .await
-            .map_err(|e| match e {
-                RuntimeError::Agent(a) if a.kind == ErrorKind::TooLarge => {
-                    CoreError::invalid(format!(
-                        "{}; the read limit is {} bytes",
-                        a.message, self.config.max_read_bytes
-                    ))
-                }
-                other => runtime_error(other),
-            })?;
+        let (path, bytes) = match agent.read_file(path, self.config.max_read_bytes).await {
+            Ok(read) => read,
+            Err(RuntimeError::Agent(a)) if a.kind == ErrorKind::TooLarge => {
+                return Err(CoreError::invalid(format!(
+                    "{}; the read limit is {} bytes",
+                    a.message, self.config.max_read_bytes
+                )))
+            }
+            Err(e) => return Err(self.agent_failure(&row, e).await),
+        };
         let n = bytes.len() as u64;
         let content = match encoding {
             Encoding::Utf8 => String::from_utf8(bytes).map_err(|_| {
@@ -1179,10 +1184,13 @@ impl SandboxApi for Service {
         check_path(path)?;
         let row = self.running(caller, id).await?;
         let agent = self.agent(&row).await?;
-        let (path, entries, truncated) = agent
+        let (path, entries, truncated) = match agent
             .list_files(path, recursive, self.config.max_list_entries)
             .await
-            .map_err(runtime_error)?;
+        {
+            Ok(listed) => listed,
+            Err(e) => return Err(self.agent_failure(&row, e).await),
+        };
         Ok(FileList {
             path,
             entries: entries
@@ -1212,10 +1220,10 @@ impl SandboxApi for Service {
         check_path(path)?;
         let row = self.running(caller, id).await?;
         let agent = self.agent(&row).await?;
-        let path = agent
-            .delete_file(path, recursive)
-            .await
-            .map_err(runtime_error)?;
+        let path = match agent.delete_file(path, recursive).await {
+            Ok(path) => path,
+            Err(e) => return Err(self.agent_failure(&row, e).await),
+        };
         Ok(FileDeleted {
             path,
             deleted: true,
