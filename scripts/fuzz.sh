@@ -3,11 +3,11 @@
 # toolchain (no sanitizer, so no nightly).
 #
 #   scripts/fuzz.sh                   every target for SANDPIT_FUZZ_SECONDS
-#                                     (default 25) each: what CI runs
+#                                     (default 20) each: what CI runs
 #   scripts/fuzz.sh TARGET [SECONDS]  one target, longer (default 600 s)
 #
-# The short runs use an unoptimised build of the dependencies (`--dev`, see
-# fuzz/Cargo.toml), quick to build cold; a long run an optimised one
+# The short runs use an unoptimised build (`--dev`, see fuzz/Cargo.toml),
+# quick to build cold; a long run an optimised one
 # (`--release`, with debug assertions), slower to build but many times
 # faster to run. SANDPIT_FUZZ_BUILD=dev or release chooses otherwise.
 #
@@ -39,7 +39,7 @@ targets=(frame_decoder protocol_messages preview_host guest_path rest_bodies)
 
 if [ $# -eq 0 ]; then
   run=("${targets[@]}")
-  seconds=${SANDPIT_FUZZ_SECONDS:-25}
+  seconds=${SANDPIT_FUZZ_SECONDS:-20}
   build=${SANDPIT_FUZZ_BUILD:-dev}
 elif [ $# -le 2 ]; then
   [[ " ${targets[*]} " == *" $1 "* ]] || die "no target '$1'; the targets are: ${targets[*]}"
