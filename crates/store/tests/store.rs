@@ -1074,12 +1074,12 @@ async fn the_database_files_are_the_owners_alone_and_old_ones_are_tightened() {
     assert_eq!(mode(&fresh), 0o600);
 }
 
-/// A finished execution of `s` started at `at`, with `out` bytes of stdout.
-async fn finished_execution(
+/// A `running` execution of `s` started at `at`.
+async fn running_execution(
     store: &Store,
     s: &sandpit_store::SandboxRow,
     at: OffsetDateTime,
-    out: usize,
+    command: &str,
 ) -> String {
     let id = new_id("exec");
     store
@@ -1087,7 +1087,7 @@ async fn finished_execution(
             id: id.clone(),
             sandbox_id: s.id.clone(),
             account_id: s.account_id.clone(),
-            command: "yes | head".into(),
+            command: command.into(),
             status: exec_status::RUNNING.into(),
             exit_code: None,
             stdout: String::new(),
@@ -1099,6 +1099,17 @@ async fn finished_execution(
         })
         .await
         .unwrap();
+    id
+}
+
+/// A finished execution of `s` started at `at`, with `out` bytes of stdout.
+async fn finished_execution(
+    store: &Store,
+    s: &sandpit_store::SandboxRow,
+    at: OffsetDateTime,
+    out: usize,
+) -> String {
+    let id = running_execution(store, s, at, "yes | head").await;
     let done = ExecutionResult {
         status: exec_status::COMPLETED.into(),
         exit_code: Some(0),
@@ -1138,24 +1149,7 @@ async fn an_accounts_stored_executions_are_counted_and_trimmed_oldest_first() {
     let each = 10 + 10_000 + 1 + 256;
     assert_eq!(store.execution_bytes(&acct.id).await.unwrap(), 10 * each);
     // A running one counts its command now and its output when it ends.
-    let running = new_id("exec");
-    store
-        .insert_execution(&ExecutionRow {
-            id: running.clone(),
-            sandbox_id: s.id.clone(),
-            account_id: acct.id.clone(),
-            command: "sleep 1000".into(),
-            status: exec_status::RUNNING.into(),
-            exit_code: None,
-            stdout: String::new(),
-            stderr: String::new(),
-            truncated: false,
-            duration_ms: 0,
-            started_at: T0,
-            finished_at: None,
-        })
-        .await
-        .unwrap();
+    let running = running_execution(&store, &s, T0, "sleep 1000").await;
     assert_eq!(
         store.execution_bytes(&acct.id).await.unwrap(),
         10 * each + 10 + 256
