@@ -91,6 +91,10 @@ pub struct LimitsSection {
     pub execution_storage_mb: Option<u64>,
     /// Days the executions of an ended sandbox are kept (default 7).
     pub execution_retention_days: Option<u32>,
+    /// What one account's live sandboxes' disks may take together on the
+    /// host, in MiB (default 102400); at it, no new sandbox starts and its
+    /// sandboxes' disk writes slow down until it is back under.
+    pub account_disk_mb: Option<u64>,
 }
 
 /// MCP over HTTP: DNS-rebinding protection.
@@ -270,6 +274,9 @@ impl Settings {
             }
             if let Some(days) = l.execution_retention_days {
                 service.execution_retention_days = days;
+            }
+            if let Some(mb) = l.account_disk_mb {
+                service.account_disk_bytes = mb.saturating_mul(1024 * 1024);
             }
         }
         let listen = env_or("SANDPIT_LISTEN", file.listen.clone())

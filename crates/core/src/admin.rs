@@ -11,6 +11,7 @@ use sandpit_store::{AccountRow, KeyRow, Store};
 /// The account object of a stored account.
 pub async fn account_object(store: &Store, acct: AccountRow) -> Result<Account> {
     let balance = store.balance(&acct.id).await?;
+    let disk_used_bytes = store.account_disk_use(&acct.id).await?;
     Ok(Account {
         object: "account".into(),
         id: acct.id,
@@ -18,6 +19,7 @@ pub async fn account_object(store: &Store, acct: AccountRow) -> Result<Account> 
         credit_remaining_usd: usd(balance),
         max_concurrent_sandboxes: acct.max_concurrent,
         created_at: rfc3339(acct.created_at),
+        disk_used_bytes,
     })
 }
 

@@ -70,6 +70,9 @@ pub struct ServiceConfig {
     pub execution_storage_bytes: u64,
     /// Days the executions of an ended sandbox are kept.
     pub execution_retention_days: u32,
+    /// What one account's live sandboxes' disks may take together on the
+    /// host (see `crate::disk`).
+    pub account_disk_bytes: u64,
 }
 
 impl Default for ServiceConfig {
@@ -107,6 +110,7 @@ impl Default for ServiceConfig {
             max_concurrent_transfers: 4,
             execution_storage_bytes: 1024 * 1024 * 1024,
             execution_retention_days: 7,
+            account_disk_bytes: 100 * 1024 * 1024 * 1024,
         }
     }
 }

@@ -11,6 +11,7 @@ pub mod admin;
 pub mod api;
 pub mod backend;
 pub mod config;
+pub mod disk;
 pub mod error;
 pub mod ids;
 pub mod model;

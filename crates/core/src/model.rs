@@ -87,6 +87,11 @@ pub struct Sandbox {
     pub deleted_at: Option<String>,
     /// Why it ended: `destroyed`, `expired` or `failed: <cause>`.
     pub deleted_reason: Option<String>,
+    /// What its disk takes on the host, in bytes: what the guest wrote,
+    /// measured every few seconds (for an ended sandbox, its last figure).
+    /// An account's live sandboxes together are held to `account_disk_bytes`.
+    #[serde(default)]
+    pub disk_used_bytes: u64,
 }
 
 /// `POST /sandboxes` body and `create_sandbox` input.
@@ -290,6 +295,9 @@ pub struct SandboxUsage {
     /// Bytes it sent back through its preview URLs.
     #[serde(default)]
     pub preview_bytes_out: u64,
+    /// What its disk takes (took) on the host, in bytes.
+    #[serde(default)]
+    pub disk_used_bytes: u64,
 }
 
 /// The usage object.
@@ -313,6 +321,9 @@ pub struct Account {
     pub credit_remaining_usd: f64,
     pub max_concurrent_sandboxes: u32,
     pub created_at: String,
+    /// What the account's live sandboxes' disks take together, in bytes.
+    #[serde(default)]
+    pub disk_used_bytes: u64,
 }
 
 /// A size with its resources and price.
@@ -386,6 +397,13 @@ pub struct Limits {
     pub execution_storage_bytes: u64,
     /// Days an ended sandbox's executions are kept.
     pub execution_retention_days: u32,
+    /// What one account's live sandboxes' disks may take together on the
+    /// host (what their guests wrote). At it, no new sandbox starts
+    /// (`forbidden`) and the account's sandboxes' disk writes are held to
+    /// `over_disk_limit_write_bytes_per_second` until it is back under.
+    pub account_disk_bytes: u64,
+    /// The write rate of an over-limit account's disks.
+    pub over_disk_limit_write_bytes_per_second: u64,
 }
 
 /// Linux's limit on one argument of exec (`MAX_ARG_STRLEN` less its NUL):
@@ -424,6 +442,8 @@ impl Limits {
             max_concurrent_transfers: c.max_concurrent_transfers,
             execution_storage_bytes: c.execution_storage_bytes,
             execution_retention_days: c.execution_retention_days,
+            account_disk_bytes: c.account_disk_bytes,
+            over_disk_limit_write_bytes_per_second: crate::disk::OVER_LIMIT_WRITE_BPS,
         }
     }
 }

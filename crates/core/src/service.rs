@@ -48,6 +48,8 @@ pub struct Service {
     previews: Arc<Previews>,
     /// Each account's file transfers in flight (see [`Service::transfer_slot`]).
     transfers: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Semaphore>>>,
+    /// Whose disk writes are held now (see [`crate::disk`]).
+    disk_holds: crate::disk::DiskHolds,
     /// Itself, for tasks that outlive a call (streaming exec).
     me: Weak<Service>,
 }
@@ -155,6 +157,7 @@ fn to_sandbox(r: &SandboxRow) -> Sandbox {
         expires_at: rfc3339(r.expires_at),
         deleted_at: r.deleted_at.map(rfc3339),
         deleted_reason: r.deleted_reason.clone(),
+        disk_used_bytes: r.disk_used_bytes,
     }
 }
 
@@ -206,6 +209,7 @@ impl Service {
             extending: tokio::sync::Mutex::new(()),
             previews: Arc::new(Previews::new(limits)),
             transfers: Default::default(),
+            disk_holds: Default::default(),
             me: me.clone(),
         })
     }
@@ -216,6 +220,14 @@ impl Service {
 
     pub fn store(&self) -> &Store {
         &self.store
+    }
+
+    pub(crate) fn vms(&self) -> &LocalVms {
+        &self.vms
+    }
+
+    pub(crate) fn disk_holds(&self) -> &crate::disk::DiskHolds {
+        &self.disk_holds
     }
 
     /// Create an account with `credit_usd` (see [`crate::admin`]).
@@ -244,6 +256,16 @@ impl Service {
                 }
                 drop(svc);
                 tokio::time::sleep(RETENTION_SWEEP).await;
+            }
+        });
+        let me = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(crate::disk::DISK_SAMPLE).await;
+                let Some(svc) = me.upgrade() else { return };
+                if let Err(e) = svc.sample_disks().await {
+                    tracing::warn!("measuring disk use: {e}");
+                }
             }
         });
         let me = Arc::downgrade(self);
@@ -438,6 +460,7 @@ impl Service {
     ) -> Result<Option<SandboxRow>> {
         // Its preview URLs stop now, before anything else.
         self.previews.close(&row.id, None);
+        self.record_final_disk_use(&row.id).await;
         if let Err(e) = self.vms.destroy(&row.id).await {
             tracing::warn!(id = %row.id, "destroying the VM: {e}");
         }
@@ -908,6 +931,7 @@ impl SandboxApi for Service {
                 expires_at: now + time::Duration::minutes(timeout as i64),
                 reserve_micros: reserve,
                 max_concurrent: None,
+                disk_limit_bytes: Some(self.config.account_disk_bytes),
                 idempotency: idempotency_key.map(|k| (k, request_hash)),
             })
             .await;
@@ -944,6 +968,9 @@ impl SandboxApi for Service {
                     ),
                 )
                 .with_retry_after(10))
+            }
+            CreateOutcome::OverDiskLimit { used, limit } => {
+                return Err(crate::disk::over_limit(used, limit))
             }
         };
         self.wake_reaper();
@@ -1310,6 +1337,7 @@ impl SandboxApi for Service {
                     cost_usd: usd(cost_micros),
                     created_at: rfc3339(r.created_at),
                     deleted_at: r.deleted_at.map(rfc3339),
+                    disk_used_bytes: r.disk_used_bytes,
                 }
             })
             .collect();

@@ -139,3 +139,100 @@ async fn stored_executions_are_held_to_the_accounts_budget_and_dropped_after_the
         0
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_account_at_its_disk_limit_starts_nothing_new_and_its_writes_are_held() {
+    const MIB: u64 = 1024 * 1024;
+    const LIMIT: u64 = 96 * MIB;
+    let (svc, _dir) = service_with(sandpit_core::backend::PoolConfig::none(), |c| {
+        c.account_disk_bytes = LIMIT;
+    })
+    .await;
+    let me = account(&svc, "hoarder", 5.0).await;
+    let create = || svc.create_sandbox(&me, CreateSandbox::default(), None);
+    let (writer, _) = create().await.unwrap();
+    let (other, _) = create().await.unwrap();
+    assert!(svc.sample_disks().await.unwrap().is_empty());
+    let fresh = svc.get_sandbox(&me, &writer.id).await.unwrap();
+    assert!(
+        fresh.disk_used_bytes > 0 && fresh.disk_used_bytes < LIMIT / 2,
+        "a fresh sandbox's disk takes {} bytes",
+        fresh.disk_used_bytes
+    );
+    // A 1 MiB synchronous write, timed by the guest itself.
+    let timed_write =
+        |id: String| {
+            let svc = svc.clone();
+            let me = me.clone();
+            async move {
+                let ex = svc
+                .exec(
+                    &me,
+                    &id,
+                    cmd("dd if=/dev/zero of=small bs=64k count=16 oflag=direct,dsync 2>/dev/null \
+                         && rm small"),
+                )
+                .await
+                .unwrap();
+                assert_eq!(ex.exit_code, Some(0), "{ex:?}");
+                Duration::from_millis(ex.duration_ms)
+            }
+        };
+    let free = timed_write(other.id.clone()).await;
+
+    // One guest writes past the account's limit.
+    let ex = svc
+        .exec(
+            &me,
+            &writer.id,
+            cmd("dd if=/dev/urandom of=big bs=1M count=100 conv=fsync 2>&1"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(ex.exit_code, Some(0), "{ex:?}");
+    let over = svc.sample_disks().await.unwrap();
+    assert_eq!(over, vec![me.account_id.clone()]);
+    let grown = svc.get_sandbox(&me, &writer.id).await.unwrap();
+    assert!(
+        grown.disk_used_bytes >= fresh.disk_used_bytes + 100 * MIB,
+        "{} bytes after writing 100 MiB",
+        grown.disk_used_bytes
+    );
+    let acct = svc.account(&me).await.unwrap();
+    let other_now = svc.get_sandbox(&me, &other.id).await.unwrap();
+    assert_eq!(
+        acct.disk_used_bytes,
+        grown.disk_used_bytes + other_now.disk_used_bytes
+    );
+
+    // No new sandbox, and a message that says what to do.
+    let e = create().await.unwrap_err();
+    assert_eq!(e.kind, ErrorType::Forbidden, "{e}");
+    assert!(e.message.contains("limit is 96 MiB"), "{e}");
+    assert!(e.message.contains("destroy a sandbox"), "{e}");
+
+    // The account's other sandbox is held too: its writes slow to the
+    // over-limit rate (1 MiB at 256 KiB/s), and still succeed.
+    let held = timed_write(other.id.clone()).await;
+    assert!(
+        held >= Duration::from_secs(2) && held > free * 3,
+        "1 MiB took {held:?} held, {free:?} before"
+    );
+
+    // Destroying the big one brings the account back under: the hold is
+    // lifted and sandboxes start again. The ended one keeps its figure.
+    svc.destroy_sandbox(&me, &writer.id).await.unwrap();
+    assert!(svc.sample_disks().await.unwrap().is_empty());
+    let ended = svc.get_sandbox(&me, &writer.id).await.unwrap();
+    assert!(ended.disk_used_bytes >= grown.disk_used_bytes, "{ended:?}");
+    let released = timed_write(other.id.clone()).await;
+    assert!(
+        released * 2 < held,
+        "1 MiB took {released:?} released, {held:?} held"
+    );
+    eprintln!("1 MiB written: {free:?} before, {held:?} held, {released:?} released");
+    let (third, _) = create().await.unwrap();
+    for id in [&other.id, &third.id] {
+        svc.destroy_sandbox(&me, id).await.unwrap();
+    }
+}

@@ -824,6 +824,44 @@ impl VmManager {
         expiry::read_expiry(&self.paths(id).dir)
     }
 
+    /// Bytes VM `id`'s disk takes on the host now: the blocks its
+    /// copy-on-write overlay has allocated, which is what the guest wrote
+    /// (the base image, shared by every VM, is not counted). Sparse regions
+    /// and discarded clusters take nothing.
+    pub fn disk_use(&self, id: &str) -> Result<u64> {
+        use std::os::unix::fs::MetadataExt;
+        validate_id(id)?;
+        let meta = std::fs::metadata(self.paths(id).disk())
+            .map_err(|_| RuntimeError::NotFound(id.to_string()))?;
+        Ok(meta.blocks() * 512)
+    }
+
+    /// Hold VM `id`'s disk writes to `bytes_per_second` (QEMU's block
+    /// throttling, so the guest's writes slow down and nothing fails);
+    /// `None` lifts the limit. Reads are never held.
+    pub async fn limit_disk_writes(&self, id: &str, bytes_per_second: Option<u64>) -> Result<()> {
+        validate_id(id)?;
+        let socket = self.paths(id).qmp_socket();
+        let set = async {
+            let mut qmp = Qmp::connect(&socket).await?;
+            qmp.execute(
+                "block_set_io_throttle",
+                serde_json::json!({
+                    "device": "root",
+                    "bps": 0, "bps_rd": 0, "bps_wr": bytes_per_second.unwrap_or(0),
+                    "iops": 0, "iops_rd": 0, "iops_wr": 0,
+                }),
+            )
+            .await
+        };
+        match tokio::time::timeout(Duration::from_secs(5), set).await {
+            Ok(done) => done.map(drop),
+            Err(_) => Err(RuntimeError::Disconnected(format!(
+                "QEMU of {id} did not answer a disk limit within 5 s"
+            ))),
+        }
+    }
+
     /// Running, or exited and why.
     pub fn state(&self, record: &VmRecord) -> VmState {
         let paths = self.paths(&record.id);

@@ -35,6 +35,9 @@ pub struct SandboxRow {
     pub deleted_at: Option<OffsetDateTime>,
     /// `destroyed`, `expired`, `failed: <cause>`, as the caller said.
     pub deleted_reason: Option<String>,
+    /// What its disk takes on its host, as last measured
+    /// ([`Store::set_disk_use`]).
+    pub disk_used_bytes: u64,
 }
 
 impl SandboxRow {
@@ -66,6 +69,9 @@ pub struct NewSandbox {
     /// The live-sandbox limit to enforce; `None` means the account's own
     /// `max_concurrent`.
     pub max_concurrent: Option<u32>,
+    /// What the account's live sandboxes' disks may take together (as last
+    /// measured, see [`Store::set_disk_use`]); at it, no new sandbox.
+    pub disk_limit_bytes: Option<u64>,
     /// `(Idempotency-Key, hash of the request body)`, if the request had a key.
     pub idempotency: Option<(String, String)>,
 }
@@ -85,6 +91,9 @@ pub enum CreateOutcome {
     InsufficientCredits { balance: i64, needed: i64 },
     /// The account already has `limit` live sandboxes.
     TooManySandboxes { live: u32, limit: u32 },
+    /// The account's live sandboxes' disks take `used` bytes, at or over
+    /// its `limit`.
+    OverDiskLimit { used: u64, limit: u64 },
 }
 
 /// What [`Store::extend_sandbox`] did.
@@ -150,6 +159,7 @@ pub(crate) fn sandbox_from(row: &SqliteRow) -> Result<SandboxRow> {
         expires_at: get_ts(row, "expires_at")?,
         deleted_at: get_opt_ts(row, "deleted_at")?,
         deleted_reason: get_opt_str(row, "deleted_reason")?,
+        disk_used_bytes: get_i64(row, "disk_used_bytes")?.max(0) as u64,
     })
 }
 
@@ -286,6 +296,19 @@ impl Store {
         let live = u32::try_from(live).unwrap_or(u32::MAX);
         if live >= limit {
             return Ok(CreateOutcome::TooManySandboxes { live, limit });
+        }
+        if let Some(limit) = new.disk_limit_bytes {
+            let used: i64 = sqlx::query_scalar(
+                "SELECT COALESCE(SUM(disk_used_bytes), 0) FROM sandboxes WHERE account_id = $1 \
+                 AND status IN ('provisioning', 'running', 'deleting')",
+            )
+            .bind(&new.account_id)
+            .fetch_one(&mut *tx)
+            .await?;
+            let used = used.max(0) as u64;
+            if used >= limit {
+                return Ok(CreateOutcome::OverDiskLimit { used, limit });
+            }
         }
 
         let inserted = sqlx::query(
@@ -712,6 +735,40 @@ impl Store {
                 })
             })
             .collect()
+    }
+
+    /// Record what each sandbox's disk takes now (`(sandbox id, bytes)`),
+    /// in one transaction. Sandboxes that ended keep their last figure.
+    pub async fn set_disk_use(&self, uses: &[(String, u64)]) -> Result<()> {
+        if uses.is_empty() {
+            return Ok(());
+        }
+        let mut tx = self.write_tx().await?;
+        for (id, bytes) in uses {
+            sqlx::query(
+                "UPDATE sandboxes SET disk_used_bytes = $2 \
+                 WHERE id = $1 AND status IN ('provisioning', 'running', 'deleting')",
+            )
+            .bind(id)
+            .bind(i64::try_from(*bytes).unwrap_or(i64::MAX))
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// What the account's live sandboxes' disks take together, as last
+    /// measured.
+    pub async fn account_disk_use(&self, account_id: &str) -> Result<u64> {
+        let total: i64 = sqlx::query_scalar(
+            "SELECT COALESCE(SUM(disk_used_bytes), 0) FROM sandboxes \
+             WHERE account_id = $1 AND status IN ('provisioning', 'running', 'deleting')",
+        )
+        .bind(account_id)
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(total.max(0) as u64)
     }
 
     /// Adds preview traffic to a sandbox's counters.

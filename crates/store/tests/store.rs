@@ -37,6 +37,7 @@ fn sandbox(account_id: &str, created_at: OffsetDateTime, minutes: u32, reserve: 
         expires_at: created_at + Duration::minutes(minutes.into()),
         reserve_micros: reserve,
         max_concurrent: None,
+        disk_limit_bytes: None,
         idempotency: None,
     }
 }
@@ -1012,6 +1013,86 @@ async fn preview_traffic_adds_up_in_usage() {
     assert_eq!(
         (usage[0].preview_bytes_in, usage[0].preview_bytes_out),
         (120, 5_007)
+    );
+}
+
+#[tokio::test]
+async fn disk_use_is_recorded_summed_over_live_sandboxes_and_limits_creates() {
+    let (_d, store) = open().await;
+    let acct = store.create_account("alice", 100).await.unwrap();
+    let bob = store.create_account("bob", 100).await.unwrap();
+    for a in [&acct.id, &bob.id] {
+        store.add_credit(a, 10_000_000, None).await.unwrap();
+    }
+    let new = |a: &str| sandbox(a, T0, 60, 90_000);
+    let s1 = created(store.create_sandbox(new(&acct.id)).await.unwrap());
+    let s2 = created(store.create_sandbox(new(&acct.id)).await.unwrap());
+    let b1 = created(store.create_sandbox(new(&bob.id)).await.unwrap());
+    store
+        .set_disk_use(&[
+            (s1.id.clone(), 600),
+            (s2.id.clone(), 400),
+            (b1.id.clone(), 7),
+        ])
+        .await
+        .unwrap();
+    assert_eq!(store.account_disk_use(&acct.id).await.unwrap(), 1_000);
+    assert_eq!(store.account_disk_use(&bob.id).await.unwrap(), 7);
+    assert_eq!(
+        store
+            .sandbox(&s1.id)
+            .await
+            .unwrap()
+            .unwrap()
+            .disk_used_bytes,
+        600
+    );
+
+    // At the limit: no new sandbox for alice, whatever bob does.
+    let limited = |a: &str, limit| NewSandbox {
+        disk_limit_bytes: Some(limit),
+        ..new(a)
+    };
+    assert_eq!(
+        store
+            .create_sandbox(limited(&acct.id, 1_000))
+            .await
+            .unwrap(),
+        CreateOutcome::OverDiskLimit {
+            used: 1_000,
+            limit: 1_000
+        }
+    );
+    created(store.create_sandbox(limited(&bob.id, 1_000)).await.unwrap());
+
+    // An ended sandbox keeps its last figure but no longer counts, and a
+    // late measurement does not change it.
+    store
+        .finish_sandbox(
+            &s1.id,
+            status::DELETED,
+            "destroyed",
+            T0 + Duration::minutes(1),
+            0,
+        )
+        .await
+        .unwrap();
+    store.set_disk_use(&[(s1.id.clone(), 9_999)]).await.unwrap();
+    assert_eq!(
+        store
+            .sandbox(&s1.id)
+            .await
+            .unwrap()
+            .unwrap()
+            .disk_used_bytes,
+        600
+    );
+    assert_eq!(store.account_disk_use(&acct.id).await.unwrap(), 400);
+    created(
+        store
+            .create_sandbox(limited(&acct.id, 1_000))
+            .await
+            .unwrap(),
     );
 }
 

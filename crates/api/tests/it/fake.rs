@@ -80,6 +80,7 @@ pub fn sandbox(id: &str, name: Option<String>, size: &str, timeout: u32) -> Sand
         expires_at: "2026-01-01T00:15:00Z".into(),
         deleted_at: None,
         deleted_reason: None,
+        disk_used_bytes: 0,
     }
 }
 
@@ -521,6 +522,7 @@ impl SandboxApi for Fake {
                 deleted_at: s.deleted_at.clone(),
                 preview_bytes_in: 0,
                 preview_bytes_out: 0,
+                disk_used_bytes: 0,
             })
             .collect::<Vec<_>>();
         Ok(Usage {
@@ -540,6 +542,7 @@ impl SandboxApi for Fake {
             credit_remaining_usd: 9.5,
             max_concurrent_sandboxes: 20,
             created_at: T0.into(),
+            disk_used_bytes: 0,
         })
     }
 

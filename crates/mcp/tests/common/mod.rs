@@ -72,6 +72,7 @@ fn sandbox(id: &str, size: &str, name: Option<String>, timeout: u32) -> Sandbox 
         expires_at: "2026-01-01T00:15:00Z".into(),
         deleted_at: None,
         deleted_reason: None,
+        disk_used_bytes: 0,
     }
 }
 
@@ -381,6 +382,7 @@ impl SandboxApi for FakeApi {
             credit_remaining_usd: 4.5,
             max_concurrent_sandboxes: 20,
             created_at: now(),
+            disk_used_bytes: 0,
         })
     }
 

@@ -1,0 +1,126 @@
+//! Disk use: what each sandbox's disk takes on its host, and each account's
+//! live sandboxes held to a total.
+//!
+//! A sandbox's disk is a copy-on-write overlay over the shared base image,
+//! and thin: its size (`disk_gb`) bounds what one guest can write, but
+//! twenty sandboxes of 40 GB are more than most hosts hold, and a tenant's
+//! guests could fill the disk every tenant's VMs write to. So what each
+//! overlay takes is measured every [`DISK_SAMPLE`] (one `stat` a sandbox,
+//! cheap for hundreds), recorded on the sandbox (`disk_used_bytes`, kept
+//! after it ends as what it used) and summed per account.
+//!
+//! An account at its limit (`[limits] account_disk_mb`) starts no new
+//! sandbox (`forbidden`, saying what to do), and its running sandboxes'
+//! disk writes are held to [`OVER_LIMIT_WRITE_BPS`] by QEMU's block
+//! throttling: nothing in the guest fails and nothing is lost, but it can
+//! no longer grow the host's disk faster than that. Destroying sandboxes
+//! brings the account back under, which lifts the hold at the next sample.
+//! (Deleting files inside a guest does not: the guest's filesystem does not
+//! pass discards down, so an overlay never shrinks.)
+//!
+//! What the service last set on each VM is remembered; a VM it knows
+//! nothing of (a restart) gets its state set once, so a hold left by an
+//! earlier process is lifted when it no longer applies.
+
+use crate::error::{CoreError, ErrorType, Result};
+use crate::service::Service;
+use sandpit_store::status;
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+/// How often every running sandbox's disk is measured.
+pub const DISK_SAMPLE: Duration = Duration::from_secs(5);
+
+/// The disk write rate of an account's sandboxes while it is at its limit.
+pub const OVER_LIMIT_WRITE_BPS: u64 = 256 * 1024;
+
+/// Whether each VM's writes are held, as this process last set them.
+#[derive(Debug, Default)]
+pub(crate) struct DiskHolds(std::sync::Mutex<HashMap<String, bool>>);
+
+/// The refusal of a create by an account at its disk limit.
+pub(crate) fn over_limit(used: u64, limit: u64) -> CoreError {
+    const MIB: u64 = 1024 * 1024;
+    CoreError::new(
+        ErrorType::Forbidden,
+        format!(
+            "the account's sandboxes take {} MiB of disk, its limit is {} MiB; \
+             destroy a sandbox it no longer needs (deleting files inside one does not free disk)",
+            used.div_ceil(MIB),
+            limit / MIB
+        ),
+    )
+}
+
+impl Service {
+    /// Measure every running sandbox's disk on this host, record it, and
+    /// hold (or release) the writes of each account's sandboxes by whether
+    /// the account is at its limit. Returns the accounts at their limit.
+    pub async fn sample_disks(&self) -> Result<Vec<String>> {
+        let config = self.config();
+        let rows = self.store().live_sandboxes().await?;
+        let manager = self.vms().manager();
+        let mut uses = Vec::new();
+        let mut per_account: HashMap<&str, u64> = HashMap::new();
+        let mut running = Vec::new();
+        for row in &rows {
+            if row.host != config.host_name || row.status != status::RUNNING {
+                continue;
+            }
+            // Gone meanwhile (an end in progress): its last figure stays.
+            let Ok(bytes) = manager.disk_use(&row.id) else {
+                continue;
+            };
+            uses.push((row.id.clone(), bytes));
+            *per_account.entry(&row.account_id).or_default() += bytes;
+            running.push(row);
+        }
+        self.store().set_disk_use(&uses).await?;
+        let limit = config.account_disk_bytes;
+        let over: HashSet<&str> = per_account
+            .iter()
+            .filter(|(_, used)| **used >= limit)
+            .map(|(account, _)| *account)
+            .collect();
+        let live: HashSet<&str> = running.iter().map(|r| r.id.as_str()).collect();
+        self.disk_holds()
+            .0
+            .lock()
+            .unwrap()
+            .retain(|id, _| live.contains(id.as_str()));
+        for row in running {
+            let hold = over.contains(row.account_id.as_str());
+            let known = self.disk_holds().0.lock().unwrap().get(&row.id).copied();
+            if known == Some(hold) {
+                continue;
+            }
+            let rate = hold.then_some(OVER_LIMIT_WRITE_BPS);
+            match manager.limit_disk_writes(&row.id, rate).await {
+                Ok(()) => {
+                    if hold {
+                        tracing::info!(id = %row.id, account = %row.account_id,
+                            "the account is at its disk limit: disk writes held to {OVER_LIMIT_WRITE_BPS} B/s");
+                    } else if known.is_some() {
+                        tracing::info!(id = %row.id, "disk writes no longer held");
+                    }
+                    self.disk_holds()
+                        .0
+                        .lock()
+                        .unwrap()
+                        .insert(row.id.clone(), hold);
+                }
+                Err(e) => tracing::warn!(id = %row.id, "setting the disk write limit: {e}"),
+            }
+        }
+        Ok(over.into_iter().map(String::from).collect())
+    }
+
+    /// Record what `id`'s disk took, just before its VM goes.
+    pub(crate) async fn record_final_disk_use(&self, id: &str) {
+        if let Ok(bytes) = self.vms().manager().disk_use(id) {
+            if let Err(e) = self.store().set_disk_use(&[(id.to_string(), bytes)]).await {
+                tracing::warn!(%id, "recording the disk use: {e}");
+            }
+        }
+    }
+}
