@@ -111,6 +111,11 @@ impl Server {
             }
             Message::Exec { id, request } => exec::start(reply, id, request),
             Message::Cancel { id } => {
+                // A write the host gave up on: its thread sees the data
+                // end, removes its temporary file and answers nothing.
+                if self.uploads.remove(&id).is_some() {
+                    return;
+                }
                 // The Exited of the command is the answer.
                 if !exec::cancel(id) {
                     reply.error(

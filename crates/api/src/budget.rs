@@ -52,6 +52,9 @@ impl BodyBudget {
 
     /// The share of a request: what its body may take.
     fn share(&self, req: &Request) -> usize {
+        if crate::raw::streams_body(req) {
+            return 0;
+        }
         let declared = req
             .headers()
             .get(axum::http::header::CONTENT_LENGTH)

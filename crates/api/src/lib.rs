@@ -26,6 +26,7 @@ mod budget;
 mod error;
 mod extract;
 mod openapi;
+pub mod raw;
 mod remote;
 mod server;
 mod sse;

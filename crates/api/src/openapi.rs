@@ -222,7 +222,7 @@ fn operation(op: &Op) -> Value {
         o["parameters"] = Value::Array(op.params.clone());
     }
     if let Some(body) = &op.body {
-        o["requestBody"] = json!({"required": true, "content": json_content(body.clone())});
+        o["requestBody"] = json!({"required": true, "content": body.clone()});
     }
     if !op.errors.auth {
         o["security"] = json!([]);
@@ -365,7 +365,7 @@ pub fn openapi() -> Value {
                 "description": "Makes retries safe: the same key and body return the sandbox created first.",
                 "schema": {"type": "string"},
             })],
-            body: Some(req.subschema_for::<CreateSandbox>().to_value()),
+            body: Some(json_content(req.subschema_for::<CreateSandbox>().to_value())),
             responses: vec![
                 ("201", "Created.", sandbox_resp.clone()),
                 ("200", "Idempotent replay: the sandbox created by the first request with this key.", sandbox_resp.clone()),
@@ -414,7 +414,7 @@ pub fn openapi() -> Value {
             summary: "Extend a sandbox's lifetime",
             description: "Reserves the extra time from the credit. The total lifetime may not pass 24 h from creation (400).",
             params: vec![id_param("sandbox")],
-            body: Some(req.subschema_for::<ExtendBody>().to_value()),
+            body: Some(json_content(req.subschema_for::<ExtendBody>().to_value())),
             responses: vec![("200", "The updated sandbox.", sandbox_resp.clone())],
             errors: Errors { body: true, credits: true, ..ON_SANDBOX },
         },
@@ -434,7 +434,7 @@ pub fn openapi() -> Value {
                     "schema": {"type": "string"},
                 }),
             ],
-            body: Some(req.subschema_for::<ExecParams>().to_value()),
+            body: Some(json_content(req.subschema_for::<ExecParams>().to_value())),
             responses: vec![(
                 "200",
                 "The finished execution, or (streaming) its events.",
@@ -471,9 +471,23 @@ pub fn openapi() -> Value {
             summary: "Write a file",
             description: "`path` is relative to /workspace or absolute; parent directories are created; \
                 the file belongs to the sandbox user. Content travels out of band (never through a shell), \
-                so any bytes survive exactly (send binary content as `base64`).",
-            params: vec![id_param("sandbox")],
-            body: Some(req.subschema_for::<WriteFile>().to_value()),
+                so any bytes survive exactly (send binary content as `base64`). \
+                Or send the file itself, streamed: `Content-Type: application/octet-stream`, \
+                `path` in the query and a `Content-Length` (required; a chunked body is 400); \
+                the server holds one piece of it at a time, and an upload cut short writes nothing.",
+            params: {
+                let mut p = vec![id_param("sandbox")];
+                p.extend(
+                    query_params::<FilesQuery>(&mut req)
+                        .into_iter()
+                        .filter(|q| q["name"] == "path"),
+                );
+                p
+            },
+            body: Some(json!({
+                "application/json": {"schema": req.subschema_for::<WriteFile>().to_value()},
+                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+            })),
             responses: vec![(
                 "200",
                 "Written.",
@@ -489,7 +503,9 @@ pub fn openapi() -> Value {
             description: "Without `list`: reads `path` (required). Reading a non-UTF-8 file with `utf8` is 400 \
                 (use `base64`); a file over the read limit (default 32 MiB) is 400. \
                 With `list=true`: lists `path` (default /workspace), recursively with `recursive=true`; \
-                entries are capped (default 10,000) and `truncated` says so.",
+                entries are capped (default 10,000) and `truncated` says so. \
+                With `Accept: application/octet-stream` and no `encoding`, the file itself is the \
+                answer, streamed, with its `Content-Length` and its resolved path in `x-sandpit-path`.",
             params: {
                 let mut p = vec![id_param("sandbox")];
                 p.extend(query_params::<FilesQuery>(&mut req));
@@ -499,10 +515,13 @@ pub fn openapi() -> Value {
             responses: vec![(
                 "200",
                 "The file content (FileContent), or the listing (FileList) with `list=true`.",
-                json_content(json!({"oneOf": [
-                    res.subschema_for::<FileContent>().to_value(),
-                    res.subschema_for::<FileList>().to_value(),
-                ]})),
+                json!({
+                    "application/json": {"schema": {"oneOf": [
+                        res.subschema_for::<FileContent>().to_value(),
+                        res.subschema_for::<FileList>().to_value(),
+                    ]}},
+                    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+                }),
             )],
             errors: ON_SANDBOX,
         },
@@ -534,7 +553,7 @@ pub fn openapi() -> Value {
             description: "Gives a public URL for a port the sandbox listens on (localhost is enough); \
                 asking again for the same port returns the same URL. WebSocket upgrades pass through.",
             params: vec![id_param("sandbox")],
-            body: Some(req.subschema_for::<ExposePortBody>().to_value()),
+            body: Some(json_content(req.subschema_for::<ExposePortBody>().to_value())),
             responses: vec![(
                 "200",
                 "The exposed port.",

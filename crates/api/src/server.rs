@@ -296,8 +296,26 @@ async fn write_file(
     State(st): State<AppState>,
     Authed(c): Authed,
     Path(id): Path<String>,
-    JsonBody(body): JsonBody<WriteFile>,
+    QueryParams(q): QueryParams<FilesQuery>,
+    req: axum::extract::Request,
 ) -> ApiResult {
+    if crate::raw::sends_raw(req.headers()) {
+        let path = required_path(&q)?;
+        let size = req
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    "a raw upload (Content-Type: application/octet-stream) needs a Content-Length",
+                )
+            })?;
+        let body = Box::new(crate::raw::RequestBody::new(req.into_body()));
+        return ok(st.api.upload_file(&c, &id, path, size, body).await?);
+    }
+    let JsonBody(body) =
+        <JsonBody<WriteFile> as axum::extract::FromRequest<AppState>>::from_request(req, &st)
+            .await?;
     ok(st.api.write_file(&c, &id, body).await?)
 }
 
@@ -312,6 +330,7 @@ async fn get_files(
     Authed(c): Authed,
     Path(id): Path<String>,
     QueryParams(q): QueryParams<FilesQuery>,
+    headers: HeaderMap,
 ) -> ApiResult {
     if q.list == Some(true) {
         return ok(st
@@ -320,6 +339,10 @@ async fn get_files(
             .await?);
     }
     let path = required_path(&q)?;
+    if q.encoding.is_none() && crate::raw::wants_raw(&headers) {
+        let file = st.api.download_file(&c, &id, path).await?;
+        return Ok(crate::raw::download_response(file));
+    }
     ok(st
         .api
         .read_file(&c, &id, path, q.encoding.unwrap_or_default())

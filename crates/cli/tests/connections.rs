@@ -345,3 +345,189 @@ fn no_sandbox_starts_on_a_disk_under_its_reserve() {
         );
     });
 }
+
+/// Byte `i` of test file `k`: a pattern that differs per file and per offset.
+fn pattern(k: u8, i: u64) -> u8 {
+    (i.wrapping_mul(31) >> 3) as u8 ^ k
+}
+
+/// Test file `k` of `len` bytes as a request body made as it is sent, in
+/// 1 MiB pieces; `fail_after` cuts it with an error after that many bytes.
+fn streamed_file(k: u8, len: u64, fail_after: Option<u64>) -> reqwest::Body {
+    const PIECE: u64 = 1 << 20;
+    let pieces = futures_util::stream::unfold(0u64, move |at| async move {
+        if at >= len {
+            return None;
+        }
+        if fail_after.is_some_and(|f| at >= f) {
+            // Let the pieces already sent reach the guest first.
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            return Some((Err(std::io::Error::other("the client gave up")), len));
+        }
+        let end = (at + PIECE).min(len);
+        let piece: Vec<u8> = (at..end).map(|i| pattern(k, i)).collect();
+        Some((Ok::<_, std::io::Error>(piece), end))
+    });
+    reqwest::Body::wrap_stream(pieces)
+}
+
+#[test]
+fn raw_file_bodies_are_streamed_both_ways_and_a_cut_upload_leaves_nothing() {
+    use futures_util::StreamExt;
+    const FILE: u64 = 64 << 20;
+    let data = data_dir();
+    let server = Server::start_with(
+        &data,
+        "[limits]\nmax_write_bytes = 134217728\nmax_read_bytes = 134217728\n\
+         max_concurrent_transfers = 4\n",
+    );
+    let key = server
+        .admin_key
+        .clone()
+        .expect("first start prints the admin key");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let api = Rest::new(&server, &key);
+        let (st, sbx) = api
+            .post("/sandboxes", serde_json::json!({"timeout_minutes": 10}))
+            .await;
+        assert_eq!(st, 201, "{sbx}");
+        let id = sbx["id"].as_str().unwrap().to_string();
+        let files = format!("{}/v1/sandboxes/{id}/files", api.url);
+        let put = |path: &str, body: reqwest::Body, len: Option<u64>| {
+            let mut r = api
+                .http
+                .put(format!("{files}?path={path}"))
+                .bearer_auth(&api.key)
+                .header("content-type", "application/octet-stream")
+                .body(body);
+            if let Some(len) = len {
+                r = r.header("content-length", len);
+            }
+            r.send()
+        };
+
+        // Four uploads of 64 MiB at once, sent as they are made.
+        let before = peak_memory(server.child.id());
+        let uploads: Vec<_> = (0..4u8)
+            .map(|k| {
+                put(
+                    &format!("up-{k}.bin"),
+                    streamed_file(k, FILE, None),
+                    Some(FILE),
+                )
+            })
+            .collect();
+        for (k, r) in futures_util::future::join_all(uploads)
+            .await
+            .into_iter()
+            .enumerate()
+        {
+            let r = r.unwrap();
+            assert_eq!(r.status(), 200);
+            let done: serde_json::Value = r.json().await.unwrap();
+            assert_eq!(done["bytes"], FILE, "{done}");
+            assert_eq!(done["path"], format!("/workspace/up-{k}.bin"), "{done}");
+        }
+
+        // Read back as themselves, byte for byte.
+        for k in [0u8, 3] {
+            let r = api
+                .http
+                .get(format!("{files}?path=up-{k}.bin"))
+                .bearer_auth(&api.key)
+                .header("accept", "application/octet-stream")
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            assert_eq!(r.content_length(), Some(FILE));
+            assert_eq!(
+                r.headers()["x-sandpit-path"],
+                format!("/workspace/up-{k}.bin")
+            );
+            let mut at = 0u64;
+            let mut body = r.bytes_stream();
+            while let Some(piece) = body.next().await {
+                for b in piece.unwrap() {
+                    assert_eq!(b, pattern(k, at), "byte {at} of up-{k}.bin");
+                    at += 1;
+                }
+            }
+            assert_eq!(at, FILE);
+        }
+        let grown = peak_memory(server.child.id()).saturating_sub(before);
+        eprintln!(
+            "256 MiB up and 128 MiB down: the server's peak memory grew by {} MiB",
+            grown >> 20
+        );
+        // Held whole, each file was in memory at least once, several at once.
+        assert!(grown < FILE / 2, "grew by {} MiB", grown >> 20);
+
+        // An upload the client cuts midway writes nothing, and leaves nothing.
+        let cut = put("cut.bin", streamed_file(9, FILE, Some(8 << 20)), Some(FILE)).await;
+        assert!(cut.is_err() || cut.unwrap().status() != 200);
+        let mut left = String::new();
+        for _ in 0..100 {
+            let (st, ex) = api
+                .post(
+                    &format!("/sandboxes/{id}/exec"),
+                    serde_json::json!({"command": "ls -A /workspace"}),
+                )
+                .await;
+            assert_eq!(st, 200, "{ex}");
+            left = ex["stdout"].as_str().unwrap().to_string();
+            if !left.contains(".sandpit-upload") {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(left, "up-0.bin\nup-1.bin\nup-2.bin\nup-3.bin\n");
+
+        // A body that does not say its length, or says more than it has.
+        let r = put("chunked.bin", streamed_file(1, 1000, None), None)
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400);
+        let e: serde_json::Value = r.json().await.unwrap();
+        assert!(
+            e["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("Content-Length"),
+            "{e}"
+        );
+        // Over the write limit: refused before anything is sent.
+        // (Only the head is sent: the answer comes without the body.)
+        let mut c = TcpStream::connect(addr(&server)).unwrap();
+        write!(
+            c,
+            "PUT /v1/sandboxes/{id}/files?path=big.bin HTTP/1.1\r\nHost: {}\r\n\
+             Authorization: Bearer {}\r\nContent-Type: application/octet-stream\r\n\
+             Content-Length: 1073741824\r\n\r\n",
+            addr(&server),
+            api.key
+        )
+        .unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let mut answer = vec![0u8; 4096];
+        let n = c.read(&mut answer).unwrap();
+        let answer = String::from_utf8_lossy(&answer[..n]);
+        assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+        assert!(answer.contains("the limit is 134217728 bytes"), "{answer}");
+        // The JSON form still answers as the public API says.
+        let (st, done) = api
+            .call(
+                reqwest::Method::PUT,
+                &format!("/sandboxes/{id}/files"),
+                Some(serde_json::json!({"path": "j.txt", "content": "hi\n"})),
+            )
+            .await;
+        assert_eq!(st, 200, "{done}");
+        assert_eq!(done["bytes"], 3);
+    });
+}

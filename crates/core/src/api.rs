@@ -14,6 +14,24 @@ pub struct Caller {
     pub account_id: String,
 }
 
+/// Where a streamed upload's bytes come from (an HTTP request's body).
+#[async_trait]
+pub trait ByteSource: Send {
+    /// The next piece; `None` at the end. An error ends the upload (the
+    /// client went away, or sent less than it announced).
+    async fn next_chunk(&mut self) -> Option<std::io::Result<Vec<u8>>>;
+}
+
+/// A file read a piece at a time ([`SandboxApi::download_file`]).
+pub struct FileDownload {
+    /// Resolved, absolute.
+    pub path: String,
+    /// Its size when the guest opened it (what `chunks` brings, unless it
+    /// changes while being read, which ends `chunks` with an error).
+    pub size: u64,
+    pub chunks: mpsc::Receiver<Result<Vec<u8>>>,
+}
+
 /// One event of a streaming execution.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ExecEvent {
@@ -82,6 +100,56 @@ pub trait SandboxApi: Send + Sync {
     async fn get_execution(&self, caller: &Caller, exec_id: &str) -> Result<Execution>;
 
     async fn write_file(&self, caller: &Caller, id: &str, req: WriteFile) -> Result<FileWritten>;
+
+    /// Write `size` bytes from `body` to `path`, a piece at a time: the
+    /// server holds one piece of it, not the file. Same checks and answer
+    /// as [`SandboxApi::write_file`]; a body that ends early or runs long
+    /// writes nothing. This default (for backends that cannot stream)
+    /// collects the body and writes it whole.
+    async fn upload_file(
+        &self,
+        caller: &Caller,
+        id: &str,
+        path: &str,
+        size: u64,
+        mut body: Box<dyn ByteSource>,
+    ) -> Result<FileWritten> {
+        use base64::Engine;
+        let mut bytes = Vec::new();
+        while let Some(chunk) = body.next_chunk().await {
+            bytes.extend(chunk.map_err(crate::service::body_failed)?);
+        }
+        if bytes.len() as u64 != size {
+            return Err(crate::service::body_length(bytes.len() as u64, size));
+        }
+        let req = WriteFile {
+            path: path.to_string(),
+            content: base64::engine::general_purpose::STANDARD.encode(&bytes),
+            encoding: Some(Encoding::Base64),
+        };
+        self.write_file(caller, id, req).await
+    }
+
+    /// Read `path` a piece at a time. Same checks as
+    /// [`SandboxApi::read_file`]. This default (for backends that cannot
+    /// stream) reads it whole.
+    async fn download_file(&self, caller: &Caller, id: &str, path: &str) -> Result<FileDownload> {
+        use base64::Engine;
+        let file = self.read_file(caller, id, path, Encoding::Base64).await?;
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(file.content)
+            .map_err(|e| {
+                crate::error::CoreError::internal(format!("bad base64 from the backend: {e}"))
+            })?;
+        let (tx, chunks) = mpsc::channel(1);
+        let _ = tx.try_send(Ok(bytes));
+        Ok(FileDownload {
+            path: file.path,
+            size: file.bytes,
+            chunks,
+        })
+    }
+
     async fn read_file(
         &self,
         caller: &Caller,

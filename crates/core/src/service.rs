@@ -301,6 +301,18 @@ impl Service {
         runtime_error(e)
     }
 
+    /// The error for a read of `row`'s guest that failed with `e`: a file
+    /// over the read limit says the limit.
+    async fn read_failure(&self, row: &SandboxRow, e: RuntimeError) -> CoreError {
+        match e {
+            RuntimeError::Agent(a) if a.kind == ErrorKind::TooLarge => CoreError::invalid(format!(
+                "{}; the read limit is {} bytes",
+                a.message, self.config.max_read_bytes
+            )),
+            e => self.agent_failure(row, e).await,
+        }
+    }
+
     /// One of the account's `max_concurrent_transfers` slots for a file
     /// read or write: its content, decoded and in flight, is in memory
     /// until it ends. Waits [`TRANSFER_WAIT`] at most.
@@ -1161,6 +1173,86 @@ impl SandboxApi for Service {
         Ok(FileWritten { path, bytes: n })
     }
 
+    async fn upload_file(
+        &self,
+        caller: &Caller,
+        id: &str,
+        path: &str,
+        size: u64,
+        mut body: Box<dyn crate::api::ByteSource>,
+    ) -> Result<FileWritten> {
+        check_path(path)?;
+        check_write_size(&self.config, size)?;
+        let _slot = self.transfer_slot(caller).await?;
+        let row = self.running(caller, id).await?;
+        let _live = self.vms.manager().hold_background();
+        let agent = self.agent(&row).await?;
+        // Dropped on any early return: the guest discards what it had.
+        let mut upload = match agent.upload(path, size, None) {
+            Ok(u) => u,
+            Err(e) => return Err(self.agent_failure(&row, e).await),
+        };
+        let mut got = 0u64;
+        while let Some(chunk) = body.next_chunk().await {
+            let chunk = chunk.map_err(body_failed)?;
+            got += chunk.len() as u64;
+            if got > size {
+                return Err(body_length(got, size));
+            }
+            if let Err(e) = upload.send(&chunk).await {
+                return Err(self.agent_failure(&row, e).await);
+            }
+        }
+        if got != size {
+            return Err(body_length(got, size));
+        }
+        match upload.finish().await {
+            Ok((path, bytes)) => Ok(FileWritten { path, bytes }),
+            Err(e) => Err(self.agent_failure(&row, e).await),
+        }
+    }
+
+    async fn download_file(
+        &self,
+        caller: &Caller,
+        id: &str,
+        path: &str,
+    ) -> Result<crate::api::FileDownload> {
+        check_path(path)?;
+        let slot = self.transfer_slot(caller).await?;
+        let row = self.running(caller, id).await?;
+        let live = self.vms.manager().hold_background();
+        let agent = self.agent(&row).await?;
+        let limit = self.config.max_read_bytes;
+        let mut download = match agent.download(path, limit).await {
+            Ok(d) => d,
+            Err(e) => return Err(self.read_failure(&row, e).await),
+        };
+        let (tx, chunks) = mpsc::channel(4);
+        let (path, size) = (download.path().to_string(), download.size());
+        let me = self.arc_self();
+        // Pieces go as fast as the client takes them (four at most wait);
+        // the transfer slot is held until the last one went.
+        tokio::spawn(async move {
+            let _held = (slot, live);
+            loop {
+                let piece = match download.next_chunk().await {
+                    Ok(Some(piece)) => Ok(piece),
+                    Ok(None) => return,
+                    Err(e) => Err(match &me {
+                        Some(svc) => svc.read_failure(&row, e).await,
+                        None => runtime_error(e),
+                    }),
+                };
+                let failed = piece.is_err();
+                if tx.send(piece).await.is_err() || failed {
+                    return;
+                }
+            }
+        });
+        Ok(crate::api::FileDownload { path, size, chunks })
+    }
+
     async fn read_file(
         &self,
         caller: &Caller,
@@ -1175,13 +1267,7 @@ impl SandboxApi for Service {
         let agent = self.agent(&row).await?;
         let (path, bytes) = match agent.read_file(path, self.config.max_read_bytes).await {
             Ok(read) => read,
-            Err(RuntimeError::Agent(a)) if a.kind == ErrorKind::TooLarge => {
-                return Err(CoreError::invalid(format!(
-                    "{}; the read limit is {} bytes",
-                    a.message, self.config.max_read_bytes
-                )))
-            }
-            Err(e) => return Err(self.agent_failure(&row, e).await),
+            Err(e) => return Err(self.read_failure(&row, e).await),
         };
         let n = bytes.len() as u64;
         let content = match encoding {
@@ -1554,15 +1640,32 @@ pub fn write_content(config: &ServiceConfig, req: WriteFile) -> Result<(String, 
             .decode(req.content.trim())
             .map_err(|e| CoreError::invalid(format!("content is not valid base64: {e}")))?,
     };
-    if bytes.len() as u64 > config.max_write_bytes {
+    check_write_size(config, bytes.len() as u64)?;
+    check_path(&req.path)?;
+    Ok((req.path, bytes))
+}
+
+/// A file of `size` bytes is within the write limit.
+pub fn check_write_size(config: &ServiceConfig, size: u64) -> Result<()> {
+    if size > config.max_write_bytes {
         return Err(CoreError::invalid(format!(
-            "the file is {} bytes; the limit is {} bytes",
-            bytes.len(),
+            "the file is {size} bytes; the limit is {} bytes",
             config.max_write_bytes
         )));
     }
-    check_path(&req.path)?;
-    Ok((req.path, bytes))
+    Ok(())
+}
+
+/// An upload's body failed before its end (the client went away).
+pub(crate) fn body_failed(e: std::io::Error) -> CoreError {
+    CoreError::invalid(format!("the request body ended early: {e}"))
+}
+
+/// An upload's body was not as long as it said.
+pub(crate) fn body_length(got: u64, announced: u64) -> CoreError {
+    CoreError::invalid(format!(
+        "the request body carried {got} bytes, not the {announced} its Content-Length announced"
+    ))
 }
 
 /// The minutes [`SandboxApi::extend_sandbox`] adds (checked before the

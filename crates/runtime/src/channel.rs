@@ -83,6 +83,11 @@ pub struct AgentInfo {
 /// send fails (`Busy`) instead of the host holding more and more for it.
 pub const OUT_QUEUE_LIMIT: u64 = 96 * 1024 * 1024;
 
+/// Bytes queued for the guest past which a streamed upload
+/// ([`FileUpload`]) waits for the guest to read before it sends more: what
+/// an upload holds in the host is its chunk, whatever the file's size.
+pub const STREAM_HIGH_WATER: u64 = 4 * 1024 * 1024;
+
 /// Frames this small (cancels, acks, closes, most requests) are queued
 /// whatever is already queued, so a full queue never loses a cancel.
 const ALWAYS_QUEUED: u64 = 4096;
@@ -91,6 +96,8 @@ pub(crate) struct Inner {
     out: mpsc::UnboundedSender<Vec<u8>>,
     /// Bytes in `out` not yet written to the guest.
     queued: Arc<AtomicU64>,
+    /// Told whenever the writer wrote something (or the connection ended).
+    drained: Arc<tokio::sync::Notify>,
     pub(crate) pending: Mutex<HashMap<RequestId, mpsc::UnboundedSender<Frame>>>,
     /// Send credit of open tunnel streams; `TunnelAck`s go here directly, so
     /// a writer learns of credit even while nobody reads its stream.
@@ -106,6 +113,7 @@ impl Inner {
     /// The connection is over: every request and tunnel stream fails now.
     fn hang_up(&self) {
         self.closed.store(true, Ordering::SeqCst);
+        self.drained.notify_waiters();
         self.pending.lock().unwrap().clear();
         for (_, c) in self.credits.lock().unwrap().drain() {
             c.close();
@@ -137,6 +145,31 @@ impl Inner {
             }
         }
         Ok(())
+    }
+
+    /// Wait until fewer than [`STREAM_HIGH_WATER`] bytes wait for the
+    /// guest. A guest that reads nothing for [`REPLY_DEADLINE`] fails it.
+    async fn room(&self) -> Result<()> {
+        let deadline = tokio::time::Instant::now() + REPLY_DEADLINE;
+        loop {
+            let drained = self.drained.notified();
+            tokio::pin!(drained);
+            drained.as_mut().enable();
+            if self.closed.load(Ordering::SeqCst) {
+                return Err(RuntimeError::Disconnected(
+                    "the connection is closed".into(),
+                ));
+            }
+            if self.queued.load(Ordering::SeqCst) < STREAM_HIGH_WATER {
+                return Ok(());
+            }
+            if tokio::time::timeout_at(deadline, drained).await.is_err() {
+                return Err(RuntimeError::AgentTimeout {
+                    what: "the sandbox to take more of a file".into(),
+                    secs: REPLY_DEADLINE.as_secs(),
+                });
+            }
+        }
     }
 
     /// One frame of `message` and `body`, checked against the frame limits.
@@ -273,6 +306,156 @@ impl Drop for ExecHandle {
     }
 }
 
+/// A file being written to the guest a piece at a time (see
+/// [`AgentClient::upload`]). Dropped before its answer, it is cancelled: the
+/// guest discards what it had.
+pub struct FileUpload {
+    id: RequestId,
+    inner: Arc<Inner>,
+    rx: mpsc::UnboundedReceiver<Frame>,
+    size: u64,
+    sent: u64,
+    answered: bool,
+}
+
+impl FileUpload {
+    /// Send the next piece. Waits while the guest has more than
+    /// [`STREAM_HIGH_WATER`] bytes to read, so the host holds one piece of
+    /// an upload however big the file. Fails at once when the guest has
+    /// already refused the write (a directory, no permission).
+    pub async fn send(&mut self, data: &[u8]) -> Result<()> {
+        if self.sent + data.len() as u64 > self.size {
+            return Err(RuntimeError::Agent(AgentError::new(
+                ErrorKind::InvalidRequest,
+                format!("more than the announced {} bytes", self.size),
+            )));
+        }
+        for chunk in data.chunks(CHUNK_LEN) {
+            if let Ok(frame) = self.rx.try_recv() {
+                self.answered = true;
+                return Err(match frame.message {
+                    Message::Error { error, .. } => RuntimeError::Agent(error),
+                    other => unexpected(other),
+                });
+            }
+            self.inner.room().await?;
+            self.inner.send(&Message::FileData { id: self.id }, chunk)?;
+            self.sent += chunk.len() as u64;
+        }
+        Ok(())
+    }
+
+    /// All of it was sent: wait for the guest's answer. Returns the
+    /// resolved path and the byte count.
+    pub async fn finish(mut self) -> Result<(String, u64)> {
+        if self.sent != self.size {
+            return Err(RuntimeError::Agent(AgentError::new(
+                ErrorKind::InvalidRequest,
+                format!(
+                    "the upload ended after {} of its {} bytes",
+                    self.sent, self.size
+                ),
+            )));
+        }
+        let deadline = tokio::time::Instant::now() + REPLY_DEADLINE;
+        let frame = next_frame(&mut self.rx, deadline, "a file write").await?;
+        self.answered = true;
+        match frame.message {
+            Message::Done {
+                result: DoneResult::Written { path, bytes },
+                ..
+            } => Ok((path, bytes)),
+            Message::Error { error, .. } => Err(RuntimeError::Agent(error)),
+            other => Err(unexpected(other)),
+        }
+    }
+}
+
+impl Drop for FileUpload {
+    fn drop(&mut self) {
+        if !self.answered {
+            let _ = self.inner.send(&Message::Cancel { id: self.id }, &[]);
+        }
+        self.inner.pending.lock().unwrap().remove(&self.id);
+    }
+}
+
+/// A file being read from the guest (see [`AgentClient::download`]).
+pub struct FileDownload {
+    id: RequestId,
+    inner: Arc<Inner>,
+    rx: mpsc::UnboundedReceiver<Frame>,
+    path: String,
+    size: u64,
+    received: u64,
+    max_bytes: u64,
+    ended: bool,
+}
+
+impl FileDownload {
+    /// The file's resolved path.
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// Its size when the guest opened it.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Each frame is owed within the deadline: a big file that keeps
+    /// coming is fine, a guest that stops sending is not.
+    async fn next_frame(&mut self) -> Result<Frame> {
+        let deadline = tokio::time::Instant::now() + REPLY_DEADLINE;
+        next_frame(&mut self.rx, deadline, "a file read").await
+    }
+
+    /// The next piece of the content; `None` after the last.
+    pub async fn next_chunk(&mut self) -> Result<Option<Vec<u8>>> {
+        if self.ended {
+            return Ok(None);
+        }
+        let frame = self.next_frame().await.inspect_err(|_| self.ended = true)?;
+        match frame.message {
+            Message::FileData { .. } => {
+                self.received += frame.body.len() as u64;
+                if self.received > self.max_bytes {
+                    self.ended = true;
+                    return Err(RuntimeError::Agent(AgentError::new(
+                        ErrorKind::TooLarge,
+                        format!(
+                            "the file grew past the {}-byte read limit while being read",
+                            self.max_bytes
+                        ),
+                    )));
+                }
+                Ok(Some(frame.body))
+            }
+            Message::Done {
+                result: DoneResult::Read { .. },
+                ..
+            } => {
+                self.ended = true;
+                Ok(None)
+            }
+            Message::Error { error, .. } => {
+                self.ended = true;
+                Err(RuntimeError::Agent(error))
+            }
+            other => {
+                self.ended = true;
+                Err(unexpected(other))
+            }
+        }
+    }
+}
+
+impl Drop for FileDownload {
+    fn drop(&mut self) {
+        self.inner.pending.lock().unwrap().remove(&self.id);
+    }
+}
+
 /// Output of a command collected whole.
 #[derive(Debug, Clone)]
 pub struct ExecOutput {
@@ -364,9 +547,12 @@ impl AgentClient {
         let (out_tx, mut out_rx) = mpsc::unbounded_channel::<Vec<u8>>();
         let queued = Arc::new(AtomicU64::new(0));
         let written = queued.clone();
+        let drained = Arc::new(tokio::sync::Notify::new());
+        let told = drained.clone();
         let inner = Arc::new(Inner {
             out: out_tx,
             queued,
+            drained,
             pending: Mutex::new(HashMap::new()),
             credits: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
@@ -379,6 +565,7 @@ impl AgentClient {
                     break;
                 }
                 written.fetch_sub(bytes.len() as u64, Ordering::SeqCst);
+                told.notify_waiters();
             }
         });
         let reader_inner = inner.clone();
@@ -595,53 +782,71 @@ impl AgentClient {
         }
     }
 
-    /// Read a whole file of at most `max_bytes`. Returns the resolved path and content.
-    pub async fn read_file(&self, path: &str, max_bytes: u64) -> Result<(String, Vec<u8>)> {
-        let (id, mut rx) = self.register()?;
-        if let Err(e) = self.inner.send(
+    /// Start writing a file of exactly `size` bytes, sent a piece at a time
+    /// with [`FileUpload::send`] (binary-exact; parents created; owned by
+    /// the user). The guest writes a temporary file and renames it into
+    /// place at the end, so a write cut short leaves nothing.
+    pub fn upload(&self, path: &str, size: u64, mode: Option<u32>) -> Result<FileUpload> {
+        let (id, rx) = self.register()?;
+        let upload = FileUpload {
+            id,
+            inner: self.inner.clone(),
+            rx,
+            size,
+            sent: 0,
+            answered: false,
+        };
+        let head = Message::WriteFile {
+            id,
+            path: path.to_string(),
+            size,
+            mode,
+        };
+        self.inner.send(&head, &[])?;
+        Ok(upload)
+    }
+
+    /// Start reading a file of at most `max_bytes`: its resolved path and
+    /// size, then its content a chunk at a time ([`FileDownload::next_chunk`]).
+    pub async fn download(&self, path: &str, max_bytes: u64) -> Result<FileDownload> {
+        let (id, rx) = self.register()?;
+        let mut download = FileDownload {
+            id,
+            inner: self.inner.clone(),
+            rx,
+            path: String::new(),
+            size: 0,
+            received: 0,
+            max_bytes,
+            ended: false,
+        };
+        self.inner.send(
             &Message::ReadFile {
                 id,
                 path: path.to_string(),
                 max_bytes,
             },
             &[],
-        ) {
-            self.inner.pending.lock().unwrap().remove(&id);
-            return Err(e);
-        }
-        let mut content = Vec::new();
-        let result = loop {
-            // Each chunk is owed within the deadline: a big file that keeps
-            // coming is fine, a guest that stops sending is not.
-            let deadline = tokio::time::Instant::now() + REPLY_DEADLINE;
-            let frame = next_frame(&mut rx, deadline, "a file read").await;
-            let frame = match frame {
-                Ok(f) => f,
-                Err(e) => break Err(e),
-            };
-            match frame.message {
-                Message::FileInfo { size, .. } => {
-                    content.reserve(size.min(max_bytes) as usize);
-                }
-                Message::FileData { .. } => {
-                    if content.len() as u64 + frame.body.len() as u64 > max_bytes {
-                        break Err(RuntimeError::Agent(AgentError::new(
-                            ErrorKind::TooLarge,
-                            format!("the file grew past the {max_bytes}-byte read limit while being read"),
-                        )));
-                    }
-                    content.extend_from_slice(&frame.body);
-                }
-                Message::Done {
-                    result: DoneResult::Read { path, .. },
-                    ..
-                } => break Ok((path, content)),
-                Message::Error { error, .. } => break Err(RuntimeError::Agent(error)),
-                other => break Err(unexpected(other)),
+        )?;
+        match download.next_frame().await?.message {
+            Message::FileInfo { path, size, .. } => {
+                download.path = path;
+                download.size = size;
+                Ok(download)
             }
-        };
-        self.inner.pending.lock().unwrap().remove(&id);
-        result
+            Message::Error { error, .. } => Err(RuntimeError::Agent(error)),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Read a whole file of at most `max_bytes`. Returns the resolved path and content.
+    pub async fn read_file(&self, path: &str, max_bytes: u64) -> Result<(String, Vec<u8>)> {
+        let mut download = self.download(path, max_bytes).await?;
+        let mut content = Vec::with_capacity(download.size().min(max_bytes) as usize);
+        while let Some(chunk) = download.next_chunk().await? {
+            content.extend_from_slice(&chunk);
+        }
+        Ok((std::mem::take(&mut download.path), content))
     }
 
     /// List a directory tree.

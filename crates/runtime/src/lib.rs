@@ -24,7 +24,7 @@ pub mod tunnel;
 pub mod vm;
 
 pub use accel::Accel;
-pub use channel::{AgentClient, ExecEvent, ExecHandle, ExecOutput};
+pub use channel::{AgentClient, ExecEvent, ExecHandle, ExecOutput, FileDownload, FileUpload};
 pub use config::{AccelChoice, NetworkPolicy, RuntimeConfig, SizeSpec};
 pub use error::{Result, RuntimeError};
 pub use give_way::{GiveWay, Held};
