@@ -743,43 +743,18 @@ impl AgentClient {
         }
     }
 
-    /// Write a whole file (binary-exact; parents created; owned by the user).
-    /// Returns the resolved path and the byte count.
+    /// Write a whole file (binary-exact; parents created; owned by the user),
+    /// as an [`AgentClient::upload`] of one piece. Returns the resolved
+    /// path and the byte count.
     pub async fn write_file(
         &self,
         path: &str,
         content: &[u8],
         mode: Option<u32>,
     ) -> Result<(String, u64)> {
-        let (id, mut rx) = self.register()?;
-        // All of it is queued or none: a write cut short would leave the
-        // guest waiting for the rest.
-        let head = Message::WriteFile {
-            id,
-            path: path.to_string(),
-            size: content.len() as u64,
-            mode,
-        };
-        let sent = std::iter::once(Inner::frame(&head, &[]))
-            .chain(
-                content
-                    .chunks(CHUNK_LEN)
-                    .map(|chunk| Inner::frame(&Message::FileData { id }, chunk)),
-            )
-            .collect::<Result<Vec<_>>>()
-            .and_then(|frames| self.inner.send_all(frames));
-        if let Err(e) = sent {
-            self.inner.pending.lock().unwrap().remove(&id);
-            return Err(e);
-        }
-        let frame = self.finish(id, &mut rx, "a file write").await?;
-        match frame.message {
-            Message::Done {
-                result: DoneResult::Written { path, bytes },
-                ..
-            } => Ok((path, bytes)),
-            other => Err(unexpected(other)),
-        }
+        let mut upload = self.upload(path, content.len() as u64, mode)?;
+        upload.send(content).await?;
+        upload.finish().await
     }
 
     /// Start writing a file of exactly `size` bytes, sent a piece at a time
@@ -1066,17 +1041,22 @@ mod tests {
                 tokio::spawn(async move { c.write_file("big", &data, None).await })
             })
             .collect();
-        // Both are queued (80 MiB, less what the socket took), the guest reads none.
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while client.inner.queued.load(Ordering::SeqCst) < 79 << 20 {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "the writes were never queued"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        // The writes wait for the guest with a few MiB queued, not 80.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let queued = client.inner.queued.load(Ordering::SeqCst);
+        assert!(
+            queued >= STREAM_HIGH_WATER && queued < STREAM_HIGH_WATER + 2 * CHUNK_LEN as u64 + 1024,
+            "{queued} bytes queued"
+        );
+        assert!(writes.iter().all(|w| !w.is_finished()));
+        // Whatever else is sent past the limit is refused whole, at once.
+        for _ in 0..3 {
+            let _ = client.inner.send_all(vec![vec![0u8; 40 << 20]]);
         }
-        // A third would pass the limit: refused whole, at once.
-        let e = client.write_file("more", &chunk, None).await.unwrap_err();
+        let e = client
+            .inner
+            .send_all(vec![vec![0u8; 40 << 20]])
+            .unwrap_err();
         assert!(matches!(e, RuntimeError::Busy(_)), "{e}");
         assert!(e.to_string().contains("not reading"), "{e}");
         assert!(client.inner.queued.load(Ordering::SeqCst) <= OUT_QUEUE_LIMIT);
