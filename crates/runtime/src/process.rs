@@ -191,7 +191,11 @@ mod tests {
     fn processes_are_found_and_killed_by_what_their_command_line_mentions() {
         let marker = format!("sandpit-test-marker-{}", std::process::id());
         let mut child = std::process::Command::new("sh")
-            .args(["-c", "sleep 30", &marker])
+            // A builtin waiting on a pipe: the shell neither forks (a
+            // child would mention the marker too until it exec'd) nor
+            // execs (the marker, its `$0`, would leave the command line).
+            .args(["-c", "read line", &marker])
+            .stdin(std::process::Stdio::piped())
             .spawn()
             .unwrap();
         // Until the child has exec'd, its command line is this test's.
