@@ -303,6 +303,9 @@ impl Settings {
                 }
             }
             if let Some(d) = &p.domain {
+                if let Err(e) = sandpit_core::preview::check_domain(d) {
+                    bail!("[preview] domain {d:?}: {e}");
+                }
                 service.preview_domain = d.clone();
                 preview_domain_set = true;
             }
@@ -472,6 +475,10 @@ mod network_tests {
 
         // A configured deny list extends the default one; dropping the
         // default takes saying so.
+        std::fs::write(&config, "[preview]\ndomain = \"https://*.example.com\"\n").unwrap();
+        let e = Settings::load(Some(dir.path().into()), None, Some(&config)).unwrap_err();
+        assert!(e.to_string().contains("[preview] domain"), "{e}");
+
         std::fs::write(&config, "[network]\ndeny = [\"203.0.113.0/24\"]\n").unwrap();
         let s = Settings::load(Some(dir.path().into()), None, Some(&config)).unwrap();
         let deny = &s.runtime.network.deny;

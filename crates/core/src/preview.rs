@@ -79,6 +79,42 @@ fn canonical_port(s: &str) -> Option<u16> {
     s.parse::<u16>().ok()
 }
 
+/// Whether `domain` can be a preview domain: a DNS name (URLs are
+/// `{port}-{id}.{domain}`, so no IP address, scheme or path), with an
+/// optional canonical `:port`. Says what is wrong, for a configuration error.
+pub fn check_domain(domain: &str) -> Result<(), String> {
+    let (name, port) = split_port(domain);
+    if let Some(p) = port {
+        if canonical_port(p).is_none() {
+            return Err(format!("{p:?} is not a port (1-65535, no leading zero)"));
+        }
+    }
+    let name = name.strip_suffix('.').unwrap_or(name);
+    if name.starts_with('[') || name.parse::<Ipv4Addr>().is_ok() {
+        return Err("an IP address cannot have names under it; use a DNS name \
+                    (`localhost` for this machine)"
+            .into());
+    }
+    if name.is_empty() || name.len() > 253 {
+        return Err("a DNS name is 1 to 253 characters".into());
+    }
+    for label in name.split('.') {
+        let ok = (1..=63).contains(&label.len())
+            && label
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-')
+            && !label.starts_with('-')
+            && !label.ends_with('-');
+        if !ok {
+            return Err(format!(
+                "{label:?} is not a DNS label (letters, digits and inner hyphens, 1 to 63; \
+                 no scheme, path or wildcard: `previews.example.com`, not `https://*.previews.example.com/`)"
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Classify the `Host` header (or HTTP/2 `:authority`) of a request.
 ///
 /// `domain` is the configured preview domain, with a `:port` when URLs
@@ -581,6 +617,34 @@ mod tests {
         HostKind::Preview {
             port,
             sandbox_id: id.into(),
+        }
+    }
+
+    #[test]
+    fn preview_domains_are_dns_names_with_an_optional_port() {
+        for ok in [
+            "localhost:8080",
+            "localhost",
+            "previews.example.com",
+            "a-b.example.",
+            "x.y:443",
+        ] {
+            assert_eq!(check_domain(ok), Ok(()), "{ok}");
+        }
+        for (bad, why) in [
+            ("127.0.0.1:8080", "IP address"),
+            ("[::1]:8080", "IP address"),
+            ("https://previews.example.com", "not a port"),
+            ("*.previews.example.com", "not a DNS label"),
+            ("previews.example.com/x", "not a DNS label"),
+            ("localhost:08080", "not a port"),
+            ("localhost:", "not a port"),
+            ("-a.example.com", "not a DNS label"),
+            ("a..b", "not a DNS label"),
+            ("", "1 to 253"),
+        ] {
+            let e = check_domain(bad).unwrap_err();
+            assert!(e.contains(why), "{bad}: {e}");
         }
     }
 
