@@ -12,19 +12,22 @@
 //! target at the end, so a reader never sees half a file.
 
 use crate::channel::Reply;
-use crate::sys;
+use crate::credit::Credit;
+use crate::sys::{self, lock};
 use sandpit_protocol::{
     resolve_guest_path, AgentError, DoneResult, ErrorKind, FileEntry, FileKind, Message, RequestId,
     CHUNK_LEN, GUEST_UID, MAX_LISTING_BYTES,
 };
 use std::cmp::Ordering;
-use std::collections::BinaryHeap;
+use std::collections::{BinaryHeap, HashMap};
 use std::fs::{self, OpenOptions};
 use std::io::{self, Read, Write};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
 use std::sync::mpsc::Receiver;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 /// The text of an OS error without std's " (os error N)" suffix.
 fn strerror(e: &io::Error) -> String {
@@ -235,12 +238,51 @@ pub fn write_file(
 
 // ---- read -------------------------------------------------------------
 
-/// Send a file: `FileInfo`, `FileData` chunks, `Done{Read}`.
+/// The send credit of each read the host gave a window (see
+/// [`Message::ReadFile`]).
+static READS: Mutex<Option<HashMap<RequestId, Arc<Credit>>>> = Mutex::new(None);
+
+/// How long a read waits for the host to acknowledge data before it gives
+/// up (the host consumes as its client reads; a host gone for good never
+/// acks).
+const ACK_PATIENCE: Duration = Duration::from_secs(120);
+
+/// Register a read with a `window` of send credit.
+pub fn open_read(id: RequestId, window: u32) -> Arc<Credit> {
+    let credit = Arc::new(Credit::new(window.into()));
+    lock(&READS)
+        .get_or_insert_with(HashMap::new)
+        .insert(id, credit.clone());
+    credit
+}
+
+/// The host consumed `bytes` of read `id`.
+pub fn ack_read(id: RequestId, bytes: u32) {
+    if let Some(c) = lock(&READS).as_ref().and_then(|r| r.get(&id)) {
+        c.add(bytes.into());
+    }
+}
+
+/// Read `id` is over (done, or cancelled by the host: it stops sending).
+/// Whether it was still open.
+pub fn close_read(id: RequestId) -> bool {
+    match lock(&READS).as_mut().and_then(|r| r.remove(&id)) {
+        Some(c) => {
+            c.close();
+            true
+        }
+        None => false,
+    }
+}
+
+/// Send a file: `FileInfo`, `FileData` chunks, `Done{Read}`; with `credit`,
+/// never more data than the host granted and has not acknowledged.
 pub fn read_file(
     reply: &Reply,
     id: RequestId,
     path: &str,
     max_bytes: u64,
+    credit: Option<&Credit>,
 ) -> Result<(), AgentError> {
     let target = resolve_guest_path(path)?;
     // O_NONBLOCK so a FIFO cannot hang the open; it means nothing for
@@ -282,12 +324,13 @@ pub fn read_file(
                 "at least ".to_string() + &content.len().to_string(),
             ));
         }
-        return send_content(reply, id, &target, content.len() as u64, &mut &content[..]);
+        let size = content.len() as u64;
+        return send_content(reply, id, &target, size, &mut &content[..], credit);
     }
     if size > max_bytes {
         return Err(too_large(size.to_string()));
     }
-    send_content(reply, id, &target, size, &mut file)
+    send_content(reply, id, &target, size, &mut file, credit)
 }
 
 fn send_content(
@@ -296,6 +339,7 @@ fn send_content(
     path: &str,
     size: u64,
     src: &mut dyn Read,
+    credit: Option<&Credit>,
 ) -> Result<(), AgentError> {
     reply.send(
         &Message::FileInfo {
@@ -311,13 +355,29 @@ fn send_content(
         if !reply.is_current() {
             return Ok(()); // the session ended: nobody to send to
         }
-        let want = (size - sent).min(buf.len() as u64) as usize;
+        let mut want = (size - sent).min(buf.len() as u64) as usize;
+        if let Some(credit) = credit {
+            match credit.take_within(want, Some(ACK_PATIENCE)) {
+                Some(n) => want = n,
+                // Cancelled, or the host stopped taking it: nobody reads on.
+                None => return Ok(()),
+            }
+        }
         let n = match src.read(&mut buf[..want]) {
             Ok(0) => break, // the file shrank meanwhile
             Ok(n) => n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {
+                if let Some(credit) = credit {
+                    credit.add(want as u64);
+                }
+                continue;
+            }
             Err(e) => return Err(io_error(&e, path)),
         };
+        if let Some(credit) = credit {
+            // Credit taken for bytes the file did not have goes back.
+            credit.add((want - n) as u64);
+        }
         reply.send(&Message::FileData { id }, &buf[..n]);
         sent += n as u64;
     }
@@ -607,6 +667,40 @@ mod tests {
     }
 
     #[test]
+    fn a_read_with_a_window_waits_for_acks_and_stops_when_cancelled() {
+        let d = scratch("window");
+        let (tx, rx) = mpsc::sync_channel(64);
+        let reply = Reply::new(u64::MAX, Outbox::for_test(tx));
+        let body = vec![7u8; 4 * CHUNK_LEN];
+        let p = d.join("f");
+        fs::write(&p, &body).unwrap();
+        let credit = open_read(40, (CHUNK_LEN + 100) as u32);
+        let path = s(&p);
+        let reading =
+            std::thread::spawn(move || read_file(&reply, 40, &path, 1 << 30, Some(&credit)));
+        let data_sent = |frames: &[sandpit_protocol::Frame]| -> usize {
+            frames
+                .iter()
+                .filter(|f| matches!(f.message, Message::FileData { .. }))
+                .map(|f| f.body.len())
+                .sum()
+        };
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        let mut frames = decode_all(&rx);
+        assert_eq!(data_sent(&frames), CHUNK_LEN + 100, "the window, no more");
+        ack_read(40, CHUNK_LEN as u32);
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        frames.extend(decode_all(&rx));
+        assert_eq!(data_sent(&frames), 2 * CHUNK_LEN + 100);
+        // The host gave up on it: it stops, with nothing more sent.
+        assert!(close_read(40));
+        reading.join().unwrap().unwrap();
+        assert!(decode_all(&rx).is_empty());
+        assert!(!close_read(40));
+        fs::remove_dir_all(d).unwrap();
+    }
+
+    #[test]
     fn reads_in_chunks_and_refuses_what_it_must() {
         let d = scratch("read");
         let (tx, rx) = mpsc::sync_channel(64);
@@ -614,7 +708,7 @@ mod tests {
         let body: Vec<u8> = (0..CHUNK_LEN + 10).map(|i| (i % 251) as u8).collect();
         let p = d.join("f");
         fs::write(&p, &body).unwrap();
-        read_file(&reply, 4, &s(&p), body.len() as u64).unwrap();
+        read_file(&reply, 4, &s(&p), body.len() as u64, None).unwrap();
         let frames = decode_all(&rx);
         assert_eq!(
             frames[0].message,
@@ -631,15 +725,15 @@ mod tests {
             matches!(frames[3].message, Message::Done { id: 4, result: DoneResult::Read { bytes, .. } } if bytes == body.len() as u64)
         );
 
-        let e = read_file(&reply, 5, &s(&p), 10).unwrap_err();
+        let e = read_file(&reply, 5, &s(&p), 10, None).unwrap_err();
         assert_eq!(e.kind, ErrorKind::TooLarge);
         assert!(e.message.contains(&body.len().to_string()) && e.message.contains("10"));
         assert_eq!(
-            read_file(&reply, 6, &s(&d), 10).unwrap_err().kind,
+            read_file(&reply, 6, &s(&d), 10, None).unwrap_err().kind,
             ErrorKind::IsADirectory
         );
         assert_eq!(
-            read_file(&reply, 7, &s(&d.join("nope")), 10)
+            read_file(&reply, 7, &s(&d.join("nope")), 10, None)
                 .unwrap_err()
                 .kind,
             ErrorKind::NotFound
@@ -647,14 +741,14 @@ mod tests {
         assert!(decode_all(&rx).is_empty());
 
         // procfs: size 0 in stat, content on read.
-        read_file(&reply, 8, "/proc/self/status", 1 << 20).unwrap();
+        read_file(&reply, 8, "/proc/self/status", 1 << 20, None).unwrap();
         let frames = decode_all(&rx);
         let Message::FileInfo { size, .. } = frames[0].message else {
             panic!()
         };
         assert!(size > 0);
         assert_eq!(
-            read_file(&reply, 9, "/proc/self/status", 3)
+            read_file(&reply, 9, "/proc/self/status", 3, None)
                 .unwrap_err()
                 .kind,
             ErrorKind::TooLarge

@@ -18,6 +18,7 @@
 mod cgroup;
 mod channel;
 mod config;
+mod credit;
 mod exec;
 mod files;
 mod init;

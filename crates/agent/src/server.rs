@@ -113,7 +113,7 @@ impl Server {
             Message::Cancel { id } => {
                 // A write the host gave up on: its thread sees the data
                 // end, removes its temporary file and answers nothing.
-                if self.uploads.remove(&id).is_some() {
+                if self.uploads.remove(&id).is_some() || files::close_read(id) {
                     return;
                 }
                 // The Exited of the command is the answer.
@@ -138,11 +138,20 @@ impl Server {
                 id,
                 path,
                 max_bytes,
+                window,
             } => {
+                // Registered here, on the reader thread, before any ack
+                // or cancel for it can arrive.
+                let credit = window.map(|w| files::open_read(id, w));
                 spawn_worker(reply, id, "read-file", true, move |r| {
-                    files::read_file(r, id, &path, max_bytes)
+                    let read = files::read_file(r, id, &path, max_bytes, credit.as_deref());
+                    if credit.is_some() {
+                        files::close_read(id);
+                    }
+                    read
                 });
             }
+            Message::FileAck { id, bytes } => files::ack_read(id, bytes),
             Message::ListFiles {
                 id,
                 path,

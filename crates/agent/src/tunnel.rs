@@ -16,6 +16,7 @@
 //! `TunnelClose`). A half-close travels as `TunnelShutdown` either way.
 
 use crate::channel::Reply;
+use crate::credit::Credit;
 use crate::sys::lock;
 use sandpit_protocol::{AgentError, ErrorKind, Message, RequestId};
 use std::collections::HashMap;
@@ -23,7 +24,7 @@ use std::io::{self, Read, Write};
 use std::net::{Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::Duration;
 
@@ -56,44 +57,6 @@ static SERIAL: AtomicU64 = AtomicU64::new(1);
 fn with_tunnels<R>(f: impl FnOnce(&mut HashMap<RequestId, Entry>) -> R) -> R {
     let mut g = lock(&TUNNELS);
     f(g.get_or_insert_with(HashMap::new))
-}
-
-/// Credit for the down direction: bytes this side may still send.
-struct Credit {
-    state: Mutex<(u64, bool)>,
-    cv: Condvar,
-}
-
-impl Credit {
-    fn new(n: u64) -> Self {
-        Credit {
-            state: Mutex::new((n, false)),
-            cv: Condvar::new(),
-        }
-    }
-    fn add(&self, n: u64) {
-        lock(&self.state).0 += n;
-        self.cv.notify_all();
-    }
-    fn close(&self) {
-        lock(&self.state).1 = true;
-        self.cv.notify_all();
-    }
-    /// Wait for credit; take up to `want`. `None` once closed.
-    fn take(&self, want: usize) -> Option<usize> {
-        let mut g = lock(&self.state);
-        loop {
-            if g.1 {
-                return None;
-            }
-            if g.0 > 0 {
-                let n = (g.0 as usize).min(want);
-                g.0 -= n as u64;
-                return Some(n);
-            }
-            g = self.cv.wait(g).unwrap_or_else(|e| e.into_inner());
-        }
-    }
 }
 
 /// Handle a `TunnelOpen` (on the reader thread: registers the stream before

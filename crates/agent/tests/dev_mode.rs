@@ -403,6 +403,7 @@ fn serves_the_protocol_end_to_end() {
             id: 10,
             path: path.clone(),
             max_bytes: 1 << 20,
+            window: None,
         },
         b"",
     );
@@ -422,6 +423,7 @@ fn serves_the_protocol_end_to_end() {
             id: 11,
             path: format!("{ws}/secret"),
             max_bytes: 10,
+            window: None,
         },
         b"",
     );

@@ -39,12 +39,20 @@ pub enum Message {
         mode: Option<u32>,
     },
     /// Read a file; answered with [`Message::FileInfo`], then [`Message::FileData`]
-    /// frames, then [`Message::Done`] / [`DoneResult::Read`].
+    /// frames, then [`Message::Done`] / [`DoneResult::Read`]. With a
+    /// `window`, the guest has at most that many bytes of data
+    /// unacknowledged ([`Message::FileAck`]); without, it sends all at once.
+    /// [`Message::Cancel`] stops it (nothing more is sent for it).
     ReadFile {
         id: RequestId,
         path: String,
         max_bytes: u64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        window: Option<u32>,
     },
+    /// The host consumed `bytes` of a read's data: the guest may send that
+    /// many more.
+    FileAck { id: RequestId, bytes: u32 },
     /// List a directory (or describe one file).
     ListFiles {
         id: RequestId,
@@ -134,6 +142,7 @@ impl Message {
             | Cancel { id }
             | WriteFile { id, .. }
             | ReadFile { id, .. }
+            | FileAck { id, .. }
             | ListFiles { id, .. }
             | DeleteFile { id, .. }
             | PowerOff { id }

@@ -66,6 +66,7 @@ fn samples() -> Vec<Message> {
             id: 5,
             path: "a".into(),
             max_bytes: 10,
+            window: None,
         },
         Message::ListFiles {
             id: 6,
@@ -198,6 +199,18 @@ fn samples() -> Vec<Message> {
                 ],
             },
         },
+        // Added to generation 1 (old agents never see them: a host only
+        // talks to the agent of its own build).
+        Message::ReadFile {
+            id: 30,
+            path: "a".into(),
+            max_bytes: 10,
+            window: Some(1 << 20),
+        },
+        Message::FileAck {
+            id: 30,
+            bytes: 262_144,
+        },
     ]
 }
 
@@ -212,6 +225,7 @@ fn exhaustive(m: &Message) -> &'static str {
         Message::Cancel { .. } => "cancel",
         Message::WriteFile { .. } => "write_file",
         Message::ReadFile { .. } => "read_file",
+        Message::FileAck { .. } => "file_ack",
         Message::ListFiles { .. } => "list_files",
         Message::DeleteFile { .. } => "delete_file",
         Message::PowerOff { .. } => "power_off",

@@ -88,6 +88,11 @@ pub const OUT_QUEUE_LIMIT: u64 = 96 * 1024 * 1024;
 /// an upload holds in the host is its chunk, whatever the file's size.
 pub const STREAM_HIGH_WATER: u64 = 4 * 1024 * 1024;
 
+/// Bytes of a file read the guest may send before the host acknowledges
+/// them ([`Message::FileAck`], sent as [`FileDownload::next_chunk`] hands
+/// pieces on): what waits in the host for a slow reader of one download.
+pub const READ_WINDOW: u32 = 1024 * 1024;
+
 /// Frames this small (cancels, acks, closes, most requests) are queued
 /// whatever is already queued, so a full queue never loses a cancel.
 const ALWAYS_QUEUED: u64 = 4096;
@@ -419,6 +424,12 @@ impl FileDownload {
         match frame.message {
             Message::FileData { .. } => {
                 self.received += frame.body.len() as u64;
+                // Taken: the guest may send as much again.
+                let ack = Message::FileAck {
+                    id: self.id,
+                    bytes: frame.body.len() as u32,
+                };
+                let _ = self.inner.send(&ack, &[]);
                 if self.received > self.max_bytes {
                     self.ended = true;
                     return Err(RuntimeError::Agent(AgentError::new(
@@ -452,6 +463,10 @@ impl FileDownload {
 
 impl Drop for FileDownload {
     fn drop(&mut self) {
+        if !self.ended {
+            // Nobody takes the rest: the guest stops sending it.
+            let _ = self.inner.send(&Message::Cancel { id: self.id }, &[]);
+        }
         self.inner.pending.lock().unwrap().remove(&self.id);
     }
 }
@@ -800,6 +815,7 @@ impl AgentClient {
                 id,
                 path: path.to_string(),
                 max_bytes,
+                window: Some(READ_WINDOW),
             },
             &[],
         )?;
