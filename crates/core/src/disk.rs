@@ -71,7 +71,11 @@ impl Service {
             let Ok(bytes) = manager.disk_use(&row.id) else {
                 continue;
             };
-            uses.push((row.id.clone(), bytes));
+            // Only changes are written: an idle sandbox costs no write
+            // lock every sample (creates wait for that lock).
+            if bytes != row.disk_used_bytes {
+                uses.push((row.id.clone(), bytes));
+            }
             *per_account.entry(&row.account_id).or_default() += bytes;
             running.push(row);
         }
