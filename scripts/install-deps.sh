@@ -85,8 +85,10 @@ fi
 
 # --- Everything else -----------------------------------------------------
 # g++: libFuzzer, which the fuzz targets (scripts/fuzz.sh) link, is C++.
+# postgresql: the tests start their own server from its initdb (as the
+# postgres user the package creates); a cluster's shared state lives on one.
 pkgs=(debootstrap passt e2fsprogs iproute2 python3 curl ca-certificates
-  gcc g++ libc6-dev pkg-config nftables libnss-myhostname)
+  gcc g++ libc6-dev pkg-config nftables libnss-myhostname postgresql)
 # Node.js only where there is none: a machine that has it from elsewhere
 # (NodeSource, nvm, a tarball) keeps it, and Debian's npm next to another
 # Node.js would pull Debian's nodejs in beside it, or conflict with it.

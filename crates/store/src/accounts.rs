@@ -8,7 +8,7 @@ use crate::util::{
     random_base32,
 };
 use crate::Store;
-use sqlx::sqlite::SqliteRow;
+use sqlx::any::AnyRow;
 use time::{Duration, OffsetDateTime};
 
 /// An account: who owns sandboxes and pays for them.
@@ -62,7 +62,7 @@ const KEY_RANDOM_CHARS: usize = 40;
 /// Length of the visible prefix.
 const KEY_PREFIX_CHARS: usize = 12;
 
-fn account_from(row: &SqliteRow) -> Result<AccountRow> {
+fn account_from(row: &AnyRow) -> Result<AccountRow> {
     Ok(AccountRow {
         id: get_str(row, "id")?,
         name: get_str(row, "name")?,
@@ -71,7 +71,7 @@ fn account_from(row: &SqliteRow) -> Result<AccountRow> {
     })
 }
 
-fn key_from(row: &SqliteRow) -> Result<KeyRow> {
+fn key_from(row: &AnyRow) -> Result<KeyRow> {
     Ok(KeyRow {
         id: get_str(row, "id")?,
         account_id: get_str(row, "account_id")?,
@@ -82,7 +82,7 @@ fn key_from(row: &SqliteRow) -> Result<KeyRow> {
     })
 }
 
-pub(crate) fn ledger_from(row: &SqliteRow) -> Result<LedgerRow> {
+pub(crate) fn ledger_from(row: &AnyRow) -> Result<LedgerRow> {
     Ok(LedgerRow {
         id: get_i64(row, "id")?,
         account_id: get_str(row, "account_id")?,
@@ -335,10 +335,10 @@ impl Store {
 /// can read it under its lock).
 pub(crate) async fn balance_in<'e, E>(exec: E, account_id: &str) -> Result<i64>
 where
-    E: sqlx::Executor<'e, Database = sqlx::Sqlite>,
+    E: sqlx::Executor<'e, Database = sqlx::Any>,
 {
     Ok(sqlx::query_scalar(
-        "SELECT COALESCE(SUM(amount_micros), 0) FROM ledger WHERE account_id = $1",
+        "SELECT CAST(COALESCE(SUM(amount_micros), 0) AS BIGINT) FROM ledger WHERE account_id = $1",
     )
     .bind(account_id)
     .fetch_one(exec)

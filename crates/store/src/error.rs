@@ -25,6 +25,10 @@ pub enum StoreError {
     /// number out of range): the database was written by something else.
     #[error("corrupt row: {0}")]
     Corrupt(String),
+    /// The database cannot be reached (a PostgreSQL server down or
+    /// refusing); the message names it, without its password.
+    #[error("database unavailable: {0}")]
+    Unavailable(String),
     /// The database failed (I/O, lock time-out, constraint).
     #[error("database: {0}")]
     Db(#[from] sqlx::Error),

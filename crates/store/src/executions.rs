@@ -4,8 +4,10 @@
 use crate::error::{Result, StoreError};
 use crate::exec_status;
 use crate::util::{format_ts, get_i64, get_opt_ts, get_str, get_ts, now};
-use crate::Store;
-use sqlx::sqlite::SqliteRow;
+use crate::{lock_account, row_lock, Engine, Store};
+use sqlx::any::AnyArguments;
+use sqlx::any::AnyRow;
+use sqlx::Any;
 use time::OffsetDateTime;
 
 /// A command run in a sandbox.
@@ -52,7 +54,7 @@ pub struct PortRow {
     pub closed_at: Option<OffsetDateTime>,
 }
 
-fn execution_from(row: &SqliteRow) -> Result<ExecutionRow> {
+fn execution_from(row: &AnyRow) -> Result<ExecutionRow> {
     let exit_code = row_opt_i64(row, "exit_code")?
         .map(|c| i32::try_from(c).map_err(|_| StoreError::Corrupt(format!("exit_code {c}"))))
         .transpose()?;
@@ -61,11 +63,11 @@ fn execution_from(row: &SqliteRow) -> Result<ExecutionRow> {
         id: get_str(row, "id")?,
         sandbox_id: get_str(row, "sandbox_id")?,
         account_id: get_str(row, "account_id")?,
-        command: get_str(row, "command")?,
+        command: get_text(row, "command")?,
         status: get_str(row, "status")?,
         exit_code,
-        stdout: get_str(row, "stdout")?,
-        stderr: get_str(row, "stderr")?,
+        stdout: get_text(row, "stdout")?,
+        stderr: get_text(row, "stderr")?,
         truncated: get_i64(row, "truncated")? != 0,
         duration_ms: u64::try_from(duration)
             .map_err(|_| StoreError::Corrupt(format!("duration_ms {duration}")))?,
@@ -74,12 +76,35 @@ fn execution_from(row: &SqliteRow) -> Result<ExecutionRow> {
     })
 }
 
-fn row_opt_i64(row: &SqliteRow, col: &str) -> Result<Option<i64>> {
+/// A command or an output: TEXT on SQLite, BYTEA (UTF-8) on PostgreSQL,
+/// whose TEXT cannot hold the NUL character a command's output may have.
+fn get_text(row: &AnyRow, col: &str) -> Result<String> {
+    use sqlx::Row;
+    match row.try_get::<String, _>(col) {
+        Ok(s) => Ok(s),
+        Err(_) => String::from_utf8(row.try_get::<Vec<u8>, _>(col)?)
+            .map_err(|_| StoreError::Corrupt(format!("{col} is not UTF-8"))),
+    }
+}
+
+/// Binds a command or an output the way [`get_text`] reads it back.
+fn bind_text<'q>(
+    query: sqlx::query::Query<'q, Any, AnyArguments>,
+    engine: Engine,
+    text: &'q str,
+) -> sqlx::query::Query<'q, Any, AnyArguments> {
+    match engine {
+        Engine::Sqlite => query.bind(text),
+        Engine::Postgres => query.bind(text.as_bytes()),
+    }
+}
+
+fn row_opt_i64(row: &AnyRow, col: &str) -> Result<Option<i64>> {
     use sqlx::Row;
     Ok(row.try_get::<Option<i64>, _>(col)?)
 }
 
-fn port_from(row: &SqliteRow) -> Result<PortRow> {
+fn port_from(row: &AnyRow) -> Result<PortRow> {
     let port = get_i64(row, "port")?;
     Ok(PortRow {
         sandbox_id: get_str(row, "sandbox_id")?,
@@ -103,7 +128,7 @@ const ROW_OVERHEAD: i64 = 256;
 const TRIM_BATCH: i64 = 100;
 
 async fn add_execution_bytes(
-    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
     account_id: &str,
     bytes: i64,
 ) -> Result<()> {
@@ -137,26 +162,26 @@ impl Store {
         check_exec_status(&row.status)?;
         let size = stored_bytes(&row.command, &row.stdout, &row.stderr);
         let mut tx = self.write_tx().await?;
-        let res = sqlx::query(
+        let query = sqlx::query(
             "INSERT INTO executions (id, sandbox_id, account_id, command, status, exit_code, \
                  stdout, stderr, truncated, duration_ms, started_at, finished_at, stored_bytes) \
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
         )
         .bind(&row.id)
         .bind(&row.sandbox_id)
-        .bind(&row.account_id)
-        .bind(&row.command)
-        .bind(&row.status)
-        .bind(row.exit_code.map(i64::from))
-        .bind(&row.stdout)
-        .bind(&row.stderr)
-        .bind(i64::from(row.truncated))
-        .bind(duration_i64(row.duration_ms)?)
-        .bind(format_ts(row.started_at))
-        .bind(row.finished_at.map(format_ts))
-        .bind(size)
-        .execute(&mut *tx)
-        .await;
+        .bind(&row.account_id);
+        let query = bind_text(query, self.engine, &row.command)
+            .bind(&row.status)
+            .bind(row.exit_code.map(i64::from));
+        let query = bind_text(query, self.engine, &row.stdout);
+        let res = bind_text(query, self.engine, &row.stderr)
+            .bind(i64::from(row.truncated))
+            .bind(duration_i64(row.duration_ms)?)
+            .bind(format_ts(row.started_at))
+            .bind(row.finished_at.map(format_ts))
+            .bind(size)
+            .execute(&mut *tx)
+            .await;
         match res {
             Ok(_) => {
                 add_execution_bytes(&mut tx, &row.account_id, size).await?;
@@ -187,13 +212,15 @@ impl Store {
             ));
         }
         let mut tx = self.write_tx().await?;
-        let before = sqlx::query(
+        let sql = format!(
             "SELECT account_id, command, stored_bytes FROM executions \
-             WHERE id = $1 AND status = 'running'",
-        )
-        .bind(id)
-        .fetch_optional(&mut *tx)
-        .await?;
+             WHERE id = $1 AND status = 'running'{}",
+            row_lock(&tx)
+        );
+        let before = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(id)
+            .fetch_optional(&mut *tx)
+            .await?;
         let Some(before) = before else {
             drop(tx);
             return match self.execution(id).await? {
@@ -203,27 +230,27 @@ impl Store {
         };
         let account = get_str(&before, "account_id")?;
         let size = stored_bytes(
-            &get_str(&before, "command")?,
+            &get_text(&before, "command")?,
             &result.stdout,
             &result.stderr,
         );
         let grown = size - get_i64(&before, "stored_bytes")?;
-        sqlx::query(
+        let query = sqlx::query(
             "UPDATE executions SET status = $2, exit_code = $3, stdout = $4, stderr = $5, \
                  truncated = $6, duration_ms = $7, finished_at = $8, stored_bytes = $9 \
              WHERE id = $1 AND status = 'running'",
         )
         .bind(id)
         .bind(&result.status)
-        .bind(result.exit_code.map(i64::from))
-        .bind(&result.stdout)
-        .bind(&result.stderr)
-        .bind(i64::from(result.truncated))
-        .bind(duration_i64(result.duration_ms)?)
-        .bind(format_ts(result.finished_at))
-        .bind(size)
-        .execute(&mut *tx)
-        .await?;
+        .bind(result.exit_code.map(i64::from));
+        let query = bind_text(query, self.engine, &result.stdout);
+        bind_text(query, self.engine, &result.stderr)
+            .bind(i64::from(result.truncated))
+            .bind(duration_i64(result.duration_ms)?)
+            .bind(format_ts(result.finished_at))
+            .bind(size)
+            .execute(&mut *tx)
+            .await?;
         add_execution_bytes(&mut tx, &account, grown).await?;
         tx.commit().await?;
         Ok(true)
@@ -253,6 +280,7 @@ impl Store {
         let mut deleted = 0;
         loop {
             let mut tx = self.write_tx().await?;
+            lock_account(&mut tx, account_id).await?;
             let used: i64 = sqlx::query("SELECT execution_bytes FROM accounts WHERE id = $1")
                 .bind(account_id)
                 .fetch_optional(&mut *tx)

@@ -94,11 +94,10 @@ pub use sandboxes::{
 };
 pub use util::{format_ts, hash_key, new_id, parse_ts};
 
-use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
-};
+use sqlx::any::AnyPoolOptions;
+use sqlx::AnyConnection;
+use sqlx::AnyPool;
 use std::path::Path;
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -136,14 +135,104 @@ pub mod exec_status {
 /// How long a writer waits for SQLite's lock before giving up.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// The embedded schema migrations (`crates/store/migrations`).
-static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+/// Connections one process keeps to PostgreSQL. Each replica and node has
+/// its own pool, so a cluster of N processes needs N times this in the
+/// server's `max_connections` (default 100).
+const POSTGRES_CONNECTIONS: u32 = 10;
+
+/// How long a query waits for a free PostgreSQL connection (or for a new
+/// one to connect) before failing as unavailable.
+const POSTGRES_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The embedded schema migrations of each engine
+/// (`crates/store/migrations/{sqlite,postgres}`): the same versions with the
+/// same meaning, each in its engine's dialect.
+static SQLITE_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/sqlite");
+static POSTGRES_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/postgres");
+
+/// Which database engine a [`Store`] runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Engine {
+    /// One file, one process: the embedded default.
+    Sqlite,
+    /// A server shared by every process of a cluster.
+    Postgres,
+}
+
+impl Engine {
+    /// The engine a database URL names: `sqlite:…` or `postgres://…` /
+    /// `postgresql://…`.
+    pub fn of_url(url: &str) -> Result<Engine> {
+        if url.starts_with("sqlite:") {
+            Ok(Engine::Sqlite)
+        } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            Ok(Engine::Postgres)
+        } else {
+            Err(StoreError::Invalid(format!(
+                "unsupported database URL {:?}: use sqlite:PATH or postgres://USER@HOST/DB",
+                redact_url(url)
+            )))
+        }
+    }
+}
+
+/// A database URL with its password replaced by `***`, for messages and logs.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    let (authority, tail) = match rest.find(['/', '?']) {
+        Some(i) => rest.split_at(i),
+        None => (rest, ""),
+    };
+    match authority.rsplit_once('@') {
+        Some((userinfo, host)) => match userinfo.split_once(':') {
+            Some((user, _password)) => format!("{scheme}://{user}:***@{host}{tail}"),
+            None => url.to_string(),
+        },
+        None => url.to_string(),
+    }
+}
+
+/// Whether a connection (or a transaction's) talks to PostgreSQL.
+pub(crate) fn is_postgres(conn: &AnyConnection) -> bool {
+    conn.backend_name() == "PostgreSQL"
+}
+
+/// What a `SELECT` that reads a row it is about to change ends with: on
+/// PostgreSQL a row lock (`FOR NO KEY UPDATE`, which still lets other
+/// transactions insert rows that refer to it); an account's lock is taken
+/// before its sandbox's, so two transactions never wait for each other.
+/// Nothing on SQLite, whose `BEGIN IMMEDIATE` already holds the database's
+/// one write lock.
+pub(crate) fn row_lock(conn: &AnyConnection) -> &'static str {
+    if is_postgres(conn) {
+        " FOR NO KEY UPDATE"
+    } else {
+        ""
+    }
+}
+
+/// Takes the account's row lock (see [`row_lock`]) in a write transaction:
+/// what every decision about an account's money, sandbox count or budgets
+/// starts with, so two such decisions on PostgreSQL never both pass on the
+/// same reading.
+pub(crate) async fn lock_account(conn: &mut AnyConnection, account_id: &str) -> Result<()> {
+    if is_postgres(conn) {
+        sqlx::query("SELECT id FROM accounts WHERE id = $1 FOR NO KEY UPDATE")
+            .bind(account_id)
+            .fetch_optional(conn)
+            .await?;
+    }
+    Ok(())
+}
 
 /// Handle to the database. Cheap to clone (it wraps a connection pool);
 /// share one per process.
 #[derive(Clone, Debug)]
 pub struct Store {
-    pool: SqlitePool,
+    pool: AnyPool,
+    engine: Engine,
     /// The WAL checkpointer of a database file (none in memory); stops when
     /// the last clone of the store goes.
     _checkpointer: Option<Arc<Checkpointer>>,
@@ -165,7 +254,7 @@ impl Drop for Checkpointer {
 }
 
 impl Checkpointer {
-    fn start(pool: SqlitePool) -> Checkpointer {
+    fn start(pool: AnyPool) -> Checkpointer {
         Checkpointer(tokio::spawn(async move {
             let mut tick = tokio::time::interval(CHECKPOINT_EVERY);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -207,52 +296,98 @@ impl Store {
                 .open(path);
         }
         restrict_to_owner(path);
-        let opts = SqliteConnectOptions::new().filename(path);
-        let store = Store::from_sqlite_options(opts, false).await?;
+        let url = format!("sqlite://{}?mode=rwc", sqlite_url_path(path)?);
+        let store = Store::open_sqlite_url(&url, false).await?;
         restrict_to_owner(path);
         Ok(store)
     }
 
-    /// Opens a database by URL and brings its schema up to date. Only
-    /// `sqlite:` URLs are supported so far (`sqlite://path/to/file.db`,
-    /// `sqlite::memory:`); an in-memory database gets a single connection,
-    /// since each connection would otherwise see a database of its own.
+    /// Opens a database by URL and brings its schema up to date:
+    /// `sqlite://path/to/file.db`, `sqlite::memory:` (one connection, since
+    /// each would otherwise see a database of its own), or
+    /// `postgres://user:password@host:port/database` (a database many
+    /// processes share; migrations take PostgreSQL's advisory lock, so
+    /// processes that start together migrate once).
     pub async fn connect(url: &str) -> Result<Store> {
-        if !url.starts_with("sqlite:") {
-            return Err(StoreError::Invalid(format!(
-                "unsupported database URL {url:?}: only sqlite: is built in"
-            )));
+        match Engine::of_url(url)? {
+            Engine::Sqlite => {
+                let memory = url.contains(":memory:") || url.contains("mode=memory");
+                let url = if memory || url.contains("mode=") {
+                    url.to_string()
+                } else if url.contains('?') {
+                    format!("{url}&mode=rwc")
+                } else {
+                    format!("{url}?mode=rwc")
+                };
+                Store::open_sqlite_url(&url, memory).await
+            }
+            Engine::Postgres => Store::open_postgres(url).await,
         }
-        let opts = SqliteConnectOptions::from_str(url)?;
-        let memory = url.contains(":memory:") || url.contains("mode=memory");
-        Store::from_sqlite_options(opts, memory).await
     }
 
-    async fn from_sqlite_options(opts: SqliteConnectOptions, memory: bool) -> Result<Store> {
-        let opts = opts
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
-            // With WAL, NORMAL loses at most the last transactions on power
-            // loss, never consistency; FULL would fsync every commit.
-            .synchronous(SqliteSynchronous::Normal)
-            .busy_timeout(BUSY_TIMEOUT)
-            .foreign_keys(true)
-            // A file database is checkpointed by `Checkpointer`, not by commits.
-            .pragma("wal_autocheckpoint", if memory { "1000" } else { "0" });
-        let pool = SqlitePoolOptions::new()
+    async fn open_sqlite_url(url: &str, memory: bool) -> Result<Store> {
+        sqlx::any::install_default_drivers();
+        let pool = AnyPoolOptions::new()
             .max_connections(if memory { 1 } else { 8 })
-            .connect_with(opts)
+            .after_connect(move |conn, _meta| {
+                Box::pin(async move {
+                    // WAL lets readers run beside the writer. With WAL,
+                    // NORMAL loses at most the last transactions on power
+                    // loss, never consistency; FULL would fsync every
+                    // commit. A file database is checkpointed by
+                    // `Checkpointer`, not by commits.
+                    let pragmas = format!(
+                        "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; \
+                         PRAGMA busy_timeout = {}; PRAGMA foreign_keys = ON; \
+                         PRAGMA wal_autocheckpoint = {};",
+                        BUSY_TIMEOUT.as_millis(),
+                        if memory { 1000 } else { 0 }
+                    );
+                    sqlx::raw_sql(sqlx::AssertSqlSafe(pragmas))
+                        .execute(&mut *conn)
+                        .await?;
+                    Ok(())
+                })
+            })
+            .connect(url)
             .await?;
-        MIGRATOR.run(&pool).await?;
+        SQLITE_MIGRATOR.run(&pool).await?;
         let checkpointer = (!memory).then(|| Arc::new(Checkpointer::start(pool.clone())));
         Ok(Store {
             pool,
+            engine: Engine::Sqlite,
             _checkpointer: checkpointer,
         })
     }
 
+    async fn open_postgres(url: &str) -> Result<Store> {
+        sqlx::any::install_default_drivers();
+        let pool = AnyPoolOptions::new()
+            .max_connections(POSTGRES_CONNECTIONS)
+            .acquire_timeout(POSTGRES_ACQUIRE_TIMEOUT)
+            .connect(url)
+            .await
+            .map_err(|e| {
+                StoreError::Unavailable(format!(
+                    "cannot reach the database {}: {e}",
+                    redact_url(url)
+                ))
+            })?;
+        POSTGRES_MIGRATOR.run(&pool).await?;
+        Ok(Store {
+            pool,
+            engine: Engine::Postgres,
+            _checkpointer: None,
+        })
+    }
+
+    /// Which engine this store runs on.
+    pub fn engine(&self) -> Engine {
+        self.engine
+    }
+
     /// The underlying pool, for tests and one-off queries.
-    pub fn pool(&self) -> &SqlitePool {
+    pub fn pool(&self) -> &AnyPool {
         &self.pool
     }
 
@@ -263,9 +398,34 @@ impl Store {
 
     /// Starts a write transaction that holds the database's write lock from
     /// its first statement (see the crate docs for why).
-    async fn write_tx(&self) -> Result<sqlx::Transaction<'static, sqlx::Sqlite>> {
-        Ok(self.pool.begin_with("BEGIN IMMEDIATE").await?)
+    ///
+    /// On PostgreSQL a plain `BEGIN` (READ COMMITTED): what must not
+    /// interleave takes row locks instead ([`lock_account`], [`row_lock`]),
+    /// so transactions of different accounts run side by side.
+    async fn write_tx(&self) -> Result<sqlx::Transaction<'static, sqlx::Any>> {
+        Ok(match self.engine {
+            Engine::Sqlite => self.pool.begin_with("BEGIN IMMEDIATE").await?,
+            Engine::Postgres => self.pool.begin().await?,
+        })
     }
+}
+
+/// The path of a SQLite file as a URL path (percent-encoded where a URL
+/// needs it), absolute or relative as given.
+fn sqlite_url_path(path: &Path) -> Result<String> {
+    let s = path
+        .to_str()
+        .ok_or_else(|| StoreError::Invalid(format!("database path {path:?} is not UTF-8")))?;
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'/' | b'-' | b'_' | b'.' | b'~' => {
+                out.push(b as char)
+            }
+            _ => out.push_str(&format!("%{b:02X}")),
+        }
+    }
+    Ok(out)
 }
 
 /// Mode 0600 for a SQLite database and its `-wal` and `-shm` files, where

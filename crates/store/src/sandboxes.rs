@@ -7,9 +7,9 @@ use crate::status;
 use crate::util::{
     format_ts, get_i64, get_opt_str, get_opt_ts, get_str, get_ts, get_u32, now, parse_ts,
 };
-use crate::Store;
-use sqlx::sqlite::SqliteRow;
-use sqlx::{Sqlite, Transaction};
+use crate::{lock_account, row_lock, Store};
+use sqlx::any::AnyRow;
+use sqlx::{Any, Transaction};
 use time::OffsetDateTime;
 
 /// A sandbox as stored.
@@ -141,7 +141,7 @@ pub struct UsageRow {
     pub preview_bytes_out: i64,
 }
 
-pub(crate) fn sandbox_from(row: &SqliteRow) -> Result<SandboxRow> {
+pub(crate) fn sandbox_from(row: &AnyRow) -> Result<SandboxRow> {
     Ok(SandboxRow {
         id: get_str(row, "id")?,
         account_id: get_str(row, "account_id")?,
@@ -163,7 +163,7 @@ pub(crate) fn sandbox_from(row: &SqliteRow) -> Result<SandboxRow> {
     })
 }
 
-fn event_from(row: &SqliteRow) -> Result<EventRow> {
+fn event_from(row: &AnyRow) -> Result<EventRow> {
     Ok(EventRow {
         id: get_i64(row, "id")?,
         sandbox_id: get_str(row, "sandbox_id")?,
@@ -173,8 +173,10 @@ fn event_from(row: &SqliteRow) -> Result<EventRow> {
     })
 }
 
-async fn sandbox_in(tx: &mut Transaction<'static, Sqlite>, id: &str) -> Result<Option<SandboxRow>> {
-    sqlx::query("SELECT * FROM sandboxes WHERE id = $1")
+/// The sandbox, read under its row lock (see [`crate::row_lock`]).
+async fn sandbox_in(tx: &mut Transaction<'static, Any>, id: &str) -> Result<Option<SandboxRow>> {
+    let sql = format!("SELECT * FROM sandboxes WHERE id = $1{}", row_lock(tx));
+    sqlx::query(sqlx::AssertSqlSafe(sql))
         .bind(id)
         .fetch_optional(&mut **tx)
         .await?
@@ -184,7 +186,7 @@ async fn sandbox_in(tx: &mut Transaction<'static, Sqlite>, id: &str) -> Result<O
 }
 
 async fn insert_event(
-    tx: &mut Transaction<'static, Sqlite>,
+    tx: &mut Transaction<'static, Any>,
     sandbox_id: &str,
     status: &str,
     reason: Option<&str>,
@@ -203,7 +205,7 @@ async fn insert_event(
 }
 
 async fn insert_ledger(
-    tx: &mut Transaction<'static, Sqlite>,
+    tx: &mut Transaction<'static, Any>,
     account_id: &str,
     sandbox_id: &str,
     kind: &str,
@@ -243,6 +245,7 @@ impl Store {
             )));
         }
         let mut tx = self.write_tx().await?;
+        lock_account(&mut tx, &new.account_id).await?;
 
         if let Some((key, hash)) = &new.idempotency {
             let seen: Option<(String, String)> = sqlx::query_as(
@@ -299,7 +302,7 @@ impl Store {
         }
         if let Some(limit) = new.disk_limit_bytes {
             let used: i64 = sqlx::query_scalar(
-                "SELECT COALESCE(SUM(disk_used_bytes), 0) FROM sandboxes WHERE account_id = $1 \
+                "SELECT CAST(COALESCE(SUM(disk_used_bytes), 0) AS BIGINT) FROM sandboxes WHERE account_id = $1 \
                  AND status IN ('provisioning', 'running', 'deleting')",
             )
             .bind(&new.account_id)
@@ -447,6 +450,7 @@ impl Store {
             )));
         }
         let mut tx = self.write_tx().await?;
+        lock_account(&mut tx, account_id).await?;
         let row = sandbox_in(&mut tx, id)
             .await?
             .filter(|r| r.account_id == account_id)
@@ -525,9 +529,9 @@ impl Store {
         }
         let (reserved, released, charged): (i64, i64, i64) = sqlx::query_as(
             "SELECT \
-                 COALESCE(SUM(CASE WHEN kind = 'reserve' THEN -amount_micros ELSE 0 END), 0), \
-                 COALESCE(SUM(CASE WHEN kind = 'release' THEN amount_micros ELSE 0 END), 0), \
-                 COALESCE(SUM(CASE WHEN kind = 'charge' THEN -amount_micros ELSE 0 END), 0) \
+                 CAST(COALESCE(SUM(CASE WHEN kind = 'reserve' THEN -amount_micros ELSE 0 END), 0) AS BIGINT), \
+                 CAST(COALESCE(SUM(CASE WHEN kind = 'release' THEN amount_micros ELSE 0 END), 0) AS BIGINT), \
+                 CAST(COALESCE(SUM(CASE WHEN kind = 'charge' THEN -amount_micros ELSE 0 END), 0) AS BIGINT) \
              FROM ledger WHERE sandbox_id = $1",
         )
         .bind(id)
@@ -714,8 +718,8 @@ impl Store {
     /// has been charged for it.
     pub async fn usage(&self, account_id: &str, since: OffsetDateTime) -> Result<Vec<UsageRow>> {
         let rows = sqlx::query(
-            "SELECT s.*, COALESCE((SELECT -SUM(l.amount_micros) FROM ledger l \
-                                   WHERE l.sandbox_id = s.id AND l.kind = 'charge'), 0) \
+            "SELECT s.*, CAST(COALESCE((SELECT -SUM(l.amount_micros) FROM ledger l \
+                                   WHERE l.sandbox_id = s.id AND l.kind = 'charge'), 0) AS BIGINT) \
                          AS charged_micros \
              FROM sandboxes s WHERE s.account_id = $1 \
                AND (s.created_at >= $2 OR s.deleted_at IS NULL OR s.deleted_at >= $2) \
@@ -762,7 +766,7 @@ impl Store {
     /// measured.
     pub async fn account_disk_use(&self, account_id: &str) -> Result<u64> {
         let total: i64 = sqlx::query_scalar(
-            "SELECT COALESCE(SUM(disk_used_bytes), 0) FROM sandboxes \
+            "SELECT CAST(COALESCE(SUM(disk_used_bytes), 0) AS BIGINT) FROM sandboxes \
              WHERE account_id = $1 AND status IN ('provisioning', 'running', 'deleting')",
         )
         .bind(account_id)

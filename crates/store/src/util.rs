@@ -5,7 +5,7 @@ use crate::error::{Result, StoreError};
 use rand::rngs::OsRng;
 use rand::Rng;
 use sha2::{Digest, Sha256};
-use sqlx::sqlite::SqliteRow;
+use sqlx::any::AnyRow;
 use sqlx::Row;
 use time::format_description::FormatItem;
 use time::macros::format_description;
@@ -69,28 +69,28 @@ pub fn hash_key(key: &str) -> String {
 
 // ---- row decoding helpers ----
 
-pub(crate) fn get_str(row: &SqliteRow, col: &str) -> Result<String> {
+pub(crate) fn get_str(row: &AnyRow, col: &str) -> Result<String> {
     Ok(row.try_get::<String, _>(col)?)
 }
 
-pub(crate) fn get_opt_str(row: &SqliteRow, col: &str) -> Result<Option<String>> {
+pub(crate) fn get_opt_str(row: &AnyRow, col: &str) -> Result<Option<String>> {
     Ok(row.try_get::<Option<String>, _>(col)?)
 }
 
-pub(crate) fn get_i64(row: &SqliteRow, col: &str) -> Result<i64> {
+pub(crate) fn get_i64(row: &AnyRow, col: &str) -> Result<i64> {
     Ok(row.try_get::<i64, _>(col)?)
 }
 
-pub(crate) fn get_u32(row: &SqliteRow, col: &str) -> Result<u32> {
+pub(crate) fn get_u32(row: &AnyRow, col: &str) -> Result<u32> {
     let v = get_i64(row, col)?;
     u32::try_from(v).map_err(|_| StoreError::Corrupt(format!("{col} = {v} is not a u32")))
 }
 
-pub(crate) fn get_ts(row: &SqliteRow, col: &str) -> Result<OffsetDateTime> {
+pub(crate) fn get_ts(row: &AnyRow, col: &str) -> Result<OffsetDateTime> {
     parse_ts(&get_str(row, col)?)
 }
 
-pub(crate) fn get_opt_ts(row: &SqliteRow, col: &str) -> Result<Option<OffsetDateTime>> {
+pub(crate) fn get_opt_ts(row: &AnyRow, col: &str) -> Result<Option<OffsetDateTime>> {
     get_opt_str(row, col)?.as_deref().map(parse_ts).transpose()
 }
 

@@ -1,8 +1,12 @@
-//! The store against real SQLite files in a temporary directory.
+//! The store against real SQLite files in a temporary directory and
+//! against a real PostgreSQL server (Debian's, started by the tests from
+//! `initdb`, see `sandpit-pgtest`): every test of the store's behaviour runs
+//! on both engines, as `NAME::sqlite` and `NAME::postgres`; the tests of
+//! SQLite's own files (migrations on disk, WAL, file modes) on SQLite only.
 
 use sandpit_store::{
-    exec_status, format_ts, hash_key, new_id, status, CreateOutcome, ExecutionResult, ExecutionRow,
-    ExtendOutcome, NewSandbox, Store, StoreError,
+    exec_status, format_ts, hash_key, new_id, status, CreateOutcome, Engine, ExecutionResult,
+    ExecutionRow, ExtendOutcome, NewSandbox, Store, StoreError,
 };
 use std::collections::HashSet;
 use tempfile::TempDir;
@@ -12,6 +16,58 @@ use time::{Duration, OffsetDateTime};
 const T0: OffsetDateTime = datetime!(2026-03-01 12:00:00 UTC);
 /// Price of the test size: $0.09/h.
 const PRICE: i64 = 90_000;
+
+/// Runs each named `async fn(Store)` twice: on a fresh SQLite file and on a
+/// fresh database of the test PostgreSQL server.
+macro_rules! on_both_engines {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn sqlite() {
+                let (_dir, store) = super::open().await;
+                super::$name(store).await
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn postgres() {
+                let store = super::open_postgres().await;
+                super::$name(store).await
+            }
+        }
+    )*};
+}
+
+on_both_engines!(
+    accounts_have_unique_names,
+    keys_store_a_hash_show_a_prefix_and_can_be_revoked,
+    the_ledger_reserves_refunds_and_settles_once,
+    concurrent_creates_never_overdraw,
+    concurrent_creates_respect_the_concurrency_limit,
+    idempotency_keys_replay_or_conflict,
+    lists_are_newest_first_with_cursors,
+    expiry_finds_live_sandboxes_past_their_time,
+    status_changes_are_recorded_and_ended_sandboxes_stay_ended,
+    extending_reserves_more_and_checks_the_balance,
+    executions_are_recorded_and_finished_once,
+    ports_are_opened_once_and_closed,
+    usage_lists_recent_sandboxes_with_their_charges,
+    preview_traffic_adds_up_in_usage,
+    disk_use_is_recorded_summed_over_live_sandboxes_and_limits_creates,
+    an_accounts_stored_executions_are_counted_and_trimmed_oldest_first,
+    an_ended_sandboxs_executions_go_after_the_retention,
+);
+
+/// A fresh database on the test PostgreSQL server.
+async fn open_postgres() -> Store {
+    let server = tokio::task::spawn_blocking(sandpit_pgtest::shared)
+        .await
+        .unwrap();
+    let store = Store::connect(&server.fresh_database().await)
+        .await
+        .unwrap();
+    assert_eq!(store.engine(), Engine::Postgres);
+    store
+}
 
 async fn open() -> (TempDir, Store) {
     let dir = tempfile::tempdir().unwrap();
@@ -76,8 +132,8 @@ async fn migrations_apply_to_a_fresh_file_and_again() {
         .fetch_one(store.pool())
         .await
         .unwrap();
-    // One row per file in crates/store/migrations.
-    let files = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/migrations"))
+    // One row per file in crates/store/migrations/sqlite.
+    let files = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/migrations/sqlite"))
         .unwrap()
         .count() as i64;
     assert_eq!(applied, files);
@@ -99,17 +155,30 @@ async fn migrations_apply_to_a_fresh_file_and_again() {
     let store = Store::connect(&url).await.unwrap();
     assert_eq!(store.list_accounts().await.unwrap().len(), 1);
     assert!(matches!(
-        Store::connect("postgres://localhost/x").await,
+        Store::connect("mysql://localhost/x").await,
         Err(StoreError::Invalid(_))
     ));
+    // A PostgreSQL nobody serves: unavailable, and the message names the
+    // server without its password.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let err = Store::connect(&format!("postgres://sandpit:hunter2@127.0.0.1:{port}/x"))
+        .await
+        .unwrap_err();
+    let msg = err.to_string();
+    assert!(matches!(err, StoreError::Unavailable(_)), "{msg}");
+    assert!(
+        msg.contains(&format!("sandpit:***@127.0.0.1:{port}/x")),
+        "{msg}"
+    );
+    assert!(!msg.contains("hunter2"), "{msg}");
     let mem = Store::connect("sqlite::memory:").await.unwrap();
     mem.create_account("m", 1).await.unwrap();
     assert_eq!(mem.list_accounts().await.unwrap().len(), 1);
 }
 
-#[tokio::test]
-async fn accounts_have_unique_names() {
-    let (_d, store) = open().await;
+async fn accounts_have_unique_names(store: Store) {
     let a = store.create_account("alice", 20).await.unwrap();
     assert!(a.id.starts_with("acct_") && a.id.len() == 5 + 24);
     assert!(matches!(
@@ -126,9 +195,7 @@ async fn accounts_have_unique_names() {
     assert_eq!(store.list_accounts().await.unwrap(), vec![a, b]);
 }
 
-#[tokio::test]
-async fn keys_store_a_hash_show_a_prefix_and_can_be_revoked() {
-    let (_d, store) = open().await;
+async fn keys_store_a_hash_show_a_prefix_and_can_be_revoked(store: Store) {
     let acct = store.create_account("alice", 20).await.unwrap();
     let (key, row) = store.create_key(&acct.id).await.unwrap();
     assert!(key.starts_with("sp_"));
@@ -206,9 +273,7 @@ async fn keys_store_a_hash_show_a_prefix_and_can_be_revoked() {
     ));
 }
 
-#[tokio::test]
-async fn the_ledger_reserves_refunds_and_settles_once() {
-    let (_d, store) = open().await;
+async fn the_ledger_reserves_refunds_and_settles_once(store: Store) {
     let acct = store.create_account("alice", 20).await.unwrap();
     assert_eq!(store.balance(&acct.id).await.unwrap(), 0);
     store
@@ -317,9 +382,7 @@ async fn the_ledger_reserves_refunds_and_settles_once() {
     ));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn concurrent_creates_never_overdraw() {
-    let (_d, store) = open().await;
+async fn concurrent_creates_never_overdraw(store: Store) {
     let acct = store.create_account("alice", 100).await.unwrap();
     let reserve = 90_000;
     // Enough for 7 reservations and a bit, not for 8.
@@ -366,9 +429,7 @@ async fn concurrent_creates_never_overdraw() {
     assert_eq!(page.data.len(), 7);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn concurrent_creates_respect_the_concurrency_limit() {
-    let (_d, store) = open().await;
+async fn concurrent_creates_respect_the_concurrency_limit(store: Store) {
     let acct = store.create_account("alice", 5).await.unwrap();
     store.add_credit(&acct.id, 100_000_000, None).await.unwrap();
 
@@ -427,9 +488,7 @@ async fn concurrent_creates_respect_the_concurrency_limit() {
     assert_eq!(store.live_sandboxes().await.unwrap().len(), 6);
 }
 
-#[tokio::test]
-async fn idempotency_keys_replay_or_conflict() {
-    let (_d, store) = open().await;
+async fn idempotency_keys_replay_or_conflict(store: Store) {
     let acct = store.create_account("alice", 20).await.unwrap();
     let other = store.create_account("bob", 20).await.unwrap();
     store.add_credit(&acct.id, 100_000, None).await.unwrap();
@@ -489,9 +548,7 @@ async fn idempotency_keys_replay_or_conflict() {
     );
 }
 
-#[tokio::test]
-async fn lists_are_newest_first_with_cursors() {
-    let (_d, store) = open().await;
+async fn lists_are_newest_first_with_cursors(store: Store) {
     let acct = store.create_account("alice", 100).await.unwrap();
     let other = store.create_account("bob", 100).await.unwrap();
     // 9 sandboxes; three pairs share a created_at (ties go by id).
@@ -589,9 +646,7 @@ async fn lists_are_newest_first_with_cursors() {
     );
 }
 
-#[tokio::test]
-async fn expiry_finds_live_sandboxes_past_their_time() {
-    let (_d, store) = open().await;
+async fn expiry_finds_live_sandboxes_past_their_time(store: Store) {
     let acct = store.create_account("alice", 100).await.unwrap();
     assert_eq!(store.next_expiry().await.unwrap(), None);
     let short = created(
@@ -644,9 +699,7 @@ async fn expiry_finds_live_sandboxes_past_their_time() {
     assert_eq!(ids, HashSet::from([mid.id.clone(), long.id.clone()]));
 }
 
-#[tokio::test]
-async fn status_changes_are_recorded_and_ended_sandboxes_stay_ended() {
-    let (_d, store) = open().await;
+async fn status_changes_are_recorded_and_ended_sandboxes_stay_ended(store: Store) {
     let acct = store.create_account("alice", 100).await.unwrap();
     let s = created(
         store
@@ -708,9 +761,7 @@ async fn status_changes_are_recorded_and_ended_sandboxes_stay_ended() {
     );
 }
 
-#[tokio::test]
-async fn extending_reserves_more_and_checks_the_balance() {
-    let (_d, store) = open().await;
+async fn extending_reserves_more_and_checks_the_balance(store: Store) {
     let acct = store.create_account("alice", 100).await.unwrap();
     let bob = store.create_account("bob", 100).await.unwrap();
     store.add_credit(&acct.id, 100_000, None).await.unwrap();
@@ -774,9 +825,7 @@ async fn extending_reserves_more_and_checks_the_balance() {
     ));
 }
 
-#[tokio::test]
-async fn executions_are_recorded_and_finished_once() {
-    let (_d, store) = open().await;
+async fn executions_are_recorded_and_finished_once(store: Store) {
     let acct = store.create_account("alice", 100).await.unwrap();
     let s = created(
         store
@@ -868,9 +917,7 @@ async fn executions_are_recorded_and_finished_once() {
     assert_eq!(store.fail_all_running_executions(later).await.unwrap(), 0);
 }
 
-#[tokio::test]
-async fn ports_are_opened_once_and_closed() {
-    let (_d, store) = open().await;
+async fn ports_are_opened_once_and_closed(store: Store) {
     let acct = store.create_account("alice", 100).await.unwrap();
     let s = created(
         store
@@ -935,9 +982,7 @@ async fn ports_are_opened_once_and_closed() {
     ));
 }
 
-#[tokio::test]
-async fn usage_lists_recent_sandboxes_with_their_charges() {
-    let (_d, store) = open().await;
+async fn usage_lists_recent_sandboxes_with_their_charges(store: Store) {
     let acct = store.create_account("alice", 100).await.unwrap();
     store.add_credit(&acct.id, 10_000_000, None).await.unwrap();
     let day = Duration::days(1);
@@ -995,9 +1040,7 @@ async fn usage_lists_recent_sandboxes_with_their_charges() {
     );
 }
 
-#[tokio::test]
-async fn preview_traffic_adds_up_in_usage() {
-    let (_d, store) = open().await;
+async fn preview_traffic_adds_up_in_usage(store: Store) {
     let acct = store.create_account("alice", 100).await.unwrap();
     store.add_credit(&acct.id, 10_000_000, None).await.unwrap();
     let s = created(
@@ -1016,9 +1059,7 @@ async fn preview_traffic_adds_up_in_usage() {
     );
 }
 
-#[tokio::test]
-async fn disk_use_is_recorded_summed_over_live_sandboxes_and_limits_creates() {
-    let (_d, store) = open().await;
+async fn disk_use_is_recorded_summed_over_live_sandboxes_and_limits_creates(store: Store) {
     let acct = store.create_account("alice", 100).await.unwrap();
     let bob = store.create_account("bob", 100).await.unwrap();
     for a in [&acct.id, &bob.id] {
@@ -1204,9 +1245,7 @@ async fn finished_execution(
     id
 }
 
-#[tokio::test]
-async fn an_accounts_stored_executions_are_counted_and_trimmed_oldest_first() {
-    let (_d, store) = open().await;
+async fn an_accounts_stored_executions_are_counted_and_trimmed_oldest_first(store: Store) {
     let acct = store.create_account("alice", 100).await.unwrap();
     let bob = store.create_account("bob", 100).await.unwrap();
     let s = created(
@@ -1269,9 +1308,7 @@ async fn an_accounts_stored_executions_are_counted_and_trimmed_oldest_first() {
     assert_eq!(store.execution_bytes(&acct.id).await.unwrap(), 266);
 }
 
-#[tokio::test]
-async fn an_ended_sandboxs_executions_go_after_the_retention() {
-    let (_d, store) = open().await;
+async fn an_ended_sandboxs_executions_go_after_the_retention(store: Store) {
     let acct = store.create_account("alice", 100).await.unwrap();
     let ended = created(
         store
