@@ -212,6 +212,7 @@ pub async fn run(settings: &Settings, a: BenchArgs) -> Result<i32> {
     if let Some(BenchMode::Load(load)) = a.mode {
         return crate::load::run(load).await;
     }
+    let _owner = crate::server::own(settings, crate::owner::Role::Bench)?;
     let m = manager(settings)?;
     eprintln!("accelerator: {}; size {}", m.accel(), a.size);
     let new = |id: String| CreateVm {

@@ -8,6 +8,7 @@ mod front;
 mod images;
 mod listener;
 mod load;
+mod owner;
 mod proxy;
 mod sandbox;
 mod server;

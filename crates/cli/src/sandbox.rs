@@ -118,6 +118,12 @@ pub fn to_json(m: &VmManager, r: &VmRecord) -> serde_json::Value {
 }
 
 pub async fn run(settings: &Settings, cmd: SandboxCommand) -> Result<i32> {
+    // Listing only reads; the rest make, use or remove VMs, which a server
+    // on the same data directory owns (see `crate::owner`).
+    let _owner = match cmd {
+        SandboxCommand::Ls { .. } => None,
+        _ => Some(crate::server::own(settings, crate::owner::Role::Cli)?),
+    };
     match cmd {
         SandboxCommand::Create(a) => create(settings, a).await,
         SandboxCommand::Exec(a) => exec(settings, a).await,
@@ -328,6 +334,7 @@ async fn ensure_template(m: &VmManager, size: &str) {
 
 /// The main job until the server exists: one sandbox, end to end.
 pub async fn demo(settings: &Settings) -> Result<i32> {
+    let _owner = crate::server::own(settings, crate::owner::Role::Cli)?;
     let dir = settings.images_dir.clone();
     tokio::task::spawn_blocking(move || images::build(&dir, None)).await??;
     let m = manager(settings)?;

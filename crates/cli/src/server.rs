@@ -6,6 +6,7 @@
 use crate::front;
 use crate::images;
 use crate::listener;
+use crate::owner;
 use crate::proxy::Proxy;
 use crate::settings::Settings;
 use anyhow::{bail, Context, Result};
@@ -264,6 +265,7 @@ pub async fn serve(settings: &Settings, args: ServeArgs) -> Result<i32> {
         settings.service.preview_scheme = scheme.into();
     }
     let settings = &settings;
+    let _owner = own(settings, owner::Role::Serve)?;
     let svc = service(settings).await?;
     first_start(settings, svc.store(), &public_url).await?;
     let api: Arc<dyn SandboxApi> = svc.clone();
@@ -340,6 +342,7 @@ pub async fn mcp(settings: &Settings, args: McpArgs) -> Result<i32> {
         sandpit_mcp::serve_stdio(remote, caller).await?;
         return Ok(0);
     }
+    let owner = own(settings, owner::Role::Mcp)?;
     let svc = service(settings).await?;
     let store = svc.store();
     let account = match store.account_by_name(LOCAL_ACCOUNT).await? {
@@ -360,8 +363,10 @@ pub async fn mcp(settings: &Settings, args: McpArgs) -> Result<i32> {
     let served = sandpit_mcp::serve_stdio(api, caller).await;
     svc.shutdown().await;
     // The client went away; sandboxes stay until they expire, and someone
-    // must be there to expire them.
+    // must be there to expire them. The reaper waits for this process's
+    // ownership of the data directory, dropped here.
     spawn_reaper(settings);
+    drop(owner);
     served?;
     Ok(0)
 }
@@ -398,12 +403,34 @@ fn spawn_reaper(settings: &Settings) {
 }
 
 /// `sandpit reap`: expire sandboxes until none is live, then exit.
+///
+/// It stands in for a server: a `serve` or `mcp` that starts on the data
+/// directory stops it (SIGTERM) and takes over (see [`owner`]).
 pub async fn reap(settings: &Settings) -> Result<i32> {
+    private_dir(&settings.data_dir)?;
+    let dir = settings.data_dir.clone();
+    let acquired =
+        tokio::task::spawn_blocking(move || owner::acquire(&dir, owner::Role::Reap)).await??;
+    let owner::Acquired::Owner(_owner) = acquired else {
+        return Ok(0);
+    };
     let svc = service_with(settings, false).await?;
     loop {
         if svc.store().live_sandboxes().await?.is_empty() {
             return Ok(0);
         }
-        tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+        tokio::select! {
+            _ = tokio::time::sleep(std::time::Duration::from_secs(5)) => {}
+            _ = wait_for_signal() => return Ok(0),
+        }
+    }
+}
+
+/// This process's ownership of the data directory's VMs (see [`owner`]).
+pub fn own(settings: &Settings, role: owner::Role) -> Result<owner::Ownership> {
+    private_dir(&settings.data_dir)?;
+    match owner::acquire(&settings.data_dir, role)? {
+        owner::Acquired::Owner(o) => Ok(o),
+        owner::Acquired::NotNeeded => bail!("the data directory is owned by another process"),
     }
 }

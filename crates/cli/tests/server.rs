@@ -285,6 +285,129 @@ fn the_agent_flow_over_mcp_stdio() {
     });
 }
 
+/// Who holds the data directory, as its lock file says: (pid, role).
+fn owner_of(data: &std::path::Path) -> Option<(u32, String)> {
+    let s = std::fs::read_to_string(data.join("owner.lock")).ok()?;
+    let (pid, role) = s.trim().split_once(' ')?;
+    Some((pid.parse().ok()?, role.to_string()))
+}
+
+fn alive(pid: u32) -> bool {
+    // A zombie (exited, not yet reaped by whoever adopted it) is gone.
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| {
+            !s.rsplit_once(')')
+                .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
+        })
+        .unwrap_or(false)
+}
+
+#[test]
+fn a_data_directory_has_one_owner_and_its_reaper_hands_over() {
+    let data = data_dir();
+    std::fs::write(data.join("config.toml"), CONFIG).unwrap();
+    // `sandpit mcp` makes a sandbox, and its client goes: the reaper it
+    // leaves behind takes the data directory over, to expire the sandbox.
+    let id = rt().block_on(async {
+        // Over its own pipes (rmcp's child-process transport kills the
+        // child when it goes, and a killed mcp leaves no reaper): the
+        // client closes stdin, as an MCP host does, and mcp exits.
+        let mut mcp = tokio::process::Command::new(env!("CARGO_BIN_EXE_sandpit"))
+            .arg("--data-dir")
+            .arg(&data)
+            .arg("--images-dir")
+            .arg(images_dir())
+            .arg("--config")
+            .arg(data.join("config.toml"))
+            .arg("mcp")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let pipes = (mcp.stdout.take().unwrap(), mcp.stdin.take().unwrap());
+        let client = ().serve(pipes).await.unwrap();
+        let r = client
+            .call_tool(
+                CallToolRequestParams::new("create_sandbox")
+                    .with_arguments(args(json!({"timeout_minutes": 10}))),
+            )
+            .await
+            .unwrap();
+        assert_ne!(r.is_error, Some(true), "{r:?}");
+        let id = r.structured_content.unwrap()["id"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        client.cancel().await.unwrap();
+        let status = tokio::time::timeout(Duration::from_secs(60), mcp.wait())
+            .await
+            .expect("sandpit mcp exits when its client goes")
+            .unwrap();
+        assert!(status.success(), "sandpit mcp: {status}");
+        id
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let reaper = loop {
+        match owner_of(&data) {
+            Some((pid, role)) if role == "sandpit reap" && alive(pid) => break pid,
+            other => assert!(Instant::now() < deadline, "no reaper took over: {other:?}"),
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+
+    // A server on the directory stops the reaper and takes over; the
+    // sandbox lives on under it.
+    let server = Server::start(&data);
+    assert!(!alive(reaper), "the reaper still runs beside the server");
+    assert_eq!(
+        owner_of(&data),
+        Some((server.child.id(), "sandpit serve".to_string()))
+    );
+    let key = server.admin(&["key", "create", "--account", "local"]);
+    let exec_true = || {
+        rt().block_on(async {
+            let api = Rest::new(&server, &key);
+            let (st, ex) = api
+                .post(
+                    &format!("/sandboxes/{id}/exec"),
+                    json!({"command": "hostname"}),
+                )
+                .await;
+            assert_eq!(st, 200, "{ex}");
+            assert_eq!(ex["exit_code"], 0, "{ex}");
+        })
+    };
+    exec_true();
+
+    // A second owner is refused, naming the first; the operator commands,
+    // which own no VMs, still work.
+    let holder = format!("in use by sandpit serve (pid {})", server.child.id());
+    for what in [
+        vec!["mcp"],
+        vec!["sandbox", "create", "--timeout", "5m"],
+        vec!["sandbox", "rm", &id],
+    ] {
+        let out = sandpit(&data)
+            .args(&what)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success(),
+            "sandpit {what:?} ran beside the server"
+        );
+        assert!(err.contains(&holder), "sandpit {what:?}: {err}");
+    }
+    assert!(server.admin(&["account", "list"]).contains("local"));
+    // Nothing of the server's was touched.
+    exec_true();
+    assert_eq!(
+        owner_of(&data),
+        Some((server.child.id(), "sandpit serve".to_string()))
+    );
+}
+
 #[test]
 fn the_agent_flow_over_mcp_stdio_forwarding_to_a_server() {
     use rmcp::transport::TokioChildProcess;
