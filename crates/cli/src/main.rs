@@ -35,6 +35,11 @@ struct Cli {
     /// TOML config file (sizes, network policy, accelerator, limits)
     #[arg(long, global = true, env = "SANDPIT_CONFIG")]
     config: Option<PathBuf>,
+    /// The control plane's database for serve and the operator commands:
+    /// postgres://USER:PASSWORD@HOST/DB to share one between machines
+    /// [default: the SQLite file DATA_DIR/sandpit.db]
+    #[arg(long, global = true, env = "SANDPIT_DATABASE_URL", value_name = "URL")]
+    database: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -114,7 +119,9 @@ fn main() {
 }
 
 async fn run(cli: Cli) -> Result<i32> {
-    let settings = settings::Settings::load(cli.data_dir, cli.images_dir, cli.config.as_deref())?;
+    let mut settings =
+        settings::Settings::load(cli.data_dir, cli.images_dir, cli.config.as_deref())?;
+    settings.database_url = cli.database.filter(|u| !u.is_empty());
     match cli.command {
         Command::Image {
             command: ImageCommand::Build { agent },

@@ -25,6 +25,10 @@ pub struct ServeArgs {
     /// Address to listen on [default: 127.0.0.1:8080; config `listen`; env SANDPIT_LISTEN]
     #[arg(long)]
     listen: Option<String>,
+    /// This machine's name in a shared database (--database): its
+    /// sandboxes are recorded as on it [default: the host name]
+    #[arg(long)]
+    name: Option<String>,
 }
 
 #[derive(Args)]
@@ -74,11 +78,32 @@ pub enum CreditCommand {
     },
 }
 
+/// The control plane's store: `--database`, or the SQLite file in the data
+/// directory.
 async fn open_store(settings: &Settings) -> Result<Store> {
     private_dir(&settings.data_dir)?;
-    Store::open_sqlite(settings.database())
-        .await
-        .with_context(|| format!("opening {}", settings.database().display()))
+    match &settings.database_url {
+        Some(url) => Store::connect(url)
+            .await
+            .with_context(|| format!("opening the database {}", sandpit_store::redact_url(url))),
+        None => Store::open_sqlite(settings.database())
+            .await
+            .with_context(|| format!("opening {}", settings.database().display())),
+    }
+}
+
+/// `sandpit mcp` (local) and its reaper keep their state in the data
+/// directory: a shared database belongs to a server.
+fn data_dir_store_only(settings: &Settings, what: &str) -> Result<()> {
+    if let Some(url) = &settings.database_url {
+        bail!(
+            "{what} keeps its sandboxes in the data directory, not in {} (--database or \
+             SANDPIT_DATABASE_URL): run `sandpit serve --database …` and connect with \
+             `sandpit mcp --remote URL`",
+            sandpit_store::redact_url(url)
+        );
+    }
+    Ok(())
 }
 
 /// Make the data directory if it is missing, and keep it its owner's: no
@@ -264,6 +289,20 @@ pub async fn serve(settings: &Settings, args: ServeArgs) -> Result<i32> {
     if !settings.preview_scheme_set {
         settings.service.preview_scheme = scheme.into();
     }
+    match (&settings.database_url, args.name) {
+        (Some(_), name) => {
+            settings.service.host_name = match name {
+                Some(n) => n,
+                None => host_name()?,
+            }
+        }
+        (None, Some(_)) => bail!(
+            "--name names this machine in a database shared with others; with the data \
+             directory's own database (no --database) it is always \"{}\"",
+            settings.service.host_name
+        ),
+        (None, None) => {}
+    }
     let settings = &settings;
     let _owner = own(settings, owner::Role::Serve)?;
     let svc = service(settings).await?;
@@ -342,6 +381,7 @@ pub async fn mcp(settings: &Settings, args: McpArgs) -> Result<i32> {
         sandpit_mcp::serve_stdio(remote, caller).await?;
         return Ok(0);
     }
+    data_dir_store_only(settings, "sandpit mcp")?;
     let owner = own(settings, owner::Role::Mcp)?;
     let svc = service(settings).await?;
     let store = svc.store();
@@ -387,6 +427,7 @@ fn spawn_reaper(settings: &Settings) {
         cmd.arg("--config").arg(c);
     }
     cmd.arg("reap")
+        .env_remove("SANDPIT_DATABASE_URL")
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null());
@@ -407,6 +448,7 @@ fn spawn_reaper(settings: &Settings) {
 /// It stands in for a server: a `serve` or `mcp` that starts on the data
 /// directory stops it (SIGTERM) and takes over (see [`owner`]).
 pub async fn reap(settings: &Settings) -> Result<i32> {
+    data_dir_store_only(settings, "sandpit reap")?;
     private_dir(&settings.data_dir)?;
     let dir = settings.data_dir.clone();
     let acquired =
@@ -416,7 +458,12 @@ pub async fn reap(settings: &Settings) -> Result<i32> {
     };
     let svc = service_with(settings, false).await?;
     loop {
-        if svc.store().live_sandboxes().await?.is_empty() {
+        if svc
+            .store()
+            .live_sandboxes(&svc.config().host_name)
+            .await?
+            .is_empty()
+        {
             return Ok(0);
         }
         tokio::select! {
@@ -424,6 +471,21 @@ pub async fn reap(settings: &Settings) -> Result<i32> {
             _ = wait_for_signal() => return Ok(0),
         }
     }
+}
+
+/// This machine's host name (what `hostname` prints).
+fn host_name() -> Result<String> {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most buf.len() bytes into buf.
+    if unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } != 0 {
+        return Err(std::io::Error::last_os_error()).context("reading the host name");
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    let name = String::from_utf8_lossy(&buf[..end]).into_owned();
+    if name.is_empty() {
+        bail!("this machine has no host name: give serve --name");
+    }
+    Ok(name)
 }
 
 /// This process's ownership of the data directory's VMs (see [`owner`]).

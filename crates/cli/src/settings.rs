@@ -169,6 +169,9 @@ pub struct Settings {
     pub pool: sandpit_core::backend::PoolConfig,
     /// What bounds `serve`'s client connections.
     pub connections: crate::listener::ConnectionLimits,
+    /// The shared database (`--database`, `SANDPIT_DATABASE_URL`), if not
+    /// the data directory's SQLite file.
+    pub database_url: Option<String>,
 }
 
 impl Settings {
@@ -388,6 +391,7 @@ impl Settings {
             None => (None, None),
         };
         Ok(Settings {
+            database_url: None,
             data_dir,
             images_dir,
             config_file: config.map(Path::to_path_buf),

@@ -58,7 +58,10 @@ impl Service {
     /// the account is at its limit. Returns the accounts at their limit.
     pub async fn sample_disks(&self) -> Result<Vec<String>> {
         let config = self.config();
-        let rows = self.store().live_sandboxes().await?;
+        let rows = self
+            .store()
+            .live_sandboxes(&self.config().host_name)
+            .await?;
         let manager = self.vms().manager();
         let mut uses = Vec::new();
         let mut per_account: HashMap<&str, u64> = HashMap::new();

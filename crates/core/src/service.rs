@@ -372,7 +372,11 @@ impl Service {
     /// End every expired sandbox; returns how long to sleep until the next expiry.
     async fn reap_once(&self) -> Duration {
         let now = OffsetDateTime::now_utc();
-        match self.store.expired_sandboxes(now).await {
+        match self
+            .store
+            .expired_sandboxes(&self.config.host_name, now)
+            .await
+        {
             Ok(rows) => {
                 for row in rows {
                     if let Err(e) = self.end(&row, status::DELETED, "expired").await {
@@ -382,7 +386,7 @@ impl Service {
             }
             Err(e) => tracing::warn!("reaper: {e}"),
         }
-        match self.store.next_expiry().await {
+        match self.store.next_expiry(&self.config.host_name).await {
             Ok(Some(next)) => {
                 let d = next - OffsetDateTime::now_utc();
                 if d.is_negative() {
@@ -406,11 +410,14 @@ impl Service {
         let now = OffsetDateTime::now_utc();
         // A server killed mid-command never finished its record; its guest
         // cancelled the command when the connection closed.
-        let lost = self.store.fail_all_running_executions(now).await?;
+        let lost = self
+            .store
+            .fail_all_running_executions(&self.config.host_name, now)
+            .await?;
         if lost > 0 {
             tracing::info!("{lost} commands were cut by the previous server's end: failed");
         }
-        let live = self.store.live_sandboxes().await?;
+        let live = self.store.live_sandboxes(&self.config.host_name).await?;
         let mut keep = Vec::new();
         for row in &live {
             if row.expires_at <= now {

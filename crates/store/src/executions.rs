@@ -374,15 +374,21 @@ impl Store {
         .rows_affected())
     }
 
-    /// Marks every execution still `running`, of any sandbox, as `failed`:
-    /// for a server's start, when the process that ran them is gone (and a
-    /// guest agent cancels the commands of a host connection that closed).
-    /// Returns how many.
-    pub async fn fail_all_running_executions(&self, finished_at: OffsetDateTime) -> Result<u64> {
+    /// Marks every execution still `running` in a sandbox of `host` as
+    /// `failed`: for that host's start, when the process that ran them is
+    /// gone (and a guest agent cancels the commands of a host connection
+    /// that closed). Other hosts' commands run on. Returns how many.
+    pub async fn fail_all_running_executions(
+        &self,
+        host: &str,
+        finished_at: OffsetDateTime,
+    ) -> Result<u64> {
         Ok(sqlx::query(
-            "UPDATE executions SET status = 'failed', finished_at = $1 WHERE status = 'running'",
+            "UPDATE executions SET status = 'failed', finished_at = $1 WHERE status = 'running' \
+               AND sandbox_id IN (SELECT id FROM sandboxes WHERE host = $2)",
         )
         .bind(format_ts(finished_at))
+        .bind(host)
         .execute(&self.pool)
         .await?
         .rows_affected())

@@ -662,13 +662,15 @@ impl Store {
         Ok(SandboxPage { data, has_more })
     }
 
-    /// Every live sandbox of every account, oldest first: what the host
-    /// should be running (for reconciliation after a restart).
-    pub async fn live_sandboxes(&self) -> Result<Vec<SandboxRow>> {
+    /// Every live sandbox of every account on `host`, oldest first: what
+    /// that host should be running (for reconciliation after a restart).
+    /// Sandboxes of other hosts sharing the database are theirs.
+    pub async fn live_sandboxes(&self, host: &str) -> Result<Vec<SandboxRow>> {
         sqlx::query(
             "SELECT * FROM sandboxes WHERE status IN ('provisioning', 'running', 'deleting') \
-             ORDER BY created_at, id",
+               AND host = $1 ORDER BY created_at, id",
         )
+        .bind(host)
         .fetch_all(&self.pool)
         .await?
         .iter()
@@ -676,13 +678,18 @@ impl Store {
         .collect()
     }
 
-    /// Live sandboxes whose `expires_at` ≤ `now`, soonest first.
-    pub async fn expired_sandboxes(&self, now: OffsetDateTime) -> Result<Vec<SandboxRow>> {
+    /// Live sandboxes on `host` whose `expires_at` ≤ `now`, soonest first.
+    pub async fn expired_sandboxes(
+        &self,
+        host: &str,
+        now: OffsetDateTime,
+    ) -> Result<Vec<SandboxRow>> {
         sqlx::query(
             "SELECT * FROM sandboxes WHERE status IN ('provisioning', 'running', 'deleting') \
-               AND expires_at <= $1 ORDER BY expires_at, id",
+               AND expires_at <= $1 AND host = $2 ORDER BY expires_at, id",
         )
         .bind(format_ts(now))
+        .bind(host)
         .fetch_all(&self.pool)
         .await?
         .iter()
@@ -692,11 +699,12 @@ impl Store {
 
     /// The earliest `expires_at` of any live sandbox: when the expiry
     /// sweeper next has work.
-    pub async fn next_expiry(&self) -> Result<Option<OffsetDateTime>> {
+    pub async fn next_expiry(&self, host: &str) -> Result<Option<OffsetDateTime>> {
         let at: Option<String> = sqlx::query_scalar(
             "SELECT MIN(expires_at) FROM sandboxes \
-             WHERE status IN ('provisioning', 'running', 'deleting')",
+             WHERE status IN ('provisioning', 'running', 'deleting') AND host = $1",
         )
+        .bind(host)
         .fetch_one(&self.pool)
         .await?;
         at.as_deref().map(parse_ts).transpose()

@@ -485,7 +485,7 @@ async fn concurrent_creates_respect_the_concurrency_limit(store: Store) {
     let mut n = sandbox(&acct.id, T0, 15, 22_500);
     n.max_concurrent = Some(6);
     created(store.create_sandbox(n).await.unwrap());
-    assert_eq!(store.live_sandboxes().await.unwrap().len(), 6);
+    assert_eq!(store.live_sandboxes("local").await.unwrap().len(), 6);
 }
 
 async fn idempotency_keys_replay_or_conflict(store: Store) {
@@ -648,7 +648,7 @@ async fn lists_are_newest_first_with_cursors(store: Store) {
 
 async fn expiry_finds_live_sandboxes_past_their_time(store: Store) {
     let acct = store.create_account("alice", 100).await.unwrap();
-    assert_eq!(store.next_expiry().await.unwrap(), None);
+    assert_eq!(store.next_expiry("local").await.unwrap(), None);
     let short = created(
         store
             .create_sandbox(sandbox(&acct.id, T0, 5, 0))
@@ -678,10 +678,20 @@ async fn expiry_finds_live_sandboxes_past_their_time(store: Store) {
         .await
         .unwrap();
 
-    assert_eq!(store.next_expiry().await.unwrap(), Some(short.expires_at));
-    assert!(store.expired_sandboxes(T0).await.unwrap().is_empty());
+    assert_eq!(
+        store.next_expiry("local").await.unwrap(),
+        Some(short.expires_at)
+    );
+    assert!(store
+        .expired_sandboxes("local", T0)
+        .await
+        .unwrap()
+        .is_empty());
     // Exactly at expires_at counts.
-    let due = store.expired_sandboxes(mid.expires_at).await.unwrap();
+    let due = store
+        .expired_sandboxes("local", mid.expires_at)
+        .await
+        .unwrap();
     assert_eq!(
         due.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(),
         [short.id.as_str(), mid.id.as_str()]
@@ -690,13 +700,39 @@ async fn expiry_finds_live_sandboxes_past_their_time(store: Store) {
         .finish_sandbox(&short.id, status::DELETED, "expired", short.expires_at, 0)
         .await
         .unwrap();
-    assert_eq!(store.next_expiry().await.unwrap(), Some(mid.expires_at));
+    assert_eq!(
+        store.next_expiry("local").await.unwrap(),
+        Some(mid.expires_at)
+    );
     let later = store
-        .expired_sandboxes(T0 + Duration::days(1))
+        .expired_sandboxes("local", T0 + Duration::days(1))
         .await
         .unwrap();
     let ids: HashSet<_> = later.iter().map(|s| s.id.clone()).collect();
     assert_eq!(ids, HashSet::from([mid.id.clone(), long.id.clone()]));
+
+    // Another host's sandboxes (a database shared by several) are its own.
+    let mut theirs = sandbox(&acct.id, T0, 2, 0);
+    theirs.host = "other".into();
+    let theirs = created(store.create_sandbox(theirs).await.unwrap());
+    assert_eq!(
+        store.next_expiry("local").await.unwrap(),
+        Some(mid.expires_at)
+    );
+    assert_eq!(
+        store.next_expiry("other").await.unwrap(),
+        Some(theirs.expires_at)
+    );
+    let due = store
+        .expired_sandboxes("local", T0 + Duration::days(1))
+        .await
+        .unwrap();
+    assert!(due.iter().all(|s| s.host == "local"), "{due:?}");
+    let live = store.live_sandboxes("other").await.unwrap();
+    assert_eq!(
+        live.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(),
+        [theirs.id.as_str()]
+    );
 }
 
 async fn status_changes_are_recorded_and_ended_sandboxes_stay_ended(store: Store) {
@@ -904,7 +940,13 @@ async fn executions_are_recorded_and_finished_once(store: Store) {
     cut.id = new_id("exec");
     store.insert_execution(&cut).await.unwrap();
     let later = T0 + Duration::seconds(5);
-    assert_eq!(store.fail_all_running_executions(later).await.unwrap(), 1);
+    assert_eq!(
+        store
+            .fail_all_running_executions("local", later)
+            .await
+            .unwrap(),
+        1
+    );
     let got = store.execution(&cut.id).await.unwrap().unwrap();
     assert_eq!(
         (got.status.as_str(), got.finished_at),
@@ -914,7 +956,13 @@ async fn executions_are_recorded_and_finished_once(store: Store) {
         store.execution(&row.id).await.unwrap().unwrap().status,
         "completed"
     );
-    assert_eq!(store.fail_all_running_executions(later).await.unwrap(), 0);
+    assert_eq!(
+        store
+            .fail_all_running_executions("local", later)
+            .await
+            .unwrap(),
+        0
+    );
 }
 
 async fn ports_are_opened_once_and_closed(store: Store) {

@@ -31,6 +31,8 @@ pub struct Server {
     pub admin_key: Option<String>,
     /// Its standard error so far, a line each.
     pub log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    /// Its database's URL, when not the data directory's SQLite file.
+    pub database: Option<String>,
 }
 
 impl Server {
@@ -51,10 +53,34 @@ impl Server {
     /// [`Server::start_on`], run by the command `wrapper` (which ends with
     /// the program to run and its arguments, e.g. `unshare -m sh -c '...; exec "$@"' sh`).
     pub fn start_under(data: &Path, extra: &str, listen: &str, wrapper: &[&str]) -> Server {
+        Server::start_full(data, extra, listen, wrapper, None)
+    }
+
+    /// A server whose store is the (PostgreSQL) database at `url`, named
+    /// `name` in it; [`Server::admin`]'s commands use that database too.
+    pub fn start_on_database(data: &Path, url: &str, name: &str) -> Server {
+        Server::start_full(data, "", "127.0.0.1:0", &[], Some((url, name)))
+    }
+
+    fn start_full(
+        data: &Path,
+        extra: &str,
+        listen: &str,
+        wrapper: &[&str],
+        database: Option<(&str, &str)>,
+    ) -> Server {
         std::fs::write(data.join("config.toml"), format!("{CONFIG}{extra}")).unwrap();
-        // Only a first start (no database yet) prints an admin key.
-        let first_start = !data.join("sandpit.db").exists();
-        let direct = sandpit(data);
+        // Only a first start (no database yet) prints an admin key; of a
+        // shared database, whatever is printed is taken.
+        let first_start = database.is_some() || !data.join("sandpit.db").exists();
+        let mut direct = sandpit(data);
+        if let Some((url, name)) = database {
+            direct
+                .env("SANDPIT_DATABASE_URL", url)
+                .args(["serve", "--name", name]);
+        } else {
+            direct.arg("serve");
+        }
         let mut cmd = match wrapper.split_first() {
             None => direct,
             Some((program, args)) => {
@@ -66,7 +92,7 @@ impl Server {
             }
         };
         let mut child = cmd
-            .args(["serve", "--listen", listen])
+            .args(["--listen", listen])
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -128,6 +154,7 @@ impl Server {
             child,
             url: url.unwrap(),
             admin_key: key,
+            database: database.map(|(url, _)| url.to_string()),
             log,
         }
     }
@@ -155,7 +182,11 @@ impl Server {
     /// Run an operator command on this server's data directory; panics
     /// unless it succeeds; returns its trimmed stdout.
     pub fn admin(&self, args: &[&str]) -> String {
-        let out = sandpit(&self.data).args(args).output().unwrap();
+        let mut cmd = sandpit(&self.data);
+        if let Some(url) = &self.database {
+            cmd.env("SANDPIT_DATABASE_URL", url);
+        }
+        let out = cmd.args(args).output().unwrap();
         assert!(
             out.status.success(),
             "sandpit {args:?}: {}",

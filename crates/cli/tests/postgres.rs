@@ -1,0 +1,169 @@
+//! Sandpit on PostgreSQL: a real `sandpit serve --database postgres://…`
+//! with real VMs, on a real PostgreSQL server the test starts (Debian's,
+//! from `initdb` in a temporary directory, as the `postgres` user: see
+//! `sandpit-pgtest`), the operator commands on the same database, a SIGKILL
+//! and a restart.
+
+mod common;
+
+use common::serve::*;
+use common::*;
+use sandpit_store::{new_id, CreateOutcome, NewSandbox, Store};
+use serde_json::json;
+use std::process::Stdio;
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// `sandpit ARGS` on `data` with the database URL in the environment, as an
+/// operator would set it; (success, stdout, stderr).
+fn with_database(data: &std::path::Path, url: &str, args: &[&str]) -> (bool, String, String) {
+    let out = sandpit(data)
+        .env("SANDPIT_DATABASE_URL", url)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).trim().to_string(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    )
+}
+
+#[test]
+fn a_server_on_postgresql_keeps_its_state_there_and_only_its_own_sandboxes() {
+    let pg = sandpit_pgtest::shared();
+    let url = rt().block_on(pg.fresh_database());
+    let data = data_dir();
+    std::fs::write(data.join("config.toml"), CONFIG).unwrap();
+
+    // The operator commands work on the database before any server runs.
+    let (ok, _, err) = with_database(&data, &url, &["account", "create", "team", "--credit", "5"]);
+    assert!(ok, "account create: {err}");
+    let (ok, key, err) = with_database(&data, &url, &["key", "create", "--account", "team"]);
+    assert!(ok && key.starts_with("sp_"), "key create: {err}");
+
+    // Another machine's sandbox in the same database.
+    let theirs = rt().block_on(async {
+        let store = Store::connect(&url).await.unwrap();
+        let team = store.account_by_name("team").await.unwrap().unwrap();
+        let now = time::OffsetDateTime::now_utc();
+        let row = match store
+            .create_sandbox(NewSandbox {
+                id: new_id("sbx"),
+                account_id: team.id,
+                name: None,
+                size: "small".into(),
+                vcpus: 2,
+                memory_mb: 1024,
+                disk_gb: 4,
+                timeout_minutes: 30,
+                price_micros_per_hour: 90_000,
+                host: "machine-b".into(),
+                created_at: now,
+                expires_at: now + time::Duration::minutes(30),
+                reserve_micros: 45_000,
+                max_concurrent: None,
+                disk_limit_bytes: None,
+                idempotency: None,
+            })
+            .await
+            .unwrap()
+        {
+            CreateOutcome::Created(r) => r,
+            other => panic!("{other:?}"),
+        };
+        store.set_status(&row.id, "running", None).await.unwrap();
+        row.id
+    });
+
+    let server = Server::start_on_database(&data, &url, "machine-a");
+    assert!(
+        !data.join("sandpit.db").exists(),
+        "a server on PostgreSQL made a SQLite file"
+    );
+    assert_eq!(
+        server.admin_key, None,
+        "a database with accounts got a first-start admin"
+    );
+    let id = rt().block_on(async {
+        let api = Rest::new(&server, &key);
+        let (st, sbx) = api.post("/sandboxes", json!({"timeout_minutes": 10})).await;
+        assert_eq!(st, 201, "{sbx}");
+        let id = sbx["id"].as_str().unwrap().to_string();
+        let (st, ex) = api
+            .post(
+                &format!("/sandboxes/{id}/exec"),
+                json!({"command": "printf 'a\\0b'; echo"}),
+            )
+            .await;
+        assert_eq!(st, 200, "{ex}");
+        assert_eq!(ex["stdout"], "a\u{0}b\n", "{ex}");
+        // The other machine's sandbox is listed (same account, same
+        // database) and was left running.
+        let (_, list) = api.get("/sandboxes").await;
+        let ids: Vec<&str> = list["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["id"].as_str().unwrap())
+            .collect();
+        assert!(
+            ids.contains(&theirs.as_str()) && ids.contains(&id.as_str()),
+            "{list}"
+        );
+        id
+    });
+
+    // Killed and restarted, it finds its sandbox in the database and its
+    // VM still running; the other machine's is not its to reconcile.
+    server.sigkill();
+    let server = Server::start_on_database(&data, &url, "machine-a");
+    rt().block_on(async {
+        let api = Rest::new(&server, &key);
+        let (st, ex) = api
+            .post(
+                &format!("/sandboxes/{id}/exec"),
+                json!({"command": "echo back"}),
+            )
+            .await;
+        assert_eq!((st, ex["stdout"].as_str()), (200, Some("back\n")), "{ex}");
+        let (_, s) = api.get(&format!("/sandboxes/{theirs}")).await;
+        assert_eq!(s["status"], "running", "{s}");
+        let (st, d) = api
+            .call(reqwest::Method::DELETE, &format!("/sandboxes/{id}"), None)
+            .await;
+        assert_eq!((st, d["status"].as_str()), (200, Some("deleted")), "{d}");
+
+        // The money is in PostgreSQL: the ledger sums to the balance.
+        let store = Store::connect(&url).await.unwrap();
+        let team = store.account_by_name("team").await.unwrap().unwrap();
+        let sum: i64 = store
+            .ledger(&team.id)
+            .await
+            .unwrap()
+            .iter()
+            .map(|l| l.amount_micros)
+            .sum();
+        assert_eq!(sum, store.balance(&team.id).await.unwrap());
+        assert!(sum < 5_000_000 && sum > 0, "balance {sum}");
+    });
+
+    // `sandpit mcp` keeps its sandboxes in the data directory: it says so
+    // rather than ignore the database it was given.
+    let (ok, _, err) = with_database(&data, &url, &["mcp"]);
+    assert!(!ok && err.contains("sandpit mcp --remote"), "{err}");
+    // --name is for a shared database only.
+    let out = sandpit(&data)
+        .args(["serve", "--name", "x", "--listen", "127.0.0.1:0"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--name"), "{err}");
+}
