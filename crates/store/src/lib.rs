@@ -3,7 +3,8 @@
 //!
 //! # Why it looks like this
 //!
-//! * **One SQLite file by default.** A single-host Sandpit needs no database
+//! * **One SQLite file by default**, PostgreSQL to share (see "Two engines"
+//!   below). A single-host Sandpit needs no database
 //!   server; WAL mode lets readers run beside the one writer, a ~5 s busy
 //!   timeout turns lock contention into waiting instead of errors, and
 //!   foreign keys are on so a row can never point at nothing. Commits
@@ -58,27 +59,33 @@
 //!   [`new_id`]): `acct_` and `key_` are made here, `sbx_` and `exec_` by the
 //!   caller (it needs the id before the row exists, e.g. for the VM).
 //!
-//! # PostgreSQL later
+//! # Two engines
 //!
-//! The SQL is written to carry over: numbered `$1` placeholders, no SQLite
-//! date functions, `RETURNING`, `ON CONFLICT ... DO UPDATE ... WHERE`,
-//! `COALESCE(SUM(..), 0)`, BIGINT money, TEXT timestamps that sort. What a
-//! Postgres backend will need:
+//! The same SQL runs on SQLite (the embedded default: one file in the data
+//! directory) and on PostgreSQL (`postgres://…`: one database that the
+//! processes of a cluster share), through sqlx's `Any` driver. Rows are
+//! decoded by column name as `i64` and `String` only, which both support.
+//! What differs, and where:
 //!
-//! * its own migrations directory, identical but for the autoincrement
-//!   columns (`BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY` instead of
-//!   `INTEGER PRIMARY KEY AUTOINCREMENT`);
-//! * instead of `BEGIN IMMEDIATE` (which Postgres does not have): a plain
-//!   `BEGIN` followed by `SELECT id FROM accounts WHERE id = $1 FOR UPDATE`
-//!   in every transaction that checks an account's balance or sandbox count
-//!   (create, extend) and `SELECT ... FROM sandboxes WHERE id = $1 FOR
-//!   UPDATE` in the ones that change a sandbox (finish, set_status). That
-//!   serialises per account rather than globally, which is better;
-//! * a pool type other than `SqlitePool`: either `sqlx::Any` or a second
-//!   `Store` variant. Rows are decoded by column name with `i64`/`String`
-//!   only, which both drivers support;
-//! * `truncated` is an integer 0/1 here; Postgres can keep it `BIGINT` or
-//!   move to `BOOLEAN` with a cast in the two queries that touch it.
+//! * **Migrations**: `migrations/sqlite` and `migrations/postgres`, the same
+//!   versions with the same meaning. PostgreSQL's spell autoincrement as
+//!   identity columns, compare TEXT with the "C" collation (byte order is
+//!   time order for the timestamps, whatever the database's locale), and
+//!   keep a command and its outputs in BYTEA, since PostgreSQL's TEXT
+//!   cannot hold the NUL a command may print.
+//! * **Serialising decisions**: SQLite's `BEGIN IMMEDIATE` takes the one
+//!   write lock; PostgreSQL's plain `BEGIN` (READ COMMITTED) is followed by
+//!   row locks — the account's (`FOR NO KEY UPDATE`) in every transaction
+//!   that checks its balance, sandbox count or budgets (create, extend,
+//!   trim), the sandbox's in every one that changes its status (set_status,
+//!   finish), the execution's when it finishes. So settlement happens once
+//!   however many processes race to end the same sandbox, and transactions
+//!   of different accounts run side by side.
+//! * **Sums**: `SUM` of a BIGINT is NUMERIC in PostgreSQL, so every sum is
+//!   cast back to BIGINT.
+//! * **Hosts**: a shared database holds the sandboxes of many machines,
+//!   each row naming its `host`; what a machine reconciles, expires and
+//!   fails after a restart is its own host's only.
 
 mod accounts;
 mod error;
