@@ -174,7 +174,10 @@ fn event_from(row: &AnyRow) -> Result<EventRow> {
 }
 
 /// The sandbox, read under its row lock (see [`crate::row_lock`]).
-async fn sandbox_in(tx: &mut Transaction<'static, Any>, id: &str) -> Result<Option<SandboxRow>> {
+pub(crate) async fn sandbox_in(
+    tx: &mut Transaction<'static, Any>,
+    id: &str,
+) -> Result<Option<SandboxRow>> {
     let sql = format!("SELECT * FROM sandboxes WHERE id = $1{}", row_lock(tx));
     sqlx::query(sqlx::AssertSqlSafe(sql))
         .bind(id)
@@ -226,6 +229,76 @@ async fn insert_ledger(
     .execute(&mut **tx)
     .await?;
     Ok(())
+}
+
+/// Ends a live sandbox inside a write transaction that holds its row lock
+/// (see [`Store::finish_sandbox`]); `None` if it had already ended.
+pub(crate) async fn finish_in(
+    tx: &mut Transaction<'static, Any>,
+    row: &SandboxRow,
+    end_status: &str,
+    reason: &str,
+    ended_at: OffsetDateTime,
+    charge_micros: i64,
+) -> Result<Option<SandboxRow>> {
+    if !row.is_live() {
+        return Ok(None);
+    }
+    let id = row.id.as_str();
+    let (reserved, released, charged): (i64, i64, i64) = sqlx::query_as(
+        "SELECT \
+             CAST(COALESCE(SUM(CASE WHEN kind = 'reserve' THEN -amount_micros ELSE 0 END), 0) AS BIGINT), \
+             CAST(COALESCE(SUM(CASE WHEN kind = 'release' THEN amount_micros ELSE 0 END), 0) AS BIGINT), \
+             CAST(COALESCE(SUM(CASE WHEN kind = 'charge' THEN -amount_micros ELSE 0 END), 0) AS BIGINT) \
+         FROM ledger WHERE sandbox_id = $1",
+    )
+    .bind(id)
+    .fetch_one(&mut **tx)
+    .await?;
+    let release = (reserved - released).max(0);
+    let charge = charge_micros.clamp(0, (reserved - released - charged).max(0));
+    if release > 0 {
+        insert_ledger(
+            tx,
+            &row.account_id,
+            id,
+            "release",
+            release,
+            Some(reason),
+            ended_at,
+        )
+        .await?;
+    }
+    if charge > 0 {
+        insert_ledger(
+            tx,
+            &row.account_id,
+            id,
+            "charge",
+            -charge,
+            Some(reason),
+            ended_at,
+        )
+        .await?;
+    }
+    let updated = sqlx::query(
+        "UPDATE sandboxes SET status = $2, deleted_at = $3, deleted_reason = $4 \
+         WHERE id = $1 RETURNING *",
+    )
+    .bind(id)
+    .bind(end_status)
+    .bind(format_ts(ended_at))
+    .bind(reason)
+    .fetch_one(&mut **tx)
+    .await?;
+    let updated = sandbox_from(&updated)?;
+    insert_event(tx, id, end_status, Some(reason), ended_at).await?;
+    sqlx::query("UPDATE ports SET closed_at = $2 WHERE sandbox_id = $1 AND closed_at IS NULL")
+        .bind(id)
+        .bind(format_ts(ended_at))
+        .execute(&mut **tx)
+        .await?;
+    Ok(Some(updated))
 }
 
 impl Store {
@@ -521,67 +594,12 @@ impl Store {
             )));
         }
         let mut tx = self.write_tx().await?;
-        let row = sandbox_in(&mut tx, id)
-            .await?
-            .ok_or_else(|| StoreError::NotFound(format!("sandbox {id}")))?;
-        if !row.is_live() {
-            return Ok(None);
-        }
-        let (reserved, released, charged): (i64, i64, i64) = sqlx::query_as(
-            "SELECT \
-                 CAST(COALESCE(SUM(CASE WHEN kind = 'reserve' THEN -amount_micros ELSE 0 END), 0) AS BIGINT), \
-                 CAST(COALESCE(SUM(CASE WHEN kind = 'release' THEN amount_micros ELSE 0 END), 0) AS BIGINT), \
-                 CAST(COALESCE(SUM(CASE WHEN kind = 'charge' THEN -amount_micros ELSE 0 END), 0) AS BIGINT) \
-             FROM ledger WHERE sandbox_id = $1",
-        )
-        .bind(id)
-        .fetch_one(&mut *tx)
-        .await?;
-        let release = (reserved - released).max(0);
-        let charge = charge_micros.clamp(0, (reserved - released - charged).max(0));
-        if release > 0 {
-            insert_ledger(
-                &mut tx,
-                &row.account_id,
-                id,
-                "release",
-                release,
-                Some(reason),
-                ended_at,
-            )
-            .await?;
-        }
-        if charge > 0 {
-            insert_ledger(
-                &mut tx,
-                &row.account_id,
-                id,
-                "charge",
-                -charge,
-                Some(reason),
-                ended_at,
-            )
-            .await?;
-        }
-        let updated = sqlx::query(
-            "UPDATE sandboxes SET status = $2, deleted_at = $3, deleted_reason = $4 \
-             WHERE id = $1 RETURNING *",
-        )
-        .bind(id)
-        .bind(end_status)
-        .bind(format_ts(ended_at))
-        .bind(reason)
-        .fetch_one(&mut *tx)
-        .await?;
-        let updated = sandbox_from(&updated)?;
-        insert_event(&mut tx, id, end_status, Some(reason), ended_at).await?;
-        sqlx::query("UPDATE ports SET closed_at = $2 WHERE sandbox_id = $1 AND closed_at IS NULL")
-            .bind(id)
-            .bind(format_ts(ended_at))
-            .execute(&mut *tx)
-            .await?;
+        let Some(row) = sandbox_in(&mut tx, id).await? else {
+            return Err(StoreError::NotFound(format!("sandbox {id}")));
+        };
+        let updated = finish_in(&mut tx, &row, end_status, reason, ended_at, charge_micros).await?;
         tx.commit().await?;
-        Ok(Some(updated))
+        Ok(updated)
     }
 
     /// The sandbox with this id, of any account (compare `account_id`, or

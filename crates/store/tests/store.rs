@@ -38,6 +38,7 @@ macro_rules! on_both_engines {
 }
 
 on_both_engines!(
+    nodes_hold_leases_on_the_database_clock_and_lost_ones_settle_once,
     accounts_have_unique_names,
     keys_store_a_hash_show_a_prefix_and_can_be_revoked,
     the_ledger_reserves_refunds_and_settles_once,
@@ -1408,4 +1409,128 @@ async fn an_ended_sandboxs_executions_go_after_the_retention(store: Store) {
         10 + 100 + 1 + 256,
         "the account's count follows"
     );
+}
+
+async fn nodes_hold_leases_on_the_database_clock_and_lost_ones_settle_once(store: Store) {
+    use sandpit_store::{node_state, NewNode};
+    use std::time::Duration as StdDuration;
+    let node = |name: &str| NewNode {
+        name: name.into(),
+        address: format!("{name}.internal:7443"),
+        vcpus: 2,
+        memory_mb: 4096,
+    };
+    let a = store
+        .register_node(&node("a"), StdDuration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!((a.epoch, a.state.as_str()), (1, node_state::UP));
+    assert!(a.is_live());
+    let b = store
+        .register_node(&node("b"), StdDuration::ZERO)
+        .await
+        .unwrap();
+    assert!(store
+        .renew_lease("a", a.epoch, StdDuration::from_secs(60))
+        .await
+        .unwrap());
+    assert!(!store
+        .renew_lease("a", a.epoch + 1, StdDuration::from_secs(60))
+        .await
+        .unwrap());
+    let db_now = store.now_ms().await.unwrap();
+    let here = OffsetDateTime::now_utc().unix_timestamp() * 1000;
+    assert!((db_now - here).abs() < 5_000, "db clock {db_now} vs {here}");
+
+    // Sandboxes on both nodes, of one account.
+    let acct = store.create_account("alice", 100).await.unwrap();
+    store.add_credit(&acct.id, 1_000_000, None).await.unwrap();
+    let now = OffsetDateTime::now_utc() - Duration::minutes(10);
+    let mut on_b = Vec::new();
+    for host in ["b", "b", "a"] {
+        let mut n = sandbox(&acct.id, now, 60, 90_000);
+        n.host = host.into();
+        let row = created(store.create_sandbox(n).await.unwrap());
+        store
+            .set_status(&row.id, status::RUNNING, None)
+            .await
+            .unwrap();
+        if host == "b" {
+            on_b.push(row.id);
+        }
+    }
+
+    // b's lease ran out; four sweepers race, and b is declared lost once.
+    tokio::time::sleep(StdDuration::from_millis(20)).await;
+    let sweeps: Vec<_> = (0..4)
+        .map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                store
+                    .declare_lost_nodes(StdDuration::ZERO, |s, until| {
+                        (until - s.created_at).whole_seconds() * 25
+                    })
+                    .await
+                    .unwrap()
+            })
+        })
+        .collect();
+    let mut lost = Vec::new();
+    for t in sweeps {
+        lost.extend(t.await.unwrap());
+    }
+    assert_eq!(lost.len(), 1, "{lost:?}");
+    assert_eq!(lost[0].node.name, "b");
+    assert_eq!(lost[0].node.state, node_state::LOST);
+    let mut ended: Vec<_> = lost[0].sandboxes.iter().map(|s| s.id.clone()).collect();
+    ended.sort();
+    on_b.sort();
+    assert_eq!(ended, on_b);
+    for id in &on_b {
+        let row = store.sandbox(id).await.unwrap().unwrap();
+        assert_eq!(row.status, status::FAILED);
+        let reason = row.deleted_reason.unwrap();
+        assert!(reason.contains("its node b was lost"), "{reason}");
+        let kinds: Vec<String> = store
+            .ledger(&acct.id)
+            .await
+            .unwrap()
+            .into_iter()
+            .filter(|l| l.sandbox_id.as_deref() == Some(id.as_str()))
+            .map(|l| l.kind)
+            .collect();
+        // Reserved once, released once, charged once (about ten minutes).
+        assert_eq!(kinds, ["reserve", "release", "charge"], "{id}");
+    }
+    assert_never_negative(&store, &acct.id).await;
+    let on_a = store.live_sandboxes("a").await.unwrap();
+    assert_eq!(on_a.len(), 1);
+
+    // Fenced: b's old epoch renews nothing; b starting again is up anew.
+    assert!(!store
+        .renew_lease("b", b.epoch, StdDuration::from_secs(60))
+        .await
+        .unwrap());
+    let again = store
+        .register_node(&node("b"), StdDuration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(again.epoch, b.epoch + 1);
+    assert_eq!(
+        (again.state.as_str(), again.lost_at_ms),
+        (node_state::UP, None)
+    );
+    assert!(store
+        .declare_lost_nodes(StdDuration::ZERO, |_, _| 0)
+        .await
+        .unwrap()
+        .is_empty());
+    let names: Vec<_> = store
+        .nodes()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|n| (n.name.clone(), n.is_live()))
+        .collect();
+    assert_eq!(names, [("a".to_string(), true), ("b".to_string(), true)]);
 }
