@@ -146,6 +146,16 @@ async fn service_with(settings: &Settings, build: bool) -> Result<Arc<Service>> 
         LocalVms::new(manager)
     };
     let svc = Service::new(settings.service.clone(), store, vms);
+    // On a shared database this machine is a node of the cluster: it joins
+    // (a new epoch, a lease) before it reconciles, so a sweep that declared
+    // it lost while it was down has settled its old sandboxes already.
+    if settings.database_url.is_some() {
+        let address = settings
+            .public_url
+            .clone()
+            .unwrap_or_else(|| settings.listen.clone());
+        svc.join_cluster(settings.cluster.clone(), &address).await?;
+    }
     svc.start().await?;
     Ok(svc)
 }

@@ -53,6 +53,8 @@ pub struct FileConfig {
     pub pool: Option<sandpit_core::backend::PoolConfig>,
     /// `sandpit serve`'s client connections: how many, how long.
     pub server: Option<crate::listener::ConnectionLimits>,
+    /// On a shared database: the node lease and when a silent node is lost.
+    pub cluster: Option<sandpit_core::cluster::ClusterConfig>,
 }
 
 /// A size: resources and (for the server) its price.
@@ -172,6 +174,8 @@ pub struct Settings {
     /// The shared database (`--database`, `SANDPIT_DATABASE_URL`), if not
     /// the data directory's SQLite file.
     pub database_url: Option<String>,
+    /// `[cluster]`: used on a shared database.
+    pub cluster: sandpit_core::cluster::ClusterConfig,
 }
 
 impl Settings {
@@ -392,6 +396,7 @@ impl Settings {
         };
         Ok(Settings {
             database_url: None,
+            cluster: file.cluster.clone().unwrap_or_default(),
             data_dir,
             images_dir,
             config_file: config.map(Path::to_path_buf),

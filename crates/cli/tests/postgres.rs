@@ -11,6 +11,7 @@ use common::*;
 use sandpit_store::{new_id, CreateOutcome, NewSandbox, Store};
 use serde_json::json;
 use std::process::Stdio;
+use std::time::{Duration, Instant};
 
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
@@ -71,6 +72,7 @@ fn a_server_on_postgresql_keeps_its_state_there_and_only_its_own_sandboxes() {
                 max_concurrent: None,
                 disk_limit_bytes: None,
                 idempotency: None,
+                host_epoch: None,
             })
             .await
             .unwrap()
@@ -166,4 +168,146 @@ fn a_server_on_postgresql_keeps_its_state_there_and_only_its_own_sandboxes() {
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("--name"), "{err}");
+}
+
+/// A short lease and grace, and no warm pool (two servers share 2 cores).
+const NODE_CONFIG: &str = "[cluster]\nlease_secs = 3\nlost_after_secs = 2\n[pool]\nsizes = {}\n";
+
+fn sandbox_status(api: &Rest, id: &str) -> (String, String) {
+    rt().block_on(async {
+        let (st, s) = api.get(&format!("/sandboxes/{id}")).await;
+        assert_eq!(st, 200, "{s}");
+        (
+            s["status"].as_str().unwrap().to_string(),
+            s["deleted_reason"].as_str().unwrap_or("").to_string(),
+        )
+    })
+}
+
+fn wait_until(what: &str, bound: Duration, mut done: impl FnMut() -> bool) -> Duration {
+    let t = Instant::now();
+    while !done() {
+        assert!(t.elapsed() < bound, "{what}: not within {bound:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    t.elapsed()
+}
+
+fn create_on(server: &Server, key: &str) -> String {
+    rt().block_on(async {
+        let (st, s) = Rest::new(server, key)
+            .post("/sandboxes", json!({"timeout_minutes": 30}))
+            .await;
+        assert_eq!(st, 201, "{s}");
+        s["id"].as_str().unwrap().to_string()
+    })
+}
+
+fn vm_runs(id: &str) -> bool {
+    !pids_mentioning(&format!("sandpit-vm-{id}")).is_empty()
+}
+
+#[test]
+fn a_silent_node_is_declared_lost_its_sandboxes_settled_once_and_it_is_fenced() {
+    let pg = sandpit_pgtest::shared();
+    let url = rt().block_on(pg.fresh_database());
+    let (data_a, data_b) = (data_dir(), data_dir());
+    std::fs::write(data_a.join("config.toml"), CONFIG).unwrap();
+    let (ok, _, err) = with_database(
+        &data_a,
+        &url,
+        &["account", "create", "team", "--credit", "5"],
+    );
+    assert!(ok, "{err}");
+    let (ok, key, err) = with_database(&data_a, &url, &["key", "create", "--account", "team"]);
+    assert!(ok, "{err}");
+
+    let a = Server::start_node(&data_a, &url, "a", NODE_CONFIG);
+    let b = Server::start_node(&data_b, &url, "b", NODE_CONFIG);
+    let on_b = create_on(&b, &key);
+    let via_a = Rest::new(&a, &key);
+    // Seen from a, b's sandbox is listed and running; its VM is b's to
+    // reach, and a says so with a typed error rather than touching it.
+    assert_eq!(sandbox_status(&via_a, &on_b).0, "running");
+    rt().block_on(async {
+        let (st, e) = via_a
+            .post(
+                &format!("/sandboxes/{on_b}/exec"),
+                json!({"command": "true"}),
+            )
+            .await;
+        assert_eq!(st, 503, "{e}");
+        assert_eq!(e["error"]["type"], "service_unavailable", "{e}");
+        assert!(
+            e["error"]["message"].as_str().unwrap().contains("node b"),
+            "{e}"
+        );
+    });
+    assert_eq!(sandbox_status(&via_a, &on_b).0, "running");
+
+    // SIGKILL b: a declares it lost and settles its sandbox, once.
+    let b_data = b.data.clone();
+    b.sigkill();
+    assert!(vm_runs(&on_b), "the VM died with its server");
+    let settled = wait_until("b's sandbox failed", Duration::from_secs(40), || {
+        sandbox_status(&via_a, &on_b).0 == "failed"
+    });
+    eprintln!("node loss settled {settled:?} after the SIGKILL (lease 3 s, grace 2 s)");
+    let reason = sandbox_status(&via_a, &on_b).1;
+    assert!(reason.contains("its node b was lost"), "{reason}");
+
+    // b starts again: it is up under a new epoch, and the VM of the
+    // sandbox that failed with it goes.
+    let b = Server::start_node(&b_data, &url, "b", NODE_CONFIG);
+    wait_until(
+        "the lost sandbox's VM removed",
+        Duration::from_secs(30),
+        || !vm_runs(&on_b),
+    );
+
+    // SIGSTOP b past its lease and the grace, then SIGCONT: it was fenced,
+    // finds out at its next heartbeat, removes the VM and joins again.
+    let frozen = create_on(&b, &key);
+    // SAFETY: signals to the test's own child.
+    unsafe { libc::kill(b.child.id() as i32, libc::SIGSTOP) };
+    wait_until(
+        "the frozen node's sandbox failed",
+        Duration::from_secs(40),
+        || sandbox_status(&via_a, &frozen).0 == "failed",
+    );
+    unsafe { libc::kill(b.child.id() as i32, libc::SIGCONT) };
+    b.wait_for_log("lost its lease", Duration::from_secs(20))
+        .expect("b tells that it was fenced");
+    wait_until(
+        "the fenced node's VM removed",
+        Duration::from_secs(30),
+        || !vm_runs(&frozen),
+    );
+    // Joined again, it serves new sandboxes.
+    let after = create_on(&b, &key);
+    assert_eq!(sandbox_status(&Rest::new(&b, &key), &after).0, "running");
+
+    rt().block_on(async {
+        let store = Store::connect(&url).await.unwrap();
+        let nodes = store.nodes().await.unwrap();
+        let b_row = nodes.iter().find(|n| n.name == "b").unwrap();
+        assert_eq!((b_row.epoch, b_row.state.as_str()), (3, "up"), "{nodes:?}");
+        assert!(nodes.iter().all(|n| n.is_live()), "{nodes:?}");
+        // Each lost sandbox was reserved, released and charged exactly once;
+        // the ledger sums to the balance.
+        let team = store.account_by_name("team").await.unwrap().unwrap();
+        let ledger = store.ledger(&team.id).await.unwrap();
+        for id in [&on_b, &frozen] {
+            let kinds: Vec<&str> = ledger
+                .iter()
+                .filter(|l| l.sandbox_id.as_deref() == Some(id.as_str()))
+                .map(|l| l.kind.as_str())
+                .collect();
+            assert_eq!(kinds, ["reserve", "release", "charge"], "{id}");
+        }
+        let sum: i64 = ledger.iter().map(|l| l.amount_micros).sum();
+        assert_eq!(sum, store.balance(&team.id).await.unwrap());
+    });
+    drop(a);
+    drop(b);
 }

@@ -52,6 +52,9 @@ pub struct Service {
     disk_holds: crate::disk::DiskHolds,
     /// Itself, for tasks that outlive a call (streaming exec).
     me: Weak<Service>,
+    /// This node's place in a cluster sharing the database (see
+    /// [`crate::cluster`]); unset on a database of its own.
+    pub(crate) membership: std::sync::OnceLock<crate::cluster::Membership>,
 }
 
 /// How often preview traffic counters are written to the store.
@@ -184,7 +187,7 @@ fn to_execution(r: &ExecutionRow) -> Execution {
 }
 
 /// Seconds a sandbox lived from creation to `end` (rounded up), for billing.
-fn lived_seconds(created: OffsetDateTime, end: OffsetDateTime) -> u64 {
+pub(crate) fn lived_seconds(created: OffsetDateTime, end: OffsetDateTime) -> u64 {
     let d = end - created;
     if d.is_negative() {
         return 0;
@@ -211,6 +214,7 @@ impl Service {
             transfers: Default::default(),
             disk_holds: Default::default(),
             me: me.clone(),
+            membership: std::sync::OnceLock::new(),
         })
     }
 
@@ -477,14 +481,11 @@ impl Service {
         end_status: &str,
         reason: &str,
     ) -> Result<Option<SandboxRow>> {
-        // Its preview URLs stop now, before anything else.
-        self.previews.close(&row.id, None);
-        self.record_final_disk_use(&row.id).await;
-        if let Err(e) = self.vms.destroy(&row.id).await {
-            tracing::warn!(id = %row.id, "destroying the VM: {e}");
+        // Its VM and preview URLs are its node's: another node's are
+        // removed there, at its next heartbeat (see `crate::cluster`).
+        if row.host == self.config.host_name {
+            self.end_here(row).await;
         }
-        self.flush_traffic(Some(&row.id)).await;
-        self.previews.forget(&row.id);
         let now = OffsetDateTime::now_utc();
         let billed_until = now.min(row.expires_at);
         // A VM found dead after its expiry ended on time (its watchdog
@@ -517,6 +518,19 @@ impl Service {
             .await?)
     }
 
+    /// What ending a sandbox takes on its node: its preview URLs stop
+    /// (before anything else), its last disk use is recorded, its VM goes,
+    /// its preview traffic is written.
+    pub(crate) async fn end_here(&self, row: &SandboxRow) {
+        self.previews.close(&row.id, None);
+        self.record_final_disk_use(&row.id).await;
+        if let Err(e) = self.vms.destroy(&row.id).await {
+            tracing::warn!(id = %row.id, "destroying the VM: {e}");
+        }
+        self.flush_traffic(Some(&row.id)).await;
+        self.previews.forget(&row.id);
+    }
+
     async fn owned(&self, caller: &Caller, id: &str) -> Result<SandboxRow> {
         self.store
             .sandbox_of(&caller.account_id, id)
@@ -535,6 +549,16 @@ impl Service {
 
     /// The agent of a running sandbox; a VM found dead fails the sandbox.
     async fn agent(&self, row: &SandboxRow) -> Result<sandpit_runtime::AgentClient> {
+        if row.host != self.config.host_name {
+            return Err(CoreError::new(
+                ErrorType::ServiceUnavailable,
+                format!(
+                    "sandbox {} runs on node {}, and this server reaches only its own \
+                     node's VMs: use the server on {}",
+                    row.id, row.host, row.host
+                ),
+            ));
+        }
         match self.vms.agent(&row.id).await {
             Ok(a) => Ok(a),
             Err(RuntimeError::VmExited { cause }) | Err(RuntimeError::NotFound(cause)) => {
@@ -946,6 +970,7 @@ impl SandboxApi for Service {
                 timeout_minutes: timeout,
                 price_micros_per_hour: price,
                 host: self.config.host_name.clone(),
+                host_epoch: self.membership().map(|m| m.epoch()),
                 created_at: now,
                 expires_at: now + time::Duration::minutes(timeout as i64),
                 reserve_micros: reserve,
@@ -990,6 +1015,13 @@ impl SandboxApi for Service {
             }
             CreateOutcome::OverDiskLimit { used, limit } => {
                 return Err(crate::disk::over_limit(used, limit))
+            }
+            CreateOutcome::HostUnavailable => {
+                return Err(CoreError::new(
+                    ErrorType::ServiceUnavailable,
+                    "this node lost its place in the cluster and is joining again; retry",
+                )
+                .with_retry_after(5))
             }
         };
         self.wake_reaper();

@@ -74,6 +74,10 @@ pub struct NewSandbox {
     pub disk_limit_bytes: Option<u64>,
     /// `(Idempotency-Key, hash of the request body)`, if the request had a key.
     pub idempotency: Option<(String, String)>,
+    /// On a shared database: the epoch `host` must be `up` at (see
+    /// [`Store::register_node`]), checked in the create's transaction, so a
+    /// node that was declared lost (whose sandboxes were settled) adds none.
+    pub host_epoch: Option<i64>,
 }
 
 /// What [`Store::create_sandbox`] did.
@@ -94,6 +98,9 @@ pub enum CreateOutcome {
     /// The account's live sandboxes' disks take `used` bytes, at or over
     /// its `limit`.
     OverDiskLimit { used: u64, limit: u64 },
+    /// `host` is not `up` at `host_epoch`: it was declared lost (or started
+    /// again elsewhere) and must join again before it runs sandboxes.
+    HostUnavailable,
 }
 
 /// What [`Store::extend_sandbox`] did.
@@ -337,6 +344,28 @@ impl Store {
                     StoreError::Corrupt(format!("idempotency row names missing {sandbox_id}"))
                 })?;
                 return Ok(CreateOutcome::Replay(row));
+            }
+        }
+
+        if let Some(epoch) = new.host_epoch {
+            // Shared with other creates, exclusive of the sweep that would
+            // declare the node lost: that waits for this sandbox to exist,
+            // and then settles it with the others.
+            let lock = if crate::is_postgres(&tx) {
+                " FOR SHARE"
+            } else {
+                ""
+            };
+            let sql = format!(
+                "SELECT epoch FROM nodes WHERE name = $1 AND epoch = $2 AND state = 'up'{lock}"
+            );
+            let up: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+                .bind(&new.host)
+                .bind(epoch)
+                .fetch_optional(&mut *tx)
+                .await?;
+            if up.is_none() {
+                return Ok(CreateOutcome::HostUnavailable);
             }
         }
 

@@ -96,6 +96,7 @@ fn sandbox(account_id: &str, created_at: OffsetDateTime, minutes: u32, reserve: 
         max_concurrent: None,
         disk_limit_bytes: None,
         idempotency: None,
+        host_epoch: None,
     }
 }
 

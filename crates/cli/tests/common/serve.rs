@@ -59,7 +59,12 @@ impl Server {
     /// A server whose store is the (PostgreSQL) database at `url`, named
     /// `name` in it; [`Server::admin`]'s commands use that database too.
     pub fn start_on_database(data: &Path, url: &str, name: &str) -> Server {
-        Server::start_full(data, "", "127.0.0.1:0", &[], Some((url, name)))
+        Server::start_node(data, url, name, "")
+    }
+
+    /// [`Server::start_on_database`] with `extra` appended to the config.
+    pub fn start_node(data: &Path, url: &str, name: &str, extra: &str) -> Server {
+        Server::start_full(data, extra, "127.0.0.1:0", &[], Some((url, name)))
     }
 
     fn start_full(

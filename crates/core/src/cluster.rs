@@ -1,0 +1,209 @@
+//! Membership of machines that share one database (PostgreSQL).
+//!
+//! Each `sandpit serve --database postgres://…` runs the VMs of its machine
+//! as a node: it registers under its name with a lease on the database's
+//! clock and renews it every third of the lease. Every member also sweeps:
+//! a node whose lease ran out more than `lost_after` ago is declared lost,
+//! and its sandboxes are failed ("its node … was lost") and settled — billed
+//! until its last heartbeat, the rest of their reservations released — in
+//! the same transaction, so exactly once whoever sweeps (see
+//! `Store::declare_lost_nodes`).
+//!
+//! Fencing: a node's epoch grows at each registration, and its renewal names
+//! the epoch it holds. A node that finds its renewal refused (it was stopped,
+//! or cut from the database, past its lease and the grace) knows its
+//! sandboxes were failed: it ends them here too (their VMs go, their preview
+//! URLs close) and joins again under a new epoch. A create checks the epoch
+//! in its transaction, so a fenced node adds no sandbox meanwhile.
+//!
+//! A sandbox ended by another member (a destroy or an expiry it served) has
+//! its VM removed by its node at the next heartbeat.
+
+use crate::error::{CoreError, Result};
+use crate::Service;
+use serde::{Deserialize, Serialize};
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// `[cluster]` in the config: the lease and when a silent node is lost.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ClusterConfig {
+    /// How long a node's lease lasts; it is renewed every third of it, so a
+    /// node that stops is unroutable within this.
+    pub lease_secs: u64,
+    /// How long past its lease a silent node's sandboxes wait before they
+    /// are failed and settled (a node back within it keeps them).
+    pub lost_after_secs: u64,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        ClusterConfig {
+            lease_secs: 10,
+            lost_after_secs: 20,
+        }
+    }
+}
+
+impl ClusterConfig {
+    fn lease(&self) -> Duration {
+        Duration::from_secs(self.lease_secs.max(1))
+    }
+
+    fn heartbeat(&self) -> Duration {
+        self.lease() / 3
+    }
+
+    fn lost_after(&self) -> Duration {
+        Duration::from_secs(self.lost_after_secs)
+    }
+}
+
+/// This process's membership, once it joined.
+#[derive(Debug)]
+pub(crate) struct Membership {
+    config: ClusterConfig,
+    node: sandpit_store::NewNode,
+    epoch: AtomicI64,
+}
+
+impl Membership {
+    /// The epoch a create on this node must find.
+    pub(crate) fn epoch(&self) -> i64 {
+        self.epoch.load(Ordering::SeqCst)
+    }
+}
+
+impl Service {
+    /// Joins the cluster of the shared database as the node
+    /// `config.host_name`, reachable at `address`; starts the heartbeat and
+    /// the lost-node sweep. Call before [`Service::start`].
+    pub async fn join_cluster(
+        self: &Arc<Self>,
+        config: ClusterConfig,
+        address: &str,
+    ) -> Result<i64> {
+        let node = sandpit_store::NewNode {
+            name: self.config().host_name.clone(),
+            address: address.to_string(),
+            vcpus: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
+            memory_mb: host_memory_mb(),
+        };
+        let row = self.store().register_node(&node, config.lease()).await?;
+        let membership = Membership {
+            config,
+            node,
+            epoch: AtomicI64::new(row.epoch),
+        };
+        if self.membership.set(membership).is_err() {
+            return Err(CoreError::internal("joined the cluster twice"));
+        }
+        tracing::info!(node = %row.name, epoch = row.epoch, "joined the cluster");
+        let me = Arc::downgrade(self);
+        let heartbeat = self.membership().map(|m| m.config.heartbeat());
+        tokio::spawn(async move {
+            let every = heartbeat.unwrap_or(Duration::from_secs(3));
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(svc) = me.upgrade() else { return };
+                if let Err(e) = svc.heartbeat().await {
+                    tracing::warn!("cluster heartbeat: {e}");
+                }
+                if let Err(e) = svc.sweep_lost_nodes().await {
+                    tracing::warn!("sweeping lost nodes: {e}");
+                }
+            }
+        });
+        Ok(row.epoch)
+    }
+
+    pub(crate) fn membership(&self) -> Option<&Membership> {
+        self.membership.get()
+    }
+
+    /// Renews this node's lease; when it was fenced, ends what it held and
+    /// joins again. Then removes the VMs of sandboxes others ended.
+    async fn heartbeat(&self) -> Result<()> {
+        let Some(m) = self.membership() else {
+            return Ok(());
+        };
+        let renewed = self
+            .store()
+            .renew_lease(&m.node.name, m.epoch(), m.config.lease())
+            .await?;
+        if !renewed {
+            tracing::error!(
+                node = %m.node.name,
+                epoch = m.epoch(),
+                "this node lost its lease and was declared lost: its sandboxes were failed; \
+                 removing their VMs and joining again"
+            );
+            self.drop_ended_vms().await?;
+            let row = self
+                .store()
+                .register_node(&m.node, m.config.lease())
+                .await?;
+            m.epoch.store(row.epoch, Ordering::SeqCst);
+            tracing::info!(node = %row.name, epoch = row.epoch, "joined the cluster again");
+            return Ok(());
+        }
+        self.drop_ended_vms().await
+    }
+
+    /// Declares lost the nodes silent past their lease and the grace, and
+    /// settles their sandboxes (once, whoever sweeps).
+    async fn sweep_lost_nodes(&self) -> Result<()> {
+        let Some(m) = self.membership() else {
+            return Ok(());
+        };
+        let lost = self
+            .store()
+            .declare_lost_nodes(m.config.lost_after(), |row, until| {
+                crate::config::cost(
+                    row.price_micros_per_hour,
+                    crate::service::lived_seconds(row.created_at, until),
+                )
+            })
+            .await?;
+        for l in lost {
+            tracing::warn!(
+                node = %l.node.name,
+                sandboxes = l.sandboxes.len(),
+                "declared a node lost: its sandboxes failed and were settled"
+            );
+        }
+        Ok(())
+    }
+
+    /// Ends here (VM, preview URLs) the sandboxes of this node that the
+    /// store says have ended: failed with the node, or destroyed or expired
+    /// through another member.
+    async fn drop_ended_vms(&self) -> Result<()> {
+        for vm in self.vms().list() {
+            let Some(row) = self.store().sandbox(&vm.id).await? else {
+                continue;
+            };
+            if !row.is_live() {
+                tracing::info!(id = %row.id, "removing the VM of a sandbox that ended elsewhere");
+                self.end_here(&row).await;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// This machine's memory, from /proc/meminfo (0 if unreadable).
+fn host_memory_mb() -> u32 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(0, |kb| (kb / 1024).min(u64::from(u32::MAX)) as u32)
+}
