@@ -75,6 +75,11 @@ enum Command {
         #[command(subcommand)]
         command: server::CreditCommand,
     },
+    /// The certificates of machines that share a database (mutual TLS)
+    Cluster {
+        #[command(subcommand)]
+        command: ClusterCommand,
+    },
     /// (internal) expire this data directory's sandboxes until none is left
     #[command(hide = true)]
     Reap,
@@ -83,6 +88,21 @@ enum Command {
     /// Measure create, exec and file-transfer speed and idle memory; print
     /// medians (`bench load`: many MCP clients against a running server)
     Bench(bench::BenchArgs),
+}
+
+#[derive(Subcommand)]
+enum ClusterCommand {
+    /// Make the cluster's certificate authority in DIR (ca.pem, ca.key)
+    Init { dir: PathBuf },
+    /// Issue NAME.pem and NAME.key in DIR from its CA, for a member named
+    /// NAME (a node, a replica, or both) reached at the --host names or
+    /// addresses
+    Issue {
+        dir: PathBuf,
+        name: String,
+        #[arg(long = "host")]
+        hosts: Vec<String>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -142,8 +162,32 @@ async fn run(cli: Cli) -> Result<i32> {
         Command::Account { command } => server::account(&settings, command).await,
         Command::Key { command } => server::key(&settings, command).await,
         Command::Credit { command } => server::credit(&settings, command).await,
+        Command::Cluster { command } => cluster(command),
         Command::Reap => server::reap(&settings).await,
         Command::Demo => sandbox::demo(&settings).await,
         Command::Bench(args) => bench::run(&settings, args).await,
     }
+}
+
+fn cluster(cmd: ClusterCommand) -> Result<i32> {
+    match cmd {
+        ClusterCommand::Init { dir } => {
+            sandpit_node::init_ca(&dir)?;
+            eprintln!(
+                "cluster CA made: {0}/ca.pem (give it to every member) and {0}/ca.key \
+                 (keep it where you issue certificates, not on the members)",
+                dir.display()
+            );
+        }
+        ClusterCommand::Issue { dir, name, hosts } => {
+            let id = sandpit_node::issue(&dir, &name, &hosts)?;
+            eprintln!(
+                "issued {} and {} for {name}: copy them and {} to that member",
+                id.cert.display(),
+                id.key.display(),
+                id.ca.display()
+            );
+        }
+    }
+    Ok(0)
 }

@@ -1,8 +1,9 @@
-//! Sandpit on PostgreSQL: a real `sandpit serve --database postgres://…`
-//! with real VMs, on a real PostgreSQL server the test starts (Debian's,
-//! from `initdb` in a temporary directory, as the `postgres` user: see
-//! `sandpit-pgtest`), the operator commands on the same database, a SIGKILL
-//! and a restart.
+//! Machines sharing one PostgreSQL database: real `sandpit serve
+//! --database postgres://…` processes with real VMs, on a real PostgreSQL
+//! server the test starts (Debian's, from `initdb` in a temporary directory,
+//! as the `postgres` user: see `sandpit-pgtest`); the operator commands on
+//! the same database; servers killed, restarted, frozen and thawed; the
+//! cluster's certificates made by the CLI.
 
 mod common;
 
@@ -310,4 +311,67 @@ fn a_silent_node_is_declared_lost_its_sandboxes_settled_once_and_it_is_fenced() 
     });
     drop(a);
     drop(b);
+}
+
+#[test]
+fn the_cli_makes_the_cluster_ca_and_issues_members_certificates() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = dir.path().join("ca");
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_sandpit"))
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    let ca_dir = ca.to_str().unwrap();
+    let (ok, err) = run(&["cluster", "init", ca_dir]);
+    assert!(ok, "{err}");
+    let (ok, err) = run(&["cluster", "init", ca_dir]);
+    assert!(!ok && err.contains("already holds a cluster CA"), "{err}");
+    let (ok, err) = run(&[
+        "cluster",
+        "issue",
+        ca_dir,
+        "node-a",
+        "--host",
+        "10.0.0.1",
+        "--host",
+        "node-a.internal",
+    ]);
+    assert!(ok, "{err}");
+    use std::os::unix::fs::PermissionsExt;
+    for (file, private) in [
+        ("ca.pem", false),
+        ("ca.key", true),
+        ("node-a.pem", false),
+        ("node-a.key", true),
+    ] {
+        let mode = std::fs::metadata(ca.join(file))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777;
+        if private {
+            assert_eq!(mode, 0o600, "{file}");
+        }
+    }
+    // The certificate names the member and its addresses, signed by the CA:
+    // it serves and is accepted (see crates/node/tests/link.rs for the
+    // handshakes themselves).
+    let pem = std::fs::read_to_string(ca.join("node-a.pem")).unwrap();
+    assert!(pem.starts_with("-----BEGIN CERTIFICATE-----"), "{pem}");
+    let id = sandpit_node::Identity::in_dir(&ca, "node-a");
+    sandpit_node::server_config(&id).unwrap();
+    sandpit_node::client_config(&id).unwrap();
+    let (ok, err) = run(&[
+        "cluster",
+        "issue",
+        dir.path().join("nowhere").to_str().unwrap(),
+        "x",
+    ]);
+    assert!(!ok && err.contains("cluster init"), "{err}");
 }
