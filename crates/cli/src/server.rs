@@ -29,6 +29,18 @@ pub struct ServeArgs {
     /// sandboxes are recorded as on it [default: the host name]
     #[arg(long)]
     name: Option<String>,
+    /// Serve this node's internal API here (mutual TLS; needs --database and
+    /// --cluster-dir), for the cluster's other members
+    #[arg(long, value_name = "ADDR")]
+    node_listen: Option<String>,
+    /// The address the other members reach the node API at [default: the
+    /// address --node-listen bound]
+    #[arg(long, value_name = "HOST:PORT")]
+    advertise: Option<String>,
+    /// Where this member's certificates are: DIR/ca.pem, DIR/NAME.pem,
+    /// DIR/NAME.key (`sandpit cluster issue DIR NAME`)
+    #[arg(long, value_name = "DIR")]
+    cluster_dir: Option<std::path::PathBuf>,
 }
 
 #[derive(Args)]
@@ -150,10 +162,8 @@ async fn service_with(settings: &Settings, build: bool) -> Result<Arc<Service>> 
     // (a new epoch, a lease) before it reconciles, so a sweep that declared
     // it lost while it was down has settled its old sandboxes already.
     if settings.database_url.is_some() {
-        let address = settings
-            .public_url
-            .clone()
-            .unwrap_or_else(|| settings.listen.clone());
+        // Where the other members reach this node's API ("" without one).
+        let address = settings.node_address.clone().unwrap_or_default();
         svc.join_cluster(settings.cluster.clone(), &address).await?;
     }
     svc.start().await?;
@@ -313,9 +323,50 @@ pub async fn serve(settings: &Settings, args: ServeArgs) -> Result<i32> {
         ),
         (None, None) => {}
     }
+    let node_api = match (&args.node_listen, &settings.database_url) {
+        (None, _) => None,
+        (Some(_), None) => bail!(
+            "--node-listen serves a node of a cluster that shares a database: give --database"
+        ),
+        (Some(listen), Some(_)) => {
+            let dir = args
+                .cluster_dir
+                .as_deref()
+                .context("--node-listen needs --cluster-dir (its certificates)")?;
+            let identity = sandpit_node::Identity::in_dir(dir, &settings.service.host_name);
+            let tls = sandpit_node::server_config(&identity).with_context(|| {
+                format!(
+                    "the node's certificates in {} (`sandpit cluster issue {} {}`)",
+                    dir.display(),
+                    dir.display(),
+                    settings.service.host_name
+                )
+            })?;
+            let listener = tokio::net::TcpListener::bind(listen)
+                .await
+                .with_context(|| format!("binding the node API to {listen}"))?;
+            let advertise = match &args.advertise {
+                Some(a) => a.clone(),
+                None => listener.local_addr()?.to_string(),
+            };
+            settings.node_address = Some(advertise);
+            Some((listener, tls))
+        }
+    };
     let settings = &settings;
     let _owner = own(settings, owner::Role::Serve)?;
     let svc = service(settings).await?;
+    // The node API runs until the server stops (its task is aborted then).
+    let node_task = node_api.map(|(listener, tls)| {
+        let state: Arc<dyn sandpit_node::NodeState> = Arc::new(ServedNode(svc.clone()));
+        tokio::spawn(async move {
+            if let Err(e) =
+                sandpit_node::api::serve(listener, tls, state, std::future::pending()).await
+            {
+                tracing::error!("the node API stopped: {e}");
+            }
+        })
+    });
     first_start(settings, svc.store(), &public_url).await?;
     let api: Arc<dyn SandboxApi> = svc.clone();
 
@@ -369,6 +420,9 @@ pub async fn serve(settings: &Settings, args: ServeArgs) -> Result<i32> {
         shutdown.cancel();
     })
     .await?;
+    if let Some(task) = node_task {
+        task.abort();
+    }
     svc.shutdown().await;
     Ok(0)
 }
@@ -480,6 +534,18 @@ pub async fn reap(settings: &Settings) -> Result<i32> {
             _ = tokio::time::sleep(std::time::Duration::from_secs(5)) => {}
             _ = wait_for_signal() => return Ok(0),
         }
+    }
+}
+
+/// The node API's view of this server's node: its name and epoch.
+struct ServedNode(Arc<Service>);
+
+impl sandpit_node::NodeState for ServedNode {
+    fn name(&self) -> &str {
+        &self.0.config().host_name
+    }
+    fn epoch(&self) -> Option<i64> {
+        self.0.cluster_epoch()
     }
 }
 

@@ -176,6 +176,8 @@ pub struct Settings {
     pub database_url: Option<String>,
     /// `[cluster]`: used on a shared database.
     pub cluster: sandpit_core::cluster::ClusterConfig,
+    /// Where the other members reach this node's API, when it serves one.
+    pub node_address: Option<String>,
 }
 
 impl Settings {
@@ -397,6 +399,7 @@ impl Settings {
         Ok(Settings {
             database_url: None,
             cluster: file.cluster.clone().unwrap_or_default(),
+            node_address: None,
             data_dir,
             images_dir,
             config_file: config.map(Path::to_path_buf),

@@ -223,8 +223,39 @@ fn a_silent_node_is_declared_lost_its_sandboxes_settled_once_and_it_is_fenced() 
     let (ok, key, err) = with_database(&data_a, &url, &["key", "create", "--account", "team"]);
     assert!(ok, "{err}");
 
-    let a = Server::start_node(&data_a, &url, "a", NODE_CONFIG);
-    let b = Server::start_node(&data_b, &url, "b", NODE_CONFIG);
+    // Each node serves its API over mutual TLS with the cluster's
+    // certificates; the test calls it as a member would.
+    let certs = tempfile::tempdir().unwrap();
+    let ca = certs.path();
+    sandpit_node::init_ca(ca).unwrap();
+    for member in ["a", "b", "replica"] {
+        sandpit_node::issue(ca, member, &["127.0.0.1".into()]).unwrap();
+    }
+    let ca_arg = ca.to_str().unwrap();
+    let node_args = ["--node-listen", "127.0.0.1:0", "--cluster-dir", ca_arg];
+    let replica = sandpit_node::NodeClient::new(
+        sandpit_node::client_config(&sandpit_node::Identity::in_dir(ca, "replica")).unwrap(),
+    );
+    // The node's row (address, epoch) and its API's answer at `epoch`.
+    let health = |name: &str, epoch: Option<i64>| {
+        rt().block_on(async {
+            let store = Store::connect(&url).await.unwrap();
+            let row = store.node(name).await.unwrap().unwrap();
+            let asked = epoch.unwrap_or(row.epoch);
+            (row.epoch, replica.health(&row.address, asked).await)
+        })
+    };
+
+    let a = Server::start_node_with(&data_a, &url, "a", NODE_CONFIG, &node_args);
+    let b = Server::start_node_with(&data_b, &url, "b", NODE_CONFIG, &node_args);
+    let (epoch, answer) = health("a", None);
+    assert_eq!(
+        answer.unwrap(),
+        sandpit_node::Health {
+            name: "a".into(),
+            epoch
+        }
+    );
     let on_b = create_on(&b, &key);
     let via_a = Rest::new(&a, &key);
     // Seen from a, b's sandbox is listed and running; its VM is b's to
@@ -259,12 +290,20 @@ fn a_silent_node_is_declared_lost_its_sandboxes_settled_once_and_it_is_fenced() 
 
     // b starts again: it is up under a new epoch, and the VM of the
     // sandbox that failed with it goes.
-    let b = Server::start_node(&b_data, &url, "b", NODE_CONFIG);
+    let b = Server::start_node_with(&b_data, &url, "b", NODE_CONFIG, &node_args);
     wait_until(
         "the lost sandbox's VM removed",
         Duration::from_secs(30),
         || !vm_runs(&on_b),
     );
+    // A call meant for b's first life is refused by its second.
+    let (epoch, answer) = health("b", Some(1));
+    assert_eq!(epoch, 2);
+    assert!(
+        matches!(answer, Err(sandpit_node::NodeError::StaleEpoch(_))),
+        "{answer:?}"
+    );
+    assert_eq!(health("b", None).1.unwrap().epoch, 2);
 
     // SIGSTOP b past its lease and the grace, then SIGCONT: it was fenced,
     // finds out at its next heartbeat, removes the VM and joins again.
@@ -287,6 +326,11 @@ fn a_silent_node_is_declared_lost_its_sandboxes_settled_once_and_it_is_fenced() 
     // Joined again, it serves new sandboxes.
     let after = create_on(&b, &key);
     assert_eq!(sandbox_status(&Rest::new(&b, &key), &after).0, "running");
+    assert_eq!(health("b", None).1.unwrap().epoch, 3);
+    assert!(matches!(
+        health("b", Some(2)).1,
+        Err(sandpit_node::NodeError::StaleEpoch(_))
+    ));
 
     rt().block_on(async {
         let store = Store::connect(&url).await.unwrap();

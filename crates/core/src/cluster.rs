@@ -125,6 +125,11 @@ impl Service {
         self.membership.get()
     }
 
+    /// The epoch this node holds in the cluster (`None` outside one).
+    pub fn cluster_epoch(&self) -> Option<i64> {
+        self.membership().map(Membership::epoch)
+    }
+
     /// Renews this node's lease; when it was fenced, ends what it held and
     /// joins again. Then removes the VMs of sandboxes others ended.
     async fn heartbeat(&self) -> Result<()> {

@@ -64,7 +64,18 @@ impl Server {
 
     /// [`Server::start_on_database`] with `extra` appended to the config.
     pub fn start_node(data: &Path, url: &str, name: &str, extra: &str) -> Server {
-        Server::start_full(data, extra, "127.0.0.1:0", &[], Some((url, name)))
+        Server::start_full(data, extra, "127.0.0.1:0", &[], Some((url, name, &[])))
+    }
+
+    /// [`Server::start_node`] with more arguments for `serve`.
+    pub fn start_node_with(
+        data: &Path,
+        url: &str,
+        name: &str,
+        extra: &str,
+        args: &[&str],
+    ) -> Server {
+        Server::start_full(data, extra, "127.0.0.1:0", &[], Some((url, name, args)))
     }
 
     fn start_full(
@@ -72,17 +83,18 @@ impl Server {
         extra: &str,
         listen: &str,
         wrapper: &[&str],
-        database: Option<(&str, &str)>,
+        database: Option<(&str, &str, &[&str])>,
     ) -> Server {
         std::fs::write(data.join("config.toml"), format!("{CONFIG}{extra}")).unwrap();
         // Only a first start (no database yet) prints an admin key; of a
         // shared database, whatever is printed is taken.
         let first_start = database.is_some() || !data.join("sandpit.db").exists();
         let mut direct = sandpit(data);
-        if let Some((url, name)) = database {
+        if let Some((url, name, args)) = database {
             direct
                 .env("SANDPIT_DATABASE_URL", url)
-                .args(["serve", "--name", name]);
+                .args(["serve", "--name", name])
+                .args(args);
         } else {
             direct.arg("serve");
         }
@@ -159,7 +171,7 @@ impl Server {
             child,
             url: url.unwrap(),
             admin_key: key,
-            database: database.map(|(url, _)| url.to_string()),
+            database: database.map(|(url, _, _)| url.to_string()),
             log,
         }
     }
