@@ -356,6 +356,14 @@ pub async fn serve(settings: &Settings, args: ServeArgs) -> Result<i32> {
     let settings = &settings;
     let _owner = own(settings, owner::Role::Serve)?;
     let svc = service(settings).await?;
+    // With the cluster's certificates, sandboxes of other nodes are reached
+    // through their node APIs.
+    if let (Some(dir), Some(_)) = (&args.cluster_dir, &settings.database_url) {
+        let identity = sandpit_node::Identity::in_dir(dir, &settings.service.host_name);
+        let tls = sandpit_node::client_config(&identity)
+            .with_context(|| format!("this member's certificates in {}", dir.display()))?;
+        svc.set_node_link(Arc::new(ClusterLink(sandpit_node::NodeClient::new(tls))));
+    }
     // The node API runs until the server stops (its task is aborted then).
     let node_task = node_api.map(|(listener, tls)| {
         let state: Arc<dyn sandpit_node::NodeState> = Arc::new(ServedNode(svc.clone()));
@@ -546,6 +554,89 @@ impl sandpit_node::NodeState for ServedNode {
     }
     fn epoch(&self) -> Option<i64> {
         self.0.cluster_epoch()
+    }
+    fn exec(
+        &self,
+        id: String,
+        request: sandpit_protocol::ExecRequest,
+    ) -> std::pin::Pin<
+        Box<
+            dyn std::future::Future<
+                    Output = std::result::Result<
+                        sandpit_runtime::ExecHandle,
+                        sandpit_node::Refusal,
+                    >,
+                > + Send
+                + '_,
+        >,
+    > {
+        Box::pin(async move {
+            self.0
+                .node_exec(&id, request)
+                .await
+                .map_err(|e| sandpit_node::Refusal {
+                    status: e.kind.http_status(),
+                    kind: e.kind.as_str().to_string(),
+                    message: e.message,
+                })
+        })
+    }
+}
+
+/// The service's way to other nodes: their APIs, over mutual TLS.
+struct ClusterLink(sandpit_node::NodeClient);
+
+/// A command on another node, as the core drives it.
+struct RemoteCommand(sandpit_node::RemoteExec);
+
+#[async_trait::async_trait]
+impl sandpit_core::cluster::RemoteCommand for RemoteCommand {
+    async fn next(
+        &mut self,
+    ) -> std::result::Result<sandpit_runtime::ExecEvent, sandpit_runtime::RuntimeError> {
+        self.0.next().await
+    }
+    fn cancel(&self) {
+        self.0.cancel()
+    }
+}
+
+#[async_trait::async_trait]
+impl sandpit_core::cluster::NodeLink for ClusterLink {
+    async fn exec(
+        &self,
+        address: &str,
+        epoch: i64,
+        sandbox_id: &str,
+        request: &sandpit_protocol::ExecRequest,
+    ) -> std::result::Result<Box<dyn sandpit_core::cluster::RemoteCommand>, sandpit_core::CoreError>
+    {
+        match self.0.exec(address, epoch, sandbox_id, request).await {
+            Ok(r) => Ok(Box::new(RemoteCommand(r))),
+            Err(e) => Err(node_error(e)),
+        }
+    }
+}
+
+/// What a node's refusal or absence means to the caller.
+fn node_error(e: sandpit_node::NodeError) -> sandpit_core::CoreError {
+    use sandpit_core::error::ErrorType;
+    use sandpit_node::NodeError;
+    match e {
+        NodeError::Unreachable { .. } | NodeError::StaleEpoch(_) | NodeError::Fenced(_) => {
+            sandpit_core::CoreError::new(ErrorType::ServiceUnavailable, e.to_string())
+                .with_retry_after(5)
+        }
+        NodeError::Failed { status, message } => {
+            let kind = match status {
+                400 => ErrorType::InvalidRequest,
+                404 => ErrorType::NotFound,
+                409 => ErrorType::Conflict,
+                503 => ErrorType::ServiceUnavailable,
+                _ => ErrorType::InternalError,
+            };
+            sandpit_core::CoreError::new(kind, message)
+        }
     }
 }
 

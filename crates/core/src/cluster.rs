@@ -18,9 +18,18 @@
 //!
 //! A sandbox ended by another member (a destroy or an expiry it served) has
 //! its VM removed by its node at the next heartbeat.
+//!
+//! Routing: a command for a sandbox of another node goes there through the
+//! [`NodeLink`] the program gave the service (`sandpit serve` with the
+//! cluster's certificates: the node API over mutual TLS), at the epoch the
+//! database shows for that node, and only while its lease is live. This
+//! member records the execution as for its own; the node runs it.
 
-use crate::error::{CoreError, Result};
+use crate::error::{CoreError, ErrorType, Result};
 use crate::Service;
+use async_trait::async_trait;
+use sandpit_protocol::ExecRequest;
+use sandpit_runtime::{ExecEvent, ExecHandle, RuntimeError};
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
@@ -58,6 +67,51 @@ impl ClusterConfig {
 
     fn lost_after(&self) -> Duration {
         Duration::from_secs(self.lost_after_secs)
+    }
+}
+
+/// A command running in a sandbox of another node.
+#[async_trait]
+pub trait RemoteCommand: Send {
+    /// The next event; `Exited` (or an error) is the last.
+    async fn next(&mut self) -> std::result::Result<ExecEvent, RuntimeError>;
+    /// Asks the node to kill the command; its end follows, cancelled.
+    fn cancel(&self);
+}
+
+/// How this member reaches the other nodes of the cluster.
+#[async_trait]
+pub trait NodeLink: Send + Sync {
+    /// Starts `request` in sandbox `sandbox_id` on the node at `address`,
+    /// which the database shows at `epoch`.
+    async fn exec(
+        &self,
+        address: &str,
+        epoch: i64,
+        sandbox_id: &str,
+        request: &ExecRequest,
+    ) -> Result<Box<dyn RemoteCommand>>;
+}
+
+/// A command in a sandbox: on this node's VM, or through another node.
+pub(crate) enum Command {
+    Local(ExecHandle),
+    Remote(Box<dyn RemoteCommand>),
+}
+
+impl Command {
+    pub(crate) async fn next(&mut self) -> std::result::Result<ExecEvent, RuntimeError> {
+        match self {
+            Command::Local(h) => h.next().await,
+            Command::Remote(r) => r.next().await,
+        }
+    }
+
+    pub(crate) fn cancel(&self) {
+        match self {
+            Command::Local(h) => h.cancel(),
+            Command::Remote(r) => r.cancel(),
+        }
     }
 }
 
@@ -123,6 +177,80 @@ impl Service {
 
     pub(crate) fn membership(&self) -> Option<&Membership> {
         self.membership.get()
+    }
+
+    /// Gives the service its way to other nodes (once).
+    pub fn set_node_link(&self, link: std::sync::Arc<dyn NodeLink>) {
+        let _ = self.node_link.set(link);
+    }
+
+    /// Starts a command in `row`'s sandbox: on this node's VM, or through
+    /// the node that holds it.
+    pub(crate) async fn start_command(
+        &self,
+        row: &sandpit_store::SandboxRow,
+        request: ExecRequest,
+    ) -> Result<Command> {
+        if row.host == self.config().host_name {
+            let agent = self.agent(row).await?;
+            return agent
+                .exec(request)
+                .map(Command::Local)
+                .map_err(crate::service::runtime_error);
+        }
+        let unavailable = |m: String| CoreError::new(ErrorType::ServiceUnavailable, m);
+        let Some(link) = self.node_link.get() else {
+            return Err(unavailable(format!(
+                "sandbox {} runs on node {}, and this server has no link to other nodes \
+                 (serve --cluster-dir)",
+                row.id, row.host
+            )));
+        };
+        let node = self
+            .store()
+            .node(&row.host)
+            .await?
+            .filter(|n| n.is_live() && !n.address.is_empty());
+        let Some(node) = node else {
+            return Err(unavailable(format!(
+                "node {} that holds sandbox {} is unreachable (no heartbeat within its lease); \
+                 retry: if it does not come back, its sandboxes fail",
+                row.host, row.id
+            ))
+            .with_retry_after(5));
+        };
+        let remote = link
+            .exec(&node.address, node.epoch, &row.id, &request)
+            .await?;
+        Ok(Command::Remote(remote))
+    }
+
+    /// For the node API: starts `request` in the VM of sandbox `id`, which
+    /// must be running on this node. The caller (a member of the cluster)
+    /// checked the account and records the execution.
+    pub async fn node_exec(&self, id: &str, request: ExecRequest) -> Result<ExecHandle> {
+        let row = self
+            .store()
+            .sandbox(id)
+            .await?
+            .ok_or_else(|| CoreError::not_found("sandbox", id))?;
+        if row.host != self.config().host_name {
+            return Err(CoreError::conflict(format!(
+                "sandbox {id} is on node {}, not on {}",
+                row.host,
+                self.config().host_name
+            )));
+        }
+        if row.status != sandpit_store::status::RUNNING {
+            return Err(CoreError::conflict(format!(
+                "sandbox {id} is {}",
+                row.status
+            )));
+        }
+        self.agent(&row)
+            .await?
+            .exec(request)
+            .map_err(crate::service::runtime_error)
     }
 
     /// The epoch this node holds in the cluster (`None` outside one).

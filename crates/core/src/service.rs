@@ -55,6 +55,8 @@ pub struct Service {
     /// This node's place in a cluster sharing the database (see
     /// [`crate::cluster`]); unset on a database of its own.
     pub(crate) membership: std::sync::OnceLock<crate::cluster::Membership>,
+    /// How this member reaches other nodes' sandboxes, when it can.
+    pub(crate) node_link: std::sync::OnceLock<Arc<dyn crate::cluster::NodeLink>>,
 }
 
 /// How often preview traffic counters are written to the store.
@@ -87,7 +89,7 @@ impl From<StoreError> for CoreError {
 }
 
 /// A runtime failure as the API reports it.
-fn runtime_error(e: RuntimeError) -> CoreError {
+pub(crate) fn runtime_error(e: RuntimeError) -> CoreError {
     match e {
         RuntimeError::Agent(a) => {
             let kind = match a.kind {
@@ -215,6 +217,7 @@ impl Service {
             disk_holds: Default::default(),
             me: me.clone(),
             membership: std::sync::OnceLock::new(),
+            node_link: std::sync::OnceLock::new(),
         })
     }
 
@@ -548,7 +551,7 @@ impl Service {
     }
 
     /// The agent of a running sandbox; a VM found dead fails the sandbox.
-    async fn agent(&self, row: &SandboxRow) -> Result<sandpit_runtime::AgentClient> {
+    pub(crate) async fn agent(&self, row: &SandboxRow) -> Result<sandpit_runtime::AgentClient> {
         if row.host != self.config.host_name {
             return Err(CoreError::new(
                 ErrorType::ServiceUnavailable,
@@ -583,7 +586,6 @@ impl Service {
     ) -> Result<Execution> {
         // Warm-pool refills stop while a command runs (bounded).
         let _live = self.vms.manager().hold_background();
-        let agent = self.agent(row).await?;
         let exec_id = new_id("exec_");
         let started = OffsetDateTime::now_utc();
         let mut record = ExecutionRow {
@@ -604,7 +606,7 @@ impl Service {
         // the store's write is then off a short command's round trip. A
         // record that cannot be written stops the command (it is killed
         // with its process group) and the call fails.
-        let mut handle = agent.exec(req).map_err(runtime_error)?;
+        let mut handle = self.start_command(row, req).await?;
         if let Err(e) = self.store.insert_execution(&record).await {
             handle.cancel();
             return Err(e.into());

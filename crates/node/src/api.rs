@@ -9,15 +9,22 @@
 //! routes grow with the cluster (create, destroy, exec, files, tunnels);
 //! `GET /node/v1/health` is the first.
 
-use crate::tls;
-use bytes::Bytes;
+use crate::{tls, wire};
+use bytes::{Bytes, BytesMut};
+use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
+use hyper::body::{Frame, Incoming};
 use hyper::{Request, Response, StatusCode};
+use sandpit_protocol::ExecRequest;
+use sandpit_runtime::{ExecEvent, ExecHandle, RuntimeError};
 use serde::{Deserialize, Serialize};
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
 use tokio_rustls::rustls;
 
 /// The header that names the epoch a call is meant for.
@@ -40,6 +47,43 @@ pub trait NodeState: Send + Sync + 'static {
     /// The epoch it holds now; `None` while it is fenced (it lost its lease
     /// and has not joined again).
     fn epoch(&self) -> Option<i64>;
+    /// Starts `request` in the sandbox `id`'s VM on this node.
+    fn exec(
+        &self,
+        id: String,
+        request: ExecRequest,
+    ) -> Pin<Box<dyn std::future::Future<Output = Result<ExecHandle, Refusal>> + Send + '_>>;
+}
+
+/// Why a node does not do what it was asked: an HTTP status, a stable type
+/// and a message for people.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    pub status: u16,
+    pub kind: String,
+    pub message: String,
+}
+
+type Body = BoxBody<Bytes, std::convert::Infallible>;
+
+/// A body fed by a channel: a streamed answer, or a request body the caller
+/// keeps writing to.
+pub struct ChannelBody(mpsc::Receiver<Bytes>);
+
+impl hyper::body::Body for ChannelBody {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        self.0.poll_recv(cx).map(|b| b.map(|b| Ok(Frame::data(b))))
+    }
+}
+
+fn full(b: Bytes) -> Body {
+    Full::new(b).map_err(|never| match never {}).boxed()
 }
 
 /// The error body of the API: `{"error": {"type": …, "message": …}}`.
@@ -54,8 +98,8 @@ struct ErrorDetail {
     message: String,
 }
 
-fn json<T: Serialize>(status: StatusCode, body: &T) -> Response<Full<Bytes>> {
-    let mut r = Response::new(Full::new(Bytes::from(
+fn json<T: Serialize>(status: StatusCode, body: &T) -> Response<Body> {
+    let mut r = Response::new(full(Bytes::from(
         serde_json::to_vec(body).expect("serialisable"),
     )));
     *r.status_mut() = status;
@@ -66,7 +110,7 @@ fn json<T: Serialize>(status: StatusCode, body: &T) -> Response<Full<Bytes>> {
     r
 }
 
-fn error(status: StatusCode, kind: &str, message: String) -> Response<Full<Bytes>> {
+fn error(status: StatusCode, kind: &str, message: String) -> Response<Body> {
     json(
         status,
         &ErrorBody {
@@ -79,7 +123,7 @@ fn error(status: StatusCode, kind: &str, message: String) -> Response<Full<Bytes
 }
 
 /// One request, after TLS has admitted its sender.
-fn handle<B>(state: &dyn NodeState, req: &Request<B>) -> Response<Full<Bytes>> {
+async fn handle(state: Arc<dyn NodeState>, req: Request<Incoming>) -> Response<Body> {
     let Some(epoch) = state.epoch() else {
         return error(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -106,20 +150,120 @@ fn handle<B>(state: &dyn NodeState, req: &Request<B>) -> Response<Full<Bytes>> {
             ),
         );
     }
-    match (req.method(), req.uri().path()) {
-        (&hyper::Method::GET, "/node/v1/health") => json(
+    let path = req.uri().path().to_string();
+    let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    match (req.method(), segments.as_slice()) {
+        (&hyper::Method::GET, ["node", "v1", "health"]) => json(
             StatusCode::OK,
             &Health {
                 name: state.name().to_string(),
                 epoch,
             },
         ),
+        (&hyper::Method::POST, ["node", "v1", "sandboxes", id, "exec"]) => {
+            let id = id.to_string();
+            exec(state, id, req.into_body()).await
+        }
         _ => error(
             StatusCode::NOT_FOUND,
             "not_found",
-            format!("no route {} {}", req.method(), req.uri().path()),
+            format!("no route {} {path}", req.method()),
         ),
     }
+}
+
+/// The longest command line (JSON) an exec call may start with.
+const MAX_EXEC_REQUEST: usize = 4 << 20;
+
+async fn exec(state: Arc<dyn NodeState>, id: String, mut body: Incoming) -> Response<Body> {
+    // The first line is the command.
+    let mut buf = BytesMut::new();
+    let line = loop {
+        if let Some(i) = buf.iter().position(|&b| b == b'\n') {
+            break buf.split_to(i + 1);
+        }
+        if buf.len() > MAX_EXEC_REQUEST {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                "the command line is too long".into(),
+            );
+        }
+        match body.frame().await {
+            Some(Ok(f)) => {
+                if let Ok(d) = f.into_data() {
+                    buf.extend_from_slice(&d);
+                }
+            }
+            _ => {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_request",
+                    "the body ended before the command".into(),
+                )
+            }
+        }
+    };
+    let request: ExecRequest = match serde_json::from_slice(&line) {
+        Ok(r) => r,
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                format!("the command: {e}"),
+            )
+        }
+    };
+    let mut handle = match state.exec(id, request).await {
+        Ok(h) => h,
+        Err(r) => {
+            return error(
+                StatusCode::from_u16(r.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+                &r.kind,
+                r.message,
+            )
+        }
+    };
+    let (tx, rx) = mpsc::channel::<Bytes>(16);
+    tokio::spawn(async move {
+        let mut upstream_open = true;
+        loop {
+            let event = tokio::select! {
+                ev = handle.next() => ev,
+                f = body.frame(), if upstream_open => {
+                    match f {
+                        Some(Ok(f)) => {
+                            if let Ok(d) = f.into_data() {
+                                buf.extend_from_slice(&d);
+                            }
+                            if buf.windows(7).any(|w| w == b"cancel\n") {
+                                handle.cancel();
+                                buf.clear();
+                            }
+                        }
+                        // The caller finished writing (or went: then the
+                        // answer's sends below fail too).
+                        _ => upstream_open = false,
+                    }
+                    continue;
+                }
+            };
+            let last = !matches!(event, Ok(ExecEvent::Stdout(_)) | Ok(ExecEvent::Stderr(_)));
+            if tx.send(wire::encode(&event)).await.is_err() {
+                // The caller went: dropping the handle kills the command.
+                return;
+            }
+            if last {
+                return;
+            }
+        }
+    });
+    let mut r = Response::new(ChannelBody(rx).boxed());
+    r.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("application/x-sandpit-exec"),
+    );
+    r
 }
 
 /// Serves the API on `listener` until `shutdown` completes. A peer that
@@ -149,9 +293,9 @@ pub async fn serve(
                 }
                 Err(_) => return,
             };
-            let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+            let service = hyper::service::service_fn(move |req: Request<Incoming>| {
                 let state = state.clone();
-                async move { Ok::<_, std::convert::Infallible>(handle(&*state, &req)) }
+                async move { Ok::<_, std::convert::Infallible>(handle(state, req).await) }
             });
             let io = hyper_util::rt::TokioIo::new(tls);
             let conn =
@@ -208,7 +352,12 @@ impl NodeClient {
         })
     }
 
-    async fn call(&self, address: &str, epoch: i64, path: &str) -> Result<(u16, Bytes), NodeError> {
+    /// An HTTP/2 connection to the node at `address`, after both ends
+    /// showed the cluster's certificates.
+    async fn connect(
+        &self,
+        address: &str,
+    ) -> Result<hyper::client::conn::http2::SendRequest<Body>, NodeError> {
         let unreachable = |message: String| NodeError::Unreachable {
             address: address.to_string(),
             message,
@@ -223,7 +372,7 @@ impl NodeClient {
             .await
             .map_err(|_| unreachable(format!("no connection within {CONNECT_TIMEOUT:?}")))?
             .map_err(|e| unreachable(e.to_string()))?;
-        let (mut sender, conn) = hyper::client::conn::http2::handshake(
+        let (sender, conn) = hyper::client::conn::http2::handshake(
             hyper_util::rt::TokioExecutor::new(),
             hyper_util::rt::TokioIo::new(stream),
         )
@@ -232,9 +381,18 @@ impl NodeClient {
         tokio::spawn(async move {
             let _ = conn.await;
         });
+        Ok(sender)
+    }
+
+    async fn call(&self, address: &str, epoch: i64, path: &str) -> Result<(u16, Bytes), NodeError> {
+        let unreachable = |message: String| NodeError::Unreachable {
+            address: address.to_string(),
+            message,
+        };
+        let mut sender = self.connect(address).await?;
         let req = Request::get(format!("https://{address}{path}"))
             .header(EPOCH_HEADER, epoch.to_string())
-            .body(Full::new(Bytes::new()))
+            .body(full(Bytes::new()))
             .expect("a valid request");
         let resp = sender
             .send_request(req)
@@ -248,6 +406,126 @@ impl NodeClient {
             .map_err(|e| unreachable(e.to_string()))?
             .to_bytes();
         Ok((status, body))
+    }
+
+    /// Starts `request` in sandbox `id` on the node at `address`, meant for
+    /// `epoch`; its events come from [`RemoteExec::next`].
+    pub async fn exec(
+        &self,
+        address: &str,
+        epoch: i64,
+        id: &str,
+        request: &ExecRequest,
+    ) -> Result<RemoteExec, NodeError> {
+        let unreachable = |message: String| NodeError::Unreachable {
+            address: address.to_string(),
+            message,
+        };
+        let mut sender = self.connect(address).await?;
+        let (upstream, rx) = mpsc::channel::<Bytes>(2);
+        let mut line = serde_json::to_vec(request).expect("json");
+        line.push(b'\n');
+        upstream
+            .send(Bytes::from(line))
+            .await
+            .expect("the receiver is here");
+        let req = Request::post(format!("https://{address}/node/v1/sandboxes/{id}/exec"))
+            .header(EPOCH_HEADER, epoch.to_string())
+            .body(ChannelBody(rx).boxed())
+            .expect("a valid request");
+        let resp = sender
+            .send_request(req)
+            .await
+            .map_err(|e| unreachable(e.to_string()))?;
+        let status = resp.status().as_u16();
+        if status != 200 {
+            let body = resp
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| unreachable(e.to_string()))?
+                .to_bytes();
+            return Err(answer_error(status, &body));
+        }
+        let deadline = tokio::time::Instant::now()
+            + Duration::from_millis(request.timeout_ms)
+            + sandpit_runtime::channel::EXEC_GRACE;
+        Ok(RemoteExec {
+            address: address.to_string(),
+            body: resp.into_body(),
+            buf: BytesMut::new(),
+            upstream: Some(upstream),
+            _connection: sender,
+            deadline,
+        })
+    }
+}
+
+/// A command running on another node. Dropping it before its end resets
+/// its stream, and the node kills the command.
+pub struct RemoteExec {
+    address: String,
+    body: Incoming,
+    buf: BytesMut,
+    upstream: Option<mpsc::Sender<Bytes>>,
+    _connection: hyper::client::conn::http2::SendRequest<Body>,
+    /// The command's own timeout plus the runtime's grace: a node that went
+    /// silent (cut off, frozen) does not hold the caller past it.
+    deadline: tokio::time::Instant,
+}
+
+impl RemoteExec {
+    /// The next event; `Exited` (or an error) is the last.
+    pub async fn next(&mut self) -> Result<ExecEvent, RuntimeError> {
+        loop {
+            match wire::decode(&mut self.buf) {
+                Ok(Some(event)) => {
+                    if !matches!(event, Ok(ExecEvent::Stdout(_)) | Ok(ExecEvent::Stderr(_))) {
+                        self.upstream = None;
+                    }
+                    return event;
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    return Err(RuntimeError::Disconnected(format!(
+                        "node {}: {e}",
+                        self.address
+                    )))
+                }
+            }
+            let frame = tokio::time::timeout_at(self.deadline, self.body.frame())
+                .await
+                .map_err(|_| RuntimeError::AgentTimeout {
+                    what: format!("the end of a command on node {}", self.address),
+                    secs: sandpit_runtime::channel::EXEC_GRACE.as_secs(),
+                })?;
+            match frame {
+                Some(Ok(f)) => {
+                    if let Ok(d) = f.into_data() {
+                        self.buf.extend_from_slice(&d);
+                    }
+                }
+                Some(Err(e)) => {
+                    return Err(RuntimeError::Disconnected(format!(
+                        "node {}: {e}",
+                        self.address
+                    )))
+                }
+                None => {
+                    return Err(RuntimeError::Disconnected(format!(
+                        "node {} ended the command's stream before its end",
+                        self.address
+                    )))
+                }
+            }
+        }
+    }
+
+    /// Asks the node to kill the command; its end follows, cancelled.
+    pub fn cancel(&self) {
+        if let Some(up) = &self.upstream {
+            let _ = up.try_send(Bytes::from_static(b"cancel\n"));
+        }
     }
 }
 

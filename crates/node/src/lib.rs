@@ -9,6 +9,7 @@
 
 pub mod api;
 pub mod tls;
+pub mod wire;
 
-pub use api::{Health, NodeClient, NodeError, NodeState, EPOCH_HEADER};
+pub use api::{Health, NodeClient, NodeError, NodeState, Refusal, RemoteExec, EPOCH_HEADER};
 pub use tls::{client_config, init_ca, issue, server_config, Identity};

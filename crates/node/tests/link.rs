@@ -26,6 +26,27 @@ impl NodeState for TestNode {
             e => Some(e),
         }
     }
+    fn exec(
+        &self,
+        id: String,
+        _request: sandpit_protocol::ExecRequest,
+    ) -> std::pin::Pin<
+        Box<
+            dyn std::future::Future<
+                    Output = Result<sandpit_runtime::ExecHandle, sandpit_node::Refusal>,
+                > + Send
+                + '_,
+        >,
+    > {
+        // This test node has no VMs (the cluster test runs real ones).
+        Box::pin(async move {
+            Err(sandpit_node::Refusal {
+                status: 404,
+                kind: "not_found".into(),
+                message: format!("sandbox {id} not found"),
+            })
+        })
+    }
 }
 
 #[tokio::test]
