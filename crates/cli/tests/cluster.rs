@@ -314,6 +314,31 @@ fn a_silent_node_is_declared_lost_its_sandboxes_settled_once_and_it_is_fenced() 
         }
     });
 
+    // Extended through a, b's VM learns the new expiry at b's next
+    // heartbeat (its own watchdog would otherwise end it at the old one).
+    let watchdog = |id: &str| -> i64 {
+        std::fs::read_to_string(data_b.join("vms").join(id).join("expires"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap()
+    };
+    let before = watchdog(&on_b);
+    rt().block_on(async {
+        let (st, s) = via_a
+            .post(
+                &format!("/sandboxes/{on_b}/extend"),
+                json!({"additional_minutes": 5}),
+            )
+            .await;
+        assert_eq!(st, 200, "{s}");
+    });
+    wait_until(
+        "b's VM follows the extension",
+        Duration::from_secs(15),
+        || watchdog(&on_b) >= before + 5 * 60,
+    );
+
     // SIGKILL b: a declares it lost and settles its sandbox, once.
     let b_data = b.data.clone();
     b.sigkill();
@@ -390,13 +415,23 @@ fn a_silent_node_is_declared_lost_its_sandboxes_settled_once_and_it_is_fenced() 
         // the ledger sums to the balance.
         let team = store.account_by_name("team").await.unwrap().unwrap();
         let ledger = store.ledger(&team.id).await.unwrap();
-        for id in [&on_b, &frozen] {
-            let kinds: Vec<&str> = ledger
+        // (b's first sandbox was extended once: two reservations.)
+        for (id, reserves) in [(&on_b, 2), (&frozen, 1)] {
+            let rows: Vec<_> = ledger
                 .iter()
                 .filter(|l| l.sandbox_id.as_deref() == Some(id.as_str()))
-                .map(|l| l.kind.as_str())
                 .collect();
-            assert_eq!(kinds, ["reserve", "release", "charge"], "{id}");
+            let kinds: Vec<&str> = rows.iter().map(|l| l.kind.as_str()).collect();
+            let mut want = vec!["reserve"; reserves];
+            want.extend(["release", "charge"]);
+            assert_eq!(kinds, want, "{id}");
+            // Everything reserved came back, and then the charge went.
+            let held: i64 = rows
+                .iter()
+                .filter(|l| l.kind != "charge")
+                .map(|l| l.amount_micros)
+                .sum();
+            assert_eq!(held, 0, "{id}: {rows:?}");
         }
         let sum: i64 = ledger.iter().map(|l| l.amount_micros).sum();
         assert_eq!(sum, store.balance(&team.id).await.unwrap());

@@ -312,9 +312,13 @@ impl Service {
         Ok(())
     }
 
-    /// Ends here (VM, preview URLs) the sandboxes of this node that the
-    /// store says have ended: failed with the node, or destroyed or expired
-    /// through another member.
+    /// Brings this node's VMs in line with what other members did to their
+    /// sandboxes: ends here (VM, preview URLs) the ones the store says have
+    /// ended (failed with the node, destroyed or expired through another
+    /// member), and moves a VM's own expiry to its sandbox's when another
+    /// member extended it (until then the VM's watchdog holds the old one:
+    /// an extension through another member reaches the VM within a
+    /// heartbeat).
     async fn drop_ended_vms(&self) -> Result<()> {
         for vm in self.vms().list() {
             let Some(row) = self.store().sandbox(&vm.id).await? else {
@@ -323,6 +327,15 @@ impl Service {
             if !row.is_live() {
                 tracing::info!(id = %row.id, "removing the VM of a sandbox that ended elsewhere");
                 self.end_here(&row).await;
+            } else if self
+                .vms()
+                .manager()
+                .expiry(&row.id)
+                .is_some_and(|at| at < row.expires_at)
+            {
+                if let Err(e) = self.vms().set_expiry(&row.id, row.expires_at) {
+                    tracing::warn!(id = %row.id, "moving the VM's expiry: {e}");
+                }
             }
         }
         Ok(())
