@@ -502,3 +502,82 @@ fn the_cli_makes_the_cluster_ca_and_issues_members_certificates() {
     ]);
     assert!(!ok && err.contains("cluster init"), "{err}");
 }
+
+/// The processes of a PostgreSQL server: its postmaster and the backends
+/// and helpers it forked.
+fn server_processes(postmaster: u32) -> Vec<i32> {
+    let mut pids = vec![postmaster as i32];
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|p| p.parse::<u32>().ok());
+        if ppid == Some(postmaster) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+#[test]
+fn a_database_outage_longer_than_the_leases_loses_no_node() {
+    // A server of its own: this test freezes it.
+    let pg = sandpit_pgtest::Postgres::start(&["127.0.0.1".parse().unwrap()]);
+    let url = rt().block_on(pg.fresh_database());
+    let (data_a, data_b) = (data_dir(), data_dir());
+    std::fs::write(data_a.join("config.toml"), CONFIG).unwrap();
+    let (ok, _, err) = with_database(
+        &data_a,
+        &url,
+        &["account", "create", "team", "--credit", "5"],
+    );
+    assert!(ok, "{err}");
+    let (ok, key, err) = with_database(&data_a, &url, &["key", "create", "--account", "team"]);
+    assert!(ok, "{err}");
+    let a = Server::start_node(&data_a, &url, "a", NODE_CONFIG);
+    let b = Server::start_node(&data_b, &url, "b", NODE_CONFIG);
+    let on_a = create_on(&a, &key);
+    let on_b = create_on(&b, &key);
+
+    // The database stops answering for longer than a lease and the grace
+    // (3 s + 2 s): every lease lapses. When it is back, the members renew
+    // before anyone sweeps, and nothing is declared lost.
+    let frozen = server_processes(pg.pid());
+    for pid in &frozen {
+        // SAFETY: signals to the test's own PostgreSQL.
+        unsafe { libc::kill(*pid, libc::SIGSTOP) };
+    }
+    std::thread::sleep(Duration::from_secs(9));
+    for pid in &frozen {
+        unsafe { libc::kill(*pid, libc::SIGCONT) };
+    }
+    // Three leases' time for anything that would go wrong to do so.
+    std::thread::sleep(Duration::from_secs(9));
+    let via_a = Rest::new(&a, &key);
+    for id in [&on_a, &on_b] {
+        let (status, reason) = sandbox_status(&via_a, id);
+        assert_eq!(status, "running", "{id}: {reason}");
+    }
+    rt().block_on(async {
+        let store = Store::connect(&url).await.unwrap();
+        let nodes = store.nodes().await.unwrap();
+        let states: Vec<_> = nodes
+            .iter()
+            .map(|n| (n.name.as_str(), n.epoch, n.state.as_str(), n.is_live()))
+            .collect();
+        assert_eq!(
+            states,
+            [("a", 1, "up", true), ("b", 1, "up", true)],
+            "{nodes:?}"
+        );
+    });
+    assert!(vm_runs(&on_a) && vm_runs(&on_b));
+    drop(a);
+    drop(b);
+}

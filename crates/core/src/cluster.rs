@@ -16,6 +16,12 @@
 //! URLs close) and joins again under a new epoch. A create checks the epoch
 //! in its transaction, so a fenced node adds no sandbox meanwhile.
 //!
+//! The database down (or this member cut from it) stops every heartbeat, so
+//! every lease lapses meanwhile. When it returns, a member sweeps only once
+//! it has renewed its own lease steadily for a whole lease period: by then
+//! every member that is alive has renewed too, and only the ones that are
+//! really gone are declared lost.
+//!
 //! A sandbox ended by another member (a destroy or an expiry it served) has
 //! its VM removed by its node at the next heartbeat.
 //!
@@ -121,6 +127,20 @@ pub(crate) struct Membership {
     config: ClusterConfig,
     node: sandpit_store::NewNode,
     epoch: AtomicI64,
+    /// Renewals of this node's lease: see [`Steady`].
+    steady: std::sync::Mutex<Steady>,
+}
+
+/// Whether this member's own renewals have been steady: a member sweeps
+/// only after a whole lease of them, so one that was cut from the database
+/// (an error, or a call that hung) does not declare lost the members that
+/// were cut off with it before they had their turn to renew.
+#[derive(Debug)]
+struct Steady {
+    /// Since when every renewal worked, each within a lease of the last.
+    since: Option<std::time::Instant>,
+    /// The last renewal that worked.
+    last: std::time::Instant,
 }
 
 impl Membership {
@@ -150,6 +170,10 @@ impl Service {
             config,
             node,
             epoch: AtomicI64::new(row.epoch),
+            steady: std::sync::Mutex::new(Steady {
+                since: Some(std::time::Instant::now()),
+                last: std::time::Instant::now(),
+            }),
         };
         if self.membership.set(membership).is_err() {
             return Err(CoreError::internal("joined the cluster twice"));
@@ -264,10 +288,27 @@ impl Service {
         let Some(m) = self.membership() else {
             return Ok(());
         };
-        let renewed = self
+        let renewed = match self
             .store()
             .renew_lease(&m.node.name, m.epoch(), m.config.lease())
-            .await?;
+            .await
+        {
+            Ok(r) => {
+                let now = std::time::Instant::now();
+                let mut steady = m.steady.lock().expect("not poisoned");
+                if now.duration_since(steady.last) > m.config.lease() {
+                    steady.since = Some(now);
+                } else {
+                    steady.since.get_or_insert(now);
+                }
+                steady.last = now;
+                r
+            }
+            Err(e) => {
+                m.steady.lock().expect("not poisoned").since = None;
+                return Err(e.into());
+            }
+        };
         if !renewed {
             tracing::error!(
                 node = %m.node.name,
@@ -293,6 +334,12 @@ impl Service {
         let Some(m) = self.membership() else {
             return Ok(());
         };
+        let since = m.steady.lock().expect("not poisoned").since;
+        if since.is_none_or(|t| t.elapsed() < m.config.lease()) {
+            // Back from a database outage (or just joined): the others have
+            // not had a lease's time to renew theirs yet.
+            return Ok(());
+        }
         let lost = self
             .store()
             .declare_lost_nodes(m.config.lost_after(), |row, until| {
