@@ -581,3 +581,39 @@ fn a_database_outage_longer_than_the_leases_loses_no_node() {
     drop(a);
     drop(b);
 }
+
+#[test]
+fn two_machines_given_one_name_do_not_take_it_from_each_other() {
+    let pg = sandpit_pgtest::shared();
+    let url = rt().block_on(pg.fresh_database());
+    let (data_1, data_2) = (data_dir(), data_dir());
+    let first = Server::start_node(&data_1, &url, "same", NODE_CONFIG);
+    let key = first
+        .admin_key
+        .clone()
+        .expect("a first start on an empty database");
+    let second = Server::start_node(&data_2, &url, "same", NODE_CONFIG);
+    first
+        .wait_for_log(
+            "another process registered as node same",
+            Duration::from_secs(10),
+        )
+        .expect("the first one says it was displaced");
+    // No tug of war: the name stays with the second.
+    std::thread::sleep(Duration::from_secs(4));
+    let node = rt().block_on(async {
+        let store = Store::connect(&url).await.unwrap();
+        store.node("same").await.unwrap().unwrap()
+    });
+    assert_eq!((node.epoch, node.state.as_str()), (2, "up"), "{node:?}");
+    // The displaced one takes no sandbox; the holder of the name does.
+    rt().block_on(async {
+        let (st, e) = Rest::new(&first, &key)
+            .post("/sandboxes", json!({"timeout_minutes": 5}))
+            .await;
+        assert_eq!(st, 503, "{e}");
+        assert_eq!(e["error"]["type"], "service_unavailable", "{e}");
+    });
+    let id = create_on(&second, &key);
+    assert_eq!(sandbox_status(&Rest::new(&second, &key), &id).0, "running");
+}

@@ -129,6 +129,8 @@ pub(crate) struct Membership {
     epoch: AtomicI64,
     /// Renewals of this node's lease: see [`Steady`].
     steady: std::sync::Mutex<Steady>,
+    /// Another process took this node's name (see [`Service::heartbeat`]).
+    displaced: std::sync::atomic::AtomicBool,
 }
 
 /// Whether this member's own renewals have been steady: a member sweeps
@@ -170,6 +172,7 @@ impl Service {
             config,
             node,
             epoch: AtomicI64::new(row.epoch),
+            displaced: std::sync::atomic::AtomicBool::new(false),
             steady: std::sync::Mutex::new(Steady {
                 since: Some(std::time::Instant::now()),
                 last: std::time::Instant::now(),
@@ -310,6 +313,27 @@ impl Service {
             }
         };
         if !renewed {
+            // Another process registered under this name since (a second
+            // machine given the same --name): joining again would fence it
+            // in turn, and the two would take the name from each other at
+            // every heartbeat. This one stays out (its creates are refused)
+            // and says why.
+            if let Some(row) = self.store().node(&m.node.name).await? {
+                if row.state == sandpit_store::node_state::UP && row.epoch > m.epoch() {
+                    if !m.displaced.swap(true, Ordering::SeqCst) {
+                        tracing::error!(
+                            node = %m.node.name,
+                            epoch = m.epoch(),
+                            "another process registered as node {} (epoch {}): two machines \
+                             have the same name; this one takes no new sandboxes until it is \
+                             restarted with a name of its own",
+                            row.name,
+                            row.epoch
+                        );
+                    }
+                    return Ok(());
+                }
+            }
             tracing::error!(
                 node = %m.node.name,
                 epoch = m.epoch(),

@@ -1021,7 +1021,8 @@ impl SandboxApi for Service {
             CreateOutcome::HostUnavailable => {
                 return Err(CoreError::new(
                     ErrorType::ServiceUnavailable,
-                    "this node lost its place in the cluster and is joining again; retry",
+                    "this server's node is not in the cluster now (it lost its lease and is \
+                     joining again, or another machine took its name: see its log); retry",
                 )
                 .with_retry_after(5))
             }
