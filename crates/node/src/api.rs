@@ -33,6 +33,10 @@ pub const EPOCH_HEADER: &str = "x-sandpit-node-epoch";
 /// How long a call may take to connect (TCP and TLS).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How long a call waits for the head of the node's answer (a command's
+/// events stream after it without a bound but the command's own).
+const RESPONSE_TIMEOUT: Duration = Duration::from_secs(15);
+
 /// What a node says about itself.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Health {
@@ -330,13 +334,42 @@ pub enum NodeError {
 #[derive(Clone)]
 pub struct NodeClient {
     tls: tokio_rustls::TlsConnector,
+    /// One HTTP/2 connection per node, shared by every call to it (streams
+    /// are multiplexed), so a call pays for no handshake; a closed one is
+    /// replaced at the next call.
+    connections: Arc<std::sync::Mutex<std::collections::HashMap<String, Sender>>>,
 }
+
+type Sender = hyper::client::conn::http2::SendRequest<Body>;
 
 impl NodeClient {
     pub fn new(tls: Arc<rustls::ClientConfig>) -> NodeClient {
         NodeClient {
             tls: tokio_rustls::TlsConnector::from(tls),
+            connections: Default::default(),
         }
+    }
+
+    /// The connection to `address`: the open one, or a new one.
+    async fn sender(&self, address: &str) -> Result<Sender, NodeError> {
+        let open = self
+            .connections
+            .lock()
+            .expect("not poisoned")
+            .get(address)
+            .filter(|s| !s.is_closed())
+            .cloned();
+        if let Some(mut s) = open {
+            if s.ready().await.is_ok() {
+                return Ok(s);
+            }
+        }
+        let s = self.connect(address).await?;
+        self.connections
+            .lock()
+            .expect("not poisoned")
+            .insert(address.to_string(), s.clone());
+        Ok(s)
     }
 
     /// `GET /node/v1/health` of the node at `address` (`host:port`, the
@@ -352,12 +385,34 @@ impl NodeClient {
         })
     }
 
-    /// An HTTP/2 connection to the node at `address`, after both ends
-    /// showed the cluster's certificates.
-    async fn connect(
+    /// Sends `req` and waits for the answer's head (not its body) for
+    /// [`RESPONSE_TIMEOUT`] at most. A connection that fails or times out
+    /// is dropped, so the next call makes a new one.
+    async fn send(
         &self,
         address: &str,
-    ) -> Result<hyper::client::conn::http2::SendRequest<Body>, NodeError> {
+        sender: &mut Sender,
+        req: Request<Body>,
+    ) -> Result<Response<Incoming>, NodeError> {
+        let outcome = tokio::time::timeout(RESPONSE_TIMEOUT, sender.send_request(req)).await;
+        let message = match outcome {
+            Ok(Ok(resp)) => return Ok(resp),
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no answer within {RESPONSE_TIMEOUT:?}"),
+        };
+        self.connections
+            .lock()
+            .expect("not poisoned")
+            .remove(address);
+        Err(NodeError::Unreachable {
+            address: address.to_string(),
+            message,
+        })
+    }
+
+    /// An HTTP/2 connection to the node at `address`, after both ends
+    /// showed the cluster's certificates.
+    async fn connect(&self, address: &str) -> Result<Sender, NodeError> {
         let unreachable = |message: String| NodeError::Unreachable {
             address: address.to_string(),
             message,
@@ -389,15 +444,12 @@ impl NodeClient {
             address: address.to_string(),
             message,
         };
-        let mut sender = self.connect(address).await?;
+        let mut sender = self.sender(address).await?;
         let req = Request::get(format!("https://{address}{path}"))
             .header(EPOCH_HEADER, epoch.to_string())
             .body(full(Bytes::new()))
             .expect("a valid request");
-        let resp = sender
-            .send_request(req)
-            .await
-            .map_err(|e| unreachable(e.to_string()))?;
+        let resp = self.send(address, &mut sender, req).await?;
         let status = resp.status().as_u16();
         let body = resp
             .into_body()
@@ -421,7 +473,7 @@ impl NodeClient {
             address: address.to_string(),
             message,
         };
-        let mut sender = self.connect(address).await?;
+        let mut sender = self.sender(address).await?;
         let (upstream, rx) = mpsc::channel::<Bytes>(2);
         let mut line = serde_json::to_vec(request).expect("json");
         line.push(b'\n');
@@ -433,10 +485,7 @@ impl NodeClient {
             .header(EPOCH_HEADER, epoch.to_string())
             .body(ChannelBody(rx).boxed())
             .expect("a valid request");
-        let resp = sender
-            .send_request(req)
-            .await
-            .map_err(|e| unreachable(e.to_string()))?;
+        let resp = self.send(address, &mut sender, req).await?;
         let status = resp.status().as_u16();
         if status != 200 {
             let body = resp
@@ -468,7 +517,7 @@ pub struct RemoteExec {
     body: Incoming,
     buf: BytesMut,
     upstream: Option<mpsc::Sender<Bytes>>,
-    _connection: hyper::client::conn::http2::SendRequest<Body>,
+    _connection: Sender,
     /// The command's own timeout plus the runtime's grace: a node that went
     /// silent (cut off, frozen) does not hold the caller past it.
     deadline: tokio::time::Instant,
