@@ -171,6 +171,17 @@ fn a_server_on_postgresql_keeps_its_state_there_and_only_its_own_sandboxes() {
     assert!(!out.status.success() && err.contains("--name"), "{err}");
 }
 
+/// The account `team` with $5 and a key for it, made by the operator
+/// commands on the database at `url` (before any server runs there).
+fn team_key(data: &std::path::Path, url: &str) -> String {
+    std::fs::write(data.join("config.toml"), CONFIG).unwrap();
+    let (ok, _, err) = with_database(data, url, &["account", "create", "team", "--credit", "5"]);
+    assert!(ok, "account create: {err}");
+    let (ok, key, err) = with_database(data, url, &["key", "create", "--account", "team"]);
+    assert!(ok, "key create: {err}");
+    key
+}
+
 /// A short lease and grace, and no warm pool (two servers share 2 cores).
 const NODE_CONFIG: &str = "[cluster]\nlease_secs = 3\nlost_after_secs = 2\n[pool]\nsizes = {}\n";
 
@@ -213,15 +224,7 @@ fn a_silent_node_is_declared_lost_its_sandboxes_settled_once_and_it_is_fenced() 
     let pg = sandpit_pgtest::shared();
     let url = rt().block_on(pg.fresh_database());
     let (data_a, data_b) = (data_dir(), data_dir());
-    std::fs::write(data_a.join("config.toml"), CONFIG).unwrap();
-    let (ok, _, err) = with_database(
-        &data_a,
-        &url,
-        &["account", "create", "team", "--credit", "5"],
-    );
-    assert!(ok, "{err}");
-    let (ok, key, err) = with_database(&data_a, &url, &["key", "create", "--account", "team"]);
-    assert!(ok, "{err}");
+    let key = team_key(&data_a, &url);
 
     // Each node serves its API over mutual TLS with the cluster's
     // certificates; the test calls it as a member would.
@@ -556,15 +559,7 @@ fn a_database_outage_longer_than_the_leases_loses_no_node() {
     let pg = sandpit_pgtest::Postgres::start(&["127.0.0.1".parse().unwrap()]);
     let url = rt().block_on(pg.fresh_database());
     let (data_a, data_b) = (data_dir(), data_dir());
-    std::fs::write(data_a.join("config.toml"), CONFIG).unwrap();
-    let (ok, _, err) = with_database(
-        &data_a,
-        &url,
-        &["account", "create", "team", "--credit", "5"],
-    );
-    assert!(ok, "{err}");
-    let (ok, key, err) = with_database(&data_a, &url, &["key", "create", "--account", "team"]);
-    assert!(ok, "{err}");
+    let key = team_key(&data_a, &url);
     let a = Server::start_node(&data_a, &url, "a", NODE_CONFIG);
     let b = Server::start_node(&data_b, &url, "b", NODE_CONFIG);
     let on_a = create_on(&a, &key);

@@ -440,10 +440,6 @@ impl NodeClient {
     }
 
     async fn call(&self, address: &str, epoch: i64, path: &str) -> Result<(u16, Bytes), NodeError> {
-        let unreachable = |message: String| NodeError::Unreachable {
-            address: address.to_string(),
-            message,
-        };
         let mut sender = self.sender(address).await?;
         let req = Request::get(format!("https://{address}{path}"))
             .header(EPOCH_HEADER, epoch.to_string())
@@ -451,13 +447,7 @@ impl NodeClient {
             .expect("a valid request");
         let resp = self.send(address, &mut sender, req).await?;
         let status = resp.status().as_u16();
-        let body = resp
-            .into_body()
-            .collect()
-            .await
-            .map_err(|e| unreachable(e.to_string()))?
-            .to_bytes();
-        Ok((status, body))
+        Ok((status, read_body(address, resp).await?))
     }
 
     /// Starts `request` in sandbox `id` on the node at `address`, meant for
@@ -469,10 +459,6 @@ impl NodeClient {
         id: &str,
         request: &ExecRequest,
     ) -> Result<RemoteExec, NodeError> {
-        let unreachable = |message: String| NodeError::Unreachable {
-            address: address.to_string(),
-            message,
-        };
         let mut sender = self.sender(address).await?;
         let (upstream, rx) = mpsc::channel::<Bytes>(2);
         let mut line = serde_json::to_vec(request).expect("json");
@@ -488,13 +474,7 @@ impl NodeClient {
         let resp = self.send(address, &mut sender, req).await?;
         let status = resp.status().as_u16();
         if status != 200 {
-            let body = resp
-                .into_body()
-                .collect()
-                .await
-                .map_err(|e| unreachable(e.to_string()))?
-                .to_bytes();
-            return Err(answer_error(status, &body));
+            return Err(answer_error(status, &read_body(address, resp).await?));
         }
         let deadline = tokio::time::Instant::now()
             + Duration::from_millis(request.timeout_ms)
@@ -575,6 +555,17 @@ impl RemoteExec {
         if let Some(up) = &self.upstream {
             let _ = up.try_send(Bytes::from_static(b"cancel\n"));
         }
+    }
+}
+
+/// The whole body of a node's answer.
+async fn read_body(address: &str, resp: Response<Incoming>) -> Result<Bytes, NodeError> {
+    match resp.into_body().collect().await {
+        Ok(b) => Ok(b.to_bytes()),
+        Err(e) => Err(NodeError::Unreachable {
+            address: address.to_string(),
+            message: e.to_string(),
+        }),
     }
 }
 
