@@ -60,6 +60,9 @@ enum Command {
     Serve(server::ServeArgs),
     /// MCP over stdio: VMs on this machine for a local account, or --remote
     Mcp(server::McpArgs),
+    /// Run this machine's VMs for a cluster on PostgreSQL (no public API:
+    /// `serve --no-vms` replicas reach them over mutual TLS)
+    Node(server::NodeArgs),
     /// Accounts of the control plane in the data directory
     Account {
         #[command(subcommand)]
@@ -159,6 +162,7 @@ async fn run(cli: Cli) -> Result<i32> {
         Command::Sandbox { command } => sandbox::run(&settings, command).await,
         Command::Serve(a) => server::serve(&settings, a).await,
         Command::Mcp(a) => server::mcp(&settings, a).await,
+        Command::Node(a) => server::node(&settings, a).await,
         Command::Account { command } => server::account(&settings, command).await,
         Command::Key { command } => server::key(&settings, command).await,
         Command::Credit { command } => server::credit(&settings, command).await,

@@ -38,6 +38,7 @@ const HAND_OVER: Duration = Duration::from_secs(30);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Role {
     Serve,
+    Node,
     Mcp,
     Reap,
     Bench,
@@ -49,6 +50,7 @@ impl Role {
     fn name(self) -> &'static str {
         match self {
             Role::Serve => "sandpit serve",
+            Role::Node => "sandpit node",
             Role::Mcp => "sandpit mcp",
             Role::Reap => "sandpit reap",
             Role::Bench => "sandpit bench",
@@ -90,7 +92,7 @@ pub fn acquire(data_dir: &Path, role: Role) -> Result<Acquired> {
             Ok(Acquired::NotNeeded)
         }
         (Role::Reap, _) => Ok(Acquired::NotNeeded),
-        (Role::Serve | Role::Mcp, Some(r)) if r == Role::Reap.name() => {
+        (Role::Serve | Role::Node | Role::Mcp, Some(r)) if r == Role::Reap.name() => {
             let (pid, _) = holder.expect("matched Some");
             // SAFETY: kill with a pid read from the lock file; the lock is
             // still held, so that process is alive and is the reaper.

@@ -41,6 +41,28 @@ pub struct ServeArgs {
     /// DIR/NAME.key (`sandpit cluster issue DIR NAME`)
     #[arg(long, value_name = "DIR")]
     cluster_dir: Option<std::path::PathBuf>,
+    /// Run no VMs here: a control-plane replica of a cluster (needs
+    /// --database and --cluster-dir), whose sandboxes all run on nodes
+    #[arg(long)]
+    no_vms: bool,
+}
+
+#[derive(Args)]
+pub struct NodeArgs {
+    /// Serve the node API (mutual TLS) here, for the cluster's replicas
+    #[arg(long, value_name = "ADDR")]
+    listen: String,
+    /// The address the other members reach the node API at [default: the
+    /// address --listen bound]
+    #[arg(long, value_name = "HOST:PORT")]
+    advertise: Option<String>,
+    /// This machine's name in the database [default: the host name]
+    #[arg(long)]
+    name: Option<String>,
+    /// Where this node's certificates are: DIR/ca.pem, DIR/NAME.pem,
+    /// DIR/NAME.key (`sandpit cluster issue DIR NAME`)
+    #[arg(long, value_name = "DIR")]
+    cluster_dir: std::path::PathBuf,
 }
 
 #[derive(Args)]
@@ -141,6 +163,12 @@ fn private_dir(dir: &std::path::Path) -> Result<()> {
 /// only an existing one is used (the reaper).
 async fn service_with(settings: &Settings, build: bool) -> Result<Arc<Service>> {
     let store = open_store(settings).await?;
+    if settings.no_vms {
+        let svc = Service::without_vms(settings.service.clone(), store);
+        svc.join_cluster(settings.cluster.clone(), "").await?;
+        svc.start().await?;
+        return Ok(svc);
+    }
     let dir = settings.images_dir.clone();
     let image = tokio::task::spawn_blocking(move || {
         if build {
@@ -309,19 +337,18 @@ pub async fn serve(settings: &Settings, args: ServeArgs) -> Result<i32> {
     if !settings.preview_scheme_set {
         settings.service.preview_scheme = scheme.into();
     }
-    match (&settings.database_url, args.name) {
-        (Some(_), name) => {
-            settings.service.host_name = match name {
-                Some(n) => n,
-                None => host_name()?,
-            }
+    name_member(&mut settings, args.name)?;
+    if args.no_vms {
+        if settings.database_url.is_none() || args.cluster_dir.is_none() {
+            bail!(
+                "--no-vms makes a control-plane replica of a cluster: give --database (the \
+                 cluster's PostgreSQL) and --cluster-dir (its certificates, to reach the nodes)"
+            );
         }
-        (None, Some(_)) => bail!(
-            "--name names this machine in a database shared with others; with the data \
-             directory's own database (no --database) it is always \"{}\"",
-            settings.service.host_name
-        ),
-        (None, None) => {}
+        if args.node_listen.is_some() {
+            bail!("--no-vms runs no VMs, so it serves no node API: drop --node-listen");
+        }
+        settings.no_vms = true;
     }
     let node_api = match (&args.node_listen, &settings.database_url) {
         (None, _) => None,
@@ -333,48 +360,20 @@ pub async fn serve(settings: &Settings, args: ServeArgs) -> Result<i32> {
                 .cluster_dir
                 .as_deref()
                 .context("--node-listen needs --cluster-dir (its certificates)")?;
-            let identity = sandpit_node::Identity::in_dir(dir, &settings.service.host_name);
-            let tls = sandpit_node::server_config(&identity).with_context(|| {
-                format!(
-                    "the node's certificates in {} (`sandpit cluster issue {} {}`)",
-                    dir.display(),
-                    dir.display(),
-                    settings.service.host_name
-                )
-            })?;
-            let listener = tokio::net::TcpListener::bind(listen)
-                .await
-                .with_context(|| format!("binding the node API to {listen}"))?;
-            let advertise = match &args.advertise {
-                Some(a) => a.clone(),
-                None => listener.local_addr()?.to_string(),
-            };
-            settings.node_address = Some(advertise);
-            Some((listener, tls))
+            Some(bind_node_api(&mut settings, listen, args.advertise.as_deref(), dir).await?)
         }
     };
     let settings = &settings;
-    let _owner = own(settings, owner::Role::Serve)?;
+    // A replica owns no VMs, so no data directory.
+    let _owner = match settings.no_vms {
+        true => None,
+        false => Some(own(settings, owner::Role::Serve)?),
+    };
     let svc = service(settings).await?;
-    // With the cluster's certificates, sandboxes of other nodes are reached
-    // through their node APIs.
     if let (Some(dir), Some(_)) = (&args.cluster_dir, &settings.database_url) {
-        let identity = sandpit_node::Identity::in_dir(dir, &settings.service.host_name);
-        let tls = sandpit_node::client_config(&identity)
-            .with_context(|| format!("this member's certificates in {}", dir.display()))?;
-        svc.set_node_link(Arc::new(ClusterLink(sandpit_node::NodeClient::new(tls))));
+        link_cluster(&svc, settings, dir)?;
     }
-    // The node API runs until the server stops (its task is aborted then).
-    let node_task = node_api.map(|(listener, tls)| {
-        let state: Arc<dyn sandpit_node::NodeState> = Arc::new(ServedNode(svc.clone()));
-        tokio::spawn(async move {
-            if let Err(e) =
-                sandpit_node::api::serve(listener, tls, state, std::future::pending()).await
-            {
-                tracing::error!("the node API stopped: {e}");
-            }
-        })
-    });
+    let node_task = node_api.map(|api| spawn_node_api(&svc, api));
     first_start(settings, svc.store(), &public_url).await?;
     let api: Arc<dyn SandboxApi> = svc.clone();
 
@@ -413,8 +412,12 @@ pub async fn serve(settings: &Settings, args: ServeArgs) -> Result<i32> {
         env!("CARGO_PKG_VERSION"),
         settings.service.preview_scheme,
         settings.service.preview_domain,
-        svc.vms_accel(),
-        settings.data_dir.display()
+        svc.vms_accel()
+            .map_or("no VMs here: the nodes'".to_string(), |a| a.to_string()),
+        match settings.no_vms {
+            true => "the database".to_string(),
+            false => settings.data_dir.display().to_string(),
+        }
     );
     listener::check_preview_names(
         &settings.service.preview_domain,
@@ -431,6 +434,125 @@ pub async fn serve(settings: &Settings, args: ServeArgs) -> Result<i32> {
     if let Some(task) = node_task {
         task.abort();
     }
+    svc.shutdown().await;
+    Ok(0)
+}
+
+/// Names this member in a shared database (`--name`, or the host name).
+fn name_member(settings: &mut Settings, name: Option<String>) -> Result<()> {
+    match (&settings.database_url, name) {
+        (Some(_), name) => {
+            settings.service.host_name = match name {
+                Some(n) => n,
+                None => host_name()?,
+            }
+        }
+        (None, Some(_)) => bail!(
+            "--name names this machine in a database shared with others; with the data \
+             directory's own database (no --database) it is always \"{}\"",
+            settings.service.host_name
+        ),
+        (None, None) => {}
+    }
+    Ok(())
+}
+
+/// The node API's listener and TLS, with the address the other members
+/// will reach it at recorded in `settings` (registered when it joins).
+async fn bind_node_api(
+    settings: &mut Settings,
+    listen: &str,
+    advertise: Option<&str>,
+    dir: &std::path::Path,
+) -> Result<(
+    tokio::net::TcpListener,
+    Arc<tokio_rustls::rustls::ServerConfig>,
+)> {
+    let identity = sandpit_node::Identity::in_dir(dir, &settings.service.host_name);
+    let tls = sandpit_node::server_config(&identity).with_context(|| {
+        format!(
+            "the node's certificates in {} (`sandpit cluster issue {} {}`)",
+            dir.display(),
+            dir.display(),
+            settings.service.host_name
+        )
+    })?;
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("binding the node API to {listen}"))?;
+    settings.node_address = Some(match advertise {
+        Some(a) => a.to_string(),
+        None => listener.local_addr()?.to_string(),
+    });
+    Ok((listener, tls))
+}
+
+/// Gives the service its way to other nodes' VMs: their APIs, over mutual
+/// TLS with this member's certificates.
+fn link_cluster(svc: &Service, settings: &Settings, dir: &std::path::Path) -> Result<()> {
+    let identity = sandpit_node::Identity::in_dir(dir, &settings.service.host_name);
+    let tls = sandpit_node::client_config(&identity)
+        .with_context(|| format!("this member's certificates in {}", dir.display()))?;
+    svc.set_node_link(Arc::new(sandpit_node::NodeClient::new(tls)));
+    Ok(())
+}
+
+/// Serves this node's VMs to the other members until the task is aborted.
+fn spawn_node_api(
+    svc: &Arc<Service>,
+    (listener, tls): (
+        tokio::net::TcpListener,
+        Arc<tokio_rustls::rustls::ServerConfig>,
+    ),
+) -> tokio::task::JoinHandle<()> {
+    let machines = svc
+        .served_machines()
+        .expect("a node runs VMs (--no-vms has no node API)");
+    let state: Arc<dyn sandpit_node::NodeState> = Arc::new(ServedNode {
+        svc: svc.clone(),
+        machines,
+    });
+    tokio::spawn(async move {
+        if let Err(e) = sandpit_node::serve(listener, tls, state, std::future::pending()).await {
+            tracing::error!("the node API stopped: {e}");
+        }
+    })
+}
+
+/// `sandpit node`: this machine's VMs for a cluster, served to its
+/// replicas over the node API; no public API.
+pub async fn node(settings: &Settings, args: NodeArgs) -> Result<i32> {
+    if settings.database_url.is_none() {
+        bail!("sandpit node runs a node of a cluster: give --database (its PostgreSQL)");
+    }
+    let mut settings = settings.clone();
+    name_member(&mut settings, args.name)?;
+    let api = bind_node_api(
+        &mut settings,
+        &args.listen,
+        args.advertise.as_deref(),
+        &args.cluster_dir,
+    )
+    .await?;
+    let settings = &settings;
+    let _owner = own(settings, owner::Role::Node)?;
+    let svc = service(settings).await?;
+    // A destroy or an expiry it serves for its own sandboxes needs no link;
+    // it has one anyway, as every member.
+    link_cluster(&svc, settings, &args.cluster_dir)?;
+    let task = spawn_node_api(&svc, api);
+    eprintln!(
+        "sandpit {} node {} serving its VMs at {} (epoch {}; {} acceleration; data in {})",
+        env!("CARGO_PKG_VERSION"),
+        settings.service.host_name,
+        settings.node_address.as_deref().unwrap_or_default(),
+        svc.cluster_epoch().unwrap_or_default(),
+        svc.vms_accel().map_or("no".to_string(), |a| a.to_string()),
+        settings.data_dir.display()
+    );
+    wait_for_signal().await;
+    eprintln!("shutting down: sandboxes keep running");
+    task.abort();
     svc.shutdown().await;
     Ok(0)
 }
@@ -545,98 +667,21 @@ pub async fn reap(settings: &Settings) -> Result<i32> {
     }
 }
 
-/// The node API's view of this server's node: its name and epoch.
-struct ServedNode(Arc<Service>);
+/// The node API's view of this member's node: its name, epoch and VMs.
+struct ServedNode {
+    svc: Arc<Service>,
+    machines: Arc<dyn sandpit_core::machines::Machines>,
+}
 
 impl sandpit_node::NodeState for ServedNode {
     fn name(&self) -> &str {
-        &self.0.config().host_name
+        &self.svc.config().host_name
     }
     fn epoch(&self) -> Option<i64> {
-        self.0.cluster_epoch()
+        self.svc.cluster_epoch()
     }
-    fn exec(
-        &self,
-        id: String,
-        request: sandpit_protocol::ExecRequest,
-    ) -> std::pin::Pin<
-        Box<
-            dyn std::future::Future<
-                    Output = std::result::Result<
-                        sandpit_runtime::ExecHandle,
-                        sandpit_node::Refusal,
-                    >,
-                > + Send
-                + '_,
-        >,
-    > {
-        Box::pin(async move {
-            self.0
-                .node_exec(&id, request)
-                .await
-                .map_err(|e| sandpit_node::Refusal {
-                    status: e.kind.http_status(),
-                    kind: e.kind.as_str().to_string(),
-                    message: e.message,
-                })
-        })
-    }
-}
-
-/// The service's way to other nodes: their APIs, over mutual TLS.
-struct ClusterLink(sandpit_node::NodeClient);
-
-/// A command on another node, as the core drives it.
-struct RemoteCommand(sandpit_node::RemoteExec);
-
-#[async_trait::async_trait]
-impl sandpit_core::cluster::RemoteCommand for RemoteCommand {
-    async fn next(
-        &mut self,
-    ) -> std::result::Result<sandpit_runtime::ExecEvent, sandpit_runtime::RuntimeError> {
-        self.0.next().await
-    }
-    fn cancel(&self) {
-        self.0.cancel()
-    }
-}
-
-#[async_trait::async_trait]
-impl sandpit_core::cluster::NodeLink for ClusterLink {
-    async fn exec(
-        &self,
-        address: &str,
-        epoch: i64,
-        sandbox_id: &str,
-        request: &sandpit_protocol::ExecRequest,
-    ) -> std::result::Result<Box<dyn sandpit_core::cluster::RemoteCommand>, sandpit_core::CoreError>
-    {
-        match self.0.exec(address, epoch, sandbox_id, request).await {
-            Ok(r) => Ok(Box::new(RemoteCommand(r))),
-            Err(e) => Err(node_error(e)),
-        }
-    }
-}
-
-/// What a node's refusal or absence means to the caller.
-fn node_error(e: sandpit_node::NodeError) -> sandpit_core::CoreError {
-    use sandpit_core::error::ErrorType;
-    use sandpit_node::NodeError;
-    match e {
-        NodeError::Unreachable { .. } | NodeError::StaleEpoch(_) | NodeError::Fenced(_) => {
-            sandpit_core::CoreError::new(ErrorType::ServiceUnavailable, e.to_string())
-                .with_retry_after(5)
-        }
-        NodeError::Failed { status, message } => {
-            let kind = match status {
-                400 => ErrorType::InvalidRequest,
-                404 => ErrorType::NotFound,
-                409 => ErrorType::Conflict,
-                503 => ErrorType::ServiceUnavailable,
-                _ => ErrorType::InternalError,
-            };
-            sandpit_core::CoreError::new(kind, message)
-        }
+    fn machines(&self) -> Arc<dyn sandpit_core::machines::Machines> {
+        self.machines.clone()
     }
 }
 

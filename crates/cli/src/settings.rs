@@ -178,6 +178,8 @@ pub struct Settings {
     pub cluster: sandpit_core::cluster::ClusterConfig,
     /// Where the other members reach this node's API, when it serves one.
     pub node_address: Option<String>,
+    /// A control-plane replica: no VMs here (`serve --no-vms`).
+    pub no_vms: bool,
 }
 
 impl Settings {
@@ -400,6 +402,7 @@ impl Settings {
             database_url: None,
             cluster: file.cluster.clone().unwrap_or_default(),
             node_address: None,
+            no_vms: false,
             data_dir,
             images_dir,
             config_file: config.map(Path::to_path_buf),

@@ -249,13 +249,20 @@ fn a_silent_node_is_declared_lost_its_sandboxes_settled_once_and_it_is_fenced() 
         })
     };
 
-    let a = Server::start_node_with(&data_a, &url, "a", NODE_CONFIG, &node_args);
+    // a is a control-plane replica (no VMs), b a server that is also a node.
+    let a = Server::start_node_with(
+        &data_a,
+        &url,
+        "a",
+        NODE_CONFIG,
+        &["--no-vms", "--cluster-dir", ca_arg],
+    );
     let b = Server::start_node_with(&data_b, &url, "b", NODE_CONFIG, &node_args);
-    let (epoch, answer) = health("a", None);
+    let (epoch, answer) = health("b", None);
     assert_eq!(
         answer.unwrap(),
         sandpit_node::Health {
-            name: "a".into(),
+            name: "b".into(),
             epoch
         }
     );
@@ -342,8 +349,8 @@ fn a_silent_node_is_declared_lost_its_sandboxes_settled_once_and_it_is_fenced() 
         }
     });
 
-    // Extended through a, b's VM learns the new expiry at b's next
-    // heartbeat (its own watchdog would otherwise end it at the old one).
+    // Extended through a, b's VM learns the new expiry through b's node
+    // API (its own watchdog would otherwise end it at the old one).
     let watchdog = |id: &str| -> i64 {
         std::fs::read_to_string(data_b.join("vms").join(id).join("expires"))
             .unwrap()

@@ -19,6 +19,9 @@
 //! create is refused as busy rather than left to time out.
 
 use crate::ids::new_id;
+use crate::machines::{Command, Download, Listing, Machines, Tunnel, Upload, VmResult};
+use async_trait::async_trait;
+use sandpit_protocol::ExecRequest;
 use sandpit_runtime::process::Priority;
 use sandpit_runtime::{AgentClient, CreateVm, RuntimeError, VmManager, VmRecord, VmState};
 use serde::{Deserialize, Serialize};
@@ -538,5 +541,162 @@ impl LocalVms {
             .filter_map(|e| e.file_name().to_str().map(str::to_string))
             .filter(|n| !known.contains(n))
             .collect()
+    }
+}
+
+/// A command in a local guest; the warm pool's refills give way while it
+/// runs.
+struct LocalCommand {
+    handle: sandpit_runtime::ExecHandle,
+    _live: sandpit_runtime::Held,
+}
+
+#[async_trait]
+impl Command for LocalCommand {
+    async fn next(&mut self) -> VmResult<sandpit_runtime::ExecEvent> {
+        self.handle.next().await
+    }
+
+    fn cancel(&self) {
+        self.handle.cancel()
+    }
+}
+
+struct LocalUpload {
+    upload: sandpit_runtime::FileUpload,
+    _live: sandpit_runtime::Held,
+}
+
+#[async_trait]
+impl Upload for LocalUpload {
+    async fn send(&mut self, data: &[u8]) -> VmResult<()> {
+        self.upload.send(data).await
+    }
+
+    async fn finish(self: Box<Self>) -> VmResult<(String, u64)> {
+        self.upload.finish().await
+    }
+}
+
+struct LocalDownload {
+    download: sandpit_runtime::FileDownload,
+    _live: sandpit_runtime::Held,
+}
+
+#[async_trait]
+impl Download for LocalDownload {
+    fn path(&self) -> &str {
+        self.download.path()
+    }
+
+    fn size(&self) -> u64 {
+        self.download.size()
+    }
+
+    async fn next_chunk(&mut self) -> VmResult<Option<Vec<u8>>> {
+        self.download.next_chunk().await
+    }
+}
+
+#[async_trait]
+impl Machines for LocalVms {
+    async fn take_warm(&self, size: &str) -> VmResult<Option<String>> {
+        Ok(LocalVms::take_warm(self, size))
+    }
+
+    async fn return_warm(&self, id: &str, size: &str) -> VmResult<()> {
+        LocalVms::return_warm(self, id, size);
+        Ok(())
+    }
+
+    async fn start(&self, id: &str, size: &str, expires_at: OffsetDateTime) -> VmResult<()> {
+        let claimed = self.claimed.lock().unwrap().contains(id);
+        if !claimed && matches!(LocalVms::state(self, id), Some(VmState::Running)) {
+            return self.manager.set_expiry(id, expires_at);
+        }
+        self.create(id, size, expires_at).await.map(|_| ())
+    }
+
+    async fn destroy(&self, id: &str) -> VmResult<Option<u64>> {
+        let used = self.manager.disk_use(id).ok();
+        LocalVms::destroy(self, id).await?;
+        Ok(used)
+    }
+
+    async fn set_expiry(&self, id: &str, at: OffsetDateTime) -> VmResult<()> {
+        self.manager.set_expiry(id, at)
+    }
+
+    async fn state(&self, id: &str) -> VmResult<Option<VmState>> {
+        Ok(LocalVms::state(self, id))
+    }
+
+    async fn exec(&self, id: &str, request: ExecRequest) -> VmResult<Box<dyn Command>> {
+        let live = self.manager.hold_background();
+        let handle = self.agent(id).await?.exec(request)?;
+        Ok(Box::new(LocalCommand {
+            handle,
+            _live: live,
+        }))
+    }
+
+    async fn upload(&self, id: &str, path: &str, size: u64) -> VmResult<Box<dyn Upload>> {
+        let live = self.manager.hold_background();
+        let upload = self.agent(id).await?.upload(path, size, None)?;
+        Ok(Box::new(LocalUpload {
+            upload,
+            _live: live,
+        }))
+    }
+
+    async fn download(&self, id: &str, path: &str, max_bytes: u64) -> VmResult<Box<dyn Download>> {
+        let live = self.manager.hold_background();
+        let download = self.agent(id).await?.download(path, max_bytes).await?;
+        Ok(Box::new(LocalDownload {
+            download,
+            _live: live,
+        }))
+    }
+
+    async fn write_file(&self, id: &str, path: &str, bytes: Vec<u8>) -> VmResult<(String, u64)> {
+        let _live = self.manager.hold_background();
+        self.agent(id).await?.write_file(path, &bytes, None).await
+    }
+
+    async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> VmResult<(String, Vec<u8>)> {
+        let _live = self.manager.hold_background();
+        self.agent(id).await?.read_file(path, max_bytes).await
+    }
+
+    async fn list_files(
+        &self,
+        id: &str,
+        path: &str,
+        recursive: bool,
+        max_entries: u64,
+    ) -> VmResult<Listing> {
+        let (path, entries, truncated) = self
+            .agent(id)
+            .await?
+            .list_files(path, recursive, max_entries)
+            .await?;
+        Ok(Listing {
+            path,
+            entries,
+            truncated,
+        })
+    }
+
+    async fn delete_file(&self, id: &str, path: &str, recursive: bool) -> VmResult<String> {
+        self.agent(id).await?.delete_file(path, recursive).await
+    }
+
+    async fn open_tunnel(&self, id: &str, port: u16) -> VmResult<Tunnel> {
+        let stream = self.agent(id).await?.open_tunnel(port).await?;
+        let closer = stream.closer();
+        Ok(Tunnel {
+            stream: Box::new(stream),
+            closer: Arc::new(move || closer.close()),
+        })
     }
 }

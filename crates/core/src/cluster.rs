@@ -32,14 +32,14 @@
 //! member records the execution as for its own; the node runs it.
 
 use crate::error::{CoreError, ErrorType, Result};
+use crate::machines::{Machines, VmResult};
 use crate::Service;
-use async_trait::async_trait;
-use sandpit_protocol::ExecRequest;
-use sandpit_runtime::{ExecEvent, ExecHandle, RuntimeError};
+use sandpit_runtime::RuntimeError;
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+use time::OffsetDateTime;
 
 /// `[cluster]` in the config: the lease and when a silent node is lost.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -51,6 +51,10 @@ pub struct ClusterConfig {
     /// How long past its lease a silent node's sandboxes wait before they
     /// are failed and settled (a node back within it keeps them).
     pub lost_after_secs: u64,
+    /// Live sandboxes this node takes at most; unset, one per 64 MiB of
+    /// the machine's memory (an idle `small` sandbox takes about 40 MiB
+    /// once KSM has merged its pages). A member without VMs takes none.
+    pub max_sandboxes: Option<u32>,
 }
 
 impl Default for ClusterConfig {
@@ -58,6 +62,7 @@ impl Default for ClusterConfig {
         ClusterConfig {
             lease_secs: 10,
             lost_after_secs: 20,
+            max_sandboxes: None,
         }
     }
 }
@@ -76,49 +81,19 @@ impl ClusterConfig {
     }
 }
 
-/// A command running in a sandbox of another node.
-#[async_trait]
-pub trait RemoteCommand: Send {
-    /// The next event; `Exited` (or an error) is the last.
-    async fn next(&mut self) -> std::result::Result<ExecEvent, RuntimeError>;
-    /// Asks the node to kill the command; its end follows, cancelled.
-    fn cancel(&self);
-}
-
 /// How this member reaches the other nodes of the cluster.
-#[async_trait]
 pub trait NodeLink: Send + Sync {
-    /// Starts `request` in sandbox `sandbox_id` on the node at `address`,
-    /// which the database shows at `epoch`.
-    async fn exec(
-        &self,
-        address: &str,
-        epoch: i64,
-        sandbox_id: &str,
-        request: &ExecRequest,
-    ) -> Result<Box<dyn RemoteCommand>>;
+    /// The VMs of the node at `address`, which the database shows at
+    /// `epoch` (a node answers only calls for the epoch it holds).
+    fn machines(&self, address: &str, epoch: i64) -> Arc<dyn Machines>;
 }
 
-/// A command in a sandbox: on this node's VM, or through another node.
-pub(crate) enum Command {
-    Local(ExecHandle),
-    Remote(Box<dyn RemoteCommand>),
-}
-
-impl Command {
-    pub(crate) async fn next(&mut self) -> std::result::Result<ExecEvent, RuntimeError> {
-        match self {
-            Command::Local(h) => h.next().await,
-            Command::Remote(r) => r.next().await,
-        }
-    }
-
-    pub(crate) fn cancel(&self) {
-        match self {
-            Command::Local(h) => h.cancel(),
-            Command::Remote(r) => r.cancel(),
-        }
-    }
+/// A node a new sandbox may go to.
+pub(crate) struct Placement {
+    pub(crate) host: String,
+    /// The epoch its create must find (`None` outside a cluster).
+    pub(crate) epoch: Option<i64>,
+    pub(crate) machines: Arc<dyn Machines>,
 }
 
 /// This process's membership, once it joined.
@@ -161,11 +136,17 @@ impl Service {
         config: ClusterConfig,
         address: &str,
     ) -> Result<i64> {
+        let memory_mb = host_memory_mb();
+        let max_sandboxes = match self.vms() {
+            Some(_) => config.max_sandboxes.unwrap_or((memory_mb / 64).max(1)),
+            None => 0,
+        };
         let node = sandpit_store::NewNode {
             name: self.config().host_name.clone(),
             address: address.to_string(),
             vcpus: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
-            memory_mb: host_memory_mb(),
+            memory_mb,
+            max_sandboxes,
         };
         let row = self.store().register_node(&node, config.lease()).await?;
         let membership = Membership {
@@ -211,73 +192,107 @@ impl Service {
         let _ = self.node_link.set(link);
     }
 
-    /// Starts a command in `row`'s sandbox: on this node's VM, or through
-    /// the node that holds it.
-    pub(crate) async fn start_command(
+    /// The VMs of the node that holds `row`'s sandbox.
+    pub(crate) async fn machines_for(
         &self,
         row: &sandpit_store::SandboxRow,
-        request: ExecRequest,
-    ) -> Result<Command> {
-        if row.host == self.config().host_name {
-            let agent = self.agent(row).await?;
-            return agent
-                .exec(request)
-                .map(Command::Local)
-                .map_err(crate::service::runtime_error);
+    ) -> Result<Arc<dyn Machines>> {
+        self.machines_on(&row.host, &row.id).await
+    }
+
+    /// The VMs of node `host` (which holds sandbox `id`): this machine's
+    /// own, or another node's through the link while its lease is live.
+    pub(crate) async fn machines_on(&self, host: &str, id: &str) -> Result<Arc<dyn Machines>> {
+        if host == self.config().host_name {
+            if let Some(vms) = self.local_vms() {
+                return Ok(vms);
+            }
         }
         let unavailable = |m: String| CoreError::new(ErrorType::ServiceUnavailable, m);
         let Some(link) = self.node_link.get() else {
             return Err(unavailable(format!(
-                "sandbox {} runs on node {}, and this server has no link to other nodes \
-                 (serve --cluster-dir)",
-                row.id, row.host
+                "sandbox {id} runs on node {host}, and this server has no link to other nodes \
+                 (serve --cluster-dir)"
             )));
         };
         let node = self
             .store()
-            .node(&row.host)
+            .node(host)
             .await?
             .filter(|n| n.is_live() && !n.address.is_empty());
         let Some(node) = node else {
             return Err(unavailable(format!(
-                "node {} that holds sandbox {} is unreachable (no heartbeat within its lease); \
-                 retry: if it does not come back, its sandboxes fail",
-                row.host, row.id
+                "node {host} that holds sandbox {id} is unreachable (no heartbeat within its \
+                 lease); retry: if it does not come back, its sandboxes fail"
             ))
             .with_retry_after(5));
         };
-        let remote = link
-            .exec(&node.address, node.epoch, &row.id, &request)
-            .await?;
-        Ok(Command::Remote(remote))
+        Ok(link.machines(&node.address, node.epoch))
     }
 
-    /// For the node API: starts `request` in the VM of sandbox `id`, which
-    /// must be running on this node. The caller (a member of the cluster)
-    /// checked the account and records the execution.
-    pub async fn node_exec(&self, id: &str, request: ExecRequest) -> Result<ExecHandle> {
-        let row = self
+    /// Where a new sandbox of `size` may go, best first: this machine alone
+    /// outside a cluster; in one, the live nodes with room, those with a
+    /// warm VM of the size first (a start in milliseconds), then the least
+    /// full. The create's transaction checks the chosen node again.
+    pub(crate) async fn placement(&self, size: &str) -> Result<Vec<Placement>> {
+        let Some(m) = self.membership() else {
+            let vms = self.local_vms().ok_or_else(|| {
+                CoreError::internal("a server without VMs of its own must be in a cluster")
+            })?;
+            return Ok(vec![Placement {
+                host: self.config().host_name.clone(),
+                epoch: None,
+                machines: vms,
+            }]);
+        };
+        let mut candidates: Vec<_> = self
             .store()
-            .sandbox(id)
+            .placement_candidates()
             .await?
-            .ok_or_else(|| CoreError::not_found("sandbox", id))?;
-        if row.host != self.config().host_name {
-            return Err(CoreError::conflict(format!(
-                "sandbox {id} is on node {}, not on {}",
-                row.host,
-                self.config().host_name
-            )));
+            .into_iter()
+            // Its own name at another epoch is another process (see
+            // `heartbeat`): never this machine's VMs.
+            .filter(|c| c.node.name != m.node.name || c.node.epoch == m.epoch())
+            .filter(|c| c.live < c.node.max_sandboxes)
+            .collect();
+        // This node knows its own pool now, not as of its last heartbeat.
+        let warm_of = |c: &sandpit_store::Candidate| -> u32 {
+            match (c.node.name == m.node.name, self.vms()) {
+                (true, Some(vms)) => vms.warm_count(size) as u32,
+                _ => c.node.warm.get(size).copied().unwrap_or(0),
+            }
+        };
+        candidates.sort_by(|a, b| {
+            let fill = |c: &sandpit_store::Candidate| {
+                u64::from(c.live) * 1_000_000 / u64::from(c.node.max_sandboxes.max(1))
+            };
+            (warm_of(b) > 0)
+                .cmp(&(warm_of(a) > 0))
+                .then(fill(a).cmp(&fill(b)))
+                .then(a.node.name.cmp(&b.node.name))
+        });
+        let mut out = Vec::new();
+        for c in candidates {
+            let machines = if c.node.name == self.config().host_name {
+                match self.local_vms() {
+                    Some(vms) => vms,
+                    None => continue,
+                }
+            } else {
+                match self.node_link.get() {
+                    Some(link) if !c.node.address.is_empty() => {
+                        link.machines(&c.node.address, c.node.epoch)
+                    }
+                    _ => continue,
+                }
+            };
+            out.push(Placement {
+                host: c.node.name,
+                epoch: Some(c.node.epoch),
+                machines,
+            });
         }
-        if row.status != sandpit_store::status::RUNNING {
-            return Err(CoreError::conflict(format!(
-                "sandbox {id} is {}",
-                row.status
-            )));
-        }
-        self.agent(&row)
-            .await?
-            .exec(request)
-            .map_err(crate::service::runtime_error)
+        Ok(out)
     }
 
     /// The epoch this node holds in the cluster (`None` outside one).
@@ -293,7 +308,12 @@ impl Service {
         };
         let renewed = match self
             .store()
-            .renew_lease(&m.node.name, m.epoch(), m.config.lease())
+            .renew_lease(
+                &m.node.name,
+                m.epoch(),
+                m.config.lease(),
+                &self.warm_counts(),
+            )
             .await
         {
             Ok(r) => {
@@ -352,6 +372,19 @@ impl Service {
         self.drop_ended_vms().await
     }
 
+    /// Ready VMs in this node's warm pool per size, for placement.
+    fn warm_counts(&self) -> std::collections::BTreeMap<String, u32> {
+        self.vms().map_or_else(Default::default, |vms| {
+            vms.pool_targets()
+                .into_iter()
+                .map(|(size, _)| {
+                    let n = vms.warm_count(&size) as u32;
+                    (size, n)
+                })
+                .collect()
+        })
+    }
+
     /// Declares lost the nodes silent past their lease and the grace, and
     /// settles their sandboxes (once, whoever sweeps).
     async fn sweep_lost_nodes(&self) -> Result<()> {
@@ -391,20 +424,22 @@ impl Service {
     /// an extension through another member reaches the VM within a
     /// heartbeat).
     async fn drop_ended_vms(&self) -> Result<()> {
-        for vm in self.vms().list() {
+        let Some(vms) = self.vms() else {
+            return Ok(());
+        };
+        for vm in vms.list() {
             let Some(row) = self.store().sandbox(&vm.id).await? else {
                 continue;
             };
             if !row.is_live() {
                 tracing::info!(id = %row.id, "removing the VM of a sandbox that ended elsewhere");
                 self.end_here(&row).await;
-            } else if self
-                .vms()
+            } else if vms
                 .manager()
                 .expiry(&row.id)
                 .is_some_and(|at| at < row.expires_at)
             {
-                if let Err(e) = self.vms().set_expiry(&row.id, row.expires_at) {
+                if let Err(e) = vms.set_expiry(&row.id, row.expires_at) {
                     tracing::warn!(id = %row.id, "moving the VM's expiry: {e}");
                 }
             }
@@ -423,4 +458,129 @@ fn host_memory_mb() -> u32 {
                 .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         })
         .map_or(0, |kb| (kb / 1024).min(u64::from(u32::MAX)) as u32)
+}
+
+/// This node's VMs as it serves them to the other members (the node API):
+/// as [`crate::backend::LocalVms`], except that a start also records its
+/// outcome on the sandbox (running, or failed and refunded), so a create
+/// whose caller was lost mid-way (a replica killed) still ends in a state
+/// its retry finds.
+struct Served {
+    svc: std::sync::Weak<Service>,
+    vms: Arc<crate::backend::LocalVms>,
+}
+
+impl Service {
+    /// What this node serves on the node API (`None`: it runs no VMs).
+    pub fn served_machines(self: &Arc<Self>) -> Option<Arc<dyn Machines>> {
+        let vms = self.vms()?.clone();
+        Some(Arc::new(Served {
+            svc: Arc::downgrade(self),
+            vms,
+        }))
+    }
+}
+
+#[async_trait::async_trait]
+impl Machines for Served {
+    async fn take_warm(&self, size: &str) -> VmResult<Option<String>> {
+        Machines::take_warm(&*self.vms, size).await
+    }
+
+    async fn return_warm(&self, id: &str, size: &str) -> VmResult<()> {
+        Machines::return_warm(&*self.vms, id, size).await
+    }
+
+    async fn start(&self, id: &str, size: &str, expires_at: OffsetDateTime) -> VmResult<()> {
+        let svc = self
+            .svc
+            .upgrade()
+            .ok_or_else(|| RuntimeError::Busy("the node is shutting down".into()))?;
+        let row = match svc.store().sandbox(id).await {
+            Ok(Some(row)) => row,
+            Ok(None) => return Err(RuntimeError::NotFound(id.to_string())),
+            Err(e) => return Err(RuntimeError::Busy(format!("the database: {e}"))),
+        };
+        if row.host != svc.config().host_name || row.status != sandpit_store::status::PROVISIONING {
+            // Placed elsewhere, or its outcome is already recorded: only a
+            // VM that runs here is a start that happened.
+            return match Machines::state(&*self.vms, id).await? {
+                Some(sandpit_runtime::VmState::Running) => Ok(()),
+                _ => Err(RuntimeError::Launch(format!(
+                    "sandbox {id} is {} on node {}",
+                    row.status, row.host
+                ))),
+            };
+        }
+        let _ = (size, expires_at);
+        let local: Arc<dyn Machines> = self.vms.clone();
+        svc.boot(row, local)
+            .await
+            .map(|_| ())
+            .map_err(|e| RuntimeError::Launch(e.message))
+    }
+
+    async fn destroy(&self, id: &str) -> VmResult<Option<u64>> {
+        Machines::destroy(&*self.vms, id).await
+    }
+
+    async fn set_expiry(&self, id: &str, at: OffsetDateTime) -> VmResult<()> {
+        Machines::set_expiry(&*self.vms, id, at).await
+    }
+
+    async fn state(&self, id: &str) -> VmResult<Option<sandpit_runtime::VmState>> {
+        Machines::state(&*self.vms, id).await
+    }
+
+    async fn exec(
+        &self,
+        id: &str,
+        request: sandpit_protocol::ExecRequest,
+    ) -> VmResult<Box<dyn crate::machines::Command>> {
+        self.vms.exec(id, request).await
+    }
+
+    async fn upload(
+        &self,
+        id: &str,
+        path: &str,
+        size: u64,
+    ) -> VmResult<Box<dyn crate::machines::Upload>> {
+        self.vms.upload(id, path, size).await
+    }
+
+    async fn download(
+        &self,
+        id: &str,
+        path: &str,
+        max_bytes: u64,
+    ) -> VmResult<Box<dyn crate::machines::Download>> {
+        self.vms.download(id, path, max_bytes).await
+    }
+
+    async fn write_file(&self, id: &str, path: &str, bytes: Vec<u8>) -> VmResult<(String, u64)> {
+        Machines::write_file(&*self.vms, id, path, bytes).await
+    }
+
+    async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> VmResult<(String, Vec<u8>)> {
+        Machines::read_file(&*self.vms, id, path, max_bytes).await
+    }
+
+    async fn list_files(
+        &self,
+        id: &str,
+        path: &str,
+        recursive: bool,
+        max_entries: u64,
+    ) -> VmResult<crate::machines::Listing> {
+        self.vms.list_files(id, path, recursive, max_entries).await
+    }
+
+    async fn delete_file(&self, id: &str, path: &str, recursive: bool) -> VmResult<String> {
+        self.vms.delete_file(id, path, recursive).await
+    }
+
+    async fn open_tunnel(&self, id: &str, port: u16) -> VmResult<crate::machines::Tunnel> {
+        self.vms.open_tunnel(id, port).await
+    }
 }

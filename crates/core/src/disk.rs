@@ -62,7 +62,10 @@ impl Service {
             .store()
             .live_sandboxes(&self.config().host_name)
             .await?;
-        let manager = self.vms().manager();
+        let Some(vms) = self.vms() else {
+            return Ok(Vec::new());
+        };
+        let manager = vms.manager();
         let mut uses = Vec::new();
         let mut per_account: HashMap<&str, u64> = HashMap::new();
         let mut running = Vec::new();
@@ -122,12 +125,10 @@ impl Service {
         Ok(over.into_iter().map(String::from).collect())
     }
 
-    /// Record what `id`'s disk took, just before its VM goes.
-    pub(crate) async fn record_final_disk_use(&self, id: &str) {
-        if let Ok(bytes) = self.vms().manager().disk_use(id) {
-            if let Err(e) = self.store().set_disk_use(&[(id.to_string(), bytes)]).await {
-                tracing::warn!(%id, "recording the disk use: {e}");
-            }
+    /// Record what `id`'s disk took (measured just before its VM went).
+    pub(crate) async fn record_disk_use(&self, id: &str, bytes: u64) {
+        if let Err(e) = self.store().set_disk_use(&[(id.to_string(), bytes)]).await {
+            tracing::warn!(%id, "recording the disk use: {e}");
         }
     }
 }

@@ -15,6 +15,7 @@ pub mod config;
 pub mod disk;
 pub mod error;
 pub mod ids;
+pub mod machines;
 pub mod model;
 pub mod preview;
 pub mod service;

@@ -22,7 +22,7 @@
 //! ([`CHECK_REMEMBERED`]), so a busy preview does not cost a query per
 //! request; closing the port or ending the sandbox forgets it at once.
 
-use sandpit_runtime::{TunnelCloser, TunnelStream};
+use crate::machines::{Closer, Duplex, Tunnel};
 use std::collections::HashMap;
 use std::io;
 use std::net::Ipv4Addr;
@@ -247,8 +247,11 @@ pub(crate) struct Traffic {
     pub(crate) bytes_out: AtomicU64,
 }
 
+/// A passed preview check: when, the sandbox's expiry, its node.
+type Checked = (Instant, OffsetDateTime, String);
+
 /// A sandbox's open preview connections: serial -> (port, closer).
-type OpenConns = HashMap<u64, (u16, TunnelCloser)>;
+type OpenConns = HashMap<u64, (u16, Closer)>;
 
 /// How much of the preview proxy one sandbox may take.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -308,8 +311,9 @@ pub(crate) struct Previews {
     open: Mutex<HashMap<String, OpenConns>>,
     /// Per live sandbox whose previews were used.
     allowances: Mutex<HashMap<String, Allowance>>,
-    /// Passed checks: (sandbox, port) -> (when, the sandbox's expiry).
-    checked: Mutex<HashMap<(String, u16), (Instant, OffsetDateTime)>>,
+    /// Passed checks: (sandbox, port) -> (when, the sandbox's expiry, the
+    /// node that holds it).
+    checked: Mutex<HashMap<(String, u16), Checked>>,
     /// Bumped by every close: a check that began before a close must not be
     /// remembered after it.
     closes: AtomicU64,
@@ -345,21 +349,33 @@ impl Previews {
 
     /// Did `port` of `id` pass its check less than [`CHECK_REMEMBERED`] ago
     /// (and has the sandbox not expired since)?
-    pub(crate) fn recently_checked(&self, id: &str, port: u16) -> bool {
+    /// The node of a sandbox whose `port` passed a check lately.
+    pub(crate) fn recently_checked(&self, id: &str, port: u16) -> Option<String> {
         let checked = self.checked.lock().unwrap();
         checked
             .get(&(id.to_string(), port))
-            .is_some_and(|(at, expires)| {
+            .filter(|(at, expires, _)| {
                 at.elapsed() < CHECK_REMEMBERED && *expires > OffsetDateTime::now_utc()
             })
+            .map(|(_, _, host)| host.clone())
     }
 
     /// Remember that `port` of `id` passed a check that began at `epoch`,
     /// unless something was closed since.
-    pub(crate) fn remember_check(&self, id: &str, port: u16, expires: OffsetDateTime, epoch: u64) {
+    pub(crate) fn remember_check(
+        &self,
+        id: &str,
+        port: u16,
+        expires: OffsetDateTime,
+        host: &str,
+        epoch: u64,
+    ) {
         let mut checked = self.checked.lock().unwrap();
         if self.closes.load(Ordering::SeqCst) == epoch {
-            checked.insert((id.to_string(), port), (Instant::now(), expires));
+            checked.insert(
+                (id.to_string(), port),
+                (Instant::now(), expires, host.to_string()),
+            );
         }
     }
 
@@ -488,7 +504,7 @@ impl Previews {
         self: &Arc<Self>,
         id: &str,
         port: u16,
-        stream: TunnelStream,
+        tunnel: Tunnel,
         slot: OwnedSemaphorePermit,
     ) -> PreviewConn {
         let serial = self.serial.fetch_add(1, Ordering::Relaxed);
@@ -497,9 +513,9 @@ impl Previews {
             .unwrap()
             .entry(id.to_string())
             .or_default()
-            .insert(serial, (port, stream.closer()));
+            .insert(serial, (port, tunnel.closer));
         PreviewConn {
-            stream,
+            stream: tunnel.stream,
             traffic: self.traffic(id),
             registry: Arc::downgrade(self),
             sandbox_id: id.to_string(),
@@ -511,7 +527,7 @@ impl Previews {
     /// Cut the open connections of a sandbox (`port`: of that port only).
     pub(crate) fn close(&self, id: &str, port: Option<u16>) -> usize {
         self.forget_checks(id, port);
-        let closers: Vec<TunnelCloser> = {
+        let closers: Vec<Closer> = {
             let mut open = self.open.lock().unwrap();
             let Some(conns) = open.get_mut(id) else {
                 return 0;
@@ -531,8 +547,8 @@ impl Previews {
             }
             taken
         };
-        for c in &closers {
-            c.close();
+        for close in &closers {
+            close();
         }
         closers.len()
     }
@@ -551,7 +567,7 @@ impl Previews {
 /// A connection to a port of a sandbox through its preview URL: a byte
 /// stream to the server in the guest, counted as preview traffic.
 pub struct PreviewConn {
-    stream: TunnelStream,
+    stream: Box<dyn Duplex>,
     traffic: Arc<Traffic>,
     registry: std::sync::Weak<Previews>,
     sandbox_id: String,

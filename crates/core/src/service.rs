@@ -14,6 +14,7 @@ use crate::backend::LocalVms;
 use crate::config::{cost, ServiceConfig, SizeConfig};
 use crate::error::{CoreError, ErrorType, Result};
 use crate::ids::{new_id, rfc3339};
+use crate::machines::{Command, Listing, Machines};
 use crate::model::*;
 use crate::preview::{preview_url, PreviewConn, PreviewError, PreviewLimits, Previews};
 use crate::utf8::Utf8Chunker;
@@ -35,7 +36,9 @@ use tokio::sync::{mpsc, oneshot, Notify};
 pub struct Service {
     config: ServiceConfig,
     store: Store,
-    vms: Arc<LocalVms>,
+    /// This machine's VMs; none on a control-plane replica
+    /// (`serve --no-vms`), which reaches every VM through the nodes.
+    vms: Option<Arc<LocalVms>>,
     reaper: Arc<Notify>,
     /// Held through an extension, from reading the sandbox to setting its
     /// VM's expiry: two extensions that read the same row would each
@@ -65,6 +68,9 @@ const TRAFFIC_FLUSH: Duration = Duration::from_secs(2);
 const PREVIEW_CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
 /// How long a file transfer waits for one of its account's slots.
 pub const TRANSFER_WAIT: Duration = Duration::from_secs(30);
+/// How long an idempotent retry of a create waits for the first call's
+/// start to finish.
+const REPLAY_WAIT: Duration = Duration::from_secs(60);
 /// How often the executions of long-ended sandboxes are looked for.
 const RETENTION_SWEEP: Duration = Duration::from_secs(3600);
 
@@ -202,6 +208,16 @@ impl Service {
     /// A service over `store` and `vms`; call [`Service::start`] to reconcile
     /// and run the reaper.
     pub fn new(config: ServiceConfig, store: Store, vms: Arc<LocalVms>) -> Arc<Service> {
+        Service::with_vms(config, store, Some(vms))
+    }
+
+    /// A service with no VMs of its own: a control-plane replica of a
+    /// cluster, whose sandboxes all run on nodes (see [`crate::cluster`]).
+    pub fn without_vms(config: ServiceConfig, store: Store) -> Arc<Service> {
+        Service::with_vms(config, store, None)
+    }
+
+    fn with_vms(config: ServiceConfig, store: Store, vms: Option<Arc<LocalVms>>) -> Arc<Service> {
         let limits = PreviewLimits {
             max_connections: config.preview_max_connections,
             requests_per_second: config.preview_requests_per_second,
@@ -229,8 +245,14 @@ impl Service {
         &self.store
     }
 
-    pub(crate) fn vms(&self) -> &LocalVms {
-        &self.vms
+    /// This machine's VMs, when it runs any.
+    pub(crate) fn vms(&self) -> Option<&Arc<LocalVms>> {
+        self.vms.as_ref()
+    }
+
+    /// This machine's VMs as the service reaches any node's.
+    pub(crate) fn local_vms(&self) -> Option<Arc<dyn Machines>> {
+        self.vms.clone().map(|vms| vms as Arc<dyn Machines>)
     }
 
     pub(crate) fn disk_holds(&self) -> &crate::disk::DiskHolds {
@@ -245,7 +267,9 @@ impl Service {
     /// Settle what happened while no server ran, then start the reaper.
     pub async fn start(self: &Arc<Self>) -> Result<()> {
         self.reconcile().await?;
-        self.vms.start_pool();
+        if let Some(vms) = &self.vms {
+            vms.start_pool();
+        }
         let me = Arc::downgrade(self);
         tokio::spawn(async move {
             loop {
@@ -298,6 +322,17 @@ impl Service {
     /// the sandbox ended meanwhile (a destroy, the expiry), that it is no
     /// longer running, rather than "retry", which cannot help.
     async fn agent_failure(&self, row: &SandboxRow, e: RuntimeError) -> CoreError {
+        // The VM is gone under a running sandbox: the sandbox failed.
+        if let RuntimeError::VmExited { cause } | RuntimeError::NotFound(cause) = &e {
+            if row.status == status::RUNNING {
+                let _ = self
+                    .end(row, status::FAILED, &format!("failed: {cause}"))
+                    .await;
+                return CoreError::conflict(format!(
+                    "the sandbox's VM has stopped ({cause}); create a new sandbox"
+                ));
+            }
+        }
         if !matches!(e, RuntimeError::Agent(_)) {
             if let Ok(Some(now)) = self.store.sandbox(&row.id).await {
                 if now.status != status::RUNNING {
@@ -373,7 +408,9 @@ impl Service {
     /// The server is stopping: remove the warm pool's VMs (no sandbox owns
     /// them). Sandboxes keep running; the next start takes them over.
     pub async fn shutdown(&self) {
-        self.vms.drain_pool().await;
+        if let Some(vms) = &self.vms {
+            vms.drain_pool().await;
+        }
     }
 
     /// End every expired sandbox; returns how long to sleep until the next expiry.
@@ -414,6 +451,9 @@ impl Service {
     /// are failed. Like all of it, that last assumes this process is the
     /// only service on its data directory.
     pub async fn reconcile(&self) -> Result<()> {
+        let Some(vms) = self.vms.clone() else {
+            return Ok(());
+        };
         let now = OffsetDateTime::now_utc();
         // A server killed mid-command never finished its record; its guest
         // cancelled the command when the connection closed.
@@ -443,7 +483,7 @@ impl Service {
                 status::DELETING => {
                     self.end(row, status::DELETED, "destroyed").await?;
                 }
-                _ => match self.vms.state(&row.id) {
+                _ => match vms.state(&row.id) {
                     Some(VmState::Running) => keep.push(row.id.clone()),
                     Some(VmState::Exited { cause }) => {
                         self.end(row, status::FAILED, &format!("failed: {cause}"))
@@ -460,18 +500,18 @@ impl Service {
                 },
             }
         }
-        for vm in self.vms.list() {
+        for vm in vms.list() {
             if !keep.contains(&vm.id) {
                 tracing::info!(id = %vm.id, "removing a VM no live sandbox owns");
-                let _ = self.vms.destroy(&vm.id).await;
+                let _ = vms.destroy(&vm.id).await;
             }
         }
-        for dir in self.vms.stray_dirs() {
+        for dir in vms.stray_dirs() {
             if !keep.contains(&dir) {
-                let _ = self.vms.destroy(&dir).await;
+                let _ = vms.destroy(&dir).await;
             }
         }
-        self.vms.kill_orphan_qemus(&keep).await;
+        vms.kill_orphan_qemus(&keep).await;
         Ok(())
     }
 
@@ -484,11 +524,7 @@ impl Service {
         end_status: &str,
         reason: &str,
     ) -> Result<Option<SandboxRow>> {
-        // Its VM and preview URLs are its node's: another node's are
-        // removed there, at its next heartbeat (see `crate::cluster`).
-        if row.host == self.config.host_name {
-            self.end_here(row).await;
-        }
+        self.end_here(row).await;
         let now = OffsetDateTime::now_utc();
         let billed_until = now.min(row.expires_at);
         // A VM found dead after its expiry ended on time (its watchdog
@@ -521,14 +557,21 @@ impl Service {
             .await?)
     }
 
-    /// What ending a sandbox takes on its node: its preview URLs stop
-    /// (before anything else), its last disk use is recorded, its VM goes,
-    /// its preview traffic is written.
+    /// What ending a sandbox takes besides its row: its preview URLs here
+    /// stop (before anything else), its VM goes with its last disk use
+    /// recorded, its preview traffic is written. A VM on a node out of
+    /// reach is removed by that node when it finds the sandbox ended (see
+    /// `crate::cluster`).
     pub(crate) async fn end_here(&self, row: &SandboxRow) {
         self.previews.close(&row.id, None);
-        self.record_final_disk_use(&row.id).await;
-        if let Err(e) = self.vms.destroy(&row.id).await {
-            tracing::warn!(id = %row.id, "destroying the VM: {e}");
+        let destroyed = match self.machines_for(row).await {
+            Ok(machines) => machines.destroy(&row.id).await.map_err(|e| e.to_string()),
+            Err(e) => Err(e.message),
+        };
+        match destroyed {
+            Ok(Some(bytes)) => self.record_disk_use(&row.id, bytes).await,
+            Ok(None) => {}
+            Err(e) => tracing::warn!(id = %row.id, host = %row.host, "destroying the VM: {e}"),
         }
         self.flush_traffic(Some(&row.id)).await;
         self.previews.forget(&row.id);
@@ -550,29 +593,12 @@ impl Service {
         Ok(row)
     }
 
-    /// The agent of a running sandbox; a VM found dead fails the sandbox.
-    pub(crate) async fn agent(&self, row: &SandboxRow) -> Result<sandpit_runtime::AgentClient> {
-        if row.host != self.config.host_name {
-            return Err(CoreError::new(
-                ErrorType::ServiceUnavailable,
-                format!(
-                    "sandbox {} runs on node {}, and this server reaches only its own \
-                     node's VMs: use the server on {}",
-                    row.id, row.host, row.host
-                ),
-            ));
-        }
-        match self.vms.agent(&row.id).await {
-            Ok(a) => Ok(a),
-            Err(RuntimeError::VmExited { cause }) | Err(RuntimeError::NotFound(cause)) => {
-                let _ = self
-                    .end(row, status::FAILED, &format!("failed: {cause}"))
-                    .await;
-                Err(CoreError::conflict(format!(
-                    "the sandbox's VM has stopped ({cause}); create a new sandbox"
-                )))
-            }
-            Err(e) => Err(runtime_error(e)),
+    /// Starts `req` in `row`'s sandbox, wherever its VM runs.
+    async fn start_command(&self, row: &SandboxRow, req: ExecRequest) -> Result<Box<dyn Command>> {
+        let machines = self.machines_for(row).await?;
+        match machines.exec(&row.id, req).await {
+            Ok(command) => Ok(command),
+            Err(e) => Err(self.agent_failure(row, e).await),
         }
     }
 
@@ -580,19 +606,18 @@ impl Service {
     async fn run_exec(
         &self,
         row: &SandboxRow,
-        req: ExecRequest,
+        command: String,
+        mut handle: Box<dyn Command>,
         tx: Option<mpsc::Sender<ExecEvent>>,
         mut cancel: oneshot::Receiver<()>,
     ) -> Result<Execution> {
-        // Warm-pool refills stop while a command runs (bounded).
-        let _live = self.vms.manager().hold_background();
         let exec_id = new_id("exec_");
         let started = OffsetDateTime::now_utc();
         let mut record = ExecutionRow {
             id: exec_id.clone(),
             sandbox_id: row.id.clone(),
             account_id: row.account_id.clone(),
-            command: req.command.clone(),
+            command,
             status: exec_status::RUNNING.into(),
             exit_code: None,
             stdout: String::new(),
@@ -602,11 +627,10 @@ impl Service {
             started_at: started,
             finished_at: None,
         };
-        // The command starts first and its record is written while it runs:
-        // the store's write is then off a short command's round trip. A
-        // record that cannot be written stops the command (it is killed
+        // The command started first and its record is written while it
+        // runs: the store's write is then off a short command's round trip.
+        // A record that cannot be written stops the command (it is killed
         // with its process group) and the call fails.
-        let mut handle = self.start_command(row, req).await?;
         if let Err(e) = self.store.insert_execution(&record).await {
             handle.cancel();
             return Err(e.into());
@@ -691,10 +715,14 @@ impl Service {
                     return Err(runtime_error(e));
                 }
                 // The VM may have died under the command.
-                if let Some(VmState::Exited { cause }) = self.vms.state(&row.id) {
-                    let _ = self
-                        .end(row, status::FAILED, &format!("failed: {cause}"))
-                        .await;
+                let died = match self.machines_for(row).await {
+                    Ok(machines) => machines.state(&row.id).await.ok().flatten(),
+                    Err(_) => None,
+                };
+                if let Some(VmState::Exited { cause }) = died {
+                    return Err(self
+                        .agent_failure(row, RuntimeError::VmExited { cause })
+                        .await);
                 }
                 return Err(self.agent_failure(row, e).await);
             }
@@ -721,29 +749,33 @@ impl Service {
         Ok(to_execution(&row))
     }
 
-    /// The accelerator this host's VMs use.
-    pub fn vms_accel(&self) -> sandpit_runtime::Accel {
-        self.vms.manager().accel()
+    /// The accelerator this host's VMs use (`None`: it runs none).
+    pub fn vms_accel(&self) -> Option<sandpit_runtime::Accel> {
+        self.vms.as_ref().map(|vms| vms.manager().accel())
     }
 
     /// Boot the VM of a sandbox row in `provisioning`; running, or failed
     /// (and refunded) with the cause.
-    async fn boot(&self, row: SandboxRow) -> Result<SandboxRow> {
-        match self.vms.create(&row.id, &row.size, row.expires_at).await {
-            Ok(_) => {
+    pub(crate) async fn boot(
+        &self,
+        row: SandboxRow,
+        machines: Arc<dyn Machines>,
+    ) -> Result<SandboxRow> {
+        match machines.start(&row.id, &row.size, row.expires_at).await {
+            Ok(()) => {
                 let running = self
                     .store
                     .set_status(&row.id, status::RUNNING, None)
                     .await?;
                 // Extended while it booted: the VM's watchdog has the old expiry.
                 if running.expires_at != row.expires_at {
-                    let _ = self.vms.set_expiry(&row.id, running.expires_at);
+                    let _ = machines.set_expiry(&row.id, running.expires_at).await;
                 }
                 Ok(running)
             }
             Err(e) => {
-                tracing::warn!(id = %row.id, "create failed: {e}");
-                let _ = self.vms.destroy(&row.id).await;
+                tracing::warn!(id = %row.id, host = %row.host, "create failed: {e}");
+                let _ = machines.destroy(&row.id).await;
                 let _ = self
                     .store
                     .finish_sandbox(
@@ -765,35 +797,66 @@ impl Service {
         }
     }
 
+    /// The sandbox an idempotent retry of a create finds, once its start
+    /// is over: the first call may still be starting it, or may have been
+    /// lost with its server (a replica killed mid-create), in which case
+    /// the node that starts it records the outcome (see
+    /// [`crate::cluster`]). Waits [`REPLAY_WAIT`] at most.
+    async fn replayed(&self, mut row: SandboxRow) -> Result<SandboxRow> {
+        let deadline = tokio::time::Instant::now() + REPLAY_WAIT;
+        while row.status == status::PROVISIONING {
+            if tokio::time::Instant::now() >= deadline {
+                return Err(CoreError::new(
+                    ErrorType::ServiceUnavailable,
+                    format!("sandbox {} is still starting; retry", row.id),
+                )
+                .with_retry_after(2));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            row = self
+                .store
+                .sandbox(&row.id)
+                .await?
+                .ok_or_else(|| CoreError::internal("the replayed sandbox vanished"))?;
+        }
+        Ok(row)
+    }
+
     /// Ready VMs in the warm pool for `size`.
     pub fn warm_count(&self, size: &str) -> usize {
-        self.vms.warm_count(size)
+        self.vms.as_ref().map_or(0, |vms| vms.warm_count(size))
     }
 
     /// Ids of the warm pool's ready VMs (for tests and operators).
     pub fn warm_ids(&self) -> Vec<String> {
-        self.vms.warm_ids()
+        self.vms.as_ref().map_or(Vec::new(), |vms| vms.warm_ids())
     }
 
     /// Pool VMs being started now, and how many of those are stopped while
     /// live work runs (for tests and operators).
     pub fn background_starts(&self) -> (usize, usize) {
-        self.vms.manager().background_starts()
+        self.vms
+            .as_ref()
+            .map_or((0, 0), |vms| vms.manager().background_starts())
     }
 
     /// Empty the warm pool and stop refilling it, or resume it.
     pub async fn set_pool_paused(&self, paused: bool) {
-        self.vms.pause_pool(paused).await;
+        if let Some(vms) = &self.vms {
+            vms.pause_pool(paused).await;
+        }
     }
 
     /// The runtime's record of a sandbox's VM on this host.
     pub fn vm_record(&self, id: &str) -> Option<sandpit_runtime::VmRecord> {
-        self.vms.manager().record(id).ok()
+        self.vms.as_ref()?.manager().record(id).ok()
     }
 
     /// Ids of the VMs on this host (for tests and operators).
     pub fn vms_on_host(&self) -> Vec<String> {
-        self.vms.list().into_iter().map(|r| r.id).collect()
+        self.vms.as_ref().map_or(Vec::new(), |vms| {
+            vms.list().into_iter().map(|r| r.id).collect()
+        })
     }
 
     fn arc_self(&self) -> Option<Arc<Service>> {
@@ -820,9 +883,10 @@ impl Service {
 
     /// Can `port` of sandbox `id` be served through its preview URL now?
     /// Anyone with the URL may ask: no account is involved.
-    pub async fn check_preview(&self, id: &str, port: u16) -> Result<(), PreviewError> {
-        if self.previews.recently_checked(id, port) {
-            return Ok(());
+    /// Returns the node that holds the sandbox.
+    pub async fn check_preview(&self, id: &str, port: u16) -> Result<String, PreviewError> {
+        if let Some(host) = self.previews.recently_checked(id, port) {
+            return Ok(host);
         }
         let epoch = self.previews.check_epoch();
         let unavailable = |e: StoreError| PreviewError::Unavailable {
@@ -864,8 +928,8 @@ impl Service {
             });
         }
         self.previews
-            .remember_check(id, port, row.expires_at, epoch);
-        Ok(())
+            .remember_check(id, port, row.expires_at, &row.host, epoch);
+        Ok(row.host)
     }
 
     /// Take one request of the allowance of sandbox `id`'s preview URLs
@@ -879,21 +943,20 @@ impl Service {
     /// the sandbox's preview traffic, and cut when the port is closed or the
     /// sandbox ends.
     pub async fn open_preview(&self, id: &str, port: u16) -> Result<PreviewConn, PreviewError> {
-        self.check_preview(id, port).await?;
+        let host = self.check_preview(id, port).await?;
         let slot = self.previews.admit_connection(id).await?;
         let (sid, p) = (id.to_string(), port);
         let gate = self.previews.connect_gate(id, port);
         let open = async {
             let _permit = gate.acquire().await;
-            let agent = self
-                .vms
-                .agent(id)
-                .await
-                .map_err(|e| PreviewError::Unavailable {
-                    id: sid.clone(),
-                    message: e.to_string(),
-                })?;
-            agent.open_tunnel(port).await.map_err(|e| match e {
+            let machines =
+                self.machines_on(&host, id)
+                    .await
+                    .map_err(|e| PreviewError::Unavailable {
+                        id: sid.clone(),
+                        message: e.message,
+                    })?;
+            machines.open_tunnel(id, port).await.map_err(|e| match e {
                 RuntimeError::Agent(a) if a.kind == ErrorKind::ConnectionRefused => {
                     PreviewError::NotListening {
                         id: sid.clone(),
@@ -910,13 +973,13 @@ impl Service {
                 },
             })
         };
-        let stream = tokio::time::timeout(PREVIEW_CONNECT_TIMEOUT, open)
+        let tunnel = tokio::time::timeout(PREVIEW_CONNECT_TIMEOUT, open)
             .await
             .map_err(|_| PreviewError::Timeout {
                 id: id.to_string(),
                 port,
             })??;
-        let conn = self.previews.register(id, port, stream, slot);
+        let conn = self.previews.register(id, port, tunnel, slot);
         // Closed or ended while connecting: cut it now rather than serve it.
         if let Err(e) = self.check_preview(id, port).await {
             self.previews.close(id, Some(port));
@@ -956,41 +1019,78 @@ impl SandboxApi for Service {
         let request_hash = hex::encode(sha2::Sha256::digest(
             serde_json::to_vec(&(&size_name, &req.name, timeout)).expect("json"),
         ));
-        // A warm pool VM already carries the id its sandbox will have.
-        let warm = self.vms.take_warm(&size_name);
-        let id = warm.clone().unwrap_or_else(|| new_id("sbx_"));
-        let outcome = self
-            .store
-            .create_sandbox(sandpit_store::NewSandbox {
-                id: id.clone(),
-                account_id: caller.account_id.clone(),
-                name: req.name.clone(),
-                size: size_name.clone(),
-                vcpus: size.vcpus,
-                memory_mb: size.memory_mb,
-                disk_gb: size.disk_gb,
-                timeout_minutes: timeout,
-                price_micros_per_hour: price,
-                host: self.config.host_name.clone(),
-                host_epoch: self.membership().map(|m| m.epoch()),
-                created_at: now,
-                expires_at: now + time::Duration::minutes(timeout as i64),
-                reserve_micros: reserve,
-                max_concurrent: None,
-                disk_limit_bytes: Some(self.config.account_disk_bytes),
-                idempotency: idempotency_key.map(|k| (k, request_hash)),
-            })
-            .await;
-        // A pool VM whose sandbox was not created goes back, never used.
-        if let Some(id) = &warm {
-            if !matches!(outcome, Ok(CreateOutcome::Created(_))) {
-                self.vms.return_warm(id, &size_name);
+        let mut refused = None;
+        let mut placed = None;
+        for target in self.placement(&size_name).await? {
+            // A warm pool VM already carries the id its sandbox will have.
+            let warm = match target.machines.take_warm(&size_name).await {
+                Ok(warm) => warm,
+                Err(e) => {
+                    tracing::warn!(node = %target.host, "taking a warm VM: {e}");
+                    refused = Some(format!("node {} is out of reach ({e})", target.host));
+                    continue;
+                }
+            };
+            let id = warm.clone().unwrap_or_else(|| new_id("sbx_"));
+            let outcome = self
+                .store
+                .create_sandbox(sandpit_store::NewSandbox {
+                    id: id.clone(),
+                    account_id: caller.account_id.clone(),
+                    name: req.name.clone(),
+                    size: size_name.clone(),
+                    vcpus: size.vcpus,
+                    memory_mb: size.memory_mb,
+                    disk_gb: size.disk_gb,
+                    timeout_minutes: timeout,
+                    price_micros_per_hour: price,
+                    host: target.host.clone(),
+                    host_epoch: target.epoch,
+                    created_at: now,
+                    expires_at: now + time::Duration::minutes(timeout as i64),
+                    reserve_micros: reserve,
+                    max_concurrent: None,
+                    disk_limit_bytes: Some(self.config.account_disk_bytes),
+                    idempotency: idempotency_key.clone().map(|k| (k, request_hash.clone())),
+                })
+                .await;
+            // A pool VM whose sandbox was not created goes back, never used.
+            if let Some(id) = &warm {
+                if !matches!(outcome, Ok(CreateOutcome::Created(_))) {
+                    let _ = target.machines.return_warm(id, &size_name).await;
+                }
+            }
+            match outcome? {
+                // The node filled up or went silent since it was ranked:
+                // the next one.
+                CreateOutcome::HostFull { live, limit } => {
+                    refused = Some(format!("node {} is full ({live} of {limit})", target.host));
+                }
+                CreateOutcome::HostUnavailable => {
+                    refused = Some(format!("node {} left the cluster", target.host));
+                }
+                outcome => {
+                    placed = Some((outcome, target.machines));
+                    break;
+                }
             }
         }
-        let outcome = outcome?;
+        let Some((outcome, machines)) = placed else {
+            return Err(CoreError::new(
+                ErrorType::ServiceUnavailable,
+                match refused {
+                    Some(why) => format!(
+                        "no node can take a {size_name} sandbox now (the last one tried: {why}); \
+                         retry"
+                    ),
+                    None => "no node can take a sandbox now: none is up with room; retry".into(),
+                },
+            )
+            .with_retry_after(5));
+        };
         let row = match outcome {
             CreateOutcome::Created(row) => row,
-            CreateOutcome::Replay(row) => return Ok((to_sandbox(&row), true)),
+            CreateOutcome::Replay(row) => return Ok((to_sandbox(&self.replayed(row).await?), true)),
             CreateOutcome::IdempotencyConflict => {
                 return Err(CoreError::conflict(
                     "this Idempotency-Key was already used with a different request body",
@@ -1018,13 +1118,8 @@ impl SandboxApi for Service {
             CreateOutcome::OverDiskLimit { used, limit } => {
                 return Err(crate::disk::over_limit(used, limit))
             }
-            CreateOutcome::HostUnavailable => {
-                return Err(CoreError::new(
-                    ErrorType::ServiceUnavailable,
-                    "this server's node is not in the cluster now (it lost its lease and is \
-                     joining again, or another machine took its name: see its log); retry",
-                )
-                .with_retry_after(5))
+            CreateOutcome::HostUnavailable | CreateOutcome::HostFull { .. } => {
+                return Err(CoreError::internal("placement refused after it was taken"))
             }
         };
         self.wake_reaper();
@@ -1035,7 +1130,7 @@ impl SandboxApi for Service {
         let me = self
             .arc_self()
             .ok_or_else(|| CoreError::internal("the service is shutting down"))?;
-        tokio::spawn(async move { me.boot(row).await })
+        tokio::spawn(async move { me.boot(row, machines).await })
             .await
             .map_err(|e| CoreError::internal(format!("the create task failed: {e}")))?
             .map(|row| (to_sandbox(&row), false))
@@ -1106,13 +1201,24 @@ impl SandboxApi for Service {
         // The VM's own watchdog learns the new expiry first: were it second,
         // a crash in between would kill a VM its owner had paid to keep.
         // Refused below, it goes back.
-        let vm_expiry = row.is_live().then(|| self.vms.set_expiry(id, new_expires));
+        // A node out of reach learns it at its next heartbeat (see
+        // `crate::cluster`); its watchdog holds the old expiry until then.
+        let machines = match row.is_live() {
+            true => self.machines_for(&row).await.ok(),
+            false => None,
+        };
+        let vm_expiry = match &machines {
+            Some(m) => Some(m.set_expiry(id, new_expires).await),
+            None => None,
+        };
         let outcome = self
             .store
             .extend_sandbox(id, &caller.account_id, new_expires, total as u32, extra)
             .await;
         if !matches!(outcome, Ok(ExtendOutcome::Extended(_))) && matches!(vm_expiry, Some(Ok(()))) {
-            let _ = self.vms.set_expiry(id, row.expires_at);
+            if let Some(m) = &machines {
+                let _ = m.set_expiry(id, row.expires_at).await;
+            }
         }
         match outcome? {
             ExtendOutcome::Extended(row) => Ok(to_sandbox(&row)),
@@ -1160,7 +1266,11 @@ impl SandboxApi for Service {
         let me = self
             .arc_self()
             .ok_or_else(|| CoreError::internal("the service is shutting down"))?;
-        let task = tokio::spawn(async move { me.run_exec(&row, req, None, cancel).await });
+        let task = tokio::spawn(async move {
+            let command = req.command.clone();
+            let handle = me.start_command(&row, req).await?;
+            me.run_exec(&row, command, handle, None, cancel).await
+        });
         let result = task
             .await
             .map_err(|e| CoreError::internal(format!("the exec task failed: {e}")))?;
@@ -1176,14 +1286,18 @@ impl SandboxApi for Service {
     ) -> Result<ExecStream> {
         let req = validate_exec(&self.config, &params)?;
         let row = self.running(caller, id).await?;
-        // Fail fast (before the stream starts) if the VM is unreachable.
-        self.agent(&row).await?;
+        // Started before the stream: a VM out of reach fails the call.
+        let command = req.command.clone();
+        let handle = self.start_command(&row, req).await?;
         let (tx, rx) = mpsc::channel(64);
         let (cancel_tx, cancel_rx) = oneshot::channel();
         let me = self.arc_self();
         tokio::spawn(async move {
             let Some(me) = me else { return };
-            let last = match me.run_exec(&row, req, Some(tx.clone()), cancel_rx).await {
+            let last = match me
+                .run_exec(&row, command, handle, Some(tx.clone()), cancel_rx)
+                .await
+            {
                 Ok(exec) => ExecEvent::Exit(exec),
                 Err(e) => ExecEvent::Error(e),
             };
@@ -1206,9 +1320,8 @@ impl SandboxApi for Service {
         let _slot = self.transfer_slot(caller).await?;
         let (path, bytes) = write_content(&self.config, req)?;
         let row = self.running(caller, id).await?;
-        let _live = self.vms.manager().hold_background();
-        let agent = self.agent(&row).await?;
-        let (path, n) = match agent.write_file(&path, &bytes, None).await {
+        let machines = self.machines_for(&row).await?;
+        let (path, n) = match machines.write_file(&row.id, &path, bytes).await {
             Ok(done) => done,
             Err(e) => return Err(self.agent_failure(&row, e).await),
         };
@@ -1227,10 +1340,9 @@ impl SandboxApi for Service {
         check_write_size(&self.config, size)?;
         let _slot = self.transfer_slot(caller).await?;
         let row = self.running(caller, id).await?;
-        let _live = self.vms.manager().hold_background();
-        let agent = self.agent(&row).await?;
+        let machines = self.machines_for(&row).await?;
         // Dropped on any early return: the guest discards what it had.
-        let mut upload = match agent.upload(path, size, None) {
+        let mut upload = match machines.upload(&row.id, path, size).await {
             Ok(u) => u,
             Err(e) => return Err(self.agent_failure(&row, e).await),
         };
@@ -1263,10 +1375,9 @@ impl SandboxApi for Service {
         check_path(path)?;
         let slot = self.transfer_slot(caller).await?;
         let row = self.running(caller, id).await?;
-        let live = self.vms.manager().hold_background();
-        let agent = self.agent(&row).await?;
+        let machines = self.machines_for(&row).await?;
         let limit = self.config.max_read_bytes;
-        let mut download = match agent.download(path, limit).await {
+        let mut download = match machines.download(&row.id, path, limit).await {
             Ok(d) => d,
             Err(e) => return Err(self.read_failure(&row, e).await),
         };
@@ -1276,7 +1387,7 @@ impl SandboxApi for Service {
         // Pieces go as fast as the client takes them (four at most wait);
         // the transfer slot is held until the last one went.
         tokio::spawn(async move {
-            let _held = (slot, live);
+            let _held = slot;
             loop {
                 let piece = match download.next_chunk().await {
                     Ok(Some(piece)) => Ok(piece),
@@ -1305,9 +1416,11 @@ impl SandboxApi for Service {
         check_path(path)?;
         let _slot = self.transfer_slot(caller).await?;
         let row = self.running(caller, id).await?;
-        let _live = self.vms.manager().hold_background();
-        let agent = self.agent(&row).await?;
-        let (path, bytes) = match agent.read_file(path, self.config.max_read_bytes).await {
+        let machines = self.machines_for(&row).await?;
+        let (path, bytes) = match machines
+            .read_file(&row.id, path, self.config.max_read_bytes)
+            .await
+        {
             Ok(read) => read,
             Err(e) => return Err(self.read_failure(&row, e).await),
         };
@@ -1338,9 +1451,13 @@ impl SandboxApi for Service {
         let path = path.unwrap_or(sandpit_protocol::WORKSPACE);
         check_path(path)?;
         let row = self.running(caller, id).await?;
-        let agent = self.agent(&row).await?;
-        let (path, entries, truncated) = match agent
-            .list_files(path, recursive, self.config.max_list_entries)
+        let machines = self.machines_for(&row).await?;
+        let Listing {
+            path,
+            entries,
+            truncated,
+        } = match machines
+            .list_files(&row.id, path, recursive, self.config.max_list_entries)
             .await
         {
             Ok(listed) => listed,
@@ -1374,8 +1491,8 @@ impl SandboxApi for Service {
     ) -> Result<FileDeleted> {
         check_path(path)?;
         let row = self.running(caller, id).await?;
-        let agent = self.agent(&row).await?;
-        let path = match agent.delete_file(path, recursive).await {
+        let machines = self.machines_for(&row).await?;
+        let path = match machines.delete_file(&row.id, path, recursive).await {
             Ok(path) => path,
             Err(e) => return Err(self.agent_failure(&row, e).await),
         };
@@ -1489,7 +1606,19 @@ impl SandboxApi for Service {
     }
 
     async fn service_info(&self) -> Result<ServiceInfo> {
-        let m = self.vms.manager();
+        // A replica without VMs describes its nodes' (they run the same
+        // release and image).
+        let m = self.vms.as_ref().map(|vms| vms.manager());
+        let hosts = match self.membership() {
+            Some(_) => self
+                .store
+                .placement_candidates()
+                .await?
+                .into_iter()
+                .map(|c| c.node.name)
+                .collect(),
+            None => vec![self.config.host_name.clone()],
+        };
         Ok(ServiceInfo {
             name: "Sandpit".into(),
             version: env!("CARGO_PKG_VERSION").into(),
@@ -1507,25 +1636,28 @@ impl SandboxApi for Service {
             max_timeout_minutes: self.config.max_timeout_minutes,
             max_lifetime_minutes: self.config.max_lifetime_minutes,
             max_concurrent_sandboxes: self.config.default_max_concurrent_sandboxes,
-            acceleration: m.accel().to_string(),
-            hosts: vec![self.config.host_name.clone()],
+            acceleration: m.map_or("on the nodes".into(), |m| m.accel().to_string()),
+            hosts,
             authentication: "send the account's API key as `Authorization: Bearer <key>` or `x-api-key: <key>`; over stdio (`sandpit mcp`) no key is needed".into(),
             guest: GuestInfo {
                 os: "Debian GNU/Linux 12 (bookworm)".into(),
-                kernel: m.image().kernel_release.clone(),
+                kernel: m.map_or(String::new(), |m| m.image().kernel_release.clone()),
                 user: format!("{} (uid {}), no sudo", sandpit_protocol::GUEST_USER, sandpit_protocol::GUEST_UID),
                 workdir: sandpit_protocol::WORKSPACE.into(),
             },
             fast_start: crate::model::FastStartInfo {
-                snapshots: m.snapshots_supported(),
+                snapshots: m.is_some_and(|m| m.snapshots_supported()),
                 warm_pool: self
                     .vms
-                    .pool_targets()
-                    .into_iter()
-                    .map(|(size, target)| crate::model::WarmPoolInfo {
-                        ready: self.vms.warm_count(&size),
-                        size,
-                        target,
+                    .iter()
+                    .flat_map(|vms| {
+                        vms.pool_targets()
+                            .into_iter()
+                            .map(|(size, target)| crate::model::WarmPoolInfo {
+                                ready: vms.warm_count(&size),
+                                size,
+                                target,
+                            })
                     })
                     .collect(),
             },

@@ -1,16 +1,23 @@
-//! The byte framing of a command's events on the node API: each event is
-//! one frame, `[kind: u8][length: u32, big-endian][payload]`, so output
-//! travels as the raw bytes it is.
+//! What travels on the node API besides JSON: the byte framing of a
+//! command's events and of a download's pieces, and the runtime's errors in
+//! a form that crosses the network with their kind intact.
+//!
+//! Each event is one frame, `[kind: u8][length: u32, big-endian][payload]`,
+//! so output travels as the raw bytes it is. A download is a `META` frame
+//! (its path and size), then its pieces as `STDOUT` frames, or an error
+//! frame if it breaks off.
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use sandpit_protocol::{AgentError, ExecResult};
-use sandpit_runtime::{ExecEvent, RuntimeError};
+use sandpit_runtime::{ExecEvent, RuntimeError, VmState};
+use serde::{Deserialize, Serialize};
 
 const STDOUT: u8 = 1;
 const STDERR: u8 = 2;
 const EXITED: u8 = 3;
 const AGENT_ERROR: u8 = 4;
 const OTHER_ERROR: u8 = 5;
+const META: u8 = 6;
 
 /// Largest payload a frame may announce (output comes in agent-sized
 /// pieces; a peer announcing more is broken or hostile).
@@ -31,8 +38,172 @@ pub fn encode(event: &Result<ExecEvent, RuntimeError>) -> Bytes {
         Ok(ExecEvent::Stderr(b)) => frame(STDERR, b),
         Ok(ExecEvent::Exited(r)) => frame(EXITED, &serde_json::to_vec(r).expect("json")),
         Err(RuntimeError::Agent(a)) => frame(AGENT_ERROR, &serde_json::to_vec(a).expect("json")),
-        Err(e) => frame(OTHER_ERROR, e.to_string().as_bytes()),
+        Err(e) => frame(
+            OTHER_ERROR,
+            &serde_json::to_vec(&WireError::from(e)).expect("json"),
+        ),
     }
+}
+
+/// The first frame of a download: its resolved path and size.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DownloadMeta {
+    pub path: String,
+    pub size: u64,
+}
+
+/// The frame that opens a download.
+pub fn encode_meta(meta: &DownloadMeta) -> Bytes {
+    frame(META, &serde_json::to_vec(meta).expect("json"))
+}
+
+/// One frame of a download: its head, a piece or an error.
+pub enum DownloadFrame {
+    Meta(DownloadMeta),
+    Event(Result<ExecEvent, RuntimeError>),
+}
+
+/// Takes one whole download frame off the front of `buf`, if it holds one.
+pub fn decode_download(buf: &mut BytesMut) -> Result<Option<DownloadFrame>, String> {
+    if buf.first() == Some(&META) && buf.len() >= 5 {
+        let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
+        if len > MAX_FRAME {
+            return Err(format!("a frame of {len} bytes"));
+        }
+        if buf.len() < 5 + len {
+            return Ok(None);
+        }
+        buf.advance(5);
+        let payload = buf.split_to(len);
+        return serde_json::from_slice(&payload)
+            .map(|m| Some(DownloadFrame::Meta(m)))
+            .map_err(|e| format!("a download's head: {e}"));
+    }
+    Ok(decode(buf)?.map(DownloadFrame::Event))
+}
+
+/// A runtime error as it crosses the network: its kind survives, so the
+/// calling member maps it to the API's error exactly as for its own VMs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum WireError {
+    Agent { error: AgentError },
+    NotFound { id: String },
+    VmExited { cause: String },
+    Disconnected { message: String },
+    AgentTimeout { what: String, secs: u64 },
+    BootTimeout { secs: u64, console_tail: String },
+    Busy { message: String },
+    Other { message: String },
+}
+
+impl From<&RuntimeError> for WireError {
+    fn from(e: &RuntimeError) -> Self {
+        match e {
+            RuntimeError::Agent(error) => WireError::Agent {
+                error: error.clone(),
+            },
+            RuntimeError::NotFound(id) => WireError::NotFound { id: id.clone() },
+            RuntimeError::VmExited { cause } => WireError::VmExited {
+                cause: cause.clone(),
+            },
+            RuntimeError::Disconnected(message) => WireError::Disconnected {
+                message: message.clone(),
+            },
+            RuntimeError::AgentTimeout { what, secs } => WireError::AgentTimeout {
+                what: what.clone(),
+                secs: *secs,
+            },
+            RuntimeError::BootTimeout { secs, console_tail } => WireError::BootTimeout {
+                secs: *secs,
+                console_tail: console_tail.clone(),
+            },
+            RuntimeError::Busy(message) => WireError::Busy {
+                message: message.clone(),
+            },
+            other => WireError::Other {
+                message: other.to_string(),
+            },
+        }
+    }
+}
+
+impl From<WireError> for RuntimeError {
+    fn from(e: WireError) -> Self {
+        match e {
+            WireError::Agent { error } => RuntimeError::Agent(error),
+            WireError::NotFound { id } => RuntimeError::NotFound(id),
+            WireError::VmExited { cause } => RuntimeError::VmExited { cause },
+            WireError::Disconnected { message } => RuntimeError::Disconnected(message),
+            WireError::AgentTimeout { what, secs } => RuntimeError::AgentTimeout { what, secs },
+            WireError::BootTimeout { secs, console_tail } => {
+                RuntimeError::BootTimeout { secs, console_tail }
+            }
+            WireError::Busy { message } => RuntimeError::Busy(message),
+            WireError::Other { message } => RuntimeError::Launch(message),
+        }
+    }
+}
+
+/// The body of a node's answer when the runtime failed (HTTP 422).
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Failure {
+    pub runtime: WireError,
+}
+
+/// `start`'s arguments.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct StartArgs {
+    pub size: String,
+    /// Unix milliseconds.
+    pub expires_at_ms: i64,
+}
+
+/// `expiry`'s arguments.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ExpiryArgs {
+    /// Unix milliseconds.
+    pub at_ms: i64,
+}
+
+/// The arguments of the file calls (each reads the fields it needs).
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub struct FileArgs {
+    pub path: String,
+    #[serde(default)]
+    pub size: u64,
+    #[serde(default)]
+    pub max_bytes: u64,
+    #[serde(default)]
+    pub recursive: bool,
+    #[serde(default)]
+    pub max_entries: u64,
+}
+
+/// What `take_warm` found.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Warm {
+    pub id: Option<String>,
+}
+
+/// What `destroy` measured.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Destroyed {
+    pub disk_used_bytes: Option<u64>,
+}
+
+/// What `state` found.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct State {
+    pub vm: Option<VmState>,
+}
+
+/// A file written, or deleted.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Written {
+    pub path: String,
+    #[serde(default)]
+    pub bytes: u64,
 }
 
 /// Takes one whole frame off the front of `buf`, if it holds one.
@@ -60,9 +231,9 @@ pub fn decode(buf: &mut BytesMut) -> Result<Option<Result<ExecEvent, RuntimeErro
         AGENT_ERROR => Err(RuntimeError::Agent(
             serde_json::from_slice::<AgentError>(&payload).map_err(bad)?,
         )),
-        OTHER_ERROR => Err(RuntimeError::Disconnected(
-            String::from_utf8_lossy(&payload).into_owned(),
-        )),
+        OTHER_ERROR => Err(serde_json::from_slice::<WireError>(&payload)
+            .map_err(bad)?
+            .into()),
         other => return Err(format!("unknown frame kind {other}")),
     }))
 }
@@ -94,6 +265,15 @@ mod tests {
         assert_eq!(got.len(), 3);
         assert!(matches!(&got[0], Ok(ExecEvent::Stdout(b)) if b == &[0, 1, 2, 255]));
         assert!(matches!(&got[2], Err(RuntimeError::Disconnected(m)) if m.contains("gone")));
+        // A VM that died stays a VM that died on the other side.
+        let mut buf = BytesMut::from(
+            &encode(&Err(RuntimeError::VmExited {
+                cause: "oom".into(),
+            }))[..],
+        );
+        assert!(
+            matches!(decode(&mut buf), Ok(Some(Err(RuntimeError::VmExited { cause }))) if cause == "oom")
+        );
         let mut huge = BytesMut::new();
         huge.put_u8(STDOUT);
         huge.put_u32(u32::MAX);

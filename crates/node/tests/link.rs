@@ -2,17 +2,25 @@
 //! made by `init_ca`, members' certificates from `issue`, a node API server
 //! and clients with and without the cluster's certificates.
 
+use async_trait::async_trait;
+use sandpit_core::machines::{Command, Download, Listing, Machines, Tunnel, Upload, VmResult};
 use sandpit_node::{
-    api, client_config, init_ca, issue, server_config, Health, NodeClient, NodeError, NodeState,
+    client_config, init_ca, issue, server_config, Health, NodeClient, NodeError, NodeState,
 };
+use sandpit_protocol::{AgentError, ErrorKind, ExecRequest, ExecResult};
+use sandpit_runtime::{ExecEvent, RuntimeError, VmState};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use time::OffsetDateTime;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_rustls::rustls;
 
 /// A node whose epoch the test sets (0 = fenced), counting what it served.
 struct TestNode {
     epoch: AtomicI64,
     asked: AtomicUsize,
+    vms: Arc<FakeVms>,
 }
 
 impl NodeState for TestNode {
@@ -26,25 +34,229 @@ impl NodeState for TestNode {
             e => Some(e),
         }
     }
-    fn exec(
-        &self,
-        id: String,
-        _request: sandpit_protocol::ExecRequest,
-    ) -> std::pin::Pin<
-        Box<
-            dyn std::future::Future<
-                    Output = Result<sandpit_runtime::ExecHandle, sandpit_node::Refusal>,
-                > + Send
-                + '_,
-        >,
-    > {
-        // This test node has no VMs (the cluster test runs real ones).
-        Box::pin(async move {
-            Err(sandpit_node::Refusal {
-                status: 404,
-                kind: "not_found".into(),
-                message: format!("sandbox {id} not found"),
-            })
+    fn machines(&self) -> Arc<dyn Machines> {
+        self.vms.clone()
+    }
+}
+
+/// VMs in memory, for what the link carries (the cluster tests run real
+/// ones): one VM `vm1` with files; every other id has died.
+#[derive(Default)]
+struct FakeVms {
+    files: Arc<Mutex<HashMap<String, Vec<u8>>>>,
+    expiry: Mutex<Option<OffsetDateTime>>,
+    cancelled: Arc<AtomicUsize>,
+}
+
+fn exec_request(command: &str) -> ExecRequest {
+    ExecRequest {
+        command: command.into(),
+        cwd: None,
+        env: Default::default(),
+        timeout_ms: 10_000,
+        max_output_bytes: 1 << 20,
+    }
+}
+
+fn check(id: &str) -> VmResult<()> {
+    match id {
+        "vm1" => Ok(()),
+        _ => Err(RuntimeError::VmExited {
+            cause: "killed by signal 9".into(),
+        }),
+    }
+}
+
+fn not_found(path: &str) -> RuntimeError {
+    RuntimeError::Agent(AgentError::new(
+        ErrorKind::NotFound,
+        format!("{path}: no such file"),
+    ))
+}
+
+struct FakeCommand {
+    events: Vec<ExecEvent>,
+    cancel: Arc<tokio::sync::Notify>,
+    cancelled: Arc<AtomicUsize>,
+}
+
+#[async_trait]
+impl Command for FakeCommand {
+    async fn next(&mut self) -> VmResult<ExecEvent> {
+        if self.events.len() > 1 {
+            return Ok(self.events.remove(0));
+        }
+        // The last event (the exit) waits for a cancel if it asks to.
+        if let Some(ExecEvent::Exited(r)) = self.events.first() {
+            if r.cancelled {
+                self.cancel.notified().await;
+                self.cancelled.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        Ok(self.events.remove(0))
+    }
+    fn cancel(&self) {
+        self.cancel.notify_one();
+    }
+}
+
+struct FakeUpload {
+    files: Arc<Mutex<HashMap<String, Vec<u8>>>>,
+    path: String,
+    got: Vec<u8>,
+}
+
+#[async_trait]
+impl Upload for FakeUpload {
+    async fn send(&mut self, data: &[u8]) -> VmResult<()> {
+        self.got.extend_from_slice(data);
+        Ok(())
+    }
+    async fn finish(self: Box<Self>) -> VmResult<(String, u64)> {
+        let n = self.got.len() as u64;
+        let path = format!("/workspace/{}", self.path);
+        self.files.lock().unwrap().insert(path.clone(), self.got);
+        Ok((path, n))
+    }
+}
+
+struct FakeDownload {
+    path: String,
+    pieces: Vec<Vec<u8>>,
+    size: u64,
+}
+
+#[async_trait]
+impl Download for FakeDownload {
+    fn path(&self) -> &str {
+        &self.path
+    }
+    fn size(&self) -> u64 {
+        self.size
+    }
+    async fn next_chunk(&mut self) -> VmResult<Option<Vec<u8>>> {
+        Ok((!self.pieces.is_empty()).then(|| self.pieces.remove(0)))
+    }
+}
+
+#[async_trait]
+impl Machines for FakeVms {
+    async fn take_warm(&self, size: &str) -> VmResult<Option<String>> {
+        Ok((size == "small").then(|| "vm1".to_string()))
+    }
+    async fn return_warm(&self, _id: &str, _size: &str) -> VmResult<()> {
+        Ok(())
+    }
+    async fn start(&self, id: &str, _size: &str, expires_at: OffsetDateTime) -> VmResult<()> {
+        check(id)?;
+        *self.expiry.lock().unwrap() = Some(expires_at);
+        Ok(())
+    }
+    async fn destroy(&self, id: &str) -> VmResult<Option<u64>> {
+        Ok((id == "vm1").then_some(4096))
+    }
+    async fn set_expiry(&self, id: &str, at: OffsetDateTime) -> VmResult<()> {
+        check(id)?;
+        *self.expiry.lock().unwrap() = Some(at);
+        Ok(())
+    }
+    async fn state(&self, id: &str) -> VmResult<Option<VmState>> {
+        Ok(match id {
+            "vm1" => Some(VmState::Running),
+            "gone" => None,
+            _ => Some(VmState::Exited {
+                cause: "killed by signal 9".into(),
+            }),
+        })
+    }
+    async fn exec(&self, id: &str, request: ExecRequest) -> VmResult<Box<dyn Command>> {
+        check(id)?;
+        let wait = request.command == "sleep";
+        Ok(Box::new(FakeCommand {
+            events: vec![
+                ExecEvent::Stdout(vec![0, 159, 146, 150, b'\n']),
+                ExecEvent::Stderr(request.command.into_bytes()),
+                ExecEvent::Exited(ExecResult {
+                    exit_code: (!wait).then_some(3),
+                    signal: wait.then_some(9),
+                    timed_out: false,
+                    cancelled: wait,
+                    stdout_bytes: 5,
+                    stderr_bytes: 0,
+                    stdout_truncated: false,
+                    stderr_truncated: false,
+                    duration_ms: 1,
+                }),
+            ],
+            cancel: Arc::new(tokio::sync::Notify::new()),
+            cancelled: self.cancelled.clone(),
+        }))
+    }
+    async fn upload(&self, id: &str, path: &str, _size: u64) -> VmResult<Box<dyn Upload>> {
+        check(id)?;
+        Ok(Box::new(FakeUpload {
+            files: self.files.clone(),
+            path: path.to_string(),
+            got: Vec::new(),
+        }))
+    }
+    async fn download(&self, id: &str, path: &str, max: u64) -> VmResult<Box<dyn Download>> {
+        check(id)?;
+        let bytes = self
+            .files
+            .lock()
+            .unwrap()
+            .get(path)
+            .cloned()
+            .ok_or_else(|| not_found(path))?;
+        if bytes.len() as u64 > max {
+            return Err(RuntimeError::Agent(AgentError::new(
+                ErrorKind::TooLarge,
+                "too large",
+            )));
+        }
+        Ok(Box::new(FakeDownload {
+            path: path.to_string(),
+            size: bytes.len() as u64,
+            pieces: bytes.chunks(1000).map(<[u8]>::to_vec).collect(),
+        }))
+    }
+    async fn list_files(&self, id: &str, path: &str, _r: bool, _m: u64) -> VmResult<Listing> {
+        check(id)?;
+        Ok(Listing {
+            path: path.to_string(),
+            entries: Vec::new(),
+            truncated: true,
+        })
+    }
+    async fn delete_file(&self, id: &str, path: &str, _recursive: bool) -> VmResult<String> {
+        check(id)?;
+        self.files
+            .lock()
+            .unwrap()
+            .remove(path)
+            .map(|_| path.to_string())
+            .ok_or_else(|| not_found(path))
+    }
+    async fn open_tunnel(&self, id: &str, port: u16) -> VmResult<Tunnel> {
+        check(id)?;
+        if port != 8000 {
+            return Err(RuntimeError::Agent(AgentError::new(
+                ErrorKind::ConnectionRefused,
+                format!("nothing listens on {port}"),
+            )));
+        }
+        // An echo server that shouts back, and says goodbye at the end.
+        let (mine, mut theirs) = tokio::io::duplex(1024);
+        tokio::spawn(async move {
+            let mut all = Vec::new();
+            let _ = theirs.read_to_end(&mut all).await;
+            let _ = theirs.write_all(&all.to_ascii_uppercase()).await;
+            let _ = theirs.write_all(b" bye").await;
+        });
+        Ok(Tunnel {
+            stream: Box::new(mine),
+            closer: Arc::new(|| {}),
         })
     }
 }
@@ -68,14 +280,16 @@ async fn only_members_of_the_cluster_reach_a_node_and_only_at_its_epoch() {
         }
     }
 
+    let vms = Arc::new(FakeVms::default());
     let state = Arc::new(TestNode {
         epoch: AtomicI64::new(7),
         asked: AtomicUsize::new(0),
+        vms: vms.clone(),
     });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap().to_string();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(api::serve(
+    let server = tokio::spawn(sandpit_node::serve(
         listener,
         server_config(&node).unwrap(),
         state.clone(),
@@ -173,4 +387,154 @@ async fn only_members_of_the_cluster_reach_a_node_and_only_at_its_epoch() {
 
     stop.send(()).unwrap();
     server.await.unwrap().unwrap();
+}
+
+/// Every `Machines` call crosses the link with its answer, its bytes and
+/// its failure's kind intact.
+#[tokio::test]
+async fn a_nodes_vms_answer_through_the_link_as_they_would_at_home() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = dir.path().join("cluster");
+    init_ca(&ca).unwrap();
+    let node = issue(&ca, "n1", &["127.0.0.1".into()]).unwrap();
+    let replica = issue(&ca, "replica-a", &[]).unwrap();
+    let vms = Arc::new(FakeVms::default());
+    let state = Arc::new(TestNode {
+        epoch: AtomicI64::new(3),
+        asked: AtomicUsize::new(0),
+        vms: vms.clone(),
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    tokio::spawn(sandpit_node::serve(
+        listener,
+        server_config(&node).unwrap(),
+        state,
+        std::future::pending(),
+    ));
+    let client = NodeClient::new(client_config(&replica).unwrap());
+    let remote: Arc<dyn Machines> = Arc::new(client.node(&address, 3));
+
+    assert_eq!(
+        remote.take_warm("small").await.unwrap().as_deref(),
+        Some("vm1")
+    );
+    assert_eq!(remote.take_warm("large").await.unwrap(), None);
+    remote.return_warm("vm1", "small").await.unwrap();
+    let at = OffsetDateTime::from_unix_timestamp(1_900_000_000).unwrap();
+    remote.start("vm1", "small", at).await.unwrap();
+    assert_eq!(*vms.expiry.lock().unwrap(), Some(at));
+    // A VM that died is a VM that died here too, not "retry".
+    match remote.start("vm2", "small", at).await {
+        Err(RuntimeError::VmExited { cause }) => assert_eq!(cause, "killed by signal 9"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(remote.state("vm1").await.unwrap(), Some(VmState::Running));
+    assert_eq!(remote.state("gone").await.unwrap(), None);
+    assert_eq!(remote.destroy("vm1").await.unwrap(), Some(4096));
+
+    // A command: raw bytes both ways, its exit, and a cancel that reaches it.
+    let mut cmd = remote.exec("vm1", exec_request("echo")).await.unwrap();
+    let mut events = Vec::new();
+    loop {
+        let e = cmd.next().await.unwrap();
+        let last = matches!(e, ExecEvent::Exited(_));
+        events.push(e);
+        if last {
+            break;
+        }
+    }
+    assert!(matches!(&events[0], ExecEvent::Stdout(b) if b == &[0, 159, 146, 150, b'\n']));
+    assert!(matches!(&events[2], ExecEvent::Exited(r) if r.exit_code == Some(3)));
+    let mut cmd = remote.exec("vm1", exec_request("sleep")).await.unwrap();
+    cmd.next().await.unwrap();
+    cmd.next().await.unwrap();
+    cmd.cancel();
+    assert!(matches!(cmd.next().await.unwrap(), ExecEvent::Exited(r) if r.cancelled));
+    assert_eq!(vms.cancelled.load(Ordering::SeqCst), 1);
+
+    // Files: a binary one in pieces, a listing, a delete; a missing file
+    // is the agent's not-found.
+    let content: Vec<u8> = (0..5000u32).map(|i| (i % 251) as u8).collect();
+    let mut up = remote.upload("vm1", "blob", 5000).await.unwrap();
+    for piece in content.chunks(700) {
+        up.send(piece).await.unwrap();
+    }
+    assert_eq!(
+        up.finish().await.unwrap(),
+        ("/workspace/blob".to_string(), 5000)
+    );
+    let (path, back) = remote
+        .read_file("vm1", "/workspace/blob", 1 << 20)
+        .await
+        .unwrap();
+    assert_eq!((path.as_str(), back.len()), ("/workspace/blob", 5000));
+    assert_eq!(back, content);
+    let mut down = remote
+        .download("vm1", "/workspace/blob", 1 << 20)
+        .await
+        .unwrap();
+    assert_eq!(down.size(), 5000);
+    let mut pieces = 0;
+    while down.next_chunk().await.unwrap().is_some() {
+        pieces += 1;
+    }
+    assert_eq!(pieces, 5, "pieces as the guest sent them");
+    match remote.read_file("vm1", "/workspace/blob", 10).await {
+        Err(RuntimeError::Agent(a)) => assert_eq!(a.kind, ErrorKind::TooLarge),
+        other => panic!("{other:?}"),
+    }
+    let (path, n) = remote
+        .write_file("vm1", "small", b"hi".to_vec())
+        .await
+        .unwrap();
+    assert_eq!((path.as_str(), n), ("/workspace/small", 2));
+    let listing = remote
+        .list_files("vm1", "/workspace", true, 10)
+        .await
+        .unwrap();
+    assert!(listing.truncated);
+    assert_eq!(
+        remote
+            .delete_file("vm1", "/workspace/blob", false)
+            .await
+            .unwrap(),
+        "/workspace/blob"
+    );
+    match remote.download("vm1", "/workspace/blob", 100).await {
+        Err(RuntimeError::Agent(a)) => assert_eq!(a.kind, ErrorKind::NotFound),
+        Err(other) => panic!("{other:?}"),
+        Ok(_) => panic!("a deleted file was read"),
+    }
+
+    // A tunnel carries bytes both ways and each side's end.
+    let mut tunnel = remote.open_tunnel("vm1", 8000).await.unwrap();
+    tunnel.stream.write_all(b"hello").await.unwrap();
+    tunnel.stream.shutdown().await.unwrap();
+    let mut back = Vec::new();
+    tunnel.stream.read_to_end(&mut back).await.unwrap();
+    assert_eq!(back, b"HELLO bye");
+    match remote.open_tunnel("vm1", 9).await {
+        Err(RuntimeError::Agent(a)) => assert_eq!(a.kind, ErrorKind::ConnectionRefused),
+        Err(other) => panic!("{other:?}"),
+        Ok(_) => panic!("a tunnel to a closed port"),
+    }
+    // A tunnel cut from elsewhere ends for its reader.
+    let mut tunnel = remote.open_tunnel("vm1", 8000).await.unwrap();
+    (tunnel.closer)();
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(
+        std::time::Duration::from_secs(5),
+        tunnel.stream.read_to_end(&mut rest),
+    )
+    .await
+    .expect("a cut tunnel ends");
+    assert!(read.is_err() || rest.is_empty(), "{read:?} {rest:?}");
+
+    // A stale epoch is "retry" (the link's own refusal), not the VM's.
+    let stale: Arc<dyn Machines> = Arc::new(client.node(&address, 2));
+    match stale.state("vm1").await {
+        Err(RuntimeError::Disconnected(m)) => assert!(m.contains("epoch 3"), "{m}"),
+        other => panic!("{other:?}"),
+    }
 }

@@ -97,7 +97,7 @@ mod util;
 pub use accounts::{AccountRow, KeyRow, LedgerRow};
 pub use error::{Result, StoreError};
 pub use executions::{ExecutionResult, ExecutionRow, PortRow};
-pub use nodes::{ms_to_time, node_state, LostNode, NewNode, NodeRow};
+pub use nodes::{ms_to_time, node_state, Candidate, LostNode, NewNode, NodeRow};
 pub use sandboxes::{
     CreateOutcome, EventRow, ExtendOutcome, NewSandbox, SandboxPage, SandboxRow, UsageRow,
 };

@@ -13,6 +13,7 @@ use crate::util::{get_i64, get_str};
 use crate::{is_postgres, status, Engine, Store};
 use sqlx::any::AnyRow;
 use sqlx::Row;
+use std::collections::BTreeMap;
 use std::time::Duration;
 use time::OffsetDateTime;
 
@@ -33,6 +34,10 @@ pub struct NodeRow {
     pub lease_until_ms: i64,
     /// The last heartbeat before it was declared lost.
     pub lost_at_ms: Option<i64>,
+    /// Live sandboxes it takes at most (0: none).
+    pub max_sandboxes: u32,
+    /// Ready VMs in its warm pool per size, as of its last heartbeat.
+    pub warm: BTreeMap<String, u32>,
     /// The database's clock when this row was read.
     pub now_ms: i64,
 }
@@ -58,6 +63,16 @@ pub struct NewNode {
     pub address: String,
     pub vcpus: u32,
     pub memory_mb: u32,
+    /// Live sandboxes it takes at most (0: none).
+    pub max_sandboxes: u32,
+}
+
+/// A live node a sandbox may be placed on, with what it holds now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Candidate {
+    pub node: NodeRow,
+    /// Its live sandboxes.
+    pub live: u32,
 }
 
 /// A node declared lost, with the sandboxes that ended with it.
@@ -68,7 +83,7 @@ pub struct LostNode {
 }
 
 /// The database's clock in milliseconds since the Unix epoch, as SQL.
-fn now_ms_sql(engine: Engine) -> &'static str {
+pub(crate) fn now_ms_sql(engine: Engine) -> &'static str {
     match engine {
         // clock_timestamp(), not now(): now() is the transaction's start.
         Engine::Postgres => "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)",
@@ -97,6 +112,9 @@ fn node_from(row: &AnyRow) -> Result<NodeRow> {
         heartbeat_ms: get_i64(row, "heartbeat_ms")?,
         lease_until_ms: get_i64(row, "lease_until_ms")?,
         lost_at_ms: row.try_get::<Option<i64>, _>("lost_at_ms")?,
+        max_sandboxes: u32_of(row, "max_sandboxes")?,
+        warm: serde_json::from_str(&get_str(row, "warm")?)
+            .map_err(|e| StoreError::Corrupt(format!("nodes.warm: {e}")))?,
         now_ms: get_i64(row, "now_ms")?,
     })
 }
@@ -126,13 +144,13 @@ impl Store {
         let now = now_ms_sql(self.engine);
         let sql = format!(
             "INSERT INTO nodes (name, address, epoch, state, vcpus, memory_mb, started_at_ms, \
-                 heartbeat_ms, lease_until_ms, lost_at_ms) \
-             VALUES ($1, $2, 1, 'up', $3, $4, {now}, {now}, {now} + $5, NULL) \
+                 heartbeat_ms, lease_until_ms, lost_at_ms, max_sandboxes, warm) \
+             VALUES ($1, $2, 1, 'up', $3, $4, {now}, {now}, {now} + $5, NULL, $6, '{{}}') \
              ON CONFLICT (name) DO UPDATE SET address = excluded.address, \
                  epoch = nodes.epoch + 1, state = 'up', vcpus = excluded.vcpus, \
                  memory_mb = excluded.memory_mb, started_at_ms = excluded.started_at_ms, \
                  heartbeat_ms = excluded.heartbeat_ms, lease_until_ms = excluded.lease_until_ms, \
-                 lost_at_ms = NULL \
+                 lost_at_ms = NULL, max_sandboxes = excluded.max_sandboxes, warm = '{{}}' \
              RETURNING *, {now} AS now_ms"
         );
         let row = sqlx::query(sqlx::AssertSqlSafe(sql))
@@ -141,6 +159,7 @@ impl Store {
             .bind(i64::from(node.vcpus))
             .bind(i64::from(node.memory_mb))
             .bind(millis(lease))
+            .bind(i64::from(node.max_sandboxes))
             .fetch_one(&self.pool)
             .await?;
         node_from(&row)
@@ -149,17 +168,24 @@ impl Store {
     /// Renews a node's lease for `lease` from now, if it is still `up` at
     /// `epoch`. `false` means it has been fenced: declared lost, or started
     /// again elsewhere with a newer epoch. A lease that ran out but was not
-    /// yet declared lost is renewed.
-    pub async fn renew_lease(&self, name: &str, epoch: i64, lease: Duration) -> Result<bool> {
+    /// yet declared lost is renewed. `warm` is what its pool holds now.
+    pub async fn renew_lease(
+        &self,
+        name: &str,
+        epoch: i64,
+        lease: Duration,
+        warm: &BTreeMap<String, u32>,
+    ) -> Result<bool> {
         let now = now_ms_sql(self.engine);
         let sql = format!(
-            "UPDATE nodes SET heartbeat_ms = {now}, lease_until_ms = {now} + $3 \
+            "UPDATE nodes SET heartbeat_ms = {now}, lease_until_ms = {now} + $3, warm = $4 \
              WHERE name = $1 AND epoch = $2 AND state = 'up'"
         );
         let done = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(name)
             .bind(epoch)
             .bind(millis(lease))
+            .bind(serde_json::to_string(warm).expect("a map of counts"))
             .execute(&self.pool)
             .await?;
         Ok(done.rows_affected() == 1)
@@ -176,6 +202,32 @@ impl Store {
             .await?
             .iter()
             .map(node_from)
+            .collect()
+    }
+
+    /// The nodes a new sandbox may go to: up, within their lease, taking
+    /// sandboxes, with their live sandboxes counted. In no order: the
+    /// control plane ranks them (see `sandpit_core`'s placement), and the
+    /// create's transaction checks the chosen one again under its lock.
+    pub async fn placement_candidates(&self) -> Result<Vec<Candidate>> {
+        let sql = format!(
+            "SELECT nodes.*, {now} AS now_ms, \
+                 (SELECT COUNT(*) FROM sandboxes WHERE sandboxes.host = nodes.name \
+                    AND sandboxes.status IN ('provisioning', 'running', 'deleting')) AS live \
+             FROM nodes WHERE state = 'up' AND lease_until_ms > {now} AND max_sandboxes > 0 \
+             ORDER BY name",
+            now = now_ms_sql(self.engine)
+        );
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(|row| {
+                Ok(Candidate {
+                    node: node_from(row)?,
+                    live: u32_of(row, "live")?,
+                })
+            })
             .collect()
     }
 

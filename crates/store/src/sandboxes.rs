@@ -74,9 +74,12 @@ pub struct NewSandbox {
     pub disk_limit_bytes: Option<u64>,
     /// `(Idempotency-Key, hash of the request body)`, if the request had a key.
     pub idempotency: Option<(String, String)>,
-    /// On a shared database: the epoch `host` must be `up` at (see
-    /// [`Store::register_node`]), checked in the create's transaction, so a
-    /// node that was declared lost (whose sandboxes were settled) adds none.
+    /// On a shared database: the epoch `host` must be `up` at, within its
+    /// lease (see [`Store::register_node`]), and it must have room (its
+    /// `max_sandboxes`), checked in the create's transaction under the
+    /// node's row lock, so a node that was declared lost (whose sandboxes
+    /// were settled) adds none, and two creates never both take its last
+    /// place.
     pub host_epoch: Option<i64>,
 }
 
@@ -98,9 +101,11 @@ pub enum CreateOutcome {
     /// The account's live sandboxes' disks take `used` bytes, at or over
     /// its `limit`.
     OverDiskLimit { used: u64, limit: u64 },
-    /// `host` is not `up` at `host_epoch`: it was declared lost (or started
-    /// again elsewhere) and must join again before it runs sandboxes.
+    /// `host` is not `up` at `host_epoch` within its lease: it was declared
+    /// lost, started again elsewhere, or is silent now.
     HostUnavailable,
+    /// `host` already holds `limit` live sandboxes, its most.
+    HostFull { live: u32, limit: u32 },
 }
 
 /// What [`Store::extend_sandbox`] did.
@@ -348,24 +353,43 @@ impl Store {
         }
 
         if let Some(epoch) = new.host_epoch {
-            // Shared with other creates, exclusive of the sweep that would
-            // declare the node lost: that waits for this sandbox to exist,
-            // and then settles it with the others.
+            // Creates on one node take turns (they count its places), and
+            // the sweep that would declare it lost waits for this sandbox
+            // to exist, and then settles it with the others.
             let lock = if crate::is_postgres(&tx) {
-                " FOR SHARE"
+                " FOR NO KEY UPDATE"
             } else {
                 ""
             };
             let sql = format!(
-                "SELECT epoch FROM nodes WHERE name = $1 AND epoch = $2 AND state = 'up'{lock}"
+                "SELECT max_sandboxes FROM nodes WHERE name = $1 AND epoch = $2 AND state = 'up' \
+                   AND lease_until_ms > {}{lock}",
+                crate::nodes::now_ms_sql(if crate::is_postgres(&tx) {
+                    crate::Engine::Postgres
+                } else {
+                    crate::Engine::Sqlite
+                })
             );
-            let up: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+            let max: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
                 .bind(&new.host)
                 .bind(epoch)
                 .fetch_optional(&mut *tx)
                 .await?;
-            if up.is_none() {
+            let Some(max) = max else {
                 return Ok(CreateOutcome::HostUnavailable);
+            };
+            let live: i64 = sqlx::query_scalar(
+                "SELECT COUNT(*) FROM sandboxes WHERE host = $1 \
+                 AND status IN ('provisioning', 'running', 'deleting')",
+            )
+            .bind(&new.host)
+            .fetch_one(&mut *tx)
+            .await?;
+            if live >= max {
+                return Ok(CreateOutcome::HostFull {
+                    live: u32::try_from(live).unwrap_or(u32::MAX),
+                    limit: u32::try_from(max).unwrap_or(u32::MAX),
+                });
             }
         }
 

@@ -39,6 +39,7 @@ macro_rules! on_both_engines {
 
 on_both_engines!(
     nodes_hold_leases_on_the_database_clock_and_lost_ones_settle_once,
+    a_create_takes_a_place_on_a_live_node_with_room_in_its_transaction,
     accounts_have_unique_names,
     keys_store_a_hash_show_a_prefix_and_can_be_revoked,
     the_ledger_reserves_refunds_and_settles_once,
@@ -1420,6 +1421,7 @@ async fn nodes_hold_leases_on_the_database_clock_and_lost_ones_settle_once(store
         address: format!("{name}.internal:7443"),
         vcpus: 2,
         memory_mb: 4096,
+        max_sandboxes: 10,
     };
     let a = store
         .register_node(&node("a"), StdDuration::from_secs(60))
@@ -1432,11 +1434,21 @@ async fn nodes_hold_leases_on_the_database_clock_and_lost_ones_settle_once(store
         .await
         .unwrap();
     assert!(store
-        .renew_lease("a", a.epoch, StdDuration::from_secs(60))
+        .renew_lease(
+            "a",
+            a.epoch,
+            StdDuration::from_secs(60),
+            &Default::default()
+        )
         .await
         .unwrap());
     assert!(!store
-        .renew_lease("a", a.epoch + 1, StdDuration::from_secs(60))
+        .renew_lease(
+            "a",
+            a.epoch + 1,
+            StdDuration::from_secs(60),
+            &Default::default()
+        )
         .await
         .unwrap());
     let db_now = store.now_ms().await.unwrap();
@@ -1509,7 +1521,12 @@ async fn nodes_hold_leases_on_the_database_clock_and_lost_ones_settle_once(store
 
     // Fenced: b's old epoch renews nothing; b starting again is up anew.
     assert!(!store
-        .renew_lease("b", b.epoch, StdDuration::from_secs(60))
+        .renew_lease(
+            "b",
+            b.epoch,
+            StdDuration::from_secs(60),
+            &Default::default()
+        )
         .await
         .unwrap());
     let again = store
@@ -1534,4 +1551,102 @@ async fn nodes_hold_leases_on_the_database_clock_and_lost_ones_settle_once(store
         .map(|n| (n.name.clone(), n.is_live()))
         .collect();
     assert_eq!(names, [("a".to_string(), true), ("b".to_string(), true)]);
+}
+
+async fn a_create_takes_a_place_on_a_live_node_with_room_in_its_transaction(store: Store) {
+    use sandpit_store::NewNode;
+    use std::collections::BTreeMap;
+    use std::time::Duration as StdDuration;
+    let node = |name: &str, max_sandboxes: u32| NewNode {
+        name: name.into(),
+        address: format!("{name}.internal:7443"),
+        vcpus: 2,
+        memory_mb: 4096,
+        max_sandboxes,
+    };
+    let lease = StdDuration::from_secs(60);
+    let a = store.register_node(&node("a", 2), lease).await.unwrap();
+    let b = store.register_node(&node("b", 5), lease).await.unwrap();
+    // A member without VMs (a replica) is never a place for a sandbox.
+    store.register_node(&node("api", 0), lease).await.unwrap();
+    let warm = BTreeMap::from([("small".to_string(), 3u32)]);
+    assert!(store.renew_lease("b", b.epoch, lease, &warm).await.unwrap());
+    let acct = store.create_account("alice", 100).await.unwrap();
+    store.add_credit(&acct.id, 1_000_000, None).await.unwrap();
+    let on = |host: &str, epoch: i64| {
+        let mut n = sandbox(&acct.id, OffsetDateTime::now_utc(), 60, 1_000);
+        n.host = host.into();
+        n.host_epoch = Some(epoch);
+        n
+    };
+
+    let candidates = store.placement_candidates().await.unwrap();
+    let seen: Vec<_> = candidates
+        .iter()
+        .map(|c| (c.node.name.as_str(), c.live, c.node.max_sandboxes))
+        .collect();
+    assert_eq!(seen, [("a", 0, 2), ("b", 0, 5)]);
+    assert_eq!(candidates[1].node.warm, warm, "the pool as b last told it");
+
+    // Eight creates race for a's two places: exactly two get them, the
+    // others are told it is full, and nothing is reserved for them.
+    let races: Vec<_> = (0..8)
+        .map(|_| {
+            let store = store.clone();
+            let n = on("a", a.epoch);
+            tokio::spawn(async move { store.create_sandbox(n).await.unwrap() })
+        })
+        .collect();
+    let mut outcomes = Vec::new();
+    for r in races {
+        outcomes.push(r.await.unwrap());
+    }
+    let placed = outcomes
+        .iter()
+        .filter(|o| matches!(o, CreateOutcome::Created(_)))
+        .count();
+    assert_eq!(placed, 2, "{outcomes:?}");
+    assert!(outcomes.iter().all(|o| matches!(
+        o,
+        CreateOutcome::Created(_) | CreateOutcome::HostFull { live: 2, limit: 2 }
+    )));
+    let live: Vec<_> = store
+        .placement_candidates()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|c| (c.node.name, c.live))
+        .collect();
+    assert_eq!(live, [("a".to_string(), 2), ("b".to_string(), 0)]);
+    assert_eq!(
+        store.balance(&acct.id).await.unwrap(),
+        1_000_000 - 2 * 1_000
+    );
+    assert_never_negative(&store, &acct.id).await;
+
+    // A node at another epoch, or silent past its lease, takes nothing.
+    assert_eq!(
+        store.create_sandbox(on("b", b.epoch + 1)).await.unwrap(),
+        CreateOutcome::HostUnavailable
+    );
+    assert!(store
+        .renew_lease("b", b.epoch, StdDuration::ZERO, &warm)
+        .await
+        .unwrap());
+    tokio::time::sleep(StdDuration::from_millis(20)).await;
+    assert_eq!(
+        store.create_sandbox(on("b", b.epoch)).await.unwrap(),
+        CreateOutcome::HostUnavailable
+    );
+    let names: Vec<_> = store
+        .placement_candidates()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|c| c.node.name)
+        .collect();
+    assert_eq!(names, ["a"], "b is silent: no place for a sandbox");
+    // Renewed, it takes sandboxes again.
+    assert!(store.renew_lease("b", b.epoch, lease, &warm).await.unwrap());
+    created(store.create_sandbox(on("b", b.epoch)).await.unwrap());
 }

@@ -1,0 +1,143 @@
+//! One way to the VMs: the service reaches every sandbox's VM through
+//! [`Machines`], whether it runs on this host ([`crate::backend::LocalVms`],
+//! the embedded default) or on another node of a cluster (the node API over
+//! mutual TLS, `sandpit-node`, which serves a node's `LocalVms` through this
+//! same trait and implements it for the calling side).
+//!
+//! The trait speaks the runtime's words (ids, sizes, [`RuntimeError`]): it
+//! knows no account, no money, no row. What a failure means for the API (a
+//! VM found dead fails its sandbox, a node out of reach says retry) is
+//! decided once, in the service, for both kinds of machine.
+
+use async_trait::async_trait;
+use sandpit_protocol::{ExecRequest, FileEntry};
+use sandpit_runtime::{ExecEvent, RuntimeError, VmState};
+use std::sync::Arc;
+use time::OffsetDateTime;
+use tokio::io::{AsyncRead, AsyncWrite};
+
+/// What a call to a VM gives back.
+pub type VmResult<T> = std::result::Result<T, RuntimeError>;
+
+/// The VMs of one node.
+#[async_trait]
+pub trait Machines: Send + Sync {
+    /// Takes a ready VM of `size` from the warm pool; its id becomes the new
+    /// sandbox's. `None` when the pool has none.
+    async fn take_warm(&self, size: &str) -> VmResult<Option<String>>;
+
+    /// Puts back a VM taken with [`Machines::take_warm`] whose sandbox was
+    /// not created; nothing ever ran in it.
+    async fn return_warm(&self, id: &str, size: &str) -> VmResult<()>;
+
+    /// Starts the VM of a new sandbox `id` (the pool VM taken for it, or
+    /// one restored or booted now) whose watchdog ends it at `expires_at`.
+    /// Starting a VM that already runs is not an error: a create retried
+    /// after its first caller was lost finds the VM it started.
+    async fn start(&self, id: &str, size: &str, expires_at: OffsetDateTime) -> VmResult<()>;
+
+    /// Kills the VM and removes its files (one already gone is fine).
+    /// Returns what its disk held just before, when it could be measured.
+    async fn destroy(&self, id: &str) -> VmResult<Option<u64>>;
+
+    /// Moves the VM's watchdog to `at` (see `sandpit_runtime::expiry`).
+    async fn set_expiry(&self, id: &str, at: OffsetDateTime) -> VmResult<()>;
+
+    /// Whether the VM runs, or why not (`None`: no such VM there).
+    async fn state(&self, id: &str) -> VmResult<Option<VmState>>;
+
+    /// Starts a command in the guest.
+    async fn exec(&self, id: &str, request: ExecRequest) -> VmResult<Box<dyn Command>>;
+
+    /// Writes a file of `size` bytes, sent in pieces.
+    async fn upload(&self, id: &str, path: &str, size: u64) -> VmResult<Box<dyn Upload>>;
+
+    /// Reads a file of at most `max_bytes`, in pieces.
+    async fn download(&self, id: &str, path: &str, max_bytes: u64) -> VmResult<Box<dyn Download>>;
+
+    /// Writes a whole file at once; returns its resolved path and size.
+    async fn write_file(&self, id: &str, path: &str, bytes: Vec<u8>) -> VmResult<(String, u64)> {
+        let mut upload = self.upload(id, path, bytes.len() as u64).await?;
+        upload.send(&bytes).await?;
+        upload.finish().await
+    }
+
+    /// Reads a whole file of at most `max_bytes`; returns its resolved
+    /// path and content.
+    async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> VmResult<(String, Vec<u8>)> {
+        let mut download = self.download(id, path, max_bytes).await?;
+        let mut bytes = Vec::with_capacity(download.size().min(max_bytes) as usize);
+        while let Some(piece) = download.next_chunk().await? {
+            bytes.extend_from_slice(&piece);
+        }
+        Ok((download.path().to_string(), bytes))
+    }
+
+    /// Lists a directory (`recursive`: its whole tree, up to `max_entries`).
+    async fn list_files(
+        &self,
+        id: &str,
+        path: &str,
+        recursive: bool,
+        max_entries: u64,
+    ) -> VmResult<Listing>;
+
+    /// Deletes a file or (`recursive`) a tree; returns the resolved path.
+    async fn delete_file(&self, id: &str, path: &str, recursive: bool) -> VmResult<String>;
+
+    /// Opens a TCP connection to `port` in the guest.
+    async fn open_tunnel(&self, id: &str, port: u16) -> VmResult<Tunnel>;
+}
+
+/// A directory listing: its resolved path, entries, and whether it was cut
+/// at the entry limit.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Listing {
+    pub path: String,
+    pub entries: Vec<FileEntry>,
+    pub truncated: bool,
+}
+
+/// A command running in a guest.
+#[async_trait]
+pub trait Command: Send {
+    /// The next event; `Exited` (or an error) is the last.
+    async fn next(&mut self) -> VmResult<ExecEvent>;
+    /// Kills the command; its end follows, cancelled.
+    fn cancel(&self);
+}
+
+/// A file being written; dropped before [`Upload::finish`], the guest
+/// discards what it had.
+#[async_trait]
+pub trait Upload: Send {
+    async fn send(&mut self, data: &[u8]) -> VmResult<()>;
+    /// Returns the resolved path and the bytes written.
+    async fn finish(self: Box<Self>) -> VmResult<(String, u64)>;
+}
+
+/// A file being read.
+#[async_trait]
+pub trait Download: Send {
+    /// Its resolved path.
+    fn path(&self) -> &str;
+    /// Its size, as the guest found it when the read started.
+    fn size(&self) -> u64;
+    /// The next piece; `None` after the last.
+    async fn next_chunk(&mut self) -> VmResult<Option<Vec<u8>>>;
+}
+
+/// A byte stream both ways.
+pub trait Duplex: AsyncRead + AsyncWrite + Send + Unpin {}
+
+impl<T: AsyncRead + AsyncWrite + Send + Unpin> Duplex for T {}
+
+/// Cuts a tunnel from elsewhere (its port was closed, its sandbox ended):
+/// its reads and writes fail, the guest drops the connection.
+pub type Closer = Arc<dyn Fn() + Send + Sync>;
+
+/// A TCP connection to a port in a guest.
+pub struct Tunnel {
+    pub stream: Box<dyn Duplex>,
+    pub closer: Closer,
+}

@@ -1,0 +1,520 @@
+//! The node's internal API: HTTP/2 over mutual TLS (see [`crate::tls`]),
+//! served by a node to the other members of its cluster. It is the core's
+//! [`Machines`] trait over the network, one route per method, so a member
+//! reaches another node's VMs exactly as its own.
+//!
+//! Every call names the epoch of the node it means (`x-sandpit-node-epoch`,
+//! as the database shows it): a node answers only calls for the epoch it
+//! holds now, so a call routed by a member that read the database before
+//! the node restarted, or a node that was fenced (declared lost while it
+//! was stopped or cut off) and has not joined again, changes nothing.
+//!
+//! Arguments travel as JSON: the whole body, or its first line when bytes
+//! follow (a command's cancel, a file's content). A runtime failure is
+//! HTTP 422 with the error's kind ([`wire::WireError`]); the node's own
+//! refusals (epoch, route) carry `{"error": {"type", "message"}}`.
+
+use crate::wire::{self, DownloadMeta};
+use bytes::{Bytes, BytesMut};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::body::{Frame, Incoming};
+use hyper::{Request, Response, StatusCode};
+use sandpit_core::machines::Machines;
+use sandpit_protocol::ExecRequest;
+use sandpit_runtime::{ExecEvent, RuntimeError};
+use serde::{Deserialize, Serialize};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+use time::OffsetDateTime;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio_rustls::rustls;
+
+/// The header that names the epoch a call is meant for.
+pub const EPOCH_HEADER: &str = "x-sandpit-node-epoch";
+
+/// How long a TLS handshake may take.
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The longest JSON head a call may start with (a command line is up to
+/// the API's own limit, well under this).
+const MAX_HEAD: usize = 4 << 20;
+
+/// What a node says about itself.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Health {
+    pub name: String,
+    pub epoch: i64,
+}
+
+/// What the API needs of the node that serves it.
+pub trait NodeState: Send + Sync + 'static {
+    /// The node's name.
+    fn name(&self) -> &str;
+    /// The epoch it holds now; `None` while it is fenced (it lost its lease
+    /// and has not joined again).
+    fn epoch(&self) -> Option<i64>;
+    /// Its VMs.
+    fn machines(&self) -> Arc<dyn Machines>;
+}
+
+pub(crate) type Body = BoxBody<Bytes, std::convert::Infallible>;
+
+/// A body fed by a channel: a streamed answer, or a request body the caller
+/// keeps writing to.
+pub struct ChannelBody(pub(crate) mpsc::Receiver<Bytes>);
+
+impl hyper::body::Body for ChannelBody {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        self.0.poll_recv(cx).map(|b| b.map(|b| Ok(Frame::data(b))))
+    }
+}
+
+pub(crate) fn full(b: Bytes) -> Body {
+    Full::new(b).map_err(|never| match never {}).boxed()
+}
+
+/// The error body of the node's own refusals.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct ErrorBody {
+    pub(crate) error: ErrorDetail,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct ErrorDetail {
+    pub(crate) r#type: String,
+    pub(crate) message: String,
+}
+
+fn json<T: Serialize>(status: StatusCode, body: &T) -> Response<Body> {
+    let mut r = Response::new(full(Bytes::from(
+        serde_json::to_vec(body).expect("serialisable"),
+    )));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+fn refusal(status: StatusCode, kind: &str, message: String) -> Response<Body> {
+    json(
+        status,
+        &ErrorBody {
+            error: ErrorDetail {
+                r#type: kind.into(),
+                message,
+            },
+        },
+    )
+}
+
+fn bad_request(message: String) -> Response<Body> {
+    refusal(StatusCode::BAD_REQUEST, "invalid_request", message)
+}
+
+/// A runtime failure, with its kind.
+fn failed(e: &RuntimeError) -> Response<Body> {
+    json(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        &wire::Failure { runtime: e.into() },
+    )
+}
+
+/// The answer of a call that gives back `T`.
+fn answer<T: Serialize>(outcome: Result<T, RuntimeError>) -> Response<Body> {
+    match outcome {
+        Ok(v) => json(StatusCode::OK, &v),
+        Err(e) => failed(&e),
+    }
+}
+
+/// A time from Unix milliseconds.
+fn time_of(ms: i64) -> OffsetDateTime {
+    OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
+        .unwrap_or(OffsetDateTime::UNIX_EPOCH)
+}
+
+/// One request, after TLS has admitted its sender.
+async fn handle(state: Arc<dyn NodeState>, req: Request<Incoming>) -> Response<Body> {
+    let Some(epoch) = state.epoch() else {
+        return refusal(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "fenced",
+            format!(
+                "node {} lost its lease and is joining again; nothing it held is served",
+                state.name()
+            ),
+        );
+    };
+    let asked = req
+        .headers()
+        .get(EPOCH_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<i64>().ok());
+    if asked != Some(epoch) {
+        return refusal(
+            StatusCode::CONFLICT,
+            "stale_epoch",
+            format!(
+                "node {} is at epoch {epoch}, this call is for {}: read the node again",
+                state.name(),
+                asked.map_or_else(|| "none".to_string(), |e| e.to_string())
+            ),
+        );
+    }
+    let path = req.uri().path().to_string();
+    let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    let method = req.method().clone();
+    let vms = state.machines();
+    let mut body = Head::new(req.into_body());
+    match (&method, segments.as_slice()) {
+        (&hyper::Method::GET, ["node", "v1", "health"]) => json(
+            StatusCode::OK,
+            &Health {
+                name: state.name().to_string(),
+                epoch,
+            },
+        ),
+        (&hyper::Method::POST, ["node", "v1", "warm", size, "take"]) => {
+            answer(vms.take_warm(size).await.map(|id| wire::Warm { id }))
+        }
+        (&hyper::Method::POST, ["node", "v1", "warm", size, "return", id]) => {
+            answer(vms.return_warm(id, size).await)
+        }
+        (&hyper::Method::POST, ["node", "v1", "sandboxes", id, op]) => {
+            let id = id.to_string();
+            match *op {
+                "start" => match body.json::<wire::StartArgs>().await {
+                    Ok(a) => answer(vms.start(&id, &a.size, time_of(a.expires_at_ms)).await),
+                    Err(r) => r,
+                },
+                "destroy" => answer(
+                    vms.destroy(&id)
+                        .await
+                        .map(|disk_used_bytes| wire::Destroyed { disk_used_bytes }),
+                ),
+                "expiry" => match body.json::<wire::ExpiryArgs>().await {
+                    Ok(a) => answer(vms.set_expiry(&id, time_of(a.at_ms)).await),
+                    Err(r) => r,
+                },
+                "state" => answer(vms.state(&id).await.map(|vm| wire::State { vm })),
+                "exec" => exec(vms, id, body).await,
+                "upload" => upload(vms, id, body).await,
+                "download" => match body.json::<wire::FileArgs>().await {
+                    Ok(a) => download(vms, id, a).await,
+                    Err(r) => r,
+                },
+                "list" => match body.json::<wire::FileArgs>().await {
+                    Ok(a) => answer(
+                        vms.list_files(&id, &a.path, a.recursive, a.max_entries)
+                            .await,
+                    ),
+                    Err(r) => r,
+                },
+                "delete" => match body.json::<wire::FileArgs>().await {
+                    Ok(a) => answer(
+                        vms.delete_file(&id, &a.path, a.recursive)
+                            .await
+                            .map(|path| wire::Written { path, bytes: 0 }),
+                    ),
+                    Err(r) => r,
+                },
+                _ => not_found(&method, &path),
+            }
+        }
+        (&hyper::Method::POST, ["node", "v1", "sandboxes", id, "tunnel", port]) => {
+            match port.parse::<u16>() {
+                Ok(port) => tunnel(vms, id.to_string(), port, body).await,
+                Err(_) => bad_request(format!("port {port:?}")),
+            }
+        }
+        _ => not_found(&method, &path),
+    }
+}
+
+fn not_found(method: &hyper::Method, path: &str) -> Response<Body> {
+    refusal(
+        StatusCode::NOT_FOUND,
+        "not_found",
+        format!("no route {method} {path}"),
+    )
+}
+
+/// A request body read as a JSON head (its first line) and the bytes that
+/// follow it.
+pub(crate) struct Head {
+    body: Incoming,
+    /// Read past the head, not yet handed out.
+    buf: BytesMut,
+    ended: bool,
+}
+
+impl Head {
+    fn new(body: Incoming) -> Head {
+        Head {
+            body,
+            buf: BytesMut::new(),
+            ended: false,
+        }
+    }
+
+    /// The JSON head: the first line, or the whole body if it has no
+    /// newline.
+    async fn json<T: serde::de::DeserializeOwned>(&mut self) -> Result<T, Response<Body>> {
+        let line = loop {
+            if let Some(i) = self.buf.iter().position(|&b| b == b'\n') {
+                break self.buf.split_to(i + 1);
+            }
+            if self.buf.len() > MAX_HEAD {
+                return Err(bad_request("the call's arguments are too long".into()));
+            }
+            match self.more().await {
+                Some(()) => {}
+                None if !self.buf.is_empty() => break self.buf.split(),
+                None => return Err(bad_request("the body ended before the arguments".into())),
+            }
+        };
+        serde_json::from_slice(&line).map_err(|e| bad_request(format!("the arguments: {e}")))
+    }
+
+    /// Reads one more frame into the buffer; `None` at the body's end.
+    async fn more(&mut self) -> Option<()> {
+        if self.ended {
+            return None;
+        }
+        loop {
+            match self.body.frame().await {
+                Some(Ok(f)) => {
+                    if let Ok(d) = f.into_data() {
+                        self.buf.extend_from_slice(&d);
+                        return Some(());
+                    }
+                }
+                _ => {
+                    self.ended = true;
+                    return None;
+                }
+            }
+        }
+    }
+
+    /// The next bytes after the head; `None` at the body's end.
+    async fn next(&mut self) -> Option<Bytes> {
+        if self.buf.is_empty() {
+            self.more().await?;
+        }
+        Some(self.buf.split().freeze())
+    }
+}
+
+fn streamed(rx: mpsc::Receiver<Bytes>, content_type: &'static str) -> Response<Body> {
+    let mut r = Response::new(ChannelBody(rx).boxed());
+    r.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static(content_type),
+    );
+    r
+}
+
+/// A command: its events stream back as frames; `cancel\n` on the request
+/// body kills it, and so does the caller going away.
+async fn exec(vms: Arc<dyn Machines>, id: String, mut body: Head) -> Response<Body> {
+    let request: ExecRequest = match body.json().await {
+        Ok(r) => r,
+        Err(r) => return r,
+    };
+    let mut command = match vms.exec(&id, request).await {
+        Ok(c) => c,
+        Err(e) => return failed(&e),
+    };
+    let (tx, rx) = mpsc::channel::<Bytes>(16);
+    tokio::spawn(async move {
+        let mut upstream_open = true;
+        let mut pending = BytesMut::new();
+        loop {
+            let event = tokio::select! {
+                ev = command.next() => ev,
+                more = body.next(), if upstream_open => {
+                    match more {
+                        Some(b) => {
+                            pending.extend_from_slice(&b);
+                            if pending.windows(7).any(|w| w == b"cancel\n") {
+                                command.cancel();
+                                pending.clear();
+                            }
+                        }
+                        // The caller finished writing (or went: then the
+                        // answer's sends below fail too).
+                        None => upstream_open = false,
+                    }
+                    continue;
+                }
+            };
+            let last = !matches!(event, Ok(ExecEvent::Stdout(_)) | Ok(ExecEvent::Stderr(_)));
+            if tx.send(wire::encode(&event)).await.is_err() {
+                // The caller went: dropping the command kills it.
+                return;
+            }
+            if last {
+                return;
+            }
+        }
+    });
+    streamed(rx, "application/x-sandpit-exec")
+}
+
+/// A file written from the bytes after the head; the answer comes once
+/// the guest has it all.
+async fn upload(vms: Arc<dyn Machines>, id: String, mut body: Head) -> Response<Body> {
+    let args: wire::FileArgs = match body.json().await {
+        Ok(a) => a,
+        Err(r) => return r,
+    };
+    let mut upload = match vms.upload(&id, &args.path, args.size).await {
+        Ok(u) => u,
+        Err(e) => return failed(&e),
+    };
+    let mut got = 0u64;
+    while let Some(piece) = body.next().await {
+        got += piece.len() as u64;
+        if got > args.size {
+            return bad_request(format!("more than the {} bytes announced", args.size));
+        }
+        if let Err(e) = upload.send(&piece).await {
+            return failed(&e);
+        }
+    }
+    if got != args.size {
+        // The caller went mid-way: dropping the upload discards it.
+        return bad_request(format!("{got} bytes of the {} announced", args.size));
+    }
+    answer(
+        upload
+            .finish()
+            .await
+            .map(|(path, bytes)| wire::Written { path, bytes }),
+    )
+}
+
+/// A file read: its head, then its pieces, as frames.
+async fn download(vms: Arc<dyn Machines>, id: String, args: wire::FileArgs) -> Response<Body> {
+    let mut download = match vms.download(&id, &args.path, args.max_bytes).await {
+        Ok(d) => d,
+        Err(e) => return failed(&e),
+    };
+    let (tx, rx) = mpsc::channel::<Bytes>(4);
+    let meta = wire::encode_meta(&DownloadMeta {
+        path: download.path().to_string(),
+        size: download.size(),
+    });
+    tokio::spawn(async move {
+        if tx.send(meta).await.is_err() {
+            return;
+        }
+        loop {
+            let (frame, last) = match download.next_chunk().await {
+                Ok(Some(piece)) => (wire::encode(&Ok(ExecEvent::Stdout(piece))), false),
+                Ok(None) => return,
+                Err(e) => (wire::encode(&Err(e)), true),
+            };
+            if tx.send(frame).await.is_err() || last {
+                return;
+            }
+        }
+    });
+    streamed(rx, "application/x-sandpit-download")
+}
+
+/// A TCP connection to a port in the guest: the request body carries the
+/// caller's bytes, the answer's body the guest's; the end of either is the
+/// end of that direction.
+async fn tunnel(vms: Arc<dyn Machines>, id: String, port: u16, mut body: Head) -> Response<Body> {
+    let tunnel = match vms.open_tunnel(&id, port).await {
+        Ok(t) => t,
+        Err(e) => return failed(&e),
+    };
+    let (mut reader, mut writer) = tokio::io::split(tunnel.stream);
+    let (tx, rx) = mpsc::channel::<Bytes>(4);
+    let closer = tunnel.closer;
+    let inbound = tokio::spawn(async move {
+        while let Some(piece) = body.next().await {
+            if writer.write_all(&piece).await.is_err() {
+                return;
+            }
+        }
+        let _ = writer.shutdown().await;
+    });
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            match reader.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    if tx.send(Bytes::copy_from_slice(&buf[..n])).await.is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+        // Either side gone: the guest's connection goes too.
+        inbound.abort();
+        closer();
+    });
+    streamed(rx, "application/octet-stream")
+}
+
+/// Serves the API on `listener` until `shutdown` completes. A peer that
+/// shows no certificate of the cluster CA fails the TLS handshake and is
+/// never read from.
+pub async fn serve(
+    listener: TcpListener,
+    tls: Arc<rustls::ServerConfig>,
+    state: Arc<dyn NodeState>,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let acceptor = tokio_rustls::TlsAcceptor::from(tls);
+    tokio::pin!(shutdown);
+    loop {
+        let (tcp, peer) = tokio::select! {
+            _ = &mut shutdown => return Ok(()),
+            accepted = listener.accept() => accepted?,
+        };
+        let acceptor = acceptor.clone();
+        let state = state.clone();
+        tokio::spawn(async move {
+            let _ = tcp.set_nodelay(true);
+            let tls = match tokio::time::timeout(CONNECT_TIMEOUT, acceptor.accept(tcp)).await {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => {
+                    tracing::warn!(%peer, "refused a connection to the node API: {e}");
+                    return;
+                }
+                Err(_) => return,
+            };
+            let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+                let state = state.clone();
+                async move { Ok::<_, std::convert::Infallible>(handle(state, req).await) }
+            });
+            let io = hyper_util::rt::TokioIo::new(tls);
+            let conn =
+                hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                    .serve_connection(io, service);
+            if let Err(e) = conn.await {
+                tracing::debug!(%peer, "node API connection: {e}");
+            }
+        });
+    }
+}
