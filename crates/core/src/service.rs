@@ -451,12 +451,10 @@ impl Service {
     /// are failed. Like all of it, that last assumes this process is the
     /// only service on its data directory.
     pub async fn reconcile(&self) -> Result<()> {
-        let Some(vms) = self.vms.clone() else {
-            return Ok(());
-        };
         let now = OffsetDateTime::now_utc();
         // A server killed mid-command never finished its record; its guest
-        // cancelled the command when the connection closed.
+        // (or the node it reached) cancelled the command when the
+        // connection closed.
         let lost = self
             .store
             .fail_all_running_executions(&self.config.host_name, now)
@@ -464,6 +462,9 @@ impl Service {
         if lost > 0 {
             tracing::info!("{lost} commands were cut by the previous server's end: failed");
         }
+        let Some(vms) = self.vms.clone() else {
+            return Ok(());
+        };
         let live = self.store.live_sandboxes(&self.config.host_name).await?;
         let mut keep = Vec::new();
         for row in &live {
@@ -631,7 +632,11 @@ impl Service {
         // runs: the store's write is then off a short command's round trip.
         // A record that cannot be written stops the command (it is killed
         // with its process group) and the call fails.
-        if let Err(e) = self.store.insert_execution(&record).await {
+        if let Err(e) = self
+            .store
+            .insert_execution_by(&record, Some(&self.config.host_name))
+            .await
+        {
             handle.cancel();
             return Err(e.into());
         }

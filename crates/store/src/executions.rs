@@ -159,13 +159,24 @@ impl Store {
     /// duplicate id is [`StoreError::Conflict`]; an unknown sandbox
     /// [`StoreError::NotFound`].
     pub async fn insert_execution(&self, row: &ExecutionRow) -> Result<()> {
+        self.insert_execution_by(row, None).await
+    }
+
+    /// [`Store::insert_execution`], recorded as run by the cluster member
+    /// `runner` (see [`Store::fail_all_running_executions`]).
+    pub async fn insert_execution_by(
+        &self,
+        row: &ExecutionRow,
+        runner: Option<&str>,
+    ) -> Result<()> {
         check_exec_status(&row.status)?;
         let size = stored_bytes(&row.command, &row.stdout, &row.stderr);
         let mut tx = self.write_tx().await?;
         let query = sqlx::query(
             "INSERT INTO executions (id, sandbox_id, account_id, command, status, exit_code, \
-                 stdout, stderr, truncated, duration_ms, started_at, finished_at, stored_bytes) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
+                 stdout, stderr, truncated, duration_ms, started_at, finished_at, stored_bytes, \
+                 runner) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
         )
         .bind(&row.id)
         .bind(&row.sandbox_id)
@@ -180,6 +191,7 @@ impl Store {
             .bind(format_ts(row.started_at))
             .bind(row.finished_at.map(format_ts))
             .bind(size)
+            .bind(runner)
             .execute(&mut *tx)
             .await;
         match res {
@@ -374,24 +386,19 @@ impl Store {
         .rows_affected())
     }
 
-    /// Marks every execution still `running` in a sandbox of `host` as
-    /// `failed`: for that host's start, when the process that ran them is
-    /// gone (and a guest agent cancels the commands of a host connection
-    /// that closed). Other hosts' commands run on. Returns how many.
+    /// Marks every execution still `running` that member `host` recorded
+    /// (or, recorded without a runner, in a sandbox of `host`) as `failed`:
+    /// for that member's start, or when it is declared lost, since the
+    /// process that ran them is gone (and a guest agent, or a node, cancels
+    /// the commands of a connection that closed). Other members' commands
+    /// run on. Returns how many.
     pub async fn fail_all_running_executions(
         &self,
         host: &str,
         finished_at: OffsetDateTime,
     ) -> Result<u64> {
-        Ok(sqlx::query(
-            "UPDATE executions SET status = 'failed', finished_at = $1 WHERE status = 'running' \
-               AND sandbox_id IN (SELECT id FROM sandboxes WHERE host = $2)",
-        )
-        .bind(format_ts(finished_at))
-        .bind(host)
-        .execute(&self.pool)
-        .await?
-        .rows_affected())
+        let mut conn = self.pool.acquire().await?;
+        fail_running_executions_of(&mut conn, host, finished_at).await
     }
 
     /// Opens a port of a sandbox. If it is already open, returns that row
@@ -469,4 +476,23 @@ impl Store {
         .await?
         .rows_affected())
     }
+}
+
+/// [`Store::fail_all_running_executions`] on a connection (or in a
+/// transaction).
+pub(crate) async fn fail_running_executions_of(
+    conn: &mut sqlx::AnyConnection,
+    host: &str,
+    finished_at: OffsetDateTime,
+) -> Result<u64> {
+    Ok(sqlx::query(
+        "UPDATE executions SET status = 'failed', finished_at = $1 WHERE status = 'running' \
+           AND (runner = $2 OR (runner IS NULL \
+                AND sandbox_id IN (SELECT id FROM sandboxes WHERE host = $2)))",
+    )
+    .bind(format_ts(finished_at))
+    .bind(host)
+    .execute(conn)
+    .await?
+    .rows_affected())
 }

@@ -321,6 +321,9 @@ impl Store {
                     ended.push(done);
                 }
             }
+            // What it was running for others (a replica routes commands to
+            // nodes) will never be finished by it.
+            crate::executions::fail_running_executions_of(&mut tx, &name, lost_at).await?;
             tx.commit().await?;
             lost.push(LostNode {
                 node,

@@ -1460,6 +1460,7 @@ async fn nodes_hold_leases_on_the_database_clock_and_lost_ones_settle_once(store
     store.add_credit(&acct.id, 1_000_000, None).await.unwrap();
     let now = OffsetDateTime::now_utc() - Duration::minutes(10);
     let mut on_b = Vec::new();
+    let mut on_a = None;
     for host in ["b", "b", "a"] {
         let mut n = sandbox(&acct.id, now, 60, 90_000);
         n.host = host.into();
@@ -1470,8 +1471,39 @@ async fn nodes_hold_leases_on_the_database_clock_and_lost_ones_settle_once(store
             .unwrap();
         if host == "b" {
             on_b.push(row.id);
+        } else {
+            on_a = Some(row.id);
         }
     }
+    // Commands in a's sandbox, one routed there by b (a member that also
+    // serves the API), one run by a itself.
+    let running_by = |runner: &str| {
+        let store = store.clone();
+        let (runner, sandbox_id, account_id) =
+            (runner.to_string(), on_a.clone().unwrap(), acct.id.clone());
+        async move {
+            let row = ExecutionRow {
+                id: new_id("exec"),
+                sandbox_id,
+                account_id,
+                command: "sleep 300".into(),
+                status: exec_status::RUNNING.into(),
+                exit_code: None,
+                stdout: String::new(),
+                stderr: String::new(),
+                truncated: false,
+                duration_ms: 0,
+                started_at: OffsetDateTime::now_utc(),
+                finished_at: None,
+            };
+            store
+                .insert_execution_by(&row, Some(&runner))
+                .await
+                .unwrap();
+            row.id
+        }
+    };
+    let (by_b, by_a) = (running_by("b").await, running_by("a").await);
 
     // b's lease ran out; four sweepers race, and b is declared lost once.
     tokio::time::sleep(StdDuration::from_millis(20)).await;
@@ -1518,6 +1550,13 @@ async fn nodes_hold_leases_on_the_database_clock_and_lost_ones_settle_once(store
     assert_never_negative(&store, &acct.id).await;
     let on_a = store.live_sandboxes("a").await.unwrap();
     assert_eq!(on_a.len(), 1);
+    // What b was running for others failed with it; a's own runs on.
+    let status_of = |id: String| {
+        let store = store.clone();
+        async move { store.execution(&id).await.unwrap().unwrap().status }
+    };
+    assert_eq!(status_of(by_b).await, exec_status::FAILED);
+    assert_eq!(status_of(by_a).await, exec_status::RUNNING);
 
     // Fenced: b's old epoch renews nothing; b starting again is up anew.
     assert!(!store
