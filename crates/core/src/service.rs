@@ -55,6 +55,8 @@ pub struct Service {
     disk_holds: crate::disk::DiskHolds,
     /// Itself, for tasks that outlive a call (streaming exec).
     me: Weak<Service>,
+    /// One start at a time per sandbox (see [`Service::boot`]).
+    booting: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// This node's place in a cluster sharing the database (see
     /// [`crate::cluster`]); unset on a database of its own.
     pub(crate) membership: std::sync::OnceLock<crate::cluster::Membership>,
@@ -232,6 +234,7 @@ impl Service {
             transfers: Default::default(),
             disk_holds: Default::default(),
             me: me.clone(),
+            booting: Default::default(),
             membership: std::sync::OnceLock::new(),
             node_link: std::sync::OnceLock::new(),
         })
@@ -766,6 +769,52 @@ impl Service {
         row: SandboxRow,
         machines: Arc<dyn Machines>,
     ) -> Result<SandboxRow> {
+        // A second start of the same sandbox (a create retried while its
+        // first call, or the replica that made it, is still at it or was
+        // lost) waits for the first and takes its outcome.
+        let id = row.id.clone();
+        let turn = self
+            .booting
+            .lock()
+            .unwrap()
+            .entry(id.clone())
+            .or_default()
+            .clone();
+        let held = match turn.clone().try_lock_owned() {
+            Ok(t) => t,
+            Err(_) => {
+                let t = turn.clone().lock_owned().await;
+                let now = self.store.sandbox(&id).await?;
+                let now = now.ok_or_else(|| CoreError::not_found("sandbox", &id))?;
+                if now.status != status::PROVISIONING {
+                    drop(t);
+                    drop(turn);
+                    self.forget_boot(&id);
+                    return match now.is_live() {
+                        true => Ok(now),
+                        false => Err(not_running(&now)),
+                    };
+                }
+                t
+            }
+        };
+        let outcome = self.start_vm(row, machines).await;
+        drop(held);
+        drop(turn);
+        self.forget_boot(&id);
+        outcome
+    }
+
+    /// Drops the start lock of a sandbox nobody waits on.
+    fn forget_boot(&self, id: &str) {
+        let mut booting = self.booting.lock().unwrap();
+        if booting.get(id).is_some_and(|l| Arc::strong_count(l) == 1) {
+            booting.remove(id);
+        }
+    }
+
+    /// [`Service::boot`]'s start itself.
+    async fn start_vm(&self, row: SandboxRow, machines: Arc<dyn Machines>) -> Result<SandboxRow> {
         match machines.start(&row.id, &row.size, row.expires_at).await {
             Ok(()) => {
                 let running = self
@@ -808,6 +857,29 @@ impl Service {
     /// the node that starts it records the outcome (see
     /// [`crate::cluster`]). Waits [`REPLAY_WAIT`] at most.
     async fn replayed(&self, mut row: SandboxRow) -> Result<SandboxRow> {
+        if row.status == status::PROVISIONING {
+            // The first call may have been lost before its start reached
+            // the node: start it (one in flight there is joined, not
+            // repeated; see `boot`), in a task that a client who hangs up
+            // does not cut short.
+            if let (Ok(machines), Some(me)) = (self.machines_for(&row).await, self.arc_self()) {
+                let first = row.clone();
+                let local = row.host == self.config.host_name && self.vms.is_some();
+                let started = tokio::spawn(async move {
+                    match local {
+                        true => me.boot(first, machines).await.map(|_| ()),
+                        false => machines
+                            .start(&first.id, &first.size, first.expires_at)
+                            .await
+                            .map_err(runtime_error),
+                    }
+                })
+                .await;
+                if let Ok(Err(e)) = started {
+                    tracing::warn!(id = %row.id, "starting a replayed create: {e}");
+                }
+            }
+        }
         let deadline = tokio::time::Instant::now() + REPLAY_WAIT;
         while row.status == status::PROVISIONING {
             if tokio::time::Instant::now() >= deadline {

@@ -197,12 +197,20 @@ async fn handle(state: Arc<dyn NodeState>, req: Request<Incoming>) -> Response<B
         (&hyper::Method::POST, ["node", "v1", "sandboxes", id, op]) => {
             let id = id.to_string();
             match *op {
+                // A start and a destroy finish even if their caller goes
+                // (a replica killed mid-create): each runs in a task of its
+                // own, and the outcome is recorded where a retry finds it.
                 "start" => match body.json::<wire::StartArgs>().await {
-                    Ok(a) => answer(vms.start(&id, &a.size, time_of(a.expires_at_ms)).await),
+                    Ok(a) => answer(
+                        detached(
+                            async move { vms.start(&id, &a.size, time_of(a.expires_at_ms)).await },
+                        )
+                        .await,
+                    ),
                     Err(r) => r,
                 },
                 "destroy" => answer(
-                    vms.destroy(&id)
+                    detached(async move { vms.destroy(&id).await })
                         .await
                         .map(|disk_used_bytes| wire::Destroyed { disk_used_bytes }),
                 ),
@@ -243,6 +251,16 @@ async fn handle(state: Arc<dyn NodeState>, req: Request<Incoming>) -> Response<B
         }
         _ => not_found(&method, &path),
     }
+}
+
+/// Runs `work` to its end whether or not the call that asked for it is
+/// still there.
+async fn detached<T: Send + 'static>(
+    work: impl Future<Output = Result<T, RuntimeError>> + Send + 'static,
+) -> Result<T, RuntimeError> {
+    tokio::spawn(work)
+        .await
+        .unwrap_or_else(|e| Err(RuntimeError::Launch(format!("the node's task failed: {e}"))))
 }
 
 fn not_found(method: &hyper::Method, path: &str) -> Response<Body> {
@@ -356,9 +374,13 @@ async fn exec(vms: Arc<dyn Machines>, id: String, mut body: Head) -> Response<Bo
                                 pending.clear();
                             }
                         }
-                        // The caller finished writing (or went: then the
-                        // answer's sends below fail too).
-                        None => upstream_open = false,
+                        // The caller writes until the command's end: a
+                        // body that ends first is a caller that went (a
+                        // replica killed): the command goes too.
+                        None => {
+                            upstream_open = false;
+                            command.cancel();
+                        }
                     }
                     continue;
                 }

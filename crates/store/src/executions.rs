@@ -367,6 +367,25 @@ impl Store {
             .transpose()
     }
 
+    /// A sandbox's executions, newest first, `limit` at most.
+    pub async fn sandbox_executions(
+        &self,
+        sandbox_id: &str,
+        limit: u32,
+    ) -> Result<Vec<ExecutionRow>> {
+        sqlx::query(
+            "SELECT * FROM executions WHERE sandbox_id = $1 \
+             ORDER BY started_at DESC, id DESC LIMIT $2",
+        )
+        .bind(sandbox_id)
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(execution_from)
+        .collect()
+    }
+
     /// Marks every still-`running` execution of a sandbox as `failed`
     /// (its sandbox ended, or the server restarted and lost the command).
     /// Returns how many.

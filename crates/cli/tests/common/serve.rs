@@ -282,3 +282,112 @@ impl Rest {
         self.call(reqwest::Method::GET, path, None).await
     }
 }
+
+/// A running `sandpit node` (a cluster's VMs, no public API), in a network
+/// namespace of its own or on the host.
+pub struct Node {
+    pub name: String,
+    pub data: PathBuf,
+    pub child: Child,
+    /// Where the node API listens (its advertised address).
+    pub address: String,
+    /// Its standard error so far, a line each.
+    pub log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl Node {
+    /// `sandpit node --name NAME --listen LISTEN --cluster-dir CERTS` on
+    /// the database at `url`, in network namespace `ns` when given, with
+    /// `extra` appended to the test config.
+    pub fn start(
+        ns: Option<&str>,
+        data: &Path,
+        url: &str,
+        name: &str,
+        listen: &str,
+        certs: &Path,
+        extra: &str,
+    ) -> Node {
+        std::fs::write(data.join("config.toml"), format!("{CONFIG}{extra}")).unwrap();
+        let direct = sandpit(data);
+        let mut cmd = match ns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns])
+                    .arg(direct.get_program())
+                    .args(direct.get_args());
+                c
+            }
+            None => direct,
+        };
+        let mut child = cmd
+            .env("SANDPIT_DATABASE_URL", url)
+            .args(["node", "--name", name, "--listen", listen, "--cluster-dir"])
+            .arg(certs)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log_writer = log.clone();
+        let tag = name.to_string();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                eprintln!("[node {tag}] {line}");
+                log_writer.lock().unwrap().push(line.clone());
+                if let Some(rest) = line.split("serving its VMs at ").nth(1) {
+                    let address = rest.split_whitespace().next().unwrap().to_string();
+                    let _ = tx.send(address);
+                }
+            }
+        });
+        let address = rx
+            .recv_timeout(Duration::from_secs(120))
+            .unwrap_or_else(|_| panic!("sandpit node {name} did not start"));
+        Node {
+            name: name.to_string(),
+            data: data.to_path_buf(),
+            child,
+            address,
+            log,
+        }
+    }
+
+    /// Wait (up to `bound`) for a line of its log that contains `needle`.
+    pub fn wait_for_log(&self, needle: &str, bound: Duration) -> Option<String> {
+        let deadline = Instant::now() + bound;
+        loop {
+            if let Some(l) = self.log.lock().unwrap().iter().find(|l| l.contains(needle)) {
+                return Some(l.clone());
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Sends `signal` to the node's process.
+    pub fn signal(&self, signal: i32) {
+        // SAFETY: a plain signal to our child.
+        unsafe {
+            libc::kill(self.child.id() as i32, signal);
+        }
+    }
+
+    pub fn sigkill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.signal(libc::SIGCONT);
+        self.signal(libc::SIGTERM);
+        let _ = self.child.wait();
+    }
+}
