@@ -47,6 +47,11 @@ pub enum BenchMode {
     /// Many concurrent MCP clients (tools/list, get_usage, run_command)
     /// against a running `sandpit serve`: errors and latency percentiles
     Load(crate::load::LoadArgs),
+    /// What running as a cluster adds: create, `run_command` and a preview
+    /// GET through a replica to a `sandpit node` beside the embedded single
+    /// process (a throwaway PostgreSQL is started), and how long a killed
+    /// node takes to settle
+    Cluster(crate::bench_cluster::ClusterBenchArgs),
 }
 
 /// Refills timed with a live sandbox's commands running.
@@ -73,7 +78,7 @@ impl Laps {
     }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let n = v.len();
     if n == 0 {
@@ -200,17 +205,19 @@ async fn idle_cost(records: &[sandpit_runtime::VmRecord], window: Duration) -> (
     (median(pss), cpu, ksm)
 }
 
-struct Row(String, String);
+pub(crate) struct Row(pub(crate) String, pub(crate) String);
 
-fn row(rows: &mut Vec<Row>, what: impl Into<String>, value: impl Into<String>) {
+pub(crate) fn row(rows: &mut Vec<Row>, what: impl Into<String>, value: impl Into<String>) {
     let (what, value) = (what.into(), value.into());
     eprintln!("{what}: {value}");
     rows.push(Row(what, value));
 }
 
 pub async fn run(settings: &Settings, a: BenchArgs) -> Result<i32> {
-    if let Some(BenchMode::Load(load)) = a.mode {
-        return crate::load::run(load).await;
+    match a.mode {
+        Some(BenchMode::Load(load)) => return crate::load::run(load).await,
+        Some(BenchMode::Cluster(c)) => return crate::bench_cluster::run(settings, c).await,
+        None => {}
     }
     let _owner = crate::server::own(settings, crate::owner::Role::Bench)?;
     let m = manager(settings)?;

@@ -4,6 +4,7 @@
 //! chain once, on stderr, and exits non-zero.
 
 mod bench;
+mod bench_cluster;
 mod front;
 mod images;
 mod listener;

@@ -35,10 +35,11 @@ use crate::error::{CoreError, ErrorType, Result};
 use crate::machines::{Machines, VmResult};
 use crate::Service;
 use sandpit_runtime::RuntimeError;
+use sandpit_store::NodeRow;
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use time::OffsetDateTime;
 
 /// `[cluster]` in the config: the lease and when a silent node is lost.
@@ -86,6 +87,77 @@ pub trait NodeLink: Send + Sync {
     /// The VMs of the node at `address`, which the database shows at
     /// `epoch` (a node answers only calls for the epoch it holds).
     fn machines(&self, address: &str, epoch: i64) -> Arc<dyn Machines>;
+}
+
+/// How long what a member read of the nodes serves it: routing a call
+/// needs the node's address and epoch, and placing a sandbox the live
+/// nodes' room, and reading them for every call would add a database round
+/// trip to each. Well inside a lease: a node that stops is unroutable
+/// within its lease and this. A create's transaction checks its node
+/// again, whatever was read.
+const ROUTES_FRESH: Duration = Duration::from_secs(1);
+
+/// What this member read of the nodes lately (see [`ROUTES_FRESH`]).
+#[derive(Default)]
+pub(crate) struct Routes {
+    nodes: std::sync::Mutex<std::collections::HashMap<String, (NodeRow, Instant)>>,
+    candidates: std::sync::Mutex<Option<(Vec<sandpit_store::Candidate>, Instant)>>,
+}
+
+impl Routes {
+    /// Node `name`, as read within [`ROUTES_FRESH`].
+    async fn node(&self, store: &sandpit_store::Store, name: &str) -> Result<Option<NodeRow>> {
+        if let Some((row, at)) = self.nodes.lock().expect("not poisoned").get(name) {
+            if at.elapsed() < ROUTES_FRESH {
+                return Ok(Some(row.clone()));
+            }
+        }
+        let row = store.node(name).await?;
+        if let Some(row) = &row {
+            self.nodes
+                .lock()
+                .expect("not poisoned")
+                .insert(name.to_string(), (row.clone(), Instant::now()));
+        }
+        Ok(row)
+    }
+
+    /// The placement candidates, as read within [`ROUTES_FRESH`] and
+    /// counting the sandboxes this member placed since.
+    async fn candidates(
+        &self,
+        store: &sandpit_store::Store,
+    ) -> Result<Vec<sandpit_store::Candidate>> {
+        if let Some((c, at)) = &*self.candidates.lock().expect("not poisoned") {
+            if at.elapsed() < ROUTES_FRESH {
+                return Ok(c.clone());
+            }
+        }
+        let c = store.placement_candidates().await?;
+        let now = Instant::now();
+        // The first calls to a new sandbox go where it was placed.
+        let mut nodes = self.nodes.lock().expect("not poisoned");
+        for candidate in &c {
+            nodes.insert(candidate.node.name.clone(), (candidate.node.clone(), now));
+        }
+        drop(nodes);
+        *self.candidates.lock().expect("not poisoned") = Some((c.clone(), now));
+        Ok(c)
+    }
+
+    /// A sandbox was placed on `name`.
+    pub(crate) fn placed(&self, name: &str) {
+        if let Some((c, _)) = &mut *self.candidates.lock().expect("not poisoned") {
+            if let Some(c) = c.iter_mut().find(|c| c.node.name == name) {
+                c.live += 1;
+            }
+        }
+    }
+
+    /// A node refused a sandbox (full, or gone): read them all again.
+    pub(crate) fn refused(&self) {
+        *self.candidates.lock().expect("not poisoned") = None;
+    }
 }
 
 /// A node a new sandbox may go to.
@@ -216,8 +288,8 @@ impl Service {
             )));
         };
         let node = self
-            .store()
-            .node(host)
+            .routes
+            .node(self.store(), host)
             .await?
             .filter(|n| n.is_live() && !n.address.is_empty());
         let Some(node) = node else {
@@ -246,8 +318,8 @@ impl Service {
             }]);
         };
         let mut candidates: Vec<_> = self
-            .store()
-            .placement_candidates()
+            .routes
+            .candidates(self.store())
             .await?
             .into_iter()
             // Its own name at another epoch is another process (see

@@ -62,6 +62,8 @@ pub struct Service {
     pub(crate) membership: std::sync::OnceLock<crate::cluster::Membership>,
     /// How this member reaches other nodes' sandboxes, when it can.
     pub(crate) node_link: std::sync::OnceLock<Arc<dyn crate::cluster::NodeLink>>,
+    /// What it read of the nodes lately.
+    pub(crate) routes: crate::cluster::Routes,
 }
 
 /// How often preview traffic counters are written to the store.
@@ -237,6 +239,7 @@ impl Service {
             booting: Default::default(),
             membership: std::sync::OnceLock::new(),
             node_link: std::sync::OnceLock::new(),
+            routes: Default::default(),
         })
     }
 
@@ -815,12 +818,26 @@ impl Service {
 
     /// [`Service::boot`]'s start itself.
     async fn start_vm(&self, row: SandboxRow, machines: Arc<dyn Machines>) -> Result<SandboxRow> {
+        let remote = row.host != self.config.host_name || self.vms.is_none();
         match machines.start(&row.id, &row.size, row.expires_at).await {
             Ok(()) => {
-                let running = self
-                    .store
-                    .set_status(&row.id, status::RUNNING, None)
-                    .await?;
+                // A node records its start itself (see `crate::cluster`).
+                let recorded = match remote {
+                    true => self
+                        .store
+                        .sandbox(&row.id)
+                        .await?
+                        .filter(|r| r.status != status::PROVISIONING),
+                    false => None,
+                };
+                let running = match recorded {
+                    Some(r) => r,
+                    None => {
+                        self.store
+                            .set_status(&row.id, status::RUNNING, None)
+                            .await?
+                    }
+                };
                 // Extended while it booted: the VM's watchdog has the old expiry.
                 if running.expires_at != row.expires_at {
                     let _ = machines.set_expiry(&row.id, running.expires_at).await;
@@ -1141,12 +1158,17 @@ impl SandboxApi for Service {
                 // The node filled up or went silent since it was ranked:
                 // the next one.
                 CreateOutcome::HostFull { live, limit } => {
+                    self.routes.refused();
                     refused = Some(format!("node {} is full ({live} of {limit})", target.host));
                 }
                 CreateOutcome::HostUnavailable => {
+                    self.routes.refused();
                     refused = Some(format!("node {} left the cluster", target.host));
                 }
                 outcome => {
+                    if matches!(outcome, CreateOutcome::Created(_)) {
+                        self.routes.placed(&target.host);
+                    }
                     placed = Some((outcome, target.machines));
                     break;
                 }

@@ -1,7 +1,9 @@
-//! A real PostgreSQL server for tests: Debian's binaries, a cluster made by
-//! `initdb` in a temporary directory and run as the `postgres` user (when
-//! the tests run as root, as CI does; as the current user otherwise), on a
-//! port of its own, with a fresh database for each test.
+//! A real, throwaway PostgreSQL server for tests (and for `sandpit bench
+//! cluster`, which compares a cluster with the embedded process on one
+//! machine): Debian's binaries, a cluster made by `initdb` in a temporary
+//! directory and run as the `postgres` user (when run as root, as CI does;
+//! as the current user otherwise), on a port of its own, with a fresh
+//! database for each test.
 //!
 //! # Why it looks like this
 //!
