@@ -196,15 +196,6 @@ fn sandbox_status(api: &Rest, id: &str) -> (String, String) {
     })
 }
 
-fn wait_until(what: &str, bound: Duration, mut done: impl FnMut() -> bool) -> Duration {
-    let t = Instant::now();
-    while !done() {
-        assert!(t.elapsed() < bound, "{what}: not within {bound:?}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    t.elapsed()
-}
-
 fn create_on(server: &Server, key: &str) -> String {
     rt().block_on(async {
         let (st, s) = Rest::new(server, key)

@@ -30,15 +30,6 @@ fn rt() -> tokio::runtime::Runtime {
 /// (three nodes and their VMs share the test machine's cores).
 const NODE_CONFIG: &str = "[cluster]\nlease_secs = 3\nlost_after_secs = 2\n[pool]\nsizes = {}\n";
 
-fn wait_until(what: &str, bound: Duration, mut done: impl FnMut() -> bool) -> Duration {
-    let t = Instant::now();
-    while !done() {
-        assert!(t.elapsed() < bound, "{what}: not within {bound:?}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    t.elapsed()
-}
-
 fn vm_runs(id: &str) -> bool {
     !pids_mentioning(&format!("sandpit-vm-{id}")).is_empty()
 }

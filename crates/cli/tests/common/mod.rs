@@ -262,3 +262,18 @@ pub fn host_processes(data: &Path) -> Vec<HostProcess> {
     }
     out
 }
+
+/// Polls `done` every 200 ms until it holds; panics, naming `what`, past
+/// `bound`. Returns how long it took.
+pub fn wait_until(
+    what: &str,
+    bound: std::time::Duration,
+    mut done: impl FnMut() -> bool,
+) -> std::time::Duration {
+    let t = std::time::Instant::now();
+    while !done() {
+        assert!(t.elapsed() < bound, "{what}: not within {bound:?}");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    t.elapsed()
+}

@@ -178,16 +178,7 @@ impl Server {
 
     /// Wait (up to `bound`) for a line of its log that contains `needle`.
     pub fn wait_for_log(&self, needle: &str, bound: Duration) -> Option<String> {
-        let deadline = Instant::now() + bound;
-        loop {
-            if let Some(l) = self.log.lock().unwrap().iter().find(|l| l.contains(needle)) {
-                return Some(l.clone());
-            }
-            if Instant::now() > deadline {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        wait_for_line(&self.log, needle, bound)
     }
 
     pub fn sigkill(mut self) {
@@ -357,16 +348,7 @@ impl Node {
 
     /// Wait (up to `bound`) for a line of its log that contains `needle`.
     pub fn wait_for_log(&self, needle: &str, bound: Duration) -> Option<String> {
-        let deadline = Instant::now() + bound;
-        loop {
-            if let Some(l) = self.log.lock().unwrap().iter().find(|l| l.contains(needle)) {
-                return Some(l.clone());
-            }
-            if Instant::now() > deadline {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        wait_for_line(&self.log, needle, bound)
     }
 
     /// Sends `signal` to the node's process.
@@ -389,5 +371,23 @@ impl Drop for Node {
         self.signal(libc::SIGCONT);
         self.signal(libc::SIGTERM);
         let _ = self.child.wait();
+    }
+}
+
+/// Waits (up to `bound`) for a line of `log` that contains `needle`.
+fn wait_for_line(
+    log: &std::sync::Mutex<Vec<String>>,
+    needle: &str,
+    bound: Duration,
+) -> Option<String> {
+    let deadline = Instant::now() + bound;
+    loop {
+        if let Some(l) = log.lock().unwrap().iter().find(|l| l.contains(needle)) {
+            return Some(l.clone());
+        }
+        if Instant::now() > deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
