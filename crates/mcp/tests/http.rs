@@ -13,7 +13,7 @@ use rmcp::{
     },
     ClientLifecycleMode, ClientServiceExt, ServiceExt,
 };
-use sandpit_core::SandboxApi;
+use sandpit_core::{CoreError, SandboxApi};
 use sandpit_mcp::{http_service, CancellationToken, HttpConfig};
 use serde_json::{json, Value};
 use std::{collections::HashMap, sync::Arc};
@@ -228,7 +228,7 @@ async fn stateless_json_answers_and_exec_without_a_progress_token() {
     assert_eq!(result["isError"], false);
     let text: Value = serde_json::from_str(result["content"][0]["text"].as_str().unwrap()).unwrap();
     assert_eq!(text, result["structuredContent"]);
-    assert_eq!(s.api.calls(), vec!["exec"], "no token: plain exec");
+    assert_eq!(s.api.call_names(), ["exec"], "no token: plain exec");
 
     // With a token: an SSE stream of progress, then the result.
     let r = post(
@@ -259,15 +259,17 @@ async fn stateless_json_answers_and_exec_without_a_progress_token() {
     let last = msgs.last().unwrap();
     assert_eq!(last["id"], 8);
     assert_eq!(last["result"]["structuredContent"]["status"], "completed");
-    assert_eq!(s.api.calls(), vec!["exec", "exec_stream"]);
+    assert_eq!(s.api.call_names(), ["exec", "exec_stream"]);
 
     // internal_error is the one failure that is a JSON-RPC error.
+    s.api
+        .fail_next("exec", CoreError::internal("the fake platform broke"));
     let r = post(
         &s,
         tools_call(
             9,
             "run_command",
-            json!({"sandbox_id": "sbx_existing", "command": "boom"}),
+            json!({"sandbox_id": "sbx_existing", "command": "ls"}),
             None,
         ),
     )
@@ -492,7 +494,7 @@ async fn host_and_origin_are_checked() {
 
 #[tokio::test]
 async fn configured_allow_lists_replace_the_defaults() {
-    let api: Arc<dyn SandboxApi> = FakeApi::new();
+    let api: Arc<dyn SandboxApi> = fake();
     let config = HttpConfig {
         allowed_hosts: vec!["sandpit.example".into()],
         allowed_origins: vec!["https://app.sandpit.example".into()],
@@ -536,7 +538,7 @@ async fn configured_allow_lists_replace_the_defaults() {
 
 #[tokio::test]
 async fn mounts_with_nest_too() {
-    let api: Arc<dyn SandboxApi> = FakeApi::new();
+    let api: Arc<dyn SandboxApi> = fake();
     let app = axum::Router::new().nest("/v1/mcp", http_service(api, HttpConfig::default()));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}/v1/mcp", listener.local_addr().unwrap());

@@ -8,12 +8,13 @@ use rmcp::{
     model::{CallToolRequestParams, ProtocolVersion},
     ClientLifecycleMode, ClientServiceExt, ServiceExt,
 };
-use sandpit_core::{Caller, SandboxApi};
+use sandpit_core::{Caller, CoreError, ErrorType, SandboxApi};
+use sandpit_fake::Op;
 use serde_json::{json, Value};
 use std::sync::Arc;
 
 /// Start the server on one end of a duplex pipe; return the other end.
-fn start(api: Arc<FakeApi>) -> tokio::io::DuplexStream {
+fn start(api: Arc<Fake>) -> tokio::io::DuplexStream {
     let (server_end, client_end) = tokio::io::duplex(1 << 20);
     let caller = Caller {
         account_id: ACCOUNT.into(),
@@ -26,7 +27,7 @@ fn start(api: Arc<FakeApi>) -> tokio::io::DuplexStream {
     client_end
 }
 
-async fn client(api: Arc<FakeApi>, version: ProtocolVersion) -> Client {
+async fn client(api: Arc<Fake>, version: ProtocolVersion) -> Client {
     TestClient::new(version)
         .serve(start(api))
         .await
@@ -35,7 +36,7 @@ async fn client(api: Arc<FakeApi>, version: ProtocolVersion) -> Client {
 
 #[tokio::test]
 async fn tools_list_has_the_twelve_tools_with_schemas_and_annotations() {
-    let c = client(FakeApi::new(), ProtocolVersion::V_2025_11_25).await;
+    let c = client(fake(), ProtocolVersion::V_2025_11_25).await;
     let tools = c.list_all_tools().await.unwrap();
     let mut names: Vec<&str> = tools.iter().map(|t| t.name.as_ref()).collect();
     names.sort();
@@ -204,14 +205,13 @@ fn is_integer(schema: &Value) -> bool {
 /// what will be enforced, not the defaults.
 #[tokio::test]
 async fn tool_schemas_carry_the_configured_limits() {
-    let api = FakeApi::new();
-    {
-        let mut l = api.limits.lock().unwrap();
-        l.max_timeout_minutes = 60;
-        l.max_lifetime_minutes = 120;
-        l.exec_min_timeout_ms = 500;
-        l.exec_max_timeout_ms = 90_000;
-    }
+    let api = fake();
+    api.configure(|c| {
+        c.max_timeout_minutes = 60;
+        c.max_lifetime_minutes = 120;
+        c.exec_min_timeout_ms = 500;
+        c.exec_max_timeout_ms = 90_000;
+    });
     let c = client(api, ProtocolVersion::V_2025_11_25).await;
     let tools = c.list_all_tools().await.unwrap();
     let prop = |tool: &str, p: &str| {
@@ -232,7 +232,7 @@ async fn tool_schemas_carry_the_configured_limits() {
 /// integer's range stated with `minimum`/`maximum`.
 #[tokio::test]
 async fn tool_schemas_are_standard_json_schema() {
-    let c = client(FakeApi::new(), ProtocolVersion::V_2025_11_25).await;
+    let c = client(fake(), ProtocolVersion::V_2025_11_25).await;
     let tools = c.list_all_tools().await.unwrap();
     let mut problems = Vec::new();
     let mut integers = 0;
@@ -305,21 +305,27 @@ async fn tool_schemas_are_standard_json_schema() {
 
 #[tokio::test]
 async fn every_tool_answers_with_structured_content_and_text() {
-    let api = FakeApi::new();
+    let api = fake();
     let c = client(api.clone(), ProtocolVersion::V_2025_06_18).await;
     happy_paths(&c).await;
-    // The stdio caller is fixed: no key needed, and every call acted for it
-    // (the fake asserts the account on each call).
-    assert!(api.calls().contains(&"destroy_sandbox".to_string()));
-    assert!(api
-        .calls()
-        .contains(&"list_files recursive=false".to_string()));
+    // The stdio caller is fixed: no key needed, and every call acted for it.
+    let calls = api.calls();
+    assert!(calls.iter().all(|c| c.account_id == ACCOUNT), "{calls:?}");
+    assert!(api.call_names().contains(&"destroy_sandbox"));
+    assert!(calls.iter().any(|c| matches!(
+        c.op,
+        Op::ListFiles {
+            recursive: false,
+            ..
+        }
+    )));
     c.cancel().await.unwrap();
 }
 
 #[tokio::test]
 async fn actionable_failures_are_tool_errors_that_say_what_to_do() {
-    let c = client(FakeApi::new(), ProtocolVersion::V_2025_11_25).await;
+    let api = fake();
+    let c = client(api.clone(), ProtocolVersion::V_2025_11_25).await;
 
     let m = err(&call(&c, "get_sandbox", json!({"sandbox_id": "sbx_nope"})).await);
     assert!(
@@ -331,10 +337,25 @@ async fn actionable_failures_are_tool_errors_that_say_what_to_do() {
     let m = err(&call(&c, "create_sandbox", json!({"size": "giant"})).await);
     assert!(m.starts_with("invalid_request: unknown size"), "{m}");
 
+    api.fail_next(
+        "create_sandbox",
+        CoreError::new(
+            ErrorType::InsufficientCredits,
+            "the credit cannot cover 1440 minutes of a small sandbox",
+        ),
+    );
     let m = err(&call(&c, "create_sandbox", json!({"timeout_minutes": 1440})).await);
     assert!(m.starts_with("insufficient_credits"), "{m}");
     assert!(m.contains("get_usage"), "{m}");
 
+    // A file that is not UTF-8 (one 0xFF byte), read as text.
+    let w = call(
+        &c,
+        "write_file",
+        json!({"sandbox_id": "sbx_existing", "path": "binary.bin", "content": "/w==", "encoding": "base64"}),
+    )
+    .await;
+    assert_ne!(w.is_error, Some(true), "{}", text(&w));
     let m = err(&call(
         &c,
         "read_file",
@@ -375,22 +396,27 @@ async fn actionable_failures_are_tool_errors_that_say_what_to_do() {
         "timed_out"
     );
 
-    // An internal error is the one protocol error.
+    // An internal error is the one protocol error (rmcp's client sends a
+    // progress token, so the command is streamed).
+    api.fail_next(
+        "exec_stream",
+        CoreError::internal("the fake platform broke"),
+    );
     let e = c
         .call_tool(
-            CallToolRequestParams::new("run_command").with_arguments(args(
-                json!({"sandbox_id": "sbx_existing", "command": "boom"}),
-            )),
+            CallToolRequestParams::new("run_command")
+                .with_arguments(args(json!({"sandbox_id": "sbx_existing", "command": "ls"}))),
         )
         .await;
     let e = e.expect_err("internal_error is a protocol error");
     assert!(e.to_string().contains("the fake platform broke"), "{e}");
+    assert_eq!(api.call_names().last(), Some(&"exec_stream"));
     c.cancel().await.unwrap();
 }
 
 #[tokio::test]
 async fn run_command_streams_output_as_progress() {
-    let api = FakeApi::new();
+    let api = fake();
     let client = TestClient::new(ProtocolVersion::V_2025_11_25);
     let progress = client.progress.clone();
     let c = client.serve(start(api.clone())).await.unwrap();
@@ -404,9 +430,10 @@ async fn run_command_streams_output_as_progress() {
     assert_ne!(r.is_error, Some(true), "{}", text(&r));
     assert_eq!(
         r.structured_content.as_ref().unwrap()["stdout"],
-        "hello world\n[make]"
+        "hello world\n"
     );
-    assert_eq!(api.calls(), vec!["exec_stream"]);
+    assert_eq!(api.call_names(), ["exec_stream"]);
+    assert_eq!(api.last_exec().unwrap().command, "make");
     // Notifications precede the response on the same pipe, but the client
     // dispatches them on its own task: give it a moment.
     for _ in 0..100 {
@@ -453,7 +480,7 @@ async fn initialize_negotiates_the_protocol_version() {
         (ProtocolVersion::V_2025_03_26, ProtocolVersion::V_2025_11_25),
         (ProtocolVersion::V_2024_11_05, ProtocolVersion::V_2025_11_25),
     ] {
-        let api = FakeApi::new();
+        let api = fake();
         let client = TestClient::new(asked.clone()).serve(start(api)).await;
         // rmcp's client refuses a version it did not ask for; what matters
         // here is what the server answered, which it reports either way.
@@ -472,7 +499,7 @@ async fn initialize_negotiates_the_protocol_version() {
 
 #[tokio::test]
 async fn revision_2026_07_28_works_without_initialize() {
-    let api = FakeApi::new();
+    let api = fake();
     let c = TestClient::new(ProtocolVersion::V_2026_07_28)
         .serve_with_lifecycle(
             start(api),

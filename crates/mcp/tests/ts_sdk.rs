@@ -108,8 +108,8 @@ async fn the_typescript_sdk_lists_and_calls_every_tool_without_warnings() {
     assert_eq!(called, expected, "every tool was called: {report}");
     assert_eq!(result["protocolVersion"], "2025-11-25", "{report}");
     assert!(
-        s.api.calls().contains(&"destroy_sandbox".to_string()),
+        s.api.call_names().contains(&"destroy_sandbox"),
         "{:?}",
-        s.api.calls()
+        s.api.call_names()
     );
 }

@@ -1,16 +1,16 @@
 //! Adapter tests over real HTTP: the router served by `axum::serve` on
-//! 127.0.0.1:0 in front of an in-memory fake `SandboxApi`, driven with
-//! reqwest (directly, and through `RemoteApi`). One test binary, to link once.
+//! 127.0.0.1:0 in front of the in-memory fake `SandboxApi` (`sandpit-fake`,
+//! the one the MCP tests use too), driven with reqwest (directly, and
+//! through `RemoteApi`). One test binary, to link once.
 
-mod fake;
 mod openapi_doc;
 mod remote;
 mod rest;
 mod stream;
 
-use fake::Fake;
 use sandpit_api::{ErrorBody, RestConfig};
 use sandpit_core::ErrorType;
+use sandpit_fake::{Fake, KEY_A, KEY_B};
 use serde_json::Value;
 use std::sync::Arc;
 
@@ -44,15 +44,13 @@ impl Server {
 
     /// A request with account A's key as a bearer token.
     pub fn a(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
-        self.http
-            .request(method, self.v1(path))
-            .bearer_auth(fake::KEY_A)
+        self.http.request(method, self.v1(path)).bearer_auth(KEY_A)
     }
 
     pub fn b(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
         self.http
             .request(method, self.v1(path))
-            .header("x-api-key", fake::KEY_B)
+            .header("x-api-key", KEY_B)
     }
 
     /// Create a sandbox as account A and return its id.

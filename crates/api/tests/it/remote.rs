@@ -2,12 +2,13 @@
 //! same value the fake returns in-process, and errors come back as the same
 //! `CoreError`.
 
-use crate::fake::{KEY_A, KEY_B};
 use crate::Server;
 use sandpit_api::RemoteApi;
 use sandpit_core::*;
+use sandpit_fake::{KEY_A, KEY_B};
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 async fn remote(s: &Server) -> (RemoteApi, Caller) {
     let api = RemoteApi::new(&format!("{}/v1/", s.url)).unwrap();
@@ -86,18 +87,33 @@ async fn every_method_round_trips() {
         stream: None,
     };
     let e = api.exec(&me, &sbx.id, params.clone()).await.unwrap();
-    assert_eq!(e.stdout, "echo 'a b'\n");
-    assert_eq!(s.fake.last_exec.lock().unwrap().clone().unwrap(), params);
+    assert_eq!(e.stdout, "ran echo 'a b'\n");
+    assert_eq!(s.fake.last_exec().unwrap(), params);
     assert_eq!(api.get_execution(&me, &e.id).await.unwrap(), e);
 
-    let mut st = api.exec_stream(&me, &sbx.id, params).await.unwrap();
-    assert_eq!(st.next().await, Some(ExecEvent::Stdout("out\n".into())));
-    assert_eq!(st.next().await, Some(ExecEvent::Stderr("err\n".into())));
+    let params = ExecParams {
+        command: "make".into(),
+        ..params
+    };
+    let mut st = api.exec_stream(&me, &sbx.id, params.clone()).await.unwrap();
+    assert_eq!(st.next().await, Some(ExecEvent::Stdout("hello ".into())));
+    assert_eq!(st.next().await, Some(ExecEvent::Stderr("warning\n".into())));
+    assert_eq!(st.next().await, Some(ExecEvent::Stdout("world\n".into())));
     let Some(ExecEvent::Exit(exit)) = st.next().await else {
         panic!("no exit event")
     };
     assert_eq!(exit.status, ExecutionStatus::Completed);
     assert_eq!(st.next().await, None);
+    // (`stream` is how the request asked for events; the rest arrives as sent.)
+    let got = s.fake.last_exec().unwrap();
+    assert_eq!(
+        ExecParams {
+            stream: None,
+            ..got
+        },
+        params
+    );
+    assert_eq!(api.get_execution(&me, &exit.id).await.unwrap(), exit);
 
     let binary = "AP8A/w==";
     let w = api
@@ -182,10 +198,11 @@ async fn errors_map_back_to_the_same_core_error() {
     let err = api.get_sandbox(&me, "sbx_missing").await.unwrap_err();
     assert_eq!(err, CoreError::not_found("sandbox", "sbx_missing"));
 
-    let req = CreateSandbox {
-        name: Some("too-many".into()),
-        ..Default::default()
-    };
+    s.fake.fail_next(
+        "create_sandbox",
+        CoreError::new(ErrorType::RateLimited, "20 live sandboxes").with_retry_after(7),
+    );
+    let req = CreateSandbox::default();
     let err = api.create_sandbox(&me, req, None).await.unwrap_err();
     assert_eq!(
         err,
@@ -217,7 +234,7 @@ async fn errors_map_back_to_the_same_core_error() {
             &me,
             &sbx.id,
             ExecParams {
-                command: "boom".into(),
+                command: "crash".into(),
                 ..Default::default()
             },
         )
@@ -265,5 +282,5 @@ async fn dropping_a_remote_stream_cancels_on_the_server() {
         .unwrap();
     assert_eq!(st.next().await, Some(ExecEvent::Stdout("started\n".into())));
     drop(st);
-    s.fake.rec.wait_cancelled(1, 10).await;
+    s.fake.wait_cancelled(1, Duration::from_secs(10)).await;
 }

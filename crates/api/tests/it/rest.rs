@@ -1,10 +1,10 @@
 //! Every route's status and body shape, auth, and the error contract.
 
-use crate::fake::KEY_A;
 use crate::{expect_error, request_id, Server};
 use reqwest::Method;
 use sandpit_api::RestConfig;
 use sandpit_core::*;
+use sandpit_fake::{Fault, KEY_A};
 use serde_json::{json, Value};
 
 #[tokio::test]
@@ -14,7 +14,7 @@ async fn service_and_openapi_need_no_key() {
     assert_eq!(r.status(), 200);
     request_id(&r);
     let info: ServiceInfo = r.json().await.unwrap();
-    assert_eq!(info.sizes[0].name, "small");
+    assert_eq!(info, s.fake.service_info().await.unwrap());
 
     let r = s.http.get(s.v1("/openapi.json")).send().await.unwrap();
     assert_eq!(r.status(), 200);
@@ -143,10 +143,7 @@ async fn create_then_idempotent_replay_and_clash() {
     assert_eq!(v["object"], "sandbox");
     assert_eq!(v["status"], "running");
     assert_eq!(v["deleted_at"], Value::Null);
-    assert_eq!(
-        *s.fake.last_idempotency_key.lock().unwrap(),
-        Some(Some("k1".to_owned()))
-    );
+    assert_eq!(s.fake.last_idempotency_key(), Some(Some("k1".to_owned())));
 
     let r = s
         .a(Method::POST, "/sandboxes")
@@ -170,7 +167,7 @@ async fn create_then_idempotent_replay_and_clash() {
     // No key: a new sandbox every time; an empty body is `{}`.
     let r = s.a(Method::POST, "/sandboxes").send().await.unwrap();
     assert_eq!(r.status(), 201);
-    assert_eq!(*s.fake.last_idempotency_key.lock().unwrap(), Some(None));
+    assert_eq!(s.fake.last_idempotency_key(), Some(None));
     let v2: Value = r.json().await.unwrap();
     assert_ne!(v2["id"], v["id"]);
     assert_eq!(v2["size"], "small");
@@ -454,8 +451,8 @@ async fn exec_and_get_execution() {
         assert!(v.get(k).is_some(), "missing {k} in {v}");
     }
     assert_eq!(v["object"], "execution");
-    assert_eq!(v["stdout"], "echo hi\n");
-    let got = s.fake.last_exec.lock().unwrap().clone().unwrap();
+    assert_eq!(v["stdout"], "ran echo hi\n");
+    let got = s.fake.last_exec().unwrap();
     assert_eq!(got.timeout_ms, Some(5000));
     assert_eq!(got.cwd.as_deref(), Some("/tmp"));
     assert_eq!(got.env.unwrap()["A"], "1");
@@ -475,9 +472,13 @@ async fn exec_and_get_execution() {
         .unwrap();
     expect_error(r, 404, ErrorType::NotFound).await;
 
+    s.fake.fail_next(
+        "exec",
+        CoreError::new(ErrorType::ServiceUnavailable, "agent busy").with_retry_after(2),
+    );
     let r = s
         .a(Method::POST, &format!("/sandboxes/{id}/exec"))
-        .json(&json!({"command": "busy"}))
+        .json(&json!({"command": "ls"}))
         .send()
         .await
         .unwrap();
@@ -559,7 +560,10 @@ async fn files_write_read_list_delete() {
     let v: Value = r.json().await.unwrap();
     assert_eq!(
         v,
-        json!({"path": "/workspace", "entries": [{"name": "b.bin", "type": "file", "size_bytes": 4}], "truncated": false})
+        json!({"path": "/workspace", "entries": [
+            {"name": "b.bin", "type": "file", "size_bytes": 4},
+            {"name": "dir", "type": "dir", "size_bytes": 0},
+        ], "truncated": false})
     );
     let r = s
         .a(
@@ -569,7 +573,15 @@ async fn files_write_read_list_delete() {
         .send()
         .await
         .unwrap();
-    assert_eq!(r.json::<FileList>().await.unwrap().entries.len(), 2);
+    let names: Vec<String> = r
+        .json::<FileList>()
+        .await
+        .unwrap()
+        .entries
+        .into_iter()
+        .map(|e| e.name)
+        .collect();
+    assert_eq!(names, ["b.bin", "dir", "dir/a.txt"]);
     let r = s
         .a(Method::GET, &format!("{files}?list=maybe"))
         .send()
@@ -720,26 +732,35 @@ async fn usage_and_account() {
 #[tokio::test]
 async fn core_errors_keep_type_status_and_retry_after() {
     let s = Server::start().await;
-    let create = |name: &'static str| {
-        s.a(Method::POST, "/sandboxes")
-            .json(&json!({"name": name}))
-            .send()
+    let create = |fault: Fault| {
+        s.fake.fail_next("create_sandbox", fault);
+        s.a(Method::POST, "/sandboxes").json(&json!({})).send()
     };
-    let r = create("too-many").await.unwrap();
+    let r = create(
+        CoreError::new(ErrorType::RateLimited, "20 live sandboxes")
+            .with_retry_after(7)
+            .into(),
+    )
+    .await
+    .unwrap();
     assert_eq!(r.headers()["retry-after"], "7");
     let e = expect_error(r, 429, ErrorType::RateLimited).await;
     assert_eq!(e.error.message, "20 live sandboxes");
-    let r = create("no-capacity").await.unwrap();
+    let r = create(CoreError::new(ErrorType::ServiceUnavailable, "host full").into())
+        .await
+        .unwrap();
     assert_eq!(
         r.headers()["retry-after"],
         "1",
         "default when the core gives none"
     );
     expect_error(r, 503, ErrorType::ServiceUnavailable).await;
-    let r = create("poor").await.unwrap();
+    let r = create(CoreError::new(ErrorType::InsufficientCredits, "credit $0.00").into())
+        .await
+        .unwrap();
     assert!(r.headers().get("retry-after").is_none());
     expect_error(r, 402, ErrorType::InsufficientCredits).await;
-    let r = create("panic").await.unwrap();
+    let r = create(Fault::Panic).await.unwrap();
     expect_error(r, 500, ErrorType::InternalError).await;
 }
 

@@ -21,21 +21,23 @@ if (!url || !key) {
   process.exit(2);
 }
 
-const sandbox = { sandbox_id: 'sbx_new' };
-// Every tool, with arguments the in-test fake SandboxApi answers.
+// The sandbox create_sandbox makes (the fake SandboxApi's ids are random,
+// as the service's are); the calls after it act on it.
+const sandbox = { sandbox_id: 'sbx_not_created_yet' };
+// Every tool, with arguments the test's fake SandboxApi (sandpit-fake) answers.
 const calls = [
-  ['get_service_info', {}],
-  ['create_sandbox', { size: 'small', name: 'job', timeout_minutes: 30 }],
-  ['get_sandbox', sandbox],
-  ['write_file', { ...sandbox, path: 'a.py', content: "print('hi')" }],
-  ['read_file', { ...sandbox, path: 'a.py' }],
-  ['list_files', { ...sandbox, recursive: false }],
-  ['expose_port', { ...sandbox, port: 8000 }],
-  ['list_sandboxes', { limit: 10 }],
-  ['extend_sandbox', { ...sandbox, additional_minutes: 30 }],
-  ['run_command', { ...sandbox, command: 'echo hi', timeout_ms: 5000 }],
-  ['get_usage', { days: 7 }],
-  ['destroy_sandbox', sandbox],
+  ['get_service_info', () => ({})],
+  ['create_sandbox', () => ({ size: 'small', name: 'job', timeout_minutes: 30 })],
+  ['get_sandbox', () => sandbox],
+  ['write_file', () => ({ ...sandbox, path: 'a.py', content: "print('hi')" })],
+  ['read_file', () => ({ ...sandbox, path: 'a.py' })],
+  ['list_files', () => ({ ...sandbox, recursive: false })],
+  ['expose_port', () => ({ ...sandbox, port: 8000 })],
+  ['list_sandboxes', () => ({ limit: 10 })],
+  ['extend_sandbox', () => ({ ...sandbox, additional_minutes: 30 })],
+  ['run_command', () => ({ ...sandbox, command: 'echo hi', timeout_ms: 5000 })],
+  ['get_usage', () => ({ days: 7 })],
+  ['destroy_sandbox', () => sandbox],
 ];
 // Arguments the input schemas must refuse: their ranges mean something to Ajv.
 const refused = [
@@ -56,7 +58,8 @@ const inputs = new AjvJsonSchemaValidator();
 const validateInput = new Map(tools.map((t) => [t.name, inputs.getValidator(t.inputSchema)]));
 
 const failures = [];
-for (const [name, args] of calls) {
+for (const [name, argsOf] of calls) {
+  const args = argsOf();
   if (!byName.has(name)) {
     failures.push(`${name}: not in tools/list`);
     continue;
@@ -68,6 +71,7 @@ for (const [name, args] of calls) {
   const result = await client.callTool({ name, arguments: args });
   if (result.isError) failures.push(`${name}: isError: ${JSON.stringify(result.content)}`);
   if (!result.structuredContent) failures.push(`${name}: no structuredContent`);
+  if (name === 'create_sandbox' && result.structuredContent) sandbox.sandbox_id = result.structuredContent.id;
 }
 for (const [name, args] of refused) {
   if (validateInput.get(name)(args).valid) failures.push(`${name}: its inputSchema accepts ${JSON.stringify(args)}`);
