@@ -22,6 +22,12 @@ pub struct ClusterBenchArgs {
     /// Rounds of each measurement (each round times both sides)
     #[arg(long, default_value_t = 15)]
     rounds: usize,
+    /// Creates (each with a command) per side before any is timed: every
+    /// pooled database connection has then met the queries of the path, as
+    /// in a server that has run a while (PostgreSQL prepares a statement
+    /// once per connection, and the pool hands its connections out in turn)
+    #[arg(long, default_value_t = 12)]
+    warmup: usize,
     /// Sandbox size to use
     #[arg(long, default_value = "small")]
     size: String,
@@ -95,11 +101,10 @@ pub async fn run(settings: &Settings, a: ClusterBenchArgs) -> Result<i32> {
     })
     .await?;
     let identity = sandpit_node::Identity::in_dir(&certs, "bench-replica");
-    replica
-        .svc
-        .set_node_link(Arc::new(sandpit_node::NodeClient::new(
-            sandpit_node::client_config(&identity)?,
-        )));
+    let link = Arc::new(sandpit_node::NodeClient::new(sandpit_node::client_config(
+        &identity,
+    )?));
+    replica.svc.set_node_link(link.clone());
     replica.svc.join_cluster(cluster_cfg.clone(), "").await?;
     replica.svc.start().await?;
     embedded.svc.start().await?;
@@ -109,7 +114,7 @@ pub async fn run(settings: &Settings, a: ClusterBenchArgs) -> Result<i32> {
     // Creates from a full warm pool, then the sandbox's first `true`.
     let mut create = [Vec::new(), Vec::new()];
     let mut first = [Vec::new(), Vec::new()];
-    for _ in 0..a.rounds {
+    for round in 0..a.warmup + a.rounds {
         for (i, s) in sides.iter().enumerate() {
             // Both pools full and at rest: no refill competes for the CPU.
             for s in &sides {
@@ -120,10 +125,13 @@ pub async fn run(settings: &Settings, a: ClusterBenchArgs) -> Result<i32> {
                 .svc
                 .create_sandbox(&s.caller, create_request(&a.size), None)
                 .await?;
-            create[i].push(ms(t));
+            let created = ms(t);
             let t = Instant::now();
             s.svc.exec(&s.caller, &sbx.id, true_cmd()).await?;
-            first[i].push(ms(t));
+            if round >= a.warmup {
+                create[i].push(created);
+                first[i].push(ms(t));
+            }
             s.svc.destroy_sandbox(&s.caller, &sbx.id).await?;
         }
     }
@@ -170,6 +178,35 @@ pub async fn run(settings: &Settings, a: ClusterBenchArgs) -> Result<i32> {
         }
     }
     compare(&mut rows, "preview GET of 1 KiB", &get);
+
+    // What one round trip costs here, to read the differences above by: a
+    // create in the cluster makes two node calls and six database round
+    // trips (five on the replica, two on the node, one fewer on SQLite).
+    let store = sides[1].svc.store();
+    let node_row = store
+        .node("bench-node")
+        .await?
+        .context("the node's row is gone")?;
+    let remote =
+        sandpit_core::cluster::NodeLink::machines(&*link, &node_row.address, node_row.epoch);
+    let (mut db, mut call) = (Vec::new(), Vec::new());
+    for _ in 0..a.rounds * 4 {
+        let t = Instant::now();
+        store.now_ms().await?;
+        db.push(ms(t));
+        let t = Instant::now();
+        remote.state("sbx_bench_none").await?;
+        call.push(ms(t));
+    }
+    row(
+        &mut rows,
+        format!("one round trip ({} each)", db.len()),
+        format!(
+            "a PostgreSQL query {:.2} ms; a node call {:.2} ms",
+            median(db),
+            median(call)
+        ),
+    );
     for (i, s) in sides.iter().enumerate() {
         s.svc.destroy_sandbox(&s.caller, &live[i]).await?;
     }

@@ -19,7 +19,7 @@
 //! create is refused as busy rather than left to time out.
 
 use crate::ids::new_id;
-use crate::machines::{Command, Download, Listing, Machines, Tunnel, Upload, VmResult};
+use crate::machines::{Command, Download, Listing, Machines, Started, Tunnel, Upload, VmResult};
 use async_trait::async_trait;
 use sandpit_protocol::ExecRequest;
 use sandpit_runtime::process::Priority;
@@ -609,12 +609,14 @@ impl Machines for LocalVms {
         Ok(())
     }
 
-    async fn start(&self, id: &str, size: &str, expires_at: OffsetDateTime) -> VmResult<()> {
+    async fn start(&self, id: &str, size: &str, expires_at: OffsetDateTime) -> VmResult<Started> {
         let claimed = self.claimed.lock().unwrap().contains(id);
         if !claimed && matches!(LocalVms::state(self, id), Some(VmState::Running)) {
-            return self.manager.set_expiry(id, expires_at);
+            self.manager.set_expiry(id, expires_at)?;
+        } else {
+            self.create(id, size, expires_at).await?;
         }
-        self.create(id, size, expires_at).await.map(|_| ())
+        Ok(Started::Booted)
     }
 
     async fn destroy(&self, id: &str) -> VmResult<Option<u64>> {

@@ -32,7 +32,7 @@
 //! member records the execution as for its own; the node runs it.
 
 use crate::error::{CoreError, ErrorType, Result};
-use crate::machines::{Machines, VmResult};
+use crate::machines::{Machines, Started, VmResult};
 use crate::Service;
 use sandpit_runtime::RuntimeError;
 use sandpit_store::NodeRow;
@@ -122,17 +122,27 @@ impl Routes {
         Ok(row)
     }
 
-    /// The placement candidates, as read within [`ROUTES_FRESH`] and
-    /// counting the sandboxes this member placed since.
+    /// The placement candidates, as read within `fresh` and counting the
+    /// sandboxes this member placed since. Each heartbeat reads them again
+    /// ([`Routes::refresh`]), so a create finds them read already.
     async fn candidates(
         &self,
         store: &sandpit_store::Store,
+        fresh: Duration,
     ) -> Result<Vec<sandpit_store::Candidate>> {
         if let Some((c, at)) = &*self.candidates.lock().expect("not poisoned") {
-            if at.elapsed() < ROUTES_FRESH {
+            if at.elapsed() < fresh {
                 return Ok(c.clone());
             }
         }
+        self.refresh(store).await
+    }
+
+    /// Reads the placement candidates (and their node rows) again.
+    pub(crate) async fn refresh(
+        &self,
+        store: &sandpit_store::Store,
+    ) -> Result<Vec<sandpit_store::Candidate>> {
         let c = store.placement_candidates().await?;
         let now = Instant::now();
         // The first calls to a new sandbox go where it was placed.
@@ -250,6 +260,9 @@ impl Service {
                 if let Err(e) = svc.sweep_lost_nodes().await {
                     tracing::warn!("sweeping lost nodes: {e}");
                 }
+                if let Err(e) = svc.routes.refresh(svc.store()).await {
+                    tracing::warn!("reading the cluster's nodes: {e}");
+                }
             }
         });
         Ok(row.epoch)
@@ -317,9 +330,12 @@ impl Service {
                 machines: vms,
             }]);
         };
+        // What the last heartbeat read: a node full or gone since is found
+        // by the create's transaction, which then reads them all again.
+        let fresh = m.config.heartbeat() + ROUTES_FRESH;
         let mut candidates: Vec<_> = self
             .routes
-            .candidates(self.store())
+            .candidates(self.store(), fresh)
             .await?
             .into_iter()
             // Its own name at another epoch is another process (see
@@ -553,6 +569,14 @@ impl Service {
     }
 }
 
+/// The start of a running sandbox as its row records it.
+fn recorded(row: &sandpit_store::SandboxRow) -> Started {
+    Started::Recorded {
+        ready_at: row.ready_at.unwrap_or(row.created_at),
+        expires_at: row.expires_at,
+    }
+}
+
 #[async_trait::async_trait]
 impl Machines for Served {
     async fn take_warm(&self, size: &str) -> VmResult<Option<String>> {
@@ -563,7 +587,7 @@ impl Machines for Served {
         Machines::return_warm(&*self.vms, id, size).await
     }
 
-    async fn start(&self, id: &str, size: &str, expires_at: OffsetDateTime) -> VmResult<()> {
+    async fn start(&self, id: &str, size: &str, expires_at: OffsetDateTime) -> VmResult<Started> {
         let svc = self
             .svc
             .upgrade()
@@ -576,9 +600,13 @@ impl Machines for Served {
         if row.host != svc.config().host_name || row.status != sandpit_store::status::PROVISIONING {
             // Placed elsewhere, or its outcome is already recorded: only a
             // VM that runs here is a start that happened.
-            return match Machines::state(&*self.vms, id).await? {
-                Some(sandpit_runtime::VmState::Running) => Ok(()),
-                _ => Err(RuntimeError::Launch(format!(
+            let running = row.host == svc.config().host_name
+                && row.status == sandpit_store::status::RUNNING
+                && Machines::state(&*self.vms, id).await?
+                    == Some(sandpit_runtime::VmState::Running);
+            return match running {
+                true => Ok(recorded(&row)),
+                false => Err(RuntimeError::Launch(format!(
                     "sandbox {id} is {} on node {}",
                     row.status, row.host
                 ))),
@@ -588,7 +616,7 @@ impl Machines for Served {
         let local: Arc<dyn Machines> = self.vms.clone();
         svc.boot(row, local)
             .await
-            .map(|_| ())
+            .map(|row| recorded(&row))
             .map_err(|e| RuntimeError::Launch(e.message))
     }
 

@@ -19,6 +19,21 @@ use tokio::io::{AsyncRead, AsyncWrite};
 /// What a call to a VM gives back.
 pub type VmResult<T> = std::result::Result<T, RuntimeError>;
 
+/// What a successful [`Machines::start`] leaves to its caller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Started {
+    /// The VM runs; recording that the sandbox does is the caller's job.
+    Booted,
+    /// The VM runs and the machine recorded it itself (a cluster node does,
+    /// so that the outcome survives a caller lost mid-create): the sandbox
+    /// is `running` since `ready_at` and expires at `expires_at` (later
+    /// than asked if it was extended while it started).
+    Recorded {
+        ready_at: OffsetDateTime,
+        expires_at: OffsetDateTime,
+    },
+}
+
 /// The VMs of one node.
 #[async_trait]
 pub trait Machines: Send + Sync {
@@ -34,7 +49,7 @@ pub trait Machines: Send + Sync {
     /// one restored or booted now) whose watchdog ends it at `expires_at`.
     /// Starting a VM that already runs is not an error: a create retried
     /// after its first caller was lost finds the VM it started.
-    async fn start(&self, id: &str, size: &str, expires_at: OffsetDateTime) -> VmResult<()>;
+    async fn start(&self, id: &str, size: &str, expires_at: OffsetDateTime) -> VmResult<Started>;
 
     /// Kills the VM and removes its files (one already gone is fine).
     /// Returns what its disk held just before, when it could be measured.

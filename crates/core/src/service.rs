@@ -14,7 +14,7 @@ use crate::backend::LocalVms;
 use crate::config::{cost, ServiceConfig, SizeConfig};
 use crate::error::{CoreError, ErrorType, Result};
 use crate::ids::{new_id, rfc3339};
-use crate::machines::{Command, Listing, Machines};
+use crate::machines::{Command, Listing, Machines, Started};
 use crate::model::*;
 use crate::preview::{preview_url, PreviewConn, PreviewError, PreviewLimits, Previews};
 use crate::utf8::Utf8Chunker;
@@ -818,32 +818,29 @@ impl Service {
 
     /// [`Service::boot`]'s start itself.
     async fn start_vm(&self, row: SandboxRow, machines: Arc<dyn Machines>) -> Result<SandboxRow> {
-        let remote = row.host != self.config.host_name || self.vms.is_none();
         match machines.start(&row.id, &row.size, row.expires_at).await {
-            Ok(()) => {
-                // A node records its start itself (see `crate::cluster`).
-                let recorded = match remote {
-                    true => self
-                        .store
-                        .sandbox(&row.id)
-                        .await?
-                        .filter(|r| r.status != status::PROVISIONING),
-                    false => None,
-                };
-                let running = match recorded {
-                    Some(r) => r,
-                    None => {
-                        self.store
-                            .set_status(&row.id, status::RUNNING, None)
-                            .await?
-                    }
-                };
-                // Extended while it booted: the VM's watchdog has the old expiry.
+            Ok(Started::Booted) => {
+                let running = self
+                    .store
+                    .set_status(&row.id, status::RUNNING, None)
+                    .await?;
+                // Extended while it booted: the VM's watchdog has the old
+                // expiry.
                 if running.expires_at != row.expires_at {
                     let _ = machines.set_expiry(&row.id, running.expires_at).await;
                 }
                 Ok(running)
             }
+            // A node records its start itself (see `crate::cluster`).
+            Ok(Started::Recorded {
+                ready_at,
+                expires_at,
+            }) => Ok(SandboxRow {
+                status: status::RUNNING.into(),
+                ready_at: Some(ready_at),
+                expires_at,
+                ..row
+            }),
             Err(e) => {
                 tracing::warn!(id = %row.id, host = %row.host, "create failed: {e}");
                 let _ = machines.destroy(&row.id).await;
@@ -888,6 +885,7 @@ impl Service {
                         false => machines
                             .start(&first.id, &first.size, first.expires_at)
                             .await
+                            .map(|_| ())
                             .map_err(runtime_error),
                     }
                 })
@@ -1117,37 +1115,49 @@ impl SandboxApi for Service {
         let mut placed = None;
         for target in self.placement(&size_name).await? {
             // A warm pool VM already carries the id its sandbox will have.
-            let warm = match target.machines.take_warm(&size_name).await {
-                Ok(warm) => warm,
-                Err(e) => {
-                    tracing::warn!(node = %target.host, "taking a warm VM: {e}");
+            // Taking it (a call to the node) overlaps the transaction's
+            // start.
+            let taken = std::sync::Mutex::new(None);
+            let id = async {
+                let warm = target.machines.take_warm(&size_name).await;
+                let id = match &warm {
+                    Ok(warm) => Some(warm.clone().unwrap_or_else(|| new_id("sbx_"))),
+                    Err(e) => {
+                        tracing::warn!(node = %target.host, "taking a warm VM: {e}");
+                        None
+                    }
+                };
+                *taken.lock().unwrap() = Some(warm);
+                id
+            };
+            let new = sandpit_store::NewSandbox {
+                id: String::new(),
+                account_id: caller.account_id.clone(),
+                name: req.name.clone(),
+                size: size_name.clone(),
+                vcpus: size.vcpus,
+                memory_mb: size.memory_mb,
+                disk_gb: size.disk_gb,
+                timeout_minutes: timeout,
+                price_micros_per_hour: price,
+                host: target.host.clone(),
+                host_epoch: target.epoch,
+                created_at: now,
+                expires_at: now + time::Duration::minutes(timeout as i64),
+                reserve_micros: reserve,
+                max_concurrent: None,
+                disk_limit_bytes: Some(self.config.account_disk_bytes),
+                idempotency: idempotency_key.clone().map(|k| (k, request_hash.clone())),
+            };
+            let outcome = self.store.create_sandbox_named(new, id).await;
+            let warm = match taken.into_inner().unwrap() {
+                Some(Err(e)) => {
                     refused = Some(format!("node {} is out of reach ({e})", target.host));
                     continue;
                 }
+                Some(Ok(warm)) => warm,
+                None => None,
             };
-            let id = warm.clone().unwrap_or_else(|| new_id("sbx_"));
-            let outcome = self
-                .store
-                .create_sandbox(sandpit_store::NewSandbox {
-                    id: id.clone(),
-                    account_id: caller.account_id.clone(),
-                    name: req.name.clone(),
-                    size: size_name.clone(),
-                    vcpus: size.vcpus,
-                    memory_mb: size.memory_mb,
-                    disk_gb: size.disk_gb,
-                    timeout_minutes: timeout,
-                    price_micros_per_hour: price,
-                    host: target.host.clone(),
-                    host_epoch: target.epoch,
-                    created_at: now,
-                    expires_at: now + time::Duration::minutes(timeout as i64),
-                    reserve_micros: reserve,
-                    max_concurrent: None,
-                    disk_limit_bytes: Some(self.config.account_disk_bytes),
-                    idempotency: idempotency_key.clone().map(|k| (k, request_hash.clone())),
-                })
-                .await;
             // A pool VM whose sandbox was not created goes back, never used.
             if let Some(id) = &warm {
                 if !matches!(outcome, Ok(CreateOutcome::Created(_))) {

@@ -8,14 +8,14 @@
 
 use crate::server::{full, Body, ChannelBody, ErrorBody, Health, EPOCH_HEADER};
 use crate::tls;
-use crate::wire::{self, DownloadFrame};
+use crate::wire::{self, ms, DownloadFrame};
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::{Request, Response};
 use sandpit_core::machines::{
-    Command, Download, Duplex, Listing, Machines, Tunnel, Upload, VmResult,
+    Command, Download, Duplex, Listing, Machines, Started, Tunnel, Upload, VmResult,
 };
 use sandpit_protocol::ExecRequest;
 use sandpit_runtime::{ExecEvent, RuntimeError, VmState};
@@ -250,9 +250,6 @@ async fn ok(address: &str, resp: Response<Incoming>) -> Result<Response<Incoming
 }
 
 /// Unix milliseconds of a time.
-fn ms(t: OffsetDateTime) -> i64 {
-    (t.unix_timestamp_nanos() / 1_000_000) as i64
-}
 
 /// The VMs of another node, reached over its API at one epoch.
 #[derive(Clone)]
@@ -332,13 +329,15 @@ impl Machines for RemoteNode {
         .await
     }
 
-    async fn start(&self, id: &str, size: &str, expires_at: OffsetDateTime) -> VmResult<()> {
+    async fn start(&self, id: &str, size: &str, expires_at: OffsetDateTime) -> VmResult<Started> {
         let args = wire::StartArgs {
             size: size.to_string(),
             expires_at_ms: ms(expires_at),
         };
-        self.call(&format!("sandboxes/{id}/start"), &args, START_TIMEOUT)
-            .await
+        let started: wire::Started = self
+            .call(&format!("sandboxes/{id}/start"), &args, START_TIMEOUT)
+            .await?;
+        Ok(started.into())
     }
 
     async fn destroy(&self, id: &str) -> VmResult<Option<u64>> {

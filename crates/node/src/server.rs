@@ -14,7 +14,7 @@
 //! HTTP 422 with the error's kind ([`wire::WireError`]); the node's own
 //! refusals (epoch, route) carry `{"error": {"type", "message"}}`.
 
-use crate::wire::{self, DownloadMeta};
+use crate::wire::{self, time_of, DownloadMeta};
 use bytes::{Bytes, BytesMut};
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
@@ -29,7 +29,6 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
-use time::OffsetDateTime;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
@@ -141,12 +140,6 @@ fn answer<T: Serialize>(outcome: Result<T, RuntimeError>) -> Response<Body> {
     }
 }
 
-/// A time from Unix milliseconds.
-fn time_of(ms: i64) -> OffsetDateTime {
-    OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
-        .unwrap_or(OffsetDateTime::UNIX_EPOCH)
-}
-
 /// One request, after TLS has admitted its sender.
 async fn handle(state: Arc<dyn NodeState>, req: Request<Incoming>) -> Response<Body> {
     let Some(epoch) = state.epoch() else {
@@ -205,7 +198,8 @@ async fn handle(state: Arc<dyn NodeState>, req: Request<Incoming>) -> Response<B
                         detached(
                             async move { vms.start(&id, &a.size, time_of(a.expires_at_ms)).await },
                         )
-                        .await,
+                        .await
+                        .map(wire::Started::from),
                     ),
                     Err(r) => r,
                 },

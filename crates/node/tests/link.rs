@@ -3,7 +3,9 @@
 //! and clients with and without the cluster's certificates.
 
 use async_trait::async_trait;
-use sandpit_core::machines::{Command, Download, Listing, Machines, Tunnel, Upload, VmResult};
+use sandpit_core::machines::{
+    Command, Download, Listing, Machines, Started, Tunnel, Upload, VmResult,
+};
 use sandpit_node::{
     client_config, init_ca, issue, server_config, Health, NodeClient, NodeError, NodeState,
 };
@@ -147,10 +149,18 @@ impl Machines for FakeVms {
     async fn return_warm(&self, _id: &str, _size: &str) -> VmResult<()> {
         Ok(())
     }
-    async fn start(&self, id: &str, _size: &str, expires_at: OffsetDateTime) -> VmResult<()> {
+    async fn start(&self, id: &str, size: &str, expires_at: OffsetDateTime) -> VmResult<Started> {
         check(id)?;
         *self.expiry.lock().unwrap() = Some(expires_at);
-        Ok(())
+        // A node records its starts; a "large" one here stands for a
+        // machine that leaves that to its caller.
+        Ok(match size {
+            "large" => Started::Booted,
+            _ => Started::Recorded {
+                ready_at: OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap(),
+                expires_at: expires_at + time::Duration::minutes(5),
+            },
+        })
     }
     async fn destroy(&self, id: &str) -> VmResult<Option<u64>> {
         Ok((id == "vm1").then_some(4096))
@@ -422,8 +432,18 @@ async fn a_nodes_vms_answer_through_the_link_as_they_would_at_home() {
     assert_eq!(remote.take_warm("large").await.unwrap(), None);
     remote.return_warm("vm1", "small").await.unwrap();
     let at = OffsetDateTime::from_unix_timestamp(1_900_000_000).unwrap();
-    remote.start("vm1", "small", at).await.unwrap();
+    assert_eq!(
+        remote.start("vm1", "small", at).await.unwrap(),
+        Started::Recorded {
+            ready_at: OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap(),
+            expires_at: at + time::Duration::minutes(5),
+        }
+    );
     assert_eq!(*vms.expiry.lock().unwrap(), Some(at));
+    assert_eq!(
+        remote.start("vm1", "large", at).await.unwrap(),
+        Started::Booted
+    );
     // A VM that died is a VM that died here too, not "retry".
     match remote.start("vm2", "small", at).await {
         Err(RuntimeError::VmExited { cause }) => assert_eq!(cause, "killed by signal 9"),

@@ -374,6 +374,11 @@ impl Store {
         let pool = AnyPoolOptions::new()
             .max_connections(POSTGRES_CONNECTIONS)
             .acquire_timeout(POSTGRES_ACQUIRE_TIMEOUT)
+            // No ping before each use: it would double the round trips of
+            // every query. A connection the server dropped fails its next
+            // query (an `Unavailable`, which the API answers as "retry")
+            // and is closed.
+            .test_before_acquire(false)
             .connect(url)
             .await
             .map_err(|e| {

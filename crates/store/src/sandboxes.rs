@@ -9,7 +9,7 @@ use crate::util::{
 };
 use crate::{lock_account, row_lock, Store};
 use sqlx::any::AnyRow;
-use sqlx::{Any, Transaction};
+use sqlx::{Any, Row, Transaction};
 use time::OffsetDateTime;
 
 /// A sandbox as stored.
@@ -200,6 +200,100 @@ pub(crate) async fn sandbox_in(
         .transpose()
 }
 
+/// What [`Store::set_status`] does with a row that is not live or already
+/// has the status: the row itself if nothing is to change, the refusal if
+/// it ended; `None` if the change is to be made.
+fn unchanged(row: SandboxRow, new_status: &str) -> Result<Option<SandboxRow>> {
+    if !row.is_live() {
+        return Err(StoreError::Conflict(format!(
+            "sandbox {} is {}, it cannot become {new_status}",
+            row.id, row.status
+        )));
+    }
+    Ok((row.status == new_status).then_some(row))
+}
+
+/// The rows a create writes: the sandbox (`provisioning`), its first
+/// event, its reservation in the ledger, its idempotency key. On
+/// PostgreSQL one statement (one round trip); on SQLite, in the process,
+/// one statement each.
+async fn insert_sandbox(
+    tx: &mut Transaction<'static, Any>,
+    new: &NewSandbox,
+    postgres: bool,
+) -> Result<SandboxRow> {
+    let sandbox = "INSERT INTO sandboxes (id, account_id, name, size, vcpus, memory_mb, \
+                     disk_gb, timeout_minutes, status, price_micros_per_hour, host, \
+                     created_at, expires_at) \
+                   VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'provisioning', $9, $10, $11, $12) \
+                   RETURNING *";
+    let sql = match postgres {
+        true => format!(
+            "WITH s AS ({sandbox}), \
+             e AS (INSERT INTO sandbox_events (sandbox_id, status, reason, at) \
+                   SELECT id, status, NULL, created_at FROM s), \
+             l AS (INSERT INTO ledger (account_id, sandbox_id, kind, amount_micros, note, at) \
+                   SELECT account_id, id, 'reserve', -$13, 'create', created_at FROM s \
+                   WHERE $13 > 0), \
+             i AS (INSERT INTO idempotency (account_id, key, request_hash, sandbox_id, \
+                     created_at) \
+                   SELECT account_id, $14, $15, id, created_at FROM s WHERE $14 IS NOT NULL) \
+             SELECT * FROM s"
+        ),
+        false => sandbox.to_string(),
+    };
+    let mut query = sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(&new.id)
+        .bind(&new.account_id)
+        .bind(&new.name)
+        .bind(&new.size)
+        .bind(i64::from(new.vcpus))
+        .bind(i64::from(new.memory_mb))
+        .bind(i64::from(new.disk_gb))
+        .bind(i64::from(new.timeout_minutes))
+        .bind(new.price_micros_per_hour)
+        .bind(&new.host)
+        .bind(format_ts(new.created_at))
+        .bind(format_ts(new.expires_at));
+    if postgres {
+        query = query
+            .bind(new.reserve_micros)
+            .bind(new.idempotency.as_ref().map(|(key, _)| key.clone()))
+            .bind(new.idempotency.as_ref().map(|(_, hash)| hash.clone()));
+    }
+    let row = sandbox_from(&query.fetch_one(&mut **tx).await?)?;
+    if postgres {
+        return Ok(row);
+    }
+    insert_event(tx, &row.id, status::PROVISIONING, None, row.created_at).await?;
+    if new.reserve_micros > 0 {
+        insert_ledger(
+            tx,
+            &row.account_id,
+            &row.id,
+            "reserve",
+            -new.reserve_micros,
+            Some("create"),
+            row.created_at,
+        )
+        .await?;
+    }
+    if let Some((key, hash)) = &new.idempotency {
+        sqlx::query(
+            "INSERT INTO idempotency (account_id, key, request_hash, sandbox_id, created_at) \
+             VALUES ($1, $2, $3, $4, $5)",
+        )
+        .bind(&row.account_id)
+        .bind(key)
+        .bind(hash)
+        .bind(&row.id)
+        .bind(format_ts(row.created_at))
+        .execute(&mut **tx)
+        .await?;
+    }
+    Ok(row)
+}
+
 async fn insert_event(
     tx: &mut Transaction<'static, Any>,
     sandbox_id: &str,
@@ -323,68 +417,100 @@ impl Store {
     /// account) run one after another, so reservations that together exceed
     /// the balance can never all pass the check.
     pub async fn create_sandbox(&self, new: NewSandbox) -> Result<CreateOutcome> {
+        let id = new.id.clone();
+        self.create_sandbox_named(new, async { Some(id) }).await
+    }
+
+    /// [`Store::create_sandbox`] for a sandbox whose id is still on its
+    /// way (`new.id` is not used): a warm VM taken from a node over the
+    /// network names it. The transaction begins meanwhile, and nothing is
+    /// locked or read until `id` is known. `None` from `id` abandons the
+    /// create: [`CreateOutcome::HostUnavailable`].
+    pub async fn create_sandbox_named(
+        &self,
+        mut new: NewSandbox,
+        id: impl std::future::Future<Output = Option<String>>,
+    ) -> Result<CreateOutcome> {
         if new.reserve_micros < 0 {
             return Err(StoreError::Invalid(format!(
                 "reserve_micros must not be negative, not {}",
                 new.reserve_micros
             )));
         }
-        let mut tx = self.write_tx().await?;
-        lock_account(&mut tx, &new.account_id).await?;
-
-        if let Some((key, hash)) = &new.idempotency {
-            let seen: Option<(String, String)> = sqlx::query_as(
-                "SELECT request_hash, sandbox_id FROM idempotency \
-                 WHERE account_id = $1 AND key = $2",
-            )
+        let (tx, id) = tokio::join!(self.write_tx(), id);
+        let mut tx = tx?;
+        let Some(id) = id else {
+            return Ok(CreateOutcome::HostUnavailable);
+        };
+        new.id = id;
+        let postgres = crate::is_postgres(&tx);
+        // The account's row lock (see `lock_account`), and the node's: creates
+        // on one node take turns (they count its places), and the sweep that
+        // would declare it lost waits for this sandbox to exist, and then
+        // settles it with the others. Both in one statement, the account's
+        // first. `host_max` is `None` when the node is not up at that epoch
+        // within its lease.
+        let (clock, lock) = match postgres {
+            true => (crate::Engine::Postgres, " FOR NO KEY UPDATE"),
+            false => (crate::Engine::Sqlite, ""),
+        };
+        let sql = format!(
+            "SELECT (SELECT 1 FROM accounts WHERE id = $1{lock}) AS account, \
+               (SELECT max_sandboxes FROM nodes WHERE name = $2 AND epoch = $3 \
+                  AND state = 'up' AND lease_until_ms > {}{lock}) AS host_max",
+            crate::nodes::now_ms_sql(clock)
+        );
+        let locked = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(&new.account_id)
-            .bind(key)
-            .fetch_optional(&mut *tx)
+            .bind(&new.host)
+            .bind(new.host_epoch)
+            .fetch_one(&mut *tx)
             .await?;
-            if let Some((seen_hash, sandbox_id)) = seen {
+        let host_max: Option<i64> = locked.try_get("host_max")?;
+
+        // Everything the decision reads, in one statement (one round trip
+        // to a PostgreSQL server), taken under the locks above.
+        let checks = sqlx::query(
+            "SELECT a.max_concurrent AS max_concurrent, \
+               (SELECT CAST(COALESCE(SUM(amount_micros), 0) AS BIGINT) FROM ledger \
+                  WHERE account_id = a.id) AS balance, \
+               (SELECT COUNT(*) FROM sandboxes WHERE account_id = a.id \
+                  AND status IN ('provisioning', 'running', 'deleting')) AS live, \
+               (SELECT CAST(COALESCE(SUM(disk_used_bytes), 0) AS BIGINT) FROM sandboxes \
+                  WHERE account_id = a.id \
+                  AND status IN ('provisioning', 'running', 'deleting')) AS disk_used, \
+               (SELECT COUNT(*) FROM sandboxes WHERE host = $2 \
+                  AND status IN ('provisioning', 'running', 'deleting')) AS host_live, \
+               (SELECT request_hash FROM idempotency WHERE account_id = a.id AND key = $3) \
+                  AS seen_hash, \
+               (SELECT sandbox_id FROM idempotency WHERE account_id = a.id AND key = $3) \
+                  AS seen_sandbox \
+             FROM accounts a WHERE a.id = $1",
+        )
+        .bind(&new.account_id)
+        .bind(&new.host)
+        .bind(new.idempotency.as_ref().map(|(key, _)| key.as_str()))
+        .fetch_optional(&mut *tx)
+        .await?
+        .ok_or_else(|| StoreError::NotFound(format!("account {}", new.account_id)))?;
+
+        if let Some((_, hash)) = &new.idempotency {
+            if let Some(seen_hash) = get_opt_str(&checks, "seen_hash")? {
                 if &seen_hash != hash {
                     return Ok(CreateOutcome::IdempotencyConflict);
                 }
+                let sandbox_id = get_str(&checks, "seen_sandbox")?;
                 let row = sandbox_in(&mut tx, &sandbox_id).await?.ok_or_else(|| {
                     StoreError::Corrupt(format!("idempotency row names missing {sandbox_id}"))
                 })?;
                 return Ok(CreateOutcome::Replay(row));
             }
         }
-
-        if let Some(epoch) = new.host_epoch {
-            // Creates on one node take turns (they count its places), and
-            // the sweep that would declare it lost waits for this sandbox
-            // to exist, and then settles it with the others.
-            let lock = if crate::is_postgres(&tx) {
-                " FOR NO KEY UPDATE"
-            } else {
-                ""
-            };
-            let sql = format!(
-                "SELECT max_sandboxes FROM nodes WHERE name = $1 AND epoch = $2 AND state = 'up' \
-                   AND lease_until_ms > {}{lock}",
-                crate::nodes::now_ms_sql(if crate::is_postgres(&tx) {
-                    crate::Engine::Postgres
-                } else {
-                    crate::Engine::Sqlite
-                })
-            );
-            let max: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
-                .bind(&new.host)
-                .bind(epoch)
-                .fetch_optional(&mut *tx)
-                .await?;
-            let Some(max) = max else {
+        if new.host_epoch.is_some() {
+            let Some(max) = host_max else {
                 return Ok(CreateOutcome::HostUnavailable);
             };
-            let live: i64 = sqlx::query_scalar(
-                "SELECT COUNT(*) FROM sandboxes WHERE host = $1 \
-                 AND status IN ('provisioning', 'running', 'deleting')",
-            )
-            .bind(&new.host)
-            .fetch_one(&mut *tx)
-            .await?;
+            let live = get_i64(&checks, "host_live")?;
             if live >= max {
                 return Ok(CreateOutcome::HostFull {
                     live: u32::try_from(live).unwrap_or(u32::MAX),
@@ -392,78 +518,31 @@ impl Store {
                 });
             }
         }
-
         let limit = match new.max_concurrent {
             Some(l) => l,
-            None => {
-                let l: Option<i64> =
-                    sqlx::query_scalar("SELECT max_concurrent FROM accounts WHERE id = $1")
-                        .bind(&new.account_id)
-                        .fetch_optional(&mut *tx)
-                        .await?;
-                let l =
-                    l.ok_or_else(|| StoreError::NotFound(format!("account {}", new.account_id)))?;
-                u32::try_from(l).map_err(|_| StoreError::Corrupt(format!("max_concurrent {l}")))?
-            }
+            None => get_u32(&checks, "max_concurrent")?,
         };
-
-        let balance = balance_in(&mut *tx, &new.account_id).await?;
+        let balance = get_i64(&checks, "balance")?;
         if balance < new.reserve_micros {
             return Ok(CreateOutcome::InsufficientCredits {
                 balance,
                 needed: new.reserve_micros,
             });
         }
-
-        let live: i64 = sqlx::query_scalar(
-            "SELECT COUNT(*) FROM sandboxes WHERE account_id = $1 \
-             AND status IN ('provisioning', 'running', 'deleting')",
-        )
-        .bind(&new.account_id)
-        .fetch_one(&mut *tx)
-        .await?;
-        let live = u32::try_from(live).unwrap_or(u32::MAX);
+        let live = u32::try_from(get_i64(&checks, "live")?).unwrap_or(u32::MAX);
         if live >= limit {
             return Ok(CreateOutcome::TooManySandboxes { live, limit });
         }
         if let Some(limit) = new.disk_limit_bytes {
-            let used: i64 = sqlx::query_scalar(
-                "SELECT CAST(COALESCE(SUM(disk_used_bytes), 0) AS BIGINT) FROM sandboxes WHERE account_id = $1 \
-                 AND status IN ('provisioning', 'running', 'deleting')",
-            )
-            .bind(&new.account_id)
-            .fetch_one(&mut *tx)
-            .await?;
-            let used = used.max(0) as u64;
+            let used = get_i64(&checks, "disk_used")?.max(0) as u64;
             if used >= limit {
                 return Ok(CreateOutcome::OverDiskLimit { used, limit });
             }
         }
 
-        let inserted = sqlx::query(
-            "INSERT INTO sandboxes (id, account_id, name, size, vcpus, memory_mb, disk_gb, \
-                 timeout_minutes, status, price_micros_per_hour, host, created_at, expires_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'provisioning', $9, $10, $11, $12) \
-             RETURNING *",
-        )
-        .bind(&new.id)
-        .bind(&new.account_id)
-        .bind(&new.name)
-        .bind(&new.size)
-        .bind(i64::from(new.vcpus))
-        .bind(i64::from(new.memory_mb))
-        .bind(i64::from(new.disk_gb))
-        .bind(i64::from(new.timeout_minutes))
-        .bind(new.price_micros_per_hour)
-        .bind(&new.host)
-        .bind(format_ts(new.created_at))
-        .bind(format_ts(new.expires_at))
-        .fetch_one(&mut *tx)
-        .await;
-        let row = match inserted {
-            Ok(r) => sandbox_from(&r)?,
+        let row = match insert_sandbox(&mut tx, &new, postgres).await {
+            Ok(row) => row,
             Err(e) => {
-                let e = StoreError::from(e);
                 if e.is_unique_violation() {
                     return Err(StoreError::Conflict(format!("sandbox {} exists", new.id)));
                 }
@@ -477,32 +556,6 @@ impl Store {
                 return Err(e);
             }
         };
-        insert_event(&mut tx, &row.id, status::PROVISIONING, None, row.created_at).await?;
-        if new.reserve_micros > 0 {
-            insert_ledger(
-                &mut tx,
-                &row.account_id,
-                &row.id,
-                "reserve",
-                -new.reserve_micros,
-                Some("create"),
-                row.created_at,
-            )
-            .await?;
-        }
-        if let Some((key, hash)) = &new.idempotency {
-            sqlx::query(
-                "INSERT INTO idempotency (account_id, key, request_hash, sandbox_id, created_at) \
-                 VALUES ($1, $2, $3, $4, $5)",
-            )
-            .bind(&row.account_id)
-            .bind(key)
-            .bind(hash)
-            .bind(&row.id)
-            .bind(format_ts(row.created_at))
-            .execute(&mut *tx)
-            .await?;
-        }
         tx.commit().await?;
         Ok(CreateOutcome::Created(row))
     }
@@ -526,18 +579,15 @@ impl Store {
                 "set_status takes a live status, not {new_status:?} (use finish_sandbox)"
             )));
         }
+        if self.engine == crate::Engine::Postgres {
+            return self.set_status_at_once(id, new_status, reason).await;
+        }
         let mut tx = self.write_tx().await?;
         let row = sandbox_in(&mut tx, id)
             .await?
             .ok_or_else(|| StoreError::NotFound(format!("sandbox {id}")))?;
-        if !row.is_live() {
-            return Err(StoreError::Conflict(format!(
-                "sandbox {id} is {}, it cannot become {new_status}",
-                row.status
-            )));
-        }
-        if row.status == new_status {
-            return Ok(row);
+        if let Some(same) = unchanged(row, new_status)? {
+            return Ok(same);
         }
         let at = now();
         let updated = sqlx::query(
@@ -554,6 +604,45 @@ impl Store {
         insert_event(&mut tx, id, new_status, reason, at).await?;
         tx.commit().await?;
         Ok(updated)
+    }
+
+    /// [`Store::set_status`] on PostgreSQL: the change and its event in one
+    /// statement (one round trip, its own transaction), whose `UPDATE`
+    /// takes the row lock and sees the row as the last writer left it.
+    async fn set_status_at_once(
+        &self,
+        id: &str,
+        new_status: &str,
+        reason: Option<&str>,
+    ) -> Result<SandboxRow> {
+        let updated = sqlx::query(
+            "WITH u AS (UPDATE sandboxes SET status = $2, \
+                   ready_at = CASE WHEN $2 = 'running' AND ready_at IS NULL THEN $3 \
+                              ELSE ready_at END \
+                 WHERE id = $1 AND status IN ('provisioning', 'running', 'deleting') \
+                   AND status <> $2 \
+                 RETURNING *), \
+             e AS (INSERT INTO sandbox_events (sandbox_id, status, reason, at) \
+                   SELECT id, $2, $4, $3 FROM u) \
+             SELECT * FROM u",
+        )
+        .bind(id)
+        .bind(new_status)
+        .bind(format_ts(now()))
+        .bind(reason)
+        .fetch_optional(&self.pool)
+        .await?;
+        if let Some(updated) = updated {
+            return sandbox_from(&updated);
+        }
+        // Not changed: it has that status already, has ended, or is not there.
+        let row = self
+            .sandbox(id)
+            .await?
+            .ok_or_else(|| StoreError::NotFound(format!("sandbox {id}")))?;
+        unchanged(row, new_status)?.ok_or_else(|| {
+            StoreError::Conflict(format!("sandbox {id} changed while it became {new_status}"))
+        })
     }
 
     /// Extends a `provisioning` or `running` sandbox of `account_id`: stores
