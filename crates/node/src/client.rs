@@ -249,8 +249,6 @@ async fn ok(address: &str, resp: Response<Incoming>) -> Result<Response<Incoming
     Err(answer_error(status, &read_body(address, resp).await?))
 }
 
-/// Unix milliseconds of a time.
-
 /// The VMs of another node, reached over its API at one epoch.
 #[derive(Clone)]
 pub struct RemoteNode {
