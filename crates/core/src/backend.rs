@@ -191,16 +191,21 @@ impl LocalVms {
     }
 
     /// A turn to start a VM, waiting in a bounded queue.
+    /// The refusal of a start past the queue (`max_waiting_starts`).
+    fn queue_full(&self) -> RuntimeError {
+        RuntimeError::Busy(format!(
+            "{} sandboxes are already waiting to start on this host; retry shortly",
+            self.pool.max_waiting_starts
+        ))
+    }
+
     async fn start_slot(&self) -> Result<tokio::sync::SemaphorePermit<'_>, RuntimeError> {
         if let Ok(p) = self.starts.try_acquire() {
             return Ok(p);
         }
         if self.waiting.fetch_add(1, Ordering::SeqCst) >= self.pool.max_waiting_starts {
             self.waiting.fetch_sub(1, Ordering::SeqCst);
-            return Err(RuntimeError::Busy(format!(
-                "{} sandboxes are already waiting to start on this host; retry shortly",
-                self.pool.max_waiting_starts
-            )));
+            return Err(self.queue_full());
         }
         let permit = self.starts.acquire().await;
         self.waiting.fetch_sub(1, Ordering::SeqCst);
@@ -601,7 +606,18 @@ impl Download for LocalDownload {
 #[async_trait]
 impl Machines for LocalVms {
     async fn take_warm(&self, size: &str) -> VmResult<Option<String>> {
-        Ok(LocalVms::take_warm(self, size))
+        if let Some(id) = LocalVms::take_warm(self, size) {
+            return Ok(Some(id));
+        }
+        // No warm VM: the start will boot one, in the start queue. A full
+        // queue refuses now, before anything is recorded, so that a
+        // cluster's create tries another node instead.
+        if self.starts.available_permits() == 0
+            && self.waiting.load(Ordering::SeqCst) >= self.pool.max_waiting_starts
+        {
+            return Err(self.queue_full());
+        }
+        Ok(None)
     }
 
     async fn return_warm(&self, id: &str, size: &str) -> VmResult<()> {

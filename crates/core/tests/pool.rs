@@ -195,3 +195,53 @@ async fn a_refill_stops_while_a_command_runs() {
     svc.shutdown().await;
     assert!(svc.vms_on_host().is_empty(), "{:?}", svc.vms_on_host());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_start_queue_refuses_a_create_before_it_records_anything() {
+    // One start at a time and none waiting: while a cold boot runs, the
+    // host has no room for another start.
+    let (svc, _dir) = service_with_pool(PoolConfig {
+        sizes: BTreeMap::new(),
+        max_concurrent_starts: 1,
+        max_waiting_starts: 0,
+    })
+    .await;
+    let me = account(&svc, "queue", 10.0).await;
+    let first = tokio::spawn({
+        let (svc, me) = (svc.clone(), me.clone());
+        async move {
+            svc.create_sandbox(&me, CreateSandbox::default(), None)
+                .await
+        }
+    });
+    // Its VM is starting (it holds the one start).
+    let start = Instant::now();
+    while svc.vms_on_host().is_empty() {
+        assert!(start.elapsed() < Duration::from_secs(60), "no VM started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let e = svc
+        .create_sandbox(&me, CreateSandbox::default(), None)
+        .await
+        .expect_err("a second start found no room, yet it was accepted");
+    assert_eq!(e.kind, ErrorType::ServiceUnavailable, "{e:?}");
+    assert!(e.message.contains("already waiting to start"), "{e:?}");
+    assert!(e.retry_after.is_some(), "{e:?}");
+    // Nothing was recorded for it: no sandbox, no reservation.
+    let listed = svc
+        .list_sandboxes(
+            &me,
+            sandpit_core::ListSandboxes {
+                include_deleted: Some(true),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(listed.data.len(), 1, "{:?}", listed.data);
+    let (first, _) = first.await.unwrap().unwrap();
+    assert_eq!(listed.data[0].id, first.id);
+    assert_eq!(first.status, sandpit_core::SandboxStatus::Running);
+    svc.destroy_sandbox(&me, &first.id).await.unwrap();
+    svc.shutdown().await;
+}
