@@ -1,0 +1,158 @@
+//! The account as the service answers for it: who calls, what they spent,
+//! what they have, and what this service offers.
+//!
+//! Separate because these calls only read (the ledger, the usage rows, the
+//! configuration and the hosts); none of them changes a sandbox. Owns
+//! authentication, accounts' creation (for operators), usage (a live
+//! sandbox's cost so far, an ended one's charge, preview traffic not yet
+//! flushed included), the account object and the service's description.
+
+use crate::api::Caller;
+use crate::config::cost;
+use crate::error::{CoreError, Result};
+use crate::ids::rfc3339;
+use crate::model::*;
+use crate::service::lifecycle::lived_seconds;
+use crate::service::Service;
+use time::OffsetDateTime;
+
+impl Service {
+    /// Create an account with `credit_usd` (see [`crate::admin`]).
+    pub async fn create_account(&self, name: &str, credit_usd: f64) -> Result<Account> {
+        crate::admin::create_account(&self.store, &self.config, name, credit_usd).await
+    }
+
+    /// The API's `authenticate`.
+    pub(super) async fn caller_for(&self, api_key: &str) -> Result<Caller> {
+        match self.store.authenticate(api_key).await? {
+            Some((_, acct)) => Ok(Caller {
+                account_id: acct.id,
+            }),
+            None => Err(CoreError::unauthorized()),
+        }
+    }
+
+    /// The API's `usage`.
+    pub(super) async fn usage_of(&self, caller: &Caller, days: Option<u32>) -> Result<Usage> {
+        let days = days.unwrap_or(30);
+        if !(1..=366).contains(&days) {
+            return Err(CoreError::invalid(format!(
+                "days must be between 1 and 366, not {days}"
+            )));
+        }
+        let now = OffsetDateTime::now_utc();
+        let rows = self
+            .store
+            .usage(&caller.account_id, now - time::Duration::days(days as i64))
+            .await?;
+        let mut total = 0;
+        let sandboxes = rows
+            .iter()
+            .map(|u| {
+                let r = &u.sandbox;
+                let end = r.deleted_at.unwrap_or(now).min(r.expires_at);
+                let seconds = lived_seconds(r.created_at, end);
+                let cost_micros = if r.is_live() {
+                    cost(r.price_micros_per_hour, seconds)
+                } else {
+                    u.charged_micros
+                };
+                total += cost_micros;
+                let (pending_in, pending_out) = self.previews.pending(&r.id);
+                SandboxUsage {
+                    preview_bytes_in: u.preview_bytes_in as u64 + pending_in,
+                    preview_bytes_out: u.preview_bytes_out as u64 + pending_out,
+                    id: r.id.clone(),
+                    size: r.size.clone(),
+                    seconds,
+                    cost_usd: usd(cost_micros),
+                    created_at: rfc3339(r.created_at),
+                    deleted_at: r.deleted_at.map(rfc3339),
+                    disk_used_bytes: r.disk_used_bytes,
+                }
+            })
+            .collect();
+        let balance = self.store.balance(&caller.account_id).await?;
+        Ok(Usage {
+            object: "usage".into(),
+            credit_remaining_usd: usd(balance),
+            period_days: days,
+            total_cost_usd: usd(total),
+            sandboxes,
+        })
+    }
+
+    /// The API's `account`.
+    pub(super) async fn account_of(&self, caller: &Caller) -> Result<Account> {
+        let acct = self
+            .store
+            .account(&caller.account_id)
+            .await?
+            .ok_or_else(CoreError::unauthorized)?;
+        crate::admin::account_object(&self.store, acct).await
+    }
+
+    /// The API's `service_info`.
+    pub(super) async fn info(&self) -> Result<ServiceInfo> {
+        // A replica without VMs describes its nodes' (they run the same
+        // release and image).
+        let m = self.vms.as_ref().map(|vms| vms.manager());
+        let hosts = match self.membership() {
+            Some(_) => self
+                .store
+                .placement_candidates()
+                .await?
+                .into_iter()
+                .map(|c| c.node.name)
+                .collect(),
+            None => vec![self.config.host_name.clone()],
+        };
+        Ok(ServiceInfo {
+            name: "Sandpit".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            sizes: self
+                .config
+                .sizes
+                .iter()
+                .map(|(name, s)| SizeInfo {
+                    name: name.clone(),
+                    resources: s.resources(),
+                    price_usd_per_hour: s.price_usd_per_hour,
+                })
+                .collect(),
+            default_timeout_minutes: self.config.default_timeout_minutes,
+            max_timeout_minutes: self.config.max_timeout_minutes,
+            max_lifetime_minutes: self.config.max_lifetime_minutes,
+            max_concurrent_sandboxes: self.config.default_max_concurrent_sandboxes,
+            acceleration: m.map_or("on the nodes".into(), |m| m.accel().to_string()),
+            hosts,
+            authentication: "send the account's API key as `Authorization: Bearer <key>` or `x-api-key: <key>`; over stdio (`sandpit mcp`) no key is needed".into(),
+            guest: GuestInfo {
+                os: "Debian GNU/Linux 12 (bookworm)".into(),
+                kernel: m.map_or(String::new(), |m| m.image().kernel_release.clone()),
+                user: format!("{} (uid {}), no sudo", sandpit_protocol::GUEST_USER, sandpit_protocol::GUEST_UID),
+                workdir: sandpit_protocol::WORKSPACE.into(),
+            },
+            fast_start: crate::model::FastStartInfo {
+                snapshots: m.is_some_and(|m| m.snapshots_supported()),
+                warm_pool: self
+                    .vms
+                    .iter()
+                    .flat_map(|vms| {
+                        vms.pool_targets()
+                            .into_iter()
+                            .map(|(size, target)| crate::model::WarmPoolInfo {
+                                ready: vms.warm_count(&size),
+                                size,
+                                target,
+                            })
+                    })
+                    .collect(),
+            },
+            limits: crate::model::Limits::of(
+                &self.config,
+                sandpit_runtime::channel::REPLY_DEADLINE.as_secs(),
+            ),
+        })
+    }
+}

@@ -1,0 +1,337 @@
+//! Commands in a sandbox, as the service runs and records them.
+//!
+//! Separate because a command is the one call that lives on after it
+//! returns: it runs in a task of its own (a client that hangs up cancels
+//! it, it is not cut half-way), streams its output as it comes, and leaves
+//! a stored execution behind. Owns starting a command wherever its VM runs,
+//! the output held to `max_output_bytes` on the host too, the execution's
+//! record, and the stored executions' budget per account and their
+//! retention.
+
+use crate::api::{Caller, ExecEvent, ExecStream};
+use crate::error::{CoreError, Result};
+use crate::ids::{new_id, rfc3339};
+use crate::machines::Command;
+use crate::model::*;
+use crate::service::checks::validate_exec;
+use crate::service::errors::runtime_error;
+use crate::service::Service;
+use crate::utf8::Utf8Chunker;
+use sandpit_protocol::ExecRequest;
+use sandpit_runtime::{ExecEvent as VmEvent, RuntimeError, VmState};
+use sandpit_store::{exec_status, ExecutionResult, ExecutionRow, SandboxRow};
+use time::OffsetDateTime;
+use tokio::sync::{mpsc, oneshot};
+
+impl Service {
+    /// The API's `exec`.
+    pub(super) async fn exec_to_end(
+        &self,
+        caller: &Caller,
+        id: &str,
+        params: ExecParams,
+    ) -> Result<Execution> {
+        let req = validate_exec(&self.config, &params)?;
+        let row = self.running(caller, id).await?;
+        // The command runs in a task of its own; if this call is dropped (the
+        // client hung up), the cancel sender goes with it, the task kills the
+        // command and records the execution as cancelled.
+        let (cancel_tx, cancel) = oneshot::channel::<()>();
+        let me = self
+            .arc_self()
+            .ok_or_else(|| CoreError::internal("the service is shutting down"))?;
+        let task = tokio::spawn(async move {
+            let command = req.command.clone();
+            let handle = me.start_command(&row, req).await?;
+            me.run_exec(&row, command, handle, None, cancel).await
+        });
+        let result = task
+            .await
+            .map_err(|e| CoreError::internal(format!("the exec task failed: {e}")))?;
+        drop(cancel_tx);
+        result
+    }
+
+    /// The API's `exec_stream`.
+    pub(super) async fn exec_streamed(
+        &self,
+        caller: &Caller,
+        id: &str,
+        params: ExecParams,
+    ) -> Result<ExecStream> {
+        let req = validate_exec(&self.config, &params)?;
+        let row = self.running(caller, id).await?;
+        // Started before the stream: a VM out of reach fails the call.
+        let command = req.command.clone();
+        let handle = self.start_command(&row, req).await?;
+        let (tx, rx) = mpsc::channel(64);
+        let (cancel_tx, cancel_rx) = oneshot::channel();
+        let me = self.arc_self();
+        tokio::spawn(async move {
+            let Some(me) = me else { return };
+            let last = match me
+                .run_exec(&row, command, handle, Some(tx.clone()), cancel_rx)
+                .await
+            {
+                Ok(exec) => ExecEvent::Exit(exec),
+                Err(e) => ExecEvent::Error(e),
+            };
+            let _ = tx.send(last).await;
+        });
+        Ok(ExecStream {
+            events: rx,
+            cancel: Some(cancel_tx),
+        })
+    }
+
+    /// The API's `get_execution`.
+    pub(super) async fn execution(&self, caller: &Caller, exec_id: &str) -> Result<Execution> {
+        match self.store.execution(exec_id).await? {
+            Some(r) if r.account_id == caller.account_id => Ok(to_execution(&r)),
+            _ => Err(CoreError::not_found("execution", exec_id)),
+        }
+    }
+
+    /// Starts `req` in `row`'s sandbox, wherever its VM runs.
+    async fn start_command(&self, row: &SandboxRow, req: ExecRequest) -> Result<Box<dyn Command>> {
+        let machines = self.machines_for(row).await?;
+        match machines.exec(&row.id, req).await {
+            Ok(command) => Ok(command),
+            Err(e) => Err(self.agent_failure(row, e).await),
+        }
+    }
+
+    /// Start a command and feed its events to `tx`; returns the final execution.
+    async fn run_exec(
+        &self,
+        row: &SandboxRow,
+        command: String,
+        mut handle: Box<dyn Command>,
+        tx: Option<mpsc::Sender<ExecEvent>>,
+        mut cancel: oneshot::Receiver<()>,
+    ) -> Result<Execution> {
+        let exec_id = new_id("exec_");
+        let started = OffsetDateTime::now_utc();
+        let mut record = ExecutionRow {
+            id: exec_id.clone(),
+            sandbox_id: row.id.clone(),
+            account_id: row.account_id.clone(),
+            command,
+            status: exec_status::RUNNING.into(),
+            exit_code: None,
+            stdout: String::new(),
+            stderr: String::new(),
+            truncated: false,
+            duration_ms: 0,
+            started_at: started,
+            finished_at: None,
+        };
+        // The command started first and its record is written while it
+        // runs: the store's write is then off a short command's round trip.
+        // A record that cannot be written stops the command (it is killed
+        // with its process group) and the call fails.
+        if let Err(e) = self
+            .store
+            .insert_execution_by(&record, Some(&self.config.host_name))
+            .await
+        {
+            handle.cancel();
+            return Err(e.into());
+        }
+        let (mut out, mut err) = (Utf8Chunker::new(), Utf8Chunker::new());
+        let (mut stdout, mut stderr) = (String::new(), String::new());
+        // The agent drops output past the limit itself; the host holds it to
+        // that too, so a guest whose agent does not (a guest root that
+        // replaced it) cannot fill the host's memory or the database.
+        let limit = self.config.max_output_bytes as usize;
+        let mut cut_here = false;
+        let mut cancelled_by_client = false;
+        let outcome = loop {
+            let ev = tokio::select! {
+                ev = handle.next() => ev,
+                _ = &mut cancel, if !cancelled_by_client => {
+                    cancelled_by_client = true;
+                    handle.cancel();
+                    continue;
+                }
+            };
+            match ev {
+                Ok(VmEvent::Stdout(b)) => {
+                    let s = within(&stdout, out.push(&b), limit, &mut cut_here);
+                    stdout.push_str(&s);
+                    if let (Some(tx), false) = (&tx, s.is_empty()) {
+                        let _ = tx.send(ExecEvent::Stdout(s)).await;
+                    }
+                }
+                Ok(VmEvent::Stderr(b)) => {
+                    let s = within(&stderr, err.push(&b), limit, &mut cut_here);
+                    stderr.push_str(&s);
+                    if let (Some(tx), false) = (&tx, s.is_empty()) {
+                        let _ = tx.send(ExecEvent::Stderr(s)).await;
+                    }
+                }
+                Ok(VmEvent::Exited(r)) => break Ok(r),
+                Err(e) => break Err(e),
+            }
+        };
+        let rest = within(&stdout, out.finish(), limit, &mut cut_here);
+        stdout.push_str(&rest);
+        let rest = within(&stderr, err.finish(), limit, &mut cut_here);
+        stderr.push_str(&rest);
+        let finished = OffsetDateTime::now_utc();
+        let result = match outcome {
+            Ok(r) => {
+                let st = if r.timed_out {
+                    exec_status::TIMED_OUT
+                } else if r.cancelled || cancelled_by_client {
+                    exec_status::CANCELLED
+                } else {
+                    exec_status::COMPLETED
+                };
+                ExecutionResult {
+                    status: st.into(),
+                    exit_code: r.exit_code.or(r.signal.map(|s| 128 + s)),
+                    stdout,
+                    stderr,
+                    truncated: r.stdout_truncated || r.stderr_truncated || cut_here,
+                    duration_ms: r.duration_ms,
+                    finished_at: finished,
+                }
+            }
+            Err(e) => {
+                let _ = self
+                    .store
+                    .finish_execution(
+                        &exec_id,
+                        &ExecutionResult {
+                            status: exec_status::FAILED.into(),
+                            exit_code: None,
+                            stdout,
+                            stderr,
+                            truncated: cut_here,
+                            duration_ms: (finished - started).whole_milliseconds() as u64,
+                            finished_at: finished,
+                        },
+                    )
+                    .await;
+                if let RuntimeError::Agent(_) = e {
+                    return Err(runtime_error(e));
+                }
+                // The VM may have died under the command.
+                let died = match self.machines_for(row).await {
+                    Ok(machines) => machines.state(&row.id).await.ok().flatten(),
+                    Err(_) => None,
+                };
+                if let Some(VmState::Exited { cause }) = died {
+                    return Err(self
+                        .agent_failure(row, RuntimeError::VmExited { cause })
+                        .await);
+                }
+                return Err(self.agent_failure(row, e).await);
+            }
+        };
+        let finished = self.store.finish_execution(&exec_id, &result).await?;
+        self.trim_executions(&row.account_id).await;
+        if finished {
+            // Exactly what was written, so no need to read it back.
+            record.status = result.status;
+            record.exit_code = result.exit_code;
+            record.stdout = result.stdout;
+            record.stderr = result.stderr;
+            record.truncated = result.truncated;
+            record.duration_ms = result.duration_ms;
+            record.finished_at = Some(result.finished_at);
+            return Ok(to_execution(&record));
+        }
+        // Finished by someone else meanwhile (the sandbox ended): as stored.
+        let row = self
+            .store
+            .execution(&exec_id)
+            .await?
+            .ok_or_else(|| CoreError::internal("the execution vanished"))?;
+        Ok(to_execution(&row))
+    }
+
+    /// Hold an account's stored executions to its budget (its oldest ended
+    /// ones go first).
+    async fn trim_executions(&self, account_id: &str) {
+        let budget = self.config.execution_storage_bytes;
+        match self.store.trim_executions(account_id, budget).await {
+            Ok(0) => {}
+            Ok(n) => tracing::debug!(%account_id, "deleted {n} old executions over the budget"),
+            Err(e) => tracing::warn!(%account_id, "trimming executions: {e}"),
+        }
+    }
+
+    /// Delete the executions of sandboxes that ended more than
+    /// `execution_retention_days` ago. Returns how many went.
+    pub async fn drop_old_executions(&self) -> Result<u64> {
+        let keep = time::Duration::days(i64::from(self.config.execution_retention_days));
+        let n = self
+            .store
+            .drop_ended_executions(OffsetDateTime::now_utc() - keep)
+            .await?;
+        if n > 0 {
+            tracing::info!("deleted {n} executions of sandboxes ended over {keep} ago");
+        }
+        Ok(n)
+    }
+}
+
+fn to_execution(r: &ExecutionRow) -> Execution {
+    let status = match r.status.as_str() {
+        exec_status::COMPLETED => ExecutionStatus::Completed,
+        exec_status::TIMED_OUT => ExecutionStatus::TimedOut,
+        exec_status::CANCELLED => ExecutionStatus::Cancelled,
+        _ => ExecutionStatus::Failed,
+    };
+    Execution {
+        id: r.id.clone(),
+        object: "execution".into(),
+        sandbox_id: r.sandbox_id.clone(),
+        status,
+        exit_code: r.exit_code,
+        stdout: r.stdout.clone(),
+        stderr: r.stderr.clone(),
+        truncated: r.truncated,
+        duration_ms: r.duration_ms,
+        started_at: rfc3339(r.started_at),
+        finished_at: r.finished_at.map(rfc3339),
+    }
+}
+
+/// What of `more` fits after `kept` within `limit` bytes (cut at a character
+/// boundary); `cut` is set when anything was left out.
+fn within(kept: &str, mut more: String, limit: usize, cut: &mut bool) -> String {
+    let room = limit.saturating_sub(kept.len());
+    if more.len() > room {
+        let mut end = room;
+        while !more.is_char_boundary(end) {
+            end -= 1;
+        }
+        more.truncate(end);
+        *cut = true;
+    }
+    more
+}
+
+#[cfg(test)]
+mod output_cap_tests {
+    use super::within;
+
+    #[test]
+    fn output_is_kept_up_to_the_limit_at_a_character_boundary() {
+        let mut cut = false;
+        assert_eq!(within("", "abc".into(), 10, &mut cut), "abc");
+        assert!(!cut);
+        assert_eq!(within("abcdefgh", "ijk".into(), 10, &mut cut), "ij");
+        assert!(cut);
+        let mut cut = false;
+        // "é" is two bytes: one byte of room keeps none of it.
+        assert_eq!(within("123456789", "é".into(), 10, &mut cut), "");
+        assert!(cut);
+        let mut cut = false;
+        assert_eq!(within("0123456789", String::new(), 10, &mut cut), "");
+        assert!(!cut);
+    }
+}

@@ -1,0 +1,662 @@
+//! A sandbox's life, from its create to its end: where money moves and
+//! where expiry is enforced.
+//!
+//! Money: creating and extending reserve the cost of the whole timeout in
+//! the same store transaction that checks the balance and the concurrency
+//! limit; ending a sandbox releases the reservation and charges the seconds
+//! it lived (never more than was reserved), exactly once. Lifetime: the
+//! reaper ends every sandbox whose `expires_at` has passed; on start,
+//! `reconcile` settles what happened while the server was down.
+//!
+//! Separate because every way a sandbox comes and goes (create with its
+//! placement loop, the boot, the replay of an idempotent retry, extend,
+//! destroy, expiry, failure) has to keep those two rules together, and
+//! `end` is the one way out for all of them. Owns create, get, list, extend
+//! and destroy, the start of a sandbox's VM (one at a time per sandbox),
+//! the end of a sandbox and its billing, the reaper and `reconcile`.
+
+use crate::api::Caller;
+use crate::config::cost;
+use crate::error::{CoreError, ErrorType, Result};
+use crate::ids::{new_id, rfc3339};
+use crate::machines::{Machines, Started};
+use crate::model::*;
+use crate::service::checks::{check_create, extension_minutes};
+use crate::service::errors::{not_running, runtime_error};
+use crate::service::Service;
+use sandpit_runtime::VmState;
+use sandpit_store::{status, CreateOutcome, ExtendOutcome, SandboxRow};
+use sha2::Digest;
+use std::sync::Arc;
+use std::time::Duration;
+use time::OffsetDateTime;
+
+/// How long an idempotent retry of a create waits for the first call's
+/// start to finish.
+const REPLAY_WAIT: Duration = Duration::from_secs(60);
+
+impl Service {
+    /// The API's `create_sandbox`.
+    pub(super) async fn create(
+        &self,
+        caller: &Caller,
+        req: CreateSandbox,
+        idempotency_key: Option<String>,
+    ) -> Result<(Sandbox, bool)> {
+        let (size_name, size, timeout) =
+            check_create(&self.config, &req, idempotency_key.as_deref())?;
+        let price = size.price_micros_per_hour();
+        let reserve = cost(price, timeout as u64 * 60);
+        let now = OffsetDateTime::now_utc();
+        let request_hash = hex::encode(sha2::Sha256::digest(
+            serde_json::to_vec(&(&size_name, &req.name, timeout)).expect("json"),
+        ));
+        let mut refused = None;
+        let mut placed = None;
+        for target in self.placement(&size_name).await? {
+            // A warm pool VM already carries the id its sandbox will have.
+            // Taking it (a call to the node) overlaps the transaction's
+            // start.
+            let taken = std::sync::Mutex::new(None);
+            let id = async {
+                let warm = target.machines.take_warm(&size_name).await;
+                let id = match &warm {
+                    Ok(warm) => Some(warm.clone().unwrap_or_else(|| new_id("sbx_"))),
+                    Err(e) => {
+                        tracing::warn!(node = %target.host, "taking a warm VM: {e}");
+                        None
+                    }
+                };
+                *taken.lock().unwrap() = Some(warm);
+                id
+            };
+            let new = sandpit_store::NewSandbox {
+                id: String::new(),
+                account_id: caller.account_id.clone(),
+                name: req.name.clone(),
+                size: size_name.clone(),
+                vcpus: size.vcpus,
+                memory_mb: size.memory_mb,
+                disk_gb: size.disk_gb,
+                timeout_minutes: timeout,
+                price_micros_per_hour: price,
+                host: target.host.clone(),
+                host_epoch: target.epoch,
+                created_at: now,
+                expires_at: now + time::Duration::minutes(timeout as i64),
+                reserve_micros: reserve,
+                max_concurrent: None,
+                disk_limit_bytes: Some(self.config.account_disk_bytes),
+                idempotency: idempotency_key.clone().map(|k| (k, request_hash.clone())),
+            };
+            let outcome = self.store.create_sandbox_named(new, id).await;
+            let warm = match taken.into_inner().unwrap() {
+                Some(Err(e)) => {
+                    refused = Some(format!("node {} is out of reach ({e})", target.host));
+                    continue;
+                }
+                Some(Ok(warm)) => warm,
+                None => None,
+            };
+            // A pool VM whose sandbox was not created goes back, never used.
+            if let Some(id) = &warm {
+                if !matches!(outcome, Ok(CreateOutcome::Created(_))) {
+                    let _ = target.machines.return_warm(id, &size_name).await;
+                }
+            }
+            match outcome? {
+                // The node filled up or went silent since it was ranked:
+                // the next one.
+                CreateOutcome::HostFull { live, limit } => {
+                    self.routes.refused();
+                    refused = Some(format!("node {} is full ({live} of {limit})", target.host));
+                }
+                CreateOutcome::HostUnavailable => {
+                    self.routes.refused();
+                    refused = Some(format!("node {} left the cluster", target.host));
+                }
+                outcome => {
+                    if matches!(outcome, CreateOutcome::Created(_)) {
+                        self.routes.placed(&target.host);
+                    }
+                    placed = Some((outcome, target.machines));
+                    break;
+                }
+            }
+        }
+        let Some((outcome, machines)) = placed else {
+            return Err(CoreError::new(
+                ErrorType::ServiceUnavailable,
+                match refused {
+                    Some(why) => format!(
+                        "no node can take a {size_name} sandbox now (the last one tried: {why}); \
+                         retry"
+                    ),
+                    None => "no node can take a sandbox now: none is up with room; retry".into(),
+                },
+            )
+            .with_retry_after(5));
+        };
+        let row = match outcome {
+            CreateOutcome::Created(row) => row,
+            CreateOutcome::Replay(row) => return Ok((to_sandbox(&self.replayed(row).await?), true)),
+            CreateOutcome::IdempotencyConflict => {
+                return Err(CoreError::conflict(
+                    "this Idempotency-Key was already used with a different request body",
+                ))
+            }
+            CreateOutcome::InsufficientCredits { balance, needed } => {
+                return Err(CoreError::new(
+                    ErrorType::InsufficientCredits,
+                    format!(
+                        "a {size_name} sandbox for {timeout} minutes reserves ${:.6}, but the account has ${:.6} left; add credit or ask for a shorter timeout",
+                        usd(needed),
+                        usd(balance)
+                    ),
+                ))
+            }
+            CreateOutcome::TooManySandboxes { live, limit } => {
+                return Err(CoreError::new(
+                    ErrorType::RateLimited,
+                    format!(
+                        "the account has {live} live sandboxes, its limit is {limit}; destroy one first"
+                    ),
+                )
+                .with_retry_after(10))
+            }
+            CreateOutcome::OverDiskLimit { used, limit } => {
+                return Err(crate::disk::over_limit(used, limit))
+            }
+            CreateOutcome::HostUnavailable | CreateOutcome::HostFull { .. } => {
+                return Err(CoreError::internal("placement refused after it was taken"))
+            }
+        };
+        self.wake_reaper();
+        // Boot in a task of its own: a client that hangs up mid-create must
+        // not cancel the boot half-way (that would leave a VM and a
+        // "provisioning" row behind). The sandbox is finished either way; the
+        // client finds it with list_sandboxes or an idempotent retry.
+        let me = self
+            .arc_self()
+            .ok_or_else(|| CoreError::internal("the service is shutting down"))?;
+        tokio::spawn(async move { me.boot(row, machines).await })
+            .await
+            .map_err(|e| CoreError::internal(format!("the create task failed: {e}")))?
+            .map(|row| (to_sandbox(&row), false))
+    }
+
+    /// The sandbox an idempotent retry of a create finds, once its start
+    /// is over: the first call may still be starting it, or may have been
+    /// lost with its server (a replica killed mid-create), in which case
+    /// the node that starts it records the outcome (see
+    /// [`crate::cluster`]). Waits [`REPLAY_WAIT`] at most.
+    async fn replayed(&self, mut row: SandboxRow) -> Result<SandboxRow> {
+        if row.status == status::PROVISIONING {
+            // The first call may have been lost before its start reached
+            // the node: start it (one in flight there is joined, not
+            // repeated; see `boot`), in a task that a client who hangs up
+            // does not cut short.
+            if let (Ok(machines), Some(me)) = (self.machines_for(&row).await, self.arc_self()) {
+                let first = row.clone();
+                let local = row.host == self.config.host_name && self.vms.is_some();
+                let started = tokio::spawn(async move {
+                    match local {
+                        true => me.boot(first, machines).await.map(|_| ()),
+                        false => machines
+                            .start(&first.id, &first.size, first.expires_at)
+                            .await
+                            .map(|_| ())
+                            .map_err(runtime_error),
+                    }
+                })
+                .await;
+                if let Ok(Err(e)) = started {
+                    tracing::warn!(id = %row.id, "starting a replayed create: {e}");
+                }
+            }
+        }
+        let deadline = tokio::time::Instant::now() + REPLAY_WAIT;
+        while row.status == status::PROVISIONING {
+            if tokio::time::Instant::now() >= deadline {
+                return Err(CoreError::new(
+                    ErrorType::ServiceUnavailable,
+                    format!("sandbox {} is still starting; retry", row.id),
+                )
+                .with_retry_after(2));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            row = self
+                .store
+                .sandbox(&row.id)
+                .await?
+                .ok_or_else(|| CoreError::internal("the replayed sandbox vanished"))?;
+        }
+        Ok(row)
+    }
+
+    /// Boot the VM of a sandbox row in `provisioning`; running, or failed
+    /// (and refunded) with the cause.
+    pub(crate) async fn boot(
+        &self,
+        row: SandboxRow,
+        machines: Arc<dyn Machines>,
+    ) -> Result<SandboxRow> {
+        // A second start of the same sandbox (a create retried while its
+        // first call, or the replica that made it, is still at it or was
+        // lost) waits for the first and takes its outcome.
+        let id = row.id.clone();
+        let turn = self
+            .booting
+            .lock()
+            .unwrap()
+            .entry(id.clone())
+            .or_default()
+            .clone();
+        let held = match turn.clone().try_lock_owned() {
+            Ok(t) => t,
+            Err(_) => {
+                let t = turn.clone().lock_owned().await;
+                let now = self.store.sandbox(&id).await?;
+                let now = now.ok_or_else(|| CoreError::not_found("sandbox", &id))?;
+                if now.status != status::PROVISIONING {
+                    drop(t);
+                    drop(turn);
+                    self.forget_boot(&id);
+                    return match now.is_live() {
+                        true => Ok(now),
+                        false => Err(not_running(&now)),
+                    };
+                }
+                t
+            }
+        };
+        let outcome = self.start_vm(row, machines).await;
+        drop(held);
+        drop(turn);
+        self.forget_boot(&id);
+        outcome
+    }
+
+    /// Drops the start lock of a sandbox nobody waits on.
+    fn forget_boot(&self, id: &str) {
+        let mut booting = self.booting.lock().unwrap();
+        if booting.get(id).is_some_and(|l| Arc::strong_count(l) == 1) {
+            booting.remove(id);
+        }
+    }
+
+    /// [`Service::boot`]'s start itself.
+    async fn start_vm(&self, row: SandboxRow, machines: Arc<dyn Machines>) -> Result<SandboxRow> {
+        match machines.start(&row.id, &row.size, row.expires_at).await {
+            Ok(Started::Booted) => {
+                let running = self
+                    .store
+                    .set_status(&row.id, status::RUNNING, None)
+                    .await?;
+                // Extended while it booted: the VM's watchdog has the old
+                // expiry.
+                if running.expires_at != row.expires_at {
+                    let _ = machines.set_expiry(&row.id, running.expires_at).await;
+                }
+                Ok(running)
+            }
+            // A node records its start itself (see `crate::cluster`).
+            Ok(Started::Recorded {
+                ready_at,
+                expires_at,
+            }) => Ok(SandboxRow {
+                status: status::RUNNING.into(),
+                ready_at: Some(ready_at),
+                expires_at,
+                ..row
+            }),
+            Err(e) => {
+                tracing::warn!(id = %row.id, host = %row.host, "create failed: {e}");
+                let _ = machines.destroy(&row.id).await;
+                let _ = self
+                    .store
+                    .finish_sandbox(
+                        &row.id,
+                        status::FAILED,
+                        &format!("failed: {e}"),
+                        OffsetDateTime::now_utc(),
+                        0,
+                    )
+                    .await;
+                Err(CoreError::new(
+                    ErrorType::ServiceUnavailable,
+                    format!(
+                        "the sandbox's VM could not be started ({e}); nothing was charged, retry"
+                    ),
+                )
+                .with_retry_after(5))
+            }
+        }
+    }
+
+    /// The API's `get_sandbox`.
+    pub(super) async fn describe(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
+        Ok(to_sandbox(&self.owned(caller, id).await?))
+    }
+
+    /// The API's `list_sandboxes`.
+    pub(super) async fn list(&self, caller: &Caller, q: ListSandboxes) -> Result<List<Sandbox>> {
+        let limit = q.limit.unwrap_or(20);
+        if !(1..=100).contains(&limit) {
+            return Err(CoreError::invalid(format!(
+                "limit must be between 1 and 100, not {limit}"
+            )));
+        }
+        if let Some(c) = &q.starting_after {
+            if self
+                .store
+                .sandbox_of(&caller.account_id, c)
+                .await?
+                .is_none()
+            {
+                return Err(CoreError::invalid(format!(
+                    "starting_after {c:?} is not a sandbox of this account"
+                )));
+            }
+        }
+        let page = self
+            .store
+            .list_sandboxes(
+                &caller.account_id,
+                limit,
+                q.starting_after.as_deref(),
+                q.include_deleted.unwrap_or(false),
+            )
+            .await?;
+        let next = if page.has_more {
+            page.data.last().map(|r| r.id.clone())
+        } else {
+            None
+        };
+        Ok(List::new(
+            page.data.iter().map(to_sandbox).collect(),
+            page.has_more,
+            next,
+        ))
+    }
+
+    /// The API's `extend_sandbox`.
+    pub(super) async fn extend(
+        &self,
+        caller: &Caller,
+        id: &str,
+        additional_minutes: Option<u32>,
+    ) -> Result<Sandbox> {
+        let add = extension_minutes(&self.config, additional_minutes)?;
+        let _one_at_a_time = self.extending.lock().await;
+        let row = self.owned(caller, id).await?;
+        let total = row.timeout_minutes as u64 + add as u64;
+        if total > self.config.max_lifetime_minutes as u64 {
+            return Err(CoreError::invalid(format!(
+                "a sandbox may live at most {} minutes from creation; it has {} and asked for {add} more",
+                self.config.max_lifetime_minutes, row.timeout_minutes
+            )));
+        }
+        let extra = cost(row.price_micros_per_hour, add as u64 * 60);
+        let new_expires = row.created_at + time::Duration::minutes(total as i64);
+        // The VM's own watchdog learns the new expiry first: were it second,
+        // a crash in between would kill a VM its owner had paid to keep.
+        // Refused below, it goes back.
+        // A node out of reach learns it at its next heartbeat (see
+        // `crate::cluster`); its watchdog holds the old expiry until then.
+        let machines = match row.is_live() {
+            true => self.machines_for(&row).await.ok(),
+            false => None,
+        };
+        let vm_expiry = match &machines {
+            Some(m) => Some(m.set_expiry(id, new_expires).await),
+            None => None,
+        };
+        let outcome = self
+            .store
+            .extend_sandbox(id, &caller.account_id, new_expires, total as u32, extra)
+            .await;
+        if !matches!(outcome, Ok(ExtendOutcome::Extended(_))) && matches!(vm_expiry, Some(Ok(()))) {
+            if let Some(m) = &machines {
+                let _ = m.set_expiry(id, row.expires_at).await;
+            }
+        }
+        match outcome? {
+            ExtendOutcome::Extended(row) => Ok(to_sandbox(&row)),
+            ExtendOutcome::InsufficientCredits { balance, needed } => Err(CoreError::new(
+                ErrorType::InsufficientCredits,
+                format!(
+                    "{add} more minutes reserve ${:.6}, but the account has ${:.6} left",
+                    usd(needed),
+                    usd(balance)
+                ),
+            )),
+            ExtendOutcome::NotLive(row) => Err(CoreError::conflict(format!(
+                "sandbox {id} is {}; only a running sandbox can be extended",
+                row.status
+            ))),
+        }
+    }
+
+    /// The API's `destroy_sandbox`.
+    pub(super) async fn destroy(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
+        let row = self.owned(caller, id).await?;
+        if !row.is_live() {
+            return Ok(to_sandbox(&row));
+        }
+        let _ = self.store.set_status(id, status::DELETING, None).await;
+        // As for create: a client that hangs up does not stop the teardown.
+        let me = self
+            .arc_self()
+            .ok_or_else(|| CoreError::internal("the service is shutting down"))?;
+        let ended = tokio::spawn(async move { me.end(&row, status::DELETED, "destroyed").await })
+            .await
+            .map_err(|e| CoreError::internal(format!("the destroy task failed: {e}")))??;
+        match ended {
+            Some(row) => Ok(to_sandbox(&row)),
+            None => Ok(to_sandbox(&self.owned(caller, id).await?)),
+        }
+    }
+
+    /// End a live sandbox: destroy its VM, release its reservation, charge
+    /// what it used (up to its expiry at most; nothing if it failed), record
+    /// why. Idempotent.
+    pub(super) async fn end(
+        &self,
+        row: &SandboxRow,
+        end_status: &str,
+        reason: &str,
+    ) -> Result<Option<SandboxRow>> {
+        self.end_here(row).await;
+        let now = OffsetDateTime::now_utc();
+        let billed_until = now.min(row.expires_at);
+        // A VM found dead after its expiry ended on time (its watchdog
+        // killed it, see `sandpit_runtime::expiry`): expired, not failed.
+        // One found dead while its sandbox is being destroyed (a command
+        // or a look-up saw the destroy's kill) was destroyed, not lost: the
+        // destroy ends it, charged, whichever of the two gets here first.
+        let destroying = end_status == status::FAILED
+            && matches!(self.store.sandbox(&row.id).await, Ok(Some(r)) if r.status == status::DELETING);
+        let (end_status, reason) = if end_status == status::FAILED && row.expires_at <= now {
+            (status::DELETED, "expired")
+        } else if destroying {
+            (status::DELETED, "destroyed")
+        } else {
+            (end_status, reason)
+        };
+        // A sandbox the platform lost (its VM died, it never came up) is
+        // not charged at all: the whole reservation comes back.
+        let charge = if end_status == status::FAILED {
+            0
+        } else {
+            cost(
+                row.price_micros_per_hour,
+                lived_seconds(row.created_at, billed_until),
+            )
+        };
+        Ok(self
+            .store
+            .finish_sandbox(&row.id, end_status, reason, now, charge)
+            .await?)
+    }
+
+    /// What ending a sandbox takes besides its row: its preview URLs here
+    /// stop (before anything else), its VM goes with its last disk use
+    /// recorded, its preview traffic is written. A VM on a node out of
+    /// reach is removed by that node when it finds the sandbox ended (see
+    /// `crate::cluster`).
+    pub(crate) async fn end_here(&self, row: &SandboxRow) {
+        self.previews.close(&row.id, None);
+        let destroyed = match self.machines_for(row).await {
+            Ok(machines) => machines.destroy(&row.id).await.map_err(|e| e.to_string()),
+            Err(e) => Err(e.message),
+        };
+        match destroyed {
+            Ok(Some(bytes)) => self.record_disk_use(&row.id, bytes).await,
+            Ok(None) => {}
+            Err(e) => tracing::warn!(id = %row.id, host = %row.host, "destroying the VM: {e}"),
+        }
+        self.flush_traffic(Some(&row.id)).await;
+        self.previews.forget(&row.id);
+    }
+
+    /// Wake the reaper (an expiry moved earlier).
+    fn wake_reaper(&self) {
+        self.reaper.notify_one();
+    }
+
+    /// End every expired sandbox; returns how long to sleep until the next expiry.
+    pub(super) async fn reap_once(&self) -> Duration {
+        let now = OffsetDateTime::now_utc();
+        match self
+            .store
+            .expired_sandboxes(&self.config.host_name, now)
+            .await
+        {
+            Ok(rows) => {
+                for row in rows {
+                    if let Err(e) = self.end(&row, status::DELETED, "expired").await {
+                        tracing::warn!(id = %row.id, "expiring: {e}");
+                    }
+                }
+            }
+            Err(e) => tracing::warn!("reaper: {e}"),
+        }
+        match self.store.next_expiry(&self.config.host_name).await {
+            Ok(Some(next)) => {
+                let d = next - OffsetDateTime::now_utc();
+                if d.is_negative() {
+                    Duration::from_millis(50)
+                } else {
+                    Duration::from_secs_f64(d.as_seconds_f64().min(60.0))
+                        + Duration::from_millis(20)
+                }
+            }
+            _ => Duration::from_secs(60),
+        }
+    }
+
+    /// After a restart: expired sandboxes are destroyed, sandboxes whose VM
+    /// vanished are failed (and refunded), half-created ones are failed,
+    /// VM directories or QEMU processes that no live sandbox owns are
+    /// removed, and executions left `running` by the process that ran them
+    /// are failed. Like all of it, that last assumes this process is the
+    /// only service on its data directory.
+    pub async fn reconcile(&self) -> Result<()> {
+        let now = OffsetDateTime::now_utc();
+        // A server killed mid-command never finished its record; its guest
+        // (or the node it reached) cancelled the command when the
+        // connection closed.
+        let lost = self
+            .store
+            .fail_all_running_executions(&self.config.host_name, now)
+            .await?;
+        if lost > 0 {
+            tracing::info!("{lost} commands were cut by the previous server's end: failed");
+        }
+        let Some(vms) = self.vms.clone() else {
+            return Ok(());
+        };
+        let live = self.store.live_sandboxes(&self.config.host_name).await?;
+        let mut keep = Vec::new();
+        for row in &live {
+            if row.expires_at <= now {
+                self.end(row, status::DELETED, "expired").await?;
+                continue;
+            }
+            match row.status.as_str() {
+                status::PROVISIONING => {
+                    self.end(
+                        row,
+                        status::FAILED,
+                        "failed: the server stopped while it was being created",
+                    )
+                    .await?;
+                }
+                status::DELETING => {
+                    self.end(row, status::DELETED, "destroyed").await?;
+                }
+                _ => match vms.state(&row.id) {
+                    Some(VmState::Running) => keep.push(row.id.clone()),
+                    Some(VmState::Exited { cause }) => {
+                        self.end(row, status::FAILED, &format!("failed: {cause}"))
+                            .await?;
+                    }
+                    None => {
+                        self.end(
+                            row,
+                            status::FAILED,
+                            "failed: its VM vanished while the server was down",
+                        )
+                        .await?;
+                    }
+                },
+            }
+        }
+        for vm in vms.list() {
+            if !keep.contains(&vm.id) {
+                tracing::info!(id = %vm.id, "removing a VM no live sandbox owns");
+                let _ = vms.destroy(&vm.id).await;
+            }
+        }
+        for dir in vms.stray_dirs() {
+            if !keep.contains(&dir) {
+                let _ = vms.destroy(&dir).await;
+            }
+        }
+        vms.kill_orphan_qemus(&keep).await;
+        Ok(())
+    }
+}
+
+fn to_sandbox(r: &SandboxRow) -> Sandbox {
+    Sandbox {
+        id: r.id.clone(),
+        object: "sandbox".into(),
+        name: r.name.clone(),
+        status: SandboxStatus::parse(&r.status).unwrap_or(SandboxStatus::Failed),
+        size: r.size.clone(),
+        resources: Resources {
+            vcpus: r.vcpus,
+            memory_mb: r.memory_mb,
+            disk_gb: r.disk_gb,
+        },
+        timeout_minutes: r.timeout_minutes,
+        created_at: rfc3339(r.created_at),
+        ready_at: r.ready_at.map(rfc3339),
+        expires_at: rfc3339(r.expires_at),
+        deleted_at: r.deleted_at.map(rfc3339),
+        deleted_reason: r.deleted_reason.clone(),
+        disk_used_bytes: r.disk_used_bytes,
+    }
+}
+
+/// Seconds a sandbox lived from creation to `end` (rounded up), for billing.
+pub(crate) fn lived_seconds(created: OffsetDateTime, end: OffsetDateTime) -> u64 {
+    let d = end - created;
+    if d.is_negative() {
+        return 0;
+    }
+    let ms = d.whole_milliseconds() as u64;
+    ms.div_ceil(1000)
+}

@@ -1,0 +1,200 @@
+//! Exposed ports and their preview URLs, as the service sees them.
+//!
+//! Separate because a preview URL is the one way in that no account
+//! signs: anyone with the URL may ask, so every connection is checked
+//! against the sandbox's row and its exposed ports here, bounded in time
+//! and counted as the sandbox's traffic. Owns expose, list and close, the
+//! preview check and admission, opening a preview connection wherever the
+//! VM runs, and writing the traffic counters to the store. The connections
+//! themselves (limits, counting, cutting) are [`crate::preview`]'s.
+
+use crate::api::Caller;
+use crate::error::{CoreError, Result};
+use crate::ids::rfc3339;
+use crate::model::*;
+use crate::preview::{preview_url, PreviewConn, PreviewError};
+use crate::service::checks::check_port;
+use crate::service::Service;
+use sandpit_protocol::ErrorKind;
+use sandpit_runtime::RuntimeError;
+use sandpit_store::{status, StoreError};
+use std::time::Duration;
+use time::OffsetDateTime;
+
+/// How long opening a preview connection may take, end to end.
+const PREVIEW_CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
+
+impl Service {
+    /// The API's `expose_port`.
+    pub(super) async fn expose(&self, caller: &Caller, id: &str, port: u16) -> Result<Port> {
+        check_port(port)?;
+        let row = self.running(caller, id).await?;
+        let url = preview_url(
+            &self.config.preview_scheme,
+            &self.config.preview_domain,
+            port,
+            &row.id,
+        );
+        let p = self.store.upsert_port(&row.id, port, &url).await?;
+        Ok(Port {
+            port: p.port,
+            url: p.url,
+            created_at: rfc3339(p.created_at),
+        })
+    }
+
+    /// The API's `list_ports`.
+    pub(super) async fn exposed(&self, caller: &Caller, id: &str) -> Result<List<Port>> {
+        let row = self.owned(caller, id).await?;
+        let ports = self.store.list_ports(&row.id).await?;
+        Ok(List::new(
+            ports
+                .into_iter()
+                .filter(|p| p.closed_at.is_none())
+                .map(|p| Port {
+                    port: p.port,
+                    url: p.url,
+                    created_at: rfc3339(p.created_at),
+                })
+                .collect(),
+            false,
+            None,
+        ))
+    }
+
+    /// The API's `close_port`.
+    pub(super) async fn close(&self, caller: &Caller, id: &str, port: u16) -> Result<()> {
+        let row = self.owned(caller, id).await?;
+        if self.store.close_port(&row.id, port).await? {
+            self.previews.close(&row.id, Some(port));
+            Ok(())
+        } else {
+            Err(CoreError::not_found("exposed port", &port.to_string()))
+        }
+    }
+
+    /// Can `port` of sandbox `id` be served through its preview URL now?
+    /// Anyone with the URL may ask: no account is involved.
+    /// Returns the node that holds the sandbox.
+    pub async fn check_preview(&self, id: &str, port: u16) -> Result<String, PreviewError> {
+        if let Some(host) = self.previews.recently_checked(id, port) {
+            return Ok(host);
+        }
+        let epoch = self.previews.check_epoch();
+        let unavailable = |e: StoreError| PreviewError::Unavailable {
+            id: id.to_string(),
+            message: e.to_string(),
+        };
+        let row = self
+            .store
+            .sandbox(id)
+            .await
+            .map_err(unavailable)?
+            .ok_or_else(|| PreviewError::NoSuchSandbox(id.to_string()))?;
+        // Gone from the moment it expires or its destroy starts, even while
+        // the reaper or the destroy is still at work.
+        let gone = |reason: &str| PreviewError::Gone {
+            id: id.to_string(),
+            reason: reason.to_string(),
+        };
+        if !row.is_live() {
+            return Err(gone(row.deleted_reason.as_deref().unwrap_or(&row.status)));
+        }
+        if row.expires_at <= OffsetDateTime::now_utc() {
+            return Err(gone("expired"));
+        }
+        if row.status == status::DELETING {
+            return Err(gone("destroyed"));
+        }
+        if row.status != status::RUNNING {
+            return Err(PreviewError::Unavailable {
+                id: id.to_string(),
+                message: format!("it is {}", row.status),
+            });
+        }
+        let ports = self.store.list_ports(id).await.map_err(unavailable)?;
+        if !ports.iter().any(|p| p.port == port) {
+            return Err(PreviewError::PortClosed {
+                id: id.to_string(),
+                port,
+            });
+        }
+        self.previews
+            .remember_check(id, port, row.expires_at, &row.host, epoch);
+        Ok(row.host)
+    }
+
+    /// Take one request of the allowance of sandbox `id`'s preview URLs
+    /// (after [`Service::check_preview`]: only live sandboxes have one).
+    pub fn admit_preview_request(&self, id: &str) -> Result<(), PreviewError> {
+        self.previews.admit_request(id)
+    }
+
+    /// Open a connection to `port` of sandbox `id` for its preview URL:
+    /// checked as [`Service::check_preview`], bounded in time, counted as
+    /// the sandbox's preview traffic, and cut when the port is closed or the
+    /// sandbox ends.
+    pub async fn open_preview(&self, id: &str, port: u16) -> Result<PreviewConn, PreviewError> {
+        let host = self.check_preview(id, port).await?;
+        let slot = self.previews.admit_connection(id).await?;
+        let (sid, p) = (id.to_string(), port);
+        let gate = self.previews.connect_gate(id, port);
+        let open = async {
+            let _permit = gate.acquire().await;
+            let machines =
+                self.machines_on(&host, id)
+                    .await
+                    .map_err(|e| PreviewError::Unavailable {
+                        id: sid.clone(),
+                        message: e.message,
+                    })?;
+            machines.open_tunnel(id, port).await.map_err(|e| match e {
+                RuntimeError::Agent(a) if a.kind == ErrorKind::ConnectionRefused => {
+                    PreviewError::NotListening {
+                        id: sid.clone(),
+                        port: p,
+                    }
+                }
+                RuntimeError::Agent(a) if a.kind == ErrorKind::TimedOut => PreviewError::Timeout {
+                    id: sid.clone(),
+                    port: p,
+                },
+                other => PreviewError::Unavailable {
+                    id: sid.clone(),
+                    message: other.to_string(),
+                },
+            })
+        };
+        let tunnel = tokio::time::timeout(PREVIEW_CONNECT_TIMEOUT, open)
+            .await
+            .map_err(|_| PreviewError::Timeout {
+                id: id.to_string(),
+                port,
+            })??;
+        let conn = self.previews.register(id, port, tunnel, slot);
+        // Closed or ended while connecting: cut it now rather than serve it.
+        if let Err(e) = self.check_preview(id, port).await {
+            self.previews.close(id, Some(port));
+            return Err(e);
+        }
+        Ok(conn)
+    }
+
+    /// Write preview traffic counters to the store (of one sandbox, or all).
+    pub(super) async fn flush_traffic(&self, only: Option<&str>) {
+        for (id, bytes_in, bytes_out) in self.previews.take_all() {
+            if only.is_some_and(|o| o != id) {
+                self.previews.restore(&id, bytes_in, bytes_out);
+                continue;
+            }
+            if let Err(e) = self
+                .store
+                .add_preview_traffic(&id, bytes_in, bytes_out)
+                .await
+            {
+                tracing::warn!(%id, "storing preview traffic: {e}");
+                self.previews.restore(&id, bytes_in, bytes_out);
+            }
+        }
+    }
+}
