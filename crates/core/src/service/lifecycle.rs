@@ -91,6 +91,12 @@ impl Service {
             };
             let outcome = self.store.create_sandbox_named(new, id).await;
             let warm = match taken.into_inner().unwrap() {
+                // Outside a cluster, the one host's own answer.
+                Some(Err(e)) if self.membership().is_none() => return Err(runtime_error(e)),
+                Some(Err(sandpit_runtime::RuntimeError::Busy(why))) => {
+                    refused = Some(format!("node {} is busy ({why})", target.host));
+                    continue;
+                }
                 Some(Err(e)) => {
                     refused = Some(format!("node {} is out of reach ({e})", target.host));
                     continue;
