@@ -200,6 +200,91 @@ pub(crate) async fn sandbox_in(
         .transpose()
 }
 
+/// Why [`Store::create_sandbox`] wrote nothing: the checks read again,
+/// under the same locks, in the order the API reports them.
+async fn refusal(
+    tx: &mut Transaction<'static, Any>,
+    new: &NewSandbox,
+    host_max: Option<i64>,
+) -> Result<CreateOutcome> {
+    // Everything the decision reads, in one statement (one round trip
+    // to a PostgreSQL server), taken under the locks above.
+    let checks = sqlx::query(
+        "SELECT a.max_concurrent AS max_concurrent, \
+           (SELECT CAST(COALESCE(SUM(amount_micros), 0) AS BIGINT) FROM ledger \
+              WHERE account_id = a.id) AS balance, \
+           (SELECT COUNT(*) FROM sandboxes WHERE account_id = a.id \
+              AND status IN ('provisioning', 'running', 'deleting')) AS live, \
+           (SELECT CAST(COALESCE(SUM(disk_used_bytes), 0) AS BIGINT) FROM sandboxes \
+              WHERE account_id = a.id \
+              AND status IN ('provisioning', 'running', 'deleting')) AS disk_used, \
+           (SELECT COUNT(*) FROM sandboxes WHERE host = $2 \
+              AND status IN ('provisioning', 'running', 'deleting')) AS host_live, \
+           (SELECT request_hash FROM idempotency WHERE account_id = a.id AND key = $3) \
+              AS seen_hash, \
+           (SELECT sandbox_id FROM idempotency WHERE account_id = a.id AND key = $3) \
+              AS seen_sandbox \
+         FROM accounts a WHERE a.id = $1",
+    )
+    .bind(&new.account_id)
+    .bind(&new.host)
+    .bind(new.idempotency.as_ref().map(|(key, _)| key.as_str()))
+    .fetch_optional(&mut **tx)
+    .await?
+    .ok_or_else(|| StoreError::NotFound(format!("account {}", new.account_id)))?;
+
+    if let Some((_, hash)) = &new.idempotency {
+        if let Some(seen_hash) = get_opt_str(&checks, "seen_hash")? {
+            if &seen_hash != hash {
+                return Ok(CreateOutcome::IdempotencyConflict);
+            }
+            let sandbox_id = get_str(&checks, "seen_sandbox")?;
+            let row = sandbox_in(tx, &sandbox_id).await?.ok_or_else(|| {
+                StoreError::Corrupt(format!("idempotency row names missing {sandbox_id}"))
+            })?;
+            return Ok(CreateOutcome::Replay(row));
+        }
+    }
+    if new.host_epoch.is_some() {
+        let Some(max) = host_max else {
+            return Ok(CreateOutcome::HostUnavailable);
+        };
+        let live = get_i64(&checks, "host_live")?;
+        if live >= max {
+            return Ok(CreateOutcome::HostFull {
+                live: u32::try_from(live).unwrap_or(u32::MAX),
+                limit: u32::try_from(max).unwrap_or(u32::MAX),
+            });
+        }
+    }
+    let limit = match new.max_concurrent {
+        Some(l) => l,
+        None => get_u32(&checks, "max_concurrent")?,
+    };
+    let balance = get_i64(&checks, "balance")?;
+    if balance < new.reserve_micros {
+        return Ok(CreateOutcome::InsufficientCredits {
+            balance,
+            needed: new.reserve_micros,
+        });
+    }
+    let live = u32::try_from(get_i64(&checks, "live")?).unwrap_or(u32::MAX);
+    if live >= limit {
+        return Ok(CreateOutcome::TooManySandboxes { live, limit });
+    }
+    if let Some(limit) = new.disk_limit_bytes {
+        let used = get_i64(&checks, "disk_used")?.max(0) as u64;
+        if used >= limit {
+            return Ok(CreateOutcome::OverDiskLimit { used, limit });
+        }
+    }
+
+    Err(StoreError::Corrupt(format!(
+        "the create of {} passed every check, yet its row was not written",
+        new.id
+    )))
+}
+
 /// What [`Store::set_status`] does with a row that is not live or already
 /// has the status: the row itself if nothing is to change, the refusal if
 /// it ended; `None` if the change is to be made.
@@ -213,34 +298,49 @@ fn unchanged(row: SandboxRow, new_status: &str) -> Result<Option<SandboxRow>> {
     Ok((row.status == new_status).then_some(row))
 }
 
-/// The rows a create writes: the sandbox (`provisioning`), its first
-/// event, its reservation in the ledger, its idempotency key. On
-/// PostgreSQL one statement (one round trip); on SQLite, in the process,
-/// one statement each.
+/// The rows a create writes, if every check passes (the same checks as
+/// [`refusal`], in SQL): the sandbox (`provisioning`), its first event,
+/// its reservation in the ledger, its idempotency key. `None`: a check
+/// failed, nothing was written. On PostgreSQL one statement (one round
+/// trip: a data-modifying CTE); on SQLite, in the process, one statement
+/// each.
 async fn insert_sandbox(
     tx: &mut Transaction<'static, Any>,
     new: &NewSandbox,
+    host_max: Option<i64>,
     postgres: bool,
-) -> Result<SandboxRow> {
-    let sandbox = "INSERT INTO sandboxes (id, account_id, name, size, vcpus, memory_mb, \
-                     disk_gb, timeout_minutes, status, price_micros_per_hour, host, \
-                     created_at, expires_at) \
-                   VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'provisioning', $9, $10, $11, $12) \
-                   RETURNING *";
+) -> Result<Option<SandboxRow>> {
+    const LIVE: &str = "status IN ('provisioning', 'running', 'deleting')";
+    let sandbox = format!(
+        "INSERT INTO sandboxes (id, account_id, name, size, vcpus, memory_mb, disk_gb, \
+           timeout_minutes, status, price_micros_per_hour, host, created_at, expires_at) \
+         SELECT $1, $2, $3, $4, $5, $6, $7, $8, 'provisioning', $9, $10, $11, $12 \
+         FROM accounts a WHERE a.id = $2 \
+           AND NOT EXISTS (SELECT 1 FROM idempotency WHERE account_id = a.id AND key = $13) \
+           AND ($14 IS NULL OR (SELECT COUNT(*) FROM sandboxes WHERE host = $10 AND {LIVE}) \
+                < $14) \
+           AND (SELECT COALESCE(SUM(amount_micros), 0) FROM ledger WHERE account_id = a.id) \
+                >= $15 \
+           AND (SELECT COUNT(*) FROM sandboxes WHERE account_id = a.id AND {LIVE}) \
+                < COALESCE($16, a.max_concurrent) \
+           AND ($17 IS NULL OR (SELECT COALESCE(SUM(disk_used_bytes), 0) FROM sandboxes \
+                WHERE account_id = a.id AND {LIVE}) < $17) \
+         RETURNING *"
+    );
     let sql = match postgres {
         true => format!(
             "WITH s AS ({sandbox}), \
              e AS (INSERT INTO sandbox_events (sandbox_id, status, reason, at) \
                    SELECT id, status, NULL, created_at FROM s), \
              l AS (INSERT INTO ledger (account_id, sandbox_id, kind, amount_micros, note, at) \
-                   SELECT account_id, id, 'reserve', -$13, 'create', created_at FROM s \
-                   WHERE $13 > 0), \
+                   SELECT account_id, id, 'reserve', -$15, 'create', created_at FROM s \
+                   WHERE $15 > 0), \
              i AS (INSERT INTO idempotency (account_id, key, request_hash, sandbox_id, \
                      created_at) \
-                   SELECT account_id, $14, $15, id, created_at FROM s WHERE $14 IS NOT NULL) \
+                   SELECT account_id, $13, $18, id, created_at FROM s WHERE $13 IS NOT NULL) \
              SELECT * FROM s"
         ),
-        false => sandbox.to_string(),
+        false => sandbox,
     };
     let mut query = sqlx::query(sqlx::AssertSqlSafe(sql))
         .bind(&new.id)
@@ -254,16 +354,31 @@ async fn insert_sandbox(
         .bind(new.price_micros_per_hour)
         .bind(&new.host)
         .bind(format_ts(new.created_at))
-        .bind(format_ts(new.expires_at));
+        .bind(format_ts(new.expires_at))
+        .bind(new.idempotency.as_ref().map(|(key, _)| key.clone()))
+        .bind(new.host_epoch.and(host_max))
+        .bind(new.reserve_micros)
+        .bind(new.max_concurrent.map(i64::from))
+        .bind(
+            new.disk_limit_bytes
+                .map(|l| i64::try_from(l).unwrap_or(i64::MAX)),
+        );
     if postgres {
-        query = query
-            .bind(new.reserve_micros)
-            .bind(new.idempotency.as_ref().map(|(key, _)| key.clone()))
-            .bind(new.idempotency.as_ref().map(|(_, hash)| hash.clone()));
+        query = query.bind(new.idempotency.as_ref().map(|(_, hash)| hash.clone()));
     }
-    let row = sandbox_from(&query.fetch_one(&mut **tx).await?)?;
+    let row = match query.fetch_optional(&mut **tx).await {
+        Ok(Some(row)) => sandbox_from(&row)?,
+        Ok(None) => return Ok(None),
+        Err(e) => {
+            let e = StoreError::from(e);
+            if e.is_unique_violation() {
+                return Err(StoreError::Conflict(format!("sandbox {} exists", new.id)));
+            }
+            return Err(e);
+        }
+    };
     if postgres {
-        return Ok(row);
+        return Ok(Some(row));
     }
     insert_event(tx, &row.id, status::PROVISIONING, None, row.created_at).await?;
     if new.reserve_micros > 0 {
@@ -291,7 +406,7 @@ async fn insert_sandbox(
         .execute(&mut **tx)
         .await?;
     }
-    Ok(row)
+    Ok(Some(row))
 }
 
 async fn insert_event(
@@ -467,97 +582,23 @@ impl Store {
             .fetch_one(&mut *tx)
             .await?;
         let host_max: Option<i64> = locked.try_get("host_max")?;
-
-        // Everything the decision reads, in one statement (one round trip
-        // to a PostgreSQL server), taken under the locks above.
-        let checks = sqlx::query(
-            "SELECT a.max_concurrent AS max_concurrent, \
-               (SELECT CAST(COALESCE(SUM(amount_micros), 0) AS BIGINT) FROM ledger \
-                  WHERE account_id = a.id) AS balance, \
-               (SELECT COUNT(*) FROM sandboxes WHERE account_id = a.id \
-                  AND status IN ('provisioning', 'running', 'deleting')) AS live, \
-               (SELECT CAST(COALESCE(SUM(disk_used_bytes), 0) AS BIGINT) FROM sandboxes \
-                  WHERE account_id = a.id \
-                  AND status IN ('provisioning', 'running', 'deleting')) AS disk_used, \
-               (SELECT COUNT(*) FROM sandboxes WHERE host = $2 \
-                  AND status IN ('provisioning', 'running', 'deleting')) AS host_live, \
-               (SELECT request_hash FROM idempotency WHERE account_id = a.id AND key = $3) \
-                  AS seen_hash, \
-               (SELECT sandbox_id FROM idempotency WHERE account_id = a.id AND key = $3) \
-                  AS seen_sandbox \
-             FROM accounts a WHERE a.id = $1",
-        )
-        .bind(&new.account_id)
-        .bind(&new.host)
-        .bind(new.idempotency.as_ref().map(|(key, _)| key.as_str()))
-        .fetch_optional(&mut *tx)
-        .await?
-        .ok_or_else(|| StoreError::NotFound(format!("account {}", new.account_id)))?;
-
-        if let Some((_, hash)) = &new.idempotency {
-            if let Some(seen_hash) = get_opt_str(&checks, "seen_hash")? {
-                if &seen_hash != hash {
-                    return Ok(CreateOutcome::IdempotencyConflict);
-                }
-                let sandbox_id = get_str(&checks, "seen_sandbox")?;
-                let row = sandbox_in(&mut tx, &sandbox_id).await?.ok_or_else(|| {
-                    StoreError::Corrupt(format!("idempotency row names missing {sandbox_id}"))
-                })?;
-                return Ok(CreateOutcome::Replay(row));
-            }
+        if locked.try_get::<Option<i64>, _>("account")?.is_none() {
+            return Err(StoreError::NotFound(format!("account {}", new.account_id)));
         }
-        if new.host_epoch.is_some() {
-            let Some(max) = host_max else {
-                return Ok(CreateOutcome::HostUnavailable);
-            };
-            let live = get_i64(&checks, "host_live")?;
-            if live >= max {
-                return Ok(CreateOutcome::HostFull {
-                    live: u32::try_from(live).unwrap_or(u32::MAX),
-                    limit: u32::try_from(max).unwrap_or(u32::MAX),
-                });
-            }
-        }
-        let limit = match new.max_concurrent {
-            Some(l) => l,
-            None => get_u32(&checks, "max_concurrent")?,
+
+        // The common case in one statement: the row (and on PostgreSQL its
+        // event, reservation and key) written only if every check passes,
+        // read under the locks above. A node not up at that epoch is not
+        // tried: only the reason is left to find.
+        let inserted = match (new.host_epoch, host_max) {
+            (Some(_), None) => None,
+            _ => insert_sandbox(&mut tx, &new, host_max, postgres).await?,
         };
-        let balance = get_i64(&checks, "balance")?;
-        if balance < new.reserve_micros {
-            return Ok(CreateOutcome::InsufficientCredits {
-                balance,
-                needed: new.reserve_micros,
-            });
+        if let Some(row) = inserted {
+            tx.commit().await?;
+            return Ok(CreateOutcome::Created(row));
         }
-        let live = u32::try_from(get_i64(&checks, "live")?).unwrap_or(u32::MAX);
-        if live >= limit {
-            return Ok(CreateOutcome::TooManySandboxes { live, limit });
-        }
-        if let Some(limit) = new.disk_limit_bytes {
-            let used = get_i64(&checks, "disk_used")?.max(0) as u64;
-            if used >= limit {
-                return Ok(CreateOutcome::OverDiskLimit { used, limit });
-            }
-        }
-
-        let row = match insert_sandbox(&mut tx, &new, postgres).await {
-            Ok(row) => row,
-            Err(e) => {
-                if e.is_unique_violation() {
-                    return Err(StoreError::Conflict(format!("sandbox {} exists", new.id)));
-                }
-                if let StoreError::Db(d) = &e {
-                    if d.as_database_error()
-                        .is_some_and(|d| d.is_foreign_key_violation())
-                    {
-                        return Err(StoreError::NotFound(format!("account {}", new.account_id)));
-                    }
-                }
-                return Err(e);
-            }
-        };
-        tx.commit().await?;
-        Ok(CreateOutcome::Created(row))
+        refusal(&mut tx, &new, host_max).await
     }
 
     /// Moves a live sandbox to another live status (`provisioning`,
