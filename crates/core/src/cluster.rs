@@ -89,12 +89,12 @@ pub trait NodeLink: Send + Sync {
     fn machines(&self, address: &str, epoch: i64) -> Arc<dyn Machines>;
 }
 
-/// How long what a member read of the nodes serves it: routing a call
-/// needs the node's address and epoch, and placing a sandbox the live
-/// nodes' room, and reading them for every call would add a database round
-/// trip to each. Well inside a lease: a node that stops is unroutable
-/// within its lease and this. A create's transaction checks its node
-/// again, whatever was read.
+/// How long what a member read of a node serves its routing: a call
+/// needs the node's address and epoch, and reading them for every call
+/// would add a database round trip to each. Well inside a lease: a node
+/// that stops is unroutable within its lease and this. Placement uses what
+/// the last heartbeat read (fresh for a heartbeat and this); a create's
+/// transaction checks its node again, whatever was read.
 const ROUTES_FRESH: Duration = Duration::from_secs(1);
 
 /// What this member read of the nodes lately (see [`ROUTES_FRESH`]).
