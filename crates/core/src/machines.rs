@@ -19,8 +19,11 @@ use tokio::io::{AsyncRead, AsyncWrite};
 /// What a call to a VM gives back.
 pub type VmResult<T> = std::result::Result<T, RuntimeError>;
 
-/// What a successful [`Machines::start`] leaves to its caller.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What a successful [`Machines::start`] leaves to its caller. (The node
+/// API carries it as JSON, its times in RFC 3339 with every digit, so the
+/// caller's copy of the row equals the stored one.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "started", rename_all = "snake_case")]
 pub enum Started {
     /// The VM runs; recording that the sandbox does is the caller's job.
     Booted,
@@ -29,7 +32,9 @@ pub enum Started {
     /// is `running` since `ready_at` and expires at `expires_at` (later
     /// than asked if it was extended while it started).
     Recorded {
+        #[serde(with = "time::serde::rfc3339")]
         ready_at: OffsetDateTime,
+        #[serde(with = "time::serde::rfc3339")]
         expires_at: OffsetDateTime,
     },
 }

@@ -332,10 +332,8 @@ impl Machines for RemoteNode {
             size: size.to_string(),
             expires_at_ms: ms(expires_at),
         };
-        let started: wire::Started = self
-            .call(&format!("sandboxes/{id}/start"), &args, START_TIMEOUT)
-            .await?;
-        Ok(started.into())
+        self.call(&format!("sandboxes/{id}/start"), &args, START_TIMEOUT)
+            .await
     }
 
     async fn destroy(&self, id: &str) -> VmResult<Option<u64>> {

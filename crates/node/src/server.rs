@@ -198,8 +198,7 @@ async fn handle(state: Arc<dyn NodeState>, req: Request<Incoming>) -> Response<B
                         detached(
                             async move { vms.start(&id, &a.size, time_of(a.expires_at_ms)).await },
                         )
-                        .await
-                        .map(wire::Started::from),
+                        .await,
                     ),
                     Err(r) => r,
                 },

@@ -160,47 +160,6 @@ pub struct StartArgs {
     pub expires_at_ms: i64,
 }
 
-/// What a `start` recorded (see [`sandpit_core::machines::Started`]).
-#[derive(Debug, Serialize, Deserialize)]
-pub struct Started {
-    /// Both absent when the caller is to record the start. RFC 3339 with
-    /// every digit, so the caller's copy of the row equals the stored one.
-    #[serde(with = "time::serde::rfc3339::option")]
-    pub ready_at: Option<OffsetDateTime>,
-    #[serde(with = "time::serde::rfc3339::option")]
-    pub expires_at: Option<OffsetDateTime>,
-}
-
-impl From<sandpit_core::machines::Started> for Started {
-    fn from(s: sandpit_core::machines::Started) -> Started {
-        match s {
-            sandpit_core::machines::Started::Booted => Started {
-                ready_at: None,
-                expires_at: None,
-            },
-            sandpit_core::machines::Started::Recorded {
-                ready_at,
-                expires_at,
-            } => Started {
-                ready_at: Some(ready_at),
-                expires_at: Some(expires_at),
-            },
-        }
-    }
-}
-
-impl From<Started> for sandpit_core::machines::Started {
-    fn from(s: Started) -> sandpit_core::machines::Started {
-        match (s.ready_at, s.expires_at) {
-            (Some(ready_at), Some(expires_at)) => sandpit_core::machines::Started::Recorded {
-                ready_at,
-                expires_at,
-            },
-            _ => sandpit_core::machines::Started::Booted,
-        }
-    }
-}
-
 /// A time as Unix milliseconds, as the wire carries it.
 pub fn ms(t: OffsetDateTime) -> i64 {
     (t.unix_timestamp_nanos() / 1_000_000) as i64
