@@ -180,9 +180,9 @@ pub async fn run(settings: &Settings, a: ClusterBenchArgs) -> Result<i32> {
     compare(&mut rows, "preview GET of 1 KiB", &get);
 
     // What one round trip costs here, to read the differences above by: a
-    // create in the cluster makes two node calls and six database round
+    // create in the cluster makes two node calls and five database round
     // trips (four on the replica, one of them beside the first node call,
-    // and two on the node); see docs/design.md.
+    // and one on the node); see docs/design.md.
     let store = sides[1].svc.store();
     let node_row = store
         .node("bench-node")

@@ -569,14 +569,6 @@ impl Service {
     }
 }
 
-/// The start of a running sandbox as its row records it.
-fn recorded(row: &sandpit_store::SandboxRow) -> Started {
-    Started::Recorded {
-        ready_at: row.ready_at.unwrap_or(row.created_at),
-        expires_at: row.expires_at,
-    }
-}
-
 #[async_trait::async_trait]
 impl Machines for Served {
     async fn take_warm(&self, size: &str) -> VmResult<Option<String>> {
@@ -592,32 +584,8 @@ impl Machines for Served {
             .svc
             .upgrade()
             .ok_or_else(|| RuntimeError::Busy("the node is shutting down".into()))?;
-        let row = match svc.store().sandbox(id).await {
-            Ok(Some(row)) => row,
-            Ok(None) => return Err(RuntimeError::NotFound(id.to_string())),
-            Err(e) => return Err(RuntimeError::Busy(format!("the database: {e}"))),
-        };
-        if row.host != svc.config().host_name || row.status != sandpit_store::status::PROVISIONING {
-            // Placed elsewhere, or its outcome is already recorded: only a
-            // VM that runs here is a start that happened.
-            let running = row.host == svc.config().host_name
-                && row.status == sandpit_store::status::RUNNING
-                && Machines::state(&*self.vms, id).await?
-                    == Some(sandpit_runtime::VmState::Running);
-            return match running {
-                true => Ok(recorded(&row)),
-                false => Err(RuntimeError::Launch(format!(
-                    "sandbox {id} is {} on node {}",
-                    row.status, row.host
-                ))),
-            };
-        }
-        let _ = (size, expires_at);
-        let local: Arc<dyn Machines> = self.vms.clone();
-        svc.boot(row, local)
+        svc.start_for_member(id, size, expires_at, self.vms.clone())
             .await
-            .map(|row| recorded(&row))
-            .map_err(|e| RuntimeError::Launch(e.message))
     }
 
     async fn destroy(&self, id: &str) -> VmResult<Option<u64>> {

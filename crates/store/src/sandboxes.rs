@@ -686,6 +686,47 @@ impl Store {
         })
     }
 
+    /// Records that the VM of sandbox `id` runs on `host`: `provisioning`
+    /// there becomes `running` (`ready_at` set, its event recorded). `None`,
+    /// with nothing changed, when the sandbox is not `provisioning` on
+    /// `host` (not there, placed elsewhere, ended, or running already). On
+    /// PostgreSQL one statement, so a node's start costs one round trip.
+    pub async fn record_start(&self, id: &str, host: &str) -> Result<Option<SandboxRow>> {
+        let at = now();
+        if self.engine == crate::Engine::Postgres {
+            let updated = sqlx::query(
+                "WITH u AS (UPDATE sandboxes SET status = 'running', ready_at = $3 \
+                     WHERE id = $1 AND host = $2 AND status = 'provisioning' RETURNING *), \
+                 e AS (INSERT INTO sandbox_events (sandbox_id, status, reason, at) \
+                       SELECT id, 'running', NULL, $3 FROM u) \
+                 SELECT * FROM u",
+            )
+            .bind(id)
+            .bind(host)
+            .bind(format_ts(at))
+            .fetch_optional(&self.pool)
+            .await?;
+            return updated.as_ref().map(sandbox_from).transpose();
+        }
+        let mut tx = self.write_tx().await?;
+        let updated = sqlx::query(
+            "UPDATE sandboxes SET status = 'running', ready_at = $3 \
+             WHERE id = $1 AND host = $2 AND status = 'provisioning' RETURNING *",
+        )
+        .bind(id)
+        .bind(host)
+        .bind(format_ts(at))
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(updated) = updated else {
+            return Ok(None);
+        };
+        let updated = sandbox_from(&updated)?;
+        insert_event(&mut tx, id, status::RUNNING, None, at).await?;
+        tx.commit().await?;
+        Ok(Some(updated))
+    }
+
     /// Extends a `provisioning` or `running` sandbox of `account_id`: stores
     /// the new expiry and timeout and reserves `extra_reserve_micros` more,
     /// if the balance covers it. Same transaction discipline as

@@ -49,6 +49,7 @@ on_both_engines!(
     lists_are_newest_first_with_cursors,
     expiry_finds_live_sandboxes_past_their_time,
     status_changes_are_recorded_and_ended_sandboxes_stay_ended,
+    a_nodes_start_is_recorded_only_on_its_provisioning_sandbox,
     extending_reserves_more_and_checks_the_balance,
     executions_are_recorded_and_finished_once,
     ports_are_opened_once_and_closed,
@@ -736,6 +737,43 @@ async fn expiry_finds_live_sandboxes_past_their_time(store: Store) {
         live.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(),
         [theirs.id.as_str()]
     );
+}
+
+async fn a_nodes_start_is_recorded_only_on_its_provisioning_sandbox(store: Store) {
+    let acct = store.create_account("alice", 100).await.unwrap();
+    let s = created(
+        store
+            .create_sandbox(sandbox(&acct.id, T0, 15, 0))
+            .await
+            .unwrap(),
+    );
+    // Another node's start changes nothing.
+    assert_eq!(store.record_start(&s.id, "elsewhere").await.unwrap(), None);
+    assert_eq!(store.sandbox(&s.id).await.unwrap().unwrap(), s);
+    let r = store
+        .record_start(&s.id, "local")
+        .await
+        .unwrap()
+        .expect("recorded");
+    assert_eq!(r.status, status::RUNNING);
+    assert!(r.ready_at.is_some());
+    assert_eq!(store.sandbox(&s.id).await.unwrap().unwrap(), r);
+    // Once: a start asked again records nothing more.
+    assert_eq!(store.record_start(&s.id, "local").await.unwrap(), None);
+    store
+        .finish_sandbox(&s.id, status::DELETED, "destroyed", T0, 0)
+        .await
+        .unwrap();
+    assert_eq!(store.record_start(&s.id, "local").await.unwrap(), None);
+    assert_eq!(store.record_start("sbx_nope", "local").await.unwrap(), None);
+    let events: Vec<String> = store
+        .events(&s.id)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.status)
+        .collect();
+    assert_eq!(events, ["provisioning", "running", "deleted"]);
 }
 
 async fn status_changes_are_recorded_and_ended_sandboxes_stay_ended(store: Store) {
