@@ -466,6 +466,142 @@ fn a_silent_node_is_declared_lost_its_sandboxes_settled_once_and_it_is_fenced() 
     drop(b);
 }
 
+/// Node b keeps one warm VM, and publishes it.
+const POOL_CONFIG: &str =
+    "[cluster]\nlease_secs = 3\nlost_after_secs = 2\n[pool]\nsizes = { small = 1 }\n";
+
+#[test]
+fn a_replica_names_a_sandbox_after_the_warm_vm_a_node_published() {
+    let pg = sandpit_pgtest::shared();
+    let url = rt().block_on(pg.fresh_database());
+    let (data_a, data_b) = (data_dir(), data_dir());
+    let key = team_key(&data_a, &url);
+    let certs = tempfile::tempdir().unwrap();
+    let ca = certs.path();
+    sandpit_node::init_ca(ca).unwrap();
+    for member in ["a", "b"] {
+        sandpit_node::issue(ca, member, &["127.0.0.1".into()]).unwrap();
+    }
+    let ca_arg = ca.to_str().unwrap();
+    // a is a control-plane replica (no VMs), b a node with a warm pool.
+    let a = Server::start_node_with(
+        &data_a,
+        &url,
+        "a",
+        NODE_CONFIG,
+        &["--no-vms", "--cluster-dir", ca_arg],
+    );
+    let b = Server::start_node_with(
+        &data_b,
+        &url,
+        "b",
+        POOL_CONFIG,
+        &["--node-listen", "127.0.0.1:0", "--cluster-dir", ca_arg],
+    );
+    // b's ready VM other than `not`, as b's heartbeat published it; then a
+    // heartbeat of a's (every second), which reads it.
+    let published = |not: &[&str]| -> String {
+        let deadline = Instant::now() + Duration::from_secs(300);
+        let id = rt().block_on(async {
+            let store = Store::connect(&url).await.unwrap();
+            loop {
+                let row = store.node("b").await.unwrap().unwrap();
+                let ready = row.warm.get("small").cloned().unwrap_or_default();
+                if let Some(id) = ready.into_iter().find(|id| !not.contains(&id.as_str())) {
+                    break id;
+                }
+                assert!(Instant::now() < deadline, "b never published a warm VM");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        });
+        std::thread::sleep(Duration::from_secs(2));
+        id
+    };
+    let via_a = Rest::new(&a, &key);
+
+    // The create through a takes b's published VM: the sandbox has its id.
+    let warm = published(&[]);
+    let first = create_on(&a, &key);
+    assert_eq!(first, warm, "not the VM b published");
+    assert_eq!(sandbox_status(&via_a, &first).0, "running");
+    rt().block_on(async {
+        let (st, ex) = via_a
+            .post(
+                &format!("/sandboxes/{first}/exec"),
+                json!({"command": "hostname"}),
+            )
+            .await;
+        assert_eq!(st, 200, "{ex}");
+        assert_eq!(
+            ex["stdout"],
+            format!("{}\n", first.replace('_', "-")),
+            "{ex}"
+        );
+    });
+
+    // Another create (as another replica's would) took b's next published
+    // VM's id first: a's create finds the id taken, asks b, which gives
+    // that same VM (not handed over yet), finds it taken again, and asks
+    // once more: a VM started for it.
+    let next = published(&[&first]);
+    let team = rt().block_on(async {
+        let store = Store::connect(&url).await.unwrap();
+        let team = store.account_by_name("team").await.unwrap().unwrap();
+        let now = time::OffsetDateTime::now_utc();
+        let taken = NewSandbox {
+            id: next.clone(),
+            account_id: team.id.clone(),
+            name: None,
+            size: "small".into(),
+            vcpus: 2,
+            memory_mb: 1024,
+            disk_gb: 4,
+            timeout_minutes: 30,
+            price_micros_per_hour: 0,
+            host: "b".into(),
+            host_epoch: None,
+            created_at: now,
+            expires_at: now + time::Duration::minutes(30),
+            reserve_micros: 0,
+            max_concurrent: None,
+            disk_limit_bytes: None,
+            idempotency: None,
+        };
+        assert!(matches!(
+            store.create_sandbox(taken).await.unwrap(),
+            CreateOutcome::Created(_)
+        ));
+        team
+    });
+    let second = create_on(&a, &key);
+    assert_ne!(second, next);
+    assert_eq!(sandbox_status(&via_a, &second).0, "running");
+
+    rt().block_on(async {
+        let store = Store::connect(&url).await.unwrap();
+        let row = store.sandbox(&next).await.unwrap().unwrap();
+        assert_eq!(
+            row.status, "provisioning",
+            "the other create's row is its own"
+        );
+        store
+            .finish_sandbox(&next, "failed", "test", time::OffsetDateTime::now_utc(), 0)
+            .await
+            .unwrap();
+        // Nothing was reserved twice: the ledger sums to the balance.
+        let ledger = store.ledger(&team.id).await.unwrap();
+        let sum: i64 = ledger.iter().map(|l| l.amount_micros).sum();
+        assert_eq!(sum, store.balance(&team.id).await.unwrap());
+        assert_eq!(
+            ledger.iter().filter(|l| l.kind == "reserve").count(),
+            2,
+            "{ledger:?}"
+        );
+    });
+    drop(a);
+    drop(b);
+}
+
 #[test]
 fn the_cli_makes_the_cluster_ca_and_issues_members_certificates() {
     let dir = tempfile::tempdir().unwrap();

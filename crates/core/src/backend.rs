@@ -228,6 +228,33 @@ impl LocalVms {
         }
     }
 
+    /// Take the ready pool VM `id` for the sandbox of that id (a create that
+    /// found it in this node's published pool, see [`LocalVms::ready_ids`]);
+    /// `false` if it is not ready (taken since, or dead).
+    fn take_ready(&self, id: &str) -> bool {
+        let found =
+            self.ready
+                .lock()
+                .unwrap()
+                .values_mut()
+                .any(|q| match q.iter().position(|x| x == id) {
+                    Some(at) => q.remove(at).is_some(),
+                    None => false,
+                });
+        if !found {
+            return false;
+        }
+        *self.last_take.lock().unwrap() = Some(Instant::now());
+        self.refill.notify_one();
+        if matches!(self.state(id), Some(VmState::Running)) {
+            self.claimed.lock().unwrap().insert(id.to_string());
+            return true;
+        }
+        tracing::warn!(id, "a pool VM died while it waited; discarding it");
+        self.discard_soon(id.to_string());
+        false
+    }
+
     /// Put back a VM taken with [`LocalVms::take_warm`] whose create did not
     /// happen; nothing ever ran in it.
     pub fn return_warm(&self, id: &str, size: &str) {
@@ -257,6 +284,20 @@ impl LocalVms {
             .iter()
             .filter(|(_, n)| **n > 0)
             .map(|(s, n)| (s.clone(), *n))
+            .collect()
+    }
+
+    /// The ready pool VMs' ids per pool size, oldest first.
+    pub fn ready_ids(&self) -> BTreeMap<String, Vec<String>> {
+        let ready = self.ready.lock().unwrap();
+        self.pool_targets()
+            .into_iter()
+            .map(|(size, _)| {
+                let ids = ready
+                    .get(&size)
+                    .map_or_else(Vec::new, |q| q.iter().cloned().collect());
+                (size, ids)
+            })
             .collect()
     }
 
@@ -626,7 +667,7 @@ impl Machines for LocalVms {
     }
 
     async fn start(&self, id: &str, size: &str, expires_at: OffsetDateTime) -> VmResult<Started> {
-        let claimed = self.claimed.lock().unwrap().contains(id);
+        let claimed = self.claimed.lock().unwrap().contains(id) || self.take_ready(id);
         if !claimed && matches!(LocalVms::state(self, id), Some(VmState::Running)) {
             self.manager.set_expiry(id, expires_at)?;
         } else {

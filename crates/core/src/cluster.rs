@@ -102,7 +102,15 @@ const ROUTES_FRESH: Duration = Duration::from_secs(1);
 pub(crate) struct Routes {
     nodes: std::sync::Mutex<std::collections::HashMap<String, (NodeRow, Instant)>>,
     candidates: std::sync::Mutex<Option<(Vec<sandpit_store::Candidate>, Instant)>>,
+    /// Published pool VMs this member handed out lately (see
+    /// [`Routes::take_published`]): a node publishes at its heartbeats,
+    /// so what it published may still name them for a while.
+    handed_out: std::sync::Mutex<std::collections::VecDeque<(String, Instant)>>,
 }
+
+/// How long [`Routes::handed_out`] remembers an id: longer than a node's
+/// heartbeat and this member's read of it, with room to spare.
+const HANDED_OUT_FOR: Duration = Duration::from_secs(60);
 
 impl Routes {
     /// Node `name`, as read within [`ROUTES_FRESH`].
@@ -153,6 +161,32 @@ impl Routes {
         drop(nodes);
         *self.candidates.lock().expect("not poisoned") = Some((c.clone(), now));
         Ok(c)
+    }
+
+    /// A ready pool VM of `size` that node `name` published, for this
+    /// member's next create there (each id is handed out once here; another
+    /// member may hand it out too, and the create's insert settles which
+    /// gets it: [`sandpit_store::CreateOutcome::IdTaken`] for the other).
+    pub(crate) fn take_published(&self, name: &str, size: &str) -> Option<String> {
+        let mut candidates = self.candidates.lock().expect("not poisoned");
+        let (c, _) = candidates.as_mut()?;
+        let node = &mut c.iter_mut().find(|c| c.node.name == name)?.node;
+        let ids = node.warm.get_mut(size)?;
+        let mut handed_out = self.handed_out.lock().expect("not poisoned");
+        while handed_out
+            .front()
+            .is_some_and(|(_, at)| at.elapsed() > HANDED_OUT_FOR)
+        {
+            handed_out.pop_front();
+        }
+        // The newest: the node's own takes start from the oldest.
+        while let Some(id) = ids.pop() {
+            if !handed_out.iter().any(|(h, _)| *h == id) {
+                handed_out.push_back((id.clone(), Instant::now()));
+                return Some(id);
+            }
+        }
+        None
     }
 
     /// A sandbox was placed on `name`.
@@ -347,7 +381,7 @@ impl Service {
         let warm_of = |c: &sandpit_store::Candidate| -> u32 {
             match (c.node.name == m.node.name, self.vms()) {
                 (true, Some(vms)) => vms.warm_count(size) as u32,
-                _ => c.node.warm.get(size).copied().unwrap_or(0),
+                _ => c.node.warm.get(size).map_or(0, |ids| ids.len() as u32),
             }
         };
         candidates.sort_by(|a, b| {
@@ -383,6 +417,12 @@ impl Service {
         Ok(out)
     }
 
+    /// Reads the cluster's nodes again now, as each heartbeat does (their
+    /// room and their published pools, for placement).
+    pub async fn read_cluster_again(&self) -> Result<()> {
+        self.routes.refresh(self.store()).await.map(|_| ())
+    }
+
     /// The epoch this node holds in the cluster (`None` outside one).
     pub fn cluster_epoch(&self) -> Option<i64> {
         self.membership().map(Membership::epoch)
@@ -396,12 +436,7 @@ impl Service {
         };
         let renewed = match self
             .store()
-            .renew_lease(
-                &m.node.name,
-                m.epoch(),
-                m.config.lease(),
-                &self.warm_counts(),
-            )
+            .renew_lease(&m.node.name, m.epoch(), m.config.lease(), &self.ready_ids())
             .await
         {
             Ok(r) => {
@@ -460,17 +495,10 @@ impl Service {
         self.drop_ended_vms().await
     }
 
-    /// Ready VMs in this node's warm pool per size, for placement.
-    fn warm_counts(&self) -> std::collections::BTreeMap<String, u32> {
-        self.vms().map_or_else(Default::default, |vms| {
-            vms.pool_targets()
-                .into_iter()
-                .map(|(size, _)| {
-                    let n = vms.warm_count(&size) as u32;
-                    (size, n)
-                })
-                .collect()
-        })
+    /// This node's ready pool VMs per size, published for placement.
+    fn ready_ids(&self) -> std::collections::BTreeMap<String, Vec<String>> {
+        self.vms()
+            .map_or_else(Default::default, |vms| vms.ready_ids())
     }
 
     /// Declares lost the nodes silent past their lease and the grace, and

@@ -50,8 +50,9 @@ pub trait Machines: Send + Sync {
     /// not created; nothing ever ran in it.
     async fn return_warm(&self, id: &str, size: &str) -> VmResult<()>;
 
-    /// Starts the VM of a new sandbox `id` (the pool VM taken for it, or
-    /// one restored or booted now) whose watchdog ends it at `expires_at`.
+    /// Starts the VM of a new sandbox `id` (the pool VM taken for it, the
+    /// ready pool VM of that id, or one restored or booted now) whose
+    /// watchdog ends it at `expires_at`.
     /// Starting a VM that already runs is not an error: a create retried
     /// after its first caller was lost finds the VM it started.
     async fn start(&self, id: &str, size: &str, expires_at: OffsetDateTime) -> VmResult<Started>;

@@ -388,6 +388,7 @@ impl Store {
                 ))
             })?;
         POSTGRES_MIGRATOR.run(&pool).await?;
+        sandboxes::install_create_function(&pool).await?;
         Ok(Store {
             pool,
             engine: Engine::Postgres,

@@ -36,8 +36,12 @@ pub struct NodeRow {
     pub lost_at_ms: Option<i64>,
     /// Live sandboxes it takes at most (0: none).
     pub max_sandboxes: u32,
-    /// Ready VMs in its warm pool per size, as of its last heartbeat.
-    pub warm: BTreeMap<String, u32>,
+    /// The ids of the ready VMs in its warm pool per size, as of its last
+    /// heartbeat. A control plane may create a sandbox under one of these
+    /// ids without asking the node first: the sandbox's primary key makes
+    /// sure one create at most gets it, and the node hands the VM over when
+    /// that create's start comes (see `sandpit_core::cluster`).
+    pub warm: BTreeMap<String, Vec<String>>,
     /// The database's clock when this row was read.
     pub now_ms: i64,
 }
@@ -113,10 +117,23 @@ fn node_from(row: &AnyRow) -> Result<NodeRow> {
         lease_until_ms: get_i64(row, "lease_until_ms")?,
         lost_at_ms: row.try_get::<Option<i64>, _>("lost_at_ms")?,
         max_sandboxes: u32_of(row, "max_sandboxes")?,
-        warm: serde_json::from_str(&get_str(row, "warm")?)
-            .map_err(|e| StoreError::Corrupt(format!("nodes.warm: {e}")))?,
+        warm: warm_from(&get_str(row, "warm")?)?,
         now_ms: get_i64(row, "now_ms")?,
     })
+}
+
+/// `nodes.warm` as stored: per size, the ready VMs' ids (a count, as an
+/// older node wrote it, reads as no id: that node is asked instead).
+fn warm_from(stored: &str) -> Result<BTreeMap<String, Vec<String>>> {
+    let sizes: BTreeMap<String, serde_json::Value> = serde_json::from_str(stored)
+        .map_err(|e| StoreError::Corrupt(format!("nodes.warm: {e}")))?;
+    Ok(sizes
+        .into_iter()
+        .map(|(size, ids)| {
+            let ids = serde_json::from_value::<Vec<String>>(ids).unwrap_or_default();
+            (size, ids)
+        })
+        .collect())
 }
 
 /// A time in milliseconds since the Unix epoch as a timestamp.
@@ -168,13 +185,14 @@ impl Store {
     /// Renews a node's lease for `lease` from now, if it is still `up` at
     /// `epoch`. `false` means it has been fenced: declared lost, or started
     /// again elsewhere with a newer epoch. A lease that ran out but was not
-    /// yet declared lost is renewed. `warm` is what its pool holds now.
+    /// yet declared lost is renewed. `warm` is what its pool holds now: the
+    /// ready VMs' ids per size.
     pub async fn renew_lease(
         &self,
         name: &str,
         epoch: i64,
         lease: Duration,
-        warm: &BTreeMap<String, u32>,
+        warm: &BTreeMap<String, Vec<String>>,
     ) -> Result<bool> {
         let now = now_ms_sql(self.engine);
         let sql = format!(
@@ -185,7 +203,7 @@ impl Store {
             .bind(name)
             .bind(epoch)
             .bind(millis(lease))
-            .bind(serde_json::to_string(warm).expect("a map of counts"))
+            .bind(serde_json::to_string(warm).expect("a map of ids"))
             .execute(&self.pool)
             .await?;
         Ok(done.rows_affected() == 1)

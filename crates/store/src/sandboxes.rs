@@ -8,6 +8,7 @@ use crate::util::{
     format_ts, get_i64, get_opt_str, get_opt_ts, get_str, get_ts, get_u32, now, parse_ts,
 };
 use crate::{lock_account, row_lock, Store};
+use sha2::Digest;
 use sqlx::any::AnyRow;
 use sqlx::{Any, Row, Transaction};
 use time::OffsetDateTime;
@@ -106,6 +107,10 @@ pub enum CreateOutcome {
     HostUnavailable,
     /// `host` already holds `limit` live sandboxes, its most.
     HostFull { live: u32, limit: u32 },
+    /// A sandbox with this id exists: another create took the same warm
+    /// VM (a node's published pool is read by every control plane).
+    /// Nothing was written; retry under another id.
+    IdTaken,
 }
 
 /// What [`Store::extend_sandbox`] did.
@@ -278,6 +283,9 @@ async fn refusal(
             return Ok(CreateOutcome::OverDiskLimit { used, limit });
         }
     }
+    if sandbox_in(tx, &new.id).await?.is_some() {
+        return Ok(CreateOutcome::IdTaken);
+    }
 
     Err(StoreError::Corrupt(format!(
         "the create of {} passed every check, yet its row was not written",
@@ -310,72 +318,15 @@ async fn insert_sandbox(
     host_max: Option<i64>,
     postgres: bool,
 ) -> Result<Option<SandboxRow>> {
-    const LIVE: &str = "status IN ('provisioning', 'running', 'deleting')";
-    let sandbox = format!(
-        "INSERT INTO sandboxes (id, account_id, name, size, vcpus, memory_mb, disk_gb, \
-           timeout_minutes, status, price_micros_per_hour, host, created_at, expires_at) \
-         SELECT $1, $2, $3, $4, $5, $6, $7, $8, 'provisioning', $9, $10, $11, $12 \
-         FROM accounts a WHERE a.id = $2 \
-           AND NOT EXISTS (SELECT 1 FROM idempotency WHERE account_id = a.id AND key = $13) \
-           AND ($14 IS NULL OR (SELECT COUNT(*) FROM sandboxes WHERE host = $10 AND {LIVE}) \
-                < $14) \
-           AND (SELECT COALESCE(SUM(amount_micros), 0) FROM ledger WHERE account_id = a.id) \
-                >= $15 \
-           AND (SELECT COUNT(*) FROM sandboxes WHERE account_id = a.id AND {LIVE}) \
-                < COALESCE($16, a.max_concurrent) \
-           AND ($17 IS NULL OR (SELECT COALESCE(SUM(disk_used_bytes), 0) FROM sandboxes \
-                WHERE account_id = a.id AND {LIVE}) < $17) \
-         RETURNING *"
+    let sql = insert_sql(postgres, "$14");
+    let query = bind_create(
+        sqlx::query(sqlx::AssertSqlSafe(sql)),
+        new,
+        new.host_epoch.and(host_max),
+        postgres,
     );
-    let sql = match postgres {
-        true => format!(
-            "WITH s AS ({sandbox}), \
-             e AS (INSERT INTO sandbox_events (sandbox_id, status, reason, at) \
-                   SELECT id, status, NULL, created_at FROM s), \
-             l AS (INSERT INTO ledger (account_id, sandbox_id, kind, amount_micros, note, at) \
-                   SELECT account_id, id, 'reserve', -$15, 'create', created_at FROM s \
-                   WHERE $15 > 0), \
-             i AS (INSERT INTO idempotency (account_id, key, request_hash, sandbox_id, \
-                     created_at) \
-                   SELECT account_id, $13, $18, id, created_at FROM s WHERE $13 IS NOT NULL) \
-             SELECT * FROM s"
-        ),
-        false => sandbox,
-    };
-    let mut query = sqlx::query(sqlx::AssertSqlSafe(sql))
-        .bind(&new.id)
-        .bind(&new.account_id)
-        .bind(&new.name)
-        .bind(&new.size)
-        .bind(i64::from(new.vcpus))
-        .bind(i64::from(new.memory_mb))
-        .bind(i64::from(new.disk_gb))
-        .bind(i64::from(new.timeout_minutes))
-        .bind(new.price_micros_per_hour)
-        .bind(&new.host)
-        .bind(format_ts(new.created_at))
-        .bind(format_ts(new.expires_at))
-        .bind(new.idempotency.as_ref().map(|(key, _)| key.clone()))
-        .bind(new.host_epoch.and(host_max))
-        .bind(new.reserve_micros)
-        .bind(new.max_concurrent.map(i64::from))
-        .bind(
-            new.disk_limit_bytes
-                .map(|l| i64::try_from(l).unwrap_or(i64::MAX)),
-        );
-    if postgres {
-        query = query.bind(new.idempotency.as_ref().map(|(_, hash)| hash.clone()));
-    }
-    let row = match query.fetch_optional(&mut **tx).await {
-        Ok(Some(row)) => sandbox_from(&row)?,
-        Ok(None) => return Ok(None),
-        Err(e) => {
-            let e = StoreError::from(e);
-            if e.is_unique_violation() {
-                return Err(StoreError::Conflict(format!("sandbox {} exists", new.id)));
-            }
-            return Err(e);
-        }
+    let Some(row) = inserted(query.fetch_optional(&mut **tx).await, new)? else {
+        return Ok(None);
     };
     if postgres {
         return Ok(Some(row));
@@ -407,6 +358,182 @@ async fn insert_sandbox(
         .await?;
     }
     Ok(Some(row))
+}
+
+/// The row a create's insert returned, if any (a sandbox of that id
+/// already there is a conflict).
+fn inserted(
+    outcome: std::result::Result<Option<AnyRow>, sqlx::Error>,
+    new: &NewSandbox,
+) -> Result<Option<SandboxRow>> {
+    match outcome {
+        Ok(row) => row.as_ref().map(sandbox_from).transpose(),
+        Err(e) => {
+            let e = StoreError::from(e);
+            if e.is_unique_violation() {
+                return Err(StoreError::Conflict(format!("sandbox {} exists", new.id)));
+            }
+            Err(e)
+        }
+    }
+}
+
+/// [`insert_sandbox`]'s statement. `host_max` is the SQL of the node's
+/// room (`NULL`: not counted): a parameter, or in [`create_function`] a
+/// variable.
+fn insert_sql(postgres: bool, host_max: &str) -> String {
+    const LIVE: &str = "status IN ('provisioning', 'running', 'deleting')";
+    let sandbox = format!(
+        "INSERT INTO sandboxes (id, account_id, name, size, vcpus, memory_mb, disk_gb, \
+           timeout_minutes, status, price_micros_per_hour, host, created_at, expires_at) \
+         SELECT $1, $2, $3, $4, $5, $6, $7, $8, 'provisioning', $9, $10, $11, $12 \
+         FROM accounts a WHERE a.id = $2 \
+           AND NOT EXISTS (SELECT 1 FROM idempotency WHERE account_id = a.id AND key = $13) \
+           AND ({host_max} IS NULL OR (SELECT COUNT(*) FROM sandboxes \
+                WHERE host = $10 AND {LIVE}) < {host_max}) \
+           AND (SELECT COALESCE(SUM(amount_micros), 0) FROM ledger WHERE account_id = a.id) \
+                >= $15 \
+           AND (SELECT COUNT(*) FROM sandboxes WHERE account_id = a.id AND {LIVE}) \
+                < COALESCE($16, a.max_concurrent) \
+           AND ($17 IS NULL OR (SELECT COALESCE(SUM(disk_used_bytes), 0) FROM sandboxes \
+                WHERE account_id = a.id AND {LIVE}) < $17) \
+         ON CONFLICT (id) DO NOTHING \
+         RETURNING *"
+    );
+    match postgres {
+        true => format!(
+            "WITH s AS ({sandbox}), \
+             e AS (INSERT INTO sandbox_events (sandbox_id, status, reason, at) \
+                   SELECT id, status, NULL, created_at FROM s), \
+             l AS (INSERT INTO ledger (account_id, sandbox_id, kind, amount_micros, note, at) \
+                   SELECT account_id, id, 'reserve', -$15, 'create', created_at FROM s \
+                   WHERE $15 > 0), \
+             i AS (INSERT INTO idempotency (account_id, key, request_hash, sandbox_id, \
+                     created_at) \
+                   SELECT account_id, $13, $18, id, created_at FROM s WHERE $13 IS NOT NULL) \
+             SELECT * FROM s"
+        ),
+        false => sandbox,
+    }
+}
+
+/// The statement that takes a create's locks: the account's row lock (see
+/// `lock_account`), and the node's: creates on one node take turns (they
+/// count its places), and the sweep that would declare it lost waits for
+/// the sandbox to exist, and then settles it with the others. The
+/// account's first. `host_max` is `NULL` when the node is not up at that
+/// epoch within its lease. Its parameters are named by the caller.
+fn lock_sql(engine: crate::Engine, account: &str, node: &str, epoch: &str) -> String {
+    let lock = match engine {
+        crate::Engine::Postgres => " FOR NO KEY UPDATE",
+        crate::Engine::Sqlite => "",
+    };
+    format!(
+        "SELECT (SELECT 1 FROM accounts WHERE id = {account}{lock}) AS account, \
+           (SELECT max_sandboxes FROM nodes WHERE name = {node} AND epoch = {epoch} \
+              AND state = 'up' AND lease_until_ms > {}{lock}) AS host_max",
+        crate::nodes::now_ms_sql(engine)
+    )
+}
+
+/// A create on PostgreSQL in one round trip: a function that takes the
+/// locks ([`lock_sql`]), then writes the sandbox if every check passes
+/// ([`insert_sql`], a statement of its own, so that it reads what the
+/// transactions it waited for committed), and returns the row, or nothing
+/// when a check failed (the reason is then read in a transaction, as on
+/// SQLite). Its parameters are [`bind_create`]'s, the node's epoch
+/// fourteenth. Made from the same statements as the transaction's, and
+/// named by a hash of its text, so each build calls its own: `(name,
+/// definition)`.
+pub(crate) fn create_function() -> &'static (String, String) {
+    static FUNCTION: std::sync::OnceLock<(String, String)> = std::sync::OnceLock::new();
+    FUNCTION.get_or_init(|| {
+        let lock = lock_sql(crate::Engine::Postgres, "$2", "$10", "$14");
+        let insert = insert_sql(true, "v_host_max");
+        let body = format!(
+            "DECLARE v_account integer; v_host_max bigint; v_row sandboxes%ROWTYPE; \
+             BEGIN \
+               {lock} INTO v_account, v_host_max; \
+               IF v_account IS NULL OR ($14 IS NOT NULL AND v_host_max IS NULL) THEN \
+                 RETURN; \
+               END IF; \
+               {insert} INTO v_row; \
+               IF FOUND THEN RETURN NEXT v_row; END IF; \
+             END"
+        );
+        let hash = hex::encode(&sha2::Sha256::digest(body.as_bytes())[..6]);
+        let name = format!("sandpit_create_sandbox_{hash}");
+        let definition = format!(
+            "CREATE OR REPLACE FUNCTION {name}(text, text, text, text, bigint, bigint, bigint, \
+                 bigint, bigint, text, text, text, text, bigint, bigint, bigint, bigint, text) \
+             RETURNS SETOF sandboxes LANGUAGE plpgsql AS $create$ {body} $create$"
+        );
+        (name, definition)
+    })
+}
+
+/// Defines [`create_function`] in the database unless it is there (once,
+/// whoever starts at the same time: under an advisory lock).
+pub(crate) async fn install_create_function(pool: &sqlx::AnyPool) -> Result<()> {
+    let (name, definition) = create_function();
+    let defined = "SELECT CAST(COUNT(*) AS BIGINT) FROM pg_proc WHERE proname = $1";
+    let found: i64 = sqlx::query_scalar(defined)
+        .bind(name)
+        .fetch_one(pool)
+        .await?;
+    if found > 0 {
+        return Ok(());
+    }
+    let mut tx = pool.begin().await?;
+    sqlx::query("SELECT CAST(pg_advisory_xact_lock(7320551130146541) AS TEXT)")
+        .execute(&mut *tx)
+        .await?;
+    let found: i64 = sqlx::query_scalar(defined)
+        .bind(name)
+        .fetch_one(&mut *tx)
+        .await?;
+    if found == 0 {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(definition.clone()))
+            .execute(&mut *tx)
+            .await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+/// Binds a create's values to [`insert_sql`] (or [`create_function`]):
+/// `fourteenth` is the node's room (its epoch, for the function).
+fn bind_create<'q>(
+    query: sqlx::query::Query<'q, Any, sqlx::any::AnyArguments>,
+    new: &'q NewSandbox,
+    fourteenth: Option<i64>,
+    postgres: bool,
+) -> sqlx::query::Query<'q, Any, sqlx::any::AnyArguments> {
+    let query = query
+        .bind(&new.id)
+        .bind(&new.account_id)
+        .bind(&new.name)
+        .bind(&new.size)
+        .bind(i64::from(new.vcpus))
+        .bind(i64::from(new.memory_mb))
+        .bind(i64::from(new.disk_gb))
+        .bind(i64::from(new.timeout_minutes))
+        .bind(new.price_micros_per_hour)
+        .bind(&new.host)
+        .bind(format_ts(new.created_at))
+        .bind(format_ts(new.expires_at))
+        .bind(new.idempotency.as_ref().map(|(key, _)| key.clone()))
+        .bind(fourteenth)
+        .bind(new.reserve_micros)
+        .bind(new.max_concurrent.map(i64::from))
+        .bind(
+            new.disk_limit_bytes
+                .map(|l| i64::try_from(l).unwrap_or(i64::MAX)),
+        );
+    match postgres {
+        true => query.bind(new.idempotency.as_ref().map(|(_, hash)| hash.clone())),
+        false => query,
+    }
 }
 
 async fn insert_event(
@@ -552,29 +679,53 @@ impl Store {
                 new.reserve_micros
             )));
         }
+        if self.engine == crate::Engine::Postgres {
+            let Some(id) = id.await else {
+                return Ok(CreateOutcome::HostUnavailable);
+            };
+            new.id = id;
+            // The common case in one round trip (see `create_function`).
+            let sql = format!(
+                "SELECT * FROM {}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, \
+                 $14, $15, $16, $17, $18)",
+                create_function().0
+            );
+            let query = bind_create(
+                sqlx::query(sqlx::AssertSqlSafe(sql)),
+                &new,
+                new.host_epoch,
+                true,
+            );
+            if let Some(row) = inserted(query.fetch_optional(&self.pool).await, &new)? {
+                return Ok(CreateOutcome::Created(row));
+            }
+            // Refused: the reason, read in a transaction under the same
+            // locks (which also creates it, had the checks passed since).
+            let tx = self.write_tx().await?;
+            return self.create_in(tx, new).await;
+        }
         let (tx, id) = tokio::join!(self.write_tx(), id);
-        let mut tx = tx?;
+        let tx = tx?;
         let Some(id) = id else {
             return Ok(CreateOutcome::HostUnavailable);
         };
         new.id = id;
+        self.create_in(tx, new).await
+    }
+
+    /// [`Store::create_sandbox`] in transaction `tx`: the locks, the checks
+    /// and the writes, or the reason for a refusal.
+    async fn create_in(
+        &self,
+        mut tx: Transaction<'static, Any>,
+        new: NewSandbox,
+    ) -> Result<CreateOutcome> {
         let postgres = crate::is_postgres(&tx);
-        // The account's row lock (see `lock_account`), and the node's: creates
-        // on one node take turns (they count its places), and the sweep that
-        // would declare it lost waits for this sandbox to exist, and then
-        // settles it with the others. Both in one statement, the account's
-        // first. `host_max` is `None` when the node is not up at that epoch
-        // within its lease.
-        let (clock, lock) = match postgres {
-            true => (crate::Engine::Postgres, " FOR NO KEY UPDATE"),
-            false => (crate::Engine::Sqlite, ""),
+        let engine = match postgres {
+            true => crate::Engine::Postgres,
+            false => crate::Engine::Sqlite,
         };
-        let sql = format!(
-            "SELECT (SELECT 1 FROM accounts WHERE id = $1{lock}) AS account, \
-               (SELECT max_sandboxes FROM nodes WHERE name = $2 AND epoch = $3 \
-                  AND state = 'up' AND lease_until_ms > {}{lock}) AS host_max",
-            crate::nodes::now_ms_sql(clock)
-        );
+        let sql = lock_sql(engine, "$1", "$2", "$3");
         let locked = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(&new.account_id)
             .bind(&new.host)

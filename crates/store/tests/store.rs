@@ -50,6 +50,7 @@ on_both_engines!(
     expiry_finds_live_sandboxes_past_their_time,
     status_changes_are_recorded_and_ended_sandboxes_stay_ended,
     a_nodes_start_is_recorded_only_on_its_provisioning_sandbox,
+    a_second_create_under_a_taken_id_writes_nothing,
     extending_reserves_more_and_checks_the_balance,
     executions_are_recorded_and_finished_once,
     ports_are_opened_once_and_closed,
@@ -774,6 +775,32 @@ async fn a_nodes_start_is_recorded_only_on_its_provisioning_sandbox(store: Store
         .map(|e| e.status)
         .collect();
     assert_eq!(events, ["provisioning", "running", "deleted"]);
+}
+
+async fn a_second_create_under_a_taken_id_writes_nothing(store: Store) {
+    let acct = store.create_account("alice", 100).await.unwrap();
+    store
+        .add_credit(&acct.id, 1_000_000, Some("test"))
+        .await
+        .unwrap();
+    let first = sandbox(&acct.id, T0, 15, 1000);
+    let again = NewSandbox {
+        idempotency: Some(("key-2".into(), "hash".into())),
+        ..first.clone()
+    };
+    let s = created(store.create_sandbox(first).await.unwrap());
+    let balance = store.balance(&acct.id).await.unwrap();
+    assert_eq!(
+        store.create_sandbox(again).await.unwrap(),
+        CreateOutcome::IdTaken
+    );
+    assert_eq!(
+        store.balance(&acct.id).await.unwrap(),
+        balance,
+        "nothing reserved"
+    );
+    assert_eq!(store.sandbox(&s.id).await.unwrap().unwrap(), s);
+    assert_eq!(store.events(&s.id).await.unwrap().len(), 1);
 }
 
 async fn status_changes_are_recorded_and_ended_sandboxes_stay_ended(store: Store) {
@@ -1646,7 +1673,10 @@ async fn a_create_takes_a_place_on_a_live_node_with_room_in_its_transaction(stor
     let b = store.register_node(&node("b", 5), lease).await.unwrap();
     // A member without VMs (a replica) is never a place for a sandbox.
     store.register_node(&node("api", 0), lease).await.unwrap();
-    let warm = BTreeMap::from([("small".to_string(), 3u32)]);
+    let warm = BTreeMap::from([(
+        "small".to_string(),
+        vec!["sbx_w1".to_string(), "sbx_w2".to_string()],
+    )]);
     assert!(store.renew_lease("b", b.epoch, lease, &warm).await.unwrap());
     let acct = store.create_account("alice", 100).await.unwrap();
     store.add_credit(&acct.id, 1_000_000, None).await.unwrap();

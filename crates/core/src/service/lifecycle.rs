@@ -35,6 +35,10 @@ use time::OffsetDateTime;
 /// start to finish.
 const REPLAY_WAIT: Duration = Duration::from_secs(60);
 
+/// How many times a create tries one node whose VMs' ids turn out taken
+/// ([`sandpit_store::CreateOutcome::IdTaken`]).
+const MOST_TRIES: u32 = 3;
+
 impl Service {
     /// The API's `create_sandbox`.
     pub(super) async fn create(
@@ -53,12 +57,26 @@ impl Service {
         ));
         let mut refused = None;
         let mut placed = None;
-        for target in self.placement(&size_name).await? {
+        let mut targets = self.placement(&size_name).await?.into_iter();
+        // A node tried again after the id of the VM it gave was taken, and
+        // how many times it was tried.
+        let mut again = None;
+        while let Some((target, tries)) = again.take().or_else(|| targets.next().map(|t| (t, 1))) {
+            let first_try = tries == 1;
             // A warm pool VM already carries the id its sandbox will have.
-            // Taking it (a call to the node) overlaps the transaction's
-            // start.
+            // Another node's pool, as its last heartbeat published it, names
+            // the sandbox without a call; otherwise the node is asked for
+            // one.
+            let published = match first_try && target.host != self.config.host_name {
+                true => self.routes.take_published(&target.host, &size_name),
+                false => None,
+            };
             let taken = std::sync::Mutex::new(None);
             let id = async {
+                if let Some(id) = &published {
+                    *taken.lock().unwrap() = Some(Ok(None));
+                    return Some(id.clone());
+                }
                 let warm = target.machines.take_warm(&size_name).await;
                 let id = match &warm {
                     Ok(warm) => Some(warm.clone().unwrap_or_else(|| new_id("sbx_"))),
@@ -104,13 +122,30 @@ impl Service {
                 Some(Ok(warm)) => warm,
                 None => None,
             };
-            // A pool VM whose sandbox was not created goes back, never used.
+            // A pool VM whose sandbox was not created goes back, never used;
+            // but one whose id another create took (from the published
+            // pool) is that create's to start, or dies with its pool lease.
             if let Some(id) = &warm {
-                if !matches!(outcome, Ok(CreateOutcome::Created(_))) {
+                if !matches!(
+                    outcome,
+                    Ok(CreateOutcome::Created(_) | CreateOutcome::IdTaken)
+                ) {
                     let _ = target.machines.return_warm(id, &size_name).await;
                 }
             }
             match outcome? {
+                // Another create took it first: the node is asked for a VM
+                // (the one it gives may be that same VM, which it has not
+                // handed over yet: then once more).
+                CreateOutcome::IdTaken if tries < MOST_TRIES => {
+                    again = Some((target, tries + 1));
+                }
+                CreateOutcome::IdTaken => {
+                    refused = Some(format!(
+                        "node {} gave VMs whose ids were taken {tries} times",
+                        target.host
+                    ));
+                }
                 // The node filled up or went silent since it was ranked:
                 // the next one.
                 CreateOutcome::HostFull { live, limit } => {
@@ -173,7 +208,9 @@ impl Service {
             CreateOutcome::OverDiskLimit { used, limit } => {
                 return Err(crate::disk::over_limit(used, limit))
             }
-            CreateOutcome::HostUnavailable | CreateOutcome::HostFull { .. } => {
+            CreateOutcome::HostUnavailable
+            | CreateOutcome::HostFull { .. }
+            | CreateOutcome::IdTaken => {
                 return Err(CoreError::internal("placement refused after it was taken"))
             }
         };
