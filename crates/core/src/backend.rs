@@ -230,8 +230,9 @@ impl LocalVms {
 
     /// Take the ready pool VM `id` for the sandbox of that id (a create that
     /// found it in this node's published pool, see [`LocalVms::ready_ids`]);
-    /// `false` if it is not ready (taken since, or dead).
-    fn take_ready(&self, id: &str) -> bool {
+    /// `false` if it is not ready: taken since, or dead (then removed, so
+    /// that a VM of that id can be started in its place).
+    async fn take_ready(&self, id: &str) -> bool {
         let found =
             self.ready
                 .lock()
@@ -251,7 +252,7 @@ impl LocalVms {
             return true;
         }
         tracing::warn!(id, "a pool VM died while it waited; discarding it");
-        self.discard_soon(id.to_string());
+        let _ = self.destroy(id).await;
         false
     }
 
@@ -667,7 +668,8 @@ impl Machines for LocalVms {
     }
 
     async fn start(&self, id: &str, size: &str, expires_at: OffsetDateTime) -> VmResult<Started> {
-        let claimed = self.claimed.lock().unwrap().contains(id) || self.take_ready(id);
+        let claimed = self.claimed.lock().unwrap().contains(id);
+        let claimed = claimed || self.take_ready(id).await;
         if !claimed && matches!(LocalVms::state(self, id), Some(VmState::Running)) {
             self.manager.set_expiry(id, expires_at)?;
         } else {
