@@ -206,6 +206,17 @@ fn create_on(server: &Server, key: &str) -> String {
     })
 }
 
+/// A cluster CA in a temporary directory, with a certificate for each of
+/// `members` on the loopback address.
+fn loopback_certs(members: &[&str]) -> tempfile::TempDir {
+    let certs = tempfile::tempdir().unwrap();
+    sandpit_node::init_ca(certs.path()).unwrap();
+    for member in members {
+        sandpit_node::issue(certs.path(), member, &["127.0.0.1".into()]).unwrap();
+    }
+    certs
+}
+
 fn vm_runs(id: &str) -> bool {
     !pids_mentioning(&format!("sandpit-vm-{id}")).is_empty()
 }
@@ -219,12 +230,8 @@ fn a_silent_node_is_declared_lost_its_sandboxes_settled_once_and_it_is_fenced() 
 
     // Each node serves its API over mutual TLS with the cluster's
     // certificates; the test calls it as a member would.
-    let certs = tempfile::tempdir().unwrap();
+    let certs = loopback_certs(&["a", "b", "replica"]);
     let ca = certs.path();
-    sandpit_node::init_ca(ca).unwrap();
-    for member in ["a", "b", "replica"] {
-        sandpit_node::issue(ca, member, &["127.0.0.1".into()]).unwrap();
-    }
     let ca_arg = ca.to_str().unwrap();
     let node_args = ["--node-listen", "127.0.0.1:0", "--cluster-dir", ca_arg];
     let replica = sandpit_node::NodeClient::new(
@@ -476,12 +483,8 @@ fn a_replica_names_a_sandbox_after_the_warm_vm_a_node_published() {
     let url = rt().block_on(pg.fresh_database());
     let (data_a, data_b) = (data_dir(), data_dir());
     let key = team_key(&data_a, &url);
-    let certs = tempfile::tempdir().unwrap();
+    let certs = loopback_certs(&["a", "b"]);
     let ca = certs.path();
-    sandpit_node::init_ca(ca).unwrap();
-    for member in ["a", "b"] {
-        sandpit_node::issue(ca, member, &["127.0.0.1".into()]).unwrap();
-    }
     let ca_arg = ca.to_str().unwrap();
     // a is a control-plane replica (no VMs), b a node with a warm pool.
     let a = Server::start_node_with(
