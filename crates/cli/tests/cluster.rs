@@ -9,7 +9,7 @@ mod common;
 
 use common::serve::*;
 use common::*;
-use sandpit_store::{new_id, CreateOutcome, NewSandbox, Store};
+use sandpit_store::{new_id, CreateOutcome, NewSandbox, SandboxStatus, Store};
 use serde_json::json;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -81,7 +81,10 @@ fn a_server_on_postgresql_keeps_its_state_there_and_only_its_own_sandboxes() {
             CreateOutcome::Created(r) => r,
             other => panic!("{other:?}"),
         };
-        store.set_status(&row.id, "running", None).await.unwrap();
+        store
+            .set_status(&row.id, SandboxStatus::Running, None)
+            .await
+            .unwrap();
         row.id
     });
 
@@ -584,11 +587,18 @@ fn a_replica_names_a_sandbox_after_the_warm_vm_a_node_published() {
         let store = Store::connect(&url).await.unwrap();
         let row = store.sandbox(&next).await.unwrap().unwrap();
         assert_eq!(
-            row.status, "provisioning",
+            row.status,
+            SandboxStatus::Provisioning,
             "the other create's row is its own"
         );
         store
-            .finish_sandbox(&next, "failed", "test", time::OffsetDateTime::now_utc(), 0)
+            .finish_sandbox(
+                &next,
+                SandboxStatus::Failed,
+                "test",
+                time::OffsetDateTime::now_utc(),
+                0,
+            )
             .await
             .unwrap();
         // Nothing was reserved twice: the ledger sums to the balance.

@@ -363,7 +363,7 @@ fn three_nodes_and_two_replicas_survive_losing_any_of_them() {
                 let store = Store::connect(&url).await.unwrap();
                 let execs = store.sandbox_executions(&target, 100).await.unwrap();
                 let cut: Vec<_> = execs.iter().filter(|e| e.command == "sleep 301").collect();
-                cut.len() == 1 && cut[0].status == "failed"
+                cut.len() == 1 && cut[0].status.as_str() == "failed"
             })
         },
     );

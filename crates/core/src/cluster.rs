@@ -462,7 +462,7 @@ impl Service {
             // every heartbeat. This one stays out (its creates are refused)
             // and says why.
             if let Some(row) = self.store().node(&m.node.name).await? {
-                if row.state == sandpit_store::node_state::UP && row.epoch > m.epoch() {
+                if row.state == sandpit_store::NodeState::Up && row.epoch > m.epoch() {
                     if !m.displaced.swap(true, Ordering::SeqCst) {
                         tracing::error!(
                             node = %m.node.name,

@@ -24,7 +24,7 @@
 
 use crate::error::{CoreError, ErrorType, Result};
 use crate::service::Service;
-use sandpit_store::status;
+use sandpit_store::SandboxStatus;
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
@@ -70,7 +70,7 @@ impl Service {
         let mut per_account: HashMap<&str, u64> = HashMap::new();
         let mut running = Vec::new();
         for row in &rows {
-            if row.host != config.host_name || row.status != status::RUNNING {
+            if row.host != config.host_name || row.status != SandboxStatus::Running {
                 continue;
             }
             // Gone meanwhile (an end in progress): its last figure stays.

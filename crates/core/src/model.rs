@@ -8,6 +8,10 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
+/// The lifecycle states: the store's types, since a row stores the word
+/// the API shows.
+pub use sandpit_store::{ExecutionStatus, SandboxStatus};
+
 /// Millionths of a US dollar.
 pub type Micros = i64;
 
@@ -19,46 +23,6 @@ pub fn usd(m: Micros) -> f64 {
 /// USD (as typed by an operator) to micro-dollars, rounded to the nearest micro.
 pub fn micros(usd: f64) -> Micros {
     (usd * 1_000_000.0).round() as Micros
-}
-
-/// Lifecycle of a sandbox.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum SandboxStatus {
-    Provisioning,
-    Running,
-    Deleting,
-    Deleted,
-    Failed,
-}
-
-impl SandboxStatus {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            SandboxStatus::Provisioning => "provisioning",
-            SandboxStatus::Running => "running",
-            SandboxStatus::Deleting => "deleting",
-            SandboxStatus::Deleted => "deleted",
-            SandboxStatus::Failed => "failed",
-        }
-    }
-    pub fn parse(s: &str) -> Option<Self> {
-        Some(match s {
-            "provisioning" => SandboxStatus::Provisioning,
-            "running" => SandboxStatus::Running,
-            "deleting" => SandboxStatus::Deleting,
-            "deleted" => SandboxStatus::Deleted,
-            "failed" => SandboxStatus::Failed,
-            _ => return None,
-        })
-    }
-    /// Still holding (or about to hold) a VM.
-    pub fn is_live(self) -> bool {
-        matches!(
-            self,
-            SandboxStatus::Provisioning | SandboxStatus::Running | SandboxStatus::Deleting
-        )
-    }
 }
 
 /// vCPUs, memory and disk of a sandbox.
@@ -161,27 +125,6 @@ pub struct ExecParams {
     /// REST only: answer as a server-sent event stream.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream: Option<bool>,
-}
-
-/// How a command ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum ExecutionStatus {
-    Completed,
-    TimedOut,
-    Cancelled,
-    Failed,
-}
-
-impl ExecutionStatus {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ExecutionStatus::Completed => "completed",
-            ExecutionStatus::TimedOut => "timed_out",
-            ExecutionStatus::Cancelled => "cancelled",
-            ExecutionStatus::Failed => "failed",
-        }
-    }
 }
 
 /// The execution object.

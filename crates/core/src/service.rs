@@ -50,7 +50,7 @@ use crate::model::*;
 use crate::preview::{PreviewLimits, Previews};
 use async_trait::async_trait;
 use errors::not_running;
-use sandpit_store::{status, SandboxRow, Store};
+use sandpit_store::{SandboxRow, Store};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 use tokio::sync::Notify;
@@ -228,7 +228,7 @@ impl Service {
     /// A running sandbox of the caller, or why it cannot be used.
     async fn running(&self, caller: &Caller, id: &str) -> Result<SandboxRow> {
         let row = self.owned(caller, id).await?;
-        if row.status != status::RUNNING {
+        if row.status != SandboxStatus::Running {
             return Err(not_running(&row));
         }
         Ok(row)

@@ -2,7 +2,7 @@
 //! can answer later) and exposed ports.
 
 use crate::error::{Result, StoreError};
-use crate::exec_status;
+use crate::states::{ended_statuses, ExecutionState, ExecutionStatus};
 use crate::util::{format_ts, get_i64, get_opt_ts, get_str, get_ts, now};
 use crate::{lock_account, row_lock, Engine, Store};
 use sqlx::any::AnyArguments;
@@ -19,8 +19,8 @@ pub struct ExecutionRow {
     /// The sandbox's account, so look-ups can be scoped without a join.
     pub account_id: String,
     pub command: String,
-    /// One of [`exec_status`]'s constants; `running` until finished.
-    pub status: String,
+    /// `Running` until finished.
+    pub status: ExecutionState,
     pub exit_code: Option<i32>,
     pub stdout: String,
     pub stderr: String,
@@ -33,8 +33,7 @@ pub struct ExecutionRow {
 /// How a command ended: the input of [`Store::finish_execution`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExecutionResult {
-    /// `completed`, `timed_out`, `cancelled` or `failed`.
-    pub status: String,
+    pub status: ExecutionStatus,
     pub exit_code: Option<i32>,
     pub stdout: String,
     pub stderr: String,
@@ -64,7 +63,7 @@ fn execution_from(row: &AnyRow) -> Result<ExecutionRow> {
         sandbox_id: get_str(row, "sandbox_id")?,
         account_id: get_str(row, "account_id")?,
         command: get_text(row, "command")?,
-        status: get_str(row, "status")?,
+        status: ExecutionState::stored(&get_str(row, "status")?)?,
         exit_code,
         stdout: get_text(row, "stdout")?,
         stderr: get_text(row, "stderr")?,
@@ -144,16 +143,6 @@ fn duration_i64(ms: u64) -> Result<i64> {
     i64::try_from(ms).map_err(|_| StoreError::Invalid(format!("duration_ms {ms}")))
 }
 
-fn check_exec_status(s: &str) -> Result<()> {
-    if exec_status::ALL.contains(&s) {
-        Ok(())
-    } else {
-        Err(StoreError::Invalid(format!(
-            "unknown execution status {s:?}"
-        )))
-    }
-}
-
 impl Store {
     /// Records an execution (usually as `running`, before it starts). A
     /// duplicate id is [`StoreError::Conflict`]; an unknown sandbox
@@ -169,7 +158,6 @@ impl Store {
         row: &ExecutionRow,
         runner: Option<&str>,
     ) -> Result<()> {
-        check_exec_status(&row.status)?;
         let size = stored_bytes(&row.command, &row.stdout, &row.stderr);
         let mut tx = self.write_tx().await?;
         let query = sqlx::query(
@@ -182,7 +170,7 @@ impl Store {
         .bind(&row.sandbox_id)
         .bind(&row.account_id);
         let query = bind_text(query, self.engine, &row.command)
-            .bind(&row.status)
+            .bind(row.status.as_str())
             .bind(row.exit_code.map(i64::from));
         let query = bind_text(query, self.engine, &row.stdout);
         let res = bind_text(query, self.engine, &row.stderr)
@@ -217,12 +205,6 @@ impl Store {
     /// ended (the first result stays); [`StoreError::NotFound`] if there is
     /// no such execution.
     pub async fn finish_execution(&self, id: &str, result: &ExecutionResult) -> Result<bool> {
-        check_exec_status(&result.status)?;
-        if result.status == exec_status::RUNNING {
-            return Err(StoreError::Invalid(
-                "an execution cannot finish as running".into(),
-            ));
-        }
         let mut tx = self.write_tx().await?;
         let sql = format!(
             "SELECT account_id, command, stored_bytes FROM executions \
@@ -253,7 +235,7 @@ impl Store {
              WHERE id = $1 AND status = 'running'",
         )
         .bind(id)
-        .bind(&result.status)
+        .bind(result.status.as_str())
         .bind(result.exit_code.map(i64::from));
         let query = bind_text(query, self.engine, &result.stdout);
         bind_text(query, self.engine, &result.stderr)
@@ -336,12 +318,14 @@ impl Store {
     /// Returns how many.
     pub async fn drop_ended_executions(&self, before: OffsetDateTime) -> Result<u64> {
         let mut tx = self.write_tx().await?;
-        let gone = sqlx::query(
+        let gone = sqlx::query(concat!(
             "DELETE FROM executions WHERE sandbox_id IN ( \
-                 SELECT id FROM sandboxes WHERE status IN ('deleted', 'failed') \
+                 SELECT id FROM sandboxes WHERE status IN ",
+            ended_statuses!(),
+            " \
                  AND COALESCE(deleted_at, created_at) < $1) \
-             RETURNING account_id, stored_bytes",
-        )
+             RETURNING account_id, stored_bytes"
+        ))
         .bind(format_ts(before))
         .fetch_all(&mut *tx)
         .await?;

@@ -52,9 +52,10 @@
 //!   order and SQL needs no date functions. Values are truncated to
 //!   microseconds when stored.
 //! * Money is `i64` micro-dollars (`sandpit_core::model::Micros`).
-//! * Statuses are the API's lower-case strings (see [`status`] and
-//!   [`exec_status`]); the store checks them but does not depend on
-//!   `sandpit-core`, so that core can depend on the store.
+//! * Statuses are typed ([`SandboxStatus`], [`ExecutionState`]) and stored
+//!   as the API's lower-case words. The enums live here, below the core
+//!   that re-exports them, so a row is decoded once and nothing above
+//!   compares strings.
 //! * Ids are `prefix_` + 24 random base32 characters (120 bits, see
 //!   [`new_id`]): `acct_` and `key_` are made here, `sbx_` and `exec_` by the
 //!   caller (it needs the id before the row exists, e.g. for the VM).
@@ -92,15 +93,17 @@ mod error;
 mod executions;
 mod nodes;
 mod sandboxes;
+mod states;
 mod util;
 
 pub use accounts::{AccountRow, KeyRow, LedgerRow};
 pub use error::{Result, StoreError};
 pub use executions::{ExecutionResult, ExecutionRow, PortRow};
-pub use nodes::{ms_to_time, node_state, Candidate, LostNode, NewNode, NodeRow};
+pub use nodes::{ms_to_time, Candidate, LostNode, NewNode, NodeRow};
 pub use sandboxes::{
     CreateOutcome, EventRow, ExtendOutcome, NewSandbox, SandboxPage, SandboxRow, UsageRow,
 };
+pub use states::{ExecutionState, ExecutionStatus, NodeState, SandboxStatus};
 pub use util::{format_ts, hash_key, new_id, parse_ts};
 
 use sqlx::any::AnyPoolOptions;
@@ -109,37 +112,6 @@ use sqlx::AnyPool;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
-
-/// The sandbox statuses, as stored and as the API spells them.
-pub mod status {
-    pub const PROVISIONING: &str = "provisioning";
-    pub const RUNNING: &str = "running";
-    pub const DELETING: &str = "deleting";
-    pub const DELETED: &str = "deleted";
-    pub const FAILED: &str = "failed";
-    /// Statuses of a sandbox that holds (or is about to hold, or is still
-    /// releasing) a VM and a reservation.
-    pub const LIVE: [&str; 3] = [PROVISIONING, RUNNING, DELETING];
-    /// Statuses a sandbox ends in; only [`crate::Store::finish_sandbox`]
-    /// sets them.
-    pub const ENDED: [&str; 2] = [DELETED, FAILED];
-
-    /// Whether `s` is a live status.
-    pub fn is_live(s: &str) -> bool {
-        LIVE.contains(&s)
-    }
-}
-
-/// The execution statuses, as stored and as the API spells them
-/// (`running` is the store's own: the command has not ended yet).
-pub mod exec_status {
-    pub const RUNNING: &str = "running";
-    pub const COMPLETED: &str = "completed";
-    pub const TIMED_OUT: &str = "timed_out";
-    pub const CANCELLED: &str = "cancelled";
-    pub const FAILED: &str = "failed";
-    pub const ALL: [&str; 5] = [RUNNING, COMPLETED, TIMED_OUT, CANCELLED, FAILED];
-}
 
 /// How long a writer waits for SQLite's lock before giving up.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);

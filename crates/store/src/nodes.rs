@@ -9,8 +9,9 @@
 
 use crate::error::{Result, StoreError};
 use crate::sandboxes::{finish_in, sandbox_from, SandboxRow};
+use crate::states::{live_statuses, NodeState};
 use crate::util::{get_i64, get_str};
-use crate::{is_postgres, status, Engine, Store};
+use crate::{is_postgres, Engine, SandboxStatus, Store};
 use sqlx::any::AnyRow;
 use sqlx::Row;
 use std::collections::BTreeMap;
@@ -25,8 +26,7 @@ pub struct NodeRow {
     pub address: String,
     /// Grows at each start; a renewal with an older one is refused.
     pub epoch: i64,
-    /// `up` or `lost`.
-    pub state: String,
+    pub state: NodeState,
     pub vcpus: u32,
     pub memory_mb: u32,
     pub started_at_ms: i64,
@@ -50,14 +50,8 @@ impl NodeRow {
     /// Up and within its lease: a node the control plane may route to and
     /// place sandboxes on.
     pub fn is_live(&self) -> bool {
-        self.state == node_state::UP && self.lease_until_ms > self.now_ms
+        self.state == NodeState::Up && self.lease_until_ms > self.now_ms
     }
-}
-
-/// The node states, as stored.
-pub mod node_state {
-    pub const UP: &str = "up";
-    pub const LOST: &str = "lost";
 }
 
 /// What a node registers with.
@@ -109,7 +103,7 @@ fn node_from(row: &AnyRow) -> Result<NodeRow> {
         name: get_str(row, "name")?,
         address: get_str(row, "address")?,
         epoch: get_i64(row, "epoch")?,
-        state: get_str(row, "state")?,
+        state: NodeState::stored(&get_str(row, "state")?)?,
         vcpus: u32_of(row, "vcpus")?,
         memory_mb: u32_of(row, "memory_mb")?,
         started_at_ms: get_i64(row, "started_at_ms")?,
@@ -229,11 +223,15 @@ impl Store {
     /// create's transaction checks the chosen one again under its lock.
     pub async fn placement_candidates(&self) -> Result<Vec<Candidate>> {
         let sql = format!(
-            "SELECT nodes.*, {now} AS now_ms, \
+            concat!(
+                "SELECT nodes.*, {now} AS now_ms, \
                  (SELECT COUNT(*) FROM sandboxes WHERE sandboxes.host = nodes.name \
-                    AND sandboxes.status IN ('provisioning', 'running', 'deleting')) AS live \
+                    AND sandboxes.status IN ",
+                live_statuses!(),
+                ") AS live \
              FROM nodes WHERE state = 'up' AND lease_until_ms > {now} AND max_sandboxes > 0 \
-             ORDER BY name",
+             ORDER BY name"
+            ),
             now = now_ms_sql(self.engine)
         );
         sqlx::query(sqlx::AssertSqlSafe(sql))
@@ -313,9 +311,14 @@ impl Store {
                 ""
             };
             let sql = format!(
-                "SELECT * FROM sandboxes WHERE host = $1 \
-                   AND status IN ('provisioning', 'running', 'deleting') \
+                concat!(
+                    "SELECT * FROM sandboxes WHERE host = $1 \
+                   AND status IN ",
+                    live_statuses!(),
+                    " \
                  ORDER BY created_at, id{lock}"
+                ),
+                lock = lock
             );
             let live = sqlx::query(sqlx::AssertSqlSafe(sql))
                 .bind(&name)
@@ -334,7 +337,7 @@ impl Store {
                 let until = lost_at.min(sbx.expires_at).max(sbx.created_at);
                 let charged = charge(sbx, until);
                 if let Some(done) =
-                    finish_in(&mut tx, sbx, status::FAILED, &reason, until, charged).await?
+                    finish_in(&mut tx, sbx, SandboxStatus::Failed, &reason, until, charged).await?
                 {
                     ended.push(done);
                 }

@@ -3,7 +3,7 @@
 
 use crate::accounts::balance_in;
 use crate::error::{Result, StoreError};
-use crate::status;
+use crate::states::{live_statuses, SandboxStatus};
 use crate::util::{
     format_ts, get_i64, get_opt_str, get_opt_ts, get_str, get_ts, get_u32, now, parse_ts,
 };
@@ -24,8 +24,7 @@ pub struct SandboxRow {
     pub memory_mb: u32,
     pub disk_gb: u32,
     pub timeout_minutes: u32,
-    /// One of [`status`]'s constants.
-    pub status: String,
+    pub status: SandboxStatus,
     /// The price it was created at (a later price change does not apply).
     pub price_micros_per_hour: i64,
     /// Which host runs (ran) its VM.
@@ -44,7 +43,7 @@ pub struct SandboxRow {
 impl SandboxRow {
     /// Whether it still holds (or is about to hold) a VM and a reservation.
     pub fn is_live(&self) -> bool {
-        status::is_live(&self.status)
+        self.status.is_live()
     }
 }
 
@@ -130,7 +129,7 @@ pub enum ExtendOutcome {
 pub struct EventRow {
     pub id: i64,
     pub sandbox_id: String,
-    pub status: String,
+    pub status: SandboxStatus,
     pub reason: Option<String>,
     pub at: OffsetDateTime,
 }
@@ -168,7 +167,7 @@ pub(crate) fn sandbox_from(row: &AnyRow) -> Result<SandboxRow> {
         memory_mb: get_u32(row, "memory_mb")?,
         disk_gb: get_u32(row, "disk_gb")?,
         timeout_minutes: get_u32(row, "timeout_minutes")?,
-        status: get_str(row, "status")?,
+        status: SandboxStatus::stored(&get_str(row, "status")?)?,
         price_micros_per_hour: get_i64(row, "price_micros_per_hour")?,
         host: get_str(row, "host")?,
         created_at: get_ts(row, "created_at")?,
@@ -184,7 +183,7 @@ fn event_from(row: &AnyRow) -> Result<EventRow> {
     Ok(EventRow {
         id: get_i64(row, "id")?,
         sandbox_id: get_str(row, "sandbox_id")?,
-        status: get_str(row, "status")?,
+        status: SandboxStatus::stored(&get_str(row, "status")?)?,
         reason: get_opt_str(row, "reason")?,
         at: get_ts(row, "at")?,
     })
@@ -214,23 +213,29 @@ async fn refusal(
 ) -> Result<CreateOutcome> {
     // Everything the decision reads, in one statement (one round trip
     // to a PostgreSQL server), taken under the locks above.
-    let checks = sqlx::query(
+    let checks = sqlx::query(concat!(
         "SELECT a.max_concurrent AS max_concurrent, \
            (SELECT CAST(COALESCE(SUM(amount_micros), 0) AS BIGINT) FROM ledger \
               WHERE account_id = a.id) AS balance, \
            (SELECT COUNT(*) FROM sandboxes WHERE account_id = a.id \
-              AND status IN ('provisioning', 'running', 'deleting')) AS live, \
+              AND status IN ",
+        live_statuses!(),
+        ") AS live, \
            (SELECT CAST(COALESCE(SUM(disk_used_bytes), 0) AS BIGINT) FROM sandboxes \
               WHERE account_id = a.id \
-              AND status IN ('provisioning', 'running', 'deleting')) AS disk_used, \
+              AND status IN ",
+        live_statuses!(),
+        ") AS disk_used, \
            (SELECT COUNT(*) FROM sandboxes WHERE host = $2 \
-              AND status IN ('provisioning', 'running', 'deleting')) AS host_live, \
+              AND status IN ",
+        live_statuses!(),
+        ") AS host_live, \
            (SELECT request_hash FROM idempotency WHERE account_id = a.id AND key = $3) \
               AS seen_hash, \
            (SELECT sandbox_id FROM idempotency WHERE account_id = a.id AND key = $3) \
               AS seen_sandbox \
-         FROM accounts a WHERE a.id = $1",
-    )
+         FROM accounts a WHERE a.id = $1"
+    ))
     .bind(&new.account_id)
     .bind(&new.host)
     .bind(new.idempotency.as_ref().map(|(key, _)| key.as_str()))
@@ -296,7 +301,7 @@ async fn refusal(
 /// What [`Store::set_status`] does with a row that is not live or already
 /// has the status: the row itself if nothing is to change, the refusal if
 /// it ended; `None` if the change is to be made.
-fn unchanged(row: SandboxRow, new_status: &str) -> Result<Option<SandboxRow>> {
+fn unchanged(row: SandboxRow, new_status: SandboxStatus) -> Result<Option<SandboxRow>> {
     if !row.is_live() {
         return Err(StoreError::Conflict(format!(
             "sandbox {} is {}, it cannot become {new_status}",
@@ -331,7 +336,14 @@ async fn insert_sandbox(
     if postgres {
         return Ok(Some(row));
     }
-    insert_event(tx, &row.id, status::PROVISIONING, None, row.created_at).await?;
+    insert_event(
+        tx,
+        &row.id,
+        SandboxStatus::Provisioning,
+        None,
+        row.created_at,
+    )
+    .await?;
     if new.reserve_micros > 0 {
         insert_ledger(
             tx,
@@ -382,7 +394,7 @@ fn inserted(
 /// room (`NULL`: not counted): a parameter, or in [`create_function`] a
 /// variable.
 fn insert_sql(postgres: bool, host_max: &str) -> String {
-    const LIVE: &str = "status IN ('provisioning', 'running', 'deleting')";
+    const LIVE: &str = concat!("status IN ", live_statuses!());
     let sandbox = format!(
         "INSERT INTO sandboxes (id, account_id, name, size, vcpus, memory_mb, disk_gb, \
            timeout_minutes, status, price_micros_per_hour, host, created_at, expires_at) \
@@ -539,7 +551,7 @@ fn bind_create<'q>(
 async fn insert_event(
     tx: &mut Transaction<'static, Any>,
     sandbox_id: &str,
-    status: &str,
+    status: SandboxStatus,
     reason: Option<&str>,
     at: OffsetDateTime,
 ) -> Result<()> {
@@ -547,7 +559,7 @@ async fn insert_event(
         "INSERT INTO sandbox_events (sandbox_id, status, reason, at) VALUES ($1, $2, $3, $4)",
     )
     .bind(sandbox_id)
-    .bind(status)
+    .bind(status.as_str())
     .bind(reason)
     .bind(format_ts(at))
     .execute(&mut **tx)
@@ -584,7 +596,7 @@ async fn insert_ledger(
 pub(crate) async fn finish_in(
     tx: &mut Transaction<'static, Any>,
     row: &SandboxRow,
-    end_status: &str,
+    end_status: SandboxStatus,
     reason: &str,
     ended_at: OffsetDateTime,
     charge_micros: i64,
@@ -634,7 +646,7 @@ pub(crate) async fn finish_in(
          WHERE id = $1 RETURNING *",
     )
     .bind(id)
-    .bind(end_status)
+    .bind(end_status.as_str())
     .bind(format_ts(ended_at))
     .bind(reason)
     .fetch_one(&mut **tx)
@@ -763,12 +775,12 @@ impl Store {
     pub async fn set_status(
         &self,
         id: &str,
-        new_status: &str,
+        new_status: SandboxStatus,
         reason: Option<&str>,
     ) -> Result<SandboxRow> {
-        if !status::is_live(new_status) {
+        if !new_status.is_live() {
             return Err(StoreError::Invalid(format!(
-                "set_status takes a live status, not {new_status:?} (use finish_sandbox)"
+                "set_status takes a live status, not {new_status} (use finish_sandbox)"
             )));
         }
         if self.engine == crate::Engine::Postgres {
@@ -788,7 +800,7 @@ impl Store {
              WHERE id = $1 RETURNING *",
         )
         .bind(id)
-        .bind(new_status)
+        .bind(new_status.as_str())
         .bind(format_ts(at))
         .fetch_one(&mut *tx)
         .await?;
@@ -804,22 +816,24 @@ impl Store {
     async fn set_status_at_once(
         &self,
         id: &str,
-        new_status: &str,
+        new_status: SandboxStatus,
         reason: Option<&str>,
     ) -> Result<SandboxRow> {
-        let updated = sqlx::query(
+        let updated = sqlx::query(concat!(
             "WITH u AS (UPDATE sandboxes SET status = $2, \
                    ready_at = CASE WHEN $2 = 'running' AND ready_at IS NULL THEN $3 \
                               ELSE ready_at END \
-                 WHERE id = $1 AND status IN ('provisioning', 'running', 'deleting') \
+                 WHERE id = $1 AND status IN ",
+            live_statuses!(),
+            " \
                    AND status <> $2 \
                  RETURNING *), \
              e AS (INSERT INTO sandbox_events (sandbox_id, status, reason, at) \
                    SELECT id, $2, $4, $3 FROM u) \
-             SELECT * FROM u",
-        )
+             SELECT * FROM u"
+        ))
         .bind(id)
-        .bind(new_status)
+        .bind(new_status.as_str())
         .bind(format_ts(now()))
         .bind(reason)
         .fetch_optional(&self.pool)
@@ -873,7 +887,7 @@ impl Store {
             return Ok(None);
         };
         let updated = sandbox_from(&updated)?;
-        insert_event(&mut tx, id, status::RUNNING, None, at).await?;
+        insert_event(&mut tx, id, SandboxStatus::Running, None, at).await?;
         tx.commit().await?;
         Ok(Some(updated))
     }
@@ -903,7 +917,10 @@ impl Store {
             .await?
             .filter(|r| r.account_id == account_id)
             .ok_or_else(|| StoreError::NotFound(format!("sandbox {id}")))?;
-        if !(row.status == status::PROVISIONING || row.status == status::RUNNING) {
+        if !matches!(
+            row.status,
+            SandboxStatus::Provisioning | SandboxStatus::Running
+        ) {
             return Ok(ExtendOutcome::NotLive(row));
         }
         if new_expires_at < row.expires_at {
@@ -958,14 +975,14 @@ impl Store {
     pub async fn finish_sandbox(
         &self,
         id: &str,
-        end_status: &str,
+        end_status: SandboxStatus,
         reason: &str,
         ended_at: OffsetDateTime,
         charge_micros: i64,
     ) -> Result<Option<SandboxRow>> {
-        if !status::ENDED.contains(&end_status) {
+        if !end_status.is_ended() {
             return Err(StoreError::Invalid(format!(
-                "finish_sandbox ends as deleted or failed, not {end_status:?}"
+                "finish_sandbox ends as deleted or failed, not {end_status}"
             )));
         }
         let mut tx = self.write_tx().await?;
@@ -1036,12 +1053,14 @@ impl Store {
             Some((at, id)) => (Some(at.as_str()), Some(*id)),
             None => (None, None),
         };
-        let rows = sqlx::query(
+        let rows = sqlx::query(concat!(
             "SELECT * FROM sandboxes WHERE account_id = $1 \
-               AND ($2 = 1 OR status IN ('provisioning', 'running', 'deleting')) \
+               AND ($2 = 1 OR status IN ",
+            live_statuses!(),
+            ") \
                AND ($3 IS NULL OR created_at < $3 OR (created_at = $3 AND id < $4)) \
-             ORDER BY created_at DESC, id DESC LIMIT $5",
-        )
+             ORDER BY created_at DESC, id DESC LIMIT $5"
+        ))
         .bind(account_id)
         .bind(i64::from(include_deleted))
         .bind(c_at)
@@ -1059,10 +1078,12 @@ impl Store {
     /// that host should be running (for reconciliation after a restart).
     /// Sandboxes of other hosts sharing the database are theirs.
     pub async fn live_sandboxes(&self, host: &str) -> Result<Vec<SandboxRow>> {
-        sqlx::query(
-            "SELECT * FROM sandboxes WHERE status IN ('provisioning', 'running', 'deleting') \
-               AND host = $1 ORDER BY created_at, id",
-        )
+        sqlx::query(concat!(
+            "SELECT * FROM sandboxes WHERE status IN ",
+            live_statuses!(),
+            " \
+               AND host = $1 ORDER BY created_at, id"
+        ))
         .bind(host)
         .fetch_all(&self.pool)
         .await?
@@ -1077,10 +1098,12 @@ impl Store {
         host: &str,
         now: OffsetDateTime,
     ) -> Result<Vec<SandboxRow>> {
-        sqlx::query(
-            "SELECT * FROM sandboxes WHERE status IN ('provisioning', 'running', 'deleting') \
-               AND expires_at <= $1 AND host = $2 ORDER BY expires_at, id",
-        )
+        sqlx::query(concat!(
+            "SELECT * FROM sandboxes WHERE status IN ",
+            live_statuses!(),
+            " \
+               AND expires_at <= $1 AND host = $2 ORDER BY expires_at, id"
+        ))
         .bind(format_ts(now))
         .bind(host)
         .fetch_all(&self.pool)
@@ -1093,10 +1116,12 @@ impl Store {
     /// The earliest `expires_at` of any live sandbox: when the expiry
     /// sweeper next has work.
     pub async fn next_expiry(&self, host: &str) -> Result<Option<OffsetDateTime>> {
-        let at: Option<String> = sqlx::query_scalar(
+        let at: Option<String> = sqlx::query_scalar(concat!(
             "SELECT MIN(expires_at) FROM sandboxes \
-             WHERE status IN ('provisioning', 'running', 'deleting') AND host = $1",
-        )
+             WHERE status IN ",
+            live_statuses!(),
+            " AND host = $1"
+        ))
         .bind(host)
         .fetch_one(&self.pool)
         .await?;
@@ -1150,10 +1175,11 @@ impl Store {
         }
         let mut tx = self.write_tx().await?;
         for (id, bytes) in uses {
-            sqlx::query(
+            sqlx::query(concat!(
                 "UPDATE sandboxes SET disk_used_bytes = $2 \
-                 WHERE id = $1 AND status IN ('provisioning', 'running', 'deleting')",
-            )
+                 WHERE id = $1 AND status IN ",
+                live_statuses!()
+            ))
             .bind(id)
             .bind(i64::try_from(*bytes).unwrap_or(i64::MAX))
             .execute(&mut *tx)
@@ -1166,10 +1192,11 @@ impl Store {
     /// What the account's live sandboxes' disks take together, as last
     /// measured.
     pub async fn account_disk_use(&self, account_id: &str) -> Result<u64> {
-        let total: i64 = sqlx::query_scalar(
+        let total: i64 = sqlx::query_scalar(concat!(
             "SELECT CAST(COALESCE(SUM(disk_used_bytes), 0) AS BIGINT) FROM sandboxes \
-             WHERE account_id = $1 AND status IN ('provisioning', 'running', 'deleting')",
-        )
+             WHERE account_id = $1 AND status IN ",
+            live_statuses!()
+        ))
         .bind(account_id)
         .fetch_one(&self.pool)
         .await?;

@@ -5,8 +5,8 @@
 //! SQLite's own files (migrations on disk, WAL, file modes) on SQLite only.
 
 use sandpit_store::{
-    exec_status, format_ts, hash_key, new_id, status, CreateOutcome, Engine, ExecutionResult,
-    ExecutionRow, ExtendOutcome, NewSandbox, Store, StoreError,
+    format_ts, hash_key, new_id, CreateOutcome, Engine, ExecutionResult, ExecutionRow,
+    ExecutionState, ExecutionStatus, ExtendOutcome, NewSandbox, SandboxStatus, Store, StoreError,
 };
 use std::collections::HashSet;
 use tempfile::TempDir;
@@ -301,17 +301,17 @@ async fn the_ledger_reserves_refunds_and_settles_once(store: Store) {
             .await
             .unwrap(),
     );
-    assert_eq!(sbx.status, status::PROVISIONING);
+    assert_eq!(sbx.status, SandboxStatus::Provisioning);
     assert_eq!(store.balance(&acct.id).await.unwrap(), 910_000);
 
     // Destroyed after 10 minutes: charged 15_000, the rest comes back.
     let ended = T0 + Duration::minutes(10);
     let done = store
-        .finish_sandbox(&sbx.id, status::DELETED, "destroyed", ended, 15_000)
+        .finish_sandbox(&sbx.id, SandboxStatus::Deleted, "destroyed", ended, 15_000)
         .await
         .unwrap()
         .unwrap();
-    assert_eq!(done.status, status::DELETED);
+    assert_eq!(done.status, SandboxStatus::Deleted);
     assert_eq!(done.deleted_at, Some(ended));
     assert_eq!(done.deleted_reason.as_deref(), Some("destroyed"));
     assert_eq!(store.balance(&acct.id).await.unwrap(), 985_000);
@@ -338,7 +338,7 @@ async fn the_ledger_reserves_refunds_and_settles_once(store: Store) {
         store
             .finish_sandbox(
                 &sbx.id,
-                status::DELETED,
+                SandboxStatus::Deleted,
                 "expired",
                 ended + Duration::hours(1),
                 90_000
@@ -354,7 +354,7 @@ async fn the_ledger_reserves_refunds_and_settles_once(store: Store) {
         .await
         .unwrap()
         .into_iter()
-        .map(|e| e.status)
+        .map(|e| e.status.as_str().to_string())
         .collect();
     assert_eq!(events, ["provisioning", "deleted"]);
 
@@ -366,7 +366,13 @@ async fn the_ledger_reserves_refunds_and_settles_once(store: Store) {
             .unwrap(),
     );
     store
-        .finish_sandbox(&sbx2.id, status::FAILED, "failed: boot", T0, 1_000_000)
+        .finish_sandbox(
+            &sbx2.id,
+            SandboxStatus::Failed,
+            "failed: boot",
+            T0,
+            1_000_000,
+        )
         .await
         .unwrap()
         .unwrap();
@@ -375,13 +381,13 @@ async fn the_ledger_reserves_refunds_and_settles_once(store: Store) {
 
     assert!(matches!(
         store
-            .finish_sandbox("sbx_nope", status::DELETED, "destroyed", T0, 0)
+            .finish_sandbox("sbx_nope", SandboxStatus::Deleted, "destroyed", T0, 0)
             .await,
         Err(StoreError::NotFound(_))
     ));
     assert!(matches!(
         store
-            .finish_sandbox(&sbx2.id, status::RUNNING, "x", T0, 0)
+            .finish_sandbox(&sbx2.id, SandboxStatus::Running, "x", T0, 0)
             .await,
         Err(StoreError::Invalid(_))
     ));
@@ -465,7 +471,7 @@ async fn concurrent_creates_respect_the_concurrency_limit(store: Store) {
 
     // An ended sandbox frees its slot; `deleting` still holds one.
     store
-        .set_status(&live[0].id, status::DELETING, None)
+        .set_status(&live[0].id, SandboxStatus::Deleting, None)
         .await
         .unwrap();
     assert!(matches!(
@@ -476,7 +482,7 @@ async fn concurrent_creates_respect_the_concurrency_limit(store: Store) {
         CreateOutcome::TooManySandboxes { live: 5, limit: 5 }
     ));
     store
-        .finish_sandbox(&live[0].id, status::DELETED, "destroyed", T0, 0)
+        .finish_sandbox(&live[0].id, SandboxStatus::Deleted, "destroyed", T0, 0)
         .await
         .unwrap();
     created(
@@ -530,7 +536,7 @@ async fn idempotency_keys_replay_or_conflict(store: Store) {
 
     // The replay follows the sandbox's state.
     let running = store
-        .set_status(&first.id, status::RUNNING, None)
+        .set_status(&first.id, SandboxStatus::Running, None)
         .await
         .unwrap();
     assert_eq!(
@@ -599,7 +605,7 @@ async fn lists_are_newest_first_with_cursors(store: Store) {
     store
         .finish_sandbox(
             &gone.id,
-            status::DELETED,
+            SandboxStatus::Deleted,
             "destroyed",
             T0 + Duration::hours(1),
             0,
@@ -679,7 +685,7 @@ async fn expiry_finds_live_sandboxes_past_their_time(store: Store) {
             .unwrap(),
     );
     store
-        .finish_sandbox(&ended.id, status::DELETED, "destroyed", T0, 0)
+        .finish_sandbox(&ended.id, SandboxStatus::Deleted, "destroyed", T0, 0)
         .await
         .unwrap();
 
@@ -702,7 +708,13 @@ async fn expiry_finds_live_sandboxes_past_their_time(store: Store) {
         [short.id.as_str(), mid.id.as_str()]
     );
     store
-        .finish_sandbox(&short.id, status::DELETED, "expired", short.expires_at, 0)
+        .finish_sandbox(
+            &short.id,
+            SandboxStatus::Deleted,
+            "expired",
+            short.expires_at,
+            0,
+        )
         .await
         .unwrap();
     assert_eq!(
@@ -756,13 +768,13 @@ async fn a_nodes_start_is_recorded_only_on_its_provisioning_sandbox(store: Store
         .await
         .unwrap()
         .expect("recorded");
-    assert_eq!(r.status, status::RUNNING);
+    assert_eq!(r.status, SandboxStatus::Running);
     assert!(r.ready_at.is_some());
     assert_eq!(store.sandbox(&s.id).await.unwrap().unwrap(), r);
     // Once: a start asked again records nothing more.
     assert_eq!(store.record_start(&s.id, "local").await.unwrap(), None);
     store
-        .finish_sandbox(&s.id, status::DELETED, "destroyed", T0, 0)
+        .finish_sandbox(&s.id, SandboxStatus::Deleted, "destroyed", T0, 0)
         .await
         .unwrap();
     assert_eq!(store.record_start(&s.id, "local").await.unwrap(), None);
@@ -772,7 +784,7 @@ async fn a_nodes_start_is_recorded_only_on_its_provisioning_sandbox(store: Store
         .await
         .unwrap()
         .into_iter()
-        .map(|e| e.status)
+        .map(|e| e.status.as_str().to_string())
         .collect();
     assert_eq!(events, ["provisioning", "running", "deleted"]);
 }
@@ -813,38 +825,40 @@ async fn status_changes_are_recorded_and_ended_sandboxes_stay_ended(store: Store
     );
     assert_eq!(s.ready_at, None);
     let r = store
-        .set_status(&s.id, status::RUNNING, Some("booted"))
+        .set_status(&s.id, SandboxStatus::Running, Some("booted"))
         .await
         .unwrap();
-    assert_eq!(r.status, status::RUNNING);
+    assert_eq!(r.status, SandboxStatus::Running);
     let ready = r.ready_at.expect("ready_at set");
     // Same status: no event, no change.
     assert_eq!(
         store
-            .set_status(&s.id, status::RUNNING, None)
+            .set_status(&s.id, SandboxStatus::Running, None)
             .await
             .unwrap(),
         r
     );
     let d = store
-        .set_status(&s.id, status::DELETING, None)
+        .set_status(&s.id, SandboxStatus::Deleting, None)
         .await
         .unwrap();
     assert_eq!(d.ready_at, Some(ready));
     assert!(matches!(
-        store.set_status(&s.id, status::DELETED, None).await,
+        store.set_status(&s.id, SandboxStatus::Deleted, None).await,
         Err(StoreError::Invalid(_))
     ));
     store
-        .finish_sandbox(&s.id, status::DELETED, "destroyed", T0, 0)
+        .finish_sandbox(&s.id, SandboxStatus::Deleted, "destroyed", T0, 0)
         .await
         .unwrap();
     assert!(matches!(
-        store.set_status(&s.id, status::RUNNING, None).await,
+        store.set_status(&s.id, SandboxStatus::Running, None).await,
         Err(StoreError::Conflict(_))
     ));
     assert!(matches!(
-        store.set_status("sbx_nope", status::RUNNING, None).await,
+        store
+            .set_status("sbx_nope", SandboxStatus::Running, None)
+            .await,
         Err(StoreError::NotFound(_))
     ));
     let events: Vec<(String, Option<String>)> = store
@@ -852,7 +866,7 @@ async fn status_changes_are_recorded_and_ended_sandboxes_stay_ended(store: Store
         .await
         .unwrap()
         .into_iter()
-        .map(|e| (e.status, e.reason))
+        .map(|e| (e.status.as_str().to_string(), e.reason))
         .collect();
     assert_eq!(
         events,
@@ -910,7 +924,7 @@ async fn extending_reserves_more_and_checks_the_balance(store: Store) {
     store
         .finish_sandbox(
             &s.id,
-            status::DELETED,
+            SandboxStatus::Deleted,
             "destroyed",
             T0 + Duration::minutes(20),
             30_000,
@@ -942,7 +956,7 @@ async fn executions_are_recorded_and_finished_once(store: Store) {
         sandbox_id: s.id.clone(),
         account_id: acct.id.clone(),
         command: "echo hi".into(),
-        status: exec_status::RUNNING.into(),
+        status: ExecutionState::Running,
         exit_code: None,
         stdout: String::new(),
         stderr: String::new(),
@@ -959,7 +973,7 @@ async fn executions_are_recorded_and_finished_once(store: Store) {
     assert_eq!(store.execution(&row.id).await.unwrap(), Some(row.clone()));
 
     let result = ExecutionResult {
-        status: exec_status::COMPLETED.into(),
+        status: ExecutionStatus::Completed,
         exit_code: Some(0),
         stdout: "hi\n".into(),
         stderr: "ünïcode\u{0}".into(),
@@ -969,10 +983,10 @@ async fn executions_are_recorded_and_finished_once(store: Store) {
     };
     assert!(store.finish_execution(&row.id, &result).await.unwrap());
     let mut second = result.clone();
-    second.status = exec_status::CANCELLED.into();
+    second.status = ExecutionStatus::Cancelled;
     assert!(!store.finish_execution(&row.id, &second).await.unwrap());
     let got = store.execution(&row.id).await.unwrap().unwrap();
-    assert_eq!(got.status, "completed");
+    assert_eq!(got.status.as_str(), "completed");
     assert_eq!(got.exit_code, Some(0));
     assert_eq!(got.stdout, "hi\n");
     assert_eq!(got.stderr, "ünïcode\u{0}");
@@ -998,7 +1012,13 @@ async fn executions_are_recorded_and_finished_once(store: Store) {
     store.insert_execution(&running).await.unwrap();
     assert_eq!(store.fail_running_executions(&s.id, T0).await.unwrap(), 1);
     assert_eq!(
-        store.execution(&running.id).await.unwrap().unwrap().status,
+        store
+            .execution(&running.id)
+            .await
+            .unwrap()
+            .unwrap()
+            .status
+            .as_str(),
         "failed"
     );
 
@@ -1021,7 +1041,13 @@ async fn executions_are_recorded_and_finished_once(store: Store) {
         ("failed", Some(later))
     );
     assert_eq!(
-        store.execution(&row.id).await.unwrap().unwrap().status,
+        store
+            .execution(&row.id)
+            .await
+            .unwrap()
+            .unwrap()
+            .status
+            .as_str(),
         "completed"
     );
     assert_eq!(
@@ -1088,7 +1114,7 @@ async fn ports_are_opened_once_and_closed(store: Store) {
         .await
         .unwrap();
     store
-        .finish_sandbox(&s.id, status::DELETED, "destroyed", T0, 0)
+        .finish_sandbox(&s.id, SandboxStatus::Deleted, "destroyed", T0, 0)
         .await
         .unwrap();
     assert!(store.list_ports(&s.id).await.unwrap().is_empty());
@@ -1112,7 +1138,7 @@ async fn usage_lists_recent_sandboxes_with_their_charges(store: Store) {
     store
         .finish_sandbox(
             &old.id,
-            status::DELETED,
+            SandboxStatus::Deleted,
             "expired",
             T0 - 40 * day + Duration::hours(1),
             90_000,
@@ -1129,7 +1155,7 @@ async fn usage_lists_recent_sandboxes_with_their_charges(store: Store) {
     store
         .finish_sandbox(
             &spans.id,
-            status::DELETED,
+            SandboxStatus::Deleted,
             "destroyed",
             T0 - 29 * day,
             45_000,
@@ -1227,7 +1253,7 @@ async fn disk_use_is_recorded_summed_over_live_sandboxes_and_limits_creates(stor
     store
         .finish_sandbox(
             &s1.id,
-            status::DELETED,
+            SandboxStatus::Deleted,
             "destroyed",
             T0 + Duration::minutes(1),
             0,
@@ -1326,7 +1352,7 @@ async fn running_execution(
             sandbox_id: s.id.clone(),
             account_id: s.account_id.clone(),
             command: command.into(),
-            status: exec_status::RUNNING.into(),
+            status: ExecutionState::Running,
             exit_code: None,
             stdout: String::new(),
             stderr: String::new(),
@@ -1349,7 +1375,7 @@ async fn finished_execution(
 ) -> String {
     let id = running_execution(store, s, at, "yes | head").await;
     let done = ExecutionResult {
-        status: exec_status::COMPLETED.into(),
+        status: ExecutionStatus::Completed,
         exit_code: Some(0),
         stdout: "y".repeat(out),
         stderr: "e".into(),
@@ -1443,7 +1469,7 @@ async fn an_ended_sandboxs_executions_go_after_the_retention(store: Store) {
     store
         .finish_sandbox(
             &ended.id,
-            status::DELETED,
+            SandboxStatus::Deleted,
             "destroyed",
             T0 + Duration::minutes(5),
             0,
@@ -1479,7 +1505,7 @@ async fn an_ended_sandboxs_executions_go_after_the_retention(store: Store) {
 }
 
 async fn nodes_hold_leases_on_the_database_clock_and_lost_ones_settle_once(store: Store) {
-    use sandpit_store::{node_state, NewNode};
+    use sandpit_store::{NewNode, NodeState};
     use std::time::Duration as StdDuration;
     let node = |name: &str| NewNode {
         name: name.into(),
@@ -1492,7 +1518,7 @@ async fn nodes_hold_leases_on_the_database_clock_and_lost_ones_settle_once(store
         .register_node(&node("a"), StdDuration::from_secs(60))
         .await
         .unwrap();
-    assert_eq!((a.epoch, a.state.as_str()), (1, node_state::UP));
+    assert_eq!((a.epoch, a.state), (1, NodeState::Up));
     assert!(a.is_live());
     let b = store
         .register_node(&node("b"), StdDuration::ZERO)
@@ -1531,7 +1557,7 @@ async fn nodes_hold_leases_on_the_database_clock_and_lost_ones_settle_once(store
         n.host = host.into();
         let row = created(store.create_sandbox(n).await.unwrap());
         store
-            .set_status(&row.id, status::RUNNING, None)
+            .set_status(&row.id, SandboxStatus::Running, None)
             .await
             .unwrap();
         if host == "b" {
@@ -1552,7 +1578,7 @@ async fn nodes_hold_leases_on_the_database_clock_and_lost_ones_settle_once(store
                 sandbox_id,
                 account_id,
                 command: "sleep 300".into(),
-                status: exec_status::RUNNING.into(),
+                status: ExecutionState::Running,
                 exit_code: None,
                 stdout: String::new(),
                 stderr: String::new(),
@@ -1591,14 +1617,14 @@ async fn nodes_hold_leases_on_the_database_clock_and_lost_ones_settle_once(store
     }
     assert_eq!(lost.len(), 1, "{lost:?}");
     assert_eq!(lost[0].node.name, "b");
-    assert_eq!(lost[0].node.state, node_state::LOST);
+    assert_eq!(lost[0].node.state, NodeState::Lost);
     let mut ended: Vec<_> = lost[0].sandboxes.iter().map(|s| s.id.clone()).collect();
     ended.sort();
     on_b.sort();
     assert_eq!(ended, on_b);
     for id in &on_b {
         let row = store.sandbox(id).await.unwrap().unwrap();
-        assert_eq!(row.status, status::FAILED);
+        assert_eq!(row.status, SandboxStatus::Failed);
         let reason = row.deleted_reason.unwrap();
         assert!(reason.contains("its node b was lost"), "{reason}");
         let kinds: Vec<String> = store
@@ -1620,8 +1646,11 @@ async fn nodes_hold_leases_on_the_database_clock_and_lost_ones_settle_once(store
         let store = store.clone();
         async move { store.execution(&id).await.unwrap().unwrap().status }
     };
-    assert_eq!(status_of(by_b).await, exec_status::FAILED);
-    assert_eq!(status_of(by_a).await, exec_status::RUNNING);
+    assert_eq!(
+        status_of(by_b).await,
+        ExecutionState::Ended(ExecutionStatus::Failed)
+    );
+    assert_eq!(status_of(by_a).await, ExecutionState::Running);
 
     // Fenced: b's old epoch renews nothing; b starting again is up anew.
     assert!(!store
@@ -1638,10 +1667,7 @@ async fn nodes_hold_leases_on_the_database_clock_and_lost_ones_settle_once(store
         .await
         .unwrap();
     assert_eq!(again.epoch, b.epoch + 1);
-    assert_eq!(
-        (again.state.as_str(), again.lost_at_ms),
-        (node_state::UP, None)
-    );
+    assert_eq!((again.state, again.lost_at_ms), (NodeState::Up, None));
     assert!(store
         .declare_lost_nodes(StdDuration::ZERO, |_, _| 0)
         .await

@@ -13,7 +13,7 @@ use crate::error::{CoreError, ErrorType};
 use crate::service::Service;
 use sandpit_protocol::ErrorKind;
 use sandpit_runtime::RuntimeError;
-use sandpit_store::{status, SandboxRow, StoreError};
+use sandpit_store::{SandboxRow, SandboxStatus, StoreError};
 
 impl From<StoreError> for CoreError {
     fn from(e: StoreError) -> Self {
@@ -98,9 +98,9 @@ impl Service {
     pub(super) async fn agent_failure(&self, row: &SandboxRow, e: RuntimeError) -> CoreError {
         // The VM is gone under a running sandbox: the sandbox failed.
         if let RuntimeError::VmExited { cause } | RuntimeError::NotFound(cause) = &e {
-            if row.status == status::RUNNING {
+            if row.status == SandboxStatus::Running {
                 let _ = self
-                    .end(row, status::FAILED, &format!("failed: {cause}"))
+                    .end(row, SandboxStatus::Failed, &format!("failed: {cause}"))
                     .await;
                 return CoreError::conflict(format!(
                     "the sandbox's VM has stopped ({cause}); create a new sandbox"
@@ -109,7 +109,7 @@ impl Service {
         }
         if !matches!(e, RuntimeError::Agent(_)) {
             if let Ok(Some(now)) = self.store.sandbox(&row.id).await {
-                if now.status != status::RUNNING {
+                if now.status != SandboxStatus::Running {
                     return not_running(&now);
                 }
             }

@@ -19,7 +19,7 @@ use crate::service::Service;
 use crate::utf8::Utf8Chunker;
 use sandpit_protocol::ExecRequest;
 use sandpit_runtime::{ExecEvent as VmEvent, RuntimeError, VmState};
-use sandpit_store::{exec_status, ExecutionResult, ExecutionRow, SandboxRow};
+use sandpit_store::{ExecutionResult, ExecutionRow, ExecutionState, SandboxRow};
 use time::OffsetDateTime;
 use tokio::sync::{mpsc, oneshot};
 
@@ -117,7 +117,7 @@ impl Service {
             sandbox_id: row.id.clone(),
             account_id: row.account_id.clone(),
             command,
-            status: exec_status::RUNNING.into(),
+            status: ExecutionState::Running,
             exit_code: None,
             stdout: String::new(),
             stderr: String::new(),
@@ -182,14 +182,14 @@ impl Service {
         let result = match outcome {
             Ok(r) => {
                 let st = if r.timed_out {
-                    exec_status::TIMED_OUT
+                    ExecutionStatus::TimedOut
                 } else if r.cancelled || cancelled_by_client {
-                    exec_status::CANCELLED
+                    ExecutionStatus::Cancelled
                 } else {
-                    exec_status::COMPLETED
+                    ExecutionStatus::Completed
                 };
                 ExecutionResult {
-                    status: st.into(),
+                    status: st,
                     exit_code: r.exit_code.or(r.signal.map(|s| 128 + s)),
                     stdout,
                     stderr,
@@ -204,7 +204,7 @@ impl Service {
                     .finish_execution(
                         &exec_id,
                         &ExecutionResult {
-                            status: exec_status::FAILED.into(),
+                            status: ExecutionStatus::Failed,
                             exit_code: None,
                             stdout,
                             stderr,
@@ -234,7 +234,7 @@ impl Service {
         self.trim_executions(&row.account_id).await;
         if finished {
             // Exactly what was written, so no need to read it back.
-            record.status = result.status;
+            record.status = ExecutionState::Ended(result.status);
             record.exit_code = result.exit_code;
             record.stdout = result.stdout;
             record.stderr = result.stderr;
@@ -279,11 +279,11 @@ impl Service {
 }
 
 fn to_execution(r: &ExecutionRow) -> Execution {
-    let status = match r.status.as_str() {
-        exec_status::COMPLETED => ExecutionStatus::Completed,
-        exec_status::TIMED_OUT => ExecutionStatus::TimedOut,
-        exec_status::CANCELLED => ExecutionStatus::Cancelled,
-        _ => ExecutionStatus::Failed,
+    // The API has no word for a command still running; such a record is
+    // shown as not run to its end (as before the states were typed).
+    let status = match r.status {
+        ExecutionState::Ended(status) => status,
+        ExecutionState::Running => ExecutionStatus::Failed,
     };
     Execution {
         id: r.id.clone(),

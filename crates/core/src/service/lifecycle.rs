@@ -25,7 +25,7 @@ use crate::service::checks::{check_create, extension_minutes};
 use crate::service::errors::{not_running, runtime_error};
 use crate::service::Service;
 use sandpit_runtime::VmState;
-use sandpit_store::{status, CreateOutcome, ExtendOutcome, SandboxRow};
+use sandpit_store::{CreateOutcome, ExtendOutcome, SandboxRow};
 use sha2::Digest;
 use std::sync::Arc;
 use std::time::Duration;
@@ -234,7 +234,7 @@ impl Service {
     /// the node that starts it records the outcome (see
     /// [`crate::cluster`]). Waits [`REPLAY_WAIT`] at most.
     async fn replayed(&self, mut row: SandboxRow) -> Result<SandboxRow> {
-        if row.status == status::PROVISIONING {
+        if row.status == SandboxStatus::Provisioning {
             // The first call may have been lost before its start reached
             // the node: start it (one in flight there is joined, not
             // repeated; see `boot`), in a task that a client who hangs up
@@ -259,7 +259,7 @@ impl Service {
             }
         }
         let deadline = tokio::time::Instant::now() + REPLAY_WAIT;
-        while row.status == status::PROVISIONING {
+        while row.status == SandboxStatus::Provisioning {
             if tokio::time::Instant::now() >= deadline {
                 return Err(CoreError::new(
                     ErrorType::ServiceUnavailable,
@@ -291,7 +291,7 @@ impl Service {
         if turn.waited {
             let now = self.store.sandbox(&row.id).await?;
             let now = now.ok_or_else(|| CoreError::not_found("sandbox", &row.id))?;
-            if now.status != status::PROVISIONING {
+            if now.status != SandboxStatus::Provisioning {
                 return match now.is_live() {
                     true => Ok(now),
                     false => Err(not_running(&now)),
@@ -347,19 +347,19 @@ impl Service {
             true => self.store.sandbox(id).await.map_err(db)?,
             false => None,
         };
-        if let Some(row) = known.filter(|r| r.status != status::PROVISIONING) {
+        if let Some(row) = known.filter(|r| r.status != SandboxStatus::Provisioning) {
             return self.started_here(&row, &*vms).await;
         }
         if let Err(e) = vms.start(id, size, expires_at).await {
             tracing::warn!(id, "create failed: {e}");
             let _ = vms.destroy(id).await;
             if let Ok(Some(row)) = self.store.sandbox(id).await {
-                if row.host == here && row.status == status::PROVISIONING {
+                if row.host == here && row.status == SandboxStatus::Provisioning {
                     let _ = self
                         .store
                         .finish_sandbox(
                             id,
-                            status::FAILED,
+                            SandboxStatus::Failed,
                             &format!("failed: {e}"),
                             OffsetDateTime::now_utc(),
                             0,
@@ -398,7 +398,7 @@ impl Service {
     ) -> crate::machines::VmResult<Started> {
         let here = row.host == self.config.host_name;
         if here
-            && row.status == status::RUNNING
+            && row.status == SandboxStatus::Running
             && vms.state(&row.id).await? == Some(VmState::Running)
         {
             vms.set_expiry(&row.id, row.expires_at).await?;
@@ -452,7 +452,7 @@ impl Service {
             Ok(Started::Booted) => {
                 let running = self
                     .store
-                    .set_status(&row.id, status::RUNNING, None)
+                    .set_status(&row.id, SandboxStatus::Running, None)
                     .await?;
                 // Extended while it booted: the VM's watchdog has the old
                 // expiry.
@@ -466,7 +466,7 @@ impl Service {
                 ready_at,
                 expires_at,
             }) => Ok(SandboxRow {
-                status: status::RUNNING.into(),
+                status: SandboxStatus::Running,
                 ready_at: Some(ready_at),
                 expires_at,
                 ..row
@@ -478,7 +478,7 @@ impl Service {
                     .store
                     .finish_sandbox(
                         &row.id,
-                        status::FAILED,
+                        SandboxStatus::Failed,
                         &format!("failed: {e}"),
                         OffsetDateTime::now_utc(),
                         0,
@@ -605,14 +605,18 @@ impl Service {
         if !row.is_live() {
             return Ok(to_sandbox(&row));
         }
-        let _ = self.store.set_status(id, status::DELETING, None).await;
+        let _ = self
+            .store
+            .set_status(id, SandboxStatus::Deleting, None)
+            .await;
         // As for create: a client that hangs up does not stop the teardown.
         let me = self
             .arc_self()
             .ok_or_else(|| CoreError::internal("the service is shutting down"))?;
-        let ended = tokio::spawn(async move { me.end(&row, status::DELETED, "destroyed").await })
-            .await
-            .map_err(|e| CoreError::internal(format!("the destroy task failed: {e}")))??;
+        let ended =
+            tokio::spawn(async move { me.end(&row, SandboxStatus::Deleted, "destroyed").await })
+                .await
+                .map_err(|e| CoreError::internal(format!("the destroy task failed: {e}")))??;
         match ended {
             Some(row) => Ok(to_sandbox(&row)),
             None => Ok(to_sandbox(&self.owned(caller, id).await?)),
@@ -625,7 +629,7 @@ impl Service {
     pub(super) async fn end(
         &self,
         row: &SandboxRow,
-        end_status: &str,
+        end_status: SandboxStatus,
         reason: &str,
     ) -> Result<Option<SandboxRow>> {
         self.end_here(row).await;
@@ -636,18 +640,18 @@ impl Service {
         // One found dead while its sandbox is being destroyed (a command
         // or a look-up saw the destroy's kill) was destroyed, not lost: the
         // destroy ends it, charged, whichever of the two gets here first.
-        let destroying = end_status == status::FAILED
-            && matches!(self.store.sandbox(&row.id).await, Ok(Some(r)) if r.status == status::DELETING);
-        let (end_status, reason) = if end_status == status::FAILED && row.expires_at <= now {
-            (status::DELETED, "expired")
+        let destroying = end_status == SandboxStatus::Failed
+            && matches!(self.store.sandbox(&row.id).await, Ok(Some(r)) if r.status == SandboxStatus::Deleting);
+        let (end_status, reason) = if end_status == SandboxStatus::Failed && row.expires_at <= now {
+            (SandboxStatus::Deleted, "expired")
         } else if destroying {
-            (status::DELETED, "destroyed")
+            (SandboxStatus::Deleted, "destroyed")
         } else {
             (end_status, reason)
         };
         // A sandbox the platform lost (its VM died, it never came up) is
         // not charged at all: the whole reservation comes back.
-        let charge = if end_status == status::FAILED {
+        let charge = if end_status == SandboxStatus::Failed {
             0
         } else {
             cost(
@@ -696,7 +700,7 @@ impl Service {
         {
             Ok(rows) => {
                 for row in rows {
-                    if let Err(e) = self.end(&row, status::DELETED, "expired").await {
+                    if let Err(e) = self.end(&row, SandboxStatus::Deleted, "expired").await {
                         tracing::warn!(id = %row.id, "expiring: {e}");
                     }
                 }
@@ -742,31 +746,33 @@ impl Service {
         let mut keep = Vec::new();
         for row in &live {
             if row.expires_at <= now {
-                self.end(row, status::DELETED, "expired").await?;
+                self.end(row, SandboxStatus::Deleted, "expired").await?;
                 continue;
             }
-            match row.status.as_str() {
-                status::PROVISIONING => {
+            match row.status {
+                SandboxStatus::Provisioning => {
                     self.end(
                         row,
-                        status::FAILED,
+                        SandboxStatus::Failed,
                         "failed: the server stopped while it was being created",
                     )
                     .await?;
                 }
-                status::DELETING => {
-                    self.end(row, status::DELETED, "destroyed").await?;
+                SandboxStatus::Deleting => {
+                    self.end(row, SandboxStatus::Deleted, "destroyed").await?;
                 }
-                _ => match vms.state(&row.id) {
+                // `live_sandboxes` returns none that ended.
+                SandboxStatus::Deleted | SandboxStatus::Failed => {}
+                SandboxStatus::Running => match vms.state(&row.id) {
                     Some(VmState::Running) => keep.push(row.id.clone()),
                     Some(VmState::Exited { cause }) => {
-                        self.end(row, status::FAILED, &format!("failed: {cause}"))
+                        self.end(row, SandboxStatus::Failed, &format!("failed: {cause}"))
                             .await?;
                     }
                     None => {
                         self.end(
                             row,
-                            status::FAILED,
+                            SandboxStatus::Failed,
                             "failed: its VM vanished while the server was down",
                         )
                         .await?;
@@ -795,7 +801,7 @@ fn to_sandbox(r: &SandboxRow) -> Sandbox {
         id: r.id.clone(),
         object: "sandbox".into(),
         name: r.name.clone(),
-        status: SandboxStatus::parse(&r.status).unwrap_or(SandboxStatus::Failed),
+        status: r.status,
         size: r.size.clone(),
         resources: Resources {
             vcpus: r.vcpus,

@@ -17,7 +17,7 @@ use crate::service::checks::check_port;
 use crate::service::Service;
 use sandpit_protocol::ErrorKind;
 use sandpit_runtime::RuntimeError;
-use sandpit_store::{status, StoreError};
+use sandpit_store::StoreError;
 use std::time::Duration;
 use time::OffsetDateTime;
 
@@ -98,15 +98,17 @@ impl Service {
             reason: reason.to_string(),
         };
         if !row.is_live() {
-            return Err(gone(row.deleted_reason.as_deref().unwrap_or(&row.status)));
+            return Err(gone(
+                row.deleted_reason.as_deref().unwrap_or(row.status.as_str()),
+            ));
         }
         if row.expires_at <= OffsetDateTime::now_utc() {
             return Err(gone("expired"));
         }
-        if row.status == status::DELETING {
+        if row.status == SandboxStatus::Deleting {
             return Err(gone("destroyed"));
         }
-        if row.status != status::RUNNING {
+        if row.status != SandboxStatus::Running {
             return Err(PreviewError::Unavailable {
                 id: id.to_string(),
                 message: format!("it is {}", row.status),
