@@ -19,6 +19,7 @@ pub mod ksm;
 pub mod net;
 pub mod process;
 pub mod qmp;
+pub mod ram_diff;
 pub mod template;
 pub mod tunnel;
 pub mod vm;
