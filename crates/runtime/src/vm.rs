@@ -59,6 +59,10 @@ pub struct VmRecord {
     /// Its expiry watchdog's pid and start time (see `expiry`).
     #[serde(default)]
     pub watchdog: Option<(u32, u64)>,
+    /// The file name of the disk overlay it writes to, in its directory,
+    /// once a save froze the first one (`None`: `disk.qcow2`).
+    #[serde(default)]
+    pub disk: Option<String>,
 }
 
 impl VmRecord {
@@ -92,6 +96,13 @@ impl VmPaths {
     }
     pub fn disk(&self) -> PathBuf {
         self.dir.join("disk.qcow2")
+    }
+    /// The overlay the VM writes to now (see [`VmRecord::disk`]).
+    pub fn active_disk(&self, record: &VmRecord) -> PathBuf {
+        match &record.disk {
+            Some(name) => self.dir.join(name),
+            None => self.disk(),
+        }
     }
     pub fn agent_socket(&self) -> PathBuf {
         self.dir.join("agent.sock")
@@ -133,7 +144,7 @@ struct QemuVersion {
 }
 
 /// How a VM comes to life.
-enum Start<'a> {
+pub(crate) enum Start<'a> {
     /// Boot the kernel.
     Cold,
     /// Boot the kernel with guest RAM in the shared file `mem`: a template
@@ -141,6 +152,8 @@ enum Start<'a> {
     Template { mem: &'a Path },
     /// Restore a template's saved state.
     Restore(&'a Template),
+    /// Restore a running VM's saved state (see `saved`).
+    Saved(&'a crate::saved::SavedVm),
 }
 
 /// What to create.
@@ -279,7 +292,7 @@ impl VmManager {
         self.start(&req, size, Start::Cold, Priority::Normal).await
     }
 
-    async fn start(
+    pub(crate) async fn start(
         &self,
         req: &CreateVm,
         size: SizeSpec,
@@ -333,6 +346,7 @@ impl VmManager {
         }
         let base = match start {
             Start::Restore(t) => t.disk(),
+            Start::Saved(saved) => saved.disk(),
             Start::Cold | Start::Template { .. } => self.image.rootfs.clone(),
         };
         create_overlay(&base, &paths.disk(), size.disk_gb).await?;
@@ -468,9 +482,11 @@ impl VmManager {
             metadata: req.metadata.clone(),
             template: match start {
                 Start::Restore(t) => Some(t.key.clone()),
+                Start::Saved(saved) => Some(saved.template.key.clone()),
                 _ => None,
             },
             watchdog: watchdog.as_ref().ok().copied(),
+            disk: None,
         };
         write_record(paths, &record)?;
         // Recorded first, so a failed start's clean-up stops QEMU and passt.
@@ -482,24 +498,30 @@ impl VmManager {
         let boot_timeout = match start {
             // A restore answers in well under a second; one that has not in
             // 20 s is broken, and the cold boot it falls back to needs the time.
-            Start::Restore(_) => self.config.boot_timeout.min(Duration::from_secs(20)),
+            Start::Restore(_) | Start::Saved(_) => {
+                self.config.boot_timeout.min(Duration::from_secs(20))
+            }
             _ => self.config.boot_timeout,
         };
         let connect = async {
             wait_for_socket(paths, &paths.agent_socket(), "agent", qemu_pid, &marker).await?;
             AgentClient::connect(&paths.agent_socket(), boot_timeout).await
         };
-        if let Start::Restore(t) = start {
-            tokio::time::timeout(
-                boot_timeout,
-                load_template_state(paths, t, qemu_pid, &marker),
-            )
+        let load = async {
+            match start {
+                Start::Restore(t) => load_template_state(paths, t, qemu_pid, &marker).await,
+                Start::Saved(saved) => {
+                    crate::saved::load_saved_state(paths, saved, qemu_pid, &marker).await
+                }
+                Start::Cold | Start::Template { .. } => Ok(()),
+            }
+        };
+        tokio::time::timeout(boot_timeout, load)
             .await
             .map_err(|_| RuntimeError::BootTimeout {
                 secs: boot_timeout.as_secs(),
                 console_tail: String::new(),
             })??;
-        }
         let loaded = spawned.elapsed();
         let agent = match exited {
             Some(fd) => tokio::select! {
@@ -644,6 +666,13 @@ impl VmManager {
                 size.memory_mb,
                 t.mem().display()
             )),
+            // The same base as the VM that was saved: the saved state holds
+            // only the pages that differ from it (see `ram_diff`).
+            Start::Saved(saved) => Some(format!(
+                "memory-backend-file,id=ram,size={}M,mem-path={},share=off,readonly=on,rom=off",
+                size.memory_mb,
+                saved.template.mem().display()
+            )),
         };
         if ram.is_some() {
             machine.push_str(",memory-backend=ram");
@@ -658,9 +687,9 @@ impl VmManager {
             a.push("-object".into());
             a.push(ram);
         }
-        if let Start::Restore(_) = start {
-            // The state is loaded through QMP once `x-ignore-shared` is on
-            // (see `load_template_state`).
+        if let Start::Restore(_) | Start::Saved(_) = start {
+            // The state is loaded through QMP once its capabilities are set
+            // (see `load_template_state`, `saved::load_saved_state`).
             a.push("-incoming".into());
             a.push("defer".into());
         }
@@ -718,6 +747,7 @@ impl VmManager {
                 "-kernel",
                 &p(match start {
                     Start::Restore(t) => t.kernel_stub(),
+                    Start::Saved(saved) => saved.template.kernel_stub(),
                     _ => self.image.kernel.clone(),
                 }),
                 "-initrd",
@@ -831,7 +861,8 @@ impl VmManager {
     pub fn disk_use(&self, id: &str) -> Result<u64> {
         use std::os::unix::fs::MetadataExt;
         validate_id(id)?;
-        let meta = std::fs::metadata(self.paths(id).disk())
+        let record = self.record(id)?;
+        let meta = std::fs::metadata(self.paths(id).active_disk(&record))
             .map_err(|_| RuntimeError::NotFound(id.to_string()))?;
         Ok(meta.blocks() * 512)
     }
@@ -966,7 +997,7 @@ async fn stop_processes(record: &VmRecord, paths: &VmPaths) {
     }
 }
 
-fn write_record(paths: &VmPaths, record: &VmRecord) -> Result<()> {
+pub(crate) fn write_record(paths: &VmPaths, record: &VmRecord) -> Result<()> {
     let tmp = paths.dir.join("vm.json.tmp");
     std::fs::write(&tmp, serde_json::to_vec_pretty(record).expect("json"))
         .map_err(RuntimeError::io("writing vm.json"))?;
@@ -998,7 +1029,7 @@ pub fn find_by_marker(marker: &str) -> Option<u32> {
 }
 
 /// Ids become directory and process names: keep them to a safe alphabet.
-fn validate_id(id: &str) -> Result<()> {
+pub(crate) fn validate_id(id: &str) -> Result<()> {
     let ok = !id.is_empty()
         && id.len() <= 64
         && id
@@ -1038,7 +1069,7 @@ pub fn kernel_cmdline(accel: Accel, tsc_khz: u32) -> String {
     s
 }
 
-async fn create_overlay(base: &Path, disk: &Path, disk_gb: u32) -> Result<()> {
+pub(crate) async fn create_overlay(base: &Path, disk: &Path, disk_gb: u32) -> Result<()> {
     let out = tokio::process::Command::new("qemu-img")
         .args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"])
         .arg(base)
@@ -1302,7 +1333,7 @@ fn log_guest_resolver() {
 
 /// Wait until a starting QEMU has created `socket` (its `what` socket),
 /// failing as soon as QEMU exits, or after 10 s.
-async fn wait_for_socket(
+pub(crate) async fn wait_for_socket(
     paths: &VmPaths,
     socket: &Path,
     what: &str,
