@@ -183,6 +183,7 @@ impl VmManager {
         .await?;
         record.disk = Some(next_name);
         write_record(paths, record)?;
+        let frozen = Instant::now();
         // QEMU (its own uid) writes the state into a file made for it.
         let state = saved.state();
         std::fs::File::create(&state).map_err(io("creating the state file"))?;
@@ -196,6 +197,10 @@ impl VmManager {
         let done = wait_migration(qmp, "saving the VM").await;
         let _ = set_mapped_ram(qmp, false).await;
         done?;
+        tracing::debug!(
+            "memory and devices written in {} ms",
+            frozen.elapsed().as_millis()
+        );
         share_read_only(&state)
     }
 
@@ -263,6 +268,7 @@ async fn set_mapped_ram(qmp: &mut Qmp, on: bool) -> Result<()> {
         "migrate-set-capabilities",
         json!({"capabilities": [
             {"capability": "mapped-ram", "state": on},
+            {"capability": "multifd", "state": on},
             {"capability": "x-ignore-shared", "state": false},
         ]}),
     )
