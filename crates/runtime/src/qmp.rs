@@ -92,6 +92,28 @@ impl Qmp {
         .map(drop)
     }
 
+    /// Wait until the migration this QEMU runs (outgoing, or incoming on a
+    /// destination) has completed; `what` names it in errors. 60 s at most.
+    pub async fn wait_migration(&mut self, what: &str) -> Result<()> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            let st = self.execute("query-migrate", json!({})).await?;
+            match st.get("status").and_then(|s| s.as_str()).unwrap_or("") {
+                "completed" => return Ok(()),
+                "failed" | "cancelled" => {
+                    return Err(RuntimeError::Launch(format!(
+                        "{what} failed: {}",
+                        st.get("error-desc").unwrap_or(&st)
+                    )))
+                }
+                _ if std::time::Instant::now() > deadline => {
+                    return Err(RuntimeError::Launch(format!("{what} took over 60 s")))
+                }
+                _ => tokio::time::sleep(std::time::Duration::from_millis(5)).await,
+            }
+        }
+    }
+
     /// Wait for the next event (or the socket closing, which means QEMU exited).
     pub async fn next_event(&mut self) -> Result<Value> {
         if !self.events.is_empty() {

@@ -25,7 +25,7 @@ use crate::{console, Result, RuntimeError, VmManager};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// The RAM block of a VM's memory backend (`-object memory-backend-*,id=ram`).
 const RAM_BLOCK: &str = "ram";
@@ -73,10 +73,6 @@ impl SavedVm {
     }
 }
 
-fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> RuntimeError {
-    RuntimeError::io(what.into())
-}
-
 impl VmManager {
     /// Saves VM `id` whole into `dir` (created; must not exist). The VM
     /// is paused while its state is captured and then runs on.
@@ -96,7 +92,8 @@ impl VmManager {
                 ))
             })?;
         let paths = self.paths(id);
-        std::fs::create_dir(dir).map_err(io(format!("creating {}", dir.display())))?;
+        std::fs::create_dir(dir)
+            .map_err(RuntimeError::io(format!("creating {}", dir.display())))?;
         let saved = SavedVm {
             dir: dir.to_path_buf(),
             record: SavedRecord {
@@ -124,9 +121,9 @@ impl VmManager {
             .read(true)
             .write(true)
             .open(saved.state())
-            .map_err(io("opening the saved state"))?;
-        let base =
-            std::fs::File::open(saved.template.mem()).map_err(io("opening the template's RAM"))?;
+            .map_err(RuntimeError::io("opening the saved state"))?;
+        let base = std::fs::File::open(saved.template.mem())
+            .map_err(RuntimeError::io("opening the template's RAM"))?;
         let kept = tokio::task::spawn_blocking(move || {
             crate::ram_diff::keep_differences(&state, RAM_BLOCK, Some(&base))
         })
@@ -135,7 +132,8 @@ impl VmManager {
         let mut saved = saved;
         saved.record.changed_pages = kept.data_pages + kept.zeroed_pages;
         let json = serde_json::to_vec_pretty(&saved.record).expect("json");
-        std::fs::write(dir.join("saved.json"), json).map_err(io("writing saved.json"))?;
+        std::fs::write(dir.join("saved.json"), json)
+            .map_err(RuntimeError::io("writing saved.json"))?;
         tracing::debug!(
             id,
             "saved in {} ms (paused {} ms), {} pages changed",
@@ -157,7 +155,7 @@ impl VmManager {
     ) -> Result<()> {
         let active = paths.active_disk(record);
         std::fs::hard_link(&active, saved.disk())
-            .map_err(io(format!("linking {}", active.display())))?;
+            .map_err(RuntimeError::io(format!("linking {}", active.display())))?;
         let n = record
             .disk
             .as_deref()
@@ -186,7 +184,7 @@ impl VmManager {
         let frozen = Instant::now();
         // QEMU (its own uid) writes the state into a file made for it.
         let state = saved.state();
-        std::fs::File::create(&state).map_err(io("creating the state file"))?;
+        std::fs::File::create(&state).map_err(RuntimeError::io("creating the state file"))?;
         restrict_to(&state, record.qemu_uid)?;
         set_mapped_ram(qmp, true).await?;
         qmp.execute(
@@ -194,7 +192,7 @@ impl VmManager {
             json!({"uri": format!("file:{}", state.display())}),
         )
         .await?;
-        let done = wait_migration(qmp, "saving the VM").await;
+        let done = qmp.wait_migration("saving the VM").await;
         let _ = set_mapped_ram(qmp, false).await;
         done?;
         tracing::debug!(
@@ -220,8 +218,10 @@ impl VmManager {
 
     /// The save in `dir`, if it is one this host can start VMs from.
     pub fn saved(&self, dir: &Path) -> Result<SavedVm> {
-        let bytes = std::fs::read(dir.join("saved.json"))
-            .map_err(io(format!("reading {}/saved.json", dir.display())))?;
+        let bytes = std::fs::read(dir.join("saved.json")).map_err(RuntimeError::io(format!(
+            "reading {}/saved.json",
+            dir.display()
+        )))?;
         let record: SavedRecord = serde_json::from_slice(&bytes)
             .map_err(|e| RuntimeError::Launch(format!("corrupt saved.json: {e}")))?;
         let template = self
@@ -246,10 +246,10 @@ fn restrict_to(path: &Path, uid: Option<u32>) -> Result<()> {
     use std::os::unix::fs::PermissionsExt;
     if let Some(uid) = uid {
         std::os::unix::fs::chown(path, Some(uid), Some(uid))
-            .map_err(io(format!("chown {}", path.display())))?;
+            .map_err(RuntimeError::io(format!("chown {}", path.display())))?;
     }
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-        .map_err(io(format!("chmod {}", path.display())))
+        .map_err(RuntimeError::io(format!("chmod {}", path.display())))
 }
 
 /// Root's, readable by every VM's QEMU and writable by none.
@@ -257,10 +257,10 @@ fn share_read_only(path: &Path) -> Result<()> {
     use std::os::unix::fs::PermissionsExt;
     if nix::unistd::geteuid().is_root() {
         std::os::unix::fs::chown(path, Some(0), Some(0))
-            .map_err(io(format!("chown {}", path.display())))?;
+            .map_err(RuntimeError::io(format!("chown {}", path.display())))?;
     }
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644))
-        .map_err(io(format!("chmod {}", path.display())))
+        .map_err(RuntimeError::io(format!("chmod {}", path.display())))
 }
 
 async fn set_mapped_ram(qmp: &mut Qmp, on: bool) -> Result<()> {
@@ -274,26 +274,6 @@ async fn set_mapped_ram(qmp: &mut Qmp, on: bool) -> Result<()> {
     )
     .await
     .map(drop)
-}
-
-async fn wait_migration(qmp: &mut Qmp, what: &str) -> Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let st = qmp.execute("query-migrate", json!({})).await?;
-        match st.get("status").and_then(|s| s.as_str()).unwrap_or("") {
-            "completed" => return Ok(()),
-            "failed" | "cancelled" => {
-                return Err(RuntimeError::Launch(format!(
-                    "{what} failed: {}",
-                    st.get("error-desc").unwrap_or(&st)
-                )))
-            }
-            _ if Instant::now() > deadline => {
-                return Err(RuntimeError::Launch(format!("{what} took over 60 s")))
-            }
-            _ => tokio::time::sleep(Duration::from_millis(5)).await,
-        }
-    }
 }
 
 /// Loads a save's state into a QEMU waiting with `-incoming defer` and
@@ -312,7 +292,7 @@ pub(crate) async fn load_saved_state(
         json!({"uri": format!("file:{}", saved.state().display())}),
     )
     .await?;
-    wait_migration(&mut qmp, "loading the saved VM")
+    qmp.wait_migration("loading the saved VM")
         .await
         .map_err(|e| {
             RuntimeError::Disconnected(format!(

@@ -1412,23 +1412,5 @@ async fn save_template(vm: &Vm) -> Result<()> {
         serde_json::json!({"uri": format!("file:{}", state.display())}),
     )
     .await?;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let st = qmp.execute("query-migrate", serde_json::json!({})).await?;
-        match st.get("status").and_then(|s| s.as_str()).unwrap_or("") {
-            "completed" => return Ok(()),
-            "failed" | "cancelled" => {
-                return Err(RuntimeError::Launch(format!(
-                    "saving the template failed: {}",
-                    st.get("error-desc").unwrap_or(&st)
-                )))
-            }
-            _ if Instant::now() > deadline => {
-                return Err(RuntimeError::Launch(
-                    "saving the template took over 60 s".into(),
-                ))
-            }
-            _ => tokio::time::sleep(Duration::from_millis(10)).await,
-        }
-    }
+    qmp.wait_migration("saving the template").await
 }
