@@ -30,11 +30,12 @@ fn a_vm_started_from_a_save_is_the_same_machine_with_its_own_identity() {
         m.ensure_template("small").await.expect("template");
         let a = m.create(new_vm("sbx_saved_a")).await.expect("restore a");
         // State in a file, and state only in a process's memory: the
-        // counter lives in the shell's variable; the file only shows it.
+        // counter lives in the shell's variable; the file only shows it
+        // (replaced whole, so a reader never sees it empty).
         sh(&a, "echo kept > /workspace/file && sync").await;
         sh(
             &a,
-            "nohup bash -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done' \
+            "nohup bash -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.1; done' \
              >/dev/null 2>&1 & sleep 0.5",
         )
         .await;
