@@ -74,6 +74,7 @@ fn a_server_on_postgresql_keeps_its_state_there_and_only_its_own_sandboxes() {
                 disk_limit_bytes: None,
                 idempotency: None,
                 host_epoch: None,
+                snapshot_id: None,
             })
             .await
             .unwrap()
@@ -566,6 +567,7 @@ fn a_replica_names_a_sandbox_after_the_warm_vm_a_node_published() {
             price_micros_per_hour: 0,
             host: "b".into(),
             host_epoch: None,
+            snapshot_id: None,
             created_at: now,
             expires_at: now + time::Duration::minutes(30),
             reserve_micros: 0,

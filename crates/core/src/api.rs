@@ -88,6 +88,32 @@ pub trait SandboxApi: Send + Sync {
     ) -> Result<Sandbox>;
     async fn destroy_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox>;
 
+    /// Save the whole state of a running sandbox (it runs on; it is paused
+    /// only while its state is captured). The bool: replayed from an
+    /// earlier call with the same `Idempotency-Key`.
+    async fn snapshot_sandbox(
+        &self,
+        caller: &Caller,
+        id: &str,
+        req: CreateSnapshot,
+        idempotency_key: Option<String>,
+    ) -> Result<(Snapshot, bool)>;
+    async fn get_snapshot(&self, caller: &Caller, snapshot_id: &str) -> Result<Snapshot>;
+    async fn list_snapshots(&self, caller: &Caller, q: ListSnapshots) -> Result<List<Snapshot>>;
+    /// Deletes it and frees its disk. Sandboxes started from it live on.
+    async fn delete_snapshot(&self, caller: &Caller, snapshot_id: &str) -> Result<Snapshot>;
+    /// A snapshot of the sandbox and `count` new sandboxes from it, their
+    /// credit reserved at once or the call refused whole.
+    async fn fork_sandbox(&self, caller: &Caller, id: &str, req: ForkSandbox) -> Result<Fork>;
+    /// Rolls the sandbox back to a snapshot of itself or of an ancestor of
+    /// the same size: same id, preview URLs and expiry.
+    async fn restore_sandbox(
+        &self,
+        caller: &Caller,
+        id: &str,
+        req: RestoreSandbox,
+    ) -> Result<Sandbox>;
+
     /// Run a command to completion.
     async fn exec(&self, caller: &Caller, id: &str, params: ExecParams) -> Result<Execution>;
     /// Run a command, streaming its output.

@@ -73,6 +73,13 @@ pub struct ServiceConfig {
     /// What one account's live sandboxes' disks may take together on the
     /// host (see `crate::disk`).
     pub account_disk_bytes: u64,
+    /// Days a snapshot is kept unless deleted before.
+    pub snapshot_retention_days: u32,
+    /// Snapshots one account may hold at once; past it, 429.
+    pub max_snapshots_per_account: u32,
+    /// What one account's snapshots may take on disk together; at it, no
+    /// new one (429).
+    pub snapshot_bytes_per_account: u64,
 }
 
 impl Default for ServiceConfig {
@@ -111,6 +118,9 @@ impl Default for ServiceConfig {
             execution_storage_bytes: 1024 * 1024 * 1024,
             execution_retention_days: 7,
             account_disk_bytes: 100 * 1024 * 1024 * 1024,
+            snapshot_retention_days: 7,
+            max_snapshots_per_account: 20,
+            snapshot_bytes_per_account: 50 * 1024 * 1024 * 1024,
         }
     }
 }

@@ -71,6 +71,82 @@ pub struct CreateSandbox {
     /// Lifetime in minutes, 1..1440 (default 15). The sandbox is destroyed when it runs out.
     #[serde(default)]
     pub timeout_minutes: Option<u32>,
+    /// Start from this snapshot (`snap_…`): its disk, memory and running
+    /// processes, with a fresh identity. The size is the snapshot's (a
+    /// different `size` is refused).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot_id: Option<String>,
+}
+
+/// The snapshot object: the whole state of a running sandbox at one
+/// moment (disk, memory, processes), kept until `expires_at`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Snapshot {
+    /// `snap_…`.
+    pub id: String,
+    /// Always `"snapshot"`.
+    pub object: String,
+    pub name: Option<String>,
+    /// The sandbox it was taken of.
+    pub sandbox_id: String,
+    /// That sandbox's size; sandboxes started from it have the same.
+    pub size: String,
+    /// `creating` while it is written, then `ready`.
+    pub status: String,
+    /// What it alone takes on the host's disk (what it shares with the
+    /// image and other snapshots is not counted).
+    pub size_bytes: u64,
+    /// RFC 3339 UTC.
+    pub created_at: String,
+    /// When it is deleted unless deleted before.
+    pub expires_at: String,
+}
+
+/// `POST /sandboxes/{id}/snapshots` body and `snapshot_sandbox` input.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSnapshot {
+    /// A label of your own.
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+/// `GET /snapshots` query and `list_snapshots` input.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ListSnapshots {
+    /// 1..100, default 20.
+    #[serde(default)]
+    pub limit: Option<u32>,
+    /// A snapshot id: list those taken before it (the previous page's `next_cursor`).
+    #[serde(default)]
+    pub starting_after: Option<String>,
+}
+
+/// `POST /sandboxes/{id}/fork` body and `fork_sandbox` input.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ForkSandbox {
+    /// How many copies, 1..10 (default 1).
+    #[serde(default)]
+    pub count: Option<u32>,
+    /// Lifetime of each copy in minutes (default: the service's default).
+    #[serde(default)]
+    pub timeout_minutes: Option<u32>,
+}
+
+/// What a fork made: the snapshot, and the sandboxes started from it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Fork {
+    pub snapshot: Snapshot,
+    pub sandboxes: Vec<Sandbox>,
+}
+
+/// `POST /sandboxes/{id}/restore` body and `restore_sandbox` input.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RestoreSandbox {
+    /// A snapshot of this sandbox, or of a sandbox it was started from.
+    pub snapshot_id: String,
 }
 
 /// `GET /sandboxes` query and `list_sandboxes` input.

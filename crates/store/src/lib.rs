@@ -93,6 +93,7 @@ mod error;
 mod executions;
 mod nodes;
 mod sandboxes;
+mod snapshots;
 mod states;
 mod util;
 
@@ -102,6 +103,9 @@ pub use executions::{ExecutionResult, ExecutionRow, PortRow};
 pub use nodes::{ms_to_time, Candidate, LostNode, NewNode, NodeRow};
 pub use sandboxes::{
     CreateOutcome, EventRow, ExtendOutcome, NewSandbox, SandboxPage, SandboxRow, UsageRow,
+};
+pub use snapshots::{
+    NewSnapshot, SnapshotOutcome, SnapshotPage, SnapshotRow, SnapshotStatus,
 };
 pub use states::{ExecutionState, ExecutionStatus, NodeState, SandboxStatus};
 pub use util::{format_ts, hash_key, new_id, parse_ts};

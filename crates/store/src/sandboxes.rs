@@ -38,6 +38,8 @@ pub struct SandboxRow {
     /// What its disk takes on its host, as last measured
     /// ([`Store::set_disk_use`]).
     pub disk_used_bytes: u64,
+    /// The snapshot it was started from (`None`: the image).
+    pub snapshot_id: Option<String>,
 }
 
 impl SandboxRow {
@@ -81,6 +83,8 @@ pub struct NewSandbox {
     /// were settled) adds none, and two creates never both take its last
     /// place.
     pub host_epoch: Option<i64>,
+    /// The snapshot it starts from (`None`: the image).
+    pub snapshot_id: Option<String>,
 }
 
 /// What [`Store::create_sandbox`] did.
@@ -176,6 +180,7 @@ pub(crate) fn sandbox_from(row: &AnyRow) -> Result<SandboxRow> {
         deleted_at: get_opt_ts(row, "deleted_at")?,
         deleted_reason: get_opt_str(row, "deleted_reason")?,
         disk_used_bytes: get_i64(row, "disk_used_bytes")?.max(0) as u64,
+        snapshot_id: get_opt_str(row, "snapshot_id")?,
     })
 }
 
@@ -397,8 +402,9 @@ fn insert_sql(postgres: bool, host_max: &str) -> String {
     const LIVE: &str = concat!("status IN ", live_statuses!());
     let sandbox = format!(
         "INSERT INTO sandboxes (id, account_id, name, size, vcpus, memory_mb, disk_gb, \
-           timeout_minutes, status, price_micros_per_hour, host, created_at, expires_at) \
-         SELECT $1, $2, $3, $4, $5, $6, $7, $8, 'provisioning', $9, $10, $11, $12 \
+           timeout_minutes, status, price_micros_per_hour, host, created_at, expires_at, \
+           snapshot_id) \
+         SELECT $1, $2, $3, $4, $5, $6, $7, $8, 'provisioning', $9, $10, $11, $12, $18 \
          FROM accounts a WHERE a.id = $2 \
            AND NOT EXISTS (SELECT 1 FROM idempotency WHERE account_id = a.id AND key = $13) \
            AND ({host_max} IS NULL OR (SELECT COUNT(*) FROM sandboxes \
@@ -422,7 +428,7 @@ fn insert_sql(postgres: bool, host_max: &str) -> String {
                    WHERE $15 > 0), \
              i AS (INSERT INTO idempotency (account_id, key, request_hash, sandbox_id, \
                      created_at) \
-                   SELECT account_id, $13, $18, id, created_at FROM s WHERE $13 IS NOT NULL) \
+                   SELECT account_id, $13, $19, id, created_at FROM s WHERE $13 IS NOT NULL) \
              SELECT * FROM s"
         ),
         false => sandbox,
@@ -477,7 +483,7 @@ pub(crate) fn create_function() -> &'static (String, String) {
         let name = format!("sandpit_create_sandbox_{hash}");
         let definition = format!(
             "CREATE OR REPLACE FUNCTION {name}(text, text, text, text, bigint, bigint, bigint, \
-                 bigint, bigint, text, text, text, text, bigint, bigint, bigint, bigint, text) \
+                 bigint, bigint, text, text, text, text, bigint, bigint, bigint, bigint, text, text) \
              RETURNS SETOF sandboxes LANGUAGE plpgsql AS $create$ {body} $create$"
         );
         (name, definition)
@@ -541,7 +547,8 @@ fn bind_create<'q>(
         .bind(
             new.disk_limit_bytes
                 .map(|l| i64::try_from(l).unwrap_or(i64::MAX)),
-        );
+        )
+        .bind(&new.snapshot_id);
     match postgres {
         true => query.bind(new.idempotency.as_ref().map(|(_, hash)| hash.clone())),
         false => query,

@@ -100,6 +100,7 @@ fn sandbox(account_id: &str, created_at: OffsetDateTime, minutes: u32, reserve: 
         disk_limit_bytes: None,
         idempotency: None,
         host_epoch: None,
+        snapshot_id: None,
     }
 }
 

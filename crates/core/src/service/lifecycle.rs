@@ -100,6 +100,7 @@ impl Service {
                 price_micros_per_hour: price,
                 host: target.host.clone(),
                 host_epoch: target.epoch,
+                snapshot_id: None,
                 created_at: now,
                 expires_at: now + time::Duration::minutes(timeout as i64),
                 reserve_micros: reserve,

@@ -1,0 +1,27 @@
+-- Snapshots: the whole state of a running sandbox at one moment, kept on
+-- the host that took it (its files are that host's; `host` says which).
+-- `creating` while the host writes it, `ready` once it can be started
+-- from, `deleted` when its files are gone or going (deleted by its owner,
+-- expired, or a snapshot that failed). The row stays as history.
+CREATE TABLE snapshots (
+    id              TEXT   NOT NULL PRIMARY KEY,
+    account_id      TEXT   NOT NULL REFERENCES accounts (id),
+    name            TEXT,
+    sandbox_id      TEXT   NOT NULL REFERENCES sandboxes (id),
+    size            TEXT   NOT NULL,
+    host            TEXT   NOT NULL,
+    status          TEXT   NOT NULL CHECK (status IN ('creating', 'ready', 'deleted')),
+    bytes           BIGINT NOT NULL DEFAULT 0,
+    created_at      TEXT   NOT NULL,
+    expires_at      TEXT   NOT NULL,
+    deleted_at      TEXT,
+    idempotency_key TEXT,
+    request_hash    TEXT
+);
+CREATE INDEX snapshots_account_created ON snapshots (account_id, created_at);
+CREATE INDEX snapshots_status_expires ON snapshots (status, expires_at);
+CREATE UNIQUE INDEX snapshots_idempotency ON snapshots (account_id, idempotency_key);
+
+-- The snapshot a sandbox was started from (NULL: from the image), so a
+-- restore can tell its ancestors' snapshots.
+ALTER TABLE sandboxes ADD COLUMN snapshot_id TEXT;
