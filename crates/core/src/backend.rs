@@ -89,6 +89,10 @@ pub struct LocalVms {
     waiting: AtomicUsize,
     /// When a create last took a pool VM (see [`REFILL_DELAY`]).
     last_take: std::sync::Mutex<Option<Instant>>,
+    /// Held while a VM is saved or replaced by a snapshot: one at a time
+    /// per host (two saves of one VM would fight over its QMP monitor, and
+    /// saves are disk-bound anyway).
+    saving: Mutex<()>,
 }
 
 /// A pool VM has no sandbox, so no expiry of its own: it expires this long
@@ -127,6 +131,7 @@ impl LocalVms {
             starts,
             waiting: AtomicUsize::new(0),
             last_take: std::sync::Mutex::new(None),
+            saving: Mutex::new(()),
         })
     }
 
@@ -156,6 +161,66 @@ impl LocalVms {
         let _slot = self.start_slot().await?;
         self.start_vm(id, size, BTreeMap::new(), expires_at, Priority::Normal)
             .await
+    }
+
+    /// The VM of a new sandbox started from snapshot `snapshot` (a save of
+    /// this host's), and keep its agent connection.
+    async fn create_from_snapshot(
+        &self,
+        id: &str,
+        size: &str,
+        snapshot: &str,
+        expires_at: OffsetDateTime,
+    ) -> Result<VmRecord, RuntimeError> {
+        let saved = self.manager.saved(snapshot)?;
+        let _live = self.manager.hold_background();
+        let _slot = self.start_slot().await?;
+        let vm = self
+            .manager
+            .create_from_saved(
+                CreateVm {
+                    id: id.to_string(),
+                    size: size.to_string(),
+                    metadata: BTreeMap::new(),
+                    expires_at,
+                },
+                &saved,
+            )
+            .await?;
+        self.agents
+            .lock()
+            .await
+            .insert(id.to_string(), Arc::new(Mutex::new(Some(vm.agent.clone()))));
+        Ok(vm.record)
+    }
+
+    /// Saves VM `id` as snapshot `snapshot`; what the snapshot alone takes
+    /// on disk.
+    pub async fn snapshot(&self, id: &str, snapshot: &str) -> Result<u64, RuntimeError> {
+        let _one_at_a_time = self.saving.lock().await;
+        let _live = self.manager.hold_background();
+        Ok(self.manager.save(id, snapshot).await?.bytes())
+    }
+
+    /// Replaces VM `id` by one from snapshot `snapshot`, same id. The old
+    /// VM goes only once the snapshot is known to be startable here.
+    pub async fn restore(
+        &self,
+        id: &str,
+        snapshot: &str,
+        expires_at: OffsetDateTime,
+    ) -> Result<(), RuntimeError> {
+        let _one_at_a_time = self.saving.lock().await;
+        let saved = self.manager.saved(snapshot)?;
+        LocalVms::destroy(self, id).await?;
+        self.create_from_snapshot(id, &saved.record.size, snapshot, expires_at)
+            .await
+            .map(drop)
+    }
+
+    /// The snapshots this host holds.
+    pub fn snapshots(&self) -> Vec<String> {
+        self.manager.list_saved()
     }
 
     /// Move a sandbox's expiry (see [`sandpit_runtime::expiry`]).
@@ -667,7 +732,23 @@ impl Machines for LocalVms {
         Ok(())
     }
 
-    async fn start(&self, id: &str, size: &str, expires_at: OffsetDateTime) -> VmResult<Started> {
+    async fn start(
+        &self,
+        id: &str,
+        size: &str,
+        snapshot: Option<&str>,
+        expires_at: OffsetDateTime,
+    ) -> VmResult<Started> {
+        if let Some(snapshot) = snapshot {
+            match LocalVms::state(self, id) {
+                Some(VmState::Running) => self.manager.set_expiry(id, expires_at)?,
+                _ => drop(
+                    self.create_from_snapshot(id, size, snapshot, expires_at)
+                        .await?,
+                ),
+            }
+            return Ok(Started::Booted);
+        }
         let claimed = self.claimed.lock().unwrap().contains(id);
         let claimed = claimed || self.take_ready(id).await;
         if !claimed && matches!(LocalVms::state(self, id), Some(VmState::Running)) {
@@ -686,6 +767,18 @@ impl Machines for LocalVms {
 
     async fn set_expiry(&self, id: &str, at: OffsetDateTime) -> VmResult<()> {
         self.manager.set_expiry(id, at)
+    }
+
+    async fn snapshot(&self, id: &str, snapshot: &str) -> VmResult<u64> {
+        LocalVms::snapshot(self, id, snapshot).await
+    }
+
+    async fn delete_snapshot(&self, snapshot: &str) -> VmResult<()> {
+        self.manager.delete_saved(snapshot).await
+    }
+
+    async fn restore(&self, id: &str, snapshot: &str, expires_at: OffsetDateTime) -> VmResult<()> {
+        LocalVms::restore(self, id, snapshot, expires_at).await
     }
 
     async fn state(&self, id: &str) -> VmResult<Option<VmState>> {

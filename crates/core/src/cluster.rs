@@ -607,13 +607,31 @@ impl Machines for Served {
         Machines::return_warm(&*self.vms, id, size).await
     }
 
-    async fn start(&self, id: &str, size: &str, expires_at: OffsetDateTime) -> VmResult<Started> {
+    async fn start(
+        &self,
+        id: &str,
+        size: &str,
+        snapshot: Option<&str>,
+        expires_at: OffsetDateTime,
+    ) -> VmResult<Started> {
         let svc = self
             .svc
             .upgrade()
             .ok_or_else(|| RuntimeError::Busy("the node is shutting down".into()))?;
-        svc.start_for_member(id, size, expires_at, self.vms.clone())
+        svc.start_for_member(id, size, snapshot, expires_at, self.vms.clone())
             .await
+    }
+
+    async fn snapshot(&self, id: &str, snapshot: &str) -> VmResult<u64> {
+        Machines::snapshot(&*self.vms, id, snapshot).await
+    }
+
+    async fn delete_snapshot(&self, snapshot: &str) -> VmResult<()> {
+        Machines::delete_snapshot(&*self.vms, snapshot).await
+    }
+
+    async fn restore(&self, id: &str, snapshot: &str, expires_at: OffsetDateTime) -> VmResult<()> {
+        Machines::restore(&*self.vms, id, snapshot, expires_at).await
     }
 
     async fn destroy(&self, id: &str) -> VmResult<Option<u64>> {

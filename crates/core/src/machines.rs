@@ -51,11 +51,30 @@ pub trait Machines: Send + Sync {
     async fn return_warm(&self, id: &str, size: &str) -> VmResult<()>;
 
     /// Starts the VM of a new sandbox `id` (the pool VM taken for it, the
-    /// ready pool VM of that id, or one restored or booted now) whose
-    /// watchdog ends it at `expires_at`.
+    /// ready pool VM of that id, or one restored or booted now; from
+    /// `snapshot` when given, a snapshot this node holds) whose watchdog
+    /// ends it at `expires_at`.
     /// Starting a VM that already runs is not an error: a create retried
     /// after its first caller was lost finds the VM it started.
-    async fn start(&self, id: &str, size: &str, expires_at: OffsetDateTime) -> VmResult<Started>;
+    async fn start(
+        &self,
+        id: &str,
+        size: &str,
+        snapshot: Option<&str>,
+        expires_at: OffsetDateTime,
+    ) -> VmResult<Started>;
+
+    /// Saves the whole state of VM `id` as snapshot `snapshot` (the VM
+    /// runs on); returns what the snapshot alone takes on disk.
+    async fn snapshot(&self, id: &str, snapshot: &str) -> VmResult<u64>;
+
+    /// Deletes a snapshot's files (one already gone is fine).
+    async fn delete_snapshot(&self, snapshot: &str) -> VmResult<()>;
+
+    /// Replaces VM `id` by one started from `snapshot`, under the same id
+    /// and with its watchdog at `expires_at`.
+    async fn restore(&self, id: &str, snapshot: &str, expires_at: OffsetDateTime)
+        -> VmResult<()>;
 
     /// Kills the VM and removes its files (one already gone is fine).
     /// Returns what its disk held just before, when it could be measured.

@@ -20,6 +20,7 @@
 //! - `files`: file transfers and their per-account slots.
 //! - `ports`: exposed ports and preview URLs (the connections themselves
 //!   are [`crate::preview`]'s).
+//! - `snapshots`: snapshots, fork and restore, and the snapshot sweep.
 //! - `account`: authentication, usage, the account, the service's info.
 //! - `checks`: the pure request checks, public for the fuzz targets and
 //!   the fake.
@@ -32,6 +33,7 @@ mod exec;
 mod files;
 mod lifecycle;
 mod ports;
+mod snapshots;
 
 pub use checks::{
     check_create, check_path, check_port, check_write_size, extension_minutes, validate_exec,
@@ -87,6 +89,21 @@ pub struct Service {
     pub(crate) node_link: std::sync::OnceLock<Arc<dyn crate::cluster::NodeLink>>,
     /// What it read of the nodes lately.
     pub(crate) routes: crate::cluster::Routes,
+    /// Sandboxes whose VM is being replaced by a restore: a call that finds
+    /// it gone meanwhile is told to retry, and does not fail the sandbox.
+    restoring: std::sync::Mutex<std::collections::HashSet<String>>,
+}
+
+/// A restore in progress (see [`Service::restoring`]); over when dropped.
+pub(crate) struct Restoring<'a> {
+    service: &'a Service,
+    id: String,
+}
+
+impl Drop for Restoring<'_> {
+    fn drop(&mut self) {
+        self.service.restoring.lock().unwrap().remove(&self.id);
+    }
 }
 
 /// How often preview traffic counters are written to the store.
@@ -126,6 +143,7 @@ impl Service {
             membership: std::sync::OnceLock::new(),
             node_link: std::sync::OnceLock::new(),
             routes: Default::default(),
+            restoring: Default::default(),
         })
     }
 
@@ -211,6 +229,20 @@ impl Service {
         if let Some(vms) = &self.vms {
             vms.drain_pool().await;
         }
+    }
+
+    /// Marks sandbox `id`'s VM as being replaced, until dropped.
+    fn restoring(&self, id: &str) -> Restoring<'_> {
+        self.restoring.lock().unwrap().insert(id.to_string());
+        Restoring {
+            service: self,
+            id: id.to_string(),
+        }
+    }
+
+    /// Whether sandbox `id`'s VM is being replaced by a restore here.
+    fn is_restoring(&self, id: &str) -> bool {
+        self.restoring.lock().unwrap().contains(id)
     }
 
     fn arc_self(&self) -> Option<Arc<Service>> {
@@ -314,6 +346,41 @@ impl SandboxApi for Service {
 
     async fn destroy_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
         self.destroy(caller, id).await
+    }
+
+    async fn snapshot_sandbox(
+        &self,
+        caller: &Caller,
+        id: &str,
+        req: CreateSnapshot,
+        idempotency_key: Option<String>,
+    ) -> Result<(Snapshot, bool)> {
+        self.take_snapshot(caller, id, req, idempotency_key).await
+    }
+
+    async fn get_snapshot(&self, caller: &Caller, snapshot_id: &str) -> Result<Snapshot> {
+        self.describe_snapshot(caller, snapshot_id).await
+    }
+
+    async fn list_snapshots(&self, caller: &Caller, q: ListSnapshots) -> Result<List<Snapshot>> {
+        self.snapshots(caller, q).await
+    }
+
+    async fn delete_snapshot(&self, caller: &Caller, snapshot_id: &str) -> Result<Snapshot> {
+        self.remove_snapshot(caller, snapshot_id).await
+    }
+
+    async fn fork_sandbox(&self, caller: &Caller, id: &str, req: ForkSandbox) -> Result<Fork> {
+        self.fork(caller, id, req).await
+    }
+
+    async fn restore_sandbox(
+        &self,
+        caller: &Caller,
+        id: &str,
+        req: RestoreSandbox,
+    ) -> Result<Sandbox> {
+        self.roll_back(caller, id, req).await
     }
 
     async fn exec(&self, caller: &Caller, id: &str, params: ExecParams) -> Result<Execution> {

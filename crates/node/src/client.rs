@@ -327,12 +327,48 @@ impl Machines for RemoteNode {
         .await
     }
 
-    async fn start(&self, id: &str, size: &str, expires_at: OffsetDateTime) -> VmResult<Started> {
+    async fn start(
+        &self,
+        id: &str,
+        size: &str,
+        snapshot: Option<&str>,
+        expires_at: OffsetDateTime,
+    ) -> VmResult<Started> {
         let args = wire::StartArgs {
             size: size.to_string(),
+            snapshot: snapshot.map(str::to_string),
             expires_at_ms: ms(expires_at),
         };
         self.call(&format!("sandboxes/{id}/start"), &args, START_TIMEOUT)
+            .await
+    }
+
+    async fn snapshot(&self, id: &str, snapshot: &str) -> VmResult<u64> {
+        let args = wire::SnapshotArgs {
+            snapshot: snapshot.to_string(),
+            expires_at_ms: 0,
+        };
+        let taken: wire::SnapshotTaken = self
+            .call(&format!("sandboxes/{id}/snapshot"), &args, START_TIMEOUT)
+            .await?;
+        Ok(taken.bytes)
+    }
+
+    async fn delete_snapshot(&self, snapshot: &str) -> VmResult<()> {
+        self.call(
+            &format!("snapshots/{snapshot}/delete"),
+            &Nothing {},
+            FILE_TIMEOUT,
+        )
+        .await
+    }
+
+    async fn restore(&self, id: &str, snapshot: &str, expires_at: OffsetDateTime) -> VmResult<()> {
+        let args = wire::SnapshotArgs {
+            snapshot: snapshot.to_string(),
+            expires_at_ms: ms(expires_at),
+        };
+        self.call(&format!("sandboxes/{id}/restore"), &args, START_TIMEOUT)
             .await
     }
 

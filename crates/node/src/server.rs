@@ -181,6 +181,10 @@ async fn handle(state: Arc<dyn NodeState>, req: Request<Incoming>) -> Response<B
                 epoch,
             },
         ),
+        (&hyper::Method::POST, ["node", "v1", "snapshots", snapshot, "delete"]) => {
+            let snapshot = snapshot.to_string();
+            answer(detached(async move { vms.delete_snapshot(&snapshot).await }).await)
+        }
         (&hyper::Method::POST, ["node", "v1", "warm", size, "take"]) => {
             answer(vms.take_warm(size).await.map(|id| wire::Warm { id }))
         }
@@ -195,9 +199,35 @@ async fn handle(state: Arc<dyn NodeState>, req: Request<Incoming>) -> Response<B
                 // own, and the outcome is recorded where a retry finds it.
                 "start" => match body.json::<wire::StartArgs>().await {
                     Ok(a) => answer(
-                        detached(
-                            async move { vms.start(&id, &a.size, time_of(a.expires_at_ms)).await },
-                        )
+                        detached(async move {
+                            vms.start(
+                                &id,
+                                &a.size,
+                                a.snapshot.as_deref(),
+                                time_of(a.expires_at_ms),
+                            )
+                            .await
+                        })
+                        .await,
+                    ),
+                    Err(r) => r,
+                },
+                // Like a start, a snapshot or a restore finishes (or
+                // cleans up after itself) even if its caller goes.
+                "snapshot" => match body.json::<wire::SnapshotArgs>().await {
+                    Ok(a) => answer(
+                        detached(async move { vms.snapshot(&id, &a.snapshot).await })
+                            .await
+                            .map(|bytes| wire::SnapshotTaken { bytes }),
+                    ),
+                    Err(r) => r,
+                },
+                "restore" => match body.json::<wire::SnapshotArgs>().await {
+                    Ok(a) => answer(
+                        detached(async move {
+                            vms.restore(&id, &a.snapshot, time_of(a.expires_at_ms))
+                                .await
+                        })
                         .await,
                     ),
                     Err(r) => r,

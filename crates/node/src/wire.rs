@@ -156,8 +156,26 @@ pub struct Failure {
 #[derive(Debug, Serialize, Deserialize)]
 pub struct StartArgs {
     pub size: String,
+    /// The snapshot (on this node) to start from; none: the image.
+    #[serde(default)]
+    pub snapshot: Option<String>,
     /// Unix milliseconds.
     pub expires_at_ms: i64,
+}
+
+/// `snapshot`'s and `restore`'s arguments.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct SnapshotArgs {
+    pub snapshot: String,
+    /// `restore`: the VM's expiry, Unix milliseconds.
+    #[serde(default)]
+    pub expires_at_ms: i64,
+}
+
+/// What `snapshot` took.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct SnapshotTaken {
+    pub bytes: u64,
 }
 
 /// A time as Unix milliseconds, as the wire carries it.

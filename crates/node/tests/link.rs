@@ -48,6 +48,8 @@ struct FakeVms {
     files: Arc<Mutex<HashMap<String, Vec<u8>>>>,
     expiry: Mutex<Option<OffsetDateTime>>,
     cancelled: Arc<AtomicUsize>,
+    /// The snapshot calls it was asked, in order.
+    snapshots: Mutex<Vec<String>>,
 }
 
 fn exec_request(command: &str) -> ExecRequest {
@@ -149,9 +151,18 @@ impl Machines for FakeVms {
     async fn return_warm(&self, _id: &str, _size: &str) -> VmResult<()> {
         Ok(())
     }
-    async fn start(&self, id: &str, size: &str, expires_at: OffsetDateTime) -> VmResult<Started> {
+    async fn start(
+        &self,
+        id: &str,
+        size: &str,
+        snapshot: Option<&str>,
+        expires_at: OffsetDateTime,
+    ) -> VmResult<Started> {
         check(id)?;
         *self.expiry.lock().unwrap() = Some(expires_at);
+        if let Some(s) = snapshot {
+            self.snapshots.lock().unwrap().push(format!("start {id} {s}"));
+        }
         // A node records its starts; a "large" one here stands for a
         // machine that leaves that to its caller.
         Ok(match size {
@@ -164,6 +175,30 @@ impl Machines for FakeVms {
     }
     async fn destroy(&self, id: &str) -> VmResult<Option<u64>> {
         Ok((id == "vm1").then_some(4096))
+    }
+    async fn snapshot(&self, id: &str, snapshot: &str) -> VmResult<u64> {
+        check(id)?;
+        self.snapshots
+            .lock()
+            .unwrap()
+            .push(format!("save {id} {snapshot}"));
+        Ok(72 << 20)
+    }
+    async fn delete_snapshot(&self, snapshot: &str) -> VmResult<()> {
+        self.snapshots
+            .lock()
+            .unwrap()
+            .push(format!("delete {snapshot}"));
+        Ok(())
+    }
+    async fn restore(&self, id: &str, snapshot: &str, expires_at: OffsetDateTime) -> VmResult<()> {
+        check(id)?;
+        *self.expiry.lock().unwrap() = Some(expires_at);
+        self.snapshots
+            .lock()
+            .unwrap()
+            .push(format!("restore {id} {snapshot}"));
+        Ok(())
     }
     async fn set_expiry(&self, id: &str, at: OffsetDateTime) -> VmResult<()> {
         check(id)?;
@@ -433,7 +468,7 @@ async fn a_nodes_vms_answer_through_the_link_as_they_would_at_home() {
     remote.return_warm("vm1", "small").await.unwrap();
     let at = OffsetDateTime::from_unix_timestamp(1_900_000_000).unwrap();
     assert_eq!(
-        remote.start("vm1", "small", at).await.unwrap(),
+        remote.start("vm1", "small", None, at).await.unwrap(),
         Started::Recorded {
             ready_at: OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap(),
             expires_at: at + time::Duration::minutes(5),
@@ -441,16 +476,40 @@ async fn a_nodes_vms_answer_through_the_link_as_they_would_at_home() {
     );
     assert_eq!(*vms.expiry.lock().unwrap(), Some(at));
     assert_eq!(
-        remote.start("vm1", "large", at).await.unwrap(),
+        remote.start("vm1", "large", None, at).await.unwrap(),
         Started::Booted
     );
     // A VM that died is a VM that died here too, not "retry".
-    match remote.start("vm2", "small", at).await {
+    match remote.start("vm2", "small", None, at).await {
         Err(RuntimeError::VmExited { cause }) => assert_eq!(cause, "killed by signal 9"),
         other => panic!("{other:?}"),
     }
     assert_eq!(remote.state("vm1").await.unwrap(), Some(VmState::Running));
     assert_eq!(remote.state("gone").await.unwrap(), None);
+
+    // Snapshots: taken, started from, restored and deleted on the node.
+    assert_eq!(remote.snapshot("vm1", "snap_a").await.unwrap(), 72 << 20);
+    remote
+        .start("vm1", "small", Some("snap_a"), at)
+        .await
+        .unwrap();
+    let later = at + time::Duration::minutes(1);
+    remote.restore("vm1", "snap_a", later).await.unwrap();
+    assert_eq!(*vms.expiry.lock().unwrap(), Some(later));
+    remote.delete_snapshot("snap_a").await.unwrap();
+    assert!(matches!(
+        remote.snapshot("vm2", "snap_b").await,
+        Err(RuntimeError::VmExited { .. })
+    ));
+    assert_eq!(
+        *vms.snapshots.lock().unwrap(),
+        [
+            "save vm1 snap_a",
+            "start vm1 snap_a",
+            "restore vm1 snap_a",
+            "delete snap_a"
+        ]
+    );
     assert_eq!(remote.destroy("vm1").await.unwrap(), Some(4096));
 
     // A command: raw bytes both ways, its exit, and a cancel that reaches it.

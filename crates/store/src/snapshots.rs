@@ -206,10 +206,11 @@ impl Store {
     /// before, or `None` if it was deleted already.
     pub async fn delete_snapshot(&self, id: &str) -> Result<Option<SnapshotRow>> {
         let mut tx = self.write_tx().await?;
-        let before = sqlx::query(&format!(
+        let sql = format!(
             "SELECT * FROM snapshots WHERE id = $1 AND status <> 'deleted'{}",
             crate::row_lock(&tx)
-        ))
+        );
+        let before = sqlx::query(sqlx::AssertSqlSafe(sql))
         .bind(id)
         .fetch_optional(&mut *tx)
         .await?;

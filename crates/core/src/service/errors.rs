@@ -96,6 +96,14 @@ impl Service {
     /// the sandbox ended meanwhile (a destroy, the expiry), that it is no
     /// longer running, rather than "retry", which cannot help.
     pub(super) async fn agent_failure(&self, row: &SandboxRow, e: RuntimeError) -> CoreError {
+        // The VM is being replaced by a restore: not lost.
+        if self.is_restoring(&row.id) && !matches!(e, RuntimeError::Agent(_)) {
+            return CoreError::new(
+                ErrorType::ServiceUnavailable,
+                format!("sandbox {} is being restored from a snapshot; retry", row.id),
+            )
+            .with_retry_after(1);
+        }
         // The VM is gone under a running sandbox: the sandbox failed.
         if let RuntimeError::VmExited { cause } | RuntimeError::NotFound(cause) = &e {
             if row.status == SandboxStatus::Running {

@@ -47,17 +47,51 @@ impl Service {
         req: CreateSandbox,
         idempotency_key: Option<String>,
     ) -> Result<(Sandbox, bool)> {
+        // From a snapshot: its size, on the node that holds it.
+        let snapshot = match &req.snapshot_id {
+            Some(s) => Some(self.startable_snapshot(caller, s).await?),
+            None => None,
+        };
+        let req = match &snapshot {
+            Some(snap) if req.size.as_ref().is_some_and(|s| *s != snap.size) => {
+                return Err(CoreError::invalid(format!(
+                    "snapshot {} is of size {}: a sandbox from it is too (leave out size)",
+                    snap.id, snap.size
+                )))
+            }
+            Some(snap) => CreateSandbox {
+                size: Some(snap.size.clone()),
+                ..req
+            },
+            None => req,
+        };
         let (size_name, size, timeout) =
             check_create(&self.config, &req, idempotency_key.as_deref())?;
         let price = size.price_micros_per_hour();
         let reserve = cost(price, timeout as u64 * 60);
         let now = OffsetDateTime::now_utc();
         let request_hash = hex::encode(sha2::Sha256::digest(
-            serde_json::to_vec(&(&size_name, &req.name, timeout)).expect("json"),
+            serde_json::to_vec(&(&size_name, &req.name, timeout, &req.snapshot_id)).expect("json"),
         ));
         let mut refused = None;
         let mut placed = None;
-        let mut targets = self.placement(&size_name).await?.into_iter();
+        let mut targets = self
+            .placement(&size_name)
+            .await?
+            .into_iter()
+            .filter(|t| snapshot.as_ref().is_none_or(|s| s.host == t.host))
+            .collect::<Vec<_>>()
+            .into_iter();
+        if let (Some(snap), None) = (&snapshot, targets.as_slice().first()) {
+            return Err(CoreError::new(
+                ErrorType::ServiceUnavailable,
+                format!(
+                    "snapshot {} is kept on node {}, which cannot take a sandbox now; retry",
+                    snap.id, snap.host
+                ),
+            )
+            .with_retry_after(5));
+        }
         // A node tried again after the id of the VM it gave was taken, and
         // how many times it was tried.
         let mut again = None;
@@ -67,7 +101,10 @@ impl Service {
             // Another node's pool, as its last heartbeat published it, names
             // the sandbox without a call; otherwise the node is asked for
             // one.
-            let published = match first_try && target.host != self.config.host_name {
+            let published = match first_try
+                && target.host != self.config.host_name
+                && snapshot.is_none()
+            {
                 true => self.routes.take_published(&target.host, &size_name),
                 false => None,
             };
@@ -76,6 +113,11 @@ impl Service {
                 if let Some(id) = &published {
                     *taken.lock().unwrap() = Some(Ok(None));
                     return Some(id.clone());
+                }
+                // A VM from a snapshot is started for it, never a pool VM.
+                if snapshot.is_some() {
+                    *taken.lock().unwrap() = Some(Ok(None));
+                    return Some(new_id("sbx_"));
                 }
                 let warm = target.machines.take_warm(&size_name).await;
                 let id = match &warm {
@@ -100,7 +142,7 @@ impl Service {
                 price_micros_per_hour: price,
                 host: target.host.clone(),
                 host_epoch: target.epoch,
-                snapshot_id: None,
+                snapshot_id: snapshot.as_ref().map(|s| s.id.clone()),
                 created_at: now,
                 expires_at: now + time::Duration::minutes(timeout as i64),
                 reserve_micros: reserve,
@@ -247,7 +289,12 @@ impl Service {
                     match local {
                         true => me.boot(first, machines).await.map(|_| ()),
                         false => machines
-                            .start(&first.id, &first.size, first.expires_at)
+                            .start(
+                                &first.id,
+                                &first.size,
+                                first.snapshot_id.as_deref(),
+                                first.expires_at,
+                            )
                             .await
                             .map(|_| ())
                             .map_err(runtime_error),
@@ -336,6 +383,7 @@ impl Service {
         &self,
         id: &str,
         size: &str,
+        snapshot: Option<&str>,
         expires_at: OffsetDateTime,
         vms: Arc<dyn Machines>,
     ) -> crate::machines::VmResult<Started> {
@@ -351,7 +399,7 @@ impl Service {
         if let Some(row) = known.filter(|r| r.status != SandboxStatus::Provisioning) {
             return self.started_here(&row, &*vms).await;
         }
-        if let Err(e) = vms.start(id, size, expires_at).await {
+        if let Err(e) = vms.start(id, size, snapshot, expires_at).await {
             tracing::warn!(id, "create failed: {e}");
             let _ = vms.destroy(id).await;
             if let Ok(Some(row)) = self.store.sandbox(id).await {
@@ -449,7 +497,10 @@ impl Drop for BootTurn<'_> {
 impl Service {
     /// [`Service::boot`]'s start itself.
     async fn start_vm(&self, row: SandboxRow, machines: Arc<dyn Machines>) -> Result<SandboxRow> {
-        match machines.start(&row.id, &row.size, row.expires_at).await {
+        match machines
+            .start(&row.id, &row.size, row.snapshot_id.as_deref(), row.expires_at)
+            .await
+        {
             Ok(Started::Booted) => {
                 let running = self
                     .store
@@ -708,7 +759,13 @@ impl Service {
             }
             Err(e) => tracing::warn!("reaper: {e}"),
         }
-        match self.store.next_expiry(&self.config.host_name).await {
+        let next_snapshot = self.sweep_snapshots().await;
+        let next_sandbox = self.store.next_expiry(&self.config.host_name).await;
+        let next = next_sandbox.map(|n| match (n, next_snapshot) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        });
+        match next {
             Ok(Some(next)) => {
                 let d = next - OffsetDateTime::now_utc();
                 if d.is_negative() {
@@ -797,7 +854,7 @@ impl Service {
     }
 }
 
-fn to_sandbox(r: &SandboxRow) -> Sandbox {
+pub(super) fn to_sandbox(r: &SandboxRow) -> Sandbox {
     Sandbox {
         id: r.id.clone(),
         object: "sandbox".into(),
