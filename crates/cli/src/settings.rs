@@ -97,6 +97,13 @@ pub struct LimitsSection {
     /// host, in MiB (default 102400); at it, no new sandbox starts and its
     /// sandboxes' disk writes slow down until it is back under.
     pub account_disk_mb: Option<u64>,
+    /// Days a snapshot is kept unless deleted before (default 7).
+    pub snapshot_retention_days: Option<u32>,
+    /// Snapshots one account may hold (default 20); past it, 429.
+    pub max_snapshots: Option<u32>,
+    /// What one account's snapshots may take on disk together, in MiB
+    /// (default 51200); at it, no new snapshot (429).
+    pub snapshot_storage_mb: Option<u64>,
 }
 
 /// MCP over HTTP: DNS-rebinding protection.
@@ -288,6 +295,15 @@ impl Settings {
             }
             if let Some(mb) = l.account_disk_mb {
                 service.account_disk_bytes = mb.saturating_mul(1024 * 1024);
+            }
+            if let Some(days) = l.snapshot_retention_days {
+                service.snapshot_retention_days = days;
+            }
+            if let Some(n) = l.max_snapshots {
+                service.max_snapshots_per_account = n;
+            }
+            if let Some(mb) = l.snapshot_storage_mb {
+                service.snapshot_bytes_per_account = mb.saturating_mul(1024 * 1024);
             }
         }
         let listen = env_or("SANDPIT_LISTEN", file.listen.clone())
