@@ -23,6 +23,14 @@
 //!   [`KEY_B`]; a credit of $9.50 each that nothing charges.
 //! * No sandboxes until created (or put there with [`Fake::add_sandbox`]).
 //!   A new sandbox is running at once.
+//! * Snapshots hold a copy of their sandbox's file tree (nothing else of a
+//!   guest exists here): a sandbox created from one, or forked, starts with
+//!   that tree, and a restore puts it back. A snapshot is `ready` at once,
+//!   its `size_bytes` the sum of its files; a deleted one keeps answering
+//!   `get_snapshot` (status `deleted`) but is listed no more and cannot be
+//!   started from or restored. A restore takes a snapshot of the sandbox
+//!   itself or of one it descends from (through `create` from a snapshot or
+//!   a fork).
 //! * A clock stopped at [`T0`]: every timestamp is `T0`, except a sandbox's
 //!   `expires_at` (`T0` plus its timeout).
 //! * The service's default configuration ([`ServiceConfig::default`]) with
@@ -89,12 +97,18 @@ const KILLED: i32 = 128 + 9;
 /// The names of the operations [`Fake::calls`] records and
 /// [`Fake::fail_next`] takes: [`SandboxApi`]'s methods that act for an
 /// account.
-pub const OPERATIONS: [&str; 17] = [
+pub const OPERATIONS: [&str; 23] = [
     "create_sandbox",
     "get_sandbox",
     "list_sandboxes",
     "extend_sandbox",
     "destroy_sandbox",
+    "snapshot_sandbox",
+    "get_snapshot",
+    "list_snapshots",
+    "delete_snapshot",
+    "fork_sandbox",
+    "restore_sandbox",
     "exec",
     "exec_stream",
     "get_execution",
@@ -136,6 +150,28 @@ pub enum Op {
     },
     DestroySandbox {
         id: String,
+    },
+    SnapshotSandbox {
+        id: String,
+        req: CreateSnapshot,
+        idempotency_key: Option<String>,
+    },
+    GetSnapshot {
+        id: String,
+    },
+    ListSnapshots {
+        query: ListSnapshots,
+    },
+    DeleteSnapshot {
+        id: String,
+    },
+    ForkSandbox {
+        id: String,
+        req: ForkSandbox,
+    },
+    RestoreSandbox {
+        id: String,
+        req: RestoreSandbox,
     },
     Exec {
         id: String,
@@ -195,6 +231,12 @@ impl Op {
             Op::ListSandboxes { .. } => "list_sandboxes",
             Op::ExtendSandbox { .. } => "extend_sandbox",
             Op::DestroySandbox { .. } => "destroy_sandbox",
+            Op::SnapshotSandbox { .. } => "snapshot_sandbox",
+            Op::GetSnapshot { .. } => "get_snapshot",
+            Op::ListSnapshots { .. } => "list_snapshots",
+            Op::DeleteSnapshot { .. } => "delete_snapshot",
+            Op::ForkSandbox { .. } => "fork_sandbox",
+            Op::RestoreSandbox { .. } => "restore_sandbox",
             Op::Exec { .. } => "exec",
             Op::ExecStream { .. } => "exec_stream",
             Op::GetExecution { .. } => "get_execution",
@@ -235,18 +277,34 @@ struct Held {
     /// Directories by absolute path (`/` included).
     dirs: BTreeSet<String>,
     ports: Vec<Port>,
+    /// The snapshot it was started from (`None`: from the image).
+    snapshot_id: Option<String>,
+}
+
+/// A snapshot and the file tree it saved.
+struct HeldSnapshot {
+    account_id: String,
+    snapshot: Snapshot,
+    files: BTreeMap<String, Vec<u8>>,
+    dirs: BTreeSet<String>,
 }
 
 /// What a create asks for once its defaults are filled in: size, name,
-/// timeout (what the service compares a retried `Idempotency-Key`'s by).
-type Asked = (String, Option<String>, u32);
+/// timeout, snapshot (what the service compares a retried
+/// `Idempotency-Key`'s by).
+type Asked = (String, Option<String>, u32, Option<String>);
 
 #[derive(Default)]
 struct State {
     /// Oldest first.
     sandboxes: Vec<Held>,
+    /// Oldest first.
+    snapshots: Vec<HeldSnapshot>,
     /// (account, key) -> (what the first request asked for, sandbox id).
     idempotency: HashMap<(String, String), (Asked, String)>,
+    /// (account, key) -> ((sandbox id, name), snapshot id): snapshots'
+    /// keys, apart from creates'.
+    snapshot_keys: HashMap<(String, String), ((String, Option<String>), String)>,
     /// id -> (account, execution).
     executions: HashMap<String, (String, Execution)>,
 }
@@ -277,6 +335,76 @@ impl State {
             )));
         }
         Ok(h)
+    }
+
+    fn snapshot(&mut self, caller: &Caller, id: &str) -> Result<&mut HeldSnapshot> {
+        self.snapshots
+            .iter_mut()
+            .find(|h| h.account_id == caller.account_id && h.snapshot.id == id)
+            .ok_or_else(|| CoreError::not_found("snapshot", id))
+    }
+
+    /// A snapshot of the caller's that can be started from.
+    fn ready_snapshot(&mut self, caller: &Caller, id: &str) -> Result<&mut HeldSnapshot> {
+        let h = self.snapshot(caller, id)?;
+        if h.snapshot.status != "ready" {
+            return Err(CoreError::conflict(format!(
+                "snapshot {id} is {}; take a new one",
+                h.snapshot.status
+            )));
+        }
+        Ok(h)
+    }
+
+    /// Save the file tree of the caller's running sandbox `id` as a new
+    /// snapshot; returns it.
+    fn take_snapshot(
+        &mut self,
+        caller: &Caller,
+        id: &str,
+        name: Option<String>,
+        retention_days: u32,
+    ) -> Result<Snapshot> {
+        let h = self.running(caller, id)?;
+        let snapshot = Snapshot {
+            id: new_id("snap_"),
+            object: "snapshot".into(),
+            name,
+            sandbox_id: h.sandbox.id.clone(),
+            size: h.sandbox.size.clone(),
+            status: "ready".into(),
+            size_bytes: h.files.values().map(|b| b.len() as u64).sum(),
+            created_at: T0.into(),
+            expires_at: rfc3339(T0_TIME + time::Duration::days(retention_days.into())),
+        };
+        let held = HeldSnapshot {
+            account_id: caller.account_id.clone(),
+            snapshot: snapshot.clone(),
+            files: h.files.clone(),
+            dirs: h.dirs.clone(),
+        };
+        self.snapshots.push(held);
+        Ok(snapshot)
+    }
+
+    /// The snapshots the sandbox `id` may be restored to: its own, and
+    /// those of the sandboxes it was started from, all the way up.
+    fn lineage(&self, caller: &Caller, id: &str) -> BTreeSet<String> {
+        let mut ancestors = BTreeSet::new();
+        let mut at = Some(id.to_owned());
+        while let Some(sbx) = at.take() {
+            if !ancestors.insert(sbx.clone()) {
+                break;
+            }
+            at = self
+                .sandboxes
+                .iter()
+                .find(|h| h.account_id == caller.account_id && h.sandbox.id == sbx)
+                .and_then(|h| h.snapshot_id.as_deref())
+                .and_then(|snap| self.snapshots.iter().find(|s| s.snapshot.id == snap))
+                .map(|s| s.snapshot.sandbox_id.clone());
+        }
+        ancestors
     }
 }
 
@@ -487,6 +615,17 @@ impl Held {
                 .map(String::from)
                 .collect(),
             ports: Vec::new(),
+            snapshot_id: None,
+        }
+    }
+
+    /// A new sandbox started from a snapshot: the snapshot's file tree.
+    fn from_snapshot(account_id: &str, sandbox: Sandbox, snap: &HeldSnapshot) -> Held {
+        Held {
+            files: snap.files.clone(),
+            dirs: snap.dirs.clone(),
+            snapshot_id: Some(snap.snapshot.id.clone()),
+            ..Held::new(account_id, sandbox)
         }
     }
 
@@ -539,6 +678,18 @@ fn no_such_file(path: &str) -> CoreError {
 
 fn is_a_directory(path: &str) -> CoreError {
     CoreError::invalid(format!("{path}: Is a directory"))
+}
+
+/// The most copies one fork makes.
+const MAX_FORKS: u32 = 10;
+
+fn check_snapshot_name(name: Option<&str>) -> Result<()> {
+    match name {
+        Some(n) if n.chars().count() > 200 => {
+            Err(CoreError::invalid("name is at most 200 characters"))
+        }
+        _ => Ok(()),
+    }
 }
 
 fn new_sandbox(
@@ -727,9 +878,27 @@ impl SandboxApi for Fake {
             },
         )?;
         let config = self.config();
-        let (size, _, timeout) = check_create(&config, &req, idempotency_key.as_deref())?;
-        let asked = (size.clone(), req.name.clone(), timeout);
         let mut st = self.state.lock().unwrap();
+        // A snapshot sets the size; another size is refused.
+        let mut checked = req.clone();
+        if let Some(snap) = &req.snapshot_id {
+            let size = st.snapshot(caller, snap)?.snapshot.size.clone();
+            match &req.size {
+                Some(asked) if *asked != size => {
+                    return Err(CoreError::invalid(format!(
+                        "snapshot {snap} is of a {size} sandbox; leave size out or ask for {size}, not {asked}"
+                    )))
+                }
+                _ => checked.size = Some(size),
+            }
+        }
+        let (size, _, timeout) = check_create(&config, &checked, idempotency_key.as_deref())?;
+        let asked = (
+            size.clone(),
+            req.name.clone(),
+            timeout,
+            req.snapshot_id.clone(),
+        );
         if let Some(key) = &idempotency_key {
             let first = (caller.account_id.clone(), key.clone());
             if let Some((before, id)) = st.idempotency.get(&first).cloned() {
@@ -742,7 +911,15 @@ impl SandboxApi for Fake {
             }
         }
         let s = new_sandbox(&config, new_id("sbx_"), req.name, &size, timeout);
-        st.sandboxes.push(Held::new(&caller.account_id, s.clone()));
+        let held = match &req.snapshot_id {
+            Some(snap) => Held::from_snapshot(
+                &caller.account_id,
+                s.clone(),
+                st.ready_snapshot(caller, snap)?,
+            ),
+            None => Held::new(&caller.account_id, s.clone()),
+        };
+        st.sandboxes.push(held);
         if let Some(key) = idempotency_key {
             st.idempotency
                 .insert((caller.account_id.clone(), key), (asked, s.id.clone()));
@@ -839,6 +1016,193 @@ impl SandboxApi for Fake {
             s.deleted_reason = Some("destroyed".into());
         }
         Ok(s.clone())
+    }
+
+    async fn snapshot_sandbox(
+        &self,
+        caller: &Caller,
+        id: &str,
+        req: CreateSnapshot,
+        idempotency_key: Option<String>,
+    ) -> Result<(Snapshot, bool)> {
+        self.begin(
+            caller,
+            Op::SnapshotSandbox {
+                id: id.into(),
+                req: req.clone(),
+                idempotency_key: idempotency_key.clone(),
+            },
+        )?;
+        check_snapshot_name(req.name.as_deref())?;
+        let config = self.config();
+        let mut st = self.state.lock().unwrap();
+        let asked = (id.to_owned(), req.name.clone());
+        if let Some(key) = &idempotency_key {
+            if key.is_empty() || key.len() > 255 {
+                return Err(CoreError::invalid(
+                    "Idempotency-Key must be 1 to 255 characters",
+                ));
+            }
+            let first = (caller.account_id.clone(), key.clone());
+            if let Some((before, snap)) = st.snapshot_keys.get(&first).cloned() {
+                if before != asked {
+                    return Err(CoreError::conflict(
+                        "this Idempotency-Key was already used with a different request",
+                    ));
+                }
+                return Ok((st.snapshot(caller, &snap)?.snapshot.clone(), true));
+            }
+        }
+        let snap = st.take_snapshot(caller, id, req.name, config.snapshot_retention_days)?;
+        if let Some(key) = idempotency_key {
+            st.snapshot_keys
+                .insert((caller.account_id.clone(), key), (asked, snap.id.clone()));
+        }
+        Ok((snap, false))
+    }
+
+    async fn get_snapshot(&self, caller: &Caller, snapshot_id: &str) -> Result<Snapshot> {
+        self.begin(
+            caller,
+            Op::GetSnapshot {
+                id: snapshot_id.into(),
+            },
+        )?;
+        let mut st = self.state.lock().unwrap();
+        Ok(st.snapshot(caller, snapshot_id)?.snapshot.clone())
+    }
+
+    async fn list_snapshots(&self, caller: &Caller, q: ListSnapshots) -> Result<List<Snapshot>> {
+        self.begin(caller, Op::ListSnapshots { query: q.clone() })?;
+        let limit = q.limit.unwrap_or(20);
+        if !(1..=100).contains(&limit) {
+            return Err(CoreError::invalid(format!(
+                "limit must be between 1 and 100, not {limit}"
+            )));
+        }
+        let mut st = self.state.lock().unwrap();
+        if let Some(c) = &q.starting_after {
+            if st.snapshot(caller, c).is_err() {
+                return Err(CoreError::invalid(format!(
+                    "starting_after {c:?} is not a snapshot of this account"
+                )));
+            }
+        }
+        let mut newest_first = st
+            .snapshots
+            .iter()
+            .rev()
+            .filter(|h| h.account_id == caller.account_id)
+            .map(|h| &h.snapshot);
+        if let Some(c) = &q.starting_after {
+            newest_first.by_ref().find(|s| &s.id == c);
+        }
+        let mut data: Vec<Snapshot> = newest_first
+            .filter(|s| s.status != "deleted")
+            .take(limit as usize + 1)
+            .cloned()
+            .collect();
+        let has_more = data.len() > limit as usize;
+        data.truncate(limit as usize);
+        let next = match has_more {
+            true => data.last().map(|s| s.id.clone()),
+            false => None,
+        };
+        Ok(List::new(data, has_more, next))
+    }
+
+    async fn delete_snapshot(&self, caller: &Caller, snapshot_id: &str) -> Result<Snapshot> {
+        self.begin(
+            caller,
+            Op::DeleteSnapshot {
+                id: snapshot_id.into(),
+            },
+        )?;
+        let mut st = self.state.lock().unwrap();
+        let h = st.snapshot(caller, snapshot_id)?;
+        h.snapshot.status = "deleted".into();
+        h.files.clear();
+        h.dirs.clear();
+        Ok(h.snapshot.clone())
+    }
+
+    async fn fork_sandbox(&self, caller: &Caller, id: &str, req: ForkSandbox) -> Result<Fork> {
+        self.begin(
+            caller,
+            Op::ForkSandbox {
+                id: id.into(),
+                req: req.clone(),
+            },
+        )?;
+        let count = req.count.unwrap_or(1);
+        if !(1..=MAX_FORKS).contains(&count) {
+            return Err(CoreError::invalid(format!(
+                "count must be between 1 and {MAX_FORKS}, not {count}"
+            )));
+        }
+        let config = self.config();
+        let mut st = self.state.lock().unwrap();
+        let size = st.running(caller, id)?.sandbox.size.clone();
+        let each = CreateSandbox {
+            size: Some(size.clone()),
+            timeout_minutes: req.timeout_minutes,
+            ..Default::default()
+        };
+        let (_, _, timeout) = check_create(&config, &each, None)?;
+        let snapshot = st.take_snapshot(caller, id, None, config.snapshot_retention_days)?;
+        let mut sandboxes = Vec::new();
+        for _ in 0..count {
+            let s = new_sandbox(&config, new_id("sbx_"), None, &size, timeout);
+            let from = st.ready_snapshot(caller, &snapshot.id)?;
+            let held = Held::from_snapshot(&caller.account_id, s.clone(), from);
+            st.sandboxes.push(held);
+            sandboxes.push(s);
+        }
+        Ok(Fork {
+            snapshot,
+            sandboxes,
+        })
+    }
+
+    async fn restore_sandbox(
+        &self,
+        caller: &Caller,
+        id: &str,
+        req: RestoreSandbox,
+    ) -> Result<Sandbox> {
+        self.begin(
+            caller,
+            Op::RestoreSandbox {
+                id: id.into(),
+                req: req.clone(),
+            },
+        )?;
+        let mut st = self.state.lock().unwrap();
+        st.running(caller, id)?;
+        let lineage = st.lineage(caller, id);
+        let snap = st.ready_snapshot(caller, &req.snapshot_id)?;
+        if !lineage.contains(&snap.snapshot.sandbox_id) {
+            return Err(CoreError::invalid(format!(
+                "snapshot {} is of sandbox {}, which {id} was not started from; \
+                 create a new sandbox from it instead",
+                snap.snapshot.id, snap.snapshot.sandbox_id
+            )));
+        }
+        let (files, dirs, size) = (
+            snap.files.clone(),
+            snap.dirs.clone(),
+            snap.snapshot.size.clone(),
+        );
+        let h = st.running(caller, id)?;
+        if h.sandbox.size != size {
+            return Err(CoreError::invalid(format!(
+                "snapshot {} is of a {size} sandbox and {id} is {}; restore needs the same size",
+                req.snapshot_id, h.sandbox.size
+            )));
+        }
+        h.files = files;
+        h.dirs = dirs;
+        Ok(h.sandbox.clone())
     }
 
     async fn exec(&self, caller: &Caller, id: &str, params: ExecParams) -> Result<Execution> {
@@ -1321,6 +1685,221 @@ mod tests {
             .await
             .unwrap_err();
         assert_eq!(e.kind, ErrorType::NotFound);
+    }
+
+    fn b() -> Caller {
+        Caller {
+            account_id: ACCOUNT_B.into(),
+        }
+    }
+
+    async fn read(f: &Fake, id: &str, path: &str) -> Result<String> {
+        Ok(f.read_file(&a(), id, path, Encoding::Utf8).await?.content)
+    }
+
+    async fn write(f: &Fake, id: &str, path: &str, content: &str) {
+        let req = WriteFile {
+            path: path.into(),
+            content: content.into(),
+            encoding: None,
+        };
+        f.write_file(&a(), id, req).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn snapshots_copy_the_file_tree_and_restore_puts_it_back() {
+        let f = Fake::new();
+        let s = f.add_sandbox(ACCOUNT_A, "sbx_here");
+        write(&f, &s.id, "d/state.txt", "before").await;
+        let named = CreateSnapshot {
+            name: Some("clean".into()),
+        };
+        let (snap, replayed) = f
+            .snapshot_sandbox(&a(), &s.id, named.clone(), Some("k".into()))
+            .await
+            .unwrap();
+        assert!(!replayed);
+        assert!(snap.id.starts_with("snap_"), "{}", snap.id);
+        assert_eq!(
+            (
+                snap.status.as_str(),
+                snap.size_bytes,
+                snap.sandbox_id.as_str()
+            ),
+            ("ready", 6, "sbx_here")
+        );
+        assert_eq!(snap.expires_at, "2026-01-08T00:00:00Z");
+        let (again, replayed) = f
+            .snapshot_sandbox(&a(), &s.id, named, Some("k".into()))
+            .await
+            .unwrap();
+        assert!(replayed);
+        assert_eq!(again, snap);
+        let e = f
+            .snapshot_sandbox(&a(), &s.id, CreateSnapshot::default(), Some("k".into()))
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind, ErrorType::Conflict);
+
+        // A change, undone.
+        write(&f, &s.id, "d/state.txt", "after").await;
+        write(&f, &s.id, "new.txt", "x").await;
+        let req = RestoreSandbox {
+            snapshot_id: snap.id.clone(),
+        };
+        let back = f.restore_sandbox(&a(), &s.id, req.clone()).await.unwrap();
+        assert_eq!(back.id, s.id);
+        assert_eq!(read(&f, &s.id, "d/state.txt").await.unwrap(), "before");
+        assert_eq!(
+            read(&f, &s.id, "new.txt").await.unwrap_err().kind,
+            ErrorType::NotFound
+        );
+
+        // A new sandbox from it starts with its files, at its size.
+        let from = CreateSandbox {
+            snapshot_id: Some(snap.id.clone()),
+            ..Default::default()
+        };
+        let (c, _) = f.create_sandbox(&a(), from.clone(), None).await.unwrap();
+        assert_eq!(read(&f, &c.id, "d/state.txt").await.unwrap(), "before");
+        let e = f
+            .create_sandbox(
+                &a(),
+                CreateSandbox {
+                    size: Some("large".into()),
+                    ..from
+                },
+                None,
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind, ErrorType::InvalidRequest, "{e}");
+        // ... which it may be restored to, being started from it.
+        write(&f, &c.id, "d/state.txt", "child").await;
+        f.restore_sandbox(&a(), &c.id, req.clone()).await.unwrap();
+        assert_eq!(read(&f, &c.id, "d/state.txt").await.unwrap(), "before");
+        // A snapshot of the child is no ancestor of its parent.
+        let (child_snap, _) = f
+            .snapshot_sandbox(&a(), &c.id, CreateSnapshot::default(), None)
+            .await
+            .unwrap();
+        let e = f
+            .restore_sandbox(
+                &a(),
+                &s.id,
+                RestoreSandbox {
+                    snapshot_id: child_snap.id.clone(),
+                },
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind, ErrorType::InvalidRequest, "{e}");
+
+        // Another account sees none of it.
+        for e in [
+            f.get_snapshot(&b(), &snap.id).await.unwrap_err(),
+            f.delete_snapshot(&b(), &snap.id).await.unwrap_err(),
+            f.create_sandbox(
+                &b(),
+                CreateSandbox {
+                    snapshot_id: Some(snap.id.clone()),
+                    ..Default::default()
+                },
+                None,
+            )
+            .await
+            .unwrap_err(),
+        ] {
+            assert_eq!(e.kind, ErrorType::NotFound, "{e}");
+        }
+        assert!(f
+            .list_snapshots(&b(), ListSnapshots::default())
+            .await
+            .unwrap()
+            .data
+            .is_empty());
+
+        // Newest first, paged; a deleted one is listed no more.
+        let page = f
+            .list_snapshots(
+                &a(),
+                ListSnapshots {
+                    limit: Some(1),
+                    starting_after: None,
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!(page.data[0].id, child_snap.id);
+        assert_eq!(page.next_cursor.as_deref(), Some(child_snap.id.as_str()));
+        let gone = f.delete_snapshot(&a(), &snap.id).await.unwrap();
+        assert_eq!(gone.status, "deleted");
+        assert_eq!(f.get_snapshot(&a(), &snap.id).await.unwrap(), gone);
+        let all = f
+            .list_snapshots(&a(), ListSnapshots::default())
+            .await
+            .unwrap();
+        assert_eq!(all.data, [child_snap]);
+        let e = f.restore_sandbox(&a(), &s.id, req).await.unwrap_err();
+        assert_eq!(e.kind, ErrorType::Conflict, "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_fork_is_a_snapshot_and_its_copies() {
+        let f = Fake::new();
+        let s = f.add_sandbox(ACCOUNT_A, "sbx_here");
+        write(&f, &s.id, "a.txt", "shared").await;
+        let fork = f
+            .fork_sandbox(
+                &a(),
+                &s.id,
+                ForkSandbox {
+                    count: Some(3),
+                    timeout_minutes: Some(30),
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!(fork.snapshot.sandbox_id, s.id);
+        assert_eq!(fork.sandboxes.len(), 3);
+        for c in &fork.sandboxes {
+            assert_ne!(c.id, s.id);
+            assert_eq!((c.size.as_str(), c.timeout_minutes), ("small", 30));
+            assert_eq!(read(&f, &c.id, "a.txt").await.unwrap(), "shared");
+        }
+        // The copies are copies: a write to one is in no other.
+        write(&f, &fork.sandboxes[0].id, "a.txt", "mine").await;
+        assert_eq!(read(&f, &s.id, "a.txt").await.unwrap(), "shared");
+        assert_eq!(
+            read(&f, &fork.sandboxes[1].id, "a.txt").await.unwrap(),
+            "shared"
+        );
+        for count in [0, 11] {
+            let e = f
+                .fork_sandbox(
+                    &a(),
+                    &s.id,
+                    ForkSandbox {
+                        count: Some(count),
+                        timeout_minutes: None,
+                    },
+                )
+                .await
+                .unwrap_err();
+            assert_eq!(e.kind, ErrorType::InvalidRequest, "{e}");
+            assert!(e.message.contains("count"), "{e}");
+        }
+        let e = f
+            .fork_sandbox(&b(), &s.id, ForkSandbox::default())
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind, ErrorType::NotFound);
+        f.destroy_sandbox(&a(), &s.id).await.unwrap();
+        let e = f
+            .fork_sandbox(&a(), &s.id, ForkSandbox::default())
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind, ErrorType::Conflict);
     }
 
     #[tokio::test]
