@@ -65,6 +65,13 @@ impl PoolConfig {
     }
 }
 
+/// The saved state of a paused VM is the save named this, then its id.
+const PAUSED: &str = "paused-";
+
+fn paused_name(id: &str) -> String {
+    format!("{PAUSED}{id}")
+}
+
 /// Metadata key that marks a VM as made for the pool.
 const POOL_LABEL: &str = "pool";
 
@@ -218,9 +225,48 @@ impl LocalVms {
             .map(drop)
     }
 
-    /// The snapshots this host holds.
+    /// The snapshots this host holds (not the saved state of paused VMs).
     pub fn snapshots(&self) -> Vec<String> {
-        self.manager.list_saved()
+        self.manager
+            .list_saved()
+            .into_iter()
+            .filter(|name| !name.starts_with(PAUSED))
+            .collect()
+    }
+
+    /// Saves VM `id` and stops it (see [`Machines::pause`]).
+    pub async fn pause(&self, id: &str) -> Result<(), RuntimeError> {
+        let _one_at_a_time = self.saving.lock().await;
+        let _live = self.manager.hold_background();
+        let name = paused_name(id);
+        // A pause that failed half-way left its save: it is stale.
+        self.manager.delete_saved(&name).await?;
+        self.manager.save(id, &name).await?;
+        self.agents.lock().await.remove(id);
+        match self.manager.destroy(id).await {
+            Ok(()) | Err(RuntimeError::NotFound(_)) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Starts paused VM `id` again (see [`Machines::resume`]).
+    pub async fn resume(&self, id: &str, expires_at: OffsetDateTime) -> Result<(), RuntimeError> {
+        let _one_at_a_time = self.saving.lock().await;
+        if matches!(LocalVms::state(self, id), Some(VmState::Running)) {
+            return self.manager.set_expiry(id, expires_at);
+        }
+        let name = paused_name(id);
+        let saved = self.manager.saved(&name)?;
+        // What is left of a VM that died is no obstacle.
+        LocalVms::destroy(self, id).await?;
+        self.create_from_snapshot(id, &saved.record.size, &name, expires_at)
+            .await?;
+        self.manager.delete_saved(&name).await
+    }
+
+    /// Whether VM `id` is paused here (its state saved, no VM running).
+    pub fn is_paused(&self, id: &str) -> bool {
+        self.manager.saved(&paused_name(id)).is_ok()
     }
 
     /// Move a sandbox's expiry (see [`sandpit_runtime::expiry`]).
@@ -590,9 +636,11 @@ impl LocalVms {
     pub async fn destroy(&self, id: &str) -> Result<(), RuntimeError> {
         self.agents.lock().await.remove(id);
         match self.manager.destroy(id).await {
-            Ok(()) | Err(RuntimeError::NotFound(_)) => Ok(()),
-            Err(e) => Err(e),
+            Ok(()) | Err(RuntimeError::NotFound(_)) => {}
+            Err(e) => return Err(e),
         }
+        // A paused VM's saved state goes with it.
+        self.manager.delete_saved(&paused_name(id)).await
     }
 
     /// Is the VM running, or why not (`None`: no such VM on this host).
@@ -779,6 +827,14 @@ impl Machines for LocalVms {
 
     async fn restore(&self, id: &str, snapshot: &str, expires_at: OffsetDateTime) -> VmResult<()> {
         LocalVms::restore(self, id, snapshot, expires_at).await
+    }
+
+    async fn pause(&self, id: &str) -> VmResult<()> {
+        LocalVms::pause(self, id).await
+    }
+
+    async fn resume(&self, id: &str, expires_at: OffsetDateTime) -> VmResult<()> {
+        LocalVms::resume(self, id, expires_at).await
     }
 
     async fn state(&self, id: &str) -> VmResult<Option<VmState>> {

@@ -634,6 +634,14 @@ impl Machines for Served {
         Machines::restore(&*self.vms, id, snapshot, expires_at).await
     }
 
+    async fn pause(&self, id: &str) -> VmResult<()> {
+        Machines::pause(&*self.vms, id).await
+    }
+
+    async fn resume(&self, id: &str, expires_at: OffsetDateTime) -> VmResult<()> {
+        Machines::resume(&*self.vms, id, expires_at).await
+    }
+
     async fn destroy(&self, id: &str) -> VmResult<Option<u64>> {
         Machines::destroy(&*self.vms, id).await
     }

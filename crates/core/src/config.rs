@@ -80,6 +80,8 @@ pub struct ServiceConfig {
     /// What one account's snapshots may take on disk together; at it, no
     /// new one (429).
     pub snapshot_bytes_per_account: u64,
+    /// What a paused sandbox costs, in percent of its running price.
+    pub paused_price_percent: u32,
 }
 
 impl Default for ServiceConfig {
@@ -121,6 +123,7 @@ impl Default for ServiceConfig {
             snapshot_retention_days: 7,
             max_snapshots_per_account: 20,
             snapshot_bytes_per_account: 50 * 1024 * 1024 * 1024,
+            paused_price_percent: 10,
         }
     }
 }

@@ -76,6 +76,15 @@ pub trait Machines: Send + Sync {
     async fn restore(&self, id: &str, snapshot: &str, expires_at: OffsetDateTime)
         -> VmResult<()>;
 
+    /// Saves VM `id` whole to this node's disk and stops it: no CPU, no
+    /// memory until [`Machines::resume`]. (Destroying it removes the saved
+    /// state too.)
+    async fn pause(&self, id: &str) -> VmResult<()>;
+
+    /// Starts paused VM `id` again where it was, its watchdog at
+    /// `expires_at`. One that runs already is fine.
+    async fn resume(&self, id: &str, expires_at: OffsetDateTime) -> VmResult<()>;
+
     /// Kills the VM and removes its files (one already gone is fine).
     /// Returns what its disk held just before, when it could be measured.
     async fn destroy(&self, id: &str) -> VmResult<Option<u64>>;

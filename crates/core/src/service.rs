@@ -21,6 +21,7 @@
 //! - `ports`: exposed ports and preview URLs (the connections themselves
 //!   are [`crate::preview`]'s).
 //! - `snapshots`: snapshots, fork and restore, and the snapshot sweep.
+//! - `pause`: pause, resume, and the resume a call needing the VM does.
 //! - `account`: authentication, usage, the account, the service's info.
 //! - `checks`: the pure request checks, public for the fuzz targets and
 //!   the fake.
@@ -32,6 +33,7 @@ mod errors;
 mod exec;
 mod files;
 mod lifecycle;
+mod pause;
 mod ports;
 mod snapshots;
 
@@ -257,9 +259,13 @@ impl Service {
             .ok_or_else(|| CoreError::not_found("sandbox", id))
     }
 
-    /// A running sandbox of the caller, or why it cannot be used.
+    /// A running sandbox of the caller (a paused one is resumed first), or
+    /// why it cannot be used.
     async fn running(&self, caller: &Caller, id: &str) -> Result<SandboxRow> {
         let row = self.owned(caller, id).await?;
+        if row.status == SandboxStatus::Paused {
+            return self.wake(&row).await;
+        }
         if row.status != SandboxStatus::Running {
             return Err(not_running(&row));
         }

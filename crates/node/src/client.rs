@@ -363,6 +363,19 @@ impl Machines for RemoteNode {
         .await
     }
 
+    async fn pause(&self, id: &str) -> VmResult<()> {
+        self.call(&format!("sandboxes/{id}/pause"), &Nothing {}, START_TIMEOUT)
+            .await
+    }
+
+    async fn resume(&self, id: &str, expires_at: OffsetDateTime) -> VmResult<()> {
+        let args = wire::ExpiryArgs {
+            at_ms: ms(expires_at),
+        };
+        self.call(&format!("sandboxes/{id}/resume"), &args, START_TIMEOUT)
+            .await
+    }
+
     async fn restore(&self, id: &str, snapshot: &str, expires_at: OffsetDateTime) -> VmResult<()> {
         let args = wire::SnapshotArgs {
             snapshot: snapshot.to_string(),

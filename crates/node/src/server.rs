@@ -222,6 +222,13 @@ async fn handle(state: Arc<dyn NodeState>, req: Request<Incoming>) -> Response<B
                     ),
                     Err(r) => r,
                 },
+                "pause" => answer(detached(async move { vms.pause(&id).await }).await),
+                "resume" => match body.json::<wire::ExpiryArgs>().await {
+                    Ok(a) => answer(
+                        detached(async move { vms.resume(&id, time_of(a.at_ms)).await }).await,
+                    ),
+                    Err(r) => r,
+                },
                 "restore" => match body.json::<wire::SnapshotArgs>().await {
                     Ok(a) => answer(
                         detached(async move {

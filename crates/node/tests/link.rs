@@ -191,6 +191,17 @@ impl Machines for FakeVms {
             .push(format!("delete {snapshot}"));
         Ok(())
     }
+    async fn pause(&self, id: &str) -> VmResult<()> {
+        check(id)?;
+        self.snapshots.lock().unwrap().push(format!("pause {id}"));
+        Ok(())
+    }
+    async fn resume(&self, id: &str, expires_at: OffsetDateTime) -> VmResult<()> {
+        check(id)?;
+        *self.expiry.lock().unwrap() = Some(expires_at);
+        self.snapshots.lock().unwrap().push(format!("resume {id}"));
+        Ok(())
+    }
     async fn restore(&self, id: &str, snapshot: &str, expires_at: OffsetDateTime) -> VmResult<()> {
         check(id)?;
         *self.expiry.lock().unwrap() = Some(expires_at);
@@ -497,6 +508,9 @@ async fn a_nodes_vms_answer_through_the_link_as_they_would_at_home() {
     remote.restore("vm1", "snap_a", later).await.unwrap();
     assert_eq!(*vms.expiry.lock().unwrap(), Some(later));
     remote.delete_snapshot("snap_a").await.unwrap();
+    remote.pause("vm1").await.unwrap();
+    remote.resume("vm1", at).await.unwrap();
+    assert_eq!(*vms.expiry.lock().unwrap(), Some(at));
     assert!(matches!(
         remote.snapshot("vm2", "snap_b").await,
         Err(RuntimeError::VmExited { .. })
@@ -507,7 +521,9 @@ async fn a_nodes_vms_answer_through_the_link_as_they_would_at_home() {
             "save vm1 snap_a",
             "start vm1 snap_a",
             "restore vm1 snap_a",
-            "delete snap_a"
+            "delete snap_a",
+            "pause vm1",
+            "resume vm1"
         ]
     );
     assert_eq!(remote.destroy("vm1").await.unwrap(), Some(4096));

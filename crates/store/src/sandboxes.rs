@@ -40,9 +40,23 @@ pub struct SandboxRow {
     pub disk_used_bytes: u64,
     /// The snapshot it was started from (`None`: the image).
     pub snapshot_id: Option<String>,
+    /// Since when it is paused (its status then is `Paused`).
+    pub paused_at: Option<OffsetDateTime>,
+    /// Seconds it spent paused before `paused_at` (billed at the paused
+    /// rate).
+    pub paused_seconds: u64,
 }
 
 impl SandboxRow {
+    /// Seconds it has been paused in all, up to `until`.
+    pub fn paused_seconds_until(&self, until: OffsetDateTime) -> u64 {
+        let now = self
+            .paused_at
+            .map(|at| (until - at).whole_seconds().max(0) as u64)
+            .unwrap_or(0);
+        self.paused_seconds + now
+    }
+
     /// Whether it still holds (or is about to hold) a VM and a reservation.
     pub fn is_live(&self) -> bool {
         self.status.is_live()
@@ -171,7 +185,13 @@ pub(crate) fn sandbox_from(row: &AnyRow) -> Result<SandboxRow> {
         memory_mb: get_u32(row, "memory_mb")?,
         disk_gb: get_u32(row, "disk_gb")?,
         timeout_minutes: get_u32(row, "timeout_minutes")?,
-        status: SandboxStatus::stored(&get_str(row, "status")?)?,
+        status: match (
+            SandboxStatus::stored(&get_str(row, "status")?)?,
+            get_opt_str(row, "paused_at")?,
+        ) {
+            (SandboxStatus::Running, Some(_)) => SandboxStatus::Paused,
+            (status, _) => status,
+        },
         price_micros_per_hour: get_i64(row, "price_micros_per_hour")?,
         host: get_str(row, "host")?,
         created_at: get_ts(row, "created_at")?,
@@ -181,6 +201,8 @@ pub(crate) fn sandbox_from(row: &AnyRow) -> Result<SandboxRow> {
         deleted_reason: get_opt_str(row, "deleted_reason")?,
         disk_used_bytes: get_i64(row, "disk_used_bytes")?.max(0) as u64,
         snapshot_id: get_opt_str(row, "snapshot_id")?,
+        paused_at: get_opt_ts(row, "paused_at")?,
+        paused_seconds: get_i64(row, "paused_seconds")?.max(0) as u64,
     })
 }
 
@@ -785,9 +807,10 @@ impl Store {
         new_status: SandboxStatus,
         reason: Option<&str>,
     ) -> Result<SandboxRow> {
-        if !new_status.is_live() {
+        if !new_status.is_live() || new_status == SandboxStatus::Paused {
             return Err(StoreError::Invalid(format!(
-                "set_status takes a live status, not {new_status} (use finish_sandbox)"
+                "set_status takes a stored live status, not {new_status} (use finish_sandbox, \
+                 pause_sandbox)"
             )));
         }
         if self.engine == crate::Engine::Postgres {
@@ -926,7 +949,7 @@ impl Store {
             .ok_or_else(|| StoreError::NotFound(format!("sandbox {id}")))?;
         if !matches!(
             row.status,
-            SandboxStatus::Provisioning | SandboxStatus::Running
+            SandboxStatus::Provisioning | SandboxStatus::Running | SandboxStatus::Paused
         ) {
             return Ok(ExtendOutcome::NotLive(row));
         }
@@ -967,6 +990,52 @@ impl Store {
         }
         tx.commit().await?;
         Ok(ExtendOutcome::Extended(updated))
+    }
+
+    /// A running sandbox whose VM was saved and stopped is `paused` from
+    /// now. `None` if it is not running (or already paused).
+    pub async fn pause_sandbox(&self, id: &str) -> Result<Option<SandboxRow>> {
+        let mut tx = self.write_tx().await?;
+        let at = now();
+        let row = sqlx::query(
+            "UPDATE sandboxes SET paused_at = $2 \
+             WHERE id = $1 AND status = 'running' AND paused_at IS NULL RETURNING *",
+        )
+        .bind(id)
+        .bind(format_ts(at))
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(row) = row.as_ref().map(sandbox_from).transpose()? else {
+            return Ok(None);
+        };
+        insert_event(&mut tx, id, SandboxStatus::Paused, None, at).await?;
+        tx.commit().await?;
+        Ok(Some(row))
+    }
+
+    /// A paused sandbox runs again: the pause's seconds are added to its
+    /// paused time. `None` if it was not paused.
+    pub async fn resume_sandbox(&self, id: &str) -> Result<Option<SandboxRow>> {
+        let mut tx = self.write_tx().await?;
+        let Some(row) = sandbox_in(&mut tx, id).await? else {
+            return Err(StoreError::NotFound(format!("sandbox {id}")));
+        };
+        if row.status != SandboxStatus::Paused {
+            return Ok(None);
+        }
+        let at = now();
+        let row = sqlx::query(
+            "UPDATE sandboxes SET paused_at = NULL, paused_seconds = $2 WHERE id = $1 \
+             RETURNING *",
+        )
+        .bind(id)
+        .bind(i64::try_from(row.paused_seconds_until(at)).unwrap_or(i64::MAX))
+        .fetch_one(&mut *tx)
+        .await?;
+        let row = sandbox_from(&row)?;
+        insert_event(&mut tx, id, SandboxStatus::Running, Some("resumed"), at).await?;
+        tx.commit().await?;
+        Ok(Some(row))
     }
 
     /// Ends a live sandbox as `deleted` or `failed` and settles its money,

@@ -22,6 +22,10 @@ pub enum SandboxStatus {
     // Placed and reserved; its VM is starting.
     Provisioning,
     Running,
+    // Running, its VM saved to disk and stopped (stored as `running` with a
+    // pause time, so every live-status query counts it): billed at the
+    // paused rate; a call that needs its VM resumes it first.
+    Paused,
     // Being destroyed: its VM is going, its charge not yet settled.
     Deleting,
     // Ended by a destroy or its expiry, settled.
@@ -48,13 +52,15 @@ impl SandboxStatus {
         match self {
             SandboxStatus::Provisioning => "provisioning",
             SandboxStatus::Running => "running",
+            SandboxStatus::Paused => "paused",
             SandboxStatus::Deleting => "deleting",
             SandboxStatus::Deleted => "deleted",
             SandboxStatus::Failed => "failed",
         }
     }
 
-    /// The status a stored or typed word names.
+    /// The status a stored or typed word names (never `paused`: a paused
+    /// sandbox is stored as `running`, see [`SandboxStatus::Paused`]).
     pub fn parse(s: &str) -> Option<Self> {
         Self::LIVE
             .into_iter()

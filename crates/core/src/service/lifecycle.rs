@@ -351,7 +351,7 @@ impl Service {
 
     /// The turn to start sandbox `id`'s VM: one start at a time per
     /// sandbox, on this machine.
-    async fn boot_turn(&self, id: &str) -> BootTurn<'_> {
+    pub(super) async fn boot_turn(&self, id: &str) -> BootTurn<'_> {
         let turn = self
             .booting
             .lock()
@@ -471,7 +471,7 @@ fn recorded(row: &SandboxRow) -> Started {
 
 /// A turn to start one sandbox's VM (see [`Service::boot_turn`]); the
 /// sandbox's lock is forgotten when nobody else waits on it.
-struct BootTurn<'a> {
+pub(super) struct BootTurn<'a> {
     booting: &'a std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     id: String,
     held: Option<tokio::sync::OwnedMutexGuard<()>>,
@@ -702,14 +702,23 @@ impl Service {
             (end_status, reason)
         };
         // A sandbox the platform lost (its VM died, it never came up) is
-        // not charged at all: the whole reservation comes back.
+        // not charged at all: the whole reservation comes back. Its time
+        // paused (as the row is now: paused or resumed since `row` was
+        // read) is billed at the paused rate.
         let charge = if end_status == SandboxStatus::Failed {
             0
         } else {
-            cost(
-                row.price_micros_per_hour,
-                lived_seconds(row.created_at, billed_until),
-            )
+            let now_row = match self.store.sandbox(&row.id).await {
+                Ok(Some(r)) => r,
+                _ => row.clone(),
+            };
+            let lived = lived_seconds(row.created_at, billed_until);
+            let paused = now_row.paused_seconds_until(billed_until).min(lived);
+            cost(row.price_micros_per_hour, lived - paused)
+                + cost(
+                    row.price_micros_per_hour * i64::from(self.config.paused_price_percent) / 100,
+                    paused,
+                )
         };
         Ok(self
             .store
@@ -821,6 +830,18 @@ impl Service {
                 }
                 // `live_sandboxes` returns none that ended.
                 SandboxStatus::Deleted | SandboxStatus::Failed => {}
+                // Its VM is saved on disk, or it was lost.
+                SandboxStatus::Paused => match vms.is_paused(&row.id) {
+                    true => keep.push(row.id.clone()),
+                    false => {
+                        self.end(
+                            row,
+                            SandboxStatus::Failed,
+                            "failed: its paused state vanished while the server was down",
+                        )
+                        .await?;
+                    }
+                },
                 SandboxStatus::Running => match vms.state(&row.id) {
                     Some(VmState::Running) => keep.push(row.id.clone()),
                     Some(VmState::Exited { cause }) => {

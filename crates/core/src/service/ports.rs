@@ -85,12 +85,22 @@ impl Service {
             id: id.to_string(),
             message: e.to_string(),
         };
-        let row = self
+        let mut row = self
             .store
             .sandbox(id)
             .await
             .map_err(unavailable)?
             .ok_or_else(|| PreviewError::NoSuchSandbox(id.to_string()))?;
+        // A paused sandbox resumes for its visitors as for its owner.
+        if row.status == SandboxStatus::Paused {
+            row = self
+                .wake(&row)
+                .await
+                .map_err(|e| PreviewError::Unavailable {
+                    id: id.to_string(),
+                    message: e.message,
+                })?;
+        }
         // Gone from the moment it expires or its destroy starts, even while
         // the reaper or the destroy is still at work.
         let gone = |reason: &str| PreviewError::Gone {

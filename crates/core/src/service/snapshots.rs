@@ -53,7 +53,7 @@ impl Service {
                 ));
             }
         }
-        let row = self.owned(caller, id).await?;
+        let row = self.running(caller, id).await?;
         let (snap, replayed) = self.save(&row, req.name, idempotency_key).await?;
         Ok((to_snapshot(&snap), replayed))
     }
@@ -294,10 +294,7 @@ impl Service {
                 "count must be between 1 and {MAX_FORKS}, not {count}"
             )));
         }
-        let row = self.owned(caller, id).await?;
-        if row.status != SandboxStatus::Running {
-            return Err(not_running(&row));
-        }
+        let row = self.running(caller, id).await?;
         let copy = CreateSandbox {
             size: Some(row.size.clone()),
             name: None,
@@ -384,10 +381,7 @@ impl Service {
         id: &str,
         req: RestoreSandbox,
     ) -> Result<Sandbox> {
-        let row = self.owned(caller, id).await?;
-        if row.status != SandboxStatus::Running {
-            return Err(not_running(&row));
-        }
+        let row = self.running(caller, id).await?;
         let snap = self.startable_snapshot(caller, &req.snapshot_id).await?;
         if !self.is_ancestor(&snap.sandbox_id, &row).await? {
             return Err(CoreError::invalid(format!(

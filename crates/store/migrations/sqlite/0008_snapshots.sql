@@ -25,3 +25,10 @@ CREATE UNIQUE INDEX snapshots_idempotency ON snapshots (account_id, idempotency_
 -- The snapshot a sandbox was started from (NULL: from the image), so a
 -- restore can tell its ancestors' snapshots.
 ALTER TABLE sandboxes ADD COLUMN snapshot_id TEXT;
+
+-- Pause: a running sandbox whose VM was saved to disk and stopped. It stays
+-- `running` here (so every live-status query counts it) with the time it
+-- was paused; `paused_seconds` adds up its earlier pauses, which are billed
+-- at the paused rate.
+ALTER TABLE sandboxes ADD COLUMN paused_at TEXT;
+ALTER TABLE sandboxes ADD COLUMN paused_seconds BIGINT NOT NULL DEFAULT 0;
