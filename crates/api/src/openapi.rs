@@ -11,8 +11,9 @@ use crate::error::ErrorBody;
 use crate::server::{ExposePortBody, ExtendBody, FilesQuery, PortClosed, UsageQuery};
 use crate::sse::OutputChunk;
 use sandpit_core::{
-    Account, CreateSandbox, ExecParams, Execution, FileContent, FileDeleted, FileList, FileWritten,
-    List, ListSandboxes, Port, Sandbox, ServiceInfo, Usage, WriteFile,
+    Account, CreateSandbox, CreateSnapshot, ExecParams, Execution, FileContent, FileDeleted,
+    FileList, FileWritten, Fork, ForkSandbox, List, ListSandboxes, ListSnapshots, Port,
+    RestoreSandbox, Sandbox, ServiceInfo, Snapshot, Usage, WriteFile,
 };
 use schemars::generate::{Contract, SchemaGenerator, SchemaSettings};
 use schemars::JsonSchema;
@@ -287,6 +288,18 @@ pub fn openapi() -> Value {
     let chunk = res.subschema_for::<OutputChunk>().to_value();
     let error = res.subschema_for::<ErrorBody>().to_value();
     let sandbox_resp = json_content(sandbox.clone());
+    let snapshot_resp = json_content(res.subschema_for::<Snapshot>().to_value());
+    let snapshot_list = res.subschema_for::<List<Snapshot>>().to_value();
+    let snapshot_list_ref = snapshot_list.clone();
+    let idempotency_header = |what: &str| {
+        json!({
+            "name": "Idempotency-Key",
+            "in": "header",
+            "required": false,
+            "description": format!("Makes retries safe: the same key and body return the {what} made first."),
+            "schema": {"type": "string"},
+        })
+    };
 
     let ops = vec![
         Op {
@@ -357,14 +370,10 @@ pub fn openapi() -> Value {
             description: "Synchronous: answers once the sandbox accepts commands (status `running`). \
                 The cost of the whole timeout is reserved from the credit (402 if it cannot be). \
                 With `Idempotency-Key`, a retry with the same key and body returns the original \
-                sandbox (200); the same key with a different body is 409.",
-            params: vec![json!({
-                "name": "Idempotency-Key",
-                "in": "header",
-                "required": false,
-                "description": "Makes retries safe: the same key and body return the sandbox created first.",
-                "schema": {"type": "string"},
-            })],
+                sandbox (200); the same key with a different body is 409. \
+                With `snapshot_id`, the sandbox starts from that snapshot (its disk, memory and \
+                running processes, with a fresh identity) at the snapshot's size; another `size` is 400.",
+            params: vec![idempotency_header("sandbox")],
             body: Some(json_content(req.subschema_for::<CreateSandbox>().to_value())),
             responses: vec![
                 ("201", "Created.", sandbox_resp.clone()),
@@ -417,6 +426,89 @@ pub fn openapi() -> Value {
             body: Some(json_content(req.subschema_for::<ExtendBody>().to_value())),
             responses: vec![("200", "The updated sandbox.", sandbox_resp.clone())],
             errors: Errors { body: true, credits: true, ..ON_SANDBOX },
+        },
+        Op {
+            method: "post",
+            path: "/v1/sandboxes/{id}/snapshots",
+            id: "snapshotSandbox",
+            summary: "Snapshot a sandbox",
+            description: "Saves the whole state of a running sandbox (disk, memory, processes); it runs on, \
+                paused only while its state is captured. The snapshot is kept until its `expires_at` \
+                unless deleted before. Start new sandboxes from it (`POST /v1/sandboxes` with \
+                `snapshot_id`) or roll the sandbox back to it (`POST /v1/sandboxes/{id}/restore`). \
+                With `Idempotency-Key`, a retry with the same key and body returns the original \
+                snapshot (200); the same key with a different body is 409.",
+            params: vec![id_param("sandbox"), idempotency_header("snapshot")],
+            body: Some(json_content(req.subschema_for::<CreateSnapshot>().to_value())),
+            responses: vec![
+                ("201", "Created.", snapshot_resp.clone()),
+                ("200", "Idempotent replay: the snapshot made by the first request with this key.", snapshot_resp.clone()),
+            ],
+            errors: Errors { body: true, ..ON_SANDBOX },
+        },
+        Op {
+            method: "post",
+            path: "/v1/sandboxes/{id}/fork",
+            id: "forkSandbox",
+            summary: "Fork a sandbox",
+            description: "Snapshots the sandbox and starts `count` (1..10, default 1) new sandboxes from \
+                that snapshot, each with `timeout_minutes` of life. Their credit is reserved at once, \
+                or the call is refused whole (402). The snapshot is kept like any other.",
+            params: vec![id_param("sandbox")],
+            body: Some(json_content(req.subschema_for::<ForkSandbox>().to_value())),
+            responses: vec![(
+                "201",
+                "The snapshot and the new sandboxes.",
+                json_content(res.subschema_for::<Fork>().to_value()),
+            )],
+            errors: Errors { body: true, credits: true, ..ON_SANDBOX },
+        },
+        Op {
+            method: "post",
+            path: "/v1/sandboxes/{id}/restore",
+            id: "restoreSandbox",
+            summary: "Roll a sandbox back to a snapshot",
+            description: "Puts the sandbox back in the state of `snapshot_id`: a snapshot of this sandbox, \
+                or of a sandbox it was started from, of the same size (400 otherwise). Everything \
+                since is lost. The sandbox keeps its id, preview URLs and expiry.",
+            params: vec![id_param("sandbox")],
+            body: Some(json_content(req.subschema_for::<RestoreSandbox>().to_value())),
+            responses: vec![("200", "The restored sandbox.", sandbox_resp.clone())],
+            errors: Errors { body: true, ..ON_SANDBOX },
+        },
+        Op {
+            method: "get",
+            path: "/v1/snapshots",
+            id: "listSnapshots",
+            summary: "List snapshots",
+            description: "The account's snapshots, newest first, paged with `limit` (1..100) and \
+                `starting_after` (the previous page's `next_cursor`). Deleted ones are not listed.",
+            params: query_params::<ListSnapshots>(&mut req),
+            body: None,
+            responses: vec![("200", "A page of snapshots.", json_content(snapshot_list))],
+            errors: AUTH,
+        },
+        Op {
+            method: "get",
+            path: "/v1/snapshots/{id}",
+            id: "getSnapshot",
+            summary: "Get a snapshot",
+            description: "The snapshot object.",
+            params: vec![id_param("snapshot")],
+            body: None,
+            responses: vec![("200", "The snapshot object.", snapshot_resp.clone())],
+            errors: Errors { not_found: true, ..AUTH },
+        },
+        Op {
+            method: "delete",
+            path: "/v1/snapshots/{id}",
+            id: "deleteSnapshot",
+            summary: "Delete a snapshot",
+            description: "Deletes it and frees its disk. Sandboxes started from it live on.",
+            params: vec![id_param("snapshot")],
+            body: None,
+            responses: vec![("200", "The deleted snapshot.", snapshot_resp.clone())],
+            errors: Errors { not_found: true, conflict: true, ..AUTH },
         },
         Op {
             method: "post",
@@ -663,6 +755,7 @@ pub fn openapi() -> Value {
     });
     rename_schema(&mut doc, &sandbox_list_ref, "SandboxList");
     rename_schema(&mut doc, &port_list, "PortList");
+    rename_schema(&mut doc, &snapshot_list_ref, "SnapshotList");
     sort_keys(&mut doc);
     doc
 }

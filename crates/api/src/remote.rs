@@ -15,9 +15,10 @@ use futures::StreamExt;
 use reqwest::{header, Method, RequestBuilder, StatusCode, Url};
 use sandpit_core::error::Result;
 use sandpit_core::{
-    Account, Caller, CoreError, CreateSandbox, Encoding, ErrorType, ExecEvent, ExecParams,
-    ExecStream, Execution, FileContent, FileDeleted, FileList, FileWritten, List, ListSandboxes,
-    Port, Sandbox, SandboxApi, ServiceInfo, Usage, WriteFile,
+    Account, Caller, CoreError, CreateSandbox, CreateSnapshot, Encoding, ErrorType, ExecEvent,
+    ExecParams, ExecStream, Execution, FileContent, FileDeleted, FileList, FileWritten, Fork,
+    ForkSandbox, List, ListSandboxes, ListSnapshots, Port, RestoreSandbox, Sandbox, SandboxApi,
+    ServiceInfo, Snapshot, Usage, WriteFile,
 };
 use serde::de::DeserializeOwned;
 use std::collections::HashMap;
@@ -153,6 +154,43 @@ impl RemoteApi {
     async fn get<T: DeserializeOwned>(&self, caller: &Caller, url: Url) -> Result<T> {
         self.call(self.request(caller, Method::GET, url)?).await
     }
+
+    /// A request that makes something, with its `Idempotency-Key`: what it
+    /// made, and whether the server replayed it (200, not 201).
+    async fn create<T: DeserializeOwned>(
+        &self,
+        req: RequestBuilder,
+        idempotency_key: Option<String>,
+        what: &str,
+    ) -> Result<(T, bool)> {
+        let req = match idempotency_key {
+            Some(k) => req.header("Idempotency-Key", k),
+            None => req,
+        };
+        let resp = self.send(req).await?;
+        let replayed = resp.status() == StatusCode::OK;
+        let made = resp
+            .json()
+            .await
+            .map_err(|e| CoreError::internal(format!("unexpected answer to {what}: {e}")))?;
+        Ok((made, replayed))
+    }
+}
+
+/// `limit` and `starting_after` as query parameters (none: no query).
+fn page_query(url: &mut Url, limit: Option<u32>, starting_after: Option<&str>) {
+    {
+        let mut pairs = url.query_pairs_mut();
+        if let Some(limit) = limit {
+            pairs.append_pair("limit", &limit.to_string());
+        }
+        if let Some(after) = starting_after {
+            pairs.append_pair("starting_after", after);
+        }
+    }
+    if url.query() == Some("") {
+        url.set_query(None);
+    }
 }
 
 /// The [`CoreError`] of a non-2xx response: the body's type and message,
@@ -212,19 +250,10 @@ impl SandboxApi for RemoteApi {
         req: CreateSandbox,
         idempotency_key: Option<String>,
     ) -> Result<(Sandbox, bool)> {
-        let mut r = self
+        let r = self
             .request(caller, Method::POST, self.url(&["sandboxes"]))?
             .json(&req);
-        if let Some(k) = idempotency_key {
-            r = r.header("Idempotency-Key", k);
-        }
-        let resp = self.send(r).await?;
-        let replayed = resp.status() == StatusCode::OK;
-        let sandbox = resp
-            .json()
-            .await
-            .map_err(|e| CoreError::internal(format!("unexpected answer to create: {e}")))?;
-        Ok((sandbox, replayed))
+        self.create(r, idempotency_key, "create").await
     }
 
     async fn get_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
@@ -233,20 +262,10 @@ impl SandboxApi for RemoteApi {
 
     async fn list_sandboxes(&self, caller: &Caller, q: ListSandboxes) -> Result<List<Sandbox>> {
         let mut url = self.url(&["sandboxes"]);
-        {
-            let mut pairs = url.query_pairs_mut();
-            if let Some(limit) = q.limit {
-                pairs.append_pair("limit", &limit.to_string());
-            }
-            if let Some(after) = &q.starting_after {
-                pairs.append_pair("starting_after", after);
-            }
-            if let Some(deleted) = q.include_deleted {
-                pairs.append_pair("include_deleted", if deleted { "true" } else { "false" });
-            }
-        }
-        if url.query() == Some("") {
-            url.set_query(None);
+        page_query(&mut url, q.limit, q.starting_after.as_deref());
+        if let Some(deleted) = q.include_deleted {
+            url.query_pairs_mut()
+                .append_pair("include_deleted", if deleted { "true" } else { "false" });
         }
         self.get(caller, url).await
     }
@@ -265,6 +284,66 @@ impl SandboxApi for RemoteApi {
 
     async fn destroy_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
         let r = self.request(caller, Method::DELETE, self.url(&["sandboxes", id]))?;
+        self.call(r).await
+    }
+
+    async fn snapshot_sandbox(
+        &self,
+        caller: &Caller,
+        id: &str,
+        req: CreateSnapshot,
+        idempotency_key: Option<String>,
+    ) -> Result<(Snapshot, bool)> {
+        let r = self
+            .request(
+                caller,
+                Method::POST,
+                self.url(&["sandboxes", id, "snapshots"]),
+            )?
+            .json(&req);
+        self.create(r, idempotency_key, "snapshot").await
+    }
+
+    async fn get_snapshot(&self, caller: &Caller, snapshot_id: &str) -> Result<Snapshot> {
+        self.get(caller, self.url(&["snapshots", snapshot_id]))
+            .await
+    }
+
+    async fn list_snapshots(&self, caller: &Caller, q: ListSnapshots) -> Result<List<Snapshot>> {
+        let mut url = self.url(&["snapshots"]);
+        page_query(&mut url, q.limit, q.starting_after.as_deref());
+        self.get(caller, url).await
+    }
+
+    async fn delete_snapshot(&self, caller: &Caller, snapshot_id: &str) -> Result<Snapshot> {
+        let r = self.request(
+            caller,
+            Method::DELETE,
+            self.url(&["snapshots", snapshot_id]),
+        )?;
+        self.call(r).await
+    }
+
+    async fn fork_sandbox(&self, caller: &Caller, id: &str, req: ForkSandbox) -> Result<Fork> {
+        let r = self
+            .request(caller, Method::POST, self.url(&["sandboxes", id, "fork"]))?
+            .json(&req);
+        self.call(r).await
+    }
+
+    async fn restore_sandbox(
+        &self,
+        caller: &Caller,
+        id: &str,
+        req: RestoreSandbox,
+    ) -> Result<Sandbox> {
+        let r = self
+            .request(
+                caller,
+                Method::POST,
+                self.url(&["sandboxes", id, "restore"]),
+            )?
+            .json(&req);
         self.call(r).await
     }
 

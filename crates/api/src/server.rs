@@ -11,7 +11,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use sandpit_core::{
-    CoreError, CreateSandbox, Encoding, ExecParams, ListSandboxes, SandboxApi, WriteFile,
+    CoreError, CreateSandbox, CreateSnapshot, Encoding, ExecParams, ForkSandbox, ListSandboxes,
+    ListSnapshots, RestoreSandbox, SandboxApi, WriteFile,
 };
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -124,6 +125,14 @@ pub fn router(api: Arc<dyn SandboxApi>, config: RestConfig) -> Router {
             get(get_sandbox).delete(destroy_sandbox),
         )
         .route("/v1/sandboxes/{id}/extend", post(extend_sandbox))
+        .route("/v1/sandboxes/{id}/snapshots", post(snapshot_sandbox))
+        .route("/v1/sandboxes/{id}/fork", post(fork_sandbox))
+        .route("/v1/sandboxes/{id}/restore", post(restore_sandbox))
+        .route("/v1/snapshots", get(list_snapshots))
+        .route(
+            "/v1/snapshots/{id}",
+            get(get_snapshot).delete(delete_snapshot),
+        )
         .route("/v1/sandboxes/{id}/exec", post(exec))
         .route("/v1/executions/{id}", get(get_execution))
         .route(
@@ -201,21 +210,30 @@ async fn create_sandbox(
     headers: HeaderMap,
     JsonBody(body): JsonBody<CreateSandbox>,
 ) -> ApiResult {
-    let key = match headers.get("idempotency-key") {
-        None => None,
-        Some(v) => Some(
+    let key = idempotency_key(&headers)?;
+    let (sandbox, replayed) = st.api.create_sandbox(&c, body, key).await?;
+    Ok((created_or_replayed(replayed), Json(sandbox)).into_response())
+}
+
+/// The `Idempotency-Key` header, if sent.
+fn idempotency_key(headers: &HeaderMap) -> ApiResult<Option<String>> {
+    match headers.get("idempotency-key") {
+        None => Ok(None),
+        Some(v) => Ok(Some(
             v.to_str()
                 .map_err(|_| ApiError::invalid("Idempotency-Key must be printable ASCII"))?
                 .to_owned(),
-        ),
-    };
-    let (sandbox, replayed) = st.api.create_sandbox(&c, body, key).await?;
-    let status = if replayed {
+        )),
+    }
+}
+
+/// 201 for a new resource, 200 for an idempotent replay of one.
+fn created_or_replayed(replayed: bool) -> StatusCode {
+    if replayed {
         StatusCode::OK
     } else {
         StatusCode::CREATED
-    };
-    Ok((status, Json(sandbox)).into_response())
+    }
 }
 
 async fn list_sandboxes(
@@ -252,6 +270,61 @@ async fn extend_sandbox(
         .api
         .extend_sandbox(&c, &id, body.additional_minutes)
         .await?)
+}
+
+async fn snapshot_sandbox(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    JsonBody(body): JsonBody<CreateSnapshot>,
+) -> ApiResult {
+    let key = idempotency_key(&headers)?;
+    let (snapshot, replayed) = st.api.snapshot_sandbox(&c, &id, body, key).await?;
+    Ok((created_or_replayed(replayed), Json(snapshot)).into_response())
+}
+
+async fn list_snapshots(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    QueryParams(q): QueryParams<ListSnapshots>,
+) -> ApiResult {
+    ok(st.api.list_snapshots(&c, q).await?)
+}
+
+async fn get_snapshot(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(id): Path<String>,
+) -> ApiResult {
+    ok(st.api.get_snapshot(&c, &id).await?)
+}
+
+async fn delete_snapshot(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(id): Path<String>,
+) -> ApiResult {
+    ok(st.api.delete_snapshot(&c, &id).await?)
+}
+
+async fn fork_sandbox(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(id): Path<String>,
+    JsonBody(body): JsonBody<ForkSandbox>,
+) -> ApiResult {
+    let fork = st.api.fork_sandbox(&c, &id, body).await?;
+    Ok((StatusCode::CREATED, Json(fork)).into_response())
+}
+
+async fn restore_sandbox(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(id): Path<String>,
+    JsonBody(body): JsonBody<RestoreSandbox>,
+) -> ApiResult {
+    ok(st.api.restore_sandbox(&c, &id, body).await?)
 }
 
 fn wants_event_stream(headers: &HeaderMap) -> bool {

@@ -6,6 +6,7 @@
 mod openapi_doc;
 mod remote;
 mod rest;
+mod snapshots;
 mod stream;
 
 use sandpit_api::{ErrorBody, RestConfig};

@@ -71,6 +71,12 @@ fn every_ref_resolves_and_ids_are_unique() {
         "OutputChunk",
         "FileList",
         "FileContent",
+        "Snapshot",
+        "SnapshotList",
+        "CreateSnapshot",
+        "ForkSandbox",
+        "Fork",
+        "RestoreSandbox",
     ] {
         assert!(schemas.contains_key(name), "no schema {name}");
     }
@@ -111,6 +117,12 @@ fn documents_exactly_the_contract_routes() {
         ("GET", "/v1/sandboxes/{id}"),
         ("DELETE", "/v1/sandboxes/{id}"),
         ("POST", "/v1/sandboxes/{id}/extend"),
+        ("POST", "/v1/sandboxes/{id}/snapshots"),
+        ("POST", "/v1/sandboxes/{id}/fork"),
+        ("POST", "/v1/sandboxes/{id}/restore"),
+        ("GET", "/v1/snapshots"),
+        ("GET", "/v1/snapshots/{id}"),
+        ("DELETE", "/v1/snapshots/{id}"),
         ("POST", "/v1/sandboxes/{id}/exec"),
         ("GET", "/v1/executions/{id}"),
         ("PUT", "/v1/sandboxes/{id}/files"),
