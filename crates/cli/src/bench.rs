@@ -52,6 +52,9 @@ pub enum BenchMode {
     /// process (a throwaway PostgreSQL is started), and how long a killed
     /// node takes to settle
     Cluster(crate::bench_cluster::ClusterBenchArgs),
+    /// Snapshots, fork, restore, pause and resume of a sandbox that touched
+    /// memory, each as a ratio to a template restore in the same run
+    Snapshots(crate::bench_snapshots::SnapshotBenchArgs),
 }
 
 /// Refills timed with a live sandbox's commands running.
@@ -217,6 +220,7 @@ pub async fn run(settings: &Settings, a: BenchArgs) -> Result<i32> {
     match a.mode {
         Some(BenchMode::Load(load)) => return crate::load::run(load).await,
         Some(BenchMode::Cluster(c)) => return crate::bench_cluster::run(settings, c).await,
+        Some(BenchMode::Snapshots(s)) => return crate::bench_snapshots::run(settings, s).await,
         None => {}
     }
     let _owner = crate::server::own(settings, crate::owner::Role::Bench)?;

@@ -5,6 +5,7 @@
 
 mod bench;
 mod bench_cluster;
+mod bench_snapshots;
 mod front;
 mod images;
 mod listener;
