@@ -6,7 +6,10 @@
 //! Unknown fields are refused: an agent that guessed `timeout` instead of
 //! `timeout_ms` learns it at once rather than having its value ignored.
 
-use sandpit_core::{CreateSandbox, Encoding, ExecParams, ListSandboxes, WriteFile};
+use sandpit_core::{
+    CreateSandbox, CreateSnapshot, Encoding, ExecParams, ForkSandbox, ListSandboxes, ListSnapshots,
+    RestoreSandbox, WriteFile,
+};
 use schemars::JsonSchema;
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -25,6 +28,9 @@ pub struct CreateSandboxArgs {
     #[serde(default)]
     #[schemars(range(min = 1, max = 1440))]
     pub timeout_minutes: Option<u32>,
+    /// Start from this snapshot (`snap_...`, from snapshot_sandbox or list_snapshots) instead of a fresh image: its files, installed packages and running processes, with a fresh identity. The size is the snapshot's (leave size out).
+    #[serde(default)]
+    pub snapshot_id: Option<String>,
 }
 
 impl From<CreateSandboxArgs> for CreateSandbox {
@@ -33,8 +39,105 @@ impl From<CreateSandboxArgs> for CreateSandbox {
             size: a.size,
             name: a.name,
             timeout_minutes: a.timeout_minutes,
+            snapshot_id: a.snapshot_id,
         }
     }
+}
+
+/// `snapshot_sandbox`.
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotSandboxArgs {
+    /// The sandbox's id (`sbx_...`); it must be running.
+    pub sandbox_id: String,
+    /// A label of your own (e.g. `deps-installed`), shown in list_snapshots.
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+impl SnapshotSandboxArgs {
+    pub fn into_parts(self) -> (String, CreateSnapshot) {
+        (self.sandbox_id, CreateSnapshot { name: self.name })
+    }
+}
+
+/// `fork_sandbox`.
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ForkSandboxArgs {
+    /// The sandbox to copy (`sbx_...`); it must be running, and runs on unchanged.
+    pub sandbox_id: String,
+    /// How many copies to make, 1..10 (default 1).
+    #[serde(default)]
+    #[schemars(range(min = 1, max = 10))]
+    pub count: Option<u32>,
+    /// Lifetime of each copy in minutes (default 15; the most is this schema's maximum).
+    #[serde(default)]
+    #[schemars(range(min = 1, max = 1440))]
+    pub timeout_minutes: Option<u32>,
+}
+
+impl ForkSandboxArgs {
+    pub fn into_parts(self) -> (String, ForkSandbox) {
+        (
+            self.sandbox_id,
+            ForkSandbox {
+                count: self.count,
+                timeout_minutes: self.timeout_minutes,
+            },
+        )
+    }
+}
+
+/// `restore_sandbox`.
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RestoreSandboxArgs {
+    /// The sandbox to roll back (`sbx_...`).
+    pub sandbox_id: String,
+    /// The snapshot to roll back to (`snap_...`): one taken of this sandbox, or of the sandbox it was created or forked from.
+    pub snapshot_id: String,
+}
+
+impl RestoreSandboxArgs {
+    pub fn into_parts(self) -> (String, RestoreSandbox) {
+        (
+            self.sandbox_id,
+            RestoreSandbox {
+                snapshot_id: self.snapshot_id,
+            },
+        )
+    }
+}
+
+/// `list_snapshots`.
+#[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ListSnapshotsArgs {
+    /// How many to return, 1..100 (default 20).
+    #[serde(default)]
+    #[schemars(range(min = 1, max = 100))]
+    pub limit: Option<u32>,
+    /// The previous page's `next_cursor`: list the snapshots taken before that one.
+    #[serde(default)]
+    pub starting_after: Option<String>,
+}
+
+impl From<ListSnapshotsArgs> for ListSnapshots {
+    fn from(a: ListSnapshotsArgs) -> Self {
+        ListSnapshots {
+            limit: a.limit,
+            starting_after: a.starting_after,
+        }
+    }
+}
+
+/// A tool that acts on one snapshot and needs nothing else.
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotIdArgs {
+    /// The snapshot's id (`snap_...`), as returned by snapshot_sandbox, fork_sandbox or list_snapshots.
+    pub snapshot_id: String,
 }
 
 /// A tool that acts on one sandbox and needs nothing else.

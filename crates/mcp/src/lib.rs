@@ -1,7 +1,9 @@
 //! Sandpit's MCP server: the twelve tools of `shared/spec/mcp-tools.md`
 //! (create_sandbox, run_command, write_file, read_file, list_files,
 //! expose_port, get_sandbox, list_sandboxes, extend_sandbox, destroy_sandbox,
-//! get_usage, get_service_info) over stdio and Streamable HTTP.
+//! get_usage, get_service_info), and snapshot_sandbox, fork_sandbox,
+//! restore_sandbox, list_snapshots and delete_snapshot, over stdio and
+//! Streamable HTTP.
 //!
 //! Why it looks like this:
 //!

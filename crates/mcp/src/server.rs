@@ -1,4 +1,5 @@
-//! The rmcp handler: twelve tools over an `Arc<dyn SandboxApi>`.
+//! The rmcp handler: the tools over an `Arc<dyn SandboxApi>` (the spec's
+//! twelve, then snapshots, fork and restore).
 //!
 //! Every tool does the same three things: find out who is calling
 //! ([`CallerSource`]), parse its arguments ([`crate::args`]), call the core,
@@ -20,8 +21,8 @@ use rmcp::{
 };
 use sandpit_core::{
     Caller, CoreError, Encoding, ErrorType, ExecEvent, ExecParams, Execution, ExecutionStatus,
-    FileContent, FileList, FileWritten, Limits, List, Port, Sandbox, SandboxApi, ServiceInfo,
-    Usage,
+    FileContent, FileList, FileWritten, Fork, Limits, List, Port, Sandbox, SandboxApi, ServiceInfo,
+    Snapshot, Usage,
 };
 use serde::{de::DeserializeOwned, Serialize};
 use std::{borrow::Cow, sync::Arc};
@@ -56,6 +57,10 @@ Notes for agents:
 - Sandboxes are destroyed when they time out, whether or not destroy_sandbox is called. \
 Calling it anyway returns the unused time (the reserved credit comes back). \
 extend_sandbox pushes the expiry out when a job outgrows its timeout.
+- snapshot_sandbox saves a sandbox's whole state (files, packages, running processes): take \
+one before a risky change and call restore_sandbox to undo it. fork_sandbox makes parallel \
+copies of a sandbox to try several approaches at once. create_sandbox with snapshot_id starts \
+from a prepared environment instead of installing everything again.
 - A sandbox is billed per second while it exists. get_usage shows your remaining credit; \
 get_service_info shows the sizes, prices and limits.
 - Over HTTP every tool except get_service_info needs an API key, sent on each request as \
@@ -67,7 +72,9 @@ for this account. Returns the sandbox object (id, status, size, resources, expir
 it accepts commands. It is billed per second until destroyed and is destroyed automatically \
 at expires_at (default 15 minutes; the most is timeout_minutes' maximum). Code runs as the unprivileged `user` in \
 /workspace; there is no sudo, so apt-get will not work: use `pip install --user \
---break-system-packages ...` or `npm install ...`.";
+--break-system-packages ...` or `npm install ...`. Pass snapshot_id (from snapshot_sandbox or \
+list_snapshots) to start from a prepared environment instead: the snapshot's files, installed \
+packages and running processes, at the snapshot's size.";
 
 const D_RUN: &str = "\
 Run a shell command in a sandbox as the unprivileged user (uid 1000, in /workspace unless \
@@ -120,6 +127,38 @@ Destroy a sandbox and stop billing for it; the unused part of its reserved credi
 Everything in it is lost. Sandboxes are destroyed at expiry anyway, but destroying one when \
 you are done returns the unused time. Destroying an already destroyed sandbox returns it again.";
 
+const D_SNAPSHOT: &str = "\
+Save the whole state of a running sandbox as a snapshot: its files, installed packages, memory \
+and running processes. The sandbox runs on (it pauses only while its state is captured). \
+Snapshot before a risky change (an upgrade, a migration, a big refactor), then call \
+restore_sandbox to undo it if it goes wrong. Or snapshot a prepared environment once and start \
+new sandboxes from it with create_sandbox's snapshot_id. Returns the snapshot (id `snap_...`, \
+status, size_bytes, expires_at); it is kept until expires_at unless delete_snapshot removes it \
+first.";
+
+const D_FORK: &str = "\
+Copy a running sandbox into `count` new sandboxes (1..10, default 1) that start exactly where \
+it is now: same files, packages and running processes, each with its own id. Use it to try \
+several approaches in parallel copies, then keep the copy that worked and destroy the others. \
+The original runs on unchanged. Each copy is billed like a new sandbox for its \
+timeout_minutes, reserved at once: if the credit cannot cover all of them, none is made. \
+Returns the snapshot the copies were started from and the new sandboxes.";
+
+const D_RESTORE: &str = "\
+Roll a sandbox back to a snapshot, to undo what went wrong since snapshot_sandbox: everything \
+done after it (files, installed packages, running processes) is lost. The snapshot must be one \
+of this sandbox, or of the sandbox it was created or forked from, and of the same size. The \
+sandbox keeps its id, exposed port URLs and expiry. Returns the sandbox.";
+
+const D_LIST_SNAPSHOTS: &str = "\
+List this account's snapshots, newest first: id, name, the sandbox each was taken of, size on \
+disk and expiry. Pages with limit and starting_after = the previous page's next_cursor.";
+
+const D_DELETE_SNAPSHOT: &str = "\
+Delete a snapshot and free its disk once you no longer need to restore to it or start from it. \
+Sandboxes already started from it are not affected. Snapshots are deleted at their expires_at \
+anyway.";
+
 const D_USAGE: &str = "\
 Remaining credit (USD) and the usage of the last `days` days (default 30): each sandbox with \
 its size, seconds and cost.";
@@ -144,7 +183,7 @@ pub enum CallerSource {
     RequestApiKey,
 }
 
-/// The MCP server: the twelve tools over one [`SandboxApi`].
+/// The MCP server: the tools over one [`SandboxApi`].
 #[derive(Clone)]
 pub struct SandpitMcp {
     api: Arc<dyn SandboxApi>,
@@ -154,10 +193,16 @@ pub struct SandpitMcp {
 
 /// Bounds of the tools' inputs that the service's limits set:
 /// `(tool, property, keyword, value)`.
-fn limit_bounds(l: &Limits) -> [(&'static str, &'static str, &'static str, u64); 6] {
+fn limit_bounds(l: &Limits) -> [(&'static str, &'static str, &'static str, u64); 7] {
     [
         (
             "create_sandbox",
+            "timeout_minutes",
+            "maximum",
+            u64::from(l.max_timeout_minutes),
+        ),
+        (
+            "fork_sandbox",
             "timeout_minutes",
             "maximum",
             u64::from(l.max_timeout_minutes),
@@ -232,8 +277,8 @@ fn next_step(e: &CoreError) -> String {
             "This key may not do that; use a key of an account that may.".to_string()
         }
         ErrorType::NotFound => "Check the id: list_sandboxes shows this account's sandboxes \
-             (include_deleted=true also shows ended ones); a sandbox that expired or was \
-             destroyed is gone, so create a new one."
+             (include_deleted=true also shows ended ones) and list_snapshots its snapshots; a \
+             sandbox that expired or was destroyed is gone, so create a new one."
             .to_string(),
         ErrorType::Conflict => "get_sandbox shows the sandbox's current status; a sandbox that \
              is deleting or deleted cannot be used, so create a new one."
@@ -743,6 +788,154 @@ impl SandpitMcp {
             Err(r) => return r,
         };
         answer(self.api.destroy_sandbox(&caller, &a.sandbox_id).await)
+    }
+
+    #[tool(
+        name = "snapshot_sandbox",
+        description = D_SNAPSHOT,
+        input_schema = schema::input::<SnapshotSandboxArgs>(),
+        output_schema = schema::output::<Snapshot>(),
+        annotations(
+            title = "Snapshot a sandbox",
+            read_only_hint = false,
+            destructive_hint = false,
+            idempotent_hint = false,
+            open_world_hint = false
+        )
+    )]
+    async fn snapshot_sandbox(
+        &self,
+        ctx: RequestContext<RoleServer>,
+        args: JsonObject,
+    ) -> Result<CallToolResult, ErrorData> {
+        let (caller, a) = match self
+            .prepare::<SnapshotSandboxArgs>("snapshot_sandbox", &ctx, args)
+            .await
+        {
+            Ok(v) => v,
+            Err(r) => return r,
+        };
+        let (id, req) = a.into_parts();
+        answer(
+            self.api
+                .snapshot_sandbox(&caller, &id, req, None)
+                .await
+                .map(|(snapshot, _replayed)| snapshot),
+        )
+    }
+
+    #[tool(
+        name = "fork_sandbox",
+        description = D_FORK,
+        input_schema = schema::input::<ForkSandboxArgs>(),
+        output_schema = schema::output::<Fork>(),
+        annotations(
+            title = "Fork a sandbox into copies",
+            read_only_hint = false,
+            destructive_hint = false,
+            idempotent_hint = false,
+            open_world_hint = false
+        )
+    )]
+    async fn fork_sandbox(
+        &self,
+        ctx: RequestContext<RoleServer>,
+        args: JsonObject,
+    ) -> Result<CallToolResult, ErrorData> {
+        let (caller, a) = match self
+            .prepare::<ForkSandboxArgs>("fork_sandbox", &ctx, args)
+            .await
+        {
+            Ok(v) => v,
+            Err(r) => return r,
+        };
+        let (id, req) = a.into_parts();
+        answer(self.api.fork_sandbox(&caller, &id, req).await)
+    }
+
+    #[tool(
+        name = "restore_sandbox",
+        description = D_RESTORE,
+        input_schema = schema::input::<RestoreSandboxArgs>(),
+        output_schema = schema::output::<Sandbox>(),
+        annotations(
+            title = "Roll a sandbox back to a snapshot",
+            read_only_hint = false,
+            destructive_hint = true,
+            idempotent_hint = true,
+            open_world_hint = false
+        )
+    )]
+    async fn restore_sandbox(
+        &self,
+        ctx: RequestContext<RoleServer>,
+        args: JsonObject,
+    ) -> Result<CallToolResult, ErrorData> {
+        let (caller, a) = match self
+            .prepare::<RestoreSandboxArgs>("restore_sandbox", &ctx, args)
+            .await
+        {
+            Ok(v) => v,
+            Err(r) => return r,
+        };
+        let (id, req) = a.into_parts();
+        answer(self.api.restore_sandbox(&caller, &id, req).await)
+    }
+
+    #[tool(
+        name = "list_snapshots",
+        description = D_LIST_SNAPSHOTS,
+        input_schema = schema::input::<ListSnapshotsArgs>(),
+        output_schema = schema::output::<List<Snapshot>>(),
+        annotations(
+            title = "List snapshots",
+            read_only_hint = true,
+            destructive_hint = false,
+            idempotent_hint = true,
+            open_world_hint = false
+        )
+    )]
+    async fn list_snapshots(
+        &self,
+        ctx: RequestContext<RoleServer>,
+        args: JsonObject,
+    ) -> Result<CallToolResult, ErrorData> {
+        let (caller, a) = match self
+            .prepare::<ListSnapshotsArgs>("list_snapshots", &ctx, args)
+            .await
+        {
+            Ok(v) => v,
+            Err(r) => return r,
+        };
+        answer(self.api.list_snapshots(&caller, a.into()).await)
+    }
+
+    #[tool(
+        name = "delete_snapshot",
+        description = D_DELETE_SNAPSHOT,
+        input_schema = schema::input::<SnapshotIdArgs>(),
+        output_schema = schema::output::<Snapshot>(),
+        annotations(
+            title = "Delete a snapshot",
+            read_only_hint = false,
+            destructive_hint = true,
+            idempotent_hint = true,
+            open_world_hint = false
+        )
+    )]
+    async fn delete_snapshot(
+        &self,
+        ctx: RequestContext<RoleServer>,
+        args: JsonObject,
+    ) -> Result<CallToolResult, ErrorData> {
+        let (caller, a) = match self
+            .prepare::<SnapshotIdArgs>("delete_snapshot", &ctx, args)
+            .await
+        {
+            Ok(v) => v,
+            Err(r) => return r,
+        };
+        answer(self.api.delete_snapshot(&caller, &a.snapshot_id).await)
     }
 
     #[tool(

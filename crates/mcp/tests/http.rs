@@ -69,7 +69,11 @@ async fn every_tool_works_with_a_key_in_each_revision() {
     let s = server().await;
     for version in VERSIONS {
         let (c, _) = connect(&s, Key::Bearer(KEY), version.clone()).await;
-        assert_eq!(c.list_all_tools().await.unwrap().len(), 12, "{version}");
+        assert_eq!(
+            c.list_all_tools().await.unwrap().len(),
+            TOOLS.len(),
+            "{version}"
+        );
         happy_paths(&c).await;
         c.cancel().await.unwrap();
     }
@@ -85,7 +89,7 @@ async fn without_a_key_only_discovery_works() {
         for key in [Key::None, Key::Bearer("sk_wrong"), Key::Header("sk_wrong")] {
             let (c, _) = connect(&s, key, version.clone()).await;
             let tools = c.list_all_tools().await.unwrap();
-            assert_eq!(tools.len(), 12);
+            assert_eq!(tools.len(), TOOLS.len());
             let info_tool: &Tool = tools.iter().find(|t| t.name == "get_service_info").unwrap();
             let info = ok(&call(&c, "get_service_info", json!({})).await, info_tool);
             assert_eq!(info["name"], "sandpit");
@@ -94,6 +98,8 @@ async fn without_a_key_only_discovery_works() {
                 ("list_sandboxes", json!({})),
                 ("get_usage", json!({})),
                 ("get_sandbox", json!({"sandbox_id": "sbx_existing"})),
+                ("snapshot_sandbox", json!({"sandbox_id": "sbx_existing"})),
+                ("list_snapshots", json!({})),
                 // Even with bad arguments, the first thing to fix is the key.
                 ("run_command", json!({"nonsense": true})),
             ] {
@@ -432,7 +438,7 @@ async fn a_client_asking_for_an_unknown_revision_retries_with_a_supported_one() 
         c.peer_info().unwrap().protocol_version,
         ProtocolVersion::V_2026_07_28
     );
-    assert_eq!(c.list_all_tools().await.unwrap().len(), 12);
+    assert_eq!(c.list_all_tools().await.unwrap().len(), TOOLS.len());
     c.cancel().await.unwrap();
 }
 

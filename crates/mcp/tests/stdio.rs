@@ -35,7 +35,7 @@ async fn client(api: Arc<Fake>, version: ProtocolVersion) -> Client {
 }
 
 #[tokio::test]
-async fn tools_list_has_the_twelve_tools_with_schemas_and_annotations() {
+async fn tools_list_has_every_tool_with_schemas_and_annotations() {
     let c = client(fake(), ProtocolVersion::V_2025_11_25).await;
     let tools = c.list_all_tools().await.unwrap();
     let mut names: Vec<&str> = tools.iter().map(|t| t.name.as_ref()).collect();
@@ -77,6 +77,7 @@ async fn tools_list_has_the_twelve_tools_with_schemas_and_annotations() {
         "get_service_info",
         "read_file",
         "list_files",
+        "list_snapshots",
     ] {
         assert!(hints(ro).0, "{ro} is read-only");
         assert!(!hints(ro).1, "{ro} is not destructive");
@@ -86,6 +87,10 @@ async fn tools_list_has_the_twelve_tools_with_schemas_and_annotations() {
     assert_eq!(hints("create_sandbox"), (false, false, false, false));
     assert!(!hints("extend_sandbox").2, "extending twice adds twice");
     assert!(hints("expose_port").3, "a public URL is open world");
+    assert_eq!(hints("snapshot_sandbox"), (false, false, false, false));
+    assert_eq!(hints("fork_sandbox"), (false, false, false, false));
+    assert_eq!(hints("restore_sandbox"), (false, true, true, false));
+    assert_eq!(hints("delete_snapshot"), (false, true, true, false));
 
     // Input schemas name the spec's fields, with the right ones required.
     let run = &get("run_command").input_schema;
@@ -96,6 +101,30 @@ async fn tools_list_has_the_twelve_tools_with_schemas_and_annotations() {
     assert_eq!(run["properties"]["timeout_ms"]["maximum"], 600000);
     let create = &get("create_sandbox").input_schema;
     assert!(create.get("required").is_none_or(|r| r == &json!([])));
+    assert!(create["properties"].get("snapshot_id").is_some());
+    for (tool, required) in [
+        ("snapshot_sandbox", json!(["sandbox_id"])),
+        ("fork_sandbox", json!(["sandbox_id"])),
+        ("restore_sandbox", json!(["sandbox_id", "snapshot_id"])),
+        ("delete_snapshot", json!(["snapshot_id"])),
+    ] {
+        assert_eq!(get(tool).input_schema["required"], required, "{tool}");
+    }
+    assert!(get("list_snapshots")
+        .input_schema
+        .get("required")
+        .is_none_or(|r| r == &json!([])));
+    // The descriptions say when to reach for them.
+    let says = |tool: &str, words: &[&str]| {
+        let d = get(tool).description.as_ref().unwrap().to_string();
+        for w in words {
+            assert!(d.contains(w), "{tool}'s description mentions {w:?}: {d}");
+        }
+    };
+    says("snapshot_sandbox", &["risky change", "restore_sandbox"]);
+    says("fork_sandbox", &["parallel", "count"]);
+    says("restore_sandbox", &["undo", "lost"]);
+    says("create_sandbox", &["snapshot_id", "prepared environment"]);
     let enc = &get("write_file").input_schema["properties"]["encoding"];
     assert!(enc.to_string().contains("base64"), "{enc}");
     assert!(get("run_command")
@@ -220,6 +249,7 @@ async fn tool_schemas_carry_the_configured_limits() {
     };
     assert_eq!(prop("create_sandbox", "timeout_minutes")["maximum"], 60);
     assert_eq!(prop("create_sandbox", "timeout_minutes")["minimum"], 1);
+    assert_eq!(prop("fork_sandbox", "timeout_minutes")["maximum"], 60);
     assert_eq!(prop("extend_sandbox", "additional_minutes")["maximum"], 120);
     assert_eq!(prop("run_command", "timeout_ms")["minimum"], 500);
     assert_eq!(prop("run_command", "timeout_ms")["maximum"], 90_000);
@@ -284,6 +314,9 @@ async fn tool_schemas_are_standard_json_schema() {
         ("list_sandboxes", "limit", 1, 100),
         ("extend_sandbox", "additional_minutes", 1, 1440),
         ("get_usage", "days", 1, u64::from(u32::MAX)),
+        ("fork_sandbox", "count", 1, 10),
+        ("fork_sandbox", "timeout_minutes", 1, 1440),
+        ("list_snapshots", "limit", 1, 100),
     ] {
         let p = &get(tool).input_schema["properties"][field];
         assert_eq!(
@@ -513,5 +546,91 @@ async fn revision_2026_07_28_works_without_initialize() {
     assert_eq!(info.protocol_version, ProtocolVersion::V_2026_07_28);
     assert!(info.instructions.as_ref().unwrap().contains("uid 1000"));
     happy_paths(&c).await;
+    c.cancel().await.unwrap();
+}
+
+#[tokio::test]
+async fn snapshot_tools_pass_their_arguments_and_report_what_to_do() {
+    let api = fake();
+    let c = client(api.clone(), ProtocolVersion::V_2025_11_25).await;
+    let tools = c.list_all_tools().await.unwrap();
+    let tool = |name: &str| tools.iter().find(|t| t.name == name).unwrap().clone();
+
+    let snap = ok(
+        &call(&c, "snapshot_sandbox", json!({"sandbox_id": EXISTING})).await,
+        &tool("snapshot_sandbox"),
+    );
+    assert_eq!(snap["name"], Value::Null);
+    let snap_id = snap["id"].as_str().unwrap().to_owned();
+    let last = api.calls().last().unwrap().op.clone();
+    assert_eq!(
+        last,
+        Op::SnapshotSandbox {
+            id: EXISTING.into(),
+            req: Default::default(),
+            // A tool call is never a replay: each makes a snapshot.
+            idempotency_key: None,
+        }
+    );
+    ok(
+        &call(&c, "fork_sandbox", json!({"sandbox_id": EXISTING})).await,
+        &tool("fork_sandbox"),
+    );
+    assert_eq!(
+        api.calls().last().unwrap().op,
+        Op::ForkSandbox {
+            id: EXISTING.into(),
+            req: Default::default(),
+        }
+    );
+
+    // Out of range: the core's message, and what to do.
+    let m = err(&call(
+        &c,
+        "fork_sandbox",
+        json!({"sandbox_id": EXISTING, "count": 11}),
+    )
+    .await);
+    assert!(m.starts_with("invalid_request: count"), "{m}");
+    // Not this account's (or no such) snapshot: where to look.
+    let theirs = Caller {
+        account_id: sandpit_fake::ACCOUNT_B.into(),
+    };
+    let other = api.add_sandbox(sandpit_fake::ACCOUNT_B, "sbx_theirs");
+    let (their_snap, _) = api
+        .snapshot_sandbox(&theirs, &other.id, Default::default(), None)
+        .await
+        .unwrap();
+    for (tool, args) in [
+        (
+            "restore_sandbox",
+            json!({"sandbox_id": EXISTING, "snapshot_id": their_snap.id}),
+        ),
+        ("delete_snapshot", json!({"snapshot_id": their_snap.id})),
+        ("create_sandbox", json!({"snapshot_id": their_snap.id})),
+        ("snapshot_sandbox", json!({"sandbox_id": other.id})),
+    ] {
+        let m = err(&call(&c, tool, args).await);
+        assert!(m.starts_with("not_found: no "), "{tool}: {m}");
+        assert!(m.contains("list_snapshots"), "{tool}: {m}");
+    }
+    let listed = ok(
+        &call(&c, "list_snapshots", json!({})).await,
+        &tool("list_snapshots"),
+    );
+    assert_eq!(listed["data"].as_array().unwrap().len(), 2, "{listed}");
+    assert!(listed.to_string().contains(&snap_id));
+    assert!(!listed.to_string().contains(&their_snap.id));
+
+    // Arguments the schema does not take are named.
+    let m = err(&call(&c, "restore_sandbox", json!({"sandbox_id": EXISTING})).await);
+    assert!(m.contains("missing field `snapshot_id`"), "{m}");
+    let m = err(&call(
+        &c,
+        "snapshot_sandbox",
+        json!({"sandbox_id": EXISTING, "label": "x"}),
+    )
+    .await);
+    assert!(m.contains("unknown field `label`"), "{m}");
     c.cancel().await.unwrap();
 }

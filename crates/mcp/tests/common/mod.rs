@@ -37,7 +37,8 @@ pub fn fake() -> Arc<Fake> {
     api
 }
 
-pub const TOOLS: [&str; 12] = [
+/// The spec's twelve tools: their names and behaviour never change.
+pub const SPEC_TOOLS: [&str; 12] = [
     "create_sandbox",
     "run_command",
     "write_file",
@@ -50,6 +51,27 @@ pub const TOOLS: [&str; 12] = [
     "destroy_sandbox",
     "get_usage",
     "get_service_info",
+];
+
+/// Every tool: the spec's twelve, then snapshots, fork and restore.
+pub const TOOLS: [&str; 17] = [
+    "create_sandbox",
+    "run_command",
+    "write_file",
+    "read_file",
+    "list_files",
+    "expose_port",
+    "get_sandbox",
+    "list_sandboxes",
+    "extend_sandbox",
+    "destroy_sandbox",
+    "get_usage",
+    "get_service_info",
+    "snapshot_sandbox",
+    "fork_sandbox",
+    "restore_sandbox",
+    "list_snapshots",
+    "delete_snapshot",
 ];
 
 /// An rmcp client that offers one protocol version at `initialize` and keeps
@@ -257,6 +279,131 @@ pub async fn happy_paths(client: &Client) {
     );
     assert_eq!(x["status"], "completed");
     assert_eq!(x["exit_code"], 0);
+
+    // Snapshot, break, restore; fork; start from the snapshot; delete it.
+    let snap = ok(
+        &call(
+            client,
+            "snapshot_sandbox",
+            json!({"sandbox_id": id, "name": "before"}),
+        )
+        .await,
+        &tool("snapshot_sandbox"),
+    );
+    let snap_id = snap["id"].as_str().expect("a snapshot id").to_owned();
+    assert!(snap_id.starts_with("snap_"), "{snap_id}");
+    assert_eq!(snap["object"], "snapshot");
+    assert_eq!(snap["name"], "before");
+    assert_eq!(snap["sandbox_id"], id.as_str());
+    ok(
+        &call(
+            client,
+            "write_file",
+            json!({"sandbox_id": id, "path": "a.py", "content": "broken"}),
+        )
+        .await,
+        &tool("write_file"),
+    );
+    let x = ok(
+        &call(
+            client,
+            "restore_sandbox",
+            json!({"sandbox_id": id, "snapshot_id": snap_id}),
+        )
+        .await,
+        &tool("restore_sandbox"),
+    );
+    assert_eq!(x["id"], id.as_str());
+    assert_eq!(x["status"], "running");
+    let x = ok(
+        &call(
+            client,
+            "read_file",
+            json!({"sandbox_id": id, "path": "a.py"}),
+        )
+        .await,
+        &tool("read_file"),
+    );
+    assert_eq!(x["content"], "it's \"quoted\"\n", "restored");
+
+    let fork = ok(
+        &call(
+            client,
+            "fork_sandbox",
+            json!({"sandbox_id": id, "count": 2, "timeout_minutes": 10}),
+        )
+        .await,
+        &tool("fork_sandbox"),
+    );
+    assert_eq!(fork["snapshot"]["sandbox_id"], id.as_str());
+    let copies = fork["sandboxes"].as_array().expect("sandboxes");
+    assert_eq!(copies.len(), 2);
+    assert_eq!(copies[0]["timeout_minutes"], 10);
+    assert_ne!(copies[0]["id"], copies[1]["id"]);
+
+    let from = ok(
+        &call(
+            client,
+            "create_sandbox",
+            json!({"snapshot_id": snap_id, "name": "from-snapshot"}),
+        )
+        .await,
+        &tool("create_sandbox"),
+    );
+    let x = ok(
+        &call(
+            client,
+            "read_file",
+            json!({"sandbox_id": from["id"], "path": "a.py"}),
+        )
+        .await,
+        &tool("read_file"),
+    );
+    assert_eq!(
+        x["content"], "it's \"quoted\"\n",
+        "started from the snapshot"
+    );
+
+    let x = ok(
+        &call(client, "list_snapshots", json!({"limit": 10})).await,
+        &tool("list_snapshots"),
+    );
+    assert_eq!(x["object"], "list");
+    let listed: Vec<&str> = x["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        listed,
+        [fork["snapshot"]["id"].as_str().unwrap(), snap_id.as_str()],
+        "newest first"
+    );
+    let x = ok(
+        &call(client, "delete_snapshot", json!({"snapshot_id": snap_id})).await,
+        &tool("delete_snapshot"),
+    );
+    assert_eq!(x["id"], snap_id.as_str());
+    assert_eq!(x["status"], "deleted");
+    // Leave the account as it was (a server may serve several runs).
+    call(
+        client,
+        "delete_snapshot",
+        json!({"snapshot_id": fork["snapshot"]["id"]}),
+    )
+    .await;
+    for extra in copies.iter().chain([&from]) {
+        ok(
+            &call(
+                client,
+                "destroy_sandbox",
+                json!({"sandbox_id": extra["id"]}),
+            )
+            .await,
+            &tool("destroy_sandbox"),
+        );
+    }
 
     let x = ok(
         &call(client, "get_usage", json!({"days": 7})).await,

@@ -24,6 +24,8 @@ if (!url || !key) {
 // The sandbox create_sandbox makes (the fake SandboxApi's ids are random,
 // as the service's are); the calls after it act on it.
 const sandbox = { sandbox_id: 'sbx_not_created_yet' };
+// The snapshot snapshot_sandbox makes; restore_sandbox and delete_snapshot use it.
+const snapshot = { snapshot_id: 'snap_not_taken_yet' };
 // Every tool, with arguments the test's fake SandboxApi (sandpit-fake) answers.
 const calls = [
   ['get_service_info', () => ({})],
@@ -36,6 +38,11 @@ const calls = [
   ['list_sandboxes', () => ({ limit: 10 })],
   ['extend_sandbox', () => ({ ...sandbox, additional_minutes: 30 })],
   ['run_command', () => ({ ...sandbox, command: 'echo hi', timeout_ms: 5000 })],
+  ['snapshot_sandbox', () => ({ ...sandbox, name: 'before' })],
+  ['restore_sandbox', () => ({ ...sandbox, ...snapshot })],
+  ['fork_sandbox', () => ({ ...sandbox, count: 2, timeout_minutes: 10 })],
+  ['list_snapshots', () => ({ limit: 10 })],
+  ['delete_snapshot', () => snapshot],
   ['get_usage', () => ({ days: 7 })],
   ['destroy_sandbox', () => sandbox],
 ];
@@ -44,6 +51,8 @@ const refused = [
   ['expose_port', { ...sandbox, port: 70000 }],
   ['create_sandbox', { timeout_minutes: 0 }],
   ['run_command', { ...sandbox, command: 'true', timeout_ms: 1.5 }],
+  ['fork_sandbox', { ...sandbox, count: 11 }],
+  ['restore_sandbox', { ...sandbox }],
 ];
 
 const client = new Client({ name: 'sandpit-ts-sdk-test', version: '0' });
@@ -72,6 +81,7 @@ for (const [name, argsOf] of calls) {
   if (result.isError) failures.push(`${name}: isError: ${JSON.stringify(result.content)}`);
   if (!result.structuredContent) failures.push(`${name}: no structuredContent`);
   if (name === 'create_sandbox' && result.structuredContent) sandbox.sandbox_id = result.structuredContent.id;
+  if (name === 'snapshot_sandbox' && result.structuredContent) snapshot.snapshot_id = result.structuredContent.id;
 }
 for (const [name, args] of refused) {
   if (validateInput.get(name)(args).valid) failures.push(`${name}: its inputSchema accepts ${JSON.stringify(args)}`);
