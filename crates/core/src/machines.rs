@@ -73,8 +73,7 @@ pub trait Machines: Send + Sync {
 
     /// Replaces VM `id` by one started from `snapshot`, under the same id
     /// and with its watchdog at `expires_at`.
-    async fn restore(&self, id: &str, snapshot: &str, expires_at: OffsetDateTime)
-        -> VmResult<()>;
+    async fn restore(&self, id: &str, snapshot: &str, expires_at: OffsetDateTime) -> VmResult<()>;
 
     /// Saves VM `id` whole to this node's disk and stops it: no CPU, no
     /// memory until [`Machines::resume`]. (Destroying it removes the saved

@@ -161,7 +161,10 @@ impl Machines for FakeVms {
         check(id)?;
         *self.expiry.lock().unwrap() = Some(expires_at);
         if let Some(s) = snapshot {
-            self.snapshots.lock().unwrap().push(format!("start {id} {s}"));
+            self.snapshots
+                .lock()
+                .unwrap()
+                .push(format!("start {id} {s}"));
         }
         // A node records its starts; a "large" one here stands for a
         // machine that leaves that to its caller.

@@ -104,9 +104,7 @@ pub use nodes::{ms_to_time, Candidate, LostNode, NewNode, NodeRow};
 pub use sandboxes::{
     CreateOutcome, EventRow, ExtendOutcome, NewSandbox, SandboxPage, SandboxRow, UsageRow,
 };
-pub use snapshots::{
-    NewSnapshot, SnapshotOutcome, SnapshotPage, SnapshotRow, SnapshotStatus,
-};
+pub use snapshots::{NewSnapshot, SnapshotOutcome, SnapshotPage, SnapshotRow, SnapshotStatus};
 pub use states::{ExecutionState, ExecutionStatus, NodeState, SandboxStatus};
 pub use util::{format_ts, hash_key, new_id, parse_ts};
 

@@ -211,9 +211,9 @@ impl Store {
             crate::row_lock(&tx)
         );
         let before = sqlx::query(sqlx::AssertSqlSafe(sql))
-        .bind(id)
-        .fetch_optional(&mut *tx)
-        .await?;
+            .bind(id)
+            .fetch_optional(&mut *tx)
+            .await?;
         let Some(before) = before.as_ref().map(snapshot_from).transpose()? else {
             return Ok(None);
         };

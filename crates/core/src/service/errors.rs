@@ -100,7 +100,10 @@ impl Service {
         if self.is_restoring(&row.id) && !matches!(e, RuntimeError::Agent(_)) {
             return CoreError::new(
                 ErrorType::ServiceUnavailable,
-                format!("sandbox {} is being restored from a snapshot; retry", row.id),
+                format!(
+                    "sandbox {} is being restored from a snapshot; retry",
+                    row.id
+                ),
             )
             .with_retry_after(1);
         }

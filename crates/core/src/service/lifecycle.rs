@@ -101,13 +101,11 @@ impl Service {
             // Another node's pool, as its last heartbeat published it, names
             // the sandbox without a call; otherwise the node is asked for
             // one.
-            let published = match first_try
-                && target.host != self.config.host_name
-                && snapshot.is_none()
-            {
-                true => self.routes.take_published(&target.host, &size_name),
-                false => None,
-            };
+            let published =
+                match first_try && target.host != self.config.host_name && snapshot.is_none() {
+                    true => self.routes.take_published(&target.host, &size_name),
+                    false => None,
+                };
             let taken = std::sync::Mutex::new(None);
             let id = async {
                 if let Some(id) = &published {
@@ -498,7 +496,12 @@ impl Service {
     /// [`Service::boot`]'s start itself.
     async fn start_vm(&self, row: SandboxRow, machines: Arc<dyn Machines>) -> Result<SandboxRow> {
         match machines
-            .start(&row.id, &row.size, row.snapshot_id.as_deref(), row.expires_at)
+            .start(
+                &row.id,
+                &row.size,
+                row.snapshot_id.as_deref(),
+                row.expires_at,
+            )
             .await
         {
             Ok(Started::Booted) => {

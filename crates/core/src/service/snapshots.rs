@@ -87,7 +87,9 @@ impl Service {
         };
         let snap = match self.store.create_snapshot(new).await? {
             SnapshotOutcome::Created(snap) => snap,
-            SnapshotOutcome::Replay(snap) => return Ok((self.replayed_snapshot(snap).await?, true)),
+            SnapshotOutcome::Replay(snap) => {
+                return Ok((self.replayed_snapshot(snap).await?, true))
+            }
             SnapshotOutcome::IdempotencyConflict => {
                 return Err(CoreError::conflict(
                     "this Idempotency-Key was already used with a different request body",
@@ -301,10 +303,8 @@ impl Service {
             timeout_minutes: req.timeout_minutes,
             snapshot_id: None,
         };
-        let (_, size, timeout) =
-            crate::service::checks::check_create(&self.config, &copy, None)?;
-        let needed = cost(size.price_micros_per_hour(), u64::from(timeout) * 60)
-            * i64::from(count);
+        let (_, size, timeout) = crate::service::checks::check_create(&self.config, &copy, None)?;
+        let needed = cost(size.price_micros_per_hour(), u64::from(timeout) * 60) * i64::from(count);
         let balance = self.store.balance(&caller.account_id).await?;
         if balance < needed {
             return Err(CoreError::new(
@@ -412,7 +412,10 @@ impl Service {
         drop(restoring);
         if let Err(e) = restored {
             // The old VM may be gone already: the sandbox failed.
-            if !matches!(machines.state(id).await, Ok(Some(sandpit_runtime::VmState::Running))) {
+            if !matches!(
+                machines.state(id).await,
+                Ok(Some(sandpit_runtime::VmState::Running))
+            ) {
                 let _ = self
                     .end(
                         &row,
