@@ -294,6 +294,10 @@ struct HeldSnapshot {
 /// `Idempotency-Key`'s by).
 type Asked = (String, Option<String>, u32, Option<String>);
 
+/// What a snapshot asks for: the sandbox and the name (what a retried
+/// `Idempotency-Key`'s is compared by).
+type SnapshotAsked = (String, Option<String>);
+
 #[derive(Default)]
 struct State {
     /// Oldest first.
@@ -304,7 +308,7 @@ struct State {
     idempotency: HashMap<(String, String), (Asked, String)>,
     /// (account, key) -> ((sandbox id, name), snapshot id): snapshots'
     /// keys, apart from creates'.
-    snapshot_keys: HashMap<(String, String), ((String, Option<String>), String)>,
+    snapshot_keys: HashMap<(String, String), (SnapshotAsked, String)>,
     /// id -> (account, execution).
     executions: HashMap<String, (String, Execution)>,
 }

@@ -499,7 +499,7 @@ async fn remote_api_round_trips_snapshots_fork_and_restore() {
     };
     let page = api.list_snapshots(&me, q.clone()).await.unwrap();
     assert_eq!(page, s.fake.list_snapshots(&local, q).await.unwrap());
-    assert_eq!(page.data, [snap.clone()]);
+    assert_eq!(page.data, std::slice::from_ref(&snap));
     let all = api
         .list_snapshots(&me, ListSnapshots::default())
         .await
