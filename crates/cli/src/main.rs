@@ -53,7 +53,8 @@ enum Command {
         #[command(subcommand)]
         command: ImageCommand,
     },
-    /// Sandboxes running on this machine
+    /// Sandboxes running on this machine; snapshots, fork and restore on a
+    /// server (--url, SANDPIT_API_KEY)
     Sandbox {
         #[command(subcommand)]
         command: sandbox::SandboxCommand,

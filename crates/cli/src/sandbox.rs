@@ -2,6 +2,13 @@
 //! runtime (no server). State lives in the data directory, so a sandbox made
 //! by one invocation is used by the next.
 //!
+//! Snapshots, fork and restore are the exception: a snapshot is a record of
+//! the service (its quota, expiry, owner and lineage live in the server's
+//! store), so those commands (`snapshot`, `fork`, `restore`, `snapshots`,
+//! `delete-snapshot`, and `create --snapshot`) talk to a running server
+//! through its REST API (`--url`, the key in `SANDPIT_API_KEY`), on the
+//! sandboxes of that key's account.
+//!
 //! Expiry without a server: the runtime gives every VM a watchdog of its own
 //! (`sandpit_runtime::expiry`) that destroys it when its time is up, whether
 //! or not anyone remembered to.
@@ -10,6 +17,10 @@ use crate::images;
 use crate::settings::Settings;
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, Subcommand};
+use sandpit_core::{
+    Caller, CreateSandbox, CreateSnapshot, ForkSandbox, ListSnapshots, RestoreSandbox, SandboxApi,
+    Snapshot,
+};
 use sandpit_protocol::ExecRequest;
 use sandpit_runtime::{CreateVm, ExecEvent, RuntimeError, VmManager, VmRecord, VmState};
 use std::collections::BTreeMap;
@@ -36,20 +47,113 @@ pub enum SandboxCommand {
         #[arg(required = true)]
         ids: Vec<String>,
     },
+    /// Snapshot a server's sandbox (its disk, memory and processes; it runs
+    /// on); prints the snapshot's id
+    Snapshot(SnapshotArgs),
+    /// Copy a server's sandbox into new ones started from a snapshot of it;
+    /// prints their ids
+    Fork(ForkArgs),
+    /// Roll a server's sandbox back to a snapshot of it (or of the sandbox
+    /// it was started from)
+    Restore(RestoreArgs),
+    /// List the snapshots of the key's account on a server
+    Snapshots(SnapshotsArgs),
+    /// Delete snapshots on a server
+    DeleteSnapshot(DeleteSnapshotArgs),
 }
 
 #[derive(Args)]
 pub struct CreateArgs {
-    #[arg(long, default_value = "small")]
-    size: String,
+    /// small, medium or large [default: small; with --snapshot, the snapshot's]
+    #[arg(long)]
+    size: Option<String>,
     /// Lifetime, e.g. 15m, 2h (1 minute .. 24 hours)
     #[arg(long, default_value = "15m")]
     timeout: humantime::Duration,
     #[arg(long)]
     name: Option<String>,
+    /// Start from this snapshot (snap_...) on the server at --url, instead
+    /// of on this machine
+    #[arg(long, value_name = "SNAPSHOT_ID")]
+    snapshot: Option<String>,
+    /// The server (only with --snapshot)
+    #[command(flatten)]
+    server: ServerArgs,
     /// Print the whole sandbox object as JSON
     #[arg(long)]
     json: bool,
+}
+
+/// Where the snapshot commands find the server. The API key comes from
+/// SANDPIT_API_KEY only (a key on the command line ends up in shell history
+/// and process lists).
+#[derive(Args)]
+pub struct ServerArgs {
+    /// The Sandpit server's base URL
+    #[arg(long, env = "SANDPIT_URL", default_value = "http://127.0.0.1:8080")]
+    url: String,
+}
+
+#[derive(Args)]
+pub struct SnapshotArgs {
+    /// The sandbox (sbx_...)
+    id: String,
+    /// A label of your own
+    #[arg(long)]
+    name: Option<String>,
+    #[command(flatten)]
+    server: ServerArgs,
+    /// Print the whole snapshot object as JSON
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+pub struct ForkArgs {
+    /// The sandbox to copy (sbx_...)
+    id: String,
+    /// How many copies, 1..10
+    #[arg(long, default_value_t = 1)]
+    count: u32,
+    /// Lifetime of each copy, e.g. 15m, 2h [default: the server's]
+    #[arg(long)]
+    timeout: Option<humantime::Duration>,
+    #[command(flatten)]
+    server: ServerArgs,
+    /// Print the snapshot and the new sandboxes as JSON
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+pub struct RestoreArgs {
+    /// The sandbox to roll back (sbx_...)
+    id: String,
+    /// The snapshot to roll it back to (snap_...)
+    snapshot_id: String,
+    #[command(flatten)]
+    server: ServerArgs,
+    /// Print the whole sandbox object as JSON
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+pub struct SnapshotsArgs {
+    #[command(flatten)]
+    server: ServerArgs,
+    /// Print the snapshots as a JSON array
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+pub struct DeleteSnapshotArgs {
+    /// The snapshots (snap_...)
+    #[arg(required = true)]
+    ids: Vec<String>,
+    #[command(flatten)]
+    server: ServerArgs,
 }
 
 #[derive(Args)]
@@ -120,8 +224,17 @@ pub fn to_json(m: &VmManager, r: &VmRecord) -> serde_json::Value {
 pub async fn run(settings: &Settings, cmd: SandboxCommand) -> Result<i32> {
     // Listing only reads; the rest make, use or remove VMs, which a server
     // on the same data directory owns (see `crate::owner`).
+    // The commands that talk to a server touch nothing here.
     let _owner = match cmd {
-        SandboxCommand::Ls { .. } => None,
+        SandboxCommand::Ls { .. }
+        | SandboxCommand::Snapshot(_)
+        | SandboxCommand::Fork(_)
+        | SandboxCommand::Restore(_)
+        | SandboxCommand::Snapshots(_)
+        | SandboxCommand::DeleteSnapshot(_) => None,
+        SandboxCommand::Create(CreateArgs {
+            snapshot: Some(_), ..
+        }) => None,
         _ => Some(crate::server::own(settings, crate::owner::Role::Cli)?),
     };
     match cmd {
@@ -130,14 +243,30 @@ pub async fn run(settings: &Settings, cmd: SandboxCommand) -> Result<i32> {
         SandboxCommand::Cp { src, dst } => cp(settings, &src, &dst).await,
         SandboxCommand::Ls { json } => ls(settings, json),
         SandboxCommand::Rm { ids } => rm(settings, ids).await,
+        SandboxCommand::Snapshot(a) => snapshot(a).await,
+        SandboxCommand::Fork(a) => fork(a).await,
+        SandboxCommand::Restore(a) => restore(a).await,
+        SandboxCommand::Snapshots(a) => snapshots(a).await,
+        SandboxCommand::DeleteSnapshot(a) => delete_snapshots(a).await,
     }
 }
 
-async fn create(settings: &Settings, a: CreateArgs) -> Result<i32> {
-    let timeout: Duration = a.timeout.into();
+/// Whole minutes of a `--timeout`, which must be 1 minute .. 24 hours.
+fn timeout_minutes(timeout: humantime::Duration) -> Result<u32> {
+    let timeout: Duration = timeout.into();
     if timeout < Duration::from_secs(60) || timeout > Duration::from_secs(24 * 3600) {
         bail!("--timeout must be between 1m and 24h");
     }
+    Ok((timeout.as_secs() / 60) as u32)
+}
+
+async fn create(settings: &Settings, a: CreateArgs) -> Result<i32> {
+    if let Some(snapshot_id) = a.snapshot.clone() {
+        return create_from_snapshot(a, snapshot_id).await;
+    }
+    let size = a.size.clone().unwrap_or_else(|| "small".into());
+    let timeout: Duration = a.timeout.into();
+    timeout_minutes(a.timeout)?;
     let m = manager(settings)?;
     let id = new_id();
     let created = OffsetDateTime::now_utc();
@@ -150,13 +279,13 @@ async fn create(settings: &Settings, a: CreateArgs) -> Result<i32> {
         (timeout.as_secs() / 60).to_string(),
     );
     metadata.insert("expires_at".into(), rfc3339(created + timeout));
-    ensure_template(&m, &a.size).await;
-    eprintln!("creating {id} ({}, {} acceleration)...", a.size, m.accel());
+    ensure_template(&m, &size).await;
+    eprintln!("creating {id} ({size}, {} acceleration)...", m.accel());
     let start = Instant::now();
     let vm = m
         .create(CreateVm {
             id: id.clone(),
-            size: a.size.clone(),
+            size: size.clone(),
             metadata,
             expires_at: created + timeout,
         })
@@ -171,6 +300,210 @@ async fn create(settings: &Settings, a: CreateArgs) -> Result<i32> {
         println!("{id}");
     }
     Ok(0)
+}
+
+/// The server at `args.url` as a [`SandboxApi`], and the caller its key
+/// (`SANDPIT_API_KEY`) stands for.
+async fn server(args: &ServerArgs) -> Result<(sandpit_api::RemoteApi, Caller)> {
+    let key = std::env::var(sandpit_api::API_KEY_ENV).map_err(|_| {
+        anyhow!(
+            "this command talks to a Sandpit server ({}): put an API key of it in {}",
+            args.url,
+            sandpit_api::API_KEY_ENV
+        )
+    })?;
+    let api = sandpit_api::RemoteApi::new(&args.url).map_err(api_error)?;
+    let caller = api.authenticate(&key).await.map_err(api_error)?;
+    Ok((api, caller))
+}
+
+/// A failure the server reported, with its type (`not_found: ...`).
+fn api_error(e: sandpit_core::CoreError) -> anyhow::Error {
+    anyhow!("{}: {}", e.kind, e.message)
+}
+
+fn print_json<T: serde::Serialize>(value: &T) -> Result<()> {
+    println!("{}", serde_json::to_string_pretty(value)?);
+    Ok(())
+}
+
+async fn create_from_snapshot(a: CreateArgs, snapshot_id: String) -> Result<i32> {
+    let timeout = timeout_minutes(a.timeout)?;
+    let (api, caller) = server(&a.server).await?;
+    eprintln!(
+        "creating a sandbox from {snapshot_id} on {}...",
+        a.server.url
+    );
+    let start = Instant::now();
+    let req = CreateSandbox {
+        size: a.size,
+        name: a.name,
+        timeout_minutes: Some(timeout),
+        snapshot_id: Some(snapshot_id),
+    };
+    let (sandbox, _) = api
+        .create_sandbox(&caller, req, None)
+        .await
+        .map_err(api_error)?;
+    eprintln!(
+        "{} is running ({:.1} s)",
+        sandbox.id,
+        start.elapsed().as_secs_f64()
+    );
+    if a.json {
+        print_json(&sandbox)?;
+    } else {
+        println!("{}", sandbox.id);
+    }
+    Ok(0)
+}
+
+async fn snapshot(a: SnapshotArgs) -> Result<i32> {
+    let (api, caller) = server(&a.server).await?;
+    let start = Instant::now();
+    let req = CreateSnapshot { name: a.name };
+    let (snap, _) = api
+        .snapshot_sandbox(&caller, &a.id, req, None)
+        .await
+        .map_err(api_error)?;
+    eprintln!(
+        "{} of {} is {} ({}, {:.1} s)",
+        snap.id,
+        a.id,
+        snap.status,
+        human_bytes(snap.size_bytes),
+        start.elapsed().as_secs_f64()
+    );
+    if a.json {
+        print_json(&snap)?;
+    } else {
+        println!("{}", snap.id);
+    }
+    Ok(0)
+}
+
+async fn fork(a: ForkArgs) -> Result<i32> {
+    let timeout = a.timeout.map(timeout_minutes).transpose()?;
+    let (api, caller) = server(&a.server).await?;
+    let start = Instant::now();
+    let req = ForkSandbox {
+        count: Some(a.count),
+        timeout_minutes: timeout,
+    };
+    let fork = api
+        .fork_sandbox(&caller, &a.id, req)
+        .await
+        .map_err(api_error)?;
+    eprintln!(
+        "{} copies of {} from {} ({:.1} s)",
+        fork.sandboxes.len(),
+        a.id,
+        fork.snapshot.id,
+        start.elapsed().as_secs_f64()
+    );
+    if a.json {
+        print_json(&fork)?;
+    } else {
+        for s in &fork.sandboxes {
+            println!("{}", s.id);
+        }
+    }
+    Ok(0)
+}
+
+async fn restore(a: RestoreArgs) -> Result<i32> {
+    let (api, caller) = server(&a.server).await?;
+    let start = Instant::now();
+    let req = RestoreSandbox {
+        snapshot_id: a.snapshot_id.clone(),
+    };
+    let sandbox = api
+        .restore_sandbox(&caller, &a.id, req)
+        .await
+        .map_err(api_error)?;
+    eprintln!(
+        "{} is back at {} ({:.1} s)",
+        sandbox.id,
+        a.snapshot_id,
+        start.elapsed().as_secs_f64()
+    );
+    if a.json {
+        print_json(&sandbox)?;
+    } else {
+        println!("{}", sandbox.id);
+    }
+    Ok(0)
+}
+
+async fn snapshots(a: SnapshotsArgs) -> Result<i32> {
+    let (api, caller) = server(&a.server).await?;
+    let mut all: Vec<Snapshot> = Vec::new();
+    let mut after = None;
+    loop {
+        let q = ListSnapshots {
+            limit: Some(100),
+            starting_after: after,
+        };
+        let page = api.list_snapshots(&caller, q).await.map_err(api_error)?;
+        all.extend(page.data);
+        match page.next_cursor {
+            Some(c) if page.has_more => after = Some(c),
+            _ => break,
+        }
+    }
+    if a.json {
+        print_json(&all)?;
+        return Ok(0);
+    }
+    println!(
+        "{:<31} {:<8} {:<7} {:>9} {:<30} {:<22} {:<22} NAME",
+        "ID", "STATUS", "SIZE", "BYTES", "SANDBOX", "CREATED", "EXPIRES"
+    );
+    for s in &all {
+        println!(
+            "{:<31} {:<8} {:<7} {:>9} {:<30} {:<22} {:<22} {}",
+            s.id,
+            s.status,
+            s.size,
+            human_bytes(s.size_bytes),
+            s.sandbox_id,
+            s.created_at,
+            s.expires_at,
+            s.name.as_deref().unwrap_or("")
+        );
+    }
+    Ok(0)
+}
+
+async fn delete_snapshots(a: DeleteSnapshotArgs) -> Result<i32> {
+    let (api, caller) = server(&a.server).await?;
+    let mut code = 0;
+    for id in a.ids {
+        match api.delete_snapshot(&caller, &id).await {
+            Ok(s) => println!("{}", s.id),
+            Err(e) if e.kind == sandpit_core::ErrorType::NotFound => {
+                eprintln!("error: no snapshot {id} on {}", a.server.url);
+                code = 1;
+            }
+            Err(e) => return Err(api_error(e)),
+        }
+    }
+    Ok(code)
+}
+
+/// Bytes for people: `512 B`, `3.2 MiB`, `1.5 GiB`.
+fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    if n < 1024 {
+        return format!("{n} B");
+    }
+    let mut v = n as f64 / 1024.0;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    format!("{v:.1} {}", UNITS[unit])
 }
 
 fn command_line(parts: &[String]) -> String {
