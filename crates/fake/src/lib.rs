@@ -26,11 +26,11 @@
 //! * Snapshots hold a copy of their sandbox's file tree (nothing else of a
 //!   guest exists here): a sandbox created from one, or forked, starts with
 //!   that tree, and a restore puts it back. A snapshot is `ready` at once,
-//!   its `size_bytes` the sum of its files; a deleted one keeps answering
-//!   `get_snapshot` (status `deleted`) but is listed no more and cannot be
-//!   started from or restored. A restore takes a snapshot of the sandbox
-//!   itself or of one it descends from (through `create` from a snapshot or
-//!   a fork).
+//!   its `size_bytes` the sum of its files. `delete_snapshot` answers with
+//!   it as `deleted`; from then on it is `not_found`, like a missing one (as
+//!   the service's), though sandboxes still descend from it. A restore
+//!   takes a snapshot of the sandbox itself or of one it descends from
+//!   (through `create` from a snapshot or a fork).
 //! * A clock stopped at [`T0`]: every timestamp is `T0`, except a sandbox's
 //!   `expires_at` (`T0` plus its timeout).
 //! * The service's default configuration ([`ServiceConfig::default`]) with
@@ -341,10 +341,16 @@ impl State {
         Ok(h)
     }
 
+    /// A snapshot of the caller's; another account's, or a deleted one, is
+    /// `not_found` like a missing one.
     fn snapshot(&mut self, caller: &Caller, id: &str) -> Result<&mut HeldSnapshot> {
         self.snapshots
             .iter_mut()
-            .find(|h| h.account_id == caller.account_id && h.snapshot.id == id)
+            .find(|h| {
+                h.account_id == caller.account_id
+                    && h.snapshot.id == id
+                    && h.snapshot.status != "deleted"
+            })
             .ok_or_else(|| CoreError::not_found("snapshot", id))
     }
 
@@ -353,9 +359,9 @@ impl State {
         let h = self.snapshot(caller, id)?;
         if h.snapshot.status != "ready" {
             return Err(CoreError::conflict(format!(
-                "snapshot {id} is {}; take a new one",
-                h.snapshot.status
-            )));
+                "snapshot {id} is still being written; retry when it is ready"
+            ))
+            .with_retry_after(1));
         }
         Ok(h)
     }
@@ -1838,14 +1844,24 @@ mod tests {
         assert_eq!(page.next_cursor.as_deref(), Some(child_snap.id.as_str()));
         let gone = f.delete_snapshot(&a(), &snap.id).await.unwrap();
         assert_eq!(gone.status, "deleted");
-        assert_eq!(f.get_snapshot(&a(), &snap.id).await.unwrap(), gone);
         let all = f
             .list_snapshots(&a(), ListSnapshots::default())
             .await
             .unwrap();
-        assert_eq!(all.data, [child_snap]);
-        let e = f.restore_sandbox(&a(), &s.id, req).await.unwrap_err();
-        assert_eq!(e.kind, ErrorType::Conflict, "{e}");
+        assert_eq!(all.data, [child_snap.clone()]);
+        // Deleted, it is not found, like a missing one.
+        for e in [
+            f.get_snapshot(&a(), &snap.id).await.unwrap_err(),
+            f.delete_snapshot(&a(), &snap.id).await.unwrap_err(),
+            f.restore_sandbox(&a(), &s.id, req).await.unwrap_err(),
+        ] {
+            assert_eq!(e.kind, ErrorType::NotFound, "{e}");
+        }
+        // The child still descends from it: its own snapshot restores it.
+        let to_child = RestoreSandbox {
+            snapshot_id: child_snap.id,
+        };
+        f.restore_sandbox(&a(), &c.id, to_child).await.unwrap();
     }
 
     #[tokio::test]
