@@ -504,7 +504,8 @@ pub fn openapi() -> Value {
             path: "/v1/snapshots/{id}",
             id: "deleteSnapshot",
             summary: "Delete a snapshot",
-            description: "Deletes it and frees its disk. Sandboxes started from it live on.",
+            description: "Deletes it and frees its disk; answers with it, status `deleted`. From then on it is \
+                404 like one that never existed. Sandboxes started from it live on.",
             params: vec![id_param("snapshot")],
             body: None,
             responses: vec![("200", "The deleted snapshot.", snapshot_resp.clone())],
