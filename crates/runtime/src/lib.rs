@@ -4,7 +4,9 @@
 //! It knows nothing about accounts, money or HTTP: the control plane asks it
 //! for VMs by id and size and gets back a handle that runs commands and moves
 //! files. Everything a VM owns lives under one directory, so destroy can prove
-//! that nothing is left behind.
+//! that nothing is left behind. Saves of running VMs (`saved`) and the disk
+//! layers they freeze (`layers`) are shared by VMs and saves: they live
+//! beside the VMs, and a layer goes when nothing names it any more.
 
 pub mod accel;
 pub mod channel;
@@ -16,6 +18,7 @@ pub mod give_way;
 pub mod guard;
 pub mod image;
 pub mod ksm;
+pub mod layers;
 pub mod net;
 pub mod process;
 pub mod qmp;

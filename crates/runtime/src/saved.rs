@@ -1,34 +1,55 @@
-//! A running VM saved whole (disk, memory, devices) and VMs started from it.
+//! A running VM saved whole (disk, memory, devices) under a name, and VMs
+//! started from the save.
 //!
 //! Saving pauses the guest only while its state is captured:
-//! - **Disk.** The overlay the VM writes to is frozen: hard-linked into the
-//!   save's directory as `disk.qcow2`, and the VM goes on writing to a new
-//!   overlay on top of it (QMP `blockdev-snapshot-sync`, `mode=existing`,
-//!   on an overlay made first whose backing file names the save's copy, so
-//!   the chain outlives the VM's directory).
-//! - **Memory and devices.** QEMU's `mapped-ram` migration to `state`, then
-//!   [`crate::ram_diff::keep_differences`] against the template's RAM file
-//!   the VM's memory is a private copy of: only the pages the guest changed
-//!   stay on disk.
+//! - **Disk.** The overlay the VM writes to is frozen: hard-linked into
+//!   `<data_dir>/layers/` under a random name, and the VM goes on writing to
+//!   a new overlay on top of it (QMP `blockdev-snapshot-sync`,
+//!   `mode=existing`, on an overlay made first whose header names the layer
+//!   by absolute path). The layer belongs to neither the save nor the VM:
+//!   the VM's disk, every VM started from the save and every later save
+//!   stand on it, so it goes only when nothing names it (see `layers`).
+//! - **Memory and devices.** QEMU's `mapped-ram` migration to the save's
+//!   state file, then [`crate::ram_diff::keep_differences`] against the
+//!   template's RAM file the VM's memory is a private copy of: only the
+//!   pages the guest changed stay on disk.
+//!
+//! Saves live in `<data_dir>/saves/<name>/` (`saved.json` and the state).
+//! One is written in `.<name>.<random>.tmp`, locked (`flock`) while it is,
+//! and renamed into place only when complete, so [`VmManager::list_saved`]
+//! never shows half a save and a save that fails or dies leaves only a
+//! directory that the save itself or the next manager's start removes. A
+//! failure after the VM switched to its new overlay leaves the VM running on
+//! it: the layer below stays, named by the VM's chain.
 //!
 //! A VM started from the save maps the same template RAM file privately,
-//! loads `state` (only the changed pages are read) and runs on a new
-//! overlay over the save's disk, then takes its own identity as any
+//! loads the state (only the changed pages are read) and runs on a new
+//! overlay over the save's layer, then takes its own identity as any
 //! restored VM does. Its agent still holds the saved VM's session; the new
-//! host's `Hello` ends it.
+//! host's `Hello` ends it. The template is kept as long as a save names it,
+//! even once outdated (see [`crate::template::remove_others`]).
+//!
+//! Other VMs' QEMUs (each its own uid) must read layers and states, so those
+//! are root's and `0644`; the `layers` and `saves` directories (and each
+//! save's) are `0711`, walkable but not listable, and the files' names are
+//! 128 random bits: a QEMU reaches only the files whose names it was given.
 
+use crate::layers;
 use crate::process::Priority;
 use crate::qmp::Qmp;
-use crate::template::Template;
+use crate::template::{self, Template};
 use crate::vm::{create_overlay, validate_id, write_record, CreateVm, Start, Vm, VmPaths};
 use crate::{console, Result, RuntimeError, VmManager};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// The RAM block of a VM's memory backend (`-object memory-backend-*,id=ram`).
 const RAM_BLOCK: &str = "ram";
+/// A save's record, in its directory.
+const RECORD: &str = "saved.json";
 
 /// What `saved.json` records of a save.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -38,6 +59,10 @@ pub struct SavedRecord {
     pub size: String,
     /// The template whose RAM file the saved memory is a difference to.
     pub template: String,
+    /// The frozen disk: a file name in `<data_dir>/layers`.
+    pub layer: String,
+    /// The memory and device state: a file name in the save's directory.
+    pub state: String,
     /// Guest pages kept (those that differ from the template's).
     pub changed_pages: u64,
     #[serde(with = "time::serde::rfc3339")]
@@ -47,95 +72,150 @@ pub struct SavedRecord {
 /// A save on disk, ready to start VMs from.
 #[derive(Debug, Clone)]
 pub struct SavedVm {
+    pub name: String,
+    /// `<data_dir>/saves/<name>`.
     pub dir: PathBuf,
     pub record: SavedRecord,
     /// The template it is based on.
     pub template: Template,
+    layers_dir: PathBuf,
 }
 
 impl SavedVm {
-    /// The frozen disk (the backing file of the VMs started from it).
+    /// The frozen disk layer (the backing file of the VMs started from it).
     pub fn disk(&self) -> PathBuf {
-        self.dir.join("disk.qcow2")
+        self.layers_dir.join(&self.record.layer)
     }
     /// The saved memory and device state.
     pub fn state(&self) -> PathBuf {
-        self.dir.join("state")
+        self.dir.join(&self.record.state)
     }
-    /// Bytes the save takes on the host's disk.
+    /// Bytes the save alone takes on the host's disk: its state and its
+    /// frozen layer (the layers and template below it are others').
     pub fn bytes(&self) -> u64 {
         use std::os::unix::fs::MetadataExt;
-        ["disk.qcow2", "state", "saved.json"]
+        [self.disk(), self.state()]
             .iter()
-            .filter_map(|f| std::fs::metadata(self.dir.join(f)).ok())
+            .filter_map(|f| std::fs::metadata(f).ok())
             .map(|m| m.blocks() * 512)
             .sum()
     }
 }
 
 impl VmManager {
-    /// Saves VM `id` whole into `dir` (created; must not exist). The VM
-    /// is paused while its state is captured and then runs on.
-    pub async fn save(&self, id: &str, dir: &Path) -> Result<SavedVm> {
+    /// Where saves live, `<data_dir>/saves` (absolute).
+    pub fn saves_dir(&self) -> PathBuf {
+        absolute(&self.config().data_dir.join("saves"))
+    }
+
+    /// Where frozen disk layers live, `<data_dir>/layers` (absolute: the
+    /// overlays above a layer name it by this path).
+    pub fn layers_dir(&self) -> PathBuf {
+        absolute(&self.config().data_dir.join("layers"))
+    }
+
+    /// The lock that keeps [`VmManager::gc_layers`] from a layer not named
+    /// yet (see `layers`).
+    pub(crate) fn layers_lock(&self) -> PathBuf {
+        self.config().data_dir.join(".layers.lock")
+    }
+
+    /// At the manager's start: the directories, the removal of saves that
+    /// died half written, and a collection.
+    pub(crate) fn prepare_saves(&self) -> Result<()> {
+        use std::os::unix::fs::PermissionsExt;
+        for dir in [self.saves_dir(), self.layers_dir()] {
+            std::fs::create_dir_all(&dir)
+                .map_err(RuntimeError::io(format!("creating {}", dir.display())))?;
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o711))
+                .map_err(RuntimeError::io(format!("chmod {}", dir.display())))?;
+        }
+        self.sweep_unfinished_saves()?;
+        self.gc_layers();
+        Ok(())
+    }
+
+    /// Saves VM `id` whole under `name` (a VM id's alphabet; no save of
+    /// that name may exist). The VM is paused while its state is captured
+    /// and then runs on, whether the save worked or not.
+    pub async fn save(&self, id: &str, name: &str) -> Result<SavedVm> {
         validate_id(id)?;
+        if validate_id(name).is_err() {
+            return Err(RuntimeError::Launch(format!(
+                "{name:?} cannot name a save: 1 to 64 letters, digits, '_' and '-'"
+            )));
+        }
         let mut record = self.record(id)?;
         let template = record
             .template
-            .as_ref()
-            .and_then(|_| self.template(&record.size))
-            .filter(|t| Some(&t.key) == record.template.as_ref())
+            .as_deref()
+            .and_then(|key| self.template_by_key(&record.size, key))
             .ok_or_else(|| {
                 RuntimeError::Launch(format!(
-                    "VM {id} was not restored from this host's current template of size {}, \
-                     so its memory has no base to save against",
-                    record.size
+                    "VM {id} was not restored from a snapshot template this host still has, \
+                     so its memory has no base to save against"
                 ))
             })?;
-        let paths = self.paths(id);
-        std::fs::create_dir(dir)
-            .map_err(RuntimeError::io(format!("creating {}", dir.display())))?;
-        let saved = SavedVm {
-            dir: dir.to_path_buf(),
+        let dir = self.saves_dir().join(name);
+        if dir.exists() {
+            return Err(exists(name));
+        }
+        let unfinished = Unfinished::create(self, name).await?;
+        let mut saved = SavedVm {
+            name: name.to_string(),
+            dir,
             record: SavedRecord {
                 from: id.to_string(),
                 size: record.size.clone(),
                 template: template.key.clone(),
+                layer: layers::new_name(".qcow2"),
+                state: layers::new_name(".state"),
                 changed_pages: 0,
                 created_at: time::OffsetDateTime::now_utc(),
             },
             template,
+            layers_dir: self.layers_dir(),
         };
+        // Recorded before the layer exists, so the collection and a
+        // template's rebuild see what the save in progress needs.
+        write_saved_record(&unfinished.path, &saved.record)?;
+        if !saved.template.mem().is_file() {
+            return Err(RuntimeError::Launch(format!(
+                "the template {} of VM {id} was removed",
+                saved.template.key
+            )));
+        }
+        let state = unfinished.path.join(&saved.record.state);
+        let paths = self.paths(id);
         let started = Instant::now();
         let mut qmp = Qmp::connect(&paths.qmp_socket()).await?;
         qmp.execute("stop", json!({})).await?;
-        let captured = self.capture(&mut qmp, &paths, &mut record, &saved).await;
+        let captured = self
+            .capture(&mut qmp, &paths, &mut record, &saved.disk(), &state)
+            .await;
         // The guest runs again whatever happened; a failed save leaves
-        // nothing of itself behind.
+        // nothing of itself behind (`unfinished` goes when dropped).
         let resumed = qmp.execute("cont", json!({})).await;
         let paused = started.elapsed();
-        if let Err(e) = captured.and(resumed.map(drop)) {
-            let _ = std::fs::remove_dir_all(dir);
-            return Err(e);
-        }
-        let state = std::fs::OpenOptions::new()
+        captured.and(resumed.map(drop))?;
+        let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
-            .open(saved.state())
+            .open(&state)
             .map_err(RuntimeError::io("opening the saved state"))?;
         let base = std::fs::File::open(saved.template.mem())
             .map_err(RuntimeError::io("opening the template's RAM"))?;
         let kept = tokio::task::spawn_blocking(move || {
-            crate::ram_diff::keep_differences(&state, RAM_BLOCK, Some(&base))
+            crate::ram_diff::keep_differences(&file, RAM_BLOCK, Some(&base))
         })
         .await
         .map_err(|e| RuntimeError::Launch(format!("the RAM comparison failed: {e}")))??;
-        let mut saved = saved;
         saved.record.changed_pages = kept.data_pages + kept.zeroed_pages;
-        let json = serde_json::to_vec_pretty(&saved.record).expect("json");
-        std::fs::write(dir.join("saved.json"), json)
-            .map_err(RuntimeError::io("writing saved.json"))?;
+        write_saved_record(&unfinished.path, &saved.record)?;
+        unfinished.finish(&saved.dir, name)?;
         tracing::debug!(
             id,
+            save = name,
             "saved in {} ms (paused {} ms), {} pages changed",
             started.elapsed().as_millis(),
             paused.as_millis(),
@@ -144,18 +224,19 @@ impl VmManager {
         Ok(saved)
     }
 
-    /// The paused VM's disk frozen into the save and its memory and devices
-    /// written to `state`.
+    /// The paused VM's disk frozen into `layer` and its memory and devices
+    /// written to `state`. When it fails before the VM switched to its new
+    /// overlay, the layer and that overlay are gone again; after, the VM
+    /// runs on the new overlay and the layer stays below it.
     async fn capture(
         &self,
         qmp: &mut Qmp,
         paths: &VmPaths,
         record: &mut crate::VmRecord,
-        saved: &SavedVm,
+        layer: &Path,
+        state: &Path,
     ) -> Result<()> {
         let active = paths.active_disk(record);
-        std::fs::hard_link(&active, saved.disk())
-            .map_err(RuntimeError::io(format!("linking {}", active.display())))?;
         let n = record
             .disk
             .as_deref()
@@ -169,23 +250,40 @@ impl VmManager {
             + 1;
         let next_name = format!("disk-{n}.qcow2");
         let next = paths.dir.join(&next_name);
-        create_overlay(&saved.disk(), &next, record.resources.disk_gb).await?;
-        restrict_to(&next, record.qemu_uid)?;
-        // Other VMs' QEMUs read the frozen layer as their backing file.
-        share_read_only(&saved.disk())?;
-        qmp.execute(
-            "blockdev-snapshot-sync",
-            json!({"device": "root", "snapshot-file": next.display().to_string(),
-                   "format": "qcow2", "mode": "existing"}),
-        )
-        .await?;
+        {
+            // Named by nothing until the overlay over it exists.
+            let _lock = layers::lock(&self.layers_lock()).await?;
+            std::fs::hard_link(&active, layer)
+                .map_err(RuntimeError::io(format!("linking {}", active.display())))?;
+            if let Err(e) = create_overlay(layer, &next, record.resources.disk_gb).await {
+                let _ = std::fs::remove_file(layer);
+                return Err(e);
+            }
+        }
+        let switch = async {
+            restrict_to(&next, record.qemu_uid)?;
+            // Other VMs' QEMUs read the frozen layer as their backing file.
+            share_read_only(layer)?;
+            qmp.execute(
+                "blockdev-snapshot-sync",
+                json!({"device": "root", "snapshot-file": next.display().to_string(),
+                       "format": "qcow2", "mode": "existing"}),
+            )
+            .await
+        };
+        if let Err(e) = switch.await {
+            // The VM still writes to `active`: it is no layer.
+            let _ = std::fs::remove_file(&next);
+            let _ = std::fs::remove_file(layer);
+            let _ = restrict_to(&active, record.qemu_uid);
+            return Err(e);
+        }
         record.disk = Some(next_name);
         write_record(paths, record)?;
         let frozen = Instant::now();
         // QEMU (its own uid) writes the state into a file made for it.
-        let state = saved.state();
-        std::fs::File::create(&state).map_err(RuntimeError::io("creating the state file"))?;
-        restrict_to(&state, record.qemu_uid)?;
+        std::fs::File::create(state).map_err(RuntimeError::io("creating the state file"))?;
+        restrict_to(state, record.qemu_uid)?;
         set_mapped_ram(qmp, true).await?;
         qmp.execute(
             "migrate",
@@ -199,7 +297,7 @@ impl VmManager {
             "memory and devices written in {} ms",
             frozen.elapsed().as_millis()
         );
-        share_read_only(&state)
+        share_read_only(state)
     }
 
     /// Starts a VM from a save, with an identity of its own.
@@ -211,33 +309,282 @@ impl VmManager {
                 saved.record.size, req.size
             )));
         }
-        let size = self.config().size(&req.size)?;
+        // The resources the template was made with, which the saved state
+        // fits, even if the size table changed since.
+        let size = saved.template.record.inputs.resources;
         self.start(&req, size, Start::Saved(saved), Priority::Normal)
             .await
     }
 
-    /// The save in `dir`, if it is one this host can start VMs from.
-    pub fn saved(&self, dir: &Path) -> Result<SavedVm> {
-        let bytes = std::fs::read(dir.join("saved.json")).map_err(RuntimeError::io(format!(
-            "reading {}/saved.json",
-            dir.display()
-        )))?;
+    /// The save named `name`, if it is one this host can start VMs from.
+    pub fn saved(&self, name: &str) -> Result<SavedVm> {
+        validate_id(name).map_err(|_| RuntimeError::NotFound(name.to_string()))?;
+        let dir = self.saves_dir().join(name);
+        let bytes = std::fs::read(dir.join(RECORD)).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => RuntimeError::NotFound(name.to_string()),
+            _ => RuntimeError::io(format!("reading {}/{RECORD}", dir.display()))(e),
+        })?;
         let record: SavedRecord = serde_json::from_slice(&bytes)
-            .map_err(|e| RuntimeError::Launch(format!("corrupt saved.json: {e}")))?;
+            .map_err(|e| RuntimeError::Launch(format!("corrupt {RECORD} of save {name}: {e}")))?;
         let template = self
-            .template(&record.size)
-            .filter(|t| t.key == record.template)
+            .template_by_key(&record.size, &record.template)
             .ok_or_else(|| {
                 RuntimeError::Launch(format!(
-                    "the template the save in {} is based on is gone",
-                    dir.display()
+                    "the snapshot template the save {name} is based on is gone"
                 ))
             })?;
-        Ok(SavedVm {
-            dir: dir.to_path_buf(),
+        let saved = SavedVm {
+            name: name.to_string(),
+            dir,
             record,
             template,
-        })
+            layers_dir: self.layers_dir(),
+        };
+        if !saved.disk().is_file() || !saved.state().is_file() {
+            return Err(RuntimeError::Launch(format!(
+                "the save {name} lost its disk layer or its state"
+            )));
+        }
+        Ok(saved)
+    }
+
+    /// The names of the complete saves (sorted).
+    pub fn list_saved(&self) -> Vec<String> {
+        let mut out: Vec<String> = std::fs::read_dir(self.saves_dir())
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| e.file_name().into_string().ok())
+            .filter(|n| validate_id(n).is_ok())
+            .filter(|n| self.saves_dir().join(n).join(RECORD).is_file())
+            .collect();
+        out.sort();
+        out
+    }
+
+    /// Deletes the save `name` (a save already gone is deleted), then the
+    /// layers and templates nothing needs any more. VMs started from it run
+    /// on: their disks name the layers they stand on.
+    pub async fn delete_saved(&self, name: &str) -> Result<()> {
+        validate_id(name).map_err(|_| RuntimeError::NotFound(name.to_string()))?;
+        let saves = self.saves_dir();
+        // Out of sight at once; the sweep at a start finishes a removal
+        // that died.
+        let gone = saves.join(format!(".{name}.{:08x}.tmp", rand::random::<u32>()));
+        match std::fs::rename(saves.join(name), &gone) {
+            Ok(()) => {
+                std::fs::remove_dir_all(&gone)
+                    .map_err(RuntimeError::io(format!("removing {}", gone.display())))?;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                return Err(RuntimeError::io(format!("removing the save {name}"))(e));
+            }
+        }
+        self.gc_layers();
+        Ok(())
+    }
+
+    /// Removes the disk layers that nothing names (no VM's disk and no
+    /// save, finished or in progress, reaches them), and the outdated
+    /// templates kept for saves that are gone. Runs after a destroy, after
+    /// a save's deletion and at the manager's start.
+    pub fn gc_layers(&self) {
+        let _lock = match layers::lock_blocking(&self.layers_lock()) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!("no collection of disk layers: {e}");
+                return;
+            }
+        };
+        let Some(records) = self.save_records() else {
+            tracing::warn!("a save's record is unreadable: no disk layer is collected");
+            return;
+        };
+        let layers_dir = self.layers_dir();
+        let mut roots = layers::qcow2_files_under(&self.config().vms_dir());
+        roots.extend(records.iter().map(|r| layers_dir.join(&r.layer)));
+        let removed = layers::collect(&layers_dir, &roots);
+        if !removed.is_empty() {
+            tracing::debug!(layers = ?removed, "removed disk layers nothing names");
+        }
+        template::remove_outdated(
+            &self.templates_dir(),
+            &self.current_template_dirs(),
+            &saved_on(&records),
+        );
+    }
+
+    /// The directory names of the templates saves (finished or in
+    /// progress) are based on.
+    pub(crate) fn templates_saved_on(&self) -> HashSet<String> {
+        saved_on(&self.save_records().unwrap_or_default())
+    }
+
+    /// The records of every save, finished or being written; `None` when
+    /// one cannot be read (nothing may then be removed on its account).
+    fn save_records(&self) -> Option<Vec<SavedRecord>> {
+        let mut out = Vec::new();
+        let Ok(rd) = std::fs::read_dir(self.saves_dir()) else {
+            return Some(out);
+        };
+        for e in rd.flatten() {
+            let path = e.path().join(RECORD);
+            match std::fs::read(&path) {
+                Ok(bytes) => out.push(serde_json::from_slice(&bytes).ok()?),
+                // Being written (no layer yet), or being removed.
+                Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+                Err(_) if !e.path().is_dir() => {}
+                Err(_) => return None,
+            }
+        }
+        Some(out)
+    }
+
+    /// Remove what saves that died while written, or removals that died,
+    /// left (`.*.tmp` no live save holds locked).
+    fn sweep_unfinished_saves(&self) -> Result<()> {
+        // Under the lock a save takes to make and lock its directory.
+        let _lock = layers::lock_blocking(&self.layers_lock())?;
+        let Ok(rd) = std::fs::read_dir(self.saves_dir()) else {
+            return Ok(());
+        };
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            if !(name.starts_with('.') && name.ends_with(".tmp")) {
+                continue;
+            }
+            let Ok(dir) = std::fs::File::open(e.path()) else {
+                continue;
+            };
+            if layers::flock(&dir, libc::LOCK_EX | libc::LOCK_NB).is_ok() {
+                tracing::info!(save = %name, "removing a save that was never finished");
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+        Ok(())
+    }
+
+    /// The template of `size` with `key`: the current one, or one outdated
+    /// since that saves keep.
+    pub(crate) fn template_by_key(&self, size: &str, key: &str) -> Option<Template> {
+        if let Some(t) = self.template(size).filter(|t| t.key == key) {
+            return Some(t);
+        }
+        if !self.snapshots_supported() {
+            return None;
+        }
+        template::load_any(&self.templates_dir().join(template::dir_name(size, key)))
+            .filter(|t| t.key == key && t.size == size)
+    }
+}
+
+fn saved_on(records: &[SavedRecord]) -> HashSet<String> {
+    records
+        .iter()
+        .map(|r| template::dir_name(&r.size, &r.template))
+        .collect()
+}
+
+fn exists(name: &str) -> RuntimeError {
+    RuntimeError::io(format!("saving as {name}"))(std::io::Error::new(
+        std::io::ErrorKind::AlreadyExists,
+        format!("a save named {name} exists"),
+    ))
+}
+
+fn absolute(path: &Path) -> PathBuf {
+    std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
+}
+
+/// `saved.json`, whole or not at all, readable by root alone.
+fn write_saved_record(dir: &Path, record: &SavedRecord) -> Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let tmp = dir.join(format!("{RECORD}.tmp"));
+    let write = || -> std::io::Result<()> {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        f.write_all(&serde_json::to_vec_pretty(record).expect("json"))?;
+        std::fs::rename(&tmp, dir.join(RECORD))
+    };
+    write().map_err(RuntimeError::io(format!("writing {RECORD}")))
+}
+
+/// A save being written: its directory, locked while it lives, removed
+/// with all it holds unless [`Unfinished::finish`] renamed it into place.
+struct Unfinished {
+    path: PathBuf,
+    _lock: std::fs::File,
+    finished: bool,
+}
+
+impl Unfinished {
+    async fn create(m: &VmManager, name: &str) -> Result<Unfinished> {
+        use std::os::unix::fs::PermissionsExt;
+        let path = m
+            .saves_dir()
+            .join(format!(".{name}.{:08x}.tmp", rand::random::<u32>()));
+        // Made and locked under the lock the sweep of dead saves takes, so
+        // it never takes this one for dead.
+        let _sweep = layers::lock(&m.layers_lock()).await?;
+        std::fs::create_dir(&path)
+            .map_err(RuntimeError::io(format!("creating {}", path.display())))?;
+        let lock = std::fs::File::open(&path)
+            .and_then(|f| layers::flock(&f, libc::LOCK_EX).map(|_| f))
+            .and_then(|f| {
+                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o711))?;
+                Ok(f)
+            });
+        match lock {
+            Ok(f) => Ok(Unfinished {
+                path,
+                _lock: f,
+                finished: false,
+            }),
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&path);
+                Err(RuntimeError::io(format!("locking {}", path.display()))(e))
+            }
+        }
+    }
+
+    /// Renamed into place, unless a save of that name appeared meanwhile.
+    fn finish(mut self, dir: &Path, name: &str) -> Result<()> {
+        use std::os::unix::ffi::OsStrExt;
+        let c = |p: &Path| std::ffi::CString::new(p.as_os_str().as_bytes()).expect("no NUL");
+        let (from, to) = (c(&self.path), c(dir));
+        // SAFETY: renameat2(2) of two NUL-terminated paths.
+        let rc = unsafe {
+            libc::renameat2(
+                libc::AT_FDCWD,
+                from.as_ptr(),
+                libc::AT_FDCWD,
+                to.as_ptr(),
+                libc::RENAME_NOREPLACE,
+            )
+        };
+        if rc != 0 {
+            let e = std::io::Error::last_os_error();
+            return Err(match e.kind() {
+                std::io::ErrorKind::AlreadyExists => exists(name),
+                _ => RuntimeError::io(format!("renaming {} into place", self.path.display()))(e),
+            });
+        }
+        self.finished = true;
+        Ok(())
+    }
+}
+
+impl Drop for Unfinished {
+    fn drop(&mut self) {
+        if !self.finished {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
     }
 }
 

@@ -18,7 +18,10 @@
 //! translation cache size, the network plan (with the operator's proxy), the
 //! guest limits and the extra CA certificates. When any of
 //! them changes the key changes, the template is rebuilt under the new key,
-//! and the old directories are removed (running VMs keep their open files).
+//! and the old directories are removed (running VMs keep their open files),
+//! except those that saves of running VMs are based on (see `saved`): their
+//! VMs map the template's RAM file and stand on its disk, so such a template
+//! stays, marked outdated, until no save names it.
 //! The host's TSC rate is checked separately, with a tolerance, because it is
 //! measured. Building takes a per-size file lock, so two processes sharing a
 //! data directory build a template once.
@@ -41,6 +44,7 @@ use crate::config::SizeSpec;
 use crate::{Result, RuntimeError};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
 /// Bumped when the layout or the way templates are made changes.
@@ -183,17 +187,26 @@ pub(crate) fn dir_name(size: &str, key: &str) -> String {
 /// Read a finished template, if `dir` holds one made from `inputs` on a host
 /// whose TSC runs at `tsc_khz` (within 0.05 %).
 pub(crate) fn load(dir: &Path, inputs: &TemplateInputs, tsc_khz: u32) -> Option<Template> {
-    let bytes = std::fs::read(dir.join(RECORD)).ok()?;
-    let record: TemplateRecord = serde_json::from_slice(&bytes).ok()?;
-    if &record.inputs != inputs {
+    let t = load_any(dir)?;
+    if &t.record.inputs != inputs {
         return None;
     }
     if inputs.accel == Accel::Tcg {
-        let drift = (record.tsc_khz as f64 - tsc_khz as f64).abs() / tsc_khz as f64;
+        let drift = (t.record.tsc_khz as f64 - tsc_khz as f64).abs() / tsc_khz as f64;
         if drift > 0.0005 {
             return None;
         }
     }
+    Some(t)
+}
+
+/// Read the finished template in `dir` whatever it was made from: the
+/// current one, or one outdated since and kept for the saves made on it
+/// (see [`remove_others`]).
+pub(crate) fn load_any(dir: &Path) -> Option<Template> {
+    let bytes = std::fs::read(dir.join(RECORD)).ok()?;
+    let record: TemplateRecord = serde_json::from_slice(&bytes).ok()?;
+    let key = record.inputs.key();
     if ![MEM, STATE, DISK, KERNEL_STUB]
         .iter()
         .all(|f| dir.join(f).is_file())
@@ -201,17 +214,41 @@ pub(crate) fn load(dir: &Path, inputs: &TemplateInputs, tsc_khz: u32) -> Option<
         return None;
     }
     Some(Template {
-        key: inputs.key(),
-        size: inputs.size.clone(),
+        key,
+        size: record.inputs.size.clone(),
         dir: dir.to_path_buf(),
         record,
     })
 }
 
+/// Is `name` a finished template's directory name ([`dir_name`])?
+fn is_finished(name: &str) -> bool {
+    !name.starts_with('.')
+        && name
+            .rsplit_once('-')
+            .is_some_and(|(size, key)| !size.is_empty() && is_key(key))
+}
+
+fn is_key(s: &str) -> bool {
+    s.len() == 16 && s.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+/// In a template kept only for the saves made on it: it is outdated, and
+/// goes once no save names it ([`remove_outdated`]).
+pub(crate) const OUTDATED: &str = "outdated";
+
 /// Remove every template directory of `size` except `keep`, and leftovers of
 /// builds that died (`.{size}-*.tmp`). Running VMs restored from a removed
-/// template keep working: QEMU holds its files open.
-pub(crate) fn remove_others(templates_dir: &Path, size: &str, keep: Option<&str>) {
+/// template keep working: QEMU holds its files open. A template a save
+/// depends on (its directory name in `saved_on`) stays, marked
+/// [`OUTDATED`]: VMs started from the save map its RAM file and their disks
+/// reach its disk; [`remove_outdated`] removes it once no save names it.
+pub(crate) fn remove_others(
+    templates_dir: &Path,
+    size: &str,
+    keep: Option<&str>,
+    saved_on: &HashSet<String>,
+) {
     let Ok(rd) = std::fs::read_dir(templates_dir) else {
         return;
     };
@@ -221,15 +258,22 @@ pub(crate) fn remove_others(templates_dir: &Path, size: &str, keep: Option<&str>
             .strip_prefix(&format!("{size}-"))
             .is_some_and(|rest| rest.len() == 16 && !rest.contains('.'));
         let unfinished = name.starts_with(&format!(".{size}-")) && name.ends_with(".tmp");
-        if (finished || unfinished) && Some(name.as_str()) != keep {
-            tracing::info!(template = %name, "removing an outdated snapshot template");
-        }
         if finished && Some(name.as_str()) != keep {
+            if saved_on.contains(&name) {
+                tracing::info!(
+                    template = %name,
+                    "keeping an outdated snapshot template: saves depend on it"
+                );
+                let _ = std::fs::write(e.path().join(OUTDATED), b"");
+                continue;
+            }
+            tracing::info!(template = %name, "removing an outdated snapshot template");
             // VMs restored from it name it on their command line: they keep
             // running on the files they hold open.
             let _ = std::fs::remove_dir_all(e.path());
         }
         if unfinished {
+            tracing::info!(template = %name, "removing an unfinished snapshot template");
             // A build that died may have left its QEMU or passt running.
             let marker = e.path().display().to_string();
             for _ in 0..4 {
@@ -244,6 +288,38 @@ pub(crate) fn remove_others(templates_dir: &Path, size: &str, keep: Option<&str>
             let _ = std::fs::remove_dir_all(e.path());
         }
     }
+}
+
+/// Remove the templates [`remove_others`] kept for saves that no save in
+/// `saved_on` names any more and that are not `current` again (directory
+/// names); returns the names removed.
+pub(crate) fn remove_outdated(
+    templates_dir: &Path,
+    current: &HashSet<String>,
+    saved_on: &HashSet<String>,
+) -> Vec<String> {
+    let mut removed = Vec::new();
+    let Ok(rd) = std::fs::read_dir(templates_dir) else {
+        return removed;
+    };
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().to_string();
+        if !is_finished(&name)
+            || current.contains(&name)
+            || saved_on.contains(&name)
+            || !e.path().join(OUTDATED).exists()
+        {
+            continue;
+        }
+        // Out of `template()`'s sight at once, then removed.
+        let gone = templates_dir.join(format!(".{name}.{}.gone", rand::random::<u32>()));
+        if std::fs::rename(e.path(), &gone).is_ok() {
+            tracing::info!(template = %name, "removing an outdated snapshot template no save needs now");
+            let _ = std::fs::remove_dir_all(&gone);
+            removed.push(name);
+        }
+    }
+    removed
 }
 
 /// Hold the build lock of `size` until the returned file is dropped.
@@ -391,7 +467,12 @@ mod tests {
         ] {
             std::fs::create_dir(dir.path().join(n)).unwrap();
         }
-        remove_others(dir.path(), "small", Some("small-0123456789abcdef"));
+        remove_others(
+            dir.path(),
+            "small",
+            Some("small-0123456789abcdef"),
+            &HashSet::new(),
+        );
         let mut left: Vec<String> = std::fs::read_dir(dir.path())
             .unwrap()
             .flatten()
@@ -406,5 +487,61 @@ mod tests {
                 "small-0123456789abcdef"
             ]
         );
+    }
+
+    #[test]
+    fn templates_saves_depend_on_are_kept_until_no_save_names_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        for n in [
+            "small-0123456789abcdef",
+            "small-1111111111111111",
+            "small-2222222222222222",
+        ] {
+            std::fs::create_dir(d.join(n)).unwrap();
+        }
+        let saved_on: HashSet<String> = ["small-1111111111111111".to_string()].into();
+        // A rebuild: the new template is 0123..., 2222... goes, 1111... stays.
+        remove_others(d, "small", Some("small-0123456789abcdef"), &saved_on);
+        let left = |d: &Path| {
+            let mut v: Vec<String> = std::fs::read_dir(d)
+                .unwrap()
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().to_string())
+                .collect();
+            v.sort();
+            v
+        };
+        assert_eq!(
+            left(d),
+            ["small-0123456789abcdef", "small-1111111111111111"]
+        );
+        assert!(d.join("small-1111111111111111").join(OUTDATED).exists());
+        let current: HashSet<String> = ["small-0123456789abcdef".to_string()].into();
+        // While a save names it, it stays.
+        assert!(remove_outdated(d, &current, &saved_on).is_empty());
+        // Current again (the config went back): it stays too.
+        let both: HashSet<String> = current
+            .iter()
+            .cloned()
+            .chain(["small-1111111111111111".to_string()])
+            .collect();
+        assert!(remove_outdated(d, &both, &HashSet::new()).is_empty());
+        // The last save gone: it goes; the current one (never marked) stays.
+        assert_eq!(
+            remove_outdated(d, &current, &HashSet::new()),
+            ["small-1111111111111111"]
+        );
+        assert_eq!(left(d), ["small-0123456789abcdef"]);
+        assert!(remove_outdated(d, &HashSet::new(), &HashSet::new()).is_empty());
+    }
+
+    #[test]
+    fn finished_template_names() {
+        assert!(is_finished("small-0123456789abcdef"));
+        assert!(is_finished("x-large-0123456789abcdef"));
+        assert!(!is_finished(".small-0123456789abcdef.1.tmp"));
+        assert!(!is_finished("small-0123"));
+        assert!(!is_finished(".small.lock"));
     }
 }

@@ -207,7 +207,7 @@ impl VmManager {
                 allow_traverse(dir);
             }
         }
-        Ok(VmManager {
+        let manager = VmManager {
             config,
             image,
             accel,
@@ -216,7 +216,9 @@ impl VmManager {
             ca_certificates,
             qemu_version,
             give_way: Default::default(),
-        })
+        };
+        manager.prepare_saves()?;
+        Ok(manager)
     }
 
     /// Live work (a command, a file transfer, a create someone waits for) is
@@ -349,7 +351,23 @@ impl VmManager {
             Start::Saved(saved) => saved.disk(),
             Start::Cold | Start::Template { .. } => self.image.rootfs.clone(),
         };
+        // A save's layer is named by nothing of this VM until its overlay
+        // exists: the layers' collection waits (see `layers`).
+        let layer_lock = match start {
+            Start::Saved(saved) => {
+                let lock = crate::layers::lock(&self.layers_lock()).await?;
+                if !base.is_file() {
+                    return Err(RuntimeError::Launch(format!(
+                        "the save {} was deleted",
+                        saved.name
+                    )));
+                }
+                Some(lock)
+            }
+            _ => None,
+        };
         create_overlay(&base, &paths.disk(), size.disk_gb).await?;
+        drop(layer_lock);
 
         // A template runs no user code and must write its state file.
         let run_as = if nix::unistd::geteuid().is_root() && !matches!(start, Start::Template { .. })
@@ -960,7 +978,7 @@ impl VmManager {
                 process::kill_and_wait(pid, &qemu_marker(id), Duration::from_secs(10)).await;
             }
         }
-        match std::fs::remove_dir_all(&paths.dir) {
+        let removed = match std::fs::remove_dir_all(&paths.dir) {
             // A concurrent destroy (a command that saw this one's kill and
             // ended its sandbox too) removed it first: gone is gone.
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
@@ -968,7 +986,10 @@ impl VmManager {
                 "removing {}",
                 paths.dir.display()
             ))),
-        }
+        };
+        // The disk layers below its disk that nothing else stands on.
+        self.gc_layers();
+        removed
     }
 }
 
@@ -1145,6 +1166,16 @@ impl VmManager {
         }
     }
 
+    /// The directory names of the current templates of the configured
+    /// sizes, built or not.
+    pub(crate) fn current_template_dirs(&self) -> std::collections::HashSet<String> {
+        self.config
+            .sizes
+            .iter()
+            .map(|(name, size)| template::dir_name(name, &self.template_inputs(name, *size).key()))
+            .collect()
+    }
+
     /// The finished template of `size` for this image, QEMU and config, if
     /// one has been built.
     pub fn template(&self, size_name: &str) -> Option<Template> {
@@ -1185,7 +1216,7 @@ impl VmManager {
         let inputs = self.template_inputs(size_name, size);
         let name = template::dir_name(size_name, &inputs.key());
         // Outdated templates and the leftovers of builds that died.
-        template::remove_others(&dir, size_name, None);
+        template::remove_others(&dir, size_name, None, &self.templates_saved_on());
         let tmp = dir.join(format!(".{name}.{}.tmp", rand::random::<u32>()));
         let started = Instant::now();
         tracing::info!(size = size_name, template = %name, "building a snapshot template");
