@@ -1848,7 +1848,7 @@ mod tests {
             .list_snapshots(&a(), ListSnapshots::default())
             .await
             .unwrap();
-        assert_eq!(all.data, [child_snap.clone()]);
+        assert_eq!(all.data, std::slice::from_ref(&child_snap));
         // Deleted, it is not found, like a missing one.
         for e in [
             f.get_snapshot(&a(), &snap.id).await.unwrap_err(),
