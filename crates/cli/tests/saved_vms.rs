@@ -1,7 +1,8 @@
 //! A running VM saved whole and VMs started from the save, for real: the
 //! same machine (files, a process whose state is only in memory), an
-//! identity of its own, independent of the VM it came from, and a save that
-//! keeps only the memory the guest changed.
+//! identity of its own, independent of the VM it came from, a save that
+//! keeps only the memory the guest changed, disks that outlive the saves
+//! they were frozen in, and nothing left once VMs and saves are gone.
 
 mod common;
 
@@ -23,9 +24,39 @@ async fn count(vm: &sandpit_runtime::Vm) -> u64 {
     sh(vm, "cat /tmp/count").await.parse().unwrap()
 }
 
+/// The SHA-256 of a guest file read from its disk, not its page cache.
+async fn disk_sha(vm: &sandpit_runtime::Vm, file: &str) -> String {
+    sh(
+        vm,
+        &format!("dd if={file} iflag=direct bs=1M status=none | sha256sum"),
+    )
+    .await
+}
+
+/// The guest writes a new file and reads it back from its disk.
+async fn write_and_read(vm: &sandpit_runtime::Vm) {
+    let written = sh(
+        vm,
+        "head -c 1M /dev/urandom > /workspace/new && sync && sha256sum < /workspace/new",
+    )
+    .await;
+    assert_eq!(disk_sha(vm, "/workspace/new").await, written);
+}
+
+fn files_in(dir: &std::path::Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().to_string())
+        .collect();
+    v.sort();
+    v
+}
+
 #[test]
 fn a_vm_started_from_a_save_is_the_same_machine_with_its_own_identity() {
-    let m = manager();
+    let data = data_dir();
+    let m = manager_with(config(&data));
     rt().block_on(async {
         m.ensure_template("small").await.expect("template");
         let a = m.create(new_vm("sbx_saved_a")).await.expect("restore a");
@@ -33,6 +64,9 @@ fn a_vm_started_from_a_save_is_the_same_machine_with_its_own_identity() {
         // counter lives in the shell's variable; the file only shows it
         // (replaced whole, so a reader never sees it empty).
         sh(&a, "echo kept > /workspace/file && sync").await;
+        // 20 MB on disk, read back later past the page cache.
+        sh(&a, "head -c 20M /dev/urandom > /workspace/big && sync").await;
+        let big = disk_sha(&a, "/workspace/big").await;
         sh(
             &a,
             "nohup bash -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.1; done' \
@@ -42,18 +76,17 @@ fn a_vm_started_from_a_save_is_the_same_machine_with_its_own_identity() {
         // 64 MiB of memory the guest changed.
         sh(&a, "head -c 64M /dev/urandom > /dev/shm/blob").await;
 
-        let dir = data_dir().join("saves-test");
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
         let at_save = count(&a).await;
         let t = Instant::now();
-        let saved = m.save("sbx_saved_a", &dir.join("one")).await.expect("save");
+        let saved = m.save("sbx_saved_a", "one").await.expect("save");
         let took = t.elapsed();
         eprintln!(
             "saved in {took:?}: {} changed pages, {} MiB on disk",
             saved.record.changed_pages,
             saved.bytes() >> 20
         );
+        assert_eq!(m.list_saved(), ["one"]);
+        assert_eq!(m.saved("one").expect("saved").record.layer, saved.record.layer);
         // The VM runs on.
         let later = count(&a).await;
         assert!(
@@ -101,11 +134,17 @@ fn a_vm_started_from_a_save_is_the_same_machine_with_its_own_identity() {
             "the save takes {} MiB",
             saved.bytes() >> 20
         );
+        // A name taken, or no name: refused, and the VM runs on untouched.
+        assert!(m.save("sbx_saved_a", "one").await.is_err());
+        assert!(m.save("sbx_saved_a", "../one").await.is_err());
+        assert_eq!(files_in(&data.join("saves")), ["one"]);
+        assert_eq!(files_in(&data.join("layers")).len(), 1);
+        let later = count(&a).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(count(&a).await > later, "a refused save stopped the VM");
+
         // A second save of the same VM, and a VM from it.
-        let again = m
-            .save("sbx_saved_a", &dir.join("two"))
-            .await
-            .expect("save 2");
+        let again = m.save("sbx_saved_a", "two").await.expect("save 2");
         let c = m
             .create_from_saved(new_vm("sbx_saved_c"), &again)
             .await
@@ -113,16 +152,56 @@ fn a_vm_started_from_a_save_is_the_same_machine_with_its_own_identity() {
         assert_eq!(sh(&c, "cat /workspace/only-a").await, "a");
         sh(&c, "test ! -e /workspace/only-b").await;
 
-        for id in ["sbx_saved_a", "sbx_saved_b", "sbx_saved_c"] {
+        // The first save goes while a and c, whose disks stand on its
+        // layer, run: both still read what was on it and write.
+        m.delete_saved("one").await.expect("delete save 1");
+        m.delete_saved("one").await.expect("a save gone is deleted");
+        assert_eq!(m.list_saved(), ["two"]);
+        assert!(m.saved("one").is_err());
+        assert_eq!(
+            files_in(&data.join("layers")).len(),
+            2,
+            "the second save's layer stands on the first's"
+        );
+        // A manager starting on the data directory removes what a save
+        // that died left, and a layer nothing names, not the layers in use.
+        std::fs::create_dir(data.join("saves/.dead.0.tmp")).unwrap();
+        let stray = data.join(format!("layers/{}.qcow2", "0".repeat(32)));
+        std::fs::write(&stray, b"").unwrap();
+        drop(manager_with(config(&data)));
+        assert_eq!(files_in(&data.join("saves")), ["two"]);
+        assert!(!stray.exists());
+        assert_eq!(files_in(&data.join("layers")).len(), 2);
+        for vm in [&a, &c] {
+            assert_eq!(disk_sha(vm, "/workspace/big").await, big);
+            write_and_read(vm).await;
+        }
+        // A new VM from the second save opens its whole chain by name.
+        let e = m
+            .create_from_saved(new_vm("sbx_saved_e"), &m.saved("two").expect("save 2"))
+            .await
+            .expect("start from the second save after the first is deleted");
+        assert_eq!(disk_sha(&e, "/workspace/big").await, big);
+        assert_eq!(sh(&e, "cat /workspace/only-a").await, "a");
+        write_and_read(&e).await;
+
+        for id in ["sbx_saved_a", "sbx_saved_b", "sbx_saved_c", "sbx_saved_e"] {
             m.destroy(id).await.unwrap();
         }
         // The saves outlive the VM they came from.
         let d = m
-            .create_from_saved(new_vm("sbx_saved_d"), &saved)
+            .create_from_saved(new_vm("sbx_saved_d"), &again)
             .await
             .expect("start from the save after its VM is gone");
         assert_eq!(sh(&d, "cat /workspace/file").await, "kept");
         m.destroy("sbx_saved_d").await.unwrap();
-        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(files_in(&data.join("layers")).len(), 2);
+        m.delete_saved("two").await.expect("delete save 2");
+
+        // Nothing leaked.
+        assert!(m.list_saved().is_empty());
+        for dir in ["vms", "saves", "layers"] {
+            assert_eq!(files_in(&data.join(dir)), Vec::<String>::new(), "{dir}");
+        }
     });
 }
