@@ -477,6 +477,33 @@ pub fn openapi() -> Value {
             errors: Errors { body: true, ..ON_SANDBOX },
         },
         Op {
+            method: "post",
+            path: "/v1/sandboxes/{id}/pause",
+            id: "pauseSandbox",
+            summary: "Pause a sandbox",
+            description: "Stops the sandbox's VM with its whole state (disk, memory, processes) kept \
+                on disk: it uses no CPU or memory and is billed at the paused rate (10% of its \
+                price by default). Any command, file or preview call resumes it first, as does \
+                `POST /v1/sandboxes/{id}/resume`. It still ends at its `expires_at`. Pausing a \
+                paused sandbox changes nothing.",
+            params: vec![id_param("sandbox")],
+            body: None,
+            responses: vec![("200", "The paused sandbox.", sandbox_resp.clone())],
+            errors: ON_SANDBOX,
+        },
+        Op {
+            method: "post",
+            path: "/v1/sandboxes/{id}/resume",
+            id: "resumeSandbox",
+            summary: "Resume a paused sandbox",
+            description: "Runs a paused sandbox again, its processes where they were. Resuming a \
+                running sandbox changes nothing.",
+            params: vec![id_param("sandbox")],
+            body: None,
+            responses: vec![("200", "The running sandbox.", sandbox_resp.clone())],
+            errors: ON_SANDBOX,
+        },
+        Op {
             method: "get",
             path: "/v1/snapshots",
             id: "listSnapshots",

@@ -347,6 +347,16 @@ impl SandboxApi for RemoteApi {
         self.call(r).await
     }
 
+    async fn pause_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
+        let r = self.request(caller, Method::POST, self.url(&["sandboxes", id, "pause"]))?;
+        self.call(r).await
+    }
+
+    async fn resume_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
+        let r = self.request(caller, Method::POST, self.url(&["sandboxes", id, "resume"]))?;
+        self.call(r).await
+    }
+
     async fn exec(&self, caller: &Caller, id: &str, mut params: ExecParams) -> Result<Execution> {
         params.stream = None;
         let r = self

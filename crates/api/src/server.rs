@@ -128,6 +128,8 @@ pub fn router(api: Arc<dyn SandboxApi>, config: RestConfig) -> Router {
         .route("/v1/sandboxes/{id}/snapshots", post(snapshot_sandbox))
         .route("/v1/sandboxes/{id}/fork", post(fork_sandbox))
         .route("/v1/sandboxes/{id}/restore", post(restore_sandbox))
+        .route("/v1/sandboxes/{id}/pause", post(pause_sandbox))
+        .route("/v1/sandboxes/{id}/resume", post(resume_sandbox))
         .route("/v1/snapshots", get(list_snapshots))
         .route(
             "/v1/snapshots/{id}",
@@ -325,6 +327,22 @@ async fn restore_sandbox(
     JsonBody(body): JsonBody<RestoreSandbox>,
 ) -> ApiResult {
     ok(st.api.restore_sandbox(&c, &id, body).await?)
+}
+
+async fn pause_sandbox(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(id): Path<String>,
+) -> ApiResult {
+    ok(st.api.pause_sandbox(&c, &id).await?)
+}
+
+async fn resume_sandbox(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(id): Path<String>,
+) -> ApiResult {
+    ok(st.api.resume_sandbox(&c, &id).await?)
 }
 
 fn wants_event_stream(headers: &HeaderMap) -> bool {

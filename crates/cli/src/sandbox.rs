@@ -56,6 +56,11 @@ pub enum SandboxCommand {
     /// Roll a server's sandbox back to a snapshot of it (or of the sandbox
     /// it was started from)
     Restore(RestoreArgs),
+    /// Pause a server's sandbox: its VM stops, its state kept on disk,
+    /// billed at the paused rate; any later call resumes it
+    Pause(PauseArgs),
+    /// Resume a server's paused sandbox, its processes where they were
+    Resume(PauseArgs),
     /// List the snapshots of the key's account on a server
     Snapshots(SnapshotsArgs),
     /// Delete snapshots on a server
@@ -121,6 +126,17 @@ pub struct ForkArgs {
     #[command(flatten)]
     server: ServerArgs,
     /// Print the snapshot and the new sandboxes as JSON
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+pub struct PauseArgs {
+    /// The sandbox (sbx_...)
+    id: String,
+    #[command(flatten)]
+    server: ServerArgs,
+    /// Print the whole sandbox object as JSON
     #[arg(long)]
     json: bool,
 }
@@ -230,6 +246,8 @@ pub async fn run(settings: &Settings, cmd: SandboxCommand) -> Result<i32> {
         | SandboxCommand::Snapshot(_)
         | SandboxCommand::Fork(_)
         | SandboxCommand::Restore(_)
+        | SandboxCommand::Pause(_)
+        | SandboxCommand::Resume(_)
         | SandboxCommand::Snapshots(_)
         | SandboxCommand::DeleteSnapshot(_) => None,
         SandboxCommand::Create(CreateArgs {
@@ -246,6 +264,8 @@ pub async fn run(settings: &Settings, cmd: SandboxCommand) -> Result<i32> {
         SandboxCommand::Snapshot(a) => snapshot(a).await,
         SandboxCommand::Fork(a) => fork(a).await,
         SandboxCommand::Restore(a) => restore(a).await,
+        SandboxCommand::Pause(a) => pause_or_resume(a, true).await,
+        SandboxCommand::Resume(a) => pause_or_resume(a, false).await,
         SandboxCommand::Snapshots(a) => snapshots(a).await,
         SandboxCommand::DeleteSnapshot(a) => delete_snapshots(a).await,
     }
@@ -425,6 +445,28 @@ async fn restore(a: RestoreArgs) -> Result<i32> {
         "{} is back at {} ({:.1} s)",
         sandbox.id,
         a.snapshot_id,
+        start.elapsed().as_secs_f64()
+    );
+    if a.json {
+        print_json(&sandbox)?;
+    } else {
+        println!("{}", sandbox.id);
+    }
+    Ok(0)
+}
+
+async fn pause_or_resume(a: PauseArgs, pause: bool) -> Result<i32> {
+    let (api, caller) = server(&a.server).await?;
+    let start = Instant::now();
+    let sandbox = match pause {
+        true => api.pause_sandbox(&caller, &a.id).await,
+        false => api.resume_sandbox(&caller, &a.id).await,
+    }
+    .map_err(api_error)?;
+    eprintln!(
+        "{} is {} ({:.1} s)",
+        sandbox.id,
+        sandbox.status,
         start.elapsed().as_secs_f64()
     );
     if a.json {

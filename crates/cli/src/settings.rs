@@ -104,6 +104,9 @@ pub struct LimitsSection {
     /// What one account's snapshots may take on disk together, in MiB
     /// (default 51200); at it, no new snapshot (429).
     pub snapshot_storage_mb: Option<u64>,
+    /// What a paused sandbox costs, in percent of its running price
+    /// (default 10).
+    pub paused_price_percent: Option<u32>,
 }
 
 /// MCP over HTTP: DNS-rebinding protection.
@@ -304,6 +307,9 @@ impl Settings {
             }
             if let Some(mb) = l.snapshot_storage_mb {
                 service.snapshot_bytes_per_account = mb.saturating_mul(1024 * 1024);
+            }
+            if let Some(p) = l.paused_price_percent {
+                service.paused_price_percent = p.min(100);
             }
         }
         let listen = env_or("SANDPIT_LISTEN", file.listen.clone())

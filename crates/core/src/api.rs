@@ -113,6 +113,13 @@ pub trait SandboxApi: Send + Sync {
         id: &str,
         req: RestoreSandbox,
     ) -> Result<Sandbox>;
+    /// Stops the sandbox's VM, its whole state kept on disk, billed at the
+    /// paused rate; any call that needs the VM resumes it. Pausing a paused
+    /// sandbox changes nothing.
+    async fn pause_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox>;
+    /// Runs a paused sandbox again, its processes where they were.
+    /// Resuming a running sandbox changes nothing.
+    async fn resume_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox>;
 
     /// Run a command to completion.
     async fn exec(&self, caller: &Caller, id: &str, params: ExecParams) -> Result<Execution>;

@@ -389,6 +389,14 @@ impl SandboxApi for Service {
         self.roll_back(caller, id, req).await
     }
 
+    async fn pause_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
+        self.pause(caller, id).await
+    }
+
+    async fn resume_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
+        self.resume(caller, id).await
+    }
+
     async fn exec(&self, caller: &Caller, id: &str, params: ExecParams) -> Result<Execution> {
         self.exec_to_end(caller, id, params).await
     }

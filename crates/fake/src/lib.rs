@@ -97,7 +97,7 @@ const KILLED: i32 = 128 + 9;
 /// The names of the operations [`Fake::calls`] records and
 /// [`Fake::fail_next`] takes: [`SandboxApi`]'s methods that act for an
 /// account.
-pub const OPERATIONS: [&str; 23] = [
+pub const OPERATIONS: [&str; 25] = [
     "create_sandbox",
     "get_sandbox",
     "list_sandboxes",
@@ -109,6 +109,8 @@ pub const OPERATIONS: [&str; 23] = [
     "delete_snapshot",
     "fork_sandbox",
     "restore_sandbox",
+    "pause_sandbox",
+    "resume_sandbox",
     "exec",
     "exec_stream",
     "get_execution",
@@ -172,6 +174,12 @@ pub enum Op {
     RestoreSandbox {
         id: String,
         req: RestoreSandbox,
+    },
+    PauseSandbox {
+        id: String,
+    },
+    ResumeSandbox {
+        id: String,
     },
     Exec {
         id: String,
@@ -237,6 +245,8 @@ impl Op {
             Op::DeleteSnapshot { .. } => "delete_snapshot",
             Op::ForkSandbox { .. } => "fork_sandbox",
             Op::RestoreSandbox { .. } => "restore_sandbox",
+            Op::PauseSandbox { .. } => "pause_sandbox",
+            Op::ResumeSandbox { .. } => "resume_sandbox",
             Op::Exec { .. } => "exec",
             Op::ExecStream { .. } => "exec_stream",
             Op::GetExecution { .. } => "get_execution",
@@ -323,8 +333,13 @@ impl State {
 
     /// A running sandbox of the caller, or why it cannot be used (the
     /// service's words).
+    /// A running sandbox of the caller's; a paused one is resumed, as the
+    /// service does for every call that needs its VM.
     fn running(&mut self, caller: &Caller, id: &str) -> Result<&mut Held> {
         let h = self.held(caller, id)?;
+        if h.sandbox.status == SandboxStatus::Paused {
+            h.sandbox.status = SandboxStatus::Running;
+        }
         let s = &h.sandbox;
         if s.status != SandboxStatus::Running {
             let why = s
@@ -1213,6 +1228,22 @@ impl SandboxApi for Fake {
         h.files = files;
         h.dirs = dirs;
         Ok(h.sandbox.clone())
+    }
+
+    async fn pause_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
+        self.begin(caller, Op::PauseSandbox { id: id.into() })?;
+        let mut st = self.state.lock().unwrap();
+        let h = st.held(caller, id)?;
+        if h.sandbox.status != SandboxStatus::Paused {
+            st.running(caller, id)?.sandbox.status = SandboxStatus::Paused;
+        }
+        Ok(st.held(caller, id)?.sandbox.clone())
+    }
+
+    async fn resume_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
+        self.begin(caller, Op::ResumeSandbox { id: id.into() })?;
+        let mut st = self.state.lock().unwrap();
+        Ok(st.running(caller, id)?.sandbox.clone())
     }
 
     async fn exec(&self, caller: &Caller, id: &str, params: ExecParams) -> Result<Execution> {

@@ -150,6 +150,16 @@ done after it (files, installed packages, running processes) is lost. The snapsh
 of this sandbox, or of the sandbox it was created or forked from, and of the same size. The \
 sandbox keeps its id, exposed port URLs and expiry. Returns the sandbox.";
 
+const D_PAUSE: &str = "\
+Pause a sandbox you will not use for a while but want to keep: its VM stops with its whole state \
+(files, memory, running processes) kept on disk, and it is billed at a tenth of its price. Any \
+later run_command, file or port call resumes it first (a second or so), or call resume_sandbox. \
+It still ends at its expires_at. Returns the sandbox (status paused).";
+
+const D_RESUME: &str = "\
+Resume a paused sandbox: its processes go on where they were. Not needed before other calls, \
+which resume it themselves. Returns the sandbox (status running).";
+
 const D_LIST_SNAPSHOTS: &str = "\
 List this account's snapshots, newest first: id, name, the sandbox each was taken of, size on \
 disk and expiry. Pages with limit and starting_after = the previous page's next_cursor.";
@@ -880,6 +890,62 @@ impl SandpitMcp {
         };
         let (id, req) = a.into_parts();
         answer(self.api.restore_sandbox(&caller, &id, req).await)
+    }
+
+    #[tool(
+        name = "pause_sandbox",
+        description = D_PAUSE,
+        input_schema = schema::input::<SandboxIdArgs>(),
+        output_schema = schema::output::<Sandbox>(),
+        annotations(
+            title = "Pause a sandbox",
+            read_only_hint = false,
+            destructive_hint = false,
+            idempotent_hint = true,
+            open_world_hint = false
+        )
+    )]
+    async fn pause_sandbox(
+        &self,
+        ctx: RequestContext<RoleServer>,
+        args: JsonObject,
+    ) -> Result<CallToolResult, ErrorData> {
+        let (caller, a) = match self
+            .prepare::<SandboxIdArgs>("pause_sandbox", &ctx, args)
+            .await
+        {
+            Ok(v) => v,
+            Err(r) => return r,
+        };
+        answer(self.api.pause_sandbox(&caller, &a.sandbox_id).await)
+    }
+
+    #[tool(
+        name = "resume_sandbox",
+        description = D_RESUME,
+        input_schema = schema::input::<SandboxIdArgs>(),
+        output_schema = schema::output::<Sandbox>(),
+        annotations(
+            title = "Resume a paused sandbox",
+            read_only_hint = false,
+            destructive_hint = false,
+            idempotent_hint = true,
+            open_world_hint = false
+        )
+    )]
+    async fn resume_sandbox(
+        &self,
+        ctx: RequestContext<RoleServer>,
+        args: JsonObject,
+    ) -> Result<CallToolResult, ErrorData> {
+        let (caller, a) = match self
+            .prepare::<SandboxIdArgs>("resume_sandbox", &ctx, args)
+            .await
+        {
+            Ok(v) => v,
+            Err(r) => return r,
+        };
+        answer(self.api.resume_sandbox(&caller, &a.sandbox_id).await)
     }
 
     #[tool(

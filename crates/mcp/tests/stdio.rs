@@ -91,6 +91,8 @@ async fn tools_list_has_every_tool_with_schemas_and_annotations() {
     assert_eq!(hints("fork_sandbox"), (false, false, false, false));
     assert_eq!(hints("restore_sandbox"), (false, true, true, false));
     assert_eq!(hints("delete_snapshot"), (false, true, true, false));
+    assert_eq!(hints("pause_sandbox"), (false, false, true, false));
+    assert_eq!(hints("resume_sandbox"), (false, false, true, false));
 
     // Input schemas name the spec's fields, with the right ones required.
     let run = &get("run_command").input_schema;
@@ -124,6 +126,7 @@ async fn tools_list_has_every_tool_with_schemas_and_annotations() {
     says("snapshot_sandbox", &["risky change", "restore_sandbox"]);
     says("fork_sandbox", &["parallel", "count"]);
     says("restore_sandbox", &["undo", "lost"]);
+    says("pause_sandbox", &["resumes it", "expires_at"]);
     says("create_sandbox", &["snapshot_id", "prepared environment"]);
     let enc = &get("write_file").input_schema["properties"]["encoding"];
     assert!(enc.to_string().contains("base64"), "{enc}");

@@ -120,6 +120,8 @@ fn documents_exactly_the_contract_routes() {
         ("POST", "/v1/sandboxes/{id}/snapshots"),
         ("POST", "/v1/sandboxes/{id}/fork"),
         ("POST", "/v1/sandboxes/{id}/restore"),
+        ("POST", "/v1/sandboxes/{id}/pause"),
+        ("POST", "/v1/sandboxes/{id}/resume"),
         ("GET", "/v1/snapshots"),
         ("GET", "/v1/snapshots/{id}"),
         ("DELETE", "/v1/snapshots/{id}"),

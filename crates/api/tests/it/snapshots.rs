@@ -555,3 +555,61 @@ async fn remote_api_round_trips_snapshots_fork_and_restore() {
         .unwrap_err();
     assert_eq!(e.kind, ErrorType::InvalidRequest);
 }
+
+#[tokio::test]
+async fn pause_and_resume_over_rest_and_remote_api() {
+    let s = Server::start().await;
+    let id = s.create().await;
+    let r = s
+        .a(Method::POST, &format!("/sandboxes/{id}/pause"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    request_id(&r);
+    let paused: Value = r.json().await.unwrap();
+    assert_eq!(paused["status"], "paused");
+    assert_eq!(paused["id"], id.as_str());
+    // A call that needs the VM resumes it.
+    write(&s, &id, "x.txt", "1").await;
+    let r = s
+        .a(Method::GET, &format!("/sandboxes/{id}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.json::<Value>().await.unwrap()["status"], "running");
+    // Another account's is 404; an unknown one too.
+    let r = s
+        .b(Method::POST, &format!("/sandboxes/{id}/pause"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    let r = s
+        .a(Method::POST, "/sandboxes/sbx_nope/resume")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+
+    let api = RemoteApi::new(&s.url).unwrap();
+    let me = api.authenticate(KEY_A).await.unwrap();
+    let p = api.pause_sandbox(&me, &id).await.unwrap();
+    assert_eq!(p.status, SandboxStatus::Paused);
+    assert_eq!(
+        api.pause_sandbox(&me, &id).await.unwrap().status,
+        SandboxStatus::Paused,
+        "pausing twice changes nothing"
+    );
+    let r = api.resume_sandbox(&me, &id).await.unwrap();
+    assert_eq!(r.status, SandboxStatus::Running);
+    assert_eq!(
+        s.fake
+            .calls()
+            .iter()
+            .filter(|c| matches!(c.op, Op::PauseSandbox { .. }))
+            .count(),
+        4,
+        "one over REST by A, one by B, two through RemoteApi"
+    );
+}

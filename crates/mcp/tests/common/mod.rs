@@ -53,8 +53,8 @@ pub const SPEC_TOOLS: [&str; 12] = [
     "get_service_info",
 ];
 
-/// Every tool: the spec's twelve, then snapshots, fork and restore.
-pub const TOOLS: [&str; 17] = [
+/// Every tool: the spec's twelve, then snapshots, fork, restore and pause.
+pub const TOOLS: [&str; 19] = [
     "create_sandbox",
     "run_command",
     "write_file",
@@ -72,6 +72,8 @@ pub const TOOLS: [&str; 17] = [
     "restore_sandbox",
     "list_snapshots",
     "delete_snapshot",
+    "pause_sandbox",
+    "resume_sandbox",
 ];
 
 /// An rmcp client that offers one protocol version at `initialize` and keeps
@@ -315,6 +317,12 @@ pub async fn happy_paths(client: &Client) {
     );
     assert_eq!(x["id"], id.as_str());
     assert_eq!(x["status"], "running");
+    // Paused, then resumed by the next call that needs its VM.
+    let x = ok(
+        &call(client, "pause_sandbox", json!({"sandbox_id": id})).await,
+        &tool("pause_sandbox"),
+    );
+    assert_eq!(x["status"], "paused");
     let x = ok(
         &call(
             client,
@@ -325,6 +333,16 @@ pub async fn happy_paths(client: &Client) {
         &tool("read_file"),
     );
     assert_eq!(x["content"], "it's \"quoted\"\n", "restored");
+    let x = ok(
+        &call(client, "get_sandbox", json!({"sandbox_id": id})).await,
+        &tool("get_sandbox"),
+    );
+    assert_eq!(x["status"], "running", "resumed by read_file");
+    let x = ok(
+        &call(client, "resume_sandbox", json!({"sandbox_id": id})).await,
+        &tool("resume_sandbox"),
+    );
+    assert_eq!(x["status"], "running");
 
     let fork = ok(
         &call(
