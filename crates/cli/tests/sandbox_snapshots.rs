@@ -163,6 +163,96 @@ fn a_sandbox_snapshotted_forked_and_restored_is_the_same_machine() {
         // The same preview URL serves again, from the restored dev server.
         assert_eq!(fetch(&preview).await, (200, "served\n".into()));
 
+        // Paused: no VM process left, its state on disk; the preview URL
+        // resumes it, the counter goes on from where it stopped.
+        let (st, p) = api
+            .post(&format!("/sandboxes/{a}/pause"), json!({}))
+            .await;
+        assert_eq!(st, 200, "{p}");
+        assert_eq!(p["status"], "paused");
+        let at_pause = {
+            let (_, got) = api.get(&format!("/sandboxes/{a}")).await;
+            assert_eq!(got["status"], "paused");
+            host_processes(&data)
+                .iter()
+                .filter(|p| p.vm.as_deref() == Some(a.as_str()))
+                .count()
+        };
+        assert_eq!(at_pause, 0, "a paused sandbox runs no host process");
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(served(&preview).await, (200, "served\n".into()));
+        let (_, got) = api.get(&format!("/sandboxes/{a}")).await;
+        assert_eq!(got["status"], "running", "the preview request resumed it");
+        let after = count(&api, &a).await;
+        assert!(after >= resumed, "the counter went back: {resumed} -> {after}");
+        assert!(
+            after < resumed + 100,
+            "the counter ran while paused: {resumed} -> {after}"
+        );
+        // Through the CLI, as a person pauses and resumes it.
+        let cli = |args: &[&str]| {
+            let out = std::process::Command::new(env!("CARGO_BIN_EXE_sandpit"))
+                .arg("--data-dir")
+                .arg(data.join("cli"))
+                .arg("sandbox")
+                .args(args)
+                .env("SANDPIT_URL", &server.url)
+                .env("SANDPIT_API_KEY", &key)
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "sandpit sandbox {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            String::from_utf8(out.stdout).unwrap().trim().to_string()
+        };
+        let paused: Value = serde_json::from_str(&cli(&["pause", &a, "--json"])).unwrap();
+        assert_eq!(paused["status"], "paused");
+        let resumed: Value = serde_json::from_str(&cli(&["resume", &a, "--json"])).unwrap();
+        assert_eq!(resumed["status"], "running");
+        assert_eq!(sh(&api, &a, "cat /workspace/file").await, "v1");
+        let listed = cli(&["snapshots"]);
+        assert!(listed.contains(&s1), "{listed}");
+
+        // Over MCP, as an agent: snapshot, break, restore.
+        {
+            use rmcp::model::CallToolRequestParams;
+            use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+            use rmcp::transport::StreamableHttpClientTransport;
+            use rmcp::ServiceExt;
+            let transport = StreamableHttpClientTransport::from_config(
+                StreamableHttpClientTransportConfig::with_uri(format!("{}/v1/mcp", server.url))
+                    .auth_header(key.clone()),
+            );
+            let agent = ().serve(transport).await.unwrap();
+            let call = |name: &'static str, args: Value| {
+                let agent = &agent;
+                async move {
+                    let r = agent
+                        .call_tool(
+                            CallToolRequestParams::new(name)
+                                .with_arguments(args.as_object().cloned().unwrap()),
+                        )
+                        .await
+                        .unwrap();
+                    assert_ne!(r.is_error, Some(true), "{name}: {r:?}");
+                    r.structured_content.unwrap()
+                }
+            };
+            let snap = call("snapshot_sandbox", json!({"sandbox_id": a, "name": "mcp"})).await;
+            sh(&api, &a, "echo broken > /workspace/file").await;
+            let back = call(
+                "restore_sandbox",
+                json!({"sandbox_id": a, "snapshot_id": snap["id"]}),
+            )
+            .await;
+            assert_eq!(back["status"], "running");
+            assert_eq!(sh(&api, &a, "cat /workspace/file").await, "v1");
+            call("delete_snapshot", json!({"snapshot_id": snap["id"]})).await;
+            agent.cancel().await.unwrap();
+        }
+
         // Three copies at once, each independent of the others and of A.
         let t = Instant::now();
         let (st, fork) = api
