@@ -728,7 +728,7 @@ impl Store {
             // The common case in one round trip (see `create_function`).
             let sql = format!(
                 "SELECT * FROM {}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, \
-                 $14, $15, $16, $17, $18)",
+                 $14, $15, $16, $17, $18, $19)",
                 create_function().0
             );
             let query = bind_create(

@@ -59,12 +59,14 @@ impl SandboxStatus {
         }
     }
 
-    /// The status a stored or typed word names (never `paused`: a paused
-    /// sandbox is stored as `running`, see [`SandboxStatus::Paused`]).
+    /// The status a stored or typed word names. (`paused` is stored only
+    /// in a sandbox's events: its row says `running`, with a pause time;
+    /// see [`SandboxStatus::Paused`].)
     pub fn parse(s: &str) -> Option<Self> {
         Self::LIVE
             .into_iter()
             .chain(Self::ENDED)
+            .chain([SandboxStatus::Paused])
             .find(|status| status.as_str() == s)
     }
 
@@ -227,7 +229,11 @@ mod tests {
 
     #[test]
     fn every_status_reads_back_from_its_word_and_serializes_as_it() {
-        for status in SandboxStatus::LIVE.into_iter().chain(SandboxStatus::ENDED) {
+        let all = SandboxStatus::LIVE
+            .into_iter()
+            .chain(SandboxStatus::ENDED)
+            .chain([SandboxStatus::Paused]);
+        for status in all {
             assert_eq!(SandboxStatus::stored(status.as_str()).unwrap(), status);
             assert_eq!(
                 serde_json::to_value(status).unwrap(),
@@ -255,7 +261,7 @@ mod tests {
     #[test]
     fn an_unknown_stored_word_is_corrupt_not_a_default() {
         assert!(matches!(
-            SandboxStatus::stored("paused"),
+            SandboxStatus::stored("stopped"),
             Err(StoreError::Corrupt(_))
         ));
         assert!(matches!(

@@ -6,7 +6,8 @@
 
 use sandpit_store::{
     format_ts, hash_key, new_id, CreateOutcome, Engine, ExecutionResult, ExecutionRow,
-    ExecutionState, ExecutionStatus, ExtendOutcome, NewSandbox, SandboxStatus, Store, StoreError,
+    ExecutionState, ExecutionStatus, ExtendOutcome, NewSandbox, NewSnapshot, SandboxStatus,
+    SnapshotOutcome, SnapshotStatus, Store, StoreError,
 };
 use std::collections::HashSet;
 use tempfile::TempDir;
@@ -38,6 +39,8 @@ macro_rules! on_both_engines {
 }
 
 on_both_engines!(
+    snapshots_count_against_a_quota_replay_by_key_and_expire,
+    a_paused_sandbox_stays_live_and_adds_up_its_paused_time,
     nodes_hold_leases_on_the_database_clock_and_lost_ones_settle_once,
     a_create_takes_a_place_on_a_live_node_with_room_in_its_transaction,
     accounts_have_unique_names,
@@ -1783,4 +1786,229 @@ async fn a_create_takes_a_place_on_a_live_node_with_room_in_its_transaction(stor
     // Renewed, it takes sandboxes again.
     assert!(store.renew_lease("b", b.epoch, lease, &warm).await.unwrap());
     created(store.create_sandbox(on("b", b.epoch)).await.unwrap());
+}
+
+fn new_snapshot(account_id: &str, sandbox_id: &str, key: Option<&str>) -> NewSnapshot {
+    NewSnapshot {
+        id: new_id("snap"),
+        account_id: account_id.into(),
+        name: Some("n".into()),
+        sandbox_id: sandbox_id.into(),
+        size: "small".into(),
+        host: "local".into(),
+        expires_at: OffsetDateTime::now_utc() + Duration::days(7),
+        max_count: 2,
+        max_bytes: 1000,
+        idempotency: key.map(|k| (k.to_string(), "hash".to_string())),
+    }
+}
+
+async fn snapshots_count_against_a_quota_replay_by_key_and_expire(store: Store) {
+    let acct = store.create_account("snapper", 20).await.unwrap();
+    let other = store.create_account("other", 20).await.unwrap();
+    store.add_credit(&acct.id, 1_000_000, None).await.unwrap();
+    let now = OffsetDateTime::now_utc();
+    let sbx = created(
+        store
+            .create_sandbox(sandbox(&acct.id, now, 60, 0))
+            .await
+            .unwrap(),
+    );
+    let SnapshotOutcome::Created(a) = store
+        .create_snapshot(new_snapshot(&acct.id, &sbx.id, Some("k1")))
+        .await
+        .unwrap()
+    else {
+        panic!("not created")
+    };
+    assert_eq!(a.status, SnapshotStatus::Creating);
+    // The same key: the same snapshot; with another request: a conflict.
+    match store
+        .create_snapshot(new_snapshot(&acct.id, &sbx.id, Some("k1")))
+        .await
+        .unwrap()
+    {
+        SnapshotOutcome::Replay(r) => assert_eq!(r.id, a.id),
+        other => panic!("{other:?}"),
+    }
+    let mut clash = new_snapshot(&acct.id, &sbx.id, Some("k1"));
+    clash.idempotency = Some(("k1".into(), "another".into()));
+    assert_eq!(
+        store.create_snapshot(clash).await.unwrap(),
+        SnapshotOutcome::IdempotencyConflict
+    );
+    let ready = store.snapshot_ready(&a.id, 600).await.unwrap().unwrap();
+    assert_eq!((ready.status, ready.bytes), (SnapshotStatus::Ready, 600));
+    assert_eq!(store.snapshot_ready(&a.id, 1).await.unwrap(), None, "once");
+    // A second fits the count (2); a third does not.
+    let SnapshotOutcome::Created(b) = store
+        .create_snapshot(new_snapshot(&acct.id, &sbx.id, None))
+        .await
+        .unwrap()
+    else {
+        panic!("not created")
+    };
+    assert!(matches!(
+        store
+            .create_snapshot(new_snapshot(&acct.id, &sbx.id, None))
+            .await
+            .unwrap(),
+        SnapshotOutcome::OverQuota {
+            count: 2,
+            bytes: 600,
+            ..
+        }
+    ));
+    // Bytes count too: at 1000 of 1000, none more even under the count.
+    store.snapshot_ready(&b.id, 400).await.unwrap().unwrap();
+    assert_eq!(
+        store.delete_snapshot(&a.id).await.unwrap().unwrap().id,
+        a.id
+    );
+    assert_eq!(store.delete_snapshot(&a.id).await.unwrap(), None, "once");
+    let mut big = new_snapshot(&acct.id, &sbx.id, None);
+    big.max_bytes = 400;
+    assert!(matches!(
+        store.create_snapshot(big).await.unwrap(),
+        SnapshotOutcome::OverQuota {
+            count: 1,
+            bytes: 400,
+            ..
+        }
+    ));
+    // Ownership: another account's and a deleted one are not found.
+    assert!(store.snapshot_of(&other.id, &b.id).await.unwrap().is_none());
+    assert!(store.snapshot_of(&acct.id, &a.id).await.unwrap().is_none());
+    assert!(
+        store.snapshot(&a.id).await.unwrap().is_some(),
+        "kept as history"
+    );
+    let page = store.list_snapshots(&acct.id, 10, None).await.unwrap();
+    assert_eq!(page.data.iter().map(|s| &s.id).collect::<Vec<_>>(), [&b.id]);
+    assert!(store
+        .list_snapshots(&other.id, 10, None)
+        .await
+        .unwrap()
+        .data
+        .is_empty());
+    assert!(matches!(
+        store.list_snapshots(&other.id, 10, Some(&b.id)).await,
+        Err(StoreError::NotFound(_))
+    ));
+    // Expiry finds it on its host only, once it is due.
+    assert!(store
+        .expired_snapshots("local", now)
+        .await
+        .unwrap()
+        .is_empty());
+    let later = now + Duration::days(8);
+    let due = store.expired_snapshots("local", later).await.unwrap();
+    assert_eq!(due.iter().map(|s| &s.id).collect::<Vec<_>>(), [&b.id]);
+    assert!(store
+        .expired_snapshots("elsewhere", later)
+        .await
+        .unwrap()
+        .is_empty());
+    assert_eq!(
+        store.snapshots_on("local").await.unwrap().len(),
+        1,
+        "the deleted one is not the host's any more"
+    );
+    assert!(store.next_snapshot_expiry("local").await.unwrap().is_some());
+}
+
+async fn a_paused_sandbox_stays_live_and_adds_up_its_paused_time(store: Store) {
+    let acct = store.create_account("pauser", 1).await.unwrap();
+    store.add_credit(&acct.id, 1_000_000, None).await.unwrap();
+    let now = OffsetDateTime::now_utc();
+    let sbx = created(
+        store
+            .create_sandbox(sandbox(&acct.id, now, 60, 1000))
+            .await
+            .unwrap(),
+    );
+    // Only a running sandbox pauses.
+    assert_eq!(store.pause_sandbox(&sbx.id).await.unwrap(), None);
+    store
+        .set_status(&sbx.id, SandboxStatus::Running, None)
+        .await
+        .unwrap();
+    let paused = store.pause_sandbox(&sbx.id).await.unwrap().unwrap();
+    assert_eq!(paused.status, SandboxStatus::Paused);
+    assert!(paused.paused_at.is_some());
+    assert_eq!(store.pause_sandbox(&sbx.id).await.unwrap(), None, "once");
+    assert!(matches!(
+        store.set_status(&sbx.id, SandboxStatus::Paused, None).await,
+        Err(StoreError::Invalid(_))
+    ));
+    // Still live: it counts against the limit (1), is listed, expires,
+    // and can be extended.
+    assert!(matches!(
+        store
+            .create_sandbox(sandbox(&acct.id, now, 60, 1000))
+            .await
+            .unwrap(),
+        CreateOutcome::TooManySandboxes { live: 1, limit: 1 }
+    ));
+    assert_eq!(store.live_sandboxes("local").await.unwrap().len(), 1);
+    assert_eq!(
+        store.sandbox(&sbx.id).await.unwrap().unwrap().status,
+        SandboxStatus::Paused
+    );
+    assert!(matches!(
+        store
+            .extend_sandbox(&sbx.id, &acct.id, now + Duration::minutes(90), 90, 10)
+            .await
+            .unwrap(),
+        ExtendOutcome::Extended(_)
+    ));
+    let due = store
+        .expired_sandboxes("local", now + Duration::hours(3))
+        .await
+        .unwrap();
+    assert_eq!(due.len(), 1);
+    // Its pause time adds up across pauses.
+    tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+    let running = store.resume_sandbox(&sbx.id).await.unwrap().unwrap();
+    assert_eq!(running.status, SandboxStatus::Running);
+    assert_eq!(running.paused_at, None);
+    assert!(running.paused_seconds >= 1, "{running:?}");
+    assert_eq!(store.resume_sandbox(&sbx.id).await.unwrap(), None, "once");
+    store.pause_sandbox(&sbx.id).await.unwrap().unwrap();
+    let again = store.sandbox(&sbx.id).await.unwrap().unwrap();
+    assert_eq!(
+        again.paused_seconds_until(again.paused_at.unwrap() + Duration::seconds(5)),
+        running.paused_seconds + 5
+    );
+    // The history says so.
+    let events: Vec<_> = store
+        .events(&sbx.id)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.status)
+        .collect();
+    assert_eq!(
+        events,
+        [
+            SandboxStatus::Provisioning,
+            SandboxStatus::Running,
+            SandboxStatus::Paused,
+            SandboxStatus::Running,
+            SandboxStatus::Paused
+        ]
+    );
+    // It ends like any other, its pause time kept for the bill.
+    let ended = store
+        .finish_sandbox(
+            &sbx.id,
+            SandboxStatus::Deleted,
+            "destroyed",
+            OffsetDateTime::now_utc(),
+            5,
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(ended.status, SandboxStatus::Deleted);
 }
