@@ -101,6 +101,7 @@ fn a_sandbox_snapshotted_forked_and_restored_is_the_same_machine() {
         // The dev server takes a moment to start under emulation.
         assert_eq!(served(&preview).await, (200, "served\n".into()));
 
+        let machine_id = sh(&api, &a, "cat /etc/machine-id").await;
         // A snapshot, replayed by its Idempotency-Key.
         let at_snapshot = count(&api, &a).await;
         let t = Instant::now();
@@ -153,6 +154,8 @@ fn a_sandbox_snapshotted_forked_and_restored_is_the_same_machine() {
         assert_eq!(restored["id"], a.as_str());
         assert_eq!(restored["status"], "running");
         assert_eq!(sh(&api, &a, "cat /workspace/file").await, "v1");
+        // The same machine: its own machine-id still.
+        assert_eq!(sh(&api, &a, "cat /etc/machine-id").await, machine_id);
         let resumed = count(&api, &a).await;
         assert!(
             resumed >= at_snapshot && resumed < at_snapshot + 50,
@@ -185,6 +188,7 @@ fn a_sandbox_snapshotted_forked_and_restored_is_the_same_machine() {
         assert_eq!(got["status"], "running", "the preview request resumed it");
         let after = count(&api, &a).await;
         assert!(after >= resumed, "the counter went back: {resumed} -> {after}");
+        assert_eq!(sh(&api, &a, "cat /etc/machine-id").await, machine_id);
         assert!(
             after < resumed + 100,
             "the counter ran while paused: {resumed} -> {after}"
@@ -279,6 +283,7 @@ fn a_sandbox_snapshotted_forked_and_restored_is_the_same_machine() {
         sh(&api, &a, "test ! -e /workspace/mine").await;
         let ids: std::collections::BTreeSet<String> = futures_ids(&api, &copies).await;
         assert_eq!(ids.len(), 3, "machine ids: {ids:?}");
+        assert!(!ids.contains(&machine_id), "a copy is a machine of its own");
 
         // A sandbox from a snapshot: the snapshot's size and state.
         let (st, b) = api

@@ -67,6 +67,10 @@ pub struct SavedRecord {
     pub changed_pages: u64,
     #[serde(with = "time::serde::rfc3339")]
     pub created_at: time::OffsetDateTime,
+    /// The machine-id of the VM it was saved from, which that VM keeps if
+    /// it is restored from the save (a VM of another id gets its own).
+    #[serde(default)]
+    pub machine_id: Option<String>,
 }
 
 /// A save on disk, ready to start VMs from.
@@ -172,6 +176,7 @@ impl VmManager {
                 state: layers::new_name(".state"),
                 changed_pages: 0,
                 created_at: time::OffsetDateTime::now_utc(),
+                machine_id: record.machine_id.clone(),
             },
             template,
             layers_dir: self.layers_dir(),

@@ -63,6 +63,9 @@ pub struct VmRecord {
     /// once a save froze the first one (`None`: `disk.qcow2`).
     #[serde(default)]
     pub disk: Option<String>,
+    /// The guest's /etc/machine-id (`None`: from before it was recorded).
+    #[serde(default)]
+    pub machine_id: Option<String>,
 }
 
 impl VmRecord {
@@ -484,6 +487,18 @@ impl VmManager {
             life_read,
         );
 
+        // A machine is the same machine when it comes back from its own
+        // save (restored, resumed): its machine-id stays. Any other VM gets
+        // one of its own.
+        let machine_id = match start {
+            Start::Saved(saved) if saved.record.from == req.id => saved.record.machine_id.clone(),
+            _ => None,
+        }
+        .unwrap_or_else(|| {
+            let mut id = [0u8; 16];
+            rand::rngs::OsRng.fill_bytes(&mut id);
+            hex::encode(id)
+        });
         let mut record = VmRecord {
             id: req.id.clone(),
             size: req.size.clone(),
@@ -505,6 +520,7 @@ impl VmManager {
             },
             watchdog: watchdog.as_ref().ok().copied(),
             disk: None,
+            machine_id: Some(machine_id.clone()),
         };
         write_record(paths, &record)?;
         // Recorded first, so a failed start's clean-up stops QEMU and passt.
@@ -555,8 +571,6 @@ impl VmManager {
         let mut entropy = vec![0u8; 64];
         rand::rngs::OsRng.fill_bytes(&mut entropy);
         let network = passt.as_ref().map(|_| self.network_config());
-        let mut machine_id = [0u8; 16];
-        rand::rngs::OsRng.fill_bytes(&mut machine_id);
         agent
             .configure(
                 GuestConfig {
@@ -564,7 +578,7 @@ impl VmManager {
                         Start::Template { .. } => "sandpit-template".into(),
                         _ => hostname_for(&req.id),
                     },
-                    machine_id: hex::encode(machine_id),
+                    machine_id,
                     time_unix_ms: (OffsetDateTime::now_utc().unix_timestamp_nanos() / 1_000_000)
                         as u64,
                     network,
