@@ -613,6 +613,70 @@ fn a_replica_names_a_sandbox_after_the_warm_vm_a_node_published() {
             "{ledger:?}"
         );
     });
+
+    // Snapshots through the replica: taken, started from, restored,
+    // paused and resumed on the node that holds them, over the node API.
+    rt().block_on(async {
+        let sh = |id: String, command: &'static str| {
+            let via_a = &via_a;
+            async move {
+                let (st, ex) = via_a
+                    .post(
+                        &format!("/sandboxes/{id}/exec"),
+                        json!({ "command": command }),
+                    )
+                    .await;
+                assert_eq!(st, 200, "{ex}");
+                assert_eq!(ex["exit_code"], 0, "{command}: {ex}");
+                ex["stdout"].as_str().unwrap().trim().to_string()
+            }
+        };
+        sh(first.clone(), "echo kept > /workspace/f").await;
+        let (st, snap) = via_a
+            .post(&format!("/sandboxes/{first}/snapshots"), json!({}))
+            .await;
+        assert_eq!(st, 201, "{snap}");
+        let snap_id = snap["id"].as_str().unwrap().to_string();
+        let (st, copy) = via_a
+            .post("/sandboxes", json!({"snapshot_id": snap_id}))
+            .await;
+        assert_eq!(st, 201, "{copy}");
+        let copy = copy["id"].as_str().unwrap().to_string();
+        assert_eq!(sh(copy.clone(), "cat /workspace/f").await, "kept");
+        let store = Store::connect(&url).await.unwrap();
+        assert_eq!(store.sandbox(&copy).await.unwrap().unwrap().host, "b");
+        assert_eq!(store.snapshot(&snap_id).await.unwrap().unwrap().host, "b");
+        sh(first.clone(), "rm /workspace/f").await;
+        let (st, back) = via_a
+            .post(
+                &format!("/sandboxes/{first}/restore"),
+                json!({"snapshot_id": snap_id}),
+            )
+            .await;
+        assert_eq!(st, 200, "{back}");
+        assert_eq!(sh(first.clone(), "cat /workspace/f").await, "kept");
+        let (st, p) = via_a
+            .post(&format!("/sandboxes/{first}/pause"), json!({}))
+            .await;
+        assert_eq!((st, p["status"].as_str()), (200, Some("paused")), "{p}");
+        assert!(!vm_runs(&first), "a paused sandbox's QEMU still runs");
+        // A command resumes it.
+        assert_eq!(sh(first.clone(), "cat /workspace/f").await, "kept");
+        let (_, now) = via_a.get(&format!("/sandboxes/{first}")).await;
+        assert_eq!(now["status"], "running", "{now}");
+        let (st, _) = via_a
+            .call(
+                reqwest::Method::DELETE,
+                &format!("/snapshots/{snap_id}"),
+                None,
+            )
+            .await;
+        assert_eq!(st, 200);
+        let (st, _) = via_a
+            .call(reqwest::Method::DELETE, &format!("/sandboxes/{copy}"), None)
+            .await;
+        assert_eq!(st, 200);
+    });
     drop(a);
     drop(b);
 }
