@@ -40,11 +40,7 @@ impl Service {
 
     async fn pause_row(&self, id: &str) -> Result<SandboxRow> {
         let _turn = self.boot_turn(id).await;
-        let row = self
-            .store
-            .sandbox(id)
-            .await?
-            .ok_or_else(|| CoreError::not_found("sandbox", id))?;
+        let row = self.current(id).await?;
         match row.status {
             SandboxStatus::Paused => return Ok(row),
             SandboxStatus::Running => {}
@@ -63,11 +59,7 @@ impl Service {
         match self.store.pause_sandbox(id).await? {
             Some(row) => Ok(row),
             // Ended meanwhile (destroyed, expired): so be it.
-            None => {
-                let now = self.store.sandbox(id).await?;
-                let now = now.ok_or_else(|| CoreError::not_found("sandbox", id))?;
-                Err(not_running(&now))
-            }
+            None => Err(not_running(&self.current(id).await?)),
         }
     }
 
@@ -95,11 +87,7 @@ impl Service {
 
     async fn wake_row(&self, id: &str) -> Result<SandboxRow> {
         let _turn = self.boot_turn(id).await;
-        let row = self
-            .store
-            .sandbox(id)
-            .await?
-            .ok_or_else(|| CoreError::not_found("sandbox", id))?;
+        let row = self.current(id).await?;
         match row.status {
             SandboxStatus::Running => return Ok(row),
             SandboxStatus::Paused => {}
@@ -115,14 +103,18 @@ impl Service {
         }
         match self.store.resume_sandbox(id).await? {
             Some(row) => Ok(row),
-            None => {
-                let now = self.store.sandbox(id).await?;
-                let now = now.ok_or_else(|| CoreError::not_found("sandbox", id))?;
-                match now.status {
-                    SandboxStatus::Running => Ok(now),
-                    _ => Err(not_running(&now)),
-                }
-            }
+            None => match self.current(id).await? {
+                now if now.status == SandboxStatus::Running => Ok(now),
+                now => Err(not_running(&now)),
+            },
         }
+    }
+
+    /// Sandbox `id` as the store has it now.
+    async fn current(&self, id: &str) -> Result<SandboxRow> {
+        self.store
+            .sandbox(id)
+            .await?
+            .ok_or_else(|| CoreError::not_found("sandbox", id))
     }
 }
