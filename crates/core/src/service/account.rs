@@ -8,11 +8,10 @@
 //! flushed included), the account object and the service's description.
 
 use crate::api::Caller;
-use crate::config::cost;
 use crate::error::{CoreError, Result};
 use crate::ids::rfc3339;
 use crate::model::*;
-use crate::service::lifecycle::lived_seconds;
+use crate::service::lifecycle::{cost_until, lived_seconds};
 use crate::service::Service;
 use time::OffsetDateTime;
 
@@ -53,7 +52,7 @@ impl Service {
                 let end = r.deleted_at.unwrap_or(now).min(r.expires_at);
                 let seconds = lived_seconds(r.created_at, end);
                 let cost_micros = if r.is_live() {
-                    cost(r.price_micros_per_hour, seconds)
+                    cost_until(r, end, self.config.paused_price_percent)
                 } else {
                     u.charged_micros
                 };

@@ -715,13 +715,7 @@ impl Service {
                 Ok(Some(r)) => r,
                 _ => row.clone(),
             };
-            let lived = lived_seconds(row.created_at, billed_until);
-            let paused = now_row.paused_seconds_until(billed_until).min(lived);
-            cost(row.price_micros_per_hour, lived - paused)
-                + cost(
-                    row.price_micros_per_hour * i64::from(self.config.paused_price_percent) / 100,
-                    paused,
-                )
+            cost_until(&now_row, billed_until, self.config.paused_price_percent)
         };
         Ok(self
             .store
@@ -900,6 +894,18 @@ pub(super) fn to_sandbox(r: &SandboxRow) -> Sandbox {
     }
 }
 
+/// What sandbox `row` has cost from its creation to `until`: its seconds
+/// paused at `paused_percent` of its price, the rest at its price.
+pub(crate) fn cost_until(row: &SandboxRow, until: OffsetDateTime, paused_percent: u32) -> i64 {
+    let lived = lived_seconds(row.created_at, until);
+    let paused = row.paused_seconds_until(until).min(lived);
+    cost(row.price_micros_per_hour, lived - paused)
+        + cost(
+            row.price_micros_per_hour * i64::from(paused_percent) / 100,
+            paused,
+        )
+}
+
 /// Seconds a sandbox lived from creation to `end` (rounded up), for billing.
 pub(crate) fn lived_seconds(created: OffsetDateTime, end: OffsetDateTime) -> u64 {
     let d = end - created;
@@ -908,4 +914,57 @@ pub(crate) fn lived_seconds(created: OffsetDateTime, end: OffsetDateTime) -> u64
     }
     let ms = d.whole_milliseconds() as u64;
     ms.div_ceil(1000)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use time::macros::datetime;
+
+    fn row(paused_at: Option<OffsetDateTime>, paused_seconds: u64) -> SandboxRow {
+        let t0 = datetime!(2026-03-01 12:00:00 UTC);
+        SandboxRow {
+            id: "sbx_x".into(),
+            account_id: "acct_x".into(),
+            name: None,
+            size: "small".into(),
+            vcpus: 2,
+            memory_mb: 1024,
+            disk_gb: 4,
+            timeout_minutes: 60,
+            status: match paused_at {
+                Some(_) => SandboxStatus::Paused,
+                None => SandboxStatus::Running,
+            },
+            price_micros_per_hour: 90_000,
+            host: "h".into(),
+            created_at: t0,
+            ready_at: Some(t0),
+            expires_at: t0 + time::Duration::hours(1),
+            deleted_at: None,
+            deleted_reason: None,
+            disk_used_bytes: 0,
+            snapshot_id: None,
+            paused_at,
+            paused_seconds,
+        }
+    }
+
+    #[test]
+    fn paused_time_is_billed_at_the_paused_rate() {
+        let t0 = datetime!(2026-03-01 12:00:00 UTC);
+        let hour = t0 + time::Duration::hours(1);
+        // Never paused: the whole price (25 µ$/s for $0.09/h).
+        assert_eq!(cost_until(&row(None, 0), hour, 10), 90_000);
+        // Paused 20 minutes before, and since 10 minutes to the hour: 30
+        // minutes at 10%.
+        let r = row(Some(t0 + time::Duration::minutes(50)), 20 * 60);
+        assert_eq!(r.paused_seconds_until(hour), 30 * 60);
+        assert_eq!(cost_until(&r, hour, 10), 45_000 + 4_500);
+        // At 100% a pause saves nothing; at 0% it is free.
+        assert_eq!(cost_until(&r, hour, 100), 90_000);
+        assert_eq!(cost_until(&r, hour, 0), 45_000);
+        // Paused time never exceeds the time lived.
+        assert_eq!(cost_until(&row(None, 10_000), hour, 0), 0);
+    }
 }
