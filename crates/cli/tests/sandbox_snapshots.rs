@@ -68,15 +68,7 @@ fn a_sandbox_snapshotted_forked_and_restored_is_the_same_machine() {
     rt().block_on(async {
         // The first start of a server builds the snapshot template; the
         // sandboxes here are restored from it, as nearly all are.
-        let deadline = Instant::now() + Duration::from_secs(300);
-        loop {
-            let (_, info) = api.get("/service").await;
-            if info["fast_start"]["warm_pool"][0]["ready"].as_u64() >= Some(1) {
-                break;
-            }
-            assert!(Instant::now() < deadline, "the warm pool did not fill");
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        }
+        template_ready(&api).await;
         let (st, a) = api
             .post("/sandboxes", json!({"size": "small", "timeout_minutes": 20}))
             .await;
@@ -431,4 +423,96 @@ async fn futures_ids(api: &Rest, sandboxes: &[String]) -> std::collections::BTre
         ids.insert(sh(api, s, "cat /etc/machine-id").await);
     }
     ids
+}
+
+/// Waits until the server's warm pool has a VM ready: its snapshot
+/// template exists.
+async fn template_ready(api: &Rest) {
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let (_, info) = api.get("/service").await;
+        if info["fast_start"]["warm_pool"][0]["ready"].as_u64() >= Some(1) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "the warm pool did not fill");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+#[test]
+fn snapshots_outlive_a_restart_and_expired_ones_free_their_disk() {
+    let data = data_dir();
+    let (a, s1) = {
+        let server = Server::start(&data);
+        let key = server.admin_key.clone().unwrap();
+        std::fs::write(data.join("admin.key"), &key).unwrap();
+        let api = Rest::new(&server, &key);
+        rt().block_on(async {
+            template_ready(&api).await;
+            let (st, a) = api.post("/sandboxes", json!({"timeout_minutes": 10})).await;
+            assert_eq!(st, 201, "{a}");
+            let a = id_of(&a);
+            sh(&api, &a, "echo before > /workspace/f").await;
+            let (st, s1) = api
+                .post(&format!("/sandboxes/{a}/snapshots"), json!({}))
+                .await;
+            assert_eq!(st, 201, "{s1}");
+            (a, id_of(&s1))
+        })
+    };
+    // The server stopped (its sandboxes run on); the next one keeps
+    // snapshots for no time at all.
+    let server = Server::start_with(&data, "[limits]\nsnapshot_retention_days = 0\n");
+    let key = std::fs::read_to_string(data.join("admin.key")).unwrap();
+    let api = Rest::new(&server, &key);
+    rt().block_on(async {
+        let (st, snap) = api.get(&format!("/snapshots/{s1}")).await;
+        assert_eq!(st, 200, "{snap}");
+        assert_eq!(snap["status"], "ready");
+        let (st, b) = api
+            .post(
+                "/sandboxes",
+                json!({"snapshot_id": s1, "timeout_minutes": 5}),
+            )
+            .await;
+        assert_eq!(st, 201, "{b}");
+        let b = id_of(&b);
+        assert_eq!(sh(&api, &b, "cat /workspace/f").await, "before");
+
+        // A snapshot past its expiry is deleted, its files with it.
+        let (st, s2) = api
+            .post(&format!("/sandboxes/{a}/snapshots"), json!({}))
+            .await;
+        assert_eq!(st, 201, "{s2}");
+        let s2 = id_of(&s2);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let (st, _) = api.get(&format!("/snapshots/{s2}")).await;
+            let (saves, _) = saves_and_layers(&data);
+            if st == 404 && !saves.contains(&s2) {
+                assert!(saves.contains(&s1), "{saves:?}");
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{s2} did not expire: {st} {saves:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        for id in [&a, &b] {
+            let (st, _) = api
+                .call(reqwest::Method::DELETE, &format!("/sandboxes/{id}"), None)
+                .await;
+            assert_eq!(st, 200);
+        }
+        let (st, _) = api
+            .call(reqwest::Method::DELETE, &format!("/snapshots/{s1}"), None)
+            .await;
+        assert_eq!(st, 200);
+        wait_until(
+            "the saves and layers to go",
+            Duration::from_secs(10),
+            || saves_and_layers(&data) == (vec![], 0),
+        );
+    });
 }

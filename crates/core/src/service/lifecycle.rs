@@ -744,7 +744,7 @@ impl Service {
     }
 
     /// Wake the reaper (an expiry moved earlier).
-    fn wake_reaper(&self) {
+    pub(super) fn wake_reaper(&self) {
         self.reaper.notify_one();
     }
 

@@ -140,7 +140,11 @@ impl Service {
                     "snapshot taken in {} ms, {bytes} bytes", started.elapsed().as_millis()
                 );
                 match self.store.snapshot_ready(&snap.id, bytes).await {
-                    Ok(Some(ready)) => Ok(ready),
+                    Ok(Some(ready)) => {
+                        // Its expiry may be the next one.
+                        self.wake_reaper();
+                        Ok(ready)
+                    }
                     // Deleted while it was written.
                     Ok(None) => {
                         let _ = machines.delete_snapshot(&snap.id).await;
