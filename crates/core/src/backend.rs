@@ -274,6 +274,15 @@ impl LocalVms {
         self.manager.saved(&paused_name(id)).is_ok()
     }
 
+    /// The ids of the VMs paused here.
+    pub fn paused(&self) -> Vec<String> {
+        self.manager
+            .list_saved()
+            .into_iter()
+            .filter_map(|name| name.strip_prefix(PAUSED).map(str::to_string))
+            .collect()
+    }
+
     /// Move a sandbox's expiry (see [`sandpit_runtime::expiry`]).
     pub fn set_expiry(&self, id: &str, at: OffsetDateTime) -> Result<(), RuntimeError> {
         self.manager.set_expiry(id, at)

@@ -462,7 +462,9 @@ impl Service {
 
     /// Expired snapshots of this host are deleted, and saves on its disk
     /// that no live snapshot names (deleted while it was out of reach, or
-    /// left by a crash) are removed. Returns when the next one expires.
+    /// left by a crash) are removed, as are the paused states of sandboxes
+    /// that ended (elsewhere: by a sweep that found this node lost).
+    /// Returns when the next snapshot expires.
     pub(super) async fn sweep_snapshots(&self) -> Option<OffsetDateTime> {
         let vms = self.vms()?;
         let host = &self.config.host_name;
@@ -487,6 +489,14 @@ impl Service {
                 return None;
             }
         };
+        for id in vms.paused() {
+            if let Ok(row) = self.store.sandbox(&id).await {
+                if row.is_none_or(|r| r.status.is_ended()) {
+                    tracing::info!(id, "removing the paused state of a sandbox that ended");
+                    let _ = vms.destroy(&id).await;
+                }
+            }
+        }
         for name in on_disk {
             if !live.iter().any(|s| s.id == name) {
                 if let Err(e) = vms.manager().delete_saved(&name).await {
