@@ -440,7 +440,7 @@ async fn template_ready(api: &Rest) {
 }
 
 #[test]
-fn snapshots_outlive_a_restart_and_expired_ones_free_their_disk() {
+fn snapshots_and_pauses_outlive_a_restart_and_expired_snapshots_free_their_disk() {
     let data = data_dir();
     let (a, s1) = {
         let server = Server::start(&data);
@@ -457,6 +457,9 @@ fn snapshots_outlive_a_restart_and_expired_ones_free_their_disk() {
                 .post(&format!("/sandboxes/{a}/snapshots"), json!({}))
                 .await;
             assert_eq!(st, 201, "{s1}");
+            // Paused across the restart too.
+            let (st, p) = api.post(&format!("/sandboxes/{a}/pause"), json!({})).await;
+            assert_eq!(st, 200, "{p}");
             (a, id_of(&s1))
         })
     };
@@ -466,6 +469,9 @@ fn snapshots_outlive_a_restart_and_expired_ones_free_their_disk() {
     let key = std::fs::read_to_string(data.join("admin.key")).unwrap();
     let api = Rest::new(&server, &key);
     rt().block_on(async {
+        let (_, got) = api.get(&format!("/sandboxes/{a}")).await;
+        assert_eq!(got["status"], "paused", "{got}");
+        assert_eq!(sh(&api, &a, "cat /workspace/f").await, "before");
         let (st, snap) = api.get(&format!("/snapshots/{s1}")).await;
         assert_eq!(st, 200, "{snap}");
         assert_eq!(snap["status"], "ready");
