@@ -788,8 +788,9 @@ impl Service {
     /// After a restart: expired sandboxes are destroyed, sandboxes whose VM
     /// vanished are failed (and refunded), half-created ones are failed,
     /// VM directories or QEMU processes that no live sandbox owns are
-    /// removed, and executions left `running` by the process that ran them
-    /// are failed. Like all of it, that last assumes this process is the
+    /// removed, executions left `running` by the process that ran them
+    /// are failed, and snapshots left half written (or whose files are
+    /// gone) are deleted. Like all of it, that last assumes this process is the
     /// only service on its data directory.
     pub async fn reconcile(&self) -> Result<()> {
         let now = OffsetDateTime::now_utc();
@@ -868,6 +869,17 @@ impl Service {
             }
         }
         vms.kill_orphan_qemus(&keep).await;
+        // A snapshot the previous server was writing never finished (its
+        // half save was removed when the VMs were opened), and one whose
+        // files are gone cannot be started from: neither is kept.
+        let on_disk = vms.snapshots();
+        for snap in self.store.snapshots_on(&self.config.host_name).await? {
+            let written = snap.status == sandpit_store::SnapshotStatus::Ready;
+            if !written || !on_disk.contains(&snap.id) {
+                tracing::info!(snapshot = %snap.id, "a snapshot with no files: deleted");
+                self.store.delete_snapshot(&snap.id).await?;
+            }
+        }
         Ok(())
     }
 }
