@@ -516,10 +516,7 @@ impl Service {
         let lost = self
             .store()
             .declare_lost_nodes(m.config.lost_after(), |row, until| {
-                crate::config::cost(
-                    row.price_micros_per_hour,
-                    crate::service::lived_seconds(row.created_at, until),
-                )
+                crate::service::cost_until(row, until, self.config().paused_price_percent)
             })
             .await?;
         for l in lost {

@@ -43,7 +43,7 @@ pub use checks::{
 };
 pub(crate) use errors::{body_failed, body_length};
 pub use files::TRANSFER_WAIT;
-pub(crate) use lifecycle::lived_seconds;
+pub(crate) use lifecycle::cost_until;
 
 use crate::api::{Caller, ExecStream, SandboxApi};
 use crate::backend::LocalVms;

@@ -266,7 +266,7 @@ impl Store {
     /// ago, and in the same transaction ends each of its live sandboxes as
     /// `failed` ("its node … was lost"), at the node's last heartbeat,
     /// charged `charge(sandbox, lost_at)` (what it ran until then) and the
-    /// rest of its reservation released.
+    /// rest of its reservation released, and deletes its snapshots.
     ///
     /// Any number of processes may sweep at once: the flip to `lost` is a
     /// conditional update under the node's row lock, so one of them wins
@@ -345,6 +345,16 @@ impl Store {
             // What it was running for others (a replica routes commands to
             // nodes) will never be finished by it.
             crate::executions::fail_running_executions_of(&mut tx, &name, lost_at).await?;
+            // Its snapshots were on its disk: gone with it (should it come
+            // back, its sweep removes their files).
+            sqlx::query(
+                "UPDATE snapshots SET status = 'deleted', deleted_at = $2 \
+                 WHERE host = $1 AND status <> 'deleted'",
+            )
+            .bind(&name)
+            .bind(crate::format_ts(lost_at))
+            .execute(&mut *tx)
+            .await?;
             tx.commit().await?;
             lost.push(LostNode {
                 node,

@@ -1599,6 +1599,16 @@ async fn nodes_hold_leases_on_the_database_clock_and_lost_ones_settle_once(store
         }
     };
     let (by_b, by_a) = (running_by("b").await, running_by("a").await);
+    // A snapshot on each node.
+    let mut snaps = Vec::new();
+    for (host, sandbox) in [("b", on_b[0].clone()), ("a", on_a.clone().unwrap())] {
+        let mut new = new_snapshot(&acct.id, &sandbox, None);
+        new.host = host.into();
+        match store.create_snapshot(new).await.unwrap() {
+            SnapshotOutcome::Created(s) => snaps.push(s.id),
+            other => panic!("{other:?}"),
+        }
+    }
 
     // b's lease ran out; four sweepers race, and b is declared lost once.
     tokio::time::sleep(StdDuration::from_millis(20)).await;
@@ -1655,6 +1665,13 @@ async fn nodes_hold_leases_on_the_database_clock_and_lost_ones_settle_once(store
         ExecutionState::Ended(ExecutionStatus::Failed)
     );
     assert_eq!(status_of(by_a).await, ExecutionState::Running);
+    // b's snapshot went with it; a's stays.
+    let status = |id: String| {
+        let store = store.clone();
+        async move { store.snapshot(&id).await.unwrap().unwrap().status }
+    };
+    assert_eq!(status(snaps[0].clone()).await, SnapshotStatus::Deleted);
+    assert_eq!(status(snaps[1].clone()).await, SnapshotStatus::Creating);
 
     // Fenced: b's old epoch renews nothing; b starting again is up anew.
     assert!(!store
