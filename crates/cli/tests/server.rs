@@ -169,7 +169,11 @@ async fn mcp_flow<S: rmcp::service::Service<rmcp::RoleClient>>(
     c: &rmcp::service::RunningService<rmcp::RoleClient, S>,
 ) {
     let tools = c.list_all_tools().await.unwrap();
-    assert_eq!(tools.len(), 12);
+    // The spec's twelve, then snapshots, fork, restore and pause.
+    assert_eq!(tools.len(), 19);
+    for name in ["run_command", "snapshot_sandbox", "pause_sandbox"] {
+        assert!(tools.iter().any(|t| t.name == name), "{name}");
+    }
     let call = |name: &'static str, a: Value| {
         let req = CallToolRequestParams::new(name).with_arguments(args(a));
         async move {
@@ -240,7 +244,7 @@ fn the_agent_flow_over_mcp_streamable_http() {
             ))
             .await
             .unwrap();
-        assert_eq!(anon.list_all_tools().await.unwrap().len(), 12);
+        assert_eq!(anon.list_all_tools().await.unwrap().len(), 19);
         let info = anon
             .call_tool(CallToolRequestParams::new("get_service_info"))
             .await
