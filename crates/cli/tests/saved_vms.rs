@@ -78,7 +78,7 @@ fn a_vm_started_from_a_save_is_the_same_machine_with_its_own_identity() {
 
         let at_save = count(&a).await;
         let t = Instant::now();
-        let saved = m.save("sbx_saved_a", "one").await.expect("save");
+        let saved = m.save("sbx_saved_a", "one", sandpit_runtime::AfterSave::Run).await.expect("save");
         let took = t.elapsed();
         eprintln!(
             "saved in {took:?}: {} changed pages, {} MiB on disk",
@@ -135,8 +135,8 @@ fn a_vm_started_from_a_save_is_the_same_machine_with_its_own_identity() {
             saved.bytes() >> 20
         );
         // A name taken, or no name: refused, and the VM runs on untouched.
-        assert!(m.save("sbx_saved_a", "one").await.is_err());
-        assert!(m.save("sbx_saved_a", "../one").await.is_err());
+        assert!(m.save("sbx_saved_a", "one", sandpit_runtime::AfterSave::Run).await.is_err());
+        assert!(m.save("sbx_saved_a", "../one", sandpit_runtime::AfterSave::Run).await.is_err());
         assert_eq!(files_in(&data.join("saves")), ["one"]);
         assert_eq!(files_in(&data.join("layers")).len(), 1);
         let later = count(&a).await;
@@ -144,7 +144,7 @@ fn a_vm_started_from_a_save_is_the_same_machine_with_its_own_identity() {
         assert!(count(&a).await > later, "a refused save stopped the VM");
 
         // A second save of the same VM, and a VM from it.
-        let again = m.save("sbx_saved_a", "two").await.expect("save 2");
+        let again = m.save("sbx_saved_a", "two", sandpit_runtime::AfterSave::Run).await.expect("save 2");
         let c = m
             .create_from_saved(new_vm("sbx_saved_c"), &again)
             .await

@@ -23,7 +23,9 @@ use crate::machines::{Command, Download, Listing, Machines, Started, Tunnel, Upl
 use async_trait::async_trait;
 use sandpit_protocol::ExecRequest;
 use sandpit_runtime::process::Priority;
-use sandpit_runtime::{AgentClient, CreateVm, RuntimeError, VmManager, VmRecord, VmState};
+use sandpit_runtime::{
+    AfterSave, AgentClient, CreateVm, RuntimeError, VmManager, VmRecord, VmState,
+};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -206,7 +208,11 @@ impl LocalVms {
     pub async fn snapshot(&self, id: &str, snapshot: &str) -> Result<u64, RuntimeError> {
         let _one_at_a_time = self.saving.lock().await;
         let _live = self.manager.hold_background();
-        Ok(self.manager.save(id, snapshot).await?.bytes())
+        Ok(self
+            .manager
+            .save(id, snapshot, AfterSave::Run)
+            .await?
+            .bytes())
     }
 
     /// Replaces VM `id` by one from snapshot `snapshot`, same id. The old
@@ -241,7 +247,7 @@ impl LocalVms {
         let name = paused_name(id);
         // A pause that failed half-way left its save: it is stale.
         self.manager.delete_saved(&name).await?;
-        self.manager.save(id, &name).await?;
+        self.manager.save(id, &name, AfterSave::Stay).await?;
         self.agents.lock().await.remove(id);
         match self.manager.destroy(id).await {
             Ok(()) | Err(RuntimeError::NotFound(_)) => Ok(()),

@@ -22,7 +22,7 @@ pub mod layers;
 pub mod net;
 pub mod process;
 pub mod qmp;
-pub mod ram_diff;
+pub mod ram_pages;
 pub mod saved;
 pub mod template;
 pub mod tunnel;
@@ -33,7 +33,7 @@ pub use channel::{AgentClient, ExecEvent, ExecHandle, ExecOutput, FileDownload, 
 pub use config::{AccelChoice, NetworkPolicy, RuntimeConfig, SizeSpec};
 pub use error::{Result, RuntimeError};
 pub use give_way::{GiveWay, Held};
-pub use saved::{SavedRecord, SavedVm};
+pub use saved::{AfterSave, SavedRecord, SavedVm};
 pub use template::Template;
 pub use tunnel::{TunnelCloser, TunnelStream};
 pub use vm::{CreateVm, Vm, VmManager, VmRecord, VmState};

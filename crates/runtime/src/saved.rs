@@ -9,10 +9,11 @@
 //!   by absolute path). The layer belongs to neither the save nor the VM:
 //!   the VM's disk, every VM started from the save and every later save
 //!   stand on it, so it goes only when nothing names it (see `layers`).
-//! - **Memory and devices.** QEMU's `mapped-ram` migration to the save's
-//!   state file, then [`crate::ram_diff::keep_differences`] against the
-//!   template's RAM file the VM's memory is a private copy of: only the
-//!   pages the guest changed stay on disk.
+//! - **Memory and devices.** QEMU writes its devices alone
+//!   (`xen-save-devices-state`); the guest RAM pages that are no longer the
+//!   template's (the VM's memory is a private copy-on-write mapping of the
+//!   template's RAM file) are copied out of QEMU into the save's RAM file
+//!   (see [`crate::ram_pages`]).
 //!
 //! Saves live in `<data_dir>/saves/<name>/` (`saved.json` and the state).
 //! One is written in `.<name>.<random>.tmp`, locked (`flock`) while it is,
@@ -23,7 +24,8 @@
 //! it: the layer below stays, named by the VM's chain.
 //!
 //! A VM started from the save maps the same template RAM file privately,
-//! loads the state (only the changed pages are read) and runs on a new
+//! receives the saved pages before its guest runs, loads the devices as an
+//! incoming migration and runs on a new
 //! overlay over the save's layer, then takes its own identity as any
 //! restored VM does. Its agent still holds the saved VM's session; the new
 //! host's `Hello` ends it. The template is kept as long as a save names it,
@@ -37,6 +39,7 @@
 use crate::layers;
 use crate::process::Priority;
 use crate::qmp::Qmp;
+use crate::ram_pages;
 use crate::template::{self, Template};
 use crate::vm::{create_overlay, validate_id, write_record, CreateVm, Start, Vm, VmPaths};
 use crate::{console, Result, RuntimeError, VmManager};
@@ -51,6 +54,15 @@ const RAM_BLOCK: &str = "ram";
 /// A save's record, in its directory.
 const RECORD: &str = "saved.json";
 
+/// What becomes of a VM once it is saved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AfterSave {
+    /// It runs on.
+    Run,
+    /// It stays stopped (it is to be destroyed: a pause).
+    Stay,
+}
+
 /// What `saved.json` records of a save.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SavedRecord {
@@ -61,8 +73,14 @@ pub struct SavedRecord {
     pub template: String,
     /// The frozen disk: a file name in `<data_dir>/layers`.
     pub layer: String,
-    /// The memory and device state: a file name in the save's directory.
+    /// The device state: a file name in the save's directory.
     pub state: String,
+    /// The guest RAM that differs from the template's: a file name in the
+    /// save's directory (see [`crate::ram_pages`]). Saves made before it
+    /// (QEMU's `mapped-ram` state, RAM and devices in one) have none and
+    /// are no longer started from.
+    #[serde(default)]
+    pub ram: Option<String>,
     /// Guest pages kept (those that differ from the template's).
     pub changed_pages: u64,
     #[serde(with = "time::serde::rfc3339")]
@@ -90,16 +108,21 @@ impl SavedVm {
     pub fn disk(&self) -> PathBuf {
         self.layers_dir.join(&self.record.layer)
     }
-    /// The saved memory and device state.
+    /// The saved device state.
     pub fn state(&self) -> PathBuf {
         self.dir.join(&self.record.state)
     }
-    /// Bytes the save alone takes on the host's disk: its state and its
-    /// frozen layer (the layers and template below it are others').
+    /// The saved guest RAM (what differs from the template's).
+    pub fn ram(&self) -> Option<PathBuf> {
+        self.record.ram.as_ref().map(|r| self.dir.join(r))
+    }
+    /// Bytes the save alone takes on the host's disk: its state, its RAM
+    /// and its frozen layer (the layers and template below it are others').
     pub fn bytes(&self) -> u64 {
         use std::os::unix::fs::MetadataExt;
-        [self.disk(), self.state()]
+        [Some(self.disk()), Some(self.state()), self.ram()]
             .iter()
+            .flatten()
             .filter_map(|f| std::fs::metadata(f).ok())
             .map(|m| m.blocks() * 512)
             .sum()
@@ -141,8 +164,9 @@ impl VmManager {
 
     /// Saves VM `id` whole under `name` (a VM id's alphabet; no save of
     /// that name may exist). The VM is paused while its state is captured
-    /// and then runs on, whether the save worked or not.
-    pub async fn save(&self, id: &str, name: &str) -> Result<SavedVm> {
+    /// and then runs on, whether the save worked or not, unless `after` is
+    /// [`AfterSave::Stay`] and the save worked.
+    pub async fn save(&self, id: &str, name: &str, after: AfterSave) -> Result<SavedVm> {
         validate_id(id)?;
         if validate_id(name).is_err() {
             return Err(RuntimeError::Launch(format!(
@@ -174,6 +198,7 @@ impl VmManager {
                 template: template.key.clone(),
                 layer: layers::new_name(".qcow2"),
                 state: layers::new_name(".state"),
+                ram: Some(layers::new_name(".ram")),
                 changed_pages: 0,
                 created_at: time::OffsetDateTime::now_utc(),
                 machine_id: record.machine_id.clone(),
@@ -191,31 +216,27 @@ impl VmManager {
             )));
         }
         let state = unfinished.path.join(&saved.record.state);
+        let ram = unfinished
+            .path
+            .join(saved.record.ram.as_deref().expect("named above"));
         let paths = self.paths(id);
         let started = Instant::now();
         let mut qmp = Qmp::connect(&paths.qmp_socket()).await?;
         qmp.execute("stop", json!({})).await?;
         let captured = self
-            .capture(&mut qmp, &paths, &mut record, &saved.disk(), &state)
+            .capture(&mut qmp, &paths, &mut record, &saved.disk(), &state, &ram)
             .await;
-        // The guest runs again whatever happened; a failed save leaves
-        // nothing of itself behind (`unfinished` goes when dropped).
-        let resumed = qmp.execute("cont", json!({})).await;
+        // The guest runs again whatever happened, unless it is to stay
+        // stopped after a save that worked; a failed save leaves nothing of
+        // itself behind (`unfinished` goes when dropped).
+        let resumed = match (&captured, after) {
+            (Ok(_), AfterSave::Stay) => Ok(()),
+            _ => qmp.execute("cont", json!({})).await.map(drop),
+        };
         let paused = started.elapsed();
-        captured.and(resumed.map(drop))?;
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&state)
-            .map_err(RuntimeError::io("opening the saved state"))?;
-        let base = std::fs::File::open(saved.template.mem())
-            .map_err(RuntimeError::io("opening the template's RAM"))?;
-        let kept = tokio::task::spawn_blocking(move || {
-            crate::ram_diff::keep_differences(&file, RAM_BLOCK, Some(&base))
-        })
-        .await
-        .map_err(|e| RuntimeError::Launch(format!("the RAM comparison failed: {e}")))??;
-        saved.record.changed_pages = kept.data_pages + kept.zeroed_pages;
+        let kept = captured?;
+        resumed?;
+        saved.record.changed_pages = kept.data_pages + kept.zero_pages;
         write_saved_record(&unfinished.path, &saved.record)?;
         unfinished.finish(&saved.dir, name)?;
         tracing::debug!(
@@ -229,10 +250,10 @@ impl VmManager {
         Ok(saved)
     }
 
-    /// The paused VM's disk frozen into `layer` and its memory and devices
-    /// written to `state`. When it fails before the VM switched to its new
-    /// overlay, the layer and that overlay are gone again; after, the VM
-    /// runs on the new overlay and the layer stays below it.
+    /// The stopped VM's disk frozen into `layer`, its devices written to
+    /// `state` and its RAM to `ram`. When it fails before the VM switched
+    /// to its new overlay, the layer and that overlay are gone again;
+    /// after, the VM runs on the new overlay and the layer stays below it.
     async fn capture(
         &self,
         qmp: &mut Qmp,
@@ -240,7 +261,8 @@ impl VmManager {
         record: &mut crate::VmRecord,
         layer: &Path,
         state: &Path,
-    ) -> Result<()> {
+        ram: &Path,
+    ) -> Result<ram_pages::Captured> {
         let active = paths.active_disk(record);
         let n = record
             .disk
@@ -286,23 +308,35 @@ impl VmManager {
         record.disk = Some(next_name);
         write_record(paths, record)?;
         let frozen = Instant::now();
-        // QEMU (its own uid) writes the state into a file made for it.
+        // QEMU (its own uid) writes the state into a file made for it. The
+        // stream has no configuration section, so the QEMU that loads it is
+        // told to expect none (see `vm::qemu_args`).
         std::fs::File::create(state).map_err(RuntimeError::io("creating the state file"))?;
         restrict_to(state, record.qemu_uid)?;
-        set_mapped_ram(qmp, true).await?;
         qmp.execute(
-            "migrate",
-            json!({"uri": format!("file:{}", state.display())}),
+            "xen-save-devices-state",
+            json!({"filename": state.display().to_string(), "live": false}),
         )
         .await?;
-        let done = qmp.wait_migration("saving the VM").await;
-        let _ = set_mapped_ram(qmp, false).await;
-        done?;
+        share_read_only(state)?;
+        let devices = frozen.elapsed();
+        let blocks = ram_pages::query_blocks(qmp).await?;
+        let out = std::fs::File::create_new(ram)
+            .map_err(RuntimeError::io("creating the saved RAM file"))?;
+        let pid = record.qemu_pid;
+        let captured =
+            tokio::task::spawn_blocking(move || ram_pages::capture(pid, &blocks, RAM_BLOCK, &out))
+                .await
+                .map_err(|e| RuntimeError::Launch(format!("copying the VM's RAM failed: {e}")))??;
+        share_read_only(ram)?;
         tracing::debug!(
-            "memory and devices written in {} ms",
-            frozen.elapsed().as_millis()
+            "devices written in {} ms, then {} RAM pages ({} zero) in {} ms",
+            devices.as_millis(),
+            captured.data_pages + captured.zero_pages,
+            captured.zero_pages,
+            (frozen.elapsed() - devices).as_millis(),
         );
-        share_read_only(state)
+        Ok(captured)
     }
 
     /// Starts a VM from a save, with an identity of its own.
@@ -345,9 +379,15 @@ impl VmManager {
             template,
             layers_dir: self.layers_dir(),
         };
-        if !saved.disk().is_file() || !saved.state().is_file() {
+        let Some(ram) = saved.ram() else {
             return Err(RuntimeError::Launch(format!(
-                "the save {name} lost its disk layer or its state"
+                "the save {name} was made by an earlier Sandpit, in a form this one does not \
+                 start VMs from; delete it"
+            )));
+        };
+        if !saved.disk().is_file() || !saved.state().is_file() || !ram.is_file() {
+            return Err(RuntimeError::Launch(format!(
+                "the save {name} lost its disk layer, its state or its RAM"
             )));
         }
         Ok(saved)
@@ -615,21 +655,9 @@ fn share_read_only(path: &Path) -> Result<()> {
         .map_err(RuntimeError::io(format!("chmod {}", path.display())))
 }
 
-async fn set_mapped_ram(qmp: &mut Qmp, on: bool) -> Result<()> {
-    qmp.execute(
-        "migrate-set-capabilities",
-        json!({"capabilities": [
-            {"capability": "mapped-ram", "state": on},
-            {"capability": "multifd", "state": on},
-            {"capability": "x-ignore-shared", "state": false},
-        ]}),
-    )
-    .await
-    .map(drop)
-}
-
-/// Loads a save's state into a QEMU waiting with `-incoming defer` and
-/// starts the guest (it was saved paused).
+/// Loads a save into a QEMU waiting with `-incoming defer`: its RAM pages
+/// first, while no guest code runs, then its devices as an incoming
+/// migration; and starts the guest.
 pub(crate) async fn load_saved_state(
     paths: &VmPaths,
     saved: &SavedVm,
@@ -638,7 +666,12 @@ pub(crate) async fn load_saved_state(
 ) -> Result<()> {
     crate::vm::wait_for_socket(paths, &paths.qmp_socket(), "QMP", qemu_pid, marker).await?;
     let mut qmp = Qmp::connect(&paths.qmp_socket()).await?;
-    set_mapped_ram(&mut qmp, true).await?;
+    let blocks = ram_pages::query_blocks(&mut qmp).await?;
+    let ram = std::fs::File::open(saved.ram().expect("checked by `saved`"))
+        .map_err(RuntimeError::io("opening the saved RAM"))?;
+    tokio::task::spawn_blocking(move || ram_pages::load(qemu_pid, &blocks, &ram))
+        .await
+        .map_err(|e| RuntimeError::Launch(format!("loading the saved RAM failed: {e}")))??;
     qmp.execute(
         "migrate-incoming",
         json!({"uri": format!("file:{}", saved.state().display())}),

@@ -699,7 +699,7 @@ impl VmManager {
                 t.mem().display()
             )),
             // The same base as the VM that was saved: the saved state holds
-            // only the pages that differ from it (see `ram_diff`).
+            // only the pages that differ from it (see `ram_pages`).
             Start::Saved(saved) => Some(format!(
                 "memory-backend-file,id=ram,size={}M,mem-path={},share=off,readonly=on,rom=off",
                 size.memory_mb,
@@ -724,6 +724,12 @@ impl VmManager {
             // (see `load_template_state`, `saved::load_saved_state`).
             a.push("-incoming".into());
             a.push("defer".into());
+        }
+        if let Start::Saved(_) = start {
+            // A save's devices are QEMU's `xen-save-devices-state` stream,
+            // which has no configuration section (see `saved`).
+            a.push("-global".into());
+            a.push("migration.send-configuration=off".into());
         }
         match self.accel {
             Accel::Tcg => {
