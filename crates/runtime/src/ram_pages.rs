@@ -18,11 +18,12 @@
 //! the saved VM. QEMU's other writable RAM blocks (the firmware's, a few
 //! hundred KiB) are copied whole; read-only ones are rebuilt by QEMU itself.
 //!
-//! The file: a header page (magic, then JSON naming each block's bitmap and
-//! page area), then per block a bitmap (bit `i` of host-endian `u64` words:
-//! page `i` is in the file) and the pages at `pages_offset + i * 4096`. A
-//! page the guest zeroed is marked but not written: the file is sparse and
-//! the hole reads as zeros.
+//! The file: a header page (magic, then JSON naming each block's areas),
+//! then per block two bitmaps (bit `i` of host-endian `u64` words is page
+//! `i`: the pages saved, and of those the ones that are zero), then the
+//! bytes of the saved pages that are not zero, one after another in page
+//! order: a save writes them in a few large writes however scattered they
+//! are in the guest, and a load reads them back the same way.
 
 use crate::{Result, RuntimeError};
 use serde::{Deserialize, Serialize};
@@ -68,8 +69,14 @@ pub struct Block {
 pub struct RamArea {
     pub name: String,
     pub length: u64,
-    pub bitmap_offset: u64,
+    /// The pages saved (bit `i`: page `i`).
+    pub saved_bitmap: u64,
+    /// Of those, the pages that are zero (no bytes in the file).
+    pub zero_bitmap: u64,
+    /// Where the bytes of the saved pages that are not zero are, one after
+    /// another in page order.
     pub pages_offset: u64,
+    pub data_pages: u64,
 }
 
 impl RamArea {
@@ -92,7 +99,7 @@ struct Header {
 pub struct Captured {
     /// Pages written with their bytes.
     pub data_pages: u64,
-    /// Pages marked as zero (holes).
+    /// Pages marked as zero (no bytes).
     pub zero_pages: u64,
 }
 
@@ -151,32 +158,43 @@ pub async fn query_blocks(qmp: &mut crate::qmp::Qmp) -> Result<Vec<Block>> {
 pub fn capture(pid: u32, blocks: &[Block], diff_block: &str, out: &File) -> Result<Captured> {
     let pagemap = File::open(format!("/proc/{pid}/pagemap"))
         .map_err(RuntimeError::io(format!("opening QEMU {pid}'s page map")))?;
-    let mut captured = Captured::default();
+    let blocks: Vec<&Block> = blocks.iter().filter(|b| b.writable).collect();
+    // The bitmaps first, at offsets known before any page is read.
     let mut areas = Vec::new();
     let mut offset = HEADER_BYTES;
-    let mut buf = vec![0u8; BATCH_BYTES];
-    for block in blocks.iter().filter(|b| b.writable) {
+    for block in &blocks {
         if block.length % PAGE != 0 || block.hva % PAGE != 0 {
             return Err(corrupt(format!(
                 "RAM block {} is not page aligned",
                 block.name
             )));
         }
-        let pages_offset = (offset + block.length.div_ceil(PAGE * 64) * 8).next_multiple_of(PAGE);
-        let area = RamArea {
+        let bitmap_bytes = block.length.div_ceil(PAGE * 64) * 8;
+        areas.push(RamArea {
             name: block.name.clone(),
             length: block.length,
-            bitmap_offset: offset,
-            pages_offset,
-        };
-        offset = pages_offset + block.length;
-        let mut bitmap = vec![0u64; area.bitmap_words()];
+            saved_bitmap: offset,
+            zero_bitmap: offset + bitmap_bytes,
+            pages_offset: 0,
+            data_pages: 0,
+        });
+        offset += 2 * bitmap_bytes;
+    }
+    let mut writer = Writer {
+        out,
+        at: offset.next_multiple_of(PAGE),
+        captured: Captured::default(),
+    };
+    for (block, area) in blocks.iter().zip(&mut areas) {
+        area.pages_offset = writer.at;
+        let data_before = writer.captured.data_pages;
+        let mut batches = Vec::new();
         let mut batch = Batch::default();
-        let mut copy = |batch: &mut Batch, bitmap: &mut [u64]| -> Result<()> {
-            let n = batch.read(pid, block.hva, &mut buf)?;
-            write_pages(out, &area, &batch.pages, &buf[..n], bitmap, &mut captured)?;
-            batch.clear();
-            Ok(())
+        let mut add = |page: u64| {
+            if batch.full() {
+                batches.push(std::mem::take(&mut batch));
+            }
+            batch.push(page);
         };
         if block.name == diff_block {
             let mut entries = vec![0u8; (PAGEMAP_CHUNK * 8) as usize];
@@ -192,30 +210,31 @@ pub fn capture(pid: u32, blocks: &[Block], diff_block: &str, out: &File) -> Resu
                     let written =
                         (e & PM_PRESENT != 0 && e & PM_FILE_OR_SHARED == 0) || e & PM_SWAPPED != 0;
                     if written {
-                        if batch.full() {
-                            copy(&mut batch, &mut bitmap)?;
-                        }
-                        batch.push(first + i as u64);
+                        add(first + i as u64);
                     }
                 }
                 first += count;
             }
         } else {
-            for page in 0..area.pages() {
-                if batch.full() {
-                    copy(&mut batch, &mut bitmap)?;
-                }
-                batch.push(page);
-            }
+            (0..area.pages()).for_each(&mut add);
         }
         if !batch.pages.is_empty() {
-            copy(&mut batch, &mut bitmap)?;
+            batches.push(batch);
         }
-        out.write_all_at(words_as_bytes(&bitmap), area.bitmap_offset)
-            .map_err(RuntimeError::io("writing the saved RAM's bitmap"))?;
-        areas.push(area);
+        let mut saved = vec![0u64; area.bitmap_words()];
+        let mut zero = vec![0u64; area.bitmap_words()];
+        pipelined(
+            &batches,
+            |batch, buf| batch.read(pid, block.hva, buf),
+            |batch, data| writer.write(&batch.pages, data, &mut saved, &mut zero),
+        )?;
+        for (words, at) in [(&saved, area.saved_bitmap), (&zero, area.zero_bitmap)] {
+            out.write_all_at(words_as_bytes(words), at)
+                .map_err(RuntimeError::io("writing the saved RAM's bitmaps"))?;
+        }
+        area.data_pages = writer.captured.data_pages - data_before;
     }
-    out.set_len(offset)
+    out.set_len(writer.at)
         .map_err(RuntimeError::io("sizing the saved RAM"))?;
     write_header(
         out,
@@ -224,14 +243,100 @@ pub fn capture(pid: u32, blocks: &[Block], diff_block: &str, out: &File) -> Resu
             areas,
         },
     )?;
-    Ok(captured)
+    Ok(writer.captured)
+}
+
+/// Appends the pages read from a VM to a RAM file.
+struct Writer<'a> {
+    out: &'a File,
+    /// Where the next page's bytes go.
+    at: u64,
+    captured: Captured,
+}
+
+impl Writer<'_> {
+    /// Marks `pages` (whose bytes are `data`, one after another) as saved,
+    /// those that are zero as zero, and appends the others in one write.
+    fn write(
+        &mut self,
+        pages: &[u64],
+        data: &[u8],
+        saved: &mut [u64],
+        zero: &mut [u64],
+    ) -> Result<()> {
+        let page_bytes = PAGE as usize;
+        let mut parts: Vec<std::io::IoSlice> = Vec::new();
+        let mut run: Option<(usize, usize)> = None;
+        let mut bytes = 0;
+        for (i, &page) in pages.iter().enumerate() {
+            let (word, bit) = ((page / 64) as usize, 1u64 << (page % 64));
+            saved[word] |= bit;
+            if is_zero(&data[i * page_bytes..(i + 1) * page_bytes]) {
+                zero[word] |= bit;
+                self.captured.zero_pages += 1;
+                if let Some((from, to)) = run.take() {
+                    parts.push(std::io::IoSlice::new(&data[from..to]));
+                }
+                continue;
+            }
+            self.captured.data_pages += 1;
+            bytes += page_bytes;
+            run = match run {
+                Some((from, to)) if to == i * page_bytes => Some((from, to + page_bytes)),
+                other => {
+                    if let Some((from, to)) = other {
+                        parts.push(std::io::IoSlice::new(&data[from..to]));
+                    }
+                    Some((i * page_bytes, (i + 1) * page_bytes))
+                }
+            };
+        }
+        if let Some((from, to)) = run {
+            parts.push(std::io::IoSlice::new(&data[from..to]));
+        }
+        write_all_vectored_at(self.out, &parts, self.at)?;
+        self.at += bytes as u64;
+        Ok(())
+    }
+}
+
+/// `pwritev` until all of `parts` is written at `offset`.
+fn write_all_vectored_at(out: &File, parts: &[std::io::IoSlice], offset: u64) -> Result<()> {
+    use std::os::unix::io::AsRawFd;
+    let mut parts: Vec<std::io::IoSlice> = parts.to_vec();
+    let mut slices: &mut [std::io::IoSlice] = &mut parts;
+    let mut at = offset;
+    while !slices.is_empty() {
+        let count = slices.len().min(BATCH_AREAS);
+        // SAFETY: `IoSlice` is ABI-compatible with `iovec`; the slices
+        // borrow live buffers.
+        let n = unsafe {
+            libc::pwritev(
+                out.as_raw_fd(),
+                slices.as_ptr() as *const libc::iovec,
+                count as libc::c_int,
+                at as libc::off_t,
+            )
+        };
+        if n < 0 {
+            return Err(RuntimeError::io("writing the saved RAM")(
+                std::io::Error::last_os_error(),
+            ));
+        }
+        if n == 0 {
+            return Err(corrupt("writing the saved RAM wrote nothing"));
+        }
+        at += n as u64;
+        std::io::IoSlice::advance_slices(&mut slices, n as usize);
+    }
+    Ok(())
 }
 
 /// Copies the pages of a RAM file into QEMU `pid`'s blocks (the VM must not
 /// run yet); the pages written.
 pub fn load(pid: u32, blocks: &[Block], file: &File) -> Result<u64> {
     let header = read_header(file)?;
-    let mut buf = vec![0u8; BATCH_BYTES];
+    let zeros = vec![0u8; BATCH_BYTES];
     let mut loaded = 0;
     for area in &header.areas {
         let block = blocks
@@ -244,46 +349,86 @@ pub fn load(pid: u32, blocks: &[Block], file: &File) -> Result<u64> {
                 area.name, block.length, area.length
             )));
         }
-        let mut bytes = vec![0u8; area.bitmap_words() * 8];
-        file.read_exact_at(&mut bytes, area.bitmap_offset)
-            .map_err(RuntimeError::io("reading the saved RAM's bitmap"))?;
+        let saved = read_bitmap(file, area, area.saved_bitmap)?;
+        let zero = read_bitmap(file, area, area.zero_bitmap)?;
+        // The pages with bytes, each batch with where its bytes start in
+        // the file; and the zero pages.
+        let mut data: Vec<(Batch, u64)> = Vec::new();
+        let mut zeroes: Vec<Batch> = Vec::new();
+        let mut at = area.pages_offset;
         let mut batch = Batch::default();
-        let mut flush = |batch: &mut Batch| -> Result<()> {
-            let n = batch.fill_from(file, area, &mut buf)?;
-            batch.write(pid, block.hva, &buf[..n])?;
-            batch.clear();
-            Ok(())
-        };
-        for (w, word) in bytes.chunks_exact(8).enumerate() {
-            let mut word = u64::from_ne_bytes(word.try_into().expect("8 bytes"));
+        let mut zero_batch = Batch::default();
+        for (w, (&saved, &zero)) in saved.iter().zip(&zero).enumerate() {
+            let mut word = saved;
             while word != 0 {
                 let bit = word.trailing_zeros() as u64;
                 word &= word - 1;
-                if batch.full() {
-                    flush(&mut batch)?;
+                let page = w as u64 * 64 + bit;
+                if zero & (1 << bit) != 0 {
+                    if zero_batch.full() {
+                        zeroes.push(std::mem::take(&mut zero_batch));
+                    }
+                    zero_batch.push(page);
+                } else {
+                    if batch.full() {
+                        let bytes = batch.bytes() as u64;
+                        data.push((std::mem::take(&mut batch), at));
+                        at += bytes;
+                    }
+                    batch.push(page);
                 }
-                batch.push(w as u64 * 64 + bit);
                 loaded += 1;
             }
         }
         if !batch.pages.is_empty() {
-            flush(&mut batch)?;
+            let bytes = batch.bytes() as u64;
+            data.push((batch, at));
+            at += bytes;
+        }
+        if !zero_batch.pages.is_empty() {
+            zeroes.push(zero_batch);
+        }
+        pipelined(
+            &data,
+            |(batch, at), buf| {
+                let n = batch.bytes();
+                file.read_exact_at(&mut buf[..n], *at)
+                    .map_err(RuntimeError::io("reading the saved RAM"))?;
+                Ok(n)
+            },
+            |(batch, _), bytes| batch.write(pid, block.hva, bytes),
+        )?;
+        for batch in &zeroes {
+            batch.write(pid, block.hva, &zeros[..batch.bytes()])?;
+        }
+        if at != area.pages_offset + area.data_pages * PAGE {
+            return Err(corrupt(format!(
+                "block {}'s bitmaps do not match its page count",
+                area.name
+            )));
         }
     }
     Ok(loaded)
 }
 
-/// The bytes a RAM file takes on disk and the pages it holds.
+fn read_bitmap(file: &File, area: &RamArea, offset: u64) -> Result<Vec<u64>> {
+    let mut bytes = vec![0u8; area.bitmap_words() * 8];
+    file.read_exact_at(&mut bytes, offset)
+        .map_err(RuntimeError::io("reading the saved RAM's bitmaps"))?;
+    Ok(bytes
+        .chunks_exact(8)
+        .map(|w| u64::from_ne_bytes(w.try_into().expect("8 bytes")))
+        .collect())
+}
+
+/// The pages a RAM file holds (zero or not).
 pub fn pages_in(file: &File) -> Result<u64> {
     let header = read_header(file)?;
     let mut pages = 0;
     for area in &header.areas {
-        let mut bytes = vec![0u8; area.bitmap_words() * 8];
-        file.read_exact_at(&mut bytes, area.bitmap_offset)
-            .map_err(RuntimeError::io("reading the saved RAM's bitmap"))?;
-        pages += bytes
-            .chunks_exact(8)
-            .map(|w| u64::from_ne_bytes(w.try_into().expect("8 bytes")).count_ones() as u64)
+        pages += read_bitmap(file, area, area.saved_bitmap)?
+            .iter()
+            .map(|w| w.count_ones() as u64)
             .sum::<u64>();
     }
     Ok(pages)
@@ -309,11 +454,6 @@ impl Batch {
             _ => self.runs.push((page, 1)),
         }
         self.pages.push(page);
-    }
-
-    fn clear(&mut self) {
-        self.pages.clear();
-        self.runs.clear();
     }
 
     fn remote(&self, hva: u64) -> Vec<libc::iovec> {
@@ -373,18 +513,50 @@ impl Batch {
         };
         check_moved(n, buf.len(), "writing the VM's memory").map(drop)
     }
+}
 
-    /// Reads the batch's pages from a RAM file's `area` into `buf`.
-    fn fill_from(&self, file: &File, area: &RamArea, buf: &mut [u8]) -> Result<usize> {
-        let mut at = 0;
-        for &(first, n) in &self.runs {
-            let len = (n * PAGE) as usize;
-            file.read_exact_at(&mut buf[at..at + len], area.pages_offset + first * PAGE)
-                .map_err(RuntimeError::io("reading the saved RAM"))?;
-            at += len;
-        }
-        Ok(at)
+/// Copies in two halves that overlap: `fill` puts each job's bytes in a
+/// buffer on a second thread while `drain` takes the previous job's here
+/// (reading a VM's memory and writing a file, or reading a file and
+/// writing a VM's memory, each about as costly as the other).
+fn pipelined<J: Sync>(
+    jobs: &[J],
+    fill: impl Fn(&J, &mut [u8]) -> Result<usize> + Sync,
+    mut drain: impl FnMut(&J, &[u8]) -> Result<()>,
+) -> Result<()> {
+    use std::sync::mpsc::sync_channel;
+    if jobs.is_empty() {
+        return Ok(());
     }
+    let (filled_tx, filled_rx) = sync_channel::<Result<(usize, Vec<u8>, usize)>>(2);
+    let (free_tx, free_rx) = sync_channel::<Vec<u8>>(2);
+    for _ in 0..2 {
+        free_tx.send(vec![0u8; BATCH_BYTES]).expect("room for two");
+    }
+    let fill = &fill;
+    // Everything the drain holds goes when it returns, failed or not, so
+    // the filling thread, waiting on it, ends before the scope joins it.
+    std::thread::scope(move |scope| {
+        scope.spawn(move || {
+            for (i, job) in jobs.iter().enumerate() {
+                // The drain stopped (it failed): nothing more to fill.
+                let Ok(mut buf) = free_rx.recv() else { return };
+                let filled = fill(job, &mut buf).map(|n| (i, buf, n));
+                let failed = filled.is_err();
+                if filled_tx.send(filled).is_err() || failed {
+                    return;
+                }
+            }
+        });
+        for _ in 0..jobs.len() {
+            let (i, buf, n) = filled_rx
+                .recv()
+                .map_err(|_| corrupt("the copying thread ended early"))??;
+            drain(&jobs[i], &buf[..n])?;
+            let _ = free_tx.send(buf);
+        }
+        Ok(())
+    })
 }
 
 fn check_moved(n: isize, want: usize, what: &str) -> Result<usize> {
@@ -397,50 +569,6 @@ fn check_moved(n: isize, want: usize, what: &str) -> Result<usize> {
         return Err(corrupt(format!("{what}: {n} of {want} bytes moved")));
     }
     Ok(want)
-}
-
-/// Marks `pages` (whose bytes are `data`, one after another) in `bitmap`
-/// and writes those that are not zero, consecutive ones in one write.
-fn write_pages(
-    out: &File,
-    area: &RamArea,
-    pages: &[u64],
-    data: &[u8],
-    bitmap: &mut [u64],
-    captured: &mut Captured,
-) -> Result<()> {
-    let page_bytes = PAGE as usize;
-    // (first page, its index in `pages`, pages) of the run being gathered.
-    let mut run: Option<(u64, usize, usize)> = None;
-    let flush = |run: &mut Option<(u64, usize, usize)>| -> Result<()> {
-        if let Some((first, at, n)) = run.take() {
-            out.write_all_at(
-                &data[at * page_bytes..(at + n) * page_bytes],
-                area.pages_offset + first * PAGE,
-            )
-            .map_err(RuntimeError::io("writing the saved RAM"))?;
-        }
-        Ok(())
-    };
-    for (i, &page) in pages.iter().enumerate() {
-        bitmap[(page / 64) as usize] |= 1 << (page % 64);
-        let bytes = &data[i * page_bytes..(i + 1) * page_bytes];
-        if is_zero(bytes) {
-            captured.zero_pages += 1;
-            flush(&mut run)?;
-            continue;
-        }
-        captured.data_pages += 1;
-        run = match run {
-            Some((first, at, n)) if first + n as u64 == page => Some((first, at, n + 1)),
-            other => {
-                let mut other = other;
-                flush(&mut other)?;
-                Some((page, i, 1))
-            }
-        };
-    }
-    flush(&mut run)
 }
 
 fn is_zero(bytes: &[u8]) -> bool {
@@ -641,6 +769,18 @@ mod tests {
         assert!(load(std::process::id(), &[small.block("ram")], &out).is_err());
         let _ = small.bytes();
         assert!(load(std::process::id(), &[], &out).is_err());
+        // A QEMU whose memory cannot be written fails the load (and the
+        // copying thread ends with it).
+        let unmapped = Block {
+            hva: 0x1000,
+            ..fresh.block("ram")
+        };
+        assert!(load(
+            std::process::id(),
+            &[unmapped, bios_after.block("pc.bios")],
+            &out
+        )
+        .is_err());
         assert!(read_header(&base).is_err());
     }
 }
