@@ -473,36 +473,57 @@ impl Batch {
     /// Reads the batch's pages from QEMU `pid` into `buf`.
     fn read(&self, pid: u32, hva: u64, buf: &mut [u8]) -> Result<usize> {
         let want = self.bytes();
-        let local = libc::iovec {
-            iov_base: buf.as_mut_ptr() as *mut libc::c_void,
-            iov_len: want,
-        };
-        let remote = self.remote(hva);
-        // SAFETY: `local` is within `buf`; the remote areas are only read.
-        let n = unsafe {
-            libc::process_vm_readv(
-                pid as libc::pid_t,
-                &local,
-                1,
-                remote.as_ptr(),
-                remote.len() as libc::c_ulong,
-                0,
-            )
-        };
+        assert!(want <= buf.len());
+        // SAFETY: `buf` holds `want` bytes; the remote areas are only read.
+        let n = unsafe { self.transfer(pid, hva, buf.as_mut_ptr(), want, libc::process_vm_readv) };
         check_moved(n, want, "reading the VM's memory")
     }
 
     /// Writes `buf` (the batch's pages) into QEMU `pid`.
     fn write(&self, pid: u32, hva: u64, buf: &[u8]) -> Result<()> {
+        // SAFETY: `buf` is only read by `process_vm_writev`; the remote
+        // areas are guest RAM of a QEMU that does not run its guest yet.
+        let n = unsafe {
+            self.transfer(
+                pid,
+                hva,
+                buf.as_ptr() as *mut u8,
+                buf.len(),
+                libc::process_vm_writev,
+            )
+        };
+        check_moved(n, buf.len(), "writing the VM's memory").map(drop)
+    }
+
+    /// `process_vm_readv` or `process_vm_writev` between `len` bytes at
+    /// `local` and the batch's pages in QEMU `pid`.
+    ///
+    /// # Safety
+    /// `local` must be valid for `len` bytes (and writable for a read).
+    unsafe fn transfer(
+        &self,
+        pid: u32,
+        hva: u64,
+        local: *mut u8,
+        len: usize,
+        call: unsafe extern "C" fn(
+            libc::pid_t,
+            *const libc::iovec,
+            libc::c_ulong,
+            *const libc::iovec,
+            libc::c_ulong,
+            libc::c_ulong,
+        ) -> isize,
+    ) -> isize {
         let local = libc::iovec {
-            iov_base: buf.as_ptr() as *mut libc::c_void,
-            iov_len: buf.len(),
+            iov_base: local as *mut libc::c_void,
+            iov_len: len,
         };
         let remote = self.remote(hva);
-        // SAFETY: `local` is within `buf` and only read; the remote areas
-        // are guest RAM of a QEMU that does not run its guest yet.
-        let n = unsafe {
-            libc::process_vm_writev(
+        // SAFETY: `local` as the caller promised; `remote` lives across
+        // the call.
+        unsafe {
+            call(
                 pid as libc::pid_t,
                 &local,
                 1,
@@ -510,8 +531,7 @@ impl Batch {
                 remote.len() as libc::c_ulong,
                 0,
             )
-        };
-        check_moved(n, buf.len(), "writing the VM's memory").map(drop)
+        }
     }
 }
 
