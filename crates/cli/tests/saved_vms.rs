@@ -53,6 +53,15 @@ fn files_in(dir: &std::path::Path) -> Vec<String> {
     v
 }
 
+/// Disk layers and saved RAM files in the layers directory.
+fn layers_in(data: &std::path::Path) -> (usize, usize) {
+    let files = files_in(&data.join("layers"));
+    let disks = files.iter().filter(|f| f.ends_with(".qcow2")).count();
+    let rams = files.iter().filter(|f| f.ends_with(".ram")).count();
+    assert_eq!(disks + rams, files.len(), "{files:?}");
+    (disks, rams)
+}
+
 #[test]
 fn a_vm_started_from_a_save_is_the_same_machine_with_its_own_identity() {
     let data = data_dir();
@@ -138,13 +147,26 @@ fn a_vm_started_from_a_save_is_the_same_machine_with_its_own_identity() {
         assert!(m.save("sbx_saved_a", "one", sandpit_runtime::AfterSave::Run).await.is_err());
         assert!(m.save("sbx_saved_a", "../one", sandpit_runtime::AfterSave::Run).await.is_err());
         assert_eq!(files_in(&data.join("saves")), ["one"]);
-        assert_eq!(files_in(&data.join("layers")).len(), 1);
+        assert_eq!(layers_in(&data), (1, 1), "a disk layer and a RAM file");
         let later = count(&a).await;
         tokio::time::sleep(Duration::from_millis(300)).await;
         assert!(count(&a).await > later, "a refused save stopped the VM");
 
-        // A second save of the same VM, and a VM from it.
+        // A second save of the same VM, and a VM from it. It stands on
+        // the first: it holds only the pages changed since.
         let again = m.save("sbx_saved_a", "two", sandpit_runtime::AfterSave::Run).await.expect("save 2");
+        eprintln!(
+            "saved again: {} changed pages, {} KiB on disk",
+            again.record.changed_pages,
+            again.bytes() >> 10
+        );
+        assert!(again.record.changed_pages >= saved.record.changed_pages * 9 / 10);
+        assert!(
+            again.bytes() < saved.bytes() / 4,
+            "the second save takes {} KiB, the first {} KiB",
+            again.bytes() >> 10,
+            saved.bytes() >> 10
+        );
         let c = m
             .create_from_saved(new_vm("sbx_saved_c"), &again)
             .await
@@ -159,9 +181,9 @@ fn a_vm_started_from_a_save_is_the_same_machine_with_its_own_identity() {
         assert_eq!(m.list_saved(), ["two"]);
         assert!(m.saved("one").is_err());
         assert_eq!(
-            files_in(&data.join("layers")).len(),
-            2,
-            "the second save's layer stands on the first's"
+            layers_in(&data),
+            (2, 2),
+            "the second save's layer and RAM stand on the first's"
         );
         // A manager starting on the data directory removes what a save
         // that died left, and a layer nothing names, not the layers in use.
@@ -171,7 +193,7 @@ fn a_vm_started_from_a_save_is_the_same_machine_with_its_own_identity() {
         drop(manager_with(config(&data)));
         assert_eq!(files_in(&data.join("saves")), ["two"]);
         assert!(!stray.exists());
-        assert_eq!(files_in(&data.join("layers")).len(), 2);
+        assert_eq!(layers_in(&data), (2, 2));
         for vm in [&a, &c] {
             assert_eq!(disk_sha(vm, "/workspace/big").await, big);
             write_and_read(vm).await;
@@ -195,7 +217,7 @@ fn a_vm_started_from_a_save_is_the_same_machine_with_its_own_identity() {
             .expect("start from the save after its VM is gone");
         assert_eq!(sh(&d, "cat /workspace/file").await, "kept");
         m.destroy("sbx_saved_d").await.unwrap();
-        assert_eq!(files_in(&data.join("layers")).len(), 2);
+        assert_eq!(layers_in(&data), (2, 2));
         m.delete_saved("two").await.expect("delete save 2");
 
         // Nothing leaked.

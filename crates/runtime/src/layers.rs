@@ -40,10 +40,21 @@ pub(crate) fn new_name(suffix: &str) -> String {
     format!("{}{suffix}", hex::encode(rand::random::<[u8; 16]>()))
 }
 
-/// Is `name` a file name [`new_name`] makes with `.qcow2`?
+/// Is `name` a file name [`new_name`] makes with `.qcow2` (a disk layer)
+/// or `.ram` (a saved RAM file)?
 pub(crate) fn is_layer_name(name: &str) -> bool {
     name.strip_suffix(".qcow2")
+        .or_else(|| name.strip_suffix(".ram"))
         .is_some_and(|h| h.len() == 32 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
+/// The file `file` stands on: a qcow2 image's backing file, or a saved
+/// RAM file's parent (see `ram_pages`).
+fn stands_on(file: &Path) -> std::io::Result<Option<PathBuf>> {
+    match backing_file(file)? {
+        Some(below) => Ok(Some(below)),
+        None => crate::ram_pages::parent_of(file),
+    }
 }
 
 /// The backing file a qcow2 image names in its header, resolved as QEMU
@@ -84,8 +95,9 @@ pub fn backing_file(image: &Path) -> std::io::Result<Option<PathBuf>> {
     }))
 }
 
-/// The layers (file names in `layers_dir`) that the backing chains of
-/// `roots` reach. A file that cannot be read ends its chain.
+/// The layers (file names in `layers_dir`) that the chains of `roots`
+/// reach (backing files, RAM files' parents). A file that cannot be read
+/// ends its chain.
 pub(crate) fn reachable(layers_dir: &Path, roots: &[PathBuf]) -> HashSet<OsString> {
     let layers_dir = canonical(layers_dir);
     // Canonical directories, once per directory met.
@@ -109,7 +121,7 @@ pub(crate) fn reachable(layers_dir: &Path, roots: &[PathBuf]) -> HashSet<OsStrin
         }
         let mut file = root.clone();
         for _ in 0..MAX_DEPTH {
-            let Ok(Some(backing)) = backing_file(&file) else {
+            let Ok(Some(backing)) = stands_on(&file) else {
                 break;
             };
             if let Some(name) = in_layers(&backing) {

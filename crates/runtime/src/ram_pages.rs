@@ -1,5 +1,6 @@
 //! A stopped VM's RAM copied out of its QEMU, and copied into another QEMU,
-//! page by page, keeping only the pages that differ from the template.
+//! page by page, keeping only the pages that differ from what the VM's
+//! memory was made from.
 //!
 //! A sandbox's guest RAM is a private copy-on-write mapping of its
 //! template's RAM file (`memory-backend-file,share=off`): a page the guest
@@ -11,33 +12,47 @@
 //! does (4 s for 370 MiB on these hosts, against a few hundred ms here).
 //! QEMU's own `xen-save-devices-state` writes the devices alone, next to it.
 //!
-//! A VM started from the save maps the same template file privately, waits
-//! with `-incoming defer`, receives the saved pages here
-//! (`process_vm_writev`, before any guest code runs) and then loads the
-//! devices as a migration: every other page is the template's, as it was in
-//! the saved VM. QEMU's other writable RAM blocks (the firmware's, a few
-//! hundred KiB) are copied whole; read-only ones are rebuilt by QEMU itself.
+//! **Chains.** A VM started from a save (or saved before) was last made
+//! equal to that save's RAM file, its parent: a page it wrote that still
+//! equals the parent's is marked as the parent's and not written again, so
+//! ten snapshots of one sandbox store its memory about once. A file names
+//! its parent (a file name in the same directory, the layers directory:
+//! see `layers`, which keeps a file as long as a chain reaches it).
 //!
-//! The file: a header page (magic, then JSON naming each block's areas),
-//! then per block two bitmaps (bit `i` of host-endian `u64` words is page
-//! `i`: the pages saved, and of those the ones that are zero), then the
-//! bytes of the saved pages that are not zero, one after another in page
-//! order: a save writes them in a few large writes however scattered they
-//! are in the guest, and a load reads them back the same way.
+//! A VM started from a save maps the same template file privately, waits
+//! with `-incoming defer`, receives the saved pages here
+//! (`process_vm_writev`, before any guest code runs), each from the newest
+//! file of the chain that holds it, and then loads the devices as a
+//! migration: every other page is the template's, as it was in the saved
+//! VM. QEMU's other writable RAM blocks (the firmware's, a few hundred KiB)
+//! are saved whole; read-only ones are rebuilt by QEMU itself.
+//!
+//! The file: a header page (magic, then JSON naming the parent and each
+//! block's areas), then per block three bitmaps (bit `i` of host-endian
+//! `u64` words is page `i`): the pages that differ from the template, those
+//! of them this file holds (the others are the parent's), and of those the
+//! ones that are zero; then the bytes of the held pages that are not zero,
+//! one after another in page order: a save writes them in a few large
+//! writes however scattered they are in the guest, and a load reads them
+//! back the same way.
 
 use crate::{Result, RuntimeError};
 use serde::{Deserialize, Serialize};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
 
 /// The page size of QEMU's x86 RAM blocks here.
 pub const PAGE: u64 = 4096;
 
 const MAGIC: &[u8; 12] = b"SANDPIT-RAM\n";
-/// Bytes before the first block's bitmap: the magic, the header's length
+/// Bytes before the first block's bitmaps: the magic, the header's length
 /// and the header.
 const HEADER_BYTES: u64 = PAGE;
 const VERSION: u32 = 1;
+/// Files in a chain at most: a save of a VM whose chain is this long
+/// starts a new one (it holds all its pages), so a load reads few files.
+pub const MAX_CHAIN: usize = 8;
 
 /// Bytes moved per `process_vm_readv`/`writev` call, and remote areas per
 /// call (the kernel's `IOV_MAX`).
@@ -64,16 +79,18 @@ pub struct Block {
     pub writable: bool,
 }
 
-/// One block's area in a RAM file.
+/// One block's areas in a RAM file.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RamArea {
     pub name: String,
     pub length: u64,
-    /// The pages saved (bit `i`: page `i`).
+    /// The pages that differ from the template (bit `i`: page `i`).
     pub saved_bitmap: u64,
+    /// Of those, the pages this file holds (the others are the parent's).
+    pub own_bitmap: u64,
     /// Of those, the pages that are zero (no bytes in the file).
     pub zero_bitmap: u64,
-    /// Where the bytes of the saved pages that are not zero are, one after
+    /// Where the bytes of the held pages that are not zero are, one after
     /// another in page order.
     pub pages_offset: u64,
     pub data_pages: u64,
@@ -91,6 +108,8 @@ impl RamArea {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct Header {
     version: u32,
+    /// The file below, in the same directory.
+    parent: Option<String>,
     areas: Vec<RamArea>,
 }
 
@@ -101,6 +120,16 @@ pub struct Captured {
     pub data_pages: u64,
     /// Pages marked as zero (no bytes).
     pub zero_pages: u64,
+    /// Pages that differ from the template but not from the parent's
+    /// (marked as the parent's).
+    pub inherited_pages: u64,
+}
+
+impl Captured {
+    /// The pages that differ from the template.
+    pub fn saved_pages(&self) -> u64 {
+        self.data_pages + self.zero_pages + self.inherited_pages
+    }
 }
 
 fn corrupt(what: impl std::fmt::Display) -> RuntimeError {
@@ -152,10 +181,249 @@ pub async fn query_blocks(qmp: &mut crate::qmp::Qmp) -> Result<Vec<Block>> {
     parse_ramblocks(text)
 }
 
-/// Writes the RAM of stopped QEMU `pid` to `out` (an empty file): every
-/// writable block, of `diff_block` only the pages that are no longer the
-/// mapped file's.
-pub fn capture(pid: u32, blocks: &[Block], diff_block: &str, out: &File) -> Result<Captured> {
+/// A RAM file and the files below it, newest first, their bitmaps read.
+pub struct Chain {
+    files: Vec<ChainFile>,
+}
+
+struct ChainFile {
+    name: String,
+    file: File,
+    areas: Vec<AreaBits>,
+}
+
+/// A block's bitmaps in one file of a chain.
+struct AreaBits {
+    area: RamArea,
+    saved: Vec<u64>,
+    own: Vec<u64>,
+    zero: Vec<u64>,
+    /// Pages with bytes in the file before word `w` of the bitmaps.
+    rank: Vec<u64>,
+}
+
+fn bit(words: &[u64], page: u64) -> bool {
+    words
+        .get((page / 64) as usize)
+        .is_some_and(|w| w & (1 << (page % 64)) != 0)
+}
+
+impl AreaBits {
+    fn read(file: &File, area: &RamArea) -> Result<AreaBits> {
+        let saved = read_bitmap(file, area, area.saved_bitmap)?;
+        let own = read_bitmap(file, area, area.own_bitmap)?;
+        let zero = read_bitmap(file, area, area.zero_bitmap)?;
+        let mut rank = Vec::with_capacity(own.len());
+        let mut before = 0;
+        for (o, z) in own.iter().zip(&zero) {
+            rank.push(before);
+            before += (o & !z).count_ones() as u64;
+        }
+        if before != area.data_pages {
+            return Err(corrupt(format!(
+                "block {}'s bitmaps do not match its page count",
+                area.name
+            )));
+        }
+        Ok(AreaBits {
+            area: area.clone(),
+            saved,
+            own,
+            zero,
+            rank,
+        })
+    }
+
+    /// Where the bytes of held, non-zero `page` are.
+    fn offset(&self, page: u64) -> u64 {
+        let w = (page / 64) as usize;
+        let below = (1u64 << (page % 64)) - 1;
+        let before = self.rank[w] + (self.own[w] & !self.zero[w] & below).count_ones() as u64;
+        self.area.pages_offset + before * PAGE
+    }
+}
+
+/// Where a chain holds a page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Source {
+    Zero,
+    /// File `file` of the chain, at `offset`.
+    Data {
+        file: usize,
+        offset: u64,
+    },
+}
+
+/// One block through a chain: its bitmaps in each file, newest first.
+struct ChainBlock<'a> {
+    files: &'a [ChainFile],
+    areas: Vec<Option<&'a AreaBits>>,
+}
+
+impl ChainBlock<'_> {
+    fn newest(&self) -> Option<&AreaBits> {
+        self.areas.first().copied().flatten()
+    }
+
+    /// Where `page` is held; `None` when it is the template's.
+    fn source(&self, page: u64) -> Result<Option<Source>> {
+        if !self.newest().is_some_and(|a| bit(&a.saved, page)) {
+            return Ok(None);
+        }
+        for (file, area) in self.areas.iter().enumerate() {
+            let Some(area) = area else { continue };
+            if bit(&area.own, page) {
+                return Ok(Some(if bit(&area.zero, page) {
+                    Source::Zero
+                } else {
+                    Source::Data {
+                        file,
+                        offset: area.offset(page),
+                    }
+                }));
+            }
+        }
+        Err(corrupt(format!("page {page} is saved but held by no file")))
+    }
+
+    /// Puts the chain's bytes of `pages` (each one it holds) in `buf`,
+    /// one after another; consecutive bytes of one file in one read.
+    fn fill(&self, pages: &[u64], buf: &mut [u8]) -> Result<Vec<bool>> {
+        let p = PAGE as usize;
+        let mut held = vec![false; pages.len()];
+        // (file, offset, first index, pages) of the read being gathered.
+        let mut run: Option<(usize, u64, usize, usize)> = None;
+        let read = |run: &mut Option<(usize, u64, usize, usize)>, buf: &mut [u8]| -> Result<()> {
+            if let Some((file, offset, at, n)) = run.take() {
+                self.files[file]
+                    .file
+                    .read_exact_at(&mut buf[at * p..(at + n) * p], offset)
+                    .map_err(RuntimeError::io("reading the saved RAM"))?;
+            }
+            Ok(())
+        };
+        for (i, &page) in pages.iter().enumerate() {
+            match self.source(page)? {
+                None => {}
+                Some(Source::Zero) => {
+                    held[i] = true;
+                    buf[i * p..(i + 1) * p].fill(0);
+                }
+                Some(Source::Data { file, offset }) => {
+                    held[i] = true;
+                    run = match run {
+                        Some((f, o, at, n))
+                            if f == file && o + n as u64 * PAGE == offset && at + n == i =>
+                        {
+                            Some((f, o, at, n + 1))
+                        }
+                        other => {
+                            let mut other = other;
+                            read(&mut other, buf)?;
+                            Some((file, offset, i, 1))
+                        }
+                    };
+                }
+            }
+        }
+        read(&mut run, buf)?;
+        Ok(held)
+    }
+}
+
+impl Chain {
+    /// The RAM file at `path` and the files it stands on.
+    pub fn open(path: &Path) -> Result<Chain> {
+        let mut files = Vec::new();
+        let mut next = Some(path.to_path_buf());
+        while let Some(path) = next {
+            if files.len() == MAX_CHAIN {
+                return Err(corrupt(format!(
+                    "{} stands on more than {MAX_CHAIN} files",
+                    path.display()
+                )));
+            }
+            let file = File::open(&path)
+                .map_err(RuntimeError::io(format!("opening {}", path.display())))?;
+            let header = read_header(&file)?;
+            next = header.parent.as_ref().map(|p| sibling(&path, p));
+            let areas = header
+                .areas
+                .iter()
+                .map(|a| AreaBits::read(&file, a))
+                .collect::<Result<_>>()?;
+            files.push(ChainFile {
+                name: path
+                    .file_name()
+                    .map(|n| n.to_string_lossy().to_string())
+                    .unwrap_or_default(),
+                file,
+                areas,
+            });
+        }
+        Ok(Chain { files })
+    }
+
+    /// The newest file's name.
+    pub fn name(&self) -> &str {
+        &self.files[0].name
+    }
+
+    /// Files in the chain.
+    pub fn depth(&self) -> usize {
+        self.files.len()
+    }
+
+    fn block(&self, name: &str) -> ChainBlock<'_> {
+        ChainBlock {
+            files: &self.files,
+            areas: self
+                .files
+                .iter()
+                .map(|f| f.areas.iter().find(|a| a.area.name == name))
+                .collect(),
+        }
+    }
+}
+
+fn sibling(path: &Path, name: &str) -> PathBuf {
+    path.parent().unwrap_or(Path::new("/")).join(name)
+}
+
+/// The file a RAM file stands on, if `path` is a RAM file that names one
+/// (for the layers' collection).
+pub fn parent_of(path: &Path) -> std::io::Result<Option<PathBuf>> {
+    let file = File::open(path)?;
+    Ok(read_header(&file)
+        .ok()
+        .and_then(|h| h.parent)
+        .map(|p| sibling(path, &p)))
+}
+
+/// Starts RAM file `out` (an empty file) on `parent`: once this header is
+/// written, the layers' collection keeps the parent for it.
+pub fn begin(out: &File, parent: Option<&Chain>) -> Result<()> {
+    write_header(
+        out,
+        &Header {
+            version: VERSION,
+            parent: parent.map(|c| c.name().to_string()),
+            areas: Vec::new(),
+        },
+    )
+}
+
+/// Writes the RAM of stopped QEMU `pid` to `out` (begun with [`begin`] on
+/// the same `parent`): every writable block, of `diff_block` only the pages
+/// that are no longer the mapped file's, and of those only the ones that
+/// differ from the parent's.
+pub fn capture(
+    pid: u32,
+    blocks: &[Block],
+    diff_block: &str,
+    out: &File,
+    parent: Option<&Chain>,
+) -> Result<Captured> {
     let pagemap = File::open(format!("/proc/{pid}/pagemap"))
         .map_err(RuntimeError::io(format!("opening QEMU {pid}'s page map")))?;
     let blocks: Vec<&Block> = blocks.iter().filter(|b| b.writable).collect();
@@ -174,11 +442,12 @@ pub fn capture(pid: u32, blocks: &[Block], diff_block: &str, out: &File) -> Resu
             name: block.name.clone(),
             length: block.length,
             saved_bitmap: offset,
-            zero_bitmap: offset + bitmap_bytes,
+            own_bitmap: offset + bitmap_bytes,
+            zero_bitmap: offset + 2 * bitmap_bytes,
             pages_offset: 0,
             data_pages: 0,
         });
-        offset += 2 * bitmap_bytes;
+        offset += 3 * bitmap_bytes;
     }
     let mut writer = Writer {
         out,
@@ -221,14 +490,31 @@ pub fn capture(pid: u32, blocks: &[Block], diff_block: &str, out: &File) -> Resu
         if !batch.pages.is_empty() {
             batches.push(batch);
         }
-        let mut saved = vec![0u64; area.bitmap_words()];
-        let mut zero = vec![0u64; area.bitmap_words()];
+        let below = parent.map(|c| c.block(&block.name));
+        let mut bits = Bits::new(area.bitmap_words());
+        // Each buffer: the VM's pages, then the parent's of the same pages.
         pipelined(
             &batches,
-            |batch, buf| batch.read(pid, block.hva, buf),
-            |batch, data| writer.write(&batch.pages, data, &mut saved, &mut zero),
+            2 * BATCH_BYTES,
+            |batch, buf| {
+                let (vm, theirs) = buf.split_at_mut(BATCH_BYTES);
+                let n = batch.read(pid, block.hva, vm)?;
+                let held = match &below {
+                    Some(below) => below.fill(&batch.pages, theirs)?,
+                    None => vec![false; batch.pages.len()],
+                };
+                Ok((n, held))
+            },
+            |batch, buf, (n, held)| {
+                let (vm, theirs) = buf.split_at(BATCH_BYTES);
+                writer.write(&batch.pages, &vm[..*n], theirs, held, &mut bits)
+            },
         )?;
-        for (words, at) in [(&saved, area.saved_bitmap), (&zero, area.zero_bitmap)] {
+        for (words, at) in [
+            (&bits.saved, area.saved_bitmap),
+            (&bits.own, area.own_bitmap),
+            (&bits.zero, area.zero_bitmap),
+        ] {
             out.write_all_at(words_as_bytes(words), at)
                 .map_err(RuntimeError::io("writing the saved RAM's bitmaps"))?;
         }
@@ -240,10 +526,28 @@ pub fn capture(pid: u32, blocks: &[Block], diff_block: &str, out: &File) -> Resu
         out,
         &Header {
             version: VERSION,
+            parent: parent.map(|c| c.name().to_string()),
             areas,
         },
     )?;
     Ok(writer.captured)
+}
+
+/// One block's bitmaps being written.
+struct Bits {
+    saved: Vec<u64>,
+    own: Vec<u64>,
+    zero: Vec<u64>,
+}
+
+impl Bits {
+    fn new(words: usize) -> Bits {
+        Bits {
+            saved: vec![0; words],
+            own: vec![0; words],
+            zero: vec![0; words],
+        }
+    }
 }
 
 /// Appends the pages read from a VM to a RAM file.
@@ -255,39 +559,55 @@ struct Writer<'a> {
 }
 
 impl Writer<'_> {
-    /// Marks `pages` (whose bytes are `data`, one after another) as saved,
-    /// those that are zero as zero, and appends the others in one write.
+    /// Marks `pages` (whose bytes are `data`, one after another) as saved;
+    /// those equal to the parent's (`theirs`, where `held`) as the
+    /// parent's, the others as this file's, those that are zero as zero;
+    /// and appends the rest in one write.
     fn write(
         &mut self,
         pages: &[u64],
         data: &[u8],
-        saved: &mut [u64],
-        zero: &mut [u64],
+        theirs: &[u8],
+        held: &[bool],
+        bits: &mut Bits,
     ) -> Result<()> {
-        let page_bytes = PAGE as usize;
+        let p = PAGE as usize;
         let mut parts: Vec<std::io::IoSlice> = Vec::new();
         let mut run: Option<(usize, usize)> = None;
         let mut bytes = 0;
         for (i, &page) in pages.iter().enumerate() {
             let (word, bit) = ((page / 64) as usize, 1u64 << (page % 64));
-            saved[word] |= bit;
-            if is_zero(&data[i * page_bytes..(i + 1) * page_bytes]) {
-                zero[word] |= bit;
+            bits.saved[word] |= bit;
+            let mine = &data[i * p..(i + 1) * p];
+            let (zero, inherited) = if held[i] && mine == &theirs[i * p..(i + 1) * p] {
+                (false, true)
+            } else {
+                (is_zero(mine), false)
+            };
+            if inherited {
+                self.captured.inherited_pages += 1;
+            } else {
+                bits.own[word] |= bit;
+            }
+            if zero {
+                bits.zero[word] |= bit;
                 self.captured.zero_pages += 1;
+            }
+            if zero || inherited {
                 if let Some((from, to)) = run.take() {
                     parts.push(std::io::IoSlice::new(&data[from..to]));
                 }
                 continue;
             }
             self.captured.data_pages += 1;
-            bytes += page_bytes;
+            bytes += p;
             run = match run {
-                Some((from, to)) if to == i * page_bytes => Some((from, to + page_bytes)),
+                Some((from, to)) if to == i * p => Some((from, to + p)),
                 other => {
                     if let Some((from, to)) = other {
                         parts.push(std::io::IoSlice::new(&data[from..to]));
                     }
-                    Some((i * page_bytes, (i + 1) * page_bytes))
+                    Some((i * p, (i + 1) * p))
                 }
             };
         }
@@ -332,13 +652,12 @@ fn write_all_vectored_at(out: &File, parts: &[std::io::IoSlice], offset: u64) ->
     Ok(())
 }
 
-/// Copies the pages of a RAM file into QEMU `pid`'s blocks (the VM must not
-/// run yet); the pages written.
-pub fn load(pid: u32, blocks: &[Block], file: &File) -> Result<u64> {
-    let header = read_header(file)?;
-    let zeros = vec![0u8; BATCH_BYTES];
+/// Copies the pages of a chain of RAM files into QEMU `pid`'s blocks (the
+/// VM must not run yet); the pages written.
+pub fn load(pid: u32, blocks: &[Block], chain: &Chain) -> Result<u64> {
     let mut loaded = 0;
-    for area in &header.areas {
+    for newest in &chain.files[0].areas {
+        let area = &newest.area;
         let block = blocks
             .iter()
             .find(|b| b.name == area.name && b.writable)
@@ -349,64 +668,33 @@ pub fn load(pid: u32, blocks: &[Block], file: &File) -> Result<u64> {
                 area.name, block.length, area.length
             )));
         }
-        let saved = read_bitmap(file, area, area.saved_bitmap)?;
-        let zero = read_bitmap(file, area, area.zero_bitmap)?;
-        // The pages with bytes, each batch with where its bytes start in
-        // the file; and the zero pages.
-        let mut data: Vec<(Batch, u64)> = Vec::new();
-        let mut zeroes: Vec<Batch> = Vec::new();
-        let mut at = area.pages_offset;
+        let mut batches = Vec::new();
         let mut batch = Batch::default();
-        let mut zero_batch = Batch::default();
-        for (w, (&saved, &zero)) in saved.iter().zip(&zero).enumerate() {
-            let mut word = saved;
+        for (w, &word) in newest.saved.iter().enumerate() {
+            let mut word = word;
             while word != 0 {
                 let bit = word.trailing_zeros() as u64;
                 word &= word - 1;
-                let page = w as u64 * 64 + bit;
-                if zero & (1 << bit) != 0 {
-                    if zero_batch.full() {
-                        zeroes.push(std::mem::take(&mut zero_batch));
-                    }
-                    zero_batch.push(page);
-                } else {
-                    if batch.full() {
-                        let bytes = batch.bytes() as u64;
-                        data.push((std::mem::take(&mut batch), at));
-                        at += bytes;
-                    }
-                    batch.push(page);
+                if batch.full() {
+                    batches.push(std::mem::take(&mut batch));
                 }
+                batch.push(w as u64 * 64 + bit);
                 loaded += 1;
             }
         }
         if !batch.pages.is_empty() {
-            let bytes = batch.bytes() as u64;
-            data.push((batch, at));
-            at += bytes;
+            batches.push(batch);
         }
-        if !zero_batch.pages.is_empty() {
-            zeroes.push(zero_batch);
-        }
+        let through = chain.block(&area.name);
         pipelined(
-            &data,
-            |(batch, at), buf| {
-                let n = batch.bytes();
-                file.read_exact_at(&mut buf[..n], *at)
-                    .map_err(RuntimeError::io("reading the saved RAM"))?;
-                Ok(n)
+            &batches,
+            BATCH_BYTES,
+            |batch, buf| {
+                through.fill(&batch.pages, buf)?;
+                Ok(batch.bytes())
             },
-            |(batch, _), bytes| batch.write(pid, block.hva, bytes),
+            |batch, buf, n| batch.write(pid, block.hva, &buf[..*n]),
         )?;
-        for batch in &zeroes {
-            batch.write(pid, block.hva, &zeros[..batch.bytes()])?;
-        }
-        if at != area.pages_offset + area.data_pages * PAGE {
-            return Err(corrupt(format!(
-                "block {}'s bitmaps do not match its page count",
-                area.name
-            )));
-        }
     }
     Ok(loaded)
 }
@@ -419,19 +707,6 @@ fn read_bitmap(file: &File, area: &RamArea, offset: u64) -> Result<Vec<u64>> {
         .chunks_exact(8)
         .map(|w| u64::from_ne_bytes(w.try_into().expect("8 bytes")))
         .collect())
-}
-
-/// The pages a RAM file holds (zero or not).
-pub fn pages_in(file: &File) -> Result<u64> {
-    let header = read_header(file)?;
-    let mut pages = 0;
-    for area in &header.areas {
-        pages += read_bitmap(file, area, area.saved_bitmap)?
-            .iter()
-            .map(|w| w.count_ones() as u64)
-            .sum::<u64>();
-    }
-    Ok(pages)
 }
 
 /// Pages moved in one call: runs of consecutive pages, each one remote
@@ -536,22 +811,24 @@ impl Batch {
 }
 
 /// Copies in two halves that overlap: `fill` puts each job's bytes in a
-/// buffer on a second thread while `drain` takes the previous job's here
-/// (reading a VM's memory and writing a file, or reading a file and
-/// writing a VM's memory, each about as costly as the other).
-fn pipelined<J: Sync>(
+/// buffer of `buf_bytes` on a second thread while `drain` takes the
+/// previous job's here (reading a VM's memory and writing a file, or
+/// reading files and writing a VM's memory, each about as costly as the
+/// other); `fill` tells `drain` what it put where.
+fn pipelined<J: Sync, F: Send>(
     jobs: &[J],
-    fill: impl Fn(&J, &mut [u8]) -> Result<usize> + Sync,
-    mut drain: impl FnMut(&J, &[u8]) -> Result<()>,
+    buf_bytes: usize,
+    fill: impl Fn(&J, &mut [u8]) -> Result<F> + Sync,
+    mut drain: impl FnMut(&J, &[u8], &F) -> Result<()>,
 ) -> Result<()> {
     use std::sync::mpsc::sync_channel;
     if jobs.is_empty() {
         return Ok(());
     }
-    let (filled_tx, filled_rx) = sync_channel::<Result<(usize, Vec<u8>, usize)>>(2);
+    let (filled_tx, filled_rx) = sync_channel::<Result<(usize, Vec<u8>, F)>>(2);
     let (free_tx, free_rx) = sync_channel::<Vec<u8>>(2);
     for _ in 0..2 {
-        free_tx.send(vec![0u8; BATCH_BYTES]).expect("room for two");
+        free_tx.send(vec![0u8; buf_bytes]).expect("room for two");
     }
     let fill = &fill;
     // Everything the drain holds goes when it returns, failed or not, so
@@ -561,7 +838,7 @@ fn pipelined<J: Sync>(
             for (i, job) in jobs.iter().enumerate() {
                 // The drain stopped (it failed): nothing more to fill.
                 let Ok(mut buf) = free_rx.recv() else { return };
-                let filled = fill(job, &mut buf).map(|n| (i, buf, n));
+                let filled = fill(job, &mut buf).map(|f| (i, buf, f));
                 let failed = filled.is_err();
                 if filled_tx.send(filled).is_err() || failed {
                     return;
@@ -569,10 +846,10 @@ fn pipelined<J: Sync>(
             }
         });
         for _ in 0..jobs.len() {
-            let (i, buf, n) = filled_rx
+            let (i, buf, filled) = filled_rx
                 .recv()
                 .map_err(|_| corrupt("the copying thread ended early"))??;
-            drain(&jobs[i], &buf[..n])?;
+            drain(&jobs[i], &buf, &filled)?;
             let _ = free_tx.send(buf);
         }
         Ok(())
@@ -732,10 +1009,31 @@ mod tests {
         }
     }
 
+    /// A new RAM file in `dir` begun on `parent`, captured from this
+    /// process's `blocks`.
+    fn save(
+        dir: &Path,
+        name: &str,
+        blocks: &[Block],
+        parent: Option<&Chain>,
+    ) -> (PathBuf, Captured) {
+        let path = dir.join(name);
+        let out = File::create_new(&path).unwrap();
+        begin(&out, parent).unwrap();
+        let captured = capture(std::process::id(), blocks, "ram", &out, parent).unwrap();
+        (path, captured)
+    }
+
+    fn on_disk(path: &Path) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(path).unwrap().blocks() * 512
+    }
+
     #[test]
     fn the_written_pages_are_saved_and_load_into_a_fresh_mapping() {
         let pages = 2000usize;
         let len = pages * PAGE as usize;
+        let dir = tempfile::tempdir().unwrap();
         let base = tempfile::tempfile().unwrap();
         let content: Vec<u8> = (0..len)
             .map(|i| (i / PAGE as usize % 251 + 1) as u8)
@@ -759,25 +1057,27 @@ mod tests {
             writable: false,
             ..bios.block("tables")
         };
-        let out = tempfile::tempfile().unwrap();
         let blocks = [vm.block("ram"), firmware.clone(), tables];
-        let captured = capture(std::process::id(), &blocks, "ram", &out).unwrap();
+        let (first, captured) = save(dir.path(), "first.ram", &blocks, None);
         // 1290 + 3 pages flipped, 1 rewritten as it was (still a written
         // page); the zeroed page is among the flipped ones; the firmware's
         // 8 pages, one of them zero.
-        assert_eq!(captured.data_pages + captured.zero_pages, 1294 + 8);
+        assert_eq!(captured.saved_pages(), 1294 + 8);
         assert_eq!(captured.zero_pages, 1 + 1);
-        assert_eq!(pages_in(&out).unwrap(), 1294 + 8);
-        // Sparse: the zero pages and the unwritten ones take no room.
-        use std::os::unix::fs::MetadataExt;
-        let on_disk = out.metadata().unwrap().blocks() * 512;
-        assert!(on_disk < (1300 + 8 + 4) * PAGE, "{on_disk} bytes on disk");
+        assert_eq!(captured.inherited_pages, 0);
+        // The zero pages and the unwritten ones take no room.
+        let size = on_disk(&first);
+        assert!(size < (1300 + 8 + 4) * PAGE, "{size} bytes on disk");
 
+        let chain = Chain::open(&first).unwrap();
         let mut fresh = Mapping::of(&base, len);
         let mut bios_after = Mapping::anonymous(8 * p);
         bios_after.bytes().fill(9);
         let targets = [fresh.block("ram"), bios_after.block("pc.bios")];
-        assert_eq!(load(std::process::id(), &targets, &out).unwrap(), 1294 + 8);
+        assert_eq!(
+            load(std::process::id(), &targets, &chain).unwrap(),
+            1294 + 8
+        );
         assert!(fresh.bytes() == vm.bytes(), "the loaded RAM differs");
         assert!(
             bios_after.bytes() == bios.bytes(),
@@ -786,9 +1086,9 @@ mod tests {
 
         // A QEMU whose block differs in size is refused.
         let mut small = Mapping::of(&base, len - p);
-        assert!(load(std::process::id(), &[small.block("ram")], &out).is_err());
+        assert!(load(std::process::id(), &[small.block("ram")], &chain).is_err());
         let _ = small.bytes();
-        assert!(load(std::process::id(), &[], &out).is_err());
+        assert!(load(std::process::id(), &[], &chain).is_err());
         // A QEMU whose memory cannot be written fails the load (and the
         // copying thread ends with it).
         let unmapped = Block {
@@ -798,9 +1098,78 @@ mod tests {
         assert!(load(
             std::process::id(),
             &[unmapped, bios_after.block("pc.bios")],
-            &out
+            &chain
         )
         .is_err());
         assert!(read_header(&base).is_err());
+        assert_eq!(parent_of(&first).unwrap(), None);
+    }
+
+    #[test]
+    fn a_save_over_a_parent_holds_only_what_changed_since() {
+        let pages = 3000usize;
+        let p = PAGE as usize;
+        let len = pages * p;
+        let dir = tempfile::tempdir().unwrap();
+        let base = tempfile::tempfile().unwrap();
+        let content: Vec<u8> = (0..len).map(|i| (i / p % 13 + 1) as u8).collect();
+        base.write_all_at(&content, 0).unwrap();
+        let mut vm = Mapping::of(&base, len);
+        let mut bios = Mapping::anonymous(4 * p);
+        bios.bytes().fill(5);
+        for page in 0..2000 {
+            vm.bytes()[page * p + 1] = 0xee;
+        }
+        vm.bytes()[1800 * p..1801 * p].fill(0);
+        let blocks = [vm.block("ram"), bios.block("pc.bios")];
+        let (first, _) = save(dir.path(), "first.ram", &blocks, None);
+        let parent = Chain::open(&first).unwrap();
+
+        // Since: 5 pages changed, 2 written for the first time, a page
+        // zeroed, the zero page written, one page rewritten as it was.
+        for page in [3, 700, 701, 1500, 1999, 2500, 2998] {
+            vm.bytes()[page * p + 2] ^= 0x11;
+        }
+        vm.bytes()[900 * p..901 * p].fill(0);
+        vm.bytes()[1800 * p + 9] = 1;
+        vm.bytes()[1200 * p + 1] = 0xee;
+        let (second, captured) = save(dir.path(), "second.ram", &blocks, Some(&parent));
+        assert_eq!(captured.saved_pages(), 2002 + 4);
+        assert_eq!(captured.data_pages, 5 + 2 + 1);
+        assert_eq!(captured.zero_pages, 1);
+        assert_eq!(captured.inherited_pages, 2002 + 4 - 9);
+        assert!(on_disk(&second) < 24 * PAGE + on_disk(&first) / 10);
+        assert_eq!(parent_of(&second).unwrap(), Some(first.clone()));
+
+        // Loaded through the chain, it is the VM as it is now; and the
+        // parent alone still loads as the VM was.
+        let chain = Chain::open(&second).unwrap();
+        assert_eq!(chain.depth(), 2);
+        let mut fresh = Mapping::of(&base, len);
+        let mut fresh_bios = Mapping::anonymous(4 * p);
+        let targets = [fresh.block("ram"), fresh_bios.block("pc.bios")];
+        load(std::process::id(), &targets, &chain).unwrap();
+        assert!(fresh.bytes() == vm.bytes(), "the chain loads other RAM");
+        assert!(fresh_bios.bytes() == bios.bytes());
+        let mut old = Mapping::of(&base, len);
+        load(
+            std::process::id(),
+            &[old.block("ram"), fresh_bios.block("pc.bios")],
+            &parent,
+        )
+        .unwrap();
+        assert_eq!(old.bytes()[900 * p + 1], 0xee);
+        assert_eq!(old.bytes()[1800 * p + 9], 0);
+
+        // A chain is as long as MAX_CHAIN at most.
+        let mut below = chain;
+        for n in 2..MAX_CHAIN {
+            vm.bytes()[n * p] ^= 1;
+            let (next, _) = save(dir.path(), &format!("{n}.ram"), &blocks, Some(&below));
+            below = Chain::open(&next).unwrap();
+        }
+        assert_eq!(below.depth(), MAX_CHAIN);
+        let (too_deep, _) = save(dir.path(), "deep.ram", &blocks, Some(&below));
+        assert!(Chain::open(&too_deep).is_err());
     }
 }

@@ -75,13 +75,15 @@ pub struct SavedRecord {
     pub layer: String,
     /// The device state: a file name in the save's directory.
     pub state: String,
-    /// The guest RAM that differs from the template's: a file name in the
-    /// save's directory (see [`crate::ram_pages`]). Saves made before it
+    /// The guest RAM that differs from the template's: a file name in
+    /// `<data_dir>/layers`, which may stand on other saves' (see
+    /// [`crate::ram_pages`]). Saves made before it
     /// (QEMU's `mapped-ram` state, RAM and devices in one) have none and
     /// are no longer started from.
     #[serde(default)]
     pub ram: Option<String>,
-    /// Guest pages kept (those that differ from the template's).
+    /// Guest pages that differ from the template's (held by its RAM file
+    /// or the files below it).
     pub changed_pages: u64,
     #[serde(with = "time::serde::rfc3339")]
     pub created_at: time::OffsetDateTime,
@@ -112,9 +114,10 @@ impl SavedVm {
     pub fn state(&self) -> PathBuf {
         self.dir.join(&self.record.state)
     }
-    /// The saved guest RAM (what differs from the template's).
+    /// The saved guest RAM (what differs from the template's), in the
+    /// layers directory: the files below it are other saves'.
     pub fn ram(&self) -> Option<PathBuf> {
-        self.record.ram.as_ref().map(|r| self.dir.join(r))
+        self.record.ram.as_ref().map(|r| self.layers_dir.join(r))
     }
     /// Bytes the save alone takes on the host's disk: its state, its RAM
     /// and its frozen layer (the layers and template below it are others').
@@ -216,9 +219,7 @@ impl VmManager {
             )));
         }
         let state = unfinished.path.join(&saved.record.state);
-        let ram = unfinished
-            .path
-            .join(saved.record.ram.as_deref().expect("named above"));
+        let ram = saved.ram().expect("named above");
         let paths = self.paths(id);
         let started = Instant::now();
         let mut qmp = Qmp::connect(&paths.qmp_socket()).await?;
@@ -235,10 +236,17 @@ impl VmManager {
         };
         let paused = started.elapsed();
         let kept = captured?;
-        resumed?;
-        saved.record.changed_pages = kept.data_pages + kept.zero_pages;
-        write_saved_record(&unfinished.path, &saved.record)?;
-        unfinished.finish(&saved.dir, name)?;
+        saved.record.changed_pages = kept.saved_pages();
+        let finished = resumed
+            .and_then(|()| write_saved_record(&unfinished.path, &saved.record))
+            .and_then(|()| unfinished.finish(&saved.dir, name));
+        if let Err(e) = finished {
+            let _ = std::fs::remove_file(&ram);
+            return Err(e);
+        }
+        // The VM's memory is the save's now: its next save stands on it.
+        record.ram_base = saved.record.ram.clone();
+        write_record(&paths, &record)?;
         tracing::debug!(
             id,
             save = name,
@@ -277,7 +285,7 @@ impl VmManager {
             + 1;
         let next_name = format!("disk-{n}.qcow2");
         let next = paths.dir.join(&next_name);
-        {
+        let (out, parent) = {
             // Named by nothing until the overlay over it exists.
             let _lock = layers::lock(&self.layers_lock()).await?;
             std::fs::hard_link(&active, layer)
@@ -286,9 +294,68 @@ impl VmManager {
                 let _ = std::fs::remove_file(layer);
                 return Err(e);
             }
+            // The RAM file names its parent before the lock goes, so the
+            // collection keeps the parent from now on.
+            let parent = self.ram_parent(record);
+            let out = std::fs::File::create_new(ram)
+                .map_err(RuntimeError::io("creating the saved RAM file"))
+                .and_then(|out| ram_pages::begin(&out, parent.as_ref()).map(|()| out));
+            match out {
+                Ok(out) => (out, parent),
+                Err(e) => {
+                    let _ = std::fs::remove_file(ram);
+                    let _ = std::fs::remove_file(&next);
+                    let _ = std::fs::remove_file(layer);
+                    return Err(e);
+                }
+            }
+        };
+        let captured = self
+            .capture_in(
+                qmp, paths, record, layer, &next, &next_name, state, out, parent,
+            )
+            .await;
+        if captured.is_err() {
+            let _ = std::fs::remove_file(ram);
+        } else {
+            share_read_only(ram)?;
         }
+        captured
+    }
+
+    /// The chain a new save of VM `record` stands on: the RAM file its
+    /// memory was last made equal to, unless it is gone, unreadable or its
+    /// chain is as long as chains get (then the save holds all its pages).
+    fn ram_parent(&self, record: &crate::VmRecord) -> Option<ram_pages::Chain> {
+        let name = record.ram_base.as_deref()?;
+        match ram_pages::Chain::open(&self.layers_dir().join(name)) {
+            Ok(chain) if chain.depth() < ram_pages::MAX_CHAIN => Some(chain),
+            Ok(_) => None,
+            Err(e) => {
+                tracing::debug!(id = %record.id, "saving without a parent: {e}");
+                None
+            }
+        }
+    }
+
+    /// [`Self::capture`] once the layer and the RAM file exist: the switch
+    /// to the new overlay, the devices and the RAM.
+    #[allow(clippy::too_many_arguments)]
+    async fn capture_in(
+        &self,
+        qmp: &mut Qmp,
+        paths: &VmPaths,
+        record: &mut crate::VmRecord,
+        layer: &Path,
+        next: &Path,
+        next_name: &str,
+        state: &Path,
+        out: std::fs::File,
+        parent: Option<ram_pages::Chain>,
+    ) -> Result<ram_pages::Captured> {
+        let active = paths.active_disk(record);
         let switch = async {
-            restrict_to(&next, record.qemu_uid)?;
+            restrict_to(next, record.qemu_uid)?;
             // Other VMs' QEMUs read the frozen layer as their backing file.
             share_read_only(layer)?;
             qmp.execute(
@@ -300,12 +367,12 @@ impl VmManager {
         };
         if let Err(e) = switch.await {
             // The VM still writes to `active`: it is no layer.
-            let _ = std::fs::remove_file(&next);
+            let _ = std::fs::remove_file(next);
             let _ = std::fs::remove_file(layer);
             let _ = restrict_to(&active, record.qemu_uid);
             return Err(e);
         }
-        record.disk = Some(next_name);
+        record.disk = Some(next_name.to_string());
         write_record(paths, record)?;
         let frozen = Instant::now();
         // QEMU (its own uid) writes the state into a file made for it. The
@@ -321,19 +388,18 @@ impl VmManager {
         share_read_only(state)?;
         let devices = frozen.elapsed();
         let blocks = ram_pages::query_blocks(qmp).await?;
-        let out = std::fs::File::create_new(ram)
-            .map_err(RuntimeError::io("creating the saved RAM file"))?;
         let pid = record.qemu_pid;
-        let captured =
-            tokio::task::spawn_blocking(move || ram_pages::capture(pid, &blocks, RAM_BLOCK, &out))
-                .await
-                .map_err(|e| RuntimeError::Launch(format!("copying the VM's RAM failed: {e}")))??;
-        share_read_only(ram)?;
+        let captured = tokio::task::spawn_blocking(move || {
+            ram_pages::capture(pid, &blocks, RAM_BLOCK, &out, parent.as_ref())
+        })
+        .await
+        .map_err(|e| RuntimeError::Launch(format!("copying the VM's RAM failed: {e}")))??;
         tracing::debug!(
-            "devices written in {} ms, then {} RAM pages ({} zero) in {} ms",
+            "devices written in {} ms, then {} RAM pages ({} zero, {} the parent's) in {} ms",
             devices.as_millis(),
-            captured.data_pages + captured.zero_pages,
+            captured.saved_pages(),
             captured.zero_pages,
+            captured.inherited_pages,
             (frozen.elapsed() - devices).as_millis(),
         );
         Ok(captured)
@@ -449,6 +515,18 @@ impl VmManager {
         let layers_dir = self.layers_dir();
         let mut roots = layers::qcow2_files_under(&self.config().vms_dir());
         roots.extend(records.iter().map(|r| layers_dir.join(&r.layer)));
+        // Saved RAM: each save's, and each VM's base (its next save
+        // stands on it).
+        roots.extend(
+            records
+                .iter()
+                .filter_map(|r| Some(layers_dir.join(r.ram.as_ref()?))),
+        );
+        roots.extend(
+            self.list()
+                .iter()
+                .filter_map(|r| Some(layers_dir.join(r.ram_base.as_ref()?))),
+        );
         let removed = layers::collect(&layers_dir, &roots);
         if !removed.is_empty() {
             tracing::debug!(layers = ?removed, "removed disk layers nothing names");
@@ -667,11 +745,12 @@ pub(crate) async fn load_saved_state(
     crate::vm::wait_for_socket(paths, &paths.qmp_socket(), "QMP", qemu_pid, marker).await?;
     let mut qmp = Qmp::connect(&paths.qmp_socket()).await?;
     let blocks = ram_pages::query_blocks(&mut qmp).await?;
-    let ram = std::fs::File::open(saved.ram().expect("checked by `saved`"))
-        .map_err(RuntimeError::io("opening the saved RAM"))?;
-    tokio::task::spawn_blocking(move || ram_pages::load(qemu_pid, &blocks, &ram))
-        .await
-        .map_err(|e| RuntimeError::Launch(format!("loading the saved RAM failed: {e}")))??;
+    let ram = saved.ram().expect("checked by `saved`");
+    tokio::task::spawn_blocking(move || {
+        ram_pages::load(qemu_pid, &blocks, &ram_pages::Chain::open(&ram)?)
+    })
+    .await
+    .map_err(|e| RuntimeError::Launch(format!("loading the saved RAM failed: {e}")))??;
     qmp.execute(
         "migrate-incoming",
         json!({"uri": format!("file:{}", saved.state().display())}),

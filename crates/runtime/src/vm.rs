@@ -66,6 +66,11 @@ pub struct VmRecord {
     /// The guest's /etc/machine-id (`None`: from before it was recorded).
     #[serde(default)]
     pub machine_id: Option<String>,
+    /// The saved RAM file (in `<data_dir>/layers`) the guest's memory was
+    /// last made equal to, by a start from a save or a save: the next save
+    /// stands on it (see `ram_pages`), and the layers' collection keeps it.
+    #[serde(default)]
+    pub ram_base: Option<String>,
 }
 
 impl VmRecord {
@@ -521,6 +526,10 @@ impl VmManager {
             watchdog: watchdog.as_ref().ok().copied(),
             disk: None,
             machine_id: Some(machine_id.clone()),
+            ram_base: match start {
+                Start::Saved(saved) => saved.record.ram.clone(),
+                _ => None,
+            },
         };
         write_record(paths, &record)?;
         // Recorded first, so a failed start's clean-up stops QEMU and passt.
