@@ -134,6 +134,7 @@ async fn measure(
     let (mut restore, mut snapshot, mut bytes, mut from_snap, mut rollback) =
         (vec![], vec![], vec![], vec![], vec![]);
     let (mut fork, mut pause, mut resume) = (vec![], vec![], vec![]);
+    let (mut second, mut second_bytes) = (vec![], vec![]);
     let mut paused_processes = 0;
     for round in 0..a.rounds {
         eprintln!("round {} of {}", round + 1, a.rounds);
@@ -159,6 +160,14 @@ async fn measure(
         let b = vms.snapshot(&id, &snap).await?;
         snapshot.push(secs(t));
         bytes.push(b as f64);
+        // Another of the same sandbox, a file later: it stands on the first.
+        sh(vms, &id, "echo more > /workspace/g").await?;
+        let again = snap_name(saves);
+        let t = Instant::now();
+        let b = vms.snapshot(&id, &again).await?;
+        second.push(secs(t));
+        second_bytes.push(b as f64);
+        Machines::delete_snapshot(&**vms, &again).await?;
 
         // A new sandbox from it.
         let copy = fresh(made);
@@ -231,6 +240,16 @@ async fn measure(
         &mut rows,
         "  its size on disk",
         format!("{:.0} MiB | ", median(bytes) / (1 << 20) as f64),
+    );
+    timed(
+        &mut rows,
+        "a second snapshot of it, a file later".into(),
+        second,
+    );
+    row(
+        &mut rows,
+        "  its size on disk",
+        format!("{:.1} MiB | ", median(second_bytes) / (1 << 20) as f64),
     );
     timed(
         &mut rows,
