@@ -22,9 +22,9 @@
 //! A VM started from a save maps the same template file privately, waits
 //! with `-incoming defer`, receives the saved pages here
 //! (`process_vm_writev`, before any guest code runs), each from the newest
-//! file of the chain that holds it, and then loads the devices as a
-//! migration: every other page is the template's, as it was in the saved
-//! VM. QEMU's other writable RAM blocks (the firmware's, a few hundred KiB)
+//! file of the chain that holds it, straight from the files' read-only
+//! mappings, and then loads the devices as a migration: every other page
+//! is the template's, as it was in the saved VM. QEMU's other writable RAM blocks (the firmware's, a few hundred KiB)
 //! are saved whole; read-only ones are rebuilt by QEMU itself.
 //!
 //! The file: a header page (magic, then JSON naming the parent and each
@@ -188,9 +188,75 @@ pub struct Chain {
 
 struct ChainFile {
     name: String,
-    file: File,
+    map: Mapped,
     areas: Vec<AreaBits>,
 }
+
+/// A RAM file mapped read-only, so a load hands its pages to the kernel
+/// without copying them first. RAM files are complete before any chain
+/// opens them and never change after (a removed one stays mapped).
+struct Mapped {
+    ptr: *const u8,
+    len: usize,
+}
+
+// SAFETY: a read-only mapping of a file nobody writes, unmapped only on drop.
+unsafe impl Send for Mapped {}
+unsafe impl Sync for Mapped {}
+
+impl Mapped {
+    fn of(file: &File, path: &Path) -> Result<Mapped> {
+        use std::os::unix::io::AsRawFd;
+        let len = file
+            .metadata()
+            .map_err(RuntimeError::io(format!("reading {}", path.display())))?
+            .len() as usize;
+        // SAFETY: a new shared read-only mapping of the whole file.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(RuntimeError::io(format!("mapping {}", path.display()))(
+                std::io::Error::last_os_error(),
+            ));
+        }
+        Ok(Mapped {
+            ptr: ptr as *const u8,
+            len,
+        })
+    }
+
+    /// The page at `offset`, if the file holds it whole.
+    fn page(&self, offset: u64) -> Result<&[u8]> {
+        let at = offset as usize;
+        if at
+            .checked_add(PAGE as usize)
+            .is_none_or(|end| end > self.len)
+        {
+            return Err(corrupt(format!(
+                "a page at {offset} is past the file's end"
+            )));
+        }
+        // SAFETY: within the mapping, which lives as long as `self`.
+        Ok(unsafe { std::slice::from_raw_parts(self.ptr.add(at), PAGE as usize) })
+    }
+}
+
+impl Drop for Mapped {
+    fn drop(&mut self) {
+        // SAFETY: unmapping what `of` mapped.
+        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
+    }
+}
+
+static ZERO_PAGE: [u8; PAGE as usize] = [0; PAGE as usize];
 
 /// A block's bitmaps in one file of a chain.
 struct AreaBits {
@@ -286,48 +352,13 @@ impl ChainBlock<'_> {
         Err(corrupt(format!("page {page} is saved but held by no file")))
     }
 
-    /// Puts the chain's bytes of `pages` (each one it holds) in `buf`,
-    /// one after another; consecutive bytes of one file in one read.
-    fn fill(&self, pages: &[u64], buf: &mut [u8]) -> Result<Vec<bool>> {
-        let p = PAGE as usize;
-        let mut held = vec![false; pages.len()];
-        // (file, offset, first index, pages) of the read being gathered.
-        let mut run: Option<(usize, u64, usize, usize)> = None;
-        let read = |run: &mut Option<(usize, u64, usize, usize)>, buf: &mut [u8]| -> Result<()> {
-            if let Some((file, offset, at, n)) = run.take() {
-                self.files[file]
-                    .file
-                    .read_exact_at(&mut buf[at * p..(at + n) * p], offset)
-                    .map_err(RuntimeError::io("reading the saved RAM"))?;
-            }
-            Ok(())
-        };
-        for (i, &page) in pages.iter().enumerate() {
-            match self.source(page)? {
-                None => {}
-                Some(Source::Zero) => {
-                    held[i] = true;
-                    buf[i * p..(i + 1) * p].fill(0);
-                }
-                Some(Source::Data { file, offset }) => {
-                    held[i] = true;
-                    run = match run {
-                        Some((f, o, at, n))
-                            if f == file && o + n as u64 * PAGE == offset && at + n == i =>
-                        {
-                            Some((f, o, at, n + 1))
-                        }
-                        other => {
-                            let mut other = other;
-                            read(&mut other, buf)?;
-                            Some((file, offset, i, 1))
-                        }
-                    };
-                }
-            }
-        }
-        read(&mut run, buf)?;
-        Ok(held)
+    /// The chain's bytes of `page`; `None` when it is the template's.
+    fn page(&self, page: u64) -> Result<Option<&[u8]>> {
+        Ok(match self.source(page)? {
+            None => None,
+            Some(Source::Zero) => Some(&ZERO_PAGE[..]),
+            Some(Source::Data { file, offset }) => Some(self.files[file].map.page(offset)?),
+        })
     }
 }
 
@@ -357,7 +388,7 @@ impl Chain {
                     .file_name()
                     .map(|n| n.to_string_lossy().to_string())
                     .unwrap_or_default(),
-                file,
+                map: Mapped::of(&file, &path)?,
                 areas,
             });
         }
@@ -492,23 +523,10 @@ pub fn capture(
         }
         let below = parent.map(|c| c.block(&block.name));
         let mut bits = Bits::new(area.bitmap_words());
-        // Each buffer: the VM's pages, then the parent's of the same pages.
         pipelined(
             &batches,
-            2 * BATCH_BYTES,
-            |batch, buf| {
-                let (vm, theirs) = buf.split_at_mut(BATCH_BYTES);
-                let n = batch.read(pid, block.hva, vm)?;
-                let held = match &below {
-                    Some(below) => below.fill(&batch.pages, theirs)?,
-                    None => vec![false; batch.pages.len()],
-                };
-                Ok((n, held))
-            },
-            |batch, buf, (n, held)| {
-                let (vm, theirs) = buf.split_at(BATCH_BYTES);
-                writer.write(&batch.pages, &vm[..*n], theirs, held, &mut bits)
-            },
+            |batch, buf| batch.read(pid, block.hva, buf),
+            |batch, data| writer.write(&batch.pages, data, below.as_ref(), &mut bits),
         )?;
         for (words, at) in [
             (&bits.saved, area.saved_bitmap),
@@ -560,15 +578,14 @@ struct Writer<'a> {
 
 impl Writer<'_> {
     /// Marks `pages` (whose bytes are `data`, one after another) as saved;
-    /// those equal to the parent's (`theirs`, where `held`) as the
-    /// parent's, the others as this file's, those that are zero as zero;
-    /// and appends the rest in one write.
+    /// those equal to the parent's (`below`) as the parent's, the others as
+    /// this file's, those that are zero as zero; and appends the rest in
+    /// one write.
     fn write(
         &mut self,
         pages: &[u64],
         data: &[u8],
-        theirs: &[u8],
-        held: &[bool],
+        below: Option<&ChainBlock>,
         bits: &mut Bits,
     ) -> Result<()> {
         let p = PAGE as usize;
@@ -579,7 +596,11 @@ impl Writer<'_> {
             let (word, bit) = ((page / 64) as usize, 1u64 << (page % 64));
             bits.saved[word] |= bit;
             let mine = &data[i * p..(i + 1) * p];
-            let (zero, inherited) = if held[i] && mine == &theirs[i * p..(i + 1) * p] {
+            let theirs = match below {
+                Some(below) => below.page(page)?,
+                None => None,
+            };
+            let (zero, inherited) = if theirs == Some(mine) {
                 (false, true)
             } else {
                 (is_zero(mine), false)
@@ -668,33 +689,83 @@ pub fn load(pid: u32, blocks: &[Block], chain: &Chain) -> Result<u64> {
                 area.name, block.length, area.length
             )));
         }
-        let mut batches = Vec::new();
-        let mut batch = Batch::default();
-        for (w, &word) in newest.saved.iter().enumerate() {
-            let mut word = word;
-            while word != 0 {
-                let bit = word.trailing_zeros() as u64;
-                word &= word - 1;
-                if batch.full() {
-                    batches.push(std::mem::take(&mut batch));
-                }
-                batch.push(w as u64 * 64 + bit);
-                loaded += 1;
-            }
-        }
-        if !batch.pages.is_empty() {
-            batches.push(batch);
-        }
         let through = chain.block(&area.name);
-        pipelined(
-            &batches,
-            BATCH_BYTES,
-            |batch, buf| {
-                through.fill(&batch.pages, buf)?;
-                Ok(batch.bytes())
-            },
-            |batch, buf, n| batch.write(pid, block.hva, &buf[..*n]),
-        )?;
+        // Two halves of the pages on two threads.
+        let words = &newest.saved;
+        let total: u64 = words.iter().map(|w| w.count_ones() as u64).sum();
+        let mut mid = 0;
+        let mut first_half = 0;
+        while mid < words.len() && first_half < total / 2 {
+            first_half += words[mid].count_ones() as u64;
+            mid += 1;
+        }
+        let (a, b) = std::thread::scope(|scope| {
+            let other = scope.spawn(|| load_words(pid, block.hva, &through, &words[mid..], mid));
+            let here = load_words(pid, block.hva, &through, &words[..mid], 0);
+            (
+                here,
+                other
+                    .join()
+                    .unwrap_or_else(|_| Err(corrupt("a loading thread panicked"))),
+            )
+        });
+        loaded += a? + b?;
+    }
+    Ok(loaded)
+}
+
+/// Writes the pages of `words` (bitmap words from `first_word` on) from
+/// the chain into QEMU `pid`'s block at `hva`, straight from the chain's
+/// mappings; the pages written.
+fn load_words(
+    pid: u32,
+    hva: u64,
+    through: &ChainBlock,
+    words: &[u64],
+    first_word: usize,
+) -> Result<u64> {
+    let mut loaded = 0;
+    let mut batch = Batch::default();
+    let mut local: Vec<libc::iovec> = Vec::new();
+    let flush = |batch: &mut Batch, local: &mut Vec<libc::iovec>| -> Result<()> {
+        // SAFETY: the local areas are pages of the chain's mappings or the
+        // zero page, only read.
+        let n = unsafe { batch.transfer_from(pid, hva, local) };
+        check_moved(n, batch.bytes(), "writing the VM's memory")?;
+        *batch = Batch::default();
+        local.clear();
+        Ok(())
+    };
+    for (w, &word) in words.iter().enumerate() {
+        let mut word = word;
+        while word != 0 {
+            let bit = word.trailing_zeros() as u64;
+            word &= word - 1;
+            let page = (first_word + w) as u64 * 64 + bit;
+            let bytes = through
+                .page(page)?
+                .ok_or_else(|| corrupt(format!("page {page} is saved but held by no file")))?;
+            if batch.full() || local.len() >= BATCH_AREAS {
+                flush(&mut batch, &mut local)?;
+            }
+            batch.push(page);
+            match local.last_mut() {
+                Some(last)
+                    if last.iov_base as usize + last.iov_len == bytes.as_ptr() as usize
+                        && !std::ptr::eq(bytes.as_ptr(), ZERO_PAGE.as_ptr()) =>
+                {
+                    last.iov_len += bytes.len()
+                }
+                _ => local.push(libc::iovec {
+                    iov_base: bytes.as_ptr() as *mut libc::c_void,
+                    iov_len: bytes.len(),
+                }),
+            }
+            loaded += 1;
+        }
+    }
+    if !batch.pages.is_empty() {
+        flush(&mut batch, &mut local)?;
     }
     Ok(loaded)
 }
@@ -749,38 +820,36 @@ impl Batch {
     fn read(&self, pid: u32, hva: u64, buf: &mut [u8]) -> Result<usize> {
         let want = self.bytes();
         assert!(want <= buf.len());
+        let local = [libc::iovec {
+            iov_base: buf.as_mut_ptr() as *mut libc::c_void,
+            iov_len: want,
+        }];
         // SAFETY: `buf` holds `want` bytes; the remote areas are only read.
-        let n = unsafe { self.transfer(pid, hva, buf.as_mut_ptr(), want, libc::process_vm_readv) };
+        let n = unsafe { self.transfer(pid, hva, &local, libc::process_vm_readv) };
         check_moved(n, want, "reading the VM's memory")
     }
 
-    /// Writes `buf` (the batch's pages) into QEMU `pid`.
-    fn write(&self, pid: u32, hva: u64, buf: &[u8]) -> Result<()> {
-        // SAFETY: `buf` is only read by `process_vm_writev`; the remote
-        // areas are guest RAM of a QEMU that does not run its guest yet.
-        let n = unsafe {
-            self.transfer(
-                pid,
-                hva,
-                buf.as_ptr() as *mut u8,
-                buf.len(),
-                libc::process_vm_writev,
-            )
-        };
-        check_moved(n, buf.len(), "writing the VM's memory").map(drop)
-    }
-
-    /// `process_vm_readv` or `process_vm_writev` between `len` bytes at
-    /// `local` and the batch's pages in QEMU `pid`.
+    /// Writes the `local` areas (the batch's pages' bytes, one after
+    /// another) into QEMU `pid`.
     ///
     /// # Safety
-    /// `local` must be valid for `len` bytes (and writable for a read).
+    /// The local areas must be readable; the remote ones must be guest RAM
+    /// of a QEMU that does not run its guest yet.
+    unsafe fn transfer_from(&self, pid: u32, hva: u64, local: &[libc::iovec]) -> isize {
+        // SAFETY: as the caller promised.
+        unsafe { self.transfer(pid, hva, local, libc::process_vm_writev) }
+    }
+
+    /// `process_vm_readv` or `process_vm_writev` between the `local` areas
+    /// and the batch's pages in QEMU `pid`.
+    ///
+    /// # Safety
+    /// The local areas must be valid (and writable for a read).
     unsafe fn transfer(
         &self,
         pid: u32,
         hva: u64,
-        local: *mut u8,
-        len: usize,
+        local: &[libc::iovec],
         call: unsafe extern "C" fn(
             libc::pid_t,
             *const libc::iovec,
@@ -790,18 +859,14 @@ impl Batch {
             libc::c_ulong,
         ) -> isize,
     ) -> isize {
-        let local = libc::iovec {
-            iov_base: local as *mut libc::c_void,
-            iov_len: len,
-        };
         let remote = self.remote(hva);
-        // SAFETY: `local` as the caller promised; `remote` lives across
-        // the call.
+        // SAFETY: the local areas as the caller promised; `remote` lives
+        // across the call.
         unsafe {
             call(
                 pid as libc::pid_t,
-                &local,
-                1,
+                local.as_ptr(),
+                local.len() as libc::c_ulong,
                 remote.as_ptr(),
                 remote.len() as libc::c_ulong,
                 0,
@@ -811,24 +876,22 @@ impl Batch {
 }
 
 /// Copies in two halves that overlap: `fill` puts each job's bytes in a
-/// buffer of `buf_bytes` on a second thread while `drain` takes the
-/// previous job's here (reading a VM's memory and writing a file, or
-/// reading files and writing a VM's memory, each about as costly as the
-/// other); `fill` tells `drain` what it put where.
-fn pipelined<J: Sync, F: Send>(
+/// buffer on a second thread while `drain` takes the previous job's here
+/// (reading a VM's memory while the file gets the pages read before: each
+/// about as costly as the other).
+fn pipelined<J: Sync>(
     jobs: &[J],
-    buf_bytes: usize,
-    fill: impl Fn(&J, &mut [u8]) -> Result<F> + Sync,
-    mut drain: impl FnMut(&J, &[u8], &F) -> Result<()>,
+    fill: impl Fn(&J, &mut [u8]) -> Result<usize> + Sync,
+    mut drain: impl FnMut(&J, &[u8]) -> Result<()>,
 ) -> Result<()> {
     use std::sync::mpsc::sync_channel;
     if jobs.is_empty() {
         return Ok(());
     }
-    let (filled_tx, filled_rx) = sync_channel::<Result<(usize, Vec<u8>, F)>>(2);
+    let (filled_tx, filled_rx) = sync_channel::<Result<(usize, Vec<u8>, usize)>>(2);
     let (free_tx, free_rx) = sync_channel::<Vec<u8>>(2);
     for _ in 0..2 {
-        free_tx.send(vec![0u8; buf_bytes]).expect("room for two");
+        free_tx.send(vec![0u8; BATCH_BYTES]).expect("room for two");
     }
     let fill = &fill;
     // Everything the drain holds goes when it returns, failed or not, so
@@ -838,7 +901,7 @@ fn pipelined<J: Sync, F: Send>(
             for (i, job) in jobs.iter().enumerate() {
                 // The drain stopped (it failed): nothing more to fill.
                 let Ok(mut buf) = free_rx.recv() else { return };
-                let filled = fill(job, &mut buf).map(|f| (i, buf, f));
+                let filled = fill(job, &mut buf).map(|n| (i, buf, n));
                 let failed = filled.is_err();
                 if filled_tx.send(filled).is_err() || failed {
                     return;
@@ -846,10 +909,10 @@ fn pipelined<J: Sync, F: Send>(
             }
         });
         for _ in 0..jobs.len() {
-            let (i, buf, filled) = filled_rx
+            let (i, buf, n) = filled_rx
                 .recv()
                 .map_err(|_| corrupt("the copying thread ended early"))??;
-            drain(&jobs[i], &buf, &filled)?;
+            drain(&jobs[i], &buf[..n])?;
             let _ = free_tx.send(buf);
         }
         Ok(())
