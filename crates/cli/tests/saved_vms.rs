@@ -148,6 +148,13 @@ fn a_vm_started_from_a_save_is_the_same_machine_with_its_own_identity() {
         assert!(m.save("sbx_saved_a", "../one", sandpit_runtime::AfterSave::Run).await.is_err());
         assert_eq!(files_in(&data.join("saves")), ["one"]);
         assert_eq!(layers_in(&data), (1, 1), "a disk layer and a RAM file");
+        // Guest memory no QEMU may read: root's alone.
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let ram = data.join("layers").join(saved.record.ram.as_ref().expect("a RAM file"));
+            let mode = std::fs::metadata(&ram).expect("the RAM file").permissions().mode();
+            assert_eq!(mode & 0o777, 0o600, "{}", ram.display());
+        }
         let later = count(&a).await;
         tokio::time::sleep(Duration::from_millis(300)).await;
         assert!(count(&a).await > later, "a refused save stopped the VM");

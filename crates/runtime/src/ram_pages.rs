@@ -58,6 +58,9 @@ pub const MAX_CHAIN: usize = 8;
 /// call (the kernel's `IOV_MAX`).
 const BATCH_BYTES: usize = 4 << 20;
 const BATCH_AREAS: usize = 1024;
+/// The largest RAM block saved (what QEMU reports is checked: its bitmaps
+/// are allocated whole).
+const MAX_BLOCK: u64 = 1 << 40;
 /// Pagemap entries read at once (4 MiB of guest RAM each).
 const PAGEMAP_CHUNK: u64 = 1024;
 
@@ -462,6 +465,12 @@ pub fn capture(
     let mut areas = Vec::new();
     let mut offset = HEADER_BYTES;
     for block in &blocks {
+        if block.length > MAX_BLOCK {
+            return Err(corrupt(format!(
+                "QEMU reports a RAM block {} of {} bytes",
+                block.name, block.length
+            )));
+        }
         if block.length % PAGE != 0 || block.hva % PAGE != 0 {
             return Err(corrupt(format!(
                 "RAM block {} is not page aligned",

@@ -318,7 +318,9 @@ impl VmManager {
         if captured.is_err() {
             let _ = std::fs::remove_file(ram);
         } else {
-            share_read_only(ram)?;
+            // Read by the runtime alone (it writes the pages into the VMs
+            // it starts): no QEMU may read another VM's memory.
+            restrict_to(ram, None)?;
         }
         captured
     }
