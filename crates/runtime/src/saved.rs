@@ -227,23 +227,25 @@ impl VmManager {
         let captured = self
             .capture(&mut qmp, &paths, &mut record, &saved.disk(), &state, &ram)
             .await;
+        let finished = captured.and_then(|kept| {
+            saved.record.changed_pages = kept.saved_pages();
+            write_saved_record(&unfinished.path, &saved.record)?;
+            unfinished.finish(&saved.dir, name)
+        });
+        if finished.is_err() {
+            // A failed save leaves nothing of itself behind (the rest of
+            // `unfinished` went when it was dropped).
+            let _ = std::fs::remove_file(&ram);
+        }
         // The guest runs again whatever happened, unless it is to stay
-        // stopped after a save that worked; a failed save leaves nothing of
-        // itself behind (`unfinished` goes when dropped).
-        let resumed = match (&captured, after) {
-            (Ok(_), AfterSave::Stay) => Ok(()),
+        // stopped after a save that worked.
+        let resumed = match (&finished, after) {
+            (Ok(()), AfterSave::Stay) => Ok(()),
             _ => qmp.execute("cont", json!({})).await.map(drop),
         };
         let paused = started.elapsed();
-        let kept = captured?;
-        saved.record.changed_pages = kept.saved_pages();
-        let finished = resumed
-            .and_then(|()| write_saved_record(&unfinished.path, &saved.record))
-            .and_then(|()| unfinished.finish(&saved.dir, name));
-        if let Err(e) = finished {
-            let _ = std::fs::remove_file(&ram);
-            return Err(e);
-        }
+        finished?;
+        resumed?;
         // The VM's memory is the save's now: its next save stands on it.
         record.ram_base = saved.record.ram.clone();
         write_record(&paths, &record)?;
