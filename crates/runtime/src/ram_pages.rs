@@ -460,6 +460,11 @@ pub fn capture(
 ) -> Result<Captured> {
     let pagemap = File::open(format!("/proc/{pid}/pagemap"))
         .map_err(RuntimeError::io(format!("opening QEMU {pid}'s page map")))?;
+    if !blocks.iter().any(|b| b.name == diff_block && b.writable) {
+        return Err(corrupt(format!(
+            "QEMU has no writable RAM block {diff_block} to save the written pages of"
+        )));
+    }
     let blocks: Vec<&Block> = blocks.iter().filter(|b| b.writable).collect();
     // The bitmaps first, at offsets known before any page is read.
     let mut areas = Vec::new();
@@ -984,6 +989,14 @@ fn read_header(file: &File) -> Result<Header> {
             header.version
         )));
     }
+    // A parent is a RAM file beside this one, never a path.
+    if let Some(parent) = &header.parent {
+        if !crate::layers::is_layer_name(parent) || !parent.ends_with(".ram") {
+            return Err(corrupt(format!(
+                "its parent {parent:?} is no RAM file's name"
+            )));
+        }
+    }
     Ok(header)
 }
 
@@ -1081,15 +1094,10 @@ mod tests {
         }
     }
 
-    /// A new RAM file in `dir` begun on `parent`, captured from this
-    /// process's `blocks`.
-    fn save(
-        dir: &Path,
-        name: &str,
-        blocks: &[Block],
-        parent: Option<&Chain>,
-    ) -> (PathBuf, Captured) {
-        let path = dir.join(name);
+    /// A new RAM file in `dir` (named as the layers' are) begun on
+    /// `parent`, captured from this process's `blocks`.
+    fn save(dir: &Path, blocks: &[Block], parent: Option<&Chain>) -> (PathBuf, Captured) {
+        let path = dir.join(crate::layers::new_name(".ram"));
         let out = File::create_new(&path).unwrap();
         begin(&out, parent).unwrap();
         let captured = capture(std::process::id(), blocks, "ram", &out, parent).unwrap();
@@ -1130,7 +1138,7 @@ mod tests {
             ..bios.block("tables")
         };
         let blocks = [vm.block("ram"), firmware.clone(), tables];
-        let (first, captured) = save(dir.path(), "first.ram", &blocks, None);
+        let (first, captured) = save(dir.path(), &blocks, None);
         // 1290 + 3 pages flipped, 1 rewritten as it was (still a written
         // page); the zeroed page is among the flipped ones; the firmware's
         // 8 pages, one of them zero.
@@ -1175,6 +1183,23 @@ mod tests {
         .is_err());
         assert!(read_header(&base).is_err());
         assert_eq!(parent_of(&first).unwrap(), None);
+        // A QEMU without the block the written pages are found in: refused
+        // (not every block copied whole).
+        let out = File::create_new(dir.path().join("none.ram")).unwrap();
+        assert!(capture(std::process::id(), &[firmware.clone()], "ram", &out, None).is_err());
+        // A header naming a path for its parent is refused.
+        let forged = File::create_new(dir.path().join("forged.ram")).unwrap();
+        write_header(
+            &forged,
+            &Header {
+                version: VERSION,
+                parent: Some("../../etc/shadow".into()),
+                areas: Vec::new(),
+            },
+        )
+        .unwrap();
+        assert!(Chain::open(&dir.path().join("forged.ram")).is_err());
+        assert_eq!(parent_of(&dir.path().join("forged.ram")).unwrap(), None);
     }
 
     #[test]
@@ -1194,7 +1219,7 @@ mod tests {
         }
         vm.bytes()[1800 * p..1801 * p].fill(0);
         let blocks = [vm.block("ram"), bios.block("pc.bios")];
-        let (first, _) = save(dir.path(), "first.ram", &blocks, None);
+        let (first, _) = save(dir.path(), &blocks, None);
         let parent = Chain::open(&first).unwrap();
 
         // Since: 5 pages changed, 2 written for the first time, a page
@@ -1205,7 +1230,7 @@ mod tests {
         vm.bytes()[900 * p..901 * p].fill(0);
         vm.bytes()[1800 * p + 9] = 1;
         vm.bytes()[1200 * p + 1] = 0xee;
-        let (second, captured) = save(dir.path(), "second.ram", &blocks, Some(&parent));
+        let (second, captured) = save(dir.path(), &blocks, Some(&parent));
         assert_eq!(captured.saved_pages(), 2002 + 4);
         assert_eq!(captured.data_pages, 5 + 2 + 1);
         assert_eq!(captured.zero_pages, 1);
@@ -1237,11 +1262,11 @@ mod tests {
         let mut below = chain;
         for n in 2..MAX_CHAIN {
             vm.bytes()[n * p] ^= 1;
-            let (next, _) = save(dir.path(), &format!("{n}.ram"), &blocks, Some(&below));
+            let (next, _) = save(dir.path(), &blocks, Some(&below));
             below = Chain::open(&next).unwrap();
         }
         assert_eq!(below.depth(), MAX_CHAIN);
-        let (too_deep, _) = save(dir.path(), "deep.ram", &blocks, Some(&below));
+        let (too_deep, _) = save(dir.path(), &blocks, Some(&below));
         assert!(Chain::open(&too_deep).is_err());
     }
 }
