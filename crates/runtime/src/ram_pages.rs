@@ -1186,7 +1186,14 @@ mod tests {
         // A QEMU without the block the written pages are found in: refused
         // (not every block copied whole).
         let out = File::create_new(dir.path().join("none.ram")).unwrap();
-        assert!(capture(std::process::id(), &[firmware.clone()], "ram", &out, None).is_err());
+        assert!(capture(
+            std::process::id(),
+            std::slice::from_ref(&firmware),
+            "ram",
+            &out,
+            None
+        )
+        .is_err());
         // A header naming a path for its parent is refused.
         let forged = File::create_new(dir.path().join("forged.ram")).unwrap();
         write_header(
