@@ -12,6 +12,10 @@
 //! froze, one made for a switch still to come) and no save (finished or
 //! being written) reaches it through its chain of backing files.
 //!
+//! Saved RAM files (`<128-bit random hex>.ram`, see `ram_pages`) live here
+//! too and are collected the same way: a RAM file's header names the file
+//! it stands on, and a save's RAM file and each VM's `ram_base` are roots.
+//!
 //! The chains are read from the qcow2 headers themselves (a few bytes each)
 //! rather than by spawning `qemu-img` for every file: collection runs after
 //! every destroy.
