@@ -533,7 +533,7 @@ impl VmManager {
         );
         let removed = layers::collect(&layers_dir, &roots);
         if !removed.is_empty() {
-            tracing::debug!(layers = ?removed, "removed disk layers nothing names");
+            tracing::debug!(layers = ?removed, "removed disk layers and RAM files nothing names");
         }
         template::remove_outdated(
             &self.templates_dir(),
