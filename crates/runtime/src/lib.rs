@@ -22,7 +22,6 @@ pub mod layers;
 pub mod net;
 pub mod process;
 pub mod qmp;
-mod ram_image;
 pub mod ram_pages;
 pub mod saved;
 pub mod template;

@@ -329,8 +329,8 @@ struct ChainBlock<'a> {
     areas: Vec<Option<&'a AreaBits>>,
 }
 
-impl<'a> ChainBlock<'a> {
-    fn newest(&self) -> Option<&'a AreaBits> {
+impl ChainBlock<'_> {
+    fn newest(&self) -> Option<&AreaBits> {
         self.areas.first().copied().flatten()
     }
 
@@ -457,7 +457,6 @@ pub fn capture(
     diff_block: &str,
     out: &File,
     parent: Option<&Chain>,
-    mapped: Option<&Chain>,
 ) -> Result<Captured> {
     let pagemap = File::open(format!("/proc/{pid}/pagemap"))
         .map_err(RuntimeError::io(format!("opening QEMU {pid}'s page map")))?;
@@ -512,27 +511,6 @@ pub fn capture(
             batch.push(page);
         };
         if block.name == diff_block {
-            // What the mapped file holds beyond the template: its pages
-            // may differ from the parent's without being written.
-            let image_saved = match mapped {
-                Some(chain) => Some(
-                    chain
-                        .block(diff_block)
-                        .newest()
-                        .filter(|a| a.area.length == block.length)
-                        .ok_or_else(|| {
-                            corrupt(format!(
-                                "the VM's RAM was made from {}, which has no block {diff_block} \
-                                 of {} bytes",
-                                chain.name(),
-                                block.length
-                            ))
-                        })?
-                        .saved
-                        .as_slice(),
-                ),
-                None => None,
-            };
             let mut entries = vec![0u8; (PAGEMAP_CHUNK * 8) as usize];
             let mut first = 0;
             while first < area.pages() {
@@ -543,11 +521,10 @@ pub fn capture(
                     .map_err(RuntimeError::io("reading QEMU's page map"))?;
                 for (i, e) in bytes.chunks_exact(8).enumerate() {
                     let e = u64::from_ne_bytes(e.try_into().expect("8 bytes"));
-                    let page = first + i as u64;
                     let written =
                         (e & PM_PRESENT != 0 && e & PM_FILE_OR_SHARED == 0) || e & PM_SWAPPED != 0;
-                    if written || image_saved.is_some_and(|w| bit(w, page)) {
-                        add(page);
+                    if written {
+                        add(first + i as u64);
                     }
                 }
                 first += count;
@@ -711,15 +688,11 @@ fn write_all_vectored_at(out: &File, parts: &[std::io::IoSlice], offset: u64) ->
 }
 
 /// Copies the pages of a chain of RAM files into QEMU `pid`'s blocks (the
-/// VM must not run yet), but for block `mapped`, whose mapping holds them
-/// already (see [`build_image`]); the pages written.
-pub fn load(pid: u32, blocks: &[Block], chain: &Chain, mapped: Option<&str>) -> Result<u64> {
+/// VM must not run yet); the pages written.
+pub fn load(pid: u32, blocks: &[Block], chain: &Chain) -> Result<u64> {
     let mut loaded = 0;
     for newest in &chain.files[0].areas {
         let area = &newest.area;
-        if Some(area.name.as_str()) == mapped {
-            continue;
-        }
         let block = blocks
             .iter()
             .find(|b| b.name == area.name && b.writable)
@@ -809,150 +782,6 @@ fn load_words(
         flush(&mut batch, &mut local)?;
     }
     Ok(loaded)
-}
-
-/// Guest pages handed to each of the two threads that build an image at a
-/// time, alternately (16 MiB of guest RAM).
-const IMAGE_STRIDE: u64 = 4096;
-
-/// Block `block` of the guest RAM a chain makes over the template's RAM
-/// file `template`: every page the chain saved, the template's elsewhere,
-/// written whole into a new memfd (zero pages left as holes) and sealed
-/// against any write, so VMs can map it privately side by side, each
-/// seeing its own copy-on-write copy, and none can change it for another.
-pub fn build_image(template: &Path, chain: &Chain, block: &str) -> Result<std::os::fd::OwnedFd> {
-    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-    let tfile = File::open(template)
-        .map_err(RuntimeError::io(format!("opening {}", template.display())))?;
-    let len = tfile
-        .metadata()
-        .map_err(RuntimeError::io(format!("reading {}", template.display())))?
-        .len();
-    let through = chain.block(block);
-    let saved = through
-        .newest()
-        .filter(|a| a.area.length == len)
-        .ok_or_else(|| {
-            corrupt(format!(
-                "{} has no block {block} of {len} bytes, the template's size",
-                chain.name()
-            ))
-        })?
-        .saved
-        .as_slice();
-    let template_data = data_pages(&tfile, len)?;
-    let tmap = Mapped::of(&tfile, template)?;
-    // SAFETY: a fresh descriptor that we then own.
-    let image = unsafe {
-        let fd = libc::memfd_create(
-            c"sandpit-guest-ram".as_ptr(),
-            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
-        );
-        if fd < 0 {
-            return Err(RuntimeError::io("creating a guest RAM image")(
-                std::io::Error::last_os_error(),
-            ));
-        }
-        File::from(OwnedFd::from_raw_fd(fd))
-    };
-    image
-        .set_len(len)
-        .map_err(RuntimeError::io("sizing a guest RAM image"))?;
-    let pages = len / PAGE;
-    let fill = |half: u64| -> Result<()> {
-        let mut run = ImageRun::default();
-        let mut start = half * IMAGE_STRIDE;
-        while start < pages {
-            for page in start..(start + IMAGE_STRIDE).min(pages) {
-                let bytes = if bit(saved, page) {
-                    through.page(page)?
-                } else if bit(&template_data, page) {
-                    Some(tmap.page(page * PAGE)?)
-                } else {
-                    None
-                };
-                match bytes.filter(|b| !std::ptr::eq(b.as_ptr(), ZERO_PAGE.as_ptr()) && !is_zero(b))
-                {
-                    Some(b) => run.push(&image, page, b)?,
-                    None => run.flush(&image)?,
-                }
-            }
-            start += 2 * IMAGE_STRIDE;
-        }
-        run.flush(&image)
-    };
-    std::thread::scope(|scope| {
-        let other = scope.spawn(|| fill(1));
-        let here = fill(0);
-        other
-            .join()
-            .unwrap_or_else(|_| Err(corrupt("a thread building a RAM image panicked")))
-            .and(here)
-    })?;
-    let seals = libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
-    // SAFETY: a plain descriptor call.
-    if unsafe { libc::fcntl(image.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
-        return Err(RuntimeError::io("sealing a guest RAM image")(
-            std::io::Error::last_os_error(),
-        ));
-    }
-    Ok(OwnedFd::from(image))
-}
-
-/// Consecutive pages of an image being built, written in one call.
-#[derive(Default)]
-struct ImageRun<'a> {
-    first: u64,
-    parts: Vec<std::io::IoSlice<'a>>,
-}
-
-impl<'a> ImageRun<'a> {
-    fn push(&mut self, image: &File, page: u64, bytes: &'a [u8]) -> Result<()> {
-        if self.first + self.parts.len() as u64 != page || self.parts.len() >= BATCH_AREAS {
-            self.flush(image)?;
-            self.first = page;
-        }
-        self.parts.push(std::io::IoSlice::new(bytes));
-        Ok(())
-    }
-
-    fn flush(&mut self, image: &File) -> Result<()> {
-        if !self.parts.is_empty() {
-            write_all_vectored_at(image, &self.parts, self.first * PAGE)?;
-            self.parts.clear();
-        }
-        Ok(())
-    }
-}
-
-/// The pages of a file that are not holes (bit `i`: page `i`).
-fn data_pages(file: &File, len: u64) -> Result<Vec<u64>> {
-    use std::os::unix::io::AsRawFd;
-    let mut words = vec![0u64; (len / PAGE).div_ceil(64) as usize];
-    let mut at = 0i64;
-    while (at as u64) < len {
-        // SAFETY: plain descriptor calls.
-        let data = unsafe { libc::lseek(file.as_raw_fd(), at, libc::SEEK_DATA) };
-        if data < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::ENXIO) {
-                break; // no data past `at`
-            }
-            return Err(RuntimeError::io("finding a RAM file's data")(e));
-        }
-        // SAFETY: as above.
-        let hole = unsafe { libc::lseek(file.as_raw_fd(), data, libc::SEEK_HOLE) };
-        if hole < 0 {
-            return Err(RuntimeError::io("finding a RAM file's holes")(
-                std::io::Error::last_os_error(),
-            ));
-        }
-        for page in data as u64 / PAGE..(hole as u64).div_ceil(PAGE).min(len / PAGE) {
-            words[(page / 64) as usize] |= 1 << (page % 64);
-        }
-        at = hole;
-    }
-    Ok(words)
 }
 
 fn read_bitmap(file: &File, area: &RamArea, offset: u64) -> Result<Vec<u64>> {
@@ -1268,20 +1097,10 @@ mod tests {
     /// A new RAM file in `dir` (named as the layers' are) begun on
     /// `parent`, captured from this process's `blocks`.
     fn save(dir: &Path, blocks: &[Block], parent: Option<&Chain>) -> (PathBuf, Captured) {
-        save_mapped(dir, blocks, parent, None)
-    }
-
-    /// [`save`] of a VM whose block `ram` maps the image of `mapped`.
-    fn save_mapped(
-        dir: &Path,
-        blocks: &[Block],
-        parent: Option<&Chain>,
-        mapped: Option<&Chain>,
-    ) -> (PathBuf, Captured) {
         let path = dir.join(crate::layers::new_name(".ram"));
         let out = File::create_new(&path).unwrap();
         begin(&out, parent).unwrap();
-        let captured = capture(std::process::id(), blocks, "ram", &out, parent, mapped).unwrap();
+        let captured = capture(std::process::id(), blocks, "ram", &out, parent).unwrap();
         (path, captured)
     }
 
@@ -1336,7 +1155,7 @@ mod tests {
         bios_after.bytes().fill(9);
         let targets = [fresh.block("ram"), bios_after.block("pc.bios")];
         assert_eq!(
-            load(std::process::id(), &targets, &chain, None).unwrap(),
+            load(std::process::id(), &targets, &chain).unwrap(),
             1294 + 8
         );
         assert!(fresh.bytes() == vm.bytes(), "the loaded RAM differs");
@@ -1347,9 +1166,9 @@ mod tests {
 
         // A QEMU whose block differs in size is refused.
         let mut small = Mapping::of(&base, len - p);
-        assert!(load(std::process::id(), &[small.block("ram")], &chain, None).is_err());
+        assert!(load(std::process::id(), &[small.block("ram")], &chain).is_err());
         let _ = small.bytes();
-        assert!(load(std::process::id(), &[], &chain, None).is_err());
+        assert!(load(std::process::id(), &[], &chain).is_err());
         // A QEMU whose memory cannot be written fails the load (and the
         // copying thread ends with it).
         let unmapped = Block {
@@ -1359,8 +1178,7 @@ mod tests {
         assert!(load(
             std::process::id(),
             &[unmapped, bios_after.block("pc.bios")],
-            &chain,
-            None
+            &chain
         )
         .is_err());
         assert!(read_header(&base).is_err());
@@ -1373,7 +1191,6 @@ mod tests {
             std::slice::from_ref(&firmware),
             "ram",
             &out,
-            None,
             None
         )
         .is_err());
@@ -1435,7 +1252,7 @@ mod tests {
         let mut fresh = Mapping::of(&base, len);
         let mut fresh_bios = Mapping::anonymous(4 * p);
         let targets = [fresh.block("ram"), fresh_bios.block("pc.bios")];
-        load(std::process::id(), &targets, &chain, None).unwrap();
+        load(std::process::id(), &targets, &chain).unwrap();
         assert!(fresh.bytes() == vm.bytes(), "the chain loads other RAM");
         assert!(fresh_bios.bytes() == bios.bytes());
         let mut old = Mapping::of(&base, len);
@@ -1443,7 +1260,6 @@ mod tests {
             std::process::id(),
             &[old.block("ram"), fresh_bios.block("pc.bios")],
             &parent,
-            None,
         )
         .unwrap();
         assert_eq!(old.bytes()[900 * p + 1], 0xee);
@@ -1459,113 +1275,5 @@ mod tests {
         assert_eq!(below.depth(), MAX_CHAIN);
         let (too_deep, _) = save(dir.path(), &blocks, Some(&below));
         assert!(Chain::open(&too_deep).is_err());
-    }
-    #[test]
-    fn an_image_is_the_saved_ram_whole_and_its_vms_save_against_it() {
-        use std::os::unix::io::AsRawFd;
-        let p = PAGE as usize;
-        let pages = 3 * IMAGE_STRIDE as usize + 100;
-        let len = pages * p;
-        let dir = tempfile::tempdir().unwrap();
-        // The template: data in two runs, holes around them, a zero page.
-        let template_path = dir.path().join("mem");
-        let template = File::create_new(&template_path).unwrap();
-        template.set_len(len as u64).unwrap();
-        let run: Vec<u8> = (0..300 * p).map(|i| (i / p % 7 + 1) as u8).collect();
-        template.write_all_at(&run, 0).unwrap();
-        template
-            .write_all_at(&run, (IMAGE_STRIDE as usize + 50) as u64 * PAGE)
-            .unwrap();
-        template.write_all_at(&vec![0; p], 200 * PAGE).unwrap();
-        let mut vm = Mapping::of(&template, len);
-        let mut bios = Mapping::anonymous(2 * p);
-        bios.bytes().fill(4);
-        // Written: over the template's data, in its holes (in each
-        // thread's stride), a page zeroed.
-        for page in (100..150).chain([400, IMAGE_STRIDE as usize + 60, pages - 1]) {
-            vm.bytes()[page * p + 3] = 0x77;
-        }
-        vm.bytes()[10 * p..11 * p].fill(0);
-        let blocks = [vm.block("ram"), bios.block("pc.bios")];
-        let (saved, _) = save(dir.path(), &blocks, None);
-        let chain = Chain::open(&saved).unwrap();
-
-        let image = build_image(&template_path, &chain, "ram").unwrap();
-        // Its zero pages take no room in it (before anything maps it:
-        // reading a hole through a mapping fills it): 600 pages of the
-        // template's data, 2 of them zero, 2 more written in its holes.
-        let writable = File::from(image.try_clone().unwrap());
-        let used = writable.metadata().unwrap();
-        let held = std::os::unix::fs::MetadataExt::blocks(&used) * 512;
-        assert!(held <= 600 * PAGE, "the image holds {held} bytes");
-        // Mapped as QEMU maps it: reopened read-only by its /proc path.
-        let reopened = File::open(format!("/proc/self/fd/{}", image.as_raw_fd())).unwrap();
-        let mut child = Mapping::of(&reopened, len);
-        assert!(
-            child.bytes() == vm.bytes(),
-            "the image is not the saved RAM"
-        );
-        // Sealed: no descriptor writes it.
-        assert!(writable.write_all_at(b"x", 0).is_err());
-        assert!(writable.set_len(len as u64 / 2).is_err());
-        // A mapping's copy-on-write stays its own.
-        child.bytes()[5 * p] ^= 0xff;
-        let second = Mapping::of(&reopened, len);
-        assert_eq!(
-            unsafe { std::slice::from_raw_parts(second.ptr, len) }[5 * p],
-            vm.bytes()[5 * p]
-        );
-
-        // A save of the VM that maps the image: the image's pages count as
-        // the VM's (the parent's, unchanged), only the written one is new.
-        let mut child_bios = Mapping::anonymous(2 * p);
-        load(
-            std::process::id(),
-            &[child.block("ram"), child_bios.block("pc.bios")],
-            &chain,
-            Some("ram"),
-        )
-        .unwrap();
-        assert!(child_bios.bytes() == bios.bytes());
-        let child_blocks = [child.block("ram"), child_bios.block("pc.bios")];
-        let (next, captured) = save_mapped(dir.path(), &child_blocks, Some(&chain), Some(&chain));
-        assert_eq!(captured.data_pages, 1);
-        let next_chain = Chain::open(&next).unwrap();
-        let mut fresh = Mapping::of(&template, len);
-        let mut fresh_bios = Mapping::anonymous(2 * p);
-        load(
-            std::process::id(),
-            &[fresh.block("ram"), fresh_bios.block("pc.bios")],
-            &next_chain,
-            None,
-        )
-        .unwrap();
-        assert!(
-            fresh.bytes() == child.bytes(),
-            "the child's save loads other RAM"
-        );
-        // Without a parent it holds the image's pages itself.
-        let (alone, captured) = save_mapped(dir.path(), &child_blocks, None, Some(&chain));
-        assert_eq!(captured.inherited_pages, 0);
-        let mut again = Mapping::of(&template, len);
-        load(
-            std::process::id(),
-            &[again.block("ram"), fresh_bios.block("pc.bios")],
-            &Chain::open(&alone).unwrap(),
-            None,
-        )
-        .unwrap();
-        assert!(
-            again.bytes() == child.bytes(),
-            "a save without parent loads other RAM"
-        );
-        // An image of a chain of another size is refused.
-        let short = dir.path().join("short");
-        File::create_new(&short)
-            .unwrap()
-            .set_len(len as u64 - PAGE)
-            .unwrap();
-        assert!(build_image(&short, &chain, "ram").is_err());
-        drop(second);
     }
 }

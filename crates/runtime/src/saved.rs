@@ -50,7 +50,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// The RAM block of a VM's memory backend (`-object memory-backend-*,id=ram`).
-pub(crate) const RAM_BLOCK: &str = "ram";
+const RAM_BLOCK: &str = "ram";
 /// A save's record, in its directory.
 const RECORD: &str = "saved.json";
 
@@ -393,20 +393,8 @@ impl VmManager {
         let devices = frozen.elapsed();
         let blocks = ram_pages::query_blocks(qmp).await?;
         let pid = record.qemu_pid;
-        let mapped = record
-            .ram_mapped
-            .as_ref()
-            .map(|r| self.layers_dir().join(r));
         let captured = tokio::task::spawn_blocking(move || {
-            let mapped = mapped.as_deref().map(ram_pages::Chain::open).transpose()?;
-            ram_pages::capture(
-                pid,
-                &blocks,
-                RAM_BLOCK,
-                &out,
-                parent.as_ref(),
-                mapped.as_ref(),
-            )
+            ram_pages::capture(pid, &blocks, RAM_BLOCK, &out, parent.as_ref())
         })
         .await
         .map_err(|e| RuntimeError::Launch(format!("copying the VM's RAM failed: {e}")))??;
@@ -538,12 +526,11 @@ impl VmManager {
                 .iter()
                 .filter_map(|r| Some(layers_dir.join(r.ram.as_ref()?))),
         );
-        roots.extend(self.list().iter().flat_map(|r| {
-            [&r.ram_base, &r.ram_mapped]
-                .into_iter()
-                .flatten()
-                .map(|name| layers_dir.join(name))
-        }));
+        roots.extend(
+            self.list()
+                .iter()
+                .filter_map(|r| Some(layers_dir.join(r.ram_base.as_ref()?))),
+        );
         let removed = layers::collect(&layers_dir, &roots);
         if !removed.is_empty() {
             tracing::debug!(layers = ?removed, "removed disk layers and RAM files nothing names");
@@ -764,12 +751,7 @@ pub(crate) async fn load_saved_state(
     let blocks = ram_pages::query_blocks(&mut qmp).await?;
     let ram = saved.ram().expect("checked by `saved`");
     tokio::task::spawn_blocking(move || {
-        ram_pages::load(
-            qemu_pid,
-            &blocks,
-            &ram_pages::Chain::open(&ram)?,
-            Some(RAM_BLOCK),
-        )
+        ram_pages::load(qemu_pid, &blocks, &ram_pages::Chain::open(&ram)?)
     })
     .await
     .map_err(|e| RuntimeError::Launch(format!("loading the saved RAM failed: {e}")))??;

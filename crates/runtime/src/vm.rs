@@ -71,12 +71,6 @@ pub struct VmRecord {
     /// stands on it (see `ram_pages`), and the layers' collection keeps it.
     #[serde(default)]
     pub ram_base: Option<String>,
-    /// The saved RAM file whose image the guest's memory maps (a start
-    /// from a save maps the save's image, see `ram_image`): its pages are
-    /// the VM's without being written, so a save reads them too, and the
-    /// layers' collection keeps the file. `None`: the template's RAM file.
-    #[serde(default)]
-    pub ram_mapped: Option<String>,
 }
 
 impl VmRecord {
@@ -132,10 +126,6 @@ impl VmPaths {
     }
 }
 
-/// The descriptor at which the QEMU of a VM started from a save holds the
-/// save's RAM image (after `net::NET_FD` and `expiry::QEMU_LIFE_FD`).
-const RAM_IMAGE_FD: i32 = 5;
-
 /// How long a template VM may run if its builder dies.
 const TEMPLATE_BUILD_LEASE: time::Duration = time::Duration::minutes(10);
 
@@ -151,8 +141,6 @@ pub struct VmManager {
     ca_certificates: Vec<String>,
     qemu_version: QemuVersion,
     give_way: crate::give_way::GiveWay,
-    /// The images of saves' guest RAM that VMs start from (see `ram_image`).
-    ram_images: crate::ram_image::RamImages,
 }
 
 /// QEMU's version: its `--version` line and the numbers that gate features.
@@ -236,7 +224,6 @@ impl VmManager {
             ca_certificates,
             qemu_version,
             give_way: Default::default(),
-            ram_images: Default::default(),
         };
         manager.prepare_saves()?;
         Ok(manager)
@@ -442,17 +429,6 @@ impl VmManager {
         // The expiry is in place before anything could outlive us.
         expiry::write_expiry(&paths.dir, req.expires_at)?;
         let (life_read, life_write) = expiry::life_pipe()?;
-        // A start from a save maps the save's RAM image (see `ram_image`).
-        let ram_image = match start {
-            Start::Saved(saved) => Some(expiry::above_targets(
-                self.ram_images
-                    .get(saved, crate::saved::RAM_BLOCK)
-                    .await?
-                    .try_clone()
-                    .map_err(RuntimeError::io("passing a RAM image"))?,
-            )?),
-            _ => None,
-        };
         let args = self.qemu_args(req, size, paths, passt.is_some(), run_as, start);
         tracing::debug!(id = %req.id, "starting QEMU: {}", args.join(" "));
         let qemu_log = std::fs::File::create(paths.qemu_log())
@@ -465,7 +441,6 @@ impl VmManager {
             .kill_on_drop(false);
         let net_fd = passt.as_ref().map(|p| p.1.as_raw_fd());
         let life_fd = life_write.as_raw_fd();
-        let ram_image_fd = ram_image.as_ref().map(|fd| fd.as_raw_fd());
         // SAFETY: only async-signal-safe calls between fork and exec.
         unsafe {
             cmd.pre_exec(move || {
@@ -480,13 +455,8 @@ impl VmManager {
                     net::pass_fd(fd, net::NET_FD)?;
                 }
                 // The watchdog's pipe: QEMU is its only writer, so its exit
-                // is the pipe's end. Second: `life_fd` (like the image's)
-                // is above every target.
-                net::pass_fd(life_fd, expiry::QEMU_LIFE_FD)?;
-                if let Some(fd) = ram_image_fd {
-                    net::pass_fd(fd, RAM_IMAGE_FD)?;
-                }
-                Ok(())
+                // is the pipe's end. Second: `life_fd` is above both targets.
+                net::pass_fd(life_fd, expiry::QEMU_LIFE_FD)
             });
         }
         let child = cmd.spawn().map_err(RuntimeError::spawn(
@@ -508,7 +478,6 @@ impl VmManager {
         });
         drop(child); // tokio reaps it if it exits while we live; we track it by pid.
         drop(life_write);
-        drop(ram_image);
         let passt_started = passt.and_then(process::start_time);
         let at_expiry = match start {
             Start::Template { .. } => expiry::AtExpiry::Keep,
@@ -558,10 +527,6 @@ impl VmManager {
             disk: None,
             machine_id: Some(machine_id.clone()),
             ram_base: match start {
-                Start::Saved(saved) => saved.record.ram.clone(),
-                _ => None,
-            },
-            ram_mapped: match start {
                 Start::Saved(saved) => saved.record.ram.clone(),
                 _ => None,
             },
@@ -742,10 +707,12 @@ impl VmManager {
                 size.memory_mb,
                 t.mem().display()
             )),
-            // The save's RAM image, which QEMU holds at `RAM_IMAGE_FD`.
-            Start::Saved(_) => Some(format!(
-                "memory-backend-file,id=ram,size={}M,mem-path=/proc/self/fd/{RAM_IMAGE_FD},share=off,readonly=on,rom=off",
+            // The same base as the VM that was saved: the saved state holds
+            // only the pages that differ from it (see `ram_pages`).
+            Start::Saved(saved) => Some(format!(
+                "memory-backend-file,id=ram,size={}M,mem-path={},share=off,readonly=on,rom=off",
                 size.memory_mb,
+                saved.template.mem().display()
             )),
         };
         if ram.is_some() {
