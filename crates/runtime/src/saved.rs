@@ -746,15 +746,18 @@ pub(crate) async fn load_saved_state(
     qemu_pid: u32,
     marker: &str,
 ) -> Result<()> {
+    let started = Instant::now();
     crate::vm::wait_for_socket(paths, &paths.qmp_socket(), "QMP", qemu_pid, marker).await?;
     let mut qmp = Qmp::connect(&paths.qmp_socket()).await?;
     let blocks = ram_pages::query_blocks(&mut qmp).await?;
+    let listening = started.elapsed();
     let ram = saved.ram().expect("checked by `saved`");
-    tokio::task::spawn_blocking(move || {
+    let pages = tokio::task::spawn_blocking(move || {
         ram_pages::load(qemu_pid, &blocks, &ram_pages::Chain::open(&ram)?)
     })
     .await
     .map_err(|e| RuntimeError::Launch(format!("loading the saved RAM failed: {e}")))??;
+    let loaded = started.elapsed();
     qmp.execute(
         "migrate-incoming",
         json!({"uri": format!("file:{}", saved.state().display())}),
@@ -769,5 +772,12 @@ pub(crate) async fn load_saved_state(
             ))
         })?;
     qmp.execute("cont", json!({})).await?;
+    tracing::debug!(
+        save = %saved.name,
+        "QEMU listening after {} ms, {pages} RAM pages written in {} ms, devices loaded in {} ms",
+        listening.as_millis(),
+        (loaded - listening).as_millis(),
+        (started.elapsed() - loaded).as_millis()
+    );
     Ok(())
 }
