@@ -127,6 +127,18 @@ const POSTGRES_CONNECTIONS: u32 = 10;
 /// one to connect) before failing as unavailable.
 const POSTGRES_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long a PostgreSQL statement waits for a row lock before it fails
+/// (as unavailable: the API says retry). Locks here are held for a few
+/// milliseconds; one held longer belongs to a process that stopped in its
+/// transaction, and a call must not wait on it without end.
+const POSTGRES_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long PostgreSQL lets one of our sessions sit idle in a transaction
+/// before it ends the session and so frees its locks: a process frozen
+/// (stopped, swapped, cut off) in the middle of one holds them otherwise
+/// until the server notices its connection is gone.
+const POSTGRES_IDLE_IN_TRANSACTION: Duration = Duration::from_secs(60);
+
 /// The embedded schema migrations of each engine
 /// (`crates/store/migrations/{sqlite,postgres}`): the same versions with the
 /// same meaning, each in its engine's dialect.
@@ -353,6 +365,19 @@ impl Store {
             // query (an `Unavailable`, which the API answers as "retry")
             // and is closed.
             .test_before_acquire(false)
+            .after_connect(|conn, _meta| {
+                Box::pin(async move {
+                    let settings = format!(
+                        "SET lock_timeout = {}; SET idle_in_transaction_session_timeout = {};",
+                        POSTGRES_LOCK_TIMEOUT.as_millis(),
+                        POSTGRES_IDLE_IN_TRANSACTION.as_millis()
+                    );
+                    sqlx::raw_sql(sqlx::AssertSqlSafe(settings))
+                        .execute(&mut *conn)
+                        .await?;
+                    Ok(())
+                })
+            })
             .connect(url)
             .await
             .map_err(|e| {

@@ -64,6 +64,45 @@ on_both_engines!(
     an_ended_sandboxs_executions_go_after_the_retention,
 );
 
+/// A row lock held by a transaction that never ends (its process stopped
+/// in the middle) fails the calls that wait on it within seconds, as the
+/// database being unavailable, instead of hanging them; and the server is
+/// told to end such a session on its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_call_behind_a_stuck_transactions_lock_fails_instead_of_hanging() {
+    let store = open_postgres().await;
+    let acct = store.create_account("stuck", 5).await.unwrap();
+    store.add_credit(&acct.id, 10_000_000, None).await.unwrap();
+    let mut stuck = store.pool().begin().await.unwrap();
+    sqlx::query("SELECT id FROM accounts WHERE id = $1 FOR UPDATE")
+        .bind(&acct.id)
+        .fetch_one(&mut *stuck)
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let waited = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        store.create_sandbox(sandbox(&acct.id, T0, 60, 90_000)),
+    )
+    .await
+    .expect("the call waited on the lock without end");
+    assert!(waited.is_err(), "the create went past a held lock");
+    assert!(started.elapsed() < std::time::Duration::from_secs(30));
+    let idle: String = sqlx::query_scalar("SHOW idle_in_transaction_session_timeout")
+        .fetch_one(&mut *stuck)
+        .await
+        .unwrap();
+    assert_eq!(idle, "1min");
+    // Once the holder is gone, the same call goes through.
+    stuck.rollback().await.unwrap();
+    created(
+        store
+            .create_sandbox(sandbox(&acct.id, T0, 60, 90_000))
+            .await
+            .unwrap(),
+    );
+}
+
 /// A fresh database on the test PostgreSQL server.
 async fn open_postgres() -> Store {
     let server = tokio::task::spawn_blocking(sandpit_pgtest::shared)
