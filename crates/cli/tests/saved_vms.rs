@@ -43,6 +43,28 @@ async fn write_and_read(vm: &sandpit_runtime::Vm) {
     assert_eq!(disk_sha(vm, "/workspace/new").await, written);
 }
 
+/// The guest RAM a QEMU holds of its own (copied, not shared with the
+/// file its RAM maps): the anonymous memory of its largest mapping.
+fn anonymous_kib(pid: u32) -> u64 {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap();
+    let field = |l: &str, name: &str| -> Option<u64> {
+        let v = l.strip_prefix(name)?.trim().strip_suffix("kB")?;
+        v.trim().parse().ok()
+    };
+    let (mut size, mut largest, mut anon) = (0, 0, 0);
+    for l in smaps.lines() {
+        if let Some(s) = field(l, "Size:") {
+            size = s;
+        } else if let Some(a) = field(l, "Anonymous:") {
+            if size > largest {
+                (largest, anon) = (size, a);
+            }
+        }
+    }
+    assert!(largest >= 256 << 10, "no guest RAM mapping in QEMU {pid}");
+    anon
+}
+
 fn files_in(dir: &std::path::Path) -> Vec<String> {
     let mut v: Vec<String> = std::fs::read_dir(dir)
         .unwrap()
@@ -125,6 +147,17 @@ fn a_vm_started_from_a_save_is_the_same_machine_with_its_own_identity() {
         assert_eq!(
             sh(&b, "sha256sum < /dev/shm/blob").await,
             sh(&a, "sha256sum < /dev/shm/blob").await
+        );
+        // b read the 64 MiB it did not write from the save's RAM image,
+        // shared by every VM started from the save: none of it was copied
+        // into b's own memory (where the host can mount the image, as
+        // here: see `ram_image`).
+        let own = anonymous_kib(b.record.qemu_pid);
+        eprintln!("the VM from the save holds {own} KiB of its own");
+        assert!(
+            own < 32 << 10,
+            "b's QEMU holds {own} KiB of its own memory: its save's pages were copied into it \
+             (mapping the save's image needs root and Linux 6.12 or later with EROFS)"
         );
         // Its own identity, and its own disk.
         assert_eq!(sh(&b, "hostname").await, "sbx-saved-b");

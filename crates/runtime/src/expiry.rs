@@ -117,9 +117,10 @@ pub(crate) fn life_pipe() -> Result<(OwnedFd, OwnedFd)> {
 }
 
 /// The same open file at a descriptor number above every fixed number a
-/// child is given (`NET_FD`, [`QEMU_LIFE_FD`], [`WATCHDOG_FD`]), so moving
-/// one descriptor into place in the child never closes another.
-fn above_targets(fd: OwnedFd) -> Result<OwnedFd> {
+/// child is given (`NET_FD`, [`QEMU_LIFE_FD`], [`WATCHDOG_FD`], the RAM
+/// image's), so moving one descriptor into place in the child never closes
+/// another.
+pub(crate) fn above_targets(fd: OwnedFd) -> Result<OwnedFd> {
     const FLOOR: i32 = 10;
     if fd.as_raw_fd() >= FLOOR {
         return Ok(fd);

@@ -191,6 +191,7 @@ pub struct Chain {
 
 struct ChainFile {
     name: String,
+    path: PathBuf,
     map: Mapped,
     areas: Vec<AreaBits>,
 }
@@ -329,8 +330,8 @@ struct ChainBlock<'a> {
     areas: Vec<Option<&'a AreaBits>>,
 }
 
-impl ChainBlock<'_> {
-    fn newest(&self) -> Option<&AreaBits> {
+impl<'a> ChainBlock<'a> {
+    fn newest(&self) -> Option<&'a AreaBits> {
         self.areas.first().copied().flatten()
     }
 
@@ -392,6 +393,7 @@ impl Chain {
                     .map(|n| n.to_string_lossy().to_string())
                     .unwrap_or_default(),
                 map: Mapped::of(&file, &path)?,
+                path: path.clone(),
                 areas,
             });
         }
@@ -401,6 +403,61 @@ impl Chain {
     /// The newest file's name.
     pub fn name(&self) -> &str {
         &self.files[0].name
+    }
+
+    /// The chain's files, newest first.
+    pub fn paths(&self) -> Vec<PathBuf> {
+        self.files.iter().map(|f| f.path.clone()).collect()
+    }
+
+    /// Where each page of block `block` of the RAM the chain makes over a
+    /// template is, as EROFS chunks (see `erofs`): device 0 is the
+    /// template's RAM file (read where it has data, see `template_data`),
+    /// device `1 + i` the chain's file `i` (as [`Chain::paths`] lists
+    /// them), a hole a zero page.
+    pub(crate) fn chunks(
+        &self,
+        block: &str,
+        len: u64,
+        template_data: &[u64],
+    ) -> Result<Vec<crate::erofs::Chunk>> {
+        use crate::erofs::Chunk;
+        let through = self.block(block);
+        let newest = through
+            .newest()
+            .filter(|a| a.area.length == len)
+            .ok_or_else(|| {
+                corrupt(format!(
+                    "{} has no block {block} of {len} bytes",
+                    self.name()
+                ))
+            })?;
+        let at = |device: usize, offset: u64| -> Result<Chunk> {
+            Ok(Chunk::At {
+                device: device as u16,
+                block: u32::try_from(offset / PAGE)
+                    .map_err(|_| corrupt(format!("offset {offset} is too far")))?,
+            })
+        };
+        let pages = len / PAGE;
+        let mut chunks = Vec::with_capacity(pages as usize);
+        for page in 0..pages {
+            // Most pages are the template's: one bit test each.
+            let chunk = if !bit(&newest.saved, page) {
+                if bit(template_data, page) {
+                    at(0, page * PAGE)?
+                } else {
+                    Chunk::Hole
+                }
+            } else {
+                match through.source(page)? {
+                    None | Some(Source::Zero) => Chunk::Hole,
+                    Some(Source::Data { file, offset }) => at(1 + file, offset)?,
+                }
+            };
+            chunks.push(chunk);
+        }
+        Ok(chunks)
     }
 
     /// Files in the chain.
@@ -457,6 +514,7 @@ pub fn capture(
     diff_block: &str,
     out: &File,
     parent: Option<&Chain>,
+    mapped: Option<&Chain>,
 ) -> Result<Captured> {
     let pagemap = File::open(format!("/proc/{pid}/pagemap"))
         .map_err(RuntimeError::io(format!("opening QEMU {pid}'s page map")))?;
@@ -510,7 +568,42 @@ pub fn capture(
             }
             batch.push(page);
         };
+        let mut unread = Vec::new();
         if block.name == diff_block {
+            // What the mapped file holds beyond the template: its pages
+            // may differ from the parent's without being written.
+            let image_saved = match mapped {
+                Some(chain) => Some(
+                    chain
+                        .block(diff_block)
+                        .newest()
+                        .filter(|a| a.area.length == block.length)
+                        .ok_or_else(|| {
+                            corrupt(format!(
+                                "the VM's RAM was made from {}, which has no block {diff_block} \
+                                 of {} bytes",
+                                chain.name(),
+                                block.length
+                            ))
+                        })?
+                        .saved
+                        .as_slice(),
+                ),
+                None => None,
+            };
+            // A page the guest did not write is the mapped file's: when the
+            // parent's chain holds it in the same place (the parent is the
+            // mapped file, or stands on it and kept the page), it is the
+            // parent's without reading it, which would fault every page of
+            // the image in.
+            let through_mapped = mapped.map(|m| m.block(diff_block));
+            let through_parent = parent.map(|p| p.block(diff_block));
+            let parents = |page: u64| -> Result<bool> {
+                Ok(match (&through_mapped, &through_parent) {
+                    (Some(m), Some(p)) => same_place(m, p, page)?,
+                    _ => false,
+                })
+            };
             let mut entries = vec![0u8; (PAGEMAP_CHUNK * 8) as usize];
             let mut first = 0;
             while first < area.pages() {
@@ -521,10 +614,17 @@ pub fn capture(
                     .map_err(RuntimeError::io("reading QEMU's page map"))?;
                 for (i, e) in bytes.chunks_exact(8).enumerate() {
                     let e = u64::from_ne_bytes(e.try_into().expect("8 bytes"));
+                    let page = first + i as u64;
                     let written =
                         (e & PM_PRESENT != 0 && e & PM_FILE_OR_SHARED == 0) || e & PM_SWAPPED != 0;
                     if written {
-                        add(first + i as u64);
+                        add(page);
+                    } else if image_saved.is_some_and(|w| bit(w, page)) {
+                        if parents(page)? {
+                            unread.push(page);
+                        } else {
+                            add(page);
+                        }
                     }
                 }
                 first += count;
@@ -537,6 +637,10 @@ pub fn capture(
         }
         let below = parent.map(|c| c.block(&block.name));
         let mut bits = Bits::new(area.bitmap_words());
+        for page in unread {
+            bits.saved[(page / 64) as usize] |= 1 << (page % 64);
+            writer.captured.inherited_pages += 1;
+        }
         pipelined(
             &batches,
             |batch, buf| batch.read(pid, block.hva, buf),
@@ -563,6 +667,25 @@ pub fn capture(
         },
     )?;
     Ok(writer.captured)
+}
+
+/// Whether two chains hold `page` of a block in the same place: the same
+/// offset of the same file, or both as a zero page.
+fn same_place(a: &ChainBlock, b: &ChainBlock, page: u64) -> Result<bool> {
+    Ok(match (a.source(page)?, b.source(page)?) {
+        (Some(Source::Zero), Some(Source::Zero)) => true,
+        (
+            Some(Source::Data {
+                file: fa,
+                offset: oa,
+            }),
+            Some(Source::Data {
+                file: fb,
+                offset: ob,
+            }),
+        ) => oa == ob && a.files[fa].name == b.files[fb].name,
+        _ => false,
+    })
 }
 
 /// One block's bitmaps being written.
@@ -688,11 +811,15 @@ fn write_all_vectored_at(out: &File, parts: &[std::io::IoSlice], offset: u64) ->
 }
 
 /// Copies the pages of a chain of RAM files into QEMU `pid`'s blocks (the
-/// VM must not run yet); the pages written.
-pub fn load(pid: u32, blocks: &[Block], chain: &Chain) -> Result<u64> {
+/// VM must not run yet), but for block `mapped`, whose mapping holds them
+/// already (see [`build_image`]); the pages written.
+pub fn load(pid: u32, blocks: &[Block], chain: &Chain, mapped: Option<&str>) -> Result<u64> {
     let mut loaded = 0;
     for newest in &chain.files[0].areas {
         let area = &newest.area;
+        if Some(area.name.as_str()) == mapped {
+            continue;
+        }
         let block = blocks
             .iter()
             .find(|b| b.name == area.name && b.writable)
@@ -782,6 +909,36 @@ fn load_words(
         flush(&mut batch, &mut local)?;
     }
     Ok(loaded)
+}
+
+/// The pages of a file that are not holes (bit `i`: page `i`).
+pub(crate) fn data_pages(file: &File, len: u64) -> Result<Vec<u64>> {
+    use std::os::unix::io::AsRawFd;
+    let mut words = vec![0u64; (len / PAGE).div_ceil(64) as usize];
+    let mut at = 0i64;
+    while (at as u64) < len {
+        // SAFETY: plain descriptor calls.
+        let data = unsafe { libc::lseek(file.as_raw_fd(), at, libc::SEEK_DATA) };
+        if data < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::ENXIO) {
+                break; // no data past `at`
+            }
+            return Err(RuntimeError::io("finding a RAM file's data")(e));
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(file.as_raw_fd(), data, libc::SEEK_HOLE) };
+        if hole < 0 {
+            return Err(RuntimeError::io("finding a RAM file's holes")(
+                std::io::Error::last_os_error(),
+            ));
+        }
+        for page in data as u64 / PAGE..(hole as u64).div_ceil(PAGE).min(len / PAGE) {
+            words[(page / 64) as usize] |= 1 << (page % 64);
+        }
+        at = hole;
+    }
+    Ok(words)
 }
 
 fn read_bitmap(file: &File, area: &RamArea, offset: u64) -> Result<Vec<u64>> {
@@ -1097,10 +1254,20 @@ mod tests {
     /// A new RAM file in `dir` (named as the layers' are) begun on
     /// `parent`, captured from this process's `blocks`.
     fn save(dir: &Path, blocks: &[Block], parent: Option<&Chain>) -> (PathBuf, Captured) {
+        save_mapped(dir, blocks, parent, None)
+    }
+
+    /// [`save`] of a VM whose block `ram` maps the image of `mapped`.
+    fn save_mapped(
+        dir: &Path,
+        blocks: &[Block],
+        parent: Option<&Chain>,
+        mapped: Option<&Chain>,
+    ) -> (PathBuf, Captured) {
         let path = dir.join(crate::layers::new_name(".ram"));
         let out = File::create_new(&path).unwrap();
         begin(&out, parent).unwrap();
-        let captured = capture(std::process::id(), blocks, "ram", &out, parent).unwrap();
+        let captured = capture(std::process::id(), blocks, "ram", &out, parent, mapped).unwrap();
         (path, captured)
     }
 
@@ -1155,7 +1322,7 @@ mod tests {
         bios_after.bytes().fill(9);
         let targets = [fresh.block("ram"), bios_after.block("pc.bios")];
         assert_eq!(
-            load(std::process::id(), &targets, &chain).unwrap(),
+            load(std::process::id(), &targets, &chain, None).unwrap(),
             1294 + 8
         );
         assert!(fresh.bytes() == vm.bytes(), "the loaded RAM differs");
@@ -1166,9 +1333,9 @@ mod tests {
 
         // A QEMU whose block differs in size is refused.
         let mut small = Mapping::of(&base, len - p);
-        assert!(load(std::process::id(), &[small.block("ram")], &chain).is_err());
+        assert!(load(std::process::id(), &[small.block("ram")], &chain, None).is_err());
         let _ = small.bytes();
-        assert!(load(std::process::id(), &[], &chain).is_err());
+        assert!(load(std::process::id(), &[], &chain, None).is_err());
         // A QEMU whose memory cannot be written fails the load (and the
         // copying thread ends with it).
         let unmapped = Block {
@@ -1178,7 +1345,8 @@ mod tests {
         assert!(load(
             std::process::id(),
             &[unmapped, bios_after.block("pc.bios")],
-            &chain
+            &chain,
+            None
         )
         .is_err());
         assert!(read_header(&base).is_err());
@@ -1191,6 +1359,7 @@ mod tests {
             std::slice::from_ref(&firmware),
             "ram",
             &out,
+            None,
             None
         )
         .is_err());
@@ -1252,7 +1421,7 @@ mod tests {
         let mut fresh = Mapping::of(&base, len);
         let mut fresh_bios = Mapping::anonymous(4 * p);
         let targets = [fresh.block("ram"), fresh_bios.block("pc.bios")];
-        load(std::process::id(), &targets, &chain).unwrap();
+        load(std::process::id(), &targets, &chain, None).unwrap();
         assert!(fresh.bytes() == vm.bytes(), "the chain loads other RAM");
         assert!(fresh_bios.bytes() == bios.bytes());
         let mut old = Mapping::of(&base, len);
@@ -1260,6 +1429,7 @@ mod tests {
             std::process::id(),
             &[old.block("ram"), fresh_bios.block("pc.bios")],
             &parent,
+            None,
         )
         .unwrap();
         assert_eq!(old.bytes()[900 * p + 1], 0xee);
@@ -1275,5 +1445,135 @@ mod tests {
         assert_eq!(below.depth(), MAX_CHAIN);
         let (too_deep, _) = save(dir.path(), &blocks, Some(&below));
         assert!(Chain::open(&too_deep).is_err());
+    }
+    #[test]
+    fn an_image_is_the_saved_ram_whole_and_its_vms_save_against_it() {
+        let p = PAGE as usize;
+        let pages = 5000;
+        let len = pages * p;
+        let dir = tempfile::tempdir().unwrap();
+        // The template: data in two runs, holes around them, a zero page.
+        let template_path = dir.path().join("mem");
+        let template = File::create_new(&template_path).unwrap();
+        template.set_len(len as u64).unwrap();
+        let run: Vec<u8> = (0..300 * p).map(|i| (i / p % 7 + 1) as u8).collect();
+        template.write_all_at(&run, 0).unwrap();
+        template.write_all_at(&run, 4000 * PAGE).unwrap();
+        template.write_all_at(&vec![0; p], 200 * PAGE).unwrap();
+        let mut vm = Mapping::of(&template, len);
+        let mut bios = Mapping::anonymous(2 * p);
+        bios.bytes().fill(4);
+        // Written: over the template's data, in its holes, a page zeroed.
+        for page in (100..150).chain([400, 4060, pages - 1]) {
+            vm.bytes()[page * p + 3] = 0x77;
+        }
+        vm.bytes()[10 * p..11 * p].fill(0);
+        let blocks = [vm.block("ram"), bios.block("pc.bios")];
+        let (parent, _) = save(dir.path(), &blocks, None);
+        // A second save on the first, so the image reads from both files.
+        vm.bytes()[4061 * p + 9] = 0x55;
+        vm.bytes()[120 * p + 9] = 0x56;
+        let blocks = [vm.block("ram"), bios.block("pc.bios")];
+        let (saved, _) = save(dir.path(), &blocks, Some(&Chain::open(&parent).unwrap()));
+        let chain = Chain::open(&saved).unwrap();
+        assert_eq!(chain.depth(), 2);
+
+        let image = crate::ram_image::mount(&template_path, &saved, "ram")
+            .unwrap()
+            .expect(
+                "mounting an EROFS image over plain files needs root and Linux 6.12 or later \
+                 with EROFS (CONFIG_EROFS_FS)",
+            );
+        // Mapped as QEMU maps it: reopened read-only by its /proc path.
+        use std::os::unix::io::AsRawFd;
+        let reopened = File::open(format!("/proc/self/fd/{}", image.as_raw_fd())).unwrap();
+        assert!(std::fs::OpenOptions::new()
+            .write(true)
+            .open(format!("/proc/self/fd/{}", image.as_raw_fd()))
+            .is_err());
+        let mut child = Mapping::of(&reopened, len);
+        assert!(
+            child.bytes() == vm.bytes(),
+            "the image is not the saved RAM"
+        );
+        // A mapping's copy-on-write stays its own.
+        child.bytes()[5 * p] ^= 0xff;
+        let second = Mapping::of(&reopened, len);
+        assert_eq!(
+            unsafe { std::slice::from_raw_parts(second.ptr, len) }[5 * p],
+            vm.bytes()[5 * p]
+        );
+
+        // A save of the VM that maps the image: the image's pages count as
+        // the VM's (the parent's, unchanged), only the written one is new.
+        let mut child_bios = Mapping::anonymous(2 * p);
+        assert_eq!(
+            load(
+                std::process::id(),
+                &[child.block("ram"), child_bios.block("pc.bios")],
+                &chain,
+                Some("ram"),
+            )
+            .unwrap(),
+            2
+        );
+        assert!(child_bios.bytes() == bios.bytes());
+        let child_blocks = [child.block("ram"), child_bios.block("pc.bios")];
+        let (next, captured) = save_mapped(dir.path(), &child_blocks, Some(&chain), Some(&chain));
+        assert_eq!(captured.data_pages, 1);
+        let next_chain = Chain::open(&next).unwrap();
+        let mut fresh = Mapping::of(&template, len);
+        let fresh_bios = Mapping::anonymous(2 * p);
+        load(
+            std::process::id(),
+            &[fresh.block("ram"), fresh_bios.block("pc.bios")],
+            &next_chain,
+            None,
+        )
+        .unwrap();
+        assert!(
+            fresh.bytes() == child.bytes(),
+            "the child's save loads other RAM"
+        );
+        // A later save on that one, of the same VM: the image's pages it
+        // did not write are where the image has them, the parent's.
+        let (later, captured) =
+            save_mapped(dir.path(), &child_blocks, Some(&next_chain), Some(&chain));
+        assert_eq!(captured.data_pages, 0);
+        let mut fresh = Mapping::of(&template, len);
+        load(
+            std::process::id(),
+            &[fresh.block("ram"), fresh_bios.block("pc.bios")],
+            &Chain::open(&later).unwrap(),
+            None,
+        )
+        .unwrap();
+        assert!(
+            fresh.bytes() == child.bytes(),
+            "the later save loads other RAM"
+        );
+        // Without a parent it holds the image's pages itself.
+        let (alone, captured) = save_mapped(dir.path(), &child_blocks, None, Some(&chain));
+        assert_eq!(captured.inherited_pages, 0);
+        let mut again = Mapping::of(&template, len);
+        load(
+            std::process::id(),
+            &[again.block("ram"), fresh_bios.block("pc.bios")],
+            &Chain::open(&alone).unwrap(),
+            None,
+        )
+        .unwrap();
+        assert!(
+            again.bytes() == child.bytes(),
+            "a save without parent loads other RAM"
+        );
+        // An image of a chain of another size is refused.
+        let short = dir.path().join("short");
+        File::create_new(&short)
+            .unwrap()
+            .set_len(len as u64 - PAGE)
+            .unwrap();
+        assert!(crate::ram_image::mount(&short, &saved, "ram").is_err());
+        drop(second);
     }
 }

@@ -50,7 +50,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// The RAM block of a VM's memory backend (`-object memory-backend-*,id=ram`).
-const RAM_BLOCK: &str = "ram";
+pub(crate) const RAM_BLOCK: &str = "ram";
 /// A save's record, in its directory.
 const RECORD: &str = "saved.json";
 
@@ -393,8 +393,20 @@ impl VmManager {
         let devices = frozen.elapsed();
         let blocks = ram_pages::query_blocks(qmp).await?;
         let pid = record.qemu_pid;
+        let mapped = record
+            .ram_mapped
+            .as_ref()
+            .map(|r| self.layers_dir().join(r));
         let captured = tokio::task::spawn_blocking(move || {
-            ram_pages::capture(pid, &blocks, RAM_BLOCK, &out, parent.as_ref())
+            let mapped = mapped.as_deref().map(ram_pages::Chain::open).transpose()?;
+            ram_pages::capture(
+                pid,
+                &blocks,
+                RAM_BLOCK,
+                &out,
+                parent.as_ref(),
+                mapped.as_ref(),
+            )
         })
         .await
         .map_err(|e| RuntimeError::Launch(format!("copying the VM's RAM failed: {e}")))??;
@@ -526,11 +538,12 @@ impl VmManager {
                 .iter()
                 .filter_map(|r| Some(layers_dir.join(r.ram.as_ref()?))),
         );
-        roots.extend(
-            self.list()
-                .iter()
-                .filter_map(|r| Some(layers_dir.join(r.ram_base.as_ref()?))),
-        );
+        roots.extend(self.list().iter().flat_map(|r| {
+            [&r.ram_base, &r.ram_mapped]
+                .into_iter()
+                .flatten()
+                .map(|name| layers_dir.join(name))
+        }));
         let removed = layers::collect(&layers_dir, &roots);
         if !removed.is_empty() {
             tracing::debug!(layers = ?removed, "removed disk layers and RAM files nothing names");
@@ -745,6 +758,7 @@ pub(crate) async fn load_saved_state(
     saved: &SavedVm,
     qemu_pid: u32,
     marker: &str,
+    mapped: bool,
 ) -> Result<()> {
     let started = Instant::now();
     crate::vm::wait_for_socket(paths, &paths.qmp_socket(), "QMP", qemu_pid, marker).await?;
@@ -753,7 +767,12 @@ pub(crate) async fn load_saved_state(
     let listening = started.elapsed();
     let ram = saved.ram().expect("checked by `saved`");
     let pages = tokio::task::spawn_blocking(move || {
-        ram_pages::load(qemu_pid, &blocks, &ram_pages::Chain::open(&ram)?)
+        ram_pages::load(
+            qemu_pid,
+            &blocks,
+            &ram_pages::Chain::open(&ram)?,
+            mapped.then_some(RAM_BLOCK),
+        )
     })
     .await
     .map_err(|e| RuntimeError::Launch(format!("loading the saved RAM failed: {e}")))??;

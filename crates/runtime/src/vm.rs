@@ -71,6 +71,12 @@ pub struct VmRecord {
     /// stands on it (see `ram_pages`), and the layers' collection keeps it.
     #[serde(default)]
     pub ram_base: Option<String>,
+    /// The saved RAM file whose image the guest's memory maps (a start
+    /// from a save maps the save's image, see `ram_image`): its pages are
+    /// the VM's without being written, so a save reads them too, and the
+    /// layers' collection keeps the file. `None`: the template's RAM file.
+    #[serde(default)]
+    pub ram_mapped: Option<String>,
 }
 
 impl VmRecord {
@@ -126,6 +132,21 @@ impl VmPaths {
     }
 }
 
+/// The descriptor at which the QEMU of a VM started from a save holds the
+/// save's RAM image (after `net::NET_FD` and `expiry::QEMU_LIFE_FD`).
+const RAM_IMAGE_FD: i32 = 5;
+
+/// What the host set up for a QEMU before starting it.
+#[derive(Debug, Clone, Copy)]
+struct Given {
+    /// passt's socket, at `net::NET_FD`.
+    network: bool,
+    /// The uid QEMU runs as, when not ours.
+    run_as: Option<u32>,
+    /// A save's RAM image, at [`RAM_IMAGE_FD`] (see `ram_image`).
+    ram_image: bool,
+}
+
 /// How long a template VM may run if its builder dies.
 const TEMPLATE_BUILD_LEASE: time::Duration = time::Duration::minutes(10);
 
@@ -141,6 +162,8 @@ pub struct VmManager {
     ca_certificates: Vec<String>,
     qemu_version: QemuVersion,
     give_way: crate::give_way::GiveWay,
+    /// The images of saves' guest RAM that VMs start from (see `ram_image`).
+    ram_images: crate::ram_image::RamImages,
 }
 
 /// QEMU's version: its `--version` line and the numbers that gate features.
@@ -224,6 +247,7 @@ impl VmManager {
             ca_certificates,
             qemu_version,
             give_way: Default::default(),
+            ram_images: Default::default(),
         };
         manager.prepare_saves()?;
         Ok(manager)
@@ -429,7 +453,26 @@ impl VmManager {
         // The expiry is in place before anything could outlive us.
         expiry::write_expiry(&paths.dir, req.expires_at)?;
         let (life_read, life_write) = expiry::life_pipe()?;
-        let args = self.qemu_args(req, size, paths, passt.is_some(), run_as, start);
+        // A start from a save maps the save's RAM image (see `ram_image`).
+        // Where the host cannot make one, its pages are written instead.
+        let ram_image = match start {
+            Start::Saved(saved) => match self
+                .ram_images
+                .get(saved, crate::saved::RAM_BLOCK, saved.record.from != req.id)
+                .await?
+            {
+                Some(file) => Some(expiry::above_targets(crate::ram_image::descriptor(&file)?)?),
+                None => None,
+            },
+            _ => None,
+        };
+        let mapped = ram_image.is_some();
+        let given = Given {
+            network: passt.is_some(),
+            run_as,
+            ram_image: mapped,
+        };
+        let args = self.qemu_args(req, size, paths, start, given);
         tracing::debug!(id = %req.id, "starting QEMU: {}", args.join(" "));
         let qemu_log = std::fs::File::create(paths.qemu_log())
             .map_err(RuntimeError::io("creating qemu.log"))?;
@@ -441,6 +484,7 @@ impl VmManager {
             .kill_on_drop(false);
         let net_fd = passt.as_ref().map(|p| p.1.as_raw_fd());
         let life_fd = life_write.as_raw_fd();
+        let ram_image_fd = ram_image.as_ref().map(|fd| fd.as_raw_fd());
         // SAFETY: only async-signal-safe calls between fork and exec.
         unsafe {
             cmd.pre_exec(move || {
@@ -455,8 +499,13 @@ impl VmManager {
                     net::pass_fd(fd, net::NET_FD)?;
                 }
                 // The watchdog's pipe: QEMU is its only writer, so its exit
-                // is the pipe's end. Second: `life_fd` is above both targets.
-                net::pass_fd(life_fd, expiry::QEMU_LIFE_FD)
+                // is the pipe's end. Second: `life_fd` (like the image's)
+                // is above every target.
+                net::pass_fd(life_fd, expiry::QEMU_LIFE_FD)?;
+                if let Some(fd) = ram_image_fd {
+                    net::pass_fd(fd, RAM_IMAGE_FD)?;
+                }
+                Ok(())
             });
         }
         let child = cmd.spawn().map_err(RuntimeError::spawn(
@@ -478,6 +527,7 @@ impl VmManager {
         });
         drop(child); // tokio reaps it if it exits while we live; we track it by pid.
         drop(life_write);
+        drop(ram_image);
         let passt_started = passt.and_then(process::start_time);
         let at_expiry = match start {
             Start::Template { .. } => expiry::AtExpiry::Keep,
@@ -530,6 +580,10 @@ impl VmManager {
                 Start::Saved(saved) => saved.record.ram.clone(),
                 _ => None,
             },
+            ram_mapped: match start {
+                Start::Saved(saved) if mapped => saved.record.ram.clone(),
+                _ => None,
+            },
         };
         write_record(paths, &record)?;
         // Recorded first, so a failed start's clean-up stops QEMU and passt.
@@ -554,7 +608,7 @@ impl VmManager {
             match start {
                 Start::Restore(t) => load_template_state(paths, t, qemu_pid, &marker).await,
                 Start::Saved(saved) => {
-                    crate::saved::load_saved_state(paths, saved, qemu_pid, &marker).await
+                    crate::saved::load_saved_state(paths, saved, qemu_pid, &marker, mapped).await
                 }
                 Start::Cold | Start::Template { .. } => Ok(()),
             }
@@ -684,10 +738,14 @@ impl VmManager {
         req: &CreateVm,
         size: SizeSpec,
         paths: &VmPaths,
-        network: bool,
-        run_as: Option<u32>,
         start: &Start<'_>,
+        given: Given,
     ) -> Vec<String> {
+        let Given {
+            network,
+            run_as,
+            ram_image: mapped,
+        } = given;
         let p = |p: PathBuf| p.display().to_string();
         let mut machine = machine_type(self.accel);
         // Template and restored VMs keep guest RAM in the template's file:
@@ -707,8 +765,13 @@ impl VmManager {
                 size.memory_mb,
                 t.mem().display()
             )),
-            // The same base as the VM that was saved: the saved state holds
-            // only the pages that differ from it (see `ram_pages`).
+            // The save's RAM image, which QEMU holds at `RAM_IMAGE_FD`.
+            Start::Saved(_) if mapped => Some(format!(
+                "memory-backend-file,id=ram,size={}M,mem-path=/proc/self/fd/{RAM_IMAGE_FD},share=off,readonly=on,rom=off",
+                size.memory_mb,
+            )),
+            // The same base as the VM that was saved, its pages written
+            // over it (see `ram_pages`).
             Start::Saved(saved) => Some(format!(
                 "memory-backend-file,id=ram,size={}M,mem-path={},share=off,readonly=on,rom=off",
                 size.memory_mb,
