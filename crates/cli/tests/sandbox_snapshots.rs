@@ -278,10 +278,17 @@ fn a_sandbox_snapshotted_forked_and_restored_is_the_same_machine() {
         assert!(!ids.contains(&machine_id), "a copy is a machine of its own");
 
         // A sandbox from a snapshot: the snapshot's size and state.
-        let (st, b) = api
-            .post("/sandboxes", json!({"snapshot_id": s1, "timeout_minutes": 5}))
-            .await;
-        assert_eq!(st, 201, "{b}");
+        let create_b = || {
+            api.http
+                .post(format!("{}/v1/sandboxes", server.url))
+                .bearer_auth(&key)
+                .header("Idempotency-Key", "from-s1")
+                .json(&json!({"snapshot_id": s1, "timeout_minutes": 5}))
+                .send()
+        };
+        let resp = create_b().await.unwrap();
+        assert_eq!(resp.status().as_u16(), 201);
+        let b: Value = resp.json().await.unwrap();
         assert_eq!(b["size"], "small");
         let b = id_of(&b);
         assert_eq!(sh(&api, &b, "cat /workspace/file").await, "v1");
@@ -368,6 +375,21 @@ fn a_sandbox_snapshotted_forked_and_restored_is_the_same_machine() {
         assert_eq!(st, 404);
         assert!(!saves_and_layers(&data).0.contains(&s1));
         assert_eq!(sh(&api, &b, "cat /workspace/file").await, "v1");
+        // A retry of b's create answers with b, the snapshot gone or not;
+        // the same key with another body is a conflict.
+        let again = create_b().await.unwrap();
+        assert_eq!(again.status().as_u16(), 200);
+        assert_eq!(id_of(&again.json().await.unwrap()), b);
+        let other_body = api
+            .http
+            .post(format!("{}/v1/sandboxes", server.url))
+            .bearer_auth(&key)
+            .header("Idempotency-Key", "from-s1")
+            .json(&json!({"snapshot_id": s1, "timeout_minutes": 6}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(other_body.status().as_u16(), 409);
         sh(&api, &b, "echo still > /workspace/w && sync").await;
 
         // Everything ended and deleted: no save, no layer, no VM left.

@@ -1082,6 +1082,34 @@ impl Store {
             .transpose()
     }
 
+    /// The sandbox an earlier create of `account_id` with Idempotency-Key
+    /// `key` made, and that create's request hash.
+    pub async fn created_with_key(
+        &self,
+        account_id: &str,
+        key: &str,
+    ) -> Result<Option<(String, SandboxRow)>> {
+        let Some(seen) = sqlx::query(
+            "SELECT request_hash, sandbox_id FROM idempotency WHERE account_id = $1 AND key = $2",
+        )
+        .bind(account_id)
+        .bind(key)
+        .fetch_optional(&self.pool)
+        .await?
+        else {
+            return Ok(None);
+        };
+        let (hash, id) = (
+            get_str(&seen, "request_hash")?,
+            get_str(&seen, "sandbox_id")?,
+        );
+        let row = self
+            .sandbox(&id)
+            .await?
+            .ok_or_else(|| StoreError::Corrupt(format!("idempotency row names missing {id}")))?;
+        Ok(Some((hash, row)))
+    }
+
     /// The sandbox with this id if it belongs to `account_id`.
     pub async fn sandbox_of(&self, account_id: &str, id: &str) -> Result<Option<SandboxRow>> {
         sqlx::query("SELECT * FROM sandboxes WHERE id = $1 AND account_id = $2")

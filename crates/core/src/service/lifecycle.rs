@@ -35,6 +35,22 @@ use time::OffsetDateTime;
 /// start to finish.
 const REPLAY_WAIT: Duration = Duration::from_secs(60);
 
+/// A create's answer to an Idempotency-Key seen with another request.
+pub(super) const KEY_REUSED: &str =
+    "this Idempotency-Key was already used with a different request body";
+
+/// What an idempotent create is recognised by: the request as checked.
+fn create_hash(
+    size: &str,
+    name: &Option<String>,
+    timeout_minutes: u32,
+    snapshot_id: &Option<String>,
+) -> String {
+    hex::encode(sha2::Sha256::digest(
+        serde_json::to_vec(&(size, name, timeout_minutes, snapshot_id)).expect("json"),
+    ))
+}
+
 /// How many times a create tries one node whose VMs' ids turn out taken
 /// ([`sandpit_store::CreateOutcome::IdTaken`]).
 const MOST_TRIES: u32 = 3;
@@ -47,6 +63,24 @@ impl Service {
         req: CreateSandbox,
         idempotency_key: Option<String>,
     ) -> Result<(Sandbox, bool)> {
+        // A retry of a create from a snapshot answers with what the first
+        // call made, even once the snapshot is gone.
+        if let (Some(_), Some(key)) = (&req.snapshot_id, &idempotency_key) {
+            if let Some((hash, row)) = self.store.created_with_key(&caller.account_id, key).await? {
+                let same_size = req.size.as_ref().is_none_or(|s| *s == row.size);
+                let first = CreateSandbox {
+                    size: Some(row.size.clone()),
+                    ..req.clone()
+                };
+                let (size_name, _, timeout) = check_create(&self.config, &first, Some(key))?;
+                if !same_size
+                    || create_hash(&size_name, &first.name, timeout, &first.snapshot_id) != hash
+                {
+                    return Err(CoreError::conflict(KEY_REUSED));
+                }
+                return Ok((to_sandbox(&self.replayed(row).await?), true));
+            }
+        }
         // From a snapshot: its size, on the node that holds it.
         let snapshot = match &req.snapshot_id {
             Some(s) => Some(self.startable_snapshot(caller, s).await?),
@@ -70,9 +104,7 @@ impl Service {
         let price = size.price_micros_per_hour();
         let reserve = cost(price, timeout as u64 * 60);
         let now = OffsetDateTime::now_utc();
-        let request_hash = hex::encode(sha2::Sha256::digest(
-            serde_json::to_vec(&(&size_name, &req.name, timeout, &req.snapshot_id)).expect("json"),
-        ));
+        let request_hash = create_hash(&size_name, &req.name, timeout, &req.snapshot_id);
         let mut refused = None;
         let mut placed = None;
         let mut targets = self
@@ -222,11 +254,7 @@ impl Service {
         let row = match outcome {
             CreateOutcome::Created(row) => row,
             CreateOutcome::Replay(row) => return Ok((to_sandbox(&self.replayed(row).await?), true)),
-            CreateOutcome::IdempotencyConflict => {
-                return Err(CoreError::conflict(
-                    "this Idempotency-Key was already used with a different request body",
-                ))
-            }
+            CreateOutcome::IdempotencyConflict => return Err(CoreError::conflict(KEY_REUSED)),
             CreateOutcome::InsufficientCredits { balance, needed } => {
                 return Err(CoreError::new(
                     ErrorType::InsufficientCredits,

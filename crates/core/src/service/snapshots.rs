@@ -91,9 +91,7 @@ impl Service {
                 return Ok((self.replayed_snapshot(snap).await?, true))
             }
             SnapshotOutcome::IdempotencyConflict => {
-                return Err(CoreError::conflict(
-                    "this Idempotency-Key was already used with a different request body",
-                ))
+                return Err(CoreError::conflict(super::lifecycle::KEY_REUSED))
             }
             SnapshotOutcome::OverQuota {
                 count,
