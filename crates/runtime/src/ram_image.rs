@@ -19,12 +19,13 @@
 //! image's page cache that those VMs share, and copied only when a guest
 //! writes it.
 //!
-//! The image is written to an unnamed file (`O_TMPFILE`) in the layers
-//! directory and mounted nowhere (`fsmount`): nothing is left behind by a
-//! crash, and the mount lives as long as a QEMU maps its file. It needs
-//! root (as the VMs' own uids do) and file-backed EROFS (Linux 6.12);
+//! The image is written to a file on a ramfs of its own and mounted
+//! nowhere (`fsmount`, see `erofs::scratch_file`): nothing is left behind
+//! by a crash, and the mount lives as long as a QEMU maps its file. It
+//! needs root (as the VMs' own uids do) and file-backed EROFS (Linux 6.12);
 //! without either, a start from a save writes its pages as before
-//! ([`RamImages::get`] answers `None`).
+//! ([`RamImages::get`] answers `None`), and so does a start whose image
+//! failed for any other reason (logged; the next start tries again).
 //!
 //! The first VM to touch a page of an image pays for reading it in: a VM
 //! alone on a new image answers its first command about 0.15 s later than
@@ -67,8 +68,8 @@ struct Entry {
 impl RamImages {
     /// The file that reads as `saved`'s guest RAM block `block` (the
     /// template's pages with the save's over them), made now unless it is
-    /// kept or being made; `None` where this host cannot make one, or when
-    /// none is kept and `make` is false.
+    /// kept or being made; `None` where this host cannot make one, when
+    /// making it failed (logged), or when none is kept and `make` is false.
     pub async fn get(
         &self,
         saved: &SavedVm,
@@ -81,10 +82,7 @@ impl RamImages {
         let ram = saved.ram().ok_or_else(|| {
             RuntimeError::Launch(format!("the save {} holds no RAM of its own", saved.name))
         })?;
-        let key = ram
-            .file_name()
-            .map(|n| n.to_string_lossy().to_string())
-            .unwrap_or_default();
+        let key = key_of(saved);
         let entry = {
             let mut images = self.images.lock().expect("images lock");
             if !make && !images.contains_key(&key) {
@@ -120,7 +118,10 @@ impl RamImages {
             .await
             .cloned();
         self.linger(key, entry);
-        made
+        Ok(made.unwrap_or_else(|e| {
+            tracing::warn!(ram = %key_of(saved), "no RAM image, writing its pages instead: {e}");
+            None
+        }))
     }
 
     /// Keeps `entry` for [`LINGER`], then forgets it unless another start
@@ -136,6 +137,14 @@ impl RamImages {
             }
         });
     }
+}
+
+/// The name an image is kept under: its save's RAM file's.
+fn key_of(saved: &SavedVm) -> String {
+    saved
+        .ram()
+        .and_then(|r| r.file_name().map(|n| n.to_string_lossy().to_string()))
+        .unwrap_or_default()
 }
 
 /// The image of block `block` of the RAM the chain at `ram` makes over the
