@@ -25,7 +25,12 @@
 //! file of the chain that holds it, straight from the files' read-only
 //! mappings, and then loads the devices as a migration: every other page
 //! is the template's, as it was in the saved VM. QEMU's other writable RAM blocks (the firmware's, a few hundred KiB)
-//! are saved whole; read-only ones are rebuilt by QEMU itself.
+//! are saved whole; read-only ones are rebuilt by QEMU itself. Or, where
+//! the host can, it maps an image of the whole block instead (see
+//! `ram_image`, built from [`Chain::chunks`]), and only the other blocks
+//! are written: then a page it did not write is the image's, which a
+//! [`capture`] told of it (`mapped`) counts as saved, and as the parent's
+//! unread where the parent's chain holds it in the same place.
 //!
 //! The file: a header page (magic, then JSON naming the parent and each
 //! block's areas), then per block three bitmaps (bit `i` of host-endian
