@@ -27,7 +27,7 @@
 //! is the template's, as it was in the saved VM. QEMU's other writable RAM blocks (the firmware's, a few hundred KiB)
 //! are saved whole; read-only ones are rebuilt by QEMU itself. Or, where
 //! the host can, it maps an image of the whole block instead (see
-//! `ram_image`, built from [`Chain::chunks`]), and only the other blocks
+//! `ram_image`, built from `Chain::chunks`), and only the other blocks
 //! are written: then a page it did not write is the image's, which a
 //! [`capture`] told of it (`mapped`) counts as saved, and as the parent's
 //! unread where the parent's chain holds it in the same place.
@@ -817,7 +817,7 @@ fn write_all_vectored_at(out: &File, parts: &[std::io::IoSlice], offset: u64) ->
 
 /// Copies the pages of a chain of RAM files into QEMU `pid`'s blocks (the
 /// VM must not run yet), but for block `mapped`, whose mapping holds them
-/// already (see [`build_image`]); the pages written.
+/// already (an image, see `ram_image`); the pages written.
 pub fn load(pid: u32, blocks: &[Block], chain: &Chain, mapped: Option<&str>) -> Result<u64> {
     let mut loaded = 0;
     for newest in &chain.files[0].areas {
