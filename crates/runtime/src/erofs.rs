@@ -364,7 +364,7 @@ mod tests {
         let mut got = Vec::new();
         file.read_to_end(&mut got).unwrap();
         assert!(got == want, "the file reads other bytes");
-        assert!(open_in_dir_fails(&file));
+        assert!(cannot_be_opened_for_writing(&file));
 
         // Refused: a chunk on a device that is not there, too many chunks.
         let bad = tempfile::tempfile().unwrap();
@@ -384,7 +384,7 @@ mod tests {
     }
 
     /// The file cannot be written, even by root.
-    fn open_in_dir_fails(file: &File) -> bool {
+    fn cannot_be_opened_for_writing(file: &File) -> bool {
         std::fs::OpenOptions::new()
             .write(true)
             .open(format!("/proc/self/fd/{}", file.as_raw_fd()))

@@ -56,7 +56,7 @@ pub struct RamImages {
     images: Arc<Mutex<HashMap<String, Arc<Entry>>>>,
     /// Set once an image could not be mounted: this host cannot, so later
     /// starts write their pages without trying again.
-    unsupported: Arc<std::sync::OnceLock<String>>,
+    unsupported: Arc<std::sync::atomic::AtomicBool>,
 }
 
 #[derive(Default)]
@@ -76,7 +76,7 @@ impl RamImages {
         block: &'static str,
         make: bool,
     ) -> Result<Option<Arc<File>>> {
-        if self.unsupported.get().is_some() {
+        if self.unsupported.load(std::sync::atomic::Ordering::Relaxed) {
             return Ok(None);
         }
         let ram = saved.ram().ok_or_else(|| {
@@ -110,7 +110,7 @@ impl RamImages {
                             "starts from saves write their RAM pages: a RAM image cannot be \
                              mounted here ({why})"
                         );
-                        let _ = unsupported.set(why);
+                        unsupported.store(true, std::sync::atomic::Ordering::Relaxed);
                         Ok(None)
                     }
                 }
