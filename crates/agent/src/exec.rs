@@ -363,6 +363,28 @@ pub fn base_env(cwd: &str) -> Vec<(&'static str, String)> {
     ]
 }
 
+/// A process's environment: the base variables, then the operator's proxy
+/// and CA ones (see `outbound`); `extra` replaces any of them with the same
+/// name.
+pub fn environment<'a>(
+    cwd: &str,
+    extra: impl Iterator<Item = (&'a str, &'a str)>,
+) -> io::Result<Vec<CString>> {
+    let base = base_env(cwd);
+    outbound::with_env(|outbound| {
+        let mut env: BTreeMap<&str, &str> = BTreeMap::new();
+        for (k, v) in base.iter().chain(outbound) {
+            env.insert(k, v);
+        }
+        for (k, v) in extra {
+            env.insert(k, v);
+        }
+        env.into_iter()
+            .map(|(k, v)| sys::cstring(&format!("{k}={v}")))
+            .collect::<io::Result<Vec<_>>>()
+    })
+}
+
 /// The shell, its argv and environment, as C strings.
 struct ShellCommand {
     program: &'static CStr,
@@ -403,22 +425,8 @@ fn is_executable(path: &CStr) -> bool {
 fn shell_command(req: &ExecRequest, cwd: &str) -> Result<ShellCommand, AgentError> {
     let (program, name) = shell();
     let invalid = |e: io::Error| AgentError::new(ErrorKind::InvalidRequest, e.to_string());
-    // The base variables, then the operator's proxy and CA ones (see
-    // `outbound`); the request's replace any of them with the same name.
-    let base = base_env(cwd);
-    let env = outbound::with_env(|outbound| {
-        let mut env: BTreeMap<&str, &str> = BTreeMap::new();
-        for (k, v) in base.iter().chain(outbound) {
-            env.insert(k, v);
-        }
-        for (k, v) in &req.env {
-            env.insert(k, v);
-        }
-        env.into_iter()
-            .map(|(k, v)| sys::cstring(&format!("{k}={v}")))
-            .collect::<io::Result<Vec<_>>>()
-    })
-    .map_err(invalid)?;
+    let extra = req.env.iter().map(|(k, v)| (k.as_str(), v.as_str()));
+    let env = environment(cwd, extra).map_err(invalid)?;
     Ok(ShellCommand {
         program,
         argv: [

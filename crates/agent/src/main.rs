@@ -26,6 +26,7 @@ mod log;
 mod net;
 mod outbound;
 mod output;
+mod pty;
 mod reaper;
 mod server;
 mod spawn;

@@ -10,7 +10,7 @@
 //! never die.
 
 use crate::channel::{self, Handler, Outbox, Reply};
-use crate::{config, exec, files, sys, tunnel};
+use crate::{config, exec, files, pty, sys, tunnel};
 use sandpit_protocol::{
     AgentError, DoneResult, ErrorKind, Frame, FrameError, Message, RequestId, PROTOCOL_GENERATION,
 };
@@ -179,6 +179,13 @@ impl Server {
             Message::TunnelAck { id, bytes } => tunnel::ack(id, bytes),
             Message::TunnelShutdown { id } => tunnel::shutdown(id),
             Message::TunnelClose { id } => tunnel::close(id),
+            Message::PtyOpen {
+                id,
+                rows,
+                cols,
+                window,
+            } => pty::open(reply, id, rows, cols, window),
+            Message::PtyResize { id, rows, cols } => tunnel::resize(id, rows, cols),
             other => {
                 let id = other.request_id().unwrap_or(0);
                 reply.error(

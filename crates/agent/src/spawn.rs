@@ -115,9 +115,7 @@ struct ChildArgs<'a> {
     program: &'a CStr,
     argv: &'a [*const libc::c_char],
     envp: &'a [*const libc::c_char],
-    stdin: RawFd,
-    stdout: RawFd,
-    stderr: RawFd,
+    stdio: Stdio,
     sandbox: &'a Sandbox<'a>,
     /// Set by the child when a step fails; read by the parent once the
     /// child has exec'd or exited.
@@ -166,15 +164,60 @@ pub fn spawn(
         out: (out_r, out_w),
         err: (err_r, err_w),
     } = take_pipes()?;
+    let stdio = Stdio {
+        fds: [devnull.as_raw_fd(), out_w.as_raw_fd(), err_w.as_raw_fd()],
+        terminal: false,
+    };
+    let (pid, pidfd) = start(program, argv, env, sandbox, stdio, on_exit)?;
+    drop((out_w, err_w));
+    Ok(Spawned {
+        pid,
+        pidfd,
+        stdout: out_r,
+        stderr: err_r,
+    })
+}
+
+/// Start `program` as [`spawn`] does, on the terminal whose slave end is
+/// `terminal`: its stdin, stdout and stderr, and the controlling terminal
+/// of its new session. Returns its pid and a pidfd.
+pub fn spawn_on_terminal(
+    program: &CStr,
+    argv: &[CString],
+    env: &[CString],
+    sandbox: &Sandbox<'_>,
+    terminal: RawFd,
+    on_exit: ExitCallback,
+) -> Result<(u32, OwnedFd), SpawnError> {
+    let stdio = Stdio {
+        fds: [terminal; 3],
+        terminal: true,
+    };
+    start(program, argv, env, sandbox, stdio, on_exit)
+}
+
+/// The child's standard descriptors, and whether they are a terminal to
+/// make its controlling one.
+struct Stdio {
+    fds: [RawFd; 3],
+    terminal: bool,
+}
+
+fn start(
+    program: &CStr,
+    argv: &[CString],
+    env: &[CString],
+    sandbox: &Sandbox<'_>,
+    stdio: Stdio,
+    on_exit: ExitCallback,
+) -> Result<(u32, OwnedFd), SpawnError> {
     let argv = null_terminated(argv.iter().map(|a| a.as_c_str()));
     let envp = null_terminated(env.iter().map(|e| e.as_c_str()));
     let child = ChildArgs {
         program,
         argv: &argv,
         envp: &envp,
-        stdin: devnull.as_raw_fd(),
-        stdout: out_w.as_raw_fd(),
-        stderr: err_w.as_raw_fd(),
+        stdio,
         sandbox,
         errno: AtomicI32::new(0),
         step: AtomicU8::new(Step::Start as u8),
@@ -217,7 +260,6 @@ pub fn spawn(
         }
         Ok(rc as u32)
     })?;
-    drop((out_w, err_w));
     // SAFETY: the kernel wrote a new descriptor (CLONE_PIDFD) when the clone
     // succeeded, which it did: `pid` is its result.
     let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd) };
@@ -231,12 +273,7 @@ pub fn spawn(
             },
             error: io::Error::from_raw_os_error(e),
         }),
-        _ => Ok(Spawned {
-            pid,
-            pidfd,
-            stdout: out_r,
-            stderr: err_r,
-        }),
+        _ => Ok((pid, pidfd)),
     }
 }
 
@@ -429,7 +466,8 @@ fn enter_and_exec(a: &ChildArgs<'_>) -> Result<(), i32> {
     // SAFETY: raw syscalls on valid descriptors, paths and arrays prepared
     // by the parent; nothing here allocates or takes a lock.
     unsafe {
-        for (from, to) in [(a.stdin, 0), (a.stdout, 1), (a.stderr, 2)] {
+        for (to, &from) in a.stdio.fds.iter().enumerate() {
+            let to = to as RawFd;
             if from == to {
                 // dup2 onto itself would keep O_CLOEXEC.
                 check(libc::fcntl(from, libc::F_SETFD, 0) as libc::c_long)?;
@@ -439,6 +477,11 @@ fn enter_and_exec(a: &ChildArgs<'_>) -> Result<(), i32> {
         }
         // A new session, so the whole process group can be killed.
         check(libc::setsid() as libc::c_long)?;
+        if a.stdio.terminal {
+            // The session's controlling terminal: job control, ^C, SIGWINCH
+            // and the hang-up reach its processes.
+            check(libc::ioctl(0, libc::TIOCSCTTY, 0) as libc::c_long)?;
+        }
         // The agent runs at a raised priority; the user's commands do not.
         // (Nor are they exempt from the OOM killer: only the agent is, as
         // the global init.)

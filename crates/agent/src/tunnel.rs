@@ -36,12 +36,17 @@ const CHUNK: usize = 64 * 1024;
 /// SYN dropped by a full listen backlog is retried after a second or more).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// What the reader thread hands a stream's up thread.
-enum Event {
+/// What the reader thread hands a stream's thread.
+pub(crate) enum Event {
     Data(Vec<u8>),
     Ack(u32),
     Shutdown,
     Close,
+    /// A terminal's new size (see `pty`); tunnels ignore it.
+    Resize {
+        rows: u16,
+        cols: u16,
+    },
 }
 
 struct Entry {
@@ -50,7 +55,8 @@ struct Entry {
     tx: Sender<Event>,
 }
 
-/// Open streams by id.
+/// Open streams by id: port tunnels and terminals (`pty`), which share the
+/// stream messages.
 static TUNNELS: Mutex<Option<HashMap<RequestId, Entry>>> = Mutex::new(None);
 static SERIAL: AtomicU64 = AtomicU64::new(1);
 
@@ -59,10 +65,17 @@ fn with_tunnels<R>(f: impl FnOnce(&mut HashMap<RequestId, Entry>) -> R) -> R {
     f(g.get_or_insert_with(HashMap::new))
 }
 
-/// Handle a `TunnelOpen` (on the reader thread: registers the stream before
-/// anything else about it can arrive).
-pub fn open(reply: Reply, id: RequestId, port: u16, window: u32) {
-    let (tx, rx) = mpsc::channel();
+/// A registered stream: its serial (to unregister exactly it) and what the
+/// reader routes to it.
+pub(crate) struct Registered {
+    pub serial: u64,
+    pub events: Receiver<Event>,
+}
+
+/// Register stream `id` (on the reader thread, before anything else about
+/// it can arrive). `None`, with the error answered, when the id is taken.
+pub(crate) fn register(reply: &Reply, id: RequestId) -> Option<Registered> {
+    let (tx, events) = mpsc::channel();
     let serial = SERIAL.fetch_add(1, Ordering::SeqCst);
     let taken = with_tunnels(|t| {
         if t.contains_key(&id) {
@@ -86,21 +99,36 @@ pub fn open(reply: Reply, id: RequestId, port: u16, window: u32) {
                 format!("a stream with id {id} is already open"),
             ),
         );
-        return;
+        return None;
     }
+    Some(Registered { serial, events })
+}
+
+/// Forget stream `id` if it is still the one registered as `serial`: its
+/// thread's event channel ends.
+pub(crate) fn unregister(id: RequestId, serial: u64) {
+    with_tunnels(|t| {
+        if t.get(&id).is_some_and(|e| e.serial == serial) {
+            t.remove(&id);
+        }
+    });
+}
+
+/// Handle a `TunnelOpen` (on the reader thread: registers the stream before
+/// anything else about it can arrive).
+pub fn open(reply: Reply, id: RequestId, port: u16, window: u32) {
+    let Some(Registered { serial, events }) = register(&reply, id) else {
+        return;
+    };
     let r = reply.clone();
     let spawned = thread::Builder::new()
         .name("tunnel-up".into())
         .spawn(move || {
-            up(&r, id, port, window, rx);
-            with_tunnels(|t| {
-                if t.get(&id).is_some_and(|e| e.serial == serial) {
-                    t.remove(&id);
-                }
-            });
+            up(&r, id, port, window, events);
+            unregister(id, serial);
         });
     if let Err(e) = spawned {
-        with_tunnels(|t| t.remove(&id));
+        unregister(id, serial);
         reply.error(
             id,
             AgentError::new(ErrorKind::Io, format!("cannot start a thread: {e}")),
@@ -121,6 +149,9 @@ pub fn shutdown(id: RequestId) {
 }
 pub fn close(id: RequestId) {
     deliver(id, Event::Close);
+}
+pub fn resize(id: RequestId, rows: u16, cols: u16) {
+    deliver(id, Event::Resize { rows, cols });
 }
 
 fn deliver(id: RequestId, ev: Event) {
@@ -146,7 +177,7 @@ pub fn close_sessions_before(gen: u64) {
         before - t.len()
     });
     if n > 0 {
-        crate::info!("closed {n} tunnel(s) of an ended session");
+        crate::info!("closed {n} stream(s) of an ended session");
     }
 }
 
@@ -237,6 +268,7 @@ fn up(reply: &Reply, id: RequestId, port: u16, window: u32, rx: Receiver<Event>)
                 let _ = sock.shutdown(Shutdown::Write);
             }
             Event::Close => break,
+            Event::Resize { .. } => {}
         }
     }
     credit.close();

@@ -19,7 +19,9 @@
 //! create is refused as busy rather than left to time out.
 
 use crate::ids::new_id;
-use crate::machines::{Command, Download, Listing, Machines, Started, Tunnel, Upload, VmResult};
+use crate::machines::{
+    Command, Download, Listing, Machines, PtySize, Started, Terminal, Tunnel, Upload, VmResult,
+};
 use async_trait::async_trait;
 use sandpit_protocol::ExecRequest;
 use sandpit_runtime::process::Priority;
@@ -928,5 +930,10 @@ impl Machines for LocalVms {
             stream: Box::new(stream),
             closer: Arc::new(move || closer.close()),
         })
+    }
+
+    async fn open_pty(&self, id: &str, size: PtySize) -> VmResult<Terminal> {
+        let pty = self.agent(id).await?.open_pty(size).await?;
+        Ok(Terminal::over(pty))
     }
 }

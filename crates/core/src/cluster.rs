@@ -702,4 +702,12 @@ impl Machines for Served {
     async fn open_tunnel(&self, id: &str, port: u16) -> VmResult<crate::machines::Tunnel> {
         self.vms.open_tunnel(id, port).await
     }
+
+    async fn open_pty(
+        &self,
+        id: &str,
+        size: crate::machines::PtySize,
+    ) -> VmResult<crate::machines::Terminal> {
+        self.vms.open_pty(id, size).await
+    }
 }

@@ -12,9 +12,11 @@
 use async_trait::async_trait;
 use sandpit_protocol::{ExecRequest, FileEntry};
 use sandpit_runtime::{ExecEvent, RuntimeError, VmState};
+pub use sandpit_runtime::{PtyExit, PtySize};
 use std::sync::Arc;
 use time::OffsetDateTime;
-use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::mpsc;
 
 /// What a call to a VM gives back.
 pub type VmResult<T> = std::result::Result<T, RuntimeError>;
@@ -135,6 +137,10 @@ pub trait Machines: Send + Sync {
 
     /// Opens a TCP connection to `port` in the guest.
     async fn open_tunnel(&self, id: &str, port: u16) -> VmResult<Tunnel>;
+
+    /// Starts an interactive login shell as the guest user on a new
+    /// terminal of `size`.
+    async fn open_pty(&self, id: &str, size: PtySize) -> VmResult<Terminal>;
 }
 
 /// A directory listing: its resolved path, entries, and whether it was cut
@@ -188,4 +194,91 @@ pub type Closer = Arc<dyn Fn() + Send + Sync>;
 pub struct Tunnel {
     pub stream: Box<dyn Duplex>,
     pub closer: Closer,
+}
+
+/// What a terminal's user sends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PtyInput {
+    /// Keystrokes (or pasted text), as bytes.
+    Data(Vec<u8>),
+    Resize(PtySize),
+}
+
+/// What a terminal sends back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PtyOutput {
+    /// What its programs wrote, as bytes.
+    Data(Vec<u8>),
+    /// The shell exited by itself; the last item.
+    Exit(PtyExit),
+}
+
+/// A terminal in a guest. `output` ends after [`PtyOutput::Exit`], or
+/// without it when the terminal is gone (hung up, VM gone, link lost).
+/// Dropping `input`, or calling `closer`, hangs the terminal up: its
+/// shell's session gets SIGHUP.
+pub struct Terminal {
+    pub input: mpsc::Sender<PtyInput>,
+    pub output: mpsc::Receiver<PtyOutput>,
+    pub closer: Closer,
+}
+
+/// Items queued each way per terminal: a reader that stops reading stops
+/// the guest's output through the stream's credit, not through memory.
+pub const TERMINAL_QUEUE: usize = 16;
+
+impl Terminal {
+    /// A terminal over a guest's stream of it (this host's VMs): one task
+    /// types the input and passes on resizes, one reads the output and,
+    /// at its end, how the shell ended.
+    pub fn over(pty: sandpit_runtime::Pty) -> Terminal {
+        let sandpit_runtime::Pty { stream, control } = pty;
+        let hang_up = stream.closer();
+        let (mut reader, mut writer) = tokio::io::split(stream);
+        let (input, mut typed) = mpsc::channel::<PtyInput>(TERMINAL_QUEUE);
+        let (shown, output) = mpsc::channel::<PtyOutput>(TERMINAL_QUEUE);
+        let resizer = control.clone();
+        let closer = hang_up.clone();
+        tokio::spawn(async move {
+            while let Some(item) = typed.recv().await {
+                let sent = match item {
+                    PtyInput::Data(bytes) => writer.write_all(&bytes).await.is_ok(),
+                    PtyInput::Resize(size) => resizer.resize(size).is_ok(),
+                };
+                if !sent {
+                    break;
+                }
+            }
+            // The user is gone (or the terminal is): hang it up.
+            hang_up.close();
+        });
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 64 * 1024];
+            loop {
+                match reader.read(&mut buf).await {
+                    Ok(0) => {
+                        if let Some(exit) = control.exit() {
+                            let _ = shown.send(PtyOutput::Exit(exit)).await;
+                        }
+                        return;
+                    }
+                    Ok(n) => {
+                        if shown
+                            .send(PtyOutput::Data(buf[..n].to_vec()))
+                            .await
+                            .is_err()
+                        {
+                            return;
+                        }
+                    }
+                    Err(_) => return,
+                }
+            }
+        });
+        Terminal {
+            input,
+            output,
+            closer: Arc::new(move || closer.close()),
+        }
+    }
 }

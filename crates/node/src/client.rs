@@ -15,7 +15,8 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::{Request, Response};
 use sandpit_core::machines::{
-    Command, Download, Duplex, Listing, Machines, Started, Tunnel, Upload, VmResult,
+    Command, Download, Duplex, Listing, Machines, PtyInput, PtyOutput, PtySize, Started, Terminal,
+    Tunnel, Upload, VmResult, TERMINAL_QUEUE,
 };
 use sandpit_protocol::ExecRequest;
 use sandpit_runtime::{ExecEvent, RuntimeError, VmState};
@@ -567,6 +568,63 @@ impl Machines for RemoteNode {
             stream: Box::new(mine) as Box<dyn Duplex>,
             closer: Arc::new(move || abort.abort()),
         })
+    }
+
+    async fn open_pty(&self, id: &str, size: PtySize) -> VmResult<Terminal> {
+        let (upstream, resp) = self
+            .open(&format!("sandboxes/{id}/pty"), &size, RESPONSE_TIMEOUT)
+            .await?;
+        Ok(self.terminal_over(upstream, resp.into_body()))
+    }
+}
+
+impl RemoteNode {
+    /// A terminal over a call whose request body carries the input frames
+    /// and whose answer carries the output frames (see the node's
+    /// `terminal`); cutting it ends both bodies.
+    fn terminal_over(&self, upstream: mpsc::Sender<Bytes>, mut body: Incoming) -> Terminal {
+        let (input, mut typed) = mpsc::channel::<PtyInput>(TERMINAL_QUEUE);
+        let (shown, output) = mpsc::channel::<PtyOutput>(TERMINAL_QUEUE);
+        let typing = tokio::spawn(async move {
+            while let Some(item) = typed.recv().await {
+                if upstream.send(wire::encode_pty_input(&item)).await.is_err() {
+                    return;
+                }
+            }
+        });
+        let address = self.address.clone();
+        let showing = tokio::spawn(async move {
+            let mut buf = BytesMut::new();
+            while let Some(Ok(frame)) = body.frame().await {
+                let Ok(data) = frame.into_data() else {
+                    continue;
+                };
+                buf.extend_from_slice(&data);
+                loop {
+                    match wire::decode_pty_output(&mut buf) {
+                        Ok(Some(item)) => {
+                            if shown.send(item).await.is_err() {
+                                return;
+                            }
+                        }
+                        Ok(None) => break,
+                        Err(e) => {
+                            tracing::warn!(node = %address, "a terminal's output: {e}");
+                            return;
+                        }
+                    }
+                }
+            }
+        });
+        let (typing, showing) = (typing.abort_handle(), showing.abort_handle());
+        Terminal {
+            input,
+            output,
+            closer: Arc::new(move || {
+                typing.abort();
+                showing.abort();
+            }),
+        }
     }
 }
 

@@ -20,7 +20,7 @@ use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
 use hyper::body::{Frame, Incoming};
 use hyper::{Request, Response, StatusCode};
-use sandpit_core::machines::Machines;
+use sandpit_core::machines::{Machines, PtySize, Terminal, TERMINAL_QUEUE};
 use sandpit_protocol::ExecRequest;
 use sandpit_runtime::{ExecEvent, RuntimeError};
 use serde::{Deserialize, Serialize};
@@ -255,6 +255,7 @@ async fn handle(state: Arc<dyn NodeState>, req: Request<Incoming>) -> Response<B
                     Ok(a) => download(vms, id, a).await,
                     Err(r) => r,
                 },
+                "pty" => terminal(vms, id, body).await,
                 "list" => match body.json::<wire::FileArgs>().await {
                     Ok(a) => answer(
                         vms.list_files(&id, &a.path, a.recursive, a.max_entries)
@@ -526,6 +527,60 @@ async fn tunnel(vms: Arc<dyn Machines>, id: String, port: u16, mut body: Head) -
         closer();
     });
     streamed(rx, "application/octet-stream")
+}
+
+/// A terminal: its size is the head, its keystrokes and sizes follow on
+/// the request body, its output comes back on the answer's; the end of the
+/// request body hangs it up.
+async fn terminal(vms: Arc<dyn Machines>, id: String, mut body: Head) -> Response<Body> {
+    let size: PtySize = match body.json().await {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    let Terminal {
+        input,
+        mut output,
+        closer,
+    } = match vms.open_pty(&id, size).await {
+        Ok(t) => t,
+        Err(e) => return failed(&e),
+    };
+    let (tx, rx) = mpsc::channel::<Bytes>(TERMINAL_QUEUE);
+    let typing = tokio::spawn(async move {
+        let mut pending = BytesMut::new();
+        loop {
+            loop {
+                match wire::decode_pty_input(&mut pending) {
+                    Ok(Some(item)) => {
+                        if input.send(item).await.is_err() {
+                            return;
+                        }
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        tracing::warn!("a terminal's input: {e}");
+                        return;
+                    }
+                }
+            }
+            match body.next().await {
+                Some(piece) => pending.extend_from_slice(&piece),
+                // The caller hung up: so does the terminal (`input` drops).
+                None => return,
+            }
+        }
+    });
+    tokio::spawn(async move {
+        while let Some(item) = output.recv().await {
+            if tx.send(wire::encode_pty_output(&item)).await.is_err() {
+                break;
+            }
+        }
+        // The terminal ended, or the caller is gone.
+        typing.abort();
+        closer();
+    });
+    streamed(rx, "application/x-sandpit-pty")
 }
 
 /// Serves the API on `listener` until `shutdown` completes. A peer that

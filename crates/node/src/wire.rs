@@ -8,6 +8,7 @@
 //! frame if it breaks off.
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
+use sandpit_core::machines::{PtyInput, PtyOutput};
 use sandpit_protocol::{AgentError, ExecResult};
 use sandpit_runtime::{ExecEvent, RuntimeError, VmState};
 use serde::{Deserialize, Serialize};
@@ -19,6 +20,9 @@ const EXITED: u8 = 3;
 const AGENT_ERROR: u8 = 4;
 const OTHER_ERROR: u8 = 5;
 const META: u8 = 6;
+const PTY_DATA: u8 = 7;
+const PTY_RESIZE: u8 = 8;
+const PTY_EXIT: u8 = 9;
 
 /// Largest payload a frame may announce (output comes in agent-sized
 /// pieces; a peer announcing more is broken or hostile).
@@ -238,19 +242,9 @@ pub struct Written {
 
 /// Takes one whole frame off the front of `buf`, if it holds one.
 pub fn decode(buf: &mut BytesMut) -> Result<Option<Result<ExecEvent, RuntimeError>>, String> {
-    if buf.len() < 5 {
+    let Some((kind, payload)) = take_frame(buf)? else {
         return Ok(None);
-    }
-    let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
-    if len > MAX_FRAME {
-        return Err(format!("a frame of {len} bytes"));
-    }
-    if buf.len() < 5 + len {
-        return Ok(None);
-    }
-    let kind = buf.get_u8();
-    buf.advance(4);
-    let payload = buf.split_to(len);
+    };
     let bad = |e: serde_json::Error| format!("frame {kind}: {e}");
     Ok(Some(match kind {
         STDOUT => Ok(ExecEvent::Stdout(payload.to_vec())),
@@ -268,9 +262,113 @@ pub fn decode(buf: &mut BytesMut) -> Result<Option<Result<ExecEvent, RuntimeErro
     }))
 }
 
+/// Takes one whole frame, its kind and payload, off the front of `buf`.
+fn take_frame(buf: &mut BytesMut) -> Result<Option<(u8, BytesMut)>, String> {
+    if buf.len() < 5 {
+        return Ok(None);
+    }
+    let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
+    if len > MAX_FRAME {
+        return Err(format!("a frame of {len} bytes"));
+    }
+    if buf.len() < 5 + len {
+        return Ok(None);
+    }
+    let kind = buf.get_u8();
+    buf.advance(4);
+    Ok(Some((kind, buf.split_to(len))))
+}
+
+/// The frame of a terminal's input.
+pub fn encode_pty_input(input: &PtyInput) -> Bytes {
+    match input {
+        PtyInput::Data(bytes) => frame(PTY_DATA, bytes),
+        PtyInput::Resize(size) => frame(PTY_RESIZE, &serde_json::to_vec(size).expect("json")),
+    }
+}
+
+/// Takes one terminal input off the front of `buf`, if it holds one.
+pub fn decode_pty_input(buf: &mut BytesMut) -> Result<Option<PtyInput>, String> {
+    let Some((kind, payload)) = take_frame(buf)? else {
+        return Ok(None);
+    };
+    Ok(Some(match kind {
+        PTY_DATA => PtyInput::Data(payload.to_vec()),
+        PTY_RESIZE => PtyInput::Resize(
+            serde_json::from_slice(&payload).map_err(|e| format!("a terminal size: {e}"))?,
+        ),
+        other => return Err(format!("unknown terminal input frame {other}")),
+    }))
+}
+
+/// The frame of a terminal's output.
+pub fn encode_pty_output(output: &PtyOutput) -> Bytes {
+    match output {
+        PtyOutput::Data(bytes) => frame(PTY_DATA, bytes),
+        PtyOutput::Exit(exit) => frame(PTY_EXIT, &serde_json::to_vec(exit).expect("json")),
+    }
+}
+
+/// Takes one terminal output off the front of `buf`, if it holds one.
+pub fn decode_pty_output(buf: &mut BytesMut) -> Result<Option<PtyOutput>, String> {
+    let Some((kind, payload)) = take_frame(buf)? else {
+        return Ok(None);
+    };
+    Ok(Some(match kind {
+        PTY_DATA => PtyOutput::Data(payload.to_vec()),
+        PTY_EXIT => PtyOutput::Exit(
+            serde_json::from_slice(&payload).map_err(|e| format!("a terminal's end: {e}"))?,
+        ),
+        other => return Err(format!("unknown terminal output frame {other}")),
+    }))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sandpit_core::machines::{PtyExit, PtySize};
+
+    #[test]
+    fn terminal_frames_round_trip_in_pieces() {
+        let inputs = [
+            PtyInput::Data(b"ls\r".to_vec()),
+            PtyInput::Resize(PtySize {
+                rows: 40,
+                cols: 120,
+            }),
+        ];
+        let outputs = [
+            PtyOutput::Data(vec![27, b'[', b'm', 0, 255]),
+            PtyOutput::Exit(PtyExit {
+                exit_code: Some(130),
+                signal: None,
+            }),
+        ];
+        let mut wire = BytesMut::new();
+        for i in &inputs {
+            wire.extend_from_slice(&encode_pty_input(i));
+        }
+        let (mut buf, mut got) = (BytesMut::new(), Vec::new());
+        for byte in wire {
+            buf.extend_from_slice(&[byte]);
+            while let Some(i) = decode_pty_input(&mut buf).unwrap() {
+                got.push(i);
+            }
+        }
+        assert_eq!(got, inputs);
+        let mut buf = BytesMut::new();
+        for o in &outputs {
+            buf.extend_from_slice(&encode_pty_output(o));
+        }
+        let mut got = Vec::new();
+        while let Some(o) = decode_pty_output(&mut buf).unwrap() {
+            got.push(o);
+        }
+        assert_eq!(got, outputs);
+        let mut bad = BytesMut::from(&encode_pty_output(&outputs[0])[..]);
+        assert!(decode_pty_input(&mut BytesMut::from(&[3u8, 0, 0, 0, 0][..])).is_err());
+        assert!(decode_pty_output(&mut bad).is_ok());
+    }
 
     #[test]
     fn events_round_trip_whole_and_in_pieces() {

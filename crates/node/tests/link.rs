@@ -4,7 +4,8 @@
 
 use async_trait::async_trait;
 use sandpit_core::machines::{
-    Command, Download, Listing, Machines, Started, Tunnel, Upload, VmResult,
+    Command, Download, Listing, Machines, PtyExit, PtyInput, PtyOutput, PtySize, Started, Terminal,
+    Tunnel, Upload, VmResult,
 };
 use sandpit_node::{
     client_config, init_ca, issue, server_config, Health, NodeClient, NodeError, NodeState,
@@ -318,6 +319,43 @@ impl Machines for FakeVms {
             closer: Arc::new(|| {}),
         })
     }
+
+    async fn open_pty(&self, id: &str, size: PtySize) -> VmResult<Terminal> {
+        check(id)?;
+        // A terminal that shouts back what is typed, tells its sizes, and
+        // ends with code 3 at "exit".
+        let (input, mut typed) = tokio::sync::mpsc::channel(4);
+        let (shown, output) = tokio::sync::mpsc::channel(4);
+        tokio::spawn(async move {
+            let first = format!("{}x{}", size.rows, size.cols);
+            let _ = shown.send(PtyOutput::Data(first.into_bytes())).await;
+            while let Some(item) = typed.recv().await {
+                let out = match item {
+                    PtyInput::Data(d) if d == b"exit" => PtyOutput::Exit(PtyExit {
+                        exit_code: Some(3),
+                        signal: None,
+                    }),
+                    PtyInput::Data(d) => PtyOutput::Data(d.to_ascii_uppercase()),
+                    PtyInput::Resize(s) => PtyOutput::Data(format!("{}x{}", s.rows, s.cols).into()),
+                };
+                let last = matches!(out, PtyOutput::Exit(_));
+                if shown.send(out).await.is_err() || last {
+                    return;
+                }
+            }
+        });
+        Ok(Terminal {
+            input,
+            output,
+            closer: Arc::new(|| {}),
+        })
+    }
+}
+
+async fn next_output(t: &mut Terminal) -> Option<PtyOutput> {
+    tokio::time::timeout(std::time::Duration::from_secs(5), t.output.recv())
+        .await
+        .expect("the terminal answers")
 }
 
 #[tokio::test]
@@ -628,6 +666,51 @@ async fn a_nodes_vms_answer_through_the_link_as_they_would_at_home() {
     .await
     .expect("a cut tunnel ends");
     assert!(read.is_err() || rest.is_empty(), "{read:?} {rest:?}");
+
+    // A terminal: its first size, keystrokes and resizes in order, its
+    // shell's end; a dead VM's error crosses with its kind.
+    let mut term = remote
+        .open_pty("vm1", PtySize { rows: 24, cols: 80 })
+        .await
+        .unwrap();
+    assert_eq!(
+        next_output(&mut term).await,
+        Some(PtyOutput::Data(b"24x80".to_vec()))
+    );
+    term.input
+        .send(PtyInput::Data(b"ls".to_vec()))
+        .await
+        .unwrap();
+    term.input
+        .send(PtyInput::Resize(PtySize {
+            rows: 50,
+            cols: 132,
+        }))
+        .await
+        .unwrap();
+    assert_eq!(
+        next_output(&mut term).await,
+        Some(PtyOutput::Data(b"LS".to_vec()))
+    );
+    assert_eq!(
+        next_output(&mut term).await,
+        Some(PtyOutput::Data(b"50x132".to_vec()))
+    );
+    term.input
+        .send(PtyInput::Data(b"exit".to_vec()))
+        .await
+        .unwrap();
+    let exit = PtyExit {
+        exit_code: Some(3),
+        signal: None,
+    };
+    assert_eq!(next_output(&mut term).await, Some(PtyOutput::Exit(exit)));
+    assert_eq!(next_output(&mut term).await, None);
+    match remote.open_pty("nope", PtySize { rows: 1, cols: 1 }).await {
+        Err(RuntimeError::VmExited { cause }) => assert!(cause.contains("signal 9"), "{cause}"),
+        Err(other) => panic!("{other:?}"),
+        Ok(_) => panic!("a terminal in a dead VM"),
+    }
 
     // A stale epoch is "retry" (the link's own refusal), not the VM's.
     let stale: Arc<dyn Machines> = Arc::new(client.node(&address, 2));

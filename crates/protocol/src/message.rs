@@ -81,6 +81,26 @@ pub enum Message {
         window: u32,
     },
 
+    /// Start an interactive login shell as the guest user on a new
+    /// pseudo-terminal of `rows` × `cols`, in /workspace, `TERM` set to
+    /// `xterm-256color`. The request id names the terminal's stream from
+    /// then on, as a tunnel's: answered by [`Message::TunnelOpened`] (or
+    /// [`Message::Error`]), then [`Message::TunnelData`] carries keystrokes
+    /// to it and its output back, each direction within its window and
+    /// acknowledged by [`Message::TunnelAck`]. A [`Message::TunnelClose`]
+    /// from the host hangs the terminal up (its shell gets SIGHUP, then
+    /// SIGKILL if it stays). When the shell exits by itself the guest sends
+    /// the rest of its output, then [`Message::PtyExited`], the last message
+    /// for the id.
+    PtyOpen {
+        id: RequestId,
+        rows: u16,
+        cols: u16,
+        window: u32,
+    },
+    /// A terminal's new size; its foreground programs get SIGWINCH.
+    PtyResize { id: RequestId, rows: u16, cols: u16 },
+
     // ---- either direction (tunnels) ------------------------------------
     /// Bytes of a tunnel stream (frame body). The sender never has more
     /// unacknowledged bytes in flight than the window the other side granted.
@@ -128,6 +148,13 @@ pub enum Message {
     /// The guest connected a [`Message::TunnelOpen`]; `window` is how many
     /// bytes the host may send before the guest acknowledges them.
     TunnelOpened { id: RequestId, window: u32 },
+    /// A terminal's shell exited (after the last of its output): its exit
+    /// code, or the signal that killed it. The last message for the id.
+    PtyExited {
+        id: RequestId,
+        exit_code: Option<i32>,
+        signal: Option<i32>,
+    },
 }
 
 impl Message {
@@ -152,6 +179,9 @@ impl Message {
             | TunnelShutdown { id }
             | TunnelClose { id }
             | TunnelOpened { id, .. }
+            | PtyOpen { id, .. }
+            | PtyResize { id, .. }
+            | PtyExited { id, .. }
             | Started { id, .. }
             | Stdout { id }
             | Stderr { id }

@@ -211,6 +211,28 @@ fn samples() -> Vec<Message> {
             id: 30,
             bytes: 262_144,
         },
+        // Added to generation 1: terminals.
+        Message::PtyOpen {
+            id: 40,
+            rows: 24,
+            cols: 80,
+            window: 1 << 20,
+        },
+        Message::PtyResize {
+            id: 40,
+            rows: 50,
+            cols: 132,
+        },
+        Message::PtyExited {
+            id: 40,
+            exit_code: Some(0),
+            signal: None,
+        },
+        Message::PtyExited {
+            id: 41,
+            exit_code: None,
+            signal: Some(9),
+        },
     ]
 }
 
@@ -244,6 +266,9 @@ fn exhaustive(m: &Message) -> &'static str {
         Message::TunnelAck { .. } => "tunnel_ack",
         Message::TunnelShutdown { .. } => "tunnel_shutdown",
         Message::TunnelClose { .. } => "tunnel_close",
+        Message::PtyOpen { .. } => "pty_open",
+        Message::PtyResize { .. } => "pty_resize",
+        Message::PtyExited { .. } => "pty_exited",
     }
 }
 

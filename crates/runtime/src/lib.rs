@@ -27,6 +27,7 @@ mod ram_image;
 pub mod ram_pages;
 pub mod saved;
 pub mod template;
+pub mod terminal;
 pub mod tunnel;
 pub mod vm;
 
@@ -37,5 +38,6 @@ pub use error::{Result, RuntimeError};
 pub use give_way::{GiveWay, Held};
 pub use saved::{AfterSave, SavedRecord, SavedVm};
 pub use template::Template;
-pub use tunnel::{TunnelCloser, TunnelStream};
+pub use terminal::{Pty, PtyControl, PtySize};
+pub use tunnel::{PtyExit, TunnelCloser, TunnelStream};
 pub use vm::{CreateVm, Vm, VmManager, VmRecord, VmState};

@@ -84,6 +84,16 @@ pub struct TunnelStream {
     pos: usize,
     read_eof: bool,
     write_shut: bool,
+    /// A terminal's end, once the guest reported it (see `terminal`).
+    pub(crate) exit: Arc<Mutex<Option<PtyExit>>>,
+}
+
+/// How a terminal's shell ended: its exit code, or the signal that killed
+/// it (neither when the guest could not tell).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PtyExit {
+    pub exit_code: Option<i32>,
+    pub signal: Option<i32>,
 }
 
 /// Closes a stream from elsewhere (the port was closed, the sandbox ended):
@@ -122,6 +132,21 @@ impl AgentClient {
     /// `ConnectionRefused` means nothing listens there; `TimedOut`, that the
     /// connect took too long. The caller bounds the wait for an answer.
     pub async fn open_tunnel(&self, port: u16) -> Result<TunnelStream> {
+        self.open_stream("opening a tunnel", |id| Message::TunnelOpen {
+            id,
+            port,
+            window: WINDOW,
+        })
+        .await
+    }
+
+    /// Open a stream with the request `open` makes for its id, and wait for
+    /// the guest's `TunnelOpened` (see also `terminal`).
+    pub(crate) async fn open_stream(
+        &self,
+        what: &str,
+        open: impl FnOnce(RequestId) -> Message,
+    ) -> Result<TunnelStream> {
         let (id, rx) = self.register()?;
         let inner = self.inner().clone();
         let credit = Arc::new(SendCredit::new());
@@ -136,18 +161,11 @@ impl AgentClient {
             pos: 0,
             read_eof: false,
             write_shut: false,
+            exit: Arc::default(),
         };
-        inner.send(
-            &Message::TunnelOpen {
-                id,
-                port,
-                window: WINDOW,
-            },
-            &[],
-        )?;
+        inner.send(&open(id), &[])?;
         let deadline = tokio::time::Instant::now() + crate::channel::REPLY_DEADLINE;
-        let frame =
-            crate::channel::next_frame(&mut stream.rx, deadline, "opening a tunnel").await?;
+        let frame = crate::channel::next_frame(&mut stream.rx, deadline, what).await?;
         match frame.message {
             Message::TunnelOpened { window, .. } => {
                 stream.credit.add(window as u64);
@@ -164,6 +182,10 @@ impl AgentClient {
 }
 
 impl TunnelStream {
+    pub(crate) fn id(&self) -> RequestId {
+        self.id
+    }
+
     /// A handle that closes this stream from another task.
     pub fn closer(&self) -> TunnelCloser {
         TunnelCloser {
@@ -221,6 +243,16 @@ impl AsyncRead for TunnelStream {
                         // The guest's socket failed: no more either way.
                         this.read_eof = true;
                         this.credit.close();
+                    }
+                    Message::PtyExited {
+                        exit_code, signal, ..
+                    } => {
+                        // A terminal's shell ended, after its last output;
+                        // the guest forgot the stream.
+                        *this.exit.lock().unwrap() = Some(PtyExit { exit_code, signal });
+                        this.read_eof = true;
+                        this.credit.close();
+                        this.inner.pending.lock().unwrap().remove(&this.id);
                     }
                     Message::Error { error, .. } => {
                         return Poll::Ready(Err(io::Error::other(error)));
