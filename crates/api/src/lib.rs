@@ -30,6 +30,7 @@ pub mod raw;
 mod remote;
 mod server;
 mod sse;
+mod terminal;
 
 pub use budget::BodyBudget;
 pub use error::{ErrorBody, ErrorObject};
@@ -41,6 +42,7 @@ pub use server::{
     UsageQuery, DEFAULT_BODY_BUDGET,
 };
 pub use sse::OutputChunk;
+pub use terminal::{TerminalControl, TerminalEvent, TerminalQuery};
 
 #[doc(no_inline)]
 pub use sandpit_core::SandboxApi;

@@ -10,10 +10,11 @@
 use crate::error::ErrorBody;
 use crate::server::{ExposePortBody, ExtendBody, FilesQuery, PortClosed, UsageQuery};
 use crate::sse::OutputChunk;
+use crate::terminal::{TerminalControl, TerminalEvent, TerminalQuery};
 use sandpit_core::{
     Account, CreateSandbox, CreateSnapshot, ExecParams, Execution, FileContent, FileDeleted,
     FileList, FileWritten, Fork, ForkSandbox, List, ListSandboxes, ListSnapshots, Port,
-    RestoreSandbox, Sandbox, ServiceInfo, Snapshot, Usage, WriteFile,
+    RestoreSandbox, Sandbox, ServiceInfo, Snapshot, TerminalToken, Usage, WriteFile,
 };
 use schemars::generate::{Contract, SchemaGenerator, SchemaSettings};
 use schemars::JsonSchema;
@@ -274,6 +275,23 @@ stream: `event: stdout` / `event: stderr` with `data: {\"data\": \"<chunk>\"}` \
 `: ping` comments keep an idle stream alive (every 15 s). If the client disconnects \
 before the exit event, the command is killed and recorded as `cancelled`. Errors \
 found before the command starts are ordinary JSON error responses.";
+
+const TERMINAL_DESCRIPTION: &str = "\
+An interactive login shell (bash) as the unprivileged sandbox user on a new terminal \
+(`TERM=xterm-256color`, in /workspace, under the same memory and process limits as \
+commands), carried over a WebSocket. Authenticate with the key's header, or with \
+`?token=` from `POST /v1/sandboxes/{id}/pty/tokens` (the only credential accepted in \
+this URL). The size starts as `rows` x `cols` (24 x 80).
+
+Framing: client to server, a binary message is keystrokes (bytes); a text message is \
+JSON, `{\"type\":\"resize\",\"rows\":R,\"cols\":C}` or `{\"type\":\"input\",\"data\":\"...\"}` \
+(TerminalControl). Server to client, a binary message is the terminal's output (bytes); \
+a text message is JSON (TerminalEvent): `{\"type\":\"exit\",\"exit_code\":N,\"signal\":null}` \
+when the shell exits, then a normal close (1000); `{\"type\":\"error\",\"error\":{...}}` \
+for a control message it could not take (the terminal stays), or when the terminal was \
+hung up because its sandbox stopped (then a close, 1011). Closing the socket hangs the \
+shell up (SIGHUP to its session, as an ssh connection that drops). A sandbox has at most \
+16 terminals open (429 past that). Errors before the upgrade are ordinary JSON errors.";
 
 /// The OpenAPI 3.1 document of the REST API (also served at `GET /v1/openapi.json`).
 pub fn openapi() -> Value {
@@ -719,7 +737,46 @@ pub fn openapi() -> Value {
             )],
             errors: ON_SANDBOX,
         },
+        Op {
+            method: "post",
+            path: "/v1/sandboxes/{id}/pty/tokens",
+            id: "createTerminalToken",
+            summary: "Make a one-use terminal token",
+            description: "A token that opens this sandbox's terminal once, within a minute, without \
+                the key's header: for a browser, whose WebSocket cannot send one. Put it in the \
+                terminal's URL as `?token=` (`url` is that path).",
+            params: vec![id_param("sandbox")],
+            body: None,
+            responses: vec![(
+                "201",
+                "The token.",
+                json_content(res.subschema_for::<TerminalToken>().to_value()),
+            )],
+            errors: ON_SANDBOX,
+        },
+        Op {
+            method: "get",
+            path: "/v1/sandboxes/{id}/pty",
+            id: "openTerminal",
+            summary: "Open a terminal (WebSocket)",
+            description: TERMINAL_DESCRIPTION,
+            params: {
+                let mut p = vec![id_param("sandbox")];
+                p.extend(query_params::<TerminalQuery>(&mut req));
+                p
+            },
+            body: None,
+            responses: vec![(
+                "101",
+                "Switching to the WebSocket protocol; the framing is described above.",
+                Value::Null,
+            )],
+            errors: ON_SANDBOX,
+        },
     ];
+    // The terminal's messages, described by their schemas.
+    let _ = req.subschema_for::<TerminalControl>();
+    let _ = res.subschema_for::<TerminalEvent>();
 
     let mut paths = Map::new();
     for op in &ops {

@@ -146,6 +146,11 @@ pub fn router(api: Arc<dyn SandboxApi>, config: RestConfig) -> Router {
             post(expose_port).get(list_ports),
         )
         .route("/v1/sandboxes/{id}/ports/{port}", delete(close_port))
+        .route("/v1/sandboxes/{id}/pty", get(crate::terminal::open))
+        .route(
+            "/v1/sandboxes/{id}/pty/tokens",
+            post(crate::terminal::mint_token),
+        )
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(config.max_body_bytes))
         .layer(axum::middleware::from_fn_with_state(

@@ -15,6 +15,7 @@ mod proxy;
 mod sandbox;
 mod server;
 mod settings;
+mod shell;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};

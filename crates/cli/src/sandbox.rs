@@ -5,7 +5,8 @@
 //! Snapshots, fork and restore are the exception: a snapshot is a record of
 //! the service (its quota, expiry, owner and lineage live in the server's
 //! store), so those commands (`snapshot`, `fork`, `restore`, `snapshots`,
-//! `delete-snapshot`, and `create --snapshot`) talk to a running server
+//! `delete-snapshot`, and `create --snapshot`) talk to a running server,
+//! as `shell` does (a terminal is the server's, see `crate::shell`),
 //! through its REST API (`--url`, the key in `SANDPIT_API_KEY`), on the
 //! sandboxes of that key's account.
 //!
@@ -65,6 +66,17 @@ pub enum SandboxCommand {
     Snapshots(SnapshotsArgs),
     /// Delete snapshots on a server
     DeleteSnapshot(DeleteSnapshotArgs),
+    /// Open an interactive terminal (a login shell as the sandbox's user)
+    /// in a server's sandbox; exits with the shell's code
+    Shell(ShellArgs),
+}
+
+#[derive(Args)]
+pub struct ShellArgs {
+    /// The sandbox (sbx_...)
+    id: String,
+    #[command(flatten)]
+    server: ServerArgs,
 }
 
 #[derive(Args)]
@@ -249,7 +261,8 @@ pub async fn run(settings: &Settings, cmd: SandboxCommand) -> Result<i32> {
         | SandboxCommand::Pause(_)
         | SandboxCommand::Resume(_)
         | SandboxCommand::Snapshots(_)
-        | SandboxCommand::DeleteSnapshot(_) => None,
+        | SandboxCommand::DeleteSnapshot(_)
+        | SandboxCommand::Shell(_) => None,
         SandboxCommand::Create(CreateArgs {
             snapshot: Some(_), ..
         }) => None,
@@ -268,6 +281,7 @@ pub async fn run(settings: &Settings, cmd: SandboxCommand) -> Result<i32> {
         SandboxCommand::Resume(a) => pause_or_resume(a, false).await,
         SandboxCommand::Snapshots(a) => snapshots(a).await,
         SandboxCommand::DeleteSnapshot(a) => delete_snapshots(a).await,
+        SandboxCommand::Shell(a) => crate::shell::shell(&a.server.url, &a.id).await,
     }
 }
 

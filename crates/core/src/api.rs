@@ -8,6 +8,41 @@ use crate::model::*;
 use async_trait::async_trait;
 use tokio::sync::mpsc;
 
+pub use crate::machines::{PtyExit, PtyInput, PtyOutput, PtySize};
+
+/// An interactive shell in a sandbox ([`SandboxApi::open_terminal`]):
+/// keystrokes and sizes go to `input`, output and the shell's end come from
+/// `output`. Dropping it (or `input`) hangs the shell up; `output` ends
+/// without an exit when the terminal was cut (the sandbox ended).
+pub struct TerminalSession {
+    pub input: mpsc::Sender<PtyInput>,
+    pub output: mpsc::Receiver<PtyOutput>,
+    /// What keeps it counted among the sandbox's open terminals.
+    _open: Box<dyn Send + Sync>,
+}
+
+impl TerminalSession {
+    pub fn new(
+        input: mpsc::Sender<PtyInput>,
+        output: mpsc::Receiver<PtyOutput>,
+        open: impl Send + Sync + 'static,
+    ) -> Self {
+        TerminalSession {
+            input,
+            output,
+            _open: Box::new(open),
+        }
+    }
+}
+
+/// What an implementation without terminals answers.
+fn no_terminals() -> crate::error::CoreError {
+    crate::error::CoreError::new(
+        crate::error::ErrorType::InvalidRequest,
+        "terminals are served by a Sandpit server's own API only",
+    )
+}
+
 /// Who is asking: an authenticated account.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Caller {
@@ -211,6 +246,27 @@ pub trait SandboxApi: Send + Sync {
 
     async fn usage(&self, caller: &Caller, days: Option<u32>) -> Result<Usage>;
     async fn account(&self, caller: &Caller) -> Result<Account>;
+
+    /// An interactive login shell as the guest user on a new terminal of
+    /// `size` in a running sandbox (a paused one is resumed first).
+    async fn open_terminal(
+        &self,
+        _caller: &Caller,
+        _id: &str,
+        _size: PtySize,
+    ) -> Result<TerminalSession> {
+        Err(no_terminals())
+    }
+    /// A one-use token that opens sandbox `id`'s terminal without a key
+    /// (for a browser's WebSocket), valid for a minute.
+    async fn terminal_token(&self, _caller: &Caller, _id: &str) -> Result<TerminalToken> {
+        Err(no_terminals())
+    }
+    /// Takes a terminal token for sandbox `id`: whose it is. Unknown, used,
+    /// expired or another sandbox's: `unauthorized`.
+    async fn redeem_terminal_token(&self, _token: &str, _id: &str) -> Result<Caller> {
+        Err(no_terminals())
+    }
     /// No key needed.
     async fn service_info(&self) -> Result<ServiceInfo>;
 }

@@ -291,6 +291,18 @@ pub struct FileDeleted {
     pub deleted: bool,
 }
 
+/// A one-use token that opens one sandbox's terminal without an API key,
+/// for a browser's WebSocket (which cannot send the key's header).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct TerminalToken {
+    /// Put in the terminal's URL as `?token=`; works once.
+    pub token: String,
+    /// After this (a minute after it was made) it opens nothing.
+    pub expires_at: String,
+    /// The terminal's path with the token, to open as a WebSocket.
+    pub url: String,
+}
+
 /// An exposed port.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Port {

@@ -23,6 +23,8 @@
 //! - `snapshots`: snapshots, fork and restore, and the snapshot sweep.
 //! - `pause`: pause, resume, and the resume a call needing the VM does.
 //! - `account`: authentication, usage, the account, the service's info.
+//! - `terminals`: interactive shells for people, their tokens, and
+//!   hanging them up when their sandbox ends.
 //! - `checks`: the pure request checks, public for the fuzz targets and
 //!   the fake.
 //! - `errors`: how store and runtime failures read as API errors.
@@ -36,6 +38,9 @@ mod lifecycle;
 mod pause;
 mod ports;
 mod snapshots;
+mod terminals;
+
+pub use terminals::{check_terminal_size, MAX_TERMINALS, MAX_TERMINAL_CELLS, TERMINAL_TOKEN_TTL};
 
 pub use checks::{
     check_create, check_path, check_port, check_write_size, extension_minutes, validate_exec,
@@ -49,7 +54,7 @@ use crate::api::{Caller, ExecStream, SandboxApi};
 use crate::backend::LocalVms;
 use crate::config::ServiceConfig;
 use crate::error::{CoreError, Result};
-use crate::machines::Machines;
+use crate::machines::{Machines, PtySize};
 use crate::model::*;
 use crate::preview::{PreviewLimits, Previews};
 use async_trait::async_trait;
@@ -76,6 +81,8 @@ pub struct Service {
     extending: tokio::sync::Mutex<()>,
     /// Open preview connections and their unflushed traffic.
     previews: Arc<Previews>,
+    /// Open terminals, so a sandbox's end hangs them up.
+    terminals: Arc<terminals::Terminals>,
     /// Each account's file transfers in flight (see [`Service::transfer_slot`]).
     transfers: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Semaphore>>>,
     /// Whose disk writes are held now (see [`crate::disk`]).
@@ -138,6 +145,7 @@ impl Service {
             reaper: Arc::new(Notify::new()),
             extending: tokio::sync::Mutex::new(()),
             previews: Arc::new(Previews::new(limits)),
+            terminals: Default::default(),
             transfers: Default::default(),
             disk_holds: Default::default(),
             me: me.clone(),
@@ -486,6 +494,23 @@ impl SandboxApi for Service {
 
     async fn account(&self, caller: &Caller) -> Result<Account> {
         self.account_of(caller).await
+    }
+
+    async fn open_terminal(
+        &self,
+        caller: &Caller,
+        id: &str,
+        size: PtySize,
+    ) -> Result<crate::api::TerminalSession> {
+        self.terminal(caller, id, size).await
+    }
+
+    async fn terminal_token(&self, caller: &Caller, id: &str) -> Result<TerminalToken> {
+        self.new_terminal_token(caller, id).await
+    }
+
+    async fn redeem_terminal_token(&self, token: &str, id: &str) -> Result<Caller> {
+        self.terminal_grant(token, id).await
     }
 
     async fn service_info(&self) -> Result<ServiceInfo> {

@@ -45,6 +45,7 @@ on_both_engines!(
     a_create_takes_a_place_on_a_live_node_with_room_in_its_transaction,
     accounts_have_unique_names,
     keys_store_a_hash_show_a_prefix_and_can_be_revoked,
+    terminal_tokens_open_one_sandbox_once_and_expire,
     the_ledger_reserves_refunds_and_settles_once,
     concurrent_creates_never_overdraw,
     concurrent_creates_respect_the_concurrency_limit,
@@ -241,6 +242,61 @@ async fn accounts_have_unique_names(store: Store) {
     assert_eq!(store.account_by_name("bob").await.unwrap(), Some(b.clone()));
     assert_eq!(store.account("acct_nope").await.unwrap(), None);
     assert_eq!(store.list_accounts().await.unwrap(), vec![a, b]);
+}
+
+async fn terminal_tokens_open_one_sandbox_once_and_expire(store: Store) {
+    let acct = store.create_account("tty", 5).await.unwrap();
+    store.add_credit(&acct.id, 10_000_000, None).await.unwrap();
+    let sbx = created(
+        store
+            .create_sandbox(sandbox(&acct.id, T0, 60, 90_000))
+            .await
+            .unwrap(),
+    );
+    let minute = time::Duration::minutes(1);
+    let (token, expires) = store
+        .create_terminal_token(&acct.id, &sbx.id, minute)
+        .await
+        .unwrap();
+    assert!(token.starts_with("spt_") && token.len() == 44, "{token}");
+    assert!(expires > OffsetDateTime::now_utc() + time::Duration::seconds(50));
+    // Only its hash is kept.
+    let stored: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM terminal_tokens WHERE hash = $1")
+        .bind(hash_key(&token))
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(stored, 1);
+    // Two takes racing: exactly one has it.
+    let (a, b) = tokio::join!(
+        store.take_terminal_token(&token),
+        store.take_terminal_token(&token)
+    );
+    let taken: Vec<_> = [a.unwrap(), b.unwrap()].into_iter().flatten().collect();
+    assert_eq!(
+        taken,
+        vec![sandpit_store::TerminalGrant {
+            account_id: acct.id.clone(),
+            sandbox_id: sbx.id.clone(),
+        }]
+    );
+    assert_eq!(store.take_terminal_token("spt_nope").await.unwrap(), None);
+    // An expired one opens nothing, and the next token made clears it out.
+    let (old, _) = store
+        .create_terminal_token(&acct.id, &sbx.id, time::Duration::seconds(-1))
+        .await
+        .unwrap();
+    store
+        .create_terminal_token(&acct.id, &sbx.id, minute)
+        .await
+        .unwrap();
+    let left: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM terminal_tokens WHERE hash = $1")
+        .bind(hash_key(&old))
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(left, 0);
+    assert_eq!(store.take_terminal_token(&old).await.unwrap(), None);
 }
 
 async fn keys_store_a_hash_show_a_prefix_and_can_be_revoked(store: Store) {

@@ -133,6 +133,8 @@ fn documents_exactly_the_contract_routes() {
         ("POST", "/v1/sandboxes/{id}/ports"),
         ("GET", "/v1/sandboxes/{id}/ports"),
         ("DELETE", "/v1/sandboxes/{id}/ports/{port}"),
+        ("GET", "/v1/sandboxes/{id}/pty"),
+        ("POST", "/v1/sandboxes/{id}/pty/tokens"),
     ]
     .into_iter()
     .map(|(m, p)| (m.to_owned(), p.to_owned()))

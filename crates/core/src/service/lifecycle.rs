@@ -758,6 +758,7 @@ impl Service {
     /// `crate::cluster`).
     pub(crate) async fn end_here(&self, row: &SandboxRow) {
         self.previews.close(&row.id, None);
+        self.terminals.close(&row.id);
         let destroyed = match self.machines_for(row).await {
             Ok(machines) => machines.destroy(&row.id).await.map_err(|e| e.to_string()),
             Err(e) => Err(e.message),

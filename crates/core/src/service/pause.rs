@@ -49,6 +49,7 @@ impl Service {
         let machines = self.machines_for(&row).await?;
         // Its preview connections reach the VM being stopped.
         self.previews.close(id, None);
+        self.terminals.close(id);
         let pausing = self.restoring(id);
         let paused = machines.pause(id).await;
         drop(pausing);

@@ -409,6 +409,7 @@ impl Service {
         // Its preview connections reach the VM being replaced: cut them.
         // The URLs themselves stay and serve the restored VM.
         self.previews.close(id, None);
+        self.terminals.close(id);
         let restoring = self.restoring(id);
         let restored = machines.restore(id, &snap.id, row.expires_at).await;
         drop(restoring);

@@ -50,6 +50,9 @@ pub const DEFAULT_PACKAGES: &[&str] = &[
     "less",
     "nftables",
     "e2fsprogs",
+    // For people at the terminal (the dashboard's, `sandpit sandbox shell`).
+    "vim",
+    "htop",
 ];
 
 /// What debootstrap installs by itself. Everything else goes through apt in
@@ -358,7 +361,7 @@ mod tests {
     fn rootfs_id_changes_with_its_inputs() {
         let base = RootfsRecipe::new("bookworm", DEFAULT_MIRROR, &pkgs(DEFAULT_PACKAGES));
         let mut more = pkgs(DEFAULT_PACKAGES);
-        more.push("vim".into());
+        more.push("tmux".into());
         let mut script = base.clone();
         script.setup_script.push_str("true\n");
         let mut version = base.clone();
