@@ -170,6 +170,7 @@ pub(crate) async fn finish(mut req: Request, next: Next) -> Response {
             return Response::from_parts(parts, body);
         }
     };
+    sandpit_core::metrics::record_error(err.kind);
 
     let json = serde_json::to_vec(&ErrorBody::new(&err, &id.0)).expect("serializable");
     parts.headers.remove(header::CONTENT_LENGTH);
