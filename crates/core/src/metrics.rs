@@ -143,6 +143,19 @@ pub fn record_exec(status: ExecutionStatus, took: Duration) {
         .observe(took.as_secs_f64());
 }
 
+/// Every error type, for the series of each to exist before its first error.
+const ALL_ERROR_TYPES: [ErrorType; 9] = [
+    ErrorType::InvalidRequest,
+    ErrorType::Unauthorized,
+    ErrorType::InsufficientCredits,
+    ErrorType::Forbidden,
+    ErrorType::NotFound,
+    ErrorType::Conflict,
+    ErrorType::RateLimited,
+    ErrorType::ServiceUnavailable,
+    ErrorType::InternalError,
+];
+
 /// An error an adapter answered a request with (REST, or an MCP tool call).
 pub fn record_error(kind: ErrorType) {
     EVENTS
@@ -167,6 +180,8 @@ pub(crate) fn record_preview_bytes(bytes_in: u64, bytes_out: u64) {
 /// [`Service::world`] at each scrape).
 #[derive(Debug, Default)]
 pub(crate) struct World {
+    /// The configured sizes, so every state of each has a series, at 0 too.
+    pub sizes: Vec<String>,
     pub sandboxes: Vec<sandpit_store::SandboxTally>,
     /// Per pool size: ready VMs and the target.
     pub pool: Vec<(String, usize, usize)>,
@@ -252,6 +267,17 @@ fn register_events(registry: &mut Registry) {
         Unit::Bytes,
         events.preview_bytes.clone(),
     );
+    // Every series a dashboard sums is there from the start, at 0.
+    for kind in ALL_ERROR_TYPES {
+        let labels = ErrorLabels {
+            r#type: kind.as_str(),
+        };
+        events.errors.get_or_create(&labels).inc_by(0);
+    }
+    for direction in ["in", "out"] {
+        let labels = DirectionLabels { direction };
+        events.preview_bytes.get_or_create(&labels).inc_by(0);
+    }
     let (built, failed) = sandpit_runtime::template::builds();
     let template_builds: Family<StatusLabels, Counter> = Family::default();
     for (status, n) in [("ok", built), ("failed", failed)] {
@@ -270,6 +296,9 @@ fn register_events(registry: &mut Registry) {
 type IntGauge = Gauge<i64>;
 type FloatGauge = Gauge<f64, AtomicU64>;
 
+/// The states of a live sandbox, as the API words them.
+const LIVE_STATES: [&str; 4] = ["provisioning", "running", "paused", "deleting"];
+
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct SandboxLabels {
     state: String,
@@ -284,6 +313,15 @@ struct SizeLabels {
 fn register_world(registry: &mut Registry, world: &World) {
     let sandboxes: Family<SandboxLabels, IntGauge> = Family::default();
     let reserved: FloatGauge = Gauge::default();
+    for size in &world.sizes {
+        for state in LIVE_STATES {
+            let labels = SandboxLabels {
+                state: state.to_string(),
+                size: size.clone(),
+            };
+            sandboxes.get_or_create(&labels).set(0);
+        }
+    }
     for t in &world.sandboxes {
         let labels = SandboxLabels {
             state: t.state.clone(),
@@ -512,5 +550,58 @@ mod tests {
         assert!(token_matches("s3cret", "s3cret"));
         assert!(!token_matches("s3cret", "s3cre"));
         assert!(!token_matches("s3cret", ""));
+    }
+}
+
+#[cfg(test)]
+mod exporter_tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn every_family_is_rendered_with_the_node_label() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = sandpit_store::Store::open_sqlite(dir.path().join("sandpit.db"))
+            .await
+            .unwrap();
+        let service = Service::without_vms(crate::config::ServiceConfig::default(), store);
+        record_create(CreatePath::pool, Outcome::ok, Duration::from_millis(20));
+        record_exec(ExecutionStatus::Completed, Duration::from_millis(5));
+        record_error(ErrorType::NotFound);
+        let text = Exporter::new(service, "node-a").render().await.unwrap();
+        for family in [
+            "sandpit_sandboxes",
+            "sandpit_sandbox_creates_total",
+            "sandpit_sandbox_create_duration_seconds",
+            "sandpit_execs_total",
+            "sandpit_exec_duration_seconds",
+            "sandpit_errors_total",
+            "sandpit_preview_bytes_total",
+            "sandpit_preview_connections_total",
+            "sandpit_preview_connections_open",
+            "sandpit_template_builds_total",
+            "sandpit_credit_reserved_usd",
+            "sandpit_vms",
+            "sandpit_vm_cpu_seconds_total",
+            "sandpit_vm_memory_rss_bytes",
+            "sandpit_vm_memory_pss_bytes",
+        ] {
+            assert!(
+                text.contains(&format!("# TYPE {family} ")),
+                "{family}:\n{text}"
+            );
+        }
+        let samples = text
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty());
+        for line in samples {
+            assert!(line.contains("node=\"node-a\""), "{line}");
+        }
+        let pool_creates =
+            "sandpit_sandbox_create_duration_seconds_count{node=\"node-a\",path=\"pool\"}";
+        assert!(text.contains(pool_creates), "{text}");
+        let running = "sandpit_sandboxes{node=\"node-a\",state=\"running\",size=\"small\"} 0";
+        assert!(text.contains(running), "{text}");
+        // A replica has no pool.
+        assert!(!text.contains("sandpit_pool_ready"), "{text}");
     }
 }

@@ -14,6 +14,7 @@ impl Service {
         let (preview_connections_open, preview_connections_opened) =
             self.previews.connection_counts();
         let mut world = World {
+            sizes: self.config.sizes.keys().cloned().collect(),
             sandboxes,
             preview_connections_open,
             preview_connections_opened,
