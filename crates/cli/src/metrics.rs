@@ -202,3 +202,37 @@ fn error_response(status: StatusCode, err: &CoreError) -> Response {
     }
     resp
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_flags_go_over_the_config_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = dir.path().join("config.toml");
+        std::fs::write(
+            &config,
+            "[metrics]\nlisten = \"127.0.0.1:9464\"\ntoken = \"from-the-file-0123456789\"\n",
+        )
+        .unwrap();
+        let s = Settings::load(Some(dir.path().into()), None, Some(&config)).unwrap();
+        let none = MetricsArgs::default().over(&s.metrics);
+        assert_eq!(none.listen.as_deref(), Some("127.0.0.1:9464"));
+        assert_eq!(none.token.as_deref(), Some("from-the-file-0123456789"));
+        let flags = MetricsArgs {
+            metrics_listen: Some("0.0.0.0:9000".into()),
+            metrics_token: Some("from-the-flag-0123456789".into()),
+        };
+        let both = flags.over(&s.metrics);
+        assert_eq!(both.listen.as_deref(), Some("0.0.0.0:9000"));
+        assert_eq!(both.token.as_deref(), Some("from-the-flag-0123456789"));
+
+        std::fs::write(&config, "[metrics]\nport = 9464\n").unwrap();
+        let e = Settings::load(Some(dir.path().into()), None, Some(&config)).unwrap_err();
+        assert!(format!("{e:#}").contains("port"), "{e:#}");
+        let s = Settings::load(Some(dir.path().into()), None, None).unwrap();
+        let off = MetricsArgs::default().over(&s.metrics);
+        assert_eq!((off.listen, off.token), (None, None), "off by default");
+    }
+}

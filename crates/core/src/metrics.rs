@@ -603,5 +603,47 @@ mod exporter_tests {
         assert!(text.contains(running), "{text}");
         // A replica has no pool.
         assert!(!text.contains("sandpit_pool_ready"), "{text}");
+        the_docs_name_what_is_rendered(&text);
+    }
+
+    /// `docs/metrics.md` lists every family rendered, and it and the
+    /// Grafana dashboard name no other (the pool's exist where VMs run).
+    fn the_docs_name_what_is_rendered(text: &str) {
+        let docs = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/");
+        let rendered: std::collections::BTreeSet<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .filter_map(|l| l.split(' ').next())
+            .chain(["sandpit_pool_ready", "sandpit_pool_target"])
+            .collect();
+        for file in ["metrics.md", "grafana-dashboard.json"] {
+            let doc = std::fs::read_to_string(format!("{docs}{file}")).unwrap();
+            let named = names_in(&doc);
+            for name in &named {
+                assert!(
+                    rendered.contains(name.as_str()),
+                    "{file} names {name}, which is not rendered"
+                );
+            }
+            if file == "metrics.md" {
+                for name in &rendered {
+                    assert!(named.contains(*name), "{name} is not in docs/metrics.md");
+                }
+            }
+        }
+    }
+
+    /// The metric names in a text, a histogram's series by its family's.
+    fn names_in(doc: &str) -> std::collections::BTreeSet<String> {
+        let mut names = std::collections::BTreeSet::new();
+        for (at, _) in doc.match_indices("sandpit_") {
+            let name: String = doc[at..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            let name = name.strip_suffix("_bucket").unwrap_or(&name).to_string();
+            names.insert(name);
+        }
+        names
     }
 }
