@@ -27,7 +27,7 @@ use sandpit_store::ExecutionStatus;
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, LazyLock, Mutex};
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 /// The `Content-Type` of a scrape's answer (Prometheus text format 0.0.4).
@@ -196,7 +196,9 @@ pub(crate) struct World {
 pub struct Exporter {
     service: Arc<Service>,
     node: String,
-    cpu: Mutex<CpuTally>,
+    /// Held from reading the VMs' CPU time to adding it up, so that two
+    /// scrapes at once cannot make the counter go back.
+    cpu: tokio::sync::Mutex<CpuTally>,
 }
 
 impl Exporter {
@@ -205,20 +207,22 @@ impl Exporter {
         Exporter {
             service,
             node: node.into(),
-            cpu: Mutex::default(),
+            cpu: tokio::sync::Mutex::default(),
         }
     }
 
     /// Every family in the Prometheus text format.
     pub async fn render(&self) -> Result<String> {
         let world = self.service.world().await?;
+        let mut cpu = self.cpu.lock().await;
         let usage = tokio::task::spawn_blocking({
             let vms = world.vms.clone();
             move || vms_usage(&vms)
         })
         .await
         .map_err(|e| CoreError::internal(format!("reading the VMs' usage: {e}")))?;
-        let cpu_seconds = self.cpu.lock().unwrap().total(&usage);
+        let cpu_seconds = cpu.total(&usage);
+        drop(cpu);
         let mut registry = Registry::with_labels(
             [(Cow::Borrowed("node"), Cow::Owned(self.node.clone()))].into_iter(),
         );

@@ -27,7 +27,8 @@ impl Store {
     /// sandbox, stored as `running` with a pause time, counts as `paused`).
     pub async fn sandbox_tally(&self, host: &str) -> Result<Vec<SandboxTally>> {
         let rows = sqlx::query(concat!(
-            "SELECT CASE WHEN s.paused_at IS NULL THEN s.status ELSE 'paused' END AS state, \
+            "SELECT CASE WHEN s.status = 'running' AND s.paused_at IS NOT NULL THEN 'paused' \
+                    ELSE s.status END AS state, \
                     s.size AS size, \
                     CAST(COUNT(*) AS BIGINT) AS n, \
                     CAST(COALESCE(SUM((SELECT -SUM(l.amount_micros) FROM ledger l \

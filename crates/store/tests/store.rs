@@ -2108,12 +2108,18 @@ async fn the_tally_counts_a_hosts_live_sandboxes_and_their_reservations(store: S
             tally("running", 1, 90_000)
         ]
     );
+    // A paused sandbox is counted as paused (its row says `running`).
+    store.pause_sandbox(&a.id).await.unwrap().unwrap();
+    assert_eq!(
+        store.sandbox_tally("local").await.unwrap(),
+        [tally("paused", 1, 90_000), tally("provisioning", 1, 90_000)]
+    );
     store
         .finish_sandbox(&b.id, SandboxStatus::Deleted, "destroyed", T0, 1_000)
         .await
         .unwrap();
     assert_eq!(
         store.sandbox_tally("local").await.unwrap(),
-        [tally("running", 1, 90_000)]
+        [tally("paused", 1, 90_000)]
     );
 }
