@@ -196,8 +196,9 @@ pub(crate) struct World {
 pub struct Exporter {
     service: Arc<Service>,
     node: String,
-    /// Held from reading the VMs' CPU time to adding it up, so that two
-    /// scrapes at once cannot make the counter go back.
+    /// Held from listing the VMs to adding up their CPU time, so that two
+    /// scrapes at once cannot make the counter go back (nor count a VM the
+    /// other did not list as ended).
     cpu: tokio::sync::Mutex<CpuTally>,
 }
 
@@ -213,8 +214,8 @@ impl Exporter {
 
     /// Every family in the Prometheus text format.
     pub async fn render(&self) -> Result<String> {
-        let world = self.service.world().await?;
         let mut cpu = self.cpu.lock().await;
+        let world = self.service.world().await?;
         let usage = tokio::task::spawn_blocking({
             let vms = world.vms.clone();
             move || vms_usage(&vms)
