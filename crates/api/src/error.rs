@@ -7,6 +7,8 @@
 //! handler needs to carry the id around. The same middleware turns any other
 //! non-2xx response (axum's built-in 405, a caught panic, a rejection that
 //! slipped through) into the same JSON shape, so clients never see plain text.
+//! Being the one place every REST error passes, it also counts them by type
+//! (`sandpit_errors_total`, see `sandpit_core::metrics`).
 
 use axum::body::Body;
 use axum::extract::Request;
@@ -170,6 +172,7 @@ pub(crate) async fn finish(mut req: Request, next: Next) -> Response {
             return Response::from_parts(parts, body);
         }
     };
+    sandpit_core::metrics::record_error(err.kind);
 
     let json = serde_json::to_vec(&ErrorBody::new(&err, &id.0)).expect("serializable");
     parts.headers.remove(header::CONTENT_LENGTH);

@@ -10,6 +10,7 @@ mod front;
 mod images;
 mod listener;
 mod load;
+mod metrics;
 mod owner;
 mod proxy;
 mod sandbox;

@@ -45,6 +45,8 @@ pub struct ServeArgs {
     /// --database and --cluster-dir), whose sandboxes all run on nodes
     #[arg(long)]
     no_vms: bool,
+    #[command(flatten)]
+    metrics: crate::metrics::MetricsArgs,
 }
 
 #[derive(Args)]
@@ -63,6 +65,8 @@ pub struct NodeArgs {
     /// DIR/NAME.key (`sandpit cluster issue DIR NAME`)
     #[arg(long, value_name = "DIR")]
     cluster_dir: std::path::PathBuf,
+    #[command(flatten)]
+    metrics: crate::metrics::MetricsArgs,
 }
 
 #[derive(Args)]
@@ -374,6 +378,7 @@ pub async fn serve(settings: &Settings, args: ServeArgs) -> Result<i32> {
         link_cluster(&svc, settings, dir)?;
     }
     let node_task = node_api.map(|api| spawn_node_api(&svc, api));
+    let metrics = crate::metrics::start(&svc, settings, args.metrics, true).await?;
     first_start(settings, svc.store(), &public_url).await?;
     let api: Arc<dyn SandboxApi> = svc.clone();
 
@@ -401,6 +406,7 @@ pub async fn serve(settings: &Settings, args: ServeArgs) -> Result<i32> {
         "/v1/mcp",
         sandpit_api::with_request_layers(sandpit_mcp::http_service(api, mcp), &budget),
     );
+    let app = metrics.mount(app);
     let front = Arc::new(front::Front {
         api: app,
         proxy: Proxy::new(svc.clone()),
@@ -541,6 +547,7 @@ pub async fn node(settings: &Settings, args: NodeArgs) -> Result<i32> {
     // it has one anyway, as every member.
     link_cluster(&svc, settings, &args.cluster_dir)?;
     let task = spawn_node_api(&svc, api);
+    crate::metrics::start(&svc, settings, args.metrics, false).await?;
     eprintln!(
         "sandpit {} node {} serving its VMs at {} (epoch {}; {} acceleration; data in {})",
         env!("CARGO_PKG_VERSION"),
@@ -686,7 +693,7 @@ impl sandpit_node::NodeState for ServedNode {
 }
 
 /// This machine's host name (what `hostname` prints).
-fn host_name() -> Result<String> {
+pub(crate) fn host_name() -> Result<String> {
     let mut buf = [0u8; 256];
     // SAFETY: gethostname writes at most buf.len() bytes into buf.
     if unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } != 0 {

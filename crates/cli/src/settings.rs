@@ -55,6 +55,8 @@ pub struct FileConfig {
     pub server: Option<crate::listener::ConnectionLimits>,
     /// On a shared database: the node lease and when a silent node is lost.
     pub cluster: Option<sandpit_core::cluster::ClusterConfig>,
+    /// Prometheus metrics: their own listener, or a token on the public one.
+    pub metrics: Option<crate::metrics::MetricsSection>,
 }
 
 /// A size: resources and (for the server) its price.
@@ -190,6 +192,8 @@ pub struct Settings {
     pub node_address: Option<String>,
     /// A control-plane replica: no VMs here (`serve --no-vms`).
     pub no_vms: bool,
+    /// `[metrics]` (the flags of `serve` and `node` go over it).
+    pub metrics: crate::metrics::MetricsSection,
 }
 
 impl Settings {
@@ -445,6 +449,7 @@ impl Settings {
             tls,
             pool,
             connections: file.server.unwrap_or_default(),
+            metrics: file.metrics.unwrap_or_default(),
         })
     }
 }

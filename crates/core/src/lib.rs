@@ -16,6 +16,7 @@ pub mod disk;
 pub mod error;
 pub mod ids;
 pub mod machines;
+pub mod metrics;
 pub mod model;
 pub mod preview;
 pub mod service;

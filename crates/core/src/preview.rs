@@ -524,6 +524,12 @@ impl Previews {
         }
     }
 
+    /// Preview connections open now, and opened since the start.
+    pub(crate) fn connection_counts(&self) -> (usize, u64) {
+        let open = self.open.lock().unwrap().values().map(HashMap::len).sum();
+        (open, self.serial.load(Ordering::Relaxed))
+    }
+
     /// Cut the open connections of a sandbox (`port`: of that port only).
     pub(crate) fn close(&self, id: &str, port: Option<u16>) -> usize {
         self.forget_checks(id, port);

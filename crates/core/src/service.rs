@@ -28,12 +28,14 @@
 //! - `checks`: the pure request checks, public for the fuzz targets and
 //!   the fake.
 //! - `errors`: how store and runtime failures read as API errors.
+//! - `gauges`: what this member's world looks like now, for the metrics.
 
 mod account;
 mod checks;
 mod errors;
 mod exec;
 mod files;
+mod gauges;
 mod lifecycle;
 mod pause;
 mod ports;

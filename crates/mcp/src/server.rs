@@ -308,6 +308,7 @@ fn next_step(e: &CoreError) -> String {
 /// A core failure as the tool's answer: `isError` with the type, the core's
 /// message and the next step; `internal_error` as a JSON-RPC error.
 fn failure(e: CoreError) -> Result<CallToolResult, ErrorData> {
+    sandpit_core::metrics::record_error(e.kind);
     if e.kind == ErrorType::InternalError {
         return Err(ErrorData::internal_error(e.message, None));
     }

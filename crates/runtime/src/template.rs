@@ -179,6 +179,24 @@ pub(crate) fn write_kernel_stub(kernel: &Path, stub: &Path) -> std::io::Result<(
     std::fs::write(stub, &head[..len])
 }
 
+/// Template builds this process finished and failed, for the service's
+/// metrics (a build is rare and slow: a count is all they need).
+static BUILDS: [std::sync::atomic::AtomicU64; 2] = [
+    std::sync::atomic::AtomicU64::new(0),
+    std::sync::atomic::AtomicU64::new(0),
+];
+
+/// Counts a finished (`ok`) or failed template build.
+pub(crate) fn count_build(ok: bool) {
+    BUILDS[usize::from(!ok)].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Template builds this process finished and failed so far.
+pub fn builds() -> (u64, u64) {
+    let read = |n: &std::sync::atomic::AtomicU64| n.load(std::sync::atomic::Ordering::Relaxed);
+    (read(&BUILDS[0]), read(&BUILDS[1]))
+}
+
 /// The directory name of the template of `size` with `key`.
 pub(crate) fn dir_name(size: &str, key: &str) -> String {
     format!("{size}-{key}")

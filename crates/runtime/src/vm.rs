@@ -1314,6 +1314,7 @@ impl VmManager {
         tracing::info!(size = size_name, template = %name, "building a snapshot template");
         if let Err(e) = self.build_template_in(&tmp, size_name, size).await {
             let _ = std::fs::remove_dir_all(&tmp);
+            template::count_build(false);
             return Err(e);
         }
         let record = template::TemplateRecord {
@@ -1351,8 +1352,10 @@ impl VmManager {
         };
         if let Err(e) = finish() {
             let _ = std::fs::remove_dir_all(&tmp);
+            template::count_build(false);
             return Err(RuntimeError::io("finishing the template")(e));
         }
+        template::count_build(true);
         tracing::info!(
             size = size_name,
             template = %name,

@@ -95,6 +95,7 @@ mod nodes;
 mod sandboxes;
 mod snapshots;
 mod states;
+mod tally;
 mod tokens;
 mod util;
 
@@ -107,6 +108,7 @@ pub use sandboxes::{
 };
 pub use snapshots::{NewSnapshot, SnapshotOutcome, SnapshotPage, SnapshotRow, SnapshotStatus};
 pub use states::{ExecutionState, ExecutionStatus, NodeState, SandboxStatus};
+pub use tally::SandboxTally;
 pub use tokens::TerminalGrant;
 pub use util::{format_ts, hash_key, new_id, parse_ts};
 

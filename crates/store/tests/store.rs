@@ -63,6 +63,7 @@ on_both_engines!(
     disk_use_is_recorded_summed_over_live_sandboxes_and_limits_creates,
     an_accounts_stored_executions_are_counted_and_trimmed_oldest_first,
     an_ended_sandboxs_executions_go_after_the_retention,
+    the_tally_counts_a_hosts_live_sandboxes_and_their_reservations,
 );
 
 /// A row lock held by a transaction that never ends (its process stopped
@@ -2123,4 +2124,58 @@ async fn a_paused_sandbox_stays_live_and_adds_up_its_paused_time(store: Store) {
         .unwrap()
         .unwrap();
     assert_eq!(ended.status, SandboxStatus::Deleted);
+}
+
+/// The metrics' tally: live sandboxes of one host by state and size, with
+/// what they hold reserved; ended ones and other hosts' are not in it.
+async fn the_tally_counts_a_hosts_live_sandboxes_and_their_reservations(store: Store) {
+    let acct = store.create_account("alice", 20).await.unwrap();
+    store.add_credit(&acct.id, 1_000_000, None).await.unwrap();
+    assert!(store.sandbox_tally("local").await.unwrap().is_empty());
+    let a = created(
+        store
+            .create_sandbox(sandbox(&acct.id, T0, 60, 90_000))
+            .await
+            .unwrap(),
+    );
+    let b = created(
+        store
+            .create_sandbox(sandbox(&acct.id, T0, 60, 90_000))
+            .await
+            .unwrap(),
+    );
+    let mut elsewhere = sandbox(&acct.id, T0, 60, 90_000);
+    elsewhere.host = "other".into();
+    created(store.create_sandbox(elsewhere).await.unwrap());
+    store
+        .set_status(&a.id, SandboxStatus::Running, None)
+        .await
+        .unwrap();
+    let tally = |state: &str, count, reserved_micros| sandpit_store::SandboxTally {
+        state: state.into(),
+        size: "small".into(),
+        count,
+        reserved_micros,
+    };
+    assert_eq!(
+        store.sandbox_tally("local").await.unwrap(),
+        [
+            tally("provisioning", 1, 90_000),
+            tally("running", 1, 90_000)
+        ]
+    );
+    // A paused sandbox is counted as paused (its row says `running`).
+    store.pause_sandbox(&a.id).await.unwrap().unwrap();
+    assert_eq!(
+        store.sandbox_tally("local").await.unwrap(),
+        [tally("paused", 1, 90_000), tally("provisioning", 1, 90_000)]
+    );
+    store
+        .finish_sandbox(&b.id, SandboxStatus::Deleted, "destroyed", T0, 1_000)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.sandbox_tally("local").await.unwrap(),
+        [tally("paused", 1, 90_000)]
+    );
 }

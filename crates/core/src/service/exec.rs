@@ -112,6 +112,7 @@ impl Service {
     ) -> Result<Execution> {
         let exec_id = new_id("exec_");
         let started = OffsetDateTime::now_utc();
+        let clock = std::time::Instant::now();
         let mut record = ExecutionRow {
             id: exec_id.clone(),
             sandbox_id: row.id.clone(),
@@ -199,6 +200,7 @@ impl Service {
                 }
             }
             Err(e) => {
+                crate::metrics::record_exec(ExecutionStatus::Failed, clock.elapsed());
                 let _ = self
                     .store
                     .finish_execution(
@@ -230,6 +232,7 @@ impl Service {
                 return Err(self.agent_failure(row, e).await);
             }
         };
+        crate::metrics::record_exec(result.status, clock.elapsed());
         let finished = self.store.finish_execution(&exec_id, &result).await?;
         self.trim_executions(&row.account_id).await;
         if finished {

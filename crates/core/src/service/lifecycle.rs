@@ -20,6 +20,7 @@ use crate::config::cost;
 use crate::error::{CoreError, ErrorType, Result};
 use crate::ids::{new_id, rfc3339};
 use crate::machines::{Machines, Started};
+use crate::metrics::{CreatePath, Outcome};
 use crate::model::*;
 use crate::service::checks::{check_create, extension_minutes};
 use crate::service::errors::{not_running, runtime_error};
@@ -63,6 +64,7 @@ impl Service {
         req: CreateSandbox,
         idempotency_key: Option<String>,
     ) -> Result<(Sandbox, bool)> {
+        let clock = std::time::Instant::now();
         // A retry of a create from a snapshot answers with what the first
         // call made, even once the snapshot is gone.
         if let (Some(_), Some(key)) = (&req.snapshot_id, &idempotency_key) {
@@ -195,6 +197,7 @@ impl Service {
                 Some(Ok(warm)) => warm,
                 None => None,
             };
+            let from_pool = published.is_some() || warm.is_some();
             // A pool VM whose sandbox was not created goes back, never used;
             // but one whose id another create took (from the published
             // pool) is that create's to start, or dies with its pool lease.
@@ -233,12 +236,12 @@ impl Service {
                     if matches!(outcome, CreateOutcome::Created(_)) {
                         self.routes.placed(&target.host);
                     }
-                    placed = Some((outcome, target.machines));
+                    placed = Some((outcome, target.machines, from_pool));
                     break;
                 }
             }
         }
-        let Some((outcome, machines)) = placed else {
+        let Some((outcome, machines, from_pool)) = placed else {
             return Err(CoreError::new(
                 ErrorType::ServiceUnavailable,
                 match refused {
@@ -291,10 +294,34 @@ impl Service {
         let me = self
             .arc_self()
             .ok_or_else(|| CoreError::internal("the service is shutting down"))?;
-        tokio::spawn(async move { me.boot(row, machines).await })
+        let booted = tokio::spawn(async move { me.boot(row, machines).await })
             .await
-            .map_err(|e| CoreError::internal(format!("the create task failed: {e}")))?
-            .map(|row| (to_sandbox(&row), false))
+            .map_err(|e| CoreError::internal(format!("the create task failed: {e}")))?;
+        let path = match (&snapshot, from_pool, &booted) {
+            (Some(_), _, _) => CreatePath::snapshot,
+            (None, true, _) => CreatePath::pool,
+            (None, false, Ok(row)) => self.how_started(row),
+            (None, false, Err(_)) => CreatePath::new,
+        };
+        let outcome = match booted {
+            Ok(_) => Outcome::ok,
+            Err(_) => Outcome::failed,
+        };
+        crate::metrics::record_create(path, outcome, clock.elapsed());
+        booted.map(|row| (to_sandbox(&row), false))
+    }
+
+    /// How the VM of a sandbox started for its create came (not a pool
+    /// VM's): only this host's runtime knows whether it was restored.
+    fn how_started(&self, row: &SandboxRow) -> CreatePath {
+        if row.host != self.config.host_name {
+            return CreatePath::new;
+        }
+        match self.vm_record(&row.id) {
+            Some(vm) if vm.template.is_some() => CreatePath::restore,
+            Some(_) => CreatePath::cold,
+            None => CreatePath::new,
+        }
     }
 
     /// The sandbox an idempotent retry of a create finds, once its start

@@ -199,13 +199,16 @@ impl Service {
                 self.previews.restore(&id, bytes_in, bytes_out);
                 continue;
             }
-            if let Err(e) = self
+            match self
                 .store
                 .add_preview_traffic(&id, bytes_in, bytes_out)
                 .await
             {
-                tracing::warn!(%id, "storing preview traffic: {e}");
-                self.previews.restore(&id, bytes_in, bytes_out);
+                Ok(_) => crate::metrics::record_preview_bytes(bytes_in, bytes_out),
+                Err(e) => {
+                    tracing::warn!(%id, "storing preview traffic: {e}");
+                    self.previews.restore(&id, bytes_in, bytes_out);
+                }
             }
         }
     }
