@@ -226,15 +226,20 @@ async fn a_terminal_is_a_real_shell_over_a_websocket() {
     a.until("rc=130").await;
     assert!(interrupted.elapsed() < PATIENCE);
 
-    // vim writes a file; htop draws and quits on `q`.
+    // vim writes a file; htop draws and quits on `q`. Each is let finish
+    // before more is typed: a full-screen program that exits flushes what
+    // was typed ahead, as on any terminal.
     a.send("vim -u NONE -N /workspace/typed.txt\r").await;
     a.until("[New").await;
     a.send("ihello from vim\x1b:wq\r").await;
-    a.send("cat /workspace/typed.txt\r").await;
-    a.until("hello from vim").await;
+    a.until("written").await;
+    a.until("$ ").await;
+    a.send("tr a-z A-Z < /workspace/typed.txt\r").await;
+    a.until("HELLO FROM VIM").await;
     a.send("htop\r").await;
     a.until("Load average").await;
     a.send("q").await;
+    a.until("$ ").await;
     a.send("echo htop-quit-$((1+1))\r").await;
     a.until("htop-quit-2").await;
 
