@@ -22,6 +22,8 @@ if ! command -v rustup >/dev/null; then
 fi
 # The agent runs inside the guest as PID 1: link it statically so it does not
 # depend on the guest's libc. --target keeps the flag off build scripts.
+# The dashboard's browser code, which the sandpit binary embeds.
+scripts/web-assets.sh
 RUSTFLAGS="-C target-feature=+crt-static" \
   cargo build --release --locked -p sandpit-agent --target x86_64-unknown-linux-gnu
 cargo build --release --locked -p sandpit

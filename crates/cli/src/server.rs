@@ -85,9 +85,19 @@ pub enum AccountCommand {
         /// Initial credit in USD
         #[arg(long, default_value_t = 0.0)]
         credit: f64,
+        /// An operator's account: its dashboard shows every account and
+        /// can add credit
+        #[arg(long)]
+        admin: bool,
     },
     /// List accounts with their credit
     List,
+    /// Make an existing account an operator's (or, with --off, no longer)
+    Admin {
+        name: String,
+        #[arg(long)]
+        off: bool,
+    },
 }
 
 #[derive(Subcommand)]
@@ -205,9 +215,24 @@ async fn service_with(settings: &Settings, build: bool) -> Result<Arc<Service>> 
 pub async fn account(settings: &Settings, cmd: AccountCommand) -> Result<i32> {
     let store = open_store(settings).await?;
     match cmd {
-        AccountCommand::Create { name, credit } => {
+        AccountCommand::Create {
+            name,
+            credit,
+            admin: operator,
+        } => {
             let a = admin::create_account(&store, &settings.service, &name, credit).await?;
+            if operator {
+                store.set_admin(&a.id, true).await?;
+            }
             println!("{}", serde_json::to_string_pretty(&a)?);
+        }
+        AccountCommand::Admin { name, off } => {
+            let a = admin::account_by_name(&store, &name).await?;
+            store.set_admin(&a.id, !off).await?;
+            println!(
+                "{name} is {} operator's account",
+                if off { "no longer an" } else { "an" }
+            );
         }
         AccountCommand::List => {
             println!(
@@ -285,7 +310,8 @@ async fn first_start(settings: &Settings, store: &Store, public_url: &str) -> Re
     if !store.list_accounts().await?.is_empty() {
         return Ok(());
     }
-    admin::create_account(store, &settings.service, "admin", 100.0).await?;
+    let first = admin::create_account(store, &settings.service, "admin", 100.0).await?;
+    store.set_admin(&first.id, true).await?;
     let (key, _) = admin::create_key(store, "admin").await?;
     let mcp = serde_json::json!({
         "mcpServers": {"sandbox": {
@@ -294,7 +320,10 @@ async fn first_start(settings: &Settings, store: &Store, public_url: &str) -> Re
             "headers": {"Authorization": format!("Bearer {key}")}
         }}
     });
-    println!("First start: created the account \"admin\" with $100.00 of credit.");
+    println!(
+        "First start: created the operator account \"admin\" with $100.00 of credit \
+         (dashboard: {public_url}/)."
+    );
     println!("Its API key (shown only now):\n\n    {key}\n");
     println!(
         "MCP client configuration:\n{}\n",
@@ -407,6 +436,14 @@ pub async fn serve(settings: &Settings, args: ServeArgs) -> Result<i32> {
         sandpit_api::with_request_layers(sandpit_mcp::http_service(api, mcp), &budget),
     );
     let app = metrics.mount(app);
+    // The dashboard at `/`, beside the API (whose fallback answers every
+    // other path).
+    let dashboard = sandpit_web::WebConfig {
+        secure_cookies: tls.is_some(),
+        public_url: public_url.clone(),
+        ..Default::default()
+    };
+    let app = app.merge(sandpit_web::router(svc.clone(), dashboard));
     let front = Arc::new(front::Front {
         api: app,
         proxy: Proxy::new(svc.clone()),

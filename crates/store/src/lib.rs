@@ -98,6 +98,7 @@ mod states;
 mod tally;
 mod tokens;
 mod util;
+mod web;
 
 pub use accounts::{AccountRow, KeyRow, LedgerRow};
 pub use error::{Result, StoreError};
@@ -111,6 +112,7 @@ pub use states::{ExecutionState, ExecutionStatus, NodeState, SandboxStatus};
 pub use tally::SandboxTally;
 pub use tokens::TerminalGrant;
 pub use util::{format_ts, hash_key, new_id, parse_ts};
+pub use web::WebSession;
 
 use sqlx::any::AnyPoolOptions;
 use sqlx::AnyConnection;

@@ -46,6 +46,7 @@ on_both_engines!(
     accounts_have_unique_names,
     keys_store_a_hash_show_a_prefix_and_can_be_revoked,
     terminal_tokens_open_one_sandbox_once_and_expire,
+    web_sessions_name_their_account_until_they_end,
     the_ledger_reserves_refunds_and_settles_once,
     concurrent_creates_never_overdraw,
     concurrent_creates_respect_the_concurrency_limit,
@@ -243,6 +244,46 @@ async fn accounts_have_unique_names(store: Store) {
     assert_eq!(store.account_by_name("bob").await.unwrap(), Some(b.clone()));
     assert_eq!(store.account("acct_nope").await.unwrap(), None);
     assert_eq!(store.list_accounts().await.unwrap(), vec![a, b]);
+}
+
+async fn web_sessions_name_their_account_until_they_end(store: Store) {
+    let acct = store.create_account("web", 5).await.unwrap();
+    let hour = time::Duration::hours(1);
+    let (token, session) = store.create_web_session(&acct.id, hour).await.unwrap();
+    assert!(token.starts_with("sps_") && token.len() == 44, "{token}");
+    assert_eq!(session.account_id, acct.id);
+    assert_eq!(session.account_name, "web");
+    assert!(!session.admin);
+    assert_eq!(session.csrf.len(), 40);
+    assert_ne!(session.csrf, token[4..]);
+    assert_eq!(store.web_session(&token).await.unwrap(), Some(session));
+    // Only its hash is kept.
+    let clear: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM web_sessions WHERE hash = $1")
+        .bind(&token)
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(clear, 0);
+    // An operator's session says so.
+    assert!(store.set_admin(&acct.id, true).await.unwrap());
+    assert!(store.is_admin(&acct.id).await.unwrap());
+    assert!(store.web_session(&token).await.unwrap().unwrap().admin);
+    assert!(!store.set_admin("acct_nope", true).await.unwrap());
+    // Signed out, it is gone; an expired one finds nothing.
+    assert!(store.end_web_session(&token).await.unwrap());
+    assert_eq!(store.web_session(&token).await.unwrap(), None);
+    assert!(!store.end_web_session(&token).await.unwrap());
+    let (old, _) = store
+        .create_web_session(&acct.id, time::Duration::seconds(-1))
+        .await
+        .unwrap();
+    assert_eq!(store.web_session(&old).await.unwrap(), None);
+    assert_eq!(store.web_session("sps_nope").await.unwrap(), None);
+    // Charges add up by day.
+    assert_eq!(
+        store.daily_charges(&acct.id, T0).await.unwrap(),
+        Vec::<(String, i64)>::new()
+    );
 }
 
 async fn terminal_tokens_open_one_sandbox_once_and_expire(store: Store) {

@@ -1,0 +1,139 @@
+//! The dashboard's records (see migration 0010): who is an operator, who is
+//! signed in, and an account's spending by day.
+
+use crate::error::Result;
+use crate::util::{format_ts, get_i64, get_str, get_ts, hash_key, now, random_base32};
+use crate::Store;
+use time::{Duration, OffsetDateTime};
+
+/// Random characters of a session token after its `sps_` (200 bits), and
+/// of a session's CSRF token.
+const SESSION_RANDOM_CHARS: usize = 40;
+
+/// A signed-in session, as its cookie's token finds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WebSession {
+    pub account_id: String,
+    pub account_name: String,
+    /// An operator's: sees every account.
+    pub admin: bool,
+    /// What the session's forms must carry.
+    pub csrf: String,
+    pub expires_at: OffsetDateTime,
+}
+
+impl Store {
+    /// A new session for `account_id`, valid for `ttl`: its token (the only
+    /// time it exists in clear) and the session. Expired sessions are
+    /// removed on the way.
+    pub async fn create_web_session(
+        &self,
+        account_id: &str,
+        ttl: Duration,
+    ) -> Result<(String, WebSession)> {
+        let account = sqlx::query("SELECT name, admin FROM accounts WHERE id = $1")
+            .bind(account_id)
+            .fetch_optional(&self.pool)
+            .await?
+            .ok_or_else(|| crate::StoreError::NotFound(format!("account {account_id}")))?;
+        let token = format!("sps_{}", random_base32(SESSION_RANDOM_CHARS));
+        let created = now();
+        let session = WebSession {
+            account_id: account_id.to_string(),
+            account_name: get_str(&account, "name")?,
+            admin: get_i64(&account, "admin")? != 0,
+            csrf: random_base32(SESSION_RANDOM_CHARS),
+            expires_at: created + ttl,
+        };
+        sqlx::query("DELETE FROM web_sessions WHERE expires_at < $1")
+            .bind(format_ts(created))
+            .execute(&self.pool)
+            .await?;
+        sqlx::query(
+            "INSERT INTO web_sessions (hash, account_id, csrf, created_at, expires_at) \
+             VALUES ($1, $2, $3, $4, $5)",
+        )
+        .bind(hash_key(&token))
+        .bind(account_id)
+        .bind(&session.csrf)
+        .bind(format_ts(created))
+        .bind(format_ts(session.expires_at))
+        .execute(&self.pool)
+        .await?;
+        Ok((token, session))
+    }
+
+    /// The live session a cookie's token names, if any.
+    pub async fn web_session(&self, token: &str) -> Result<Option<WebSession>> {
+        let row = sqlx::query(
+            "SELECT s.account_id, s.csrf, s.expires_at, a.name, a.admin \
+             FROM web_sessions s JOIN accounts a ON a.id = s.account_id \
+             WHERE s.hash = $1 AND s.expires_at > $2",
+        )
+        .bind(hash_key(token))
+        .bind(format_ts(now()))
+        .fetch_optional(&self.pool)
+        .await?;
+        let Some(row) = row else { return Ok(None) };
+        Ok(Some(WebSession {
+            account_id: get_str(&row, "account_id")?,
+            account_name: get_str(&row, "name")?,
+            admin: get_i64(&row, "admin")? != 0,
+            csrf: get_str(&row, "csrf")?,
+            expires_at: get_ts(&row, "expires_at")?,
+        }))
+    }
+
+    /// Ends the session `token` names (signing out); false if there was none.
+    pub async fn end_web_session(&self, token: &str) -> Result<bool> {
+        let done = sqlx::query("DELETE FROM web_sessions WHERE hash = $1")
+            .bind(hash_key(token))
+            .execute(&self.pool)
+            .await?;
+        Ok(done.rows_affected() > 0)
+    }
+
+    /// Whether `account_id` is an operator's.
+    pub async fn is_admin(&self, account_id: &str) -> Result<bool> {
+        let row = sqlx::query("SELECT admin FROM accounts WHERE id = $1")
+            .bind(account_id)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(match row {
+            Some(r) => get_i64(&r, "admin")? != 0,
+            None => false,
+        })
+    }
+
+    /// Makes `account_id` an operator's, or not; false if no such account.
+    pub async fn set_admin(&self, account_id: &str, admin: bool) -> Result<bool> {
+        let done = sqlx::query("UPDATE accounts SET admin = $2 WHERE id = $1")
+            .bind(account_id)
+            .bind(i64::from(admin))
+            .execute(&self.pool)
+            .await?;
+        Ok(done.rows_affected() > 0)
+    }
+
+    /// What `account_id` was charged each day (UTC) since `since`, oldest
+    /// first, in micro-dollars: `(YYYY-MM-DD, micros)`, days without
+    /// charges left out.
+    pub async fn daily_charges(
+        &self,
+        account_id: &str,
+        since: OffsetDateTime,
+    ) -> Result<Vec<(String, i64)>> {
+        let rows = sqlx::query(
+            "SELECT substr(at, 1, 10) AS day, CAST(-SUM(amount_micros) AS BIGINT) AS spent \
+             FROM ledger WHERE account_id = $1 AND kind = 'charge' AND at >= $2 \
+             GROUP BY substr(at, 1, 10) ORDER BY day",
+        )
+        .bind(account_id)
+        .bind(format_ts(since))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|r| Ok((get_str(r, "day")?, get_i64(r, "spent")?)))
+            .collect()
+    }
+}
