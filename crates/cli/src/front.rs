@@ -53,10 +53,15 @@ impl Front {
             None => HostKind::Api,
         };
         match kind {
-            HostKind::Api => match self.api.clone().oneshot(req.map(Body::new)).await {
-                Ok(r) => r,
-                Err(never) => match never {},
-            },
+            HostKind::Api => {
+                let mut req = req.map(Body::new);
+                // The dashboard counts sign-ups per client address.
+                req.extensions_mut().insert(sandpit_web::ClientAddr(peer));
+                match self.api.clone().oneshot(req).await {
+                    Ok(r) => r,
+                    Err(never) => match never {},
+                }
+            }
             HostKind::Invalid => error_page(&PreviewError::UnknownHost),
             HostKind::Preview { port, sandbox_id } => {
                 let authority = authority.unwrap_or_default();

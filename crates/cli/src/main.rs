@@ -83,6 +83,11 @@ enum Command {
         #[command(subcommand)]
         command: server::CreditCommand,
     },
+    /// Invitations to sign up on the dashboard (`[signup] mode = "invite"`)
+    Invite {
+        #[command(subcommand)]
+        command: server::InviteCommand,
+    },
     /// The certificates of machines that share a database (mutual TLS)
     Cluster {
         #[command(subcommand)]
@@ -171,6 +176,7 @@ async fn run(cli: Cli) -> Result<i32> {
         Command::Account { command } => server::account(&settings, command).await,
         Command::Key { command } => server::key(&settings, command).await,
         Command::Credit { command } => server::credit(&settings, command).await,
+        Command::Invite { command } => server::invite(&settings, command).await,
         Command::Cluster { command } => cluster(command),
         Command::Reap => server::reap(&settings).await,
         Command::Demo => sandbox::demo(&settings).await,

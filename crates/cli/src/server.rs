@@ -126,6 +126,20 @@ pub enum CreditCommand {
     },
 }
 
+#[derive(Subcommand)]
+pub enum InviteCommand {
+    /// Make an invitation code; prints the code alone on stdout (it is
+    /// shown only once)
+    Create {
+        /// How many accounts it may make
+        #[arg(long, default_value_t = 1)]
+        uses: u32,
+        /// How long it is good for, e.g. 7d, 12h
+        #[arg(long, default_value = "7d")]
+        valid: humantime::Duration,
+    },
+}
+
 /// The control plane's store: `--database`, or the SQLite file in the data
 /// directory.
 async fn open_store(settings: &Settings) -> Result<Store> {
@@ -304,6 +318,27 @@ pub async fn credit(settings: &Settings, cmd: CreditCommand) -> Result<i32> {
     Ok(0)
 }
 
+pub async fn invite(settings: &Settings, cmd: InviteCommand) -> Result<i32> {
+    let store = open_store(settings).await?;
+    let InviteCommand::Create { uses, valid } = cmd;
+    if uses == 0 {
+        bail!("an invitation makes at least one account (--uses 1 or more)");
+    }
+    let ttl = time::Duration::try_from(*valid.as_ref()).context("--valid is too long")?;
+    let (code, expires) = store.create_invite(uses, ttl).await?;
+    if settings.signup.mode != sandpit_web::SignupMode::Invite {
+        eprintln!(
+            "note: sign-up is not invite-only in this configuration ([signup] mode = \"invite\" makes it so)"
+        );
+    }
+    eprintln!(
+        "an invitation for {uses} account(s), good until {}",
+        sandpit_core::ids::rfc3339(expires)
+    );
+    println!("{code}");
+    Ok(0)
+}
+
 /// On a store without accounts: an `admin` account and its first key,
 /// printed once with the MCP client configuration to paste.
 async fn first_start(settings: &Settings, store: &Store, public_url: &str) -> Result<()> {
@@ -441,6 +476,7 @@ pub async fn serve(settings: &Settings, args: ServeArgs) -> Result<i32> {
     let dashboard = sandpit_web::WebConfig {
         secure_cookies: tls.is_some(),
         public_url: public_url.clone(),
+        signup: settings.signup.clone(),
         ..Default::default()
     };
     let app = app.merge(sandpit_web::router(svc.clone(), dashboard));

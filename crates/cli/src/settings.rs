@@ -57,6 +57,9 @@ pub struct FileConfig {
     pub cluster: Option<sandpit_core::cluster::ClusterConfig>,
     /// Prometheus metrics: their own listener, or a token on the public one.
     pub metrics: Option<crate::metrics::MetricsSection>,
+    /// Sign-up on the dashboard: off, open or by invitation, and the free
+    /// credit of a new account.
+    pub signup: Option<sandpit_web::SignupConfig>,
 }
 
 /// A size: resources and (for the server) its price.
@@ -194,6 +197,8 @@ pub struct Settings {
     pub no_vms: bool,
     /// `[metrics]` (the flags of `serve` and `node` go over it).
     pub metrics: crate::metrics::MetricsSection,
+    /// `[signup]`.
+    pub signup: sandpit_web::SignupConfig,
 }
 
 impl Settings {
@@ -450,6 +455,7 @@ impl Settings {
             pool,
             connections: file.server.unwrap_or_default(),
             metrics: file.metrics.unwrap_or_default(),
+            signup: file.signup.unwrap_or_default(),
         })
     }
 }

@@ -1,5 +1,5 @@
 //! The dashboard's records (see migration 0010): who is an operator, who is
-//! signed in, and an account's spending by day.
+//! signed in, invitations to sign up, and an account's spending by day.
 
 use crate::error::Result;
 use crate::util::{format_ts, get_i64, get_str, get_ts, hash_key, now, random_base32};
@@ -135,5 +135,52 @@ impl Store {
         rows.iter()
             .map(|r| Ok((get_str(r, "day")?, get_i64(r, "spent")?)))
             .collect()
+    }
+
+    /// A new invitation good for `uses` sign-ups within `ttl`: its code
+    /// (the only time it exists in clear) and its expiry.
+    pub async fn create_invite(
+        &self,
+        uses: u32,
+        ttl: Duration,
+    ) -> Result<(String, OffsetDateTime)> {
+        let code = format!("spi_{}", random_base32(SESSION_RANDOM_CHARS));
+        let created = now();
+        let expires = created + ttl;
+        sqlx::query(
+            "INSERT INTO invites (hash, uses_left, created_at, expires_at) VALUES ($1, $2, $3, $4)",
+        )
+        .bind(hash_key(&code))
+        .bind(i64::from(uses))
+        .bind(format_ts(created))
+        .bind(format_ts(expires))
+        .execute(&self.pool)
+        .await?;
+        Ok((code, expires))
+    }
+
+    /// Uses up one sign-up of invitation `code`; false when it is unknown,
+    /// used up or expired. One statement, so two sign-ups racing for its
+    /// last use cannot both have it.
+    pub async fn take_invite(&self, code: &str) -> Result<bool> {
+        let done = sqlx::query(
+            "UPDATE invites SET uses_left = uses_left - 1 \
+             WHERE hash = $1 AND uses_left > 0 AND expires_at > $2",
+        )
+        .bind(hash_key(code))
+        .bind(format_ts(now()))
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    /// Gives back a use taken by [`Store::take_invite`] for a sign-up that
+    /// then failed (its name was taken).
+    pub async fn return_invite(&self, code: &str) -> Result<()> {
+        sqlx::query("UPDATE invites SET uses_left = uses_left + 1 WHERE hash = $1")
+            .bind(hash_key(code))
+            .execute(&self.pool)
+            .await?;
+        Ok(())
     }
 }

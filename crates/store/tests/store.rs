@@ -284,6 +284,21 @@ async fn web_sessions_name_their_account_until_they_end(store: Store) {
         store.daily_charges(&acct.id, T0).await.unwrap(),
         Vec::<(String, i64)>::new()
     );
+    // An invitation for two: two racing takes of its last use, one wins.
+    let (code, _) = store.create_invite(2, hour).await.unwrap();
+    assert!(code.starts_with("spi_"));
+    assert!(store.take_invite(&code).await.unwrap());
+    let (a, b) = tokio::join!(store.take_invite(&code), store.take_invite(&code));
+    assert_eq!([a.unwrap(), b.unwrap()].iter().filter(|t| **t).count(), 1);
+    assert!(!store.take_invite(&code).await.unwrap());
+    store.return_invite(&code).await.unwrap();
+    assert!(store.take_invite(&code).await.unwrap());
+    let (old, _) = store
+        .create_invite(5, time::Duration::seconds(-1))
+        .await
+        .unwrap();
+    assert!(!store.take_invite(&old).await.unwrap());
+    assert!(!store.take_invite("spi_nope").await.unwrap());
 }
 
 async fn terminal_tokens_open_one_sandbox_once_and_expire(store: Store) {

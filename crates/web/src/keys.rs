@@ -59,11 +59,24 @@ pub(crate) async fn create(
     Form(f): Form<CsrfOnly>,
 ) -> Result<Response, Failure> {
     signed.check_csrf(&f.csrf)?;
-    let (key, row) = web
+    let (key, _) = web
         .svc
         .store()
         .create_key(&signed.caller.account_id)
         .await?;
+    let body = new_key_page(&web, &signed.session, &key, "New API key");
+    // Not cached anywhere: the page holds the key.
+    Ok(([(axum::http::header::CACHE_CONTROL, "no-store")], body).into_response())
+}
+
+/// The page that shows a new key, once, with the MCP client configuration
+/// to paste (as `sandpit serve` prints it at first start).
+pub(crate) fn new_key_page(
+    web: &Web,
+    session: &sandpit_store::WebSession,
+    key: &str,
+    title: &str,
+) -> maud::Markup {
     let mcp = serde_json::json!({
         "mcpServers": {"sandbox": {
             "type": "http",
@@ -73,23 +86,18 @@ pub(crate) async fn create(
     });
     let mcp = serde_json::to_string_pretty(&mcp).unwrap_or_default();
     let body = html! {
-        h1 { "New API key" }
+        h1 { (title) }
         section class="card" {
-            p role="status" { "Your new key " code { (row.prefix) "…" } " — copy it now: it is shown only this once." }
+            p role="status" { "Your new API key — copy it now: it is shown only this once." }
             label for="new-key" { "API key" }
             input id="new-key" type="text" readonly value=(key) class="mono wide";
             h2 { "MCP client configuration" }
             p { "For Claude Code, Claude Desktop or any MCP client over Streamable HTTP:" }
             pre id="mcp-config" { (mcp) }
-            p { a href="/keys" { "Back to the keys" } }
+            p { a href="/keys" { "API keys" } " · " a href="/sandboxes" { "Sandboxes" } }
         }
     };
-    // Not cached anywhere: the page holds the key.
-    Ok((
-        [(axum::http::header::CACHE_CONTROL, "no-store")],
-        page("New API key", Some(&signed.session), Section::Keys, body),
-    )
-        .into_response())
+    page(title, Some(session), Section::Keys, body)
 }
 
 /// `POST /keys/{id}/revoke`: only a key of this account.

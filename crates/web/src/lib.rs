@@ -22,7 +22,10 @@ mod files;
 mod keys;
 mod pages;
 mod session;
+mod signup;
 mod view;
+
+pub use signup::{ClientAddr, SignupConfig, SignupMode};
 
 use axum::routing::{get, post};
 use axum::Router;
@@ -39,6 +42,8 @@ pub struct WebConfig {
     pub public_url: String,
     /// How long a sign-in lasts.
     pub session_ttl: time::Duration,
+    /// Who may make an account here.
+    pub signup: SignupConfig,
 }
 
 impl Default for WebConfig {
@@ -47,6 +52,7 @@ impl Default for WebConfig {
             secure_cookies: false,
             public_url: "http://127.0.0.1:8080".into(),
             session_ttl: time::Duration::hours(12),
+            signup: SignupConfig::default(),
         }
     }
 }
@@ -57,6 +63,7 @@ pub(crate) struct Web {
     pub svc: Arc<Service>,
     pub api: Arc<dyn SandboxApi>,
     pub config: Arc<WebConfig>,
+    pub signups: Arc<signup::SignupLimiter>,
 }
 
 /// The dashboard's routes (no fallback: merge it with the API's router,
@@ -66,11 +73,13 @@ pub fn router(svc: Arc<Service>, config: WebConfig) -> Router {
         api: svc.clone() as Arc<dyn SandboxApi>,
         svc,
         config: Arc::new(config),
+        signups: Default::default(),
     };
     Router::new()
         .route("/", get(pages::home))
         .route("/sign-in", post(session::sign_in))
         .route("/sign-out", post(session::sign_out))
+        .route("/sign-up", get(signup::page_get).post(signup::submit))
         .route("/sandboxes", get(pages::sandboxes).post(pages::create))
         .route("/sandboxes/{id}", get(pages::sandbox))
         .route("/sandboxes/{id}/terminal", get(pages::terminal))

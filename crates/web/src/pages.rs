@@ -42,7 +42,8 @@ pub(crate) async fn home(
     }
     let note = q.signed_out.map(|_| "You are signed out.");
     let next = safe_next(q.next.as_deref()).to_string();
-    let mut body = view::sign_in_page(None, &next);
+    let signup = web.config.signup.mode != crate::SignupMode::Off;
+    let mut body = view::sign_in_page(None, &next, signup);
     if let Some(n) = note {
         body = html! { (body) p class="notice narrow" role="status" { (n) } };
     }

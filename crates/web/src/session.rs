@@ -144,19 +144,37 @@ pub(crate) fn safe_next(next: Option<&str>) -> &str {
     }
 }
 
-pub(crate) async fn sign_in(
-    State(web): State<Web>,
-    headers: HeaderMap,
-    Form(form): Form<SignIn>,
-) -> Response {
-    let origin_ok = headers
+/// A `POST` whose `Origin`, if it names one, is this host (see
+/// [`cross_site`]); for the forms that come before a session.
+pub(crate) fn same_origin(headers: &HeaderMap) -> bool {
+    headers
         .get(header::ORIGIN)
         .and_then(|v| v.to_str().ok())
         .is_none_or(|o| {
             let host = headers.get(header::HOST).and_then(|v| v.to_str().ok());
             o.split_once("://").map(|(_, h)| h) == host
-        });
-    if !origin_ok {
+        })
+}
+
+/// The `Set-Cookie` value that hands the browser session `token`.
+pub(crate) fn cookie(web: &Web, token: &str) -> String {
+    format!(
+        "{COOKIE}={token}; Path=/; HttpOnly; SameSite=Lax; Max-Age={}{}",
+        web.config.session_ttl.whole_seconds(),
+        if web.config.secure_cookies {
+            "; Secure"
+        } else {
+            ""
+        }
+    )
+}
+
+pub(crate) async fn sign_in(
+    State(web): State<Web>,
+    headers: HeaderMap,
+    Form(form): Form<SignIn>,
+) -> Response {
+    if !same_origin(&headers) {
         return view::Failure::new(
             StatusCode::FORBIDDEN,
             "This sign-in came from another site's page and was refused.",
@@ -164,6 +182,7 @@ pub(crate) async fn sign_in(
         .into_response();
     }
     let next = safe_next(form.next.as_deref()).to_string();
+    let signup = web.config.signup.mode != crate::SignupMode::Off;
     let caller = match web.api.authenticate(form.key.trim()).await {
         Ok(c) => c,
         Err(e) => {
@@ -175,7 +194,7 @@ pub(crate) async fn sign_in(
                 }
                 _ => e.message,
             };
-            return (status, view::sign_in_page(Some(&message), &next)).into_response();
+            return (status, view::sign_in_page(Some(&message), &next, signup)).into_response();
         }
     };
     let ttl = web.config.session_ttl;
@@ -185,18 +204,11 @@ pub(crate) async fn sign_in(
         .create_web_session(&caller.account_id, ttl)
         .await
     {
-        Ok((token, _)) => {
-            let cookie = format!(
-                "{COOKIE}={token}; Path=/; HttpOnly; SameSite=Lax; Max-Age={}{}",
-                ttl.whole_seconds(),
-                if web.config.secure_cookies {
-                    "; Secure"
-                } else {
-                    ""
-                }
-            );
-            ([(header::SET_COOKIE, cookie)], Redirect::to(&next)).into_response()
-        }
+        Ok((token, _)) => (
+            [(header::SET_COOKIE, cookie(&web, &token))],
+            Redirect::to(&next),
+        )
+            .into_response(),
         Err(e) => view::Failure::new(
             StatusCode::SERVICE_UNAVAILABLE,
             format!("Cannot start a session now ({e}); try again."),

@@ -79,7 +79,7 @@ fn nav_item(href: &str, label: &str, current: bool) -> Markup {
 }
 
 /// The sign-in page, with what went wrong last time.
-pub(crate) fn sign_in_page(error: Option<&str>, next: &str) -> Markup {
+pub(crate) fn sign_in_page(error: Option<&str>, next: &str, signup: bool) -> Markup {
     page(
         "Sign in",
         None,
@@ -98,6 +98,9 @@ pub(crate) fn sign_in_page(error: Option<&str>, next: &str) -> Markup {
                     input id="key" name="key" type="password" autocomplete="off" required
                         placeholder="sp_..." spellcheck="false";
                     button type="submit" { "Sign in" }
+                }
+                @if signup {
+                    p { "No account yet? " a href="/sign-up" { "Sign up" } }
                 }
             }
         },

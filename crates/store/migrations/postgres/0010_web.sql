@@ -16,3 +16,13 @@ CREATE TABLE web_sessions (
     expires_at TEXT COLLATE "C" NOT NULL
 );
 CREATE INDEX web_sessions_expires ON web_sessions (expires_at);
+
+-- Invitations to sign up when sign-up is invite-only: a code made by
+-- `sandpit invite create`, kept as its hash, good for `uses_left` more
+-- accounts until it expires.
+CREATE TABLE invites (
+    hash       TEXT COLLATE "C" NOT NULL PRIMARY KEY,
+    uses_left  BIGINT NOT NULL CHECK (uses_left >= 0),
+    created_at TEXT COLLATE "C" NOT NULL,
+    expires_at TEXT COLLATE "C" NOT NULL
+);
