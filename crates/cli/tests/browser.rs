@@ -209,6 +209,71 @@ fn a_preview_page_is_used_as_a_person_would_on_a_laptop_and_a_phone() {
     eprintln!("the preview test took {:?}", started.elapsed());
 }
 
+/// A page of its own (a `data:` URL), for the harness's failures.
+const SMALL_PAGE: &str = "data:text/html,<title>Small</title><p>Only this.</p>\
+     <label for=a>Email</label><input id=a><input aria-label=Search>\
+     <button>Send</button><button style='display:none'>Hidden</button>";
+
+#[test]
+fn the_harness_fails_loudly_naming_what_it_did_not_find() {
+    runtime().block_on(async {
+        let browser = Browser::start().await;
+        let traces = browser.traces();
+        browser.goto(SMALL_PAGE).await;
+        // What is there is found: by label, by aria-label, by CSS, by text.
+        browser.fill("Email", "a@example.com").await;
+        browser.fill("Search", "needle").await;
+        browser.fill("#a", "b@example.com").await;
+        let values = browser
+            .execute(
+                "return [...document.querySelectorAll('input')].map(i => i.value)",
+                vec![],
+            )
+            .await;
+        assert_eq!(values, json!(["b@example.com", "needle"]));
+        browser.click("Send").await;
+
+        let missing_field = panic_message(browser.fill("Password", "x")).await;
+        assert!(
+            missing_field.contains(r#"no field labelled "Password""#)
+                && missing_field.contains(r#"["Email"]"#)
+                && missing_field.contains("Only this."),
+            "{missing_field}"
+        );
+        // A hidden button is not one a person can press.
+        let hidden = panic_message(browser.click("Hidden")).await;
+        assert!(
+            hidden.contains(r#"nothing visible to click named "Hidden""#)
+                && hidden.contains(r#"["Send"]"#)
+                && hidden.contains("Only this."),
+            "{hidden}"
+        );
+        let started = Instant::now();
+        let never = panic_message(browser.wait_for_text("Never", Duration::from_millis(500))).await;
+        assert!(started.elapsed() < Duration::from_secs(5));
+        assert!(
+            never.contains(r#"the page did not say "Never" within 500ms"#)
+                && never.contains("Only this."),
+            "{never}"
+        );
+        drop(browser);
+        traces.assert_all_gone();
+    });
+}
+
+/// The message `action` panics with; panics if it does not.
+async fn panic_message(action: impl std::future::Future<Output = impl std::fmt::Debug>) -> String {
+    use futures_util::FutureExt;
+    match std::panic::AssertUnwindSafe(action).catch_unwind().await {
+        Ok(v) => panic!("expected a panic, got {v:?}"),
+        Err(payload) => payload
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default(),
+    }
+}
+
 /// `png` is a PNG of `width` x `height` pixels with more in it than a blank
 /// image (a blank 390x844 one is well under 2 kB).
 fn assert_png(png: &[u8], (width, height): (u32, u32)) {
