@@ -87,8 +87,13 @@ fi
 # g++: libFuzzer, which the fuzz targets (scripts/fuzz.sh) link, is C++.
 # postgresql: the tests start their own server from its initdb (as the
 # postgres user the package creates); a cluster's shared state lives on one.
+# chromium, chromium-driver: the browser tests drive a headless Chromium
+# through its chromedriver (the same source package, so the same version);
+# fonts-dejavu-core: a font for pages' text, named rather than left to
+# whichever of fontconfig's alternatives apt picks.
 pkgs=(debootstrap passt e2fsprogs iproute2 python3 curl ca-certificates
-  gcc g++ libc6-dev pkg-config nftables libnss-myhostname postgresql)
+  gcc g++ libc6-dev pkg-config nftables libnss-myhostname postgresql
+  chromium chromium-driver fonts-dejavu-core)
 # Node.js only where there is none: a machine that has it from elsewhere
 # (NodeSource, nvm, a tarball) keeps it, and Debian's npm next to another
 # Node.js would pull Debian's nodejs in beside it, or conflict with it.
@@ -153,4 +158,11 @@ passt_version=$(passt --version 2>/dev/null || echo passt)
 passt_version=${passt_version%%$'\n'*}
 node_version=$(node --version 2>/dev/null || echo none)
 npm_version=$(npm --version 2>/dev/null || echo none)
-echo "$me: $qemu_version ($qemu); $img_version; $passt_version; node $node_version, npm $npm_version; $probe -> ${addr%%[[:space:]]*}"
+# The packages' versions, not `chromium --version`: Debian's launcher script
+# runs desktop checks first and may print shell errors on a container.
+chromium_version=$(dpkg-query -W -f='${Version}' chromium)
+driver_version=$(dpkg-query -W -f='${Version}' chromium-driver)
+[ "$chromium_version" = "$driver_version" ] ||
+  die "chromium ($chromium_version) and chromium-driver ($driver_version) differ:" \
+    "chromedriver drives only its own Chromium version (apt-get install chromium chromium-driver)"
+echo "$me: $qemu_version ($qemu); $img_version; $passt_version; node $node_version, npm $npm_version; chromium and chromium-driver $chromium_version; $probe -> ${addr%%[[:space:]]*}"

@@ -4,6 +4,7 @@
 //! test fails.
 #![allow(dead_code)]
 
+pub mod browser;
 pub mod cli;
 pub mod netns;
 pub mod serve;
