@@ -1,5 +1,5 @@
 //! The dashboard's records (see migration 0010): who is an operator, who is
-//! signed in, invitations to sign up, and an account's spending by day.
+//! signed in, and invitations to sign up.
 
 use crate::error::Result;
 use crate::util::{format_ts, get_i64, get_str, get_ts, hash_key, now, random_base32};
@@ -113,28 +113,6 @@ impl Store {
             .execute(&self.pool)
             .await?;
         Ok(done.rows_affected() > 0)
-    }
-
-    /// What `account_id` was charged each day (UTC) since `since`, oldest
-    /// first, in micro-dollars: `(YYYY-MM-DD, micros)`, days without
-    /// charges left out.
-    pub async fn daily_charges(
-        &self,
-        account_id: &str,
-        since: OffsetDateTime,
-    ) -> Result<Vec<(String, i64)>> {
-        let rows = sqlx::query(
-            "SELECT substr(at, 1, 10) AS day, CAST(-SUM(amount_micros) AS BIGINT) AS spent \
-             FROM ledger WHERE account_id = $1 AND kind = 'charge' AND at >= $2 \
-             GROUP BY substr(at, 1, 10) ORDER BY day",
-        )
-        .bind(account_id)
-        .bind(format_ts(since))
-        .fetch_all(&self.pool)
-        .await?;
-        rows.iter()
-            .map(|r| Ok((get_str(r, "day")?, get_i64(r, "spent")?)))
-            .collect()
     }
 
     /// A new invitation good for `uses` sign-ups within `ttl`: its code

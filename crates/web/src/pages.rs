@@ -549,13 +549,18 @@ pub(crate) async fn delete_snapshot(
 pub(crate) async fn usage(State(web): State<Web>, signed: Signed) -> PageResult {
     const DAYS: i64 = 30;
     let usage = web.api.usage(&signed.caller, Some(DAYS as u32)).await?;
-    let since = time::OffsetDateTime::now_utc() - time::Duration::days(DAYS - 1);
-    let since = since.replace_time(time::Time::MIDNIGHT);
-    let charges = web
-        .svc
-        .store()
-        .daily_charges(&signed.caller.account_id, since)
-        .await?;
+    let today = time::OffsetDateTime::now_utc().date();
+    let first = today - time::Duration::days(DAYS - 1);
+    // Each sandbox's cost (what it was charged, or has run up so far if it
+    // still runs) on the day it was made: the chart adds up to the total.
+    let mut per_day: Vec<(String, f64)> = Vec::new();
+    for s in &usage.sandboxes {
+        let day = s.created_at.get(..10).unwrap_or_default().to_string();
+        match per_day.iter_mut().find(|(d, _)| *d == day) {
+            Some((_, v)) => *v += s.cost_usd,
+            None => per_day.push((day, s.cost_usd)),
+        }
+    }
     let body = html! {
         h1 { "Usage" }
         div class="tiles" {
@@ -564,7 +569,8 @@ pub(crate) async fn usage(State(web): State<Web>, signed: Signed) -> PageResult 
         }
         section class="card" aria-labelledby="chart-h" {
             h2 id="chart-h" { "Spending per day" }
-            (chart(since.date(), DAYS, &charges))
+            (chart(first, DAYS, &per_day))
+            p class="muted small" { "Each sandbox counts on the day it was created; a running one with what it has run up so far." }
         }
         section aria-labelledby="per-h" {
             h2 id="per-h" { "Cost per sandbox" }
@@ -592,15 +598,15 @@ pub(crate) async fn usage(State(web): State<Web>, signed: Signed) -> PageResult 
 
 /// A bar per day from `first` for `days` days, as SVG with a text
 /// alternative (a table for screen readers).
-fn chart(first: time::Date, days: i64, charges: &[(String, i64)]) -> Markup {
+fn chart(first: time::Date, days: i64, spent: &[(String, f64)]) -> Markup {
     let per_day: Vec<(String, f64)> = (0..days)
         .map(|i| {
             let day = (first + time::Duration::days(i)).to_string();
-            let micros = charges
+            let usd = spent
                 .iter()
                 .find(|(d, _)| *d == day)
-                .map_or(0, |(_, m)| *m);
-            (day, micros as f64 / 1e6)
+                .map_or(0.0, |(_, v)| *v);
+            (day, usd)
         })
         .collect();
     let top = per_day.iter().map(|(_, v)| *v).fold(0.0, f64::max);
@@ -652,7 +658,7 @@ pub(crate) async fn accounts(State(web): State<Web>, signed: Signed) -> PageResu
                                 input type="hidden" name="csrf" value=(csrf);
                                 label class="sr-only" for={ "usd-" (a.id) } { "USD to add to " (a.name) }
                                 input id={ "usd-" (a.id) } name="usd" type="number" min="0.01" step="0.01" required class="short";
-                                button type="submit" { "Add" }
+                                button type="submit" aria-label={ "Add credit to " (a.name) } { "Add" }
                             }
                         }
                     }

@@ -1,0 +1,453 @@
+//! The dashboard in a real browser: headless Chromium (Debian's, through
+//! chromedriver) against a real `sandpit serve` with real VMs, doing what a
+//! person does: sign in with the printed key, create a sandbox, run a
+//! command, use the file browser (upload, download, delete), expose a port
+//! and open its link, type into the terminal and read its output from the
+//! page, pause, resume and snapshot, make and revoke a key, read usage,
+//! add credit as an operator, sign out, sign up with an invitation (and be
+//! refused past the per-address limit), and never see another account's
+//! sandboxes.
+//!
+//! Every page visited is also a screenshot (a laptop's and, for the
+//! sandboxes, a phone's window). They go to a temporary directory, or to
+//! `SANDPIT_SCREENSHOTS_DIR` (`docs/screenshots` refreshes the README's).
+
+mod common;
+
+use common::browser::{Browser, PHONE};
+use common::serve::*;
+use fantoccini::Locator;
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Sign-up by invitation, two an hour from one address.
+const SIGNUP: &str =
+    "[signup]\nmode = \"invite\"\nfree_credit_usd = 2.5\nper_address_per_hour = 2\n";
+/// How long a page may take to say what it should (a create or a terminal
+/// under emulation on a busy host).
+const PATIENCE: Duration = Duration::from_secs(120);
+
+/// Where screenshots go, and a check that each is a real picture.
+struct Shots {
+    dir: PathBuf,
+    _temp: Option<tempfile::TempDir>,
+}
+
+impl Shots {
+    fn new() -> Shots {
+        match std::env::var_os("SANDPIT_SCREENSHOTS_DIR") {
+            Some(d) => Shots {
+                dir: PathBuf::from(d),
+                _temp: None,
+            },
+            None => {
+                let t = tempfile::tempdir().unwrap();
+                Shots {
+                    dir: t.path().to_path_buf(),
+                    _temp: Some(t),
+                }
+            }
+        }
+    }
+
+    async fn take(&self, b: &Browser, name: &str) {
+        let png = b.screenshot(&self.dir.join(format!("{name}.png"))).await;
+        assert!(
+            png.starts_with(b"\x89PNG\r\n\x1a\n") && png.len() > 5_000,
+            "{name}: not a picture of a page ({} bytes)",
+            png.len()
+        );
+    }
+}
+
+/// The REST answer to `GET path` with `key`: status and JSON.
+async fn rest_get(url: &str, key: &str, path: &str) -> (u16, Value) {
+    let r = reqwest::Client::new()
+        .get(format!("{url}/v1{path}"))
+        .bearer_auth(key)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+/// A file's bytes as the API reads them.
+async fn file_bytes(url: &str, key: &str, id: &str, path: &str) -> Vec<u8> {
+    let r = reqwest::Client::new()
+        .get(format!("{url}/v1/sandboxes/{id}/files"))
+        .query(&[("path", path)])
+        .header("accept", "application/octet-stream")
+        .bearer_auth(key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200, "reading {path}");
+    r.bytes().await.unwrap().to_vec()
+}
+
+/// Waits until the server's warm pool has a VM ready: its snapshot
+/// template exists.
+async fn template_ready(url: &str, key: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(300);
+    loop {
+        let (_, info) = rest_get(url, key, "/service").await;
+        if info["fast_start"]["warm_pool"][0]["ready"].as_u64() >= Some(1) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the warm pool did not fill"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+async fn sign_in(b: &Browser, url: &str, key: &str) {
+    b.goto(&format!("{url}/")).await;
+    b.fill("API key", key).await;
+    click_and_load(b, "Sign in").await;
+    b.wait_for_text("New sandbox", PATIENCE).await;
+}
+
+/// Click `name` (a form's button, a link) and wait until the page it
+/// leads to has replaced this one, so what is read next is the new page's.
+async fn click_and_load(b: &Browser, name: &str) {
+    b.execute("window.sandpitOldPage = true", vec![]).await;
+    b.click(name).await;
+    let deadline = std::time::Instant::now() + PATIENCE;
+    loop {
+        // Mid-navigation a script may fail: that is not an answer yet.
+        let still_old = b
+            .client()
+            .execute("return window.sandpitOldPage === true", vec![])
+            .await;
+        if let Ok(Value::Bool(false)) = still_old {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "clicking {name:?} led to no new page\n{}",
+            b.dump().await
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Wait until the executions' output (inside closed `<details>`) shows
+/// `needle`, opening them as they come.
+async fn wait_for_output(b: &Browser, needle: &str) {
+    let deadline = std::time::Instant::now() + PATIENCE;
+    loop {
+        b.execute(
+            "document.querySelectorAll('details').forEach(d => d.open = true)",
+            vec![],
+        )
+        .await;
+        if b.text().await.contains(needle) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no output {needle:?}\n{}",
+            b.dump().await
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_person_uses_the_dashboard_in_a_real_browser() {
+    let data = tempfile::tempdir().unwrap();
+    let server = Server::start_with(data.path(), SIGNUP);
+    let url = server.url.clone();
+    let admin_key = server.admin_key.clone().expect("the first start's key");
+    let shots = Shots::new();
+    let b = Browser::start().await;
+
+    // Sign in: a wrong key is told so; the right one lands on the
+    // sandboxes, with a session cookie scripts cannot read.
+    b.goto(&format!("{url}/")).await;
+    b.wait_for_text("Paste an API key", PATIENCE).await;
+    shots.take(&b, "sign-in").await;
+    b.fill("API key", "sp_notakey").await;
+    click_and_load(&b, "Sign in").await;
+    b.wait_for_text("not a valid API key", PATIENCE).await;
+    sign_in(&b, &url, &admin_key).await;
+    let cookie = b
+        .cookies()
+        .await
+        .into_iter()
+        .find(|c| c.name() == "sandpit_session")
+        .expect("a session cookie");
+    assert_eq!(cookie.http_only(), Some(true), "{cookie:?}");
+    assert_eq!(
+        cookie.same_site().map(|s| s.to_string()).as_deref(),
+        Some("Lax"),
+        "{cookie:?}"
+    );
+    assert!(
+        !cookie.value().contains(&admin_key[3..]),
+        "the key itself in a cookie"
+    );
+
+    // Create a sandbox from the form; its page shows it running. (Once the
+    // server's snapshot template exists, which its warm pool waits for: a
+    // sandbox booted before it cannot be paused or snapshotted.)
+    template_ready(&url, &admin_key).await;
+    b.fill("Name (optional)", "demo").await;
+    b.fill("Lifetime (minutes)", "30").await;
+    click_and_load(&b, "Create sandbox").await;
+    b.wait_for_text("Preview ports", PATIENCE).await;
+    let page_url = b.current_url().await;
+    let id = page_url
+        .rsplit('/')
+        .next()
+        .unwrap()
+        .split(['?', '#'])
+        .next()
+        .unwrap()
+        .to_string();
+    assert!(id.starts_with("sbx_"), "{page_url}");
+    let (_, sbx) = rest_get(&url, &admin_key, &format!("/sandboxes/{id}")).await;
+    assert_eq!(sbx["status"], "running", "{sbx}");
+    assert_eq!(sbx["name"], "demo", "{sbx}");
+    assert_eq!(sbx["timeout_minutes"], 30, "{sbx}");
+
+    // A command from the command box, and its execution with its output.
+    b.fill(
+        "Command",
+        "echo made-$((6*7)) > /workspace/made.txt; cat /workspace/made.txt",
+    )
+    .await;
+    click_and_load(&b, "Run").await;
+    wait_for_output(&b, "made-42").await;
+
+    // Files: the new file is listed, downloads as it is, uploads arrive
+    // byte for byte, and a delete removes it.
+    b.wait_for_text("made.txt", PATIENCE).await;
+    let downloaded = b
+        .execute(
+            "return fetch(arguments[0]).then(r => r.text())",
+            vec![json!(format!(
+                "/sandboxes/{id}/files/download?path=/workspace/made.txt"
+            ))],
+        )
+        .await;
+    assert_eq!(downloaded, json!("made-42\n"));
+    let local = data.path().join("upload.bin");
+    let content: Vec<u8> = (0..200_000u32).map(|i| (i * 7 % 251) as u8).collect();
+    std::fs::write(&local, &content).unwrap();
+    b.client()
+        .find(Locator::Css("#upload"))
+        .await
+        .expect("the upload field")
+        .send_keys(&local.display().to_string())
+        .await
+        .unwrap();
+    click_and_load(&b, "Upload").await;
+    b.wait_for_text("upload.bin", PATIENCE).await;
+    assert_eq!(
+        file_bytes(&url, &admin_key, &id, "/workspace/upload.bin").await,
+        content
+    );
+    click_and_load(&b, "Delete made.txt").await;
+    b.wait_for_text("upload.bin", PATIENCE).await;
+    let (_, listing) = rest_get(
+        &url,
+        &admin_key,
+        &format!("/sandboxes/{id}/files?path=/workspace&list=true"),
+    )
+    .await;
+    let names: Vec<&str> = listing["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["name"].as_str().unwrap())
+        .collect();
+    assert!(
+        !names.contains(&"made.txt") && names.contains(&"upload.bin"),
+        "{names:?}"
+    );
+
+    // A port: a server started from the command box, exposed, its link
+    // opened.
+    b.fill(
+        "Command",
+        "nohup python3 -m http.server 8000 --directory /workspace >/dev/null 2>&1 &",
+    )
+    .await;
+    click_and_load(&b, "Run").await;
+    b.wait_for_text("Executions", PATIENCE).await;
+    b.fill("Port", "8000").await;
+    click_and_load(&b, "Expose port").await;
+    b.wait_for_text("Port 8000:", PATIENCE).await;
+    b.execute("window.scrollTo(0, 0)", vec![]).await;
+    shots.take(&b, "sandbox").await;
+    let link = b
+        .execute("return document.querySelector('#ports li a').href", vec![])
+        .await;
+    let link = link.as_str().expect("a preview link").to_string();
+    assert!(
+        link.starts_with(&format!("http://8000-{id}.localhost:")),
+        "{link}"
+    );
+    // The server takes a moment to start: its link says so (502) until then.
+    let deadline = std::time::Instant::now() + PATIENCE;
+    loop {
+        b.goto(&link).await;
+        if b.text().await.contains("upload.bin") {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the preview never served the directory\n{}",
+            b.dump().await
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+
+    // The terminal: type a command, read its output on the page.
+    b.goto(&format!("{url}/sandboxes/{id}/terminal")).await;
+    b.wait_for_text("Connected", PATIENCE).await;
+    b.client()
+        .find(Locator::Css(".xterm-helper-textarea"))
+        .await
+        .expect("the terminal's input")
+        .send_keys("echo term-$((40+2)) $TERM\u{e007}")
+        .await
+        .unwrap();
+    b.wait_for_text("term-42 xterm-256color", PATIENCE).await;
+    shots.take(&b, "terminal").await;
+
+    // Pause, resume and snapshot from the list.
+    b.goto(&format!("{url}/sandboxes")).await;
+    click_and_load(&b, "Pause").await;
+    b.wait_for_text("paused", PATIENCE).await;
+    click_and_load(&b, "Resume").await;
+    b.wait_for_text("Snapshot", PATIENCE).await;
+    let (_, sbx) = rest_get(&url, &admin_key, &format!("/sandboxes/{id}")).await;
+    assert_eq!(sbx["status"], "running", "{sbx}");
+    b.goto(&format!("{url}/sandboxes")).await;
+    b.wait_for_text("Live (1)", PATIENCE).await;
+    shots.take(&b, "sandboxes").await;
+    b.set_window_size(PHONE.0, PHONE.1).await;
+    shots.take(&b, "sandboxes-phone").await;
+    b.set_window_size(1280, 800).await;
+    b.goto(&format!("{url}/sandboxes")).await;
+    click_and_load(&b, "Snapshot").await;
+    b.wait_for_text("Snapshots", PATIENCE).await;
+    // Written before the answer; a reload shows it ready.
+    let snaps = rest_get(&url, &admin_key, "/snapshots").await.1;
+    assert_eq!(snaps["data"][0]["status"], "ready", "{snaps}");
+    b.goto(&format!("{url}/snapshots")).await;
+    b.wait_for_text("ready", PATIENCE).await;
+    shots.take(&b, "snapshots").await;
+
+    // Usage.
+    click_and_load(&b, "Usage").await;
+    b.wait_for_text("Credit left", PATIENCE).await;
+    b.wait_for_text("Cost per sandbox", PATIENCE).await;
+    shots.take(&b, "usage").await;
+
+    // A key made on the page works; revoked on the page, it no longer does.
+    click_and_load(&b, "API keys").await;
+    click_and_load(&b, "Create a key").await;
+    b.wait_for_text("shown only this once", PATIENCE).await;
+    let new_key = b
+        .execute("return document.getElementById('new-key').value", vec![])
+        .await;
+    let new_key = new_key.as_str().unwrap().to_string();
+    assert!(new_key.starts_with("sp_"), "{new_key}");
+    let mcp = b.wait_for_text("mcpServers", PATIENCE).await;
+    assert!(
+        mcp.contains(&format!("Bearer {new_key}")) && mcp.contains("/v1/mcp"),
+        "{mcp}"
+    );
+    assert_eq!(rest_get(&url, &new_key, "/account").await.0, 200);
+    click_and_load(&b, "API keys").await;
+    click_and_load(&b, &format!("Revoke {}", &new_key[..12])).await;
+    b.wait_for_text("revoked", PATIENCE).await;
+    shots.take(&b, "keys").await;
+    assert_eq!(rest_get(&url, &new_key, "/account").await.0, 401);
+
+    // Sign out: the dashboard asks for a key again.
+    click_and_load(&b, "Sign out").await;
+    b.wait_for_text("You are signed out", PATIENCE).await;
+    b.goto(&format!("{url}/sandboxes")).await;
+    b.wait_for_text("Paste an API key", PATIENCE).await;
+
+    // Sign up with an invitation: a new account with its free credit and
+    // its first key, signed in, that sees none of admin's sandboxes.
+    let code = server.admin(&["invite", "create", "--uses", "3"]);
+    b.goto(&format!("{url}/sign-up")).await;
+    b.wait_for_text("of free credit", PATIENCE).await;
+    b.fill("Account name", "bob").await;
+    b.fill("Invitation code", &code).await;
+    click_and_load(&b, "Create account").await;
+    b.wait_for_text("Welcome to Sandpit", PATIENCE).await;
+    shots.take(&b, "sign-up").await;
+    let bob_key = b
+        .execute("return document.getElementById('new-key').value", vec![])
+        .await;
+    let bob_key = bob_key.as_str().unwrap().to_string();
+    let (_, account) = rest_get(&url, &bob_key, "/account").await;
+    assert_eq!(account["name"], "bob", "{account}");
+    assert_eq!(account["credit_remaining_usd"], 2.5, "{account}");
+    b.goto(&format!("{url}/sandboxes")).await;
+    let text = b.wait_for_text("No live sandboxes", PATIENCE).await;
+    assert!(!text.contains(&id), "bob sees admin's sandbox");
+    b.goto(&format!("{url}/sandboxes/{id}")).await;
+    b.wait_for_text("Not Found", PATIENCE).await;
+    b.goto(&format!("{url}/sandboxes/{id}/terminal")).await;
+    b.wait_for_text("Not Found", PATIENCE).await;
+    let fetched = b
+        .execute(
+            "return fetch(arguments[0]).then(r => r.status)",
+            vec![json!(format!(
+                "/sandboxes/{id}/files/download?path=/workspace/upload.bin"
+            ))],
+        )
+        .await;
+    assert_eq!(fetched, json!(404));
+
+    // The second sign-up from this address is refused for its code, the
+    // third for the limit, saying when to try again.
+    b.goto(&format!("{url}/sandboxes")).await;
+    click_and_load(&b, "Sign out").await;
+    b.goto(&format!("{url}/sign-up")).await;
+    b.fill("Account name", "carol").await;
+    b.fill("Invitation code", "spi_wrong").await;
+    click_and_load(&b, "Create account").await;
+    b.wait_for_text("unknown, used up or expired", PATIENCE)
+        .await;
+    b.fill("Account name", "dave").await;
+    b.fill("Invitation code", &code).await;
+    click_and_load(&b, "Create account").await;
+    b.wait_for_text("Too many sign-ups from your address", PATIENCE)
+        .await;
+
+    // An operator sees every account and adds credit.
+    sign_in(&b, &url, &admin_key).await;
+    click_and_load(&b, "Accounts").await;
+    b.wait_for_text("bob", PATIENCE).await;
+    b.fill("USD to add to bob", "10").await;
+    click_and_load(&b, "Add credit to bob").await;
+    b.wait_for_text("$12.50", PATIENCE).await;
+    shots.take(&b, "accounts").await;
+    let (_, account) = rest_get(&url, &bob_key, "/account").await;
+    assert_eq!(account["credit_remaining_usd"], 12.5, "{account}");
+    // bob's page has no Accounts.
+    click_and_load(&b, "Sign out").await;
+    sign_in(&b, &url, &bob_key).await;
+    let text = b.text().await;
+    assert!(!text.contains("Accounts"), "{text}");
+    b.goto(&format!("{url}/accounts")).await;
+    b.wait_for_text("Only an operator", PATIENCE).await;
+
+    let traces = b.traces();
+    drop(b);
+    traces.assert_all_gone();
+    assert!(Path::new(&shots.dir).join("terminal.png").exists());
+}
