@@ -345,6 +345,57 @@ async fn a_person_uses_the_dashboard_in_a_real_browser() {
     b.wait_for_text("ready", PATIENCE).await;
     shots.take(&b, "snapshots").await;
 
+    // +15 min, a sandbox from the snapshot (its files came with it), a
+    // fork, then every one destroyed, and the snapshots deleted.
+    b.goto(&format!("{url}/sandboxes")).await;
+    click_and_load(&b, "+15 min").await;
+    let (_, sbx) = rest_get(&url, &admin_key, &format!("/sandboxes/{id}")).await;
+    assert_eq!(sbx["timeout_minutes"], 45, "{sbx}");
+    let snap = snaps["data"][0]["id"].as_str().unwrap().to_string();
+    b.goto(&format!("{url}/sandboxes")).await;
+    b.execute(
+        "document.getElementById('snapshot').value = arguments[0]",
+        vec![json!(snap)],
+    )
+    .await;
+    click_and_load(&b, "Create sandbox").await;
+    b.wait_for_text("upload.bin", PATIENCE).await;
+    let copy = b.current_url().await;
+    let copy = copy
+        .rsplit('/')
+        .next()
+        .unwrap()
+        .split(['?', '#'])
+        .next()
+        .unwrap()
+        .to_string();
+    assert_ne!(copy, id);
+    assert_eq!(
+        file_bytes(&url, &admin_key, &copy, "/workspace/upload.bin").await,
+        content
+    );
+    b.goto(&format!("{url}/sandboxes")).await;
+    click_and_load(&b, "Fork").await;
+    b.wait_for_text("Live (3)", PATIENCE).await;
+    for left in (0..3).rev() {
+        click_and_load(&b, "Destroy").await;
+        if left > 0 {
+            b.goto(&format!("{url}/sandboxes")).await;
+            b.wait_for_text(&format!("Live ({left})"), PATIENCE).await;
+        }
+    }
+    b.goto(&format!("{url}/sandboxes")).await;
+    let ended = b.wait_for_text("No live sandboxes", PATIENCE).await;
+    assert!(
+        ended.matches("destroyed").count() == 3 && ended.contains("demo"),
+        "{ended}"
+    );
+    b.goto(&format!("{url}/snapshots")).await;
+    while b.text().await.contains("Delete") {
+        click_and_load(&b, "Delete").await;
+    }
+    b.wait_for_text("No snapshots yet", PATIENCE).await;
+
     // Usage.
     click_and_load(&b, "Usage").await;
     b.wait_for_text("Credit left", PATIENCE).await;
