@@ -87,6 +87,19 @@ async fn file_bytes(url: &str, key: &str, id: &str, path: &str) -> Vec<u8> {
     r.bytes().await.unwrap().to_vec()
 }
 
+/// The id of the sandbox whose page is shown.
+async fn sandbox_shown(b: &Browser) -> String {
+    let page = b.current_url().await;
+    let id = page
+        .rsplit('/')
+        .next()
+        .and_then(|last| last.split(['?', '#']).next())
+        .unwrap_or_default()
+        .to_string();
+    assert!(id.starts_with("sbx_"), "not a sandbox's page: {page}");
+    id
+}
+
 /// Waits until the server's warm pool has a VM ready: its snapshot
 /// template exists.
 async fn template_ready(url: &str, key: &str) {
@@ -200,16 +213,7 @@ async fn a_person_uses_the_dashboard_in_a_real_browser() {
     b.fill("Lifetime (minutes)", "30").await;
     click_and_load(&b, "Create sandbox").await;
     b.wait_for_text("Preview ports", PATIENCE).await;
-    let page_url = b.current_url().await;
-    let id = page_url
-        .rsplit('/')
-        .next()
-        .unwrap()
-        .split(['?', '#'])
-        .next()
-        .unwrap()
-        .to_string();
-    assert!(id.starts_with("sbx_"), "{page_url}");
+    let id = sandbox_shown(&b).await;
     let (_, sbx) = rest_get(&url, &admin_key, &format!("/sandboxes/{id}")).await;
     assert_eq!(sbx["status"], "running", "{sbx}");
     assert_eq!(sbx["name"], "demo", "{sbx}");
@@ -360,15 +364,7 @@ async fn a_person_uses_the_dashboard_in_a_real_browser() {
     .await;
     click_and_load(&b, "Create sandbox").await;
     b.wait_for_text("upload.bin", PATIENCE).await;
-    let copy = b.current_url().await;
-    let copy = copy
-        .rsplit('/')
-        .next()
-        .unwrap()
-        .split(['?', '#'])
-        .next()
-        .unwrap()
-        .to_string();
+    let copy = sandbox_shown(&b).await;
     assert_ne!(copy, id);
     assert_eq!(
         file_bytes(&url, &admin_key, &copy, "/workspace/upload.bin").await,

@@ -157,11 +157,11 @@ pub(crate) fn same_origin(headers: &HeaderMap) -> bool {
 }
 
 /// The `Set-Cookie` value that hands the browser session `token`.
-pub(crate) fn cookie(web: &Web, token: &str) -> String {
+pub(crate) fn cookie(config: &crate::WebConfig, token: &str) -> String {
     format!(
         "{COOKIE}={token}; Path=/; HttpOnly; SameSite=Lax; Max-Age={}{}",
-        web.config.session_ttl.whole_seconds(),
-        if web.config.secure_cookies {
+        config.session_ttl.whole_seconds(),
+        if config.secure_cookies {
             "; Secure"
         } else {
             ""
@@ -205,7 +205,7 @@ pub(crate) async fn sign_in(
         .await
     {
         Ok((token, _)) => (
-            [(header::SET_COOKIE, cookie(&web, &token))],
+            [(header::SET_COOKIE, cookie(&web.config, &token))],
             Redirect::to(&next),
         )
             .into_response(),
@@ -259,6 +259,18 @@ mod tests {
             assert_eq!(safe_next(Some(bad)), "/sandboxes", "{bad}");
         }
         assert_eq!(safe_next(None), "/sandboxes");
+    }
+
+    #[test]
+    fn the_session_cookie_is_http_only_lax_and_secure_over_tls() {
+        let mut config = crate::WebConfig::default();
+        let plain = cookie(&config, "sps_x");
+        assert_eq!(
+            plain,
+            "sandpit_session=sps_x; Path=/; HttpOnly; SameSite=Lax; Max-Age=43200"
+        );
+        config.secure_cookies = true;
+        assert!(cookie(&config, "sps_x").ends_with("; Secure"));
     }
 
     #[test]

@@ -224,7 +224,7 @@ pub(crate) async fn submit(
     let body = crate::keys::new_key_page(&web, &session, &key, "Welcome to Sandpit");
     Ok((
         [
-            (header::SET_COOKIE, session::cookie(&web, &token)),
+            (header::SET_COOKIE, session::cookie(&web.config, &token)),
             (header::CACHE_CONTROL, "no-store".to_string()),
         ],
         body,
