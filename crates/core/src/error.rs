@@ -20,6 +20,19 @@ pub enum ErrorType {
 }
 
 impl ErrorType {
+    /// Every type.
+    pub const ALL: [ErrorType; 9] = [
+        ErrorType::InvalidRequest,
+        ErrorType::Unauthorized,
+        ErrorType::InsufficientCredits,
+        ErrorType::Forbidden,
+        ErrorType::NotFound,
+        ErrorType::Conflict,
+        ErrorType::RateLimited,
+        ErrorType::ServiceUnavailable,
+        ErrorType::InternalError,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             ErrorType::InvalidRequest => "invalid_request",

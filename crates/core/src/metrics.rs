@@ -143,19 +143,6 @@ pub fn record_exec(status: ExecutionStatus, took: Duration) {
         .observe(took.as_secs_f64());
 }
 
-/// Every error type, for the series of each to exist before its first error.
-const ALL_ERROR_TYPES: [ErrorType; 9] = [
-    ErrorType::InvalidRequest,
-    ErrorType::Unauthorized,
-    ErrorType::InsufficientCredits,
-    ErrorType::Forbidden,
-    ErrorType::NotFound,
-    ErrorType::Conflict,
-    ErrorType::RateLimited,
-    ErrorType::ServiceUnavailable,
-    ErrorType::InternalError,
-];
-
 /// An error an adapter answered a request with (REST, or an MCP tool call).
 pub fn record_error(kind: ErrorType) {
     EVENTS
@@ -273,7 +260,8 @@ fn register_events(registry: &mut Registry) {
         events.preview_bytes.clone(),
     );
     // Every series a dashboard sums is there from the start, at 0.
-    for kind in ALL_ERROR_TYPES {
+    // Every type's series exists before its first error.
+    for kind in ErrorType::ALL {
         let labels = ErrorLabels {
             r#type: kind.as_str(),
         };
