@@ -414,7 +414,11 @@ async fn control_plane(
     service.default_max_concurrent_sandboxes = (a.idle + a.burst + 10) as u32;
     let scratch = tempfile::tempdir()?;
     let store = sandpit_store::Store::open_sqlite(scratch.path().join("bench.db")).await?;
-    let vms = sandpit_core::backend::LocalVms::with_pool(manager(settings)?, pool);
+    let vms = sandpit_core::backend::LocalVms::with_budget(
+        manager(settings)?,
+        pool,
+        settings.capacity.clone(),
+    );
     // Preview URLs of this in-process server: `localhost:{its port}`.
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let port = listener.local_addr()?.port();

@@ -91,27 +91,7 @@ impl ConnectionLimits {
     }
 }
 
-/// Raise this process's descriptor limit to its hard limit; returns the
-/// limit in force (the server's connections, the load bench's clients).
-pub fn raise_descriptor_limit() -> u64 {
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit/setrlimit on a local struct.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
-            let raised = libc::rlimit {
-                rlim_cur: lim.rlim_max,
-                rlim_max: lim.rlim_max,
-            };
-            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
-                lim = raised;
-            }
-        }
-    }
-    lim.rlim_cur
-}
+pub use sandpit_runtime::host::raise_descriptor_limit;
 
 /// The loopback addresses a client on this machine may reach `addr` by,
 /// beyond `addr` itself: `localhost` and every `*.localhost` resolve to

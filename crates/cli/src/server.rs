@@ -209,7 +209,7 @@ async fn service_with(settings: &Settings, build: bool) -> Result<Arc<Service>> 
     let manager = VmManager::new(settings.runtime.clone(), image)?;
     // The reaper only expires sandboxes; serve and mcp keep a warm pool.
     let vms = if build {
-        LocalVms::with_pool(manager, settings.pool.clone())
+        LocalVms::with_budget(manager, settings.pool.clone(), settings.capacity.clone())
     } else {
         LocalVms::new(manager)
     };

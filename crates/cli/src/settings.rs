@@ -51,6 +51,8 @@ pub struct FileConfig {
     pub ksm: Option<bool>,
     /// The warm pool: `[pool] sizes = { small = 2 }`, start limits.
     pub pool: Option<sandpit_core::backend::PoolConfig>,
+    /// The host's admission budget: memory reserve, CPU budget.
+    pub capacity: Option<sandpit_core::capacity::CapacityConfig>,
     /// `sandpit serve`'s client connections: how many, how long.
     pub server: Option<crate::listener::ConnectionLimits>,
     /// On a shared database: the node lease and when a silent node is lost.
@@ -184,6 +186,8 @@ pub struct Settings {
     pub tls: Option<(PathBuf, PathBuf)>,
     /// The warm pool of `serve` and `mcp`.
     pub pool: sandpit_core::backend::PoolConfig,
+    /// `[capacity]`: when this host refuses new VMs.
+    pub capacity: sandpit_core::capacity::CapacityConfig,
     /// What bounds `serve`'s client connections.
     pub connections: crate::listener::ConnectionLimits,
     /// The shared database (`--database`, `SANDPIT_DATABASE_URL`), if not
@@ -453,6 +457,7 @@ impl Settings {
             preview_scheme_set,
             tls,
             pool,
+            capacity: file.capacity.unwrap_or_default(),
             connections: file.server.unwrap_or_default(),
             metrics: file.metrics.unwrap_or_default(),
             signup: file.signup.unwrap_or_default(),

@@ -18,6 +18,7 @@
 //! run at once and `max_waiting_starts` more wait their turn, past which a
 //! create is refused as busy rather than left to time out.
 
+use crate::capacity::{Capacity, CapacityConfig, CapacityReport};
 use crate::ids::new_id;
 use crate::machines::{
     Command, Download, Listing, Machines, PtySize, Started, Terminal, Tunnel, Upload, VmResult,
@@ -104,6 +105,8 @@ pub struct LocalVms {
     /// per host (two saves of one VM would fight over its QMP monitor, and
     /// saves are disk-bound anyway).
     saving: Mutex<()>,
+    /// Whether the host has room for another VM (see [`crate::capacity`]).
+    capacity: Capacity,
 }
 
 /// A pool VM has no sandbox, so no expiry of its own: it expires this long
@@ -125,8 +128,17 @@ impl LocalVms {
         LocalVms::with_pool(manager, PoolConfig::none())
     }
 
-    /// VMs with a warm pool (started by [`LocalVms::start_pool`]).
+    /// VMs with a warm pool (started by [`LocalVms::start_tasks`]).
     pub fn with_pool(manager: VmManager, pool: PoolConfig) -> Arc<LocalVms> {
+        LocalVms::with_budget(manager, pool, CapacityConfig::default())
+    }
+
+    /// VMs with a warm pool, admitted within the budget `capacity`.
+    pub fn with_budget(
+        manager: VmManager,
+        pool: PoolConfig,
+        capacity: CapacityConfig,
+    ) -> Arc<LocalVms> {
         let starts = Semaphore::new(pool.max_concurrent_starts.max(1));
         Arc::new(LocalVms {
             manager,
@@ -143,7 +155,18 @@ impl LocalVms {
             waiting: AtomicUsize::new(0),
             last_take: std::sync::Mutex::new(None),
             saving: Mutex::new(()),
+            capacity: Capacity::new(capacity),
         })
+    }
+
+    /// This host's admission figures (`get_service_info`).
+    pub fn capacity(&self) -> CapacityReport {
+        self.capacity.report()
+    }
+
+    /// Charge a VM start to the host's budget, or refuse it.
+    fn admit_start(&self) -> Result<crate::capacity::StartCharge<'_>, RuntimeError> {
+        self.capacity.admit_start().map_err(RuntimeError::HostFull)
     }
 
     pub fn manager(&self) -> &VmManager {
@@ -170,6 +193,7 @@ impl LocalVms {
         // Someone waits for this one: a refill in flight gives way.
         let _live = self.manager.hold_background();
         let _slot = self.start_slot().await?;
+        let _charged = self.admit_start()?;
         self.start_vm(id, size, BTreeMap::new(), expires_at, Priority::Normal)
             .await
     }
@@ -186,6 +210,7 @@ impl LocalVms {
         let saved = self.manager.saved(snapshot)?;
         let _live = self.manager.hold_background();
         let _slot = self.start_slot().await?;
+        let _charged = self.admit_start()?;
         let vm = self
             .manager
             .create_from_saved(
@@ -451,8 +476,30 @@ impl LocalVms {
         self.refill.notify_one();
     }
 
-    /// Start the task that keeps the pool full (nothing without pool sizes).
-    pub fn start_pool(self: &Arc<Self>) {
+    /// Start the background tasks: the sampler of the VMs' CPU use (for
+    /// admission), and those that keep the pool full and its leases
+    /// renewed (when there is a pool).
+    pub fn start_tasks(self: &Arc<Self>) {
+        let me = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                let Some(vms) = me.upgrade() else { return };
+                if vms.stopping.load(Ordering::SeqCst) {
+                    return;
+                }
+                let _ = tokio::task::spawn_blocking(move || {
+                    let pids: Vec<u32> = vms
+                        .manager
+                        .list()
+                        .iter()
+                        .flat_map(|r| std::iter::once(r.qemu_pid).chain(r.passt_pid))
+                        .collect();
+                    vms.capacity.sample(&pids);
+                })
+                .await;
+                tokio::time::sleep(crate::capacity::SAMPLE_EVERY).await;
+            }
+        });
         if self.pool.sizes.values().all(|n| *n == 0) {
             return;
         }
@@ -550,6 +597,14 @@ impl LocalVms {
         if let Some(wait) = taken.and_then(|t| REFILL_DELAY.checked_sub(t)) {
             tokio::time::sleep(wait).await;
         }
+        // Warm VMs never take the room creates need.
+        let _charged = match self.admit_start() {
+            Ok(charge) => charge,
+            Err(e) => {
+                tracing::debug!("the warm pool waits for room: {e}");
+                return Ok(false);
+            }
+        };
         let id = new_id("sbx_");
         // Made with only the CPU nothing else wants: live sandboxes first.
         let record = self
@@ -783,8 +838,16 @@ impl Download for LocalDownload {
 #[async_trait]
 impl Machines for LocalVms {
     async fn take_warm(&self, size: &str) -> VmResult<Option<String>> {
-        if let Some(id) = LocalVms::take_warm(self, size) {
-            return Ok(Some(id));
+        if self.warm_count(size) > 0 {
+            self.capacity.admit_warm().map_err(RuntimeError::HostFull)?;
+            if let Some(id) = LocalVms::take_warm(self, size) {
+                return Ok(Some(id));
+            }
+        }
+        // A start would be refused: refuse now, before anything is recorded.
+        let room = self.capacity.report();
+        if let (false, Some(why)) = (room.accepting, room.reason) {
+            return Err(RuntimeError::HostFull(why));
         }
         // No warm VM: the start will boot one, in the start queue. A full
         // queue refuses now, before anything is recorded, so that a

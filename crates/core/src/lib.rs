@@ -10,6 +10,7 @@
 pub mod admin;
 pub mod api;
 pub mod backend;
+pub mod capacity;
 pub mod cluster;
 pub mod config;
 pub mod disk;

@@ -414,62 +414,22 @@ struct VmsUsage {
 /// Reads each VM's `/proc/PID/stat` (CPU time) and `smaps_rollup`
 /// (memory); a process that just ended is left out.
 fn vms_usage(vms: &[(String, u32)]) -> VmsUsage {
-    let ticks = clock_ticks_per_second();
+    let ticks = sandpit_runtime::host::clock_ticks_per_second();
     let mut usage = VmsUsage::default();
     for (id, pid) in vms {
-        let Some(cpu_ticks) = read_cpu_ticks(*pid) else {
+        let Some(cpu_ticks) = sandpit_runtime::host::cpu_ticks(*pid) else {
             continue;
         };
         usage.vms += 1;
         usage
             .cpu
             .insert((id.clone(), *pid), cpu_ticks as f64 / ticks);
-        if let Some((rss, pss)) = read_memory(*pid) {
+        if let Some((rss, pss)) = sandpit_runtime::host::process_memory(*pid) {
             usage.rss_bytes += rss;
             usage.pss_bytes += pss;
         }
     }
     usage
-}
-
-fn clock_ticks_per_second() -> f64 {
-    // SAFETY: sysconf has no preconditions.
-    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    if ticks > 0 {
-        ticks as f64
-    } else {
-        100.0
-    }
-}
-
-/// utime + stime of process `pid`, in clock ticks.
-fn read_cpu_ticks(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    parse_cpu_ticks(&stat)
-}
-
-/// utime + stime from a `/proc/PID/stat` line: fields 14 and 15, counted
-/// after the command name, which may hold spaces and parentheses.
-fn parse_cpu_ticks(stat: &str) -> Option<u64> {
-    let after_name = &stat[stat.rfind(')')? + 1..];
-    let mut fields = after_name.split_whitespace().skip(11);
-    let utime: u64 = fields.next()?.parse().ok()?;
-    let stime: u64 = fields.next()?.parse().ok()?;
-    Some(utime + stime)
-}
-
-/// Rss and Pss of process `pid`, in bytes.
-fn read_memory(pid: u32) -> Option<(u64, u64)> {
-    let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
-    parse_memory(&rollup)
-}
-
-fn parse_memory(rollup: &str) -> Option<(u64, u64)> {
-    let kib = |key: &str| -> Option<u64> {
-        let line = rollup.lines().find(|l| l.starts_with(key))?;
-        line[key.len()..].split_whitespace().next()?.parse().ok()
-    };
-    Some((kib("Rss:")? * 1024, kib("Pss:")? * 1024))
 }
 
 /// CPU time is a counter, so it must never go back when a VM ends: the
@@ -508,20 +468,6 @@ pub fn token_matches(expected: &str, given: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn cpu_time_is_read_after_the_command_name() {
-        let stat = "1234 (qemu (x) 1) S 1 1234 1234 0 -1 4194560 100 0 0 0 250 50 0 0 20 0";
-        assert_eq!(parse_cpu_ticks(stat), Some(300));
-        assert_eq!(parse_cpu_ticks("garbage"), None);
-    }
-
-    #[test]
-    fn memory_is_read_from_smaps_rollup() {
-        let rollup =
-            "00400000-7ffd [rollup]\nRss:              2048 kB\nPss:              1024 kB\n";
-        assert_eq!(parse_memory(rollup), Some((2048 * 1024, 1024 * 1024)));
-    }
 
     #[test]
     fn vm_cpu_never_goes_back_when_a_vm_ends() {

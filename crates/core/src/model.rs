@@ -386,6 +386,12 @@ pub struct ServiceInfo {
     /// older servers, which had the defaults.
     #[serde(default)]
     pub limits: Limits,
+    /// Whether this host takes new sandboxes now and what limits it
+    /// (memory, CPU budget, kernel limits): a create it would refuse gets
+    /// `service_unavailable` with a `Retry-After`. Absent on a server
+    /// without VMs of its own (a cluster's replica) and on older servers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<crate::capacity::CapacityReport>,
 }
 
 /// The sizes and times a call is held to, as configured: what the tools'

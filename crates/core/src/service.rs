@@ -185,7 +185,7 @@ impl Service {
     pub async fn start(self: &Arc<Self>) -> Result<()> {
         self.reconcile().await?;
         if let Some(vms) = &self.vms {
-            vms.start_pool();
+            vms.start_tasks();
         }
         let me = Arc::downgrade(self);
         tokio::spawn(async move {

@@ -1591,6 +1591,7 @@ impl SandboxApi for Fake {
             },
             // 30 s: the runtime's reply deadline.
             limits: Limits::of(&config, 30),
+            capacity: None,
         })
     }
 }

@@ -99,6 +99,7 @@ pub enum WireError {
     AgentTimeout { what: String, secs: u64 },
     BootTimeout { secs: u64, console_tail: String },
     Busy { message: String },
+    HostFull { message: String },
     Other { message: String },
 }
 
@@ -126,6 +127,9 @@ impl From<&RuntimeError> for WireError {
             RuntimeError::Busy(message) => WireError::Busy {
                 message: message.clone(),
             },
+            RuntimeError::HostFull(message) => WireError::HostFull {
+                message: message.clone(),
+            },
             other => WireError::Other {
                 message: other.to_string(),
             },
@@ -145,6 +149,7 @@ impl From<WireError> for RuntimeError {
                 RuntimeError::BootTimeout { secs, console_tail }
             }
             WireError::Busy { message } => RuntimeError::Busy(message),
+            WireError::HostFull { message } => RuntimeError::HostFull(message),
             WireError::Other { message } => RuntimeError::Launch(message),
         }
     }

@@ -36,6 +36,10 @@ pub enum RuntimeError {
     /// Too many VMs are starting at once and the wait queue is full.
     #[error("{0}")]
     Busy(String),
+    /// The host has no room for another VM now (memory, CPU budget, a
+    /// kernel limit): the message says which; it frees as sandboxes end.
+    #[error("{0}")]
+    HostFull(String),
     /// Starting or driving QEMU (or passt) failed.
     #[error("{0}")]
     Launch(String),

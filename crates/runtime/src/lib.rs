@@ -17,6 +17,7 @@ mod error;
 pub mod expiry;
 pub mod give_way;
 pub mod guard;
+pub mod host;
 pub mod image;
 pub mod ksm;
 pub mod layers;

@@ -495,6 +495,19 @@ impl VmManager {
                 // 4 MiB more per idle VM. Guest RAM is a file mapping and
                 // does not use them anyway.
                 libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0);
+                // Guests' memory is overcommitted (see `sandpit_core`'s
+                // capacity): should the host run out anyway, its OOM killer
+                // takes a VM, never the server or its database.
+                let adj = c"/proc/self/oom_score_adj";
+                let fd = libc::open(adj.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                if fd >= 0 {
+                    libc::write(
+                        fd,
+                        QEMU_OOM_SCORE_ADJ.as_ptr().cast(),
+                        QEMU_OOM_SCORE_ADJ.len(),
+                    );
+                    libc::close(fd);
+                }
                 if let Some(fd) = net_fd {
                     net::pass_fd(fd, net::NET_FD)?;
                 }
@@ -1158,6 +1171,10 @@ pub(crate) fn validate_id(id: &str) -> Result<()> {
 fn hostname_for(id: &str) -> String {
     id.replace('_', "-").to_ascii_lowercase()
 }
+
+/// QEMU's `oom_score_adj`: the kernel's OOM killer picks it before
+/// processes at 0.
+pub const QEMU_OOM_SCORE_ADJ: &[u8] = b"500";
 
 /// QEMU's machine. Under TCG the PIC stays for the legacy interrupt set-up;
 /// the PIT is off: the kernel is told the TSC rate (`tsc_early_khz`), so it

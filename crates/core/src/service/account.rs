@@ -152,6 +152,7 @@ impl Service {
                 &self.config,
                 sandpit_runtime::channel::REPLY_DEADLINE.as_secs(),
             ),
+            capacity: self.vms.as_ref().map(|vms| vms.capacity()),
         })
     }
 }

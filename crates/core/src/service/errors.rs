@@ -67,6 +67,11 @@ pub(super) fn runtime_error(e: RuntimeError) -> CoreError {
         RuntimeError::Busy(m) => {
             CoreError::new(ErrorType::ServiceUnavailable, m).with_retry_after(2)
         }
+        RuntimeError::HostFull(m) => CoreError::new(
+            ErrorType::ServiceUnavailable,
+            format!("{m}; retry later, or destroy a sandbox you no longer need"),
+        )
+        .with_retry_after(crate::capacity::RETRY_AFTER_SECS),
         RuntimeError::AgentTimeout { what, secs } => CoreError::new(
             ErrorType::ServiceUnavailable,
             format!(

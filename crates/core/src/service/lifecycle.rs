@@ -190,6 +190,10 @@ impl Service {
                     refused = Some(format!("node {} is busy ({why})", target.host));
                     continue;
                 }
+                Some(Err(sandpit_runtime::RuntimeError::HostFull(why))) => {
+                    refused = Some(format!("node {} is full ({why})", target.host));
+                    continue;
+                }
                 Some(Err(e)) => {
                     refused = Some(format!("node {} is out of reach ({e})", target.host));
                     continue;
