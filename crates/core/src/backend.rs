@@ -48,6 +48,14 @@ pub struct PoolConfig {
     /// Creates that may wait for a start; past that a create is refused
     /// (503, retry) instead of queueing without bound.
     pub max_waiting_starts: usize,
+    /// The most ready VMs a size's pool grows to ahead of demand: after a
+    /// burst of creates, the pool of that size is kept as deep as the
+    /// burst was (at least its `sizes` target), so the next burst finds
+    /// its VMs ready. 0: the pool stays at `sizes`.
+    pub burst_max: usize,
+    /// How long a burst is remembered, seconds; then the pool shrinks
+    /// back to `sizes`.
+    pub burst_memory_secs: u64,
 }
 
 impl Default for PoolConfig {
@@ -56,6 +64,8 @@ impl Default for PoolConfig {
             sizes: BTreeMap::from([("small".to_string(), 2)]),
             max_concurrent_starts: 8,
             max_waiting_starts: 128,
+            burst_max: 24,
+            burst_memory_secs: 900,
         }
     }
 }
@@ -107,6 +117,45 @@ pub struct LocalVms {
     saving: Mutex<()>,
     /// Whether the host has room for another VM (see [`crate::capacity`]).
     capacity: Capacity,
+    /// Recent creates per size, which the pool learns its depth from.
+    demand: std::sync::Mutex<HashMap<String, Demand>>,
+}
+
+/// Creates that arrive within this span of each other are one burst.
+const BURST_SPAN: Duration = Duration::from_secs(5);
+
+/// When the creates of one size arrived (each needed a VM, warm or not),
+/// for as long as bursts are remembered.
+#[derive(Default)]
+struct Demand(VecDeque<Instant>);
+
+impl Demand {
+    fn record(&mut self, at: Instant, memory: Duration) {
+        self.0.push_back(at);
+        self.forget(at, memory);
+    }
+
+    fn forget(&mut self, now: Instant, memory: Duration) {
+        while self
+            .0
+            .front()
+            .is_some_and(|t| now.duration_since(*t) > memory)
+        {
+            self.0.pop_front();
+        }
+    }
+
+    /// The most creates that arrived within [`BURST_SPAN`] of each other.
+    fn peak(&self) -> usize {
+        let (mut best, mut start) = (0, 0);
+        for end in 0..self.0.len() {
+            while self.0[end].duration_since(self.0[start]) > BURST_SPAN {
+                start += 1;
+            }
+            best = best.max(end + 1 - start);
+        }
+        best
+    }
 }
 
 /// A pool VM has no sandbox, so no expiry of its own: it expires this long
@@ -156,7 +205,39 @@ impl LocalVms {
             last_take: std::sync::Mutex::new(None),
             saving: Mutex::new(()),
             capacity: Capacity::new(capacity),
+            demand: std::sync::Mutex::new(HashMap::new()),
         })
+    }
+
+    /// A create of `size` needs a VM now: remembered for the pool's depth.
+    fn record_demand(&self, size: &str) {
+        if self.pool.sizes.get(size).copied().unwrap_or(0) == 0 {
+            return;
+        }
+        let memory = Duration::from_secs(self.pool.burst_memory_secs);
+        self.demand
+            .lock()
+            .unwrap()
+            .entry(size.to_string())
+            .or_default()
+            .record(Instant::now(), memory);
+    }
+
+    /// How many ready VMs the pool keeps for `size` now: its configured
+    /// target, or as many as the largest recent burst took, up to
+    /// `burst_max`.
+    fn pool_target(&self, size: &str) -> usize {
+        let base = self.pool.sizes.get(size).copied().unwrap_or(0);
+        if base == 0 {
+            return 0;
+        }
+        let memory = Duration::from_secs(self.pool.burst_memory_secs);
+        let mut demand = self.demand.lock().unwrap();
+        let peak = demand.get_mut(size).map_or(0, |d| {
+            d.forget(Instant::now(), memory);
+            d.peak()
+        });
+        base.max(peak.min(self.pool.burst_max))
     }
 
     /// This host's admission figures (`get_service_info`).
@@ -391,18 +472,19 @@ impl LocalVms {
     /// `false` if it is not ready: taken since, or dead (then removed, so
     /// that a VM of that id can be started in its place).
     async fn take_ready(&self, id: &str) -> bool {
-        let found =
-            self.ready
-                .lock()
-                .unwrap()
-                .values_mut()
-                .any(|q| match q.iter().position(|x| x == id) {
-                    Some(at) => q.remove(at).is_some(),
-                    None => false,
-                });
-        if !found {
+        let found = self
+            .ready
+            .lock()
+            .unwrap()
+            .iter_mut()
+            .find_map(|(size, q)| {
+                let at = q.iter().position(|x| x == id)?;
+                q.remove(at).map(|_| size.clone())
+            });
+        let Some(size) = found else {
             return false;
-        }
+        };
+        self.record_demand(&size);
         *self.last_take.lock().unwrap() = Some(Instant::now());
         self.refill.notify_one();
         if matches!(self.state(id), Some(VmState::Running)) {
@@ -440,9 +522,9 @@ impl LocalVms {
     pub fn pool_targets(&self) -> Vec<(String, usize)> {
         self.pool
             .sizes
-            .iter()
-            .filter(|(_, n)| **n > 0)
-            .map(|(s, n)| (s.clone(), *n))
+            .keys()
+            .map(|s| (s.clone(), self.pool_target(s)))
+            .filter(|(_, n)| *n > 0)
             .collect()
     }
 
@@ -534,7 +616,9 @@ impl LocalVms {
                         backoff = Duration::from_secs(1);
                         continue;
                     }
-                    Ok(false) => POOL_NAP,
+                    // A pool deeper than its sizes shrinks when its burst
+                    // is forgotten: looked at again by then.
+                    Ok(false) => POOL_NAP.min(Duration::from_secs(vms.pool.burst_memory_secs.max(1))),
                     Err(e) => {
                         tracing::warn!("refilling the warm pool: {e}; retrying in {backoff:?}");
                         let nap = backoff;
@@ -559,15 +643,25 @@ impl LocalVms {
             return Ok(false);
         }
         let mut want: Option<(String, usize)> = None;
+        // Deeper than a burst no longer remembered: the surplus goes.
+        let mut surplus = Vec::new();
+        let targets = self.pool_targets();
         {
             let mut ready = self.ready.lock().unwrap();
-            for (size, target) in &self.pool.sizes {
+            for (size, target) in &targets {
                 let q = ready.entry(size.clone()).or_default();
                 let missing = target.saturating_sub(q.len());
                 if missing > 0 && want.as_ref().is_none_or(|(_, m)| missing > *m) {
                     want = Some((size.clone(), missing));
                 }
+                while q.len() > *target {
+                    surplus.extend(q.pop_back());
+                }
             }
+        }
+        for id in surplus {
+            tracing::debug!(id, "the pool shrinks: destroying a ready VM");
+            let _ = self.destroy(&id).await;
         }
         let mut dead: Vec<String> = self
             .warm_ids()
@@ -838,6 +932,7 @@ impl Download for LocalDownload {
 #[async_trait]
 impl Machines for LocalVms {
     async fn take_warm(&self, size: &str) -> VmResult<Option<String>> {
+        self.record_demand(size);
         if self.warm_count(size) > 0 {
             self.capacity.admit_warm().map_err(RuntimeError::HostFull)?;
             if let Some(id) = LocalVms::take_warm(self, size) {
@@ -998,5 +1093,29 @@ impl Machines for LocalVms {
     async fn open_pty(&self, id: &str, size: PtySize) -> VmResult<Terminal> {
         let pty = self.agent(id).await?.open_pty(size).await?;
         Ok(Terminal::over(pty))
+    }
+}
+
+#[cfg(test)]
+mod demand_tests {
+    use super::*;
+
+    #[test]
+    fn a_burst_is_the_most_creates_within_its_span_and_is_forgotten() {
+        let t0 = Instant::now();
+        let memory = Duration::from_secs(60);
+        let mut d = Demand::default();
+        assert_eq!(d.peak(), 0);
+        // Three at once, then two spread out, then four within the span.
+        for ms in [0, 5, 10, 20_000, 40_000, 50_000, 51_000, 52_000, 55_000] {
+            d.record(t0 + Duration::from_millis(ms), memory);
+        }
+        assert_eq!(d.peak(), 4);
+        // A minute after the first ones, they are forgotten.
+        d.forget(t0 + Duration::from_millis(61_000), memory);
+        assert_eq!(d.0.len(), 6);
+        assert_eq!(d.peak(), 4);
+        d.forget(t0 + Duration::from_millis(200_000), memory);
+        assert_eq!(d.peak(), 0);
     }
 }

@@ -204,6 +204,7 @@ async fn a_full_start_queue_refuses_a_create_before_it_records_anything() {
         sizes: BTreeMap::new(),
         max_concurrent_starts: 1,
         max_waiting_starts: 0,
+        ..PoolConfig::default()
     })
     .await;
     let me = account(&svc, "queue", 10.0).await;
@@ -243,5 +244,75 @@ async fn a_full_start_queue_refuses_a_create_before_it_records_anything() {
     assert_eq!(listed.data[0].id, first.id);
     assert_eq!(first.status, sandpit_core::SandboxStatus::Running);
     svc.destroy_sandbox(&me, &first.id).await.unwrap();
+    svc.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pool_grows_to_the_last_burst_and_shrinks_when_it_is_forgotten() {
+    let (svc, _dir) = service_with_pool(PoolConfig {
+        burst_memory_secs: 8,
+        ..pool_of(1)
+    })
+    .await;
+    let me = account(&svc, "bursty", 10.0).await;
+    wait_for_pool(&svc, 1).await;
+    let target = |svc: std::sync::Arc<sandpit_core::Service>| async move {
+        svc.service_info().await.unwrap().fast_start.warm_pool[0].target
+    };
+    assert_eq!(target(svc.clone()).await, 1);
+
+    // Three at once against a pool of one: all served, one from the pool.
+    let burst: Vec<_> = (0..3)
+        .map(|_| {
+            let (svc, me) = (svc.clone(), me.clone());
+            tokio::spawn(async move {
+                svc.create_sandbox(&me, CreateSandbox::default(), None)
+                    .await
+                    .unwrap()
+                    .0
+                    .id
+            })
+        })
+        .collect();
+    let mut ids = Vec::new();
+    for task in burst {
+        ids.push(task.await.unwrap());
+    }
+    assert_eq!(ids.iter().collect::<HashSet<_>>().len(), 3, "{ids:?}");
+
+    // The next burst of three finds its VMs ready.
+    assert_eq!(target(svc.clone()).await, 3);
+    wait_for_pool(&svc, 3).await;
+    for id in &ids {
+        out(&svc, &me, id, "true").await;
+        svc.destroy_sandbox(&me, id).await.unwrap();
+    }
+
+    // Forgotten 8 s after it came: back to one, the surplus destroyed.
+    let start = Instant::now();
+    while svc.warm_count("small") > 1 {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the pool did not shrink back (has {})",
+            svc.warm_count("small")
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(target(svc.clone()).await, 1);
+    assert_eq!(svc.warm_count("small"), 1);
+    // Taken out of the pool first, then destroyed.
+    let start = Instant::now();
+    loop {
+        let ready: HashSet<String> = svc.warm_ids().into_iter().collect();
+        let on_host: HashSet<String> = svc.vms_on_host().into_iter().collect();
+        if on_host == ready {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "a VM of the surplus was left behind: {on_host:?}, ready {ready:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     svc.shutdown().await;
 }
