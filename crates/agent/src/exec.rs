@@ -245,13 +245,13 @@ fn run(reply: &Reply, id: RequestId, serial: u64, req: &ExecRequest, cancel: &Ev
             cg.wait_empty(Duration::from_secs(60));
         }
     }
-    let duration_ms = start.elapsed().as_millis() as u64;
+    let took = start.elapsed();
     let (out, err) = output.finish();
     unregister(id, serial);
     reply.send(
         &Message::Exited {
             id,
-            result: exec_result(status, timed_out, cancelled, out, err, duration_ms),
+            result: exec_result(status, timed_out, cancelled, out, err, took),
         },
         &[],
     );
@@ -289,7 +289,7 @@ fn exec_result(
     cancelled: bool,
     out: StreamAcct,
     err: StreamAcct,
-    duration_ms: u64,
+    took: Duration,
 ) -> ExecResult {
     let (exit_code, signal) = match status {
         ExitStatus::Code(c) => (Some(c), None),
@@ -304,7 +304,8 @@ fn exec_result(
         stderr_bytes: err.total,
         stdout_truncated: out.truncated,
         stderr_truncated: err.truncated,
-        duration_ms,
+        duration_ms: took.as_millis() as u64,
+        duration_us: Some(took.as_micros() as u64),
     }
 }
 
@@ -554,11 +555,12 @@ mod tests {
             false,
             out,
             StreamAcct::default(),
-            5,
+            Duration::from_micros(5_250),
         );
         assert_eq!((r.exit_code, r.signal), (None, Some(9)));
         assert!(r.timed_out && r.stdout_truncated && !r.stderr_truncated);
         assert_eq!((r.stdout_bytes, r.duration_ms), (3, 5));
+        assert_eq!(r.duration_us, Some(5_250));
     }
 
     #[test]

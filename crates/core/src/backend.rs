@@ -472,15 +472,10 @@ impl LocalVms {
     /// `false` if it is not ready: taken since, or dead (then removed, so
     /// that a VM of that id can be started in its place).
     async fn take_ready(&self, id: &str) -> bool {
-        let found = self
-            .ready
-            .lock()
-            .unwrap()
-            .iter_mut()
-            .find_map(|(size, q)| {
-                let at = q.iter().position(|x| x == id)?;
-                q.remove(at).map(|_| size.clone())
-            });
+        let found = self.ready.lock().unwrap().iter_mut().find_map(|(size, q)| {
+            let at = q.iter().position(|x| x == id)?;
+            q.remove(at).map(|_| size.clone())
+        });
         let Some(size) = found else {
             return false;
         };
@@ -618,7 +613,9 @@ impl LocalVms {
                     }
                     // A pool deeper than its sizes shrinks when its burst
                     // is forgotten: looked at again by then.
-                    Ok(false) => POOL_NAP.min(Duration::from_secs(vms.pool.burst_memory_secs.max(1))),
+                    Ok(false) => {
+                        POOL_NAP.min(Duration::from_secs(vms.pool.burst_memory_secs.max(1)))
+                    }
                     Err(e) => {
                         tracing::warn!("refilling the warm pool: {e}; retrying in {backoff:?}");
                         let nap = backoff;

@@ -246,6 +246,7 @@ impl Machines for FakeVms {
                     stdout_truncated: false,
                     stderr_truncated: false,
                     duration_ms: 1,
+                    duration_us: None,
                 }),
             ],
             cancel: Arc::new(tokio::sync::Notify::new()),

@@ -295,6 +295,11 @@ pub struct ExecResult {
     pub stderr_truncated: bool,
     /// Wall time from start to exit, in milliseconds.
     pub duration_ms: u64,
+    /// The same in microseconds (a `true` takes ~10 ms under emulation,
+    /// and what the host adds to it is measured against it). Absent from
+    /// older agents.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub duration_us: Option<u64>,
 }
 
 /// The successful outcome of a request other than exec.

@@ -17,6 +17,7 @@ fn samples() -> Vec<Message> {
         stdout_truncated: false,
         stderr_truncated: false,
         duration_ms: 12,
+        duration_us: None,
     };
     let mut env = BTreeMap::new();
     env.insert("A".to_string(), "b".to_string());

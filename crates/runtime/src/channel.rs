@@ -1029,6 +1029,7 @@ mod tests {
                 stdout_truncated: false,
                 stderr_truncated: false,
                 duration_ms: 1,
+                duration_us: None,
             };
             s.write_all(&encode_frame(&Message::Exited { id, result }, b""))
                 .await
