@@ -39,6 +39,10 @@ pub struct BenchArgs {
     /// Measure only the runtime, not the server's REST and MCP paths
     #[arg(long)]
     skip_control_plane: bool,
+    /// After the idle sandboxes, keep creating until the host refuses one
+    /// (admission) or a create fails, and say which limit it was
+    #[arg(long)]
+    fill: bool,
 }
 
 /// Other measurements than the default table.
@@ -81,6 +85,31 @@ impl Laps {
     }
 }
 
+/// What one burst of agents saw.
+#[derive(Default)]
+struct Burst {
+    ids: Vec<String>,
+    /// Each create's answer, ms after the burst began.
+    creates_ms: Vec<f64>,
+    /// When the last first command answered, s after the burst began.
+    last_s: f64,
+    errors: usize,
+}
+
+impl Burst {
+    fn describe(&self, cold_s: f64) -> String {
+        let med = median(self.creates_ms.clone());
+        let p99 = percentile(&self.creates_ms, 0.99);
+        format!(
+            "all done in {:.2} s ({:.2}x a cold boot), {} errors; creates median {med:.0} ms, p99 {p99:.0} ms ({:.1}x p99/median)",
+            self.last_s,
+            self.last_s / cold_s,
+            self.errors,
+            p99 / med
+        )
+    }
+}
+
 pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let n = v.len();
@@ -103,6 +132,13 @@ pub(crate) fn percentile(v: &[f64], q: f64) -> f64 {
     }
     let rank = (q * v.len() as f64).ceil() as usize;
     v[rank.clamp(1, v.len()) - 1]
+}
+
+/// The shell's own time, as the agent timed it (to the microsecond where
+/// the agent says), ms.
+fn shell_ms(r: &sandpit_protocol::ExecResult) -> f64 {
+    r.duration_us
+        .map_or(r.duration_ms as f64, |us| us as f64 / 1000.0)
 }
 
 fn true_cmd() -> ExecRequest {
@@ -210,6 +246,43 @@ async fn idle_cost(records: &[sandpit_runtime::VmRecord], window: Duration) -> (
 
 pub(crate) struct Row(pub(crate) String, pub(crate) String);
 
+/// One of the targets the bench is judged by: what was measured, the
+/// target, and the figure it is judged on (a ratio taken in the same run,
+/// where the target is one).
+struct Target {
+    what: String,
+    measured: String,
+    target: String,
+    judged: String,
+    met: bool,
+}
+
+fn target(
+    targets: &mut Vec<Target>,
+    what: impl Into<String>,
+    measured: impl Into<String>,
+    target: impl Into<String>,
+    judged: impl Into<String>,
+    met: bool,
+) {
+    let t = Target {
+        what: what.into(),
+        measured: measured.into(),
+        target: target.into(),
+        judged: judged.into(),
+        met,
+    };
+    eprintln!(
+        "target: {}: {} (target {}; {}) {}",
+        t.what,
+        t.measured,
+        t.target,
+        t.judged,
+        if t.met { "met" } else { "NOT met" }
+    );
+    targets.push(t);
+}
+
 pub(crate) fn row(rows: &mut Vec<Row>, what: impl Into<String>, value: impl Into<String>) {
     let (what, value) = (what.into(), value.into());
     eprintln!("{what}: {value}");
@@ -302,7 +375,7 @@ pub async fn run(settings: &Settings, a: BenchArgs) -> Result<i32> {
             let t = Instant::now();
             let out = vm.agent.exec_collect(true_cmd()).await?;
             execs.push(t.elapsed().as_secs_f64() * 1000.0);
-            in_guest.push(out.result.duration_ms as f64);
+            in_guest.push(shell_ms(&out.result));
         }
         let payload: Vec<u8> = (0..16 * 1024 * 1024u32)
             .map(|i| (i * 7 + 3) as u8)
@@ -328,7 +401,7 @@ pub async fn run(settings: &Settings, a: BenchArgs) -> Result<i32> {
         &mut rows,
         format!("`true` exec round trip, direct ({} runs)", execs.len()),
         format!(
-            "{:.2} ms (the shell itself, timed by the agent: {:.0} ms; an empty request to the agent: {:.2} ms; p90 {:.2} ms)",
+            "{:.2} ms (the shell itself, timed by the agent: {:.2} ms; an empty request to the agent: {:.2} ms; p90 {:.2} ms)",
             exec_ms,
             median(in_guest),
             median(pings),
@@ -370,14 +443,51 @@ pub async fn run(settings: &Settings, a: BenchArgs) -> Result<i32> {
         format!("{cpu:.2} % of one core"),
     );
 
+    let mut targets = Vec::new();
+    if snapshots {
+        target(
+            &mut targets,
+            "template restore to first command",
+            format!("{:.0} ms", restore_s * 1000.0),
+            "≤ 150 ms",
+            format!("{:.2}x a cold boot", restore_s / cold_s),
+            restore_s <= 0.150,
+        );
+    }
     if !a.skip_control_plane {
-        control_plane(settings, &a, &mut rows, exec_ms, cold_s, restore_s).await?;
+        control_plane(
+            settings,
+            &a,
+            &mut rows,
+            &mut targets,
+            exec_ms,
+            cold_s,
+            restore_s,
+        )
+        .await?;
     }
     println!();
     println!("| measurement ({}, size {}) | median |", m.accel(), a.size);
     println!("|---|---|");
     for Row(what, value) in rows {
         println!("| {what} | {value} |");
+    }
+    println!();
+    println!(
+        "| target ({}, size {}) | measured | target | judged by | |",
+        m.accel(),
+        a.size
+    );
+    println!("|---|---|---|---|---|");
+    for t in &targets {
+        println!(
+            "| {} | {} | {} | {} | {} |",
+            t.what,
+            t.measured,
+            t.target,
+            t.judged,
+            if t.met { "✓" } else { "✗" }
+        );
     }
     Ok(0)
 }
@@ -389,6 +499,7 @@ async fn control_plane(
     settings: &Settings,
     a: &BenchArgs,
     rows: &mut Vec<Row>,
+    targets: &mut Vec<Target>,
     exec_ms: f64,
     cold_s: f64,
     restore_s: f64,
@@ -568,7 +679,7 @@ async fn control_plane(
             service,
             e.duration_ms as f64,
             direct,
-            out.result.duration_ms as f64,
+            shell_ms(&out.result),
         ]);
     }
     let run_ms = median(laps.column(0));
@@ -599,6 +710,20 @@ async fn control_plane(
             laps.overhead(2, 4),
             laps.overhead(0, 2)
         ),
+    );
+    let overhead = laps.overhead(0, 5);
+    let shell = median(laps.column(5));
+    target(
+        targets,
+        "`run_command` through MCP over HTTP: time over the shell's own",
+        format!("{overhead:.2} ms"),
+        "≤ 2 ms",
+        format!(
+            "{overhead:.2} ms over a {shell:.2} ms shell ({:.2}x it; median of {} paired calls)",
+            (overhead + shell) / shell,
+            laps.0.len()
+        ),
+        overhead <= 2.0,
     );
 
     // Refill at rest: take the whole pool and time it coming back.
@@ -694,44 +819,109 @@ async fn control_plane(
         ),
     );
 
-    // A burst of concurrent creates, the pool full at the start.
+    // Bursts: `a.burst` agents at once, each creating a sandbox and running
+    // its first command. First against the pool as configured, which then
+    // learns the burst's size; then again once it has refilled to it.
     svc.set_pool_paused(false).await;
     wait_pool(pool_target).await?;
-    let t = Instant::now();
-    let burst: Vec<_> = (0..a.burst)
-        .map(|_| {
-            let c = create();
-            async move {
-                let v = c.await?;
-                anyhow::Ok((sandbox_id(&v)?, Instant::now()))
+    let burst = |label: &'static str| {
+        let (create, call) = (&create, &call);
+        async move {
+            let t = Instant::now();
+            let agents: Vec<_> = (0..a.burst)
+                .map(|_| async move {
+                    let v = create().await?;
+                    let created = t.elapsed().as_secs_f64() * 1000.0;
+                    let id = sandbox_id(&v)?;
+                    call(
+                        "run_command",
+                        serde_json::json!({"sandbox_id": id, "command": "true"}),
+                    )
+                    .await?;
+                    anyhow::Ok((id, created, t.elapsed().as_secs_f64()))
+                })
+                .collect();
+            let mut b = Burst::default();
+            for r in futures::future::join_all(agents).await {
+                match r {
+                    Ok((id, created, done)) => {
+                        b.creates_ms.push(created);
+                        b.last_s = b.last_s.max(done);
+                        b.ids.push(id);
+                    }
+                    Err(e) => {
+                        eprintln!("{label} burst: {e:#}");
+                        b.errors += 1;
+                    }
+                }
             }
-        })
-        .collect();
-    let results = futures::future::join_all(burst).await;
-    let mut burst_ids = Vec::new();
-    let mut last = 0.0f64;
-    for r in results {
-        let (id, done) = r?;
-        last = last.max(done.duration_since(t).as_secs_f64());
-        burst_ids.push(id);
-    }
-    row(
-        rows,
-        format!("{} concurrent `create_sandbox` calls, all running", a.burst),
-        format!("{last:.2} s"),
-    );
-    for id in burst_ids {
+            b
+        }
+    };
+    let first = burst("first").await;
+    for id in first.ids.clone() {
         destroy(id).await?;
     }
+    let learned = svc.pool_target(&a.size);
+    wait_pool(learned).await?;
+    let again = burst("second").await;
+    for id in again.ids.clone() {
+        destroy(id).await?;
+    }
+    for (b, when) in [
+        (&first, format!("the pool at its configured {pool_target}")),
+        (
+            &again,
+            format!("the pool grown to {learned} after the first"),
+        ),
+    ] {
+        row(
+            rows,
+            format!(
+                "{} agents at once, each `create_sandbox` then `run_command(\"true\")` ({when})",
+                a.burst
+            ),
+            b.describe(cold_s),
+        );
+    }
+    let judged = again.last_s / cold_s;
+    target(
+        targets,
+        format!(
+            "a burst of {} creates, each followed by its first command (the pool having learned the burst)",
+            a.burst
+        ),
+        again.describe(cold_s),
+        "≤ 3 s and ≤ 0.7x a cold boot, no error",
+        format!("{judged:.2}x a cold boot ({:.2} s)", cold_s),
+        again.last_s <= 3.0 && judged <= 0.7 && again.errors == 0,
+    );
 
     // Density: many idle sandboxes, their cost, and a warm create among them.
+    let started = Instant::now();
     let mut idle_ids = Vec::new();
     for _ in 0..a.idle {
         idle_ids.push(sandbox_id(&create().await?)?);
     }
+    let fill_secs = started.elapsed().as_secs_f64();
     tokio::time::sleep(Duration::from_secs(5)).await;
     let records: Vec<_> = idle_ids.iter().filter_map(|id| svc.vm_record(id)).collect();
+    // A restore that failed fell back to a cold boot: its VM has no template.
+    let cold_fallbacks = records.iter().filter(|r| r.template.is_none()).count();
     let (pss, cpu, ksm) = idle_cost(&records, Duration::from_secs(10)).await;
+    row(
+        rows,
+        format!(
+            "{} idle sandboxes, created one after another in {fill_secs:.0} s",
+            a.idle
+        ),
+        format!(
+            "{} restores fell back to a cold boot, {} of {} VMs found",
+            cold_fallbacks,
+            records.len(),
+            a.idle
+        ),
+    );
     row(
         rows,
         format!("{} idle sandboxes: host PSS per sandbox ({ksm})", a.idle),
@@ -766,6 +956,71 @@ async fn control_plane(
             crowded_med / warm_med
         ),
     );
+    let n = a.idle;
+    target(
+        targets,
+        format!("{n} idle sandboxes: host memory (PSS) per sandbox"),
+        format!("{pss:.1} MiB"),
+        "≤ 25 MiB",
+        format!("{:.2}x the target", pss / 25.0),
+        pss <= 25.0,
+    );
+    target(
+        targets,
+        format!("{n} idle sandboxes: host CPU per sandbox"),
+        format!("{cpu:.2} % of one core"),
+        "≤ 0.2 %",
+        format!("{:.2}x the target", cpu / 0.2),
+        cpu <= 0.2,
+    );
+    target(
+        targets,
+        format!("warm-pool `create_sandbox` with {n} idle sandboxes alive"),
+        format!("{crowded_med:.1} ms"),
+        "≤ 2x an idle host",
+        format!(
+            "{:.2}x an idle host ({warm_med:.1} ms)",
+            crowded_med / warm_med
+        ),
+        crowded_med / warm_med <= 2.0,
+    );
+    target(
+        targets,
+        format!("restores that failed on the way to {n} idle sandboxes"),
+        format!("{cold_fallbacks}"),
+        "0",
+        format!("{cold_fallbacks} of {n} fell back to a cold boot"),
+        cold_fallbacks == 0 && records.len() == n,
+    );
+    if a.fill {
+        // On until the host says no: how many fit, and what ran out.
+        let mut more = Vec::new();
+        let refusal = loop {
+            match create().await {
+                Ok(v) => more.push(sandbox_id(&v)?),
+                Err(e) => break e,
+            }
+        };
+        let capacity = svc.service_info().await?.capacity;
+        let limit = capacity
+            .as_ref()
+            .and_then(|c| c.limited_by)
+            .map_or("none (the create failed otherwise)".to_string(), |l| {
+                format!("{l:?}").to_lowercase()
+            });
+        row(
+            rows,
+            "sandboxes alive when the host refused one more (`--fill`)",
+            format!(
+                "{} (limit: {limit}; the refusal: {refusal:#}; capacity then: {})",
+                n + more.len(),
+                serde_json::to_string(&capacity)?
+            ),
+        );
+        for id in more {
+            destroy(id).await?;
+        }
+    }
     for id in idle_ids {
         destroy(id).await?;
     }

@@ -295,6 +295,17 @@ impl Service {
         self.vms.as_ref().map_or(0, |vms| vms.warm_count(size))
     }
 
+    /// How many ready VMs the pool keeps for `size` now (its configured
+    /// target, or deeper after a burst).
+    pub fn pool_target(&self, size: &str) -> usize {
+        self.vms.as_ref().map_or(0, |vms| {
+            vms.pool_targets()
+                .into_iter()
+                .find(|(s, _)| s == size)
+                .map_or(0, |(_, n)| n)
+        })
+    }
+
     /// Ids of the warm pool's ready VMs (for tests and operators).
     pub fn warm_ids(&self) -> Vec<String> {
         self.vms.as_ref().map_or(Vec::new(), |vms| vms.warm_ids())
