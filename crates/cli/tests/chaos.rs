@@ -47,11 +47,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use time::OffsetDateTime;
 
-/// The pool is kept small (one VM) and accounts are limited to a few live
+/// The pool is kept small (one VM, not grown by bursts, so that more pool
+/// VMs than that is a leak) and accounts are limited to a few live
 /// sandboxes each, so the whole run fits in memory and on 2 cores.
 const EXTRA_CONFIG: &str = "\
 [pool]
 sizes = { small = 1 }
+burst_max = 0
 [limits]
 max_concurrent_sandboxes = 4
 ";

@@ -553,10 +553,13 @@ impl LocalVms {
         self.refill.notify_one();
     }
 
-    /// Start the background tasks: the sampler of the VMs' CPU use (for
-    /// admission), and those that keep the pool full and its leases
-    /// renewed (when there is a pool).
-    pub fn start_tasks(self: &Arc<Self>) {
+    /// Run `tick` every `period` until this host's VMs stop being served;
+    /// between ticks the task holds no reference to them.
+    fn every<F, Fut>(self: &Arc<Self>, period: Duration, tick: F)
+    where
+        F: Fn(Arc<LocalVms>) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send,
+    {
         let me = Arc::downgrade(self);
         tokio::spawn(async move {
             loop {
@@ -564,36 +567,34 @@ impl LocalVms {
                 if vms.stopping.load(Ordering::SeqCst) {
                     return;
                 }
-                let _ = tokio::task::spawn_blocking(move || {
-                    let pids: Vec<u32> = vms
-                        .manager
-                        .list()
-                        .iter()
-                        .flat_map(|r| std::iter::once(r.qemu_pid).chain(r.passt_pid))
-                        .collect();
-                    vms.capacity.sample(&pids);
-                })
-                .await;
-                tokio::time::sleep(crate::capacity::SAMPLE_EVERY).await;
+                tick(vms).await;
+                tokio::time::sleep(period).await;
             }
+        });
+    }
+
+    /// Start the background tasks: the sampler of the VMs' CPU use (for
+    /// admission), and those that keep the pool full and its leases
+    /// renewed (when there is a pool).
+    pub fn start_tasks(self: &Arc<Self>) {
+        self.every(crate::capacity::SAMPLE_EVERY, |vms| async move {
+            let _ = tokio::task::spawn_blocking(move || {
+                let pids: Vec<u32> = vms
+                    .manager
+                    .list()
+                    .iter()
+                    .flat_map(|r| std::iter::once(r.qemu_pid).chain(r.passt_pid))
+                    .collect();
+                vms.capacity.sample(&pids);
+            })
+            .await;
         });
         if self.pool.sizes.values().all(|n| *n == 0) {
             return;
         }
         // Leases are renewed on a clock of their own: a refill held up (a
         // template build on a busy host) must not let ready VMs lapse.
-        let me = Arc::downgrade(self);
-        tokio::spawn(async move {
-            loop {
-                let Some(vms) = me.upgrade() else { return };
-                if vms.stopping.load(Ordering::SeqCst) {
-                    return;
-                }
-                vms.renew_leases();
-                drop(vms);
-                tokio::time::sleep(POOL_NAP).await;
-            }
-        });
+        self.every(POOL_NAP, |vms| async move { vms.renew_leases() });
         let me = Arc::downgrade(self);
         let wake = self.refill.clone();
         tokio::spawn(async move {

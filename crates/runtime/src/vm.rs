@@ -411,7 +411,12 @@ impl VmManager {
         let passt = if self.config.network.enabled {
             // The host's guard is in place before passt can send anything.
             if let Some(uid) = run_as {
-                guard::install(uid, &self.guard_plan())?;
+                // `nft` takes ~25 ms: off the async workers, which a burst
+                // of starts would otherwise stall.
+                let plan = self.guard_plan();
+                tokio::task::spawn_blocking(move || guard::install(uid, &plan))
+                    .await
+                    .map_err(|e| RuntimeError::Launch(format!("the guard's task: {e}")))??;
             }
             Some(net::start_passt(
                 &self.config.passt_binary,
@@ -1075,7 +1080,7 @@ impl VmManager {
         if let Ok(record) = self.record(id) {
             stop_processes(&record, &paths).await;
             if let Some(uid) = record.qemu_uid.filter(|_| self.config.network.enabled) {
-                guard::remove(uid);
+                let _ = tokio::task::spawn_blocking(move || guard::remove(uid)).await;
             }
         } else {
             // A VM that died before its record was written: find its QEMU by marker.
