@@ -172,11 +172,14 @@ impl Capacity {
     /// memory than it already does, but a sandbox more on a host whose CPU
     /// budget or kernel limits are spent would not be served well.
     pub fn admit_warm(&self) -> Result<(), String> {
-        let report = self.report_with(0);
-        match (report.limited_by, report.reason) {
-            (Some(Limit::Memory), _) | (None, _) => Ok(()),
-            (Some(_), Some(why)) => Err(why),
-            (Some(_), None) => Ok(()),
+        match self
+            .assess(0)
+            .1
+            .into_iter()
+            .find(|(l, _)| *l != Limit::Memory)
+        {
+            Some((_, why)) => Err(why),
+            None => Ok(()),
         }
     }
 
@@ -185,8 +188,20 @@ impl Capacity {
         self.report_with(1)
     }
 
-    /// The figures, with `extra` starts charged beyond those under way.
+    /// The figures, with `extra` starts charged beyond those under way;
+    /// the first budget spent (if any) is what limits the host.
     fn report_with(&self, extra: u64) -> CapacityReport {
+        let (mut report, limits) = self.assess(extra);
+        if let Some((limit, why)) = limits.into_iter().next() {
+            report.accepting = false;
+            report.limited_by = Some(limit);
+            report.reason = Some(why);
+        }
+        report
+    }
+
+    /// The figures, and every budget spent, memory first.
+    fn assess(&self, extra: u64) -> (CapacityReport, Vec<(Limit, String)>) {
         let memory = sandpit_runtime::host::memory().unwrap_or_default();
         let tasks = sandpit_runtime::host::tasks().unwrap_or_default();
         let reserve = self.memory_reserve_mb(memory.total_mb);
@@ -204,10 +219,10 @@ impl Capacity {
             )
         };
         let budget = self.config.cpu_budget_percent;
-        let mut limit = None;
+        let mut limits = Vec::new();
         let charged = (starting + extra) * per_start;
         if memory.total_mb > 0 && (memory.available_mb as i64 - charged as i64) < reserve as i64 {
-            limit = Some((
+            limits.push((
                 Limit::Memory,
                 format!(
                     "this host is out of memory for sandboxes: {} MiB available, {} MiB \
@@ -217,8 +232,9 @@ impl Capacity {
                     starting
                 ),
             ));
-        } else if budget > 0 && cpu_used_percent >= f64::from(budget) {
-            limit = Some((
+        }
+        if budget > 0 && cpu_used_percent >= f64::from(budget) {
+            limits.push((
                 Limit::Cpu,
                 format!(
                     "this host's sandboxes use {cpu_used_percent:.0} % of its CPUs (over the \
@@ -226,18 +242,20 @@ impl Capacity {
                     self.config.cpu_window_secs
                 ),
             ));
-        } else if tasks.max > 0 && tasks.now + TASKS_PER_VM > tasks.max {
-            limit = Some((
+        }
+        if tasks.max > 0 && tasks.now + TASKS_PER_VM > tasks.max {
+            limits.push((
                 Limit::Tasks,
                 format!(
                     "this host runs {} tasks, near the kernel's limit of {}",
                     tasks.now, tasks.max
                 ),
             ));
-        } else if descriptors.limit > 0
+        }
+        if descriptors.limit > 0
             && descriptors.open + DESCRIPTORS_PER_VM + DESCRIPTORS_KEPT > descriptors.limit
         {
-            limit = Some((
+            limits.push((
                 Limit::Descriptors,
                 format!(
                     "the server holds {} file descriptors, near its limit of {}",
@@ -245,10 +263,10 @@ impl Capacity {
                 ),
             ));
         }
-        CapacityReport {
-            accepting: limit.is_none(),
-            limited_by: limit.as_ref().map(|l| l.0),
-            reason: limit.map(|l| l.1),
+        let report = CapacityReport {
+            accepting: true,
+            limited_by: None,
+            reason: None,
             memory_total_mb: memory.total_mb,
             memory_available_mb: memory.available_mb,
             memory_reserve_mb: reserve,
@@ -263,7 +281,8 @@ impl Capacity {
             tasks_max: tasks.max,
             descriptors: descriptors.open,
             descriptors_max: descriptors.limit,
-        }
+        };
+        (report, limits)
     }
 
     fn memory_reserve_mb(&self, total_mb: u64) -> u64 {
@@ -376,6 +395,21 @@ mod tests {
         assert!(r.cpu_used_percent > 1.0, "{r:?}");
         assert_eq!(r.limited_by, Some(Limit::Cpu), "{r:?}");
         assert!(c.admit_warm().is_err());
+        // With memory spent too, memory is what limits a start, and the
+        // CPU budget still refuses a warm VM.
+        let both = Capacity::new(CapacityConfig {
+            memory_reserve_mb: Some(u64::MAX / 4),
+            cpu_budget_percent: 1,
+            ..CapacityConfig::default()
+        });
+        both.sample(&[me]);
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_millis(1500) {
+            std::hint::black_box((0..1000u64).sum::<u64>());
+        }
+        both.sample(&[me]);
+        assert_eq!(both.report().limited_by, Some(Limit::Memory));
+        assert!(both.admit_warm().unwrap_err().contains("CPUs"));
         // A process seen once has not used anything yet.
         let fresh = Capacity::new(CapacityConfig::default());
         fresh.sample(&[me]);
