@@ -17,6 +17,11 @@
 //! empty restore (or boot) a VM themselves; at most `max_concurrent_starts`
 //! run at once and `max_waiting_starts` more wait their turn, past which a
 //! create is refused as busy rather than left to time out.
+//!
+//! The pool's depth follows demand: after a burst of creates it keeps as
+//! many ready VMs as the burst took (up to `burst_max`), and shrinks back
+//! once the burst is forgotten. Every start, the refill's included, is
+//! admitted by the host's budget first (see [`crate::capacity`]).
 
 use crate::capacity::{Capacity, CapacityConfig, CapacityReport};
 use crate::ids::new_id;
