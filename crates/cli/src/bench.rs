@@ -900,10 +900,36 @@ async fn control_plane(
     // Density: many idle sandboxes, their cost, and a warm create among them.
     let started = Instant::now();
     let mut idle_ids = Vec::new();
+    // A host that refuses before `a.idle` (admission) is measured with
+    // what it took, and the refusal is reported.
+    let mut refused = None;
     for _ in 0..a.idle {
-        idle_ids.push(sandbox_id(&create().await?)?);
+        match create().await {
+            Ok(v) => idle_ids.push(sandbox_id(&v)?),
+            Err(e) => {
+                refused = Some(e);
+                break;
+            }
+        }
     }
     let fill_secs = started.elapsed().as_secs_f64();
+    if let Some(e) = &refused {
+        let capacity = svc.service_info().await?.capacity;
+        row(
+            rows,
+            format!(
+                "the host refused idle sandbox {} of {}",
+                idle_ids.len() + 1,
+                a.idle
+            ),
+            format!(
+                "{e:#}; VMs alive {} (the pool's included); capacity then: {}",
+                svc.vms_on_host().len(),
+                serde_json::to_string(&capacity)?
+            ),
+        );
+    }
+    let n = idle_ids.len();
     tokio::time::sleep(Duration::from_secs(5)).await;
     let records: Vec<_> = idle_ids.iter().filter_map(|id| svc.vm_record(id)).collect();
     // A restore that failed fell back to a cold boot: its VM has no template.
@@ -913,28 +939,34 @@ async fn control_plane(
         rows,
         format!(
             "{} idle sandboxes, created one after another in {fill_secs:.0} s",
-            a.idle
+            n
         ),
         format!(
             "{} restores fell back to a cold boot, {} of {} VMs found",
             cold_fallbacks,
             records.len(),
-            a.idle
+            n
         ),
     );
     row(
         rows,
-        format!("{} idle sandboxes: host PSS per sandbox ({ksm})", a.idle),
+        format!("{} idle sandboxes: host PSS per sandbox ({ksm})", n),
         format!("{pss:.1} MiB"),
     );
     row(
         rows,
         format!(
             "{} idle sandboxes: host CPU per sandbox, KSM's daemon included (10 s)",
-            a.idle
+            n
         ),
         format!("{cpu:.2} % of one core"),
     );
+    // A full host first gets room back for the pool and these creates.
+    if refused.is_some() {
+        for id in idle_ids.split_off(idle_ids.len().saturating_sub(20)) {
+            destroy(id).await?;
+        }
+    }
     let mut crowded = Vec::new();
     for _ in 0..a.mcp_creates.min(10) {
         wait_pool(pool_target).await?;
@@ -948,7 +980,7 @@ async fn control_plane(
         rows,
         format!(
             "MCP `create_sandbox`, warm pool, {} idle sandboxes alive ({} calls)",
-            a.idle,
+            n,
             crowded.len()
         ),
         format!(
@@ -956,7 +988,6 @@ async fn control_plane(
             crowded_med / warm_med
         ),
     );
-    let n = a.idle;
     target(
         targets,
         format!("{n} idle sandboxes: host memory (PSS) per sandbox"),
@@ -992,7 +1023,7 @@ async fn control_plane(
         format!("{cold_fallbacks} of {n} fell back to a cold boot"),
         cold_fallbacks == 0 && records.len() == n,
     );
-    if a.fill {
+    if a.fill && refused.is_none() {
         // On until the host says no: how many fit, and what ran out.
         let mut more = Vec::new();
         let refusal = loop {
