@@ -66,6 +66,58 @@ const REFILL_ROUNDS: usize = 3;
 /// The live sandbox's commands at rest before each of those refills.
 const REST_CALLS_PER_ROUND: usize = 40;
 
+/// How long the idle crowd and `--fill` keep retrying a create that the
+/// host refused for want of room (its memory catches up as KSM merges the
+/// newest sandboxes' pages) before taking the refusal as the end.
+const ADMISSION_PATIENCE: Duration = Duration::from_secs(180);
+
+/// Refusals met by [`create_admitted`].
+#[derive(Default)]
+struct Admission {
+    /// Sandboxes alive at the first refusal.
+    first_refused_at: Option<usize>,
+    retries: usize,
+    waited: Duration,
+}
+
+/// `create`, as a client that honours `Retry-After` calls it: a refusal
+/// while the host reports a spent budget (`capacity.limited_by`) is retried
+/// after `Retry-After` seconds, until [`ADMISSION_PATIENCE`] has passed;
+/// any other error, or a refusal past that, is returned. `alive`: the
+/// sandboxes alive now, recorded at the first refusal.
+async fn create_admitted<F, Fut>(
+    create: &F,
+    svc: &sandpit_core::Service,
+    alive: usize,
+    admission: &mut Admission,
+) -> Result<serde_json::Value>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<serde_json::Value>>,
+{
+    use sandpit_core::SandboxApi as _;
+    let since = Instant::now();
+    loop {
+        let err = match create().await {
+            Ok(v) => return Ok(v),
+            Err(e) => e,
+        };
+        let limited = svc
+            .service_info()
+            .await?
+            .capacity
+            .is_some_and(|c| c.limited_by.is_some());
+        if !limited || since.elapsed() >= ADMISSION_PATIENCE {
+            return Err(err);
+        }
+        admission.first_refused_at.get_or_insert(alive);
+        admission.retries += 1;
+        let pause = Duration::from_secs(sandpit_core::capacity::RETRY_AFTER_SECS);
+        tokio::time::sleep(pause).await;
+        admission.waited += pause;
+    }
+}
+
 /// Interleaved timings, one row per round (milliseconds).
 #[derive(Default)]
 struct Laps(Vec<[f64; 6]>);
@@ -522,7 +574,12 @@ async fn control_plane(
     pool.sizes = BTreeMap::from([(a.size.clone(), pool_target)]);
     // Room for the idle crowd and the burst.
     let mut service = settings.service.clone();
-    service.default_max_concurrent_sandboxes = (a.idle + a.burst + 10) as u32;
+    // (`--fill` goes on until the host, not the account, says no.)
+    service.default_max_concurrent_sandboxes = if a.fill {
+        100_000
+    } else {
+        (a.idle + a.burst + 10) as u32
+    };
     let scratch = tempfile::tempdir()?;
     let store = sandpit_store::Store::open_sqlite(scratch.path().join("bench.db")).await?;
     let vms = sandpit_core::backend::LocalVms::with_budget(
@@ -903,8 +960,9 @@ async fn control_plane(
     // A host that refuses before `a.idle` (admission) is measured with
     // what it took, and the refusal is reported.
     let mut refused = None;
+    let mut admission = Admission::default();
     for _ in 0..a.idle {
-        match create().await {
+        match create_admitted(&create, &svc, idle_ids.len(), &mut admission).await {
             Ok(v) => idle_ids.push(sandbox_id(&v)?),
             Err(e) => {
                 refused = Some(e);
@@ -913,6 +971,17 @@ async fn control_plane(
         }
     }
     let fill_secs = started.elapsed().as_secs_f64();
+    if let Some(at) = admission.first_refused_at {
+        row(
+            rows,
+            "idle sandboxes: the host's first refusal (admission), retried as `Retry-After` says",
+            format!(
+                "at {at} alive; {} refusals retried, {:.0} s waited in all",
+                admission.retries,
+                admission.waited.as_secs_f64()
+            ),
+        );
+    }
     if let Some(e) = &refused {
         let capacity = svc.service_info().await?.capacity;
         row(
@@ -1026,8 +1095,9 @@ async fn control_plane(
     if a.fill && refused.is_none() {
         // On until the host says no: how many fit, and what ran out.
         let mut more = Vec::new();
+        let mut admission = Admission::default();
         let refusal = loop {
-            match create().await {
+            match create_admitted(&create, &svc, n + more.len(), &mut admission).await {
                 Ok(v) => more.push(sandbox_id(&v)?),
                 Err(e) => break e,
             }
@@ -1041,10 +1111,14 @@ async fn control_plane(
             });
         row(
             rows,
-            "sandboxes alive when the host refused one more (`--fill`)",
             format!(
-                "{} (limit: {limit}; the refusal: {refusal:#}; capacity then: {})",
+                "sandboxes alive when the host refused one more (`--fill`; each refusal retried for {} s)",
+                ADMISSION_PATIENCE.as_secs()
+            ),
+            format!(
+                "{} (first refused at {}; limit: {limit}; the refusal: {refusal:#}; capacity then: {})",
                 n + more.len(),
+                admission.first_refused_at.map_or("-".to_string(), |at| at.to_string()),
                 serde_json::to_string(&capacity)?
             ),
         );

@@ -126,17 +126,25 @@ const ROW_OVERHEAD: i64 = 256;
 /// Executions deleted per transaction while trimming.
 const TRIM_BATCH: i64 = 100;
 
+/// Returns what the account's executions take after it (0 for an account
+/// that is gone).
 async fn add_execution_bytes(
     tx: &mut sqlx::Transaction<'_, sqlx::Any>,
     account_id: &str,
     bytes: i64,
-) -> Result<()> {
-    sqlx::query("UPDATE accounts SET execution_bytes = execution_bytes + $2 WHERE id = $1")
-        .bind(account_id)
-        .bind(bytes)
-        .execute(&mut **tx)
-        .await?;
-    Ok(())
+) -> Result<u64> {
+    let row = sqlx::query(
+        "UPDATE accounts SET execution_bytes = execution_bytes + $2 WHERE id = $1 \
+         RETURNING execution_bytes",
+    )
+    .bind(account_id)
+    .bind(bytes)
+    .fetch_optional(&mut **tx)
+    .await?;
+    Ok(match row {
+        Some(r) => get_i64(&r, "execution_bytes")?.max(0) as u64,
+        None => 0,
+    })
 }
 
 fn duration_i64(ms: u64) -> Result<i64> {
@@ -201,10 +209,17 @@ impl Store {
         }
     }
 
-    /// Stores how a `running` execution ended. `false` if it had already
-    /// ended (the first result stays); [`StoreError::NotFound`] if there is
-    /// no such execution.
-    pub async fn finish_execution(&self, id: &str, result: &ExecutionResult) -> Result<bool> {
+    /// Stores how a `running` execution ended, and returns what its
+    /// account's executions take now (the figure
+    /// [`Store::trim_executions`] holds to a budget), so that a command's
+    /// end needs no second read to know whether to trim. `None` if it had
+    /// already ended (the first result stays); [`StoreError::NotFound`] if
+    /// there is no such execution.
+    pub async fn finish_execution(
+        &self,
+        id: &str,
+        result: &ExecutionResult,
+    ) -> Result<Option<u64>> {
         let mut tx = self.write_tx().await?;
         let sql = format!(
             "SELECT account_id, command, stored_bytes FROM executions \
@@ -218,7 +233,7 @@ impl Store {
         let Some(before) = before else {
             drop(tx);
             return match self.execution(id).await? {
-                Some(_) => Ok(false),
+                Some(_) => Ok(None),
                 None => Err(StoreError::NotFound(format!("execution {id}"))),
             };
         };
@@ -245,9 +260,9 @@ impl Store {
             .bind(size)
             .execute(&mut *tx)
             .await?;
-        add_execution_bytes(&mut tx, &account, grown).await?;
+        let stored = add_execution_bytes(&mut tx, &account, grown).await?;
         tx.commit().await?;
-        Ok(true)
+        Ok(Some(stored))
     }
 
     /// What an account's executions take in the store, in bytes (see

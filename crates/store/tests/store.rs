@@ -1132,10 +1132,20 @@ async fn executions_are_recorded_and_finished_once(store: Store) {
         duration_ms: 12,
         finished_at: T0 + Duration::milliseconds(12),
     };
-    assert!(store.finish_execution(&row.id, &result).await.unwrap());
+    // It says what the account's executions take now, as stored.
+    let stored = store.finish_execution(&row.id, &result).await.unwrap();
+    assert_eq!(
+        stored,
+        Some(store.execution_bytes(&acct.id).await.unwrap()),
+        "finishing reports the account's stored bytes"
+    );
+    assert!(stored.unwrap() > 0);
     let mut second = result.clone();
     second.status = ExecutionStatus::Cancelled;
-    assert!(!store.finish_execution(&row.id, &second).await.unwrap());
+    assert_eq!(
+        store.finish_execution(&row.id, &second).await.unwrap(),
+        None
+    );
     let got = store.execution(&row.id).await.unwrap().unwrap();
     assert_eq!(got.status.as_str(), "completed");
     assert_eq!(got.exit_code, Some(0));
@@ -1534,7 +1544,7 @@ async fn finished_execution(
         duration_ms: 5,
         finished_at: at + Duration::seconds(1),
     };
-    assert!(store.finish_execution(&id, &done).await.unwrap());
+    assert!(store.finish_execution(&id, &done).await.unwrap().is_some());
     id
 }
 

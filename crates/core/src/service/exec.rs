@@ -233,9 +233,11 @@ impl Service {
             }
         };
         crate::metrics::record_exec(result.status, clock.elapsed());
-        let finished = self.store.finish_execution(&exec_id, &result).await?;
-        self.trim_executions(&row.account_id).await;
-        if finished {
+        let stored = self.store.finish_execution(&exec_id, &result).await?;
+        if stored.is_some_and(|bytes| bytes > self.config.execution_storage_bytes) {
+            self.trim_executions(&row.account_id).await;
+        }
+        if stored.is_some() {
             // Exactly what was written, so no need to read it back.
             record.status = ExecutionState::Ended(result.status);
             record.exit_code = result.exit_code;
