@@ -66,6 +66,16 @@ const REFILL_ROUNDS: usize = 3;
 /// The live sandbox's commands at rest before each of those refills.
 const REST_CALLS_PER_ROUND: usize = 40;
 
+/// The pause before each timed `run_command` of the layer breakdown: an
+/// agent thinks between its commands, and the guest spends that time making
+/// the next command's cgroup and pipes (the agent's `exec::prepare_next`).
+/// Back to back, each call would also pay for the one before it, which no
+/// agent waiting on a model sees. (The refill rows time calls back to back.)
+const THINK_TIME: Duration = Duration::from_millis(20);
+
+/// The lifetime of the idle crowd's and `--fill`'s sandboxes.
+const IDLE_LIFETIME_MINUTES: u32 = 180;
+
 /// How long the idle crowd and `--fill` keep retrying a create that the
 /// host refused for want of room (its memory catches up as KSM merges the
 /// newest sandboxes' pages) before taking the refusal as the end.
@@ -634,6 +644,14 @@ async fn control_plane(
         }
     };
     let create = || call("create_sandbox", serde_json::json!({"size": size}));
+    // The idle crowd outlives its own filling (15 minutes, the default
+    // lifetime, is too short for 500 on a host that makes them wait).
+    let create_idle = || {
+        call(
+            "create_sandbox",
+            serde_json::json!({"size": size, "timeout_minutes": IDLE_LIFETIME_MINUTES}),
+        )
+    };
     let destroy = |id: String| call("destroy_sandbox", serde_json::json!({"sandbox_id": id}));
     let wait_pool = |n: usize| {
         let svc = svc.clone();
@@ -715,6 +733,7 @@ async fn control_plane(
     let agent = vms.agent(&id).await?;
     let mut laps = Laps::default();
     for _ in 0..a.execs {
+        tokio::time::sleep(THINK_TIME).await;
         let t = Instant::now();
         let v = call(
             "run_command",
@@ -722,11 +741,13 @@ async fn control_plane(
         )
         .await?;
         let mcp = t.elapsed().as_secs_f64() * 1000.0;
+        tokio::time::sleep(THINK_TIME).await;
         let t = Instant::now();
         let params: sandpit_core::model::ExecParams =
             serde_json::from_value(serde_json::json!({"command": "true"}))?;
         let e = svc.exec(&caller, &id, params).await?;
         let service = t.elapsed().as_secs_f64() * 1000.0;
+        tokio::time::sleep(THINK_TIME).await;
         let t = Instant::now();
         let out = agent.exec_collect(true_cmd()).await?;
         let direct = t.elapsed().as_secs_f64() * 1000.0;
@@ -962,7 +983,7 @@ async fn control_plane(
     let mut refused = None;
     let mut admission = Admission::default();
     for _ in 0..a.idle {
-        match create_admitted(&create, &svc, idle_ids.len(), &mut admission).await {
+        match create_admitted(&create_idle, &svc, idle_ids.len(), &mut admission).await {
             Ok(v) => idle_ids.push(sandbox_id(&v)?),
             Err(e) => {
                 refused = Some(e);
@@ -1097,7 +1118,7 @@ async fn control_plane(
         let mut more = Vec::new();
         let mut admission = Admission::default();
         let refusal = loop {
-            match create_admitted(&create, &svc, n + more.len(), &mut admission).await {
+            match create_admitted(&create_idle, &svc, n + more.len(), &mut admission).await {
                 Ok(v) => more.push(sandbox_id(&v)?),
                 Err(e) => break e,
             }

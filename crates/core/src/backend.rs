@@ -591,6 +591,9 @@ impl LocalVms {
                     .flat_map(|r| std::iter::once(r.qemu_pid).chain(r.passt_pid))
                     .collect();
                 vms.capacity.sample(&pids);
+                if vms.manager.config().ksm {
+                    sandpit_runtime::ksm::pace();
+                }
             })
             .await;
         });
