@@ -66,13 +66,6 @@ const REFILL_ROUNDS: usize = 3;
 /// The live sandbox's commands at rest before each of those refills.
 const REST_CALLS_PER_ROUND: usize = 40;
 
-/// The pause before each timed `run_command` of the layer breakdown: an
-/// agent thinks between its commands, and the guest spends that time making
-/// the next command's cgroup and pipes (the agent's `exec::prepare_next`).
-/// Back to back, each call would also pay for the one before it, which no
-/// agent waiting on a model sees. (The refill rows time calls back to back.)
-const THINK_TIME: Duration = Duration::from_millis(20);
-
 /// The lifetime of the idle crowd's and `--fill`'s sandboxes.
 const IDLE_LIFETIME_MINUTES: u32 = 180;
 
@@ -733,7 +726,6 @@ async fn control_plane(
     let agent = vms.agent(&id).await?;
     let mut laps = Laps::default();
     for _ in 0..a.execs {
-        tokio::time::sleep(THINK_TIME).await;
         let t = Instant::now();
         let v = call(
             "run_command",
@@ -741,13 +733,11 @@ async fn control_plane(
         )
         .await?;
         let mcp = t.elapsed().as_secs_f64() * 1000.0;
-        tokio::time::sleep(THINK_TIME).await;
         let t = Instant::now();
         let params: sandpit_core::model::ExecParams =
             serde_json::from_value(serde_json::json!({"command": "true"}))?;
         let e = svc.exec(&caller, &id, params).await?;
         let service = t.elapsed().as_secs_f64() * 1000.0;
-        tokio::time::sleep(THINK_TIME).await;
         let t = Instant::now();
         let out = agent.exec_collect(true_cmd()).await?;
         let direct = t.elapsed().as_secs_f64() * 1000.0;

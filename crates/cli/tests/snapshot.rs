@@ -1,7 +1,8 @@
 //! Snapshot templates, for real: a template is built from the real image,
 //! VMs restored from it each get a fresh identity (entropy, hostname,
 //! machine-id, clock) and a disk of their own, a broken template falls back to
-//! a cold boot, and a changed image gets a template of its own.
+//! a cold boot (a late restore is a busy host: refused, the template kept),
+//! and a changed image gets a template of its own.
 
 mod common;
 
@@ -126,6 +127,24 @@ fn a_broken_template_falls_back_to_a_cold_boot_and_is_rebuilt() {
     let m = manager();
     rt().block_on(async {
         let t = m.ensure_template("small").await.expect("template");
+        // A restore that is only late (here: a deadline no restore meets)
+        // means a host too busy for another VM: refused as such, nothing
+        // left behind, and the good template kept.
+        let mut hurried = m.config().clone();
+        hurried.boot_timeout = Duration::from_millis(1);
+        let hurried = manager_with(hurried);
+        match hurried.create(new_vm("sbx_late")).await {
+            Err(sandpit_runtime::RuntimeError::HostFull(why)) => {
+                assert!(why.contains("too busy"), "{why}")
+            }
+            other => panic!("a late restore: {:?}", other.map(|vm| vm.record)),
+        }
+        assert!(hurried.list().is_empty());
+        assert!(!hurried.paths("sbx_late").dir.exists());
+        assert_eq!(
+            m.template("small").map(|k| k.key.clone()),
+            Some(t.key.clone())
+        );
         // Corrupt the saved device state.
         std::fs::write(t.state(), b"not a migration stream").unwrap();
         let vm = m.create(new_vm("sbx_fallback")).await.expect("create");

@@ -110,8 +110,8 @@ pub struct RuntimeConfig {
     #[serde(default = "yes")]
     pub snapshots: bool,
     /// Merge the network helpers' identical pages with KSM, turning the
-    /// host's KSM daemon on if it is off (see `ksm`). Guest RAM is never
-    /// merged either way.
+    /// host's KSM daemon on if it is off and pacing it to the sandboxes on
+    /// the host (see `ksm`). Guest RAM is never merged either way.
     #[serde(default = "yes")]
     pub ksm: bool,
     pub qemu_binary: PathBuf,
