@@ -268,7 +268,20 @@ fn median_max(v: &[f64]) -> (f64, f64) {
 /// Host PSS (MiB) and CPU (% of one core, over `window`) of VMs' QEMU and
 /// passt processes and expiry watchdog, per VM, once KSM has merged what it will. The CPU
 /// includes KSM's daemon. Also says how long KSM took to settle.
-async fn idle_cost(records: &[sandpit_runtime::VmRecord], window: Duration) -> (f64, f64, String) {
+/// What idle VMs cost the host, measured by [`idle_cost`].
+struct IdleCost {
+    /// PSS per sandbox, MiB.
+    pss: f64,
+    /// CPU per sandbox, KSM's daemon's share included, % of one core.
+    cpu: f64,
+    /// KSM's daemon alone, % of one core (its pace follows the number of
+    /// sandboxes: see `sandpit_runtime::ksm`).
+    ksmd: f64,
+    /// How long KSM took to settle, or that it is off.
+    ksm: String,
+}
+
+async fn idle_cost(records: &[sandpit_runtime::VmRecord], window: Duration) -> IdleCost {
     let ksm = match ksm_settle(Duration::from_secs(300)).await {
         Some(d) => format!("KSM settled {:.0} s after", d.as_secs_f64()),
         None => "KSM off".to_string(),
@@ -287,16 +300,26 @@ async fn idle_cost(records: &[sandpit_runtime::VmRecord], window: Duration) -> (
         pss.push(total as f64 / 1024.0 / records.len() as f64);
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
-    let cpu_pids: Vec<u32> = pids.iter().copied().chain(ksmd_pid()).collect();
-    let ticks = || cpu_pids.iter().filter_map(|p| cpu_ticks(*p)).sum::<u64>();
-    let c0 = ticks();
+    let ksmd = ksmd_pid();
+    let ticks = || {
+        (
+            pids.iter().filter_map(|p| cpu_ticks(*p)).sum::<u64>(),
+            ksmd.and_then(cpu_ticks).unwrap_or(0),
+        )
+    };
+    let (vms0, ksmd0) = ticks();
     tokio::time::sleep(window).await;
-    let c1 = ticks();
+    let (vms1, ksmd1) = ticks();
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    let cpu =
-        (c1.saturating_sub(c0)) as f64 / hz / window.as_secs_f64() * 100.0 / records.len() as f64;
-    (median(pss), cpu, ksm)
+    let percent = |t: u64| t as f64 / hz / window.as_secs_f64() * 100.0;
+    let ksmd = percent(ksmd1.saturating_sub(ksmd0));
+    IdleCost {
+        pss: median(pss),
+        cpu: (percent(vms1.saturating_sub(vms0)) + ksmd) / records.len() as f64,
+        ksmd,
+        ksm,
+    }
 }
 
 pub(crate) struct Row(pub(crate) String, pub(crate) String);
@@ -479,7 +502,7 @@ pub async fn run(settings: &Settings, a: BenchArgs) -> Result<i32> {
     let vm = m.create(new(id.clone())).await?;
     vm.agent.exec_collect(true_cmd()).await?;
     tokio::time::sleep(Duration::from_secs(5)).await;
-    let (pss, cpu, ksm) =
+    let IdleCost { pss, cpu, ksm, .. } =
         idle_cost(std::slice::from_ref(&vm.record), Duration::from_secs(10)).await;
     m.destroy(&id).await?;
     let how = if vm.record.template.is_some() {
@@ -1014,7 +1037,12 @@ async fn control_plane(
     let records: Vec<_> = idle_ids.iter().filter_map(|id| svc.vm_record(id)).collect();
     // A restore that failed fell back to a cold boot: its VM has no template.
     let cold_fallbacks = records.iter().filter(|r| r.template.is_none()).count();
-    let (pss, cpu, ksm) = idle_cost(&records, Duration::from_secs(10)).await;
+    let IdleCost {
+        pss,
+        cpu,
+        ksmd,
+        ksm,
+    } = idle_cost(&records, Duration::from_secs(10)).await;
     row(
         rows,
         format!(
@@ -1039,7 +1067,7 @@ async fn control_plane(
             "{} idle sandboxes: host CPU per sandbox, KSM's daemon included (10 s)",
             n
         ),
-        format!("{cpu:.2} % of one core"),
+        format!("{cpu:.2} % of one core (KSM's daemon alone: {ksmd:.1} % of one core)"),
     );
     // A full host first gets room back for the pool and these creates.
     if refused.is_some() {
