@@ -265,9 +265,6 @@ fn median_max(v: &[f64]) -> (f64, f64) {
     )
 }
 
-/// Host PSS (MiB) and CPU (% of one core, over `window`) of VMs' QEMU and
-/// passt processes and expiry watchdog, per VM, once KSM has merged what it will. The CPU
-/// includes KSM's daemon. Also says how long KSM took to settle.
 /// What idle VMs cost the host, measured by [`idle_cost`].
 struct IdleCost {
     /// PSS per sandbox, MiB.
@@ -281,6 +278,10 @@ struct IdleCost {
     ksm: String,
 }
 
+/// Host PSS (MiB) and CPU (% of one core, over `window`) of VMs' QEMU and
+/// passt processes and expiry watchdog, per VM, once KSM has merged what it
+/// will. The CPU includes KSM's daemon, also given alone. Also says how long
+/// KSM took to settle.
 async fn idle_cost(records: &[sandpit_runtime::VmRecord], window: Duration) -> IdleCost {
     let ksm = match ksm_settle(Duration::from_secs(300)).await {
         Some(d) => format!("KSM settled {:.0} s after", d.as_secs_f64()),
