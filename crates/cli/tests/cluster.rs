@@ -433,7 +433,10 @@ fn a_silent_node_is_declared_lost_its_sandboxes_settled_once_and_it_is_fenced() 
         Duration::from_secs(30),
         || !vm_runs(&frozen),
     );
-    // Joined again, it serves new sandboxes.
+    // Joined again (its VMs go first, then it registers), it serves new
+    // sandboxes.
+    b.wait_for_log("joined the cluster again", Duration::from_secs(20))
+        .expect("b joins the cluster again");
     let after = create_on(&b, &key);
     assert_eq!(sandbox_status(&Rest::new(&b, &key), &after).0, "running");
     assert_eq!(health("b", None).1.unwrap().epoch, 3);

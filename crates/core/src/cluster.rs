@@ -489,7 +489,12 @@ impl Service {
                 .register_node(&m.node, m.config.lease())
                 .await?;
             m.epoch.store(row.epoch, Ordering::SeqCst);
-            tracing::info!(node = %row.name, epoch = row.epoch, "joined the cluster again");
+            // Placement reads its own row at the new epoch before this says
+            // it is back: a create that follows the line finds the node.
+            self.routes.refresh(self.store()).await?;
+            // At the level of the error above, so that a log at the default
+            // level shows the recovery too.
+            tracing::warn!(node = %row.name, epoch = row.epoch, "joined the cluster again");
             return Ok(());
         }
         self.drop_ended_vms().await
