@@ -25,7 +25,7 @@ use std::path::PathBuf;
 #[derive(Parser)]
 #[command(
     name = "sandpit",
-    version,
+    version = sandpit_core::VERSION,
     about = "Real Linux VMs that AI agents can break"
 )]
 struct Cli {

@@ -119,6 +119,17 @@ fn no_vm_files(data: &Path) -> bool {
 }
 
 #[test]
+fn the_version_names_the_commit_it_was_built_from() {
+    let cli = Cli::new();
+    let version = cli.ok(&["--version"]);
+    let commit = head_commit();
+    assert_eq!(
+        version.trim(),
+        format!("sandpit {} (commit {commit})", env!("CARGO_PKG_VERSION"))
+    );
+}
+
+#[test]
 fn create_json_prints_the_whole_object() {
     let cli = Cli::new();
     let out = cli.ok(&[

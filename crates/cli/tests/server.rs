@@ -250,7 +250,10 @@ fn the_agent_flow_over_mcp_streamable_http() {
             .await
             .unwrap();
         assert_ne!(info.is_error, Some(true));
-        assert_eq!(info.structured_content.unwrap()["acceleration"], "tcg");
+        let info = info.structured_content.unwrap();
+        assert_eq!(info["acceleration"], "tcg");
+        // The commit the server was built from: the checkout's.
+        assert_eq!(info["commit"], common::head_commit(), "{info}");
         let denied = anon
             .call_tool(CallToolRequestParams::new("create_sandbox").with_arguments(args(json!({}))))
             .await

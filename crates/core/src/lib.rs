@@ -23,6 +23,18 @@ pub mod preview;
 pub mod service;
 pub mod utf8;
 
+/// The commit this binary was built from (`unknown` outside a checkout,
+/// unless the build's environment named it in `SANDPIT_COMMIT`).
+pub const COMMIT: &str = env!("SANDPIT_COMMIT");
+
+/// The version and the commit, as `sandpit --version` prints them.
+pub const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("SANDPIT_COMMIT"),
+    ")"
+);
+
 pub use api::{Caller, ExecEvent, ExecStream, SandboxApi};
 pub use error::{CoreError, ErrorType};
 pub use model::*;

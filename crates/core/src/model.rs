@@ -370,6 +370,9 @@ pub struct SizeInfo {
 pub struct ServiceInfo {
     pub name: String,
     pub version: String,
+    /// The commit the server was built from (`unknown` when not known).
+    #[serde(default)]
+    pub commit: String,
     pub sizes: Vec<SizeInfo>,
     pub default_timeout_minutes: u32,
     pub max_timeout_minutes: u32,

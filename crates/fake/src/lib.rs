@@ -1557,6 +1557,7 @@ impl SandboxApi for Fake {
         Ok(ServiceInfo {
             name: "sandpit".into(),
             version: env!("CARGO_PKG_VERSION").into(),
+            commit: sandpit_core::COMMIT.into(),
             sizes: config
                 .sizes
                 .iter()

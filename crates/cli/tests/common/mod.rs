@@ -278,3 +278,14 @@ pub fn wait_until(
     }
     t.elapsed()
 }
+
+/// The checkout's commit, as the build script records it (12 digits).
+pub fn head_commit() -> String {
+    let out = std::process::Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("git (apt-get install git): the tests run in the project's checkout");
+    assert!(out.status.success(), "git rev-parse HEAD: {out:?}");
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}

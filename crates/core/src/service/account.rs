@@ -109,6 +109,7 @@ impl Service {
         Ok(ServiceInfo {
             name: "Sandpit".into(),
             version: env!("CARGO_PKG_VERSION").into(),
+            commit: crate::COMMIT.into(),
             sizes: self
                 .config
                 .sizes

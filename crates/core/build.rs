@@ -1,0 +1,42 @@
+//! Records the commit this build came from as `SANDPIT_COMMIT`, so that
+//! `sandpit --version` and `get_service_info` tell an operator exactly what
+//! runs (two binaries of one version can differ by many commits on `main`).
+//!
+//! A build outside a Git checkout (a source tarball, a package build) takes
+//! `SANDPIT_COMMIT` from its environment, or says `unknown`.
+
+use std::path::Path;
+use std::process::Command;
+
+fn git(args: &[&str]) -> Option<String> {
+    let out = Command::new("git").args(args).output().ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let text = String::from_utf8(out.stdout).ok()?.trim().to_string();
+    (!text.is_empty()).then_some(text)
+}
+
+fn main() {
+    println!("cargo:rerun-if-env-changed=SANDPIT_COMMIT");
+    let commit = std::env::var("SANDPIT_COMMIT")
+        .ok()
+        .filter(|c| !c.trim().is_empty())
+        .or_else(|| git(&["rev-parse", "--short=12", "HEAD"]))
+        .unwrap_or_else(|| "unknown".into());
+    println!("cargo:rustc-env=SANDPIT_COMMIT={commit}");
+    // Build again when HEAD moves: HEAD itself (a checkout), the branch it
+    // names (a commit) and the packed refs (a gc). A path that does not
+    // exist would make Cargo run this every time: only those that do.
+    let mut watched = vec!["HEAD".to_string(), "packed-refs".to_string()];
+    if let Some(branch) = git(&["symbolic-ref", "-q", "HEAD"]) {
+        watched.push(branch);
+    }
+    for name in watched {
+        if let Some(path) = git(&["rev-parse", "--git-path", &name]) {
+            if Path::new(&path).exists() {
+                println!("cargo:rerun-if-changed={path}");
+            }
+        }
+    }
+}
