@@ -389,7 +389,7 @@ async fn serve_conn<S>(
 
 /// A preview host name of `domain` (which may carry `:PORT`), and the port
 /// its URLs use: what the start-up check resolves.
-fn probe_name(domain: &str, scheme: &str) -> (String, u16) {
+pub fn probe_name(domain: &str, scheme: &str) -> (String, u16) {
     let default_port = if scheme == "https" { 443 } else { 80 };
     let (host, port) = match domain.rsplit_once(':') {
         Some((h, p)) if p.parse::<u16>().is_ok() => (h, p.parse().unwrap_or(default_port)),

@@ -6,6 +6,7 @@
 mod bench;
 mod bench_cluster;
 mod bench_snapshots;
+mod doctor;
 mod front;
 mod images;
 mod listener;
@@ -96,6 +97,10 @@ enum Command {
     /// (internal) expire this data directory's sandboxes until none is left
     #[command(hide = true)]
     Reap,
+    /// Check this host: KVM, QEMU, passt, nftables, KSM, preview names,
+    /// the guests' DNS, disk, memory, the data directory, the clock (exit
+    /// status 1 when something must be fixed)
+    Doctor(doctor::DoctorArgs),
     /// Create a sandbox, run commands in it, move a file, destroy it
     Demo,
     /// Measure create, exec and file-transfer speed and idle memory; print
@@ -179,6 +184,9 @@ async fn run(cli: Cli) -> Result<i32> {
         Command::Invite { command } => server::invite(&settings, command).await,
         Command::Cluster { command } => cluster(command),
         Command::Reap => server::reap(&settings).await,
+        Command::Doctor(args) => {
+            tokio::task::spawn_blocking(move || doctor::run(&settings, args)).await?
+        }
         Command::Demo => sandbox::demo(&settings).await,
         Command::Bench(args) => bench::run(&settings, args).await,
     }

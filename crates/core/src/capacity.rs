@@ -48,6 +48,14 @@ pub struct CapacityConfig {
     pub cpu_window_secs: u64,
 }
 
+impl CapacityConfig {
+    /// The memory kept on a host of `total_mb`, MiB.
+    pub fn reserve_mb(&self, total_mb: u64) -> u64 {
+        self.memory_reserve_mb
+            .unwrap_or_else(|| (total_mb / 8).max(1024))
+    }
+}
+
 impl Default for CapacityConfig {
     fn default() -> Self {
         CapacityConfig {
@@ -286,9 +294,7 @@ impl Capacity {
     }
 
     fn memory_reserve_mb(&self, total_mb: u64) -> u64 {
-        self.config
-            .memory_reserve_mb
-            .unwrap_or_else(|| (total_mb / 8).max(1024))
+        self.config.reserve_mb(total_mb)
     }
 
     /// The VMs' CPU use over the window (or since the first sample, if

@@ -35,17 +35,57 @@ impl std::fmt::Display for Accel {
 
 /// Is hardware virtualisation really usable on this host?
 pub fn kvm_usable() -> bool {
-    let flags = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let has_flag = flags
+    kvm_diagnosis().is_ok()
+}
+
+/// Whether KVM is usable here, and if not, why and what would change that
+/// (what `sandpit doctor` prints). The reasons are checked in the order an
+/// operator would fix them.
+pub fn kvm_diagnosis() -> Result<(), String> {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let flags: Vec<&str> = cpuinfo
         .lines()
-        .filter(|l| l.starts_with("flags"))
-        .any(|l| l.split_whitespace().any(|f| f == "vmx" || f == "svm"));
-    has_flag
-        && std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open("/dev/kvm")
-            .is_ok()
+        .find(|l| l.starts_with("flags"))
+        .map(|l| l.split_whitespace().collect())
+        .unwrap_or_default();
+    let pvm = std::path::Path::new("/sys/module/kvm_pvm").exists();
+    if !flags.iter().any(|f| *f == "vmx" || *f == "svm") {
+        let guest = flags.contains(&"hypervisor");
+        let mut why = if guest {
+            "the CPU shows this machine no vmx/svm flag: it is itself a VM whose hypervisor \
+             does not pass hardware virtualisation through (enable nested virtualisation on \
+             the host that runs it)"
+                .to_string()
+        } else {
+            "the CPU has no vmx/svm flag: hardware virtualisation is missing or turned off \
+             in the firmware (BIOS/UEFI)"
+                .to_string()
+        };
+        if pvm {
+            why.push_str(
+                "; /dev/kvm here is PVM (the kvm_pvm module), under which stock guest kernels \
+                 do not boot",
+            );
+        }
+        return Err(why);
+    }
+    match std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+    {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(
+            "the CPU has vmx/svm but there is no /dev/kvm: load the module \
+             (`modprobe kvm_intel` or `modprobe kvm_amd`)"
+                .into(),
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => Err(format!(
+            "/dev/kvm cannot be opened by this user ({e}): run as root, or add the user \
+             to the `kvm` group"
+        )),
+        Err(e) => Err(format!("/dev/kvm cannot be opened: {e}")),
+    }
 }
 
 /// Resolve the configured choice to the accelerator to use.

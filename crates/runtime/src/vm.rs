@@ -168,10 +168,18 @@ pub struct VmManager {
 
 /// QEMU's version: its `--version` line and the numbers that gate features.
 #[derive(Debug, Clone)]
-struct QemuVersion {
-    line: String,
-    major: u32,
-    minor: u32,
+pub struct QemuVersion {
+    /// Its first line, as printed.
+    pub line: String,
+    pub major: u32,
+    pub minor: u32,
+}
+
+impl QemuVersion {
+    /// Restoring needs `file:` migration and `rom=` on RAM files (QEMU 8.2).
+    pub fn restores_templates(&self) -> bool {
+        (self.major, self.minor) >= (8, 2)
+    }
 }
 
 /// How a VM comes to life.
@@ -1239,7 +1247,8 @@ pub(crate) async fn create_overlay(base: &Path, disk: &Path, disk_gb: u32) -> Re
     Ok(())
 }
 
-fn qemu_version(qemu: &Path) -> Result<QemuVersion> {
+/// Asks the QEMU at `qemu` its version.
+pub fn qemu_version(qemu: &Path) -> Result<QemuVersion> {
     let out = std::process::Command::new(qemu)
         .arg("--version")
         .output()
@@ -1265,9 +1274,9 @@ fn qemu_version(qemu: &Path) -> Result<QemuVersion> {
 
 /// Snapshot templates (see `template`): find, build, discard.
 impl VmManager {
-    /// Restoring needs `file:` migration and `rom=` on RAM files (QEMU 8.2).
+    /// Templates are on, and this QEMU can restore them.
     pub fn snapshots_supported(&self) -> bool {
-        self.config.snapshots && (self.qemu_version.major, self.qemu_version.minor) >= (8, 2)
+        self.config.snapshots && self.qemu_version.restores_templates()
     }
 
     /// Where templates live.

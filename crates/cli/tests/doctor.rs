@@ -1,0 +1,172 @@
+//! `sandpit doctor` as an operator runs it: on this machine (set up by the
+//! test script, so ready), and on the same machine broken the way hosts
+//! are found broken (no `*.localhost` resolver module, no nameserver, a
+//! data directory others can write), in a mount namespace of the test's
+//! own so the machine itself is untouched.
+
+mod common;
+
+use common::cli::Cli;
+use common::*;
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::os::unix::fs::PermissionsExt;
+use std::process::{Command, Output};
+
+const CHECKS: [&str; 13] = [
+    "root",
+    "kvm",
+    "qemu",
+    "passt",
+    "nftables",
+    "ksm",
+    "preview names",
+    "guest dns",
+    "data directory",
+    "disk",
+    "memory",
+    "guest image",
+    "clock",
+];
+
+/// The `--json` report: each check's line by name, and the summary.
+fn report(out: &Output) -> (BTreeMap<String, Value>, Value) {
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut lines: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l:?}")))
+        .collect();
+    let summary = lines.pop().expect("a summary line");
+    let checks = lines
+        .into_iter()
+        .map(|l| (l["check"].as_str().unwrap().to_string(), l))
+        .collect();
+    (checks, summary)
+}
+
+fn doctor(cli: &Cli, wrap: Option<&str>) -> Output {
+    let mut cmd = match wrap {
+        None => Command::new(Cli::program()),
+        Some(script) => {
+            let mut c = Command::new("unshare");
+            // `sh -c SCRIPT doctor PROGRAM ARGS…`: the script ends with
+            // `exec "$@"`.
+            c.args(["--mount", "--propagation", "private", "sh", "-c", script])
+                .arg("doctor")
+                .arg(Cli::program());
+            c
+        }
+    };
+    cmd.args(cli.base_args())
+        .args(["doctor", "--json"])
+        .env_remove("SANDPIT_AGENT_BIN")
+        .output()
+        .expect("unshare (util-linux) and the sandpit binary")
+}
+
+#[test]
+fn this_host_is_ready_and_the_report_says_why_kvm_is_or_is_not_used() {
+    let cli = Cli::new();
+    let out = doctor(&cli, None);
+    let (checks, summary) = report(&out);
+    assert_eq!(checks.len(), CHECKS.len(), "{checks:#?}");
+    for name in CHECKS {
+        assert!(checks.contains_key(name), "no {name} line: {checks:#?}");
+    }
+    assert_eq!(out.status.code(), Some(0), "{checks:#?}");
+    assert_eq!(summary["ready"], true, "{summary}");
+    for name in [
+        "root",
+        "qemu",
+        "passt",
+        "nftables",
+        "preview names",
+        "guest dns",
+        "data directory",
+        "guest image",
+    ] {
+        assert_eq!(checks[name]["verdict"], "ok", "{:#}", checks[name]);
+    }
+    // The KVM line agrees with what the machine shows, read here apart.
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap();
+    let flagged = cpuinfo
+        .lines()
+        .filter(|l| l.starts_with("flags"))
+        .any(|l| l.split_whitespace().any(|f| f == "vmx" || f == "svm"));
+    let opens = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+        .is_ok();
+    let kvm = &checks["kvm"];
+    let found = kvm["found"].as_str().unwrap();
+    if flagged && opens {
+        assert_eq!(kvm["verdict"], "ok", "{kvm:#}");
+    } else {
+        assert_eq!(kvm["verdict"], "warn", "{kvm:#}");
+        let why = if flagged { "/dev/kvm" } else { "vmx/svm" };
+        assert!(found.contains(why), "{kvm:#}");
+        assert!(kvm["fix"].as_str().unwrap().contains("TCG"), "{kvm:#}");
+    }
+    // Its human form says the same, line by line.
+    let human = Command::new(Cli::program())
+        .args(cli.base_args())
+        .arg("doctor")
+        .env_remove("SANDPIT_AGENT_BIN")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&human.stdout);
+    assert_eq!(human.status.code(), Some(0), "{text}");
+    assert!(
+        text.lines().next().unwrap().contains(&head_commit()),
+        "{text}"
+    );
+    assert!(text.trim_end().ends_with("fine"), "{text}");
+    assert!(text.contains("ready: 0 failed"), "{text}");
+}
+
+#[test]
+fn a_broken_host_fails_and_each_broken_line_says_what_to_do() {
+    let cli = Cli::new();
+    let before = report(&doctor(&cli, None)).0;
+    // Others may write the data directory.
+    std::fs::set_permissions(&cli.data, std::fs::Permissions::from_mode(0o777)).unwrap();
+    // No nss-myhostname, and no nameserver, seen only by this process.
+    let broken = cli.data.join("broken-etc");
+    std::fs::create_dir_all(&broken).unwrap();
+    std::fs::write(broken.join("nsswitch.conf"), "hosts: files\n").unwrap();
+    std::fs::write(broken.join("resolv.conf"), "# no nameserver\n").unwrap();
+    let script = format!(
+        "mount --bind {0}/nsswitch.conf /etc/nsswitch.conf && \
+         mount --bind {0}/resolv.conf /etc/resolv.conf && exec \"$@\"",
+        broken.display()
+    );
+    let out = doctor(&cli, Some(&script));
+    std::fs::set_permissions(&cli.data, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let (checks, summary) = report(&out);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{checks:#?}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(summary["ready"], false);
+    assert_eq!(summary["failed"], 3, "{checks:#?}");
+    let fix = |name: &str| -> String {
+        assert_eq!(checks[name]["verdict"], "fail", "{:#}", checks[name]);
+        checks[name]["fix"].as_str().unwrap().to_string()
+    };
+    assert!(fix("preview names").contains("libnss-myhostname"));
+    assert!(fix("guest dns").contains("nameserver"));
+    assert!(fix("data directory").contains("chmod go-w"));
+    // Nothing else changed its mind.
+    for name in CHECKS {
+        if !["preview names", "guest dns", "data directory"].contains(&name) {
+            assert_eq!(
+                checks[name]["verdict"], before[name]["verdict"],
+                "{name}: {:#} then {:#}",
+                before[name], checks[name]
+            );
+        }
+    }
+}
