@@ -56,19 +56,18 @@ impl Finding {
         }
     }
     fn warn(check: &'static str, found: impl Into<String>, fix: impl Into<String>) -> Finding {
-        Finding {
-            check,
-            verdict: Verdict::Warn,
-            found: found.into(),
-            fix: Some(fix.into()).filter(|f: &String| !f.is_empty()),
-        }
+        Finding::with_fix(Verdict::Warn, check, found.into(), fix.into())
     }
     fn fail(check: &'static str, found: impl Into<String>, fix: impl Into<String>) -> Finding {
+        Finding::with_fix(Verdict::Fail, check, found.into(), fix.into())
+    }
+    /// A finding that asks for something; an empty `fix` is none.
+    fn with_fix(verdict: Verdict, check: &'static str, found: String, fix: String) -> Finding {
         Finding {
             check,
-            verdict: Verdict::Fail,
-            found: found.into(),
-            fix: Some(fix.into()).filter(|f: &String| !f.is_empty()),
+            verdict,
+            found,
+            fix: Some(fix).filter(|f| !f.is_empty()),
         }
     }
 }
