@@ -28,17 +28,14 @@ pub struct TestHost {
 impl TestHost {
     /// `name` tells apart the test hosts of one test binary (at most 5 bytes).
     pub fn start(name: &str, host_side: &str, address: &'static str) -> TestHost {
-        let tag = std::process::id() % 100_000;
+        assert!(name.len() <= 5, "a test host's name has at most 5 bytes");
+        // The whole pid (at most 7 digits): "sv" + name + pid fits the
+        // kernel's 15 bytes, and a leftover names the process it was for.
+        let tag = std::process::id();
         let ns = format!("sp{name}{tag}");
         let veth = format!("sv{name}{tag}");
         let peer = format!("sp{name}{tag}p");
-        // Leftovers of an earlier run that died (quietly: usually none).
-        for args in [["netns", "del", &ns], ["link", "del", &veth]] {
-            let _ = Command::new("ip")
-                .args(args)
-                .stderr(std::process::Stdio::null())
-                .status();
-        }
+        remove_leftovers_on(host_side);
         ip(&["netns", "add", &ns]);
         let host = TestHost {
             ns: ns.clone(),
@@ -145,6 +142,52 @@ impl Drop for TestHost {
             .args(["link", "del", &self.veth])
             .status();
         let _ = Command::new("ip").args(["netns", "del", &self.ns]).status();
+    }
+}
+
+/// Removes what a test run killed before its clean-up left on `host_side`'s
+/// network: the host's end of its veth pair and its namespace. Otherwise the
+/// host would hold two routes to one /24 and send this run's traffic into
+/// the dead run's namespace (every connection timing out). A leftover whose
+/// process still runs a test binary is another run's: that is an error.
+fn remove_leftovers_on(host_side: &str) {
+    let network = |a: &str| a.rsplit_once('.').map(|(n, _)| n.to_string());
+    let wanted = network(host_side).expect("an IPv4 address");
+    let out = Command::new("ip")
+        .args(["-o", "-4", "addr", "show"])
+        .output()
+        .expect("`ip` (install iproute2)");
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        // "26: svpx27362    inet 172.30.253.1/24 scope global svpx27362"
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let (Some(link), Some(addr)) = (fields.get(1), fields.get(3)) else {
+            continue;
+        };
+        let addr = addr.split('/').next().unwrap_or_default();
+        if network(addr).as_deref() != Some(wanted.as_str()) {
+            continue;
+        }
+        let Some(rest) = link.strip_prefix("sv") else {
+            panic!("{host_side}/24 is already on {link}, not a test host's link: remove it");
+        };
+        let pid: String = rest
+            .chars()
+            .rev()
+            .take_while(char::is_ascii_digit)
+            .collect();
+        let pid: String = pid.chars().rev().collect();
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let live_test = pid.parse::<u32>().ok() != Some(std::process::id())
+            && String::from_utf8_lossy(&cmdline).contains("/deps/");
+        assert!(
+            !live_test,
+            "{host_side}/24 is in use by {link}, a test host of the running test process {pid}"
+        );
+        eprintln!("removing {link} and its namespace, left by a test run that died");
+        let _ = Command::new("ip").args(["link", "del", link]).status();
+        let _ = Command::new("ip")
+            .args(["netns", "del", &format!("sp{rest}")])
+            .status();
     }
 }
 
