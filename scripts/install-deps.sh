@@ -91,9 +91,13 @@ fi
 # through its chromedriver (the same source package, so the same version);
 # fonts-dejavu-core: a font for pages' text, named rather than left to
 # whichever of fontconfig's alternatives apt picks.
+# systemd-container, dpkg-dev: the package test builds the .deb (cargo-deb
+# reads library needs with dpkg-shlibdeps) and boots a clean Debian root
+# with systemd in systemd-nspawn to install it.
 pkgs=(debootstrap passt e2fsprogs iproute2 python3 curl ca-certificates
   gcc g++ libc6-dev pkg-config nftables libnss-myhostname postgresql
-  chromium chromium-driver fonts-dejavu-core)
+  chromium chromium-driver fonts-dejavu-core
+  systemd-container dpkg-dev)
 # Node.js only where there is none: a machine that has it from elsewhere
 # (NodeSource, nvm, a tarball) keeps it, and Debian's npm next to another
 # Node.js would pull Debian's nodejs in beside it, or conflict with it.

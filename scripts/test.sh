@@ -11,6 +11,8 @@ scripts/build.sh
 export SANDPIT_IMAGES_DIR="$PWD/target/sandpit-images"
 export SANDPIT_AGENT_BIN="$PWD/target/x86_64-unknown-linux-gnu/release/sandpit-agent"
 target/release/sandpit image build
+# The Debian package (and cargo-deb, once), which the package test installs.
+scripts/package.sh --no-build >/dev/null
 cargo fmt --all --check
 cargo clippy --locked --workspace --all-targets -- -D warnings
 # The fuzz targets (a workspace of their own): formatted, then a short run each.

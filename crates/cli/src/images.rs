@@ -2,7 +2,8 @@
 //!
 //! The image embeds the agent binary, so the image to boot is the one built
 //! from the agent that ships with this `sandpit`: `sandpit-agent` beside the
-//! executable (an install), or the static build in the Cargo target directory
+//! executable or in `../lib/sandpit` (an install, the Debian package), or
+//! the static build in the Cargo target directory
 //! (a source checkout), or `--agent`/`SANDPIT_AGENT_BIN`. The last image built
 //! is also remembered in `images/current.json`, for a `sandpit` that has no
 //! agent beside it.
@@ -21,7 +22,12 @@ pub fn locate_agent(explicit: Option<&Path>) -> Option<PathBuf> {
     }
     let exe = std::env::current_exe().ok()?;
     let dir = exe.parent()?;
-    let mut candidates = vec![dir.join("sandpit-agent")];
+    // Beside the binary, or where the Debian package puts it
+    // (/usr/bin/sandpit, /usr/lib/sandpit/sandpit-agent).
+    let mut candidates = vec![
+        dir.join("sandpit-agent"),
+        dir.join("../lib/sandpit/sandpit-agent"),
+    ];
     // target/{debug,release}/sandpit (or target/debug/deps/test-binary)
     for up in dir.ancestors().take(3) {
         candidates.push(up.join("x86_64-unknown-linux-gnu/release/sandpit-agent"));
