@@ -9,6 +9,8 @@
 //! and is destroyed. The guest image the test script built is bound into
 //! the root (the packaged agent is the same binary, so the image is the
 //! same): building it again would only repeat `image build`'s own tests.
+//! The container shares the host's network (apt needs the mirror); the
+//! test checks that the host's routes, links and firewall are as they were.
 
 mod common;
 
@@ -185,6 +187,28 @@ impl Drop for Container {
     }
 }
 
+/// What of the host's network a booted Debian root could change, since the
+/// container shares it (with `CAP_NET_ADMIN`, for the guests' guard): the
+/// routes, the links, forwarding, and the nftables tables but the guard's
+/// own (shared by design: each server touches only its VMs' chains).
+fn host_network() -> String {
+    let run = |program: &str, args: &[&str]| {
+        let out = Command::new(program).args(args).output().unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let tables: Vec<String> = run("nft", &["list", "tables"])
+        .lines()
+        .filter(|t| !t.contains(sandpit_runtime::guard::TABLE))
+        .map(str::to_string)
+        .collect();
+    format!(
+        "routes:\n{}links:\n{}ip_forward: {}tables: {tables:?}",
+        run("ip", &["route", "show", "table", "all"]),
+        run("ip", &["-br", "link"]),
+        std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward").unwrap(),
+    )
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -280,6 +304,7 @@ fn the_package_installs_in_a_clean_debian_root_and_its_service_serves_sandboxes(
     std::fs::create_dir_all(root.join("var/lib/sandpit/images")).unwrap();
 
     let pointer = std::fs::read(images_dir().join("current.json")).unwrap();
+    let network = host_network();
     let c = Container::boot(
         &root,
         &images_dir(),
@@ -413,4 +438,5 @@ fn the_package_installs_in_a_clean_debian_root_and_its_service_serves_sandboxes(
         pointer,
         "the test script's images are as they were"
     );
+    assert_eq!(host_network(), network, "the host's network is as it was");
 }
