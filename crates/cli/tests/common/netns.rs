@@ -170,12 +170,7 @@ fn remove_leftovers_on(host_side: &str) {
         let Some(rest) = link.strip_prefix("sv") else {
             panic!("{host_side}/24 is already on {link}, not a test host's link: remove it");
         };
-        let pid: String = rest
-            .chars()
-            .rev()
-            .take_while(char::is_ascii_digit)
-            .collect();
-        let pid: String = pid.chars().rev().collect();
+        let pid = &rest[rest.trim_end_matches(|c: char| c.is_ascii_digit()).len()..];
         let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
         let live_test = pid.parse::<u32>().ok() != Some(std::process::id())
             && String::from_utf8_lossy(&cmdline).contains("/deps/");
