@@ -135,6 +135,8 @@ pub fn checks(settings: &Settings) -> Vec<Finding> {
         disk(settings),
         memory(settings),
         guest_image(&settings.images_dir),
+        snapshot_memory(),
+        listen(settings),
         clock(),
     ]
 }
@@ -510,6 +512,55 @@ fn guest_image(images_dir: &Path) -> Finding {
             "guest image",
             format!("not built: {e:#}"),
             "`sandpit image build` (a few minutes, once); serve builds it on its first start",
+        ),
+    }
+}
+
+fn snapshot_memory() -> Finding {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map(|r| r.trim().to_string())
+        .unwrap_or_else(|_| "?".into());
+    match sandpit_runtime::probe_file_backed_erofs() {
+        Ok(()) => Finding::ok(
+            "snapshot memory",
+            format!(
+                "Linux {release} composes a save's memory from files (file-backed EROFS): \
+                 sandboxes from one snapshot share its pages"
+            ),
+        ),
+        Err(e) => Finding::warn(
+            "snapshot memory",
+            format!("Linux {release} cannot mount EROFS over plain files: {e}"),
+            "sandboxes from snapshots and forks then copy the saved memory instead of \
+             sharing it: run Linux 6.12 or later with CONFIG_EROFS_FS (on Debian 12, \
+             the bookworm-backports kernel)",
+        ),
+    }
+}
+
+fn listen(settings: &Settings) -> Finding {
+    let addr = &settings.listen;
+    let port = addr.rsplit(':').next().unwrap_or(addr);
+    let change = "or set `listen` in the configuration (or SANDPIT_LISTEN)";
+    match std::net::TcpListener::bind(addr.as_str()) {
+        Ok(_) => Finding::ok("listen", format!("{addr} is free for sandpit serve")),
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
+            match crate::owner::holder(&settings.data_dir) {
+                Some((pid, role)) if role == "sandpit serve" => Finding::ok(
+                    "listen",
+                    format!("{addr} is taken, by this data directory's sandpit serve (pid {pid})"),
+                ),
+                _ => Finding::fail(
+                    "listen",
+                    format!("{addr} is taken by another program"),
+                    format!("stop it (`ss -ltnp 'sport = :{port}'` names it), {change}"),
+                ),
+            }
+        }
+        Err(e) => Finding::fail(
+            "listen",
+            format!("cannot listen on {addr}: {e}"),
+            format!("use an address of this host and a free port: {change}"),
         ),
     }
 }

@@ -171,6 +171,16 @@ fn claim(mut file: File, role: Role) -> Result<Ownership> {
     Ok(Ownership { _file: file })
 }
 
+/// Who holds `data_dir` now, as its lock file says: read without taking
+/// the lock (an owner starting may be waiting for it), so `None` also when
+/// the process that wrote it is gone.
+pub fn holder(data_dir: &Path) -> Option<(i32, String)> {
+    let mut file = File::open(data_dir.join(LOCK_FILE)).ok()?;
+    let (pid, role) = read_holder(&mut file)?;
+    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+    (comm.trim() == "sandpit").then_some((pid, role))
+}
+
 /// The pid and role the current holder wrote.
 fn read_holder(file: &mut File) -> Option<(i32, String)> {
     let mut s = String::new();

@@ -1,8 +1,8 @@
 //! `sandpit doctor` as an operator runs it: on this machine (set up by the
 //! test script, so ready), and on the same machine broken the way hosts
 //! are found broken (no `*.localhost` resolver module, no nameserver, a
-//! data directory others can write), in a mount namespace of the test's
-//! own so the machine itself is untouched.
+//! data directory others can write, another program on the port), in a
+//! mount namespace of the test's own so the machine itself is untouched.
 
 mod common;
 
@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
 use std::process::{Command, Output};
 
-const CHECKS: [&str; 13] = [
+const CHECKS: [&str; 15] = [
     "root",
     "kvm",
     "qemu",
@@ -26,6 +26,8 @@ const CHECKS: [&str; 13] = [
     "disk",
     "memory",
     "guest image",
+    "snapshot memory",
+    "listen",
     "clock",
 ];
 
@@ -44,7 +46,15 @@ fn report(out: &Output) -> (BTreeMap<String, Value>, Value) {
     (checks, summary)
 }
 
-fn doctor(cli: &Cli, wrap: Option<&str>) -> Output {
+/// An address no program listens on now.
+fn free_address() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().to_string()
+}
+
+/// `sandpit doctor --json` (in a mount namespace that `wrap` sets up), for
+/// a server that would listen on `listen`.
+fn doctor(cli: &Cli, wrap: Option<&str>, listen: &str) -> Output {
     let mut cmd = match wrap {
         None => Command::new(Cli::program()),
         Some(script) => {
@@ -60,6 +70,7 @@ fn doctor(cli: &Cli, wrap: Option<&str>) -> Output {
     cmd.args(cli.base_args())
         .args(["doctor", "--json"])
         .env_remove("SANDPIT_AGENT_BIN")
+        .env("SANDPIT_LISTEN", listen)
         .output()
         .expect("unshare (util-linux) and the sandpit binary")
 }
@@ -67,7 +78,7 @@ fn doctor(cli: &Cli, wrap: Option<&str>) -> Output {
 #[test]
 fn this_host_is_ready_and_the_report_says_why_kvm_is_or_is_not_used() {
     let cli = Cli::new();
-    let out = doctor(&cli, None);
+    let out = doctor(&cli, None, &free_address());
     let (checks, summary) = report(&out);
     assert_eq!(checks.len(), CHECKS.len(), "{checks:#?}");
     for name in CHECKS {
@@ -84,9 +95,21 @@ fn this_host_is_ready_and_the_report_says_why_kvm_is_or_is_not_used() {
         "guest dns",
         "data directory",
         "guest image",
+        "listen",
     ] {
         assert_eq!(checks[name]["verdict"], "ok", "{:#}", checks[name]);
     }
+    // Starts from a save share its memory where the kernel can compose
+    // files (Linux 6.12), as the saved-VM tests prove it can here.
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    let version: Vec<u32> = release
+        .split(|c: char| !c.is_ascii_digit())
+        .take(2)
+        .map(|n| n.parse().unwrap())
+        .collect();
+    let memory = &checks["snapshot memory"];
+    let want = if version >= vec![6, 12] { "ok" } else { "warn" };
+    assert_eq!(memory["verdict"], want, "{memory:#}");
     // The KVM line agrees with what the machine shows, read here apart.
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap();
     let flagged = cpuinfo
@@ -113,6 +136,7 @@ fn this_host_is_ready_and_the_report_says_why_kvm_is_or_is_not_used() {
         .args(cli.base_args())
         .arg("doctor")
         .env_remove("SANDPIT_AGENT_BIN")
+        .env("SANDPIT_LISTEN", free_address())
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&human.stdout);
@@ -128,7 +152,10 @@ fn this_host_is_ready_and_the_report_says_why_kvm_is_or_is_not_used() {
 #[test]
 fn a_broken_host_fails_and_each_broken_line_says_what_to_do() {
     let cli = Cli::new();
-    let before = report(&doctor(&cli, None)).0;
+    let before = report(&doctor(&cli, None, &free_address())).0;
+    // Another program listens where the server would.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken_addr = taken.local_addr().unwrap().to_string();
     // Others may write the data directory.
     std::fs::set_permissions(&cli.data, std::fs::Permissions::from_mode(0o777)).unwrap();
     // No nss-myhostname, and no nameserver, seen only by this process.
@@ -141,7 +168,8 @@ fn a_broken_host_fails_and_each_broken_line_says_what_to_do() {
          mount --bind {0}/resolv.conf /etc/resolv.conf && exec \"$@\"",
         broken.display()
     );
-    let out = doctor(&cli, Some(&script));
+    let out = doctor(&cli, Some(&script), &taken_addr);
+    drop(taken);
     std::fs::set_permissions(&cli.data, std::fs::Permissions::from_mode(0o700)).unwrap();
     let (checks, summary) = report(&out);
     assert_eq!(
@@ -151,7 +179,7 @@ fn a_broken_host_fails_and_each_broken_line_says_what_to_do() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert_eq!(summary["ready"], false);
-    assert_eq!(summary["failed"], 3, "{checks:#?}");
+    assert_eq!(summary["failed"], 4, "{checks:#?}");
     let fix = |name: &str| -> String {
         assert_eq!(checks[name]["verdict"], "fail", "{:#}", checks[name]);
         checks[name]["fix"].as_str().unwrap().to_string()
@@ -159,9 +187,14 @@ fn a_broken_host_fails_and_each_broken_line_says_what_to_do() {
     assert!(fix("preview names").contains("libnss-myhostname"));
     assert!(fix("guest dns").contains("nameserver"));
     assert!(fix("data directory").contains("chmod go-w"));
+    assert!(fix("listen").contains("SANDPIT_LISTEN"));
+    assert!(checks["listen"]["found"]
+        .as_str()
+        .unwrap()
+        .contains(&taken_addr));
     // Nothing else changed its mind.
     for name in CHECKS {
-        if !["preview names", "guest dns", "data directory"].contains(&name) {
+        if !["preview names", "guest dns", "data directory", "listen"].contains(&name) {
             assert_eq!(
                 checks[name]["verdict"], before[name]["verdict"],
                 "{name}: {:#} then {:#}",

@@ -297,6 +297,36 @@ pub fn open_in(mount: &OwnedFd, name: &str) -> std::io::Result<File> {
     Ok(File::from(fd_of(fd as libc::c_long)?))
 }
 
+/// Does this host compose files as [`mount`] does (root, Linux 6.12 or
+/// later with EROFS)? A one-page image over a scratch file is mounted and
+/// read back: what a start from a save would do, in small.
+pub fn probe() -> std::io::Result<()> {
+    let device = std::env::temp_dir().join(format!(
+        ".sandpit-erofs-probe-{}-{:08x}",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    let page: Vec<u8> = (0..BLOCK).map(|i| (i % 251) as u8).collect();
+    std::fs::write(&device, &page)?;
+    let read = (|| {
+        let image = scratch_file()?;
+        let chunk = Chunk::At {
+            device: 0,
+            block: 0,
+        };
+        write_image(&image, "probe", BLOCK, &[chunk], &[BLOCK])?;
+        let mnt = mount(&image, std::slice::from_ref(&device))?;
+        let mut got = vec![0; BLOCK as usize];
+        open_in(&mnt, "probe")?.read_exact_at(&mut got, 0)?;
+        Ok::<_, std::io::Error>(got)
+    })();
+    let _ = std::fs::remove_file(&device);
+    match read? == page {
+        true => Ok(()),
+        false => Err(std::io::Error::other("the mounted file reads wrong")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

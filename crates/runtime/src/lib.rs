@@ -35,6 +35,9 @@ pub mod vm;
 pub use accel::Accel;
 pub use channel::{AgentClient, ExecEvent, ExecHandle, ExecOutput, FileDownload, FileUpload};
 pub use config::{AccelChoice, NetworkPolicy, RuntimeConfig, SizeSpec};
+/// Can this host compose a save's memory from files, so that the VMs started
+/// from one save share its pages (`ram_image`)? Doctor asks.
+pub use erofs::probe as probe_file_backed_erofs;
 pub use error::{Result, RuntimeError};
 pub use give_way::{GiveWay, Held};
 pub use saved::{AfterSave, SavedRecord, SavedVm};
