@@ -551,14 +551,25 @@ impl VmManager {
         template::remove_outdated(
             &self.templates_dir(),
             &self.current_template_dirs(),
-            &saved_on(&records),
+            &self.templates_in_use(&records),
         );
     }
 
-    /// The directory names of the templates saves (finished or in
-    /// progress) are based on.
-    pub(crate) fn templates_saved_on(&self) -> HashSet<String> {
-        saved_on(&self.save_records().unwrap_or_default())
+    /// The directory names of the templates something stands on: VMs
+    /// restored from them (or started from saves based on them) and saves,
+    /// finished or in progress (`records`).
+    pub(crate) fn templates_in_use(&self, records: &[SavedRecord]) -> HashSet<String> {
+        let vms = self.list().into_iter().filter_map(|vm| {
+            let key = vm.template?;
+            Some(template::dir_name(&vm.size, &key))
+        });
+        saved_on(records).into_iter().chain(vms).collect()
+    }
+
+    /// [`Self::templates_in_use`] with the saves read now; `None` when a
+    /// save's record cannot be read (nothing may then be removed).
+    pub(crate) fn templates_in_use_now(&self) -> Option<HashSet<String>> {
+        Some(self.templates_in_use(&self.save_records()?))
     }
 
     /// The records of every save, finished or being written; `None` when

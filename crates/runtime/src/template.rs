@@ -17,11 +17,12 @@
 //! impossible: the image, the size, the QEMU version and accelerator, the
 //! translation cache size, the network plan (with the operator's proxy), the
 //! guest limits and the extra CA certificates. When any of
-//! them changes the key changes, the template is rebuilt under the new key,
-//! and the old directories are removed (running VMs keep their open files),
-//! except those that saves of running VMs are based on (see `saved`): their
-//! VMs map the template's RAM file and stand on its disk, so such a template
-//! stays, marked outdated, until no save names it.
+//! them changes the key changes (an upgrade brings a new image, for one),
+//! the template is rebuilt under the new key, and the old directories are
+//! removed, except those that running VMs were restored from or that saves
+//! are based on (see `saved`): a save of such a VM, or a VM started from a
+//! save, maps the template's RAM file and stands on its disk, so such a
+//! template stays, marked outdated, until no VM and no save names it.
 //! The host's TSC rate is checked separately, with a tolerance, because it is
 //! measured. Building takes a per-size file lock, so two processes sharing a
 //! data directory build a template once.
@@ -251,21 +252,22 @@ fn is_key(s: &str) -> bool {
     s.len() == 16 && s.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
-/// In a template kept only for the saves made on it: it is outdated, and
-/// goes once no save names it ([`remove_outdated`]).
+/// In a template kept only for the VMs and saves that stand on it: it is
+/// outdated, and goes once none names it ([`remove_outdated`]).
 pub(crate) const OUTDATED: &str = "outdated";
 
 /// Remove every template directory of `size` except `keep`, and leftovers of
-/// builds that died (`.{size}-*.tmp`). Running VMs restored from a removed
-/// template keep working: QEMU holds its files open. A template a save
-/// depends on (its directory name in `saved_on`) stays, marked
-/// [`OUTDATED`]: VMs started from the save map its RAM file and their disks
-/// reach its disk; [`remove_outdated`] removes it once no save names it.
+/// builds that died (`.{size}-*.tmp`). A template still in use (its
+/// directory name in `in_use`: a running VM was restored from it, or a save
+/// is based on it) stays, marked [`OUTDATED`]: such VMs map its RAM file and
+/// their disks reach its disk, and a save of one needs both; QEMU's open
+/// files would keep the VM running, but not its next save.
+/// [`remove_outdated`] removes it once nothing names it.
 pub(crate) fn remove_others(
     templates_dir: &Path,
     size: &str,
     keep: Option<&str>,
-    saved_on: &HashSet<String>,
+    in_use: &HashSet<String>,
 ) {
     let Ok(rd) = std::fs::read_dir(templates_dir) else {
         return;
@@ -277,17 +279,15 @@ pub(crate) fn remove_others(
             .is_some_and(|rest| rest.len() == 16 && !rest.contains('.'));
         let unfinished = name.starts_with(&format!(".{size}-")) && name.ends_with(".tmp");
         if finished && Some(name.as_str()) != keep {
-            if saved_on.contains(&name) {
+            if in_use.contains(&name) {
                 tracing::info!(
                     template = %name,
-                    "keeping an outdated snapshot template: saves depend on it"
+                    "keeping an outdated snapshot template: VMs or saves stand on it"
                 );
                 let _ = std::fs::write(e.path().join(OUTDATED), b"");
                 continue;
             }
             tracing::info!(template = %name, "removing an outdated snapshot template");
-            // VMs restored from it name it on their command line: they keep
-            // running on the files they hold open.
             let _ = std::fs::remove_dir_all(e.path());
         }
         if unfinished {
@@ -308,13 +308,13 @@ pub(crate) fn remove_others(
     }
 }
 
-/// Remove the templates [`remove_others`] kept for saves that no save in
-/// `saved_on` names any more and that are not `current` again (directory
-/// names); returns the names removed.
+/// Remove the templates [`remove_others`] kept that nothing in `in_use`
+/// names any more and that are not `current` again (directory names);
+/// returns the names removed.
 pub(crate) fn remove_outdated(
     templates_dir: &Path,
     current: &HashSet<String>,
-    saved_on: &HashSet<String>,
+    in_use: &HashSet<String>,
 ) -> Vec<String> {
     let mut removed = Vec::new();
     let Ok(rd) = std::fs::read_dir(templates_dir) else {
@@ -324,7 +324,7 @@ pub(crate) fn remove_outdated(
         let name = e.file_name().to_string_lossy().to_string();
         if !is_finished(&name)
             || current.contains(&name)
-            || saved_on.contains(&name)
+            || in_use.contains(&name)
             || !e.path().join(OUTDATED).exists()
         {
             continue;

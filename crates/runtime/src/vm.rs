@@ -1356,7 +1356,10 @@ impl VmManager {
         let inputs = self.template_inputs(size_name, size);
         let name = template::dir_name(size_name, &inputs.key());
         // Outdated templates and the leftovers of builds that died.
-        template::remove_others(&dir, size_name, None, &self.templates_saved_on());
+        match self.templates_in_use_now() {
+            Some(in_use) => template::remove_others(&dir, size_name, None, &in_use),
+            None => tracing::warn!("a save's record is unreadable: no old template is removed"),
+        }
         let tmp = dir.join(format!(".{name}.{}.tmp", rand::random::<u32>()));
         let started = Instant::now();
         tracing::info!(size = size_name, template = %name, "building a snapshot template");

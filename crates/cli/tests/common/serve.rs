@@ -13,14 +13,38 @@ pub const CONFIG: &str =
     "[sizes.small]\nvcpus = 2\nmemory_mb = 1024\ndisk_gb = 4\nprice_usd_per_hour = 0.09\n";
 
 pub fn sandpit(data: &Path) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_sandpit"));
+    sandpit_of(
+        Path::new(env!("CARGO_BIN_EXE_sandpit")),
+        &images_dir(),
+        data,
+    )
+}
+
+fn sandpit_of(program: &Path, images: &Path, data: &Path) -> Command {
+    let mut c = Command::new(program);
     c.arg("--data-dir")
         .arg(data)
         .arg("--images-dir")
-        .arg(images_dir())
+        .arg(images)
         .arg("--config")
         .arg(data.join("config.toml"));
     c
+}
+
+/// A `sandpit` to start instead of this build's (another release's), with
+/// the agent its guest image is built from and its images directory.
+pub struct Build {
+    pub program: PathBuf,
+    pub agent: PathBuf,
+    pub images: PathBuf,
+}
+
+impl Build {
+    fn command(&self, data: &Path) -> Command {
+        let mut c = sandpit_of(&self.program, &self.images, data);
+        c.env("SANDPIT_AGENT_BIN", &self.agent);
+        c
+    }
 }
 
 /// A running `sandpit serve`.
@@ -53,7 +77,12 @@ impl Server {
     /// [`Server::start_on`], run by the command `wrapper` (which ends with
     /// the program to run and its arguments, e.g. `unshare -m sh -c '...; exec "$@"' sh`).
     pub fn start_under(data: &Path, extra: &str, listen: &str, wrapper: &[&str]) -> Server {
-        Server::start_full(data, extra, listen, wrapper, None)
+        Server::start_full(data, extra, listen, wrapper, None, None)
+    }
+
+    /// A server of `build` on `data`, with the test config.
+    pub fn start_build(data: &Path, build: &Build) -> Server {
+        Server::start_full(data, "", "127.0.0.1:0", &[], None, Some(build))
     }
 
     /// A server whose store is the (PostgreSQL) database at `url`, named
@@ -64,7 +93,14 @@ impl Server {
 
     /// [`Server::start_on_database`] with `extra` appended to the config.
     pub fn start_node(data: &Path, url: &str, name: &str, extra: &str) -> Server {
-        Server::start_full(data, extra, "127.0.0.1:0", &[], Some((url, name, &[])))
+        Server::start_full(
+            data,
+            extra,
+            "127.0.0.1:0",
+            &[],
+            Some((url, name, &[])),
+            None,
+        )
     }
 
     /// [`Server::start_node`] with more arguments for `serve`.
@@ -75,7 +111,14 @@ impl Server {
         extra: &str,
         args: &[&str],
     ) -> Server {
-        Server::start_full(data, extra, "127.0.0.1:0", &[], Some((url, name, args)))
+        Server::start_full(
+            data,
+            extra,
+            "127.0.0.1:0",
+            &[],
+            Some((url, name, args)),
+            None,
+        )
     }
 
     fn start_full(
@@ -84,12 +127,16 @@ impl Server {
         listen: &str,
         wrapper: &[&str],
         database: Option<(&str, &str, &[&str])>,
+        build: Option<&Build>,
     ) -> Server {
         std::fs::write(data.join("config.toml"), format!("{CONFIG}{extra}")).unwrap();
         // Only a first start (no database yet) prints an admin key; of a
         // shared database, whatever is printed is taken.
         let first_start = database.is_some() || !data.join("sandpit.db").exists();
-        let mut direct = sandpit(data);
+        let mut direct = match build {
+            Some(b) => b.command(data),
+            None => sandpit(data),
+        };
         if let Some((url, name, args)) = database {
             direct
                 .env("SANDPIT_DATABASE_URL", url)
