@@ -99,6 +99,19 @@ fn this_host_is_ready_and_the_report_says_why_kvm_is_or_is_not_used() {
     ] {
         assert_eq!(checks[name]["verdict"], "ok", "{:#}", checks[name]);
     }
+    // passt's own `--version` says "unknown version" on Debian: the line
+    // gives its package's.
+    let packaged = Command::new("dpkg-query")
+        .args(["-W", "-f", "${Version}", "passt"])
+        .output()
+        .unwrap();
+    let packaged = String::from_utf8_lossy(&packaged.stdout);
+    assert!(!packaged.is_empty(), "passt is not a Debian package here");
+    let passt = checks["passt"]["found"].as_str().unwrap();
+    assert!(
+        passt.contains(packaged.trim()),
+        "{passt} (package {packaged})"
+    );
     // Starts from a save share its memory where the kernel can compose
     // files (Linux 6.12), as the saved-VM tests prove it can here.
     let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();

@@ -6,7 +6,8 @@
 //! finds the host ready; the key the first start printed is in the unit's
 //! journal; a sandbox made through the service answers, survives a
 //! `systemctl restart` and a SIGKILL of the server (restarted by systemd),
-//! and is destroyed. The guest image the test script built is bound into
+//! is forked, paused and resumed under the unit's hardening, and is
+//! destroyed. The guest image the test script built is bound into
 //! the root (the packaged agent is the same binary, so the image is the
 //! same): building it again would only repeat `image build`'s own tests.
 //! The container shares the host's network (apt needs the mirror); the
@@ -410,9 +411,40 @@ fn the_package_installs_in_a_clean_debian_root_and_its_service_serves_sandboxes(
         boot_id
     );
 
-    let (st, gone) =
-        rt.block_on(rest.call(reqwest::Method::DELETE, &format!("/sandboxes/{id}"), None));
-    assert_eq!(st, 200, "{gone}");
+    // Saves work under the unit's hardening (its data directory is the only
+    // writable place; the saved memory is mounted detached): a fork copies
+    // the sandbox, and a pause and a resume bring it back as it was.
+    let r = exec(&id, "echo unit > /workspace/marker; cat /etc/machine-id");
+    assert_eq!(r["exit_code"], 0, "{r}");
+    let machine_id = r["stdout"].clone();
+    let (st, fork) = rt.block_on(rest.post(&format!("/sandboxes/{id}/fork"), json!({"count": 1})));
+    assert_eq!(st, 201, "{fork}");
+    let copy = fork["sandboxes"][0]["id"].as_str().unwrap().to_string();
+    let r = exec(&copy, "cat /workspace/marker; cat /etc/machine-id");
+    assert_eq!(r["exit_code"], 0, "{r}");
+    let out = r["stdout"].as_str().unwrap();
+    assert!(out.starts_with("unit\n"), "{r}");
+    assert!(
+        !out.ends_with(machine_id.as_str().unwrap()),
+        "the copy is not a machine of its own: {r}"
+    );
+    for (verb, status) in [("pause", "paused"), ("resume", "running")] {
+        let (st, s) = rt.block_on(rest.post(&format!("/sandboxes/{id}/{verb}"), json!({})));
+        assert_eq!(
+            (st, s["status"].as_str()),
+            (200, Some(status)),
+            "{verb}: {s}"
+        );
+    }
+    assert_eq!(exec(&id, "cat /workspace/marker")["stdout"], "unit\n");
+    for path in [
+        format!("/sandboxes/{copy}"),
+        format!("/snapshots/{}", fork["snapshot"]["id"].as_str().unwrap()),
+        format!("/sandboxes/{id}"),
+    ] {
+        let (st, gone) = rt.block_on(rest.call(reqwest::Method::DELETE, &path, None));
+        assert_eq!(st, 200, "{path}: {gone}");
+    }
     // Nothing of the VM is left in the container but the server.
     let vm_processes = |pid_ns: &Path| -> Vec<String> {
         processes_in(pid_ns)
@@ -422,7 +454,7 @@ fn the_package_installs_in_a_clean_debian_root_and_its_service_serves_sandboxes(
             .filter(|c| c.starts_with("qemu-system") || c.contains("passt"))
             .collect()
     };
-    wait_until("the VM's processes gone", Duration::from_secs(30), || {
+    wait_until("the VMs' processes gone", Duration::from_secs(30), || {
         vm_processes(&c.pid_ns).is_empty()
     });
     assert!(!processes_in(&c.pid_ns).is_empty());
