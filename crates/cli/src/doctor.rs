@@ -223,20 +223,34 @@ fn qemu(binary: &Path, snapshots: bool) -> Finding {
 
 /// The version of the Debian package that holds `binary`, if one does.
 fn package_version(binary: &Path) -> Option<String> {
-    let path = std::fs::canonicalize(binary).ok()?;
-    let owner = Command::new("dpkg-query")
-        .arg("-S")
-        .arg(&path)
-        .output()
-        .ok()?;
-    let owner = String::from_utf8_lossy(&owner.stdout);
-    let package = owner.split(':').next()?.trim();
+    // A bare name (the default, `passt`) is the one `PATH` finds.
+    let found = if binary.components().count() > 1 {
+        binary.to_path_buf()
+    } else {
+        std::env::split_paths(&std::env::var_os("PATH")?)
+            .map(|dir| dir.join(binary))
+            .find(|p| p.is_file())?
+    };
+    // dpkg knows a file by the path its package gave, which on a merged
+    // `/usr` may be the link's (`/bin/x`) or the target's (`/usr/bin/x`).
+    let real = std::fs::canonicalize(&found).ok()?;
+    let owner = [found, real].iter().find_map(|path| {
+        let out = Command::new("dpkg-query")
+            .arg("-S")
+            .arg(path)
+            .output()
+            .ok()?;
+        let owner = String::from_utf8_lossy(&out.stdout);
+        let package = owner.split(':').next()?.trim().to_string();
+        (out.status.success() && !package.is_empty()).then_some(package)
+    })?;
+    let package = owner.as_str();
     let version = Command::new("dpkg-query")
         .args(["-W", "-f", "${Version}", package])
         .output()
         .ok()?;
     let version = String::from_utf8_lossy(&version.stdout).trim().to_string();
-    (!package.is_empty() && !version.is_empty()).then(|| format!("{package} {version}"))
+    (!version.is_empty()).then(|| format!("{package} {version}"))
 }
 
 fn passt(binary: &Path, network: bool) -> Finding {

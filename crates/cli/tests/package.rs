@@ -6,10 +6,11 @@
 //! finds the host ready; the key the first start printed is in the unit's
 //! journal; a sandbox made through the service answers, survives a
 //! `systemctl restart` and a SIGKILL of the server (restarted by systemd),
-//! is forked, paused and resumed under the unit's hardening, and is
-//! destroyed. The guest image the test script built is bound into
-//! the root (the packaged agent is the same binary, so the image is the
-//! same): building it again would only repeat `image build`'s own tests.
+//! and is destroyed; a second one, restored from the snapshot template the
+//! service built, is forked, paused and resumed under the unit's
+//! hardening. The guest image the test script built is bound into the root
+//! (the packaged agent is the same binary, so the image is the same):
+//! building it again would only repeat `image build`'s own tests.
 //! The container shares the host's network (apt needs the mirror); the
 //! test checks that the host's routes, links and firewall are as they were.
 
@@ -292,14 +293,15 @@ fn the_package_installs_in_a_clean_debian_root_and_its_service_serves_sandboxes(
     )
     .unwrap();
     std::fs::copy(&deb, root.join("root/sandpit.deb")).unwrap();
-    // The operator's own settings, as a drop-in: a free port, no warm pool
-    // (so the one sandbox is all the VMs there are).
+    // The operator's own settings, as a drop-in: a free port and a warm
+    // pool of one (its refill builds the snapshot template that snapshots,
+    // forks and pauses save against).
     let port = free_port();
     let dropin = root.join("etc/systemd/system/sandpit.service.d");
     std::fs::create_dir_all(&dropin).unwrap();
     std::fs::write(
         dropin.join("local.conf"),
-        format!("[Service]\nEnvironment=SANDPIT_LISTEN=127.0.0.1:{port} SANDPIT_POOL=none\n"),
+        format!("[Service]\nEnvironment=SANDPIT_LISTEN=127.0.0.1:{port} SANDPIT_POOL=small=1\n"),
     )
     .unwrap();
     std::fs::create_dir_all(root.join("var/lib/sandpit/images")).unwrap();
@@ -413,11 +415,35 @@ fn the_package_installs_in_a_clean_debian_root_and_its_service_serves_sandboxes(
 
     // Saves work under the unit's hardening (its data directory is the only
     // writable place; the saved memory is mounted detached): a fork copies
-    // the sandbox, and a pause and a resume bring it back as it was.
-    let r = exec(&id, "echo unit > /workspace/marker; cat /etc/machine-id");
+    // a sandbox, and a pause and a resume bring it back as it was. The
+    // first sandbox may have booted before the service had its snapshot
+    // template (a cold boot has no base to save against), so these go to
+    // one restored from it, once the warm pool shows it is built.
+    let t = std::time::Instant::now();
+    loop {
+        let (_, info) = rt.block_on(rest.get("/service"));
+        let pool = &info["fast_start"]["warm_pool"];
+        if pool
+            .as_array()
+            .is_some_and(|sizes| sizes.iter().any(|s| s["ready"].as_u64() > Some(0)))
+        {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(240),
+            "no warm VM from a template within 240 s: {pool}\n{}",
+            c.sh("journalctl -u sandpit --no-pager -o cat | tail -n 40")
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let (st, saved) = rt.block_on(rest.post("/sandboxes", json!({"timeout_minutes": 30})));
+    assert_eq!(st, 201, "{saved}");
+    let saved = saved["id"].as_str().unwrap().to_string();
+    let r = exec(&saved, "echo unit > /workspace/marker; cat /etc/machine-id");
     assert_eq!(r["exit_code"], 0, "{r}");
     let machine_id = r["stdout"].clone();
-    let (st, fork) = rt.block_on(rest.post(&format!("/sandboxes/{id}/fork"), json!({"count": 1})));
+    let (st, fork) =
+        rt.block_on(rest.post(&format!("/sandboxes/{saved}/fork"), json!({"count": 1})));
     assert_eq!(st, 201, "{fork}");
     let copy = fork["sandboxes"][0]["id"].as_str().unwrap().to_string();
     let r = exec(&copy, "cat /workspace/marker; cat /etc/machine-id");
@@ -429,29 +455,32 @@ fn the_package_installs_in_a_clean_debian_root_and_its_service_serves_sandboxes(
         "the copy is not a machine of its own: {r}"
     );
     for (verb, status) in [("pause", "paused"), ("resume", "running")] {
-        let (st, s) = rt.block_on(rest.post(&format!("/sandboxes/{id}/{verb}"), json!({})));
+        let (st, s) = rt.block_on(rest.post(&format!("/sandboxes/{saved}/{verb}"), json!({})));
         assert_eq!(
             (st, s["status"].as_str()),
             (200, Some(status)),
             "{verb}: {s}"
         );
     }
-    assert_eq!(exec(&id, "cat /workspace/marker")["stdout"], "unit\n");
+    assert_eq!(exec(&saved, "cat /workspace/marker")["stdout"], "unit\n");
     for path in [
         format!("/sandboxes/{copy}"),
         format!("/snapshots/{}", fork["snapshot"]["id"].as_str().unwrap()),
+        format!("/sandboxes/{saved}"),
         format!("/sandboxes/{id}"),
     ] {
         let (st, gone) = rt.block_on(rest.call(reqwest::Method::DELETE, &path, None));
         assert_eq!(st, 200, "{path}: {gone}");
     }
-    // Nothing of the VM is left in the container but the server.
+    // Nothing of the destroyed VMs is left in the container (QEMU, passt
+    // and the watchdog each name their VM); the pool's VM lives on.
+    let destroyed = [&id, &saved, &copy];
     let vm_processes = |pid_ns: &Path| -> Vec<String> {
         processes_in(pid_ns)
             .into_iter()
             .filter_map(|pid| std::fs::read(format!("/proc/{pid}/cmdline")).ok())
             .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
-            .filter(|c| c.starts_with("qemu-system") || c.contains("passt"))
+            .filter(|c| destroyed.iter().any(|id| c.contains(id.as_str())))
             .collect()
     };
     wait_until("the VMs' processes gone", Duration::from_secs(30), || {

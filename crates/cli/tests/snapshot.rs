@@ -187,12 +187,20 @@ fn a_changed_image_gets_a_new_template_and_old_vms_keep_running() {
         );
         let t2 = m2.ensure_template("small").await.expect("new template");
         assert_ne!(t1.key, t2.key);
-        assert_eq!(template_dirs(&m2), [format!("small-{}", t2.key)]);
+        // The old template stays (outdated) while a VM stands on it: a
+        // snapshot, fork or pause of that VM saves against it.
+        let (old_dir, new_dir) = (format!("small-{}", t1.key), format!("small-{}", t2.key));
+        let mut both = vec![old_dir, new_dir.clone()];
+        both.sort();
+        assert_eq!(template_dirs(&m2), both);
 
-        // The VM restored from the removed template still works.
+        // The VM restored from the outdated template still works.
         assert_eq!(sh(&old, "echo still here").await, "still here");
         assert!(matches!(m.state(&old.record), VmState::Running));
         m.destroy("sbx_old_image").await.unwrap();
+        // Once none does, the new image's collection removes it.
+        m2.gc_layers();
+        assert_eq!(template_dirs(&m2), [new_dir]);
     });
 }
 
