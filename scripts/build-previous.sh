@@ -6,14 +6,11 @@
 # costs nothing. Prints the directory last; target/previous/current points
 # at it.
 #
-# Its `sandpit` builds in this build's target directory, so the dependencies
-# both lock files pin alike (most of them) are compiled once: the previous
-# release's own crates sit elsewhere, so they differ from this build's in
-# cargo's eyes. That build leaves its binary in target/release/sandpit, so
-# this build's is put back at the end (cargo re-links a fresh binary; run
-# scripts/build.sh first, or that step builds it). Its agent builds in a
-# target directory of its own: this build's agent, which images are made
-# from, is never replaced, even for a moment.
+# In a target directory of its own: its crates have this build's names and
+# relative paths, and cargo would take this build's artifacts for fresh
+# builds of them. The dependencies this build compiled that the previous
+# release's lock file pins alike (most of them) are copied there, so only
+# its own crates and what changed compile again.
 #
 # The previous release is the commit below, main just before the dashboard
 # (2026-12-03): its guest root filesystem recipe is this build's, so the
@@ -23,7 +20,6 @@
 # runtime predates the host limits and KSM.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-here=$PWD
 me=build-previous.sh
 commit=4b1c8bb3be88eac3efadc455c415d49fd23fd3bd
 
@@ -42,17 +38,25 @@ rm -rf "$work" "$out" "$out.tmp"
 mkdir -p "$work/src" "$out.tmp"
 git archive "$commit" | tar -x -C "$work/src"
 echo "$me: building ${commit:0:12} (the previous release) in $work"
+# Copies, not links: cargo rewrites some of these files in place.
+for profile in release x86_64-unknown-linux-gnu/release; do
+  for dir in deps build .fingerprint; do
+    [ -d "target/$profile/$dir" ] || continue
+    mkdir -p "$work/target/$profile/$dir"
+    find "target/$profile/$dir" -mindepth 1 -maxdepth 1 ! -name '*sandpit*' \
+      -exec cp -a -t "$work/target/$profile/$dir/" {} +
+  done
+done
 # Its own toolchain file and lock file (cargo runs in its tree), and the
 # flags of its scripts/build.sh.
 (
   cd "$work/src"
-  RUSTFLAGS="-C target-feature=+crt-static" CARGO_TARGET_DIR="$work/target" \
+  export CARGO_TARGET_DIR="$work/target"
+  RUSTFLAGS="-C target-feature=+crt-static" \
     cargo build --release --locked -p sandpit-agent --target x86_64-unknown-linux-gnu
-  CARGO_TARGET_DIR="$here/target" cargo build --release --locked -p sandpit
-  cp "$here/target/release/sandpit" "$work/target/x86_64-unknown-linux-gnu/release/sandpit-agent" "$out.tmp/"
+  cargo build --release --locked -p sandpit
 ) >&2
-# This build's binary back in target/release.
-cargo build --release --locked -p sandpit >&2
+cp "$work/target/release/sandpit" "$work/target/x86_64-unknown-linux-gnu/release/sandpit-agent" "$out.tmp/"
 mv "$out.tmp" "$out"
 rm -rf "$work"
 ln -sfn "$commit" target/previous/current

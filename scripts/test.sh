@@ -25,7 +25,7 @@ export SANDPIT_IMAGES_DIR="$PWD/target/sandpit-images"
 export SANDPIT_AGENT_BIN="$PWD/target/x86_64-unknown-linux-gnu/release/sandpit-agent"
 # The previous release, which the upgrade test runs first (cached in
 # target/previous), builds meanwhile (the guest image's build mostly waits
-# on the Debian mirror). It borrows target/release/sandpit until it is done.
+# on the Debian mirror).
 previous_log=target/build-previous.log
 scripts/build-previous.sh >"$previous_log" 2>&1 &
 previous=$!
@@ -43,6 +43,9 @@ setup_log=target/setup-test.log
 setup=$!
 step "guest image (the previous release builds meanwhile)"
 target/release/sandpit image build
+step "Debian package"
+# The Debian package (and cargo-deb, once), which the package test installs.
+scripts/package.sh --no-build >/dev/null
 step "format and lints"
 cargo fmt --all --check
 cargo clippy --locked --workspace --all-targets -- -D warnings
@@ -56,9 +59,6 @@ if ! wait "$previous"; then
   echo "test.sh: building the previous release failed (above)" >&2
   exit 1
 fi
-step "Debian package"
-# The Debian package (and cargo-deb, once), which the package test installs.
-scripts/package.sh --no-build >/dev/null
 step "waiting for the set-up test"
 setup_status=0
 wait "$setup" || setup_status=$?
