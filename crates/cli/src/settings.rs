@@ -114,6 +114,10 @@ pub struct LimitsSection {
     /// What a paused sandbox costs, in percent of its running price
     /// (default 10).
     pub paused_price_percent: Option<u32>,
+    /// A sandbox unused this long (no call, preview request or terminal)
+    /// whose guest is idle too is paused, and resumed by the next call
+    /// that needs it (default 0: never).
+    pub idle_pause_seconds: Option<u64>,
 }
 
 /// MCP over HTTP: DNS-rebinding protection.
@@ -323,6 +327,9 @@ impl Settings {
             }
             if let Some(p) = l.paused_price_percent {
                 service.paused_price_percent = p.min(100);
+            }
+            if let Some(secs) = l.idle_pause_seconds {
+                service.idle_pause_secs = secs;
             }
         }
         let listen = env_or("SANDPIT_LISTEN", file.listen.clone())

@@ -20,18 +20,8 @@ fn rt() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
-/// Runs `command` in sandbox `id`; its stdout, trimmed (panics unless it
-/// exits 0).
 async fn sh(api: &Rest, id: &str, command: &str) -> String {
-    let (st, ex) = api
-        .post(
-            &format!("/sandboxes/{id}/exec"),
-            json!({ "command": command }),
-        )
-        .await;
-    assert_eq!(st, 200, "{command}: {ex}");
-    assert_eq!(ex["exit_code"], 0, "{command}: {ex}");
-    ex["stdout"].as_str().unwrap().trim().to_string()
+    api.sh(id, command).await
 }
 
 async fn count(api: &Rest, id: &str) -> u64 {
@@ -68,7 +58,7 @@ fn a_sandbox_snapshotted_forked_and_restored_is_the_same_machine() {
     rt().block_on(async {
         // The first start of a server builds the snapshot template; the
         // sandboxes here are restored from it, as nearly all are.
-        template_ready(&api).await;
+        api.template_ready().await;
         let (st, a) = api
             .post("/sandboxes", json!({"size": "small", "timeout_minutes": 20}))
             .await;
@@ -447,20 +437,6 @@ async fn futures_ids(api: &Rest, sandboxes: &[String]) -> std::collections::BTre
     ids
 }
 
-/// Waits until the server's warm pool has a VM ready: its snapshot
-/// template exists.
-async fn template_ready(api: &Rest) {
-    let deadline = Instant::now() + Duration::from_secs(300);
-    loop {
-        let (_, info) = api.get("/service").await;
-        if info["fast_start"]["warm_pool"][0]["ready"].as_u64() >= Some(1) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "the warm pool did not fill");
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-}
-
 #[test]
 fn snapshots_and_pauses_outlive_a_restart_and_expired_snapshots_free_their_disk() {
     let data = data_dir();
@@ -470,7 +446,7 @@ fn snapshots_and_pauses_outlive_a_restart_and_expired_snapshots_free_their_disk(
         std::fs::write(data.join("admin.key"), &key).unwrap();
         let api = Rest::new(&server, &key);
         rt().block_on(async {
-            template_ready(&api).await;
+            api.template_ready().await;
             let (st, a) = api.post("/sandboxes", json!({"timeout_minutes": 10})).await;
             assert_eq!(st, 201, "{a}");
             let a = id_of(&a);

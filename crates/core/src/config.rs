@@ -82,6 +82,12 @@ pub struct ServiceConfig {
     pub snapshot_bytes_per_account: u64,
     /// What a paused sandbox costs, in percent of its running price.
     pub paused_price_percent: u32,
+    /// A sandbox that nobody used for this long (no call, no preview
+    /// request, no terminal) and whose guest did nothing either (CPU,
+    /// network) is paused, to be resumed by the next call that needs it;
+    /// 0: never (see `crate::idle`). Only where this process runs the VMs
+    /// itself (not on a cluster's replicas).
+    pub idle_pause_secs: u64,
 }
 
 impl Default for ServiceConfig {
@@ -124,6 +130,7 @@ impl Default for ServiceConfig {
             max_snapshots_per_account: 20,
             snapshot_bytes_per_account: 50 * 1024 * 1024 * 1024,
             paused_price_percent: 10,
+            idle_pause_secs: 0,
         }
     }
 }

@@ -15,6 +15,7 @@ pub mod cluster;
 pub mod config;
 pub mod disk;
 pub mod error;
+pub(crate) mod idle;
 pub mod ids;
 pub mod machines;
 pub mod metrics;

@@ -444,6 +444,9 @@ pub struct Limits {
     pub account_disk_bytes: u64,
     /// The write rate of an over-limit account's disks.
     pub over_disk_limit_write_bytes_per_second: u64,
+    /// A sandbox unused this long whose guest is idle too is paused, and
+    /// resumed by the next call that needs it (0: never).
+    pub idle_pause_seconds: u64,
 }
 
 /// Linux's limit on one argument of exec (`MAX_ARG_STRLEN` less its NUL):
@@ -484,6 +487,7 @@ impl Limits {
             execution_retention_days: c.execution_retention_days,
             account_disk_bytes: c.account_disk_bytes,
             over_disk_limit_write_bytes_per_second: crate::disk::OVER_LIMIT_WRITE_BPS,
+            idle_pause_seconds: c.idle_pause_secs,
         }
     }
 }

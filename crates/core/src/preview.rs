@@ -530,6 +530,11 @@ impl Previews {
         (open, self.serial.load(Ordering::Relaxed))
     }
 
+    /// Whether sandbox `id` has preview connections open.
+    pub(crate) fn has_open(&self, id: &str) -> bool {
+        self.open.lock().unwrap().contains_key(id)
+    }
+
     /// Cut the open connections of a sandbox (`port`: of that port only).
     pub(crate) fn close(&self, id: &str, port: Option<u16>) -> usize {
         self.forget_checks(id, port);

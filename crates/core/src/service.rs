@@ -36,6 +36,7 @@ mod errors;
 mod exec;
 mod files;
 mod gauges;
+mod idle;
 mod lifecycle;
 mod pause;
 mod ports;
@@ -56,6 +57,7 @@ use crate::api::{Caller, ExecStream, SandboxApi};
 use crate::backend::LocalVms;
 use crate::config::ServiceConfig;
 use crate::error::{CoreError, Result};
+use crate::idle::{Activity, Busy};
 use crate::machines::{Machines, PtySize};
 use crate::model::*;
 use crate::preview::{PreviewLimits, Previews};
@@ -103,6 +105,8 @@ pub struct Service {
     /// Sandboxes whose VM is being replaced by a restore: a call that finds
     /// it gone meanwhile is told to retry, and does not fail the sandbox.
     restoring: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// Which sandboxes are in use, for the idle sweep (see [`crate::idle`]).
+    activity: Arc<Activity>,
 }
 
 /// A restore in progress (see [`Service::restoring`]); over when dropped.
@@ -156,6 +160,7 @@ impl Service {
             node_link: std::sync::OnceLock::new(),
             routes: Default::default(),
             restoring: Default::default(),
+            activity: Default::default(),
         })
     }
 
@@ -216,6 +221,16 @@ impl Service {
                 }
             }
         });
+        if let Some(every) = self.idle_sweep_every() {
+            let me = Arc::downgrade(self);
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(every).await;
+                    let Some(svc) = me.upgrade() else { return };
+                    svc.pause_idle_once(every).await;
+                }
+            });
+        }
         let me = Arc::downgrade(self);
         let wake = self.reaper.clone();
         tokio::spawn(async move {
@@ -270,16 +285,28 @@ impl Service {
     }
 
     /// A running sandbox of the caller (a paused one is resumed first), or
-    /// why it cannot be used.
-    async fn running(&self, caller: &Caller, id: &str) -> Result<SandboxRow> {
-        let row = self.owned(caller, id).await?;
+    /// why it cannot be used; not paused for idleness while the [`Busy`]
+    /// mark lives (see [`crate::idle`]), so the caller holds it for as long
+    /// as it uses the VM.
+    async fn running(&self, caller: &Caller, id: &str) -> Result<(SandboxRow, Busy)> {
+        // Marked before the row is read: a row read first could be stale by
+        // a pause that began and ended in between.
+        let busy = self.activity.begin(id).await;
+        let row = match self.owned(caller, id).await {
+            Ok(row) => row,
+            Err(e) => {
+                drop(busy);
+                self.activity.forget(id);
+                return Err(e);
+            }
+        };
         if row.status == SandboxStatus::Paused {
-            return self.wake(&row).await;
+            return Ok((self.wake(&row).await?, busy));
         }
         if row.status != SandboxStatus::Running {
             return Err(not_running(&row));
         }
-        Ok(row)
+        Ok((row, busy))
     }
 }
 

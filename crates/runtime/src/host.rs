@@ -64,6 +64,22 @@ pub fn parse_cpu_ticks(stat: &str) -> Option<u64> {
     Some(utime + stime)
 }
 
+/// Bytes process `pid` has read and written through system calls so far
+/// (`rchar` + `wchar` of `/proc/PID/io`): for passt, the guest's network
+/// traffic both ways.
+pub fn io_bytes(pid: u32) -> Option<u64> {
+    parse_io_bytes(&std::fs::read_to_string(format!("/proc/{pid}/io")).ok()?)
+}
+
+/// `rchar` + `wchar` from a `/proc/PID/io` text.
+pub fn parse_io_bytes(io: &str) -> Option<u64> {
+    let field = |name: &str| -> Option<u64> {
+        io.lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+    };
+    Some(field("rchar:")? + field("wchar:")?)
+}
+
 /// Rss and Pss of process `pid`, in bytes.
 pub fn process_memory(pid: u32) -> Option<(u64, u64)> {
     parse_smaps_rollup(&std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?)
@@ -164,6 +180,13 @@ mod tests {
         let stat = "1234 (qemu (x) 1) S 1 1234 1234 0 -1 4194560 100 0 0 0 250 50 0 0 20 0";
         assert_eq!(parse_cpu_ticks(stat), Some(300));
         assert_eq!(parse_cpu_ticks("garbage"), None);
+    }
+
+    #[test]
+    fn io_bytes_are_read_and_written_together() {
+        let io = "rchar: 1000\nwchar: 24\nsyscr: 5\nsyscw: 2\nread_bytes: 0\n";
+        assert_eq!(parse_io_bytes(io), Some(1024));
+        assert_eq!(parse_io_bytes("syscr: 5\n"), None);
     }
 
     #[test]

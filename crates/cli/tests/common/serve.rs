@@ -319,6 +319,33 @@ impl Rest {
     pub async fn get(&self, path: &str) -> (u16, Value) {
         self.call(reqwest::Method::GET, path, None).await
     }
+    /// Runs `command` in sandbox `id`; its stdout, trimmed (panics unless it
+    /// exits 0).
+    pub async fn sh(&self, id: &str, command: &str) -> String {
+        let (st, ex) = self
+            .post(
+                &format!("/sandboxes/{id}/exec"),
+                serde_json::json!({ "command": command }),
+            )
+            .await;
+        assert_eq!(st, 200, "{command}: {ex}");
+        assert_eq!(ex["exit_code"], 0, "{command}: {ex}");
+        ex["stdout"].as_str().unwrap().trim().to_string()
+    }
+    /// Waits until the server's warm pool has a VM ready: its snapshot
+    /// template exists, so sandboxes are restored from it (and can be
+    /// snapshotted, forked and paused).
+    pub async fn template_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(300);
+        loop {
+            let (_, info) = self.get("/service").await;
+            if info["fast_start"]["warm_pool"][0]["ready"].as_u64() >= Some(1) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "the warm pool did not fill");
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
 }
 
 /// A running `sandpit node` (a cluster's VMs, no public API), in a network

@@ -32,7 +32,7 @@ impl Service {
         params: ExecParams,
     ) -> Result<Execution> {
         let req = validate_exec(&self.config, &params)?;
-        let row = self.running(caller, id).await?;
+        let (row, _busy) = self.running(caller, id).await?;
         // The command runs in a task of its own; if this call is dropped (the
         // client hung up), the cancel sender goes with it, the task kills the
         // command and records the execution as cancelled.
@@ -60,7 +60,7 @@ impl Service {
         params: ExecParams,
     ) -> Result<ExecStream> {
         let req = validate_exec(&self.config, &params)?;
-        let row = self.running(caller, id).await?;
+        let (row, busy) = self.running(caller, id).await?;
         // Started before the stream: a VM out of reach fails the call.
         let command = req.command.clone();
         let handle = self.start_command(&row, req).await?;
@@ -68,6 +68,8 @@ impl Service {
         let (cancel_tx, cancel_rx) = oneshot::channel();
         let me = self.arc_self();
         tokio::spawn(async move {
+            // In use until the command ends, however long it streams.
+            let _busy = busy;
             let Some(me) = me else { return };
             let last = match me
                 .run_exec(&row, command, handle, Some(tx.clone()), cancel_rx)

@@ -57,7 +57,7 @@ impl Service {
     ) -> Result<FileWritten> {
         let _slot = self.transfer_slot(caller).await?;
         let (path, bytes) = write_content(&self.config, req)?;
-        let row = self.running(caller, id).await?;
+        let (row, _busy) = self.running(caller, id).await?;
         let machines = self.machines_for(&row).await?;
         let (path, n) = match machines.write_file(&row.id, &path, bytes).await {
             Ok(done) => done,
@@ -78,7 +78,7 @@ impl Service {
         check_path(path)?;
         check_write_size(&self.config, size)?;
         let _slot = self.transfer_slot(caller).await?;
-        let row = self.running(caller, id).await?;
+        let (row, _busy) = self.running(caller, id).await?;
         let machines = self.machines_for(&row).await?;
         // Dropped on any early return: the guest discards what it had.
         let mut upload = match machines.upload(&row.id, path, size).await {
@@ -114,7 +114,7 @@ impl Service {
     ) -> Result<crate::api::FileDownload> {
         check_path(path)?;
         let slot = self.transfer_slot(caller).await?;
-        let row = self.running(caller, id).await?;
+        let (row, busy) = self.running(caller, id).await?;
         let machines = self.machines_for(&row).await?;
         let limit = self.config.max_read_bytes;
         let mut download = match machines.download(&row.id, path, limit).await {
@@ -127,7 +127,8 @@ impl Service {
         // Pieces go as fast as the client takes them (four at most wait);
         // the transfer slot is held until the last one went.
         tokio::spawn(async move {
-            let _held = slot;
+            // The sandbox is in use until the last piece went.
+            let _held = (slot, busy);
             loop {
                 let piece = match download.next_chunk().await {
                     Ok(Some(piece)) => Ok(piece),
@@ -156,7 +157,7 @@ impl Service {
     ) -> Result<FileContent> {
         check_path(path)?;
         let _slot = self.transfer_slot(caller).await?;
-        let row = self.running(caller, id).await?;
+        let (row, _busy) = self.running(caller, id).await?;
         let machines = self.machines_for(&row).await?;
         let (path, bytes) = match machines
             .read_file(&row.id, path, self.config.max_read_bytes)
@@ -192,7 +193,7 @@ impl Service {
     ) -> Result<FileList> {
         let path = path.unwrap_or(sandpit_protocol::WORKSPACE);
         check_path(path)?;
-        let row = self.running(caller, id).await?;
+        let (row, _busy) = self.running(caller, id).await?;
         let machines = self.machines_for(&row).await?;
         let Listing {
             path,
@@ -233,7 +234,7 @@ impl Service {
         recursive: bool,
     ) -> Result<FileDeleted> {
         check_path(path)?;
-        let row = self.running(caller, id).await?;
+        let (row, _busy) = self.running(caller, id).await?;
         let machines = self.machines_for(&row).await?;
         let path = match machines.delete_file(&row.id, path, recursive).await {
             Ok(path) => path,

@@ -38,7 +38,7 @@ impl Service {
             .map(|row| super::lifecycle::to_sandbox(&row))
     }
 
-    async fn pause_row(&self, id: &str) -> Result<SandboxRow> {
+    pub(super) async fn pause_row(&self, id: &str) -> Result<SandboxRow> {
         let _turn = self.boot_turn(id).await;
         let row = self.current(id).await?;
         match row.status {

@@ -28,7 +28,7 @@ impl Service {
     /// The API's `expose_port`.
     pub(super) async fn expose(&self, caller: &Caller, id: &str, port: u16) -> Result<Port> {
         check_port(port)?;
-        let row = self.running(caller, id).await?;
+        let (row, _busy) = self.running(caller, id).await?;
         let url = preview_url(
             &self.config.preview_scheme,
             &self.config.preview_domain,
@@ -77,6 +77,10 @@ impl Service {
     /// Anyone with the URL may ask: no account is involved.
     /// Returns the node that holds the sandbox.
     pub async fn check_preview(&self, id: &str, port: u16) -> Result<String, PreviewError> {
+        // A visitor uses the sandbox as much as its owner does (and waits
+        // for a pause for idleness under way, then resumes it).
+        self.activity.touch(id);
+        self.activity.unclaimed(id).await;
         if let Some(host) = self.previews.recently_checked(id, port) {
             return Ok(host);
         }

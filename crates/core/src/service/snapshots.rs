@@ -53,7 +53,7 @@ impl Service {
                 ));
             }
         }
-        let row = self.running(caller, id).await?;
+        let (row, _busy) = self.running(caller, id).await?;
         let (snap, replayed) = self.save(&row, req.name, idempotency_key).await?;
         Ok((to_snapshot(&snap), replayed))
     }
@@ -298,7 +298,7 @@ impl Service {
                 "count must be between 1 and {MAX_FORKS}, not {count}"
             )));
         }
-        let row = self.running(caller, id).await?;
+        let (row, _busy) = self.running(caller, id).await?;
         let copy = CreateSandbox {
             size: Some(row.size.clone()),
             name: None,
@@ -383,7 +383,7 @@ impl Service {
         id: &str,
         req: RestoreSandbox,
     ) -> Result<Sandbox> {
-        let row = self.running(caller, id).await?;
+        let (row, _busy) = self.running(caller, id).await?;
         let snap = self.startable_snapshot(caller, &req.snapshot_id).await?;
         if !self.is_ancestor(&snap.sandbox_id, &row).await? {
             return Err(CoreError::invalid(format!(

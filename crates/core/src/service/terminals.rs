@@ -76,6 +76,11 @@ impl Terminals {
         })
     }
 
+    /// Whether `sandbox_id` has a terminal open.
+    pub(crate) fn has_open(&self, sandbox_id: &str) -> bool {
+        self.open.lock().unwrap().contains_key(sandbox_id)
+    }
+
     /// Hang up every terminal of `sandbox_id`.
     pub(crate) fn close(&self, sandbox_id: &str) {
         let closers = self.open.lock().unwrap().remove(sandbox_id);
@@ -107,7 +112,7 @@ impl Service {
         size: PtySize,
     ) -> Result<TerminalSession> {
         check_terminal_size(size)?;
-        let row = self.running(caller, id).await?;
+        let (row, _busy) = self.running(caller, id).await?;
         let machines = self.machines_for(&row).await?;
         let terminal = match machines.open_pty(&row.id, size).await {
             Ok(t) => t,
