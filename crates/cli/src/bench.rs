@@ -43,6 +43,11 @@ pub struct BenchArgs {
     /// (admission) or a create fails, and say which limit it was
     #[arg(long)]
     fill: bool,
+    /// Let idle sandboxes sleep (`[limits] idle_pause_seconds`) after this
+    /// many seconds: the idle crowd is then measured once it slept, with
+    /// the first command in a slept sandbox timed
+    #[arg(long)]
+    idle_pause: Option<u64>,
 }
 
 /// Other measurements than the default table.
@@ -279,10 +284,15 @@ struct IdleCost {
 }
 
 /// Host PSS (MiB) and CPU (% of one core, over `window`) of VMs' QEMU and
-/// passt processes and expiry watchdog, per VM, once KSM has merged what it
-/// will. The CPU includes KSM's daemon, also given alone. Also says how long
+/// passt processes and expiry watchdog, per sandbox (`per` of them: those
+/// asleep have none), once KSM has merged what it will. The CPU includes KSM's daemon, also given alone. Also says how long
 /// KSM took to settle.
-async fn idle_cost(records: &[sandpit_runtime::VmRecord], window: Duration) -> IdleCost {
+async fn idle_cost(
+    records: &[sandpit_runtime::VmRecord],
+    per: usize,
+    window: Duration,
+) -> IdleCost {
+    let per = per.max(1) as f64;
     let ksm = match ksm_settle(Duration::from_secs(300)).await {
         Some(d) => format!("KSM settled {:.0} s after", d.as_secs_f64()),
         None => "KSM off".to_string(),
@@ -298,7 +308,7 @@ async fn idle_cost(records: &[sandpit_runtime::VmRecord], window: Duration) -> I
     let mut pss = Vec::new();
     for _ in 0..3 {
         let total: u64 = pids.iter().filter_map(|p| pss_kib(*p)).sum();
-        pss.push(total as f64 / 1024.0 / records.len() as f64);
+        pss.push(total as f64 / 1024.0 / per);
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
     let ksmd = ksmd_pid();
@@ -317,10 +327,50 @@ async fn idle_cost(records: &[sandpit_runtime::VmRecord], window: Duration) -> I
     let ksmd = percent(ksmd1.saturating_sub(ksmd0));
     IdleCost {
         pss: median(pss),
-        cpu: (percent(vms1.saturating_sub(vms0)) + ksmd) / records.len() as f64,
+        cpu: (percent(vms1.saturating_sub(vms0)) + ksmd) / per,
         ksmd,
         ksm,
     }
+}
+
+/// Waits until every one of `ids` is paused (`--idle-pause`), at most
+/// `bound`: how many are, and how long it took.
+async fn slept(
+    svc: &sandpit_core::Service,
+    ids: &[String],
+    bound: Duration,
+) -> Result<(usize, Duration)> {
+    let t = Instant::now();
+    loop {
+        let mut asleep = 0;
+        for id in ids {
+            let row = svc.store().sandbox(id).await?;
+            if row.is_some_and(|r| r.status == sandpit_core::SandboxStatus::Paused) {
+                asleep += 1;
+            }
+        }
+        if asleep == ids.len() || t.elapsed() >= bound {
+            return Ok((asleep, t.elapsed()));
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+}
+
+/// Bytes the files under `dir` take on disk (allocated blocks: saves are
+/// sparse).
+fn allocated_bytes(dir: &std::path::Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| match e.metadata() {
+            Ok(m) if m.is_dir() => allocated_bytes(&e.path()),
+            Ok(m) => m.blocks() * 512,
+            Err(_) => 0,
+        })
+        .sum()
 }
 
 pub(crate) struct Row(pub(crate) String, pub(crate) String);
@@ -504,7 +554,7 @@ pub async fn run(settings: &Settings, a: BenchArgs) -> Result<i32> {
     vm.agent.exec_collect(true_cmd()).await?;
     tokio::time::sleep(Duration::from_secs(5)).await;
     let IdleCost { pss, cpu, ksm, .. } =
-        idle_cost(std::slice::from_ref(&vm.record), Duration::from_secs(10)).await;
+        idle_cost(std::slice::from_ref(&vm.record), 1, Duration::from_secs(10)).await;
     m.destroy(&id).await?;
     let how = if vm.record.template.is_some() {
         "restored"
@@ -601,6 +651,9 @@ async fn control_plane(
     pool.sizes = BTreeMap::from([(a.size.clone(), pool_target)]);
     // Room for the idle crowd and the burst.
     let mut service = settings.service.clone();
+    if let Some(secs) = a.idle_pause {
+        service.idle_pause_secs = secs;
+    }
     // (`--fill` goes on until the host, not the account, says no.)
     service.default_max_concurrent_sandboxes = if a.fill {
         100_000
@@ -996,9 +1049,24 @@ async fn control_plane(
     // what it took, and the refusal is reported.
     let mut refused = None;
     let mut admission = Admission::default();
+    // What sleeping sandboxes' saves take: their device state in `saves`,
+    // the memory and disk they changed as frozen layers in `layers`.
+    let save_dirs = ["saves", "layers"].map(|d| settings.runtime.data_dir.join(d));
+    let saved_bytes = || save_dirs.iter().map(|d| allocated_bytes(d)).sum::<u64>();
+    let saved_before = saved_bytes();
+    // A restore that failed fell back to a cold boot: its VM has no
+    // template (read at once: a sandbox asleep later has no VM).
+    let mut cold_fallbacks = 0;
     for _ in 0..a.idle {
         match create_admitted(&create_idle, &svc, idle_ids.len(), &mut admission).await {
-            Ok(v) => idle_ids.push(sandbox_id(&v)?),
+            Ok(v) => {
+                let id = sandbox_id(&v)?;
+                let record = svc.vm_record(&id);
+                if record.is_none_or(|r| r.template.is_none()) {
+                    cold_fallbacks += 1;
+                }
+                idle_ids.push(id);
+            }
             Err(e) => {
                 refused = Some(e);
                 break;
@@ -1035,15 +1103,51 @@ async fn control_plane(
     }
     let n = idle_ids.len();
     tokio::time::sleep(Duration::from_secs(5)).await;
+    let asleep = match a.idle_pause {
+        Some(secs) => Some(slept(&svc, &idle_ids, Duration::from_secs(secs + 120)).await?),
+        None => None,
+    };
     let records: Vec<_> = idle_ids.iter().filter_map(|id| svc.vm_record(id)).collect();
-    // A restore that failed fell back to a cold boot: its VM has no template.
-    let cold_fallbacks = records.iter().filter(|r| r.template.is_none()).count();
     let IdleCost {
         pss,
         cpu,
         ksmd,
         ksm,
-    } = idle_cost(&records, Duration::from_secs(10)).await;
+    } = idle_cost(&records, n, Duration::from_secs(10)).await;
+    if let Some((asleep, took)) = asleep {
+        let disk = saved_bytes().saturating_sub(saved_before);
+        row(
+            rows,
+            format!("{n} idle sandboxes asleep (`--idle-pause`)"),
+            format!(
+                "{asleep} of {n} paused {:.0} s after the last was created; their saves take {:.2} MiB of disk each",
+                took.as_secs_f64(),
+                disk as f64 / 1024.0 / 1024.0 / n.max(1) as f64
+            ),
+        );
+        let mut woken = Vec::new();
+        for id in idle_ids.iter().take(10) {
+            let t = Instant::now();
+            call(
+                "run_command",
+                serde_json::json!({"sandbox_id": id, "command": "true"}),
+            )
+            .await?;
+            woken.push(t.elapsed().as_secs_f64() * 1000.0);
+        }
+        let (woken_med, woken_max) = median_max(&woken);
+        row(
+            rows,
+            format!(
+                "MCP `run_command(\"true\")` in a sandbox asleep ({} calls: the resume, then the command)",
+                woken.len()
+            ),
+            format!(
+                "{woken_med:.0} ms median, {woken_max:.0} ms max ({:.2}x a template restore)",
+                woken_med / 1000.0 / restore_s
+            ),
+        );
+    }
     row(
         rows,
         format!(
@@ -1051,7 +1155,7 @@ async fn control_plane(
             n
         ),
         format!(
-            "{} restores fell back to a cold boot, {} of {} VMs found",
+            "{} restores fell back to a cold boot, {} of {} VMs running",
             cold_fallbacks,
             records.len(),
             n
@@ -1097,9 +1201,14 @@ async fn control_plane(
             crowded_med / warm_med
         ),
     );
+    let how = if a.idle_pause.is_some() {
+        " (asleep: `--idle-pause`)"
+    } else {
+        " (running)"
+    };
     target(
         targets,
-        format!("{n} idle sandboxes: host memory (PSS) per sandbox"),
+        format!("{n} idle sandboxes{how}: host memory (PSS) per sandbox"),
         format!("{pss:.1} MiB"),
         "≤ 25 MiB",
         format!("{:.2}x the target", pss / 25.0),
@@ -1107,7 +1216,7 @@ async fn control_plane(
     );
     target(
         targets,
-        format!("{n} idle sandboxes: host CPU per sandbox"),
+        format!("{n} idle sandboxes{how}: host CPU per sandbox"),
         format!("{cpu:.2} % of one core"),
         "≤ 0.2 %",
         format!("{:.2}x the target", cpu / 0.2),
@@ -1130,7 +1239,7 @@ async fn control_plane(
         format!("{cold_fallbacks}"),
         "0",
         format!("{cold_fallbacks} of {n} fell back to a cold boot"),
-        cold_fallbacks == 0 && records.len() == n,
+        cold_fallbacks == 0,
     );
     if a.fill && refused.is_none() {
         // On until the host says no: how many fit, and what ran out.
