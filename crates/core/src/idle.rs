@@ -28,6 +28,8 @@ use tokio::sync::Notify;
 /// Use of each sandbox this process has seen.
 #[derive(Default)]
 pub(crate) struct Activity {
+    /// Off (no idle pause configured): nothing is kept, marks are free.
+    tracking: bool,
     uses: Mutex<HashMap<String, Use>>,
     /// Told whenever a claimed sandbox is released.
     released: Notify,
@@ -71,9 +73,23 @@ impl Drop for Busy {
 }
 
 impl Activity {
+    /// Use kept (`tracking`) or not (no sandbox is ever claimed).
+    pub(crate) fn new(tracking: bool) -> Activity {
+        Activity {
+            tracking,
+            ..Activity::default()
+        }
+    }
+
     /// Marks a call in sandbox `id` until the mark is dropped; waits while
     /// the sandbox is being paused (the caller then finds it paused).
     pub(crate) async fn begin(self: &Arc<Self>, id: &str) -> Busy {
+        if !self.tracking {
+            return Busy {
+                activity: Weak::new(),
+                id: String::new(),
+            };
+        }
         loop {
             let released = self.released.notified();
             tokio::pin!(released);
@@ -192,8 +208,17 @@ mod tests {
     const NONE: Duration = Duration::ZERO;
 
     #[tokio::test]
+    async fn nothing_is_kept_when_no_idle_pause_is_configured() {
+        let a = Arc::new(Activity::new(false));
+        let busy = a.begin("s").await;
+        assert!(a.known().is_empty());
+        drop(busy);
+        assert!(a.known().is_empty());
+    }
+
+    #[tokio::test]
     async fn a_sandbox_with_a_call_under_way_is_not_claimed() {
-        let a = Arc::new(Activity::default());
+        let a = Arc::new(Activity::new(true));
         let busy = a.begin("s").await;
         assert!(!a.claim_idle("s", NONE));
         drop(busy);
@@ -203,7 +228,7 @@ mod tests {
 
     #[tokio::test]
     async fn recent_use_keeps_a_sandbox_awake() {
-        let a = Arc::new(Activity::default());
+        let a = Arc::new(Activity::new(true));
         drop(a.begin("s").await);
         assert!(!a.claim_idle("s", Duration::from_secs(60)));
         assert!(!a.claim_idle("t", Duration::from_secs(60)));
@@ -218,7 +243,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_call_waits_for_a_claim_to_be_released() {
-        let a = Arc::new(Activity::default());
+        let a = Arc::new(Activity::new(true));
         assert!(a.claim_idle("s", NONE));
         let waiting = tokio::spawn({
             let a = a.clone();
@@ -250,7 +275,7 @@ mod tests {
 
     #[test]
     fn a_busy_guest_counts_as_use() {
-        let a = Activity::default();
+        let a = Activity::new(true);
         let idle = GuestUse {
             cpu_ticks: 10,
             net_bytes: 4096,

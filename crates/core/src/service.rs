@@ -144,6 +144,8 @@ impl Service {
             max_connections: config.preview_max_connections,
             requests_per_second: config.preview_requests_per_second,
         };
+        // Use is kept where the idle sweep runs (see `service/idle.rs`).
+        let tracking = config.idle_pause_secs > 0 && vms.is_some();
         Arc::new_cyclic(|me| Service {
             config,
             store,
@@ -160,7 +162,7 @@ impl Service {
             node_link: std::sync::OnceLock::new(),
             routes: Default::default(),
             restoring: Default::default(),
-            activity: Default::default(),
+            activity: Arc::new(Activity::new(tracking)),
         })
     }
 

@@ -790,6 +790,7 @@ impl Service {
     pub(crate) async fn end_here(&self, row: &SandboxRow) {
         self.previews.close(&row.id, None);
         self.terminals.close(&row.id);
+        self.activity.forget(&row.id);
         let destroyed = match self.machines_for(row).await {
             Ok(machines) => machines.destroy(&row.id).await.map_err(|e| e.to_string()),
             Err(e) => Err(e.message),
