@@ -28,6 +28,18 @@ async fn status(api: &Rest, id: &str) -> String {
     got["status"].as_str().unwrap().to_string()
 }
 
+/// Waits until sandbox `id` is paused; panics with `what` past 2 minutes.
+async fn until_paused(api: &Rest, id: &str, what: &str) {
+    let t = Instant::now();
+    while status(api, id).await != "paused" {
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "{what} after {IDLE} s idle"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
 async fn create(api: &Rest) -> String {
     let (st, sb) = api
         .post(
@@ -77,14 +89,7 @@ fn idle_sandboxes_are_paused_and_the_next_call_resumes_them() {
         };
 
         // The idle one sleeps, on its own: no host process of it is left.
-        let t = Instant::now();
-        while status(&api, &idle).await != "paused" {
-            assert!(
-                t.elapsed() < Duration::from_secs(120),
-                "an idle sandbox was not paused after {IDLE} s idle"
-            );
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        }
+        until_paused(&api, &idle, "an idle sandbox was not paused").await;
         let left: Vec<_> = host_processes(&data)
             .into_iter()
             .filter(|p| p.vm.as_deref() == Some(idle.as_str()))
@@ -115,14 +120,7 @@ fn idle_sandboxes_are_paused_and_the_next_call_resumes_them() {
 
         // Left alone again, it sleeps again; destroying a paused sandbox
         // leaves nothing behind.
-        let t = Instant::now();
-        while status(&api, &idle).await != "paused" {
-            assert!(
-                t.elapsed() < Duration::from_secs(120),
-                "not paused a second time"
-            );
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        }
+        until_paused(&api, &idle, "not paused a second time").await;
         for id in [&idle, &computing, &waiting] {
             let (st, body) = api
                 .call(reqwest::Method::DELETE, &format!("/sandboxes/{id}"), None)

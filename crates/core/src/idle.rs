@@ -81,6 +81,11 @@ impl Activity {
         }
     }
 
+    /// Whether use is kept (the idle sweep runs).
+    pub(crate) fn tracking(&self) -> bool {
+        self.tracking
+    }
+
     /// Marks a call in sandbox `id` until the mark is dropped; waits while
     /// the sandbox is being paused (the caller then finds it paused).
     pub(crate) async fn begin(self: &Arc<Self>, id: &str) -> Busy {

@@ -24,8 +24,10 @@ const BUSY_NET_BYTES: u64 = 64 * 1024;
 impl Service {
     /// How often the idle sweep runs (`None`: it does not).
     pub(super) fn idle_sweep_every(&self) -> Option<Duration> {
-        let idle = self.config.idle_pause_secs;
-        (idle > 0 && self.vms.is_some()).then(|| Duration::from_secs((idle / 4).clamp(1, 30)))
+        let quarter = self.config.idle_pause_secs / 4;
+        self.activity
+            .tracking()
+            .then(|| Duration::from_secs(quarter.clamp(1, 30)))
     }
 
     /// Pause the sandboxes of this host that were idle for
