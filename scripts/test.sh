@@ -30,17 +30,54 @@ previous_log=target/build-previous.log
 scripts/build-previous.sh >"$previous_log" 2>&1 &
 previous=$!
 step "test build"
+# Some tests mostly wait (on Debian's mirror, dpkg, a sandbox's expiry) and
+# use one thread: they run beside other work, and the main run skips them.
+# `aside BINARY NAME [BINARY NAME ...]` starts one background job running
+# these tests one after another, each from its test binary (`--exact`);
+# `collect` waits for the jobs started so far and says which failed.
+tests_json=target/test-executables.json
+cargo test --locked --workspace --no-run --message-format=json >"$tests_json"
+aside_pids=() aside_logs=() aside_counts=() aside_names=()
+aside() {
+  local log="target/tests-aside-${#aside_pids[@]}.log" run=() exe
+  while [ $# -gt 0 ]; do
+    exe=$(sed -n "s|.*\"executable\":\"\([^\"]*/deps/$1-[0-9a-f]*\)\".*|\1|p" "$tests_json")
+    [ -x "$exe" ] || { echo "test.sh: cargo built no tests/$1.rs" >&2; exit 1; }
+    run+=("$exe" "$2")
+    aside_names+=("$2")
+    shift 2
+  done
+  (
+    cd crates/cli
+    status=0
+    set -- "${run[@]}"
+    while [ $# -gt 0 ]; do
+      "$1" --exact "$2" || status=1
+      shift 2
+    done
+    exit "$status"
+  ) >"$log" 2>&1 &
+  aside_pids+=($!) aside_logs+=("$log") aside_counts+=($((${#run[@]} / 2)))
+}
+collect() {
+  local i status passed failed=0
+  for i in "${!aside_pids[@]}"; do
+    status=0
+    wait "${aside_pids[$i]}" || status=$?
+    cat "${aside_logs[$i]}"
+    # A renamed test would make its filter run nothing.
+    passed=$(grep -c "^test result: ok. 1 passed" "${aside_logs[$i]}" || true)
+    if [ "$status" != 0 ] || [ "$passed" != "${aside_counts[$i]}" ]; then
+      echo "test.sh: tests run beside the others failed (${aside_logs[$i]}, above)" >&2
+      failed=1
+    fi
+  done
+  aside_pids=() aside_logs=() aside_counts=()
+  return "$failed"
+}
 # The set-up test (crates/cli/tests/setup.rs: install-deps.sh in clean Debian
-# roots, no VM) mostly waits on Debian's mirror and dpkg, so it runs beside
-# the builds below rather than in line with the VM tests, which it would
-# only slow down; the test run below skips it and reports its result.
-setup_test=install_deps_sets_up_fresh_debian_12_whatever_qemu_it_had
-setup_exe=$(cargo test --locked --workspace --no-run --message-format=json |
-  sed -n 's|.*"executable":"\([^"]*/deps/setup-[0-9a-f]*\)".*|\1|p')
-[ -x "$setup_exe" ] || { echo "test.sh: cargo built no tests/setup.rs" >&2; exit 1; }
-setup_log=target/setup-test.log
-(cd crates/cli && exec "$setup_exe" --exact "$setup_test") >"$setup_log" 2>&1 &
-setup=$!
+# roots, no VM) runs beside the builds below.
+aside setup install_deps_sets_up_fresh_debian_12_whatever_qemu_it_had
 step "guest image (the previous release builds meanwhile)"
 target/release/sandpit image build
 step "Debian package"
@@ -59,20 +96,20 @@ if ! wait "$previous"; then
   echo "test.sh: building the previous release failed (above)" >&2
   exit 1
 fi
-step "waiting for the set-up test"
-setup_status=0
-wait "$setup" || setup_status=$?
-cat "$setup_log"
-if [ "$setup_status" = 0 ] && ! grep -q "^test result: ok. 1 passed" "$setup_log"; then
-  setup_status=1 # renamed, so the filter ran nothing
-fi
-step "tests"
-# VM tests boot real guests under emulation on few cores: bound parallelism.
 status=0
+step "waiting for the set-up test"
+# Before the package test, which shares the host's apt cache with it.
+collect || status=1
+step "tests"
+# The package test (apt in a clean root) and then the upgrade test (which
+# waits out a sandbox's lifetime) run beside the others.
+aside package the_package_installs_in_a_clean_debian_root_and_its_service_serves_sandboxes \
+  upgrade the_previous_release_s_sandboxes_live_on_under_this_one
+# VM tests boot real guests under emulation on few cores: bound parallelism.
+skips=()
+for name in "${aside_names[@]}"; do skips+=(--skip "$name"); done
 cargo test --locked --workspace --no-fail-fast -- --test-threads="${SANDPIT_TEST_THREADS:-2}" \
-  --skip "$setup_test" || status=$?
-if [ "$setup_status" != 0 ]; then
-  echo "test.sh: the set-up test (tests/setup.rs, its output is above the test run) failed" >&2
-  exit "$setup_status"
-fi
+  "${skips[@]}" || status=$?
+step "waiting for the tests run beside"
+collect || status=1
 exit "$status"

@@ -23,6 +23,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// The host's package cache, shared with the root (debootstrap and apt in
+/// the container): packages the host already fetched (QEMU from backports,
+/// among them) are not downloaded again on every run.
+const APT_ARCHIVES: &str = "/var/cache/apt/archives";
+
 fn workspace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
@@ -59,6 +64,7 @@ impl Container {
             .arg(root)
             // The guard of the guests' network is an nftables table.
             .arg("--capability=CAP_NET_ADMIN")
+            .arg(format!("--bind={APT_ARCHIVES}"))
             .arg(format!(
                 "--overlay={}:{}:/var/lib/sandpit/images",
                 images.display(),
@@ -273,6 +279,7 @@ fn the_package_installs_in_a_clean_debian_root_and_its_service_serves_sandboxes(
         .args([
             "--variant=minbase",
             "--include=systemd,systemd-sysv,dbus,curl,ca-certificates",
+            &format!("--cache-dir={APT_ARCHIVES}"),
             "bookworm",
         ])
         .arg(&root)
