@@ -39,7 +39,7 @@ tests_json=target/test-executables.json
 cargo test --locked --workspace --no-run --message-format=json >"$tests_json"
 aside_pids=() aside_logs=() aside_counts=() aside_names=()
 aside() {
-  local log="target/tests-aside-${#aside_pids[@]}.log" run=() exe
+  local log="target/tests-aside-$1.log" run=() exe
   while [ $# -gt 0 ]; do
     exe=$(sed -n "s|.*\"executable\":\"\([^\"]*/deps/$1-[0-9a-f]*\)\".*|\1|p" "$tests_json")
     [ -x "$exe" ] || { echo "test.sh: cargo built no tests/$1.rs" >&2; exit 1; }

@@ -127,10 +127,10 @@ fn the_guest_reaches_the_internet_but_not_the_host() {
         // the test host behind them, "the internet", is reached.
         let late = LoopbackAddress::add("192.0.2.77");
         assert!(
-            connects_as(0, late.0, port),
+            connects_as(0, late.addr, port),
             "root reaches the control plane"
         );
-        for a in ["127.0.0.1", HOST_SIDE, late.0] {
+        for a in ["127.0.0.1", HOST_SIDE, late.addr] {
             assert!(!connects_as(uid, a, port), "passt's uid reached {a}:{port}");
         }
         assert!(
@@ -170,24 +170,32 @@ fn connects_as(uid: u32, addr: &str, port: u16) -> bool {
 }
 
 /// An address on the host's loopback interface, removed when dropped.
-struct LoopbackAddress(&'static str);
+struct LoopbackAddress {
+    addr: &'static str,
+    /// Released after `drop` removed the address.
+    _changing: HostNetworkLock,
+}
 
 impl LoopbackAddress {
     fn add(addr: &'static str) -> LoopbackAddress {
+        let changing = HostNetworkLock::changing();
         let ok = Command::new("ip")
             .args(["addr", "add", &format!("{addr}/32"), "dev", "lo"])
             .status()
             .unwrap()
             .success();
         assert!(ok, "cannot add {addr} to lo");
-        LoopbackAddress(addr)
+        LoopbackAddress {
+            addr,
+            _changing: changing,
+        }
     }
 }
 
 impl Drop for LoopbackAddress {
     fn drop(&mut self) {
         let _ = Command::new("ip")
-            .args(["addr", "del", &format!("{}/32", self.0), "dev", "lo"])
+            .args(["addr", "del", &format!("{}/32", self.addr), "dev", "lo"])
             .status();
     }
 }

@@ -16,6 +16,7 @@
 
 mod common;
 
+use common::netns::HostNetworkLock;
 use common::serve::Rest;
 use common::*;
 use serde_json::{json, Value};
@@ -314,6 +315,9 @@ fn the_package_installs_in_a_clean_debian_root_and_its_service_serves_sandboxes(
     std::fs::create_dir_all(root.join("var/lib/sandpit/images")).unwrap();
 
     let pointer = std::fs::read(images_dir().join("current.json")).unwrap();
+    // No other test's change to the host's network may come or go until
+    // the check at the end (test binaries can run at once).
+    let _checking = HostNetworkLock::checking();
     let network = host_network();
     let c = Container::boot(
         &root,

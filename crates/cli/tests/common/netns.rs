@@ -23,6 +23,46 @@ pub struct TestHost {
     veth: String,
     pub address: &'static str,
     servers: Vec<Child>,
+    /// Released after `drop` removed the veth pair and the namespace.
+    _changing: HostNetworkLock,
+}
+
+/// Tests of several binaries change the host's network (a test host's veth
+/// pair and routes, an address on `lo`), and binaries can run at once
+/// (`scripts/test.sh` runs some tests beside the main run), while the
+/// package test checks that the host's network is as it was after its
+/// container ran. Tests hold this lock shared for as long as a change of
+/// theirs lives; the package test holds it exclusively around its check.
+pub struct HostNetworkLock(std::fs::File);
+
+impl HostNetworkLock {
+    const PATH: &'static str = "/tmp/sandpit-tests-host-network.lock";
+
+    /// Held while a change to the host's network lives.
+    pub fn changing() -> HostNetworkLock {
+        HostNetworkLock::take(false)
+    }
+
+    /// Held while nothing else may change the host's network.
+    pub fn checking() -> HostNetworkLock {
+        HostNetworkLock::take(true)
+    }
+
+    fn take(exclusive: bool) -> HostNetworkLock {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(Self::PATH)
+            .unwrap_or_else(|e| panic!("{}: {e}", Self::PATH));
+        let locked = if exclusive {
+            file.lock()
+        } else {
+            file.lock_shared()
+        };
+        locked.unwrap_or_else(|e| panic!("locking {}: {e}", Self::PATH));
+        HostNetworkLock(file)
+    }
 }
 
 impl TestHost {
@@ -35,6 +75,7 @@ impl TestHost {
         let ns = format!("sp{name}{tag}");
         let veth = format!("sv{name}{tag}");
         let peer = format!("sp{name}{tag}p");
+        let changing = HostNetworkLock::changing();
         remove_leftovers_on(host_side);
         ip(&["netns", "add", &ns]);
         let host = TestHost {
@@ -42,6 +83,7 @@ impl TestHost {
             veth: veth.clone(),
             address,
             servers: Vec::new(),
+            _changing: changing,
         };
         ip(&["link", "add", &veth, "type", "veth", "peer", "name", &peer]);
         ip(&["link", "set", &peer, "netns", &ns]);
