@@ -44,4 +44,4 @@ pub use saved::{AfterSave, SavedRecord, SavedVm};
 pub use template::Template;
 pub use terminal::{Pty, PtyControl, PtySize};
 pub use tunnel::{PtyExit, TunnelCloser, TunnelStream};
-pub use vm::{CreateVm, Vm, VmManager, VmRecord, VmState};
+pub use vm::{CreateVm, StartTimes, Vm, VmManager, VmRecord, VmState};
