@@ -119,7 +119,17 @@ impl Service {
                         .unwrap()
                         .insert(row.id.clone(), hold);
                 }
-                Err(e) => tracing::warn!(id = %row.id, "setting the disk write limit: {e}"),
+                Err(e) => {
+                    // A sandbox that ended meanwhile (its QEMU quit under
+                    // the call) needs no limit and is no fault.
+                    let still_running = matches!(
+                        self.store().sandbox(&row.id).await,
+                        Ok(Some(now)) if now.status == SandboxStatus::Running
+                    );
+                    if still_running {
+                        tracing::warn!(id = %row.id, "setting the disk write limit: {e}");
+                    }
+                }
             }
         }
         Ok(over.into_iter().map(String::from).collect())
