@@ -64,10 +64,21 @@ fn restored_vms_get_their_own_identity_clock_and_disk() {
         let t = m.ensure_template("small").await.expect("building the template");
         assert_eq!(template_dirs(&m), [format!("small-{}", t.key)]);
 
+        let asked = std::time::Instant::now();
         let a = m.create(new_vm("sbx_snap_a")).await.expect("restore a");
+        let took = asked.elapsed();
         let b = m.create(new_vm("sbx_snap_b")).await.expect("restore b");
         assert_eq!(a.record.template.as_deref(), Some(t.key.as_str()));
         assert_eq!(b.record.template.as_deref(), Some(t.key.as_str()));
+        // Where the restore's time went (what the bench prints): phases in
+        // the order they happen, within the time the caller waited.
+        let times = a.start_times.expect("a start says where its time went");
+        assert!(
+            times.state_loaded <= times.agent_answered
+                && times.agent_answered <= times.configured
+                && times.set_up + times.configured <= took,
+            "{times:?} in a create that took {took:?}"
+        );
 
         // Entropy: the same 32 bytes would mean a shared RNG state.
         let ra = sh(&a, "head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'").await;
