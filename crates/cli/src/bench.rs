@@ -126,9 +126,24 @@ where
     }
 }
 
-/// Interleaved timings, one row per round (milliseconds).
+/// Interleaved timings, one row per round (milliseconds), in these columns.
 #[derive(Default)]
 struct Laps(Vec<[f64; 7]>);
+
+/// `run_command` through rmcp's client over HTTP.
+const LAP_MCP: usize = 0;
+/// The shell's own time, as the MCP answer gives it.
+const LAP_MCP_SHELL: usize = 1;
+/// The service's `exec`, in process (no HTTP, no MCP).
+const LAP_SERVICE: usize = 2;
+/// The shell's own time, as the service's answer gives it.
+const LAP_SERVICE_SHELL: usize = 3;
+/// The agent alone.
+const LAP_DIRECT: usize = 4;
+/// The shell's own time, as the agent timed it.
+const LAP_SHELL: usize = 5;
+/// The same `tools/call` as one plain JSON-RPC POST (no SDK).
+const LAP_PLAIN_POST: usize = 6;
 
 impl Laps {
     fn push(&mut self, lap: [f64; 7]) {
@@ -879,17 +894,17 @@ async fn control_plane(
         let t = Instant::now();
         let out = agent.exec_collect(true_cmd()).await?;
         let direct = t.elapsed().as_secs_f64() * 1000.0;
-        laps.push([
-            mcp,
-            v["duration_ms"].as_f64().unwrap_or(f64::NAN),
-            service,
-            e.duration_ms as f64,
-            direct,
-            shell_ms(&out.result),
-            raw,
-        ]);
+        let mut lap = [0.0; 7];
+        lap[LAP_MCP] = mcp;
+        lap[LAP_MCP_SHELL] = v["duration_ms"].as_f64().unwrap_or(f64::NAN);
+        lap[LAP_SERVICE] = service;
+        lap[LAP_SERVICE_SHELL] = e.duration_ms as f64;
+        lap[LAP_DIRECT] = direct;
+        lap[LAP_SHELL] = shell_ms(&out.result);
+        lap[LAP_PLAIN_POST] = raw;
+        laps.push(lap);
     }
-    let run_ms = median(laps.column(0));
+    let run_ms = median(laps.column(LAP_MCP));
     row(
         rows,
         format!(
@@ -899,9 +914,9 @@ async fn control_plane(
         format!(
             "{run_ms:.2} ms ({:.2}x a direct agent exec; the shell itself, timed by the agent: {:.0} ms; the service API without HTTP: {:.2} ms, shell {:.0} ms)",
             run_ms / exec_ms,
-            median(laps.column(1)),
-            median(laps.column(2)),
-            median(laps.column(3))
+            median(laps.column(LAP_MCP_SHELL)),
+            median(laps.column(LAP_SERVICE)),
+            median(laps.column(LAP_SERVICE_SHELL))
         ),
     );
     row(
@@ -912,16 +927,16 @@ async fn control_plane(
         ),
         format!(
             "shell {:.2} ms; agent and channel +{:.2} ms; service and store +{:.2} ms; HTTP and MCP +{:.2} ms (the server's part, seen by a plain JSON-RPC POST: +{:.2} ms; rmcp's client: +{:.2} ms)",
-            median(laps.column(5)),
-            laps.overhead(4, 5),
-            laps.overhead(2, 4),
-            laps.overhead(0, 2),
-            laps.overhead(6, 2),
-            laps.overhead(0, 6)
+            median(laps.column(LAP_SHELL)),
+            laps.overhead(LAP_DIRECT, LAP_SHELL),
+            laps.overhead(LAP_SERVICE, LAP_DIRECT),
+            laps.overhead(LAP_MCP, LAP_SERVICE),
+            laps.overhead(LAP_PLAIN_POST, LAP_SERVICE),
+            laps.overhead(LAP_MCP, LAP_PLAIN_POST)
         ),
     );
-    let overhead = laps.overhead(0, 5);
-    let shell = median(laps.column(5));
+    let overhead = laps.overhead(LAP_MCP, LAP_SHELL);
+    let shell = median(laps.column(LAP_SHELL));
     target(
         targets,
         "`run_command` through MCP over HTTP: time over the shell's own",
@@ -931,7 +946,7 @@ async fn control_plane(
             "{overhead:.2} ms over a {shell:.2} ms shell ({:.2}x it; median of {} paired calls); without rmcp's client (a plain JSON-RPC POST): {:.2} ms",
             (overhead + shell) / shell,
             laps.0.len(),
-            laps.overhead(6, 5)
+            laps.overhead(LAP_PLAIN_POST, LAP_SHELL)
         ),
         overhead <= 2.0,
     );
