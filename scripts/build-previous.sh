@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the previous release's `sandpit` and agent, which the upgrade test
-# (crates/cli/tests/upgrade.rs) runs before it hands their data directory
+# (crates/cli/tests/e2e/upgrade.rs) runs before it hands their data directory
 # and running sandboxes to this build's. Built from this repository's own
 # history; cached in target/previous/<commit>/ between runs, so a second run
 # costs nothing. Prints the directory last; target/previous/current points

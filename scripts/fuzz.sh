@@ -5,6 +5,11 @@
 #   scripts/fuzz.sh                   every target for SANDPIT_FUZZ_SECONDS
 #                                     (default 20) each: what CI runs
 #   scripts/fuzz.sh TARGET [SECONDS]  one target, longer (default 600 s)
+#   scripts/fuzz.sh --install-tool    only install cargo-fuzz (pinned) and
+#                                     a C++ compiler if missing
+#   scripts/fuzz.sh --build-only      only build what the no-argument run
+#                                     runs (scripts/test.sh builds it at a
+#                                     low priority beside the tests)
 #
 # The short runs use an unoptimised build (`--dev`, see fuzz/Cargo.toml),
 # quick to build cold; a long run an optimised one
@@ -37,6 +42,11 @@ die() {
 cargo_fuzz_version=0.13.2
 targets=(frame_decoder protocol_messages preview_host guest_path rest_bodies)
 
+install_only= build_only=
+case ${1:-} in
+--install-tool) install_only=1 && set -- ;;
+--build-only) build_only=1 && set -- ;;
+esac
 if [ $# -eq 0 ]; then
   run=("${targets[@]}")
   seconds=${SANDPIT_FUZZ_SECONDS:-20}
@@ -66,6 +76,7 @@ if [[ $have != "cargo-fuzz $cargo_fuzz_version" ]]; then
   echo "$me: installing cargo-fuzz $cargo_fuzz_version${have:+ (found: $have)}"
   cargo install --locked --quiet cargo-fuzz --version "$cargo_fuzz_version"
 fi
+[ -z "$install_only" ] || exit 0
 
 # --- Build ---------------------------------------------------------------
 target_dir=${SANDPIT_FUZZ_TARGET_DIR:-${CARGO_TARGET_DIR:+$CARGO_TARGET_DIR/fuzz}}
@@ -82,6 +93,7 @@ cargo fetch --locked --quiet
 start=$SECONDS
 cargo fuzz build "${flags[@]}"
 echo "$me: built ($build) in $((SECONDS - start)) s"
+[ -z "$build_only" ] || exit 0
 
 # --- Run -----------------------------------------------------------------
 failed=()

@@ -6,8 +6,15 @@
 #
 #   scripts/package.sh             build (scripts/build.sh), then package
 #   scripts/package.sh --no-build  package what target/ holds
+#   scripts/package.sh --install-tool  only install cargo-deb (pinned) if
+#                                      it is missing
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# scripts/test.sh runs test binaries with RUSTC_BOOTSTRAP=1 (for libtest's
+# per-test times); a test that builds through this script must not pass it
+# on to cargo, where build scripts that probe for nightly features would
+# see it and the whole tree would compile again.
+unset RUSTC_BOOTSTRAP
 me=package.sh
 die() {
   echo "$me: $*" >&2
@@ -15,6 +22,18 @@ die() {
 }
 cargo_deb_version=3.8.0
 
+install_tool() {
+  local have
+  have=$(cargo deb --version 2>/dev/null || true)
+  if [[ $have != "cargo-deb $cargo_deb_version" ]]; then
+    echo "$me: installing cargo-deb $cargo_deb_version${have:+ (found: $have)}"
+    cargo install --locked --quiet cargo-deb --version "$cargo_deb_version"
+  fi
+}
+if [ "${1:-}" = --install-tool ]; then
+  install_tool
+  exit 0
+fi
 [ "${1:-}" = --no-build ] || scripts/build.sh
 for f in target/release/sandpit target/x86_64-unknown-linux-gnu/release/sandpit-agent; do
   [ -x "$f" ] || die "$f is missing: run scripts/build.sh"
@@ -25,11 +44,7 @@ if ! command -v dpkg-shlibdeps >/dev/null; then
   echo "$me: installing dpkg-dev"
   DEBIAN_FRONTEND=noninteractive apt-get -y -q install --no-install-recommends dpkg-dev >/dev/null
 fi
-have=$(cargo deb --version 2>/dev/null || true)
-if [[ $have != "cargo-deb $cargo_deb_version" ]]; then
-  echo "$me: installing cargo-deb $cargo_deb_version${have:+ (found: $have)}"
-  cargo install --locked --quiet cargo-deb --version "$cargo_deb_version"
-fi
+install_tool
 # cargo-deb takes built files from target/release alone; the agent is a
 # static build for another target directory.
 mkdir -p packaging/build

@@ -2,114 +2,323 @@
 # The whole test suite on a fresh Debian 12 machine, as root: installs the
 # system packages, builds the agent and the guest image (cached under
 # target/sandpit-images, rebuilt only when its recipe changes) and the
-# previous release (cached under target/previous), checks
-# formatting and lints, runs each fuzz target briefly, then runs every test,
-# the real-VM ones included.
+# previous release (cached under target/previous), checks formatting, builds
+# the tests with clippy's lints, runs each fuzz target briefly, then runs
+# every test, the real-VM ones included. Ends with a table of where the time
+# went. docs/testing.md says what a test costs and how to keep CI in budget.
+#
+# Build caches live outside the clone: a clone without `target/` gets a link
+# to $SANDPIT_BUILD_CACHE/target (default /var/cache/sandpit-build; `none`:
+# a plain target/ in the clone), so a second run on the same machine, in
+# whatever clone, compiles only the crates that changed and reuses the guest
+# image, the previous release and the fuzz build. One run at a time per
+# cache. A clone that has its own target/ keeps it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# Each step's start, with the seconds since this script began: where CI's
-# time goes.
-step() { echo "test.sh: [$SECONDS s] $*" >&2; }
-# Whatever runs in the background stops with this script, however it ends.
+me=test.sh
+start_epoch=$(date +%s)
+now() { echo $(($(date +%s) - start_epoch)); }
+
+# --- Where the time goes ---------------------------------------------------
+# `step NAME` ends the step running and starts NAME; the table at the end
+# gives each step's seconds, each job run beside them (`beside`), and the
+# slowest test binaries.
+steps=() step_secs=() step_at=
+step() {
+  local t
+  t=$(now)
+  if [ -n "$step_at" ]; then step_secs+=($((t - step_at))); fi
+  step_at=$t
+  steps+=("$*")
+  echo "$me: [$t s] $*" >&2
+}
+times_dir=
+table() {
+  local t i
+  t=$(now)
+  [ -n "$step_at" ] && step_secs+=($((t - step_at))) && step_at=
+  {
+    echo
+    echo "$me: where the time went (seconds; jobs run beside overlap the steps)"
+    printf '  %-58s %6s\n' step seconds
+    for i in "${!step_secs[@]}"; do printf '  %-58s %6s\n' "${steps[$i]}" "${step_secs[$i]}"; done
+    if [ -n "$times_dir" ] && compgen -G "$times_dir/*.secs" >/dev/null; then
+      for f in "$times_dir"/*.secs; do
+        printf '  %-58s %6s\n' "beside: $(basename "$f" .secs)" "$(<"$f")"
+      done
+    fi
+    printf '  %-58s %6s\n' total "$t"
+    slowest_tests
+  } >&2
+}
+# The slowest tests and test binaries, from the test logs: the "Running"
+# (or "Doc-tests") line before each binary's output, libtest's per-test
+# times (`--report-time`), and each binary's "test result" line. A test run
+# alone (`aside`) has the time of its binary's run.
+slowest_tests() {
+  local logs=() rows
+  for f in target/tests-*.log target/beside-*.log; do [ -f "$f" ] && logs+=("$f"); done
+  [ ${#logs[@]} -gt 0 ] || return 0
+  rows=$(awk '
+    /^ +Running / {
+      bin = $2
+      if (match($0, /deps\/[^ )]*-[0-9a-f]+\)/)) {
+        bin = substr($0, RSTART + 5, RLENGTH - 6); sub(/-[0-9a-f]+$/, "", bin)
+      }
+      cur = bin; timed = 0; last = ""; next
+    }
+    /^ +Doc-tests / { cur = "doc-tests " $2; timed = 0; last = ""; next }
+    /^test .* \.\.\. (ok|FAILED)/ && cur != "" {
+      last = $2
+      if (match($0, /<[0-9.]+s>$/)) {
+        timed = 1
+        printf "test\t%s %s\t%s\n", cur, $2, substr($0, RSTART + 1, RLENGTH - 3)
+      }
+      next
+    }
+    /^test result: / && cur != "" {
+      n = 0; if (match($0, /[0-9]+ passed/)) n = substr($0, RSTART, RLENGTH) + 0
+      f = 0; if (match($0, /[0-9]+ failed/)) f = substr($0, RSTART, RLENGTH) + 0
+      if (match($0, /finished in [0-9.]+s/)) {
+        secs = substr($0, RSTART + 12, RLENGTH - 13)
+        printf "binary\t%s\t%s\t%d\n", cur, secs, n + f
+        if (!timed && n + f == 1 && last != "") printf "test\t%s %s\t%s\n", cur, last, secs
+      }
+      cur = ""
+    }' "${logs[@]}")
+  echo "$me: the 15 slowest tests (seconds)"
+  awk -F'\t' '$1 == "test" { printf "%s\t%s\n", $3, $2 }' <<<"$rows" | sort -g -r | head -n 15 |
+    awk -F'\t' '{ printf "  %-86s %7.1f\n", $2, $1 }'
+  echo "$me: the 15 slowest test binaries and modules (seconds: their tests' times added up)"
+  awk -F'\t' '$1 == "test" {
+      split($2, w, " "); key = w[1]
+      if (index(w[2], "::")) key = key " " substr(w[2], 1, index(w[2], "::") - 1) "::"
+      sum[key] += $3; count[key]++
+    }
+    END { for (k in sum) printf "%s\t%s\t%d\n", sum[k], k, count[k] }' <<<"$rows" |
+    sort -g -r | head -n 15 | awk -F'\t' '{ printf "  %-70s %3s tests %7.1f\n", $2, $3, $1 }'
+}
+
+# Whatever runs in the background stops with this script, however it ends;
+# the table is printed however it ends, too.
 kill_tree() {
   local child
   for child in $(pgrep -P "$1"); do kill_tree "$child"; done
   kill "$1" 2>/dev/null || true
 }
-trap 'for job in $(jobs -p); do kill_tree "$job"; done' EXIT
+on_exit() {
+  local status=$?
+  for job in $(jobs -p); do kill_tree "$job"; done
+  table || true
+  exit "$status"
+}
+trap on_exit EXIT
+
+# --- Jobs beside the steps -------------------------------------------------
+# `beside NAME COMMAND...` runs COMMAND in the background, its output in
+# target/beside-NAME.log; `joined NAME [--show]` waits for it, prints that
+# output (when it failed, or always with --show) and fails when it failed.
+declare -A beside_pid=()
+beside() {
+  local name=$1
+  shift
+  (
+    set +e
+    begun=$(date +%s)
+    "$@"
+    status=$?
+    echo $(($(date +%s) - begun)) >"$times_dir/$name.secs"
+    exit "$status"
+  ) >"target/beside-$name.log" 2>&1 &
+  beside_pid[$name]=$!
+}
+joined() {
+  local status=0
+  wait "${beside_pid[$1]}" || status=$?
+  unset "beside_pid[$1]"
+  [ "$status" != 0 ] || [ "${2:-}" != --show ] || cat "target/beside-$1.log"
+  if [ "$status" != 0 ]; then
+    cat "target/beside-$1.log" >&2
+    echo "$me: $1 failed (exit $status; its output is above)" >&2
+    return 1
+  fi
+}
+
 step "system packages"
 scripts/install-deps.sh
+
+# --- Build caches outside the clone ----------------------------------------
+cache=${SANDPIT_BUILD_CACHE:-/var/cache/sandpit-build}
+if [ ! -e target ] && [ ! -L target ] && [ "$cache" != none ]; then
+  mkdir -p "$cache/target"
+  # A cache past 60 GB (dependencies that every run changed, say) starts
+  # again rather than fill the disk.
+  used=$(du -s -B1G "$cache/target" | cut -f1)
+  if [ "$used" -gt 60 ]; then
+    echo "$me: $cache/target holds ${used} GB: emptying it" >&2
+    rm -rf "$cache/target" && mkdir -p "$cache/target"
+  fi
+  ln -s "$cache/target" target
+  echo "$me: build caches in $cache/target (target/ links there)" >&2
+fi
+mkdir -p target
+times_dir=$(mktemp -d)
+rm -f target/tests-*.log target/beside-*.log
+
+# --- Test binaries ---------------------------------------------------------
+# `binaries JSON` lists the test binaries of cargo's JSON messages, a line
+# each: executable, package directory, source file, target name
+# (tab-separated).
+binaries() {
+  python3 -c '
+import json, os, sys
+for line in open(sys.argv[1]):
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        root = os.path.dirname(m["manifest_path"])
+        src = os.path.relpath(m["target"]["src_path"], os.getcwd())
+        print("\t".join([m["executable"], root, src, m["target"]["name"]]))
+' "$1"
+}
+# `run_binaries LIST ARGS...` runs the binaries listed in the file LIST (as
+# `binaries` prints them) one after another, each in its package's
+# directory as `cargo test` does, with ARGS and each test's time (libtest's
+# --report-time is unstable: RUSTC_BOOTSTRAP is set for the test binaries
+# alone, never for cargo, so nothing compiles differently; the scripts that
+# build unset it); fails if one failed.
+run_binaries() {
+  local list=$1 status=0 exe dir src name
+  shift
+  while IFS=$'\t' read -r exe dir src name <&3; do
+    echo "     Running $src ($exe)"
+    (cd "$dir" && RUSTC_BOOTSTRAP=1 "$exe" -Z unstable-options --report-time "$@" </dev/null) ||
+      status=1
+  done 3<"$list"
+  return "$status"
+}
+# Some tests mostly wait (on Debian's mirror, dpkg, a sandbox's expiry) and
+# use one thread: they run beside other work, and the lanes below skip them.
+# `aside NAME JSON BINARY TEST [BINARY TEST ...]` starts one background job
+# running these tests one after another, each from its test binary
+# (`--exact`; BINARY is a target name of cargo's JSON messages in the file
+# JSON); `collect NAME` waits for it and fails if a test failed or ran
+# nothing (a renamed test would).
+aside_names=()
+declare -A aside_counts=()
+aside() {
+  local name=$1 json=$2 list=() line
+  shift 2
+  while [ $# -gt 0 ]; do
+    line=$(binaries "$json" | awk -F'\t' -v n="$1" '$4 == n')
+    [ -n "$line" ] && [ "$(wc -l <<<"$line")" = 1 ] ||
+      { echo "$me: cargo built no test binary $1, or more than one" >&2; exit 1; }
+    list+=("$line"$'\t'"$2")
+    aside_names+=("$2")
+    shift 2
+  done
+  aside_counts[$name]=${#list[@]}
+  beside "$name" bash -c '
+    status=0
+    for line in "$@"; do
+      IFS=$'"'\t'"' read -r exe dir src target test <<<"$line"
+      echo "     Running $test ($exe)"
+      (cd "$dir" && "$exe" --exact "$test" </dev/null) || status=1
+    done
+    exit "$status"' aside "${list[@]}"
+}
+collect() {
+  local status=0 passed
+  joined "$1" --show || status=1
+  passed=$(grep -c "^test result: ok. 1 passed" "target/beside-$1.log" || true)
+  if [ "$passed" != "${aside_counts[$1]}" ]; then
+    echo "$me: $1: ${aside_counts[$1]} test(s) were to pass, $passed did (target/beside-$1.log, above)" >&2
+    status=1
+  fi
+  return "$status"
+}
+
+# The set-up test (crates/setup-test: install-deps.sh in clean Debian roots,
+# no VM; minutes of apt and dpkg) builds in seconds, having nothing of the
+# workspace, and runs beside the builds.
+cargo test --locked -p sandpit-setup-test --no-run --message-format=json >target/setup-test.json
+aside set-up-test target/setup-test.json \
+  setup install_deps_sets_up_fresh_debian_12_whatever_qemu_it_had
+
+# cargo-deb and cargo-fuzz (cargo install compiles them; nothing to do when
+# they are there) install beside the build.
+beside tools bash -c 'scripts/package.sh --install-tool && scripts/fuzz.sh --install-tool'
+
 step "build"
 scripts/build.sh
 export SANDPIT_IMAGES_DIR="$PWD/target/sandpit-images"
 export SANDPIT_AGENT_BIN="$PWD/target/x86_64-unknown-linux-gnu/release/sandpit-agent"
+export SANDPIT_FUZZ_TARGET_DIR="$PWD/target/fuzz"
 # The previous release, which the upgrade test runs first (cached in
-# target/previous), builds meanwhile (the guest image's build mostly waits
-# on the Debian mirror).
-previous_log=target/build-previous.log
-scripts/build-previous.sh >"$previous_log" 2>&1 &
-previous=$!
-step "test build"
-# Some tests mostly wait (on Debian's mirror, dpkg, a sandbox's expiry) and
-# use one thread: they run beside other work, and the main run skips them.
-# `aside BINARY NAME [BINARY NAME ...]` starts one background job running
-# these tests one after another, each from its test binary (`--exact`);
-# `collect` waits for the jobs started so far and says which failed.
-tests_json=target/test-executables.json
-cargo test --locked --workspace --no-run --message-format=json >"$tests_json"
-aside_pids=() aside_logs=() aside_counts=() aside_names=()
-aside() {
-  local log="target/tests-aside-$1.log" run=() exe
-  while [ $# -gt 0 ]; do
-    exe=$(sed -n "s|.*\"executable\":\"\([^\"]*/deps/$1-[0-9a-f]*\)\".*|\1|p" "$tests_json")
-    [ -x "$exe" ] || { echo "test.sh: cargo built no tests/$1.rs" >&2; exit 1; }
-    run+=("$exe" "$2")
-    aside_names+=("$2")
-    shift 2
-  done
-  (
-    cd crates/cli
-    status=0
-    set -- "${run[@]}"
-    while [ $# -gt 0 ]; do
-      "$1" --exact "$2" || status=1
-      shift 2
-    done
-    exit "$status"
-  ) >"$log" 2>&1 &
-  aside_pids+=($!) aside_logs+=("$log") aside_counts+=($((${#run[@]} / 2)))
-}
-collect() {
-  local i status passed failed=0
-  for i in "${!aside_pids[@]}"; do
-    status=0
-    wait "${aside_pids[$i]}" || status=$?
-    cat "${aside_logs[$i]}"
-    # A renamed test would make its filter run nothing.
-    passed=$(grep -c "^test result: ok. 1 passed" "${aside_logs[$i]}" || true)
-    if [ "$status" != 0 ] || [ "$passed" != "${aside_counts[$i]}" ]; then
-      echo "test.sh: tests run beside the others failed (${aside_logs[$i]}, above)" >&2
-      failed=1
-    fi
-  done
-  aside_pids=() aside_logs=() aside_counts=()
-  return "$failed"
-}
-# The set-up test (crates/cli/tests/setup.rs: install-deps.sh in clean Debian
-# roots, no VM) runs beside the builds below.
-aside setup install_deps_sets_up_fresh_debian_12_whatever_qemu_it_had
-step "guest image (the previous release builds meanwhile)"
-target/release/sandpit image build
-step "Debian package"
-# The Debian package (and cargo-deb, once), which the package test installs.
-scripts/package.sh --no-build >/dev/null
-step "format and lints"
+# target/previous), and the guest image (which mostly waits on Debian's
+# mirror) build beside the test build.
+beside previous-release scripts/build-previous.sh
+beside guest-image target/release/sandpit image build
+
+step "format"
 cargo fmt --all --check
-cargo clippy --locked --workspace --all-targets -- -D warnings
-step "fuzz"
-# The fuzz targets (a workspace of their own): formatted, then a short run each.
 cargo fmt --check --manifest-path fuzz/Cargo.toml
-scripts/fuzz.sh
-step "waiting for the previous release's build"
-if ! wait "$previous"; then
-  cat "$previous_log" >&2
-  echo "test.sh: building the previous release failed (above)" >&2
-  exit 1
-fi
+
+step "test build, with clippy's lints"
+# The tests' build is also the lint pass: clippy-driver compiles the
+# workspace's crates (as `cargo clippy --all-targets` would check them, with
+# its lints denied), so the workspace is not compiled once more in check
+# mode. Only the cargo commands here get the wrapper: a test that builds
+# (the package test runs scripts/package.sh) builds as a user would.
+clippy_driver=$(rustup which clippy-driver 2>/dev/null || command -v clippy-driver) ||
+  { echo "$me: clippy-driver is missing: rustup component add clippy" >&2; exit 1; }
+linted() {
+  RUSTC_WORKSPACE_WRAPPER=$clippy_driver \
+    CLIPPY_ARGS="-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__" "$@"
+}
+tests_json=target/test-executables.json
+linted cargo test --locked --workspace --all-targets --no-run --message-format=json >"$tests_json"
+
+step "Debian package"
+joined tools
+# The Debian package, which the package test installs.
+scripts/package.sh --no-build >/dev/null
+
 status=0
-step "waiting for the set-up test"
+step "waiting for the guest image, the previous release and the set-up test"
+joined guest-image
+joined previous-release
 # Before the package test, which shares the host's apt cache with it.
-collect || status=1
+collect set-up-test || status=1
+
 step "tests"
 # The package test (apt in a clean root) and then the upgrade test (which
 # waits out a sandbox's lifetime) run beside the others.
-aside package the_package_installs_in_a_clean_debian_root_and_its_service_serves_sandboxes \
-  upgrade the_previous_release_s_sandboxes_live_on_under_this_one
-# VM tests boot real guests under emulation on few cores: bound parallelism.
+aside package-and-upgrade-tests "$tests_json" \
+  e2e package::the_package_installs_in_a_clean_debian_root_and_its_service_serves_sandboxes \
+  e2e upgrade::the_previous_release_s_sandboxes_live_on_under_this_one
+# The fuzz targets (a workspace of their own, built at a low priority while
+# the tests leave a core idle), then a short run of each.
+beside fuzz bash -c 'nice -n 19 scripts/fuzz.sh --build-only && scripts/fuzz.sh'
+# Two lanes: the end-to-end tests (crates/cli/tests/e2e, most of the time)
+# beside every other test binary, each lane two tests at a time (VM tests
+# boot real guests under emulation on few cores: bound parallelism).
+threads=${SANDPIT_TEST_THREADS:-2}
 skips=()
 for name in "${aside_names[@]}"; do skips+=(--skip "$name"); done
-cargo test --locked --workspace --no-fail-fast -- --test-threads="${SANDPIT_TEST_THREADS:-2}" \
-  "${skips[@]}" || status=$?
-step "waiting for the tests run beside"
-collect || status=1
+binaries "$tests_json" >target/test-binaries.tsv
+awk -F'\t' '$4 == "e2e"' target/test-binaries.tsv >target/test-binaries-e2e.tsv
+awk -F'\t' '$4 != "e2e"' target/test-binaries.tsv >target/test-binaries-rest.tsv
+[ -s target/test-binaries-e2e.tsv ] || { echo "$me: cargo built no e2e test binary" >&2; exit 1; }
+beside e2e-tests run_binaries target/test-binaries-e2e.tsv --test-threads="$threads" "${skips[@]}"
+{
+  failed=0
+  # Documentation tests (cargo compiles them now, with rustdoc).
+  linted cargo test --locked --workspace --doc || failed=1
+  run_binaries target/test-binaries-rest.tsv --test-threads="$threads" "${skips[@]}" || failed=1
+  exit "$failed"
+} 2>&1 | tee target/tests-rest.log || status=1
+step "waiting for the end-to-end tests and the tests run beside"
+joined e2e-tests --show || status=1
+collect package-and-upgrade-tests || status=1
+joined fuzz --show || status=1
 exit "$status"

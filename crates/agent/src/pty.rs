@@ -456,7 +456,7 @@ fn login_shell() -> (&'static std::ffi::CStr, Vec<CString>) {
 }
 
 // Terminals need root (the slave's owner) and a cgroup tree; the guest
-// tests (`crates/cli/tests/terminal.rs`) cover them in a VM. What runs
+// tests (`crates/cli/tests/e2e/terminal.rs`) cover them in a VM. What runs
 // anywhere is checked here.
 #[cfg(test)]
 mod tests {

@@ -34,6 +34,11 @@ const LOCK_FILE: &str = "owner.lock";
 /// for the `mcp` that started it to exit.
 const HAND_OVER: Duration = Duration::from_secs(30);
 
+/// How long a new owner waits for a lock whose writer is gone (see
+/// [`acquire`]): a child between `fork` and `exec` holds it that long at
+/// most, even on a host short of CPU.
+const IN_TRANSIT: Duration = Duration::from_secs(10);
+
 /// What an owner is doing, as written in the lock file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Role {
@@ -108,6 +113,15 @@ pub fn acquire(data_dir: &Path, role: Role) -> Result<Acquired> {
                 data_dir.display()
             )
         }
+        // The owner that wrote the file is gone, yet the lock is held: by a
+        // child it forked and that has not yet reached `exec` (which closes
+        // the descriptor), as when a server is SIGKILLed while starting a
+        // process and restarted at once. That ends within moments.
+        _ if holder.as_ref().is_none_or(|(pid, _)| !is_sandpit(*pid))
+            && wait_for_lock(&file, IN_TRANSIT)? =>
+        {
+            claim(file, role).map(Acquired::Owner)
+        }
         _ => {
             let who = match holder {
                 Some((pid, r)) => format!("{r} (pid {pid})"),
@@ -177,8 +191,12 @@ fn claim(mut file: File, role: Role) -> Result<Ownership> {
 pub fn holder(data_dir: &Path) -> Option<(i32, String)> {
     let mut file = File::open(data_dir.join(LOCK_FILE)).ok()?;
     let (pid, role) = read_holder(&mut file)?;
-    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
-    (comm.trim() == "sandpit").then_some((pid, role))
+    is_sandpit(pid).then_some((pid, role))
+}
+
+/// Whether `pid` is a live `sandpit` process.
+fn is_sandpit(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|comm| comm.trim() == "sandpit")
 }
 
 /// The pid and role the current holder wrote.
@@ -188,4 +206,52 @@ fn read_holder(file: &mut File) -> Option<(i32, String)> {
     file.read_to_string(&mut s).ok()?;
     let (pid, role) = s.trim().split_once(' ')?;
     Some((pid.parse().ok()?, role.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::process::CommandExt;
+
+    /// A server SIGKILLed while it forks a child leaves that child holding
+    /// the lock until its `exec`: the next owner waits for it instead of
+    /// naming the dead server as the one in the way.
+    #[test]
+    fn a_lock_held_only_by_a_dead_owners_child_is_waited_for() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut file = open(&dir.path().join(LOCK_FILE)).unwrap();
+        assert!(try_lock(&file).unwrap());
+        // A pid no process has (above the kernel's maximum).
+        writeln!(file, "2147483647 sandpit serve").unwrap();
+        let fd = file.as_raw_fd();
+        let mut child = std::process::Command::new("sleep");
+        child.arg("1");
+        // SAFETY: fcntl is async-signal-safe; without CLOEXEC, `sleep`
+        // keeps the descriptor, and so the lock, as a child in transit would.
+        unsafe {
+            child.pre_exec(move || {
+                if libc::fcntl(fd, libc::F_SETFD, 0) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = child.spawn().unwrap();
+        drop(file);
+        let t = Instant::now();
+        let acquired = acquire(dir.path(), Role::Serve).unwrap();
+        assert!(matches!(acquired, Acquired::Owner(_)), "{acquired:?}");
+        assert!(
+            t.elapsed() >= Duration::from_millis(500),
+            "{:?}",
+            t.elapsed()
+        );
+        child.wait().unwrap();
+        let (pid, role) =
+            read_holder(&mut File::open(dir.path().join(LOCK_FILE)).unwrap()).unwrap();
+        assert_eq!(
+            (pid, role.as_str()),
+            (std::process::id() as i32, "sandpit serve")
+        );
+    }
 }

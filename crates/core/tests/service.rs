@@ -302,7 +302,7 @@ async fn a_sandbox_expires_on_time_while_the_service_runs() {
     assert!(spent <= 0.0015 + 1e-9, "{spent}");
 }
 
-/// Found by the chaos test (`crates/cli/tests/chaos.rs`): extensions that
+/// Found by the chaos test (`crates/cli/tests/e2e/chaos.rs`): extensions that
 /// read the same sandbox at once each stored `timeout + 1` (one lost, both
 /// reserved), and one that read a row another had since extended moved the
 /// VM's watchdog back before the stored expiry. Eight at once must add

@@ -4,10 +4,8 @@
 //! says why in `get_service_info`; a host whose VMs burn through the CPU
 //! budget refuses until they calm down, then takes sandboxes again.
 
-mod common;
-
-use common::serve::*;
-use common::*;
+use crate::common::serve::*;
+use crate::common::*;
 use rmcp::model::CallToolRequestParams;
 use rmcp::ServiceExt;
 use serde_json::{json, Value};

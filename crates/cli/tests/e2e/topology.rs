@@ -7,11 +7,9 @@
 //! database by nftables in its namespace; a replica killed mid-create and
 //! mid-command. The ledger sums to the balance after all of it.
 
-mod common;
-
-use common::netns::TestHost;
-use common::serve::*;
-use common::*;
+use crate::common::netns::TestHost;
+use crate::common::serve::*;
+use crate::common::*;
 use sandpit_store::Store;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};

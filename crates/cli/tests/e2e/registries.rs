@@ -12,10 +12,8 @@
 //! registries only. This test needs the registries: where the host cannot
 //! reach them, it fails and says so.
 
-mod common;
-
-use common::netns::TestHost;
-use common::*;
+use crate::common::netns::TestHost;
+use crate::common::*;
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};

@@ -4,10 +4,8 @@
 //! data directory others can write, another program on the port), in a
 //! mount namespace of the test's own so the machine itself is untouched.
 
-mod common;
-
-use common::cli::Cli;
-use common::*;
+use crate::common::cli::Cli;
+use crate::common::*;
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;

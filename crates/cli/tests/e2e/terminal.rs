@@ -10,9 +10,7 @@
 //! the socket with the shell's code, closing the socket ends the shell, and
 //! destroying the sandbox cuts a terminal still open.
 
-mod common;
-
-use common::serve::*;
+use crate::common::serve::*;
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};

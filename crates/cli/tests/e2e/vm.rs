@@ -2,9 +2,7 @@
 //! timeouts, background processes, files. One VM is booted for this file and
 //! shared; each test leaves it healthy for the next.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use sandpit_protocol::ErrorKind;
 use sandpit_runtime::{ExecEvent, RuntimeError};
 use std::sync::OnceLock;

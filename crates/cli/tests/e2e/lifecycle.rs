@@ -2,9 +2,7 @@
 //! powers itself off is reported as failed, and several boots in a row all
 //! come up (a small boot loop; the notes report rare TCG boot hangs).
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use sandpit_runtime::VmState;
 use std::time::Duration;
 

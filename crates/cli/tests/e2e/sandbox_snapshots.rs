@@ -5,10 +5,8 @@
 //! cannot see or use a snapshot, a refused fork charges nothing, and
 //! deleted snapshots and ended sandboxes leave no files behind.
 
-mod common;
-
-use common::serve::{Rest, Server};
-use common::*;
+use crate::common::serve::{Rest, Server};
+use crate::common::*;
 use serde_json::{json, Value};
 use std::path::Path;
 use std::time::{Duration, Instant};

@@ -2,10 +2,8 @@
 //! real server (no VMs needed), thousands of real idle and half-sent
 //! connections from this test, and the API answering meanwhile.
 
-mod common;
-
-use common::serve::*;
-use common::*;
+use crate::common::serve::*;
+use crate::common::*;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};

@@ -2,10 +2,8 @@
 //! can read of the control plane's state: nothing of the database, and no
 //! listing of the data directory. A real `sandpit serve` under umask 022.
 
-mod common;
-
-use common::serve::*;
-use common::*;
+use crate::common::serve::*;
+use crate::common::*;
 use std::os::unix::fs::PermissionsExt;
 
 fn mode(p: &std::path::Path) -> u32 {

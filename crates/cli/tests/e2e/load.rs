@@ -5,10 +5,8 @@
 //! client starved by the others is a failure too). Latencies are printed,
 //! never asserted (the machine is shared and noisy).
 
-mod common;
-
-use common::serve::*;
-use common::*;
+use crate::common::serve::*;
+use crate::common::*;
 
 #[test]
 fn two_hundred_mcp_clients_get_no_error() {

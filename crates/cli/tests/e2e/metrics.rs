@@ -4,10 +4,8 @@
 //! used and destroyed. Then a server without `[metrics]`, whose public
 //! listener has no `/metrics`.
 
-mod common;
-
-use common::serve::*;
-use common::*;
+use crate::common::serve::*;
+use crate::common::*;
 use serde_json::json;
 use std::time::{Duration, Instant};
 

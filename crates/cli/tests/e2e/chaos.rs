@@ -34,10 +34,8 @@
 //! Latencies (restart to ready, time to settle) go in the printed table;
 //! nothing here asserts a duration beyond generous bounds for "never".
 
-mod common;
-
-use common::serve::*;
-use common::*;
+use crate::common::serve::*;
+use crate::common::*;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
 use std::collections::{BTreeMap, HashMap};

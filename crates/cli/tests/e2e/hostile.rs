@@ -2,9 +2,7 @@
 //! everything it can. After each, the agent must still answer and the VM must
 //! still run commands. One VM, attacked in sequence.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use sandpit_runtime::VmState;
 use std::time::Duration;
 

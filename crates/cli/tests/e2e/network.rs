@@ -15,11 +15,9 @@
 //! operator's CA signed is trusted by curl, Python and Node in a guest
 //! configured with that CA, and a site of another CA is not.
 
-mod common;
-
-use common::cli::Cli;
-use common::netns::*;
-use common::*;
+use crate::common::cli::Cli;
+use crate::common::netns::*;
+use crate::common::*;
 use std::io::{Read, Write};
 use std::net::TcpListener;
 use std::os::unix::fs::PermissionsExt;

@@ -10,10 +10,8 @@
 //! are the same) through an images directory of the test's own, so neither
 //! touches the shared cache's `current.json`.
 
-mod common;
-
-use common::serve::*;
-use common::*;
+use crate::common::serve::*;
+use crate::common::*;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

@@ -3,10 +3,8 @@
 //! Streamable HTTP and over stdio (`sandpit mcp`), and the operator commands.
 //! Includes the SIGKILL-and-restart reconciliation.
 
-mod common;
-
-use common::serve::*;
-use common::*;
+use crate::common::serve::*;
+use crate::common::*;
 use rmcp::model::CallToolRequestParams;
 use rmcp::ServiceExt;
 use serde_json::{json, Value};
@@ -253,7 +251,7 @@ fn the_agent_flow_over_mcp_streamable_http() {
         let info = info.structured_content.unwrap();
         assert_eq!(info["acceleration"], "tcg");
         // The commit the server was built from: the checkout's.
-        assert_eq!(info["commit"], common::head_commit(), "{info}");
+        assert_eq!(info["commit"], crate::common::head_commit(), "{info}");
         let denied = anon
             .call_tool(CallToolRequestParams::new("create_sandbox").with_arguments(args(json!({}))))
             .await

@@ -9,11 +9,9 @@
 //! Chromium resolves `*.localhost` to the loopback itself, so the preview
 //! URL needs nothing from the system resolver.
 
-mod common;
-
-use common::browser::{Browser, DESKTOP, PHONE};
-use common::serve::*;
-use common::*;
+use crate::common::browser::{Browser, DESKTOP, PHONE};
+use crate::common::serve::*;
+use crate::common::*;
 use serde_json::{json, Value};
 use std::path::Path;
 use std::time::{Duration, Instant};

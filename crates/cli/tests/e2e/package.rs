@@ -14,11 +14,9 @@
 //! The container shares the host's network (apt needs the mirror); the
 //! test checks that the host's routes, links and firewall are as they were.
 
-mod common;
-
-use common::netns::HostNetworkLock;
-use common::serve::Rest;
-use common::*;
+use crate::common::netns::HostNetworkLock;
+use crate::common::serve::Rest;
+use crate::common::*;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

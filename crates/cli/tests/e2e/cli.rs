@@ -1,10 +1,8 @@
 //! The `sandpit` command line as a person uses it: each step is a separate
 //! process, so state must survive between invocations.
 
-mod common;
-
-use common::cli::Cli;
-use common::*;
+use crate::common::cli::Cli;
+use crate::common::*;
 use std::path::Path;
 use std::time::{Duration, Instant};
 

@@ -5,10 +5,8 @@
 //! guest that computes, or a command still running, keeps its sandbox
 //! awake however long nobody calls.
 
-mod common;
-
-use common::serve::{Rest, Server};
-use common::*;
+use crate::common::serve::{Rest, Server};
+use crate::common::*;
 use serde_json::json;
 use std::time::{Duration, Instant};
 

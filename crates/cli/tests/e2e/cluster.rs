@@ -5,10 +5,8 @@
 //! the same database; servers killed, restarted, frozen and thawed; the
 //! cluster's certificates made by the CLI.
 
-mod common;
-
-use common::serve::*;
-use common::*;
+use crate::common::serve::*;
+use crate::common::*;
 use sandpit_store::{new_id, CreateOutcome, NewSandbox, SandboxStatus, Store};
 use serde_json::json;
 use std::process::Stdio;

@@ -12,10 +12,8 @@
 //! sandboxes, a phone's window). They go to a temporary directory, or to
 //! `SANDPIT_SCREENSHOTS_DIR` (`docs/screenshots` refreshes the README's).
 
-mod common;
-
-use common::browser::{Browser, PHONE};
-use common::serve::*;
+use crate::common::browser::{Browser, PHONE};
+use crate::common::serve::*;
 use fantoccini::Locator;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};

@@ -4,9 +4,7 @@
 //! a cold boot (a late restore is a busy host: refused, the template kept),
 //! and a changed image gets a template of its own.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use sandpit_runtime::{VmManager, VmState};
 use std::time::Duration;
 

@@ -9,10 +9,8 @@
 //! `*.localhost` themselves), which the set-up makes answer `*.localhost`
 //! with `::1` and `127.0.0.1` (nss-myhostname); the server listens on both.
 
-mod common;
-
-use common::serve::*;
-use common::*;
+use crate::common::serve::*;
+use crate::common::*;
 use futures_util::{SinkExt, StreamExt};
 use serde_json::json;
 use sha2::{Digest, Sha256};
