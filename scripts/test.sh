@@ -284,41 +284,48 @@ joined tools
 scripts/package.sh --no-build >/dev/null
 
 status=0
-step "waiting for the guest image, the previous release and the set-up test"
+step "waiting for the guest image and the previous release"
 joined guest-image
 joined previous-release
-# Before the package test, which shares the host's apt cache with it.
-collect set-up-test || status=1
 
-step "tests"
-# The package test (apt in a clean root) and then the upgrade test (which
-# waits out a sandbox's lifetime) run beside the others.
-aside package-and-upgrade-tests "$tests_json" \
-  e2e package::the_package_installs_in_a_clean_debian_root_and_its_service_serves_sandboxes \
-  e2e upgrade::the_previous_release_s_sandboxes_live_on_under_this_one
-# The fuzz targets (a workspace of their own, built at a low priority while
-# the tests leave a core idle), then a short run of each.
-beside fuzz bash -c 'nice -n 19 scripts/fuzz.sh --build-only && scripts/fuzz.sh'
+step "tests (and the end of the set-up test)"
 # Two lanes: the end-to-end tests (crates/cli/tests/e2e, most of the time)
 # beside every other test binary, each lane two tests at a time (VM tests
-# boot real guests under emulation on few cores: bound parallelism).
+# boot real guests under emulation on few cores: bound parallelism). They
+# skip the tests run aside: the set-up test (still running, maybe), the
+# upgrade test (which waits out a sandbox's lifetime) and the package test
+# (apt in a clean root), which starts once the set-up test is done: both
+# share the host's apt cache.
+upgrade_test=upgrade::the_previous_release_s_sandboxes_live_on_under_this_one
+package_test=package::the_package_installs_in_a_clean_debian_root_and_its_service_serves_sandboxes
 threads=${SANDPIT_TEST_THREADS:-2}
 skips=()
-for name in "${aside_names[@]}"; do skips+=(--skip "$name"); done
+for name in "${aside_names[@]}" "$upgrade_test" "$package_test"; do skips+=(--skip "$name"); done
 binaries "$tests_json" >target/test-binaries.tsv
 awk -F'\t' '$4 == "e2e"' target/test-binaries.tsv >target/test-binaries-e2e.tsv
 awk -F'\t' '$4 != "e2e"' target/test-binaries.tsv >target/test-binaries-rest.tsv
 [ -s target/test-binaries-e2e.tsv ] || { echo "$me: cargo built no e2e test binary" >&2; exit 1; }
 beside e2e-tests run_binaries target/test-binaries-e2e.tsv --test-threads="$threads" "${skips[@]}"
-{
-  failed=0
-  # Documentation tests (cargo compiles them now, with rustdoc).
+# Documentation tests (cargo compiles them now, with rustdoc), then every
+# test binary but the e2e one.
+other_tests() {
+  local failed=0
   linted cargo test --locked --workspace --doc || failed=1
   run_binaries target/test-binaries-rest.tsv --test-threads="$threads" "${skips[@]}" || failed=1
-  exit "$failed"
-} 2>&1 | tee target/tests-rest.log || status=1
-step "waiting for the end-to-end tests and the tests run beside"
+  return "$failed"
+}
+beside other-tests other_tests
+aside upgrade-test "$tests_json" e2e "$upgrade_test"
+# The fuzz targets (a workspace of their own, built at a low priority while
+# the tests leave a core idle), then a short run of each.
+beside fuzz bash -c 'nice -n 19 scripts/fuzz.sh --build-only && scripts/fuzz.sh'
+collect set-up-test || status=1
+aside package-test "$tests_json" e2e "$package_test"
+
+step "waiting for the tests"
+joined other-tests --show || status=1
 joined e2e-tests --show || status=1
-collect package-and-upgrade-tests || status=1
+collect upgrade-test || status=1
+collect package-test || status=1
 joined fuzz --show || status=1
 exit "$status"
