@@ -250,14 +250,18 @@ beside tools bash -c 'scripts/package.sh --install-tool && scripts/fuzz.sh --ins
 
 step "build"
 scripts/build.sh
-export SANDPIT_IMAGES_DIR="$PWD/target/sandpit-images"
-export SANDPIT_AGENT_BIN="$PWD/target/x86_64-unknown-linux-gnu/release/sandpit-agent"
-export SANDPIT_FUZZ_TARGET_DIR="$PWD/target/fuzz"
+# By the cache's own path, not through this clone's link: what is written
+# there (the guest image's records, apt's configuration) names these paths,
+# and the next run is in another clone.
+built=$(cd target && pwd -P)
+export SANDPIT_IMAGES_DIR="$built/sandpit-images"
+export SANDPIT_AGENT_BIN="$built/x86_64-unknown-linux-gnu/release/sandpit-agent"
+export SANDPIT_FUZZ_TARGET_DIR="$built/fuzz"
 # The previous release, which the upgrade test runs first (cached in
 # target/previous), and the guest image (which mostly waits on Debian's
 # mirror) build beside the test build.
 beside previous-release scripts/build-previous.sh
-beside guest-image target/release/sandpit image build
+beside guest-image target/release/sandpit image build --images-dir "$SANDPIT_IMAGES_DIR"
 
 step "format"
 cargo fmt --all --check

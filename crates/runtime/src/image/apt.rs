@@ -80,12 +80,21 @@ impl PrivateApt {
 
     /// `apt-get`/`apt-cache` with this configuration (through `APT_CONFIG`,
     /// which replaces only `/etc/apt/apt.conf`: `apt.conf.d` still applies).
+    ///
+    /// The configuration is written again first: it names this directory by
+    /// its absolute path, and the images directory may be reached by
+    /// another path than the one that fetched the lists (moved, or a build
+    /// cache that several checkouts link to). A configuration written once
+    /// would send apt to a directory that is no longer there.
     pub(crate) fn command(&self, tool: exec::Tool) -> Result<Command, ImageError> {
+        self.write_config()?;
         let mut cmd = exec::command(tool)?;
         cmd.env("APT_CONFIG", self.dir.join("apt.conf"));
         Ok(cmd)
     }
 
+    /// Writes `apt.conf` for this directory, whole (through a rename, so a
+    /// concurrent reader never sees half of it).
     fn write_config(&self) -> Result<(), ImageError> {
         let d = self.dir.display();
         let conf = format!(
@@ -101,7 +110,11 @@ impl PrivateApt {
              APT::Sandbox::User \"root\";\n"
         );
         let path = self.dir.join("apt.conf");
-        fs::write(&path, conf).ctx(|| format!("writing {}", path.display()))
+        let partial = self
+            .dir
+            .join(format!("apt.conf.{}.partial", std::process::id()));
+        fs::write(&partial, conf).ctx(|| format!("writing {}", partial.display()))?;
+        fs::rename(&partial, &path).ctx(|| format!("writing {}", path.display()))
     }
 
     /// The concrete kernel package behind `package` (a metapackage such as
@@ -215,5 +228,49 @@ mod tests {
         assert_eq!(kernel_dependency("x\n  Depends: linux-base\n"), None);
         assert!(is_concrete_kernel("linux-image-6.1.0-50-cloud-amd64"));
         assert!(!is_concrete_kernel("linux-image-cloud-amd64"));
+    }
+
+    /// Lists fetched under one path, the images directory then reached by
+    /// another: apt is pointed at the directory where it is now.
+    #[test]
+    fn a_moved_images_directory_gets_a_configuration_naming_where_it_is() {
+        let root = tempfile::tempdir().unwrap();
+        let first = root.path().join("first");
+        let apt = PrivateApt::new(&first, "http://deb.debian.org/debian", "bookworm");
+        fs::create_dir_all(&apt.dir).unwrap();
+        apt.write_config().unwrap();
+        fs::write(apt.stamp(), "").unwrap();
+        let moved = root.path().join("moved");
+        fs::rename(&first, &moved).unwrap();
+        let apt = PrivateApt::new(&moved, "http://deb.debian.org/debian", "bookworm");
+        assert!(apt.has_lists());
+        let Ok(cmd) = apt.command(exec::APT_CACHE) else {
+            // No apt-cache on this machine: the configuration is what is
+            // checked, and it was written before the tool was looked up.
+            return check_names(&apt.dir, &first);
+        };
+        let config = cmd
+            .get_envs()
+            .find(|(k, _)| *k == "APT_CONFIG")
+            .and_then(|(_, v)| v)
+            .map(PathBuf::from)
+            .unwrap();
+        assert_eq!(config, apt.dir.join("apt.conf"));
+        check_names(&apt.dir, &first);
+    }
+
+    fn check_names(dir: &Path, old: &Path) {
+        let conf = fs::read_to_string(dir.join("apt.conf")).unwrap();
+        assert!(
+            conf.contains(&format!("Dir::State \"{}/state\";", dir.display())),
+            "{conf}"
+        );
+        assert!(!conf.contains(&old.display().to_string()), "{conf}");
+        let left: Vec<_> = fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n.contains("partial"))
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
     }
 }
