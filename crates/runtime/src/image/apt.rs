@@ -96,7 +96,11 @@ impl PrivateApt {
     /// Writes `apt.conf` for this directory, whole (through a rename, so a
     /// concurrent reader never sees half of it).
     fn write_config(&self) -> Result<(), ImageError> {
-        let d = self.dir.display();
+        // By its real path: the directory may be reached through a link
+        // (a test's images directory over a shared cache) that is gone
+        // before the next reader comes.
+        let real = fs::canonicalize(&self.dir).unwrap_or_else(|_| self.dir.clone());
+        let d = real.display();
         let conf = format!(
             "Dir::Etc::SourceList \"{d}/sources.list\";\n\
              Dir::Etc::SourceParts \"{d}/sources.list.d\";\n\
@@ -244,6 +248,13 @@ mod tests {
         fs::rename(&first, &moved).unwrap();
         let apt = PrivateApt::new(&moved, "http://deb.debian.org/debian", "bookworm");
         assert!(apt.has_lists());
+        // Reached through a link, it is still named by its real path.
+        let link = root.path().join("link");
+        std::os::unix::fs::symlink(&apt.dir, &link).unwrap();
+        PrivateApt { dir: link.clone() }.write_config().unwrap();
+        let conf = fs::read_to_string(apt.dir.join("apt.conf")).unwrap();
+        assert!(!conf.contains(&link.display().to_string()), "{conf}");
+        check_names(&apt.dir, &first);
         let Ok(cmd) = apt.command(exec::APT_CACHE) else {
             // No apt-cache on this machine: the configuration is what is
             // checked, and it was written before the tool was looked up.
@@ -261,6 +272,8 @@ mod tests {
 
     fn check_names(dir: &Path, old: &Path) {
         let conf = fs::read_to_string(dir.join("apt.conf")).unwrap();
+        let dir = fs::canonicalize(dir).unwrap();
+        let dir = dir.as_path();
         assert!(
             conf.contains(&format!("Dir::State \"{}/state\";", dir.display())),
             "{conf}"
