@@ -87,8 +87,8 @@ slowest_tests() {
       cur = ""
     }' "${logs[@]}")
   echo "$me: the 15 slowest tests (seconds)"
-  awk -F'\t' '$1 == "test" { printf "%s\t%s\n", $3, $2 }' <<<"$rows" | sort -g -r | head -n 15 |
-    awk -F'\t' '{ printf "  %-86s %7.1f\n", $2, $1 }'
+  awk -F'\t' '$1 == "test" { printf "%s\t%s\n", $3, $2 }' <<<"$rows" | sort -g -r |
+    awk -F'\t' 'NR <= 15 { printf "  %-86s %7.1f\n", $2, $1 }'
   echo "$me: the 15 slowest test binaries and modules (seconds: their tests' times added up)"
   awk -F'\t' '$1 == "test" {
       split($2, w, " "); key = w[1]
@@ -96,7 +96,7 @@ slowest_tests() {
       sum[key] += $3; count[key]++
     }
     END { for (k in sum) printf "%s\t%s\t%d\n", sum[k], k, count[k] }' <<<"$rows" |
-    sort -g -r | head -n 15 | awk -F'\t' '{ printf "  %-70s %3s tests %7.1f\n", $2, $3, $1 }'
+    sort -g -r | awk -F'\t' 'NR <= 15 { printf "  %-70s %3s tests %7.1f\n", $2, $3, $1 }'
 }
 
 # Whatever runs in the background stops with this script, however it ends;

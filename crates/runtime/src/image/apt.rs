@@ -256,9 +256,9 @@ mod tests {
         assert!(!conf.contains(&link.display().to_string()), "{conf}");
         check_names(&apt.dir, &first);
         let Ok(cmd) = apt.command(exec::APT_CACHE) else {
-            // No apt-cache on this machine: the configuration is what is
-            // checked, and it was written before the tool was looked up.
-            return check_names(&apt.dir, &first);
+            // No apt-cache on this machine: the configuration, checked
+            // above, is all there is to check.
+            return;
         };
         let config = cmd
             .get_envs()
