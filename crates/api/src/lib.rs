@@ -1,7 +1,7 @@
 //! Sandpit's REST API (`/v1`), as an adapter and nothing more.
 //!
 //! Why this crate exists: the public "Sandbox as a Service" REST contract
-//! (`shared/spec/rest-api.md`) must be served field for field so that
+//! (`docs/spec/rest-api.md`) must be served field for field so that
 //! existing SDKs work against Sandpit by changing only the base URL and key.
 //! Everything that *decides* (validation of values, ownership, billing, state
 //! changes) lives in `sandpit-core` behind [`SandboxApi`]; this crate only

@@ -104,7 +104,7 @@ pub struct UsageQuery {
     pub days: Option<u32>,
 }
 
-/// The REST API: every `/v1` route of `shared/spec/rest-api.md`, plus
+/// The REST API: every `/v1` route of `docs/spec/rest-api.md`, plus
 /// `GET /v1/service` and `GET /v1/openapi.json` (both without a key).
 ///
 /// Serve it with `axum::serve(listener, router(api, config))`.

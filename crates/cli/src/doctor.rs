@@ -10,9 +10,11 @@
 //! open, no room for the warm pool). The exit status is 1 when any check
 //! failed, so a script or a package's post-install can gate on it.
 
-use crate::settings::Settings;
 use anyhow::Result;
-use sandpit_runtime::{accel, host, net, AccelChoice};
+use sandpit_runtime::host::{self, accel};
+use sandpit_runtime::vm::net;
+use sandpit_runtime::AccelChoice;
+use sandpit_server::settings::Settings;
 use serde::Serialize;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -328,16 +330,17 @@ fn preview_names(settings: &Settings) -> Finding {
     } else {
         format!("localhost:{}", listen.map_or(8080, |a| a.port()))
     };
-    let (name, port) = crate::listener::probe_name(&domain, &settings.service.preview_scheme);
+    let (name, port) =
+        sandpit_server::listener::probe_name(&domain, &settings.service.preview_scheme);
     let resolved: std::io::Result<Vec<IpAddr>> = (name.as_str(), port)
         .to_socket_addrs()
         .map(|addrs| addrs.map(|a| a.ip()).collect());
     // What serve binds: the address and its loopback companions.
     let listening: Vec<SocketAddr> = listen
         .into_iter()
-        .flat_map(|a| std::iter::once(a).chain(crate::listener::loopback_companions(a)))
+        .flat_map(|a| std::iter::once(a).chain(sandpit_server::listener::loopback_companions(a)))
         .collect();
-    match crate::listener::preview_name_advice(&name, &resolved, &listening) {
+    match sandpit_server::listener::preview_name_advice(&name, &resolved, &listening) {
         None => Finding::ok(
             "preview names",
             format!(
@@ -487,7 +490,7 @@ fn disk(settings: &Settings) -> Finding {
         );
     };
     let reserve = settings.runtime.disk_reserve_mb;
-    let image_built = crate::images::existing(&settings.images_dir).is_ok();
+    let image_built = sandpit_server::images::existing(&settings.images_dir).is_ok();
     let needed = reserve + if image_built { 0 } else { IMAGE_BUILD_MB };
     let found = format!(
         "{free_mb} MiB free at {} (kept free: {reserve} MiB{})",
@@ -540,7 +543,7 @@ fn memory(settings: &Settings) -> Finding {
 }
 
 fn guest_image(images_dir: &Path) -> Finding {
-    match crate::images::existing(images_dir) {
+    match sandpit_server::images::existing(images_dir) {
         Ok(img) => Finding::ok(
             "guest image",
             format!("{} (kernel {})", img.id, img.kernel_release),
@@ -582,7 +585,7 @@ fn listen(settings: &Settings) -> Finding {
     match std::net::TcpListener::bind(addr.as_str()) {
         Ok(_) => Finding::ok("listen", format!("{addr} is free for sandpit serve")),
         Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
-            match crate::owner::holder(&settings.data_dir) {
+            match sandpit_server::owner::holder(&settings.data_dir) {
                 Some((pid, role)) if role == "sandpit serve" => Finding::ok(
                     "listen",
                     format!("{addr} is taken, by this data directory's sandpit serve (pid {pid})"),

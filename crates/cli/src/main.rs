@@ -1,26 +1,20 @@
-//! `sandpit`: the command line of Sandpit.
+//! `sandpit`: the command line of Sandpit. It parses the arguments and
+//! calls what runs them: the server (`sandpit-server`), the benchmarks
+//! (`sandpit-bench`), the local and remote sandbox commands and the
+//! operator's commands here.
 //!
-//! Errors are `anyhow` here and only here: each command prints the whole error
-//! chain once, on stderr, and exits non-zero.
+//! Errors are `anyhow` in the program's own crates (this one, the server's
+//! and the bench's) and typed in the libraries under them: each command
+//! prints the whole error chain once, on stderr, and exits non-zero.
 
-mod bench;
-mod bench_cluster;
-mod bench_snapshots;
 mod doctor;
-mod front;
-mod images;
-mod listener;
-mod load;
-mod metrics;
-mod owner;
-mod proxy;
+mod operator;
 mod sandbox;
-mod server;
-mod settings;
 mod shell;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
+use sandpit_server::{images, serve, settings};
 use std::path::PathBuf;
 
 #[derive(Parser)]
@@ -63,31 +57,31 @@ enum Command {
         command: sandbox::SandboxCommand,
     },
     /// Run the control plane: REST /v1 and MCP (Streamable HTTP) at /v1/mcp
-    Serve(server::ServeArgs),
+    Serve(serve::ServeArgs),
     /// MCP over stdio: VMs on this machine for a local account, or --remote
-    Mcp(server::McpArgs),
+    Mcp(serve::McpArgs),
     /// Run this machine's VMs for a cluster on PostgreSQL (no public API:
     /// `serve --no-vms` replicas reach them over mutual TLS)
-    Node(server::NodeArgs),
+    Node(serve::NodeArgs),
     /// Accounts of the control plane in the data directory
     Account {
         #[command(subcommand)]
-        command: server::AccountCommand,
+        command: operator::AccountCommand,
     },
     /// API keys
     Key {
         #[command(subcommand)]
-        command: server::KeyCommand,
+        command: operator::KeyCommand,
     },
     /// Prepaid credit
     Credit {
         #[command(subcommand)]
-        command: server::CreditCommand,
+        command: operator::CreditCommand,
     },
     /// Invitations to sign up on the dashboard (`[signup] mode = "invite"`)
     Invite {
         #[command(subcommand)]
-        command: server::InviteCommand,
+        command: operator::InviteCommand,
     },
     /// The certificates of machines that share a database (mutual TLS)
     Cluster {
@@ -105,7 +99,7 @@ enum Command {
     Demo,
     /// Measure create, exec and file-transfer speed and idle memory; print
     /// medians (`bench load`: many MCP clients against a running server)
-    Bench(bench::BenchArgs),
+    Bench(sandpit_bench::BenchArgs),
 }
 
 #[derive(Subcommand)]
@@ -175,20 +169,20 @@ async fn run(cli: Cli) -> Result<i32> {
             Ok(0)
         }
         Command::Sandbox { command } => sandbox::run(&settings, command).await,
-        Command::Serve(a) => server::serve(&settings, a).await,
-        Command::Mcp(a) => server::mcp(&settings, a).await,
-        Command::Node(a) => server::node(&settings, a).await,
-        Command::Account { command } => server::account(&settings, command).await,
-        Command::Key { command } => server::key(&settings, command).await,
-        Command::Credit { command } => server::credit(&settings, command).await,
-        Command::Invite { command } => server::invite(&settings, command).await,
+        Command::Serve(a) => serve::serve(&settings, a).await,
+        Command::Mcp(a) => serve::mcp(&settings, a).await,
+        Command::Node(a) => serve::node(&settings, a).await,
+        Command::Account { command } => operator::account(&settings, command).await,
+        Command::Key { command } => operator::key(&settings, command).await,
+        Command::Credit { command } => operator::credit(&settings, command).await,
+        Command::Invite { command } => operator::invite(&settings, command).await,
         Command::Cluster { command } => cluster(command),
-        Command::Reap => server::reap(&settings).await,
+        Command::Reap => serve::reap(&settings).await,
         Command::Doctor(args) => {
             tokio::task::spawn_blocking(move || doctor::run(&settings, args)).await?
         }
         Command::Demo => sandbox::demo(&settings).await,
-        Command::Bench(args) => bench::run(&settings, args).await,
+        Command::Bench(args) => sandpit_bench::run(&settings, args).await,
     }
 }
 

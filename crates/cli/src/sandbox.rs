@@ -11,11 +11,9 @@
 //! sandboxes of that key's account.
 //!
 //! Expiry without a server: the runtime gives every VM a watchdog of its own
-//! (`sandpit_runtime::expiry`) that destroys it when its time is up, whether
+//! (`sandpit_runtime::vm::expiry`) that destroys it when its time is up, whether
 //! or not anyone remembered to.
 
-use crate::images;
-use crate::settings::Settings;
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, Subcommand};
 use sandpit_core::{
@@ -24,6 +22,8 @@ use sandpit_core::{
 };
 use sandpit_protocol::ExecRequest;
 use sandpit_runtime::{CreateVm, ExecEvent, RuntimeError, VmManager, VmRecord, VmState};
+use sandpit_server::images;
+use sandpit_server::settings::Settings;
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::PathBuf;
@@ -206,12 +206,6 @@ pub const MAX_OUTPUT: u64 = 1024 * 1024;
 /// Largest file `cp` moves out of a sandbox.
 const CP_MAX: u64 = 1024 * 1024 * 1024;
 
-/// A VM manager that may boot new VMs (builds the image if it is missing).
-pub fn manager(settings: &Settings) -> Result<VmManager> {
-    let img = images::current(&settings.images_dir, None)?;
-    Ok(VmManager::new(settings.runtime.clone(), img)?)
-}
-
 /// A VM manager for existing VMs only: never builds an image.
 fn existing_manager(settings: &Settings) -> Result<VmManager> {
     let img = images::existing(&settings.images_dir)?;
@@ -220,10 +214,10 @@ fn existing_manager(settings: &Settings) -> Result<VmManager> {
 
 /// A new sandbox id: `sbx_` and 120 random bits in base32 (as the server makes them).
 pub fn new_id() -> String {
-    sandpit_core::ids::new_id("sbx_")
+    sandpit_host::ids::new_id("sbx_")
 }
 
-use sandpit_core::ids::rfc3339;
+use sandpit_host::ids::rfc3339;
 
 /// The sandbox object as the CLI shows it.
 pub fn to_json(m: &VmManager, r: &VmRecord) -> serde_json::Value {
@@ -266,7 +260,10 @@ pub async fn run(settings: &Settings, cmd: SandboxCommand) -> Result<i32> {
         SandboxCommand::Create(CreateArgs {
             snapshot: Some(_), ..
         }) => None,
-        _ => Some(crate::server::own(settings, crate::owner::Role::Cli)?),
+        _ => Some(sandpit_server::serve::own(
+            settings,
+            sandpit_server::owner::Role::Cli,
+        )?),
     };
     match cmd {
         SandboxCommand::Create(a) => create(settings, a).await,
@@ -301,7 +298,7 @@ async fn create(settings: &Settings, a: CreateArgs) -> Result<i32> {
     let size = a.size.clone().unwrap_or_else(|| "small".into());
     let timeout: Duration = a.timeout.into();
     timeout_minutes(a.timeout)?;
-    let m = manager(settings)?;
+    let m = settings.vm_manager()?;
     let id = new_id();
     let created = OffsetDateTime::now_utc();
     let mut metadata = BTreeMap::new();
@@ -723,10 +720,10 @@ async fn ensure_template(m: &VmManager, size: &str) {
 
 /// The main job until the server exists: one sandbox, end to end.
 pub async fn demo(settings: &Settings) -> Result<i32> {
-    let _owner = crate::server::own(settings, crate::owner::Role::Cli)?;
+    let _owner = sandpit_server::serve::own(settings, sandpit_server::owner::Role::Cli)?;
     let dir = settings.images_dir.clone();
     tokio::task::spawn_blocking(move || images::build(&dir, None)).await??;
-    let m = manager(settings)?;
+    let m = settings.vm_manager()?;
     let id = new_id();
     let t = Instant::now();
     eprintln!("creating sandbox {id} ({} acceleration)...", m.accel());

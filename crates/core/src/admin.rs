@@ -4,8 +4,8 @@
 
 use crate::config::ServiceConfig;
 use crate::error::{CoreError, Result};
-use crate::ids::rfc3339;
 use crate::model::{micros, usd, Account};
+use sandpit_host::ids::rfc3339;
 use sandpit_store::{AccountRow, KeyRow, Store};
 
 /// The account object of a stored account.

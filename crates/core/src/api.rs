@@ -8,7 +8,7 @@ use crate::model::*;
 use async_trait::async_trait;
 use tokio::sync::mpsc;
 
-pub use crate::machines::{PtyExit, PtyInput, PtyOutput, PtySize};
+pub use sandpit_host::machines::{PtyExit, PtyInput, PtyOutput, PtySize};
 
 /// An interactive shell in a sandbox ([`SandboxApi::open_terminal`]):
 /// keystrokes and sizes go to `input`, output and the shell's end come from

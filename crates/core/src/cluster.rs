@@ -32,10 +32,12 @@
 //! member records the execution as for its own; the node runs it.
 
 use crate::error::{CoreError, ErrorType, Result};
-use crate::machines::{Machines, Started, VmResult};
 use crate::Service;
+use sandpit_host::machines::{Machines, NodeLink, VmResult};
+use sandpit_host::recording::{Phase, RecordedStarts, SandboxRecord, StartRecords};
 use sandpit_runtime::RuntimeError;
 use sandpit_store::NodeRow;
+use sandpit_store::SandboxStatus;
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
@@ -80,13 +82,6 @@ impl ClusterConfig {
     fn lost_after(&self) -> Duration {
         Duration::from_secs(self.lost_after_secs)
     }
-}
-
-/// How this member reaches the other nodes of the cluster.
-pub trait NodeLink: Send + Sync {
-    /// The VMs of the node at `address`, which the database shows at
-    /// `epoch` (a node answers only calls for the epoch it holds).
-    fn machines(&self, address: &str, epoch: i64) -> Arc<dyn Machines>;
 }
 
 /// How long what a member read of a node serves its routing: a call
@@ -578,141 +573,76 @@ fn host_memory_mb() -> u32 {
         .map_or(0, |kb| (kb / 1024).min(u64::from(u32::MAX)) as u32)
 }
 
-/// This node's VMs as it serves them to the other members (the node API):
-/// as [`crate::backend::LocalVms`], except that a start also records its
-/// outcome on the sandbox (running, or failed and refunded), so a create
-/// whose caller was lost mid-way (a replica killed) still ends in a state
-/// its retry finds.
-struct Served {
-    svc: std::sync::Weak<Service>,
-    vms: Arc<crate::backend::LocalVms>,
+/// The records a node keeps of the starts other members ask of it (see
+/// [`sandpit_host::recording`]): its sandboxes' rows, nothing else. A
+/// failed start is settled as any failed create: nothing charged, its
+/// reservation released.
+struct StoreStarts {
+    store: sandpit_store::Store,
 }
 
-impl Service {
-    /// What this node serves on the node API (`None`: it runs no VMs).
-    pub fn served_machines(self: &Arc<Self>) -> Option<Arc<dyn Machines>> {
-        let vms = self.vms()?.clone();
-        Some(Arc::new(Served {
-            svc: Arc::downgrade(self),
-            vms,
-        }))
+fn record_of(row: &sandpit_store::SandboxRow) -> SandboxRecord {
+    SandboxRecord {
+        id: row.id.clone(),
+        phase: match row.status {
+            SandboxStatus::Provisioning => Phase::Provisioning,
+            SandboxStatus::Running => Phase::Running,
+            other => Phase::Other(other.to_string()),
+        },
+        node: row.host.clone(),
+        ready_at: row.ready_at.unwrap_or(row.created_at),
+        expires_at: row.expires_at,
     }
+}
+
+fn database(e: sandpit_store::StoreError) -> RuntimeError {
+    RuntimeError::Busy(format!("the database: {e}"))
 }
 
 #[async_trait::async_trait]
-impl Machines for Served {
-    async fn take_warm(&self, size: &str) -> VmResult<Option<String>> {
-        Machines::take_warm(&*self.vms, size).await
+impl StartRecords for StoreStarts {
+    async fn sandbox(&self, id: &str) -> VmResult<Option<SandboxRecord>> {
+        let row = self.store.sandbox(id).await.map_err(database)?;
+        Ok(row.as_ref().map(record_of))
     }
 
-    async fn return_warm(&self, id: &str, size: &str) -> VmResult<()> {
-        Machines::return_warm(&*self.vms, id, size).await
+    async fn record_start(&self, id: &str, node: &str) -> VmResult<Option<SandboxRecord>> {
+        let row = self.store.record_start(id, node).await.map_err(database)?;
+        Ok(row.as_ref().map(record_of))
     }
 
-    async fn start(
-        &self,
-        id: &str,
-        size: &str,
-        snapshot: Option<&str>,
-        expires_at: OffsetDateTime,
-    ) -> VmResult<Started> {
-        let svc = self
-            .svc
-            .upgrade()
-            .ok_or_else(|| RuntimeError::Busy("the node is shutting down".into()))?;
-        svc.start_for_member(id, size, snapshot, expires_at, self.vms.clone())
-            .await
+    async fn record_failure(&self, id: &str, node: &str, cause: &str) -> VmResult<()> {
+        let row = self.store.sandbox(id).await.map_err(database)?;
+        if row.is_some_and(|r| r.host == node && r.status == SandboxStatus::Provisioning) {
+            self.store
+                .finish_sandbox(
+                    id,
+                    SandboxStatus::Failed,
+                    cause,
+                    OffsetDateTime::now_utc(),
+                    0,
+                )
+                .await
+                .map_err(database)?;
+        }
+        Ok(())
     }
+}
 
-    async fn snapshot(&self, id: &str, snapshot: &str) -> VmResult<u64> {
-        Machines::snapshot(&*self.vms, id, snapshot).await
-    }
-
-    async fn delete_snapshot(&self, snapshot: &str) -> VmResult<()> {
-        Machines::delete_snapshot(&*self.vms, snapshot).await
-    }
-
-    async fn restore(&self, id: &str, snapshot: &str, expires_at: OffsetDateTime) -> VmResult<()> {
-        Machines::restore(&*self.vms, id, snapshot, expires_at).await
-    }
-
-    async fn pause(&self, id: &str) -> VmResult<()> {
-        Machines::pause(&*self.vms, id).await
-    }
-
-    async fn resume(&self, id: &str, expires_at: OffsetDateTime) -> VmResult<()> {
-        Machines::resume(&*self.vms, id, expires_at).await
-    }
-
-    async fn destroy(&self, id: &str) -> VmResult<Option<u64>> {
-        Machines::destroy(&*self.vms, id).await
-    }
-
-    async fn set_expiry(&self, id: &str, at: OffsetDateTime) -> VmResult<()> {
-        Machines::set_expiry(&*self.vms, id, at).await
-    }
-
-    async fn state(&self, id: &str) -> VmResult<Option<sandpit_runtime::VmState>> {
-        Machines::state(&*self.vms, id).await
-    }
-
-    async fn exec(
-        &self,
-        id: &str,
-        request: sandpit_protocol::ExecRequest,
-    ) -> VmResult<Box<dyn crate::machines::Command>> {
-        self.vms.exec(id, request).await
-    }
-
-    async fn upload(
-        &self,
-        id: &str,
-        path: &str,
-        size: u64,
-    ) -> VmResult<Box<dyn crate::machines::Upload>> {
-        self.vms.upload(id, path, size).await
-    }
-
-    async fn download(
-        &self,
-        id: &str,
-        path: &str,
-        max_bytes: u64,
-    ) -> VmResult<Box<dyn crate::machines::Download>> {
-        self.vms.download(id, path, max_bytes).await
-    }
-
-    async fn write_file(&self, id: &str, path: &str, bytes: Vec<u8>) -> VmResult<(String, u64)> {
-        Machines::write_file(&*self.vms, id, path, bytes).await
-    }
-
-    async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> VmResult<(String, Vec<u8>)> {
-        Machines::read_file(&*self.vms, id, path, max_bytes).await
-    }
-
-    async fn list_files(
-        &self,
-        id: &str,
-        path: &str,
-        recursive: bool,
-        max_entries: u64,
-    ) -> VmResult<crate::machines::Listing> {
-        self.vms.list_files(id, path, recursive, max_entries).await
-    }
-
-    async fn delete_file(&self, id: &str, path: &str, recursive: bool) -> VmResult<String> {
-        self.vms.delete_file(id, path, recursive).await
-    }
-
-    async fn open_tunnel(&self, id: &str, port: u16) -> VmResult<crate::machines::Tunnel> {
-        self.vms.open_tunnel(id, port).await
-    }
-
-    async fn open_pty(
-        &self,
-        id: &str,
-        size: crate::machines::PtySize,
-    ) -> VmResult<crate::machines::Terminal> {
-        self.vms.open_pty(id, size).await
+impl Service {
+    /// The starts this node serves on the node API (`None`: it runs no
+    /// VMs): its VMs, taking the same turns as this service's own starts,
+    /// recording each outcome on the sandbox's row.
+    pub fn node_starts(&self) -> Option<Arc<RecordedStarts>> {
+        let vms: Arc<dyn Machines> = self.vms()?.clone();
+        let records = Arc::new(StoreStarts {
+            store: self.store().clone(),
+        });
+        Some(Arc::new(RecordedStarts::new(
+            &self.config().host_name,
+            vms,
+            self.turns.clone(),
+            records,
+        )))
     }
 }

@@ -9,15 +9,11 @@
 
 pub mod admin;
 pub mod api;
-pub mod backend;
-pub mod capacity;
 pub mod cluster;
 pub mod config;
 pub mod disk;
 pub mod error;
 pub(crate) mod idle;
-pub mod ids;
-pub mod machines;
 pub mod metrics;
 pub mod model;
 pub mod preview;

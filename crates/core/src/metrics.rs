@@ -271,7 +271,7 @@ fn register_events(registry: &mut Registry) {
         let labels = DirectionLabels { direction };
         events.preview_bytes.get_or_create(&labels).inc_by(0);
     }
-    let (built, failed) = sandpit_runtime::template::builds();
+    let (built, failed) = sandpit_runtime::save::template::builds();
     let template_builds: Family<StatusLabels, Counter> = Family::default();
     for (status, n) in [("ok", built), ("failed", failed)] {
         template_builds

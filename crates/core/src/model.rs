@@ -1,4 +1,4 @@
-//! The public objects, field for field as in `shared/spec/rest-api.md`. They
+//! The public objects, field for field as in `docs/spec/rest-api.md`. They
 //! are what REST returns and what MCP tools put in `structuredContent`.
 //!
 //! Money is kept as integer micro-dollars inside Sandpit ([`Micros`]) and
@@ -394,7 +394,7 @@ pub struct ServiceInfo {
     /// `service_unavailable` with a `Retry-After`. Absent on a server
     /// without VMs of its own (a cluster's replica) and on older servers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub capacity: Option<crate::capacity::CapacityReport>,
+    pub capacity: Option<sandpit_host::capacity::CapacityReport>,
 }
 
 /// The sizes and times a call is held to, as configured: what the tools'

@@ -22,7 +22,7 @@
 //! ([`CHECK_REMEMBERED`]), so a busy preview does not cost a query per
 //! request; closing the port or ending the sandbox forgets it at once.
 
-use crate::machines::{Closer, Duplex, Tunnel};
+use sandpit_host::machines::{Closer, Duplex, Tunnel};
 use std::collections::HashMap;
 use std::io;
 use std::net::Ipv4Addr;
@@ -34,6 +34,25 @@ use std::time::{Duration, Instant};
 use time::OffsetDateTime;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// What the preview proxy needs of the service: the way into a sandbox by
+/// its URL, which involves no account (anyone who has the URL may use it).
+#[async_trait::async_trait]
+pub trait PreviewGate: Send + Sync {
+    /// Can `port` of sandbox `id` be served through its preview URL now?
+    /// Returns the node that holds the sandbox.
+    async fn check_preview(&self, id: &str, port: u16) -> Result<String, PreviewError>;
+
+    /// Takes one request of the allowance of sandbox `id`'s preview URLs
+    /// (after [`PreviewGate::check_preview`]: only live sandboxes have one).
+    fn admit_preview_request(&self, id: &str) -> Result<(), PreviewError>;
+
+    /// A connection to `port` of sandbox `id` for its preview URL: checked
+    /// as [`PreviewGate::check_preview`], bounded in time, counted as the
+    /// sandbox's preview traffic, and cut when the port is closed or the
+    /// sandbox ends.
+    async fn open_preview(&self, id: &str, port: u16) -> Result<PreviewConn, PreviewError>;
+}
 
 /// The URL of `port` of sandbox `id`.
 pub fn preview_url(scheme: &str, domain: &str, port: u16, id: &str) -> String {

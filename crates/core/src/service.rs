@@ -54,15 +54,15 @@ pub use files::TRANSFER_WAIT;
 pub(crate) use lifecycle::cost_until;
 
 use crate::api::{Caller, ExecStream, SandboxApi};
-use crate::backend::LocalVms;
 use crate::config::ServiceConfig;
 use crate::error::{CoreError, Result};
 use crate::idle::{Activity, Busy};
-use crate::machines::{Machines, PtySize};
 use crate::model::*;
 use crate::preview::{PreviewLimits, Previews};
 use async_trait::async_trait;
 use errors::not_running;
+use sandpit_host::local::LocalVms;
+use sandpit_host::machines::{Machines, PtySize};
 use sandpit_store::{SandboxRow, Store};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -93,13 +93,14 @@ pub struct Service {
     disk_holds: crate::disk::DiskHolds,
     /// Itself, for tasks that outlive a call (streaming exec).
     me: Weak<Service>,
-    /// One start at a time per sandbox (see [`Service::boot`]).
-    booting: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// One start, pause or resume at a time per sandbox (see
+    /// [`Service::boot`]), shared with the node API's starts.
+    pub(crate) turns: Arc<sandpit_host::turns::Turns>,
     /// This node's place in a cluster sharing the database (see
     /// [`crate::cluster`]); unset on a database of its own.
     pub(crate) membership: std::sync::OnceLock<crate::cluster::Membership>,
     /// How this member reaches other nodes' sandboxes, when it can.
-    pub(crate) node_link: std::sync::OnceLock<Arc<dyn crate::cluster::NodeLink>>,
+    pub(crate) node_link: std::sync::OnceLock<Arc<dyn sandpit_host::machines::NodeLink>>,
     /// What it read of the nodes lately.
     pub(crate) routes: crate::cluster::Routes,
     /// Sandboxes whose VM is being replaced by a restore: a call that finds
@@ -157,7 +158,7 @@ impl Service {
             transfers: Default::default(),
             disk_holds: Default::default(),
             me: me.clone(),
-            booting: Default::default(),
+            turns: Default::default(),
             membership: std::sync::OnceLock::new(),
             node_link: std::sync::OnceLock::new(),
             routes: Default::default(),

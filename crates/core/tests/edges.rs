@@ -93,7 +93,7 @@ async fn oversized_input_a_huge_listing_and_a_frozen_guest_all_get_answers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stored_executions_are_held_to_the_accounts_budget_and_dropped_after_the_end() {
     const BUDGET: u64 = 1024 * 1024;
-    let (svc, _dir) = service_with(sandpit_core::backend::PoolConfig::none(), |c| {
+    let (svc, _dir) = service_with(sandpit_host::local::PoolConfig::none(), |c| {
         c.execution_storage_bytes = BUDGET;
         c.execution_retention_days = 0;
     })
@@ -144,7 +144,7 @@ async fn stored_executions_are_held_to_the_accounts_budget_and_dropped_after_the
 async fn an_account_at_its_disk_limit_starts_nothing_new_and_its_writes_are_held() {
     const MIB: u64 = 1024 * 1024;
     const LIMIT: u64 = 96 * MIB;
-    let (svc, _dir) = service_with(sandpit_core::backend::PoolConfig::none(), |c| {
+    let (svc, _dir) = service_with(sandpit_host::local::PoolConfig::none(), |c| {
         c.account_disk_bytes = LIMIT;
     })
     .await;

@@ -7,8 +7,8 @@
 mod common;
 
 use common::*;
-use sandpit_core::backend::PoolConfig;
 use sandpit_core::{CreateSandbox, ErrorType, SandboxApi};
+use sandpit_host::local::PoolConfig;
 use std::collections::{BTreeMap, HashSet};
 use std::time::{Duration, Instant};
 
@@ -177,7 +177,7 @@ async fn a_refill_stops_while_a_command_runs() {
     let over = Instant::now();
     while svc.background_starts().1 != 0 {
         assert!(
-            over.elapsed() < sandpit_runtime::give_way::LINGER + Duration::from_secs(1),
+            over.elapsed() < sandpit_runtime::vm::give_way::LINGER + Duration::from_secs(1),
             "still stopped after the command"
         );
         tokio::time::sleep(Duration::from_millis(5)).await;

@@ -277,12 +277,12 @@ async fn a_sandbox_expires_on_time_while_the_service_runs() {
         )
         .await
         .unwrap();
-    let expires = sandpit_core::ids::parse_rfc3339(&sbx.expires_at).unwrap();
+    let expires = sandpit_host::ids::parse_rfc3339(&sbx.expires_at).unwrap();
     loop {
         let s = svc.get_sandbox(&me, &sbx.id).await.unwrap();
         if s.status == SandboxStatus::Deleted {
             assert_eq!(s.deleted_reason.as_deref(), Some("expired"));
-            let at = sandpit_core::ids::parse_rfc3339(s.deleted_at.as_deref().unwrap()).unwrap();
+            let at = sandpit_host::ids::parse_rfc3339(s.deleted_at.as_deref().unwrap()).unwrap();
             let late = at - expires;
             assert!(
                 late <= time::Duration::seconds(2),
@@ -333,7 +333,7 @@ async fn concurrent_extensions_all_count_and_the_vm_keeps_the_latest_expiry() {
     }
     let s = svc.get_sandbox(&me, &sbx.id).await.unwrap();
     assert_eq!(s.timeout_minutes, 9, "{s:?}");
-    let expires = sandpit_core::ids::parse_rfc3339(&s.expires_at).unwrap();
+    let expires = sandpit_host::ids::parse_rfc3339(&s.expires_at).unwrap();
     let watchdog: i64 =
         std::fs::read_to_string(dir.path().join("vms").join(&sbx.id).join("expires"))
             .unwrap()

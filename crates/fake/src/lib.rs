@@ -62,12 +62,12 @@ use async_trait::async_trait;
 use base64::Engine;
 use sandpit_core::config::ServiceConfig;
 use sandpit_core::error::Result;
-use sandpit_core::ids::{new_id, rfc3339};
 use sandpit_core::model::{FastStartInfo, Limits, WarmPoolInfo};
 use sandpit_core::service::{
     check_create, check_path, check_port, extension_minutes, validate_exec, write_content,
 };
 use sandpit_core::*;
+use sandpit_host::ids::{new_id, rfc3339};
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};

@@ -1,4 +1,4 @@
-//! Sandpit's MCP server: the twelve tools of `shared/spec/mcp-tools.md`
+//! Sandpit's MCP server: the twelve tools of `docs/spec/mcp-tools.md`
 //! (create_sandbox, run_command, write_file, read_file, list_files,
 //! expose_port, get_sandbox, list_sandboxes, extend_sandbox, destroy_sandbox,
 //! get_usage, get_service_info), and snapshot_sandbox, fork_sandbox,
@@ -40,11 +40,13 @@
 //! validators, the TypeScript SDK's Ajv first, warn about every one.
 
 mod args;
+mod descriptions;
 mod schema;
 mod server;
 mod streamable;
 
-pub use server::{CallerSource, SandpitMcp, INSTRUCTIONS, SUPPORTED_PROTOCOL_VERSIONS};
+pub use descriptions::INSTRUCTIONS;
+pub use server::{CallerSource, SandpitMcp, SUPPORTED_PROTOCOL_VERSIONS};
 pub use streamable::{http_service, HttpConfig};
 /// The type of [`HttpConfig::shutdown`].
 pub use tokio_util::sync::CancellationToken;

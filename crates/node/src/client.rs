@@ -14,7 +14,7 @@ use bytes::{Bytes, BytesMut};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::{Request, Response};
-use sandpit_core::machines::{
+use sandpit_host::machines::{
     Command, Download, Duplex, Listing, Machines, PtyInput, PtyOutput, PtySize, Started, Terminal,
     Tunnel, Upload, VmResult, TERMINAL_QUEUE,
 };
@@ -794,7 +794,7 @@ impl Download for RemoteDownload {
 }
 
 /// A member reaches other nodes through a [`NodeClient`].
-impl sandpit_core::cluster::NodeLink for NodeClient {
+impl sandpit_host::machines::NodeLink for NodeClient {
     fn machines(&self, address: &str, epoch: i64) -> Arc<dyn Machines> {
         Arc::new(self.node(address, epoch))
     }

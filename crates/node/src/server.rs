@@ -20,7 +20,7 @@ use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
 use hyper::body::{Frame, Incoming};
 use hyper::{Request, Response, StatusCode};
-use sandpit_core::machines::{Machines, PtySize, Terminal, TERMINAL_QUEUE};
+use sandpit_host::machines::{Machines, PtySize, Started, Terminal, TERMINAL_QUEUE};
 use sandpit_protocol::ExecRequest;
 use sandpit_runtime::{ExecEvent, RuntimeError};
 use serde::{Deserialize, Serialize};
@@ -52,6 +52,7 @@ pub struct Health {
 }
 
 /// What the API needs of the node that serves it.
+#[async_trait::async_trait]
 pub trait NodeState: Send + Sync + 'static {
     /// The node's name.
     fn name(&self) -> &str;
@@ -60,6 +61,16 @@ pub trait NodeState: Send + Sync + 'static {
     fn epoch(&self) -> Option<i64>;
     /// Its VMs.
     fn machines(&self) -> Arc<dyn Machines>;
+    /// Starts the VM of sandbox `id`, which a member recorded on this node,
+    /// and records the outcome so that it survives a caller lost mid-way
+    /// (a node does it with [`sandpit_host::recording::RecordedStarts`]).
+    async fn start(
+        &self,
+        id: &str,
+        size: &str,
+        snapshot: Option<&str>,
+        expires_at: time::OffsetDateTime,
+    ) -> Result<Started, RuntimeError>;
 }
 
 pub(crate) type Body = BoxBody<Bytes, std::convert::Infallible>;
@@ -200,13 +211,14 @@ async fn handle(state: Arc<dyn NodeState>, req: Request<Incoming>) -> Response<B
                 "start" => match body.json::<wire::StartArgs>().await {
                     Ok(a) => answer(
                         detached(async move {
-                            vms.start(
-                                &id,
-                                &a.size,
-                                a.snapshot.as_deref(),
-                                time_of(a.expires_at_ms),
-                            )
-                            .await
+                            state
+                                .start(
+                                    &id,
+                                    &a.size,
+                                    a.snapshot.as_deref(),
+                                    time_of(a.expires_at_ms),
+                                )
+                                .await
                         })
                         .await,
                     ),

@@ -8,7 +8,7 @@
 //! frame if it breaks off.
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
-use sandpit_core::machines::{PtyInput, PtyOutput};
+use sandpit_host::machines::{PtyInput, PtyOutput};
 use sandpit_protocol::{AgentError, ExecResult};
 use sandpit_runtime::{ExecEvent, RuntimeError, VmState};
 use serde::{Deserialize, Serialize};
@@ -331,7 +331,7 @@ pub fn decode_pty_output(buf: &mut BytesMut) -> Result<Option<PtyOutput>, String
 #[cfg(test)]
 mod tests {
     use super::*;
-    use sandpit_core::machines::{PtyExit, PtySize};
+    use sandpit_host::machines::{PtyExit, PtySize};
 
     #[test]
     fn terminal_frames_round_trip_in_pieces() {

@@ -3,7 +3,7 @@
 //! and clients with and without the cluster's certificates.
 
 use async_trait::async_trait;
-use sandpit_core::machines::{
+use sandpit_host::machines::{
     Command, Download, Listing, Machines, PtyExit, PtyInput, PtyOutput, PtySize, Started, Terminal,
     Tunnel, Upload, VmResult,
 };
@@ -26,6 +26,7 @@ struct TestNode {
     vms: Arc<FakeVms>,
 }
 
+#[async_trait]
 impl NodeState for TestNode {
     fn name(&self) -> &str {
         "n1"
@@ -39,6 +40,15 @@ impl NodeState for TestNode {
     }
     fn machines(&self) -> Arc<dyn Machines> {
         self.vms.clone()
+    }
+    async fn start(
+        &self,
+        id: &str,
+        size: &str,
+        snapshot: Option<&str>,
+        expires_at: OffsetDateTime,
+    ) -> VmResult<Started> {
+        self.vms.start(id, size, snapshot, expires_at).await
     }
 }
 

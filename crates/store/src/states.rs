@@ -1,7 +1,7 @@
 //! The lifecycle states of a sandbox and of a command, as types.
 //!
 //! The database stores each state as the word the API shows
-//! (`shared/spec/rest-api.md`), so one enum serves the rows, the domain and
+//! (`docs/spec/rest-api.md`), so one enum serves the rows, the domain and
 //! the wire: the store decodes a row's word into its variant once, and
 //! nothing above compares strings. An unknown word in a row is
 //! [`StoreError::Corrupt`], never a silent default.

@@ -87,7 +87,7 @@ fn the_guest_reaches_the_internet_but_not_the_host() {
             format!("http://127.0.0.1:{port}/"),
             format!("http://{HOST_SIDE}:{port}/"),
         ];
-        for a in sandpit_runtime::net::host_addresses() {
+        for a in sandpit_runtime::vm::net::host_addresses() {
             let a = a.trim_end_matches("/32");
             if !a.starts_with("127.") {
                 targets.push(format!("http://{a}:{port}/"));
@@ -119,7 +119,7 @@ fn the_guest_reaches_the_internet_but_not_the_host() {
                 .expect("a root runtime's VMs have uids of their own");
         let passt = s.vm.record.passt_pid.expect("passt runs");
         assert_eq!(uid_of(passt), uid, "passt runs as its VM's uid");
-        assert!(sandpit_runtime::guard::installed(uid));
+        assert!(sandpit_runtime::vm::guard::installed(uid));
         // As that uid: the control plane on the host's addresses (loopback,
         // the test host's side, one the host gains only now) is refused;
         // the test host behind them, "the internet", is reached.
@@ -137,7 +137,7 @@ fn the_guest_reaches_the_internet_but_not_the_host() {
         );
         s.manager.destroy(&s.vm.record.id).await.unwrap();
         assert!(
-            !sandpit_runtime::guard::installed(uid),
+            !sandpit_runtime::vm::guard::installed(uid),
             "the guard outlived its VM"
         );
     });
@@ -279,7 +279,7 @@ fn resolve(cli: &Cli, id: &str, name: &str, resolver: &str) -> String {
         "the guest could not resolve {name} ({}): its resolver {} should have \
          forwarded the query to {resolver}, the host's resolver",
         out.status,
-        sandpit_runtime::net::GUEST_DNS_FORWARD
+        sandpit_runtime::vm::net::GUEST_DNS_FORWARD
     );
     let hosts = String::from_utf8(out.stdout).unwrap();
     hosts
@@ -375,7 +375,10 @@ fn by_default_the_guest_resolves_names_with_the_hosts_loopback_resolver() {
     // The guest asks passt's forwarder, which asks the host's loopback.
     assert_eq!(
         exec_ok(cli, &id, "grep ^nameserver /etc/resolv.conf"),
-        format!("nameserver {}\n", sandpit_runtime::net::GUEST_DNS_FORWARD)
+        format!(
+            "nameserver {}\n",
+            sandpit_runtime::vm::net::GUEST_DNS_FORWARD
+        )
     );
     assert_eq!(
         resolve(cli, &id, "registry.example.test", &resolver.address),

@@ -205,7 +205,7 @@ fn host_network() -> String {
     };
     let tables: Vec<String> = run("nft", &["list", "tables"])
         .lines()
-        .filter(|t| !t.contains(sandpit_runtime::guard::TABLE))
+        .filter(|t| !t.contains(sandpit_runtime::vm::guard::TABLE))
         .map(str::to_string)
         .collect();
     format!(

@@ -154,7 +154,7 @@ fn pip_and_npm_reach_the_registries_through_the_operators_proxy() {
     assert_registries_reachable();
     let cas = host_extra_cas();
     eprintln!("the host's extra CA certificates: {cas:?}");
-    let pems = sandpit_runtime::net::read_ca_certificates(&cas).unwrap();
+    let pems = sandpit_runtime::vm::net::read_ca_certificates(&cas).unwrap();
 
     let proxy_host = TestHost::start("px", PROXY_HOST_SIDE, PROXY);
     let mut listeners = listen_in(&proxy_host.netns_path(), &[PROXY_PORT, OTHER_PORT]);

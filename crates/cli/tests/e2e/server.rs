@@ -580,7 +580,7 @@ fn a_killed_server_reconciles_on_restart() {
     )
     .unwrap();
     let passt = record["passt_pid"].as_u64().expect("a network helper") as u32;
-    let passt_started = sandpit_runtime::process::start_time(passt).expect("passt runs");
+    let passt_started = sandpit_runtime::vm::process::start_time(passt).expect("passt runs");
     server.sigkill();
     // The VMs outlive the server...
     assert!(!pids_mentioning(&format!("sandpit-vm-{keep}")).is_empty());
@@ -595,7 +595,7 @@ fn a_killed_server_reconciles_on_restart() {
     // With no sandpit process alive, the expiring one runs until its expiry
     // and is gone, QEMU, passt and files, within 5 s of it.
     let expiring_qemu = || !pids_mentioning(&format!("sandpit-vm-{expire}")).is_empty();
-    let expiring_passt = || sandpit_runtime::process::start_time(passt) == Some(passt_started);
+    let expiring_passt = || sandpit_runtime::vm::process::start_time(passt) == Some(passt_started);
     let until = |t: time::OffsetDateTime| {
         let d = t - time::OffsetDateTime::now_utc();
         Duration::from_secs_f64(d.as_seconds_f64().max(0.0))

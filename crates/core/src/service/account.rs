@@ -9,10 +9,10 @@
 
 use crate::api::Caller;
 use crate::error::{CoreError, Result};
-use crate::ids::rfc3339;
 use crate::model::*;
 use crate::service::lifecycle::{cost_until, lived_seconds};
 use crate::service::Service;
+use sandpit_host::ids::rfc3339;
 use time::OffsetDateTime;
 
 impl Service {

@@ -71,7 +71,7 @@ pub(super) fn runtime_error(e: RuntimeError) -> CoreError {
             ErrorType::ServiceUnavailable,
             format!("{m}; retry later, or destroy a sandbox you no longer need"),
         )
-        .with_retry_after(crate::capacity::RETRY_AFTER_SECS),
+        .with_retry_after(sandpit_host::capacity::RETRY_AFTER_SECS),
         RuntimeError::AgentTimeout { what, secs } => CoreError::new(
             ErrorType::ServiceUnavailable,
             format!(

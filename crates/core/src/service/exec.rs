@@ -10,13 +10,13 @@
 
 use crate::api::{Caller, ExecEvent, ExecStream};
 use crate::error::{CoreError, Result};
-use crate::ids::{new_id, rfc3339};
-use crate::machines::Command;
 use crate::model::*;
 use crate::service::checks::validate_exec;
 use crate::service::errors::runtime_error;
 use crate::service::Service;
 use crate::utf8::Utf8Chunker;
+use sandpit_host::ids::{new_id, rfc3339};
+use sandpit_host::machines::Command;
 use sandpit_protocol::ExecRequest;
 use sandpit_runtime::{ExecEvent as VmEvent, RuntimeError, VmState};
 use sandpit_store::{ExecutionResult, ExecutionRow, ExecutionState, SandboxRow};

@@ -9,12 +9,12 @@
 
 use crate::api::Caller;
 use crate::error::{CoreError, ErrorType, Result};
-use crate::machines::Listing;
 use crate::model::*;
 use crate::service::checks::{check_path, check_write_size, write_content};
 use crate::service::errors::{body_failed, body_length, runtime_error};
 use crate::service::Service;
 use base64::Engine;
+use sandpit_host::machines::Listing;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;

@@ -18,13 +18,13 @@
 use crate::api::Caller;
 use crate::config::cost;
 use crate::error::{CoreError, ErrorType, Result};
-use crate::ids::{new_id, rfc3339};
-use crate::machines::{Machines, Started};
 use crate::metrics::{CreatePath, Outcome};
 use crate::model::*;
 use crate::service::checks::{check_create, extension_minutes};
 use crate::service::errors::{not_running, runtime_error};
 use crate::service::Service;
+use sandpit_host::ids::{new_id, rfc3339};
+use sandpit_host::machines::{Machines, Started};
 use sandpit_runtime::VmState;
 use sandpit_store::{CreateOutcome, ExtendOutcome, SandboxRow};
 use sha2::Digest;
@@ -392,8 +392,8 @@ impl Service {
         // A second start of the same sandbox (a create retried while its
         // first call, or the replica that made it, is still at it or was
         // lost) waits for the first and takes its outcome.
-        let turn = self.boot_turn(&row.id).await;
-        if turn.waited {
+        let turn = self.turns.take(&row.id).await;
+        if turn.waited() {
             let now = self.store.sandbox(&row.id).await?;
             let now = now.ok_or_else(|| CoreError::not_found("sandbox", &row.id))?;
             if now.status != SandboxStatus::Provisioning {
@@ -404,150 +404,6 @@ impl Service {
             }
         }
         self.start_vm(row, machines).await
-    }
-
-    /// The turn to start sandbox `id`'s VM: one start at a time per
-    /// sandbox, on this machine.
-    pub(super) async fn boot_turn(&self, id: &str) -> BootTurn<'_> {
-        let turn = self
-            .booting
-            .lock()
-            .unwrap()
-            .entry(id.to_string())
-            .or_default()
-            .clone();
-        let (held, waited) = match turn.clone().try_lock_owned() {
-            Ok(held) => (held, false),
-            Err(_) => (turn.clone().lock_owned().await, true),
-        };
-        BootTurn {
-            booting: &self.booting,
-            id: id.to_string(),
-            held: Some(held),
-            turn: Some(turn),
-            waited,
-        }
-    }
-
-    /// A start asked of this node by the member that recorded sandbox `id`
-    /// here (the node API; see [`crate::cluster`]). The VM first (the pool
-    /// VM taken for it is handed over), then its record, in one statement that
-    /// changes the row only if it is still `provisioning` on this node: so
-    /// the start costs the node one database round trip, and the outcome
-    /// survives a caller lost mid-create. A VM started for a sandbox that
-    /// ended, or lives elsewhere, is removed again.
-    pub(crate) async fn start_for_member(
-        &self,
-        id: &str,
-        size: &str,
-        snapshot: Option<&str>,
-        expires_at: OffsetDateTime,
-        vms: Arc<dyn Machines>,
-    ) -> crate::machines::VmResult<Started> {
-        use sandpit_runtime::RuntimeError;
-        let here = self.config.host_name.as_str();
-        let db = |e: sandpit_store::StoreError| RuntimeError::Busy(format!("the database: {e}"));
-        let turn = self.boot_turn(id).await;
-        // A start that waited for another finds the outcome recorded.
-        let known = match turn.waited {
-            true => self.store.sandbox(id).await.map_err(db)?,
-            false => None,
-        };
-        if let Some(row) = known.filter(|r| r.status != SandboxStatus::Provisioning) {
-            return self.started_here(&row, &*vms).await;
-        }
-        if let Err(e) = vms.start(id, size, snapshot, expires_at).await {
-            tracing::warn!(id, "create failed: {e}");
-            let _ = vms.destroy(id).await;
-            if let Ok(Some(row)) = self.store.sandbox(id).await {
-                if row.host == here && row.status == SandboxStatus::Provisioning {
-                    let _ = self
-                        .store
-                        .finish_sandbox(
-                            id,
-                            SandboxStatus::Failed,
-                            &format!("failed: {e}"),
-                            OffsetDateTime::now_utc(),
-                            0,
-                        )
-                        .await;
-                }
-            }
-            return Err(e);
-        }
-        match self.store.record_start(id, here).await.map_err(db)? {
-            Some(row) => {
-                // Extended while it started: the VM's watchdog learns it.
-                if row.expires_at != expires_at {
-                    vms.set_expiry(id, row.expires_at).await?;
-                }
-                Ok(recorded(&row))
-            }
-            None => match self.store.sandbox(id).await.map_err(db)? {
-                Some(row) => self.started_here(&row, &*vms).await,
-                None => {
-                    let _ = vms.destroy(id).await;
-                    Err(RuntimeError::NotFound(id.to_string()))
-                }
-            },
-        }
-    }
-
-    /// [`Service::start_for_member`]'s answer when the row was not
-    /// `provisioning` here: a sandbox running here keeps the VM that runs
-    /// it (a start asked again); any other has no VM here to keep (one
-    /// being deleted may have been destroyed before this start made it).
-    async fn started_here(
-        &self,
-        row: &SandboxRow,
-        vms: &dyn Machines,
-    ) -> crate::machines::VmResult<Started> {
-        let here = row.host == self.config.host_name;
-        if here
-            && row.status == SandboxStatus::Running
-            && vms.state(&row.id).await? == Some(VmState::Running)
-        {
-            vms.set_expiry(&row.id, row.expires_at).await?;
-            return Ok(recorded(row));
-        }
-        let _ = vms.destroy(&row.id).await;
-        Err(sandpit_runtime::RuntimeError::Launch(format!(
-            "sandbox {} is {} on node {}",
-            row.id, row.status, row.host
-        )))
-    }
-}
-
-/// The start of a running sandbox as its row records it.
-fn recorded(row: &SandboxRow) -> Started {
-    Started::Recorded {
-        ready_at: row.ready_at.unwrap_or(row.created_at),
-        expires_at: row.expires_at,
-    }
-}
-
-/// A turn to start one sandbox's VM (see [`Service::boot_turn`]); the
-/// sandbox's lock is forgotten when nobody else waits on it.
-pub(super) struct BootTurn<'a> {
-    booting: &'a std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
-    id: String,
-    held: Option<tokio::sync::OwnedMutexGuard<()>>,
-    turn: Option<Arc<tokio::sync::Mutex<()>>>,
-    /// Another start of the sandbox held the turn first.
-    waited: bool,
-}
-
-impl Drop for BootTurn<'_> {
-    fn drop(&mut self) {
-        drop(self.held.take());
-        drop(self.turn.take());
-        let mut booting = self.booting.lock().unwrap();
-        if booting
-            .get(&self.id)
-            .is_some_and(|l| Arc::strong_count(l) == 1)
-        {
-            booting.remove(&self.id);
-        }
     }
 }
 
@@ -750,7 +606,7 @@ impl Service {
         let now = OffsetDateTime::now_utc();
         let billed_until = now.min(row.expires_at);
         // A VM found dead after its expiry ended on time (its watchdog
-        // killed it, see `sandpit_runtime::expiry`): expired, not failed.
+        // killed it, see `sandpit_runtime::vm::expiry`): expired, not failed.
         // One found dead while its sandbox is being destroyed (a command
         // or a look-up saw the destroy's kill) was destroyed, not lost: the
         // destroy ends it, charged, whichever of the two gets here first.

@@ -39,7 +39,7 @@ impl Service {
     }
 
     pub(super) async fn pause_row(&self, id: &str) -> Result<SandboxRow> {
-        let _turn = self.boot_turn(id).await;
+        let _turn = self.turns.take(id).await;
         let row = self.current(id).await?;
         match row.status {
             SandboxStatus::Paused => return Ok(row),
@@ -87,7 +87,7 @@ impl Service {
     }
 
     async fn wake_row(&self, id: &str) -> Result<SandboxRow> {
-        let _turn = self.boot_turn(id).await;
+        let _turn = self.turns.take(id).await;
         let row = self.current(id).await?;
         match row.status {
             SandboxStatus::Running => return Ok(row),

@@ -10,11 +10,11 @@
 
 use crate::api::Caller;
 use crate::error::{CoreError, Result};
-use crate::ids::rfc3339;
 use crate::model::*;
-use crate::preview::{preview_url, PreviewConn, PreviewError};
+use crate::preview::{preview_url, PreviewConn, PreviewError, PreviewGate};
 use crate::service::checks::check_port;
 use crate::service::Service;
+use sandpit_host::ids::rfc3339;
 use sandpit_protocol::ErrorKind;
 use sandpit_runtime::RuntimeError;
 use sandpit_store::StoreError;
@@ -73,10 +73,34 @@ impl Service {
         }
     }
 
+    /// Write preview traffic counters to the store (of one sandbox, or all).
+    pub(super) async fn flush_traffic(&self, only: Option<&str>) {
+        for (id, bytes_in, bytes_out) in self.previews.take_all() {
+            if only.is_some_and(|o| o != id) {
+                self.previews.restore(&id, bytes_in, bytes_out);
+                continue;
+            }
+            match self
+                .store
+                .add_preview_traffic(&id, bytes_in, bytes_out)
+                .await
+            {
+                Ok(_) => crate::metrics::record_preview_bytes(bytes_in, bytes_out),
+                Err(e) => {
+                    tracing::warn!(%id, "storing preview traffic: {e}");
+                    self.previews.restore(&id, bytes_in, bytes_out);
+                }
+            }
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl PreviewGate for Service {
     /// Can `port` of sandbox `id` be served through its preview URL now?
     /// Anyone with the URL may ask: no account is involved.
     /// Returns the node that holds the sandbox.
-    pub async fn check_preview(&self, id: &str, port: u16) -> Result<String, PreviewError> {
+    async fn check_preview(&self, id: &str, port: u16) -> Result<String, PreviewError> {
         // A visitor uses the sandbox as much as its owner does (and waits
         // for a pause for idleness under way, then resumes it).
         self.activity.touch(id);
@@ -141,16 +165,16 @@ impl Service {
     }
 
     /// Take one request of the allowance of sandbox `id`'s preview URLs
-    /// (after [`Service::check_preview`]: only live sandboxes have one).
-    pub fn admit_preview_request(&self, id: &str) -> Result<(), PreviewError> {
+    /// (after [`PreviewGate::check_preview`]: only live sandboxes have one).
+    fn admit_preview_request(&self, id: &str) -> Result<(), PreviewError> {
         self.previews.admit_request(id)
     }
 
     /// Open a connection to `port` of sandbox `id` for its preview URL:
-    /// checked as [`Service::check_preview`], bounded in time, counted as
+    /// checked as [`PreviewGate::check_preview`], bounded in time, counted as
     /// the sandbox's preview traffic, and cut when the port is closed or the
     /// sandbox ends.
-    pub async fn open_preview(&self, id: &str, port: u16) -> Result<PreviewConn, PreviewError> {
+    async fn open_preview(&self, id: &str, port: u16) -> Result<PreviewConn, PreviewError> {
         let host = self.check_preview(id, port).await?;
         let slot = self.previews.admit_connection(id).await?;
         let (sid, p) = (id.to_string(), port);
@@ -194,26 +218,5 @@ impl Service {
             return Err(e);
         }
         Ok(conn)
-    }
-
-    /// Write preview traffic counters to the store (of one sandbox, or all).
-    pub(super) async fn flush_traffic(&self, only: Option<&str>) {
-        for (id, bytes_in, bytes_out) in self.previews.take_all() {
-            if only.is_some_and(|o| o != id) {
-                self.previews.restore(&id, bytes_in, bytes_out);
-                continue;
-            }
-            match self
-                .store
-                .add_preview_traffic(&id, bytes_in, bytes_out)
-                .await
-            {
-                Ok(_) => crate::metrics::record_preview_bytes(bytes_in, bytes_out),
-                Err(e) => {
-                    tracing::warn!(%id, "storing preview traffic: {e}");
-                    self.previews.restore(&id, bytes_in, bytes_out);
-                }
-            }
-        }
     }
 }

@@ -18,10 +18,10 @@
 use crate::api::Caller;
 use crate::config::cost;
 use crate::error::{CoreError, ErrorType, Result};
-use crate::ids::rfc3339;
 use crate::model::*;
 use crate::service::errors::{not_running, runtime_error};
 use crate::service::Service;
+use sandpit_host::ids::rfc3339;
 use sandpit_store::{NewSnapshot, SandboxRow, SnapshotOutcome, SnapshotRow, SnapshotStatus};
 use sha2::Digest;
 use std::time::Duration;
@@ -73,7 +73,7 @@ impl Service {
             serde_json::to_vec(&(&row.id, &name)).expect("json"),
         ));
         let new = NewSnapshot {
-            id: crate::ids::new_id("snap_"),
+            id: sandpit_host::ids::new_id("snap_"),
             account_id: row.account_id.clone(),
             name,
             sandbox_id: row.id.clone(),

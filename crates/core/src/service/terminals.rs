@@ -1,6 +1,6 @@
 //! Terminals: an interactive shell in a sandbox for a person (the
 //! dashboard's terminal, `sandpit sandbox shell`), over whichever machine
-//! runs it (see [`crate::machines::Machines::open_pty`]).
+//! runs it (see [`sandpit_host::machines::Machines::open_pty`]).
 //!
 //! Separate because a terminal, like a preview connection, is a stream that
 //! outlives the call that opened it: the service keeps each open one's
@@ -15,9 +15,9 @@
 
 use crate::api::{Caller, TerminalSession};
 use crate::error::{CoreError, ErrorType, Result};
-use crate::machines::{Closer, PtySize};
 use crate::model::TerminalToken;
 use crate::service::Service;
+use sandpit_host::machines::{Closer, PtySize};
 use sandpit_store::SandboxStatus;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -161,7 +161,7 @@ impl Service {
         Ok(TerminalToken {
             url: format!("/v1/sandboxes/{}/pty?token={token}", row.id),
             token,
-            expires_at: crate::ids::rfc3339(expires),
+            expires_at: sandpit_host::ids::rfc3339(expires),
         })
     }
 

@@ -1,9 +1,9 @@
 //! Set-up shared by the core service's real-VM tests.
 #![allow(dead_code)]
 
-use sandpit_core::backend::{LocalVms, PoolConfig};
 use sandpit_core::config::{ServiceConfig, SizeConfig};
 use sandpit_core::{Caller, ExecParams, Service};
+use sandpit_host::local::{LocalVms, PoolConfig};
 use sandpit_runtime::config::SizeSpec;
 use sandpit_runtime::image::GuestImage;
 use sandpit_runtime::{RuntimeConfig, VmManager};
@@ -74,7 +74,7 @@ extern "C" fn kill_vms_at_exit() {
 
 /// SIGKILL every QEMU/passt whose command line mentions `dir`.
 fn kill_vms_under(dir: &Path) {
-    sandpit_runtime::process::kill_mentioning(&dir.display().to_string());
+    sandpit_runtime::vm::process::kill_mentioning(&dir.display().to_string());
 }
 
 /// A service on a fresh data directory with a small test size.

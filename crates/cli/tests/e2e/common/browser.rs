@@ -415,7 +415,7 @@ impl Drop for Browser {
         let _ = self.chromedriver.wait();
         // Crash handlers make sessions of their own; they name the
         // directory (their report database is in it).
-        sandpit_runtime::process::kill_mentioning(&self.dir.path().display().to_string());
+        sandpit_runtime::vm::process::kill_mentioning(&self.dir.path().display().to_string());
     }
 }
 

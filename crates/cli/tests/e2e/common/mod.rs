@@ -12,10 +12,10 @@ pub mod serve;
 use sandpit_protocol::ExecRequest;
 use sandpit_runtime::config::SizeSpec;
 use sandpit_runtime::image::GuestImage;
-use sandpit_runtime::process::kill_mentioning;
+use sandpit_runtime::vm::process::kill_mentioning;
 // Not every test binary uses it.
 #[allow(unused_imports)]
-pub use sandpit_runtime::process::pids_mentioning;
+pub use sandpit_runtime::vm::process::pids_mentioning;
 use sandpit_runtime::{CreateVm, ExecOutput, RuntimeConfig, Vm, VmManager};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -1,0 +1,226 @@
+//! [`LocalVms`] behind the [`Machines`] trait: what every caller on this
+//! host reaches its VMs through (the service, and the node API for the
+//! other members).
+
+use super::*;
+
+/// A command in a local guest; the warm pool's refills give way while it
+/// runs.
+struct LocalCommand {
+    handle: sandpit_runtime::ExecHandle,
+    _live: sandpit_runtime::Held,
+}
+
+#[async_trait]
+impl Command for LocalCommand {
+    async fn next(&mut self) -> VmResult<sandpit_runtime::ExecEvent> {
+        self.handle.next().await
+    }
+
+    fn cancel(&self) {
+        self.handle.cancel()
+    }
+}
+
+struct LocalUpload {
+    upload: sandpit_runtime::FileUpload,
+    _live: sandpit_runtime::Held,
+}
+
+#[async_trait]
+impl Upload for LocalUpload {
+    async fn send(&mut self, data: &[u8]) -> VmResult<()> {
+        self.upload.send(data).await
+    }
+
+    async fn finish(self: Box<Self>) -> VmResult<(String, u64)> {
+        self.upload.finish().await
+    }
+}
+
+struct LocalDownload {
+    download: sandpit_runtime::FileDownload,
+    _live: sandpit_runtime::Held,
+}
+
+#[async_trait]
+impl Download for LocalDownload {
+    fn path(&self) -> &str {
+        self.download.path()
+    }
+
+    fn size(&self) -> u64 {
+        self.download.size()
+    }
+
+    async fn next_chunk(&mut self) -> VmResult<Option<Vec<u8>>> {
+        self.download.next_chunk().await
+    }
+}
+
+#[async_trait]
+impl Machines for LocalVms {
+    async fn take_warm(&self, size: &str) -> VmResult<Option<String>> {
+        self.record_demand(size);
+        if self.warm_count(size) > 0 {
+            self.capacity.admit_warm().map_err(RuntimeError::HostFull)?;
+            if let Some(id) = LocalVms::take_warm(self, size) {
+                return Ok(Some(id));
+            }
+        }
+        // A start would be refused: refuse now, before anything is recorded.
+        let room = self.capacity.report();
+        if let (false, Some(why)) = (room.accepting, room.reason) {
+            return Err(RuntimeError::HostFull(why));
+        }
+        // No warm VM: the start will boot one, in the start queue. A full
+        // queue refuses now, before anything is recorded, so that a
+        // cluster's create tries another node instead.
+        if self.starts.available_permits() == 0
+            && self.waiting.load(Ordering::SeqCst) >= self.pool.max_waiting_starts
+        {
+            return Err(self.queue_full());
+        }
+        Ok(None)
+    }
+
+    async fn return_warm(&self, id: &str, size: &str) -> VmResult<()> {
+        LocalVms::return_warm(self, id, size);
+        Ok(())
+    }
+
+    async fn start(
+        &self,
+        id: &str,
+        size: &str,
+        snapshot: Option<&str>,
+        expires_at: OffsetDateTime,
+    ) -> VmResult<Started> {
+        if let Some(snapshot) = snapshot {
+            match LocalVms::state(self, id) {
+                Some(VmState::Running) => self.manager.set_expiry(id, expires_at)?,
+                _ => drop(
+                    self.create_from_snapshot(id, size, snapshot, expires_at)
+                        .await?,
+                ),
+            }
+            return Ok(Started::Booted);
+        }
+        let claimed = self.claimed.lock().unwrap().contains(id);
+        let claimed = claimed || self.take_ready(id).await;
+        if !claimed && matches!(LocalVms::state(self, id), Some(VmState::Running)) {
+            self.manager.set_expiry(id, expires_at)?;
+        } else {
+            self.create(id, size, expires_at).await?;
+        }
+        Ok(Started::Booted)
+    }
+
+    async fn destroy(&self, id: &str) -> VmResult<Option<u64>> {
+        let used = self.manager.disk_use(id).ok();
+        LocalVms::destroy(self, id).await?;
+        Ok(used)
+    }
+
+    async fn set_expiry(&self, id: &str, at: OffsetDateTime) -> VmResult<()> {
+        self.manager.set_expiry(id, at)
+    }
+
+    async fn snapshot(&self, id: &str, snapshot: &str) -> VmResult<u64> {
+        LocalVms::snapshot(self, id, snapshot).await
+    }
+
+    async fn delete_snapshot(&self, snapshot: &str) -> VmResult<()> {
+        self.manager.delete_saved(snapshot).await
+    }
+
+    async fn restore(&self, id: &str, snapshot: &str, expires_at: OffsetDateTime) -> VmResult<()> {
+        LocalVms::restore(self, id, snapshot, expires_at).await
+    }
+
+    async fn pause(&self, id: &str) -> VmResult<()> {
+        LocalVms::pause(self, id).await
+    }
+
+    async fn resume(&self, id: &str, expires_at: OffsetDateTime) -> VmResult<()> {
+        LocalVms::resume(self, id, expires_at).await
+    }
+
+    async fn state(&self, id: &str) -> VmResult<Option<VmState>> {
+        Ok(LocalVms::state(self, id))
+    }
+
+    async fn exec(&self, id: &str, request: ExecRequest) -> VmResult<Box<dyn Command>> {
+        let live = self.manager.hold_background();
+        let handle = self.agent(id).await?.exec(request)?;
+        Ok(Box::new(LocalCommand {
+            handle,
+            _live: live,
+        }))
+    }
+
+    async fn upload(&self, id: &str, path: &str, size: u64) -> VmResult<Box<dyn Upload>> {
+        let live = self.manager.hold_background();
+        let upload = self.agent(id).await?.upload(path, size, None)?;
+        Ok(Box::new(LocalUpload {
+            upload,
+            _live: live,
+        }))
+    }
+
+    async fn download(&self, id: &str, path: &str, max_bytes: u64) -> VmResult<Box<dyn Download>> {
+        let live = self.manager.hold_background();
+        let download = self.agent(id).await?.download(path, max_bytes).await?;
+        Ok(Box::new(LocalDownload {
+            download,
+            _live: live,
+        }))
+    }
+
+    async fn write_file(&self, id: &str, path: &str, bytes: Vec<u8>) -> VmResult<(String, u64)> {
+        let _live = self.manager.hold_background();
+        self.agent(id).await?.write_file(path, &bytes, None).await
+    }
+
+    async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> VmResult<(String, Vec<u8>)> {
+        let _live = self.manager.hold_background();
+        self.agent(id).await?.read_file(path, max_bytes).await
+    }
+
+    async fn list_files(
+        &self,
+        id: &str,
+        path: &str,
+        recursive: bool,
+        max_entries: u64,
+    ) -> VmResult<Listing> {
+        let (path, entries, truncated) = self
+            .agent(id)
+            .await?
+            .list_files(path, recursive, max_entries)
+            .await?;
+        Ok(Listing {
+            path,
+            entries,
+            truncated,
+        })
+    }
+
+    async fn delete_file(&self, id: &str, path: &str, recursive: bool) -> VmResult<String> {
+        self.agent(id).await?.delete_file(path, recursive).await
+    }
+
+    async fn open_tunnel(&self, id: &str, port: u16) -> VmResult<Tunnel> {
+        let stream = self.agent(id).await?.open_tunnel(port).await?;
+        let closer = stream.closer();
+        Ok(Tunnel {
+            stream: Box::new(stream),
+            closer: Arc::new(move || closer.close()),
+        })
+    }
+
+    async fn open_pty(&self, id: &str, size: PtySize) -> VmResult<Terminal> {
+        let pty = self.agent(id).await?.open_pty(size).await?;
+        Ok(Terminal::over(pty))
+    }
+}

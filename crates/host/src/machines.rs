@@ -1,0 +1,291 @@
+//! One way to the VMs: the service reaches every sandbox's VM through
+//! [`Machines`], whether it runs on this host ([`crate::local::LocalVms`],
+//! the embedded default) or on another node of a cluster (the node API over
+//! mutual TLS, `sandpit-node`, which serves a node's `LocalVms` through this
+//! same trait and implements it for the calling side).
+//!
+//! The trait speaks the runtime's words (ids, sizes, [`RuntimeError`]): it
+//! knows no account, no money, no row. What a failure means for the API (a
+//! VM found dead fails its sandbox, a node out of reach says retry) is
+//! decided once, in the service, for both kinds of machine.
+
+use async_trait::async_trait;
+use sandpit_protocol::{ExecRequest, FileEntry};
+use sandpit_runtime::{ExecEvent, RuntimeError, VmState};
+pub use sandpit_runtime::{PtyExit, PtySize};
+use std::sync::Arc;
+use time::OffsetDateTime;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::mpsc;
+
+/// What a call to a VM gives back.
+pub type VmResult<T> = std::result::Result<T, RuntimeError>;
+
+/// What a successful [`Machines::start`] leaves to its caller. (The node
+/// API carries it as JSON, its times in RFC 3339 with every digit, so the
+/// caller's copy of the row equals the stored one.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "started", rename_all = "snake_case")]
+pub enum Started {
+    /// The VM runs; recording that the sandbox does is the caller's job.
+    Booted,
+    /// The VM runs and the machine recorded it itself (a cluster node does,
+    /// so that the outcome survives a caller lost mid-create): the sandbox
+    /// is `running` since `ready_at` and expires at `expires_at` (later
+    /// than asked if it was extended while it started).
+    Recorded {
+        #[serde(with = "time::serde::rfc3339")]
+        ready_at: OffsetDateTime,
+        #[serde(with = "time::serde::rfc3339")]
+        expires_at: OffsetDateTime,
+    },
+}
+
+/// The VMs of one node.
+#[async_trait]
+pub trait Machines: Send + Sync {
+    /// Takes a ready VM of `size` from the warm pool; its id becomes the new
+    /// sandbox's. `None` when the pool has none.
+    async fn take_warm(&self, size: &str) -> VmResult<Option<String>>;
+
+    /// Puts back a VM taken with [`Machines::take_warm`] whose sandbox was
+    /// not created; nothing ever ran in it.
+    async fn return_warm(&self, id: &str, size: &str) -> VmResult<()>;
+
+    /// Starts the VM of a new sandbox `id` (the pool VM taken for it, the
+    /// ready pool VM of that id, or one restored or booted now; from
+    /// `snapshot` when given, a snapshot this node holds) whose watchdog
+    /// ends it at `expires_at`.
+    /// Starting a VM that already runs is not an error: a create retried
+    /// after its first caller was lost finds the VM it started.
+    async fn start(
+        &self,
+        id: &str,
+        size: &str,
+        snapshot: Option<&str>,
+        expires_at: OffsetDateTime,
+    ) -> VmResult<Started>;
+
+    /// Saves the whole state of VM `id` as snapshot `snapshot` (the VM
+    /// runs on); returns what the snapshot alone takes on disk.
+    async fn snapshot(&self, id: &str, snapshot: &str) -> VmResult<u64>;
+
+    /// Deletes a snapshot's files (one already gone is fine).
+    async fn delete_snapshot(&self, snapshot: &str) -> VmResult<()>;
+
+    /// Replaces VM `id` by one started from `snapshot`, under the same id
+    /// and with its watchdog at `expires_at`.
+    async fn restore(&self, id: &str, snapshot: &str, expires_at: OffsetDateTime) -> VmResult<()>;
+
+    /// Saves VM `id` whole to this node's disk and stops it: no CPU, no
+    /// memory until [`Machines::resume`]. (Destroying it removes the saved
+    /// state too.)
+    async fn pause(&self, id: &str) -> VmResult<()>;
+
+    /// Starts paused VM `id` again where it was, its watchdog at
+    /// `expires_at`. One that runs already is fine.
+    async fn resume(&self, id: &str, expires_at: OffsetDateTime) -> VmResult<()>;
+
+    /// Kills the VM and removes its files (one already gone is fine).
+    /// Returns what its disk held just before, when it could be measured.
+    async fn destroy(&self, id: &str) -> VmResult<Option<u64>>;
+
+    /// Moves the VM's watchdog to `at` (see `sandpit_runtime::vm::expiry`).
+    async fn set_expiry(&self, id: &str, at: OffsetDateTime) -> VmResult<()>;
+
+    /// Whether the VM runs, or why not (`None`: no such VM there).
+    async fn state(&self, id: &str) -> VmResult<Option<VmState>>;
+
+    /// Starts a command in the guest.
+    async fn exec(&self, id: &str, request: ExecRequest) -> VmResult<Box<dyn Command>>;
+
+    /// Writes a file of `size` bytes, sent in pieces.
+    async fn upload(&self, id: &str, path: &str, size: u64) -> VmResult<Box<dyn Upload>>;
+
+    /// Reads a file of at most `max_bytes`, in pieces.
+    async fn download(&self, id: &str, path: &str, max_bytes: u64) -> VmResult<Box<dyn Download>>;
+
+    /// Writes a whole file at once; returns its resolved path and size.
+    async fn write_file(&self, id: &str, path: &str, bytes: Vec<u8>) -> VmResult<(String, u64)> {
+        let mut upload = self.upload(id, path, bytes.len() as u64).await?;
+        upload.send(&bytes).await?;
+        upload.finish().await
+    }
+
+    /// Reads a whole file of at most `max_bytes`; returns its resolved
+    /// path and content.
+    async fn read_file(&self, id: &str, path: &str, max_bytes: u64) -> VmResult<(String, Vec<u8>)> {
+        let mut download = self.download(id, path, max_bytes).await?;
+        let mut bytes = Vec::with_capacity(download.size().min(max_bytes) as usize);
+        while let Some(piece) = download.next_chunk().await? {
+            bytes.extend_from_slice(&piece);
+        }
+        Ok((download.path().to_string(), bytes))
+    }
+
+    /// Lists a directory (`recursive`: its whole tree, up to `max_entries`).
+    async fn list_files(
+        &self,
+        id: &str,
+        path: &str,
+        recursive: bool,
+        max_entries: u64,
+    ) -> VmResult<Listing>;
+
+    /// Deletes a file or (`recursive`) a tree; returns the resolved path.
+    async fn delete_file(&self, id: &str, path: &str, recursive: bool) -> VmResult<String>;
+
+    /// Opens a TCP connection to `port` in the guest.
+    async fn open_tunnel(&self, id: &str, port: u16) -> VmResult<Tunnel>;
+
+    /// Starts an interactive login shell as the guest user on a new
+    /// terminal of `size`.
+    async fn open_pty(&self, id: &str, size: PtySize) -> VmResult<Terminal>;
+}
+
+/// A directory listing: its resolved path, entries, and whether it was cut
+/// at the entry limit.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Listing {
+    pub path: String,
+    pub entries: Vec<FileEntry>,
+    pub truncated: bool,
+}
+
+/// A command running in a guest.
+#[async_trait]
+pub trait Command: Send {
+    /// The next event; `Exited` (or an error) is the last.
+    async fn next(&mut self) -> VmResult<ExecEvent>;
+    /// Kills the command; its end follows, cancelled.
+    fn cancel(&self);
+}
+
+/// A file being written; dropped before [`Upload::finish`], the guest
+/// discards what it had.
+#[async_trait]
+pub trait Upload: Send {
+    async fn send(&mut self, data: &[u8]) -> VmResult<()>;
+    /// Returns the resolved path and the bytes written.
+    async fn finish(self: Box<Self>) -> VmResult<(String, u64)>;
+}
+
+/// A file being read.
+#[async_trait]
+pub trait Download: Send {
+    /// Its resolved path.
+    fn path(&self) -> &str;
+    /// Its size, as the guest found it when the read started.
+    fn size(&self) -> u64;
+    /// The next piece; `None` after the last.
+    async fn next_chunk(&mut self) -> VmResult<Option<Vec<u8>>>;
+}
+
+/// A byte stream both ways.
+pub trait Duplex: AsyncRead + AsyncWrite + Send + Unpin {}
+
+impl<T: AsyncRead + AsyncWrite + Send + Unpin> Duplex for T {}
+
+/// Cuts a tunnel from elsewhere (its port was closed, its sandbox ended):
+/// its reads and writes fail, the guest drops the connection.
+pub type Closer = Arc<dyn Fn() + Send + Sync>;
+
+/// A TCP connection to a port in a guest.
+pub struct Tunnel {
+    pub stream: Box<dyn Duplex>,
+    pub closer: Closer,
+}
+
+/// What a terminal's user sends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PtyInput {
+    /// Keystrokes (or pasted text), as bytes.
+    Data(Vec<u8>),
+    Resize(PtySize),
+}
+
+/// What a terminal sends back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PtyOutput {
+    /// What its programs wrote, as bytes.
+    Data(Vec<u8>),
+    /// The shell exited by itself; the last item.
+    Exit(PtyExit),
+}
+
+/// A terminal in a guest. `output` ends after [`PtyOutput::Exit`], or
+/// without it when the terminal is gone (hung up, VM gone, link lost).
+/// Dropping `input`, or calling `closer`, hangs the terminal up: its
+/// shell's session gets SIGHUP.
+pub struct Terminal {
+    pub input: mpsc::Sender<PtyInput>,
+    pub output: mpsc::Receiver<PtyOutput>,
+    pub closer: Closer,
+}
+
+/// Items queued each way per terminal: a reader that stops reading stops
+/// the guest's output through the stream's credit, not through memory.
+pub const TERMINAL_QUEUE: usize = 16;
+
+impl Terminal {
+    /// A terminal over a guest's stream of it (this host's VMs): one task
+    /// types the input and passes on resizes, one reads the output and,
+    /// at its end, how the shell ended.
+    pub fn over(pty: sandpit_runtime::Pty) -> Terminal {
+        let sandpit_runtime::Pty { stream, control } = pty;
+        let hang_up = stream.closer();
+        let (mut reader, mut writer) = tokio::io::split(stream);
+        let (input, mut typed) = mpsc::channel::<PtyInput>(TERMINAL_QUEUE);
+        let (shown, output) = mpsc::channel::<PtyOutput>(TERMINAL_QUEUE);
+        let resizer = control.clone();
+        let closer = hang_up.clone();
+        tokio::spawn(async move {
+            while let Some(item) = typed.recv().await {
+                let sent = match item {
+                    PtyInput::Data(bytes) => writer.write_all(&bytes).await.is_ok(),
+                    PtyInput::Resize(size) => resizer.resize(size).is_ok(),
+                };
+                if !sent {
+                    break;
+                }
+            }
+            // The user is gone (or the terminal is): hang it up.
+            hang_up.close();
+        });
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 64 * 1024];
+            loop {
+                match reader.read(&mut buf).await {
+                    Ok(0) => {
+                        if let Some(exit) = control.exit() {
+                            let _ = shown.send(PtyOutput::Exit(exit)).await;
+                        }
+                        return;
+                    }
+                    Ok(n) => {
+                        if shown
+                            .send(PtyOutput::Data(buf[..n].to_vec()))
+                            .await
+                            .is_err()
+                        {
+                            return;
+                        }
+                    }
+                    Err(_) => return,
+                }
+            }
+        });
+        Terminal {
+            input,
+            output,
+            closer: Arc::new(move || closer.close()),
+        }
+    }
+}
+
+/// How a member of a cluster reaches the other nodes' VMs.
+pub trait NodeLink: Send + Sync {
+    /// The VMs of the node at `address`, which the database shows at
+    /// `epoch` (a node answers only calls for the epoch it holds).
+    fn machines(&self, address: &str, epoch: i64) -> Arc<dyn Machines>;
+}

@@ -1,0 +1,997 @@
+//! The host end of the agent channel: one connection to a guest's agent over
+//! QEMU's virtio-serial chardev socket, multiplexing many requests at once.
+//!
+//! A reader task decodes frames and routes each to the request it answers (by
+//! id); a writer task owns the socket's write half, so callers never block one
+//! another and a request dropped half-way can still queue its `Cancel`. The
+//! session starts with `Hello{nonce}`; everything before the `HelloAck` that
+//! echoes our nonce is discarded, because the port may hold bytes an earlier
+//! host connection left behind.
+//!
+//! Nothing the guest does (or fails to do) can hold a caller for ever: every
+//! request has a deadline ([`REPLY_DEADLINE`] for each answer it waits for; a
+//! command its own timeout plus [`EXEC_GRACE`]), after which it fails with
+//! [`RuntimeError::AgentTimeout`] and its late answer is dropped. And nothing
+//! is sent that the agent would refuse unread: a message over the frame
+//! limits fails here, typed, before it is queued.
+
+pub mod terminal;
+pub mod tunnel;
+
+use crate::{Result, RuntimeError};
+use sandpit_protocol::{
+    encode_frame, AgentError, DoneResult, ErrorKind, ExecRequest, ExecResult, FileEntry, Frame,
+    FrameDecoder, GuestConfig, Message, RequestId, CHUNK_LEN, HEADER_PREFIX_LEN, MAX_BODY_LEN,
+    MAX_HEADER_LEN, PROTOCOL_GENERATION,
+};
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
+use tokio::sync::mpsc;
+
+/// How long the host waits for each answer the agent owes it (a reply, the
+/// next chunk of a file).
+pub const REPLY_DEADLINE: Duration = Duration::from_secs(30);
+/// How long past its own timeout a command may take to report its exit.
+pub const EXEC_GRACE: Duration = Duration::from_secs(30);
+
+/// Wait for the next frame of a request, until `deadline`.
+pub(crate) async fn next_frame(
+    rx: &mut mpsc::UnboundedReceiver<Frame>,
+    deadline: tokio::time::Instant,
+    what: &str,
+) -> Result<Frame> {
+    match tokio::time::timeout_at(deadline, rx.recv()).await {
+        Ok(Some(frame)) => Ok(frame),
+        Ok(None) => Err(RuntimeError::Disconnected(format!(
+            "the agent connection closed during {what}"
+        ))),
+        Err(_) => Err(RuntimeError::AgentTimeout {
+            what: what.to_string(),
+            secs: REPLY_DEADLINE.as_secs(),
+        }),
+    }
+}
+
+/// Connect to a unix socket QEMU serves. QEMU binds it a moment before it
+/// listens, and a connect in between is refused: that is retried for up to
+/// a second.
+pub(crate) async fn connect_qemu_socket(path: &Path) -> std::io::Result<UnixStream> {
+    let mut refused = 0;
+    loop {
+        match UnixStream::connect(path).await {
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused && refused < 200 => {
+                refused += 1;
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            other => return other,
+        }
+    }
+}
+
+/// What the agent said about itself in the handshake.
+#[derive(Debug, Clone)]
+pub struct AgentInfo {
+    pub protocol: u32,
+    pub agent_version: String,
+    pub kernel_release: String,
+    pub hostname: String,
+}
+
+/// Bytes queued for a guest that is not reading them, at most: past it a
+/// send fails (`Busy`) instead of the host holding more and more for it.
+pub const OUT_QUEUE_LIMIT: u64 = 96 * 1024 * 1024;
+
+/// Bytes queued for the guest past which a streamed upload
+/// ([`FileUpload`]) waits for the guest to read before it sends more: what
+/// an upload holds in the host is its chunk, whatever the file's size.
+pub const STREAM_HIGH_WATER: u64 = 4 * 1024 * 1024;
+
+/// Bytes of a file read the guest may send before the host acknowledges
+/// them ([`Message::FileAck`], sent as [`FileDownload::next_chunk`] hands
+/// pieces on): what waits in the host for a slow reader of one download.
+pub const READ_WINDOW: u32 = 1024 * 1024;
+
+/// Frames this small (cancels, acks, closes, most requests) are queued
+/// whatever is already queued, so a full queue never loses a cancel.
+const ALWAYS_QUEUED: u64 = 4096;
+
+pub(crate) struct Inner {
+    out: mpsc::UnboundedSender<Vec<u8>>,
+    /// Bytes in `out` not yet written to the guest.
+    queued: Arc<AtomicU64>,
+    /// Told whenever the writer wrote something (or the connection ended).
+    drained: Arc<tokio::sync::Notify>,
+    pub(crate) pending: Mutex<HashMap<RequestId, mpsc::UnboundedSender<Frame>>>,
+    /// Send credit of open tunnel streams; `TunnelAck`s go here directly, so
+    /// a writer learns of credit even while nobody reads its stream.
+    pub(crate) credits: Mutex<HashMap<RequestId, Arc<crate::channel::tunnel::SendCredit>>>,
+    next_id: AtomicU64,
+    pub(crate) closed: AtomicBool,
+    /// The reader and writer tasks, so `close` can end the connection while
+    /// clones of the client still exist.
+    tasks: Mutex<Vec<tokio::task::AbortHandle>>,
+}
+
+impl Inner {
+    /// The connection is over: every request and tunnel stream fails now.
+    fn hang_up(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        self.drained.notify_waiters();
+        self.pending.lock().unwrap().clear();
+        for (_, c) in self.credits.lock().unwrap().drain() {
+            c.close();
+        }
+    }
+
+    pub(crate) fn send(&self, message: &Message, body: &[u8]) -> Result<()> {
+        self.send_all(vec![Self::frame(message, body)?])
+    }
+
+    /// Queue `frames` together, or none of them when the guest has more
+    /// than [`OUT_QUEUE_LIMIT`] waiting already.
+    pub(crate) fn send_all(&self, frames: Vec<Vec<u8>>) -> Result<()> {
+        let total: u64 = frames.iter().map(|f| f.len() as u64).sum();
+        let queued = self.queued.fetch_add(total, Ordering::SeqCst) + total;
+        if total > ALWAYS_QUEUED && queued > OUT_QUEUE_LIMIT {
+            self.queued.fetch_sub(total, Ordering::SeqCst);
+            return Err(RuntimeError::Busy(format!(
+                "the sandbox is not reading what it is sent ({} MiB are waiting for it); \
+                 try again later",
+                (queued - total) >> 20
+            )));
+        }
+        for frame in frames {
+            if self.out.send(frame).is_err() {
+                return Err(RuntimeError::Disconnected(
+                    "the connection is closed".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Wait until fewer than [`STREAM_HIGH_WATER`] bytes wait for the
+    /// guest. A guest that reads nothing for [`REPLY_DEADLINE`] fails it.
+    async fn room(&self) -> Result<()> {
+        let deadline = tokio::time::Instant::now() + REPLY_DEADLINE;
+        loop {
+            let drained = self.drained.notified();
+            tokio::pin!(drained);
+            drained.as_mut().enable();
+            if self.closed.load(Ordering::SeqCst) {
+                return Err(RuntimeError::Disconnected(
+                    "the connection is closed".into(),
+                ));
+            }
+            if self.queued.load(Ordering::SeqCst) < STREAM_HIGH_WATER {
+                return Ok(());
+            }
+            if tokio::time::timeout_at(deadline, drained).await.is_err() {
+                return Err(RuntimeError::AgentTimeout {
+                    what: "the sandbox to take more of a file".into(),
+                    secs: REPLY_DEADLINE.as_secs(),
+                });
+            }
+        }
+    }
+
+    /// One frame of `message` and `body`, checked against the frame limits.
+    pub(crate) fn frame(message: &Message, body: &[u8]) -> Result<Vec<u8>> {
+        let frame = encode_frame(message, body);
+        let header_len = frame.len() - HEADER_PREFIX_LEN - body.len();
+        if header_len > MAX_HEADER_LEN || body.len() > MAX_BODY_LEN {
+            return Err(RuntimeError::Agent(AgentError::new(
+                ErrorKind::TooLarge,
+                format!(
+                    "the request is {} bytes, over the {MAX_HEADER_LEN}-byte limit of one message to the sandbox",
+                    header_len.max(body.len())
+                ),
+            )));
+        }
+        Ok(frame)
+    }
+}
+
+/// A live connection to one guest agent. Cheap to clone.
+#[derive(Clone)]
+pub struct AgentClient {
+    inner: Arc<Inner>,
+    info: Arc<AgentInfo>,
+}
+
+/// An event of a running command.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ExecEvent {
+    Stdout(Vec<u8>),
+    Stderr(Vec<u8>),
+    Exited(ExecResult),
+}
+
+/// A command running in the guest. Dropping it before it exits cancels it.
+pub struct ExecHandle {
+    id: RequestId,
+    inner: Arc<Inner>,
+    rx: mpsc::UnboundedReceiver<Frame>,
+    finished: bool,
+    /// Output still to be taken, per stream (`max_output_bytes` of the
+    /// request): the guest's agent keeps to it, and the host holds a guest
+    /// that does not to it as well.
+    stdout_left: u64,
+    stderr_left: u64,
+    /// Output the guest sent past those.
+    cut: (bool, bool),
+    /// The command's own timeout plus [`EXEC_GRACE`].
+    deadline: tokio::time::Instant,
+}
+
+impl ExecHandle {
+    /// The next event; `Exited` is the last one.
+    pub async fn next(&mut self) -> Result<ExecEvent> {
+        if self.finished {
+            return Err(RuntimeError::Disconnected(
+                "the command already exited".into(),
+            ));
+        }
+        let frame = loop {
+            let frame = match tokio::time::timeout_at(self.deadline, self.rx.recv()).await {
+                Ok(Some(frame)) => frame,
+                Ok(None) => {
+                    return Err(RuntimeError::Disconnected(
+                        "the agent connection closed while the command ran".into(),
+                    ))
+                }
+                Err(_) => {
+                    // The guest never reported the end: give up on it (and
+                    // ask it once more to kill the command).
+                    self.cancel();
+                    self.finished = true;
+                    return Err(RuntimeError::AgentTimeout {
+                        what: "the end of a command past its timeout".into(),
+                        secs: EXEC_GRACE.as_secs(),
+                    });
+                }
+            };
+            // Agents of older builds announce the start; nothing needs it.
+            if !matches!(frame.message, Message::Started { .. }) {
+                break frame;
+            }
+        };
+        match frame.message {
+            Message::Stdout { .. } => Ok(ExecEvent::Stdout(take_within(
+                frame.body,
+                &mut self.stdout_left,
+                &mut self.cut.0,
+            ))),
+            Message::Stderr { .. } => Ok(ExecEvent::Stderr(take_within(
+                frame.body,
+                &mut self.stderr_left,
+                &mut self.cut.1,
+            ))),
+            Message::Exited { mut result, .. } => {
+                self.finished = true;
+                result.stdout_truncated |= self.cut.0;
+                result.stderr_truncated |= self.cut.1;
+                Ok(ExecEvent::Exited(result))
+            }
+            Message::Error { error, .. } => {
+                self.finished = true;
+                Err(RuntimeError::Agent(error))
+            }
+            other => Err(RuntimeError::Disconnected(format!(
+                "unexpected message for a command: {other:?}"
+            ))),
+        }
+    }
+
+    /// Ask the guest to kill the command; its `Exited` follows with `cancelled`.
+    pub fn cancel(&self) {
+        let _ = self.inner.send(&Message::Cancel { id: self.id }, &[]);
+    }
+}
+
+/// What of `body` fits in `left` bytes (which it uses up); `cut` is set when
+/// anything was left out.
+fn take_within(mut body: Vec<u8>, left: &mut u64, cut: &mut bool) -> Vec<u8> {
+    if body.len() as u64 > *left {
+        body.truncate(*left as usize);
+        *cut = true;
+    }
+    *left -= body.len() as u64;
+    body
+}
+
+impl Drop for ExecHandle {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.cancel();
+        }
+        self.inner.pending.lock().unwrap().remove(&self.id);
+    }
+}
+
+/// A file being written to the guest a piece at a time (see
+/// [`AgentClient::upload`]). Dropped before its answer, it is cancelled: the
+/// guest discards what it had.
+pub struct FileUpload {
+    id: RequestId,
+    inner: Arc<Inner>,
+    rx: mpsc::UnboundedReceiver<Frame>,
+    size: u64,
+    sent: u64,
+    answered: bool,
+}
+
+impl FileUpload {
+    /// Send the next piece. Waits while the guest has more than
+    /// [`STREAM_HIGH_WATER`] bytes to read, so the host holds one piece of
+    /// an upload however big the file. Fails at once when the guest has
+    /// already refused the write (a directory, no permission).
+    pub async fn send(&mut self, data: &[u8]) -> Result<()> {
+        if self.sent + data.len() as u64 > self.size {
+            return Err(RuntimeError::Agent(AgentError::new(
+                ErrorKind::InvalidRequest,
+                format!("more than the announced {} bytes", self.size),
+            )));
+        }
+        for chunk in data.chunks(CHUNK_LEN) {
+            if let Ok(frame) = self.rx.try_recv() {
+                self.answered = true;
+                return Err(match frame.message {
+                    Message::Error { error, .. } => RuntimeError::Agent(error),
+                    other => unexpected(other),
+                });
+            }
+            self.inner.room().await?;
+            self.inner.send(&Message::FileData { id: self.id }, chunk)?;
+            self.sent += chunk.len() as u64;
+        }
+        Ok(())
+    }
+
+    /// All of it was sent: wait for the guest's answer. Returns the
+    /// resolved path and the byte count.
+    pub async fn finish(mut self) -> Result<(String, u64)> {
+        if self.sent != self.size {
+            return Err(RuntimeError::Agent(AgentError::new(
+                ErrorKind::InvalidRequest,
+                format!(
+                    "the upload ended after {} of its {} bytes",
+                    self.sent, self.size
+                ),
+            )));
+        }
+        let deadline = tokio::time::Instant::now() + REPLY_DEADLINE;
+        let frame = next_frame(&mut self.rx, deadline, "a file write").await?;
+        self.answered = true;
+        match frame.message {
+            Message::Done {
+                result: DoneResult::Written { path, bytes },
+                ..
+            } => Ok((path, bytes)),
+            Message::Error { error, .. } => Err(RuntimeError::Agent(error)),
+            other => Err(unexpected(other)),
+        }
+    }
+}
+
+impl Drop for FileUpload {
+    fn drop(&mut self) {
+        if !self.answered {
+            let _ = self.inner.send(&Message::Cancel { id: self.id }, &[]);
+        }
+        self.inner.pending.lock().unwrap().remove(&self.id);
+    }
+}
+
+/// A file being read from the guest (see [`AgentClient::download`]).
+pub struct FileDownload {
+    id: RequestId,
+    inner: Arc<Inner>,
+    rx: mpsc::UnboundedReceiver<Frame>,
+    path: String,
+    size: u64,
+    received: u64,
+    max_bytes: u64,
+    ended: bool,
+}
+
+impl FileDownload {
+    /// The file's resolved path.
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// Its size when the guest opened it.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Each frame is owed within the deadline: a big file that keeps
+    /// coming is fine, a guest that stops sending is not.
+    async fn next_frame(&mut self) -> Result<Frame> {
+        let deadline = tokio::time::Instant::now() + REPLY_DEADLINE;
+        next_frame(&mut self.rx, deadline, "a file read").await
+    }
+
+    /// The next piece of the content; `None` after the last.
+    pub async fn next_chunk(&mut self) -> Result<Option<Vec<u8>>> {
+        if self.ended {
+            return Ok(None);
+        }
+        let frame = self.next_frame().await.inspect_err(|_| self.ended = true)?;
+        match frame.message {
+            Message::FileData { .. } => {
+                self.received += frame.body.len() as u64;
+                // Taken: the guest may send as much again.
+                let ack = Message::FileAck {
+                    id: self.id,
+                    bytes: frame.body.len() as u32,
+                };
+                let _ = self.inner.send(&ack, &[]);
+                if self.received > self.max_bytes {
+                    self.ended = true;
+                    return Err(RuntimeError::Agent(AgentError::new(
+                        ErrorKind::TooLarge,
+                        format!(
+                            "the file grew past the {}-byte read limit while being read",
+                            self.max_bytes
+                        ),
+                    )));
+                }
+                Ok(Some(frame.body))
+            }
+            Message::Done {
+                result: DoneResult::Read { .. },
+                ..
+            } => {
+                self.ended = true;
+                Ok(None)
+            }
+            Message::Error { error, .. } => {
+                self.ended = true;
+                Err(RuntimeError::Agent(error))
+            }
+            other => {
+                self.ended = true;
+                Err(unexpected(other))
+            }
+        }
+    }
+}
+
+impl Drop for FileDownload {
+    fn drop(&mut self) {
+        if !self.ended {
+            // Nobody takes the rest: the guest stops sending it.
+            let _ = self.inner.send(&Message::Cancel { id: self.id }, &[]);
+        }
+        self.inner.pending.lock().unwrap().remove(&self.id);
+    }
+}
+
+/// Output of a command collected whole.
+#[derive(Debug, Clone)]
+pub struct ExecOutput {
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+    pub result: ExecResult,
+}
+
+impl AgentClient {
+    /// Connect to the agent socket and complete the handshake within `timeout`
+    /// (which is also how long a booting guest has to come up).
+    pub async fn connect(socket: &Path, timeout: Duration) -> Result<AgentClient> {
+        let stream = connect_qemu_socket(socket)
+            .await
+            .map_err(RuntimeError::io(format!(
+                "connecting to the agent socket {}",
+                socket.display()
+            )))?;
+        let (mut rd, mut wr) = stream.into_split();
+        let nonce: u64 = rand::random();
+        wr.write_all(&encode_frame(
+            &Message::Hello {
+                protocol: PROTOCOL_GENERATION,
+                nonce,
+            },
+            &[],
+        ))
+        .await
+        .map_err(RuntimeError::io("sending the handshake"))?;
+
+        let mut decoder = FrameDecoder::new();
+        let mut buf = vec![0u8; 64 * 1024];
+        let handshake = async {
+            loop {
+                loop {
+                    let frame = match decoder.next_frame() {
+                        Ok(Some(frame)) => frame,
+                        Ok(None) => break,
+                        // Leftovers of an earlier connection: skipped, and
+                        // what follows them in the same read still looked at
+                        // (the ack may be there, and the agent sends it once).
+                        Err(_) => continue,
+                    };
+                    if let Message::HelloAck {
+                        protocol,
+                        nonce: n,
+                        agent_version,
+                        kernel_release,
+                        hostname,
+                    } = frame.message
+                    {
+                        if n == nonce {
+                            return Ok(AgentInfo {
+                                protocol,
+                                agent_version,
+                                kernel_release,
+                                hostname,
+                            });
+                        }
+                    }
+                }
+                let n = rd.read(&mut buf).await.map_err(|e| {
+                    RuntimeError::Disconnected(format!("reading the handshake: {e}"))
+                })?;
+                if n == 0 {
+                    return Err(RuntimeError::Disconnected(
+                        "the VM closed the agent channel during the handshake".into(),
+                    ));
+                }
+                decoder.push(&buf[..n]);
+            }
+        };
+        let info = match tokio::time::timeout(timeout, handshake).await {
+            Ok(r) => r?,
+            Err(_) => {
+                return Err(RuntimeError::BootTimeout {
+                    secs: timeout.as_secs(),
+                    console_tail: String::new(),
+                })
+            }
+        };
+        if info.protocol != PROTOCOL_GENERATION {
+            return Err(RuntimeError::ProtocolMismatch {
+                host: PROTOCOL_GENERATION,
+                guest: info.protocol,
+            });
+        }
+
+        let (out_tx, mut out_rx) = mpsc::unbounded_channel::<Vec<u8>>();
+        let queued = Arc::new(AtomicU64::new(0));
+        let written = queued.clone();
+        let drained = Arc::new(tokio::sync::Notify::new());
+        let told = drained.clone();
+        let inner = Arc::new(Inner {
+            out: out_tx,
+            queued,
+            drained,
+            pending: Mutex::new(HashMap::new()),
+            credits: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            closed: AtomicBool::new(false),
+            tasks: Mutex::new(Vec::new()),
+        });
+        let writer = tokio::spawn(async move {
+            while let Some(bytes) = out_rx.recv().await {
+                if wr.write_all(&bytes).await.is_err() {
+                    break;
+                }
+                written.fetch_sub(bytes.len() as u64, Ordering::SeqCst);
+                told.notify_waiters();
+            }
+        });
+        let reader_inner = inner.clone();
+        let reader = tokio::spawn(async move {
+            loop {
+                loop {
+                    match decoder.next_frame() {
+                        Ok(Some(frame)) => route(&reader_inner, frame),
+                        Ok(None) => break,
+                        Err(e) => tracing::warn!("bad frame from the agent: {e}"),
+                    }
+                }
+                match rd.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => decoder.push(&buf[..n]),
+                }
+            }
+            reader_inner.hang_up();
+        });
+        *inner.tasks.lock().unwrap() = vec![writer.abort_handle(), reader.abort_handle()];
+        Ok(AgentClient {
+            inner,
+            info: Arc::new(info),
+        })
+    }
+
+    /// What the agent reported in the handshake.
+    pub fn info(&self) -> &AgentInfo {
+        &self.info
+    }
+
+    /// Run `true` as the guest user and check it succeeded: a VM prepared
+    /// ahead of use runs it so its QEMU has already translated the shell's
+    /// code (and the guest has it in its page cache) when the first real
+    /// command comes.
+    pub async fn warm_up(&self) -> Result<()> {
+        let out = self
+            .exec_collect(ExecRequest {
+                command: "true".into(),
+                cwd: None,
+                env: Default::default(),
+                timeout_ms: 60_000,
+                max_output_bytes: 1024,
+            })
+            .await?;
+        if out.result.exit_code != Some(0) {
+            return Err(RuntimeError::Launch(format!(
+                "the warm-up command failed: {:?}",
+                out.result
+            )));
+        }
+        Ok(())
+    }
+
+    /// Hang up: the socket closes now, for every clone; requests in flight
+    /// fail as disconnected.
+    pub fn close(&self) {
+        for t in self.inner.tasks.lock().unwrap().drain(..) {
+            t.abort();
+        }
+        self.inner.hang_up();
+    }
+
+    /// Has the connection closed (VM gone or agent unreachable)?
+    pub fn is_closed(&self) -> bool {
+        self.inner.closed.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn inner(&self) -> &Arc<Inner> {
+        &self.inner
+    }
+
+    pub(crate) fn register(&self) -> Result<(RequestId, mpsc::UnboundedReceiver<Frame>)> {
+        if self.is_closed() {
+            return Err(RuntimeError::Disconnected(
+                "the connection is closed".into(),
+            ));
+        }
+        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.inner.pending.lock().unwrap().insert(id, tx);
+        Ok((id, rx))
+    }
+
+    async fn finish(
+        &self,
+        id: RequestId,
+        rx: &mut mpsc::UnboundedReceiver<Frame>,
+        what: &str,
+    ) -> Result<Frame> {
+        let deadline = tokio::time::Instant::now() + REPLY_DEADLINE;
+        let r = next_frame(rx, deadline, what).await;
+        self.inner.pending.lock().unwrap().remove(&id);
+        let frame = r?;
+        match frame.message {
+            Message::Error { error, .. } => Err(RuntimeError::Agent(error)),
+            _ => Ok(frame),
+        }
+    }
+
+    async fn simple(
+        &self,
+        what: &str,
+        make: impl FnOnce(RequestId) -> Message,
+        body: &[u8],
+    ) -> Result<DoneResult> {
+        let (id, mut rx) = self.register()?;
+        if let Err(e) = self.inner.send(&make(id), body) {
+            self.inner.pending.lock().unwrap().remove(&id);
+            return Err(e);
+        }
+        let frame = self.finish(id, &mut rx, what).await?;
+        match frame.message {
+            Message::Done { result, .. } => Ok(result),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Round trip through the agent.
+    pub async fn ping(&self) -> Result<()> {
+        self.simple("a ping", |id| Message::Ping { id }, &[])
+            .await
+            .map(|_| ())
+    }
+
+    /// Give the guest its identity, clock, limits and network (and fresh entropy).
+    pub async fn configure(&self, config: GuestConfig, entropy: &[u8]) -> Result<()> {
+        self.simple(
+            "its configuration",
+            |id| Message::Configure { id, config },
+            entropy,
+        )
+        .await
+        .map(|_| ())
+    }
+
+    /// Start a command; read its events from the handle.
+    pub fn exec(&self, request: ExecRequest) -> Result<ExecHandle> {
+        let (id, rx) = self.register()?;
+        let deadline =
+            tokio::time::Instant::now() + Duration::from_millis(request.timeout_ms) + EXEC_GRACE;
+        let limit = request.max_output_bytes;
+        if let Err(e) = self.inner.send(&Message::Exec { id, request }, &[]) {
+            self.inner.pending.lock().unwrap().remove(&id);
+            return Err(e);
+        }
+        Ok(ExecHandle {
+            id,
+            inner: self.inner.clone(),
+            rx,
+            finished: false,
+            stdout_left: limit,
+            stderr_left: limit,
+            cut: (false, false),
+            deadline,
+        })
+    }
+
+    /// Run a command and collect its whole output.
+    pub async fn exec_collect(&self, request: ExecRequest) -> Result<ExecOutput> {
+        let mut h = self.exec(request)?;
+        let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
+        loop {
+            match h.next().await? {
+                ExecEvent::Stdout(b) => stdout.extend_from_slice(&b),
+                ExecEvent::Stderr(b) => stderr.extend_from_slice(&b),
+                ExecEvent::Exited(result) => {
+                    return Ok(ExecOutput {
+                        stdout,
+                        stderr,
+                        result,
+                    })
+                }
+            }
+        }
+    }
+
+    /// Write a whole file (binary-exact; parents created; owned by the user),
+    /// as an [`AgentClient::upload`] of one piece. Returns the resolved
+    /// path and the byte count.
+    pub async fn write_file(
+        &self,
+        path: &str,
+        content: &[u8],
+        mode: Option<u32>,
+    ) -> Result<(String, u64)> {
+        let mut upload = self.upload(path, content.len() as u64, mode)?;
+        upload.send(content).await?;
+        upload.finish().await
+    }
+
+    /// Start writing a file of exactly `size` bytes, sent a piece at a time
+    /// with [`FileUpload::send`] (binary-exact; parents created; owned by
+    /// the user). The guest writes a temporary file and renames it into
+    /// place at the end, so a write cut short leaves nothing.
+    pub fn upload(&self, path: &str, size: u64, mode: Option<u32>) -> Result<FileUpload> {
+        let (id, rx) = self.register()?;
+        let upload = FileUpload {
+            id,
+            inner: self.inner.clone(),
+            rx,
+            size,
+            sent: 0,
+            answered: false,
+        };
+        let head = Message::WriteFile {
+            id,
+            path: path.to_string(),
+            size,
+            mode,
+        };
+        self.inner.send(&head, &[])?;
+        Ok(upload)
+    }
+
+    /// Start reading a file of at most `max_bytes`: its resolved path and
+    /// size, then its content a chunk at a time ([`FileDownload::next_chunk`]).
+    pub async fn download(&self, path: &str, max_bytes: u64) -> Result<FileDownload> {
+        let (id, rx) = self.register()?;
+        let mut download = FileDownload {
+            id,
+            inner: self.inner.clone(),
+            rx,
+            path: String::new(),
+            size: 0,
+            received: 0,
+            max_bytes,
+            ended: false,
+        };
+        self.inner.send(
+            &Message::ReadFile {
+                id,
+                path: path.to_string(),
+                max_bytes,
+                window: Some(READ_WINDOW),
+            },
+            &[],
+        )?;
+        match download.next_frame().await?.message {
+            Message::FileInfo { path, size, .. } => {
+                download.path = path;
+                download.size = size;
+                Ok(download)
+            }
+            Message::Error { error, .. } => Err(RuntimeError::Agent(error)),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Read a whole file of at most `max_bytes`. Returns the resolved path and content.
+    pub async fn read_file(&self, path: &str, max_bytes: u64) -> Result<(String, Vec<u8>)> {
+        let mut download = self.download(path, max_bytes).await?;
+        let mut content = Vec::with_capacity(download.size().min(max_bytes) as usize);
+        while let Some(chunk) = download.next_chunk().await? {
+            content.extend_from_slice(&chunk);
+        }
+        Ok((std::mem::take(&mut download.path), content))
+    }
+
+    /// List a directory tree.
+    pub async fn list_files(
+        &self,
+        path: &str,
+        recursive: bool,
+        max_entries: u64,
+    ) -> Result<(String, Vec<FileEntry>, bool)> {
+        match self
+            .simple(
+                "a listing",
+                |id| Message::ListFiles {
+                    id,
+                    path: path.to_string(),
+                    recursive,
+                    max_entries,
+                },
+                &[],
+            )
+            .await?
+        {
+            DoneResult::Listing {
+                path,
+                entries,
+                truncated,
+            } => Ok((path, entries, truncated)),
+            other => Err(RuntimeError::Disconnected(format!(
+                "unexpected answer to a listing: {other:?}"
+            ))),
+        }
+    }
+
+    /// Delete a file or (recursive) a tree. Returns the resolved path.
+    pub async fn delete_file(&self, path: &str, recursive: bool) -> Result<String> {
+        match self
+            .simple(
+                "a delete",
+                |id| Message::DeleteFile {
+                    id,
+                    path: path.to_string(),
+                    recursive,
+                },
+                &[],
+            )
+            .await?
+        {
+            DoneResult::Deleted { path } => Ok(path),
+            other => Err(RuntimeError::Disconnected(format!(
+                "unexpected answer to a delete: {other:?}"
+            ))),
+        }
+    }
+
+    /// Ask the guest to power itself off (it does not answer).
+    pub fn power_off(&self) -> Result<()> {
+        let (id, _rx) = self.register()?;
+        self.inner.send(&Message::PowerOff { id }, &[])
+    }
+}
+
+fn route(inner: &Inner, frame: Frame) {
+    let Some(id) = frame.message.request_id() else {
+        return;
+    };
+    match frame.message {
+        Message::TunnelAck { bytes, .. } => {
+            if let Some(c) = inner.credits.lock().unwrap().get(&id) {
+                c.add(bytes as u64);
+            }
+            return;
+        }
+        Message::TunnelData { .. } => {
+            let within = inner
+                .credits
+                .lock()
+                .unwrap()
+                .get(&id)
+                .is_none_or(|c| c.receive(frame.body.len() as u64));
+            if !within {
+                crate::channel::tunnel::violated(inner, id);
+                return;
+            }
+        }
+        _ => {}
+    }
+    let pending = inner.pending.lock().unwrap();
+    if let Some(tx) = pending.get(&id) {
+        let _ = tx.send(frame);
+    }
+}
+
+pub(crate) fn unexpected(m: Message) -> RuntimeError {
+    RuntimeError::Disconnected(format!("unexpected message from the agent: {m:?}"))
+}
+
+/// A scripted guest agent on a unix socket, for tests of what the host does
+/// when the guest misbehaves (the real agent never does).
+#[cfg(test)]
+pub(crate) mod fake {
+    use super::*;
+    use sandpit_protocol::FrameDecoder;
+    use tokio::io::AsyncWriteExt;
+    use tokio::net::{UnixListener, UnixStream};
+
+    /// Answer the handshake, then run `then` on the socket and the decoder
+    /// (which may hold frames already).
+    pub(crate) async fn agent<F, Fut>(then: F) -> (AgentClient, tempfile::TempDir)
+    where
+        F: FnOnce(UnixStream, FrameDecoder) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send,
+    {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut d = FrameDecoder::new();
+            let Message::Hello { nonce, .. } = next(&mut s, &mut d).await.message else {
+                panic!("no hello");
+            };
+            let ack = Message::HelloAck {
+                protocol: sandpit_protocol::PROTOCOL_GENERATION,
+                nonce,
+                agent_version: "test".into(),
+                kernel_release: "test".into(),
+                hostname: "test".into(),
+            };
+            s.write_all(&encode_frame(&ack, b"")).await.unwrap();
+            then(s, d).await;
+        });
+        let client = AgentClient::connect(&path, Duration::from_secs(10))
+            .await
+            .unwrap();
+        (client, dir)
+    }
+
+    /// The next frame from the host.
+    pub(crate) async fn next(s: &mut UnixStream, d: &mut FrameDecoder) -> Frame {
+        use tokio::io::AsyncReadExt;
+        let mut buf = vec![0u8; 1 << 16];
+        loop {
+            if let Some(f) = d.next_frame().unwrap() {
+                return f;
+            }
+            let n = s.read(&mut buf).await.unwrap();
+            assert!(n > 0, "the host hung up");
+            d.push(&buf[..n]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

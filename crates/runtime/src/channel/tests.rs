@@ -1,0 +1,147 @@
+use super::*;
+use tokio::io::AsyncWriteExt;
+
+fn exec_request(max_output_bytes: u64) -> ExecRequest {
+    ExecRequest {
+        command: "yes".into(),
+        cwd: None,
+        env: Default::default(),
+        timeout_ms: 10_000,
+        max_output_bytes,
+    }
+}
+
+#[tokio::test]
+async fn a_guest_sending_past_the_output_limit_is_cut_on_the_host() {
+    let (client, _dir) = fake::agent(|mut s, mut d| async move {
+        let Message::Exec { id, .. } = fake::next(&mut s, &mut d).await.message else {
+            panic!("no exec");
+        };
+        // 8 MiB of stdout and of stderr for a 1 MiB limit.
+        for _ in 0..128 {
+            for m in [Message::Stdout { id }, Message::Stderr { id }] {
+                s.write_all(&encode_frame(&m, &[b'y'; 64 * 1024]))
+                    .await
+                    .unwrap();
+            }
+        }
+        let result = ExecResult {
+            exit_code: Some(0),
+            signal: None,
+            timed_out: false,
+            cancelled: false,
+            stdout_bytes: 8 << 20,
+            stderr_bytes: 8 << 20,
+            stdout_truncated: false,
+            stderr_truncated: false,
+            duration_ms: 1,
+            duration_us: None,
+        };
+        s.write_all(&encode_frame(&Message::Exited { id, result }, b""))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_secs(30)).await;
+    })
+    .await;
+    let out = client.exec_collect(exec_request(1 << 20)).await.unwrap();
+    assert_eq!(out.stdout.len(), 1 << 20);
+    assert_eq!(out.stderr.len(), 1 << 20);
+    assert!(out.result.stdout_truncated && out.result.stderr_truncated);
+}
+
+#[tokio::test]
+async fn a_guest_that_reads_nothing_gets_a_bounded_queue_and_still_its_cancels() {
+    let (client, _dir) = fake::agent(|s, d| async move {
+        // Keeps the connection and reads nothing, ever.
+        let _kept = (s, d);
+        tokio::time::sleep(Duration::from_secs(60)).await;
+    })
+    .await;
+    let chunk = vec![0u8; 40 << 20];
+    let writes: Vec<_> = (0..2)
+        .map(|_| {
+            let (c, data) = (client.clone(), chunk.clone());
+            tokio::spawn(async move { c.write_file("big", &data, None).await })
+        })
+        .collect();
+    // The writes wait for the guest with a few MiB queued, not 80.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let queued = client.inner.queued.load(Ordering::SeqCst);
+    assert!(
+        queued >= STREAM_HIGH_WATER && queued < STREAM_HIGH_WATER + 2 * CHUNK_LEN as u64 + 1024,
+        "{queued} bytes queued"
+    );
+    assert!(writes.iter().all(|w| !w.is_finished()));
+    // Whatever else is sent past the limit is refused whole, at once.
+    for _ in 0..3 {
+        let _ = client.inner.send_all(vec![vec![0u8; 40 << 20]]);
+    }
+    let e = client
+        .inner
+        .send_all(vec![vec![0u8; 40 << 20]])
+        .unwrap_err();
+    assert!(matches!(e, RuntimeError::Busy(_)), "{e}");
+    assert!(e.to_string().contains("not reading"), "{e}");
+    assert!(client.inner.queued.load(Ordering::SeqCst) <= OUT_QUEUE_LIMIT);
+    // Small frames still go: a command can still be cancelled.
+    let h = client.exec(exec_request(1024)).unwrap();
+    h.cancel();
+    drop(h);
+    for w in writes {
+        w.abort();
+    }
+}
+
+/// A port can hold the tail of a frame an earlier connection did not
+/// read, with something that looks like a frame start in it (file or
+/// command output can hold anything). When the ack follows a bad frame
+/// in the same read, the handshake still finds it: the agent sends it
+/// only once.
+#[tokio::test]
+async fn handshake_finds_the_ack_behind_a_bad_frame() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("agent.sock");
+    let listener = tokio::net::UnixListener::bind(&path).unwrap();
+    tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let mut d = sandpit_protocol::FrameDecoder::new();
+        let mut buf = vec![0u8; 1 << 16];
+        let nonce = loop {
+            let n = tokio::io::AsyncReadExt::read(&mut s, &mut buf)
+                .await
+                .unwrap();
+            d.push(&buf[..n]);
+            if let Some(f) = d.next_frame().unwrap() {
+                match f.message {
+                    Message::Hello { nonce, .. } => break nonce,
+                    other => panic!("{other:?}"),
+                }
+            }
+        };
+        let mut bytes = b"output of an old command ".to_vec();
+        bytes.extend_from_slice(&sandpit_protocol::FRAME_MAGIC);
+        bytes.extend_from_slice(&u32::MAX.to_be_bytes());
+        bytes.extend_from_slice(&0u32.to_be_bytes());
+        bytes.extend_from_slice(&encode_frame(
+            &Message::HelloAck {
+                protocol: PROTOCOL_GENERATION,
+                nonce,
+                agent_version: "test".into(),
+                kernel_release: "test".into(),
+                hostname: "test".into(),
+            },
+            b"",
+        ));
+        s.write_all(&bytes).await.unwrap();
+        // Then nothing more, as a real agent.
+        while tokio::io::AsyncReadExt::read(&mut s, &mut buf)
+            .await
+            .unwrap_or(0)
+            > 0
+        {}
+    });
+    let client = AgentClient::connect(&path, Duration::from_secs(3))
+        .await
+        .expect("the ack behind the bad frame is found");
+    assert_eq!(client.info().agent_version, "test");
+}

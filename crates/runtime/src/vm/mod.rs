@@ -1,0 +1,734 @@
+//! One QEMU process per sandbox: launch, find again, health, destroy.
+//!
+//! Every VM owns one directory, `<data_dir>/vms/<id>/`, and nothing outside
+//! it: the copy-on-write overlay disk, the agent and QMP sockets, the console
+//! log, passt's socket and `vm.json`. Destroy kills the processes and removes
+//! the directory, so "nothing leaks" is checkable by listing one folder.
+//!
+//! QEMU runs in its own session (it outlives the CLI call that started it),
+//! under seccomp (`-sandbox on`), and, when the runtime is root, as an
+//! unprivileged uid of its own after start-up (each VM a different uid), so a
+//! compromised QEMU cannot signal another sandbox's QEMU or open its files.
+
+pub mod console;
+pub mod expiry;
+pub mod give_way;
+pub mod guard;
+mod launch;
+pub mod net;
+pub mod process;
+pub mod qmp;
+mod templates;
+
+use launch::log_guest_resolver;
+pub(crate) use launch::wait_for_socket;
+
+use crate::channel::AgentClient;
+use crate::config::{RuntimeConfig, SizeSpec};
+use crate::host::accel::Accel;
+use crate::image::GuestImage;
+use crate::save::template::{self, Template, TemplateInputs};
+use crate::{Result, RuntimeError};
+use process::Priority;
+use qmp::Qmp;
+use rand::RngCore;
+use sandpit_protocol::{GuestConfig, NetworkConfig, ProxyConfig, AGENT_PORT_NAME};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+use time::OffsetDateTime;
+
+/// What the runtime remembers about a VM (`vm.json`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct VmRecord {
+    pub id: String,
+    pub size: String,
+    pub resources: SizeSpec,
+    pub accel: Accel,
+    pub image_id: String,
+    pub kernel_release: String,
+    #[serde(with = "time::serde::rfc3339")]
+    pub created_at: OffsetDateTime,
+    #[serde(with = "time::serde::rfc3339::option", default)]
+    pub ready_at: Option<OffsetDateTime>,
+    pub qemu_pid: u32,
+    #[serde(default)]
+    pub passt_pid: Option<u32>,
+    /// passt's start time, which with its pid identifies it (see `process`).
+    #[serde(default)]
+    pub passt_started: Option<u64>,
+    /// The unprivileged uid QEMU runs as (when the runtime is root).
+    #[serde(default)]
+    pub qemu_uid: Option<u32>,
+    /// Free-form labels of the caller (name, expiry, owner...).
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
+    /// The snapshot template it was restored from; `None`: booted cold.
+    #[serde(default)]
+    pub template: Option<String>,
+    /// Its expiry watchdog's pid and start time (see `expiry`).
+    #[serde(default)]
+    pub watchdog: Option<(u32, u64)>,
+    /// The file name of the disk overlay it writes to, in its directory,
+    /// once a save froze the first one (`None`: `disk.qcow2`).
+    #[serde(default)]
+    pub disk: Option<String>,
+    /// The guest's /etc/machine-id (`None`: from before it was recorded).
+    #[serde(default)]
+    pub machine_id: Option<String>,
+    /// The saved RAM file (in `<data_dir>/layers`) the guest's memory was
+    /// last made equal to, by a start from a save or a save: the next save
+    /// stands on it (see `ram_pages`), and the layers' collection keeps it.
+    #[serde(default)]
+    pub ram_base: Option<String>,
+    /// The saved RAM file whose image the guest's memory maps (a start
+    /// from a save maps the save's image, see `ram_image`): its pages are
+    /// the VM's without being written, so a save reads them too, and the
+    /// layers' collection keeps the file. `None`: the template's RAM file.
+    #[serde(default)]
+    pub ram_mapped: Option<String>,
+}
+
+impl VmRecord {
+    /// The marker in QEMU's command line that identifies this VM's process.
+    pub fn qemu_marker(&self) -> String {
+        qemu_marker(&self.id)
+    }
+}
+
+fn qemu_marker(id: &str) -> String {
+    format!("sandpit-vm-{id}")
+}
+
+/// Is the VM running, or why not?
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "state", rename_all = "lowercase")]
+pub enum VmState {
+    Running,
+    Exited { cause: String },
+}
+
+/// The files of one VM.
+#[derive(Debug, Clone)]
+pub struct VmPaths {
+    pub dir: PathBuf,
+}
+
+impl VmPaths {
+    pub fn record(&self) -> PathBuf {
+        self.dir.join("vm.json")
+    }
+    pub fn disk(&self) -> PathBuf {
+        self.dir.join("disk.qcow2")
+    }
+    /// The overlay the VM writes to now (see [`VmRecord::disk`]).
+    pub fn active_disk(&self, record: &VmRecord) -> PathBuf {
+        match &record.disk {
+            Some(name) => self.dir.join(name),
+            None => self.disk(),
+        }
+    }
+    pub fn agent_socket(&self) -> PathBuf {
+        self.dir.join("agent.sock")
+    }
+    pub fn qmp_socket(&self) -> PathBuf {
+        self.dir.join("qmp.sock")
+    }
+    pub fn console(&self) -> PathBuf {
+        self.dir.join("console.log")
+    }
+    pub fn qemu_log(&self) -> PathBuf {
+        self.dir.join("qemu.log")
+    }
+}
+
+/// The descriptor at which the QEMU of a VM started from a save holds the
+/// save's RAM image (after `net::NET_FD` and `expiry::QEMU_LIFE_FD`).
+const RAM_IMAGE_FD: i32 = 5;
+
+/// What the host set up for a QEMU before starting it.
+#[derive(Debug, Clone, Copy)]
+struct Given {
+    /// passt's socket, at `net::NET_FD`.
+    network: bool,
+    /// The uid QEMU runs as, when not ours.
+    run_as: Option<u32>,
+    /// A save's RAM image, at [`RAM_IMAGE_FD`] (see `ram_image`).
+    ram_image: bool,
+}
+
+/// How long a template VM may run if its builder dies.
+const TEMPLATE_BUILD_LEASE: time::Duration = time::Duration::minutes(10);
+
+/// Owns the VMs of one data directory.
+pub struct VmManager {
+    config: RuntimeConfig,
+    image: GuestImage,
+    accel: Accel,
+    deny: Vec<String>,
+    /// The operator's proxy, resolved at start (see `net::resolve_proxy`).
+    proxy: Option<ProxyConfig>,
+    /// The extra CA certificates every guest trusts, read at start.
+    ca_certificates: Vec<String>,
+    qemu_version: QemuVersion,
+    give_way: give_way::GiveWay,
+    /// The images of saves' guest RAM that VMs start from (see `ram_image`).
+    ram_images: crate::save::ram_image::RamImages,
+}
+
+/// QEMU's version: its `--version` line and the numbers that gate features.
+#[derive(Debug, Clone)]
+pub struct QemuVersion {
+    /// Its first line, as printed.
+    pub line: String,
+    pub major: u32,
+    pub minor: u32,
+}
+
+impl QemuVersion {
+    /// Restoring needs `file:` migration and `rom=` on RAM files (QEMU 8.2).
+    pub fn restores_templates(&self) -> bool {
+        (self.major, self.minor) >= (8, 2)
+    }
+}
+
+/// How a VM comes to life.
+pub(crate) enum Start<'a> {
+    /// Boot the kernel.
+    Cold,
+    /// Boot the kernel with guest RAM in the shared file `mem`: a template
+    /// in the making.
+    Template { mem: &'a Path },
+    /// Restore a template's saved state.
+    Restore(&'a Template),
+    /// Restore a running VM's saved state (see `saved`).
+    Saved(&'a crate::save::saved::SavedVm),
+}
+
+/// What to create.
+#[derive(Debug, Clone)]
+pub struct CreateVm {
+    pub id: String,
+    pub size: String,
+    pub metadata: BTreeMap<String, String>,
+    /// When the VM is killed and removed even if no process of ours is left
+    /// to do it (see `expiry`); [`VmManager::set_expiry`] moves it later.
+    pub expires_at: OffsetDateTime,
+}
+
+/// A running VM and a live connection to its agent.
+pub struct Vm {
+    pub record: VmRecord,
+    pub paths: VmPaths,
+    pub agent: AgentClient,
+    /// Where this process's start of the VM spent its time (`None` for a
+    /// VM it found running).
+    pub start_times: Option<StartTimes>,
+}
+
+/// Where a start spends its time: the set-up before QEMU runs (disk
+/// overlay, passt, watchdog), then, counted from QEMU's spawn, its saved
+/// state loaded (a restore), the agent's first answer, and the guest
+/// configured. What a restore costs under emulation is mostly in the last
+/// two, where the new QEMU translates the guest's code afresh; the bench
+/// prints them so that floor is measured, not guessed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StartTimes {
+    pub set_up: Duration,
+    pub state_loaded: Duration,
+    pub agent_answered: Duration,
+    pub configured: Duration,
+}
+
+impl VmManager {
+    /// A manager for `config.data_dir` booting `image`.
+    pub fn new(config: RuntimeConfig, image: GuestImage) -> Result<VmManager> {
+        let accel = crate::host::accel::choose(config.accel);
+        std::fs::create_dir_all(config.vms_dir()).map_err(RuntimeError::io(format!(
+            "creating {}",
+            config.vms_dir().display()
+        )))?;
+        let mut deny = config.network.deny.clone();
+        deny.extend(
+            net::host_addresses()
+                .into_iter()
+                .filter(|a| !a.starts_with("127.")),
+        );
+        if config.network.enabled && config.network.dns.is_none() {
+            log_guest_resolver();
+        }
+        let proxy = match (&config.network.proxy, config.network.enabled) {
+            (Some(url), true) => Some(net::resolve_proxy(url, &config.network.no_proxy)?),
+            _ => None,
+        };
+        let ca_certificates = net::read_ca_certificates(&config.network.ca_certificates)?;
+        let qemu_version = qemu_version(&config.qemu_binary)?;
+        if config.ksm {
+            crate::host::ksm::ensure_running_logged();
+        }
+        if nix::unistd::geteuid().is_root() {
+            // VMs' QEMUs (each its own uid) reopen their disks by path, so
+            // they must be able to walk (not list) the way there.
+            for dir in [&config.data_dir, &config.vms_dir()] {
+                allow_traverse(dir);
+            }
+        }
+        let manager = VmManager {
+            config,
+            image,
+            accel,
+            deny,
+            proxy,
+            ca_certificates,
+            qemu_version,
+            give_way: Default::default(),
+            ram_images: Default::default(),
+        };
+        manager.prepare_saves()?;
+        Ok(manager)
+    }
+
+    /// Live work (a command, a file transfer, a create someone waits for) is
+    /// running: VMs being started at [`Priority::Background`] stop until the
+    /// guard drops, within bounds (see [`crate::vm::give_way`]).
+    pub fn hold_background(&self) -> give_way::Held {
+        self.give_way.hold()
+    }
+
+    /// The background starts in flight and those stopped now.
+    pub fn background_starts(&self) -> (usize, usize) {
+        (self.give_way.starting(), self.give_way.stopped())
+    }
+
+    pub fn accel(&self) -> Accel {
+        self.accel
+    }
+
+    pub fn config(&self) -> &RuntimeConfig {
+        &self.config
+    }
+
+    pub fn image(&self) -> &GuestImage {
+        &self.image
+    }
+
+    /// The files of VM `id` (which may not exist).
+    pub fn paths(&self, id: &str) -> VmPaths {
+        VmPaths {
+            dir: self.config.vms_dir().join(id),
+        }
+    }
+
+    /// Start a new VM and wait until its agent is configured and answering:
+    /// restored from the size's snapshot template when there is one, booted
+    /// cold otherwise, or when the restore fails (the template is then
+    /// discarded, to be rebuilt). A restore that only took too long is
+    /// [`RuntimeError::HostFull`], the template kept. On any failure nothing
+    /// of it is left behind.
+    pub async fn create(&self, req: CreateVm) -> Result<Vm> {
+        self.create_with_priority(req, Priority::Normal).await
+    }
+
+    /// [`VmManager::create`] with QEMU at CPU `priority`: `Background` for
+    /// VMs made ahead of demand ([`process::set_priority`] them to `Normal`
+    /// when they go live). A background start also runs one command to warm
+    /// the VM up, and gives way to live work ([`VmManager::hold_background`]).
+    pub async fn create_with_priority(&self, req: CreateVm, priority: Priority) -> Result<Vm> {
+        validate_id(&req.id)?;
+        let size = self.config.size(&req.size)?;
+        self.check_disk_reserve()?;
+        if let Some(template) = self.template(&req.size) {
+            match self
+                .start(&req, size, Start::Restore(&template), priority)
+                .await
+            {
+                Ok(vm) => return Ok(vm),
+                // Slow, not broken: on a host this busy (measured: a load
+                // of 80 on 2 cores with 400 sandboxes filling up) a cold
+                // boot would be slower still, and discarding a good
+                // template would add its rebuild to the load. The create
+                // is refused as one the host has no room for now.
+                Err(RuntimeError::BootTimeout { secs, .. }) => {
+                    tracing::warn!(
+                        id = %req.id,
+                        template = %template.key,
+                        "restoring from the snapshot template took over {secs} s: the host is too busy"
+                    );
+                    return Err(RuntimeError::HostFull(format!(
+                        "this host is too busy to start a sandbox now (a restore took over {secs} s)"
+                    )));
+                }
+                Err(e) => {
+                    tracing::warn!(
+                        id = %req.id,
+                        template = %template.key,
+                        "restoring from the snapshot template failed, falling back to a cold boot: {e}"
+                    );
+                    self.discard_template(&template);
+                }
+            }
+        }
+        self.start(&req, size, Start::Cold, priority).await
+    }
+
+    /// Boot a new VM cold, whatever templates exist.
+    pub async fn create_cold(&self, req: CreateVm) -> Result<Vm> {
+        validate_id(&req.id)?;
+        let size = self.config.size(&req.size)?;
+        self.start(&req, size, Start::Cold, Priority::Normal).await
+    }
+
+    pub(crate) async fn start(
+        &self,
+        req: &CreateVm,
+        size: SizeSpec,
+        how: Start<'_>,
+        priority: Priority,
+    ) -> Result<Vm> {
+        let paths = self.paths(&req.id);
+        std::fs::create_dir(&paths.dir).map_err(RuntimeError::io(format!(
+            "creating the VM directory {}",
+            paths.dir.display()
+        )))?;
+        match self.boot(req, size, &paths, &how, priority).await {
+            Ok(vm) => Ok(vm),
+            Err(e) => {
+                let e = match e {
+                    RuntimeError::BootTimeout { secs, .. } => RuntimeError::BootTimeout {
+                        secs,
+                        console_tail: console::tail_lines(&paths.console(), 30),
+                    },
+                    RuntimeError::Disconnected(_) => RuntimeError::VmExited {
+                        cause: format!(
+                            "{}; last console lines:\n{}",
+                            console::exit_cause(&paths.console(), &paths.qemu_log()),
+                            console::tail_lines(&paths.console(), 30)
+                        ),
+                    },
+                    other => other,
+                };
+                let _ = self.destroy(&req.id).await;
+                Err(e)
+            }
+        }
+    }
+}
+
+impl VmManager {
+    /// Every VM directory on this host, with its record (oldest first).
+    pub fn list(&self) -> Vec<VmRecord> {
+        let mut out = Vec::new();
+        let Ok(rd) = std::fs::read_dir(self.config.vms_dir()) else {
+            return out;
+        };
+        for e in rd.flatten() {
+            if let Ok(bytes) = std::fs::read(e.path().join("vm.json")) {
+                if let Ok(r) = serde_json::from_slice::<VmRecord>(&bytes) {
+                    out.push(r);
+                }
+            }
+        }
+        out.sort_by_key(|r| r.created_at);
+        out
+    }
+
+    /// The record of VM `id`.
+    pub fn record(&self, id: &str) -> Result<VmRecord> {
+        validate_id(id)?;
+        let bytes = std::fs::read(self.paths(id).record())
+            .map_err(|_| RuntimeError::NotFound(id.to_string()))?;
+        serde_json::from_slice(&bytes)
+            .map_err(|e| RuntimeError::Launch(format!("corrupt vm.json of {id}: {e}")))
+    }
+
+    /// Replace the caller's metadata of VM `id`.
+    pub fn set_metadata(&self, id: &str, metadata: BTreeMap<String, String>) -> Result<VmRecord> {
+        let mut r = self.record(id)?;
+        r.metadata = metadata;
+        write_record(&self.paths(id), &r)?;
+        Ok(r)
+    }
+
+    /// Move VM `id`'s expiry (see [`CreateVm::expires_at`]).
+    pub fn set_expiry(&self, id: &str, at: OffsetDateTime) -> Result<()> {
+        validate_id(id)?;
+        let paths = self.paths(id);
+        if !paths.dir.exists() {
+            return Err(RuntimeError::NotFound(id.to_string()));
+        }
+        expiry::write_expiry(&paths.dir, at)
+    }
+
+    /// When VM `id` is killed, whatever else happens (see [`CreateVm::expires_at`]).
+    pub fn expiry(&self, id: &str) -> Option<OffsetDateTime> {
+        expiry::read_expiry(&self.paths(id).dir)
+    }
+
+    /// Bytes VM `id`'s disk takes on the host now: the blocks its
+    /// copy-on-write overlay has allocated, which is what the guest wrote
+    /// (the base image, shared by every VM, is not counted). Sparse regions
+    /// and discarded clusters take nothing.
+    pub fn disk_use(&self, id: &str) -> Result<u64> {
+        use std::os::unix::fs::MetadataExt;
+        validate_id(id)?;
+        let record = self.record(id)?;
+        let meta = std::fs::metadata(self.paths(id).active_disk(&record))
+            .map_err(|_| RuntimeError::NotFound(id.to_string()))?;
+        Ok(meta.blocks() * 512)
+    }
+
+    /// Hold VM `id`'s disk writes to `bytes_per_second` (QEMU's block
+    /// throttling, so the guest's writes slow down and nothing fails);
+    /// `None` lifts the limit. Reads are never held.
+    pub async fn limit_disk_writes(&self, id: &str, bytes_per_second: Option<u64>) -> Result<()> {
+        validate_id(id)?;
+        let socket = self.paths(id).qmp_socket();
+        let set = async {
+            let mut qmp = Qmp::connect(&socket).await?;
+            qmp.execute(
+                "block_set_io_throttle",
+                serde_json::json!({
+                    "device": "root",
+                    "bps": 0, "bps_rd": 0, "bps_wr": bytes_per_second.unwrap_or(0),
+                    "iops": 0, "iops_rd": 0, "iops_wr": 0,
+                }),
+            )
+            .await
+        };
+        match tokio::time::timeout(Duration::from_secs(5), set).await {
+            Ok(done) => done.map(drop),
+            Err(_) => Err(RuntimeError::Disconnected(format!(
+                "QEMU of {id} did not answer a disk limit within 5 s"
+            ))),
+        }
+    }
+
+    /// Running, or exited and why.
+    pub fn state(&self, record: &VmRecord) -> VmState {
+        let paths = self.paths(&record.id);
+        console::enforce_cap(&paths.console());
+        if process::alive_with_marker(record.qemu_pid, &record.qemu_marker()) {
+            VmState::Running
+        } else {
+            VmState::Exited {
+                cause: console::exit_cause(&paths.console(), &paths.qemu_log()),
+            }
+        }
+    }
+
+    /// Connect to the agent of a running VM.
+    pub async fn attach(&self, id: &str) -> Result<Vm> {
+        let record = self.record(id)?;
+        if let VmState::Exited { cause } = self.state(&record) {
+            return Err(RuntimeError::VmExited { cause });
+        }
+        let paths = self.paths(id);
+        let agent = AgentClient::connect(&paths.agent_socket(), Duration::from_secs(30))
+            .await
+            .map_err(|e| match self.state(&record) {
+                VmState::Exited { cause } => RuntimeError::VmExited { cause },
+                VmState::Running => match e {
+                    RuntimeError::BootTimeout { secs, .. } => RuntimeError::Disconnected(format!(
+                        "the guest agent did not answer within {secs} s"
+                    )),
+                    other => other,
+                },
+            })?;
+        Ok(Vm {
+            record,
+            paths,
+            agent,
+            start_times: None,
+        })
+    }
+
+    /// Wait until the VM's QEMU process exits; returns why.
+    pub async fn wait_exit(&self, record: &VmRecord) -> VmState {
+        if let Some(fd) = process::pidfd_open(record.qemu_pid) {
+            if process::alive_with_marker(record.qemu_pid, &record.qemu_marker()) {
+                process::wait_pidfd(fd).await;
+            }
+        }
+        self.state(record)
+    }
+
+    /// Kill the VM's processes and remove every file it owned. Idempotent:
+    /// destroying a VM that is already gone is `NotFound`.
+    pub async fn destroy(&self, id: &str) -> Result<()> {
+        validate_id(id)?;
+        let paths = self.paths(id);
+        if !paths.dir.exists() {
+            return Err(RuntimeError::NotFound(id.to_string()));
+        }
+        if let Ok(record) = self.record(id) {
+            stop_processes(&record, &paths).await;
+            if let Some(uid) = record.qemu_uid.filter(|_| self.config.network.enabled) {
+                let _ = tokio::task::spawn_blocking(move || guard::remove(uid)).await;
+            }
+        } else {
+            // A VM that died before its record was written: find its QEMU by marker.
+            if let Some(pid) = find_by_marker(&qemu_marker(id)) {
+                process::kill_and_wait(pid, &qemu_marker(id), Duration::from_secs(10)).await;
+            }
+        }
+        let removed = match std::fs::remove_dir_all(&paths.dir) {
+            // A concurrent destroy (a command that saw this one's kill and
+            // ended its sandbox too) removed it first: gone is gone.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            r => r.map_err(RuntimeError::io(format!(
+                "removing {}",
+                paths.dir.display()
+            ))),
+        };
+        // The disk layers below its disk that nothing else stands on.
+        self.gc_layers();
+        removed
+    }
+}
+
+/// Ask QEMU to quit through QMP (it closes its files itself), SIGKILL
+/// whatever is left, then stop passt.
+async fn stop_processes(record: &VmRecord, paths: &VmPaths) {
+    // The watchdog first: it must not race us to the directory.
+    if let Some((pid, started)) = record.watchdog {
+        process::kill_identified(pid, started, Duration::from_secs(5)).await;
+    }
+    if process::alive_with_marker(record.qemu_pid, &record.qemu_marker()) {
+        let quit = async {
+            let mut qmp = Qmp::connect(&paths.qmp_socket()).await?;
+            qmp.execute("quit", serde_json::json!({})).await
+        };
+        let _ = tokio::time::timeout(Duration::from_millis(500), quit).await;
+    }
+    process::kill_and_wait(
+        record.qemu_pid,
+        &record.qemu_marker(),
+        Duration::from_secs(10),
+    )
+    .await;
+    if let (Some(pid), Some(started)) = (record.passt_pid, record.passt_started) {
+        process::kill_identified(pid, started, Duration::from_secs(5)).await;
+    }
+}
+
+pub(crate) fn write_record(paths: &VmPaths, record: &VmRecord) -> Result<()> {
+    let tmp = paths.dir.join("vm.json.tmp");
+    std::fs::write(&tmp, serde_json::to_vec_pretty(record).expect("json"))
+        .map_err(RuntimeError::io("writing vm.json"))?;
+    std::fs::rename(&tmp, paths.record()).map_err(RuntimeError::io("writing vm.json"))
+}
+
+/// Let every user walk through `dir` (`o+x`), without listing it.
+fn allow_traverse(dir: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    if let Ok(meta) = std::fs::metadata(dir) {
+        let mode = meta.permissions().mode();
+        if mode & 0o001 == 0 {
+            let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode | 0o001));
+        }
+    }
+}
+
+/// Find a process whose command line carries `marker`.
+pub fn find_by_marker(marker: &str) -> Option<u32> {
+    let rd = std::fs::read_dir("/proc").ok()?;
+    for e in rd.flatten() {
+        if let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) {
+            if process::alive_with_marker(pid, marker) {
+                return Some(pid);
+            }
+        }
+    }
+    None
+}
+
+/// Ids become directory and process names: keep them to a safe alphabet.
+pub(crate) fn validate_id(id: &str) -> Result<()> {
+    let ok = !id.is_empty()
+        && id.len() <= 64
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    if ok {
+        Ok(())
+    } else {
+        Err(RuntimeError::NotFound(id.to_string()))
+    }
+}
+
+fn hostname_for(id: &str) -> String {
+    id.replace('_', "-").to_ascii_lowercase()
+}
+
+/// QEMU's `oom_score_adj`: the kernel's OOM killer picks it before
+/// processes at 0.
+pub const QEMU_OOM_SCORE_ADJ: &[u8] = b"500";
+
+/// QEMU's machine. Under TCG the PIC stays for the legacy interrupt set-up;
+/// the PIT is off: the kernel is told the TSC rate (`tsc_early_khz`), so it
+/// needs no PIT to calibrate (which hung 1 boot in 8 without the rate), and a
+/// PIT left running costs an idle VM 36 host wake-ups a second.
+/// `mem-merge=off`: guest RAM is never offered to KSM (see `ksm`).
+fn machine_type(accel: Accel) -> String {
+    let pic = match accel {
+        Accel::Tcg => "on",
+        Accel::Kvm => "off",
+    };
+    format!("microvm,pit=off,pic={pic},rtc=on,mem-merge=off")
+}
+
+/// The guest kernel command line. Under TCG the guest's TSC is the host's,
+/// so the kernel is told the host's rate (see `accel::host_tsc_khz`).
+pub fn kernel_cmdline(accel: Accel, tsc_khz: u32) -> String {
+    let mut s = String::from("console=ttyS0 panic=-1 quiet loglevel=4 root=/dev/vda rw");
+    if accel == Accel::Tcg {
+        s.push_str(&format!(" tsc=reliable tsc_early_khz={tsc_khz}"));
+    }
+    s
+}
+
+pub(crate) async fn create_overlay(base: &Path, disk: &Path, disk_gb: u32) -> Result<()> {
+    let out = tokio::process::Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"])
+        .arg(base)
+        .arg(disk)
+        .arg(format!("{disk_gb}G"))
+        .output()
+        .await
+        .map_err(RuntimeError::spawn("qemu-img", "qemu-utils", "qemu-img"))?;
+    if !out.status.success() {
+        return Err(RuntimeError::Launch(format!(
+            "qemu-img create failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(())
+}
+
+/// Asks the QEMU at `qemu` its version.
+pub fn qemu_version(qemu: &Path) -> Result<QemuVersion> {
+    let out = std::process::Command::new(qemu)
+        .arg("--version")
+        .output()
+        .map_err(|_| RuntimeError::MissingTool {
+            tool: qemu.display().to_string(),
+            package: "qemu-system-x86".into(),
+        })?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().next().unwrap_or_default().trim().to_string();
+    let mut numbers = line
+        .split_whitespace()
+        .skip_while(|w| *w != "version")
+        .nth(1)
+        .unwrap_or("7.0")
+        .split(['.', '('])
+        .map(|n| n.parse::<u32>().unwrap_or(0));
+    Ok(QemuVersion {
+        major: numbers.next().unwrap_or(7),
+        minor: numbers.next().unwrap_or(0),
+        line,
+    })
+}
