@@ -4,7 +4,7 @@
 //! silently fall back to a default and bill the wrong lifetime).
 
 use crate::error::{ApiError, RequestId};
-use crate::server::AppState;
+use crate::state::AppState;
 use axum::body::Bytes;
 use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::request::Parts;

@@ -22,6 +22,7 @@
 //!   anything written against the trait (the MCP adapter) can drive a remote
 //!   Sandpit server (`sandpit mcp --remote URL`, key in `SANDPIT_API_KEY`).
 
+mod bodies;
 mod budget;
 mod error;
 mod extract;
@@ -30,18 +31,18 @@ pub mod raw;
 mod remote;
 mod server;
 mod sse;
+mod state;
 mod terminal;
 
+pub use bodies::{ExposePortBody, ExtendBody, FilesQuery, PortClosed, UsageQuery};
 pub use budget::BodyBudget;
 pub use error::{ErrorBody, ErrorObject};
 pub use extract::{parse_json_body, parse_query_string};
 pub use openapi::openapi;
 pub use remote::{RemoteApi, API_KEY_ENV};
-pub use server::{
-    router, with_request_layers, ExposePortBody, ExtendBody, FilesQuery, PortClosed, RestConfig,
-    UsageQuery, DEFAULT_BODY_BUDGET,
-};
+pub use server::{router, with_request_layers};
 pub use sse::OutputChunk;
+pub use state::{RestConfig, DEFAULT_BODY_BUDGET};
 pub use terminal::{TerminalControl, TerminalEvent, TerminalQuery};
 
 #[doc(no_inline)]

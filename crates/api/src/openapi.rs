@@ -7,8 +7,8 @@
 //! written by hand next to the router; a test checks both list the same
 //! routes, and another that `docs/openapi.json` is this document.
 
+use crate::bodies::{ExposePortBody, ExtendBody, FilesQuery, PortClosed, UsageQuery};
 use crate::error::ErrorBody;
-use crate::server::{ExposePortBody, ExtendBody, FilesQuery, PortClosed, UsageQuery};
 use crate::sse::OutputChunk;
 use crate::terminal::{TerminalControl, TerminalEvent, TerminalQuery};
 use sandpit_core::{

@@ -7,8 +7,8 @@
 //! same errors as in-process. TLS is rustls (no OpenSSL), trusting both the
 //! system's roots and the bundled Mozilla roots.
 
+use crate::bodies::{ExposePortBody, ExtendBody};
 use crate::error::{kind_for_status, ErrorBody};
-use crate::server::{ExposePortBody, ExtendBody};
 use crate::sse::OutputChunk;
 use async_trait::async_trait;
 use futures::StreamExt;

@@ -1,108 +1,23 @@
 //! The `/v1` routes: each handler authenticates, extracts, calls one
 //! [`SandboxApi`] method and serializes its answer. Nothing is decided here.
 
+use crate::bodies::*;
 use crate::budget::BodyBudget;
 use crate::error::{finish, ApiError};
 use crate::extract::{Authed, JsonBody, QueryParams, ReqId};
 use crate::sse;
+use crate::state::{AppState, RestConfig};
 use axum::extract::{DefaultBodyLimit, Path, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use sandpit_core::{
-    CoreError, CreateSandbox, CreateSnapshot, Encoding, ExecParams, ForkSandbox, ListSandboxes,
+    CoreError, CreateSandbox, CreateSnapshot, ExecParams, ForkSandbox, ListSandboxes,
     ListSnapshots, RestoreSandbox, SandboxApi, WriteFile,
 };
-use schemars::JsonSchema;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use std::sync::Arc;
-use std::time::Duration;
-
-/// Settings of the HTTP layer (everything else is the core's).
-#[derive(Debug, Clone)]
-pub struct RestConfig {
-    /// Largest accepted request body; larger is 413. Default 64 MiB, which
-    /// fits a 32 MiB file (the read limit) as base64 in a write.
-    pub max_body_bytes: usize,
-    /// How often an idle exec event stream sends a `: ping` comment. Default 15 s.
-    pub sse_ping_interval: Duration,
-    /// Request bodies held at once (default 512 MiB; see `BodyBudget`).
-    pub body_budget: BodyBudget,
-}
-
-/// Default of [`RestConfig::body_budget`]'s total.
-pub const DEFAULT_BODY_BUDGET: usize = 512 * 1024 * 1024;
-
-impl Default for RestConfig {
-    fn default() -> Self {
-        let max_body_bytes = 64 * 1024 * 1024;
-        RestConfig {
-            max_body_bytes,
-            sse_ping_interval: Duration::from_secs(15),
-            body_budget: BodyBudget::new(DEFAULT_BODY_BUDGET, max_body_bytes),
-        }
-    }
-}
-
-#[derive(Clone)]
-pub(crate) struct AppState {
-    pub api: Arc<dyn SandboxApi>,
-    pub cfg: Arc<RestConfig>,
-    openapi: Arc<serde_json::Value>,
-}
-
-/// `POST /sandboxes/{id}/extend` body.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct ExtendBody {
-    /// Minutes to add to the lifetime (default 15). The total lifetime may not pass 24 h from creation.
-    #[serde(default)]
-    pub additional_minutes: Option<u32>,
-}
-
-/// `POST /sandboxes/{id}/ports` body.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct ExposePortBody {
-    /// The port the server inside the sandbox listens on (localhost is enough), 1..65535.
-    pub port: u16,
-}
-
-/// Answer to `DELETE /sandboxes/{id}/ports/{port}`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
-pub struct PortClosed {
-    pub port: u16,
-    /// Always `true`.
-    pub closed: bool,
-}
-
-/// Query of `GET`/`DELETE /sandboxes/{id}/files`.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct FilesQuery {
-    /// Relative to /workspace, or absolute. Required to read or delete; listing defaults to /workspace.
-    #[serde(default)]
-    pub path: Option<String>,
-    /// Read: how to return the content (`utf8` default; `base64` for binary files).
-    #[serde(default)]
-    pub encoding: Option<Encoding>,
-    /// `true`: list the directory instead of reading a file.
-    #[serde(default)]
-    pub list: Option<bool>,
-    /// List: descend into subdirectories. Delete: remove a directory and its content. Default false.
-    #[serde(default)]
-    pub recursive: Option<bool>,
-}
-
-/// Query of `GET /usage`.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct UsageQuery {
-    /// How many days back to report (default 30).
-    #[serde(default)]
-    pub days: Option<u32>,
-}
 
 /// The REST API: every `/v1` route of `docs/spec/rest-api.md`, plus
 /// `GET /v1/service` and `GET /v1/openapi.json` (both without a key).

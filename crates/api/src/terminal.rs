@@ -25,7 +25,7 @@
 
 use crate::error::ApiError;
 use crate::extract::{parse_query, Authed};
-use crate::server::AppState;
+use crate::state::AppState;
 use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
 use axum::extract::{FromRequestParts, Path, State};
 use axum::http::request::Parts;

@@ -185,10 +185,10 @@ pub trait SandboxApi: Send + Sync {
         use base64::Engine;
         let mut bytes = Vec::new();
         while let Some(chunk) = body.next_chunk().await {
-            bytes.extend(chunk.map_err(crate::service::body_failed)?);
+            bytes.extend(chunk.map_err(crate::error::body_failed)?);
         }
         if bytes.len() as u64 != size {
-            return Err(crate::service::body_length(bytes.len() as u64, size));
+            return Err(crate::error::body_length(bytes.len() as u64, size));
         }
         let req = WriteFile {
             path: path.to_string(),

@@ -1,7 +1,7 @@
 //! Service configuration: sizes and prices, limits, and where the service is
 //! reachable. Loaded from the server's TOML (see `sandpit serve --config`).
 
-use crate::model::{micros, Micros, Resources};
+use crate::model::{micros, Limits, Micros, Resources, MAX_COMMAND_BYTES, MAX_ENV_BYTES};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -71,7 +71,7 @@ pub struct ServiceConfig {
     /// Days the executions of an ended sandbox are kept.
     pub execution_retention_days: u32,
     /// What one account's live sandboxes' disks may take together on the
-    /// host (see `crate::disk`).
+    /// host (see the disk sweep, `service::disk`).
     pub account_disk_bytes: u64,
     /// Days a snapshot is kept unless deleted before.
     pub snapshot_retention_days: u32,
@@ -155,5 +155,44 @@ mod tests {
         assert_eq!(cost(280_000, 1), 78);
         assert_eq!(cost(280_000, 3600), 280_000);
         assert_eq!(cost(280_000, 0), 0);
+    }
+}
+
+/// The disk write rate of an account's sandboxes while it is at its limit.
+pub const OVER_LIMIT_WRITE_BPS: u64 = 256 * 1024;
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits::of(&ServiceConfig::default(), 30)
+    }
+}
+
+impl Limits {
+    /// The limits of a service configured with `c`, whose sandboxes owe each
+    /// answer within `reply_deadline_secs`.
+    pub fn of(c: &ServiceConfig, reply_deadline_secs: u64) -> Limits {
+        Limits {
+            default_timeout_minutes: c.default_timeout_minutes,
+            max_timeout_minutes: c.max_timeout_minutes,
+            max_lifetime_minutes: c.max_lifetime_minutes,
+            exec_default_timeout_ms: c.exec_default_timeout_ms,
+            exec_min_timeout_ms: c.exec_min_timeout_ms,
+            exec_max_timeout_ms: c.exec_max_timeout_ms,
+            max_command_bytes: MAX_COMMAND_BYTES,
+            max_env_bytes: MAX_ENV_BYTES,
+            max_output_bytes: c.max_output_bytes,
+            max_read_bytes: c.max_read_bytes,
+            max_write_bytes: c.max_write_bytes,
+            max_list_entries: c.max_list_entries,
+            reply_deadline_secs,
+            preview_max_connections: c.preview_max_connections,
+            preview_requests_per_second: c.preview_requests_per_second,
+            max_concurrent_transfers: c.max_concurrent_transfers,
+            execution_storage_bytes: c.execution_storage_bytes,
+            execution_retention_days: c.execution_retention_days,
+            account_disk_bytes: c.account_disk_bytes,
+            over_disk_limit_write_bytes_per_second: OVER_LIMIT_WRITE_BPS,
+            idle_pause_seconds: c.idle_pause_secs,
+        }
     }
 }

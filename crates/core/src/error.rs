@@ -112,3 +112,15 @@ impl CoreError {
 }
 
 pub type Result<T, E = CoreError> = std::result::Result<T, E>;
+
+/// An upload's body failed before its end (the client went away).
+pub(crate) fn body_failed(e: std::io::Error) -> CoreError {
+    CoreError::invalid(format!("the request body ended early: {e}"))
+}
+
+/// An upload's body was not as long as it said.
+pub(crate) fn body_length(got: u64, announced: u64) -> CoreError {
+    CoreError::invalid(format!(
+        "the request body carried {got} bytes, not the {announced} its Content-Length announced"
+    ))
+}

@@ -11,7 +11,6 @@ pub mod admin;
 pub mod api;
 pub mod cluster;
 pub mod config;
-pub mod disk;
 pub mod error;
 pub(crate) mod idle;
 pub mod metrics;

@@ -456,42 +456,6 @@ pub const MAX_COMMAND_BYTES: u64 = 128 * 1024 - 1;
 /// default 8 MiB stack), leaving room for the rest.
 pub const MAX_ENV_BYTES: u64 = 512 * 1024;
 
-impl Default for Limits {
-    fn default() -> Self {
-        Limits::of(&crate::config::ServiceConfig::default(), 30)
-    }
-}
-
-impl Limits {
-    /// The limits of a service configured with `c`, whose sandboxes owe each
-    /// answer within `reply_deadline_secs`.
-    pub fn of(c: &crate::config::ServiceConfig, reply_deadline_secs: u64) -> Limits {
-        Limits {
-            default_timeout_minutes: c.default_timeout_minutes,
-            max_timeout_minutes: c.max_timeout_minutes,
-            max_lifetime_minutes: c.max_lifetime_minutes,
-            exec_default_timeout_ms: c.exec_default_timeout_ms,
-            exec_min_timeout_ms: c.exec_min_timeout_ms,
-            exec_max_timeout_ms: c.exec_max_timeout_ms,
-            max_command_bytes: MAX_COMMAND_BYTES,
-            max_env_bytes: MAX_ENV_BYTES,
-            max_output_bytes: c.max_output_bytes,
-            max_read_bytes: c.max_read_bytes,
-            max_write_bytes: c.max_write_bytes,
-            max_list_entries: c.max_list_entries,
-            reply_deadline_secs,
-            preview_max_connections: c.preview_max_connections,
-            preview_requests_per_second: c.preview_requests_per_second,
-            max_concurrent_transfers: c.max_concurrent_transfers,
-            execution_storage_bytes: c.execution_storage_bytes,
-            execution_retention_days: c.execution_retention_days,
-            account_disk_bytes: c.account_disk_bytes,
-            over_disk_limit_write_bytes_per_second: crate::disk::OVER_LIMIT_WRITE_BPS,
-            idle_pause_seconds: c.idle_pause_secs,
-        }
-    }
-}
-
 /// Snapshot restore and the warm pool, as they stand now.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct FastStartInfo {

@@ -32,6 +32,7 @@
 
 mod account;
 mod checks;
+mod disk;
 mod errors;
 mod exec;
 mod files;
@@ -49,7 +50,6 @@ pub use checks::{
     check_create, check_path, check_port, check_write_size, extension_minutes, validate_exec,
     write_content,
 };
-pub(crate) use errors::{body_failed, body_length};
 pub use files::TRANSFER_WAIT;
 pub(crate) use lifecycle::cost_until;
 
@@ -89,8 +89,8 @@ pub struct Service {
     terminals: Arc<terminals::Terminals>,
     /// Each account's file transfers in flight (see [`Service::transfer_slot`]).
     transfers: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Semaphore>>>,
-    /// Whose disk writes are held now (see [`crate::disk`]).
-    disk_holds: crate::disk::DiskHolds,
+    /// Whose disk writes are held now (see [`disk`]).
+    disk_holds: disk::DiskHolds,
     /// Itself, for tasks that outlive a call (streaming exec).
     me: Weak<Service>,
     /// One start, pause or resume at a time per sandbox (see
@@ -185,7 +185,7 @@ impl Service {
         self.vms.clone().map(|vms| vms as Arc<dyn Machines>)
     }
 
-    pub(crate) fn disk_holds(&self) -> &crate::disk::DiskHolds {
+    pub(crate) fn disk_holds(&self) -> &disk::DiskHolds {
         &self.disk_holds
     }
 
@@ -217,7 +217,7 @@ impl Service {
         let me = Arc::downgrade(self);
         tokio::spawn(async move {
             loop {
-                tokio::time::sleep(crate::disk::DISK_SAMPLE).await;
+                tokio::time::sleep(disk::DISK_SAMPLE).await;
                 let Some(svc) = me.upgrade() else { return };
                 if let Err(e) = svc.sample_disks().await {
                     tracing::warn!("measuring disk use: {e}");

@@ -8,10 +8,11 @@
 //! listing and deleting, with the read limit in the errors they give.
 
 use crate::api::Caller;
+use crate::error::{body_failed, body_length};
 use crate::error::{CoreError, ErrorType, Result};
 use crate::model::*;
 use crate::service::checks::{check_path, check_write_size, write_content};
-use crate::service::errors::{body_failed, body_length, runtime_error};
+use crate::service::errors::runtime_error;
 use crate::service::Service;
 use base64::Engine;
 use sandpit_host::machines::Listing;

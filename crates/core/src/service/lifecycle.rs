@@ -282,7 +282,7 @@ impl Service {
                 .with_retry_after(10))
             }
             CreateOutcome::OverDiskLimit { used, limit } => {
-                return Err(crate::disk::over_limit(used, limit))
+                return Err(super::disk::over_limit(used, limit))
             }
             CreateOutcome::HostUnavailable
             | CreateOutcome::HostFull { .. }

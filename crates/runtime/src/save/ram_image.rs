@@ -36,12 +36,11 @@
 //! after the last start that asked for it, so VMs started one after another
 //! from the same save share one page cache.
 
-use crate::save::saved::SavedVm;
 use crate::{save::erofs, save::ram_pages, Result, RuntimeError};
 use std::collections::HashMap;
 use std::fs::File;
 use std::os::fd::OwnedFd;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -66,23 +65,23 @@ struct Entry {
 }
 
 impl RamImages {
-    /// The file that reads as `saved`'s guest RAM block `block` (the
-    /// template's pages with the save's over them), made now unless it is
-    /// kept or being made; `None` where this host cannot make one, when
-    /// making it failed (logged), or when none is kept and `make` is false.
+    /// The file that reads as guest RAM block `block` of a save whose own
+    /// pages are the chain at `ram`, over its template's RAM file
+    /// `template` (the template's pages with the save's over them), made
+    /// now unless it is kept or being made; `None` where this host cannot
+    /// make one, when making it failed (logged), or when none is kept and
+    /// `make` is false.
     pub async fn get(
         &self,
-        saved: &SavedVm,
+        ram: PathBuf,
+        template: PathBuf,
         block: &'static str,
         make: bool,
     ) -> Result<Option<Arc<File>>> {
         if self.unsupported.load(std::sync::atomic::Ordering::Relaxed) {
             return Ok(None);
         }
-        let ram = saved.ram().ok_or_else(|| {
-            RuntimeError::Launch(format!("the save {} holds no RAM of its own", saved.name))
-        })?;
-        let key = key_of(saved);
+        let key = key_of(&ram);
         let entry = {
             let mut images = self.images.lock().expect("images lock");
             if !make && !images.contains_key(&key) {
@@ -90,7 +89,6 @@ impl RamImages {
             }
             images.entry(key.clone()).or_default().clone()
         };
-        let template = saved.template.mem();
         let name = key.clone();
         let unsupported = self.unsupported.clone();
         let made = entry
@@ -117,11 +115,12 @@ impl RamImages {
             })
             .await
             .cloned();
-        self.linger(key, entry);
-        Ok(made.unwrap_or_else(|e| {
-            tracing::warn!(ram = %key_of(saved), "no RAM image, writing its pages instead: {e}");
+        let made = made.unwrap_or_else(|e| {
+            tracing::warn!(ram = %key, "no RAM image, writing its pages instead: {e}");
             None
-        }))
+        });
+        self.linger(key, entry);
+        Ok(made)
     }
 
     /// Keeps `entry` for [`LINGER`], then forgets it unless another start
@@ -140,10 +139,9 @@ impl RamImages {
 }
 
 /// The name an image is kept under: its save's RAM file's.
-fn key_of(saved: &SavedVm) -> String {
-    saved
-        .ram()
-        .and_then(|r| r.file_name().map(|n| n.to_string_lossy().to_string()))
+fn key_of(ram: &Path) -> String {
+    ram.file_name()
+        .map(|n| n.to_string_lossy().to_string())
         .unwrap_or_default()
 }
 

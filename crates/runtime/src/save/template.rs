@@ -295,7 +295,7 @@ pub(crate) fn remove_others(
             // A build that died may have left its QEMU or passt running.
             let marker = e.path().display().to_string();
             for _ in 0..4 {
-                let Some(pid) = crate::vm::find_by_marker(&marker) else {
+                let Some(pid) = crate::vm::process::find_by_marker(&marker) else {
                     break;
                 };
                 // SAFETY: plain kill(2) of a process whose command line names

@@ -109,7 +109,13 @@ impl VmManager {
             Start::Saved(saved) => match self
                 .ram_images
                 .get(
-                    saved,
+                    saved.ram().ok_or_else(|| {
+                        RuntimeError::Launch(format!(
+                            "the save {} holds no RAM of its own",
+                            saved.name
+                        ))
+                    })?,
+                    saved.template.mem(),
                     crate::save::saved::RAM_BLOCK,
                     saved.record.from != req.id,
                 )

@@ -570,7 +570,7 @@ impl VmManager {
             }
         } else {
             // A VM that died before its record was written: find its QEMU by marker.
-            if let Some(pid) = find_by_marker(&qemu_marker(id)) {
+            if let Some(pid) = process::find_by_marker(&qemu_marker(id)) {
                 process::kill_and_wait(pid, &qemu_marker(id), Duration::from_secs(10)).await;
             }
         }
@@ -630,19 +630,6 @@ fn allow_traverse(dir: &Path) {
             let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode | 0o001));
         }
     }
-}
-
-/// Find a process whose command line carries `marker`.
-pub fn find_by_marker(marker: &str) -> Option<u32> {
-    let rd = std::fs::read_dir("/proc").ok()?;
-    for e in rd.flatten() {
-        if let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) {
-            if process::alive_with_marker(pid, marker) {
-                return Some(pid);
-            }
-        }
-    }
-    None
 }
 
 /// Ids become directory and process names: keep them to a safe alphabet.

@@ -183,6 +183,19 @@ fn set_thread_priority(tid: i32, priority: Priority) {
     }
 }
 
+/// Find a process whose command line carries `marker`.
+pub fn find_by_marker(marker: &str) -> Option<u32> {
+    let rd = std::fs::read_dir("/proc").ok()?;
+    for e in rd.flatten() {
+        if let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) {
+            if alive_with_marker(pid, marker) {
+                return Some(pid);
+            }
+        }
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -204,7 +204,7 @@ impl VmManager {
         {
             Some(record) => stop_processes(&record, &paths).await,
             None => {
-                if let Some(pid) = find_by_marker(&dir.display().to_string()) {
+                if let Some(pid) = process::find_by_marker(&dir.display().to_string()) {
                     process::kill_and_wait(pid, &qemu_marker(&req.id), Duration::from_secs(10))
                         .await;
                 }

@@ -22,6 +22,7 @@
 //! nothing of (a restart) gets its state set once, so a hold left by an
 //! earlier process is lifted when it no longer applies.
 
+use crate::config::OVER_LIMIT_WRITE_BPS;
 use crate::error::{CoreError, ErrorType, Result};
 use crate::service::Service;
 use sandpit_store::SandboxStatus;
@@ -30,9 +31,6 @@ use std::time::Duration;
 
 /// How often every running sandbox's disk is measured.
 pub const DISK_SAMPLE: Duration = Duration::from_secs(5);
-
-/// The disk write rate of an account's sandboxes while it is at its limit.
-pub const OVER_LIMIT_WRITE_BPS: u64 = 256 * 1024;
 
 /// Whether each VM's writes are held, as this process last set them.
 #[derive(Debug, Default)]

@@ -1,0 +1,59 @@
+//! The REST API's own request and answer bodies (the others are the core's
+//! objects, served as they are), shared by the handlers and the OpenAPI
+//! document.
+
+use sandpit_core::Encoding;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// `POST /sandboxes/{id}/extend` body.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ExtendBody {
+    /// Minutes to add to the lifetime (default 15). The total lifetime may not pass 24 h from creation.
+    #[serde(default)]
+    pub additional_minutes: Option<u32>,
+}
+
+/// `POST /sandboxes/{id}/ports` body.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ExposePortBody {
+    /// The port the server inside the sandbox listens on (localhost is enough), 1..65535.
+    pub port: u16,
+}
+
+/// Answer to `DELETE /sandboxes/{id}/ports/{port}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct PortClosed {
+    pub port: u16,
+    /// Always `true`.
+    pub closed: bool,
+}
+
+/// Query of `GET`/`DELETE /sandboxes/{id}/files`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct FilesQuery {
+    /// Relative to /workspace, or absolute. Required to read or delete; listing defaults to /workspace.
+    #[serde(default)]
+    pub path: Option<String>,
+    /// Read: how to return the content (`utf8` default; `base64` for binary files).
+    #[serde(default)]
+    pub encoding: Option<Encoding>,
+    /// `true`: list the directory instead of reading a file.
+    #[serde(default)]
+    pub list: Option<bool>,
+    /// List: descend into subdirectories. Delete: remove a directory and its content. Default false.
+    #[serde(default)]
+    pub recursive: Option<bool>,
+}
+
+/// Query of `GET /usage`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct UsageQuery {
+    /// How many days back to report (default 30).
+    #[serde(default)]
+    pub days: Option<u32>,
+}
