@@ -141,23 +141,6 @@ pub fn cost(price_micros_per_hour: Micros, seconds: u64) -> Micros {
     ((num + 3599) / 3600) as Micros
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn costs_are_per_second_and_round_up() {
-        // small: $0.09/h = 90_000 µ$/h = 25 µ$/s
-        assert_eq!(cost(90_000, 1), 25);
-        assert_eq!(cost(90_000, 3600), 90_000);
-        assert_eq!(cost(90_000, 15 * 60), 22_500);
-        // medium: $0.28/h is not a whole number of µ$ per second: round up
-        assert_eq!(cost(280_000, 1), 78);
-        assert_eq!(cost(280_000, 3600), 280_000);
-        assert_eq!(cost(280_000, 0), 0);
-    }
-}
-
 /// The disk write rate of an account's sandboxes while it is at its limit.
 pub const OVER_LIMIT_WRITE_BPS: u64 = 256 * 1024;
 
@@ -194,5 +177,22 @@ impl Limits {
             over_disk_limit_write_bytes_per_second: OVER_LIMIT_WRITE_BPS,
             idle_pause_seconds: c.idle_pause_secs,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn costs_are_per_second_and_round_up() {
+        // small: $0.09/h = 90_000 µ$/h = 25 µ$/s
+        assert_eq!(cost(90_000, 1), 25);
+        assert_eq!(cost(90_000, 3600), 90_000);
+        assert_eq!(cost(90_000, 15 * 60), 22_500);
+        // medium: $0.28/h is not a whole number of µ$ per second: round up
+        assert_eq!(cost(280_000, 1), 78);
+        assert_eq!(cost(280_000, 3600), 280_000);
+        assert_eq!(cost(280_000, 0), 0);
     }
 }
