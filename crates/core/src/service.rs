@@ -14,8 +14,12 @@
 //! call goes through, and the one `impl SandboxApi for Service`, whose
 //! methods hand each call to the module of its concern:
 //!
-//! - `lifecycle`: create, get, list, extend, destroy; a sandbox's boot and
-//!   its end; the reaper and `reconcile`.
+//! - `create`: a create, in its steps (order, placement, the store's
+//!   outcome, the start).
+//! - `lifecycle`: get, list, extend, destroy; a sandbox's boot and its end;
+//!   the reaper and `reconcile`.
+//! - `disk`: what accounts' sandboxes take on the host's disk, and the
+//!   sweep that holds an account's disk writes at its limit.
 //! - `exec`: commands and their stored executions.
 //! - `files`: file transfers and their per-account slots.
 //! - `ports`: exposed ports and preview URLs (the connections themselves
@@ -32,6 +36,7 @@
 
 mod account;
 mod checks;
+mod create;
 mod disk;
 mod errors;
 mod exec;

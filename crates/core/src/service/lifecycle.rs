@@ -8,26 +8,25 @@
 //! reaper ends every sandbox whose `expires_at` has passed; on start,
 //! `reconcile` settles what happened while the server was down.
 //!
-//! Separate because every way a sandbox comes and goes (create with its
-//! placement loop, the boot, the replay of an idempotent retry, extend,
+//! Separate because every way a sandbox comes and goes (create, whose steps
+//! are `create`'s, the boot, the replay of an idempotent retry, extend,
 //! destroy, expiry, failure) has to keep those two rules together, and
-//! `end` is the one way out for all of them. Owns create, get, list, extend
-//! and destroy, the start of a sandbox's VM (one at a time per sandbox),
-//! the end of a sandbox and its billing, the reaper and `reconcile`.
+//! `end` is the one way out for all of them. Owns get, list, extend and
+//! destroy, the start of a sandbox's VM (one at a time per sandbox), the
+//! end of a sandbox and its billing, the reaper and `reconcile`.
 
 use crate::api::Caller;
 use crate::config::cost;
 use crate::error::{CoreError, ErrorType, Result};
-use crate::metrics::{CreatePath, Outcome};
+use crate::metrics::CreatePath;
 use crate::model::*;
-use crate::service::checks::{check_create, extension_minutes};
+use crate::service::checks::extension_minutes;
 use crate::service::errors::{not_running, runtime_error};
 use crate::service::Service;
-use sandpit_host::ids::{new_id, rfc3339};
+use sandpit_host::ids::rfc3339;
 use sandpit_host::machines::{Machines, Started};
 use sandpit_runtime::VmState;
-use sandpit_store::{CreateOutcome, ExtendOutcome, SandboxRow};
-use sha2::Digest;
+use sandpit_store::{ExtendOutcome, SandboxRow};
 use std::sync::Arc;
 use std::time::Duration;
 use time::OffsetDateTime;
@@ -36,288 +35,10 @@ use time::OffsetDateTime;
 /// start to finish.
 const REPLAY_WAIT: Duration = Duration::from_secs(60);
 
-/// A create's answer to an Idempotency-Key seen with another request.
-pub(super) const KEY_REUSED: &str =
-    "this Idempotency-Key was already used with a different request body";
-
-/// What an idempotent create is recognised by: the request as checked.
-fn create_hash(
-    size: &str,
-    name: &Option<String>,
-    timeout_minutes: u32,
-    snapshot_id: &Option<String>,
-) -> String {
-    hex::encode(sha2::Sha256::digest(
-        serde_json::to_vec(&(size, name, timeout_minutes, snapshot_id)).expect("json"),
-    ))
-}
-
-/// How many times a create tries one node whose VMs' ids turn out taken
-/// ([`sandpit_store::CreateOutcome::IdTaken`]).
-const MOST_TRIES: u32 = 3;
-
 impl Service {
-    /// The API's `create_sandbox`.
-    pub(super) async fn create(
-        &self,
-        caller: &Caller,
-        req: CreateSandbox,
-        idempotency_key: Option<String>,
-    ) -> Result<(Sandbox, bool)> {
-        let clock = std::time::Instant::now();
-        // A retry of a create from a snapshot answers with what the first
-        // call made, even once the snapshot is gone.
-        if let (Some(_), Some(key)) = (&req.snapshot_id, &idempotency_key) {
-            if let Some((hash, row)) = self.store.created_with_key(&caller.account_id, key).await? {
-                let same_size = req.size.as_ref().is_none_or(|s| *s == row.size);
-                let first = CreateSandbox {
-                    size: Some(row.size.clone()),
-                    ..req.clone()
-                };
-                let (size_name, _, timeout) = check_create(&self.config, &first, Some(key))?;
-                if !same_size
-                    || create_hash(&size_name, &first.name, timeout, &first.snapshot_id) != hash
-                {
-                    return Err(CoreError::conflict(KEY_REUSED));
-                }
-                return Ok((to_sandbox(&self.replayed(row).await?), true));
-            }
-        }
-        // From a snapshot: its size, on the node that holds it.
-        let snapshot = match &req.snapshot_id {
-            Some(s) => Some(self.startable_snapshot(caller, s).await?),
-            None => None,
-        };
-        let req = match &snapshot {
-            Some(snap) if req.size.as_ref().is_some_and(|s| *s != snap.size) => {
-                return Err(CoreError::invalid(format!(
-                    "snapshot {} is of size {}: a sandbox from it is too (leave out size)",
-                    snap.id, snap.size
-                )))
-            }
-            Some(snap) => CreateSandbox {
-                size: Some(snap.size.clone()),
-                ..req
-            },
-            None => req,
-        };
-        let (size_name, size, timeout) =
-            check_create(&self.config, &req, idempotency_key.as_deref())?;
-        let price = size.price_micros_per_hour();
-        let reserve = cost(price, timeout as u64 * 60);
-        let now = OffsetDateTime::now_utc();
-        let request_hash = create_hash(&size_name, &req.name, timeout, &req.snapshot_id);
-        let mut refused = None;
-        let mut placed = None;
-        let mut targets = self
-            .placement(&size_name)
-            .await?
-            .into_iter()
-            .filter(|t| snapshot.as_ref().is_none_or(|s| s.host == t.host))
-            .collect::<Vec<_>>()
-            .into_iter();
-        if let (Some(snap), None) = (&snapshot, targets.as_slice().first()) {
-            return Err(CoreError::new(
-                ErrorType::ServiceUnavailable,
-                format!(
-                    "snapshot {} is kept on node {}, which cannot take a sandbox now; retry",
-                    snap.id, snap.host
-                ),
-            )
-            .with_retry_after(5));
-        }
-        // A node tried again after the id of the VM it gave was taken, and
-        // how many times it was tried.
-        let mut again = None;
-        while let Some((target, tries)) = again.take().or_else(|| targets.next().map(|t| (t, 1))) {
-            let first_try = tries == 1;
-            // A warm pool VM already carries the id its sandbox will have.
-            // Another node's pool, as its last heartbeat published it, names
-            // the sandbox without a call; otherwise the node is asked for
-            // one.
-            let published =
-                match first_try && target.host != self.config.host_name && snapshot.is_none() {
-                    true => self.routes.take_published(&target.host, &size_name),
-                    false => None,
-                };
-            let taken = std::sync::Mutex::new(None);
-            let id = async {
-                if let Some(id) = &published {
-                    *taken.lock().unwrap() = Some(Ok(None));
-                    return Some(id.clone());
-                }
-                // A VM from a snapshot is started for it, never a pool VM.
-                if snapshot.is_some() {
-                    *taken.lock().unwrap() = Some(Ok(None));
-                    return Some(new_id("sbx_"));
-                }
-                let warm = target.machines.take_warm(&size_name).await;
-                let id = match &warm {
-                    Ok(warm) => Some(warm.clone().unwrap_or_else(|| new_id("sbx_"))),
-                    Err(e) => {
-                        tracing::warn!(node = %target.host, "taking a warm VM: {e}");
-                        None
-                    }
-                };
-                *taken.lock().unwrap() = Some(warm);
-                id
-            };
-            let new = sandpit_store::NewSandbox {
-                id: String::new(),
-                account_id: caller.account_id.clone(),
-                name: req.name.clone(),
-                size: size_name.clone(),
-                vcpus: size.vcpus,
-                memory_mb: size.memory_mb,
-                disk_gb: size.disk_gb,
-                timeout_minutes: timeout,
-                price_micros_per_hour: price,
-                host: target.host.clone(),
-                host_epoch: target.epoch,
-                snapshot_id: snapshot.as_ref().map(|s| s.id.clone()),
-                created_at: now,
-                expires_at: now + time::Duration::minutes(timeout as i64),
-                reserve_micros: reserve,
-                max_concurrent: None,
-                disk_limit_bytes: Some(self.config.account_disk_bytes),
-                idempotency: idempotency_key.clone().map(|k| (k, request_hash.clone())),
-            };
-            let outcome = self.store.create_sandbox_named(new, id).await;
-            let warm = match taken.into_inner().unwrap() {
-                // Outside a cluster, the one host's own answer.
-                Some(Err(e)) if self.membership().is_none() => return Err(runtime_error(e)),
-                Some(Err(sandpit_runtime::RuntimeError::Busy(why))) => {
-                    refused = Some(format!("node {} is busy ({why})", target.host));
-                    continue;
-                }
-                Some(Err(sandpit_runtime::RuntimeError::HostFull(why))) => {
-                    refused = Some(format!("node {} is full ({why})", target.host));
-                    continue;
-                }
-                Some(Err(e)) => {
-                    refused = Some(format!("node {} is out of reach ({e})", target.host));
-                    continue;
-                }
-                Some(Ok(warm)) => warm,
-                None => None,
-            };
-            let from_pool = published.is_some() || warm.is_some();
-            // A pool VM whose sandbox was not created goes back, never used;
-            // but one whose id another create took (from the published
-            // pool) is that create's to start, or dies with its pool lease.
-            if let Some(id) = &warm {
-                if !matches!(
-                    outcome,
-                    Ok(CreateOutcome::Created(_) | CreateOutcome::IdTaken)
-                ) {
-                    let _ = target.machines.return_warm(id, &size_name).await;
-                }
-            }
-            match outcome? {
-                // Another create took it first: the node is asked for a VM
-                // (the one it gives may be that same VM, which it has not
-                // handed over yet: then once more).
-                CreateOutcome::IdTaken if tries < MOST_TRIES => {
-                    again = Some((target, tries + 1));
-                }
-                CreateOutcome::IdTaken => {
-                    refused = Some(format!(
-                        "node {} gave VMs whose ids were taken {tries} times",
-                        target.host
-                    ));
-                }
-                // The node filled up or went silent since it was ranked:
-                // the next one.
-                CreateOutcome::HostFull { live, limit } => {
-                    self.routes.refused();
-                    refused = Some(format!("node {} is full ({live} of {limit})", target.host));
-                }
-                CreateOutcome::HostUnavailable => {
-                    self.routes.refused();
-                    refused = Some(format!("node {} left the cluster", target.host));
-                }
-                outcome => {
-                    if matches!(outcome, CreateOutcome::Created(_)) {
-                        self.routes.placed(&target.host);
-                    }
-                    placed = Some((outcome, target.machines, from_pool));
-                    break;
-                }
-            }
-        }
-        let Some((outcome, machines, from_pool)) = placed else {
-            return Err(CoreError::new(
-                ErrorType::ServiceUnavailable,
-                match refused {
-                    Some(why) => format!(
-                        "no node can take a {size_name} sandbox now (the last one tried: {why}); \
-                         retry"
-                    ),
-                    None => "no node can take a sandbox now: none is up with room; retry".into(),
-                },
-            )
-            .with_retry_after(5));
-        };
-        let row = match outcome {
-            CreateOutcome::Created(row) => row,
-            CreateOutcome::Replay(row) => return Ok((to_sandbox(&self.replayed(row).await?), true)),
-            CreateOutcome::IdempotencyConflict => return Err(CoreError::conflict(KEY_REUSED)),
-            CreateOutcome::InsufficientCredits { balance, needed } => {
-                return Err(CoreError::new(
-                    ErrorType::InsufficientCredits,
-                    format!(
-                        "a {size_name} sandbox for {timeout} minutes reserves ${:.6}, but the account has ${:.6} left; add credit or ask for a shorter timeout",
-                        usd(needed),
-                        usd(balance)
-                    ),
-                ))
-            }
-            CreateOutcome::TooManySandboxes { live, limit } => {
-                return Err(CoreError::new(
-                    ErrorType::RateLimited,
-                    format!(
-                        "the account has {live} live sandboxes, its limit is {limit}; destroy one first"
-                    ),
-                )
-                .with_retry_after(10))
-            }
-            CreateOutcome::OverDiskLimit { used, limit } => {
-                return Err(super::disk::over_limit(used, limit))
-            }
-            CreateOutcome::HostUnavailable
-            | CreateOutcome::HostFull { .. }
-            | CreateOutcome::IdTaken => {
-                return Err(CoreError::internal("placement refused after it was taken"))
-            }
-        };
-        self.wake_reaper();
-        // Boot in a task of its own: a client that hangs up mid-create must
-        // not cancel the boot half-way (that would leave a VM and a
-        // "provisioning" row behind). The sandbox is finished either way; the
-        // client finds it with list_sandboxes or an idempotent retry.
-        let me = self
-            .arc_self()
-            .ok_or_else(|| CoreError::internal("the service is shutting down"))?;
-        let booted = tokio::spawn(async move { me.boot(row, machines).await })
-            .await
-            .map_err(|e| CoreError::internal(format!("the create task failed: {e}")))?;
-        let path = match (&snapshot, from_pool, &booted) {
-            (Some(_), _, _) => CreatePath::snapshot,
-            (None, true, _) => CreatePath::pool,
-            (None, false, Ok(row)) => self.how_started(row),
-            (None, false, Err(_)) => CreatePath::new,
-        };
-        let outcome = match booted {
-            Ok(_) => Outcome::ok,
-            Err(_) => Outcome::failed,
-        };
-        crate::metrics::record_create(path, outcome, clock.elapsed());
-        booted.map(|row| (to_sandbox(&row), false))
-    }
-
     /// How the VM of a sandbox started for its create came (not a pool
     /// VM's): only this host's runtime knows whether it was restored.
-    fn how_started(&self, row: &SandboxRow) -> CreatePath {
+    pub(super) fn how_started(&self, row: &SandboxRow) -> CreatePath {
         if row.host != self.config.host_name {
             return CreatePath::new;
         }
@@ -333,7 +54,7 @@ impl Service {
     /// lost with its server (a replica killed mid-create), in which case
     /// the node that starts it records the outcome (see
     /// [`crate::cluster`]). Waits [`REPLAY_WAIT`] at most.
-    async fn replayed(&self, mut row: SandboxRow) -> Result<SandboxRow> {
+    pub(super) async fn replayed(&self, mut row: SandboxRow) -> Result<SandboxRow> {
         if row.status == SandboxStatus::Provisioning {
             // The first call may have been lost before its start reached
             // the node: start it (one in flight there is joined, not

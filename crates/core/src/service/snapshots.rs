@@ -91,7 +91,7 @@ impl Service {
                 return Ok((self.replayed_snapshot(snap).await?, true))
             }
             SnapshotOutcome::IdempotencyConflict => {
-                return Err(CoreError::conflict(super::lifecycle::KEY_REUSED))
+                return Err(CoreError::conflict(super::create::KEY_REUSED))
             }
             SnapshotOutcome::OverQuota {
                 count,

@@ -1,0 +1,443 @@
+//! A sandbox's create, in its steps:
+//!
+//! 1. [`Service::replay_from_snapshot`]: a retry of a create from a
+//!    snapshot answers with what the first call made, even once the
+//!    snapshot is gone.
+//! 2. [`Service::order`]: the request checked and priced (its size, from
+//!    the snapshot when there is one; the whole timeout's cost to reserve).
+//! 3. [`Service::place`]: the nodes that can take it, tried in turn: each
+//!    gives the new sandbox's id ([`Service::claim_id`]: a warm VM's, which
+//!    already carries it, or a new one), and the store writes the row, the
+//!    reservation and the idempotency key in one transaction that checks
+//!    the balance, the account's limits and the node's room.
+//! 4. [`Service::created`]: what the store's outcome means for the caller.
+//! 5. [`Service::start_created`]: the VM started in a task of its own (a
+//!    client that hangs up does not cut it short), the create's metrics.
+
+use crate::api::Caller;
+use crate::cluster::Placement;
+use crate::config::{cost, SizeConfig};
+use crate::error::{CoreError, ErrorType, Result};
+use crate::metrics::{CreatePath, Outcome};
+use crate::model::*;
+use crate::service::checks::check_create;
+use crate::service::errors::runtime_error;
+use crate::service::lifecycle::to_sandbox;
+use crate::service::Service;
+use sandpit_host::ids::new_id;
+use sandpit_host::machines::Machines;
+use sandpit_runtime::RuntimeError;
+use sandpit_store::{CreateOutcome, SandboxRow, SnapshotRow};
+use sha2::Digest;
+use std::sync::Arc;
+use time::OffsetDateTime;
+
+/// A create's answer to an Idempotency-Key seen with another request.
+pub(super) const KEY_REUSED: &str =
+    "this Idempotency-Key was already used with a different request body";
+
+/// How many times a create tries one node whose VMs' ids turn out taken
+/// ([`sandpit_store::CreateOutcome::IdTaken`]).
+const MOST_TRIES: u32 = 3;
+
+/// What an idempotent create is recognised by: the request as checked.
+fn create_hash(
+    size: &str,
+    name: &Option<String>,
+    timeout_minutes: u32,
+    snapshot_id: &Option<String>,
+) -> String {
+    hex::encode(sha2::Sha256::digest(
+        serde_json::to_vec(&(size, name, timeout_minutes, snapshot_id)).expect("json"),
+    ))
+}
+
+/// A create request checked and priced.
+struct Order<'c> {
+    req: CreateSandbox,
+    /// The snapshot it starts from, on the node that holds it.
+    snapshot: Option<SnapshotRow>,
+    size_name: String,
+    size: &'c SizeConfig,
+    timeout: u32,
+    price: Micros,
+    /// The whole timeout's cost, reserved by the create.
+    reserve: Micros,
+    request_hash: String,
+    idempotency_key: Option<String>,
+    at: OffsetDateTime,
+}
+
+/// Where a create was placed: the store's outcome there, the node's VMs,
+/// and whether its VM came from a warm pool.
+struct Placed {
+    outcome: CreateOutcome,
+    machines: Arc<dyn Machines>,
+    from_pool: bool,
+}
+
+/// What one node's try came to.
+enum Try {
+    Placed(Placed),
+    /// The same node again: the id of the VM it gave was taken.
+    Again,
+    /// The next node, for this reason.
+    Refused(String),
+}
+
+impl Service {
+    /// The API's `create_sandbox`.
+    pub(super) async fn create(
+        &self,
+        caller: &Caller,
+        req: CreateSandbox,
+        idempotency_key: Option<String>,
+    ) -> Result<(Sandbox, bool)> {
+        let clock = std::time::Instant::now();
+        if let Some(replayed) = self
+            .replay_from_snapshot(caller, &req, idempotency_key.as_deref())
+            .await?
+        {
+            return Ok((replayed, true));
+        }
+        let order = self.order(caller, req, idempotency_key).await?;
+        let placed = self.place(caller, &order).await?;
+        let from_snapshot = order.snapshot.is_some();
+        let row = match self.created(placed.outcome, &order)? {
+            Ok(row) => row,
+            Err(replayed) => return Ok((to_sandbox(&self.replayed(replayed).await?), true)),
+        };
+        let started = self
+            .start_created(row, placed.machines, from_snapshot, placed.from_pool, clock)
+            .await?;
+        Ok((to_sandbox(&started), false))
+    }
+
+    /// Step 1: a retry of a create from a snapshot, answered with what the
+    /// first call made (checked against the first request).
+    async fn replay_from_snapshot(
+        &self,
+        caller: &Caller,
+        req: &CreateSandbox,
+        idempotency_key: Option<&str>,
+    ) -> Result<Option<Sandbox>> {
+        let (Some(_), Some(key)) = (&req.snapshot_id, idempotency_key) else {
+            return Ok(None);
+        };
+        let Some((hash, row)) = self.store.created_with_key(&caller.account_id, key).await? else {
+            return Ok(None);
+        };
+        let same_size = req.size.as_ref().is_none_or(|s| *s == row.size);
+        let first = CreateSandbox {
+            size: Some(row.size.clone()),
+            ..req.clone()
+        };
+        let (size_name, _, timeout) = check_create(&self.config, &first, Some(key))?;
+        if !same_size || create_hash(&size_name, &first.name, timeout, &first.snapshot_id) != hash {
+            return Err(CoreError::conflict(KEY_REUSED));
+        }
+        Ok(Some(to_sandbox(&self.replayed(row).await?)))
+    }
+
+    /// Step 2: the request checked and priced; from a snapshot, of the
+    /// snapshot's size.
+    async fn order(
+        &self,
+        caller: &Caller,
+        req: CreateSandbox,
+        idempotency_key: Option<String>,
+    ) -> Result<Order<'_>> {
+        let snapshot = match &req.snapshot_id {
+            Some(s) => Some(self.startable_snapshot(caller, s).await?),
+            None => None,
+        };
+        let req = match &snapshot {
+            Some(snap) if req.size.as_ref().is_some_and(|s| *s != snap.size) => {
+                return Err(CoreError::invalid(format!(
+                    "snapshot {} is of size {}: a sandbox from it is too (leave out size)",
+                    snap.id, snap.size
+                )))
+            }
+            Some(snap) => CreateSandbox {
+                size: Some(snap.size.clone()),
+                ..req
+            },
+            None => req,
+        };
+        let (size_name, size, timeout) =
+            check_create(&self.config, &req, idempotency_key.as_deref())?;
+        let price = size.price_micros_per_hour();
+        Ok(Order {
+            request_hash: create_hash(&size_name, &req.name, timeout, &req.snapshot_id),
+            reserve: cost(price, timeout as u64 * 60),
+            req,
+            snapshot,
+            size_name,
+            size,
+            timeout,
+            price,
+            idempotency_key,
+            at: OffsetDateTime::now_utc(),
+        })
+    }
+
+    /// Step 3: the nodes that can take the sandbox, tried in turn until one
+    /// records it (or the store refuses it for the account's sake).
+    async fn place(&self, caller: &Caller, order: &Order<'_>) -> Result<Placed> {
+        let mut targets = self
+            .placement(&order.size_name)
+            .await?
+            .into_iter()
+            .filter(|t| order.snapshot.as_ref().is_none_or(|s| s.host == t.host))
+            .collect::<Vec<_>>()
+            .into_iter();
+        if let (Some(snap), None) = (&order.snapshot, targets.as_slice().first()) {
+            return Err(CoreError::new(
+                ErrorType::ServiceUnavailable,
+                format!(
+                    "snapshot {} is kept on node {}, which cannot take a sandbox now; retry",
+                    snap.id, snap.host
+                ),
+            )
+            .with_retry_after(5));
+        }
+        let mut refused = None;
+        // A node tried again after the id of the VM it gave was taken, and
+        // how many times it was tried.
+        let mut again = None;
+        while let Some((target, tries)) = again.take().or_else(|| targets.next().map(|t| (t, 1))) {
+            match self.try_node(caller, order, &target, tries).await? {
+                Try::Placed(placed) => return Ok(placed),
+                Try::Again => again = Some((target, tries + 1)),
+                Try::Refused(why) => refused = Some(why),
+            }
+        }
+        Err(CoreError::new(
+            ErrorType::ServiceUnavailable,
+            match refused {
+                Some(why) => format!(
+                    "no node can take a {} sandbox now (the last one tried: {why}); retry",
+                    order.size_name
+                ),
+                None => "no node can take a sandbox now: none is up with room; retry".into(),
+            },
+        )
+        .with_retry_after(5))
+    }
+
+    /// One try of node `target` (its `tries`th): the id, then the row.
+    async fn try_node(
+        &self,
+        caller: &Caller,
+        order: &Order<'_>,
+        target: &Placement,
+        tries: u32,
+    ) -> Result<Try> {
+        // Another node's pool, as its last heartbeat published it, names
+        // the sandbox without a call.
+        let published =
+            match tries == 1 && target.host != self.config.host_name && order.snapshot.is_none() {
+                true => self.routes.take_published(&target.host, &order.size_name),
+                false => None,
+            };
+        let taken = std::sync::Mutex::new(None);
+        let id = self.claim_id(order, target, published.clone(), &taken);
+        let new = sandpit_store::NewSandbox {
+            id: String::new(),
+            account_id: caller.account_id.clone(),
+            name: order.req.name.clone(),
+            size: order.size_name.clone(),
+            vcpus: order.size.vcpus,
+            memory_mb: order.size.memory_mb,
+            disk_gb: order.size.disk_gb,
+            timeout_minutes: order.timeout,
+            price_micros_per_hour: order.price,
+            host: target.host.clone(),
+            host_epoch: target.epoch,
+            snapshot_id: order.snapshot.as_ref().map(|s| s.id.clone()),
+            created_at: order.at,
+            expires_at: order.at + time::Duration::minutes(order.timeout as i64),
+            reserve_micros: order.reserve,
+            max_concurrent: None,
+            disk_limit_bytes: Some(self.config.account_disk_bytes),
+            idempotency: order
+                .idempotency_key
+                .clone()
+                .map(|k| (k, order.request_hash.clone())),
+        };
+        let outcome = self.store.create_sandbox_named(new, id).await;
+        let warm = match taken.into_inner().unwrap() {
+            // Outside a cluster, the one host's own answer.
+            Some(Err(e)) if self.membership().is_none() => return Err(runtime_error(e)),
+            Some(Err(RuntimeError::Busy(why))) => {
+                return Ok(Try::Refused(format!(
+                    "node {} is busy ({why})",
+                    target.host
+                )))
+            }
+            Some(Err(RuntimeError::HostFull(why))) => {
+                return Ok(Try::Refused(format!(
+                    "node {} is full ({why})",
+                    target.host
+                )))
+            }
+            Some(Err(e)) => {
+                return Ok(Try::Refused(format!(
+                    "node {} is out of reach ({e})",
+                    target.host
+                )))
+            }
+            Some(Ok(warm)) => warm,
+            None => None,
+        };
+        let from_pool = published.is_some() || warm.is_some();
+        // A pool VM whose sandbox was not created goes back, never used;
+        // but one whose id another create took (from the published pool)
+        // is that create's to start, or dies with its pool lease.
+        if let Some(id) = &warm {
+            if !matches!(
+                outcome,
+                Ok(CreateOutcome::Created(_) | CreateOutcome::IdTaken)
+            ) {
+                let _ = target.machines.return_warm(id, &order.size_name).await;
+            }
+        }
+        Ok(match outcome? {
+            // Another create took it first: the node is asked for a VM (the
+            // one it gives may be that same VM, which it has not handed
+            // over yet: then once more).
+            CreateOutcome::IdTaken if tries < MOST_TRIES => Try::Again,
+            CreateOutcome::IdTaken => Try::Refused(format!(
+                "node {} gave VMs whose ids were taken {tries} times",
+                target.host
+            )),
+            // The node filled up or went silent since it was ranked: the
+            // next one.
+            CreateOutcome::HostFull { live, limit } => {
+                self.routes.refused();
+                Try::Refused(format!("node {} is full ({live} of {limit})", target.host))
+            }
+            CreateOutcome::HostUnavailable => {
+                self.routes.refused();
+                Try::Refused(format!("node {} left the cluster", target.host))
+            }
+            outcome => {
+                if matches!(outcome, CreateOutcome::Created(_)) {
+                    self.routes.placed(&target.host);
+                }
+                Try::Placed(Placed {
+                    outcome,
+                    machines: target.machines.clone(),
+                    from_pool,
+                })
+            }
+        })
+    }
+
+    /// The new sandbox's id, asked for by the store's transaction: the
+    /// published pool VM's (`published`), a new one for a VM started from a
+    /// snapshot (never a pool VM), else a warm VM's, which already carries
+    /// the id its sandbox will have, or a new one. What the node answered
+    /// is left in `taken` (`Ok(None)`: no pool VM was taken).
+    fn claim_id<'a>(
+        &'a self,
+        order: &'a Order<'_>,
+        target: &'a Placement,
+        published: Option<String>,
+        taken: &'a std::sync::Mutex<Option<std::result::Result<Option<String>, RuntimeError>>>,
+    ) -> impl std::future::Future<Output = Option<String>> + Send + 'a {
+        async move {
+            if let Some(id) = published {
+                *taken.lock().unwrap() = Some(Ok(None));
+                return Some(id);
+            }
+            if order.snapshot.is_some() {
+                *taken.lock().unwrap() = Some(Ok(None));
+                return Some(new_id("sbx_"));
+            }
+            let warm = target.machines.take_warm(&order.size_name).await;
+            let id = match &warm {
+                Ok(warm) => Some(warm.clone().unwrap_or_else(|| new_id("sbx_"))),
+                Err(e) => {
+                    tracing::warn!(node = %target.host, "taking a warm VM: {e}");
+                    None
+                }
+            };
+            *taken.lock().unwrap() = Some(warm);
+            id
+        }
+    }
+
+    /// Step 4: the store's outcome for the caller: the new row, the row a
+    /// retry with the same Idempotency-Key finds (`Err`), or the refusal.
+    fn created(
+        &self,
+        outcome: CreateOutcome,
+        order: &Order<'_>,
+    ) -> Result<std::result::Result<SandboxRow, SandboxRow>> {
+        let (size_name, timeout) = (&order.size_name, order.timeout);
+        match outcome {
+            CreateOutcome::Created(row) => Ok(Ok(row)),
+            CreateOutcome::Replay(row) => Ok(Err(row)),
+            CreateOutcome::IdempotencyConflict => Err(CoreError::conflict(KEY_REUSED)),
+            CreateOutcome::InsufficientCredits { balance, needed } => Err(CoreError::new(
+                ErrorType::InsufficientCredits,
+                format!(
+                    "a {size_name} sandbox for {timeout} minutes reserves ${:.6}, but the account \
+                     has ${:.6} left; add credit or ask for a shorter timeout",
+                    usd(needed),
+                    usd(balance)
+                ),
+            )),
+            CreateOutcome::TooManySandboxes { live, limit } => Err(CoreError::new(
+                ErrorType::RateLimited,
+                format!(
+                    "the account has {live} live sandboxes, its limit is {limit}; destroy one first"
+                ),
+            )
+            .with_retry_after(10)),
+            CreateOutcome::OverDiskLimit { used, limit } => {
+                Err(super::disk::over_limit(used, limit))
+            }
+            CreateOutcome::HostUnavailable
+            | CreateOutcome::HostFull { .. }
+            | CreateOutcome::IdTaken => {
+                Err(CoreError::internal("placement refused after it was taken"))
+            }
+        }
+    }
+
+    /// Step 5: the new sandbox's VM started in a task of its own: a client
+    /// that hangs up mid-create must not cancel the start half-way (that
+    /// would leave a VM and a `provisioning` row behind). The sandbox is
+    /// finished either way; the client finds it with `list_sandboxes` or an
+    /// idempotent retry.
+    async fn start_created(
+        &self,
+        row: SandboxRow,
+        machines: Arc<dyn Machines>,
+        from_snapshot: bool,
+        from_pool: bool,
+        clock: std::time::Instant,
+    ) -> Result<SandboxRow> {
+        self.wake_reaper();
+        let me = self
+            .arc_self()
+            .ok_or_else(|| CoreError::internal("the service is shutting down"))?;
+        let booted = tokio::spawn(async move { me.boot(row, machines).await })
+            .await
+            .map_err(|e| CoreError::internal(format!("the create task failed: {e}")))?;
+        let path = match (from_snapshot, from_pool, &booted) {
+            (true, _, _) => CreatePath::snapshot,
+            (false, true, _) => CreatePath::pool,
+            (false, false, Ok(row)) => self.how_started(row),
+            (false, false, Err(_)) => CreatePath::new,
+        };
+        let outcome = match booted {
+            Ok(_) => Outcome::ok,
+            Err(_) => Outcome::failed,
+        };
+        crate::metrics::record_create(path, outcome, clock.elapsed());
+        booted
+    }
+}
