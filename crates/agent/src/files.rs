@@ -12,8 +12,8 @@
 //! target at the end, so a reader never sees half a file.
 
 use crate::channel::Reply;
-use crate::credit::Credit;
 use crate::sys::{self, lock};
+use crate::window::SendWindow;
 use sandpit_protocol::{
     resolve_guest_path, AgentError, DoneResult, ErrorKind, FileEntry, FileKind, Message, RequestId,
     CHUNK_LEN, GUEST_UID, MAX_LISTING_BYTES,
@@ -238,22 +238,22 @@ pub fn write_file(
 
 // ---- read -------------------------------------------------------------
 
-/// The send credit of each read the host gave a window (see
+/// The send window of each read the host gave one (see
 /// [`Message::ReadFile`]).
-static READS: Mutex<Option<HashMap<RequestId, Arc<Credit>>>> = Mutex::new(None);
+static READS: Mutex<Option<HashMap<RequestId, Arc<SendWindow>>>> = Mutex::new(None);
 
 /// How long a read waits for the host to acknowledge data before it gives
 /// up (the host consumes as its client reads; a host gone for good never
 /// acks).
 const ACK_PATIENCE: Duration = Duration::from_secs(120);
 
-/// Register a read with a `window` of send credit.
-pub fn open_read(id: RequestId, window: u32) -> Arc<Credit> {
-    let credit = Arc::new(Credit::new(window.into()));
+/// Registers a read whose send window starts at `window` bytes.
+pub fn open_read(id: RequestId, window: u32) -> Arc<SendWindow> {
+    let send_window = Arc::new(SendWindow::new(window.into()));
     lock(&READS)
         .get_or_insert_with(HashMap::new)
-        .insert(id, credit.clone());
-    credit
+        .insert(id, send_window.clone());
+    send_window
 }
 
 /// The host consumed `bytes` of read `id`.
@@ -275,14 +275,14 @@ pub fn close_read(id: RequestId) -> bool {
     }
 }
 
-/// Send a file: `FileInfo`, `FileData` chunks, `Done{Read}`; with `credit`,
+/// Send a file: `FileInfo`, `FileData` chunks, `Done{Read}`; with `send_window`,
 /// never more data than the host granted and has not acknowledged.
 pub fn read_file(
     reply: &Reply,
     id: RequestId,
     path: &str,
     max_bytes: u64,
-    credit: Option<&Credit>,
+    send_window: Option<&SendWindow>,
 ) -> Result<(), AgentError> {
     let target = resolve_guest_path(path)?;
     // O_NONBLOCK so a FIFO cannot hang the open; it means nothing for
@@ -325,12 +325,12 @@ pub fn read_file(
             ));
         }
         let size = content.len() as u64;
-        return send_content(reply, id, &target, size, &mut &content[..], credit);
+        return send_content(reply, id, &target, size, &mut &content[..], send_window);
     }
     if size > max_bytes {
         return Err(too_large(size.to_string()));
     }
-    send_content(reply, id, &target, size, &mut file, credit)
+    send_content(reply, id, &target, size, &mut file, send_window)
 }
 
 fn send_content(
@@ -339,7 +339,7 @@ fn send_content(
     path: &str,
     size: u64,
     src: &mut dyn Read,
-    credit: Option<&Credit>,
+    send_window: Option<&SendWindow>,
 ) -> Result<(), AgentError> {
     reply.send(
         &Message::FileInfo {
@@ -356,8 +356,8 @@ fn send_content(
             return Ok(()); // the session ended: nobody to send to
         }
         let mut want = (size - sent).min(buf.len() as u64) as usize;
-        if let Some(credit) = credit {
-            match credit.take_within(want, Some(ACK_PATIENCE)) {
+        if let Some(send_window) = send_window {
+            match send_window.take_within(want, Some(ACK_PATIENCE)) {
                 Some(n) => want = n,
                 // Cancelled, or the host stopped taking it: nobody reads on.
                 None => return Ok(()),
@@ -367,16 +367,16 @@ fn send_content(
             Ok(0) => break, // the file shrank meanwhile
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {
-                if let Some(credit) = credit {
-                    credit.add(want as u64);
+                if let Some(send_window) = send_window {
+                    send_window.add(want as u64);
                 }
                 continue;
             }
             Err(e) => return Err(io_error(&e, path)),
         };
-        if let Some(credit) = credit {
-            // Credit taken for bytes the file did not have goes back.
-            credit.add((want - n) as u64);
+        if let Some(send_window) = send_window {
+            // SendWindow taken for bytes the file did not have goes back.
+            send_window.add((want - n) as u64);
         }
         reply.send(&Message::FileData { id }, &buf[..n]);
         sent += n as u64;
@@ -674,10 +674,10 @@ mod tests {
         let body = vec![7u8; 4 * CHUNK_LEN];
         let p = d.join("f");
         fs::write(&p, &body).unwrap();
-        let credit = open_read(40, (CHUNK_LEN + 100) as u32);
+        let send_window = open_read(40, (CHUNK_LEN + 100) as u32);
         let path = s(&p);
         let reading =
-            std::thread::spawn(move || read_file(&reply, 40, &path, 1 << 30, Some(&credit)));
+            std::thread::spawn(move || read_file(&reply, 40, &path, 1 << 30, Some(&send_window)));
         let data_sent = |frames: &[sandpit_protocol::Frame]| -> usize {
             frames
                 .iter()

@@ -18,7 +18,6 @@
 mod cgroup;
 mod channel;
 mod config;
-mod credit;
 mod exec;
 mod files;
 mod init;
@@ -32,6 +31,7 @@ mod server;
 mod spawn;
 mod sys;
 mod tunnel;
+mod window;
 mod workers;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};

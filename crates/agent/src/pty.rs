@@ -3,15 +3,15 @@
 //!
 //! A terminal is a stream like a port tunnel (see `tunnel`, whose table
 //! routes its messages): `TunnelData` carries keystrokes in and output out,
-//! each direction within its credit window, `TunnelClose` from the host
+//! each direction within its send_window window, `TunnelClose` from the host
 //! hangs it up, and `PtyResize` sets its size. Three threads serve one:
 //!
 //! - the *control* thread takes the host's events: input goes to the
-//!   typist's queue, acks to the output credit, sizes to the terminal;
+//!   typist's queue, acks to the output send_window, sizes to the terminal;
 //! - the *typist* writes input into the terminal as the shell reads it (a
 //!   program that reads nothing fills the terminal's buffer; only this
 //!   thread then waits, and the host's window bounds its queue);
-//! - the *reader* sends output within its credit and watches the shell's
+//! - the *reader* sends output within its send_window and watches the shell's
 //!   pidfd: when the shell exits it sends what is left, then `PtyExited`.
 //!
 //! The shell starts as a command does (see `spawn`): its own cgroup under
@@ -29,11 +29,11 @@
 
 use crate::cgroup::{self, ExecCgroup};
 use crate::channel::Reply;
-use crate::credit::Credit;
 use crate::reaper::ExitStatus;
 use crate::spawn::{self, Sandbox};
 use crate::sys::{self, EventFd};
 use crate::tunnel::{self, Event, Registered};
+use crate::window::SendWindow;
 use sandpit_protocol::{AgentError, ErrorKind, Message, RequestId, GUEST_UID, WORKSPACE};
 use std::ffi::CString;
 use std::io;
@@ -114,7 +114,7 @@ fn serve(
             return reply.error(id, AgentError::new(ErrorKind::Io, format!("eventfd: {e}")));
         }
     };
-    let credit = Arc::new(Credit::new(window as u64));
+    let send_window = Arc::new(SendWindow::new(window as u64));
     let (input_tx, input_rx) = mpsc::channel::<Vec<u8>>();
     reply.send(&Message::TunnelOpened { id, window: WINDOW }, &[]);
     let typist = {
@@ -124,19 +124,24 @@ fn serve(
             .spawn(move || type_input(&r, id, &t, &s, input_rx))
     };
     let reader = {
-        let (r, t, s, c) = (reply.clone(), term.clone(), stop.clone(), credit.clone());
+        let (r, t, s, c) = (
+            reply.clone(),
+            term.clone(),
+            stop.clone(),
+            send_window.clone(),
+        );
         thread::Builder::new()
             .name("pty-reader".into())
             .spawn(move || read_output(&r, id, serial, &t, &s, &c))
     };
     if typist.is_ok() && reader.is_ok() {
-        route(&term, &credit, &input_tx, events);
+        route(&term, &send_window, &input_tx, events);
     } else {
         reply.send(&Message::TunnelClose { id }, &[]);
     }
     drop(input_tx);
     stop.signal();
-    credit.close();
+    send_window.close();
     for handle in [typist, reader].into_iter().flatten() {
         let _ = handle.join();
     }
@@ -148,7 +153,12 @@ fn serve(
 
 /// Route the host's events until it closes the stream or the stream is
 /// unregistered (the shell ended).
-fn route(term: &Terminal, credit: &Credit, input: &Sender<Vec<u8>>, events: Receiver<Event>) {
+fn route(
+    term: &Terminal,
+    send_window: &SendWindow,
+    input: &Sender<Vec<u8>>,
+    events: Receiver<Event>,
+) {
     for event in events.iter() {
         match event {
             Event::Data(bytes) => {
@@ -156,7 +166,7 @@ fn route(term: &Terminal, credit: &Credit, input: &Sender<Vec<u8>>, events: Rece
                     return;
                 }
             }
-            Event::Ack(n) => credit.add(n as u64),
+            Event::Ack(n) => send_window.add(n as u64),
             Event::Resize { rows, cols } => {
                 if let Err(e) = set_size(term.master.as_raw_fd(), Size { rows, cols }) {
                     crate::error!("terminal resize: {e}");
@@ -171,7 +181,7 @@ fn route(term: &Terminal, credit: &Credit, input: &Sender<Vec<u8>>, events: Rece
 
 /// The typist: write input into the terminal as it takes it, acknowledging
 /// each piece once written (or dropped: after the shell's end nothing reads
-/// it, and the host's writer must not wait on credit that cannot come).
+/// it, and the host's writer must not wait on send_window that cannot come).
 fn type_input(
     reply: &Reply,
     id: RequestId,
@@ -227,7 +237,7 @@ fn write_all(fd: RawFd, mut bytes: &[u8], stop: &EventFd) -> bool {
     true
 }
 
-/// The reader: send output within the host's credit until the shell exits,
+/// The reader: send output within the host's send_window until the shell exits,
 /// then the rest of it and `PtyExited`, and end the stream.
 fn read_output(
     reply: &Reply,
@@ -235,7 +245,7 @@ fn read_output(
     serial: u64,
     term: &Terminal,
     stop: &EventFd,
-    credit: &Credit,
+    send_window: &SendWindow,
 ) {
     let fd = term.master.as_raw_fd();
     let mut buf = vec![0u8; CHUNK];
@@ -255,7 +265,7 @@ fn read_output(
             break;
         }
         if sys::ready(&fds[2]) {
-            match send_output(reply, id, fd, &mut buf, credit) {
+            match send_output(reply, id, fd, &mut buf, send_window) {
                 Output::Sent | Output::Nothing => {}
                 Output::Closed => open = false,
                 Output::Stopped => return,
@@ -266,7 +276,7 @@ fn read_output(
     // kernel's pending input before it says there is none); send it all,
     // then its status.
     while open {
-        match send_output(reply, id, fd, &mut buf, credit) {
+        match send_output(reply, id, fd, &mut buf, send_window) {
             Output::Sent => {}
             Output::Nothing | Output::Closed => open = false,
             Output::Stopped => return,
@@ -296,19 +306,25 @@ enum Output {
     Nothing,
     /// Every slave end is closed.
     Closed,
-    /// The host stopped granting credit (a hang-up).
+    /// The host stopped granting send_window (a hang-up).
     Stopped,
 }
 
-/// One read of output, sent within credit.
-fn send_output(reply: &Reply, id: RequestId, fd: RawFd, buf: &mut [u8], credit: &Credit) -> Output {
-    let Some(allowed) = credit.take(buf.len()) else {
+/// One read of output, sent within send_window.
+fn send_output(
+    reply: &Reply,
+    id: RequestId,
+    fd: RawFd,
+    buf: &mut [u8],
+    send_window: &SendWindow,
+) -> Output {
+    let Some(allowed) = send_window.take(buf.len()) else {
         return Output::Stopped;
     };
     let read = sys::read_fd(fd, &mut buf[..allowed]);
     let n = *read.as_ref().unwrap_or(&0);
     if n < allowed {
-        credit.add((allowed - n) as u64);
+        send_window.add((allowed - n) as u64);
     }
     match read {
         Ok(0) => Output::Closed,

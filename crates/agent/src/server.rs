@@ -2,7 +2,7 @@
 //!
 //! The reader never blocks on slow work: quick requests (Ping, Cancel, Hello)
 //! are answered inline, everything else gets a thread of its own (tunnel
-//! frames are queued to their stream's thread; credit bounds that queue). The reader
+//! frames are queued to their stream's thread; send_window bounds that queue). The reader
 //! only keeps the upload table (WriteFile id -> channel to its thread), since
 //! it is the one routing FileData frames.
 //!
@@ -142,10 +142,10 @@ impl Server {
             } => {
                 // Registered here, on the reader thread, before any ack
                 // or cancel for it can arrive.
-                let credit = window.map(|w| files::open_read(id, w));
+                let send_window = window.map(|w| files::open_read(id, w));
                 spawn_worker(reply, id, "read-file", true, move |r| {
-                    let read = files::read_file(r, id, &path, max_bytes, credit.as_deref());
-                    if credit.is_some() {
+                    let read = files::read_file(r, id, &path, max_bytes, send_window.as_deref());
+                    if send_window.is_some() {
                         files::close_read(id);
                     }
                     read

@@ -5,7 +5,7 @@
 //! Each stream (named by the id of its `TunnelOpen`) has two threads: the
 //! *up* thread connects, then writes what the host sends into the socket and
 //! acknowledges it; the *down* thread reads the socket and sends it to the
-//! host. Both directions are credit-based: the down thread sends only as many
+//! host. Both directions are send_window-based: the down thread sends only as many
 //! bytes as the host granted and not yet acknowledged, so a slow browser
 //! stalls its own stream and nothing else, and the host sends no more than
 //! the window this side granted, so the up thread's queue is bounded too and
@@ -16,8 +16,8 @@
 //! `TunnelClose`). A half-close travels as `TunnelShutdown` either way.
 
 use crate::channel::Reply;
-use crate::credit::Credit;
 use crate::sys::lock;
+use crate::window::SendWindow;
 use sandpit_protocol::{AgentError, ErrorKind, Message, RequestId};
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
@@ -223,7 +223,7 @@ fn up(reply: &Reply, id: RequestId, port: u16, window: u32, rx: Receiver<Event>)
         }
     };
     let _ = sock.set_nodelay(true);
-    let credit = Arc::new(Credit::new(window as u64));
+    let send_window = Arc::new(SendWindow::new(window as u64));
     let down_sock = match sock.try_clone() {
         Ok(s) => s,
         Err(e) => {
@@ -236,7 +236,7 @@ fn up(reply: &Reply, id: RequestId, port: u16, window: u32, rx: Receiver<Event>)
     };
     reply.send(&Message::TunnelOpened { id, window: WINDOW }, &[]);
     let down_thread = {
-        let (r, c) = (reply.clone(), credit.clone());
+        let (r, c) = (reply.clone(), send_window.clone());
         thread::Builder::new()
             .name("tunnel-down".into())
             .spawn(move || down(&r, id, down_sock, &c))
@@ -259,10 +259,10 @@ fn up(reply: &Reply, id: RequestId, port: u16, window: u32, rx: Receiver<Event>)
                     let _ = sock.shutdown(Shutdown::Both);
                 }
                 // Acknowledge even dropped bytes, so the host's writer never
-                // waits on credit that cannot come.
+                // waits on send_window that cannot come.
                 reply.send(&Message::TunnelAck { id, bytes: n }, &[]);
             }
-            Event::Ack(n) => credit.add(n as u64),
+            Event::Ack(n) => send_window.add(n as u64),
             Event::Shutdown => {
                 writable = false;
                 let _ = sock.shutdown(Shutdown::Write);
@@ -271,17 +271,17 @@ fn up(reply: &Reply, id: RequestId, port: u16, window: u32, rx: Receiver<Event>)
             Event::Resize { .. } => {}
         }
     }
-    credit.close();
+    send_window.close();
     let _ = sock.shutdown(Shutdown::Both);
     if let Ok(h) = down_thread {
         let _ = h.join();
     }
 }
 
-fn down(reply: &Reply, id: RequestId, mut sock: TcpStream, credit: &Credit) {
+fn down(reply: &Reply, id: RequestId, mut sock: TcpStream, send_window: &SendWindow) {
     let mut buf = vec![0u8; CHUNK];
     loop {
-        let Some(allowed) = credit.take(CHUNK) else {
+        let Some(allowed) = send_window.take(CHUNK) else {
             return;
         };
         match sock.read(&mut buf[..allowed]) {
@@ -291,11 +291,11 @@ fn down(reply: &Reply, id: RequestId, mut sock: TcpStream, credit: &Credit) {
             }
             Ok(n) => {
                 if n < allowed {
-                    credit.add((allowed - n) as u64);
+                    send_window.add((allowed - n) as u64);
                 }
                 reply.send(&Message::TunnelData { id }, &buf[..n]);
             }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => credit.add(allowed as u64),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => send_window.add(allowed as u64),
             Err(_) => {
                 reply.send(&Message::TunnelClose { id }, &[]);
                 return;
@@ -334,7 +334,7 @@ mod tests {
     }
 
     #[test]
-    fn a_stream_echoes_with_credit_and_half_close() {
+    fn a_stream_echoes_within_its_window_and_half_closes() {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = l.local_addr().unwrap().port();
         let server = thread::spawn(move || {

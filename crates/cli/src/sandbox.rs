@@ -21,7 +21,7 @@ use sandpit_core::{
     Snapshot,
 };
 use sandpit_protocol::ExecRequest;
-use sandpit_runtime::{CreateVm, ExecEvent, RuntimeError, VmManager, VmRecord, VmState};
+use sandpit_runtime::{CreateVm, GuestExecEvent, RuntimeError, VmManager, VmRecord, VmState};
 use sandpit_server::images;
 use sandpit_server::settings::Settings;
 use std::collections::BTreeMap;
@@ -589,9 +589,9 @@ async fn exec(settings: &Settings, a: ExecArgs) -> Result<i32> {
     loop {
         tokio::select! {
             ev = h.next() => match ev? {
-                ExecEvent::Stdout(b) => { out.write_all(&b)?; out.flush()?; }
-                ExecEvent::Stderr(b) => { err.write_all(&b)?; err.flush()?; }
-                ExecEvent::Exited(r) => {
+                GuestExecEvent::Stdout(b) => { out.write_all(&b)?; out.flush()?; }
+                GuestExecEvent::Stderr(b) => { err.write_all(&b)?; err.flush()?; }
+                GuestExecEvent::Exited(r) => {
                     if r.stdout_truncated || r.stderr_truncated {
                         eprintln!("sandpit: output past {MAX_OUTPUT} bytes per stream was dropped");
                     }

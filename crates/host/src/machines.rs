@@ -11,7 +11,7 @@
 
 use async_trait::async_trait;
 use sandpit_protocol::{ExecRequest, FileEntry};
-use sandpit_runtime::{ExecEvent, RuntimeError, VmState};
+use sandpit_runtime::{GuestExecEvent, RuntimeError, VmState};
 pub use sandpit_runtime::{PtyExit, PtySize};
 use std::sync::Arc;
 use time::OffsetDateTime;
@@ -156,7 +156,7 @@ pub struct Listing {
 #[async_trait]
 pub trait Command: Send {
     /// The next event; `Exited` (or an error) is the last.
-    async fn next(&mut self) -> VmResult<ExecEvent>;
+    async fn next(&mut self) -> VmResult<GuestExecEvent>;
     /// Kills the command; its end follows, cancelled.
     fn cancel(&self);
 }

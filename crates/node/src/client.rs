@@ -19,7 +19,7 @@ use sandpit_host::machines::{
     Tunnel, Upload, VmResult, TERMINAL_QUEUE,
 };
 use sandpit_protocol::ExecRequest;
-use sandpit_runtime::{ExecEvent, RuntimeError, VmState};
+use sandpit_runtime::{GuestExecEvent, RuntimeError, VmState};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use std::sync::Arc;
@@ -642,11 +642,14 @@ struct RemoteCommand {
 
 #[async_trait]
 impl Command for RemoteCommand {
-    async fn next(&mut self) -> VmResult<ExecEvent> {
+    async fn next(&mut self) -> VmResult<GuestExecEvent> {
         loop {
             match wire::decode(&mut self.buf) {
                 Ok(Some(event)) => {
-                    if !matches!(event, Ok(ExecEvent::Stdout(_)) | Ok(ExecEvent::Stderr(_))) {
+                    if !matches!(
+                        event,
+                        Ok(GuestExecEvent::Stdout(_)) | Ok(GuestExecEvent::Stderr(_))
+                    ) {
                         self.upstream = None;
                     }
                     return event;
@@ -786,7 +789,7 @@ impl Download for RemoteDownload {
     async fn next_chunk(&mut self) -> VmResult<Option<Vec<u8>>> {
         match self.frame().await? {
             None => Ok(None),
-            Some(DownloadFrame::Event(Ok(ExecEvent::Stdout(piece)))) => Ok(Some(piece)),
+            Some(DownloadFrame::Event(Ok(GuestExecEvent::Stdout(piece)))) => Ok(Some(piece)),
             Some(DownloadFrame::Event(Err(e))) => Err(e),
             Some(_) => Err(self.node.disconnected("an unexpected frame in a download")),
         }

@@ -22,7 +22,7 @@ use hyper::body::{Frame, Incoming};
 use hyper::{Request, Response, StatusCode};
 use sandpit_host::machines::{Machines, PtySize, Started, Terminal, TERMINAL_QUEUE};
 use sandpit_protocol::ExecRequest;
-use sandpit_runtime::{ExecEvent, RuntimeError};
+use sandpit_runtime::{GuestExecEvent, RuntimeError};
 use serde::{Deserialize, Serialize};
 use std::future::Future;
 use std::pin::Pin;
@@ -428,7 +428,10 @@ async fn exec(vms: Arc<dyn Machines>, id: String, mut body: Head) -> Response<Bo
                     continue;
                 }
             };
-            let last = !matches!(event, Ok(ExecEvent::Stdout(_)) | Ok(ExecEvent::Stderr(_)));
+            let last = !matches!(
+                event,
+                Ok(GuestExecEvent::Stdout(_)) | Ok(GuestExecEvent::Stderr(_))
+            );
             if tx.send(wire::encode(&event)).await.is_err() {
                 // The caller went: dropping the command kills it.
                 return;
@@ -491,7 +494,7 @@ async fn download(vms: Arc<dyn Machines>, id: String, args: wire::FileArgs) -> R
         }
         loop {
             let (frame, last) = match download.next_chunk().await {
-                Ok(Some(piece)) => (wire::encode(&Ok(ExecEvent::Stdout(piece))), false),
+                Ok(Some(piece)) => (wire::encode(&Ok(GuestExecEvent::Stdout(piece))), false),
                 Ok(None) => return,
                 Err(e) => (wire::encode(&Err(e)), true),
             };

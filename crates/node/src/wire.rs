@@ -10,7 +10,7 @@
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use sandpit_host::machines::{PtyInput, PtyOutput};
 use sandpit_protocol::{AgentError, ExecResult};
-use sandpit_runtime::{ExecEvent, RuntimeError, VmState};
+use sandpit_runtime::{GuestExecEvent, RuntimeError, VmState};
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 
@@ -37,11 +37,11 @@ fn frame(kind: u8, payload: &[u8]) -> Bytes {
 }
 
 /// The frame of one event, or of the error that ended the command.
-pub fn encode(event: &Result<ExecEvent, RuntimeError>) -> Bytes {
+pub fn encode(event: &Result<GuestExecEvent, RuntimeError>) -> Bytes {
     match event {
-        Ok(ExecEvent::Stdout(b)) => frame(STDOUT, b),
-        Ok(ExecEvent::Stderr(b)) => frame(STDERR, b),
-        Ok(ExecEvent::Exited(r)) => frame(EXITED, &serde_json::to_vec(r).expect("json")),
+        Ok(GuestExecEvent::Stdout(b)) => frame(STDOUT, b),
+        Ok(GuestExecEvent::Stderr(b)) => frame(STDERR, b),
+        Ok(GuestExecEvent::Exited(r)) => frame(EXITED, &serde_json::to_vec(r).expect("json")),
         Err(RuntimeError::Agent(a)) => frame(AGENT_ERROR, &serde_json::to_vec(a).expect("json")),
         Err(e) => frame(
             OTHER_ERROR,
@@ -65,7 +65,7 @@ pub fn encode_meta(meta: &DownloadMeta) -> Bytes {
 /// One frame of a download: its head, a piece or an error.
 pub enum DownloadFrame {
     Meta(DownloadMeta),
-    Event(Result<ExecEvent, RuntimeError>),
+    Event(Result<GuestExecEvent, RuntimeError>),
 }
 
 /// Takes one whole download frame off the front of `buf`, if it holds one.
@@ -246,15 +246,15 @@ pub struct Written {
 }
 
 /// Takes one whole frame off the front of `buf`, if it holds one.
-pub fn decode(buf: &mut BytesMut) -> Result<Option<Result<ExecEvent, RuntimeError>>, String> {
+pub fn decode(buf: &mut BytesMut) -> Result<Option<Result<GuestExecEvent, RuntimeError>>, String> {
     let Some((kind, payload)) = take_frame(buf)? else {
         return Ok(None);
     };
     let bad = |e: serde_json::Error| format!("frame {kind}: {e}");
     Ok(Some(match kind {
-        STDOUT => Ok(ExecEvent::Stdout(payload.to_vec())),
-        STDERR => Ok(ExecEvent::Stderr(payload.to_vec())),
-        EXITED => Ok(ExecEvent::Exited(
+        STDOUT => Ok(GuestExecEvent::Stdout(payload.to_vec())),
+        STDERR => Ok(GuestExecEvent::Stderr(payload.to_vec())),
+        EXITED => Ok(GuestExecEvent::Exited(
             serde_json::from_slice::<ExecResult>(&payload).map_err(bad)?,
         )),
         AGENT_ERROR => Err(RuntimeError::Agent(
@@ -378,8 +378,8 @@ mod tests {
     #[test]
     fn events_round_trip_whole_and_in_pieces() {
         let events = vec![
-            Ok(ExecEvent::Stdout(vec![0, 1, 2, 255])),
-            Ok(ExecEvent::Stderr(b"oops\n".to_vec())),
+            Ok(GuestExecEvent::Stdout(vec![0, 1, 2, 255])),
+            Ok(GuestExecEvent::Stderr(b"oops\n".to_vec())),
             Err(RuntimeError::Disconnected("gone".into())),
         ];
         let mut all = BytesMut::new();
@@ -396,7 +396,7 @@ mod tests {
             }
         }
         assert_eq!(got.len(), 3);
-        assert!(matches!(&got[0], Ok(ExecEvent::Stdout(b)) if b == &[0, 1, 2, 255]));
+        assert!(matches!(&got[0], Ok(GuestExecEvent::Stdout(b)) if b == &[0, 1, 2, 255]));
         assert!(matches!(&got[2], Err(RuntimeError::Disconnected(m)) if m.contains("gone")));
         // A VM that died stays a VM that died on the other side.
         let mut buf = BytesMut::from(

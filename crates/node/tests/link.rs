@@ -11,7 +11,7 @@ use sandpit_node::{
     client_config, init_ca, issue, server_config, Health, NodeClient, NodeError, NodeState,
 };
 use sandpit_protocol::{AgentError, ErrorKind, ExecRequest, ExecResult};
-use sandpit_runtime::{ExecEvent, RuntimeError, VmState};
+use sandpit_runtime::{GuestExecEvent, RuntimeError, VmState};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -90,19 +90,19 @@ fn not_found(path: &str) -> RuntimeError {
 }
 
 struct FakeCommand {
-    events: Vec<ExecEvent>,
+    events: Vec<GuestExecEvent>,
     cancel: Arc<tokio::sync::Notify>,
     cancelled: Arc<AtomicUsize>,
 }
 
 #[async_trait]
 impl Command for FakeCommand {
-    async fn next(&mut self) -> VmResult<ExecEvent> {
+    async fn next(&mut self) -> VmResult<GuestExecEvent> {
         if self.events.len() > 1 {
             return Ok(self.events.remove(0));
         }
         // The last event (the exit) waits for a cancel if it asks to.
-        if let Some(ExecEvent::Exited(r)) = self.events.first() {
+        if let Some(GuestExecEvent::Exited(r)) = self.events.first() {
             if r.cancelled {
                 self.cancel.notified().await;
                 self.cancelled.fetch_add(1, Ordering::SeqCst);
@@ -244,9 +244,9 @@ impl Machines for FakeVms {
         let wait = request.command == "sleep";
         Ok(Box::new(FakeCommand {
             events: vec![
-                ExecEvent::Stdout(vec![0, 159, 146, 150, b'\n']),
-                ExecEvent::Stderr(request.command.into_bytes()),
-                ExecEvent::Exited(ExecResult {
+                GuestExecEvent::Stdout(vec![0, 159, 146, 150, b'\n']),
+                GuestExecEvent::Stderr(request.command.into_bytes()),
+                GuestExecEvent::Exited(ExecResult {
                     exit_code: (!wait).then_some(3),
                     signal: wait.then_some(9),
                     timed_out: false,
@@ -585,19 +585,19 @@ async fn a_nodes_vms_answer_through_the_link_as_they_would_at_home() {
     let mut events = Vec::new();
     loop {
         let e = cmd.next().await.unwrap();
-        let last = matches!(e, ExecEvent::Exited(_));
+        let last = matches!(e, GuestExecEvent::Exited(_));
         events.push(e);
         if last {
             break;
         }
     }
-    assert!(matches!(&events[0], ExecEvent::Stdout(b) if b == &[0, 159, 146, 150, b'\n']));
-    assert!(matches!(&events[2], ExecEvent::Exited(r) if r.exit_code == Some(3)));
+    assert!(matches!(&events[0], GuestExecEvent::Stdout(b) if b == &[0, 159, 146, 150, b'\n']));
+    assert!(matches!(&events[2], GuestExecEvent::Exited(r) if r.exit_code == Some(3)));
     let mut cmd = remote.exec("vm1", exec_request("sleep")).await.unwrap();
     cmd.next().await.unwrap();
     cmd.next().await.unwrap();
     cmd.cancel();
-    assert!(matches!(cmd.next().await.unwrap(), ExecEvent::Exited(r) if r.cancelled));
+    assert!(matches!(cmd.next().await.unwrap(), GuestExecEvent::Exited(r) if r.cancelled));
     assert_eq!(vms.cancelled.load(Ordering::SeqCst), 1);
 
     // Files: a binary one in pieces, a listing, a delete; a missing file

@@ -4,7 +4,7 @@
 
 use crate::common::*;
 use sandpit_protocol::ErrorKind;
-use sandpit_runtime::{ExecEvent, RuntimeError};
+use sandpit_runtime::{GuestExecEvent, RuntimeError};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -187,13 +187,13 @@ fn output_is_streamed_as_it_is_produced() {
         let mut all = Vec::new();
         loop {
             match h.next().await.unwrap() {
-                ExecEvent::Stdout(b) => {
+                GuestExecEvent::Stdout(b) => {
                     if first_at.is_none() {
                         first_at = Some(start.elapsed());
                     }
                     all.extend(b);
                 }
-                ExecEvent::Exited(r) => {
+                GuestExecEvent::Exited(r) => {
                     assert_eq!(r.exit_code, Some(0));
                     break;
                 }

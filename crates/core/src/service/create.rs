@@ -78,7 +78,7 @@ struct Placed {
 
 /// What one node's try came to.
 enum Try {
-    Placed(Placed),
+    Placed(Box<Placed>),
     /// The same node again: the id of the VM it gave was taken.
     Again,
     /// The next node, for this reason.
@@ -207,7 +207,7 @@ impl Service {
         let mut again = None;
         while let Some((target, tries)) = again.take().or_else(|| targets.next().map(|t| (t, 1))) {
             match self.try_node(caller, order, &target, tries).await? {
-                Try::Placed(placed) => return Ok(placed),
+                Try::Placed(placed) => return Ok(*placed),
                 Try::Again => again = Some((target, tries + 1)),
                 Try::Refused(why) => refused = Some(why),
             }
@@ -325,11 +325,11 @@ impl Service {
                 if matches!(outcome, CreateOutcome::Created(_)) {
                     self.routes.placed(&target.host);
                 }
-                Try::Placed(Placed {
+                Try::Placed(Box::new(Placed {
                     outcome,
                     machines: target.machines.clone(),
                     from_pool,
-                })
+                }))
             }
         })
     }

@@ -18,7 +18,7 @@ use crate::utf8::Utf8Chunker;
 use sandpit_host::ids::{new_id, rfc3339};
 use sandpit_host::machines::Command;
 use sandpit_protocol::ExecRequest;
-use sandpit_runtime::{ExecEvent as VmEvent, RuntimeError, VmState};
+use sandpit_runtime::{GuestExecEvent, RuntimeError, VmState};
 use sandpit_store::{ExecutionResult, ExecutionRow, ExecutionState, SandboxRow};
 use time::OffsetDateTime;
 use tokio::sync::{mpsc, oneshot};
@@ -159,21 +159,21 @@ impl Service {
                 }
             };
             match ev {
-                Ok(VmEvent::Stdout(b)) => {
+                Ok(GuestExecEvent::Stdout(b)) => {
                     let s = within(&stdout, out.push(&b), limit, &mut cut_here);
                     stdout.push_str(&s);
                     if let (Some(tx), false) = (&tx, s.is_empty()) {
                         let _ = tx.send(ExecEvent::Stdout(s)).await;
                     }
                 }
-                Ok(VmEvent::Stderr(b)) => {
+                Ok(GuestExecEvent::Stderr(b)) => {
                     let s = within(&stderr, err.push(&b), limit, &mut cut_here);
                     stderr.push_str(&s);
                     if let (Some(tx), false) = (&tx, s.is_empty()) {
                         let _ = tx.send(ExecEvent::Stderr(s)).await;
                     }
                 }
-                Ok(VmEvent::Exited(r)) => break Ok(r),
+                Ok(GuestExecEvent::Exited(r)) => break Ok(r),
                 Err(e) => break Err(e),
             }
         };

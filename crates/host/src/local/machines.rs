@@ -13,7 +13,7 @@ struct LocalCommand {
 
 #[async_trait]
 impl Command for LocalCommand {
-    async fn next(&mut self) -> VmResult<sandpit_runtime::ExecEvent> {
+    async fn next(&mut self) -> VmResult<sandpit_runtime::GuestExecEvent> {
         self.handle.next().await
     }
 
@@ -39,7 +39,7 @@ impl Upload for LocalUpload {
 }
 
 struct LocalDownload {
-    download: sandpit_runtime::FileDownload,
+    download: sandpit_runtime::GuestDownload,
     _live: sandpit_runtime::Held,
 }
 

@@ -92,7 +92,7 @@ pub const OUT_QUEUE_LIMIT: u64 = 96 * 1024 * 1024;
 pub const STREAM_HIGH_WATER: u64 = 4 * 1024 * 1024;
 
 /// Bytes of a file read the guest may send before the host acknowledges
-/// them ([`Message::FileAck`], sent as [`FileDownload::next_chunk`] hands
+/// them ([`Message::FileAck`], sent as [`GuestDownload::next_chunk`] hands
 /// pieces on): what waits in the host for a slow reader of one download.
 pub const READ_WINDOW: u32 = 1024 * 1024;
 
@@ -107,9 +107,9 @@ pub(crate) struct Inner {
     /// Told whenever the writer wrote something (or the connection ended).
     drained: Arc<tokio::sync::Notify>,
     pub(crate) pending: Mutex<HashMap<RequestId, mpsc::UnboundedSender<Frame>>>,
-    /// Send credit of open tunnel streams; `TunnelAck`s go here directly, so
-    /// a writer learns of credit even while nobody reads its stream.
-    pub(crate) credits: Mutex<HashMap<RequestId, Arc<crate::channel::tunnel::SendCredit>>>,
+    /// The send windows of open tunnel streams; `TunnelAck`s go here directly, so
+    /// a writer learns its window grew even while nobody reads its stream.
+    pub(crate) windows: Mutex<HashMap<RequestId, Arc<crate::channel::tunnel::SendWindow>>>,
     next_id: AtomicU64,
     pub(crate) closed: AtomicBool,
     /// The reader and writer tasks, so `close` can end the connection while
@@ -123,7 +123,7 @@ impl Inner {
         self.closed.store(true, Ordering::SeqCst);
         self.drained.notify_waiters();
         self.pending.lock().unwrap().clear();
-        for (_, c) in self.credits.lock().unwrap().drain() {
+        for (_, c) in self.windows.lock().unwrap().drain() {
             c.close();
         }
     }
@@ -206,7 +206,7 @@ pub struct AgentClient {
 
 /// An event of a running command.
 #[derive(Debug, Clone, PartialEq)]
-pub enum ExecEvent {
+pub enum GuestExecEvent {
     Stdout(Vec<u8>),
     Stderr(Vec<u8>),
     Exited(ExecResult),
@@ -231,7 +231,7 @@ pub struct ExecHandle {
 
 impl ExecHandle {
     /// The next event; `Exited` is the last one.
-    pub async fn next(&mut self) -> Result<ExecEvent> {
+    pub async fn next(&mut self) -> Result<GuestExecEvent> {
         if self.finished {
             return Err(RuntimeError::Disconnected(
                 "the command already exited".into(),
@@ -262,12 +262,12 @@ impl ExecHandle {
             }
         };
         match frame.message {
-            Message::Stdout { .. } => Ok(ExecEvent::Stdout(take_within(
+            Message::Stdout { .. } => Ok(GuestExecEvent::Stdout(take_within(
                 frame.body,
                 &mut self.stdout_left,
                 &mut self.cut.0,
             ))),
-            Message::Stderr { .. } => Ok(ExecEvent::Stderr(take_within(
+            Message::Stderr { .. } => Ok(GuestExecEvent::Stderr(take_within(
                 frame.body,
                 &mut self.stderr_left,
                 &mut self.cut.1,
@@ -276,7 +276,7 @@ impl ExecHandle {
                 self.finished = true;
                 result.stdout_truncated |= self.cut.0;
                 result.stderr_truncated |= self.cut.1;
-                Ok(ExecEvent::Exited(result))
+                Ok(GuestExecEvent::Exited(result))
             }
             Message::Error { error, .. } => {
                 self.finished = true;
@@ -389,7 +389,7 @@ impl Drop for FileUpload {
 }
 
 /// A file being read from the guest (see [`AgentClient::download`]).
-pub struct FileDownload {
+pub struct GuestDownload {
     id: RequestId,
     inner: Arc<Inner>,
     rx: mpsc::UnboundedReceiver<Frame>,
@@ -400,7 +400,7 @@ pub struct FileDownload {
     ended: bool,
 }
 
-impl FileDownload {
+impl GuestDownload {
     /// The file's resolved path.
     pub fn path(&self) -> &str {
         &self.path
@@ -464,7 +464,7 @@ impl FileDownload {
     }
 }
 
-impl Drop for FileDownload {
+impl Drop for GuestDownload {
     fn drop(&mut self) {
         if !self.ended {
             // Nobody takes the rest: the guest stops sending it.
@@ -572,7 +572,7 @@ impl AgentClient {
             queued,
             drained,
             pending: Mutex::new(HashMap::new()),
-            credits: Mutex::new(HashMap::new()),
+            windows: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             closed: AtomicBool::new(false),
             tasks: Mutex::new(Vec::new()),
@@ -748,9 +748,9 @@ impl AgentClient {
         let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
         loop {
             match h.next().await? {
-                ExecEvent::Stdout(b) => stdout.extend_from_slice(&b),
-                ExecEvent::Stderr(b) => stderr.extend_from_slice(&b),
-                ExecEvent::Exited(result) => {
+                GuestExecEvent::Stdout(b) => stdout.extend_from_slice(&b),
+                GuestExecEvent::Stderr(b) => stderr.extend_from_slice(&b),
+                GuestExecEvent::Exited(result) => {
                     return Ok(ExecOutput {
                         stdout,
                         stderr,
@@ -800,10 +800,10 @@ impl AgentClient {
     }
 
     /// Start reading a file of at most `max_bytes`: its resolved path and
-    /// size, then its content a chunk at a time ([`FileDownload::next_chunk`]).
-    pub async fn download(&self, path: &str, max_bytes: u64) -> Result<FileDownload> {
+    /// size, then its content a chunk at a time ([`GuestDownload::next_chunk`]).
+    pub async fn download(&self, path: &str, max_bytes: u64) -> Result<GuestDownload> {
         let (id, rx) = self.register()?;
-        let mut download = FileDownload {
+        let mut download = GuestDownload {
             id,
             inner: self.inner.clone(),
             rx,
@@ -908,14 +908,14 @@ fn route(inner: &Inner, frame: Frame) {
     };
     match frame.message {
         Message::TunnelAck { bytes, .. } => {
-            if let Some(c) = inner.credits.lock().unwrap().get(&id) {
+            if let Some(c) = inner.windows.lock().unwrap().get(&id) {
                 c.add(bytes as u64);
             }
             return;
         }
         Message::TunnelData { .. } => {
             let within = inner
-                .credits
+                .windows
                 .lock()
                 .unwrap()
                 .get(&id)

@@ -3,7 +3,7 @@
 //! anything else) can speak over it as over a socket.
 //!
 //! Many streams share the one agent connection with commands and file
-//! transfers, so each direction is credit-based (see the agent's `tunnel`
+//! transfers, so each direction is send_window-based (see the agent's `tunnel`
 //! module): this side sends at most the window the guest granted and waits
 //! for its `TunnelAck`s; it acknowledges what it has handed to its reader,
 //! so a reader that stops reading stops the guest from sending on that
@@ -27,7 +27,7 @@ const CHUNK: usize = 64 * 1024;
 
 /// How many bytes this side may still send on a stream, and how many the
 /// guest sent that this side has not acknowledged yet.
-pub(crate) struct SendCredit {
+pub(crate) struct SendWindow {
     state: Mutex<CreditState>,
     unacked: AtomicU64,
 }
@@ -39,9 +39,9 @@ struct CreditState {
     waker: Option<Waker>,
 }
 
-impl SendCredit {
+impl SendWindow {
     fn new() -> Self {
-        SendCredit {
+        SendWindow {
             state: Mutex::new(CreditState::default()),
             unacked: AtomicU64::new(0),
         }
@@ -53,7 +53,7 @@ impl SendCredit {
         self.unacked.fetch_add(n, Ordering::SeqCst) + n <= WINDOW as u64
     }
 
-    /// Credit from the guest (its window, its acks), never past [`WINDOW`]:
+    /// SendWindow from the guest (its window, its acks), never past [`WINDOW`]:
     /// a guest granting more, or acking what it never got, cannot make the
     /// host queue more than that per stream.
     pub(crate) fn add(&self, n: u64) {
@@ -78,7 +78,7 @@ pub struct TunnelStream {
     id: RequestId,
     inner: Arc<Inner>,
     rx: mpsc::UnboundedReceiver<Frame>,
-    credit: Arc<SendCredit>,
+    send_window: Arc<SendWindow>,
     /// The frame being read, and how much of it was handed out.
     buf: Vec<u8>,
     pos: usize,
@@ -119,7 +119,7 @@ pub(crate) fn violated(inner: &Inner, id: RequestId) {
 
 fn close_stream(inner: &Inner, id: RequestId) {
     let had = inner.pending.lock().unwrap().remove(&id).is_some();
-    if let Some(c) = inner.credits.lock().unwrap().remove(&id) {
+    if let Some(c) = inner.windows.lock().unwrap().remove(&id) {
         c.close();
     }
     if had {
@@ -149,14 +149,18 @@ impl AgentClient {
     ) -> Result<TunnelStream> {
         let (id, rx) = self.register()?;
         let inner = self.inner().clone();
-        let credit = Arc::new(SendCredit::new());
-        inner.credits.lock().unwrap().insert(id, credit.clone());
+        let send_window = Arc::new(SendWindow::new());
+        inner
+            .windows
+            .lock()
+            .unwrap()
+            .insert(id, send_window.clone());
         // From here on, dropping `stream` (also mid-open) closes the stream.
         let mut stream = TunnelStream {
             id,
             inner: inner.clone(),
             rx,
-            credit,
+            send_window,
             buf: Vec::new(),
             pos: 0,
             read_eof: false,
@@ -168,7 +172,7 @@ impl AgentClient {
         let frame = crate::channel::next_frame(&mut stream.rx, deadline, what).await?;
         match frame.message {
             Message::TunnelOpened { window, .. } => {
-                stream.credit.add(window as u64);
+                stream.send_window.add(window as u64);
                 Ok(stream)
             }
             Message::Error { error, .. } => {
@@ -215,7 +219,7 @@ impl AsyncRead for TunnelStream {
                     let bytes = this.buf.len() as u32;
                     this.buf.clear();
                     this.pos = 0;
-                    this.credit
+                    this.send_window
                         .unacked
                         .fetch_sub(bytes as u64, Ordering::SeqCst);
                     let _ = this
@@ -242,7 +246,7 @@ impl AsyncRead for TunnelStream {
                     Message::TunnelClose { .. } => {
                         // The guest's socket failed: no more either way.
                         this.read_eof = true;
-                        this.credit.close();
+                        this.send_window.close();
                     }
                     Message::PtyExited {
                         exit_code, signal, ..
@@ -251,7 +255,7 @@ impl AsyncRead for TunnelStream {
                         // the guest forgot the stream.
                         *this.exit.lock().unwrap() = Some(PtyExit { exit_code, signal });
                         this.read_eof = true;
-                        this.credit.close();
+                        this.send_window.close();
                         this.inner.pending.lock().unwrap().remove(&this.id);
                     }
                     Message::Error { error, .. } => {
@@ -277,7 +281,7 @@ impl AsyncWrite for TunnelStream {
             return Poll::Ready(Ok(0));
         }
         let n = {
-            let mut s = self.credit.state.lock().unwrap();
+            let mut s = self.send_window.state.lock().unwrap();
             if s.closed {
                 return Poll::Ready(Err(broken("the tunnel is closed")));
             }
@@ -409,7 +413,7 @@ mod tests {
         // 5000 bytes: the first 1000 go at once, the rest after the ack.
         tokio::time::timeout(Duration::from_secs(10), t.write_all(&[7u8; 5000]))
             .await
-            .expect("the writer was never given credit")
+            .expect("the writer was never given send_window")
             .unwrap();
         let mut seen = Vec::new();
         while let Ok(Some(n)) = tokio::time::timeout(Duration::from_millis(500), rx.recv()).await {

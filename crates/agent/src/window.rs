@@ -1,4 +1,4 @@
-//! Send credit: how many bytes this side may still send on a stream before
+//! The send window: how many bytes this side may still send on a stream before
 //! the host acknowledges some (tunnels' down direction, file reads). The
 //! host grants a window and acks what it consumed, so what waits in the
 //! host for a slow consumer is at most the window.
@@ -7,15 +7,15 @@ use crate::sys::lock;
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-pub struct Credit {
+pub struct SendWindow {
     /// (bytes that may be sent, closed)
     state: Mutex<(u64, bool)>,
     cv: Condvar,
 }
 
-impl Credit {
+impl SendWindow {
     pub fn new(n: u64) -> Self {
-        Credit {
+        SendWindow {
             state: Mutex::new((n, false)),
             cv: Condvar::new(),
         }
@@ -32,12 +32,12 @@ impl Credit {
         self.cv.notify_all();
     }
 
-    /// Wait for credit; take up to `want`. `None` once closed.
+    /// Waits for room in the window; takes up to `want`. `None` once closed.
     pub fn take(&self, want: usize) -> Option<usize> {
         self.take_within(want, None)
     }
 
-    /// [`Credit::take`], giving up (`None`) when no credit came for `patience`.
+    /// [`SendWindow::take`], giving up (`None`) when the window stayed shut for `patience`.
     pub fn take_within(&self, want: usize, patience: Option<Duration>) -> Option<usize> {
         let until = patience.map(|p| Instant::now() + p);
         let mut g = lock(&self.state);
@@ -70,8 +70,8 @@ mod tests {
     use std::sync::Arc;
 
     #[test]
-    fn credit_is_taken_up_to_what_was_granted_and_waits_for_more() {
-        let c = Arc::new(Credit::new(10));
+    fn the_window_is_taken_up_to_what_was_granted_and_waits_for_more() {
+        let c = Arc::new(SendWindow::new(10));
         assert_eq!(c.take(4), Some(4));
         assert_eq!(c.take(100), Some(6));
         assert_eq!(c.take_within(1, Some(Duration::from_millis(50))), None);
