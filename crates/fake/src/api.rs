@@ -1,0 +1,724 @@
+//! The fake's [`SandboxApi`]: each operation recorded, its fault (if one is
+//! armed) raised, then done on the in-memory state as the service does it.
+
+use super::*;
+
+#[async_trait]
+impl SandboxApi for Fake {
+    async fn authenticate(&self, api_key: &str) -> Result<Caller> {
+        ACCOUNTS
+            .iter()
+            .find(|(key, _, _)| *key == api_key)
+            .map(|(_, id, _)| Caller {
+                account_id: (*id).to_owned(),
+            })
+            .ok_or_else(CoreError::unauthorized)
+    }
+
+    async fn create_sandbox(
+        &self,
+        caller: &Caller,
+        req: CreateSandbox,
+        idempotency_key: Option<String>,
+    ) -> Result<(Sandbox, bool)> {
+        self.begin(
+            caller,
+            Op::CreateSandbox {
+                req: req.clone(),
+                idempotency_key: idempotency_key.clone(),
+            },
+        )?;
+        let config = self.config();
+        let mut st = self.state.lock().unwrap();
+        // A snapshot sets the size; another size is refused.
+        let mut checked = req.clone();
+        if let Some(snap) = &req.snapshot_id {
+            let size = st.snapshot(caller, snap)?.snapshot.size.clone();
+            match &req.size {
+                Some(asked) if *asked != size => {
+                    return Err(CoreError::invalid(format!(
+                        "snapshot {snap} is of a {size} sandbox; leave size out or ask for {size}, not {asked}"
+                    )))
+                }
+                _ => checked.size = Some(size),
+            }
+        }
+        let (size, _, timeout) = check_create(&config, &checked, idempotency_key.as_deref())?;
+        let asked = (
+            size.clone(),
+            req.name.clone(),
+            timeout,
+            req.snapshot_id.clone(),
+        );
+        if let Some(key) = &idempotency_key {
+            let first = (caller.account_id.clone(), key.clone());
+            if let Some((before, id)) = st.idempotency.get(&first).cloned() {
+                if before != asked {
+                    return Err(CoreError::conflict(
+                        "this Idempotency-Key was already used with a different request body",
+                    ));
+                }
+                return Ok((st.held(caller, &id)?.sandbox.clone(), true));
+            }
+        }
+        let s = new_sandbox(&config, new_id("sbx_"), req.name, &size, timeout);
+        let held = match &req.snapshot_id {
+            Some(snap) => Held::from_snapshot(
+                &caller.account_id,
+                s.clone(),
+                st.ready_snapshot(caller, snap)?,
+            ),
+            None => Held::new(&caller.account_id, s.clone()),
+        };
+        st.sandboxes.push(held);
+        if let Some(key) = idempotency_key {
+            st.idempotency
+                .insert((caller.account_id.clone(), key), (asked, s.id.clone()));
+        }
+        Ok((s, false))
+    }
+
+    async fn get_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
+        self.begin(caller, Op::GetSandbox { id: id.into() })?;
+        Ok(self.state.lock().unwrap().held(caller, id)?.sandbox.clone())
+    }
+
+    async fn list_sandboxes(&self, caller: &Caller, q: ListSandboxes) -> Result<List<Sandbox>> {
+        self.begin(caller, Op::ListSandboxes { query: q.clone() })?;
+        let limit = q.limit.unwrap_or(20);
+        if !(1..=100).contains(&limit) {
+            return Err(CoreError::invalid(format!(
+                "limit must be between 1 and 100, not {limit}"
+            )));
+        }
+        let mut st = self.state.lock().unwrap();
+        if let Some(c) = &q.starting_after {
+            if st.held(caller, c).is_err() {
+                return Err(CoreError::invalid(format!(
+                    "starting_after {c:?} is not a sandbox of this account"
+                )));
+            }
+        }
+        let mut newest_first = st
+            .sandboxes
+            .iter()
+            .rev()
+            .filter(|h| h.account_id == caller.account_id)
+            .map(|h| &h.sandbox);
+        if let Some(c) = &q.starting_after {
+            newest_first.by_ref().find(|s| &s.id == c);
+        }
+        let mut data: Vec<Sandbox> = newest_first
+            .filter(|s| q.include_deleted == Some(true) || s.status.is_live())
+            .take(limit as usize + 1)
+            .cloned()
+            .collect();
+        let has_more = data.len() > limit as usize;
+        data.truncate(limit as usize);
+        let next = match has_more {
+            true => data.last().map(|s| s.id.clone()),
+            false => None,
+        };
+        Ok(List::new(data, has_more, next))
+    }
+
+    async fn extend_sandbox(
+        &self,
+        caller: &Caller,
+        id: &str,
+        additional_minutes: Option<u32>,
+    ) -> Result<Sandbox> {
+        self.begin(
+            caller,
+            Op::ExtendSandbox {
+                id: id.into(),
+                additional_minutes,
+            },
+        )?;
+        let config = self.config();
+        let add = extension_minutes(&config, additional_minutes)?;
+        let mut st = self.state.lock().unwrap();
+        let s = &mut st.held(caller, id)?.sandbox;
+        let total = u64::from(s.timeout_minutes) + u64::from(add);
+        if total > u64::from(config.max_lifetime_minutes) {
+            return Err(CoreError::invalid(format!(
+                "a sandbox may live at most {} minutes from creation; it has {} and asked for {add} more",
+                config.max_lifetime_minutes, s.timeout_minutes
+            )));
+        }
+        if !s.status.is_live() {
+            return Err(CoreError::conflict(format!(
+                "sandbox {id} is {}; only a running sandbox can be extended",
+                s.status.as_str()
+            )));
+        }
+        s.timeout_minutes = total as u32;
+        s.expires_at = expiry(s.timeout_minutes);
+        Ok(s.clone())
+    }
+
+    async fn destroy_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
+        self.begin(caller, Op::DestroySandbox { id: id.into() })?;
+        let mut st = self.state.lock().unwrap();
+        let s = &mut st.held(caller, id)?.sandbox;
+        if s.status.is_live() {
+            s.status = SandboxStatus::Deleted;
+            s.deleted_at = Some(T0.into());
+            s.deleted_reason = Some("destroyed".into());
+        }
+        Ok(s.clone())
+    }
+
+    async fn snapshot_sandbox(
+        &self,
+        caller: &Caller,
+        id: &str,
+        req: CreateSnapshot,
+        idempotency_key: Option<String>,
+    ) -> Result<(Snapshot, bool)> {
+        self.begin(
+            caller,
+            Op::SnapshotSandbox {
+                id: id.into(),
+                req: req.clone(),
+                idempotency_key: idempotency_key.clone(),
+            },
+        )?;
+        check_snapshot_name(req.name.as_deref())?;
+        let config = self.config();
+        let mut st = self.state.lock().unwrap();
+        let asked = (id.to_owned(), req.name.clone());
+        if let Some(key) = &idempotency_key {
+            if key.is_empty() || key.len() > 255 {
+                return Err(CoreError::invalid(
+                    "Idempotency-Key must be 1 to 255 characters",
+                ));
+            }
+            let first = (caller.account_id.clone(), key.clone());
+            if let Some((before, snap)) = st.snapshot_keys.get(&first).cloned() {
+                if before != asked {
+                    return Err(CoreError::conflict(
+                        "this Idempotency-Key was already used with a different request",
+                    ));
+                }
+                return Ok((st.snapshot(caller, &snap)?.snapshot.clone(), true));
+            }
+        }
+        let snap = st.take_snapshot(caller, id, req.name, config.snapshot_retention_days)?;
+        if let Some(key) = idempotency_key {
+            st.snapshot_keys
+                .insert((caller.account_id.clone(), key), (asked, snap.id.clone()));
+        }
+        Ok((snap, false))
+    }
+
+    async fn get_snapshot(&self, caller: &Caller, snapshot_id: &str) -> Result<Snapshot> {
+        self.begin(
+            caller,
+            Op::GetSnapshot {
+                id: snapshot_id.into(),
+            },
+        )?;
+        let mut st = self.state.lock().unwrap();
+        Ok(st.snapshot(caller, snapshot_id)?.snapshot.clone())
+    }
+
+    async fn list_snapshots(&self, caller: &Caller, q: ListSnapshots) -> Result<List<Snapshot>> {
+        self.begin(caller, Op::ListSnapshots { query: q.clone() })?;
+        let limit = q.limit.unwrap_or(20);
+        if !(1..=100).contains(&limit) {
+            return Err(CoreError::invalid(format!(
+                "limit must be between 1 and 100, not {limit}"
+            )));
+        }
+        let mut st = self.state.lock().unwrap();
+        if let Some(c) = &q.starting_after {
+            if st.snapshot(caller, c).is_err() {
+                return Err(CoreError::invalid(format!(
+                    "starting_after {c:?} is not a snapshot of this account"
+                )));
+            }
+        }
+        let mut newest_first = st
+            .snapshots
+            .iter()
+            .rev()
+            .filter(|h| h.account_id == caller.account_id)
+            .map(|h| &h.snapshot);
+        if let Some(c) = &q.starting_after {
+            newest_first.by_ref().find(|s| &s.id == c);
+        }
+        let mut data: Vec<Snapshot> = newest_first
+            .filter(|s| s.status != "deleted")
+            .take(limit as usize + 1)
+            .cloned()
+            .collect();
+        let has_more = data.len() > limit as usize;
+        data.truncate(limit as usize);
+        let next = match has_more {
+            true => data.last().map(|s| s.id.clone()),
+            false => None,
+        };
+        Ok(List::new(data, has_more, next))
+    }
+
+    async fn delete_snapshot(&self, caller: &Caller, snapshot_id: &str) -> Result<Snapshot> {
+        self.begin(
+            caller,
+            Op::DeleteSnapshot {
+                id: snapshot_id.into(),
+            },
+        )?;
+        let mut st = self.state.lock().unwrap();
+        let h = st.snapshot(caller, snapshot_id)?;
+        h.snapshot.status = "deleted".into();
+        h.files.clear();
+        h.dirs.clear();
+        Ok(h.snapshot.clone())
+    }
+
+    async fn fork_sandbox(&self, caller: &Caller, id: &str, req: ForkSandbox) -> Result<Fork> {
+        self.begin(
+            caller,
+            Op::ForkSandbox {
+                id: id.into(),
+                req: req.clone(),
+            },
+        )?;
+        let count = req.count.unwrap_or(1);
+        if !(1..=MAX_FORKS).contains(&count) {
+            return Err(CoreError::invalid(format!(
+                "count must be between 1 and {MAX_FORKS}, not {count}"
+            )));
+        }
+        let config = self.config();
+        let mut st = self.state.lock().unwrap();
+        let size = st.running(caller, id)?.sandbox.size.clone();
+        let each = CreateSandbox {
+            size: Some(size.clone()),
+            timeout_minutes: req.timeout_minutes,
+            ..Default::default()
+        };
+        let (_, _, timeout) = check_create(&config, &each, None)?;
+        let snapshot = st.take_snapshot(caller, id, None, config.snapshot_retention_days)?;
+        let mut sandboxes = Vec::new();
+        for _ in 0..count {
+            let s = new_sandbox(&config, new_id("sbx_"), None, &size, timeout);
+            let from = st.ready_snapshot(caller, &snapshot.id)?;
+            let held = Held::from_snapshot(&caller.account_id, s.clone(), from);
+            st.sandboxes.push(held);
+            sandboxes.push(s);
+        }
+        Ok(Fork {
+            snapshot,
+            sandboxes,
+        })
+    }
+
+    async fn restore_sandbox(
+        &self,
+        caller: &Caller,
+        id: &str,
+        req: RestoreSandbox,
+    ) -> Result<Sandbox> {
+        self.begin(
+            caller,
+            Op::RestoreSandbox {
+                id: id.into(),
+                req: req.clone(),
+            },
+        )?;
+        let mut st = self.state.lock().unwrap();
+        st.running(caller, id)?;
+        let lineage = st.lineage(caller, id);
+        let snap = st.ready_snapshot(caller, &req.snapshot_id)?;
+        if !lineage.contains(&snap.snapshot.sandbox_id) {
+            return Err(CoreError::invalid(format!(
+                "snapshot {} is of sandbox {}, which {id} was not started from; \
+                 create a new sandbox from it instead",
+                snap.snapshot.id, snap.snapshot.sandbox_id
+            )));
+        }
+        let (files, dirs, size) = (
+            snap.files.clone(),
+            snap.dirs.clone(),
+            snap.snapshot.size.clone(),
+        );
+        let h = st.running(caller, id)?;
+        if h.sandbox.size != size {
+            return Err(CoreError::invalid(format!(
+                "snapshot {} is of a {size} sandbox and {id} is {}; restore needs the same size",
+                req.snapshot_id, h.sandbox.size
+            )));
+        }
+        h.files = files;
+        h.dirs = dirs;
+        Ok(h.sandbox.clone())
+    }
+
+    async fn pause_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
+        self.begin(caller, Op::PauseSandbox { id: id.into() })?;
+        let mut st = self.state.lock().unwrap();
+        let h = st.held(caller, id)?;
+        if h.sandbox.status != SandboxStatus::Paused {
+            st.running(caller, id)?.sandbox.status = SandboxStatus::Paused;
+        }
+        Ok(st.held(caller, id)?.sandbox.clone())
+    }
+
+    async fn resume_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
+        self.begin(caller, Op::ResumeSandbox { id: id.into() })?;
+        let mut st = self.state.lock().unwrap();
+        Ok(st.running(caller, id)?.sandbox.clone())
+    }
+
+    async fn exec(&self, caller: &Caller, id: &str, params: ExecParams) -> Result<Execution> {
+        self.begin(
+            caller,
+            Op::Exec {
+                id: id.into(),
+                params: params.clone(),
+            },
+        )?;
+        // Dropping this call drops the stream, which cancels the command.
+        let mut stream = self.start(caller, id, &params)?;
+        loop {
+            match stream.next().await {
+                Some(ExecEvent::Stdout(_) | ExecEvent::Stderr(_)) => {}
+                Some(ExecEvent::Exit(exec)) => return Ok(exec),
+                Some(ExecEvent::Error(e)) => return Err(e),
+                None => {
+                    return Err(CoreError::internal(
+                        "the command's output ended without an exit",
+                    ))
+                }
+            }
+        }
+    }
+
+    async fn exec_stream(
+        &self,
+        caller: &Caller,
+        id: &str,
+        params: ExecParams,
+    ) -> Result<ExecStream> {
+        self.begin(
+            caller,
+            Op::ExecStream {
+                id: id.into(),
+                params: params.clone(),
+            },
+        )?;
+        self.start(caller, id, &params)
+    }
+
+    async fn get_execution(&self, caller: &Caller, exec_id: &str) -> Result<Execution> {
+        self.begin(caller, Op::GetExecution { id: exec_id.into() })?;
+        match self.state.lock().unwrap().executions.get(exec_id) {
+            Some((account, e)) if *account == caller.account_id => Ok(e.clone()),
+            _ => Err(CoreError::not_found("execution", exec_id)),
+        }
+    }
+
+    async fn write_file(&self, caller: &Caller, id: &str, req: WriteFile) -> Result<FileWritten> {
+        self.begin(
+            caller,
+            Op::WriteFile {
+                id: id.into(),
+                path: req.path.clone(),
+                encoding: req.encoding,
+            },
+        )?;
+        let (path, bytes) = write_content(&self.config(), req)?;
+        let path = resolve(&path)?;
+        let mut st = self.state.lock().unwrap();
+        let h = st.running(caller, id)?;
+        if h.dirs.contains(&path) {
+            return Err(is_a_directory(&path));
+        }
+        // Its directories are made as needed (mkdir -p), through no file.
+        let mut dirs = Vec::new();
+        let mut at = path.as_str();
+        while let Some((parent, _)) = at.rsplit_once('/') {
+            let parent = if parent.is_empty() { "/" } else { parent };
+            if h.files.contains_key(parent) {
+                return Err(CoreError::invalid(format!(
+                    "{parent}: a path component is not a directory"
+                )));
+            }
+            dirs.push(parent.to_owned());
+            if parent == "/" {
+                break;
+            }
+            at = parent;
+        }
+        h.dirs.extend(dirs);
+        let n = bytes.len() as u64;
+        h.files.insert(path.clone(), bytes);
+        Ok(FileWritten { path, bytes: n })
+    }
+
+    async fn read_file(
+        &self,
+        caller: &Caller,
+        id: &str,
+        path: &str,
+        encoding: Encoding,
+    ) -> Result<FileContent> {
+        self.begin(
+            caller,
+            Op::ReadFile {
+                id: id.into(),
+                path: path.into(),
+                encoding,
+            },
+        )?;
+        let path = resolve(path)?;
+        let mut st = self.state.lock().unwrap();
+        let h = st.running(caller, id)?;
+        let Some(bytes) = h.files.get(&path) else {
+            return Err(match h.dirs.contains(&path) {
+                true => is_a_directory(&path),
+                false => no_such_file(&path),
+            });
+        };
+        let content = match encoding {
+            Encoding::Utf8 => String::from_utf8(bytes.clone()).map_err(|_| {
+                CoreError::invalid(format!(
+                    "{path} is not valid UTF-8 text; read it with encoding \"base64\""
+                ))
+            })?,
+            Encoding::Base64 => base64::engine::general_purpose::STANDARD.encode(bytes),
+        };
+        Ok(FileContent {
+            bytes: bytes.len() as u64,
+            path,
+            content,
+            encoding,
+        })
+    }
+
+    async fn list_files(
+        &self,
+        caller: &Caller,
+        id: &str,
+        path: Option<&str>,
+        recursive: bool,
+    ) -> Result<FileList> {
+        self.begin(
+            caller,
+            Op::ListFiles {
+                id: id.into(),
+                path: path.map(Into::into),
+                recursive,
+            },
+        )?;
+        let path = resolve(path.unwrap_or(sandpit_protocol::WORKSPACE))?;
+        let mut st = self.state.lock().unwrap();
+        let h = st.running(caller, id)?;
+        let entries = if h.dirs.contains(&path) {
+            h.entries(&path, recursive)
+        } else if let Some(bytes) = h.files.get(&path) {
+            // A file is listed as itself.
+            vec![FileEntry {
+                name: path.rsplit('/').next().unwrap_or_default().to_owned(),
+                kind: EntryType::File,
+                size_bytes: bytes.len() as u64,
+            }]
+        } else {
+            return Err(no_such_file(&path));
+        };
+        Ok(FileList {
+            path,
+            entries,
+            truncated: false,
+        })
+    }
+
+    async fn delete_file(
+        &self,
+        caller: &Caller,
+        id: &str,
+        path: &str,
+        recursive: bool,
+    ) -> Result<FileDeleted> {
+        self.begin(
+            caller,
+            Op::DeleteFile {
+                id: id.into(),
+                path: path.into(),
+                recursive,
+            },
+        )?;
+        let path = resolve(path)?;
+        let mut st = self.state.lock().unwrap();
+        let h = st.running(caller, id)?;
+        if path == "/" {
+            return Err(CoreError::invalid("refusing to delete /"));
+        }
+        if h.files.remove(&path).is_none() {
+            if !h.dirs.contains(&path) {
+                return Err(no_such_file(&path));
+            }
+            if !recursive && !h.entries(&path, false).is_empty() {
+                return Err(CoreError::invalid("directory not empty; pass recursive"));
+            }
+            let inside = format!("{path}/");
+            h.dirs.retain(|d| *d != path && !d.starts_with(&inside));
+            h.files.retain(|f, _| !f.starts_with(&inside));
+        }
+        Ok(FileDeleted {
+            path,
+            deleted: true,
+        })
+    }
+
+    async fn expose_port(&self, caller: &Caller, id: &str, port: u16) -> Result<Port> {
+        self.begin(
+            caller,
+            Op::ExposePort {
+                id: id.into(),
+                port,
+            },
+        )?;
+        check_port(port)?;
+        let config = self.config();
+        let mut st = self.state.lock().unwrap();
+        let h = st.running(caller, id)?;
+        if let Some(p) = h.ports.iter().find(|p| p.port == port) {
+            return Ok(p.clone());
+        }
+        let p = Port {
+            port,
+            url: sandpit_core::preview::preview_url(
+                &config.preview_scheme,
+                &config.preview_domain,
+                port,
+                id,
+            ),
+            created_at: T0.into(),
+        };
+        h.ports.push(p.clone());
+        Ok(p)
+    }
+
+    async fn list_ports(&self, caller: &Caller, id: &str) -> Result<List<Port>> {
+        self.begin(caller, Op::ListPorts { id: id.into() })?;
+        let mut st = self.state.lock().unwrap();
+        Ok(List::new(st.held(caller, id)?.ports.clone(), false, None))
+    }
+
+    async fn close_port(&self, caller: &Caller, id: &str, port: u16) -> Result<()> {
+        self.begin(
+            caller,
+            Op::ClosePort {
+                id: id.into(),
+                port,
+            },
+        )?;
+        let mut st = self.state.lock().unwrap();
+        let ports = &mut st.held(caller, id)?.ports;
+        let before = ports.len();
+        ports.retain(|p| p.port != port);
+        if ports.len() == before {
+            return Err(CoreError::not_found("exposed port", &port.to_string()));
+        }
+        Ok(())
+    }
+
+    async fn usage(&self, caller: &Caller, days: Option<u32>) -> Result<Usage> {
+        self.begin(caller, Op::Usage { days })?;
+        let days = days.unwrap_or(30);
+        if !(1..=366).contains(&days) {
+            return Err(CoreError::invalid(format!(
+                "days must be between 1 and 366, not {days}"
+            )));
+        }
+        let st = self.state.lock().unwrap();
+        // The clock stands still: nothing has run for a second yet.
+        let sandboxes = st
+            .sandboxes
+            .iter()
+            .filter(|h| h.account_id == caller.account_id)
+            .map(|h| SandboxUsage {
+                id: h.sandbox.id.clone(),
+                size: h.sandbox.size.clone(),
+                seconds: 0,
+                cost_usd: 0.0,
+                created_at: h.sandbox.created_at.clone(),
+                deleted_at: h.sandbox.deleted_at.clone(),
+                preview_bytes_in: 0,
+                preview_bytes_out: 0,
+                disk_used_bytes: 0,
+            })
+            .collect();
+        Ok(Usage {
+            object: "usage".into(),
+            credit_remaining_usd: CREDIT_USD,
+            period_days: days,
+            total_cost_usd: 0.0,
+            sandboxes,
+        })
+    }
+
+    async fn account(&self, caller: &Caller) -> Result<Account> {
+        self.begin(caller, Op::Account)?;
+        let (_, id, name) = ACCOUNTS
+            .iter()
+            .find(|(_, id, _)| *id == caller.account_id)
+            .ok_or_else(CoreError::unauthorized)?;
+        Ok(Account {
+            object: "account".into(),
+            id: (*id).to_owned(),
+            name: (*name).to_owned(),
+            credit_remaining_usd: CREDIT_USD,
+            max_concurrent_sandboxes: self.config().default_max_concurrent_sandboxes,
+            created_at: T0.into(),
+            disk_used_bytes: 0,
+        })
+    }
+
+    async fn service_info(&self) -> Result<ServiceInfo> {
+        let config = self.config();
+        Ok(ServiceInfo {
+            name: "sandpit".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            commit: sandpit_core::COMMIT.into(),
+            sizes: config
+                .sizes
+                .iter()
+                .map(|(name, s)| SizeInfo {
+                    name: name.clone(),
+                    resources: s.resources(),
+                    price_usd_per_hour: s.price_usd_per_hour,
+                })
+                .collect(),
+            default_timeout_minutes: config.default_timeout_minutes,
+            max_timeout_minutes: config.max_timeout_minutes,
+            max_lifetime_minutes: config.max_lifetime_minutes,
+            max_concurrent_sandboxes: config.default_max_concurrent_sandboxes,
+            acceleration: "tcg".into(),
+            hosts: vec![config.host_name.clone()],
+            authentication: "send the account's API key as `Authorization: Bearer <key>` or \
+                             `x-api-key: <key>`; over stdio (`sandpit mcp`) no key is needed"
+                .into(),
+            guest: GuestInfo {
+                os: "Debian GNU/Linux 12 (bookworm)".into(),
+                kernel: "6.1.0".into(),
+                user: "user (uid 1000), no sudo".into(),
+                workdir: sandpit_protocol::WORKSPACE.into(),
+            },
+            fast_start: FastStartInfo {
+                snapshots: true,
+                warm_pool: vec![WarmPoolInfo {
+                    size: config.default_size.clone(),
+                    ready: 2,
+                    target: 2,
+                }],
+            },
+            // 30 s: the runtime's reply deadline.
+            limits: Limits::of(&config, 30),
+            capacity: None,
+        })
+    }
+}
