@@ -138,12 +138,40 @@ impl Machines for LocalVms {
         LocalVms::restore(self, id, snapshot, expires_at).await
     }
 
+    /// Saves the VM whole under its pause's name, then stops it.
     async fn pause(&self, id: &str) -> VmResult<()> {
-        LocalVms::pause(self, id).await
+        let _one_at_a_time = self.saving.lock().await;
+        let _live = self.manager.hold_background();
+        let name = paused_name(id);
+        // A pause that failed half-way left its save: it is stale.
+        self.manager.delete_saved(&name).await?;
+        self.manager.save(id, &name, AfterSave::Stay).await?;
+        self.agents.lock().await.remove(id);
+        match self.manager.destroy(id).await {
+            Ok(()) | Err(RuntimeError::NotFound(_)) => Ok(()),
+            Err(e) => Err(e),
+        }
     }
 
+    /// Starts the paused VM again from its pause's save (a VM that runs
+    /// already just has its expiry moved).
     async fn resume(&self, id: &str, expires_at: OffsetDateTime) -> VmResult<()> {
-        LocalVms::resume(self, id, expires_at).await
+        let _one_at_a_time = self.saving.lock().await;
+        if matches!(LocalVms::state(self, id), Some(VmState::Running)) {
+            return self.manager.set_expiry(id, expires_at);
+        }
+        let name = paused_name(id);
+        let saved = self.manager.saved(&name)?;
+        // What is left of a VM that died is no obstacle (but its saved
+        // state is what resumes: not `LocalVms::destroy`).
+        self.agents.lock().await.remove(id);
+        match self.manager.destroy(id).await {
+            Ok(()) | Err(RuntimeError::NotFound(_)) => {}
+            Err(e) => return Err(e),
+        }
+        self.create_from_snapshot(id, &saved.record.size, &name, expires_at)
+            .await?;
+        self.manager.delete_saved(&name).await
     }
 
     async fn state(&self, id: &str) -> VmResult<Option<VmState>> {

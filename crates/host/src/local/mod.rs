@@ -266,41 +266,6 @@ impl LocalVms {
             .collect()
     }
 
-    /// Saves VM `id` and stops it (see [`Machines::pause`]).
-    pub async fn pause(&self, id: &str) -> Result<(), RuntimeError> {
-        let _one_at_a_time = self.saving.lock().await;
-        let _live = self.manager.hold_background();
-        let name = paused_name(id);
-        // A pause that failed half-way left its save: it is stale.
-        self.manager.delete_saved(&name).await?;
-        self.manager.save(id, &name, AfterSave::Stay).await?;
-        self.agents.lock().await.remove(id);
-        match self.manager.destroy(id).await {
-            Ok(()) | Err(RuntimeError::NotFound(_)) => Ok(()),
-            Err(e) => Err(e),
-        }
-    }
-
-    /// Starts paused VM `id` again (see [`Machines::resume`]).
-    pub async fn resume(&self, id: &str, expires_at: OffsetDateTime) -> Result<(), RuntimeError> {
-        let _one_at_a_time = self.saving.lock().await;
-        if matches!(LocalVms::state(self, id), Some(VmState::Running)) {
-            return self.manager.set_expiry(id, expires_at);
-        }
-        let name = paused_name(id);
-        let saved = self.manager.saved(&name)?;
-        // What is left of a VM that died is no obstacle (but its saved
-        // state is what resumes: not `LocalVms::destroy`).
-        self.agents.lock().await.remove(id);
-        match self.manager.destroy(id).await {
-            Ok(()) | Err(RuntimeError::NotFound(_)) => {}
-            Err(e) => return Err(e),
-        }
-        self.create_from_snapshot(id, &saved.record.size, &name, expires_at)
-            .await?;
-        self.manager.delete_saved(&name).await
-    }
-
     /// Whether VM `id` is paused here (its state saved, no VM running).
     pub fn is_paused(&self, id: &str) -> bool {
         self.manager.saved(&paused_name(id)).is_ok()

@@ -4,7 +4,7 @@
 //! keeps only the memory the guest changed, disks that outlive the saves
 //! they were frozen in, and nothing left once VMs and saves are gone.
 
-use crate::common::*;
+use sandpit_vmtest::*;
 use std::time::{Duration, Instant};
 
 fn rt() -> tokio::runtime::Runtime {

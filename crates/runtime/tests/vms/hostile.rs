@@ -2,8 +2,8 @@
 //! everything it can. After each, the agent must still answer and the VM must
 //! still run commands. One VM, attacked in sequence.
 
-use crate::common::*;
 use sandpit_runtime::VmState;
+use sandpit_vmtest::*;
 use std::time::Duration;
 
 async fn healthy(s: &Shared) {

@@ -2,9 +2,9 @@
 //! timeouts, background processes, files. One VM is booted for this file and
 //! shared; each test leaves it healthy for the next.
 
-use crate::common::*;
 use sandpit_protocol::ErrorKind;
 use sandpit_runtime::{GuestExecEvent, RuntimeError};
+use sandpit_vmtest::*;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 

@@ -4,8 +4,8 @@
 //! a cold boot (a late restore is a busy host: refused, the template kept),
 //! and a changed image gets a template of its own.
 
-use crate::common::*;
 use sandpit_runtime::{VmManager, VmState};
+use sandpit_vmtest::*;
 use std::time::Duration;
 
 fn rt() -> tokio::runtime::Runtime {
