@@ -182,6 +182,16 @@ impl<T> List<T> {
             next_cursor,
         }
     }
+
+    /// A page of `data`, followed by more when `has_more`: its cursor is
+    /// then the last item's (`cursor_of`), which `starting_after` takes.
+    pub fn page(data: Vec<T>, has_more: bool, cursor_of: impl Fn(&T) -> String) -> Self {
+        let next = match has_more {
+            true => data.last().map(cursor_of),
+            false => None,
+        };
+        List::new(data, has_more, next)
+    }
 }
 
 /// `POST /sandboxes/{id}/exec` body and `run_command` input (minus the sandbox id).

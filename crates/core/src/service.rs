@@ -52,8 +52,8 @@ mod terminals;
 pub use terminals::{check_terminal_size, MAX_TERMINALS, MAX_TERMINAL_CELLS, TERMINAL_TOKEN_TTL};
 
 pub use checks::{
-    check_create, check_path, check_port, check_write_size, extension_minutes, validate_exec,
-    write_content,
+    check_create, check_path, check_port, check_write_size, extension_minutes, page_limit,
+    unknown_cursor, validate_exec, write_content,
 };
 pub use files::TRANSFER_WAIT;
 pub(crate) use lifecycle::cost_until;

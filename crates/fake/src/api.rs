@@ -85,41 +85,23 @@ impl SandboxApi for Fake {
 
     async fn list_sandboxes(&self, caller: &Caller, q: ListSandboxes) -> Result<List<Sandbox>> {
         self.begin(caller, Op::ListSandboxes { query: q.clone() })?;
-        let limit = q.limit.unwrap_or(20);
-        if !(1..=100).contains(&limit) {
-            return Err(CoreError::invalid(format!(
-                "limit must be between 1 and 100, not {limit}"
-            )));
-        }
+        let limit = page_limit(q.limit)?;
         let mut st = self.state.lock().unwrap();
         if let Some(c) = &q.starting_after {
             if st.held(caller, c).is_err() {
-                return Err(CoreError::invalid(format!(
-                    "starting_after {c:?} is not a sandbox of this account"
-                )));
+                return Err(unknown_cursor("sandbox", c));
             }
         }
-        let mut newest_first = st
+        let newest_first = st
             .sandboxes
             .iter()
             .rev()
             .filter(|h| h.account_id == caller.account_id)
             .map(|h| &h.sandbox);
-        if let Some(c) = &q.starting_after {
-            newest_first.by_ref().find(|s| &s.id == c);
-        }
-        let mut data: Vec<Sandbox> = newest_first
-            .filter(|s| q.include_deleted == Some(true) || s.status.is_live())
-            .take(limit as usize + 1)
-            .cloned()
-            .collect();
-        let has_more = data.len() > limit as usize;
-        data.truncate(limit as usize);
-        let next = match has_more {
-            true => data.last().map(|s| s.id.clone()),
-            false => None,
-        };
-        Ok(List::new(data, has_more, next))
+        let shown = |s: &Sandbox| q.include_deleted == Some(true) || s.status.is_live();
+        let after = q.starting_after.as_deref();
+        let (data, has_more) = page_of(newest_first, |s| &s.id, after, shown, limit);
+        Ok(List::page(data, has_more, |s| s.id.clone()))
     }
 
     async fn extend_sandbox(
@@ -225,41 +207,23 @@ impl SandboxApi for Fake {
 
     async fn list_snapshots(&self, caller: &Caller, q: ListSnapshots) -> Result<List<Snapshot>> {
         self.begin(caller, Op::ListSnapshots { query: q.clone() })?;
-        let limit = q.limit.unwrap_or(20);
-        if !(1..=100).contains(&limit) {
-            return Err(CoreError::invalid(format!(
-                "limit must be between 1 and 100, not {limit}"
-            )));
-        }
+        let limit = page_limit(q.limit)?;
         let mut st = self.state.lock().unwrap();
         if let Some(c) = &q.starting_after {
             if st.snapshot(caller, c).is_err() {
-                return Err(CoreError::invalid(format!(
-                    "starting_after {c:?} is not a snapshot of this account"
-                )));
+                return Err(unknown_cursor("snapshot", c));
             }
         }
-        let mut newest_first = st
+        let newest_first = st
             .snapshots
             .iter()
             .rev()
             .filter(|h| h.account_id == caller.account_id)
             .map(|h| &h.snapshot);
-        if let Some(c) = &q.starting_after {
-            newest_first.by_ref().find(|s| &s.id == c);
-        }
-        let mut data: Vec<Snapshot> = newest_first
-            .filter(|s| s.status != "deleted")
-            .take(limit as usize + 1)
-            .cloned()
-            .collect();
-        let has_more = data.len() > limit as usize;
-        data.truncate(limit as usize);
-        let next = match has_more {
-            true => data.last().map(|s| s.id.clone()),
-            false => None,
-        };
-        Ok(List::new(data, has_more, next))
+        let shown = |s: &Snapshot| s.status != "deleted";
+        let after = q.starting_after.as_deref();
+        let (data, has_more) = page_of(newest_first, |s| &s.id, after, shown, limit);
+        Ok(List::page(data, has_more, |s| s.id.clone()))
     }
 
     async fn delete_snapshot(&self, caller: &Caller, snapshot_id: &str) -> Result<Snapshot> {
@@ -721,4 +685,27 @@ impl SandboxApi for Fake {
             capacity: None,
         })
     }
+}
+
+/// A page of `newest_first`: the items after the one named `after` (all of
+/// them without one, whether that one is `shown` or not) that are `shown`,
+/// at most `limit`, and whether more follow.
+fn page_of<'a, T: Clone + 'a>(
+    mut newest_first: impl Iterator<Item = &'a T>,
+    id: impl Fn(&T) -> &str,
+    after: Option<&str>,
+    shown: impl Fn(&T) -> bool,
+    limit: u32,
+) -> (Vec<T>, bool) {
+    if let Some(after) = after {
+        newest_first.by_ref().find(|t| id(t) == after);
+    }
+    let mut data: Vec<T> = newest_first
+        .filter(|t| shown(t))
+        .take(limit as usize + 1)
+        .cloned()
+        .collect();
+    let has_more = data.len() > limit as usize;
+    data.truncate(limit as usize);
+    (data, has_more)
 }

@@ -64,7 +64,8 @@ use sandpit_core::config::ServiceConfig;
 use sandpit_core::error::Result;
 use sandpit_core::model::{FastStartInfo, Limits, WarmPoolInfo};
 use sandpit_core::service::{
-    check_create, check_path, check_port, extension_minutes, validate_exec, write_content,
+    check_create, check_path, check_port, extension_minutes, page_limit, unknown_cursor,
+    validate_exec, write_content,
 };
 use sandpit_core::*;
 use sandpit_host::ids::{new_id, rfc3339};

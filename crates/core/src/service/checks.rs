@@ -4,8 +4,8 @@
 //! request only (no store, no VM, no await), public (re-exported from
 //! [`crate::service`]) so that the fuzz targets (`fuzz/`) and the in-memory
 //! fake of the API (`sandpit-fake`) run exactly these. Owns the checks of a
-//! create, a command, a file write (and its size), an extension, a port and
-//! a guest path.
+//! create, a command, a file write (and its size), an extension, a port, a
+//! guest path and a page of a listing.
 
 use crate::config::{ServiceConfig, SizeConfig};
 use crate::error::{CoreError, Result};
@@ -168,4 +168,28 @@ pub fn check_path(path: &str) -> Result<()> {
     sandpit_protocol::resolve_guest_path(path)
         .map(|_| ())
         .map_err(|e| CoreError::invalid(format!("bad path {path:?}: {}", e.message)))
+}
+
+/// A listing's page size when the request names none.
+pub const DEFAULT_PAGE: u32 = 20;
+/// The largest page a listing gives.
+pub const MAX_PAGE: u32 = 100;
+
+/// The page size of a listing (`limit`): 1 to [`MAX_PAGE`], [`DEFAULT_PAGE`]
+/// unless given.
+pub fn page_limit(limit: Option<u32>) -> Result<u32> {
+    let limit = limit.unwrap_or(DEFAULT_PAGE);
+    match (1..=MAX_PAGE).contains(&limit) {
+        true => Ok(limit),
+        false => Err(CoreError::invalid(format!(
+            "limit must be between 1 and {MAX_PAGE}, not {limit}"
+        ))),
+    }
+}
+
+/// A listing's `starting_after` that names no `what` of the account's.
+pub fn unknown_cursor(what: &str, cursor: &str) -> CoreError {
+    CoreError::invalid(format!(
+        "starting_after {cursor:?} is not a {what} of this account"
+    ))
 }

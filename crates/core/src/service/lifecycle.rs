@@ -20,7 +20,7 @@ use crate::config::cost;
 use crate::error::{CoreError, ErrorType, Result};
 use crate::metrics::CreatePath;
 use crate::model::*;
-use crate::service::checks::extension_minutes;
+use crate::service::checks::{extension_minutes, page_limit, unknown_cursor};
 use crate::service::errors::{not_running, runtime_error};
 use crate::service::Service;
 use sandpit_host::ids::rfc3339;
@@ -193,12 +193,7 @@ impl Service {
 
     /// The API's `list_sandboxes`.
     pub(super) async fn list(&self, caller: &Caller, q: ListSandboxes) -> Result<List<Sandbox>> {
-        let limit = q.limit.unwrap_or(20);
-        if !(1..=100).contains(&limit) {
-            return Err(CoreError::invalid(format!(
-                "limit must be between 1 and 100, not {limit}"
-            )));
-        }
+        let limit = page_limit(q.limit)?;
         if let Some(c) = &q.starting_after {
             if self
                 .store
@@ -206,9 +201,7 @@ impl Service {
                 .await?
                 .is_none()
             {
-                return Err(CoreError::invalid(format!(
-                    "starting_after {c:?} is not a sandbox of this account"
-                )));
+                return Err(unknown_cursor("sandbox", c));
             }
         }
         let page = self
@@ -220,16 +213,8 @@ impl Service {
                 q.include_deleted.unwrap_or(false),
             )
             .await?;
-        let next = if page.has_more {
-            page.data.last().map(|r| r.id.clone())
-        } else {
-            None
-        };
-        Ok(List::new(
-            page.data.iter().map(to_sandbox).collect(),
-            page.has_more,
-            next,
-        ))
+        let data = page.data.iter().map(to_sandbox).collect();
+        Ok(List::page(data, page.has_more, |s| s.id.clone()))
     }
 
     /// The API's `extend_sandbox`.

@@ -19,6 +19,7 @@ use crate::api::Caller;
 use crate::config::cost;
 use crate::error::{CoreError, ErrorType, Result};
 use crate::model::*;
+use crate::service::checks::{page_limit, unknown_cursor};
 use crate::service::errors::{not_running, runtime_error};
 use crate::service::Service;
 use sandpit_host::ids::rfc3339;
@@ -230,32 +231,19 @@ impl Service {
         caller: &Caller,
         q: ListSnapshots,
     ) -> Result<List<Snapshot>> {
-        let limit = q.limit.unwrap_or(20);
-        if !(1..=100).contains(&limit) {
-            return Err(CoreError::invalid(format!(
-                "limit must be between 1 and 100, not {limit}"
-            )));
-        }
+        let limit = page_limit(q.limit)?;
         let page = self
             .store
             .list_snapshots(&caller.account_id, limit, q.starting_after.as_deref())
             .await
             .map_err(|e| match e {
-                sandpit_store::StoreError::NotFound(_) => CoreError::invalid(format!(
-                    "starting_after {:?} is not a snapshot of this account",
-                    q.starting_after.clone().unwrap_or_default()
-                )),
+                sandpit_store::StoreError::NotFound(_) => {
+                    unknown_cursor("snapshot", q.starting_after.as_deref().unwrap_or_default())
+                }
                 e => e.into(),
             })?;
-        let next = match page.has_more {
-            true => page.data.last().map(|s| s.id.clone()),
-            false => None,
-        };
-        Ok(List::new(
-            page.data.iter().map(to_snapshot).collect(),
-            page.has_more,
-            next,
-        ))
+        let data = page.data.iter().map(to_snapshot).collect();
+        Ok(List::page(data, page.has_more, |s| s.id.clone()))
     }
 
     /// The API's `delete_snapshot`: the row at once, the files by their
