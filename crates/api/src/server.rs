@@ -1,81 +1,25 @@
-//! The `/v1` routes: each handler authenticates, extracts, calls one
+//! The `/v1` handlers: each authenticates, extracts, calls one
 //! [`SandboxApi`] method and serializes its answer. Nothing is decided here.
+//! Which path and method each serves is the table's (`operations`).
 
 use crate::bodies::*;
 use crate::budget::BodyBudget;
-use crate::error::{finish, ApiError};
+use crate::error::ApiError;
 use crate::extract::{Authed, JsonBody, QueryParams, ReqId};
 use crate::sse;
-use crate::state::{AppState, RestConfig};
-use axum::extract::{DefaultBodyLimit, Path, State};
+use crate::state::AppState;
+use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use sandpit_core::{
     CoreError, CreateSandbox, CreateSnapshot, ExecParams, ForkSandbox, ListSandboxes,
-    ListSnapshots, RestoreSandbox, SandboxApi, WriteFile,
+    ListSnapshots, RestoreSandbox, WriteFile,
 };
 use serde::Serialize;
-use std::sync::Arc;
 
-/// The REST API: every `/v1` route of `docs/spec/rest-api.md`, plus
-/// `GET /v1/service` and `GET /v1/openapi.json` (both without a key).
-///
-/// Serve it with `axum::serve(listener, router(api, config))`.
-pub fn router(api: Arc<dyn SandboxApi>, config: RestConfig) -> Router {
-    let state = AppState {
-        api,
-        openapi: Arc::new(crate::openapi()),
-        cfg: Arc::new(config.clone()),
-    };
-    Router::new()
-        .route("/v1/service", get(service))
-        .route("/v1/openapi.json", get(openapi_doc))
-        .route("/v1/account", get(account))
-        .route("/v1/usage", get(usage))
-        .route("/v1/sandboxes", post(create_sandbox).get(list_sandboxes))
-        .route(
-            "/v1/sandboxes/{id}",
-            get(get_sandbox).delete(destroy_sandbox),
-        )
-        .route("/v1/sandboxes/{id}/extend", post(extend_sandbox))
-        .route("/v1/sandboxes/{id}/snapshots", post(snapshot_sandbox))
-        .route("/v1/sandboxes/{id}/fork", post(fork_sandbox))
-        .route("/v1/sandboxes/{id}/restore", post(restore_sandbox))
-        .route("/v1/sandboxes/{id}/pause", post(pause_sandbox))
-        .route("/v1/sandboxes/{id}/resume", post(resume_sandbox))
-        .route("/v1/snapshots", get(list_snapshots))
-        .route(
-            "/v1/snapshots/{id}",
-            get(get_snapshot).delete(delete_snapshot),
-        )
-        .route("/v1/sandboxes/{id}/exec", post(exec))
-        .route("/v1/executions/{id}", get(get_execution))
-        .route(
-            "/v1/sandboxes/{id}/files",
-            get(get_files).put(write_file).delete(delete_file),
-        )
-        .route(
-            "/v1/sandboxes/{id}/ports",
-            post(expose_port).get(list_ports),
-        )
-        .route("/v1/sandboxes/{id}/ports/{port}", delete(close_port))
-        .route("/v1/sandboxes/{id}/pty", get(crate::terminal::open))
-        .route(
-            "/v1/sandboxes/{id}/pty/tokens",
-            post(crate::terminal::mint_token),
-        )
-        .fallback(not_found)
-        .layer(DefaultBodyLimit::max(config.max_body_bytes))
-        .layer(axum::middleware::from_fn_with_state(
-            config.body_budget.clone(),
-            crate::budget::hold,
-        ))
-        .layer(tower_http::catch_panic::CatchPanicLayer::new())
-        .layer(axum::middleware::from_fn(finish))
-        .with_state(state)
-}
+#[cfg(doc)]
+use sandpit_core::SandboxApi;
 
 /// `service` (MCP's Streamable HTTP endpoint) as it is mounted beside the
 /// REST routes: with their request ids and their panic guard (a panic is a
@@ -98,7 +42,7 @@ fn ok<T: Serialize>(value: T) -> ApiResult {
     Ok(Json(value).into_response())
 }
 
-async fn not_found() -> ApiError {
+pub(crate) async fn not_found() -> ApiError {
     CoreError::new(
         sandpit_core::ErrorType::NotFound,
         "no such route: every path is under /v1 (see GET /v1/openapi.json)",
@@ -106,19 +50,19 @@ async fn not_found() -> ApiError {
     .into()
 }
 
-async fn service(State(st): State<AppState>) -> ApiResult {
+pub(crate) async fn service(State(st): State<AppState>) -> ApiResult {
     ok(st.api.service_info().await?)
 }
 
-async fn openapi_doc(State(st): State<AppState>) -> ApiResult {
+pub(crate) async fn openapi_doc(State(st): State<AppState>) -> ApiResult {
     Ok(Json(st.openapi.as_ref().clone()).into_response())
 }
 
-async fn account(State(st): State<AppState>, Authed(c): Authed) -> ApiResult {
+pub(crate) async fn account(State(st): State<AppState>, Authed(c): Authed) -> ApiResult {
     ok(st.api.account(&c).await?)
 }
 
-async fn usage(
+pub(crate) async fn usage(
     State(st): State<AppState>,
     Authed(c): Authed,
     QueryParams(q): QueryParams<UsageQuery>,
@@ -126,7 +70,7 @@ async fn usage(
     ok(st.api.usage(&c, q.days).await?)
 }
 
-async fn create_sandbox(
+pub(crate) async fn create_sandbox(
     State(st): State<AppState>,
     Authed(c): Authed,
     headers: HeaderMap,
@@ -158,7 +102,7 @@ fn created_or_replayed(replayed: bool) -> StatusCode {
     }
 }
 
-async fn list_sandboxes(
+pub(crate) async fn list_sandboxes(
     State(st): State<AppState>,
     Authed(c): Authed,
     QueryParams(q): QueryParams<ListSandboxes>,
@@ -166,7 +110,7 @@ async fn list_sandboxes(
     ok(st.api.list_sandboxes(&c, q).await?)
 }
 
-async fn get_sandbox(
+pub(crate) async fn get_sandbox(
     State(st): State<AppState>,
     Authed(c): Authed,
     Path(id): Path<String>,
@@ -174,7 +118,7 @@ async fn get_sandbox(
     ok(st.api.get_sandbox(&c, &id).await?)
 }
 
-async fn destroy_sandbox(
+pub(crate) async fn destroy_sandbox(
     State(st): State<AppState>,
     Authed(c): Authed,
     Path(id): Path<String>,
@@ -182,7 +126,7 @@ async fn destroy_sandbox(
     ok(st.api.destroy_sandbox(&c, &id).await?)
 }
 
-async fn extend_sandbox(
+pub(crate) async fn extend_sandbox(
     State(st): State<AppState>,
     Authed(c): Authed,
     Path(id): Path<String>,
@@ -194,7 +138,7 @@ async fn extend_sandbox(
         .await?)
 }
 
-async fn snapshot_sandbox(
+pub(crate) async fn snapshot_sandbox(
     State(st): State<AppState>,
     Authed(c): Authed,
     Path(id): Path<String>,
@@ -206,7 +150,7 @@ async fn snapshot_sandbox(
     Ok((created_or_replayed(replayed), Json(snapshot)).into_response())
 }
 
-async fn list_snapshots(
+pub(crate) async fn list_snapshots(
     State(st): State<AppState>,
     Authed(c): Authed,
     QueryParams(q): QueryParams<ListSnapshots>,
@@ -214,7 +158,7 @@ async fn list_snapshots(
     ok(st.api.list_snapshots(&c, q).await?)
 }
 
-async fn get_snapshot(
+pub(crate) async fn get_snapshot(
     State(st): State<AppState>,
     Authed(c): Authed,
     Path(id): Path<String>,
@@ -222,7 +166,7 @@ async fn get_snapshot(
     ok(st.api.get_snapshot(&c, &id).await?)
 }
 
-async fn delete_snapshot(
+pub(crate) async fn delete_snapshot(
     State(st): State<AppState>,
     Authed(c): Authed,
     Path(id): Path<String>,
@@ -230,7 +174,7 @@ async fn delete_snapshot(
     ok(st.api.delete_snapshot(&c, &id).await?)
 }
 
-async fn fork_sandbox(
+pub(crate) async fn fork_sandbox(
     State(st): State<AppState>,
     Authed(c): Authed,
     Path(id): Path<String>,
@@ -240,7 +184,7 @@ async fn fork_sandbox(
     Ok((StatusCode::CREATED, Json(fork)).into_response())
 }
 
-async fn restore_sandbox(
+pub(crate) async fn restore_sandbox(
     State(st): State<AppState>,
     Authed(c): Authed,
     Path(id): Path<String>,
@@ -249,7 +193,7 @@ async fn restore_sandbox(
     ok(st.api.restore_sandbox(&c, &id, body).await?)
 }
 
-async fn pause_sandbox(
+pub(crate) async fn pause_sandbox(
     State(st): State<AppState>,
     Authed(c): Authed,
     Path(id): Path<String>,
@@ -257,7 +201,7 @@ async fn pause_sandbox(
     ok(st.api.pause_sandbox(&c, &id).await?)
 }
 
-async fn resume_sandbox(
+pub(crate) async fn resume_sandbox(
     State(st): State<AppState>,
     Authed(c): Authed,
     Path(id): Path<String>,
@@ -280,7 +224,7 @@ fn wants_event_stream(headers: &HeaderMap) -> bool {
         })
 }
 
-async fn exec(
+pub(crate) async fn exec(
     State(st): State<AppState>,
     Authed(c): Authed,
     ReqId(rid): ReqId,
@@ -295,7 +239,7 @@ async fn exec(
     ok(st.api.exec(&c, &id, params).await?)
 }
 
-async fn get_execution(
+pub(crate) async fn get_execution(
     State(st): State<AppState>,
     Authed(c): Authed,
     Path(id): Path<String>,
@@ -303,7 +247,7 @@ async fn get_execution(
     ok(st.api.get_execution(&c, &id).await?)
 }
 
-async fn write_file(
+pub(crate) async fn write_file(
     State(st): State<AppState>,
     Authed(c): Authed,
     Path(id): Path<String>,
@@ -336,7 +280,7 @@ fn required_path(q: &FilesQuery) -> ApiResult<&str> {
         .ok_or_else(|| ApiError::invalid("query parameter `path` is required"))
 }
 
-async fn get_files(
+pub(crate) async fn get_files(
     State(st): State<AppState>,
     Authed(c): Authed,
     Path(id): Path<String>,
@@ -360,7 +304,7 @@ async fn get_files(
         .await?)
 }
 
-async fn delete_file(
+pub(crate) async fn delete_file(
     State(st): State<AppState>,
     Authed(c): Authed,
     Path(id): Path<String>,
@@ -373,7 +317,7 @@ async fn delete_file(
         .await?)
 }
 
-async fn expose_port(
+pub(crate) async fn expose_port(
     State(st): State<AppState>,
     Authed(c): Authed,
     Path(id): Path<String>,
@@ -382,7 +326,7 @@ async fn expose_port(
     ok(st.api.expose_port(&c, &id, body.port).await?)
 }
 
-async fn list_ports(
+pub(crate) async fn list_ports(
     State(st): State<AppState>,
     Authed(c): Authed,
     Path(id): Path<String>,
@@ -390,7 +334,7 @@ async fn list_ports(
     ok(st.api.list_ports(&c, &id).await?)
 }
 
-async fn close_port(
+pub(crate) async fn close_port(
     State(st): State<AppState>,
     Authed(c): Authed,
     Path((id, port)): Path<(String, String)>,

@@ -1,16 +1,26 @@
-//! The OpenAPI 3.1 document, generated from code.
+//! The REST API's operations, each declared once: its method, path and
+//! handler, and what the OpenAPI 3.1 document says of it. The router serves
+//! exactly this table ([`router`]) and the document describes exactly it
+//! ([`openapi`]), so a route cannot go undocumented nor a documented one
+//! unserved.
 //!
 //! Component schemas come from the `schemars::JsonSchema` derives of the very
 //! types the handlers parse and serialize (requests with the *deserialize*
 //! contract, responses with the *serialize* contract), so the document cannot
-//! describe a field the server does not have. The operations below are
-//! written by hand next to the router; a test checks both list the same
-//! routes, and another that `docs/openapi.json` is this document.
+//! describe a field the server does not have. A test holds the table to the
+//! contract's list of routes, and another holds `docs/openapi.json` to this
+//! document.
 
 use crate::bodies::{ExposePortBody, ExtendBody, FilesQuery, PortClosed, UsageQuery};
 use crate::error::ErrorBody;
+use crate::server;
 use crate::sse::OutputChunk;
-use crate::terminal::{TerminalControl, TerminalEvent, TerminalQuery};
+use crate::state::{AppState, RestConfig};
+use crate::terminal;
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{delete, get, post, put, MethodRouter};
+use axum::Router;
+use sandpit_core::SandboxApi;
 use sandpit_core::{
     Account, CreateSandbox, CreateSnapshot, ExecParams, Execution, FileContent, FileDeleted,
     FileList, FileWritten, Fork, ForkSandbox, List, ListSandboxes, ListSnapshots, Port,
@@ -19,6 +29,8 @@ use sandpit_core::{
 use schemars::generate::{Contract, SchemaGenerator, SchemaSettings};
 use schemars::JsonSchema;
 use serde_json::{json, Map, Value};
+use std::sync::Arc;
+use terminal::{TerminalControl, TerminalEvent, TerminalQuery};
 
 fn generator(contract: Contract) -> SchemaGenerator {
     SchemaSettings::draft2020_12()
@@ -57,6 +69,8 @@ const ON_SANDBOX: Errors = Errors {
 struct Op {
     method: &'static str,
     path: &'static str,
+    /// What serves it (its method's router for `path`).
+    handler: MethodRouter<AppState>,
     id: &'static str,
     summary: &'static str,
     description: &'static str,
@@ -293,8 +307,44 @@ hung up because its sandbox stopped (then a close, 1011). Closing the socket han
 shell up (SIGHUP to its session, as an ssh connection that drops). A sandbox has at most \
 16 terminals open (429 past that). Errors before the upgrade are ordinary JSON errors.";
 
+/// The REST API: every `/v1` route of `docs/spec/rest-api.md`, plus
+/// `GET /v1/service` and `GET /v1/openapi.json` (both without a key).
+///
+/// Serve it with `axum::serve(listener, router(api, config))`.
+pub fn router(api: Arc<dyn SandboxApi>, config: RestConfig) -> Router {
+    let (routes, document) = table();
+    let state = AppState {
+        api,
+        openapi: Arc::new(document),
+        cfg: Arc::new(config.clone()),
+    };
+    routes
+        .into_iter()
+        .fold(Router::new(), |router, (path, handler)| {
+            router.route(path, handler)
+        })
+        .fallback(server::not_found)
+        .layer(DefaultBodyLimit::max(config.max_body_bytes))
+        .layer(axum::middleware::from_fn_with_state(
+            config.body_budget.clone(),
+            crate::budget::hold,
+        ))
+        .layer(tower_http::catch_panic::CatchPanicLayer::new())
+        .layer(axum::middleware::from_fn(crate::error::finish))
+        .with_state(state)
+}
+
 /// The OpenAPI 3.1 document of the REST API (also served at `GET /v1/openapi.json`).
 pub fn openapi() -> Value {
+    table().1
+}
+
+/// The table's routes (a path may come more than once, a method each) and
+/// its document.
+type Table = (Vec<(&'static str, MethodRouter<AppState>)>, Value);
+
+/// The operations, as routes and as the document that describes them.
+fn table() -> Table {
     let mut req = generator(Contract::Deserialize);
     let mut res = generator(Contract::Serialize);
 
@@ -323,6 +373,7 @@ pub fn openapi() -> Value {
         Op {
             method: "get",
             path: "/v1/service",
+            handler: get(server::service),
             id: "getService",
             summary: "What this service is",
             description: "Sizes, prices, limits and the guest environment. No key needed.",
@@ -338,6 +389,7 @@ pub fn openapi() -> Value {
         Op {
             method: "get",
             path: "/v1/openapi.json",
+            handler: get(server::openapi_doc),
             id: "getOpenApi",
             summary: "This document",
             description: "The OpenAPI 3.1 document of this API. No key needed.",
@@ -353,6 +405,7 @@ pub fn openapi() -> Value {
         Op {
             method: "get",
             path: "/v1/account",
+            handler: get(server::account),
             id: "getAccount",
             summary: "The calling account",
             description: "The account the key belongs to, with its remaining credit.",
@@ -368,6 +421,7 @@ pub fn openapi() -> Value {
         Op {
             method: "get",
             path: "/v1/usage",
+            handler: get(server::usage),
             id: "getUsage",
             summary: "Remaining credit and recent usage",
             description: "Cost per sandbox over the last `days` days.",
@@ -383,6 +437,7 @@ pub fn openapi() -> Value {
         Op {
             method: "post",
             path: "/v1/sandboxes",
+            handler: post(server::create_sandbox),
             id: "createSandbox",
             summary: "Create a sandbox",
             description: "Synchronous: answers once the sandbox accepts commands (status `running`). \
@@ -402,6 +457,7 @@ pub fn openapi() -> Value {
         Op {
             method: "get",
             path: "/v1/sandboxes",
+            handler: get(server::list_sandboxes),
             id: "listSandboxes",
             summary: "List sandboxes",
             description: "Newest first, paged with `limit` (1..100) and `starting_after` (the previous page's `next_cursor`).",
@@ -413,6 +469,7 @@ pub fn openapi() -> Value {
         Op {
             method: "get",
             path: "/v1/sandboxes/{id}",
+            handler: get(server::get_sandbox),
             id: "getSandbox",
             summary: "Get a sandbox",
             description: "The sandbox object.",
@@ -424,6 +481,7 @@ pub fn openapi() -> Value {
         Op {
             method: "delete",
             path: "/v1/sandboxes/{id}",
+            handler: delete(server::destroy_sandbox),
             id: "destroySandbox",
             summary: "Destroy a sandbox",
             description: "Destroys it and stops billing; the unused reserved credit is returned. \
@@ -437,6 +495,7 @@ pub fn openapi() -> Value {
         Op {
             method: "post",
             path: "/v1/sandboxes/{id}/extend",
+            handler: post(server::extend_sandbox),
             id: "extendSandbox",
             summary: "Extend a sandbox's lifetime",
             description: "Reserves the extra time from the credit. The total lifetime may not pass 24 h from creation (400).",
@@ -448,6 +507,7 @@ pub fn openapi() -> Value {
         Op {
             method: "post",
             path: "/v1/sandboxes/{id}/snapshots",
+            handler: post(server::snapshot_sandbox),
             id: "snapshotSandbox",
             summary: "Snapshot a sandbox",
             description: "Saves the whole state of a running sandbox (disk, memory, processes); it runs on, \
@@ -467,6 +527,7 @@ pub fn openapi() -> Value {
         Op {
             method: "post",
             path: "/v1/sandboxes/{id}/fork",
+            handler: post(server::fork_sandbox),
             id: "forkSandbox",
             summary: "Fork a sandbox",
             description: "Snapshots the sandbox and starts `count` (1..10, default 1) new sandboxes from \
@@ -484,6 +545,7 @@ pub fn openapi() -> Value {
         Op {
             method: "post",
             path: "/v1/sandboxes/{id}/restore",
+            handler: post(server::restore_sandbox),
             id: "restoreSandbox",
             summary: "Roll a sandbox back to a snapshot",
             description: "Puts the sandbox back in the state of `snapshot_id`: a snapshot of this sandbox, \
@@ -497,6 +559,7 @@ pub fn openapi() -> Value {
         Op {
             method: "post",
             path: "/v1/sandboxes/{id}/pause",
+            handler: post(server::pause_sandbox),
             id: "pauseSandbox",
             summary: "Pause a sandbox",
             description: "Stops the sandbox's VM with its whole state (disk, memory, processes) kept \
@@ -512,6 +575,7 @@ pub fn openapi() -> Value {
         Op {
             method: "post",
             path: "/v1/sandboxes/{id}/resume",
+            handler: post(server::resume_sandbox),
             id: "resumeSandbox",
             summary: "Resume a paused sandbox",
             description: "Runs a paused sandbox again, its processes where they were. Resuming a \
@@ -524,6 +588,7 @@ pub fn openapi() -> Value {
         Op {
             method: "get",
             path: "/v1/snapshots",
+            handler: get(server::list_snapshots),
             id: "listSnapshots",
             summary: "List snapshots",
             description: "The account's snapshots, newest first, paged with `limit` (1..100) and \
@@ -536,6 +601,7 @@ pub fn openapi() -> Value {
         Op {
             method: "get",
             path: "/v1/snapshots/{id}",
+            handler: get(server::get_snapshot),
             id: "getSnapshot",
             summary: "Get a snapshot",
             description: "The snapshot object.",
@@ -547,6 +613,7 @@ pub fn openapi() -> Value {
         Op {
             method: "delete",
             path: "/v1/snapshots/{id}",
+            handler: delete(server::delete_snapshot),
             id: "deleteSnapshot",
             summary: "Delete a snapshot",
             description: "Deletes it and frees its disk; answers with it, status `deleted`. From then on it is \
@@ -559,6 +626,7 @@ pub fn openapi() -> Value {
         Op {
             method: "post",
             path: "/v1/sandboxes/{id}/exec",
+            handler: post(server::exec),
             id: "execCommand",
             summary: "Run a shell command",
             description: EXEC_DESCRIPTION,
@@ -594,6 +662,7 @@ pub fn openapi() -> Value {
         Op {
             method: "get",
             path: "/v1/executions/{id}",
+            handler: get(server::get_execution),
             id: "getExecution",
             summary: "Get an execution",
             description: "An execution object, later.",
@@ -605,6 +674,7 @@ pub fn openapi() -> Value {
         Op {
             method: "put",
             path: "/v1/sandboxes/{id}/files",
+            handler: put(server::write_file),
             id: "writeFile",
             summary: "Write a file",
             description: "`path` is relative to /workspace or absolute; parent directories are created; \
@@ -636,6 +706,7 @@ pub fn openapi() -> Value {
         Op {
             method: "get",
             path: "/v1/sandboxes/{id}/files",
+            handler: get(server::get_files),
             id: "readOrListFiles",
             summary: "Read a file, or list a directory (`list=true`)",
             description: "Without `list`: reads `path` (required). Reading a non-UTF-8 file with `utf8` is 400 \
@@ -666,6 +737,7 @@ pub fn openapi() -> Value {
         Op {
             method: "delete",
             path: "/v1/sandboxes/{id}/files",
+            handler: delete(server::delete_file),
             id: "deleteFile",
             summary: "Delete a file or directory",
             description: "Deletes `path` (required); a non-empty directory needs `recursive=true`. \
@@ -686,6 +758,7 @@ pub fn openapi() -> Value {
         Op {
             method: "post",
             path: "/v1/sandboxes/{id}/ports",
+            handler: post(server::expose_port),
             id: "exposePort",
             summary: "Expose a port",
             description: "Gives a public URL for a port the sandbox listens on (localhost is enough); \
@@ -702,6 +775,7 @@ pub fn openapi() -> Value {
         Op {
             method: "get",
             path: "/v1/sandboxes/{id}/ports",
+            handler: get(server::list_ports),
             id: "listPorts",
             summary: "List exposed ports",
             description: "Every exposed port of the sandbox.",
@@ -717,6 +791,7 @@ pub fn openapi() -> Value {
         Op {
             method: "delete",
             path: "/v1/sandboxes/{id}/ports/{port}",
+            handler: delete(server::close_port),
             id: "closePort",
             summary: "Close an exposed port",
             description: "Its URL stops answering. Always 200 with `{\"port\": N, \"closed\": true}` (never 204), \
@@ -740,6 +815,7 @@ pub fn openapi() -> Value {
         Op {
             method: "post",
             path: "/v1/sandboxes/{id}/pty/tokens",
+            handler: post(terminal::mint_token),
             id: "createTerminalToken",
             summary: "Make a one-use terminal token",
             description: "A token that opens this sandbox's terminal once, within a minute, without \
@@ -757,6 +833,7 @@ pub fn openapi() -> Value {
         Op {
             method: "get",
             path: "/v1/sandboxes/{id}/pty",
+            handler: get(terminal::open),
             id: "openTerminal",
             summary: "Open a terminal (WebSocket)",
             description: TERMINAL_DESCRIPTION,
@@ -783,6 +860,7 @@ pub fn openapi() -> Value {
         let item = paths.entry(op.path.to_owned()).or_insert_with(|| json!({}));
         item[op.method] = operation(op);
     }
+    let routes = ops.into_iter().map(|op| (op.path, op.handler)).collect();
 
     let mut schemas = res.take_definitions(true);
     for (name, schema) in req.take_definitions(true) {
@@ -842,7 +920,7 @@ pub fn openapi() -> Value {
     rename_schema(&mut doc, &port_list, "PortList");
     rename_schema(&mut doc, &snapshot_list_ref, "SnapshotList");
     sort_keys(&mut doc);
-    doc
+    (routes, doc)
 }
 
 /// Object keys in sorted order at every level, so the document's text is the
