@@ -358,6 +358,16 @@ fn print_json<T: serde::Serialize>(value: &T) -> Result<()> {
     Ok(())
 }
 
+/// A server's answer on stdout: the whole object with `--json`, else the
+/// ids it made or names, a line each (what a script takes).
+fn print_answer<T: serde::Serialize>(json: bool, value: &T, ids: &[&str]) -> Result<i32> {
+    match json {
+        true => print_json(value)?,
+        false => ids.iter().for_each(|id| println!("{id}")),
+    }
+    Ok(0)
+}
+
 async fn create_from_snapshot(a: CreateArgs, snapshot_id: String) -> Result<i32> {
     let timeout = timeout_minutes(a.timeout)?;
     let (api, caller) = server(&a.server).await?;
@@ -381,12 +391,7 @@ async fn create_from_snapshot(a: CreateArgs, snapshot_id: String) -> Result<i32>
         sandbox.id,
         start.elapsed().as_secs_f64()
     );
-    if a.json {
-        print_json(&sandbox)?;
-    } else {
-        println!("{}", sandbox.id);
-    }
-    Ok(0)
+    print_answer(a.json, &sandbox, &[&sandbox.id])
 }
 
 async fn snapshot(a: SnapshotArgs) -> Result<i32> {
@@ -405,12 +410,7 @@ async fn snapshot(a: SnapshotArgs) -> Result<i32> {
         human_bytes(snap.size_bytes),
         start.elapsed().as_secs_f64()
     );
-    if a.json {
-        print_json(&snap)?;
-    } else {
-        println!("{}", snap.id);
-    }
-    Ok(0)
+    print_answer(a.json, &snap, &[&snap.id])
 }
 
 async fn fork(a: ForkArgs) -> Result<i32> {
@@ -432,14 +432,8 @@ async fn fork(a: ForkArgs) -> Result<i32> {
         fork.snapshot.id,
         start.elapsed().as_secs_f64()
     );
-    if a.json {
-        print_json(&fork)?;
-    } else {
-        for s in &fork.sandboxes {
-            println!("{}", s.id);
-        }
-    }
-    Ok(0)
+    let ids: Vec<&str> = fork.sandboxes.iter().map(|s| s.id.as_str()).collect();
+    print_answer(a.json, &fork, &ids)
 }
 
 async fn restore(a: RestoreArgs) -> Result<i32> {
@@ -458,12 +452,7 @@ async fn restore(a: RestoreArgs) -> Result<i32> {
         a.snapshot_id,
         start.elapsed().as_secs_f64()
     );
-    if a.json {
-        print_json(&sandbox)?;
-    } else {
-        println!("{}", sandbox.id);
-    }
-    Ok(0)
+    print_answer(a.json, &sandbox, &[&sandbox.id])
 }
 
 async fn pause_or_resume(a: PauseArgs, pause: bool) -> Result<i32> {
@@ -480,12 +469,7 @@ async fn pause_or_resume(a: PauseArgs, pause: bool) -> Result<i32> {
         sandbox.status,
         start.elapsed().as_secs_f64()
     );
-    if a.json {
-        print_json(&sandbox)?;
-    } else {
-        println!("{}", sandbox.id);
-    }
-    Ok(0)
+    print_answer(a.json, &sandbox, &[&sandbox.id])
 }
 
 async fn snapshots(a: SnapshotsArgs) -> Result<i32> {
