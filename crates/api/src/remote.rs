@@ -13,12 +13,13 @@ use crate::sse::OutputChunk;
 use async_trait::async_trait;
 use futures::StreamExt;
 use reqwest::{header, Method, RequestBuilder, StatusCode, Url};
+use sandpit_core::api::prelude::*;
 use sandpit_core::error::Result;
 use sandpit_core::{
     Account, Caller, CoreError, CreateSandbox, CreateSnapshot, Encoding, ErrorType, ExecEvent,
     ExecParams, ExecStream, Execution, FileContent, FileDeleted, FileList, FileWritten, Fork,
-    ForkSandbox, List, ListSandboxes, ListSnapshots, Port, RestoreSandbox, Sandbox, SandboxApi,
-    ServiceInfo, Snapshot, Usage, WriteFile,
+    ForkSandbox, List, ListSandboxes, ListSnapshots, Port, RestoreSandbox, Sandbox, ServiceInfo,
+    Snapshot, Usage, WriteFile,
 };
 use serde::de::DeserializeOwned;
 use std::collections::HashMap;
@@ -231,7 +232,7 @@ fn parse_error_body(text: &str) -> Option<CoreError> {
 }
 
 #[async_trait]
-impl SandboxApi for RemoteApi {
+impl Accounts for RemoteApi {
     async fn authenticate(&self, api_key: &str) -> Result<Caller> {
         let req = self.http.get(self.url(&["account"])).bearer_auth(api_key);
         let account: Account = self.call(req).await?;
@@ -244,6 +245,25 @@ impl SandboxApi for RemoteApi {
         })
     }
 
+    async fn usage(&self, caller: &Caller, days: Option<u32>) -> Result<Usage> {
+        let mut url = self.url(&["usage"]);
+        if let Some(d) = days {
+            url.query_pairs_mut().append_pair("days", &d.to_string());
+        }
+        self.get(caller, url).await
+    }
+
+    async fn account(&self, caller: &Caller) -> Result<Account> {
+        self.get(caller, self.url(&["account"])).await
+    }
+
+    async fn service_info(&self) -> Result<ServiceInfo> {
+        self.call(self.http.get(self.url(&["service"]))).await
+    }
+}
+
+#[async_trait]
+impl Sandboxes for RemoteApi {
     async fn create_sandbox(
         &self,
         caller: &Caller,
@@ -287,6 +307,19 @@ impl SandboxApi for RemoteApi {
         self.call(r).await
     }
 
+    async fn pause_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
+        let r = self.request(caller, Method::POST, self.url(&["sandboxes", id, "pause"]))?;
+        self.call(r).await
+    }
+
+    async fn resume_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
+        let r = self.request(caller, Method::POST, self.url(&["sandboxes", id, "resume"]))?;
+        self.call(r).await
+    }
+}
+
+#[async_trait]
+impl Snapshots for RemoteApi {
     async fn snapshot_sandbox(
         &self,
         caller: &Caller,
@@ -346,17 +379,10 @@ impl SandboxApi for RemoteApi {
             .json(&req);
         self.call(r).await
     }
+}
 
-    async fn pause_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
-        let r = self.request(caller, Method::POST, self.url(&["sandboxes", id, "pause"]))?;
-        self.call(r).await
-    }
-
-    async fn resume_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
-        let r = self.request(caller, Method::POST, self.url(&["sandboxes", id, "resume"]))?;
-        self.call(r).await
-    }
-
+#[async_trait]
+impl Commands for RemoteApi {
     async fn exec(&self, caller: &Caller, id: &str, mut params: ExecParams) -> Result<Execution> {
         params.stream = None;
         let r = self
@@ -399,7 +425,10 @@ impl SandboxApi for RemoteApi {
     async fn get_execution(&self, caller: &Caller, exec_id: &str) -> Result<Execution> {
         self.get(caller, self.url(&["executions", exec_id])).await
     }
+}
 
+#[async_trait]
+impl Files for RemoteApi {
     async fn write_file(&self, caller: &Caller, id: &str, req: WriteFile) -> Result<FileWritten> {
         let r = self
             .request(caller, Method::PUT, self.url(&["sandboxes", id, "files"]))?
@@ -458,7 +487,10 @@ impl SandboxApi for RemoteApi {
             .append_pair("recursive", if recursive { "true" } else { "false" });
         self.call(self.request(caller, Method::DELETE, url)?).await
     }
+}
 
+#[async_trait]
+impl Ports for RemoteApi {
     async fn expose_port(&self, caller: &Caller, id: &str, port: u16) -> Result<Port> {
         let r = self
             .request(caller, Method::POST, self.url(&["sandboxes", id, "ports"]))?
@@ -477,23 +509,12 @@ impl SandboxApi for RemoteApi {
             .await?;
         Ok(())
     }
-
-    async fn usage(&self, caller: &Caller, days: Option<u32>) -> Result<Usage> {
-        let mut url = self.url(&["usage"]);
-        if let Some(d) = days {
-            url.query_pairs_mut().append_pair("days", &d.to_string());
-        }
-        self.get(caller, url).await
-    }
-
-    async fn account(&self, caller: &Caller) -> Result<Account> {
-        self.get(caller, self.url(&["account"])).await
-    }
-
-    async fn service_info(&self) -> Result<ServiceInfo> {
-        self.call(self.http.get(self.url(&["service"]))).await
-    }
 }
+
+/// Terminals over a remote server's WebSocket are the dashboard's and
+/// `sandpit sandbox shell`'s: this client answers as a backend without them.
+#[async_trait]
+impl Terminals for RemoteApi {}
 
 /// Read the event stream into `tx` until the last event, the receiver's
 /// drop, or `cancel`; returning drops the response, which closes the

@@ -11,6 +11,7 @@
 use crate::{median, row, Row};
 use anyhow::{Context, Result};
 use clap::Args;
+use sandpit_core::prelude::*;
 use sandpit_core::{Caller, CreateSandbox, ExecParams, SandboxApi, Service};
 use sandpit_server::settings::Settings;
 use std::io::BufRead;

@@ -23,7 +23,6 @@ pub(crate) async fn control_plane(
     use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
     use rmcp::transport::StreamableHttpClientTransport;
     use rmcp::ServiceExt;
-    use sandpit_core::SandboxApi;
     use std::sync::Arc;
 
     let pool_target = settings

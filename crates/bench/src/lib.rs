@@ -2,6 +2,7 @@
 //! machine, and prints medians. Times are noisy here (2 shared cores, TCG), so
 //! every figure is a median of several runs taken in the same invocation.
 
+use sandpit_core::prelude::*;
 use sandpit_server::settings::Settings;
 mod cluster;
 mod control_plane;
@@ -112,7 +113,6 @@ where
     F: Fn() -> Fut,
     Fut: std::future::Future<Output = Result<serde_json::Value>>,
 {
-    use sandpit_core::SandboxApi as _;
     let since = Instant::now();
     loop {
         let err = match create().await {

@@ -16,9 +16,9 @@
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, Subcommand};
+use sandpit_core::prelude::*;
 use sandpit_core::{
-    Caller, CreateSandbox, CreateSnapshot, ForkSandbox, ListSnapshots, RestoreSandbox, SandboxApi,
-    Snapshot,
+    Caller, CreateSandbox, CreateSnapshot, ForkSandbox, ListSnapshots, RestoreSandbox, Snapshot,
 };
 use sandpit_protocol::ExecRequest;
 use sandpit_runtime::{CreateVm, GuestExecEvent, RuntimeError, VmManager, VmRecord, VmState};

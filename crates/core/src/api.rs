@@ -1,7 +1,9 @@
-//! The operations an agent can ask for, as one trait. The core service
-//! implements it over local VMs; a REST client implements it for a remote
-//! server. The REST and MCP adapters take an `Arc<dyn SandboxApi>` and
-//! translate, nothing more.
+//! The operations an agent can ask for, as a few traits by subject
+//! ([`Sandboxes`], [`Snapshots`], [`Commands`], [`Files`], [`Ports`],
+//! [`Terminals`], [`Accounts`]) that [`SandboxApi`] gathers. The core
+//! service implements each in the module of its subject; a REST client
+//! implements them for a remote server. The REST, MCP and dashboard
+//! adapters take an `Arc<dyn SandboxApi>` and translate, nothing more.
 
 use crate::error::Result;
 use crate::model::*;
@@ -10,7 +12,7 @@ use tokio::sync::mpsc;
 
 pub use sandpit_host::machines::{PtyExit, PtyInput, PtyOutput, PtySize};
 
-/// An interactive shell in a sandbox ([`SandboxApi::open_terminal`]):
+/// An interactive shell in a sandbox ([`Terminals::open_terminal`]):
 /// keystrokes and sizes go to `input`, output and the shell's end come from
 /// `output`. Dropping it (or `input`) hangs the shell up; `output` ends
 /// without an exit when the terminal was cut (the sandbox ended).
@@ -57,7 +59,7 @@ pub trait ByteSource: Send {
     async fn next_chunk(&mut self) -> Option<std::io::Result<Vec<u8>>>;
 }
 
-/// A file read a piece at a time ([`SandboxApi::download_file`]).
+/// A file read a piece at a time ([`Files::download_file`]).
 pub struct FileDownload {
     /// Resolved, absolute.
     pub path: String,
@@ -101,12 +103,41 @@ impl Drop for ExecStream {
     }
 }
 
-/// Everything an account can do with its sandboxes.
+/// Everything an account can do with its sandboxes, by subject: each
+/// subject is a trait of its own, which the core service implements in the
+/// module of that subject, and an adapter names what it uses. Bring the
+/// methods into scope with `use sandpit_core::api::prelude::*`.
+pub trait SandboxApi:
+    Accounts + Sandboxes + Snapshots + Commands + Files + Ports + Terminals
+{
+}
+
+impl<T> SandboxApi for T where
+    T: Accounts + Sandboxes + Snapshots + Commands + Files + Ports + Terminals + ?Sized
+{
+}
+
+/// The API's traits, for `use sandpit_core::api::prelude::*`.
+pub mod prelude {
+    pub use super::{
+        Accounts, Commands, Files, Ports, SandboxApi, Sandboxes, Snapshots, Terminals,
+    };
+}
+
+/// Who calls and what they have: the key's account, its usage, and what the service offers.
 #[async_trait]
-pub trait SandboxApi: Send + Sync {
+pub trait Accounts: Send + Sync {
     /// Resolve an API key to its account (`unauthorized` if unknown or revoked).
     async fn authenticate(&self, api_key: &str) -> Result<Caller>;
+    async fn usage(&self, caller: &Caller, days: Option<u32>) -> Result<Usage>;
+    async fn account(&self, caller: &Caller) -> Result<Account>;
+    /// No key needed.
+    async fn service_info(&self) -> Result<ServiceInfo>;
+}
 
+/// A sandbox's life: create, look up, list, extend, destroy, pause and resume.
+#[async_trait]
+pub trait Sandboxes: Send + Sync {
     async fn create_sandbox(
         &self,
         caller: &Caller,
@@ -122,7 +153,18 @@ pub trait SandboxApi: Send + Sync {
         additional_minutes: Option<u32>,
     ) -> Result<Sandbox>;
     async fn destroy_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox>;
+    /// Stops the sandbox's VM, its whole state kept on disk, billed at the
+    /// paused rate; any call that needs the VM resumes it. Pausing a paused
+    /// sandbox changes nothing.
+    async fn pause_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox>;
+    /// Runs a paused sandbox again, its processes where they were.
+    /// Resuming a running sandbox changes nothing.
+    async fn resume_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox>;
+}
 
+/// A sandbox's whole state saved, and what starts from it: snapshots, forks, restores.
+#[async_trait]
+pub trait Snapshots: Send + Sync {
     /// Save the whole state of a running sandbox (it runs on; it is paused
     /// only while its state is captured). The bool: replayed from an
     /// earlier call with the same `Idempotency-Key`.
@@ -148,14 +190,11 @@ pub trait SandboxApi: Send + Sync {
         id: &str,
         req: RestoreSandbox,
     ) -> Result<Sandbox>;
-    /// Stops the sandbox's VM, its whole state kept on disk, billed at the
-    /// paused rate; any call that needs the VM resumes it. Pausing a paused
-    /// sandbox changes nothing.
-    async fn pause_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox>;
-    /// Runs a paused sandbox again, its processes where they were.
-    /// Resuming a running sandbox changes nothing.
-    async fn resume_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox>;
+}
 
+/// Commands in a sandbox, and the executions kept of them.
+#[async_trait]
+pub trait Commands: Send + Sync {
     /// Run a command to completion.
     async fn exec(&self, caller: &Caller, id: &str, params: ExecParams) -> Result<Execution>;
     /// Run a command, streaming its output.
@@ -166,12 +205,15 @@ pub trait SandboxApi: Send + Sync {
         params: ExecParams,
     ) -> Result<ExecStream>;
     async fn get_execution(&self, caller: &Caller, exec_id: &str) -> Result<Execution>;
+}
 
+/// Files in a sandbox, whole or a piece at a time.
+#[async_trait]
+pub trait Files: Send + Sync {
     async fn write_file(&self, caller: &Caller, id: &str, req: WriteFile) -> Result<FileWritten>;
-
     /// Write `size` bytes from `body` to `path`, a piece at a time: the
     /// server holds one piece of it, not the file. Same checks and answer
-    /// as [`SandboxApi::write_file`]; a body that ends early or runs long
+    /// as [`Files::write_file`]; a body that ends early or runs long
     /// writes nothing. This default (for backends that cannot stream)
     /// collects the body and writes it whole.
     async fn upload_file(
@@ -197,9 +239,8 @@ pub trait SandboxApi: Send + Sync {
         };
         self.write_file(caller, id, req).await
     }
-
     /// Read `path` a piece at a time. Same checks as
-    /// [`SandboxApi::read_file`]. This default (for backends that cannot
+    /// [`Files::read_file`]. This default (for backends that cannot
     /// stream) reads it whole.
     async fn download_file(&self, caller: &Caller, id: &str, path: &str) -> Result<FileDownload> {
         use base64::Engine;
@@ -217,7 +258,6 @@ pub trait SandboxApi: Send + Sync {
             chunks,
         })
     }
-
     async fn read_file(
         &self,
         caller: &Caller,
@@ -239,14 +279,19 @@ pub trait SandboxApi: Send + Sync {
         path: &str,
         recursive: bool,
     ) -> Result<FileDeleted>;
+}
 
+/// Ports of a sandbox exposed on preview URLs.
+#[async_trait]
+pub trait Ports: Send + Sync {
     async fn expose_port(&self, caller: &Caller, id: &str, port: u16) -> Result<Port>;
     async fn list_ports(&self, caller: &Caller, id: &str) -> Result<List<Port>>;
     async fn close_port(&self, caller: &Caller, id: &str, port: u16) -> Result<()>;
+}
 
-    async fn usage(&self, caller: &Caller, days: Option<u32>) -> Result<Usage>;
-    async fn account(&self, caller: &Caller) -> Result<Account>;
-
+/// Interactive shells for people, and the one-use tokens a browser opens them with.
+#[async_trait]
+pub trait Terminals: Send + Sync {
     /// An interactive login shell as the guest user on a new terminal of
     /// `size` in a running sandbox (a paused one is resumed first).
     async fn open_terminal(
@@ -267,8 +312,6 @@ pub trait SandboxApi: Send + Sync {
     async fn redeem_terminal_token(&self, _token: &str, _id: &str) -> Result<Caller> {
         Err(no_terminals())
     }
-    /// No key needed.
-    async fn service_info(&self) -> Result<ServiceInfo>;
 }
 
 /// The API key an HTTP request carries, read the same way by REST and MCP:

@@ -31,6 +31,8 @@ pub const VERSION: &str = concat!(
     ")"
 );
 
+/// The API's traits by subject, for `use sandpit_core::prelude::*`.
+pub use api::prelude;
 pub use api::{Caller, ExecEvent, ExecStream, SandboxApi};
 pub use error::{CoreError, ErrorType};
 pub use model::*;

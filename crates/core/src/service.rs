@@ -10,25 +10,28 @@
 //!
 //! This file holds the [`Service`] itself (its state, construction,
 //! accessors, start and shutdown, this host's VM pool as operators and
-//! tests see it), the look-ups scoped to the calling account that every
-//! call goes through, and the one `impl SandboxApi for Service`, whose
-//! methods hand each call to the module of its concern:
+//! tests see it) and the look-ups scoped to the calling account that every
+//! call goes through. Each of the API's traits (see [`crate::api`]) is
+//! implemented in the module of its subject:
 //!
 //! - `create`: a create, in its steps (order, placement, the store's
 //!   outcome, the start).
-//! - `lifecycle`: get, list, extend, destroy; a sandbox's boot and its end;
-//!   the reaper and `reconcile`.
+//! - `lifecycle`: `Sandboxes` (get, list, extend, destroy; create, pause
+//!   and resume handed to their modules); a sandbox's boot and its end; the
+//!   reaper and `reconcile`.
 //! - `disk`: what accounts' sandboxes take on the host's disk, and the
 //!   sweep that holds an account's disk writes at its limit.
-//! - `exec`: commands and their stored executions.
-//! - `files`: file transfers and their per-account slots.
-//! - `ports`: exposed ports and preview URLs (the connections themselves
-//!   are [`crate::preview`]'s).
-//! - `snapshots`: snapshots, fork and restore, and the snapshot sweep.
+//! - `exec`: `Commands`: commands and their stored executions.
+//! - `files`: `Files`: file transfers and their per-account slots.
+//! - `ports`: `Ports`: exposed ports and preview URLs (the connections
+//!   themselves are [`crate::preview`]'s).
+//! - `snapshots`: `Snapshots`: snapshots, fork and restore, and the
+//!   snapshot sweep.
 //! - `pause`: pause, resume, and the resume a call needing the VM does.
-//! - `account`: authentication, usage, the account, the service's info.
-//! - `terminals`: interactive shells for people, their tokens, and
-//!   hanging them up when their sandbox ends.
+//! - `account`: `Accounts`: authentication, usage, the account, the
+//!   service's info.
+//! - `terminals`: `Terminals`: interactive shells for people, their tokens,
+//!   and hanging them up when their sandbox ends.
 //! - `checks`: the pure request checks, public for the fuzz targets and
 //!   the fake.
 //! - `errors`: how store and runtime failures read as API errors.
@@ -58,16 +61,15 @@ pub use checks::{
 pub use files::TRANSFER_WAIT;
 pub(crate) use lifecycle::cost_until;
 
-use crate::api::{Caller, ExecStream, SandboxApi};
+use crate::api::Caller;
 use crate::config::ServiceConfig;
 use crate::error::{CoreError, Result};
 use crate::idle::{Activity, Busy};
 use crate::model::*;
 use crate::preview::{PreviewLimits, Previews};
-use async_trait::async_trait;
 use errors::not_running;
 use sandpit_host::local::LocalVms;
-use sandpit_host::machines::{Machines, PtySize};
+use sandpit_host::machines::Machines;
 use sandpit_store::{SandboxRow, Store};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -91,7 +93,7 @@ pub struct Service {
     /// Open preview connections and their unflushed traffic.
     previews: Arc<Previews>,
     /// Open terminals, so a sandbox's end hangs them up.
-    terminals: Arc<terminals::Terminals>,
+    terminals: Arc<terminals::OpenTerminals>,
     /// Each account's file transfers in flight (see [`Service::transfer_slot`]).
     transfers: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Semaphore>>>,
     /// Whose disk writes are held now (see [`disk`]).
@@ -371,197 +373,5 @@ impl Service {
         self.vms.as_ref().map_or(Vec::new(), |vms| {
             vms.list().into_iter().map(|r| r.id).collect()
         })
-    }
-}
-
-#[async_trait]
-impl SandboxApi for Service {
-    async fn authenticate(&self, api_key: &str) -> Result<Caller> {
-        self.caller_for(api_key).await
-    }
-
-    async fn create_sandbox(
-        &self,
-        caller: &Caller,
-        req: CreateSandbox,
-        idempotency_key: Option<String>,
-    ) -> Result<(Sandbox, bool)> {
-        self.create(caller, req, idempotency_key).await
-    }
-
-    async fn get_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
-        self.describe(caller, id).await
-    }
-
-    async fn list_sandboxes(&self, caller: &Caller, q: ListSandboxes) -> Result<List<Sandbox>> {
-        self.list(caller, q).await
-    }
-
-    async fn extend_sandbox(
-        &self,
-        caller: &Caller,
-        id: &str,
-        additional_minutes: Option<u32>,
-    ) -> Result<Sandbox> {
-        self.extend(caller, id, additional_minutes).await
-    }
-
-    async fn destroy_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
-        self.destroy(caller, id).await
-    }
-
-    async fn snapshot_sandbox(
-        &self,
-        caller: &Caller,
-        id: &str,
-        req: CreateSnapshot,
-        idempotency_key: Option<String>,
-    ) -> Result<(Snapshot, bool)> {
-        self.take_snapshot(caller, id, req, idempotency_key).await
-    }
-
-    async fn get_snapshot(&self, caller: &Caller, snapshot_id: &str) -> Result<Snapshot> {
-        self.describe_snapshot(caller, snapshot_id).await
-    }
-
-    async fn list_snapshots(&self, caller: &Caller, q: ListSnapshots) -> Result<List<Snapshot>> {
-        self.snapshots(caller, q).await
-    }
-
-    async fn delete_snapshot(&self, caller: &Caller, snapshot_id: &str) -> Result<Snapshot> {
-        self.remove_snapshot(caller, snapshot_id).await
-    }
-
-    async fn fork_sandbox(&self, caller: &Caller, id: &str, req: ForkSandbox) -> Result<Fork> {
-        self.fork(caller, id, req).await
-    }
-
-    async fn restore_sandbox(
-        &self,
-        caller: &Caller,
-        id: &str,
-        req: RestoreSandbox,
-    ) -> Result<Sandbox> {
-        self.roll_back(caller, id, req).await
-    }
-
-    async fn pause_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
-        self.pause(caller, id).await
-    }
-
-    async fn resume_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
-        self.resume(caller, id).await
-    }
-
-    async fn exec(&self, caller: &Caller, id: &str, params: ExecParams) -> Result<Execution> {
-        self.exec_to_end(caller, id, params).await
-    }
-
-    async fn exec_stream(
-        &self,
-        caller: &Caller,
-        id: &str,
-        params: ExecParams,
-    ) -> Result<ExecStream> {
-        self.exec_streamed(caller, id, params).await
-    }
-
-    async fn get_execution(&self, caller: &Caller, exec_id: &str) -> Result<Execution> {
-        self.execution(caller, exec_id).await
-    }
-
-    async fn write_file(&self, caller: &Caller, id: &str, req: WriteFile) -> Result<FileWritten> {
-        self.write(caller, id, req).await
-    }
-
-    async fn upload_file(
-        &self,
-        caller: &Caller,
-        id: &str,
-        path: &str,
-        size: u64,
-        body: Box<dyn crate::api::ByteSource>,
-    ) -> Result<FileWritten> {
-        self.upload(caller, id, path, size, body).await
-    }
-
-    async fn download_file(
-        &self,
-        caller: &Caller,
-        id: &str,
-        path: &str,
-    ) -> Result<crate::api::FileDownload> {
-        self.download(caller, id, path).await
-    }
-
-    async fn read_file(
-        &self,
-        caller: &Caller,
-        id: &str,
-        path: &str,
-        encoding: Encoding,
-    ) -> Result<FileContent> {
-        self.read(caller, id, path, encoding).await
-    }
-
-    async fn list_files(
-        &self,
-        caller: &Caller,
-        id: &str,
-        path: Option<&str>,
-        recursive: bool,
-    ) -> Result<FileList> {
-        self.list_dir(caller, id, path, recursive).await
-    }
-
-    async fn delete_file(
-        &self,
-        caller: &Caller,
-        id: &str,
-        path: &str,
-        recursive: bool,
-    ) -> Result<FileDeleted> {
-        self.delete(caller, id, path, recursive).await
-    }
-
-    async fn expose_port(&self, caller: &Caller, id: &str, port: u16) -> Result<Port> {
-        self.expose(caller, id, port).await
-    }
-
-    async fn list_ports(&self, caller: &Caller, id: &str) -> Result<List<Port>> {
-        self.exposed(caller, id).await
-    }
-
-    async fn close_port(&self, caller: &Caller, id: &str, port: u16) -> Result<()> {
-        self.close(caller, id, port).await
-    }
-
-    async fn usage(&self, caller: &Caller, days: Option<u32>) -> Result<Usage> {
-        self.usage_of(caller, days).await
-    }
-
-    async fn account(&self, caller: &Caller) -> Result<Account> {
-        self.account_of(caller).await
-    }
-
-    async fn open_terminal(
-        &self,
-        caller: &Caller,
-        id: &str,
-        size: PtySize,
-    ) -> Result<crate::api::TerminalSession> {
-        self.terminal(caller, id, size).await
-    }
-
-    async fn terminal_token(&self, caller: &Caller, id: &str) -> Result<TerminalToken> {
-        self.new_terminal_token(caller, id).await
-    }
-
-    async fn redeem_terminal_token(&self, token: &str, id: &str) -> Result<Caller> {
-        self.terminal_grant(token, id).await
-    }
-
-    async fn service_info(&self) -> Result<ServiceInfo> {
-        self.info().await
     }
 }

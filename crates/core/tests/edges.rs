@@ -2,7 +2,8 @@
 //! real VM, inputs nobody sent before, a guest that fills a directory with
 //! more names than one answer can carry, and a guest that stops answering.
 
-use sandpit_core::{CreateSandbox, ErrorType, ExecutionStatus, SandboxApi};
+use sandpit_core::prelude::*;
+use sandpit_core::{CreateSandbox, ErrorType, ExecutionStatus};
 use std::time::{Duration, Instant};
 
 mod common;

@@ -7,7 +7,8 @@
 mod common;
 
 use common::*;
-use sandpit_core::{CreateSandbox, ErrorType, SandboxApi};
+use sandpit_core::prelude::*;
+use sandpit_core::{CreateSandbox, ErrorType};
 use sandpit_host::local::PoolConfig;
 use std::collections::{BTreeMap, HashSet};
 use std::time::{Duration, Instant};

@@ -2,9 +2,10 @@
 //! billing and refunds, isolation between accounts, credit that concurrent
 //! creates can never overdraw, and expiry while the service runs.
 
+use sandpit_core::prelude::*;
 use sandpit_core::{
-    CreateSandbox, Encoding, ErrorType, ExecEvent, ExecutionStatus, ListSandboxes, SandboxApi,
-    SandboxStatus, WriteFile,
+    CreateSandbox, Encoding, ErrorType, ExecEvent, ExecutionStatus, ListSandboxes, SandboxStatus,
+    WriteFile,
 };
 use std::time::Duration;
 

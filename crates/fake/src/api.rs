@@ -2,9 +2,10 @@
 //! armed) raised, then done on the in-memory state as the service does it.
 
 use super::*;
+use sandpit_core::api::prelude::*;
 
 #[async_trait]
-impl SandboxApi for Fake {
+impl Accounts for Fake {
     async fn authenticate(&self, api_key: &str) -> Result<Caller> {
         ACCOUNTS
             .iter()
@@ -15,6 +16,105 @@ impl SandboxApi for Fake {
             .ok_or_else(CoreError::unauthorized)
     }
 
+    async fn usage(&self, caller: &Caller, days: Option<u32>) -> Result<Usage> {
+        self.begin(caller, Op::Usage { days })?;
+        let days = days.unwrap_or(30);
+        if !(1..=366).contains(&days) {
+            return Err(CoreError::invalid(format!(
+                "days must be between 1 and 366, not {days}"
+            )));
+        }
+        let st = self.state.lock().unwrap();
+        // The clock stands still: nothing has run for a second yet.
+        let sandboxes = st
+            .sandboxes
+            .iter()
+            .filter(|h| h.account_id == caller.account_id)
+            .map(|h| SandboxUsage {
+                id: h.sandbox.id.clone(),
+                size: h.sandbox.size.clone(),
+                seconds: 0,
+                cost_usd: 0.0,
+                created_at: h.sandbox.created_at.clone(),
+                deleted_at: h.sandbox.deleted_at.clone(),
+                preview_bytes_in: 0,
+                preview_bytes_out: 0,
+                disk_used_bytes: 0,
+            })
+            .collect();
+        Ok(Usage {
+            object: "usage".into(),
+            credit_remaining_usd: CREDIT_USD,
+            period_days: days,
+            total_cost_usd: 0.0,
+            sandboxes,
+        })
+    }
+
+    async fn account(&self, caller: &Caller) -> Result<Account> {
+        self.begin(caller, Op::Account)?;
+        let (_, id, name) = ACCOUNTS
+            .iter()
+            .find(|(_, id, _)| *id == caller.account_id)
+            .ok_or_else(CoreError::unauthorized)?;
+        Ok(Account {
+            object: "account".into(),
+            id: (*id).to_owned(),
+            name: (*name).to_owned(),
+            credit_remaining_usd: CREDIT_USD,
+            max_concurrent_sandboxes: self.config().default_max_concurrent_sandboxes,
+            created_at: T0.into(),
+            disk_used_bytes: 0,
+        })
+    }
+
+    async fn service_info(&self) -> Result<ServiceInfo> {
+        let config = self.config();
+        Ok(ServiceInfo {
+            name: "sandpit".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            commit: sandpit_core::COMMIT.into(),
+            sizes: config
+                .sizes
+                .iter()
+                .map(|(name, s)| SizeInfo {
+                    name: name.clone(),
+                    resources: s.resources(),
+                    price_usd_per_hour: s.price_usd_per_hour,
+                })
+                .collect(),
+            default_timeout_minutes: config.default_timeout_minutes,
+            max_timeout_minutes: config.max_timeout_minutes,
+            max_lifetime_minutes: config.max_lifetime_minutes,
+            max_concurrent_sandboxes: config.default_max_concurrent_sandboxes,
+            acceleration: "tcg".into(),
+            hosts: vec![config.host_name.clone()],
+            authentication: "send the account's API key as `Authorization: Bearer <key>` or \
+                             `x-api-key: <key>`; over stdio (`sandpit mcp`) no key is needed"
+                .into(),
+            guest: GuestInfo {
+                os: "Debian GNU/Linux 12 (bookworm)".into(),
+                kernel: "6.1.0".into(),
+                user: "user (uid 1000), no sudo".into(),
+                workdir: sandpit_protocol::WORKSPACE.into(),
+            },
+            fast_start: FastStartInfo {
+                snapshots: true,
+                warm_pool: vec![WarmPoolInfo {
+                    size: config.default_size.clone(),
+                    ready: 2,
+                    target: 2,
+                }],
+            },
+            // 30 s: the runtime's reply deadline.
+            limits: Limits::of(&config, 30),
+            capacity: None,
+        })
+    }
+}
+
+#[async_trait]
+impl Sandboxes for Fake {
     async fn create_sandbox(
         &self,
         caller: &Caller,
@@ -151,6 +251,25 @@ impl SandboxApi for Fake {
         Ok(s.clone())
     }
 
+    async fn pause_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
+        self.begin(caller, Op::PauseSandbox { id: id.into() })?;
+        let mut st = self.state.lock().unwrap();
+        let h = st.held(caller, id)?;
+        if h.sandbox.status != SandboxStatus::Paused {
+            st.running(caller, id)?.sandbox.status = SandboxStatus::Paused;
+        }
+        Ok(st.held(caller, id)?.sandbox.clone())
+    }
+
+    async fn resume_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
+        self.begin(caller, Op::ResumeSandbox { id: id.into() })?;
+        let mut st = self.state.lock().unwrap();
+        Ok(st.running(caller, id)?.sandbox.clone())
+    }
+}
+
+#[async_trait]
+impl Snapshots for Fake {
     async fn snapshot_sandbox(
         &self,
         caller: &Caller,
@@ -319,23 +438,10 @@ impl SandboxApi for Fake {
         h.dirs = dirs;
         Ok(h.sandbox.clone())
     }
+}
 
-    async fn pause_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
-        self.begin(caller, Op::PauseSandbox { id: id.into() })?;
-        let mut st = self.state.lock().unwrap();
-        let h = st.held(caller, id)?;
-        if h.sandbox.status != SandboxStatus::Paused {
-            st.running(caller, id)?.sandbox.status = SandboxStatus::Paused;
-        }
-        Ok(st.held(caller, id)?.sandbox.clone())
-    }
-
-    async fn resume_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
-        self.begin(caller, Op::ResumeSandbox { id: id.into() })?;
-        let mut st = self.state.lock().unwrap();
-        Ok(st.running(caller, id)?.sandbox.clone())
-    }
-
+#[async_trait]
+impl Commands for Fake {
     async fn exec(&self, caller: &Caller, id: &str, params: ExecParams) -> Result<Execution> {
         self.begin(
             caller,
@@ -383,7 +489,10 @@ impl SandboxApi for Fake {
             _ => Err(CoreError::not_found("execution", exec_id)),
         }
     }
+}
 
+#[async_trait]
+impl Files for Fake {
     async fn write_file(&self, caller: &Caller, id: &str, req: WriteFile) -> Result<FileWritten> {
         self.begin(
             caller,
@@ -536,7 +645,10 @@ impl SandboxApi for Fake {
             deleted: true,
         })
     }
+}
 
+#[async_trait]
+impl Ports for Fake {
     async fn expose_port(&self, caller: &Caller, id: &str, port: u16) -> Result<Port> {
         self.begin(
             caller,
@@ -589,102 +701,6 @@ impl SandboxApi for Fake {
         }
         Ok(())
     }
-
-    async fn usage(&self, caller: &Caller, days: Option<u32>) -> Result<Usage> {
-        self.begin(caller, Op::Usage { days })?;
-        let days = days.unwrap_or(30);
-        if !(1..=366).contains(&days) {
-            return Err(CoreError::invalid(format!(
-                "days must be between 1 and 366, not {days}"
-            )));
-        }
-        let st = self.state.lock().unwrap();
-        // The clock stands still: nothing has run for a second yet.
-        let sandboxes = st
-            .sandboxes
-            .iter()
-            .filter(|h| h.account_id == caller.account_id)
-            .map(|h| SandboxUsage {
-                id: h.sandbox.id.clone(),
-                size: h.sandbox.size.clone(),
-                seconds: 0,
-                cost_usd: 0.0,
-                created_at: h.sandbox.created_at.clone(),
-                deleted_at: h.sandbox.deleted_at.clone(),
-                preview_bytes_in: 0,
-                preview_bytes_out: 0,
-                disk_used_bytes: 0,
-            })
-            .collect();
-        Ok(Usage {
-            object: "usage".into(),
-            credit_remaining_usd: CREDIT_USD,
-            period_days: days,
-            total_cost_usd: 0.0,
-            sandboxes,
-        })
-    }
-
-    async fn account(&self, caller: &Caller) -> Result<Account> {
-        self.begin(caller, Op::Account)?;
-        let (_, id, name) = ACCOUNTS
-            .iter()
-            .find(|(_, id, _)| *id == caller.account_id)
-            .ok_or_else(CoreError::unauthorized)?;
-        Ok(Account {
-            object: "account".into(),
-            id: (*id).to_owned(),
-            name: (*name).to_owned(),
-            credit_remaining_usd: CREDIT_USD,
-            max_concurrent_sandboxes: self.config().default_max_concurrent_sandboxes,
-            created_at: T0.into(),
-            disk_used_bytes: 0,
-        })
-    }
-
-    async fn service_info(&self) -> Result<ServiceInfo> {
-        let config = self.config();
-        Ok(ServiceInfo {
-            name: "sandpit".into(),
-            version: env!("CARGO_PKG_VERSION").into(),
-            commit: sandpit_core::COMMIT.into(),
-            sizes: config
-                .sizes
-                .iter()
-                .map(|(name, s)| SizeInfo {
-                    name: name.clone(),
-                    resources: s.resources(),
-                    price_usd_per_hour: s.price_usd_per_hour,
-                })
-                .collect(),
-            default_timeout_minutes: config.default_timeout_minutes,
-            max_timeout_minutes: config.max_timeout_minutes,
-            max_lifetime_minutes: config.max_lifetime_minutes,
-            max_concurrent_sandboxes: config.default_max_concurrent_sandboxes,
-            acceleration: "tcg".into(),
-            hosts: vec![config.host_name.clone()],
-            authentication: "send the account's API key as `Authorization: Bearer <key>` or \
-                             `x-api-key: <key>`; over stdio (`sandpit mcp`) no key is needed"
-                .into(),
-            guest: GuestInfo {
-                os: "Debian GNU/Linux 12 (bookworm)".into(),
-                kernel: "6.1.0".into(),
-                user: "user (uid 1000), no sudo".into(),
-                workdir: sandpit_protocol::WORKSPACE.into(),
-            },
-            fast_start: FastStartInfo {
-                snapshots: true,
-                warm_pool: vec![WarmPoolInfo {
-                    size: config.default_size.clone(),
-                    ready: 2,
-                    target: 2,
-                }],
-            },
-            // 30 s: the runtime's reply deadline.
-            limits: Limits::of(&config, 30),
-            capacity: None,
-        })
-    }
 }
 
 /// A page of `newest_first`: the items after the one named `after` (all of
@@ -709,3 +725,7 @@ fn page_of<'a, T: Clone + 'a>(
     data.truncate(limit as usize);
     (data, has_more)
 }
+
+/// Terminals are a server's own: the fake answers as any backend without them.
+#[async_trait]
+impl Terminals for Fake {}

@@ -1,4 +1,5 @@
 use super::*;
+use sandpit_core::prelude::*;
 
 fn a() -> Caller {
     Caller {

@@ -8,6 +8,7 @@ use rmcp::{
     model::{CallToolRequestParams, ProtocolVersion},
     ClientLifecycleMode, ClientServiceExt, ServiceExt,
 };
+use sandpit_core::prelude::*;
 use sandpit_core::{Caller, CoreError, ErrorType, SandboxApi};
 use sandpit_fake::Op;
 use serde_json::{json, Value};

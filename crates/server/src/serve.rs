@@ -11,6 +11,7 @@ use crate::proxy::Proxy;
 use crate::settings::Settings;
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use sandpit_core::prelude::*;
 use sandpit_core::{admin, Caller, SandboxApi, Service};
 use sandpit_host::local::LocalVms;
 use sandpit_runtime::VmManager;

@@ -4,6 +4,7 @@
 
 use crate::Server;
 use sandpit_api::RemoteApi;
+use sandpit_core::prelude::*;
 use sandpit_core::*;
 use sandpit_fake::{KEY_A, KEY_B};
 use std::collections::BTreeMap;

@@ -3,6 +3,7 @@
 use crate::{expect_error, request_id, Server};
 use reqwest::Method;
 use sandpit_api::RestConfig;
+use sandpit_core::prelude::*;
 use sandpit_core::*;
 use sandpit_fake::{Fault, KEY_A};
 use serde_json::{json, Value};

@@ -5,6 +5,7 @@
 use crate::{expect_error, request_id, Server};
 use reqwest::Method;
 use sandpit_api::RemoteApi;
+use sandpit_core::prelude::*;
 use sandpit_core::*;
 use sandpit_fake::{Op, KEY_A};
 use serde_json::{json, Value};

@@ -5,6 +5,7 @@
 //! with a snapshot is proven by the real-VM tests; this proves the commands
 //! ask the server for the right thing and print what it answers.
 
+use sandpit_core::prelude::*;
 use sandpit_core::{Caller, CreateSandbox, Encoding, SandboxApi, WriteFile};
 use sandpit_fake::{Fake, Op, ACCOUNT_A, KEY_A};
 use serde_json::Value;

@@ -7,6 +7,7 @@
 //! sandbox's cost so far, an ended one's charge, preview traffic not yet
 //! flushed included), the account object and the service's description.
 
+use crate::api::Accounts;
 use crate::api::Caller;
 use crate::error::{CoreError, Result};
 use crate::model::*;
@@ -20,9 +21,12 @@ impl Service {
     pub async fn create_account(&self, name: &str, credit_usd: f64) -> Result<Account> {
         crate::admin::create_account(&self.store, &self.config, name, credit_usd).await
     }
+}
 
+#[async_trait::async_trait]
+impl Accounts for Service {
     /// The API's `authenticate`.
-    pub(super) async fn caller_for(&self, api_key: &str) -> Result<Caller> {
+    async fn authenticate(&self, api_key: &str) -> Result<Caller> {
         match self.store.authenticate(api_key).await? {
             Some((_, acct)) => Ok(Caller {
                 account_id: acct.id,
@@ -32,7 +36,7 @@ impl Service {
     }
 
     /// The API's `usage`.
-    pub(super) async fn usage_of(&self, caller: &Caller, days: Option<u32>) -> Result<Usage> {
+    async fn usage(&self, caller: &Caller, days: Option<u32>) -> Result<Usage> {
         let days = days.unwrap_or(30);
         if !(1..=366).contains(&days) {
             return Err(CoreError::invalid(format!(
@@ -82,7 +86,7 @@ impl Service {
     }
 
     /// The API's `account`.
-    pub(super) async fn account_of(&self, caller: &Caller) -> Result<Account> {
+    async fn account(&self, caller: &Caller) -> Result<Account> {
         let acct = self
             .store
             .account(&caller.account_id)
@@ -92,7 +96,7 @@ impl Service {
     }
 
     /// The API's `service_info`.
-    pub(super) async fn info(&self) -> Result<ServiceInfo> {
+    async fn service_info(&self) -> Result<ServiceInfo> {
         // A replica without VMs describes its nodes' (they run the same
         // release and image).
         let m = self.vms.as_ref().map(|vms| vms.manager());

@@ -8,6 +8,7 @@
 //! record, and the stored executions' budget per account and their
 //! retention.
 
+use crate::api::Commands;
 use crate::api::{Caller, ExecEvent, ExecStream};
 use crate::error::{CoreError, Result};
 use crate::model::*;
@@ -24,76 +25,6 @@ use time::OffsetDateTime;
 use tokio::sync::{mpsc, oneshot};
 
 impl Service {
-    /// The API's `exec`.
-    pub(super) async fn exec_to_end(
-        &self,
-        caller: &Caller,
-        id: &str,
-        params: ExecParams,
-    ) -> Result<Execution> {
-        let req = validate_exec(&self.config, &params)?;
-        let (row, _busy) = self.running(caller, id).await?;
-        // The command runs in a task of its own; if this call is dropped (the
-        // client hung up), the cancel sender goes with it, the task kills the
-        // command and records the execution as cancelled.
-        let (cancel_tx, cancel) = oneshot::channel::<()>();
-        let me = self
-            .arc_self()
-            .ok_or_else(|| CoreError::internal("the service is shutting down"))?;
-        let task = tokio::spawn(async move {
-            let command = req.command.clone();
-            let handle = me.start_command(&row, req).await?;
-            me.run_exec(&row, command, handle, None, cancel).await
-        });
-        let result = task
-            .await
-            .map_err(|e| CoreError::internal(format!("the exec task failed: {e}")))?;
-        drop(cancel_tx);
-        result
-    }
-
-    /// The API's `exec_stream`.
-    pub(super) async fn exec_streamed(
-        &self,
-        caller: &Caller,
-        id: &str,
-        params: ExecParams,
-    ) -> Result<ExecStream> {
-        let req = validate_exec(&self.config, &params)?;
-        let (row, busy) = self.running(caller, id).await?;
-        // Started before the stream: a VM out of reach fails the call.
-        let command = req.command.clone();
-        let handle = self.start_command(&row, req).await?;
-        let (tx, rx) = mpsc::channel(64);
-        let (cancel_tx, cancel_rx) = oneshot::channel();
-        let me = self.arc_self();
-        tokio::spawn(async move {
-            // In use until the command ends, however long it streams.
-            let _busy = busy;
-            let Some(me) = me else { return };
-            let last = match me
-                .run_exec(&row, command, handle, Some(tx.clone()), cancel_rx)
-                .await
-            {
-                Ok(exec) => ExecEvent::Exit(exec),
-                Err(e) => ExecEvent::Error(e),
-            };
-            let _ = tx.send(last).await;
-        });
-        Ok(ExecStream {
-            events: rx,
-            cancel: Some(cancel_tx),
-        })
-    }
-
-    /// The API's `get_execution`.
-    pub(super) async fn execution(&self, caller: &Caller, exec_id: &str) -> Result<Execution> {
-        match self.store.execution(exec_id).await? {
-            Some(r) if r.account_id == caller.account_id => Ok(to_execution(&r)),
-            _ => Err(CoreError::not_found("execution", exec_id)),
-        }
-    }
-
     /// Starts `req` in `row`'s sandbox, wherever its VM runs.
     async fn start_command(&self, row: &SandboxRow, req: ExecRequest) -> Result<Box<dyn Command>> {
         let machines = self.machines_for(row).await?;
@@ -320,6 +251,74 @@ fn within(kept: &str, mut more: String, limit: usize, cut: &mut bool) -> String 
         *cut = true;
     }
     more
+}
+
+#[async_trait::async_trait]
+impl Commands for Service {
+    /// The API's `exec`.
+    async fn exec(&self, caller: &Caller, id: &str, params: ExecParams) -> Result<Execution> {
+        let req = validate_exec(&self.config, &params)?;
+        let (row, _busy) = self.running(caller, id).await?;
+        // The command runs in a task of its own; if this call is dropped (the
+        // client hung up), the cancel sender goes with it, the task kills the
+        // command and records the execution as cancelled.
+        let (cancel_tx, cancel) = oneshot::channel::<()>();
+        let me = self
+            .arc_self()
+            .ok_or_else(|| CoreError::internal("the service is shutting down"))?;
+        let task = tokio::spawn(async move {
+            let command = req.command.clone();
+            let handle = me.start_command(&row, req).await?;
+            me.run_exec(&row, command, handle, None, cancel).await
+        });
+        let result = task
+            .await
+            .map_err(|e| CoreError::internal(format!("the exec task failed: {e}")))?;
+        drop(cancel_tx);
+        result
+    }
+
+    /// The API's `exec_stream`.
+    async fn exec_stream(
+        &self,
+        caller: &Caller,
+        id: &str,
+        params: ExecParams,
+    ) -> Result<ExecStream> {
+        let req = validate_exec(&self.config, &params)?;
+        let (row, busy) = self.running(caller, id).await?;
+        // Started before the stream: a VM out of reach fails the call.
+        let command = req.command.clone();
+        let handle = self.start_command(&row, req).await?;
+        let (tx, rx) = mpsc::channel(64);
+        let (cancel_tx, cancel_rx) = oneshot::channel();
+        let me = self.arc_self();
+        tokio::spawn(async move {
+            // In use until the command ends, however long it streams.
+            let _busy = busy;
+            let Some(me) = me else { return };
+            let last = match me
+                .run_exec(&row, command, handle, Some(tx.clone()), cancel_rx)
+                .await
+            {
+                Ok(exec) => ExecEvent::Exit(exec),
+                Err(e) => ExecEvent::Error(e),
+            };
+            let _ = tx.send(last).await;
+        });
+        Ok(ExecStream {
+            events: rx,
+            cancel: Some(cancel_tx),
+        })
+    }
+
+    /// The API's `get_execution`.
+    async fn get_execution(&self, caller: &Caller, exec_id: &str) -> Result<Execution> {
+        match self.store.execution(exec_id).await? {
+            Some(r) if r.account_id == caller.account_id => Ok(to_execution(&r)),
+            _ => Err(CoreError::not_found("execution", exec_id)),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@
 //! listing and deleting, with the read limit in the errors they give.
 
 use crate::api::Caller;
+use crate::api::Files;
 use crate::error::{body_failed, body_length};
 use crate::error::{CoreError, ErrorType, Result};
 use crate::model::*;
@@ -48,14 +49,12 @@ impl Service {
             )),
         }
     }
+}
 
+#[async_trait::async_trait]
+impl Files for Service {
     /// The API's `write_file`.
-    pub(super) async fn write(
-        &self,
-        caller: &Caller,
-        id: &str,
-        req: WriteFile,
-    ) -> Result<FileWritten> {
+    async fn write_file(&self, caller: &Caller, id: &str, req: WriteFile) -> Result<FileWritten> {
         let _slot = self.transfer_slot(caller).await?;
         let (path, bytes) = write_content(&self.config, req)?;
         let (row, _busy) = self.running(caller, id).await?;
@@ -68,7 +67,7 @@ impl Service {
     }
 
     /// The API's `upload_file`.
-    pub(super) async fn upload(
+    async fn upload_file(
         &self,
         caller: &Caller,
         id: &str,
@@ -107,7 +106,7 @@ impl Service {
     }
 
     /// The API's `download_file`.
-    pub(super) async fn download(
+    async fn download_file(
         &self,
         caller: &Caller,
         id: &str,
@@ -149,7 +148,7 @@ impl Service {
     }
 
     /// The API's `read_file`.
-    pub(super) async fn read(
+    async fn read_file(
         &self,
         caller: &Caller,
         id: &str,
@@ -185,7 +184,7 @@ impl Service {
     }
 
     /// The API's `list_files`.
-    pub(super) async fn list_dir(
+    async fn list_files(
         &self,
         caller: &Caller,
         id: &str,
@@ -227,7 +226,7 @@ impl Service {
     }
 
     /// The API's `delete_file`.
-    pub(super) async fn delete(
+    async fn delete_file(
         &self,
         caller: &Caller,
         id: &str,

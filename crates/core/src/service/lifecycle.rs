@@ -16,6 +16,7 @@
 //! end of a sandbox and its billing, the reaper and `reconcile`.
 
 use crate::api::Caller;
+use crate::api::Sandboxes;
 use crate::config::cost;
 use crate::error::{CoreError, ErrorType, Result};
 use crate::metrics::CreatePath;
@@ -183,119 +184,6 @@ impl Service {
                 )
                 .with_retry_after(5))
             }
-        }
-    }
-
-    /// The API's `get_sandbox`.
-    pub(super) async fn describe(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
-        Ok(to_sandbox(&self.owned(caller, id).await?))
-    }
-
-    /// The API's `list_sandboxes`.
-    pub(super) async fn list(&self, caller: &Caller, q: ListSandboxes) -> Result<List<Sandbox>> {
-        let limit = page_limit(q.limit)?;
-        if let Some(c) = &q.starting_after {
-            if self
-                .store
-                .sandbox_of(&caller.account_id, c)
-                .await?
-                .is_none()
-            {
-                return Err(unknown_cursor("sandbox", c));
-            }
-        }
-        let page = self
-            .store
-            .list_sandboxes(
-                &caller.account_id,
-                limit,
-                q.starting_after.as_deref(),
-                q.include_deleted.unwrap_or(false),
-            )
-            .await?;
-        let data = page.data.iter().map(to_sandbox).collect();
-        Ok(List::page(data, page.has_more, |s| s.id.clone()))
-    }
-
-    /// The API's `extend_sandbox`.
-    pub(super) async fn extend(
-        &self,
-        caller: &Caller,
-        id: &str,
-        additional_minutes: Option<u32>,
-    ) -> Result<Sandbox> {
-        let add = extension_minutes(&self.config, additional_minutes)?;
-        let _one_at_a_time = self.extending.lock().await;
-        let row = self.owned(caller, id).await?;
-        let total = row.timeout_minutes as u64 + add as u64;
-        if total > self.config.max_lifetime_minutes as u64 {
-            return Err(CoreError::invalid(format!(
-                "a sandbox may live at most {} minutes from creation; it has {} and asked for {add} more",
-                self.config.max_lifetime_minutes, row.timeout_minutes
-            )));
-        }
-        let extra = cost(row.price_micros_per_hour, add as u64 * 60);
-        let new_expires = row.created_at + time::Duration::minutes(total as i64);
-        // The VM's own watchdog learns the new expiry first: were it second,
-        // a crash in between would kill a VM its owner had paid to keep.
-        // Refused below, it goes back.
-        // A node out of reach learns it at its next heartbeat (see
-        // `crate::cluster`); its watchdog holds the old expiry until then.
-        let machines = match row.is_live() {
-            true => self.machines_for(&row).await.ok(),
-            false => None,
-        };
-        let vm_expiry = match &machines {
-            Some(m) => Some(m.set_expiry(id, new_expires).await),
-            None => None,
-        };
-        let outcome = self
-            .store
-            .extend_sandbox(id, &caller.account_id, new_expires, total as u32, extra)
-            .await;
-        if !matches!(outcome, Ok(ExtendOutcome::Extended(_))) && matches!(vm_expiry, Some(Ok(()))) {
-            if let Some(m) = &machines {
-                let _ = m.set_expiry(id, row.expires_at).await;
-            }
-        }
-        match outcome? {
-            ExtendOutcome::Extended(row) => Ok(to_sandbox(&row)),
-            ExtendOutcome::InsufficientCredits { balance, needed } => Err(CoreError::new(
-                ErrorType::InsufficientCredits,
-                format!(
-                    "{add} more minutes reserve ${:.6}, but the account has ${:.6} left",
-                    usd(needed),
-                    usd(balance)
-                ),
-            )),
-            ExtendOutcome::NotLive(row) => Err(CoreError::conflict(format!(
-                "sandbox {id} is {}; only a running sandbox can be extended",
-                row.status
-            ))),
-        }
-    }
-
-    /// The API's `destroy_sandbox`.
-    pub(super) async fn destroy(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
-        let row = self.owned(caller, id).await?;
-        if !row.is_live() {
-            return Ok(to_sandbox(&row));
-        }
-        let _ = self
-            .store
-            .set_status(id, SandboxStatus::Deleting, None)
-            .await;
-        // As for create: a client that hangs up does not stop the teardown.
-        let me = self
-            .arc_self()
-            .ok_or_else(|| CoreError::internal("the service is shutting down"))?;
-        let ended =
-            tokio::spawn(async move { me.end(&row, SandboxStatus::Deleted, "destroyed").await })
-                .await
-                .map_err(|e| CoreError::internal(format!("the destroy task failed: {e}")))??;
-        match ended {
-            Some(row) => Ok(to_sandbox(&row)),
-            None => Ok(to_sandbox(&self.owned(caller, id).await?)),
         }
     }
 
@@ -549,6 +437,139 @@ pub(crate) fn lived_seconds(created: OffsetDateTime, end: OffsetDateTime) -> u64
     }
     let ms = d.whole_milliseconds() as u64;
     ms.div_ceil(1000)
+}
+
+#[async_trait::async_trait]
+impl Sandboxes for Service {
+    async fn create_sandbox(
+        &self,
+        caller: &Caller,
+        req: CreateSandbox,
+        idempotency_key: Option<String>,
+    ) -> Result<(Sandbox, bool)> {
+        self.create(caller, req, idempotency_key).await
+    }
+
+    /// The API's `get_sandbox`.
+    async fn get_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
+        Ok(to_sandbox(&self.owned(caller, id).await?))
+    }
+
+    /// The API's `list_sandboxes`.
+    async fn list_sandboxes(&self, caller: &Caller, q: ListSandboxes) -> Result<List<Sandbox>> {
+        let limit = page_limit(q.limit)?;
+        if let Some(c) = &q.starting_after {
+            if self
+                .store
+                .sandbox_of(&caller.account_id, c)
+                .await?
+                .is_none()
+            {
+                return Err(unknown_cursor("sandbox", c));
+            }
+        }
+        let page = self
+            .store
+            .list_sandboxes(
+                &caller.account_id,
+                limit,
+                q.starting_after.as_deref(),
+                q.include_deleted.unwrap_or(false),
+            )
+            .await?;
+        let data = page.data.iter().map(to_sandbox).collect();
+        Ok(List::page(data, page.has_more, |s| s.id.clone()))
+    }
+
+    /// The API's `extend_sandbox`.
+    async fn extend_sandbox(
+        &self,
+        caller: &Caller,
+        id: &str,
+        additional_minutes: Option<u32>,
+    ) -> Result<Sandbox> {
+        let add = extension_minutes(&self.config, additional_minutes)?;
+        let _one_at_a_time = self.extending.lock().await;
+        let row = self.owned(caller, id).await?;
+        let total = row.timeout_minutes as u64 + add as u64;
+        if total > self.config.max_lifetime_minutes as u64 {
+            return Err(CoreError::invalid(format!(
+                "a sandbox may live at most {} minutes from creation; it has {} and asked for {add} more",
+                self.config.max_lifetime_minutes, row.timeout_minutes
+            )));
+        }
+        let extra = cost(row.price_micros_per_hour, add as u64 * 60);
+        let new_expires = row.created_at + time::Duration::minutes(total as i64);
+        // The VM's own watchdog learns the new expiry first: were it second,
+        // a crash in between would kill a VM its owner had paid to keep.
+        // Refused below, it goes back.
+        // A node out of reach learns it at its next heartbeat (see
+        // `crate::cluster`); its watchdog holds the old expiry until then.
+        let machines = match row.is_live() {
+            true => self.machines_for(&row).await.ok(),
+            false => None,
+        };
+        let vm_expiry = match &machines {
+            Some(m) => Some(m.set_expiry(id, new_expires).await),
+            None => None,
+        };
+        let outcome = self
+            .store
+            .extend_sandbox(id, &caller.account_id, new_expires, total as u32, extra)
+            .await;
+        if !matches!(outcome, Ok(ExtendOutcome::Extended(_))) && matches!(vm_expiry, Some(Ok(()))) {
+            if let Some(m) = &machines {
+                let _ = m.set_expiry(id, row.expires_at).await;
+            }
+        }
+        match outcome? {
+            ExtendOutcome::Extended(row) => Ok(to_sandbox(&row)),
+            ExtendOutcome::InsufficientCredits { balance, needed } => Err(CoreError::new(
+                ErrorType::InsufficientCredits,
+                format!(
+                    "{add} more minutes reserve ${:.6}, but the account has ${:.6} left",
+                    usd(needed),
+                    usd(balance)
+                ),
+            )),
+            ExtendOutcome::NotLive(row) => Err(CoreError::conflict(format!(
+                "sandbox {id} is {}; only a running sandbox can be extended",
+                row.status
+            ))),
+        }
+    }
+
+    /// The API's `destroy_sandbox`.
+    async fn destroy_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
+        let row = self.owned(caller, id).await?;
+        if !row.is_live() {
+            return Ok(to_sandbox(&row));
+        }
+        let _ = self
+            .store
+            .set_status(id, SandboxStatus::Deleting, None)
+            .await;
+        // As for create: a client that hangs up does not stop the teardown.
+        let me = self
+            .arc_self()
+            .ok_or_else(|| CoreError::internal("the service is shutting down"))?;
+        let ended =
+            tokio::spawn(async move { me.end(&row, SandboxStatus::Deleted, "destroyed").await })
+                .await
+                .map_err(|e| CoreError::internal(format!("the destroy task failed: {e}")))??;
+        match ended {
+            Some(row) => Ok(to_sandbox(&row)),
+            None => Ok(to_sandbox(&self.owned(caller, id).await?)),
+        }
+    }
+
+    async fn pause_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
+        self.pause(caller, id).await
+    }
+
+    async fn resume_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
+        self.resume(caller, id).await
+    }
 }
 
 #[cfg(test)]

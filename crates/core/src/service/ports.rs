@@ -9,6 +9,7 @@
 //! themselves (limits, counting, cutting) are [`crate::preview`]'s.
 
 use crate::api::Caller;
+use crate::api::Ports;
 use crate::error::{CoreError, Result};
 use crate::model::*;
 use crate::preview::{preview_url, PreviewConn, PreviewError, PreviewGate};
@@ -25,54 +26,6 @@ use time::OffsetDateTime;
 const PREVIEW_CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
 
 impl Service {
-    /// The API's `expose_port`.
-    pub(super) async fn expose(&self, caller: &Caller, id: &str, port: u16) -> Result<Port> {
-        check_port(port)?;
-        let (row, _busy) = self.running(caller, id).await?;
-        let url = preview_url(
-            &self.config.preview_scheme,
-            &self.config.preview_domain,
-            port,
-            &row.id,
-        );
-        let p = self.store.upsert_port(&row.id, port, &url).await?;
-        Ok(Port {
-            port: p.port,
-            url: p.url,
-            created_at: rfc3339(p.created_at),
-        })
-    }
-
-    /// The API's `list_ports`.
-    pub(super) async fn exposed(&self, caller: &Caller, id: &str) -> Result<List<Port>> {
-        let row = self.owned(caller, id).await?;
-        let ports = self.store.list_ports(&row.id).await?;
-        Ok(List::new(
-            ports
-                .into_iter()
-                .filter(|p| p.closed_at.is_none())
-                .map(|p| Port {
-                    port: p.port,
-                    url: p.url,
-                    created_at: rfc3339(p.created_at),
-                })
-                .collect(),
-            false,
-            None,
-        ))
-    }
-
-    /// The API's `close_port`.
-    pub(super) async fn close(&self, caller: &Caller, id: &str, port: u16) -> Result<()> {
-        let row = self.owned(caller, id).await?;
-        if self.store.close_port(&row.id, port).await? {
-            self.previews.close(&row.id, Some(port));
-            Ok(())
-        } else {
-            Err(CoreError::not_found("exposed port", &port.to_string()))
-        }
-    }
-
     /// Write preview traffic counters to the store (of one sandbox, or all).
     pub(super) async fn flush_traffic(&self, only: Option<&str>) {
         for (id, bytes_in, bytes_out) in self.previews.take_all() {
@@ -218,5 +171,56 @@ impl PreviewGate for Service {
             return Err(e);
         }
         Ok(conn)
+    }
+}
+
+#[async_trait::async_trait]
+impl Ports for Service {
+    /// The API's `expose_port`.
+    async fn expose_port(&self, caller: &Caller, id: &str, port: u16) -> Result<Port> {
+        check_port(port)?;
+        let (row, _busy) = self.running(caller, id).await?;
+        let url = preview_url(
+            &self.config.preview_scheme,
+            &self.config.preview_domain,
+            port,
+            &row.id,
+        );
+        let p = self.store.upsert_port(&row.id, port, &url).await?;
+        Ok(Port {
+            port: p.port,
+            url: p.url,
+            created_at: rfc3339(p.created_at),
+        })
+    }
+
+    /// The API's `list_ports`.
+    async fn list_ports(&self, caller: &Caller, id: &str) -> Result<List<Port>> {
+        let row = self.owned(caller, id).await?;
+        let ports = self.store.list_ports(&row.id).await?;
+        Ok(List::new(
+            ports
+                .into_iter()
+                .filter(|p| p.closed_at.is_none())
+                .map(|p| Port {
+                    port: p.port,
+                    url: p.url,
+                    created_at: rfc3339(p.created_at),
+                })
+                .collect(),
+            false,
+            None,
+        ))
+    }
+
+    /// The API's `close_port`.
+    async fn close_port(&self, caller: &Caller, id: &str, port: u16) -> Result<()> {
+        let row = self.owned(caller, id).await?;
+        if self.store.close_port(&row.id, port).await? {
+            self.previews.close(&row.id, Some(port));
+            Ok(())
+        } else {
+            Err(CoreError::not_found("exposed port", &port.to_string()))
+        }
     }
 }

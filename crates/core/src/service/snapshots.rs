@@ -16,6 +16,7 @@
 //! from a snapshot checks, and the snapshot sweep.
 
 use crate::api::Caller;
+use crate::api::Snapshots;
 use crate::config::cost;
 use crate::error::{CoreError, ErrorType, Result};
 use crate::model::*;
@@ -38,27 +39,6 @@ const REPLAY_WAIT: Duration = Duration::from_secs(120);
 const MAX_ANCESTRY: usize = 64;
 
 impl Service {
-    /// The API's `snapshot_sandbox`.
-    pub(super) async fn take_snapshot(
-        &self,
-        caller: &Caller,
-        id: &str,
-        req: CreateSnapshot,
-        idempotency_key: Option<String>,
-    ) -> Result<(Snapshot, bool)> {
-        check_name(req.name.as_deref())?;
-        if let Some(k) = &idempotency_key {
-            if k.is_empty() || k.len() > 255 {
-                return Err(CoreError::invalid(
-                    "Idempotency-Key must be 1 to 255 characters",
-                ));
-            }
-        }
-        let (row, _busy) = self.running(caller, id).await?;
-        let (snap, replayed) = self.save(&row, req.name, idempotency_key).await?;
-        Ok((to_snapshot(&snap), replayed))
-    }
-
     /// Saves running sandbox `row` as a new snapshot (or replays the one an
     /// earlier call with the same key made).
     async fn save(
@@ -220,45 +200,6 @@ impl Service {
         Ok(snap)
     }
 
-    /// The API's `get_snapshot`.
-    pub(super) async fn describe_snapshot(&self, caller: &Caller, id: &str) -> Result<Snapshot> {
-        Ok(to_snapshot(&self.owned_snapshot(caller, id).await?))
-    }
-
-    /// The API's `list_snapshots`.
-    pub(super) async fn snapshots(
-        &self,
-        caller: &Caller,
-        q: ListSnapshots,
-    ) -> Result<List<Snapshot>> {
-        let limit = page_limit(q.limit)?;
-        let page = self
-            .store
-            .list_snapshots(&caller.account_id, limit, q.starting_after.as_deref())
-            .await
-            .map_err(|e| match e {
-                sandpit_store::StoreError::NotFound(_) => {
-                    unknown_cursor("snapshot", q.starting_after.as_deref().unwrap_or_default())
-                }
-                e => e.into(),
-            })?;
-        let data = page.data.iter().map(to_snapshot).collect();
-        Ok(List::page(data, page.has_more, |s| s.id.clone()))
-    }
-
-    /// The API's `delete_snapshot`: the row at once, the files by their
-    /// node (now, or by its sweep when it is out of reach).
-    pub(super) async fn remove_snapshot(&self, caller: &Caller, id: &str) -> Result<Snapshot> {
-        let snap = self.owned_snapshot(caller, id).await?;
-        let Some(before) = self.store.delete_snapshot(&snap.id).await? else {
-            return Err(CoreError::not_found("snapshot", id));
-        };
-        self.delete_snapshot_files(&before).await;
-        let mut shown = to_snapshot(&before);
-        shown.status = SnapshotStatus::Deleted.as_str().into();
-        Ok(shown)
-    }
-
     /// Removes a deleted snapshot's files on its node, if it can be
     /// reached (else its sweep does).
     async fn delete_snapshot_files(&self, snap: &SnapshotRow) {
@@ -273,156 +214,6 @@ impl Service {
                 "its node will delete its files: {}", e.message
             ),
         }
-    }
-
-    /// The API's `fork_sandbox`: a snapshot, then `count` sandboxes from
-    /// it. The credit for all of them is checked before anything is done,
-    /// and if any of them cannot be made, those made are ended uncharged
-    /// and the snapshot deleted: the call is refused whole.
-    pub(super) async fn fork(&self, caller: &Caller, id: &str, req: ForkSandbox) -> Result<Fork> {
-        let count = req.count.unwrap_or(1);
-        if !(1..=MAX_FORKS).contains(&count) {
-            return Err(CoreError::invalid(format!(
-                "count must be between 1 and {MAX_FORKS}, not {count}"
-            )));
-        }
-        let (row, _busy) = self.running(caller, id).await?;
-        let copy = CreateSandbox {
-            size: Some(row.size.clone()),
-            name: None,
-            timeout_minutes: req.timeout_minutes,
-            snapshot_id: None,
-        };
-        let (_, size, timeout) = crate::service::checks::check_create(&self.config, &copy, None)?;
-        let needed = cost(size.price_micros_per_hour(), u64::from(timeout) * 60) * i64::from(count);
-        let balance = self.store.balance(&caller.account_id).await?;
-        if balance < needed {
-            return Err(CoreError::new(
-                ErrorType::InsufficientCredits,
-                format!(
-                    "{count} {} sandboxes for {timeout} minutes reserve ${:.6}, but the account \
-                     has ${:.6} left; nothing was made",
-                    row.size,
-                    usd(needed),
-                    usd(balance)
-                ),
-            ));
-        }
-        let (snap, _) = self.save(&row, None, None).await?;
-        let copy = CreateSandbox {
-            snapshot_id: Some(snap.id.clone()),
-            ..copy
-        };
-        // Started side by side (the node's start queue orders them).
-        let me = self
-            .arc_self()
-            .ok_or_else(|| CoreError::internal("the service is shutting down"))?;
-        let mut starts = tokio::task::JoinSet::new();
-        for _ in 0..count {
-            let (me, caller, copy) = (me.clone(), caller.clone(), copy.clone());
-            starts.spawn(async move { me.create(&caller, copy, None).await });
-        }
-        let mut made = Vec::new();
-        while let Some(m) = starts.join_next().await {
-            made.push(m.unwrap_or_else(|e| {
-                Err(CoreError::internal(format!("a fork's start failed: {e}")))
-            }));
-        }
-        if made.iter().all(|m| m.is_ok()) {
-            return Ok(Fork {
-                snapshot: to_snapshot(&snap),
-                sandboxes: made.into_iter().map(|m| m.expect("ok").0).collect(),
-            });
-        }
-        let mut first_error = None;
-        for m in made {
-            match m {
-                Ok((sandbox, _)) => {
-                    if let Ok(Some(row)) = self.store.sandbox(&sandbox.id).await {
-                        let _ = self
-                            .end(
-                                &row,
-                                SandboxStatus::Failed,
-                                "failed: the fork it was part of failed",
-                            )
-                            .await;
-                    }
-                }
-                Err(e) => {
-                    first_error.get_or_insert(e);
-                }
-            }
-        }
-        if let Ok(Some(before)) = self.store.delete_snapshot(&snap.id).await {
-            self.delete_snapshot_files(&before).await;
-        }
-        let e = first_error.expect("one failed");
-        Err(CoreError {
-            message: format!("the fork was undone, nothing is charged: {}", e.message),
-            ..e
-        })
-    }
-
-    /// The API's `restore_sandbox`: the same sandbox (id, preview URLs,
-    /// expiry) with the snapshot's disk, memory and processes.
-    pub(super) async fn roll_back(
-        &self,
-        caller: &Caller,
-        id: &str,
-        req: RestoreSandbox,
-    ) -> Result<Sandbox> {
-        let (row, _busy) = self.running(caller, id).await?;
-        let snap = self.startable_snapshot(caller, &req.snapshot_id).await?;
-        if !self.is_ancestor(&snap.sandbox_id, &row).await? {
-            return Err(CoreError::invalid(format!(
-                "snapshot {} was taken of sandbox {}, which is neither {id} nor one it was \
-                 started from; start a new sandbox from it instead",
-                snap.id, snap.sandbox_id
-            )));
-        }
-        if snap.size != row.size {
-            return Err(CoreError::invalid(format!(
-                "snapshot {} is of size {}, sandbox {id} of size {}",
-                snap.id, snap.size, row.size
-            )));
-        }
-        if snap.host != row.host {
-            return Err(CoreError::conflict(format!(
-                "snapshot {} is kept on node {}, sandbox {id} runs on node {}; start a new \
-                 sandbox from it instead",
-                snap.id, snap.host, row.host
-            )));
-        }
-        let machines = self.machines_for(&row).await?;
-        // Its preview connections reach the VM being replaced: cut them.
-        // The URLs themselves stay and serve the restored VM.
-        self.previews.close(id, None);
-        self.terminals.close(id);
-        let restoring = self.restoring(id);
-        let restored = machines.restore(id, &snap.id, row.expires_at).await;
-        drop(restoring);
-        if let Err(e) = restored {
-            // The old VM may be gone already: the sandbox failed.
-            if !matches!(
-                machines.state(id).await,
-                Ok(Some(sandpit_runtime::VmState::Running))
-            ) {
-                let _ = self
-                    .end(
-                        &row,
-                        SandboxStatus::Failed,
-                        &format!("failed: restoring snapshot {}: {e}", snap.id),
-                    )
-                    .await;
-            }
-            return Err(runtime_error(e));
-        }
-        let now = self.owned(caller, id).await?;
-        // Extended while it was restored: the new VM's watchdog learns it.
-        if now.expires_at != row.expires_at {
-            let _ = machines.set_expiry(id, now.expires_at).await;
-        }
-        Ok(super::lifecycle::to_sandbox(&now))
     }
 
     /// Whether sandbox `ancestor` is `row`'s sandbox or one it descends
@@ -516,5 +307,214 @@ pub(super) fn to_snapshot(s: &SnapshotRow) -> Snapshot {
         size_bytes: s.bytes,
         created_at: rfc3339(s.created_at),
         expires_at: rfc3339(s.expires_at),
+    }
+}
+
+#[async_trait::async_trait]
+impl Snapshots for Service {
+    /// The API's `snapshot_sandbox`.
+    async fn snapshot_sandbox(
+        &self,
+        caller: &Caller,
+        id: &str,
+        req: CreateSnapshot,
+        idempotency_key: Option<String>,
+    ) -> Result<(Snapshot, bool)> {
+        check_name(req.name.as_deref())?;
+        if let Some(k) = &idempotency_key {
+            if k.is_empty() || k.len() > 255 {
+                return Err(CoreError::invalid(
+                    "Idempotency-Key must be 1 to 255 characters",
+                ));
+            }
+        }
+        let (row, _busy) = self.running(caller, id).await?;
+        let (snap, replayed) = self.save(&row, req.name, idempotency_key).await?;
+        Ok((to_snapshot(&snap), replayed))
+    }
+
+    /// The API's `get_snapshot`.
+    async fn get_snapshot(&self, caller: &Caller, id: &str) -> Result<Snapshot> {
+        Ok(to_snapshot(&self.owned_snapshot(caller, id).await?))
+    }
+
+    /// The API's `list_snapshots`.
+    async fn list_snapshots(&self, caller: &Caller, q: ListSnapshots) -> Result<List<Snapshot>> {
+        let limit = page_limit(q.limit)?;
+        let page = self
+            .store
+            .list_snapshots(&caller.account_id, limit, q.starting_after.as_deref())
+            .await
+            .map_err(|e| match e {
+                sandpit_store::StoreError::NotFound(_) => {
+                    unknown_cursor("snapshot", q.starting_after.as_deref().unwrap_or_default())
+                }
+                e => e.into(),
+            })?;
+        let data = page.data.iter().map(to_snapshot).collect();
+        Ok(List::page(data, page.has_more, |s| s.id.clone()))
+    }
+
+    /// The API's `delete_snapshot`: the row at once, the files by their
+    /// node (now, or by its sweep when it is out of reach).
+    async fn delete_snapshot(&self, caller: &Caller, id: &str) -> Result<Snapshot> {
+        let snap = self.owned_snapshot(caller, id).await?;
+        let Some(before) = self.store.delete_snapshot(&snap.id).await? else {
+            return Err(CoreError::not_found("snapshot", id));
+        };
+        self.delete_snapshot_files(&before).await;
+        let mut shown = to_snapshot(&before);
+        shown.status = SnapshotStatus::Deleted.as_str().into();
+        Ok(shown)
+    }
+
+    /// The API's `fork_sandbox`: a snapshot, then `count` sandboxes from
+    /// it. The credit for all of them is checked before anything is done,
+    /// and if any of them cannot be made, those made are ended uncharged
+    /// and the snapshot deleted: the call is refused whole.
+    async fn fork_sandbox(&self, caller: &Caller, id: &str, req: ForkSandbox) -> Result<Fork> {
+        let count = req.count.unwrap_or(1);
+        if !(1..=MAX_FORKS).contains(&count) {
+            return Err(CoreError::invalid(format!(
+                "count must be between 1 and {MAX_FORKS}, not {count}"
+            )));
+        }
+        let (row, _busy) = self.running(caller, id).await?;
+        let copy = CreateSandbox {
+            size: Some(row.size.clone()),
+            name: None,
+            timeout_minutes: req.timeout_minutes,
+            snapshot_id: None,
+        };
+        let (_, size, timeout) = crate::service::checks::check_create(&self.config, &copy, None)?;
+        let needed = cost(size.price_micros_per_hour(), u64::from(timeout) * 60) * i64::from(count);
+        let balance = self.store.balance(&caller.account_id).await?;
+        if balance < needed {
+            return Err(CoreError::new(
+                ErrorType::InsufficientCredits,
+                format!(
+                    "{count} {} sandboxes for {timeout} minutes reserve ${:.6}, but the account \
+                     has ${:.6} left; nothing was made",
+                    row.size,
+                    usd(needed),
+                    usd(balance)
+                ),
+            ));
+        }
+        let (snap, _) = self.save(&row, None, None).await?;
+        let copy = CreateSandbox {
+            snapshot_id: Some(snap.id.clone()),
+            ..copy
+        };
+        // Started side by side (the node's start queue orders them).
+        let me = self
+            .arc_self()
+            .ok_or_else(|| CoreError::internal("the service is shutting down"))?;
+        let mut starts = tokio::task::JoinSet::new();
+        for _ in 0..count {
+            let (me, caller, copy) = (me.clone(), caller.clone(), copy.clone());
+            starts.spawn(async move { me.create(&caller, copy, None).await });
+        }
+        let mut made = Vec::new();
+        while let Some(m) = starts.join_next().await {
+            made.push(m.unwrap_or_else(|e| {
+                Err(CoreError::internal(format!("a fork's start failed: {e}")))
+            }));
+        }
+        if made.iter().all(|m| m.is_ok()) {
+            return Ok(Fork {
+                snapshot: to_snapshot(&snap),
+                sandboxes: made.into_iter().map(|m| m.expect("ok").0).collect(),
+            });
+        }
+        let mut first_error = None;
+        for m in made {
+            match m {
+                Ok((sandbox, _)) => {
+                    if let Ok(Some(row)) = self.store.sandbox(&sandbox.id).await {
+                        let _ = self
+                            .end(
+                                &row,
+                                SandboxStatus::Failed,
+                                "failed: the fork it was part of failed",
+                            )
+                            .await;
+                    }
+                }
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        if let Ok(Some(before)) = self.store.delete_snapshot(&snap.id).await {
+            self.delete_snapshot_files(&before).await;
+        }
+        let e = first_error.expect("one failed");
+        Err(CoreError {
+            message: format!("the fork was undone, nothing is charged: {}", e.message),
+            ..e
+        })
+    }
+
+    /// The API's `restore_sandbox`: the same sandbox (id, preview URLs,
+    /// expiry) with the snapshot's disk, memory and processes.
+    async fn restore_sandbox(
+        &self,
+        caller: &Caller,
+        id: &str,
+        req: RestoreSandbox,
+    ) -> Result<Sandbox> {
+        let (row, _busy) = self.running(caller, id).await?;
+        let snap = self.startable_snapshot(caller, &req.snapshot_id).await?;
+        if !self.is_ancestor(&snap.sandbox_id, &row).await? {
+            return Err(CoreError::invalid(format!(
+                "snapshot {} was taken of sandbox {}, which is neither {id} nor one it was \
+                 started from; start a new sandbox from it instead",
+                snap.id, snap.sandbox_id
+            )));
+        }
+        if snap.size != row.size {
+            return Err(CoreError::invalid(format!(
+                "snapshot {} is of size {}, sandbox {id} of size {}",
+                snap.id, snap.size, row.size
+            )));
+        }
+        if snap.host != row.host {
+            return Err(CoreError::conflict(format!(
+                "snapshot {} is kept on node {}, sandbox {id} runs on node {}; start a new \
+                 sandbox from it instead",
+                snap.id, snap.host, row.host
+            )));
+        }
+        let machines = self.machines_for(&row).await?;
+        // Its preview connections reach the VM being replaced: cut them.
+        // The URLs themselves stay and serve the restored VM.
+        self.previews.close(id, None);
+        self.terminals.close(id);
+        let restoring = self.restoring(id);
+        let restored = machines.restore(id, &snap.id, row.expires_at).await;
+        drop(restoring);
+        if let Err(e) = restored {
+            // The old VM may be gone already: the sandbox failed.
+            if !matches!(
+                machines.state(id).await,
+                Ok(Some(sandpit_runtime::VmState::Running))
+            ) {
+                let _ = self
+                    .end(
+                        &row,
+                        SandboxStatus::Failed,
+                        &format!("failed: restoring snapshot {}: {e}", snap.id),
+                    )
+                    .await;
+            }
+            return Err(runtime_error(e));
+        }
+        let now = self.owned(caller, id).await?;
+        // Extended while it was restored: the new VM's watchdog learns it.
+        if now.expires_at != row.expires_at {
+            let _ = machines.set_expiry(id, now.expires_at).await;
+        }
+        Ok(super::lifecycle::to_sandbox(&now))
     }
 }

@@ -13,6 +13,7 @@
 //! sandbox's terminal that lives [`TERMINAL_TOKEN_TTL`] (kept in the store,
 //! so any replica takes it).
 
+use crate::api::Terminals;
 use crate::api::{Caller, TerminalSession};
 use crate::error::{CoreError, ErrorType, Result};
 use crate::model::TerminalToken;
@@ -32,14 +33,14 @@ pub const MAX_TERMINAL_CELLS: u16 = 1000;
 
 /// Open terminals: sandbox id -> serial -> closer.
 #[derive(Default)]
-pub(crate) struct Terminals {
+pub(crate) struct OpenTerminals {
     open: Mutex<HashMap<String, HashMap<u64, Closer>>>,
     serial: AtomicU64,
 }
 
-/// One open terminal's place in [`Terminals`]; dropped with its session.
+/// One open terminal's place in [`OpenTerminals`]; dropped with its session.
 struct TerminalSlot {
-    registry: Weak<Terminals>,
+    registry: Weak<OpenTerminals>,
     sandbox_id: String,
     serial: u64,
 }
@@ -58,7 +59,7 @@ impl Drop for TerminalSlot {
     }
 }
 
-impl Terminals {
+impl OpenTerminals {
     /// Count a new terminal of `sandbox_id`, cut by `closer`; `None` when
     /// the sandbox has its most open.
     fn register(self: &Arc<Self>, sandbox_id: &str, closer: Closer) -> Option<TerminalSlot> {
@@ -103,14 +104,15 @@ pub fn check_terminal_size(size: PtySize) -> Result<()> {
     }
 }
 
-impl Service {
+#[async_trait::async_trait]
+impl Terminals for Service {
     /// The API's `open_terminal`.
-    pub(super) async fn terminal(
+    async fn open_terminal(
         &self,
         caller: &Caller,
         id: &str,
         size: PtySize,
-    ) -> Result<TerminalSession> {
+    ) -> Result<crate::api::TerminalSession> {
         check_terminal_size(size)?;
         let (row, _busy) = self.running(caller, id).await?;
         let machines = self.machines_for(&row).await?;
@@ -145,11 +147,7 @@ impl Service {
     }
 
     /// The API's `terminal_token`.
-    pub(super) async fn new_terminal_token(
-        &self,
-        caller: &Caller,
-        id: &str,
-    ) -> Result<TerminalToken> {
+    async fn terminal_token(&self, caller: &Caller, id: &str) -> Result<TerminalToken> {
         let row = self.owned(caller, id).await?;
         if !row.status.is_live() {
             return Err(super::errors::not_running(&row));
@@ -166,7 +164,7 @@ impl Service {
     }
 
     /// The API's `redeem_terminal_token`.
-    pub(super) async fn terminal_grant(&self, token: &str, id: &str) -> Result<Caller> {
+    async fn redeem_terminal_token(&self, token: &str, id: &str) -> Result<Caller> {
         let refused = || {
             CoreError::new(
                 ErrorType::Unauthorized,
