@@ -7,6 +7,7 @@ use sandpit_server::settings::Settings;
 mod cluster;
 mod control_plane;
 mod load;
+mod preview;
 mod snapshots;
 
 use anyhow::Result;
@@ -402,7 +403,7 @@ pub(crate) struct Row(pub(crate) String, pub(crate) String);
 /// One of the targets the bench is judged by: what was measured, the
 /// target, and the figure it is judged on (a ratio taken in the same run,
 /// where the target is one).
-struct Target {
+pub(crate) struct Target {
     what: String,
     measured: String,
     target: String,
@@ -641,16 +642,16 @@ pub async fn run(settings: &Settings, a: BenchArgs) -> Result<i32> {
         );
     }
     if !a.skip_control_plane {
-        control_plane(
-            settings,
-            &a,
-            &mut rows,
-            &mut targets,
+        let report = control_plane::Report {
+            rows: &mut rows,
+            targets: &mut targets,
+        };
+        let base = control_plane::Baseline {
             exec_ms,
             cold_s,
             restore_s,
-        )
-        .await?;
+        };
+        control_plane(settings, &a, report, base).await?;
     }
     println!();
     println!("| measurement ({}, size {}) | median |", m.accel(), a.size);
