@@ -90,6 +90,31 @@ pub fn data_dir() -> PathBuf {
     dir
 }
 
+/// A data directory a test owns, for tests that run a whole service: a
+/// panic leaves the service's VMs running (each in a session of its own),
+/// so every QEMU and passt started under it is killed when it is dropped,
+/// also while a failed test unwinds, and again when the test binary exits
+/// (a pool refill still in flight during the unwinding may start one more).
+pub struct DataDir(PathBuf);
+
+impl DataDir {
+    #[allow(clippy::new_without_default)]
+    pub fn new() -> Self {
+        DataDir(data_dir())
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for DataDir {
+    fn drop(&mut self) {
+        kill_vms_under(&self.0);
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// A runtime config for tests in `dir`.
 pub fn config(dir: &Path) -> RuntimeConfig {
     let mut c = RuntimeConfig::new(dir);
