@@ -1,7 +1,7 @@
 //! Service configuration: sizes and prices, limits, and where the service is
 //! reachable. Loaded from the server's TOML (see `sandpit serve --config`).
 
-use crate::model::{micros, Limits, Micros, Resources, MAX_COMMAND_BYTES, MAX_ENV_BYTES};
+use crate::model::{micros, Limits, Micros, Resources, SizeInfo, MAX_COMMAND_BYTES, MAX_ENV_BYTES};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -88,6 +88,37 @@ pub struct ServiceConfig {
     /// 0: never (see `crate::idle`). Only where this process runs the VMs
     /// itself (not on a cluster's replicas).
     pub idle_pause_secs: u64,
+}
+
+impl ServiceConfig {
+    /// The size table as clients are shown it: cheapest first (by price,
+    /// then vCPUs, memory and disk, then name), not the map's alphabetical
+    /// order, which would put `large` before `medium` and `small`.
+    pub fn sizes_cheapest_first(&self) -> Vec<SizeInfo> {
+        let mut sizes: Vec<SizeInfo> = self
+            .sizes
+            .iter()
+            .map(|(name, s)| SizeInfo {
+                name: name.clone(),
+                resources: s.resources(),
+                price_usd_per_hour: s.price_usd_per_hour,
+            })
+            .collect();
+        sizes.sort_by(|a, b| {
+            let key = |s: &SizeInfo| {
+                (
+                    s.resources.vcpus,
+                    s.resources.memory_mb,
+                    s.resources.disk_gb,
+                )
+            };
+            a.price_usd_per_hour
+                .total_cmp(&b.price_usd_per_hour)
+                .then_with(|| key(a).cmp(&key(b)))
+                .then_with(|| a.name.cmp(&b.name))
+        });
+        sizes
+    }
 }
 
 impl Default for ServiceConfig {
@@ -194,5 +225,38 @@ mod tests {
         assert_eq!(cost(280_000, 1), 78);
         assert_eq!(cost(280_000, 3600), 280_000);
         assert_eq!(cost(280_000, 0), 0);
+    }
+
+    #[test]
+    fn sizes_are_shown_cheapest_first() {
+        let names = |c: &ServiceConfig| -> Vec<String> {
+            c.sizes_cheapest_first()
+                .into_iter()
+                .map(|s| s.name)
+                .collect()
+        };
+        let mut c = ServiceConfig::default();
+        assert_eq!(names(&c), ["small", "medium", "large"]);
+        // An operator's table: a free tiny size, and two at one price told
+        // apart by what they give.
+        c.sizes.insert(
+            "a-free".into(),
+            SizeConfig {
+                vcpus: 1,
+                memory_mb: 512,
+                disk_gb: 10,
+                price_usd_per_hour: 0.0,
+            },
+        );
+        c.sizes.insert(
+            "b-wide".into(),
+            SizeConfig {
+                vcpus: 4,
+                memory_mb: 8192,
+                disk_gb: 40,
+                price_usd_per_hour: 0.09,
+            },
+        );
+        assert_eq!(names(&c), ["a-free", "small", "b-wide", "medium", "large"]);
     }
 }

@@ -375,6 +375,10 @@ pub struct SizeInfo {
     pub price_usd_per_hour: f64,
 }
 
+fn default_size_name() -> String {
+    "small".into()
+}
+
 /// What this service is.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ServiceInfo {
@@ -383,7 +387,12 @@ pub struct ServiceInfo {
     /// The commit the server was built from (`unknown` when not known).
     #[serde(default)]
     pub commit: String,
+    /// Cheapest first (by price, then vCPUs, memory and disk).
     pub sizes: Vec<SizeInfo>,
+    /// The size a create without one gets. Absent from older servers,
+    /// whose default was `small`.
+    #[serde(default = "default_size_name")]
+    pub default_size: String,
     pub default_timeout_minutes: u32,
     pub max_timeout_minutes: u32,
     pub max_lifetime_minutes: u32,

@@ -74,15 +74,8 @@ impl Accounts for Fake {
             name: "sandpit".into(),
             version: env!("CARGO_PKG_VERSION").into(),
             commit: sandpit_core::COMMIT.into(),
-            sizes: config
-                .sizes
-                .iter()
-                .map(|(name, s)| SizeInfo {
-                    name: name.clone(),
-                    resources: s.resources(),
-                    price_usd_per_hour: s.price_usd_per_hour,
-                })
-                .collect(),
+            sizes: config.sizes_cheapest_first(),
+            default_size: config.default_size.clone(),
             default_timeout_minutes: config.default_timeout_minutes,
             max_timeout_minutes: config.max_timeout_minutes,
             max_lifetime_minutes: config.max_lifetime_minutes,

@@ -10,13 +10,13 @@
 
 use crate::pages::kind_word;
 use crate::session::Signed;
+use crate::view::PageForm;
 use crate::view::{self, Failure};
 use crate::Web;
 use axum::body::Body;
 use axum::extract::{Multipart, Path, Query, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Redirect, Response};
-use axum::Form;
 use futures::StreamExt;
 use maud::{html, Markup};
 use sandpit_core::{EntryType, FileList};
@@ -189,8 +189,9 @@ pub(crate) async fn upload(
         }
     }
     if !csrf_ok {
-        return Err(bad(
-            "The form carried no CSRF token: reload the page.".into()
+        return Err(Failure::new(
+            StatusCode::FORBIDDEN,
+            "The form carried no CSRF token: reload the page and try again.",
         ));
     }
     let (name, bytes) = file.ok_or_else(|| bad("Choose a file to upload.".into()))?;
@@ -234,6 +235,8 @@ impl sandpit_core::api::ByteSource for Whole {
 
 #[derive(Deserialize)]
 pub(crate) struct DeleteForm {
+    /// Absent: refused as a wrong token is (403), not as a malformed form.
+    #[serde(default)]
     csrf: String,
     path: String,
     #[serde(default)]
@@ -245,7 +248,7 @@ pub(crate) async fn delete(
     State(web): State<Web>,
     signed: Signed,
     Path(id): Path<String>,
-    Form(f): Form<DeleteForm>,
+    PageForm(f): PageForm<DeleteForm>,
 ) -> Result<Response, Failure> {
     signed.check_csrf(&f.csrf)?;
     let recursive = f.recursive.is_some();

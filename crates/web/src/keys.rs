@@ -3,12 +3,12 @@
 //! as `sandpit serve` prints it at first start) and revoked.
 
 use crate::session::{CsrfOnly, Signed};
+use crate::view::PageForm;
 use crate::view::{self, page, Failure, Section};
 use crate::Web;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Redirect, Response};
-use axum::Form;
 use maud::html;
 use sandpit_store::format_ts;
 
@@ -56,7 +56,7 @@ pub(crate) async fn list(State(web): State<Web>, signed: Signed) -> Result<Respo
 pub(crate) async fn create(
     State(web): State<Web>,
     signed: Signed,
-    Form(f): Form<CsrfOnly>,
+    PageForm(f): PageForm<CsrfOnly>,
 ) -> Result<Response, Failure> {
     signed.check_csrf(&f.csrf)?;
     let (key, _) = web
@@ -105,7 +105,7 @@ pub(crate) async fn revoke(
     State(web): State<Web>,
     signed: Signed,
     Path(id): Path<String>,
-    Form(f): Form<CsrfOnly>,
+    PageForm(f): PageForm<CsrfOnly>,
 ) -> Result<Response, Failure> {
     signed.check_csrf(&f.csrf)?;
     let store = web.svc.store();

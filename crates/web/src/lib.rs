@@ -103,5 +103,9 @@ pub fn router(svc: Arc<Service>, config: WebConfig) -> Router {
         .layer(axum::extract::DefaultBodyLimit::max(
             files::MAX_UPLOAD + (1 << 20),
         ))
+        .layer(axum::middleware::from_fn_with_state(
+            web.clone(),
+            view::frame_failures,
+        ))
         .with_state(web)
 }

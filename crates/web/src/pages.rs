@@ -4,12 +4,12 @@
 
 use crate::assets;
 use crate::session::{safe_next, CsrfOnly, Signed};
-use crate::view::{self, action_button, ago, countdown, page, usd, Failure, Section};
+use crate::view::{self, action_button, ago, countdown, page, usd, Failure, PageForm, Section};
 use crate::Web;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Redirect, Response};
-use axum::{Form, Json};
+use axum::Json;
 use maud::{html, Markup};
 use sandpit_core::{
     CreateSandbox, CreateSnapshot, EntryType, ExecParams, ForkSandbox, ListSandboxes,
@@ -40,14 +40,13 @@ pub(crate) async fn home(
     if signed_in {
         return Redirect::to(safe_next(q.next.as_deref())).into_response();
     }
-    let note = q.signed_out.map(|_| "You are signed out.");
+    let note = match q.signed_out {
+        Some(_) => view::SignInNote::Notice("You are signed out."),
+        None => view::SignInNote::None,
+    };
     let next = safe_next(q.next.as_deref()).to_string();
     let signup = web.config.signup.mode != crate::SignupMode::Off;
-    let mut body = view::sign_in_page(None, &next, signup);
-    if let Some(n) = note {
-        body = html! { (body) p class="notice narrow" role="status" { (n) } };
-    }
-    body.into_response()
+    view::sign_in_page(note, &next, signup).into_response()
 }
 
 /// A sandbox's status as a badge.
@@ -108,8 +107,10 @@ async fn render_sandboxes(
                 div {
                     label for="size" { "Size" }
                     select id="size" name="size" {
+                        // Cheapest first, the service's default selected:
+                        // a create left alone gets what the API would give.
                         @for s in &info.sizes {
-                            option value=(s.name) {
+                            option value=(s.name) selected[s.name == info.default_size] {
                                 (s.name) " — " (s.resources.vcpus) " vCPU, "
                                 (s.resources.memory_mb) " MiB, " (usd(s.price_usd_per_hour)) "/h"
                             }
@@ -213,6 +214,8 @@ fn sandbox_actions(s: &Sandbox, csrf: &str) -> Markup {
 
 #[derive(Deserialize)]
 pub(crate) struct CreateForm {
+    /// Absent: refused as a wrong token is (403), not as a malformed form.
+    #[serde(default)]
     csrf: String,
     size: String,
     timeout_minutes: u32,
@@ -226,7 +229,7 @@ pub(crate) struct CreateForm {
 pub(crate) async fn create(
     State(web): State<Web>,
     signed: Signed,
-    Form(f): Form<CreateForm>,
+    PageForm(f): PageForm<CreateForm>,
 ) -> PageResult {
     signed.check_csrf(&f.csrf)?;
     let from_snapshot = !f.snapshot_id.is_empty();
@@ -249,6 +252,8 @@ pub(crate) async fn create(
 
 #[derive(Deserialize)]
 pub(crate) struct ActForm {
+    /// Absent: refused as a wrong token is (403), not as a malformed form.
+    #[serde(default)]
     csrf: String,
     /// `fork`: how many copies.
     #[serde(default)]
@@ -270,7 +275,7 @@ pub(crate) async fn act(
     State(web): State<Web>,
     signed: Signed,
     Path((id, action)): Path<(String, String)>,
-    Form(f): Form<ActForm>,
+    PageForm(f): PageForm<ActForm>,
 ) -> PageResult {
     signed.check_csrf(&f.csrf)?;
     let c = &signed.caller;
@@ -538,7 +543,7 @@ pub(crate) async fn delete_snapshot(
     State(web): State<Web>,
     signed: Signed,
     Path(id): Path<String>,
-    Form(f): Form<CsrfOnly>,
+    PageForm(f): PageForm<CsrfOnly>,
 ) -> PageResult {
     signed.check_csrf(&f.csrf)?;
     web.api.delete_snapshot(&signed.caller, &id).await?;
@@ -682,6 +687,8 @@ fn require_admin(signed: &Signed) -> Result<(), Failure> {
 
 #[derive(Deserialize)]
 pub(crate) struct CreditForm {
+    /// Absent: refused as a wrong token is (403), not as a malformed form.
+    #[serde(default)]
     csrf: String,
     usd: f64,
 }
@@ -690,7 +697,7 @@ pub(crate) async fn add_credit(
     State(web): State<Web>,
     signed: Signed,
     Path(id): Path<String>,
-    Form(f): Form<CreditForm>,
+    PageForm(f): PageForm<CreditForm>,
 ) -> PageResult {
     signed.check_csrf(&f.csrf)?;
     require_admin(&signed)?;

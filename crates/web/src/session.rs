@@ -10,12 +10,12 @@
 //! deletes the session, so the cookie opens nothing even if it was copied.
 
 use crate::view;
+use crate::view::PageForm;
 use crate::Web;
 use axum::extract::{FromRequestParts, State};
 use axum::http::request::Parts;
 use axum::http::{header, HeaderMap, Method, StatusCode};
 use axum::response::{IntoResponse, Redirect, Response};
-use axum::Form;
 use sandpit_core::Caller;
 use sandpit_store::WebSession;
 use serde::Deserialize;
@@ -172,7 +172,7 @@ pub(crate) fn cookie(config: &crate::WebConfig, token: &str) -> String {
 pub(crate) async fn sign_in(
     State(web): State<Web>,
     headers: HeaderMap,
-    Form(form): Form<SignIn>,
+    PageForm(form): PageForm<SignIn>,
 ) -> Response {
     if !same_origin(&headers) {
         return view::Failure::new(
@@ -194,7 +194,11 @@ pub(crate) async fn sign_in(
                 }
                 _ => e.message,
             };
-            return (status, view::sign_in_page(Some(&message), &next, signup)).into_response();
+            return (
+                status,
+                view::sign_in_page(view::SignInNote::Error(&message), &next, signup),
+            )
+                .into_response();
         }
     };
     let ttl = web.config.session_ttl;
@@ -219,6 +223,8 @@ pub(crate) async fn sign_in(
 
 #[derive(Deserialize)]
 pub(crate) struct CsrfOnly {
+    /// Absent: refused as a wrong token is (403), not as a malformed form.
+    #[serde(default)]
     pub csrf: String,
 }
 
@@ -226,7 +232,7 @@ pub(crate) async fn sign_out(
     State(web): State<Web>,
     signed: Signed,
     headers: HeaderMap,
-    Form(form): Form<CsrfOnly>,
+    PageForm(form): PageForm<CsrfOnly>,
 ) -> Result<Response, view::Failure> {
     signed.check_csrf(&form.csrf)?;
     if let Some(token) = token_of(&headers) {

@@ -9,12 +9,13 @@
 //! again, with 429.
 
 use crate::session;
+use crate::view::PageForm;
 use crate::view::{self, page, Failure, Section};
 use crate::Web;
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::{Extension, Form};
+use axum::Extension;
 use maud::{html, Markup};
 use serde::Deserialize;
 use std::collections::HashMap;
@@ -153,7 +154,7 @@ pub(crate) async fn submit(
     State(web): State<Web>,
     addr: Option<Extension<ClientAddr>>,
     headers: axum::http::HeaderMap,
-    Form(f): Form<SignUp>,
+    PageForm(f): PageForm<SignUp>,
 ) -> Result<Response, Failure> {
     let cfg = &web.config.signup;
     if cfg.mode == SignupMode::Off {

@@ -1,9 +1,15 @@
 //! The pages' frame and the small pieces every page uses: the layout with
-//! its navigation, an error page, and how times, money and sizes read.
+//! its navigation, an error page (framed with the navigation of whoever
+//! is signed in, by [`frame_failures`]), a form that fails as a page, and
+//! how times, money and sizes read.
 
 use crate::assets;
+use crate::Web;
+use axum::extract::{FromRequest, Request, State};
 use axum::http::StatusCode;
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use axum::Form;
 use maud::{html, Markup, DOCTYPE};
 use sandpit_store::WebSession;
 use time::OffsetDateTime;
@@ -78,8 +84,16 @@ fn nav_item(href: &str, label: &str, current: bool) -> Markup {
     }
 }
 
-/// The sign-in page, with what went wrong last time.
-pub(crate) fn sign_in_page(error: Option<&str>, next: &str, signup: bool) -> Markup {
+/// What the sign-in page says above its form: nothing, a notice (signed
+/// out) or what went wrong last time.
+pub(crate) enum SignInNote<'a> {
+    None,
+    Notice(&'a str),
+    Error(&'a str),
+}
+
+/// The sign-in page.
+pub(crate) fn sign_in_page(note: SignInNote<'_>, next: &str, signup: bool) -> Markup {
     page(
         "Sign in",
         None,
@@ -89,8 +103,10 @@ pub(crate) fn sign_in_page(error: Option<&str>, next: &str, signup: bool) -> Mar
                 h1 { "Sign in" }
                 p { "Paste an API key of your account. The first start of " code { "sandpit serve" }
                     " prints one; more are made under API keys, or by " code { "sandpit key create" } "." }
-                @if let Some(e) = error {
-                    p class="error" role="alert" { (e) }
+                @match note {
+                    SignInNote::None => {}
+                    SignInNote::Notice(n) => p class="notice" role="status" { (n) },
+                    SignInNote::Error(e) => p class="error" role="alert" { (e) },
                 }
                 form method="post" action="/sign-in" {
                     input type="hidden" name="next" value=(next);
@@ -108,7 +124,7 @@ pub(crate) fn sign_in_page(error: Option<&str>, next: &str, signup: bool) -> Mar
 }
 
 /// A failure shown as a page with its status.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct Failure {
     status: StatusCode,
     message: String,
@@ -120,6 +136,25 @@ impl Failure {
             status,
             message: message.into(),
         }
+    }
+
+    /// The page, with the navigation and "Sign out" of `session`'s
+    /// account when there is one.
+    fn page(&self, session: Option<&WebSession>) -> Response {
+        let reason = self.status.canonical_reason().unwrap_or("Error");
+        let body = page(
+            reason,
+            session,
+            Section::None,
+            html! {
+                section class="card narrow" {
+                    h1 { (reason) }
+                    p class="error" role="alert" { (self.message) }
+                    p { a href="javascript:history.back()" { "Back" } " · " a href="/sandboxes" { "Sandboxes" } }
+                }
+            },
+        );
+        (self.status, body).into_response()
     }
 }
 
@@ -140,22 +175,59 @@ impl From<sandpit_store::StoreError> for Failure {
     }
 }
 
+/// The page without navigation (a handler does not know who is signed in);
+/// the failure rides along for [`frame_failures`] to frame it.
 impl IntoResponse for Failure {
     fn into_response(self) -> Response {
-        let reason = self.status.canonical_reason().unwrap_or("Error");
-        let body = page(
-            reason,
-            None,
-            Section::None,
-            html! {
-                section class="card narrow" {
-                    h1 { (reason) }
-                    p class="error" role="alert" { (self.message) }
-                    p { a href="javascript:history.back()" { "Back" } " · " a href="/sandboxes" { "Sandboxes" } }
-                }
-            },
-        );
-        (self.status, body).into_response()
+        let mut response = self.page(None);
+        response.extensions_mut().insert(self);
+        response
+    }
+}
+
+/// Middleware: a failure page for a signed-in browser keeps the
+/// navigation and "Sign out", so a 404 or a 409 is not a dead end. The
+/// session is looked up only for a failure.
+pub(crate) async fn frame_failures(
+    State(web): State<Web>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let token = crate::session::token_of(request.headers());
+    let response = next.run(request).await;
+    let (Some(failure), Some(token)) = (response.extensions().get::<Failure>(), token) else {
+        return response;
+    };
+    match web.svc.store().web_session(&token).await {
+        Ok(Some(session)) => failure.page(Some(&session)),
+        _ => response,
+    }
+}
+
+/// A posted form's fields, or the dashboard's 400 page saying what was
+/// wrong with it (not axum's plain-text 422). Forms that carry a CSRF token
+/// default it to empty, so a form without one is refused as a wrong token
+/// is (403).
+pub(crate) struct PageForm<T>(pub T);
+
+impl<T, S> FromRequest<S> for PageForm<T>
+where
+    T: serde::de::DeserializeOwned,
+    S: Send + Sync,
+{
+    type Rejection = Failure;
+
+    async fn from_request(request: Request, state: &S) -> Result<Self, Failure> {
+        match Form::<T>::from_request(request, state).await {
+            Ok(Form(fields)) => Ok(PageForm(fields)),
+            Err(e) => Err(Failure::new(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "This form could not be read ({}): reload the page and try again.",
+                    e.body_text()
+                ),
+            )),
+        }
     }
 }
 

@@ -12,19 +12,47 @@
 //! sandboxes, a phone's window). They go to a temporary directory, or to
 //! `SANDPIT_SCREENSHOTS_DIR` (`docs/screenshots` refreshes the README's).
 
-use crate::common::browser::{Browser, PHONE};
+use crate::common::browser::{Browser, DESKTOP, PHONE};
 use crate::common::serve::*;
 use fantoccini::Locator;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-/// Sign-up by invitation, two an hour from one address.
+/// Sign-up by invitation, two an hour from one address; beside the test
+/// size `small`, two dearer ones that come first in the alphabet (the
+/// form once picked the first of them).
 const SIGNUP: &str =
-    "[signup]\nmode = \"invite\"\nfree_credit_usd = 2.5\nper_address_per_hour = 2\n";
+    "[signup]\nmode = \"invite\"\nfree_credit_usd = 2.5\nper_address_per_hour = 2\n\
+    [sizes.large]\nvcpus = 2\nmemory_mb = 1024\ndisk_gb = 4\nprice_usd_per_hour = 0.55\n\
+    [sizes.medium]\nvcpus = 2\nmemory_mb = 1024\ndisk_gb = 4\nprice_usd_per_hour = 0.28\n";
 /// How long a page may take to say what it should (a create or a terminal
 /// under emulation on a busy host).
 const PATIENCE: Duration = Duration::from_secs(120);
+
+/// The page's width against the window's, and the outermost elements
+/// whose right edge passes the window (each as `tag#id.class: right edge`);
+/// content in a box that scrolls sideways itself (a wide table in
+/// `.scroll`, a `pre`) does not count.
+const WIDER_THAN_THE_WINDOW: &str = r#"
+const w = document.documentElement.clientWidth;
+const out = [];
+const scrolls = el => { for (let p = el.parentElement; p; p = p.parentElement) {
+  const o = getComputedStyle(p).overflowX; if (o === 'auto' || o === 'scroll' || o === 'hidden') return true; } return false; };
+const walk = el => {
+  const r = el.getBoundingClientRect();
+  if (r.width > 0 && r.right > w + 0.5 && !scrolls(el)) {
+    const wide = [...el.children].some(c => c.getBoundingClientRect().right > w + 0.5);
+    if (!wide) { out.push(el.tagName.toLowerCase() + (el.id ? '#' + el.id : '') +
+      (el.className && typeof el.className === 'string' ? '.' + el.className.split(' ').join('.') : '') +
+      ': ' + Math.round(r.right)); return; }
+  }
+  [...el.children].forEach(walk);
+};
+walk(document.body);
+if (document.documentElement.scrollWidth > w) out.push('page: ' + document.documentElement.scrollWidth + ' > ' + w);
+return out;
+"#;
 
 /// Where screenshots go, and a check that each is a real picture.
 struct Shots {
@@ -49,7 +77,24 @@ impl Shots {
         }
     }
 
+    /// The page on a laptop's window, then on a phone's (`{name}-phone`),
+    /// where nothing may stick out sideways: no element wider than the
+    /// window, so the page never scrolls sideways and its header spans it.
     async fn take(&self, b: &Browser, name: &str) {
+        self.picture(b, name).await;
+        b.set_window_size(PHONE.0, PHONE.1).await;
+        let wider = b.execute(WIDER_THAN_THE_WINDOW, vec![]).await;
+        assert_eq!(
+            wider,
+            json!([]),
+            "{name}: on a phone ({} px), these stick out of the window",
+            PHONE.0
+        );
+        self.picture(b, &format!("{name}-phone")).await;
+        b.set_window_size(DESKTOP.0, DESKTOP.1).await;
+    }
+
+    async fn picture(&self, b: &Browser, name: &str) {
         let png = b.screenshot(&self.dir.join(format!("{name}.png"))).await;
         assert!(
             png.starts_with(b"\x89PNG\r\n\x1a\n") && png.len() > 5_000,
@@ -203,6 +248,19 @@ async fn a_person_uses_the_dashboard_in_a_real_browser() {
         "the key itself in a cookie"
     );
 
+    // The form offers the sizes cheapest first, the service's default
+    // chosen: a create that leaves the size alone gets `small`.
+    let sizes = b
+        .execute(
+            "return [...document.querySelectorAll('#size option')].map(o => [o.value, o.selected])",
+            vec![],
+        )
+        .await;
+    assert_eq!(
+        sizes,
+        json!([["small", true], ["medium", false], ["large", false]])
+    );
+
     // Create a sandbox from the form; its page shows it running. (Once the
     // server's snapshot template exists, which its warm pool waits for: a
     // sandbox booted before it cannot be paused or snapshotted.)
@@ -214,6 +272,7 @@ async fn a_person_uses_the_dashboard_in_a_real_browser() {
     let id = sandbox_shown(&b).await;
     let (_, sbx) = rest_get(&url, &admin_key, &format!("/sandboxes/{id}")).await;
     assert_eq!(sbx["status"], "running", "{sbx}");
+    assert_eq!(sbx["size"], "small", "{sbx}");
     assert_eq!(sbx["name"], "demo", "{sbx}");
     assert_eq!(sbx["timeout_minutes"], 30, "{sbx}");
 
@@ -334,9 +393,6 @@ async fn a_person_uses_the_dashboard_in_a_real_browser() {
     b.goto(&format!("{url}/sandboxes")).await;
     b.wait_for_text("Live (1)", PATIENCE).await;
     shots.take(&b, "sandboxes").await;
-    b.set_window_size(PHONE.0, PHONE.1).await;
-    shots.take(&b, "sandboxes-phone").await;
-    b.set_window_size(1280, 800).await;
     b.goto(&format!("{url}/sandboxes")).await;
     click_and_load(&b, "Snapshot").await;
     b.wait_for_text("Snapshots", PATIENCE).await;
@@ -444,7 +500,12 @@ async fn a_person_uses_the_dashboard_in_a_real_browser() {
     let text = b.wait_for_text("No live sandboxes", PATIENCE).await;
     assert!(!text.contains(&id), "bob sees admin's sandbox");
     b.goto(&format!("{url}/sandboxes/{id}")).await;
-    b.wait_for_text("Not Found", PATIENCE).await;
+    let text = b.wait_for_text("Not Found", PATIENCE).await;
+    assert!(
+        text.contains("Sign out"),
+        "the 404 page lost the navigation: {text}"
+    );
+    shots.take(&b, "not-found").await;
     b.goto(&format!("{url}/sandboxes/{id}/terminal")).await;
     b.wait_for_text("Not Found", PATIENCE).await;
     let fetched = b

@@ -114,16 +114,8 @@ impl Accounts for Service {
             name: "Sandpit".into(),
             version: env!("CARGO_PKG_VERSION").into(),
             commit: crate::COMMIT.into(),
-            sizes: self
-                .config
-                .sizes
-                .iter()
-                .map(|(name, s)| SizeInfo {
-                    name: name.clone(),
-                    resources: s.resources(),
-                    price_usd_per_hour: s.price_usd_per_hour,
-                })
-                .collect(),
+            sizes: self.config.sizes_cheapest_first(),
+            default_size: self.config.default_size.clone(),
             default_timeout_minutes: self.config.default_timeout_minutes,
             max_timeout_minutes: self.config.max_timeout_minutes,
             max_lifetime_minutes: self.config.max_lifetime_minutes,
