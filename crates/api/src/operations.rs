@@ -23,8 +23,8 @@ use axum::Router;
 use sandpit_core::SandboxApi;
 use sandpit_core::{
     Account, CreateSandbox, CreateSnapshot, ExecParams, Execution, FileContent, FileDeleted,
-    FileList, FileWritten, Fork, ForkSandbox, List, ListSandboxes, ListSnapshots, Port,
-    RestoreSandbox, Sandbox, ServiceInfo, Snapshot, TerminalToken, Usage, WriteFile,
+    FileList, FileWritten, Fork, ForkSandbox, List, ListExecutions, ListSandboxes, ListSnapshots,
+    Port, RestoreSandbox, Sandbox, ServiceInfo, Snapshot, TerminalToken, Usage, WriteFile,
 };
 use schemars::generate::{Contract, SchemaGenerator, SchemaSettings};
 use schemars::JsonSchema;
@@ -283,7 +283,9 @@ is set; a command running past `timeout_ms` is killed with its process group and
 reported as `timed_out`.
 
 With `\"stream\": true` or `Accept: text/event-stream` the answer is a server-sent event \
-stream: `event: stdout` / `event: stderr` with `data: {\"data\": \"<chunk>\"}` \
+stream: first `event: start` whose data is the Execution as it starts (status \
+`running`: its id, to find it by with `GET /v1/executions/{id}` if the stream breaks), \
+then `event: stdout` / `event: stderr` with `data: {\"data\": \"<chunk>\"}` \
 (OutputChunk), then one last `event: exit` whose data is the Execution, or \
 `event: error` whose data is the Error body if the platform fails mid-way. \
 `: ping` comments keep an idle stream alive (every 15 s). If the client disconnects \
@@ -353,6 +355,7 @@ fn table() -> Table {
     let sandbox_list_ref = sandbox_list.clone();
     let port_list = res.subschema_for::<List<Port>>().to_value();
     let execution = res.subschema_for::<Execution>().to_value();
+    let execution_list = res.subschema_for::<List<Execution>>().to_value();
     let chunk = res.subschema_for::<OutputChunk>().to_value();
     let error = res.subschema_for::<ErrorBody>().to_value();
     let sandbox_resp = json_content(sandbox.clone());
@@ -649,6 +652,7 @@ fn table() -> Table {
                     "text/event-stream": {
                         "schema": {"type": "string", "description": "Server-sent events; see the operation's description."},
                         "x-sse-events": {
+                            "start": execution.clone(),
                             "stdout": chunk.clone(),
                             "stderr": chunk,
                             "exit": execution.clone(),
@@ -661,11 +665,33 @@ fn table() -> Table {
         },
         Op {
             method: "get",
+            path: "/v1/sandboxes/{id}/executions",
+            handler: get(server::list_executions),
+            id: "listExecutions",
+            summary: "List a sandbox's executions",
+            description: "The sandbox's executions, newest first, running ones included (status \
+                `running`), paged with `limit` (1..100) and `starting_after` (the previous page's \
+                `next_cursor`). A deleted sandbox's are listed while they are kept.",
+            params: {
+                let mut p = vec![id_param("sandbox")];
+                p.extend(query_params::<ListExecutions>(&mut req));
+                p
+            },
+            body: None,
+            responses: vec![(
+                "200",
+                "A page of executions.",
+                json_content(execution_list.clone()),
+            )],
+            errors: Errors { not_found: true, ..AUTH },
+        },
+        Op {
+            method: "get",
             path: "/v1/executions/{id}",
             handler: get(server::get_execution),
             id: "getExecution",
             summary: "Get an execution",
-            description: "An execution object, later.",
+            description: "An execution object, later; `running` while its command runs.",
             params: vec![id_param("execution")],
             body: None,
             responses: vec![("200", "The execution object.", json_content(execution))],
@@ -918,6 +944,7 @@ fn table() -> Table {
     });
     rename_schema(&mut doc, &sandbox_list_ref, "SandboxList");
     rename_schema(&mut doc, &port_list, "PortList");
+    rename_schema(&mut doc, &execution_list, "ExecutionList");
     rename_schema(&mut doc, &snapshot_list_ref, "SnapshotList");
     sort_keys(&mut doc);
     (routes, doc)

@@ -18,8 +18,8 @@ use sandpit_core::error::Result;
 use sandpit_core::{
     Account, Caller, CoreError, CreateSandbox, CreateSnapshot, Encoding, ErrorType, ExecEvent,
     ExecParams, ExecStream, Execution, FileContent, FileDeleted, FileList, FileWritten, Fork,
-    ForkSandbox, List, ListSandboxes, ListSnapshots, Port, RestoreSandbox, Sandbox, ServiceInfo,
-    Snapshot, Usage, WriteFile,
+    ForkSandbox, List, ListExecutions, ListSandboxes, ListSnapshots, Port, RestoreSandbox, Sandbox,
+    ServiceInfo, Snapshot, Usage, WriteFile,
 };
 use serde::de::DeserializeOwned;
 use std::collections::HashMap;
@@ -425,6 +425,17 @@ impl Commands for RemoteApi {
     async fn get_execution(&self, caller: &Caller, exec_id: &str) -> Result<Execution> {
         self.get(caller, self.url(&["executions", exec_id])).await
     }
+
+    async fn list_executions(
+        &self,
+        caller: &Caller,
+        id: &str,
+        q: ListExecutions,
+    ) -> Result<List<Execution>> {
+        let mut url = self.url(&["sandboxes", id, "executions"]);
+        page_query(&mut url, q.limit, q.starting_after.as_deref());
+        self.get(caller, url).await
+    }
 }
 
 #[async_trait]
@@ -572,6 +583,9 @@ fn decode_event(name: &str, data: &str) -> Option<ExecEvent> {
         )))
     };
     Some(match name {
+        "start" => serde_json::from_str::<Execution>(data)
+            .map(ExecEvent::Started)
+            .unwrap_or_else(bad),
         "stdout" => serde_json::from_str::<OutputChunk>(data)
             .map(|c| ExecEvent::Stdout(c.data))
             .unwrap_or_else(bad),

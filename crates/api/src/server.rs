@@ -13,8 +13,8 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::{Json, Router};
 use sandpit_core::{
-    CoreError, CreateSandbox, CreateSnapshot, ExecParams, ForkSandbox, ListSandboxes,
-    ListSnapshots, RestoreSandbox, WriteFile,
+    CoreError, CreateSandbox, CreateSnapshot, ExecParams, ForkSandbox, ListExecutions,
+    ListSandboxes, ListSnapshots, RestoreSandbox, WriteFile,
 };
 use serde::Serialize;
 
@@ -237,6 +237,15 @@ pub(crate) async fn exec(
         return Ok(sse::respond(stream, rid, st.cfg.sse_ping_interval));
     }
     ok(st.api.exec(&c, &id, params).await?)
+}
+
+pub(crate) async fn list_executions(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(id): Path<String>,
+    QueryParams(q): QueryParams<ListExecutions>,
+) -> ApiResult {
+    ok(st.api.list_executions(&c, &id, q).await?)
 }
 
 pub(crate) async fn get_execution(

@@ -1,7 +1,9 @@
 //! Streaming exec as server-sent events.
 //!
-//! Frames: `event: stdout` / `event: stderr` with `data: {"data": "<chunk>"}`,
-//! then exactly one last frame, `event: exit` (the execution object) or
+//! Frames: first `event: start` (the execution object, status `running`:
+//! its id, for a client whose stream breaks), then `event: stdout` /
+//! `event: stderr` with `data: {"data": "<chunk>"}`, then exactly one last
+//! frame, `event: exit` (the execution object) or
 //! `event: error` (the error body, as on any non-2xx response). While nothing
 //! else is sent, a `: ping` comment goes out every `sse_ping_interval`.
 //!
@@ -40,6 +42,7 @@ pub(crate) fn respond(stream: ExecStream, request_id: String, ping: Duration) ->
         async move {
             let mut stream = state?;
             let (event, more) = match stream.next().await {
+                Some(ExecEvent::Started(execution)) => (frame("start", &execution), true),
                 Some(ExecEvent::Stdout(s)) => (frame("stdout", &OutputChunk { data: s }), true),
                 Some(ExecEvent::Stderr(s)) => (frame("stderr", &OutputChunk { data: s }), true),
                 Some(ExecEvent::Exit(execution)) => (frame("exit", &execution), false),

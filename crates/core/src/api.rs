@@ -72,6 +72,9 @@ pub struct FileDownload {
 /// One event of a streaming execution.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ExecEvent {
+    /// The first event: the execution as it starts (status `running`), so
+    /// a client whose stream breaks still knows the id to look it up by.
+    Started(Execution),
     /// Output, decoded as UTF-8 without splitting characters across chunks.
     Stdout(String),
     Stderr(String),
@@ -205,6 +208,14 @@ pub trait Commands: Send + Sync {
         params: ExecParams,
     ) -> Result<ExecStream>;
     async fn get_execution(&self, caller: &Caller, exec_id: &str) -> Result<Execution>;
+    /// A sandbox's executions (ended or not, of a deleted sandbox too while
+    /// they are kept), newest first, a page at a time.
+    async fn list_executions(
+        &self,
+        caller: &Caller,
+        id: &str,
+        q: ListExecutions,
+    ) -> Result<List<Execution>>;
 }
 
 /// Files in a sandbox, whole or a piece at a time.

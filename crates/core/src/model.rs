@@ -10,7 +10,45 @@ use std::collections::BTreeMap;
 
 /// The lifecycle states: the store's types, since a row stores the word
 /// the API shows.
-pub use sandpit_store::{ExecutionStatus, SandboxStatus};
+pub use sandpit_store::SandboxStatus;
+
+/// Where an execution is: still running, or how it ended (the store's
+/// [`sandpit_store::ExecutionStatus`], the same words).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ExecutionStatus {
+    /// Not ended yet: what `GET /v1/executions/{id}` shows while it runs,
+    /// and the streaming answer's first event.
+    Running,
+    /// It exited (any exit code) or was killed by a signal of its own.
+    Completed,
+    /// Killed at its timeout.
+    TimedOut,
+    /// Killed because its caller cancelled it (or hung up on its stream).
+    Cancelled,
+    /// The platform could not run it to its end (the VM or its agent failed).
+    Failed,
+}
+
+impl From<sandpit_store::ExecutionStatus> for ExecutionStatus {
+    fn from(ended: sandpit_store::ExecutionStatus) -> Self {
+        match ended {
+            sandpit_store::ExecutionStatus::Completed => ExecutionStatus::Completed,
+            sandpit_store::ExecutionStatus::TimedOut => ExecutionStatus::TimedOut,
+            sandpit_store::ExecutionStatus::Cancelled => ExecutionStatus::Cancelled,
+            sandpit_store::ExecutionStatus::Failed => ExecutionStatus::Failed,
+        }
+    }
+}
+
+impl From<sandpit_store::ExecutionState> for ExecutionStatus {
+    fn from(state: sandpit_store::ExecutionState) -> Self {
+        match state {
+            sandpit_store::ExecutionState::Running => ExecutionStatus::Running,
+            sandpit_store::ExecutionState::Ended(ended) => ended.into(),
+        }
+    }
+}
 
 /// Millionths of a US dollar.
 pub type Micros = i64;
@@ -118,6 +156,17 @@ pub struct ListSnapshots {
     #[serde(default)]
     pub limit: Option<u32>,
     /// A snapshot id: list those taken before it (the previous page's `next_cursor`).
+    #[serde(default)]
+    pub starting_after: Option<String>,
+}
+
+/// `GET /sandboxes/{id}/executions` query and `list_executions` input.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ListExecutions {
+    /// 1..100, default 20.
+    #[serde(default)]
+    pub limit: Option<u32>,
+    /// An execution id: list those started before it (the previous page's `next_cursor`).
     #[serde(default)]
     pub starting_after: Option<String>,
 }

@@ -4,8 +4,8 @@
 
 use sandpit_core::prelude::*;
 use sandpit_core::{
-    CreateSandbox, Encoding, ErrorType, ExecEvent, ExecutionStatus, ListSandboxes, SandboxStatus,
-    WriteFile,
+    CreateSandbox, Encoding, ErrorType, ExecEvent, ExecutionStatus, ListExecutions, ListSandboxes,
+    SandboxStatus, WriteFile,
 };
 use std::time::Duration;
 
@@ -67,14 +67,28 @@ async fn the_agent_flow_and_its_bill() {
         "{names:?}"
     );
 
-    // Streaming: output arrives as events, then the execution.
+    // Streaming: first the execution as it starts, which its id finds as
+    // running while it runs; then output as events, then the execution.
     let mut s = svc
-        .exec_stream(&me, &sbx.id, cmd("echo one; echo two >&2"))
+        .exec_stream(
+            &me,
+            &sbx.id,
+            cmd("while [ ! -e go ]; do sleep 0.1; done; echo one; echo two >&2"),
+        )
         .await
         .unwrap();
+    let Some(ExecEvent::Started(started)) = s.next().await else {
+        panic!("the first event is not the start");
+    };
+    assert_eq!(started.status, ExecutionStatus::Running);
+    assert!(started.id.starts_with("exec_"), "{started:?}");
+    let meanwhile = svc.get_execution(&me, &started.id).await.unwrap();
+    assert_eq!(meanwhile.status, ExecutionStatus::Running, "{meanwhile:?}");
+    let touch = svc.exec(&me, &sbx.id, cmd("touch go")).await.unwrap();
     let (mut so, mut se, mut exit) = (String::new(), String::new(), None);
     while let Some(ev) = s.next().await {
         match ev {
+            ExecEvent::Started(e) => panic!("a second start: {e:?}"),
             ExecEvent::Stdout(t) => so += &t,
             ExecEvent::Stderr(t) => se += &t,
             ExecEvent::Exit(e) => exit = Some(e),
@@ -82,7 +96,16 @@ async fn the_agent_flow_and_its_bill() {
         }
     }
     assert_eq!((so.as_str(), se.as_str()), ("one\n", "two\n"));
-    assert_eq!(exit.unwrap().status, ExecutionStatus::Completed);
+    let exit = exit.unwrap();
+    assert_eq!(exit.status, ExecutionStatus::Completed);
+    assert_eq!(exit.id, started.id);
+    // The sandbox's executions, newest first: the `touch`, then the stream.
+    let listed = svc
+        .list_executions(&me, &sbx.id, ListExecutions::default())
+        .await
+        .unwrap();
+    assert_eq!(listed.data[0], touch, "{listed:?}");
+    assert_eq!(listed.data[1], exit);
 
     let ext = svc.extend_sandbox(&me, &sbx.id, Some(10)).await.unwrap();
     assert_eq!(ext.timeout_minutes, 25);

@@ -447,7 +447,7 @@ impl Commands for Fake {
         let mut stream = self.start(caller, id, &params)?;
         loop {
             match stream.next().await {
-                Some(ExecEvent::Stdout(_) | ExecEvent::Stderr(_)) => {}
+                Some(ExecEvent::Started(_) | ExecEvent::Stdout(_) | ExecEvent::Stderr(_)) => {}
                 Some(ExecEvent::Exit(exec)) => return Ok(exec),
                 Some(ExecEvent::Error(e)) => return Err(e),
                 None => {
@@ -473,6 +473,40 @@ impl Commands for Fake {
             },
         )?;
         self.start(caller, id, &params)
+    }
+
+    async fn list_executions(
+        &self,
+        caller: &Caller,
+        id: &str,
+        q: ListExecutions,
+    ) -> Result<List<Execution>> {
+        self.begin(
+            caller,
+            Op::ListExecutions {
+                id: id.into(),
+                query: q.clone(),
+            },
+        )?;
+        let limit = page_limit(q.limit)?;
+        let mut st = self.state.lock().unwrap();
+        st.held(caller, id)?;
+        let of_sandbox = |x: &Execution| x.sandbox_id == id;
+        if let Some(c) = &q.starting_after {
+            if !st.executions.get(c).is_some_and(|(_, x)| of_sandbox(x)) {
+                return Err(unknown_cursor("execution", c));
+            }
+        }
+        let st = &*st;
+        let newest_first = st
+            .started
+            .iter()
+            .rev()
+            .filter_map(|x| st.executions.get(x))
+            .map(|(_, x)| x);
+        let after = q.starting_after.as_deref();
+        let (data, has_more) = page_of(newest_first, |x| &x.id, after, of_sandbox, limit);
+        Ok(List::page(data, has_more, |x| x.id.clone()))
     }
 
     async fn get_execution(&self, caller: &Caller, exec_id: &str) -> Result<Execution> {

@@ -65,6 +65,7 @@ impl Script {
         tx: mpsc::Sender<ExecEvent>,
         mut cancel: oneshot::Receiver<()>,
     ) {
+        let _ = tx.send(ExecEvent::Started(exec.clone())).await;
         for out in self.output {
             let event = match out {
                 Output::Stdout(s) => {

@@ -198,6 +198,10 @@ pub enum Op {
     GetExecution {
         id: String,
     },
+    ListExecutions {
+        id: String,
+        query: ListExecutions,
+    },
     /// The content is left out (it may be 32 MiB).
     WriteFile {
         id: String,
@@ -256,6 +260,7 @@ impl Op {
             Op::Exec { .. } => "exec",
             Op::ExecStream { .. } => "exec_stream",
             Op::GetExecution { .. } => "get_execution",
+            Op::ListExecutions { .. } => "list_executions",
             Op::WriteFile { .. } => "write_file",
             Op::ReadFile { .. } => "read_file",
             Op::ListFiles { .. } => "list_files",
@@ -327,6 +332,8 @@ struct State {
     snapshot_keys: HashMap<(String, String), (SnapshotAsked, String)>,
     /// id -> (account, execution).
     executions: HashMap<String, (String, Execution)>,
+    /// Execution ids in the order they started.
+    started: Vec<String>,
 }
 
 impl State {
@@ -606,7 +613,7 @@ impl Fake {
             id: new_id("exec_"),
             object: "execution".into(),
             sandbox_id: id.to_owned(),
-            status: ExecutionStatus::Failed,
+            status: ExecutionStatus::Running,
             exit_code: None,
             stdout: String::new(),
             stderr: String::new(),
@@ -615,6 +622,7 @@ impl Fake {
             started_at: T0.into(),
             finished_at: None,
         };
+        st.started.push(exec.id.clone());
         st.executions
             .insert(exec.id.clone(), (caller.account_id.clone(), exec.clone()));
         drop(st);

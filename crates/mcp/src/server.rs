@@ -212,7 +212,9 @@ fn execution_answer(x: Execution) -> Result<CallToolResult, ErrorData> {
             "The command was cancelled before it finished; run it again if it is still needed."
                 .to_string()
         }
-        ExecutionStatus::Failed => "The command could not be run to its end by the platform; \
+        // `run_command` answers at the end; an answer still running could
+        // only be a platform fault.
+        ExecutionStatus::Failed | ExecutionStatus::Running => "The command could not be run to its end by the platform; \
              get_sandbox shows whether the sandbox is still running. Retry, or create a new \
              sandbox if it is gone."
             .to_string(),
@@ -310,6 +312,7 @@ impl SandpitMcp {
                 _ = ctx.ct.cancelled() => return None,
             };
             let (which, chunk) = match event {
+                Some(ExecEvent::Started(_)) => continue,
                 Some(ExecEvent::Stdout(s)) => ("stdout", s),
                 Some(ExecEvent::Stderr(s)) => ("stderr", s),
                 Some(ExecEvent::Exit(x)) => return Some(Ok(x)),

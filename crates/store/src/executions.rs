@@ -53,6 +53,13 @@ pub struct PortRow {
     pub closed_at: Option<OffsetDateTime>,
 }
 
+/// A page of a sandbox's executions, newest first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExecutionPage {
+    pub data: Vec<ExecutionRow>,
+    pub has_more: bool,
+}
+
 fn execution_from(row: &AnyRow) -> Result<ExecutionRow> {
     let exit_code = row_opt_i64(row, "exit_code")?
         .map(|c| i32::try_from(c).map_err(|_| StoreError::Corrupt(format!("exit_code {c}"))))
@@ -364,6 +371,53 @@ impl Store {
             .as_ref()
             .map(execution_from)
             .transpose()
+    }
+
+    /// A page of a sandbox's executions, newest first: `limit` at most,
+    /// started before `starting_after` (an execution of the same sandbox,
+    /// else [`StoreError::NotFound`]).
+    pub async fn list_executions(
+        &self,
+        sandbox_id: &str,
+        limit: u32,
+        starting_after: Option<&str>,
+    ) -> Result<ExecutionPage> {
+        let cursor = match starting_after {
+            None => None,
+            Some(c) => {
+                let at: Option<String> = sqlx::query_scalar(
+                    "SELECT started_at FROM executions WHERE id = $1 AND sandbox_id = $2",
+                )
+                .bind(c)
+                .bind(sandbox_id)
+                .fetch_optional(&self.pool)
+                .await?;
+                Some((
+                    at.ok_or_else(|| StoreError::NotFound(format!("execution {c}")))?,
+                    c,
+                ))
+            }
+        };
+        let (c_at, c_id) = cursor.unzip();
+        let limit = limit.max(1);
+        let rows = sqlx::query(
+            "SELECT * FROM executions WHERE sandbox_id = $1 \
+               AND ($2 IS NULL OR started_at < $2 OR (started_at = $2 AND id < $3)) \
+             ORDER BY started_at DESC, id DESC LIMIT $4",
+        )
+        .bind(sandbox_id)
+        .bind(c_at)
+        .bind(c_id)
+        .bind(i64::from(limit) + 1)
+        .fetch_all(&self.pool)
+        .await?;
+        let mut data = rows
+            .iter()
+            .map(execution_from)
+            .collect::<Result<Vec<_>>>()?;
+        let has_more = data.len() > limit as usize;
+        data.truncate(limit as usize);
+        Ok(ExecutionPage { data, has_more })
     }
 
     /// A sandbox's executions, newest first, `limit` at most.

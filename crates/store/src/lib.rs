@@ -102,7 +102,7 @@ mod web;
 
 pub use accounts::{AccountRow, KeyRow, LedgerRow};
 pub use error::{Result, StoreError};
-pub use executions::{ExecutionResult, ExecutionRow, PortRow};
+pub use executions::{ExecutionPage, ExecutionResult, ExecutionRow, PortRow};
 pub use nodes::{ms_to_time, Candidate, LostNode, NewNode, NodeRow};
 pub use sandboxes::{
     CreateOutcome, EventRow, ExtendOutcome, NewSandbox, SandboxPage, SandboxRow, UsageRow,

@@ -58,6 +58,7 @@ on_both_engines!(
     a_second_create_under_a_taken_id_writes_nothing,
     extending_reserves_more_and_checks_the_balance,
     executions_are_recorded_and_finished_once,
+    a_sandboxs_executions_are_paged_newest_first,
     ports_are_opened_once_and_closed,
     usage_lists_recent_sandboxes_with_their_charges,
     preview_traffic_adds_up_in_usage,
@@ -1092,6 +1093,67 @@ async fn extending_reserves_more_and_checks_the_balance(store: Store) {
             .unwrap(),
         ExtendOutcome::NotLive(_)
     ));
+}
+
+async fn a_sandboxs_executions_are_paged_newest_first(store: Store) {
+    let acct = store.create_account("alice", 100).await.unwrap();
+    let s = created(
+        store
+            .create_sandbox(sandbox(&acct.id, T0, 15, 0))
+            .await
+            .unwrap(),
+    );
+    let other = created(
+        store
+            .create_sandbox(sandbox(&acct.id, T0, 15, 0))
+            .await
+            .unwrap(),
+    );
+    let exec = |sandbox_id: &str, id: &str, secs: i64| ExecutionRow {
+        id: id.into(),
+        sandbox_id: sandbox_id.into(),
+        account_id: acct.id.clone(),
+        command: format!("echo {id}"),
+        status: ExecutionState::Running,
+        exit_code: None,
+        stdout: String::new(),
+        stderr: String::new(),
+        truncated: false,
+        duration_ms: 0,
+        started_at: T0 + time::Duration::seconds(secs),
+        finished_at: None,
+    };
+    // Two started at the same instant: the id breaks the tie, both ways.
+    for (id, secs) in [("exec_a", 1), ("exec_b", 2), ("exec_c", 2), ("exec_d", 3)] {
+        store
+            .insert_execution(&exec(&s.id, id, secs))
+            .await
+            .unwrap();
+    }
+    store
+        .insert_execution(&exec(&other.id, "exec_z", 9))
+        .await
+        .unwrap();
+    let ids = |p: &sandpit_store::ExecutionPage| -> Vec<String> {
+        p.data.iter().map(|x| x.id.clone()).collect()
+    };
+    let first = store.list_executions(&s.id, 2, None).await.unwrap();
+    assert_eq!(ids(&first), ["exec_d", "exec_c"]);
+    assert!(first.has_more);
+    let second = store
+        .list_executions(&s.id, 2, Some("exec_c"))
+        .await
+        .unwrap();
+    assert_eq!(ids(&second), ["exec_b", "exec_a"]);
+    assert!(!second.has_more);
+    assert!(matches!(
+        store.list_executions(&s.id, 2, Some("exec_z")).await,
+        Err(StoreError::NotFound(_))
+    ));
+    assert_eq!(
+        ids(&store.list_executions(&other.id, 10, None).await.unwrap()),
+        ["exec_z"]
+    );
 }
 
 async fn executions_are_recorded_and_finished_once(store: Store) {

@@ -127,6 +127,7 @@ fn documents_exactly_the_contract_routes() {
         ("DELETE", "/v1/snapshots/{id}"),
         ("POST", "/v1/sandboxes/{id}/exec"),
         ("GET", "/v1/executions/{id}"),
+        ("GET", "/v1/sandboxes/{id}/executions"),
         ("PUT", "/v1/sandboxes/{id}/files"),
         ("GET", "/v1/sandboxes/{id}/files"),
         ("DELETE", "/v1/sandboxes/{id}/files"),

@@ -98,6 +98,14 @@ async fn every_method_round_trips() {
         ..params
     };
     let mut st = api.exec_stream(&me, &sbx.id, params.clone()).await.unwrap();
+    let Some(ExecEvent::Started(start)) = st.next().await else {
+        panic!("no start event first")
+    };
+    assert_eq!(start.status, ExecutionStatus::Running);
+    assert_eq!(
+        api.get_execution(&me, &start.id).await.unwrap().id,
+        start.id
+    );
     assert_eq!(st.next().await, Some(ExecEvent::Stdout("hello ".into())));
     assert_eq!(st.next().await, Some(ExecEvent::Stderr("warning\n".into())));
     assert_eq!(st.next().await, Some(ExecEvent::Stdout("world\n".into())));
@@ -105,6 +113,7 @@ async fn every_method_round_trips() {
         panic!("no exit event")
     };
     assert_eq!(exit.status, ExecutionStatus::Completed);
+    assert_eq!(exit.id, start.id);
     assert_eq!(st.next().await, None);
     // (`stream` is how the request asked for events; the rest arrives as sent.)
     let got = s.fake.last_exec().unwrap();
@@ -242,6 +251,7 @@ async fn errors_map_back_to_the_same_core_error() {
         )
         .await
         .unwrap();
+    assert!(matches!(st.next().await, Some(ExecEvent::Started(_))));
     assert_eq!(st.next().await, Some(ExecEvent::Stdout("partial".into())));
     assert_eq!(
         st.next().await,
@@ -282,6 +292,7 @@ async fn dropping_a_remote_stream_cancels_on_the_server() {
         )
         .await
         .unwrap();
+    assert!(matches!(st.next().await, Some(ExecEvent::Started(_))));
     assert_eq!(st.next().await, Some(ExecEvent::Stdout("started\n".into())));
     drop(st);
     s.fake.wait_cancelled(1, Duration::from_secs(10)).await;

@@ -12,7 +12,7 @@ use crate::api::Commands;
 use crate::api::{Caller, ExecEvent, ExecStream};
 use crate::error::{CoreError, Result};
 use crate::model::*;
-use crate::service::checks::validate_exec;
+use crate::service::checks::{page_limit, unknown_cursor, validate_exec};
 use crate::service::errors::runtime_error;
 use crate::service::Service;
 use crate::utf8::Utf8Chunker;
@@ -20,6 +20,7 @@ use sandpit_host::ids::{new_id, rfc3339};
 use sandpit_host::machines::Command;
 use sandpit_protocol::ExecRequest;
 use sandpit_runtime::{GuestExecEvent, RuntimeError, VmState};
+use sandpit_store::ExecutionStatus as Ended;
 use sandpit_store::{ExecutionResult, ExecutionRow, ExecutionState, SandboxRow};
 use time::OffsetDateTime;
 use tokio::sync::{mpsc, oneshot};
@@ -72,6 +73,9 @@ impl Service {
             handle.cancel();
             return Err(e.into());
         }
+        if let Some(tx) = &tx {
+            let _ = tx.send(ExecEvent::Started(to_execution(&record))).await;
+        }
         let (mut out, mut err) = (Utf8Chunker::new(), Utf8Chunker::new());
         let (mut stdout, mut stderr) = (String::new(), String::new());
         // The agent drops output past the limit itself; the host holds it to
@@ -116,11 +120,11 @@ impl Service {
         let result = match outcome {
             Ok(r) => {
                 let st = if r.timed_out {
-                    ExecutionStatus::TimedOut
+                    Ended::TimedOut
                 } else if r.cancelled || cancelled_by_client {
-                    ExecutionStatus::Cancelled
+                    Ended::Cancelled
                 } else {
-                    ExecutionStatus::Completed
+                    Ended::Completed
                 };
                 ExecutionResult {
                     status: st,
@@ -133,13 +137,13 @@ impl Service {
                 }
             }
             Err(e) => {
-                crate::metrics::record_exec(ExecutionStatus::Failed, clock.elapsed());
+                crate::metrics::record_exec(Ended::Failed, clock.elapsed());
                 let _ = self
                     .store
                     .finish_execution(
                         &exec_id,
                         &ExecutionResult {
-                            status: ExecutionStatus::Failed,
+                            status: Ended::Failed,
                             exit_code: None,
                             stdout,
                             stderr,
@@ -217,17 +221,11 @@ impl Service {
 }
 
 fn to_execution(r: &ExecutionRow) -> Execution {
-    // The API has no word for a command still running; such a record is
-    // shown as not run to its end (as before the states were typed).
-    let status = match r.status {
-        ExecutionState::Ended(status) => status,
-        ExecutionState::Running => ExecutionStatus::Failed,
-    };
     Execution {
         id: r.id.clone(),
         object: "execution".into(),
         sandbox_id: r.sandbox_id.clone(),
-        status,
+        status: r.status.into(),
         exit_code: r.exit_code,
         stdout: r.stdout.clone(),
         stderr: r.stderr.clone(),
@@ -310,6 +308,29 @@ impl Commands for Service {
             events: rx,
             cancel: Some(cancel_tx),
         })
+    }
+
+    /// The API's `list_executions`.
+    async fn list_executions(
+        &self,
+        caller: &Caller,
+        id: &str,
+        q: ListExecutions,
+    ) -> Result<List<Execution>> {
+        let limit = page_limit(q.limit)?;
+        let sandbox = self.owned(caller, id).await?;
+        let page = self
+            .store
+            .list_executions(&sandbox.id, limit, q.starting_after.as_deref())
+            .await
+            .map_err(|e| match e {
+                sandpit_store::StoreError::NotFound(_) => {
+                    unknown_cursor("execution", q.starting_after.as_deref().unwrap_or_default())
+                }
+                e => e.into(),
+            })?;
+        let data = page.data.iter().map(to_execution).collect();
+        Ok(List::page(data, page.has_more, |x| x.id.clone()))
     }
 
     /// The API's `get_execution`.
