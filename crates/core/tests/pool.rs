@@ -2,13 +2,15 @@
 //! ready VMs, never the same one twice, the pool refills, a create that fails
 //! its checks gives its VM back unused, each sandbox has its own identity,
 //! clock and disk, shutdown leaves no pool VM behind, and a refill stops
-//! while a live sandbox runs a command.
+//! while a live sandbox runs a command. A size without a pool gets its
+//! template from its first create, so its sandboxes can be saved too.
 
 mod common;
 
 use common::*;
+use sandpit_core::config::SizeConfig;
 use sandpit_core::prelude::*;
-use sandpit_core::{CreateSandbox, ErrorType};
+use sandpit_core::{CreateSandbox, CreateSnapshot, ErrorType, SandboxStatus};
 use sandpit_host::local::PoolConfig;
 use std::collections::{BTreeMap, HashSet};
 use std::time::{Duration, Instant};
@@ -316,4 +318,59 @@ async fn the_pool_grows_to_the_last_burst_and_shrinks_when_it_is_forgotten() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     svc.shutdown().await;
+}
+
+/// A bigger size has no warm pool, so no refill builds its template: its
+/// first create builds it and restores from it, and every sandbox of that
+/// size, the first included, can be paused, resumed and snapshotted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_size_without_a_pool_gets_a_template_and_its_sandboxes_can_be_saved() {
+    let (svc, _dir) = service_with(PoolConfig::none(), |c| {
+        let roomy = SizeConfig {
+            vcpus: 1,
+            memory_mb: 768,
+            disk_gb: 4,
+            price_usd_per_hour: 0.2,
+        };
+        c.sizes.insert("roomy".into(), roomy);
+    })
+    .await;
+    let me = account(&svc, "ann", 10.0).await;
+    let roomy = || CreateSandbox {
+        size: Some("roomy".into()),
+        ..Default::default()
+    };
+    let (first, _) = svc.create_sandbox(&me, roomy(), None).await.unwrap();
+    let record = svc.vm_record(&first.id).expect("a VM");
+    assert!(
+        record.template.is_some(),
+        "the first roomy sandbox booted cold"
+    );
+    assert_eq!(out(&svc, &me, &first.id, "nproc").await, "1");
+    out(&svc, &me, &first.id, "echo kept > /workspace/note").await;
+
+    let paused = svc.pause_sandbox(&me, &first.id).await.unwrap();
+    assert_eq!(paused.status, SandboxStatus::Paused);
+    let resumed = svc.resume_sandbox(&me, &first.id).await.unwrap();
+    assert_eq!(resumed.status, SandboxStatus::Running);
+    assert_eq!(
+        out(&svc, &me, &first.id, "cat /workspace/note").await,
+        "kept"
+    );
+    let (snap, _) = svc
+        .snapshot_sandbox(&me, &first.id, CreateSnapshot::default(), None)
+        .await
+        .unwrap();
+    assert_eq!(snap.status, "ready", "{snap:?}");
+
+    // The second finds the template built.
+    let (second, _) = svc.create_sandbox(&me, roomy(), None).await.unwrap();
+    let record = svc.vm_record(&second.id).expect("a VM");
+    assert!(
+        record.template.is_some(),
+        "the second roomy sandbox booted cold"
+    );
+    for id in [&first.id, &second.id] {
+        svc.destroy_sandbox(&me, id).await.unwrap();
+    }
 }

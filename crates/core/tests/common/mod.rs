@@ -19,13 +19,14 @@ pub async fn service_with_pool(pool: PoolConfig) -> (Arc<Service>, DataDir) {
     service_with(pool, |_| {}).await
 }
 
-/// The same with a warm pool and the service's configuration changed by `f`.
+/// The same with a warm pool and the service's configuration changed by `f`
+/// (the runtime's size table follows the service's).
 pub async fn service_with(
     pool: PoolConfig,
     f: impl FnOnce(&mut ServiceConfig),
 ) -> (Arc<Service>, DataDir) {
     let dir = DataDir::new();
-    let rt = sandpit_vmtest::config(dir.path());
+    let mut rt = sandpit_vmtest::config(dir.path());
     let mut cfg = ServiceConfig::default();
     cfg.sizes.clear();
     cfg.sizes.insert(
@@ -38,6 +39,18 @@ pub async fn service_with(
         },
     );
     f(&mut cfg);
+    rt.sizes = cfg
+        .sizes
+        .iter()
+        .map(|(name, s)| {
+            let spec = sandpit_runtime::config::SizeSpec {
+                vcpus: s.vcpus,
+                memory_mb: s.memory_mb,
+                disk_gb: s.disk_gb,
+            };
+            (name.clone(), spec)
+        })
+        .collect();
     let store = Store::open_sqlite(dir.path().join("sandpit.db"))
         .await
         .unwrap();

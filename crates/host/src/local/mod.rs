@@ -14,7 +14,8 @@
 //! fails its checks (credit, limits) goes back, still never used. One
 //! background task refills the pool, one VM at a time, so refilling never
 //! takes more than one core from live sandboxes. Creates that find the pool
-//! empty restore (or boot) a VM themselves; at most `max_concurrent_starts`
+//! empty restore a VM themselves (a size's first builds its snapshot
+//! template: only a restored VM can be saved); at most `max_concurrent_starts`
 //! run at once and `max_waiting_starts` more wait their turn, past which a
 //! create is refused as busy rather than left to time out.
 //!
@@ -87,7 +88,14 @@ pub struct LocalVms {
     capacity: Capacity,
     /// Recent creates per size, which the pool learns its depth from.
     demand: std::sync::Mutex<HashMap<String, Demand>>,
+    /// When a size's template build last failed (see
+    /// [`LocalVms::ensure_template`]).
+    template_failed: std::sync::Mutex<HashMap<String, Instant>>,
 }
+
+/// How long after a failed template build a size's starts boot cold
+/// without trying another build.
+const TEMPLATE_RETRY: Duration = Duration::from_secs(600);
 
 impl LocalVms {
     /// VMs started on demand only.
@@ -124,6 +132,7 @@ impl LocalVms {
             saving: Mutex::new(()),
             capacity: Capacity::new(capacity),
             demand: std::sync::Mutex::new(HashMap::new()),
+            template_failed: std::sync::Mutex::new(HashMap::new()),
         })
     }
 
@@ -193,8 +202,44 @@ impl LocalVms {
         let _live = self.manager.hold_background();
         let _slot = self.start_slot().await?;
         let _charged = self.admit_start()?;
+        self.ensure_template(size).await;
         self.start_vm(id, size, BTreeMap::new(), expires_at, Priority::Normal)
             .await
+    }
+
+    /// Only a VM restored from its size's snapshot template can be saved
+    /// (snapshot, fork, pause, idle sleep), and a size without a warm pool
+    /// gets no template from the refill: its first start builds it (about
+    /// a cold boot and three seconds more, once per size, image and QEMU;
+    /// a build in flight, in this process or another on the data
+    /// directory, is waited for) and then restores from it, rather than
+    /// boot a sandbox that could never be saved. A failed build is not
+    /// tried again for [`TEMPLATE_RETRY`]: meanwhile that size's starts
+    /// boot cold, as they did before.
+    async fn ensure_template(&self, size: &str) {
+        if !self.manager.snapshots_supported() || self.manager.template(size).is_some() {
+            return;
+        }
+        let failed = self.template_failed.lock().unwrap().get(size).copied();
+        if failed.is_some_and(|at| at.elapsed() < TEMPLATE_RETRY) {
+            return;
+        }
+        match self.manager.ensure_template(size).await {
+            Ok(_) => {
+                self.template_failed.lock().unwrap().remove(size);
+            }
+            Err(e) => {
+                tracing::warn!(
+                    size,
+                    "no snapshot template for this size: its sandboxes boot cold and cannot be \
+                     saved, paused or forked until one is built: {e}"
+                );
+                self.template_failed
+                    .lock()
+                    .unwrap()
+                    .insert(size.to_string(), Instant::now());
+            }
+        }
     }
 
     /// The VM of a new sandbox started from snapshot `snapshot` (a save of
