@@ -16,6 +16,7 @@ use sandpit_runtime::vm::net;
 use sandpit_runtime::AccelChoice;
 use sandpit_server::settings::Settings;
 use serde::Serialize;
+use std::collections::HashSet;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -585,15 +586,35 @@ fn listen(settings: &Settings) -> Finding {
     match std::net::TcpListener::bind(addr.as_str()) {
         Ok(_) => Finding::ok("listen", format!("{addr} is free for sandpit serve")),
         Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
-            match sandpit_server::owner::holder(&settings.data_dir) {
-                Some((pid, role)) if role == "sandpit serve" => Finding::ok(
-                    "listen",
-                    format!("{addr} is taken, by this data directory's sandpit serve (pid {pid})"),
-                ),
-                _ => Finding::fail(
+            let another = || {
+                Finding::fail(
                     "listen",
                     format!("{addr} is taken by another program"),
                     format!("stop it (`ss -ltnp 'sport = :{port}'` names it), {change}"),
+                )
+            };
+            // This data directory's server is fine only if the socket on
+            // the port is its own: it may listen elsewhere.
+            let serve = sandpit_server::owner::holder(&settings.data_dir)
+                .filter(|(_, role)| role == "sandpit serve");
+            let Some((pid, _)) = serve else {
+                return another();
+            };
+            match port.parse().map(|port| holds_listener(pid, port)) {
+                Ok(Some(true)) => Finding::ok(
+                    "listen",
+                    format!("{addr} is taken, by this data directory's sandpit serve (pid {pid})"),
+                ),
+                Ok(Some(false)) | Err(_) => another(),
+                Ok(None) => Finding::warn(
+                    "listen",
+                    format!(
+                        "{addr} is taken; this data directory's sandpit serve (pid {pid}) runs, \
+                         but whether the port is its own cannot be read as this user"
+                    ),
+                    format!(
+                        "run `sandpit doctor` as root or as the server's user to tell, {change}"
+                    ),
                 ),
             }
         }
@@ -603,6 +624,39 @@ fn listen(settings: &Settings) -> Finding {
             format!("use an address of this host and a free port: {change}"),
         ),
     }
+}
+
+/// Whether process `pid` holds a TCP socket listening on `port`: the
+/// listening sockets' inodes (`/proc/net/tcp`, `tcp6`) among its open
+/// files. `None` when its files cannot be read (another user's process).
+fn holds_listener(pid: i32, port: u16) -> Option<bool> {
+    const LISTEN: &str = "0A";
+    let inodes: HashSet<String> = ["/proc/net/tcp", "/proc/net/tcp6"]
+        .iter()
+        .filter_map(|table| std::fs::read_to_string(table).ok())
+        .flat_map(|table| {
+            table
+                .lines()
+                .skip(1)
+                .filter_map(|line| {
+                    let fields: Vec<&str> = line.split_whitespace().collect();
+                    let local_port = fields.get(1)?.rsplit(':').next()?;
+                    let listens = u16::from_str_radix(local_port, 16).ok()? == port
+                        && *fields.get(3)? == LISTEN;
+                    listens.then(|| fields.get(9).map(|inode| inode.to_string()))?
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?;
+    Some(fds.flatten().any(|fd| {
+        std::fs::read_link(fd.path()).is_ok_and(|target| {
+            target
+                .to_str()
+                .and_then(|t| t.strip_prefix("socket:[")?.strip_suffix(']'))
+                .is_some_and(|inode| inodes.contains(inode))
+        })
+    }))
 }
 
 fn clock() -> Finding {

@@ -1,7 +1,8 @@
 //! `sandpit doctor` as an operator runs it: on this machine (set up by the
 //! test script, so ready), and on the same machine broken the way hosts
 //! are found broken (no `*.localhost` resolver module, no nameserver, a
-//! data directory others can write, another program on the port), in a
+//! data directory others can write, another program on the port, also
+//! while this data directory's server runs elsewhere), in a
 //! mount namespace of the test's own so the machine itself is untouched.
 
 use crate::common::cli::Cli;
@@ -213,4 +214,42 @@ fn a_broken_host_fails_and_each_broken_line_says_what_to_do() {
             );
         }
     }
+}
+
+/// A running server of this data directory makes its own port fine, and
+/// only its own: another program on the configured port, while the server
+/// listens elsewhere, is still a failure.
+#[test]
+fn a_port_is_the_servers_only_if_its_socket_is() {
+    let cli = Cli::new();
+    let server = crate::common::serve::Server::start_with(&cli.data, "[pool]\nsizes = {}\n");
+    let own = server.url.trim_start_matches("http://").to_string();
+    let (checks, _) = report(&doctor(&cli, None, &own));
+    assert_eq!(checks["listen"]["verdict"], "ok", "{:#}", checks["listen"]);
+    assert!(
+        checks["listen"]["found"]
+            .as_str()
+            .unwrap()
+            .contains("this data directory's sandpit serve"),
+        "{:#}",
+        checks["listen"]
+    );
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let other = taken.local_addr().unwrap().to_string();
+    let (checks, _) = report(&doctor(&cli, None, &other));
+    drop(taken);
+    assert_eq!(
+        checks["listen"]["verdict"], "fail",
+        "{:#}",
+        checks["listen"]
+    );
+    assert!(
+        checks["listen"]["found"]
+            .as_str()
+            .unwrap()
+            .contains("another program"),
+        "{:#}",
+        checks["listen"]
+    );
+    drop(server);
 }
