@@ -201,6 +201,19 @@ fn qemu(binary: &Path, snapshots: bool) -> Finding {
              scripts/install-deps.sh)",
         );
     };
+    if let (true, Err(why)) = (
+        snapshots && version.restores_templates(),
+        version.saves_running_vms(),
+    ) {
+        return Finding::warn(
+            "qemu",
+            format!(
+                "{}: restores templates, but cannot save running sandboxes",
+                version.line
+            ),
+            why,
+        );
+    }
     if version.restores_templates() {
         Finding::ok(
             "qemu",

@@ -253,3 +253,36 @@ fn a_port_is_the_servers_only_if_its_socket_is() {
     );
     drop(server);
 }
+
+/// A QEMU of another series than the one whose RAM block table the save
+/// path reads is a warning that says what is refused and why.
+#[test]
+fn a_qemu_outside_the_known_series_is_a_warning_naming_the_unstable_command() {
+    use std::os::unix::fs::PermissionsExt;
+    let cli = Cli::new();
+    let bin = cli.data.join("qemu-11");
+    std::fs::create_dir_all(&bin).unwrap();
+    let qemu = bin.join("qemu-system-x86_64");
+    std::fs::write(&qemu, "#!/bin/sh\necho 'QEMU emulator version 11.0.0'\n").unwrap();
+    std::fs::set_permissions(&qemu, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap());
+    let out = Command::new(Cli::program())
+        .args(cli.base_args())
+        .args(["doctor", "--json"])
+        .env_remove("SANDPIT_AGENT_BIN")
+        .env("SANDPIT_LISTEN", free_address())
+        .env("PATH", path)
+        .output()
+        .unwrap();
+    let (checks, _) = report(&out);
+    let qemu = &checks["qemu"];
+    assert_eq!(qemu["verdict"], "warn", "{qemu:#}");
+    assert!(
+        qemu["found"].as_str().unwrap().contains("11.0.0"),
+        "{qemu:#}"
+    );
+    assert!(
+        qemu["fix"].as_str().unwrap().contains("x-query-ramblock"),
+        "{qemu:#}"
+    );
+}

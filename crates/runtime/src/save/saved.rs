@@ -170,6 +170,9 @@ impl VmManager {
     /// and then runs on, whether the save worked or not, unless `after` is
     /// [`AfterSave::Stay`] and the save worked.
     pub async fn save(&self, id: &str, name: &str, after: AfterSave) -> Result<SavedVm> {
+        self.qemu()
+            .saves_running_vms()
+            .map_err(RuntimeError::Launch)?;
         validate_id(id)?;
         if validate_id(name).is_err() {
             return Err(RuntimeError::Launch(format!(

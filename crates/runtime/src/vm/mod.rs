@@ -188,10 +188,34 @@ pub struct QemuVersion {
     pub minor: u32,
 }
 
+/// The QEMU series whose `x-query-ramblock` table the save path reads
+/// (the series the tests run; see [`QemuVersion::saves_running_vms`]).
+pub const SAVES_KNOWN_MAJOR: u32 = 10;
+
 impl QemuVersion {
     /// Restoring needs `file:` migration and `rom=` on RAM files (QEMU 8.2).
     pub fn restores_templates(&self) -> bool {
         (self.major, self.minor) >= (8, 2)
+    }
+
+    /// Saving a running VM (a snapshot, a fork, a pause, idle sleep) finds
+    /// its guest RAM in QEMU's memory through `x-query-ramblock`, an
+    /// unstable command whose text table is parsed
+    /// ([`crate::save::ram_pages::parse_ramblocks`]); a table of another
+    /// form could be misread into a wrong save. So saves run only on the
+    /// series known to print it as parsed, and elsewhere are refused with
+    /// this reason (restoring templates, which reads no table, still runs).
+    pub fn saves_running_vms(&self) -> std::result::Result<(), String> {
+        if self.major == SAVES_KNOWN_MAJOR && self.restores_templates() {
+            return Ok(());
+        }
+        Err(format!(
+            "saving a running VM reads QEMU's unstable `x-query-ramblock` table, whose form is \
+             known for QEMU {SAVES_KNOWN_MAJOR}.x only, and this is {}: snapshots, forks and \
+             pauses are refused (install QEMU {SAVES_KNOWN_MAJOR} from bookworm-backports: \
+             scripts/install-deps.sh)",
+            self.line
+        ))
     }
 }
 
@@ -266,6 +290,11 @@ impl VmManager {
         };
         let ca_certificates = net::read_ca_certificates(&config.network.ca_certificates)?;
         let qemu_version = qemu_version(&config.qemu_binary)?;
+        if config.snapshots && qemu_version.restores_templates() {
+            if let Err(why) = qemu_version.saves_running_vms() {
+                tracing::warn!("{why}");
+            }
+        }
         if config.ksm {
             crate::host::ksm::ensure_running_logged();
         }
@@ -309,6 +338,11 @@ impl VmManager {
 
     pub fn config(&self) -> &RuntimeConfig {
         &self.config
+    }
+
+    /// The QEMU its VMs run, and what that version can do.
+    pub fn qemu(&self) -> &QemuVersion {
+        &self.qemu_version
     }
 
     pub fn image(&self) -> &GuestImage {

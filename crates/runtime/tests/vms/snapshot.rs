@@ -2,7 +2,9 @@
 //! VMs restored from it each get a fresh identity (entropy, hostname,
 //! machine-id, clock) and a disk of their own, a broken template falls back to
 //! a cold boot (a late restore is a busy host: refused, the template kept),
-//! and a changed image gets a template of its own.
+//! and a changed image gets a template of its own. A QEMU outside the
+//! series whose RAM block table the save path reads refuses saves, saying
+//! why.
 
 use sandpit_runtime::{VmManager, VmState};
 use sandpit_vmtest::*;
@@ -35,6 +37,55 @@ async fn clock_offset(vm: &sandpit_runtime::Vm) -> f64 {
     let guest: f64 = sh(vm, "date +%s.%N").await.parse().unwrap();
     let after = host_now();
     guest - (before + after) / 2.0
+}
+
+/// A QEMU that says it is `version` and is the real one otherwise.
+fn qemu_saying(dir: &std::path::Path, version: &str) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let real = String::from_utf8(
+        std::process::Command::new("sh")
+            .args(["-c", "command -v qemu-system-x86_64"])
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .unwrap();
+    let path = dir.join("qemu-system-x86_64");
+    std::fs::write(
+        &path,
+        format!(
+            "#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'QEMU emulator version {version}'; exit 0; fi\nexec {} \"$@\"\n",
+            real.trim()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    path
+}
+
+#[test]
+fn a_qemu_outside_the_known_series_refuses_saves_and_says_why() {
+    rt().block_on(async {
+        let dir = data_dir();
+        for (version, saves) in [("11.0.0", false), ("9.2.0", false), ("10.1.3", true)] {
+            let mut c = config(&dir);
+            c.qemu_binary = qemu_saying(&dir, version);
+            let m = manager_with(c);
+            assert!(
+                m.snapshots_supported(),
+                "{version}: templates still restore"
+            );
+            let e = m
+                .save("sbx_nosuchvm", "s1", sandpit_runtime::AfterSave::Run)
+                .await
+                .unwrap_err()
+                .to_string();
+            assert_eq!(!e.contains("x-query-ramblock"), saves, "{version}: {e}");
+            if !saves {
+                assert!(e.contains(version), "{version}: {e}");
+            }
+        }
+    });
 }
 
 fn template_dirs(m: &VmManager) -> Vec<String> {
