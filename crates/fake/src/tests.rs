@@ -30,11 +30,15 @@ async fn exec_is_the_stream_collected_and_both_are_kept() {
         .await
         .unwrap();
     let streamed = events(f.exec_stream(&a(), &s.id, run("make")).await.unwrap()).await;
-    let [ExecEvent::Stdout(o1), ExecEvent::Stderr(e1), ExecEvent::Stdout(o2), ExecEvent::Exit(x)] =
+    let [ExecEvent::Started(started), ExecEvent::Stdout(o1), ExecEvent::Stderr(e1), ExecEvent::Stdout(o2), ExecEvent::Exit(x)] =
         &streamed[..]
     else {
         panic!("{streamed:?}")
     };
+    assert_eq!(
+        (started.id.as_str(), started.status),
+        (x.id.as_str(), ExecutionStatus::Running)
+    );
     assert_eq!(
         (x.stdout.clone(), x.stderr.clone()),
         (format!("{o1}{o2}"), e1.clone())
@@ -71,6 +75,7 @@ async fn a_dropped_stream_cancels_its_command() {
     let f = Fake::new();
     let s = f.add_sandbox(ACCOUNT_A, "sbx_here");
     let mut st = f.exec_stream(&a(), &s.id, run("hang")).await.unwrap();
+    assert!(matches!(st.next().await, Some(ExecEvent::Started(_))));
     assert_eq!(st.next().await, Some(ExecEvent::Stdout("started\n".into())));
     assert_eq!(f.cancelled(), 0);
     drop(st);
