@@ -29,9 +29,9 @@ pub enum StoreError {
     /// refusing); the message names it, without its password.
     #[error("database unavailable: {0}")]
     Unavailable(String),
-    /// The database failed (I/O, lock time-out, constraint).
+    /// The database failed (I/O, constraint).
     #[error("database: {0}")]
-    Db(#[from] sqlx::Error),
+    Db(sqlx::Error),
     /// Applying the embedded migrations failed.
     #[error("migration: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
@@ -45,6 +45,40 @@ impl StoreError {
                 .as_database_error()
                 .is_some_and(|d| d.is_unique_violation()),
             _ => false,
+        }
+    }
+}
+
+/// PostgreSQL's code for a statement cancelled at `statement_timeout`.
+const QUERY_CANCELED: &str = "57014";
+/// PostgreSQL's code for a lock not granted within `lock_timeout`.
+const LOCK_NOT_AVAILABLE: &str = "55P03";
+
+/// A bound that ran out is the database being unavailable for now (the
+/// API says retry), and says which bound it was: a caller then knows a
+/// stuck statement from a held lock from a pool with no free connection.
+impl From<sqlx::Error> for StoreError {
+    fn from(e: sqlx::Error) -> Self {
+        let code = e
+            .as_database_error()
+            .and_then(|d| d.code().map(|c| c.into_owned()));
+        match (code.as_deref(), &e) {
+            (Some(QUERY_CANCELED), _) => StoreError::Unavailable(format!(
+                "a database statement ran past its limit of {} s (statement_timeout) and was \
+                 cancelled",
+                crate::POSTGRES_STATEMENT_TIMEOUT.as_secs()
+            )),
+            (Some(LOCK_NOT_AVAILABLE), _) => StoreError::Unavailable(format!(
+                "a database statement waited over {} s for a row another session holds \
+                 (lock_timeout)",
+                crate::POSTGRES_LOCK_TIMEOUT.as_secs()
+            )),
+            (_, sqlx::Error::PoolTimedOut) => StoreError::Unavailable(format!(
+                "no database connection came free within {} s (all are busy, or the server \
+                 does not answer)",
+                crate::POSTGRES_ACQUIRE_TIMEOUT.as_secs()
+            )),
+            _ => StoreError::Db(e),
         }
     }
 }

@@ -131,13 +131,20 @@ const POSTGRES_CONNECTIONS: u32 = 10;
 
 /// How long a query waits for a free PostgreSQL connection (or for a new
 /// one to connect) before failing as unavailable.
-const POSTGRES_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const POSTGRES_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How long a PostgreSQL statement waits for a row lock before it fails
 /// (as unavailable: the API says retry). Locks here are held for a few
 /// milliseconds; one held longer belongs to a process that stopped in its
 /// transaction, and a call must not wait on it without end.
-const POSTGRES_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const POSTGRES_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long one PostgreSQL statement may run before the server cancels
+/// it: every statement here takes milliseconds, so one that runs on is
+/// stuck (a server starved of I/O, a plan gone wrong), and must not hold
+/// a request and its connection for ever. Migrations run on a connection
+/// of their own, without it.
+pub(crate) const POSTGRES_STATEMENT_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How long PostgreSQL lets one of our sessions sit idle in a transaction
 /// before it ends the session and so frees its locks: a process frozen
@@ -374,9 +381,11 @@ impl Store {
             .after_connect(|conn, _meta| {
                 Box::pin(async move {
                     let settings = format!(
-                        "SET lock_timeout = {}; SET idle_in_transaction_session_timeout = {};",
+                        "SET lock_timeout = {}; SET idle_in_transaction_session_timeout = {}; \
+                         SET statement_timeout = {};",
                         POSTGRES_LOCK_TIMEOUT.as_millis(),
-                        POSTGRES_IDLE_IN_TRANSACTION.as_millis()
+                        POSTGRES_IDLE_IN_TRANSACTION.as_millis(),
+                        POSTGRES_STATEMENT_TIMEOUT.as_millis()
                     );
                     sqlx::raw_sql(sqlx::AssertSqlSafe(settings))
                         .execute(&mut *conn)
@@ -392,8 +401,19 @@ impl Store {
                     redact_url(url)
                 ))
             })?;
-        POSTGRES_MIGRATOR.run(&pool).await?;
-        sandboxes::install_create_function(&pool).await?;
+        // A migration may take long on a big table: its own connection,
+        // without the pool's statement timeout.
+        let mut unbounded = <AnyConnection as sqlx::Connection>::connect(url)
+            .await
+            .map_err(|e| {
+                StoreError::Unavailable(format!(
+                    "cannot reach the database {}: {e}",
+                    redact_url(url)
+                ))
+            })?;
+        POSTGRES_MIGRATOR.run(&mut unbounded).await?;
+        sandboxes::install_create_function(&mut unbounded).await?;
+        let _ = sqlx::Connection::close(unbounded).await;
         Ok(Store {
             pool,
             engine: Engine::Postgres,

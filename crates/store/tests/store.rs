@@ -90,7 +90,11 @@ async fn a_call_behind_a_stuck_transactions_lock_fails_instead_of_hanging() {
     )
     .await
     .expect("the call waited on the lock without end");
-    assert!(waited.is_err(), "the create went past a held lock");
+    let err = waited.expect_err("the create went past a held lock");
+    assert!(
+        matches!(&err, StoreError::Unavailable(m) if m.contains("lock_timeout")),
+        "{err}"
+    );
     assert!(started.elapsed() < std::time::Duration::from_secs(30));
     let idle: String = sqlx::query_scalar("SHOW idle_in_transaction_session_timeout")
         .fetch_one(&mut *stuck)
@@ -104,6 +108,38 @@ async fn a_call_behind_a_stuck_transactions_lock_fails_instead_of_hanging() {
             .create_sandbox(sandbox(&acct.id, T0, 60, 90_000))
             .await
             .unwrap(),
+    );
+}
+
+/// Every pooled PostgreSQL session bounds its statements, and one that
+/// runs past the bound is cancelled and reported as the database being
+/// unavailable for now, naming the bound, not as an opaque failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_statement_past_its_time_is_cancelled_and_says_which_bound() {
+    let store = open_postgres().await;
+    let mut conn = store.pool().acquire().await.unwrap();
+    let limit: String = sqlx::query_scalar("SHOW statement_timeout")
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    assert_eq!(limit, "30s");
+    // The same bound, shorter, on this session alone (it is not returned
+    // to the pool).
+    let mut conn = conn.detach();
+    sqlx::query("SET statement_timeout = 200")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let err: StoreError = sqlx::query("SELECT CAST(pg_sleep(5) AS TEXT)")
+        .execute(&mut conn)
+        .await
+        .unwrap_err()
+        .into();
+    assert!(started.elapsed() < std::time::Duration::from_secs(4));
+    assert!(
+        matches!(&err, StoreError::Unavailable(m) if m.contains("statement_timeout")),
+        "{err}"
     );
 }
 

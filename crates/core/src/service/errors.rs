@@ -23,6 +23,15 @@ impl From<StoreError> for CoreError {
             }
             StoreError::Conflict(m) => CoreError::conflict(m),
             StoreError::Invalid(m) => CoreError::invalid(m),
+            // What timed out or could not be reached (no password in it).
+            StoreError::Unavailable(m) => {
+                tracing::warn!("store: {m}");
+                CoreError::new(
+                    ErrorType::ServiceUnavailable,
+                    format!("the database is unavailable ({m}); retry shortly"),
+                )
+                .with_retry_after(1)
+            }
             other => {
                 tracing::error!("store: {other}");
                 CoreError::new(

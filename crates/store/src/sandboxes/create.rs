@@ -274,17 +274,18 @@ pub(crate) fn create_function() -> &'static (String, String) {
 
 /// Defines [`create_function`] in the database unless it is there (once,
 /// whoever starts at the same time: under an advisory lock).
-pub(crate) async fn install_create_function(pool: &sqlx::AnyPool) -> Result<()> {
+pub(crate) async fn install_create_function(conn: &mut sqlx::AnyConnection) -> Result<()> {
+    use sqlx::Connection;
     let (name, definition) = create_function();
     let defined = "SELECT CAST(COUNT(*) AS BIGINT) FROM pg_proc WHERE proname = $1";
     let found: i64 = sqlx::query_scalar(defined)
         .bind(name)
-        .fetch_one(pool)
+        .fetch_one(&mut *conn)
         .await?;
     if found > 0 {
         return Ok(());
     }
-    let mut tx = pool.begin().await?;
+    let mut tx = conn.begin().await?;
     sqlx::query("SELECT CAST(pg_advisory_xact_lock(7320551130146541) AS TEXT)")
         .execute(&mut *tx)
         .await?;
