@@ -165,13 +165,20 @@ async fn service_with(settings: &Settings, build: bool) -> Result<Arc<Service>> 
 }
 
 /// On a store without accounts: an `admin` account and its first key,
-/// printed once with the MCP client configuration to paste.
+/// printed once with the MCP client configuration to paste. Of servers
+/// started together on an empty database, exactly one makes it.
 async fn first_start(settings: &Settings, store: &Store, public_url: &str) -> Result<()> {
-    if !store.list_accounts().await?.is_empty() {
+    let max_concurrent = settings.service.default_max_concurrent_sandboxes;
+    let Some(first) = store.create_first_admin("admin", max_concurrent).await? else {
         return Ok(());
-    }
-    let first = admin::create_account(store, &settings.service, "admin", 100.0).await?;
-    store.set_admin(&first.id, true).await?;
+    };
+    store
+        .add_credit(
+            &first.id,
+            sandpit_core::model::micros(100.0),
+            Some("initial credit"),
+        )
+        .await?;
     let (key, _) = admin::create_key(store, "admin").await?;
     let mcp = serde_json::json!({
         "mcpServers": {"sandbox": {

@@ -8,6 +8,9 @@ use crate::util::{
     random_base32,
 };
 use crate::Store;
+
+/// The advisory lock that orders first starts on one PostgreSQL database.
+const FIRST_ADMIN_LOCK: i64 = 7_320_551_130_146_542;
 use sqlx::any::AnyRow;
 use time::{Duration, OffsetDateTime};
 
@@ -123,6 +126,48 @@ impl Store {
             ))),
             Err(e) => Err(e),
         }
+    }
+
+    /// The operator's account of a store that has none yet: made, as an
+    /// administrator, only if no account exists, under the store's write
+    /// lock (PostgreSQL: an advisory lock), so servers started together on
+    /// an empty database make exactly one. `None`: there were accounts.
+    pub async fn create_first_admin(
+        &self,
+        name: &str,
+        max_concurrent: u32,
+    ) -> Result<Option<AccountRow>> {
+        let mut tx = self.write_tx().await?;
+        if crate::is_postgres(&tx) {
+            sqlx::query("SELECT CAST(pg_advisory_xact_lock($1) AS TEXT)")
+                .bind(FIRST_ADMIN_LOCK)
+                .execute(&mut *tx)
+                .await?;
+        }
+        let accounts: i64 = sqlx::query_scalar("SELECT CAST(COUNT(*) AS BIGINT) FROM accounts")
+            .fetch_one(&mut *tx)
+            .await?;
+        if accounts > 0 {
+            return Ok(None);
+        }
+        let row = AccountRow {
+            id: new_id("acct"),
+            name: name.to_string(),
+            max_concurrent,
+            created_at: now(),
+        };
+        sqlx::query(
+            "INSERT INTO accounts (id, name, max_concurrent, created_at, admin) \
+             VALUES ($1, $2, $3, $4, 1)",
+        )
+        .bind(&row.id)
+        .bind(&row.name)
+        .bind(i64::from(row.max_concurrent))
+        .bind(format_ts(row.created_at))
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(Some(row))
     }
 
     /// The account with this id.

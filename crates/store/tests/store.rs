@@ -44,6 +44,7 @@ on_both_engines!(
     nodes_hold_leases_on_the_database_clock_and_lost_ones_settle_once,
     a_create_takes_a_place_on_a_live_node_with_room_in_its_transaction,
     accounts_have_unique_names,
+    of_first_starts_together_exactly_one_makes_the_admin,
     keys_store_a_hash_show_a_prefix_and_can_be_revoked,
     terminal_tokens_open_one_sandbox_once_and_expire,
     web_sessions_name_their_account_until_they_end,
@@ -141,6 +142,60 @@ async fn a_statement_past_its_time_is_cancelled_and_says_which_bound() {
         matches!(&err, StoreError::Unavailable(m) if m.contains("statement_timeout")),
         "{err}"
     );
+}
+
+/// Servers started together on an empty database each try to make the
+/// operator's account: one does, the others find it (each its own pool,
+/// as separate processes have), and a store with accounts gets none.
+async fn of_first_starts_together_exactly_one_makes_the_admin(store: Store) {
+    let attempts: Vec<_> = (0..6)
+        .map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move { store.create_first_admin("admin", 20).await })
+        })
+        .collect();
+    let mut made = Vec::new();
+    for attempt in attempts {
+        made.push(attempt.await.unwrap().unwrap());
+    }
+    assert_eq!(made.iter().flatten().count(), 1, "{made:?}");
+    let accounts = store.list_accounts().await.unwrap();
+    assert_eq!(accounts.len(), 1, "{accounts:?}");
+    assert_eq!(accounts[0].name, "admin");
+    assert!(store
+        .create_first_admin("admin", 20)
+        .await
+        .unwrap()
+        .is_none());
+}
+
+/// The same across separate pools (separate sessions, as separate
+/// processes have) on one PostgreSQL database, many times over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn separate_servers_on_one_empty_postgres_make_one_admin() {
+    let server = tokio::task::spawn_blocking(sandpit_pgtest::shared)
+        .await
+        .unwrap();
+    for _ in 0..5 {
+        let url = server.fresh_database().await;
+        let mut stores = Vec::new();
+        for _ in 0..3 {
+            stores.push(Store::connect(&url).await.unwrap());
+        }
+        let attempts: Vec<_> = stores
+            .iter()
+            .map(|s| {
+                let s = s.clone();
+                tokio::spawn(async move { s.create_first_admin("admin", 20).await })
+            })
+            .collect();
+        let mut made = Vec::new();
+        for attempt in attempts {
+            made.push(attempt.await.unwrap().unwrap());
+        }
+        assert_eq!(made.iter().flatten().count(), 1, "{made:?}");
+        assert_eq!(stores[0].list_accounts().await.unwrap().len(), 1);
+    }
 }
 
 /// A fresh database on the test PostgreSQL server.
