@@ -1,5 +1,6 @@
-//! The dashboard's records (see migration 0010): who is an operator, who is
-//! signed in, and invitations to sign up.
+//! The dashboard's records (see migrations 0010 and 0011): who is an
+//! operator, who is signed in, invitations to sign up, and recent sign-ups
+//! by address.
 
 use crate::error::Result;
 use crate::util::{format_ts, get_i64, get_str, get_ts, hash_key, now, random_base32};
@@ -135,6 +136,49 @@ impl Store {
         .execute(&self.pool)
         .await?;
         Ok((code, expires))
+    }
+
+    /// Counts one sign-up from `address` if fewer than `per_window` came
+    /// from it within `window` before `at`; else how long until one more
+    /// may. Under the store's write lock (PostgreSQL: an advisory lock per
+    /// address), so replicas sharing the database share the count and two
+    /// racing sign-ups cannot both take the last place.
+    pub async fn admit_signup(
+        &self,
+        address: &str,
+        per_window: u32,
+        window: Duration,
+        at: OffsetDateTime,
+    ) -> Result<std::result::Result<(), Duration>> {
+        let mut tx = self.write_tx().await?;
+        if crate::is_postgres(&tx) {
+            sqlx::query("SELECT CAST(pg_advisory_xact_lock(hashtext($1)) AS TEXT)")
+                .bind(format!("signup {address}"))
+                .execute(&mut *tx)
+                .await?;
+        }
+        let since = format_ts(at - window);
+        sqlx::query("DELETE FROM signups WHERE at <= $1")
+            .bind(&since)
+            .execute(&mut *tx)
+            .await?;
+        let recent: Vec<String> =
+            sqlx::query_scalar("SELECT at FROM signups WHERE address = $1 AND at > $2 ORDER BY at")
+                .bind(address)
+                .bind(&since)
+                .fetch_all(&mut *tx)
+                .await?;
+        if recent.len() >= per_window as usize {
+            let oldest = crate::util::parse_ts(&recent[0])?;
+            return Ok(Err((oldest + window - at).max(Duration::ZERO)));
+        }
+        sqlx::query("INSERT INTO signups (address, at) VALUES ($1, $2)")
+            .bind(address)
+            .bind(format_ts(at))
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(Ok(()))
     }
 
     /// Uses up one sign-up of invitation `code`; false when it is unknown,

@@ -48,6 +48,7 @@ on_both_engines!(
     keys_store_a_hash_show_a_prefix_and_can_be_revoked,
     terminal_tokens_open_one_sandbox_once_and_expire,
     web_sessions_name_their_account_until_they_end,
+    sign_ups_are_counted_per_address_within_the_hour,
     the_ledger_reserves_refunds_and_settles_once,
     concurrent_creates_never_overdraw,
     concurrent_creates_respect_the_concurrency_limit,
@@ -196,6 +197,30 @@ async fn separate_servers_on_one_empty_postgres_make_one_admin() {
         assert_eq!(made.iter().flatten().count(), 1, "{made:?}");
         assert_eq!(stores[0].list_accounts().await.unwrap().len(), 1);
     }
+}
+
+async fn sign_ups_are_counted_per_address_within_the_hour(store: Store) {
+    let hour = time::Duration::hours(1);
+    let at = |minutes: i64| T0 + time::Duration::minutes(minutes);
+    let admit = |address: &'static str, minutes: i64| {
+        let store = store.clone();
+        async move {
+            store
+                .admit_signup(address, 2, hour, at(minutes))
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(admit("10.0.0.1", 0).await, Ok(()));
+    assert_eq!(admit("10.0.0.1", 10).await, Ok(()));
+    // The third within the hour waits until the first is an hour old.
+    assert_eq!(
+        admit("10.0.0.1", 20).await,
+        Err(time::Duration::minutes(40))
+    );
+    assert_eq!(admit("10.0.0.2", 20).await, Ok(()), "another address");
+    assert_eq!(admit("10.0.0.1", 61).await, Ok(()), "the first aged out");
+    assert!(admit("10.0.0.1", 62).await.is_err());
 }
 
 /// A fresh database on the test PostgreSQL server.

@@ -63,7 +63,6 @@ pub(crate) struct Web {
     pub svc: Arc<Service>,
     pub api: Arc<dyn SandboxApi>,
     pub config: Arc<WebConfig>,
-    pub signups: Arc<signup::SignupLimiter>,
 }
 
 /// The dashboard's routes (no fallback: merge it with the API's router,
@@ -73,7 +72,6 @@ pub fn router(svc: Arc<Service>, config: WebConfig) -> Router {
         api: svc.clone() as Arc<dyn SandboxApi>,
         svc,
         config: Arc::new(config),
-        signups: Default::default(),
     };
     Router::new()
         .route("/", get(pages::home))

@@ -18,10 +18,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use maud::{html, Markup};
 use serde::Deserialize;
-use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
 
 /// Who may make an account from the dashboard.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -61,33 +58,8 @@ impl Default for SignupConfig {
 #[derive(Debug, Clone, Copy)]
 pub struct ClientAddr(pub IpAddr);
 
-/// Recent sign-ups per client address.
-#[derive(Default)]
-pub(crate) struct SignupLimiter {
-    recent: Mutex<HashMap<IpAddr, Vec<Instant>>>,
-}
-
-const WINDOW: Duration = Duration::from_secs(3600);
-
-impl SignupLimiter {
-    /// Counts one sign-up of `addr` if it has room; else how long until it
-    /// has.
-    fn admit(&self, addr: IpAddr, per_hour: u32) -> Result<(), Duration> {
-        let now = Instant::now();
-        let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
-        recent.retain(|_, times| {
-            times.retain(|t| now.duration_since(*t) < WINDOW);
-            !times.is_empty()
-        });
-        let times = recent.entry(addr).or_default();
-        if times.len() >= per_hour as usize {
-            let oldest = times.iter().min().copied().unwrap_or(now);
-            return Err(WINDOW.saturating_sub(now.duration_since(oldest)));
-        }
-        times.push(now);
-        Ok(())
-    }
-}
+/// The hour the per-address limit counts sign-ups in.
+const WINDOW: time::Duration = time::Duration::hours(1);
 
 fn form(web: &Web, error: Option<&str>, name: &str) -> Markup {
     let invite = web.config.signup.mode == SignupMode::Invite;
@@ -177,7 +149,20 @@ pub(crate) async fn submit(
         ));
     }
     let ip = addr.map_or(IpAddr::from([0, 0, 0, 0]), |Extension(ClientAddr(ip))| ip);
-    if let Err(wait) = web.signups.admit(ip, cfg.per_address_per_hour) {
+    // Counted in the store, so every replica behind a balancer counts the
+    // same sign-ups.
+    let admitted = web
+        .svc
+        .store()
+        .admit_signup(
+            &ip.to_string(),
+            cfg.per_address_per_hour,
+            WINDOW,
+            time::OffsetDateTime::now_utc(),
+        )
+        .await?;
+    if let Err(wait) = admitted {
+        let wait = std::time::Duration::from_secs(wait.whole_seconds().max(0) as u64);
         let minutes = wait.as_secs().div_ceil(60).max(1);
         let message = format!(
             "Too many sign-ups from your address ({} an hour at most): try again in {minutes} min.",
@@ -245,19 +230,5 @@ mod tests {
         for bad in ["ab", "Ada", "-ada", "a b", "ädа", &"a".repeat(41)] {
             assert!(!valid_name(bad), "{bad}");
         }
-    }
-
-    #[test]
-    fn an_address_gets_its_sign_ups_an_hour_and_is_told_when_next() {
-        let l = SignupLimiter::default();
-        let (a, b) = ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap());
-        assert!(l.admit(a, 2).is_ok());
-        assert!(l.admit(a, 2).is_ok());
-        let wait = l.admit(a, 2).unwrap_err();
-        assert!(
-            wait > Duration::from_secs(3500) && wait <= WINDOW,
-            "{wait:?}"
-        );
-        assert!(l.admit(b, 2).is_ok());
     }
 }

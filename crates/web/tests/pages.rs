@@ -249,3 +249,45 @@ async fn a_form_without_its_csrf_field_gets_the_dashboards_403_page() {
     // The session still works: nothing above signed it out.
     d.page("/sandboxes", &cookie).await;
 }
+
+/// Two replicas behind one balancer (two services, each its own pool, on
+/// one database) share one per-address count: the limit is the limit,
+/// not the limit times the replicas.
+#[tokio::test]
+async fn replicas_share_the_sign_up_limit_of_an_address() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("sandpit.db");
+    let mut urls = Vec::new();
+    for _ in 0..2 {
+        let store = sandpit_store::Store::open_sqlite(&db).await.unwrap();
+        let svc: Arc<Service> = Service::without_vms(config(), store);
+        let web = sandpit_web::WebConfig {
+            signup: sandpit_web::SignupConfig {
+                mode: sandpit_web::SignupMode::Open,
+                free_credit_usd: 1.0,
+                per_address_per_hour: 2,
+            },
+            ..Default::default()
+        };
+        let app = sandpit_web::router(svc, web);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        urls.push(format!("http://{}", listener.local_addr().unwrap()));
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    }
+    let http = reqwest::Client::builder()
+        .redirect(Policy::none())
+        .build()
+        .unwrap();
+    let sign_up = |url: &str, name: &str| {
+        http.post(format!("{url}/sign-up"))
+            .form(&[("name", name)])
+            .send()
+    };
+    assert_eq!(sign_up(&urls[0], "ann").await.unwrap().status(), 200);
+    assert_eq!(sign_up(&urls[1], "bob").await.unwrap().status(), 200);
+    for url in &urls {
+        let r = sign_up(url, "cat").await.unwrap();
+        assert_eq!(r.status(), 429, "a third sign-up through {url}");
+        assert!(r.headers().contains_key("retry-after"));
+    }
+}
