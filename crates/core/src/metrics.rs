@@ -45,8 +45,8 @@ pub enum CreatePath {
     cold,
     /// Started from a user's snapshot.
     snapshot,
-    /// Started for it, restored or booted: a start that failed, or one a
-    /// cluster's other node made (that node knows which).
+    /// Started for it, restored or booted: a start that failed, or one
+    /// an older node made without saying which.
     new,
 }
 

@@ -38,6 +38,11 @@ pub enum Started {
         ready_at: OffsetDateTime,
         #[serde(with = "time::serde::rfc3339")]
         expires_at: OffsetDateTime,
+        /// Whether the VM was restored from a snapshot template (else
+        /// booted cold), for the caller's metrics: only the machine knows.
+        /// Absent from older nodes.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        restored: Option<bool>,
     },
 }
 
@@ -95,6 +100,12 @@ pub trait Machines: Send + Sync {
 
     /// Whether the VM runs, or why not (`None`: no such VM there).
     async fn state(&self, id: &str) -> VmResult<Option<VmState>>;
+
+    /// Whether VM `id`, here, was restored from a snapshot template (else
+    /// booted cold); `None` where that is not known here.
+    fn restored(&self, _id: &str) -> Option<bool> {
+        None
+    }
 
     /// Starts a command in the guest.
     async fn exec(&self, id: &str, request: ExecRequest) -> VmResult<Box<dyn Command>>;

@@ -125,7 +125,7 @@ impl RecordedStarts {
                 if record.expires_at != expires_at {
                     self.vms.set_expiry(id, record.expires_at).await?;
                 }
-                Ok(started(&record))
+                Ok(started(&record, self.vms.restored(id)))
             }
             None => match self.records.sandbox(id).await? {
                 Some(record) => self.started_before(&record).await,
@@ -147,7 +147,7 @@ impl RecordedStarts {
             && self.vms.state(&record.id).await? == Some(VmState::Running)
         {
             self.vms.set_expiry(&record.id, record.expires_at).await?;
-            return Ok(started(record));
+            return Ok(started(record, self.vms.restored(&record.id)));
         }
         let _ = self.vms.destroy(&record.id).await;
         let status = match &record.phase {
@@ -163,9 +163,10 @@ impl RecordedStarts {
 }
 
 /// The start of a running sandbox as its record has it.
-fn started(record: &SandboxRecord) -> Started {
+fn started(record: &SandboxRecord, restored: Option<bool>) -> Started {
     Started::Recorded {
         ready_at: record.ready_at,
         expires_at: record.expires_at,
+        restored,
     }
 }

@@ -184,6 +184,7 @@ impl Machines for FakeVms {
             _ => Started::Recorded {
                 ready_at: OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap(),
                 expires_at: expires_at + time::Duration::minutes(5),
+                restored: Some(true),
             },
         })
     }
@@ -535,6 +536,7 @@ async fn a_nodes_vms_answer_through_the_link_as_they_would_at_home() {
         Started::Recorded {
             ready_at: OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap(),
             expires_at: at + time::Duration::minutes(5),
+            restored: Some(true),
         }
     );
     assert_eq!(*vms.expiry.lock().unwrap(), Some(at));

@@ -491,14 +491,23 @@ fn a_replica_names_a_sandbox_after_the_warm_vm_a_node_published() {
     let certs = loopback_certs(&["a", "b"]);
     let ca = certs.path();
     let ca_arg = ca.to_str().unwrap();
-    // a is a control-plane replica (no VMs), b a node with a warm pool.
+    // a is a control-plane replica (no VMs, its metrics on a listener of
+    // their own), b a node with a warm pool.
     let a = Server::start_node_with(
         &data_a,
         &url,
         "a",
-        NODE_CONFIG,
+        &format!("{NODE_CONFIG}[metrics]\nlisten = \"127.0.0.1:0\"\n"),
         &["--no-vms", "--cluster-dir", ca_arg],
     );
+    let a_metrics = a
+        .wait_for_log("metrics at ", Duration::from_secs(5))
+        .expect("a's metrics listener")
+        .split("metrics at ")
+        .nth(1)
+        .unwrap()
+        .trim()
+        .to_string();
     let b = Server::start_node_with(
         &data_b,
         &url,
@@ -585,6 +594,27 @@ fn a_replica_names_a_sandbox_after_the_warm_vm_a_node_published() {
     let second = create_on(&a, &key);
     assert_ne!(second, next);
     assert_eq!(sandbox_status(&via_a, &second).0, "running");
+    // a counts its creates by how b started them: the first from b's
+    // pool, the second restored from b's template (b says so), none `new`.
+    let creates = |path: &str| -> f64 {
+        let text = rt().block_on(async {
+            reqwest::get(&a_metrics)
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap()
+        });
+        text.lines()
+            .filter(|l| l.starts_with("sandpit_sandbox_creates_total{"))
+            .filter(|l| l.contains(&format!("path=\"{path}\"")) && l.contains("outcome=\"ok\""))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    assert_eq!(
+        (creates("pool"), creates("restore"), creates("new")),
+        (1.0, 1.0, 0.0)
+    );
 
     rt().block_on(async {
         let store = Store::connect(&url).await.unwrap();

@@ -430,7 +430,7 @@ impl Service {
         let path = match (from_snapshot, from_pool, &booted) {
             (true, _, _) => CreatePath::snapshot,
             (false, true, _) => CreatePath::pool,
-            (false, false, Ok(row)) => self.how_started(row),
+            (false, false, Ok(b)) => self.how_started(b),
             (false, false, Err(_)) => CreatePath::new,
         };
         let outcome = match booted {
@@ -438,6 +438,6 @@ impl Service {
             Err(_) => Outcome::failed,
         };
         crate::metrics::record_create(path, outcome, clock.elapsed());
-        booted
+        booted.map(|b| b.row)
     }
 }

@@ -36,10 +36,25 @@ use time::OffsetDateTime;
 /// start to finish.
 const REPLAY_WAIT: Duration = Duration::from_secs(60);
 
+/// A sandbox whose VM [`Service::boot`] started: its row, running, and
+/// whether the VM was restored from a template when the node that started
+/// it said (`None`: this host's own VM, or not said).
+pub(crate) struct Booted {
+    pub row: SandboxRow,
+    pub restored: Option<bool>,
+}
+
 impl Service {
     /// How the VM of a sandbox started for its create came (not a pool
-    /// VM's): only this host's runtime knows whether it was restored.
-    pub(super) fn how_started(&self, row: &SandboxRow) -> CreatePath {
+    /// VM's): what the node that started it said (`restored`), else what
+    /// this host's runtime knows of its own VMs.
+    pub(super) fn how_started(&self, booted: &Booted) -> CreatePath {
+        match booted.restored {
+            Some(true) => return CreatePath::restore,
+            Some(false) => return CreatePath::cold,
+            None => {}
+        }
+        let row = &booted.row;
         if row.host != self.config.host_name {
             return CreatePath::new;
         }
@@ -110,7 +125,7 @@ impl Service {
         &self,
         row: SandboxRow,
         machines: Arc<dyn Machines>,
-    ) -> Result<SandboxRow> {
+    ) -> Result<Booted> {
         // A second start of the same sandbox (a create retried while its
         // first call, or the replica that made it, is still at it or was
         // lost) waits for the first and takes its outcome.
@@ -120,7 +135,10 @@ impl Service {
             let now = now.ok_or_else(|| CoreError::not_found("sandbox", &row.id))?;
             if now.status != SandboxStatus::Provisioning {
                 return match now.is_live() {
-                    true => Ok(now),
+                    true => Ok(Booted {
+                        row: now,
+                        restored: None,
+                    }),
                     false => Err(not_running(&now)),
                 };
             }
@@ -131,7 +149,7 @@ impl Service {
 
 impl Service {
     /// [`Service::boot`]'s start itself.
-    async fn start_vm(&self, row: SandboxRow, machines: Arc<dyn Machines>) -> Result<SandboxRow> {
+    async fn start_vm(&self, row: SandboxRow, machines: Arc<dyn Machines>) -> Result<Booted> {
         match machines
             .start(
                 &row.id,
@@ -151,17 +169,24 @@ impl Service {
                 if running.expires_at != row.expires_at {
                     let _ = machines.set_expiry(&row.id, running.expires_at).await;
                 }
-                Ok(running)
+                Ok(Booted {
+                    row: running,
+                    restored: None,
+                })
             }
             // A node records its start itself (see `crate::cluster`).
             Ok(Started::Recorded {
                 ready_at,
                 expires_at,
-            }) => Ok(SandboxRow {
-                status: SandboxStatus::Running,
-                ready_at: Some(ready_at),
-                expires_at,
-                ..row
+                restored,
+            }) => Ok(Booted {
+                row: SandboxRow {
+                    status: SandboxStatus::Running,
+                    ready_at: Some(ready_at),
+                    expires_at,
+                    ..row
+                },
+                restored,
             }),
             Err(e) => {
                 tracing::warn!(id = %row.id, host = %row.host, "create failed: {e}");

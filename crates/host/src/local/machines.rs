@@ -174,6 +174,10 @@ impl Machines for LocalVms {
         self.manager.delete_saved(&name).await
     }
 
+    fn restored(&self, id: &str) -> Option<bool> {
+        self.manager.record(id).ok().map(|r| r.template.is_some())
+    }
+
     async fn state(&self, id: &str) -> VmResult<Option<VmState>> {
         Ok(LocalVms::state(self, id))
     }
