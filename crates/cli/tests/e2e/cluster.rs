@@ -488,7 +488,7 @@ fn a_replica_names_a_sandbox_after_the_warm_vm_a_node_published() {
     let url = rt().block_on(pg.fresh_database());
     let (data_a, data_b) = (data_dir(), data_dir());
     let key = team_key(&data_a, &url);
-    let certs = loopback_certs(&["a", "b"]);
+    let certs = loopback_certs(&["a", "b", "c"]);
     let ca = certs.path();
     let ca_arg = ca.to_str().unwrap();
     // a is a control-plane replica (no VMs, its metrics on a listener of
@@ -708,8 +708,60 @@ fn a_replica_names_a_sandbox_after_the_warm_vm_a_node_published() {
             .await;
         assert_eq!(st, 200);
     });
+
+    // b dies (SIGKILL) with a warm VM published; a create through a at
+    // once goes to b first (its lease has not lapsed), cannot reach it,
+    // and goes on to c in the same request. Its retry with the same key
+    // answers the sandbox on c, never the one that failed on b.
+    let data_c = data_dir();
+    let c = Server::start_node_with(&data_c, &url, "c", NODE_CONFIG, &node_args(ca_arg));
+    published(&[&first, &next, &second]);
+    b.sigkill();
+    let create = |key_header: &str| {
+        rt().block_on(async {
+            let r = reqwest::Client::new()
+                .post(format!("{}/v1/sandboxes", a.url))
+                .bearer_auth(&key)
+                .header("Idempotency-Key", key_header)
+                .json(&json!({"timeout_minutes": 30}))
+                .send()
+                .await
+                .unwrap();
+            let status = r.status().as_u16();
+            (status, r.json::<serde_json::Value>().await.unwrap())
+        })
+    };
+    let (st, made) = create("after-b-died");
+    assert_eq!(st, 201, "{made}");
+    let made = made["id"].as_str().unwrap().to_string();
+    let (st, again) = create("after-b-died");
+    assert!(st == 200 || st == 201, "{again}");
+    assert_eq!(again["id"], made.as_str(), "{again}");
+    assert_eq!(again["status"], "running", "{again}");
+    rt().block_on(async {
+        let store = Store::connect(&url).await.unwrap();
+        assert_eq!(store.sandbox(&made).await.unwrap().unwrap().host, "c");
+        // The try on b happened, and failed before it was handed out.
+        let tried: Vec<(String, String, Option<String>)> = sqlx::query_as(
+            "SELECT host, status, ready_at FROM sandboxes WHERE id <> $1 AND created_at = \
+             (SELECT created_at FROM sandboxes WHERE id = $1)",
+        )
+        .bind(&made)
+        .fetch_all(store.pool())
+        .await
+        .unwrap();
+        assert_eq!(
+            tried,
+            [("b".to_string(), "failed".to_string(), None)],
+            "the creates around the one on c"
+        );
+    });
     drop(a);
-    drop(b);
+    drop(c);
+}
+
+fn node_args(ca: &str) -> [&str; 4] {
+    ["--node-listen", "127.0.0.1:0", "--cluster-dir", ca]
 }
 
 #[test]

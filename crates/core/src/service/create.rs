@@ -22,7 +22,7 @@ use crate::metrics::{CreatePath, Outcome};
 use crate::model::*;
 use crate::service::checks::check_create;
 use crate::service::errors::runtime_error;
-use crate::service::lifecycle::to_sandbox;
+use crate::service::lifecycle::{to_sandbox, StartFailed};
 use crate::service::Service;
 use sandpit_host::ids::new_id;
 use sandpit_host::machines::Machines;
@@ -31,6 +31,10 @@ use sandpit_store::{CreateOutcome, SandboxRow, SnapshotRow};
 use sha2::Digest;
 use std::sync::Arc;
 use time::OffsetDateTime;
+
+/// How many placements one create makes at most: the first, and others
+/// after a node out of reach or a replayed failure.
+const MOST_PLACEMENTS: u32 = 3;
 
 /// A create's answer to an Idempotency-Key seen with another request.
 pub(super) const KEY_REUSED: &str =
@@ -101,16 +105,52 @@ impl Service {
             return Ok((replayed, true));
         }
         let order = self.order(caller, req, idempotency_key).await?;
-        let placed = self.place(caller, &order).await?;
         let from_snapshot = order.snapshot.is_some();
-        let row = match self.created(placed.outcome, &order)? {
-            Ok(row) => row,
-            Err(replayed) => return Ok((to_sandbox(&self.replayed(replayed).await?), true)),
-        };
-        let started = self
-            .start_created(row, placed.machines, from_snapshot, placed.from_pool, clock)
-            .await?;
-        Ok((to_sandbox(&started), false))
+        // Nodes that could not be reached by this create's starts.
+        let mut unreachable: Vec<String> = Vec::new();
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            let placed = self.place(caller, &order, &unreachable).await?;
+            let row = match self.created(placed.outcome, &order)? {
+                Ok(row) => row,
+                // A sandbox that failed before it was ever handed out (its
+                // create answered an error that said "retry"): the retry
+                // creates anew, it is not answered with that failure.
+                Err(replayed)
+                    if replayed.status == SandboxStatus::Failed
+                        && replayed.ready_at.is_none()
+                        && attempts < MOST_PLACEMENTS =>
+                {
+                    self.store.forget_idempotency_of(&replayed.id).await?;
+                    continue;
+                }
+                Err(replayed) => return Ok((to_sandbox(&self.replayed(replayed).await?), true)),
+            };
+            let host = row.host.clone();
+            let id = row.id.clone();
+            match self
+                .start_created(row, placed.machines, from_snapshot, placed.from_pool, clock)
+                .await
+            {
+                Ok(started) => return Ok((to_sandbox(&started), false)),
+                // Its node could not be reached (it died since its last
+                // heartbeat): the next node, in this same request. The
+                // failed row keeps no key, so a retry never finds it. A
+                // snapshot lives on its node alone.
+                Err(failed)
+                    if failed.unreachable
+                        && !from_snapshot
+                        && self.membership().is_some()
+                        && attempts < MOST_PLACEMENTS =>
+                {
+                    tracing::warn!(%id, node = %host, "the create's node is out of reach: trying the next");
+                    self.store.forget_idempotency_of(&id).await?;
+                    unreachable.push(host);
+                }
+                Err(failed) => return Err(failed.error),
+            }
+        }
     }
 
     /// Step 1: a retry of a create from a snapshot, answered with what the
@@ -183,12 +223,18 @@ impl Service {
 
     /// Step 3: the nodes that can take the sandbox, tried in turn until one
     /// records it (or the store refuses it for the account's sake).
-    async fn place(&self, caller: &Caller, order: &Order<'_>) -> Result<Placed> {
+    async fn place(
+        &self,
+        caller: &Caller,
+        order: &Order<'_>,
+        unreachable: &[String],
+    ) -> Result<Placed> {
         let mut targets = self
             .placement(&order.size_name)
             .await?
             .into_iter()
             .filter(|t| order.snapshot.as_ref().is_none_or(|s| s.host == t.host))
+            .filter(|t| !unreachable.contains(&t.host))
             .collect::<Vec<_>>()
             .into_iter();
         if let (Some(snap), None) = (&order.snapshot, targets.as_slice().first()) {
@@ -419,7 +465,7 @@ impl Service {
         from_snapshot: bool,
         from_pool: bool,
         clock: std::time::Instant,
-    ) -> Result<SandboxRow> {
+    ) -> std::result::Result<SandboxRow, StartFailed> {
         self.wake_reaper();
         let me = self
             .arc_self()

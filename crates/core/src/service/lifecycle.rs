@@ -26,7 +26,7 @@ use crate::service::errors::{not_running, runtime_error};
 use crate::service::Service;
 use sandpit_host::ids::rfc3339;
 use sandpit_host::machines::{Machines, Started};
-use sandpit_runtime::VmState;
+use sandpit_runtime::{RuntimeError, VmState};
 use sandpit_store::{ExtendOutcome, SandboxRow};
 use std::sync::Arc;
 use std::time::Duration;
@@ -35,6 +35,35 @@ use time::OffsetDateTime;
 /// How long an idempotent retry of a create waits for the first call's
 /// start to finish.
 const REPLAY_WAIT: Duration = Duration::from_secs(60);
+
+/// Why [`Service::boot`] did not give a running sandbox.
+pub(crate) struct StartFailed {
+    pub error: CoreError,
+    /// The VM's node could not be reached: the sandbox failed before any
+    /// VM ran, and another node may take it.
+    pub unreachable: bool,
+}
+
+impl From<CoreError> for StartFailed {
+    fn from(error: CoreError) -> Self {
+        StartFailed {
+            error,
+            unreachable: false,
+        }
+    }
+}
+
+impl From<sandpit_store::StoreError> for StartFailed {
+    fn from(e: sandpit_store::StoreError) -> Self {
+        CoreError::from(e).into()
+    }
+}
+
+impl From<StartFailed> for CoreError {
+    fn from(f: StartFailed) -> Self {
+        f.error
+    }
+}
 
 /// A sandbox whose VM [`Service::boot`] started: its row, running, and
 /// whether the VM was restored from a template when the node that started
@@ -81,7 +110,11 @@ impl Service {
                 let local = row.host == self.config.host_name && self.vms.is_some();
                 let started = tokio::spawn(async move {
                     match local {
-                        true => me.boot(first, machines).await.map(|_| ()),
+                        true => me
+                            .boot(first, machines)
+                            .await
+                            .map(|_| ())
+                            .map_err(|f| f.error),
                         false => machines
                             .start(
                                 &first.id,
@@ -125,7 +158,7 @@ impl Service {
         &self,
         row: SandboxRow,
         machines: Arc<dyn Machines>,
-    ) -> Result<Booted> {
+    ) -> std::result::Result<Booted, StartFailed> {
         // A second start of the same sandbox (a create retried while its
         // first call, or the replica that made it, is still at it or was
         // lost) waits for the first and takes its outcome.
@@ -139,7 +172,7 @@ impl Service {
                         row: now,
                         restored: None,
                     }),
-                    false => Err(not_running(&now)),
+                    false => Err(not_running(&now).into()),
                 };
             }
         }
@@ -149,7 +182,11 @@ impl Service {
 
 impl Service {
     /// [`Service::boot`]'s start itself.
-    async fn start_vm(&self, row: SandboxRow, machines: Arc<dyn Machines>) -> Result<Booted> {
+    async fn start_vm(
+        &self,
+        row: SandboxRow,
+        machines: Arc<dyn Machines>,
+    ) -> std::result::Result<Booted, StartFailed> {
         match machines
             .start(
                 &row.id,
@@ -190,6 +227,7 @@ impl Service {
             }),
             Err(e) => {
                 tracing::warn!(id = %row.id, host = %row.host, "create failed: {e}");
+                let unreachable = matches!(e, RuntimeError::Disconnected(_));
                 let _ = machines.destroy(&row.id).await;
                 let _ = self
                     .store
@@ -201,13 +239,17 @@ impl Service {
                         0,
                     )
                     .await;
-                Err(CoreError::new(
-                    ErrorType::ServiceUnavailable,
-                    format!(
-                        "the sandbox's VM could not be started ({e}); nothing was charged, retry"
-                    ),
-                )
-                .with_retry_after(5))
+                Err(StartFailed {
+                    error: CoreError::new(
+                        ErrorType::ServiceUnavailable,
+                        format!(
+                            "the sandbox's VM could not be started ({e}); nothing was charged, \
+                             retry"
+                        ),
+                    )
+                    .with_retry_after(5),
+                    unreachable,
+                })
             }
         }
     }

@@ -853,6 +853,17 @@ impl Store {
         Ok(())
     }
 
+    /// Forgets the idempotency key that names sandbox `id`, so a retry with
+    /// it creates anew: for a sandbox that failed before it was ever handed
+    /// out (its create answered an error, which says "retry").
+    pub async fn forget_idempotency_of(&self, id: &str) -> Result<()> {
+        sqlx::query("DELETE FROM idempotency WHERE sandbox_id = $1")
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
     /// Forgets idempotency keys recorded before `before` (keys are meant
     /// for retries within hours, not forever). Returns how many went.
     pub async fn purge_idempotency(&self, before: OffsetDateTime) -> Result<u64> {
