@@ -110,24 +110,40 @@ pub struct Service {
     pub(crate) node_link: std::sync::OnceLock<Arc<dyn sandpit_host::machines::NodeLink>>,
     /// What it read of the nodes lately.
     pub(crate) routes: crate::cluster::Routes,
-    /// Sandboxes whose VM is being replaced by a restore: a call that finds
-    /// it gone meanwhile is told to retry, and does not fail the sandbox.
+    /// Sandboxes whose VM is being replaced here (a restore, a pause, a
+    /// resume): a call that finds it gone meanwhile is told to retry, and
+    /// does not fail the sandbox.
     restoring: std::sync::Mutex<std::collections::HashSet<String>>,
     /// Which sandboxes are in use, for the idle sweep (see [`crate::idle`]).
     activity: Arc<Activity>,
 }
 
-/// A restore in progress (see [`Service::restoring`]); over when dropped.
+/// A VM being replaced (see [`Service::restoring`]); over when dropped.
 pub(crate) struct Restoring<'a> {
     service: &'a Service,
     id: String,
+    /// The mark every replica sees was written (in a cluster).
+    shared: bool,
 }
 
 impl Drop for Restoring<'_> {
     fn drop(&mut self) {
         self.service.restoring.lock().unwrap().remove(&self.id);
+        if self.shared {
+            let (store, id) = (self.service.store.clone(), self.id.clone());
+            tokio::spawn(async move {
+                if let Err(e) = store.mark_vm_replacing(&id, None).await {
+                    // It lapses on its own.
+                    tracing::warn!(%id, "clearing the VM-replacing mark: {e}");
+                }
+            });
+        }
     }
 }
+
+/// How long a VM-replacing mark holds at most, should the replica that
+/// wrote it die before it clears it.
+const REPLACING_BOUND: time::Duration = time::Duration::minutes(10);
 
 /// How often preview traffic counters are written to the store.
 const TRAFFIC_FLUSH: Duration = Duration::from_secs(2);
@@ -269,17 +285,38 @@ impl Service {
     }
 
     /// Marks sandbox `id`'s VM as being replaced, until dropped.
-    fn restoring(&self, id: &str) -> Restoring<'_> {
+    /// In a cluster the mark is also written to the store, where every
+    /// replica's calls see it: a restore through one replica while another
+    /// serves calls must not fail the sandbox there.
+    async fn restoring(&self, id: &str) -> Restoring<'_> {
         self.restoring.lock().unwrap().insert(id.to_string());
+        let mut shared = false;
+        if self.membership().is_some() {
+            let until = time::OffsetDateTime::now_utc() + REPLACING_BOUND;
+            match self.store.mark_vm_replacing(id, Some(until)).await {
+                Ok(()) => shared = true,
+                Err(e) => tracing::warn!(id, "marking the VM as being replaced: {e}"),
+            }
+        }
         Restoring {
             service: self,
             id: id.to_string(),
+            shared,
         }
     }
 
-    /// Whether sandbox `id`'s VM is being replaced by a restore here.
-    fn is_restoring(&self, id: &str) -> bool {
-        self.restoring.lock().unwrap().contains(id)
+    /// Whether sandbox `id`'s VM is being replaced (a restore, a pause, a
+    /// resume), here or, in a cluster, through any replica.
+    async fn is_restoring(&self, id: &str) -> bool {
+        if self.restoring.lock().unwrap().contains(id) {
+            return true;
+        }
+        self.membership().is_some()
+            && self
+                .store
+                .vm_replacing(id, time::OffsetDateTime::now_utc())
+                .await
+                .unwrap_or(false)
     }
 
     fn arc_self(&self) -> Option<Arc<Service>> {

@@ -678,13 +678,45 @@ fn a_replica_names_a_sandbox_after_the_warm_vm_a_node_published() {
         assert_eq!(store.sandbox(&copy).await.unwrap().unwrap().host, "b");
         assert_eq!(store.snapshot(&snap_id).await.unwrap().unwrap().host, "b");
         sh(first.clone(), "rm /workspace/f").await;
-        let (st, back) = via_a
-            .post(
-                &format!("/sandboxes/{first}/restore"),
-                json!({"snapshot_id": snap_id}),
-            )
-            .await;
+        // Restored through a while b (a replica too) serves the sandbox's
+        // calls: a call that meets the VM being replaced is told to retry,
+        // and never fails the sandbox.
+        let via_b = Rest::new(&b, &key);
+        let restoring = std::sync::atomic::AtomicBool::new(true);
+        let calls = async {
+            let mut answers = Vec::new();
+            while restoring.load(std::sync::atomic::Ordering::SeqCst) {
+                let (st, ex) = via_b
+                    .post(
+                        &format!("/sandboxes/{first}/exec"),
+                        json!({"command": "true"}),
+                    )
+                    .await;
+                answers.push((st, ex));
+            }
+            answers
+        };
+        let restore = async {
+            let answer = via_a
+                .post(
+                    &format!("/sandboxes/{first}/restore"),
+                    json!({"snapshot_id": snap_id}),
+                )
+                .await;
+            restoring.store(false, std::sync::atomic::Ordering::SeqCst);
+            answer
+        };
+        let ((st, back), answers) = tokio::join!(restore, calls);
         assert_eq!(st, 200, "{back}");
+        assert!(!answers.is_empty(), "no call went through b meanwhile");
+        for (st, ex) in &answers {
+            assert!(
+                *st == 200 || *st == 503,
+                "a call through b meanwhile: {st} {ex}"
+            );
+        }
+        let (_, now) = via_b.get(&format!("/sandboxes/{first}")).await;
+        assert_eq!(now["status"], "running", "{now}");
         assert_eq!(sh(first.clone(), "cat /workspace/f").await, "kept");
         let (st, p) = via_a
             .post(&format!("/sandboxes/{first}/pause"), json!({}))

@@ -111,7 +111,7 @@ impl Service {
     /// longer running, rather than "retry", which cannot help.
     pub(super) async fn agent_failure(&self, row: &SandboxRow, e: RuntimeError) -> CoreError {
         // The VM is being replaced by a restore: not lost.
-        if self.is_restoring(&row.id) && !matches!(e, RuntimeError::Agent(_)) {
+        if !matches!(e, RuntimeError::Agent(_)) && self.is_restoring(&row.id).await {
             return CoreError::new(
                 ErrorType::ServiceUnavailable,
                 format!(
@@ -121,8 +121,27 @@ impl Service {
             )
             .with_retry_after(1);
         }
-        // The VM is gone under a running sandbox: the sandbox failed.
+        // The VM is gone under a running sandbox: the sandbox failed,
+        // unless a VM runs for it again now (replaced just before this
+        // call's failure was looked at).
         if let RuntimeError::VmExited { cause } | RuntimeError::NotFound(cause) = &e {
+            let replaced = match self.machines_for(row).await {
+                Ok(machines) => matches!(
+                    machines.state(&row.id).await,
+                    Ok(Some(sandpit_runtime::VmState::Running))
+                ),
+                Err(_) => false,
+            };
+            if replaced {
+                return CoreError::new(
+                    ErrorType::ServiceUnavailable,
+                    format!(
+                        "sandbox {}'s VM was replaced during the call; retry",
+                        row.id
+                    ),
+                )
+                .with_retry_after(1);
+            }
             if row.status == SandboxStatus::Running {
                 let _ = self
                     .end(row, SandboxStatus::Failed, &format!("failed: {cause}"))

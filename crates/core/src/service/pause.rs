@@ -50,7 +50,7 @@ impl Service {
         // Its preview connections reach the VM being stopped.
         self.previews.close(id, None);
         self.terminals.close(id);
-        let pausing = self.restoring(id);
+        let pausing = self.restoring(id).await;
         let paused = machines.pause(id).await;
         drop(pausing);
         if let Err(e) = paused {
@@ -95,7 +95,7 @@ impl Service {
             _ => return Err(not_running(&row)),
         }
         let machines = self.machines_for(&row).await?;
-        let resuming = self.restoring(id);
+        let resuming = self.restoring(id).await;
         let resumed = machines.resume(id, row.expires_at).await;
         drop(resuming);
         if let Err(e) = resumed {

@@ -491,7 +491,7 @@ impl Snapshots for Service {
         // The URLs themselves stay and serve the restored VM.
         self.previews.close(id, None);
         self.terminals.close(id);
-        let restoring = self.restoring(id);
+        let restoring = self.restoring(id).await;
         let restored = machines.restore(id, &snap.id, row.expires_at).await;
         drop(restoring);
         if let Err(e) = restored {

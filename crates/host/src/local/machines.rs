@@ -163,13 +163,8 @@ impl Machines for LocalVms {
         let name = paused_name(id);
         let saved = self.manager.saved(&name)?;
         // What is left of a VM that died is no obstacle (but its saved
-        // state is what resumes: not `LocalVms::destroy`).
-        self.agents.lock().await.remove(id);
-        match self.manager.destroy(id).await {
-            Ok(()) | Err(RuntimeError::NotFound(_)) => {}
-            Err(e) => return Err(e),
-        }
-        self.create_from_snapshot(id, &saved.record.size, &name, expires_at)
+        // state is what resumes).
+        self.replace_from_snapshot(id, &saved.record.size, &name, expires_at)
             .await?;
         self.manager.delete_saved(&name).await
     }

@@ -251,12 +251,66 @@ impl LocalVms {
         snapshot: &str,
         expires_at: OffsetDateTime,
     ) -> Result<VmRecord, RuntimeError> {
+        let vm = self
+            .start_from_snapshot(id, size, snapshot, expires_at)
+            .await?;
+        self.agents
+            .lock()
+            .await
+            .insert(id.to_string(), Arc::new(Mutex::new(Some(vm.agent.clone()))));
+        Ok(vm.record)
+    }
+
+    /// Replaces VM `id` by the one `snapshot` (a save of this host's)
+    /// starts, while calls that need its agent wait for the new VM's: a
+    /// call that attached to the new VM while it starts would take its
+    /// agent socket from the start's own connection (QEMU serves one
+    /// client per socket), and the start would time out. The old VM's
+    /// pause save goes unless it is what starts.
+    async fn replace_from_snapshot(
+        &self,
+        id: &str,
+        size: &str,
+        snapshot: &str,
+        expires_at: OffsetDateTime,
+    ) -> Result<(), RuntimeError> {
+        let slot = self
+            .agents
+            .lock()
+            .await
+            .entry(id.to_string())
+            .or_default()
+            .clone();
+        let mut held = slot.lock().await;
+        *held = None;
+        match self.manager.destroy(id).await {
+            Ok(()) | Err(RuntimeError::NotFound(_)) => {}
+            Err(e) => return Err(e),
+        }
+        if snapshot != paused_name(id) {
+            self.manager.delete_saved(&paused_name(id)).await?;
+        }
+        let vm = self
+            .start_from_snapshot(id, size, snapshot, expires_at)
+            .await?;
+        *held = Some(vm.agent);
+        Ok(())
+    }
+
+    /// A VM for sandbox `id` started from `snapshot`, within the host's
+    /// start slots and budget.
+    async fn start_from_snapshot(
+        &self,
+        id: &str,
+        size: &str,
+        snapshot: &str,
+        expires_at: OffsetDateTime,
+    ) -> Result<sandpit_runtime::Vm, RuntimeError> {
         let saved = self.manager.saved(snapshot)?;
         let _live = self.manager.hold_background();
         let _slot = self.start_slot().await?;
         let _charged = self.admit_start()?;
-        let vm = self
-            .manager
+        self.manager
             .create_from_saved(
                 CreateVm {
                     id: id.to_string(),
@@ -266,12 +320,7 @@ impl LocalVms {
                 },
                 &saved,
             )
-            .await?;
-        self.agents
-            .lock()
             .await
-            .insert(id.to_string(), Arc::new(Mutex::new(Some(vm.agent.clone()))));
-        Ok(vm.record)
     }
 
     /// Saves VM `id` as snapshot `snapshot`; what the snapshot alone takes
@@ -296,10 +345,8 @@ impl LocalVms {
     ) -> Result<(), RuntimeError> {
         let _one_at_a_time = self.saving.lock().await;
         let saved = self.manager.saved(snapshot)?;
-        LocalVms::destroy(self, id).await?;
-        self.create_from_snapshot(id, &saved.record.size, snapshot, expires_at)
+        self.replace_from_snapshot(id, &saved.record.size, snapshot, expires_at)
             .await
-            .map(drop)
     }
 
     /// The snapshots this host holds (not the saved state of paused VMs).

@@ -853,6 +853,30 @@ impl Store {
         Ok(())
     }
 
+    /// Marks sandbox `id`'s VM as being replaced until `until`, or clears
+    /// the mark (`None`), for every replica to see (migration 0012).
+    pub async fn mark_vm_replacing(&self, id: &str, until: Option<OffsetDateTime>) -> Result<()> {
+        sqlx::query("UPDATE sandboxes SET vm_replacing_until = $2 WHERE id = $1")
+            .bind(id)
+            .bind(until.map(format_ts))
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Whether sandbox `id`'s VM is marked as being replaced at `now`.
+    pub async fn vm_replacing(&self, id: &str, now: OffsetDateTime) -> Result<bool> {
+        let until: Option<Option<String>> =
+            sqlx::query_scalar("SELECT vm_replacing_until FROM sandboxes WHERE id = $1")
+                .bind(id)
+                .fetch_optional(&self.pool)
+                .await?;
+        match until.flatten() {
+            Some(until) => Ok(crate::util::parse_ts(&until)? > now),
+            None => Ok(false),
+        }
+    }
+
     /// Forgets the idempotency key that names sandbox `id`, so a retry with
     /// it creates anew: for a sandbox that failed before it was ever handed
     /// out (its create answered an error, which says "retry").
