@@ -21,8 +21,8 @@ pub mod tunnel;
 use crate::{Result, RuntimeError};
 use sandpit_protocol::{
     encode_frame, AgentError, DoneResult, ErrorKind, ExecRequest, ExecResult, FileEntry, Frame,
-    FrameDecoder, GuestConfig, Message, RequestId, CHUNK_LEN, HEADER_PREFIX_LEN, MAX_BODY_LEN,
-    MAX_HEADER_LEN, PROTOCOL_GENERATION,
+    FrameDecoder, GuestConfig, Message, RequestId, CHUNK_LEN, FRAME_MAGIC, HEADER_PREFIX_LEN,
+    MAX_BODY_LEN, MAX_HEADER_LEN, PROTOCOL_GENERATION,
 };
 use std::collections::HashMap;
 use std::path::Path;
@@ -507,32 +507,28 @@ impl AgentClient {
         let mut decoder = FrameDecoder::new();
         let mut buf = vec![0u8; 64 * 1024];
         let handshake = async {
+            // Leftovers of an earlier connection come first, maybe a frame
+            // cut short: the ack is looked for at every frame start, not
+            // after what their lengths claim (the agent sends it once).
+            let mut before = Vec::new();
             loop {
-                loop {
-                    let frame = match decoder.next_frame() {
-                        Ok(Some(frame)) => frame,
-                        Ok(None) => break,
-                        // Leftovers of an earlier connection: skipped, and
-                        // what follows them in the same read still looked at
-                        // (the ack may be there, and the agent sends it once).
-                        Err(_) => continue,
-                    };
+                if let Some((message, end)) = find_ack(&before, nonce) {
+                    // What came after the ack is the session's.
+                    decoder.push(&before[end..]);
                     if let Message::HelloAck {
                         protocol,
-                        nonce: n,
                         agent_version,
                         kernel_release,
                         hostname,
-                    } = frame.message
+                        ..
+                    } = message
                     {
-                        if n == nonce {
-                            return Ok(AgentInfo {
-                                protocol,
-                                agent_version,
-                                kernel_release,
-                                hostname,
-                            });
-                        }
+                        return Ok(AgentInfo {
+                            protocol,
+                            agent_version,
+                            kernel_release,
+                            hostname,
+                        });
                     }
                 }
                 let n = rd.read(&mut buf).await.map_err(|e| {
@@ -543,7 +539,12 @@ impl AgentClient {
                         "the VM closed the agent channel during the handshake".into(),
                     ));
                 }
-                decoder.push(&buf[..n]);
+                before.extend_from_slice(&buf[..n]);
+                // The ack is not larger than this; older bytes are leftovers.
+                let keep = HEADER_PREFIX_LEN + MAX_HEADER_LEN;
+                if before.len() > 2 * keep {
+                    before.drain(..before.len() - keep);
+                }
             }
         };
         let info = match tokio::time::timeout(timeout, handshake).await {
@@ -935,6 +936,43 @@ fn route(inner: &Inner, frame: Frame) {
 
 pub(crate) fn unexpected(m: Message) -> RuntimeError {
     RuntimeError::Disconnected(format!("unexpected message from the agent: {m:?}"))
+}
+
+/// The `HelloAck` answering `nonce` in `bytes`, and where it ends: a frame
+/// is tried at every magic, rather than after the lengths of what comes
+/// before it, which an earlier connection may have left cut short (its
+/// lengths then promise a body that never came, and trusting them would
+/// take the ack for part of it).
+fn find_ack(bytes: &[u8], nonce: u64) -> Option<(Message, usize)> {
+    let mut from = 0;
+    while let Some(at) = bytes[from..]
+        .windows(FRAME_MAGIC.len())
+        .position(|w| w == FRAME_MAGIC)
+        .map(|i| i + from)
+    {
+        from = at + 1;
+        let frame = &bytes[at..];
+        if frame.len() < HEADER_PREFIX_LEN {
+            continue;
+        }
+        let header_len = u32::from_be_bytes(frame[4..8].try_into().unwrap()) as usize;
+        let body_len = u32::from_be_bytes(frame[8..12].try_into().unwrap()) as usize;
+        if header_len > MAX_HEADER_LEN || body_len > MAX_BODY_LEN {
+            continue;
+        }
+        let total = HEADER_PREFIX_LEN + header_len + body_len;
+        if frame.len() < total {
+            continue;
+        }
+        let header = &frame[HEADER_PREFIX_LEN..HEADER_PREFIX_LEN + header_len];
+        match serde_json::from_slice::<Message>(header) {
+            Ok(m @ Message::HelloAck { nonce: n, .. }) if n == nonce => {
+                return Some((m, at + total))
+            }
+            _ => continue,
+        }
+    }
+    None
 }
 
 /// A scripted guest agent on a unix socket, for tests of what the host does

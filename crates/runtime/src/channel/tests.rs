@@ -99,6 +99,25 @@ async fn a_guest_that_reads_nothing_gets_a_bounded_queue_and_still_its_cancels()
 /// only once.
 #[tokio::test]
 async fn handshake_finds_the_ack_behind_a_bad_frame() {
+    let mut bad = b"output of an old command ".to_vec();
+    bad.extend_from_slice(&sandpit_protocol::FRAME_MAGIC);
+    bad.extend_from_slice(&u32::MAX.to_be_bytes());
+    bad.extend_from_slice(&0u32.to_be_bytes());
+    handshake_after(bad).await;
+}
+
+/// An earlier connection's frame cut short (a well-formed header whose body
+/// never came) promises more bytes than follow: the ack after it is found,
+/// not taken for part of that body.
+#[tokio::test]
+async fn handshake_finds_the_ack_behind_a_frame_cut_short() {
+    let mut cut = encode_frame(&Message::Stdout { id: 9 }, &[b'x'; 4000]);
+    cut.truncate(300);
+    handshake_after(cut).await;
+}
+
+/// A fake agent that answers the `Hello` with `leftover`, then the ack.
+async fn handshake_after(leftover: Vec<u8>) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("agent.sock");
     let listener = tokio::net::UnixListener::bind(&path).unwrap();
@@ -118,10 +137,7 @@ async fn handshake_finds_the_ack_behind_a_bad_frame() {
                 }
             }
         };
-        let mut bytes = b"output of an old command ".to_vec();
-        bytes.extend_from_slice(&sandpit_protocol::FRAME_MAGIC);
-        bytes.extend_from_slice(&u32::MAX.to_be_bytes());
-        bytes.extend_from_slice(&0u32.to_be_bytes());
+        let mut bytes = leftover;
         bytes.extend_from_slice(&encode_frame(
             &Message::HelloAck {
                 protocol: PROTOCOL_GENERATION,
@@ -142,6 +158,6 @@ async fn handshake_finds_the_ack_behind_a_bad_frame() {
     });
     let client = AgentClient::connect(&path, Duration::from_secs(3))
         .await
-        .expect("the ack behind the bad frame is found");
+        .expect("the ack behind the leftovers is found");
     assert_eq!(client.info().agent_version, "test");
 }
