@@ -274,13 +274,7 @@ impl LocalVms {
         snapshot: &str,
         expires_at: OffsetDateTime,
     ) -> Result<(), RuntimeError> {
-        let slot = self
-            .agents
-            .lock()
-            .await
-            .entry(id.to_string())
-            .or_default()
-            .clone();
+        let slot = self.agent_slot(id).await;
         let mut held = slot.lock().await;
         *held = None;
         match self.manager.destroy(id).await {
@@ -426,19 +420,24 @@ impl LocalVms {
         permit.map_err(|_| RuntimeError::Busy("the host is shutting down".into()))
     }
 
+    /// VM `id`'s agent slot, made if it has none: who holds its lock is
+    /// the one attaching to (or replacing) that VM.
+    async fn agent_slot(&self, id: &str) -> Arc<Mutex<Option<AgentClient>>> {
+        self.agents
+            .lock()
+            .await
+            .entry(id.to_string())
+            .or_default()
+            .clone()
+    }
+
     /// The agent of a running VM (reconnecting if needed).
     pub async fn agent(&self, id: &str) -> Result<AgentClient, RuntimeError> {
         // One slot per VM: the map lock is held only to find the slot, and a
         // slow (re)attach holds only its own VM's slot, so a dead VM never
         // stalls other sandboxes, and two requests never attach twice (QEMU
         // serves one client per agent socket).
-        let slot = self
-            .agents
-            .lock()
-            .await
-            .entry(id.to_string())
-            .or_default()
-            .clone();
+        let slot = self.agent_slot(id).await;
         let mut slot = slot.lock().await;
         if let Some(a) = slot.as_ref() {
             if !a.is_closed() {
