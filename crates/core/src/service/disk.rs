@@ -13,10 +13,10 @@
 //! sandbox (`forbidden`, saying what to do), and its running sandboxes'
 //! disk writes are held to [`OVER_LIMIT_WRITE_BPS`] by QEMU's block
 //! throttling: nothing in the guest fails and nothing is lost, but it can
-//! no longer grow the host's disk faster than that. Destroying sandboxes
-//! brings the account back under, which lifts the hold at the next sample.
-//! (Deleting files inside a guest does not: the guest's filesystem does not
-//! pass discards down, so an overlay never shrinks.)
+//! no longer grow the host's disk faster than that. Deleting files inside
+//! its guests (the guest's filesystem passes what it frees down, and QEMU
+//! punches it out of the overlay) or destroying sandboxes brings the account
+//! back under, which lifts the hold at the next sample.
 //!
 //! What the service last set on each VM is remembered; a VM it knows
 //! nothing of (a restart) gets its state set once, so a hold left by an
@@ -43,7 +43,7 @@ pub(crate) fn over_limit(used: u64, limit: u64) -> CoreError {
         ErrorType::Forbidden,
         format!(
             "the account's sandboxes take {} MiB of disk, its limit is {} MiB; \
-             destroy a sandbox it no longer needs (deleting files inside one does not free disk)",
+             delete files inside its sandboxes or destroy one it no longer needs",
             used.div_ceil(MIB),
             limit / MIB
         ),

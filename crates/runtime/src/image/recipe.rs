@@ -163,7 +163,9 @@ done
 # (a fresh overlay), so the kernel zeroing the inode tables in the background
 # (ext4lazyinit: hundreds of MiB once resize2fs grows the file system to the
 # disk) would only burn CPU in every sandbox and grow its overlay.
-mount -t ext4 -o rw,noinit_itable /dev/vda /newroot || fail "mount /dev/vda on /newroot"
+# discard: what the guest deletes is passed down (QEMU's discard=unmap), so
+# the host's overlay shrinks again instead of only ever growing.
+mount -t ext4 -o rw,noinit_itable,discard /dev/vda /newroot || fail "mount /dev/vda on /newroot"
 mount -t tmpfs -o mode=0755,nosuid,nodev tmpfs /newroot/run || fail "mount tmpfs on /newroot/run"
 mkdir -m 0700 /newroot/run/sandpit || fail "mkdir /newroot/run/sandpit"
 cp /sandpit-agent /newroot/run/sandpit/sandpit-agent || fail "copy the agent"

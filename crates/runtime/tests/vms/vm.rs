@@ -406,6 +406,43 @@ fn a_20_mb_file_round_trips() {
 }
 
 #[test]
+fn deleting_a_file_frees_the_hosts_disk() {
+    const MIB: u64 = 1024 * 1024;
+    let s = vm();
+    let on_host = || {
+        s.manager
+            .disk_use(&s.vm.record.id)
+            .expect("the VM's disk use")
+    };
+    let before = on_host();
+    block(sh(
+        &s.vm,
+        "dd if=/dev/zero of=half-gig bs=1M count=500 conv=fsync status=none",
+    ));
+    let grown = on_host();
+    assert!(
+        grown >= before + 450 * MIB,
+        "writing 500 MiB grew the host's overlay from {} to {} MiB",
+        before / MIB,
+        grown / MIB
+    );
+    block(sh(&s.vm, "rm half-gig && sync"));
+    // ext4 passes the freed blocks down at its journal commit, and QEMU
+    // punches them out of the overlay file.
+    let took = wait_until(
+        "the host's overlay to shrink after the guest deleted 500 MiB",
+        Duration::from_secs(60),
+        || on_host() < before + 50 * MIB,
+    );
+    eprintln!(
+        "overlay: {} MiB, {} MiB with the file, {} MiB {took:?} after its deletion",
+        before / MIB,
+        grown / MIB,
+        on_host() / MIB
+    );
+}
+
+#[test]
 fn file_errors_are_typed() {
     let s = vm();
     block(async {
