@@ -176,6 +176,8 @@ pub(crate) struct World {
     pub vms: Vec<(String, u32)>,
     pub preview_connections_open: usize,
     pub preview_connections_opened: u64,
+    /// This host's VMs a full disk stopped (see `service::disk`).
+    pub vms_stopped_on_full_disk: usize,
 }
 
 /// A member's `/metrics`: the event families and the states of its world,
@@ -356,6 +358,13 @@ fn register_world(registry: &mut Registry, world: &World) {
         "sandpit_preview_connections_open",
         "Preview connections to guests open now",
         open,
+    );
+    let stopped: IntGauge = Gauge::default();
+    stopped.set(world.vms_stopped_on_full_disk as i64);
+    registry.register(
+        "sandpit_vms_stopped_disk_full",
+        "VMs on this node stopped because the host's disk is full (they go on once it has its reserve free)",
+        stopped,
     );
     let opened: Counter = Counter::default();
     opened.inc_by(world.preview_connections_opened);

@@ -265,3 +265,128 @@ async fn an_account_at_its_disk_limit_starts_nothing_new_and_its_writes_are_held
         svc.destroy_sandbox(&me, id).await.unwrap();
     }
 }
+
+/// The host's own disk fills under a writing guest: the guest's VM stops
+/// with its write held (nothing in the guest fails, nothing is lost), the
+/// sandbox's events say why, no new sandbox starts, and once the host has
+/// its reserve free again the VM goes on and the write completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_host_disk_stops_the_writing_guest_and_loses_nothing() {
+    const RESERVE_MB: u64 = 150;
+    let mut small = None;
+    let (svc, _dir) = service_configured(
+        sandpit_host::local::PoolConfig::none(),
+        |_| {},
+        |rt| {
+            rt.disk_reserve_mb = RESERVE_MB;
+            small = Some(sandpit_vmtest::SmallDisk::mount(&rt.vms_dir(), 400));
+        },
+    )
+    .await;
+    let small = small.expect("the VMs' small disk");
+    let me = account(&svc, "filler", 5.0).await;
+    let (sbx, _) = svc
+        .create_sandbox(&me, CreateSandbox::default(), None)
+        .await
+        .unwrap();
+    assert!(svc.sample_disks().await.unwrap().is_empty());
+    let events = || async {
+        let rows = svc.store().events(&sbx.id).await.unwrap();
+        rows.into_iter()
+            .filter_map(|e| e.reason)
+            .collect::<Vec<String>>()
+    };
+
+    // Something else on the host takes all but 40 MiB.
+    let filler = small.path().join("filler");
+    {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&filler).unwrap();
+        let chunk = vec![1u8; 1 << 20];
+        for _ in 0..small.free_mb().saturating_sub(40) {
+            f.write_all(&chunk).unwrap();
+        }
+        f.sync_all().unwrap();
+    }
+    assert!(small.free_mb() < RESERVE_MB);
+    let e = svc
+        .create_sandbox(&me, CreateSandbox::default(), None)
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorType::ServiceUnavailable, "{e}");
+    assert!(e.message.contains("reserve"), "{e}");
+
+    // The guest writes 100 MiB: the host's disk fills under it.
+    let writer = tokio::spawn({
+        let svc = svc.clone();
+        let me = me.clone();
+        let id = sbx.id.clone();
+        async move {
+            let mut c = cmd("yes sandpit | head -c 100M > big && sync && stat -c %s big");
+            c.timeout_ms = Some(600_000);
+            svc.exec(&me, &id, c).await
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        svc.sample_disks().await.unwrap();
+        if events()
+            .await
+            .iter()
+            .any(|r| r.starts_with("stopped: the host's disk is full"))
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no event says the VM stopped on a full disk; {} MiB free; events {:?}",
+            small.free_mb(),
+            events().await
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(!writer.is_finished(), "the write finished on a full disk");
+    // Asked again, it is still the one stop (one event).
+    svc.sample_disks().await.unwrap();
+    let stops = events()
+        .await
+        .iter()
+        .filter(|r| r.starts_with("stopped:"))
+        .count();
+    assert_eq!(stops, 1, "{:?}", events().await);
+
+    // The host gets its room back: the VM goes on, the write completes.
+    std::fs::remove_file(&filler).unwrap();
+    svc.sample_disks().await.unwrap();
+    assert!(
+        events()
+            .await
+            .iter()
+            .any(|r| r.starts_with("resumed: the host's disk has room again")),
+        "{:?}",
+        events().await
+    );
+    let ex = tokio::time::timeout(Duration::from_secs(300), writer)
+        .await
+        .expect("the write to finish once the VM went on")
+        .unwrap()
+        .unwrap();
+    assert_eq!(ex.exit_code, Some(0), "{ex:?}");
+    assert_eq!(ex.stdout.trim(), (100u64 << 20).to_string());
+    // What is on the guest's disk (past its page cache) is what it wrote.
+    let ex = svc
+        .exec(
+            &me,
+            &sbx.id,
+            cmd(
+                "[ \"$(dd if=big iflag=direct bs=1M status=none | sha256sum)\" = \
+                 \"$(yes sandpit | head -c 100M | sha256sum)\" ] && echo same",
+            ),
+        )
+        .await
+        .unwrap();
+    assert_eq!(ex.stdout.trim(), "same", "{ex:?}");
+    let live = svc.get_sandbox(&me, &sbx.id).await.unwrap();
+    assert_eq!(live.status, sandpit_core::SandboxStatus::Running);
+    svc.destroy_sandbox(&me, &sbx.id).await.unwrap();
+}

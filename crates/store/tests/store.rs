@@ -571,6 +571,11 @@ async fn the_ledger_reserves_refunds_and_settles_once(store: Store) {
     );
     assert_eq!(sbx.status, SandboxStatus::Provisioning);
     assert_eq!(store.balance(&acct.id).await.unwrap(), 910_000);
+    // Something that happened to it, its status unchanged.
+    assert!(store
+        .note_event(&sbx.id, "stopped: the disk")
+        .await
+        .unwrap());
 
     // Destroyed after 10 minutes: charged 15_000, the rest comes back.
     let ended = T0 + Duration::minutes(10);
@@ -622,9 +627,19 @@ async fn the_ledger_reserves_refunds_and_settles_once(store: Store) {
         .await
         .unwrap()
         .into_iter()
-        .map(|e| e.status.as_str().to_string())
+        .map(|e| format!("{} {}", e.status, e.reason.unwrap_or_default()))
         .collect();
-    assert_eq!(events, ["provisioning", "deleted"]);
+    assert_eq!(
+        events,
+        [
+            "provisioning ",
+            "provisioning stopped: the disk",
+            "deleted destroyed"
+        ]
+    );
+    // An ended sandbox's history is closed.
+    assert!(!store.note_event(&sbx.id, "late").await.unwrap());
+    assert!(!store.note_event("sbx_nope", "late").await.unwrap());
 
     // A charge above the reservation is capped at it.
     let sbx2 = created(

@@ -115,6 +115,49 @@ impl Drop for DataDir {
     }
 }
 
+/// A small filesystem of its own (a tmpfs of `mib` MiB) mounted at a
+/// directory, for tests of what happens when a disk fills; lazily unmounted
+/// when dropped (QEMUs still holding files in it keep it until they go).
+pub struct SmallDisk(PathBuf);
+
+impl SmallDisk {
+    pub fn mount(at: &Path, mib: u64) -> SmallDisk {
+        std::fs::create_dir_all(at).expect("the mount point");
+        let status = std::process::Command::new("mount")
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={mib}m,mode=0755"),
+                "tmpfs",
+            ])
+            .arg(at)
+            .status()
+            .expect("running mount (util-linux's mount; the tests run as root)");
+        assert!(status.success(), "mounting a tmpfs on {}", at.display());
+        SmallDisk(at.to_path_buf())
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+
+    /// MiB free on it now.
+    pub fn free_mb(&self) -> u64 {
+        let st = nix::sys::statvfs::statvfs(&self.0).expect("statvfs");
+        (st.blocks_available() as u64 * st.fragment_size() as u64) >> 20
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("--lazy")
+            .arg(&self.0)
+            .status();
+    }
+}
+
 /// A runtime config for tests in `dir`.
 pub fn config(dir: &Path) -> RuntimeConfig {
     let mut c = RuntimeConfig::new(dir);

@@ -129,6 +129,7 @@ fn metrics_move_with_sandboxes_on_their_listener_and_behind_the_token() {
         );
         assert_eq!(before.value("sandpit_credit_reserved_usd", &[]), 0.0);
         assert!(before.value("sandpit_vms", &[]) >= 1.0, "the pool's VM");
+        assert_eq!(before.value("sandpit_vms_stopped_disk_full", &[]), 0.0);
         assert!(before.value("sandpit_vm_memory_rss_bytes", &[]) > 0.0);
         assert!(before.value("sandpit_vm_memory_pss_bytes", &[]) > 0.0);
         assert!(before.value("sandpit_vm_cpu_seconds_total", &[]) > 0.0);

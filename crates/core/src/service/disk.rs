@@ -32,9 +32,30 @@ use std::time::Duration;
 /// How often every running sandbox's disk is measured.
 pub const DISK_SAMPLE: Duration = Duration::from_secs(5);
 
-/// Whether each VM's writes are held, as this process last set them.
+/// What this process last did to its VMs' disks: whether each VM's writes
+/// are held, and which VMs a full host disk stopped.
 #[derive(Debug, Default)]
-pub(crate) struct DiskHolds(std::sync::Mutex<HashMap<String, bool>>);
+pub(crate) struct DiskHolds {
+    held: std::sync::Mutex<HashMap<String, bool>>,
+    full: std::sync::Mutex<FullDiskStops>,
+}
+
+/// The VMs a full host disk stopped, as this process knows them (see
+/// [`Service::watch_full_disk`]).
+#[derive(Debug, Default)]
+struct FullDiskStops {
+    stopped: HashSet<String>,
+    /// Whether every running VM was asked once: a VM a full disk stopped
+    /// before this process started is found by the first sample.
+    asked_all: bool,
+}
+
+impl DiskHolds {
+    /// How many of this host's VMs a full disk stops now.
+    pub(crate) fn stopped_on_full_disk(&self) -> usize {
+        self.full.lock().unwrap().stopped.len()
+    }
+}
 
 /// The refusal of a create by an account at its disk limit.
 pub(crate) fn over_limit(used: u64, limit: u64) -> CoreError {
@@ -92,13 +113,14 @@ impl Service {
             .collect();
         let live: HashSet<&str> = running.iter().map(|r| r.id.as_str()).collect();
         self.disk_holds()
-            .0
+            .held
             .lock()
             .unwrap()
             .retain(|id, _| live.contains(id.as_str()));
+        let running_ids: Vec<String> = running.iter().map(|r| r.id.clone()).collect();
         for row in running {
             let hold = over.contains(row.account_id.as_str());
-            let known = self.disk_holds().0.lock().unwrap().get(&row.id).copied();
+            let known = self.disk_holds().held.lock().unwrap().get(&row.id).copied();
             if known == Some(hold) {
                 continue;
             }
@@ -112,7 +134,7 @@ impl Service {
                         tracing::info!(id = %row.id, "disk writes no longer held");
                     }
                     self.disk_holds()
-                        .0
+                        .held
                         .lock()
                         .unwrap()
                         .insert(row.id.clone(), hold);
@@ -130,7 +152,85 @@ impl Service {
                 }
             }
         }
+        self.watch_full_disk(manager, &running_ids).await;
         Ok(over.into_iter().map(String::from).collect())
+    }
+
+    /// Find the VMs among `running` that a full host disk stopped (see
+    /// `sandpit_runtime`'s `host_disk`: the write that found no room waits
+    /// in QEMU, nothing is lost): say so in each one's events, and resume
+    /// them once the host has its reserve free again. VMs are asked only
+    /// while the host is under its reserve (no VM stops on a full disk
+    /// otherwise), when one is known stopped, and once after a start.
+    async fn watch_full_disk(&self, manager: &sandpit_runtime::VmManager, running: &[String]) {
+        let free_mb = match manager.disk_free_mb() {
+            Ok(free) => free,
+            Err(e) => {
+                tracing::warn!("measuring the host's free disk: {e}");
+                return;
+            }
+        };
+        let reserve_mb = manager.disk_reserve_mb();
+        let short = free_mb < reserve_mb;
+        let (known, ask_all) = {
+            let full = self.disk_holds().full.lock().unwrap();
+            (full.stopped.clone(), short || !full.asked_all)
+        };
+        let mut stopped = HashSet::new();
+        for id in running {
+            if !ask_all && !known.contains(id) {
+                continue;
+            }
+            match manager.stopped_on_full_disk(id).await {
+                Ok(true) => {}
+                Ok(false) => continue,
+                // Gone meanwhile, or a QEMU that did not answer: asked
+                // again at the next sample if it is still known stopped.
+                Err(e) => {
+                    if known.contains(id) {
+                        tracing::debug!(%id, "asking QEMU whether a full disk stopped it: {e}");
+                        stopped.insert(id.clone());
+                    }
+                    continue;
+                }
+            }
+            if short {
+                if !known.contains(id) {
+                    tracing::warn!(%id, free_mb, reserve_mb,
+                        "the host's disk is full: the VM stopped on a write it could not make");
+                    self.note_event(
+                        id,
+                        &format!(
+                            "stopped: the host's disk is full; its pending write is kept, and it                              goes on once the host has {reserve_mb} MiB free again"
+                        ),
+                    )
+                    .await;
+                }
+                stopped.insert(id.clone());
+                continue;
+            }
+            match manager.resume_after_full_disk(id).await {
+                Ok(_) => {
+                    tracing::info!(%id, free_mb, "the host's disk has room again: the VM goes on");
+                    self.note_event(id, "resumed: the host's disk has room again")
+                        .await;
+                }
+                Err(e) => {
+                    tracing::warn!(%id, "resuming a VM a full disk stopped: {e}");
+                    stopped.insert(id.clone());
+                }
+            }
+        }
+        let mut full = self.disk_holds().full.lock().unwrap();
+        full.stopped = stopped;
+        full.asked_all = true;
+    }
+
+    /// Add `reason` to sandbox `id`'s events (its status unchanged).
+    async fn note_event(&self, id: &str, reason: &str) {
+        if let Err(e) = self.store().note_event(id, reason).await {
+            tracing::warn!(%id, "recording a sandbox event: {e}");
+        }
     }
 
     /// Record what `id`'s disk took (measured just before its VM went).

@@ -18,6 +18,7 @@ impl Service {
             sandboxes,
             preview_connections_open,
             preview_connections_opened,
+            vms_stopped_on_full_disk: self.disk_holds.stopped_on_full_disk(),
             ..World::default()
         };
         if let Some(vms) = &self.vms {

@@ -4,7 +4,7 @@
 use sandpit_core::config::{ServiceConfig, SizeConfig};
 use sandpit_core::{Caller, ExecParams, Service};
 use sandpit_host::local::{LocalVms, PoolConfig};
-use sandpit_runtime::VmManager;
+use sandpit_runtime::{RuntimeConfig, VmManager};
 use sandpit_store::Store;
 pub use sandpit_vmtest::{image, DataDir};
 use std::sync::Arc;
@@ -24,6 +24,15 @@ pub async fn service_with_pool(pool: PoolConfig) -> (Arc<Service>, DataDir) {
 pub async fn service_with(
     pool: PoolConfig,
     f: impl FnOnce(&mut ServiceConfig),
+) -> (Arc<Service>, DataDir) {
+    service_configured(pool, f, |_| {}).await
+}
+
+/// The same with the runtime's configuration then changed by `g`.
+pub async fn service_configured(
+    pool: PoolConfig,
+    f: impl FnOnce(&mut ServiceConfig),
+    g: impl FnOnce(&mut RuntimeConfig),
 ) -> (Arc<Service>, DataDir) {
     let dir = DataDir::new();
     let mut rt = sandpit_vmtest::config(dir.path());
@@ -51,6 +60,7 @@ pub async fn service_with(
             (name.clone(), spec)
         })
         .collect();
+    g(&mut rt);
     let store = Store::open_sqlite(dir.path().join("sandpit.db"))
         .await
         .unwrap();

@@ -360,24 +360,6 @@ impl VmManager {
         })
     }
 
-    /// The guest network plan of this host's VMs.
-    /// Refuse a new VM while the VMs' filesystem has less free than its
-    /// reserve: the guests already running need that room to grow into.
-    pub(super) fn check_disk_reserve(&self) -> Result<()> {
-        let dir = self.config.vms_dir();
-        let st = nix::sys::statvfs::statvfs(&dir)
-            .map_err(|e| RuntimeError::Launch(format!("statvfs {}: {e}", dir.display())))?;
-        let free_mb = (st.blocks_available() as u64 * st.fragment_size() as u64) >> 20;
-        if free_mb < self.config.disk_reserve_mb {
-            return Err(RuntimeError::Busy(format!(
-                "the host's disk has {free_mb} MiB free for sandboxes, under its reserve of {} MiB; \
-                 no new sandbox starts until space is freed",
-                self.config.disk_reserve_mb
-            )));
-        }
-        Ok(())
-    }
-
     /// What the host denies this manager's guests' passt (see `guard`):
     /// what their own filter denies, with the same exemptions.
     fn guard_plan(&self) -> guard::GuardPlan {
@@ -530,8 +512,9 @@ impl VmManager {
                 &format!("unix:{},server=on,wait=off", p(paths.qmp_socket())),
                 "-drive",
                 &format!(
-                    "id=root,file={},format=qcow2,if=none,discard=unmap",
-                    p(paths.disk())
+                    "id=root,file={},format=qcow2,if=none,discard=unmap,{}",
+                    p(paths.disk()),
+                    super::host_disk::WRITE_ERRORS
                 ),
                 "-device",
                 "virtio-blk-device,drive=root",

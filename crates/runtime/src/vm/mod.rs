@@ -14,6 +14,7 @@ pub mod console;
 pub mod expiry;
 pub mod give_way;
 pub mod guard;
+mod host_disk;
 mod launch;
 pub mod net;
 pub mod process;
@@ -518,10 +519,7 @@ impl VmManager {
     /// throttling, so the guest's writes slow down and nothing fails);
     /// `None` lifts the limit. Reads are never held.
     pub async fn limit_disk_writes(&self, id: &str, bytes_per_second: Option<u64>) -> Result<()> {
-        validate_id(id)?;
-        let socket = self.paths(id).qmp_socket();
-        let set = async {
-            let mut qmp = Qmp::connect(&socket).await?;
+        self.qmp_bounded(id, "a disk limit", |mut qmp| async move {
             qmp.execute(
                 "block_set_io_throttle",
                 serde_json::json!({
@@ -531,13 +529,9 @@ impl VmManager {
                 }),
             )
             .await
-        };
-        match tokio::time::timeout(Duration::from_secs(5), set).await {
-            Ok(done) => done.map(drop),
-            Err(_) => Err(RuntimeError::Disconnected(format!(
-                "QEMU of {id} did not answer a disk limit within 5 s"
-            ))),
-        }
+        })
+        .await
+        .map(drop)
     }
 
     /// Running, or exited and why.

@@ -758,6 +758,34 @@ impl Store {
         at.as_deref().map(parse_ts).transpose()
     }
 
+    /// Add to a live sandbox's history something that happened to it
+    /// without changing its status (a full host disk stopped its VM, and
+    /// the VM going on again), under the status it has now. Returns whether
+    /// the sandbox was live (nothing is added to an ended one's).
+    pub async fn note_event(&self, sandbox_id: &str, reason: &str) -> Result<bool> {
+        let mut tx = self.pool.begin().await?;
+        let status: Option<String> = sqlx::query_scalar(concat!(
+            "SELECT status FROM sandboxes WHERE id = $1 AND status IN ",
+            live_statuses!(),
+        ))
+        .bind(sandbox_id)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(status) = status.as_deref().map(SandboxStatus::stored).transpose()? else {
+            return Ok(false);
+        };
+        insert_event(
+            &mut tx,
+            sandbox_id,
+            status,
+            Some(reason),
+            OffsetDateTime::now_utc(),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+
     /// A sandbox's status history, oldest first.
     pub async fn events(&self, sandbox_id: &str) -> Result<Vec<EventRow>> {
         sqlx::query("SELECT * FROM sandbox_events WHERE sandbox_id = $1 ORDER BY id")
