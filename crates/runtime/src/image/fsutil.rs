@@ -45,6 +45,27 @@ impl BuildLock {
     }
 }
 
+impl BuildLock {
+    /// The lock if no builder holds it now; `None` if one does.
+    pub(crate) fn try_acquire(images_dir: &Path) -> Result<Option<Self>, ImageError> {
+        let path = images_dir.join(".lock");
+        let file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .ctx(|| format!("opening {}", path.display()))?;
+        match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+            Ok(lock) => Ok(Some(Self { _lock: lock })),
+            Err((_, nix::errno::Errno::EWOULDBLOCK)) => Ok(None),
+            Err((_, errno)) => Err(ImageError::Io {
+                context: format!("locking {}", path.display()),
+                source: io::Error::from(errno),
+            }),
+        }
+    }
+}
+
 /// A temporary directory `images_dir/.tmp-<what>-<random>`, deleted when
 /// dropped (a build that fails cleans up after itself; one that is killed
 /// leaves it to the next build, see [`remove_stale_temp_dirs`]).

@@ -27,10 +27,11 @@
 //! The kernel metapackage (`linux-image-cloud-amd64`) is resolved against
 //! package lists fetched once per mirror and suite, so rebuilding an image
 //! needs no network and keeps the kernel it had; to move to a newer kernel
-//! from the mirror, delete `apt-<hash>/`. Old `image-*` directories are not
-//! deleted automatically (running VMs may still use them).
+//! from the mirror, delete `apt-<hash>/`. Old images, root file systems and
+//! kernels are removed once nothing stands on them ([`collect_outdated`]).
 
 mod apt;
+mod collect;
 mod cpio;
 mod error;
 mod exec;
@@ -47,6 +48,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+pub use collect::{collect_outdated, InUse};
 pub use error::ImageError;
 pub use progress::{BarProgress, BuildProgress, NoProgress};
 pub use recipe::{

@@ -556,6 +556,45 @@ impl VmManager {
             &self.current_template_dirs(),
             &self.templates_in_use(&records),
         );
+        self.collect_images();
+    }
+
+    /// Remove the guest images, root file systems and kernels nothing here
+    /// stands on any more (see [`crate::image::collect_outdated`]), when the
+    /// images directory is this data directory's own (inside it): one
+    /// elsewhere may serve other data directories, whose VMs this manager
+    /// cannot see.
+    fn collect_images(&self) {
+        let Some(images_dir) = self.image().dir.parent() else {
+            return;
+        };
+        let canonical = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+        if !canonical(images_dir).starts_with(canonical(&self.config().data_dir)) {
+            return;
+        }
+        let mut in_use = crate::image::InUse::default();
+        in_use.images.insert(self.image().id.clone());
+        in_use
+            .images
+            .extend(self.list().into_iter().map(|vm| vm.image_id));
+        let templates_dir = self.templates_dir();
+        if let Ok(rd) = std::fs::read_dir(&templates_dir) {
+            for e in rd.flatten() {
+                if let Some(t) = template::load_any(&e.path()) {
+                    in_use.images.insert(t.record.inputs.image_id);
+                }
+            }
+        }
+        in_use.disks = layers::qcow2_files_under(&self.config().vms_dir());
+        in_use
+            .disks
+            .extend(layers::qcow2_files_under(&templates_dir));
+        if let Ok(rd) = std::fs::read_dir(self.layers_dir()) {
+            in_use.disks.extend(rd.flatten().map(|e| e.path()));
+        }
+        if let Err(e) = crate::image::collect_outdated(images_dir, &in_use) {
+            tracing::warn!(images = %images_dir.display(), "collecting outdated guest images: {e}");
+        }
     }
 
     /// The directory names of the templates something stands on: VMs

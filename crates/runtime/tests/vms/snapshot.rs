@@ -264,6 +264,126 @@ fn a_changed_image_gets_a_new_template_and_old_vms_keep_running() {
     });
 }
 
+/// An image as an upgrade leaves one in `images` (the data directory's own
+/// images directory): `image-<id>` with the real kernel and initramfs, its
+/// record and its `rootfs.qcow2` link, and `rootfs-<id>/base.qcow2`, a real
+/// disk on the real image's (a qcow2 layer, so no GiB is copied). Its
+/// record names `kernel_release`, and `kernel-<release>/` is made too.
+fn image_in(
+    images: &std::path::Path,
+    real: &sandpit_runtime::image::GuestImage,
+    id: &str,
+    kernel_release: &str,
+) -> sandpit_runtime::image::GuestImage {
+    let dir = images.join(format!("image-{id}"));
+    let rootfs = images.join(format!("rootfs-{id}"));
+    for d in [
+        &dir,
+        &rootfs,
+        &images.join(format!("kernel-{kernel_release}")),
+    ] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    for (from, name) in [(&real.kernel, "vmlinuz"), (&real.initrd, "initrd.img")] {
+        std::fs::copy(from, dir.join(name)).unwrap();
+    }
+    let base = rootfs.join("base.qcow2");
+    let made = std::process::Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"])
+        .arg(&real.rootfs)
+        .arg(&base)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    std::os::unix::fs::symlink(
+        format!("../rootfs-{id}/base.qcow2"),
+        dir.join("rootfs.qcow2"),
+    )
+    .unwrap();
+    let image = sandpit_runtime::image::GuestImage {
+        id: id.to_string(),
+        dir: dir.clone(),
+        kernel: dir.join("vmlinuz"),
+        initrd: dir.join("initrd.img"),
+        rootfs: base,
+        kernel_release: kernel_release.to_string(),
+    };
+    std::fs::write(dir.join("image.json"), serde_json::to_vec(&image).unwrap()).unwrap();
+    // The VM runs the real kernel, whatever the record says.
+    sandpit_runtime::image::GuestImage {
+        kernel_release: real.kernel_release.clone(),
+        ..image
+    }
+}
+
+fn entries(dir: &std::path::Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().to_string())
+        .filter(|n| !n.starts_with('.'))
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn an_outdated_guest_image_goes_once_nothing_stands_on_it() {
+    let dir = data_dir();
+    let real = image();
+    let images = dir.join("images");
+    let old = image_in(&images, &real, "01d0000000000001", "6.0.0-1-old-amd64");
+    let new = image_in(&images, &real, "2e00000000000002", &real.kernel_release);
+    std::fs::write(
+        images.join("current.json"),
+        serde_json::to_vec(&new).unwrap(),
+    )
+    .unwrap();
+    let cold = || {
+        let mut c = config(&dir);
+        c.snapshots = false;
+        c
+    };
+    let everything = [
+        "current.json",
+        "image-01d0000000000001",
+        "image-2e00000000000002",
+        "kernel-6.0.0-1-old-amd64",
+        &format!("kernel-{}", real.kernel_release),
+        "rootfs-01d0000000000001",
+        "rootfs-2e00000000000002",
+    ];
+    let mut everything: Vec<String> = everything.iter().map(|s| s.to_string()).collect();
+    everything.sort();
+    rt().block_on(async {
+        let m = VmManager::new(cold(), old).unwrap();
+        let vm = m
+            .create(new_vm("sbx_on_old"))
+            .await
+            .expect("a VM on the old image");
+        assert_eq!(sh(&vm, "echo up").await, "up");
+        // The upgraded process starts (and collects): the old image stays
+        // while a VM stands on it.
+        let m2 = VmManager::new(cold(), new).unwrap();
+        assert_eq!(entries(&images), everything);
+        assert_eq!(sh(&vm, "cat /etc/debian_version | cut -c1-2").await, "12");
+        // Once it is gone, the old image, its root file system and its
+        // kernel go; the current image and what it uses stay.
+        m.destroy("sbx_on_old").await.unwrap();
+        m2.gc_layers();
+        everything.retain(|e| !e.contains("01d0000000000001") && !e.contains("old-amd64"));
+        assert_eq!(entries(&images), everything);
+    });
+    // An images directory outside the data directory may serve others:
+    // nothing in it is collected (the shared test cache keeps its images).
+    let shared = real.dir.parent().unwrap();
+    let before = entries(shared);
+    VmManager::new(config(&dir), real.clone())
+        .unwrap()
+        .gc_layers();
+    assert_eq!(entries(shared), before);
+}
+
 /// Each mapping of process `pid` (its `/proc/<pid>/smaps` header line) with
 /// its `VmFlags`.
 fn mappings_with_flags(pid: u32) -> Vec<(String, String)> {
