@@ -140,6 +140,42 @@ fn the_guest_reaches_the_internet_but_not_the_host() {
             !sandpit_runtime::vm::guard::installed(uid),
             "the guard outlived its VM"
         );
+
+        // A start that fails after its guard went in (here: no passt)
+        // takes the guard with it.
+        let mut broken = s.manager.config().clone();
+        broken.passt_binary = dir.join("no-passt-here");
+        broken.snapshots = false;
+        let broken = sandpit_runtime::VmManager::new(broken, s.manager.image().clone()).unwrap();
+        let uid = broken.vm_uid("sbx_net_failed");
+        let Err(e) = broken.create(new_vm("sbx_net_failed")).await else {
+            panic!("a VM started without passt");
+        };
+        assert!(e.to_string().contains("passt"), "{e}");
+        assert!(
+            !sandpit_runtime::vm::guard::installed(uid),
+            "a failed start left its guard"
+        );
+        // What a crash between the guard and the VM's record leaves: its
+        // directory with its uid, and its guard. The sweep of such
+        // directories at the next start (a destroy without a record)
+        // removes the guard too.
+        let paths = s.manager.paths("sbx_net_crashed");
+        std::fs::create_dir_all(&paths.dir).unwrap();
+        let uid = s.manager.vm_uid("sbx_net_crashed");
+        std::fs::write(paths.uid_file(), uid.to_string()).unwrap();
+        let plan = sandpit_runtime::vm::guard::GuardPlan {
+            deny: vec!["10.0.0.0/8".into()],
+            dns: Vec::new(),
+            proxy: None,
+        };
+        sandpit_runtime::vm::guard::install(uid, &plan).unwrap();
+        s.manager.destroy("sbx_net_crashed").await.unwrap();
+        assert!(
+            !sandpit_runtime::vm::guard::installed(uid),
+            "a crashed start's guard outlived the sweep"
+        );
+        assert!(!paths.dir.exists());
     });
 }
 

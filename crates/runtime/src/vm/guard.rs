@@ -22,9 +22,12 @@
 //! passt starts, together with the table and the base chain's one rule
 //! (declared, then flushed and refilled: idempotent, and safe when several
 //! `sandpit` processes share the host, since each only touches its VMs'
-//! chains). The chain goes when the VM is destroyed; a chain left by a
-//! crash is harmless (no process has its uid) and is replaced when the uid
-//! is used again.
+//! chains). The chain goes when the VM is destroyed, or when its start
+//! fails. The VM's uid is written in its directory before its chain goes in,
+//! so a start that died before its record was written (a crash) leaves a
+//! directory the next start's sweep destroys, chain and all. (A chain left
+//! anyway is harmless: no process has its uid, and it is replaced when the
+//! uid is used again.)
 
 use crate::{Result, RuntimeError};
 use std::io::Write;

@@ -56,6 +56,8 @@ impl VmManager {
         let passt = if self.config.network.enabled {
             // The host's guard is in place before passt can send anything.
             if let Some(uid) = run_as {
+                std::fs::write(paths.uid_file(), uid.to_string())
+                    .map_err(RuntimeError::io("writing the VM's uid"))?;
                 // `nft` takes ~25 ms: off the async workers, which a burst
                 // of starts would otherwise stall.
                 let plan = self.guard_plan();
@@ -566,8 +568,9 @@ impl VmManager {
         a
     }
 
-    /// An unprivileged uid for this VM's QEMU, not used by any other live VM.
-    fn vm_uid(&self, id: &str) -> u32 {
+    /// An unprivileged uid for this VM's QEMU, not used by any other live VM:
+    /// the one VM `id` would run as if it started now.
+    pub fn vm_uid(&self, id: &str) -> u32 {
         const BASE: u32 = 3_000_000;
         const SPAN: u32 = 1_000_000;
         let used: Vec<u32> = self.list().iter().filter_map(|r| r.qemu_uid).collect();

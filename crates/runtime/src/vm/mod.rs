@@ -144,6 +144,16 @@ impl VmPaths {
     pub fn qemu_log(&self) -> PathBuf {
         self.dir.join("qemu.log")
     }
+    /// The uid the VM's QEMU and passt run as, written before the host's
+    /// guard for that uid goes in: a start that dies before its record is
+    /// written leaves the guard found by it (see `VmManager::destroy`).
+    pub fn uid_file(&self) -> PathBuf {
+        self.dir.join("uid")
+    }
+    /// The argument only this VM's passt has on its command line.
+    fn passt_marker(&self) -> String {
+        self.dir.join("passt.log").display().to_string()
+    }
 }
 
 /// The descriptor at which the QEMU of a VM started from a save holds the
@@ -597,9 +607,19 @@ impl VmManager {
                 let _ = tokio::task::spawn_blocking(move || guard::remove(uid)).await;
             }
         } else {
-            // A VM that died before its record was written: find its QEMU by marker.
-            if let Some(pid) = process::find_by_marker(&qemu_marker(id)) {
-                process::kill_and_wait(pid, &qemu_marker(id), Duration::from_secs(10)).await;
+            // A VM whose start died before its record was written: its QEMU
+            // and passt are found by their command lines, its guard by the
+            // uid written before it went in.
+            for marker in [qemu_marker(id), paths.passt_marker()] {
+                if let Some(pid) = process::find_by_marker(&marker) {
+                    process::kill_and_wait(pid, &marker, Duration::from_secs(10)).await;
+                }
+            }
+            let uid = std::fs::read_to_string(paths.uid_file())
+                .ok()
+                .and_then(|text| text.trim().parse::<u32>().ok());
+            if let Some(uid) = uid {
+                let _ = tokio::task::spawn_blocking(move || guard::remove(uid)).await;
             }
         }
         let removed = match std::fs::remove_dir_all(&paths.dir) {
