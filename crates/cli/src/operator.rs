@@ -119,6 +119,9 @@ pub async fn key(settings: &Settings, cmd: KeyCommand) -> Result<i32> {
                 "key {} ({}) for account {account}; it is shown only now",
                 row.id, row.prefix
             );
+            if let Some(e2b) = sandpit_store::e2b_spelling(&key) {
+                eprintln!("its spelling for E2B's SDKs (E2B_API_KEY): {e2b}");
+            }
             println!("{key}");
         }
         KeyCommand::List { account } => {

@@ -11,6 +11,7 @@ pub mod admin;
 pub mod api;
 pub mod cluster;
 pub mod config;
+pub mod e2b;
 pub mod error;
 pub(crate) mod idle;
 pub mod metrics;

@@ -196,6 +196,10 @@ async fn first_start(settings: &Settings, store: &Store, public_url: &str) -> Re
         "MCP client configuration:\n{}\n",
         serde_json::to_string_pretty(&mcp)?
     );
+    println!(
+        "E2B's SDKs, unchanged:\n{}",
+        sandpit_core::e2b::environment(public_url, &key)
+    );
     Ok(())
 }
 

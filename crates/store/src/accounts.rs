@@ -245,7 +245,7 @@ impl Store {
              FROM api_keys k JOIN accounts a ON a.id = k.account_id \
              WHERE k.hash = $1 AND k.revoked_at IS NULL",
         )
-        .bind(hash_key(key))
+        .bind(hash_key(&crate::canonical_key(key)))
         .fetch_optional(&self.pool)
         .await?;
         let Some(row) = row else { return Ok(None) };

@@ -91,6 +91,7 @@
 mod accounts;
 mod error;
 mod executions;
+mod key_spelling;
 mod nodes;
 mod sandboxes;
 mod snapshots;
@@ -103,6 +104,7 @@ mod web;
 pub use accounts::{AccountRow, KeyRow, LedgerRow};
 pub use error::{Result, StoreError};
 pub use executions::{ExecutionPage, ExecutionResult, ExecutionRow, PortRow};
+pub use key_spelling::{canonical_key, e2b_spelling};
 pub use nodes::{ms_to_time, Candidate, LostNode, NewNode, NodeRow};
 pub use sandboxes::{
     CreateOutcome, EventRow, ExtendOutcome, NewSandbox, SandboxPage, SandboxRow, UsageRow,

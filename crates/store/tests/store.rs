@@ -514,11 +514,22 @@ async fn keys_store_a_hash_show_a_prefix_and_can_be_revoked(store: Store) {
 
     assert!(store.authenticate("sp_wrong").await.unwrap().is_none());
     assert!(store.authenticate(&key[..42]).await.unwrap().is_none());
+    // Its E2B spelling is the same key.
+    let e2b = sandpit_store::e2b_spelling(&key).unwrap();
+    assert!(e2b.starts_with("e2b_"));
+    let (k4, a4) = store.authenticate(&e2b).await.unwrap().unwrap();
+    assert_eq!((k4.id, a4), (row.id.clone(), acct.clone()));
+    let mut wrong = e2b.clone().into_bytes();
+    let last = wrong.len() - 1;
+    wrong[last] = if wrong[last] == b'0' { b'1' } else { b'0' };
+    let wrong = String::from_utf8(wrong).unwrap();
+    assert!(store.authenticate(&wrong).await.unwrap().is_none());
 
     // A second key, then revoke the first by its prefix.
     let (key2, row2) = store.create_key(&acct.id).await.unwrap();
     assert!(store.revoke_key(&row.prefix).await.unwrap());
     assert!(store.authenticate(&key).await.unwrap().is_none());
+    assert!(store.authenticate(&e2b).await.unwrap().is_none());
     assert!(!store.revoke_key(&row.prefix).await.unwrap());
     assert!(store.authenticate(&key2).await.unwrap().is_some());
     let keys = store.list_keys(Some(&acct.id)).await.unwrap();

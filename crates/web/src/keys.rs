@@ -85,6 +85,7 @@ pub(crate) fn new_key_page(
         }}
     });
     let mcp = serde_json::to_string_pretty(&mcp).unwrap_or_default();
+    let e2b_env = sandpit_core::e2b::environment(&web.config.public_url, key);
     let body = html! {
         h1 { (title) }
         section class="card" {
@@ -94,6 +95,9 @@ pub(crate) fn new_key_page(
             h2 { "MCP client configuration" }
             p { "For Claude Code, Claude Desktop or any MCP client over Streamable HTTP:" }
             pre id="mcp-config" { (mcp) }
+            h2 { "E2B SDKs" }
+            p { "E2B's Python and JavaScript SDKs work unchanged with these three variables (the key's E2B spelling is the same key):" }
+            pre id="e2b-env" { (e2b_env) }
             p { a href="/keys" { "API keys" } " · " a href="/sandboxes" { "Sandboxes" } }
         }
     };

@@ -467,11 +467,30 @@ async fn a_person_uses_the_dashboard_in_a_real_browser() {
         "{mcp}"
     );
     assert_eq!(rest_get(&url, &new_key, "/account").await.0, 200);
+    // The E2B SDKs' variables, with the key's E2B spelling, which is the
+    // same key.
+    let e2b = b
+        .execute(
+            "return document.getElementById('e2b-env').textContent",
+            vec![],
+        )
+        .await;
+    let e2b = e2b.as_str().unwrap().to_string();
+    assert!(e2b.contains(&format!("E2B_API_URL={url}/e2b")), "{e2b}");
+    assert!(e2b.contains(&format!("E2B_SANDBOX_URL={url}\n")), "{e2b}");
+    let e2b_key = e2b
+        .lines()
+        .find_map(|l| l.strip_prefix("export E2B_API_KEY="))
+        .expect("E2B_API_KEY")
+        .to_string();
+    assert!(e2b_key.starts_with("e2b_"), "{e2b}");
+    assert_eq!(rest_get(&url, &e2b_key, "/account").await.0, 200);
     click_and_load(&b, "API keys").await;
     click_and_load(&b, &format!("Revoke {}", &new_key[..12])).await;
     b.wait_for_text("revoked", PATIENCE).await;
     shots.take(&b, "keys").await;
     assert_eq!(rest_get(&url, &new_key, "/account").await.0, 401);
+    assert_eq!(rest_get(&url, &e2b_key, "/account").await.0, 401);
 
     // Sign out: the dashboard asks for a key again.
     click_and_load(&b, "Sign out").await;
