@@ -353,8 +353,7 @@ fn create_request(size: &str) -> CreateSandbox {
     CreateSandbox {
         size: Some(size.to_string()),
         timeout_minutes: Some(30),
-        name: None,
-        snapshot_id: None,
+        ..CreateSandbox::default()
     }
 }
 

@@ -381,6 +381,7 @@ async fn create_from_snapshot(a: CreateArgs, snapshot_id: String) -> Result<i32>
         name: a.name,
         timeout_minutes: Some(timeout),
         snapshot_id: Some(snapshot_id),
+        ..CreateSandbox::default()
     };
     let (sandbox, _) = api
         .create_sandbox(&caller, req, None)

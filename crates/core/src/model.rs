@@ -94,6 +94,15 @@ pub struct Sandbox {
     /// An account's live sandboxes together are held to `account_disk_bytes`.
     #[serde(default)]
     pub disk_used_bytes: u64,
+    /// See [`CreateSandbox::metadata`] (not part of the REST API).
+    #[serde(skip)]
+    #[schemars(skip)]
+    pub metadata: BTreeMap<String, String>,
+    /// The token E2B's data plane (envd's API) is reached with, for this
+    /// sandbox only (not part of the REST API).
+    #[serde(skip)]
+    #[schemars(skip)]
+    pub access_token: Option<String>,
 }
 
 /// `POST /sandboxes` body and `create_sandbox` input.
@@ -114,6 +123,15 @@ pub struct CreateSandbox {
     /// different `size` is refused).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub snapshot_id: Option<String>,
+    /// E2B's labels, which its lists filter by (not part of the REST API).
+    #[serde(skip)]
+    #[schemars(skip)]
+    pub metadata: BTreeMap<String, String>,
+    /// Environment variables every command in the sandbox gets, under the
+    /// command's own (E2B's `envVars`; not part of the REST API).
+    #[serde(skip)]
+    #[schemars(skip)]
+    pub env: BTreeMap<String, String>,
 }
 
 /// The snapshot object: the whole state of a running sandbox at one

@@ -757,6 +757,8 @@ fn new_sandbox(
         deleted_at: None,
         deleted_reason: None,
         disk_used_bytes: 0,
+        metadata: Default::default(),
+        access_token: None,
     }
 }
 

@@ -40,6 +40,7 @@ impl From<CreateSandboxArgs> for CreateSandbox {
             name: a.name,
             timeout_minutes: a.timeout_minutes,
             snapshot_id: a.snapshot_id,
+            ..CreateSandbox::default()
         }
     }
 }

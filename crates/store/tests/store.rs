@@ -263,6 +263,9 @@ fn sandbox(account_id: &str, created_at: OffsetDateTime, minutes: u32, reserve: 
         idempotency: None,
         host_epoch: None,
         snapshot_id: None,
+        metadata: [("made-by".to_string(), "the store's tests".to_string())].into(),
+        env: [("GREETING".to_string(), "hello".to_string())].into(),
+        access_token: Some(format!("token-of-{created_at}")),
     }
 }
 
@@ -582,6 +585,11 @@ async fn the_ledger_reserves_refunds_and_settles_once(store: Store) {
     );
     assert_eq!(sbx.status, SandboxStatus::Provisioning);
     assert_eq!(store.balance(&acct.id).await.unwrap(), 910_000);
+    // E2B's metadata, environment and token come back as written.
+    let again = store.sandbox(&sbx.id).await.unwrap().unwrap();
+    assert_eq!(again.metadata["made-by"], "the store's tests");
+    assert_eq!(again.env["GREETING"], "hello");
+    assert_eq!(again.access_token, Some(format!("token-of-{T0}")));
     // Something that happened to it, its status unchanged.
     assert!(store
         .note_event(&sbx.id, "stopped: the disk")

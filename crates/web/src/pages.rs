@@ -239,6 +239,7 @@ pub(crate) async fn create(
         name: Some(f.name.trim().to_string()).filter(|n| !n.is_empty()),
         timeout_minutes: Some(f.timeout_minutes),
         snapshot_id: from_snapshot.then_some(f.snapshot_id),
+        ..CreateSandbox::default()
     };
     match web.api.create_sandbox(&signed.caller, req, None).await {
         Ok((s, _)) => Ok(Redirect::to(&format!("/sandboxes/{}", s.id)).into_response()),

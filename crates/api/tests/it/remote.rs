@@ -39,7 +39,7 @@ async fn every_method_round_trips() {
         size: Some("medium".into()),
         name: Some("r".into()),
         timeout_minutes: Some(20),
-        snapshot_id: None,
+        ..CreateSandbox::default()
     };
     let (sbx, replayed) = api
         .create_sandbox(&me, req.clone(), Some("idem-1".into()))

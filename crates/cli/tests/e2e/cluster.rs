@@ -73,6 +73,9 @@ fn a_server_on_postgresql_keeps_its_state_there_and_only_its_own_sandboxes() {
                 idempotency: None,
                 host_epoch: None,
                 snapshot_id: None,
+                metadata: Default::default(),
+                env: Default::default(),
+                access_token: None,
             })
             .await
             .unwrap()
@@ -584,6 +587,9 @@ fn a_replica_names_a_sandbox_after_the_warm_vm_a_node_published() {
             max_concurrent: None,
             disk_limit_bytes: None,
             idempotency: None,
+            metadata: Default::default(),
+            env: Default::default(),
+            access_token: None,
         };
         assert!(matches!(
             store.create_sandbox(taken).await.unwrap(),

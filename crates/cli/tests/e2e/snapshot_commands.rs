@@ -176,6 +176,7 @@ fn snapshot_restore_fork_create_list_delete() {
             name: Some("from-cli".into()),
             timeout_minutes: Some(60),
             snapshot_id: Some(snap.clone()),
+            ..CreateSandbox::default()
         }
     );
 

@@ -310,6 +310,11 @@ impl Service {
                 .idempotency_key
                 .clone()
                 .map(|k| (k, order.request_hash.clone())),
+            metadata: order.req.metadata.clone(),
+            env: order.req.env.clone(),
+            // Every sandbox can be reached through E2B's data plane,
+            // whichever surface made it.
+            access_token: Some(hex::encode(rand::random::<[u8; 16]>())),
         };
         let outcome = self.store.create_sandbox_named(new, id).await;
         let warm = match taken.into_inner().unwrap() {

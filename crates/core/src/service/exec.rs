@@ -27,7 +27,18 @@ use tokio::sync::{mpsc, oneshot};
 
 impl Service {
     /// Starts `req` in `row`'s sandbox, wherever its VM runs.
-    async fn start_command(&self, row: &SandboxRow, req: ExecRequest) -> Result<Box<dyn Command>> {
+    async fn start_command(
+        &self,
+        row: &SandboxRow,
+        mut req: ExecRequest,
+    ) -> Result<Box<dyn Command>> {
+        // The sandbox's own environment (given at its create), under the
+        // command's.
+        if !row.env.is_empty() {
+            let mut env = row.env.clone();
+            env.append(&mut req.env);
+            req.env = env;
+        }
         let machines = self.machines_for(row).await?;
         match machines.exec(&row.id, req).await {
             Ok(command) => Ok(command),

@@ -481,6 +481,8 @@ pub(super) fn to_sandbox(r: &SandboxRow) -> Sandbox {
         deleted_at: r.deleted_at.map(rfc3339),
         deleted_reason: r.deleted_reason.clone(),
         disk_used_bytes: r.disk_used_bytes,
+        metadata: r.metadata.clone(),
+        access_token: r.access_token.clone(),
     }
 }
 
@@ -670,6 +672,9 @@ mod tests {
             snapshot_id: None,
             paused_at,
             paused_seconds,
+            metadata: Default::default(),
+            env: Default::default(),
+            access_token: None,
         }
     }
 

@@ -115,7 +115,6 @@ async fn insert_sandbox(
         sqlx::query(sqlx::AssertSqlSafe(sql)),
         new,
         new.host_epoch.and(host_max),
-        postgres,
     );
     let Some(row) = inserted(query.fetch_optional(&mut **tx).await, new)? else {
         return Ok(None);
@@ -185,8 +184,9 @@ fn insert_sql(postgres: bool, host_max: &str) -> String {
     let sandbox = format!(
         "INSERT INTO sandboxes (id, account_id, name, size, vcpus, memory_mb, disk_gb, \
            timeout_minutes, status, price_micros_per_hour, host, created_at, expires_at, \
-           snapshot_id) \
-         SELECT $1, $2, $3, $4, $5, $6, $7, $8, 'provisioning', $9, $10, $11, $12, $18 \
+           snapshot_id, metadata, env, access_token) \
+         SELECT $1, $2, $3, $4, $5, $6, $7, $8, 'provisioning', $9, $10, $11, $12, $18, \
+           $20, $21, $22 \
          FROM accounts a WHERE a.id = $2 \
            AND NOT EXISTS (SELECT 1 FROM idempotency WHERE account_id = a.id AND key = $13) \
            AND ({host_max} IS NULL OR (SELECT COUNT(*) FROM sandboxes \
@@ -265,7 +265,8 @@ pub(crate) fn create_function() -> &'static (String, String) {
         let name = format!("sandpit_create_sandbox_{hash}");
         let definition = format!(
             "CREATE OR REPLACE FUNCTION {name}(text, text, text, text, bigint, bigint, bigint, \
-                 bigint, bigint, text, text, text, text, bigint, bigint, bigint, bigint, text, text) \
+                 bigint, bigint, text, text, text, text, bigint, bigint, bigint, bigint, text, text, \
+                 text, text, text) \
              RETURNS SETOF sandboxes LANGUAGE plpgsql AS $create$ {body} $create$"
         );
         (name, definition)
@@ -308,9 +309,8 @@ fn bind_create<'q>(
     query: sqlx::query::Query<'q, Any, sqlx::any::AnyArguments>,
     new: &'q NewSandbox,
     fourteenth: Option<i64>,
-    postgres: bool,
 ) -> sqlx::query::Query<'q, Any, sqlx::any::AnyArguments> {
-    let query = query
+    query
         .bind(&new.id)
         .bind(&new.account_id)
         .bind(&new.name)
@@ -331,11 +331,13 @@ fn bind_create<'q>(
             new.disk_limit_bytes
                 .map(|l| i64::try_from(l).unwrap_or(i64::MAX)),
         )
-        .bind(&new.snapshot_id);
-    match postgres {
-        true => query.bind(new.idempotency.as_ref().map(|(_, hash)| hash.clone())),
-        false => query,
-    }
+        .bind(&new.snapshot_id)
+        // Bound on SQLite too (its statement does not use it), so that the
+        // ones after keep their numbers.
+        .bind(new.idempotency.as_ref().map(|(_, hash)| hash.clone()))
+        .bind(super::json_map_text(&new.metadata))
+        .bind(super::json_map_text(&new.env))
+        .bind(&new.access_token)
 }
 
 impl Store {
@@ -376,15 +378,10 @@ impl Store {
             // The common case in one round trip (see `create_function`).
             let sql = format!(
                 "SELECT * FROM {}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, \
-                 $14, $15, $16, $17, $18, $19)",
+                 $14, $15, $16, $17, $18, $19, $20, $21, $22)",
                 create_function().0
             );
-            let query = bind_create(
-                sqlx::query(sqlx::AssertSqlSafe(sql)),
-                &new,
-                new.host_epoch,
-                true,
-            );
+            let query = bind_create(sqlx::query(sqlx::AssertSqlSafe(sql)), &new, new.host_epoch);
             if let Some(row) = inserted(query.fetch_optional(&self.pool).await, &new)? {
                 return Ok(CreateOutcome::Created(row));
             }

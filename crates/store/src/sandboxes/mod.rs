@@ -49,6 +49,10 @@ pub struct SandboxRow {
     /// Seconds it spent paused before `paused_at` (billed at the paused
     /// rate).
     pub paused_seconds: u64,
+    /// See [`NewSandbox::metadata`].
+    pub metadata: std::collections::BTreeMap<String, String>,
+    pub env: std::collections::BTreeMap<String, String>,
+    pub access_token: Option<String>,
 }
 
 impl SandboxRow {
@@ -94,6 +98,11 @@ pub struct NewSandbox {
     pub disk_limit_bytes: Option<u64>,
     /// `(Idempotency-Key, hash of the request body)`, if the request had a key.
     pub idempotency: Option<(String, String)>,
+    /// E2B's metadata, the environment of every command, and the data
+    /// plane's token (see migration 0013); empty and `None` elsewhere.
+    pub metadata: std::collections::BTreeMap<String, String>,
+    pub env: std::collections::BTreeMap<String, String>,
+    pub access_token: Option<String>,
     /// On a shared database: the epoch `host` must be `up` at, within its
     /// lease (see [`Store::register_node`]), and it must have room (its
     /// `max_sandboxes`), checked in the create's transaction under the
@@ -207,7 +216,24 @@ pub(crate) fn sandbox_from(row: &AnyRow) -> Result<SandboxRow> {
         snapshot_id: get_opt_str(row, "snapshot_id")?,
         paused_at: get_opt_ts(row, "paused_at")?,
         paused_seconds: get_i64(row, "paused_seconds")?.max(0) as u64,
+        metadata: get_json_map(row, "metadata")?,
+        env: get_json_map(row, "env")?,
+        access_token: get_opt_str(row, "access_token")?,
     })
+}
+
+/// A JSON object of strings stored as text (NULL: empty).
+fn get_json_map(row: &AnyRow, column: &str) -> Result<std::collections::BTreeMap<String, String>> {
+    match get_opt_str(row, column)? {
+        None => Ok(Default::default()),
+        Some(text) => serde_json::from_str(&text)
+            .map_err(|e| crate::StoreError::Corrupt(format!("sandbox {column}: {e}"))),
+    }
+}
+
+/// The text [`get_json_map`] reads: NULL for an empty map.
+pub(crate) fn json_map_text(map: &std::collections::BTreeMap<String, String>) -> Option<String> {
+    (!map.is_empty()).then(|| serde_json::to_string(map).expect("a map of strings serializes"))
 }
 
 fn event_from(row: &AnyRow) -> Result<EventRow> {
