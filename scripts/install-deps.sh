@@ -85,6 +85,8 @@ fi
 
 # --- Everything else -----------------------------------------------------
 # g++: libFuzzer, which the fuzz targets (scripts/fuzz.sh) link, is C++.
+# python3-venv: the E2B tests install E2B's Python SDK in an environment of
+# its own (scripts/e2b-sdks.sh).
 # postgresql: the tests start their own server from its initdb (as the
 # postgres user the package creates); a cluster's shared state lives on one.
 # chromium, chromium-driver: the browser tests drive a headless Chromium
@@ -94,7 +96,7 @@ fi
 # systemd-container, dpkg-dev: the package test builds the .deb (cargo-deb
 # reads library needs with dpkg-shlibdeps) and boots a clean Debian root
 # with systemd in systemd-nspawn to install it.
-pkgs=(debootstrap passt e2fsprogs iproute2 python3 curl ca-certificates
+pkgs=(debootstrap passt e2fsprogs iproute2 python3 python3-venv curl ca-certificates
   gcc g++ libc6-dev pkg-config nftables libnss-myhostname postgresql
   chromium chromium-driver fonts-dejavu-core
   systemd-container dpkg-dev)

@@ -247,6 +247,8 @@ aside set-up-test target/setup-test.json \
 # cargo-deb and cargo-fuzz (cargo install compiles them; nothing to do when
 # they are there) install beside the build.
 beside tools bash -c 'scripts/package.sh --install-tool && scripts/fuzz.sh --install-tool'
+# E2B's SDKs at their pinned versions (PyPI), for the E2B tests.
+beside e2b-sdks scripts/e2b-sdks.sh
 
 step "build"
 scripts/build.sh
@@ -291,6 +293,8 @@ status=0
 step "waiting for the guest image and the previous release"
 joined guest-image
 joined previous-release
+joined e2b-sdks
+export SANDPIT_E2B_PYTHON="$built/e2b-sdks/python/bin/python"
 
 step "tests (and the end of the set-up test)"
 # Two lanes: the end-to-end tests (crates/cli/tests/e2e, most of the time)

@@ -291,8 +291,15 @@ async fn side(
     let account =
         sandpit_core::admin::create_account(svc.store(), &service, "bench", 100_000.0).await?;
     let api: Arc<dyn SandboxApi> = svc.clone();
+    let e2b = sandpit_e2b::E2b {
+        api: api.clone(),
+        domain: service.preview_domain.clone(),
+        default_size: api.service_info().await?.default_size,
+    };
     let front = Arc::new(sandpit_server::front::Front {
-        api: sandpit_api::router(api, sandpit_api::RestConfig::default()),
+        api: sandpit_api::router(api, sandpit_api::RestConfig::default())
+            .nest_service("/e2b", sandpit_e2b::control_plane(e2b.clone())),
+        e2b_data: sandpit_e2b::data_plane(e2b),
         proxy: sandpit_server::proxy::Proxy::new(svc.clone(), &svc.config().preview_scheme),
         preview_domain: service.preview_domain.clone(),
         preview_scheme: service.preview_scheme.clone(),

@@ -136,6 +136,14 @@ pub trait Accounts: Send + Sync {
     async fn account(&self, caller: &Caller) -> Result<Account>;
     /// No key needed.
     async fn service_info(&self) -> Result<ServiceInfo>;
+    /// Resolve a sandbox's data-plane token (E2B's `envdAccessToken`) to
+    /// the sandbox's account: `not_found` for a sandbox that is not live,
+    /// `unauthorized` for a token that is not its own. A backend without
+    /// tokens refuses every one.
+    async fn authenticate_sandbox(&self, sandbox_id: &str, token: &str) -> Result<Caller> {
+        let _ = (sandbox_id, token);
+        Err(crate::error::CoreError::unauthorized())
+    }
 }
 
 /// A sandbox's life: create, look up, list, extend, destroy, pause and resume.

@@ -1,6 +1,7 @@
 //! The front door of `sandpit serve`: one listener, optionally TLS
 //! (rustls, ALPN h2 and http/1.1), HTTP/1.1 and HTTP/2 on every connection,
 //! and one decision per request: a preview host goes to the preview proxy,
+//! a request naming a sandbox in `E2b-Sandbox-Id` to E2B's data plane,
 //! anything else to the API router.
 //!
 //! Why one listener: preview URLs must work on a machine with nothing but
@@ -25,6 +26,9 @@ use tower::ServiceExt;
 /// Where requests go.
 pub struct Front {
     pub api: Router,
+    /// E2B's data plane, for requests that name a sandbox in
+    /// `E2b-Sandbox-Id` (see `sandpit_e2b`).
+    pub e2b_data: Router,
     pub proxy: Proxy,
     pub preview_domain: String,
     pub preview_scheme: String,
@@ -57,7 +61,11 @@ impl Front {
                 let mut req = req.map(Body::new);
                 // The dashboard counts sign-ups per client address.
                 req.extensions_mut().insert(sandpit_web::ClientAddr(peer));
-                match self.api.clone().oneshot(req).await {
+                let router = match sandpit_e2b::is_data_plane(req.headers()) {
+                    true => &self.e2b_data,
+                    false => &self.api,
+                };
+                match router.clone().oneshot(req).await {
                     Ok(r) => r,
                     Err(never) => match never {},
                 }

@@ -306,13 +306,31 @@ pub async fn serve(settings: &Settings, args: ServeArgs) -> Result<i32> {
     if let Some(o) = &settings.mcp_allowed_origins {
         mcp.allowed_origins = o.clone();
     }
-    mcp.limits = api.service_info().await?.limits;
+    let info = api.service_info().await?;
+    mcp.limits = info.limits;
     let shutdown = mcp.shutdown.clone();
     let budget = rest.body_budget.clone();
-    let app = sandpit_api::router(api.clone(), rest).nest_service(
-        "/v1/mcp",
-        sandpit_api::with_request_layers(sandpit_mcp::http_service(api, mcp), &budget),
+    // E2B's API: its control plane under /e2b, its sandboxes' data plane
+    // for requests that name a sandbox in `E2b-Sandbox-Id` (see `front`).
+    let e2b = sandpit_e2b::E2b {
+        api: api.clone(),
+        domain: settings.service.preview_domain.clone(),
+        default_size: info.default_size,
+    };
+    let e2b_data = sandpit_api::with_request_layers(
+        sandpit_e2b::data_plane(e2b.clone())
+            .layer(axum::extract::DefaultBodyLimit::max(rest.max_body_bytes)),
+        &budget,
     );
+    let app = sandpit_api::router(api.clone(), rest)
+        .nest_service(
+            "/v1/mcp",
+            sandpit_api::with_request_layers(sandpit_mcp::http_service(api, mcp), &budget),
+        )
+        .nest_service(
+            "/e2b",
+            sandpit_api::with_request_layers(sandpit_e2b::control_plane(e2b), &budget),
+        );
     let app = metrics.mount(app);
     // The dashboard at `/`, beside the API (whose fallback answers every
     // other path).
@@ -325,6 +343,7 @@ pub async fn serve(settings: &Settings, args: ServeArgs) -> Result<i32> {
     let app = app.merge(sandpit_web::router(svc.clone(), dashboard));
     let front = Arc::new(front::Front {
         api: app,
+        e2b_data,
         proxy: Proxy::new(svc.clone(), &svc.config().preview_scheme),
         preview_domain: settings.service.preview_domain.clone(),
         preview_scheme: settings.service.preview_scheme.clone(),

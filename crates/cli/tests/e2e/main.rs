@@ -20,6 +20,7 @@ mod cluster;
 mod connections;
 mod dashboard;
 mod doctor;
+mod e2b;
 mod idle;
 mod lifecycle;
 mod load;

@@ -35,6 +35,21 @@ impl Accounts for Service {
         }
     }
 
+    /// The API's `authenticate_sandbox`: the token is compared in
+    /// constant time (see [`crate::metrics::token_matches`]).
+    async fn authenticate_sandbox(&self, sandbox_id: &str, token: &str) -> Result<Caller> {
+        let row = match self.store.sandbox(sandbox_id).await? {
+            Some(row) if row.is_live() => row,
+            _ => return Err(CoreError::not_found("sandbox", sandbox_id)),
+        };
+        match &row.access_token {
+            Some(expected) if crate::metrics::token_matches(expected, token) => Ok(Caller {
+                account_id: row.account_id,
+            }),
+            _ => Err(CoreError::unauthorized()),
+        }
+    }
+
     /// The API's `usage`.
     async fn usage(&self, caller: &Caller, days: Option<u32>) -> Result<Usage> {
         let days = days.unwrap_or(30);

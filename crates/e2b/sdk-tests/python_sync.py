@@ -1,0 +1,133 @@
+"""E2B's Python SDK (sync), unchanged, against a Sandpit server.
+
+Run by crates/cli/tests/e2e/e2b.rs with E2B_API_URL, E2B_SANDBOX_URL and
+E2B_API_KEY pointing at the server; SANDPIT_REVOKED_KEY is a key that was
+revoked. Prints one `ok <check>` line per check; any failure raises.
+"""
+import os
+import time
+
+from e2b import Sandbox
+from e2b import (
+    AuthenticationException,
+    CommandExitException,
+    NotFoundException,
+    SandboxException,
+)
+
+
+def ok(what):
+    print(f"ok {what}", flush=True)
+
+
+sbx = Sandbox.create(timeout=120, metadata={"suite": "python-sync", "run": "1"}, envs={"FROM_CREATE": "made at create"})
+try:
+    assert sbx.sandbox_id, sbx
+    ok("create")
+
+    r = sbx.commands.run("uname -a")
+    assert r.exit_code == 0 and r.stdout.startswith("Linux"), r
+    ok("commands.run")
+
+    # Output reaches the callbacks as it is written, not at the end.
+    seen = []
+    r = sbx.commands.run(
+        "for i in 1 2 3 4; do echo line $i; sleep 1; done",
+        on_stdout=lambda line: seen.append((time.monotonic(), line)),
+    )
+    assert [l.strip() for _, l in seen] == ["line 1", "line 2", "line 3", "line 4"], seen
+    spread = seen[-1][0] - seen[0][0]
+    assert spread >= 2.5, f"the callbacks came {spread:.2f} s apart from first to last"
+    ok(f"on_stdout as it comes ({spread:.1f} s from first to last)")
+
+    errs = []
+    try:
+        sbx.commands.run("echo out; echo oops >&2; exit 3", on_stderr=errs.append)
+        raise AssertionError("no CommandExitException")
+    except CommandExitException as e:
+        assert e.exit_code == 3, e
+        assert e.stdout.strip() == "out" and e.stderr.strip() == "oops", (e.stdout, e.stderr)
+        assert [x.strip() for x in errs] == ["oops"], errs
+    ok("CommandExitException")
+
+    r = sbx.commands.run("pwd; echo $FROM_CREATE; echo $MINE", cwd="/tmp", envs={"MINE": "mine"})
+    assert r.stdout.split("\n")[:3] == ["/tmp", "made at create", "mine"], r.stdout
+    r = sbx.commands.run("pwd; whoami")
+    assert r.stdout.split() == ["/home/user", "user"], r.stdout
+    ok("cwd, envs, the create's envs, the default user")
+
+    try:
+        sbx.commands.run("sleep 30", timeout=2)
+        raise AssertionError("no timeout")
+    except Exception as e:  # the SDK's TimeoutException
+        assert "timeout" in type(e).__name__.lower() or "deadline" in str(e).lower(), repr(e)
+    ok("timeout")
+
+    try:
+        sbx.commands.run("id", user="root")
+        raise AssertionError("root was allowed")
+    except SandboxException as e:
+        assert "unprivileged" in str(e), e
+    ok("another user is refused, saying why")
+
+    info = sbx.files.write("notes/hello.txt", "hello from the SDK\n")
+    assert info.path == "/home/user/notes/hello.txt", info
+    assert sbx.files.read("notes/hello.txt") == "hello from the SDK\n"
+    blob = bytes(range(256)) * 4096
+    sbx.files.write("/tmp/blob.bin", blob)
+    back = sbx.files.read("/tmp/blob.bin", format="bytes")
+    assert bytes(back) == blob, len(back)
+    r = sbx.commands.run("sha256sum /tmp/blob.bin | cut -c1-16")
+    import hashlib
+    assert r.stdout.strip() == hashlib.sha256(blob).hexdigest()[:16], r.stdout
+    try:
+        sbx.files.read("/no/such/file")
+        raise AssertionError("read a missing file")
+    except NotFoundException:
+        pass
+    ok("files.write and files.read (text, 1 MiB of every byte value, a missing file)")
+
+    assert sbx.is_running()
+    got = sbx.get_info()
+    assert got.sandbox_id == sbx.sandbox_id and got.metadata == {"suite": "python-sync", "run": "1"}, got
+    assert got.state.value == "running" if hasattr(got.state, "value") else got.state == "running", got
+    ok("is_running, get_info")
+
+    found = Sandbox.list(query=None).next_items()
+    assert any(s.sandbox_id == sbx.sandbox_id for s in found), found
+    from e2b import SandboxQuery
+    mine = Sandbox.list(query=SandboxQuery(metadata={"suite": "python-sync"})).next_items()
+    assert [s.sandbox_id for s in mine] == [sbx.sandbox_id], mine
+    none = Sandbox.list(query=SandboxQuery(metadata={"suite": "nobody"})).next_items()
+    assert none == [], none
+    ok("list, filtered by metadata")
+
+    before = sbx.get_info().end_at
+    sbx.set_timeout(600)
+    after = sbx.get_info().end_at
+    assert after > before, (before, after)
+    ok("set_timeout")
+
+    again = Sandbox.connect(sbx.sandbox_id)
+    assert again.commands.run("echo again").stdout.strip() == "again"
+    ok("connect")
+finally:
+    killed = sbx.kill()
+
+assert killed is True, killed
+assert not sbx.is_running()
+try:
+    Sandbox.get_info(sbx.sandbox_id)
+    raise AssertionError("a killed sandbox was found")
+except NotFoundException:
+    pass
+assert Sandbox.kill(sbx.sandbox_id) is False
+ok("kill; a killed sandbox is not found")
+
+for key in ["e2b_" + "0" * 50, os.environ["SANDPIT_REVOKED_KEY"]]:
+    try:
+        Sandbox.create(api_key=key)
+        raise AssertionError("a bad key was accepted")
+    except AuthenticationException:
+        pass
+ok("a wrong or revoked key is refused")

@@ -1,0 +1,390 @@
+//! The control plane: E2B's `/sandboxes` REST API over [`SandboxApi`],
+//! nested under `/e2b` (`E2B_API_URL=<server>/e2b`).
+//!
+//! How E2B's terms map onto Sandpit's:
+//! - **Templates are sizes.** `base` (the SDKs' default) is the service's
+//!   default size; a size's name (`small`, `medium`, `large`) picks that
+//!   size; a snapshot's id (`snap_…`) starts from that snapshot. Templates
+//!   built from images are not (yet) Sandpit's.
+//! - **Timeouts are in seconds** on E2B's wire and in whole minutes in
+//!   Sandpit: a timeout is rounded up to the next minute (at least one).
+//! - **Metadata and `envVars`** are kept on the sandbox; every command in
+//!   it gets the variables, under its own.
+
+use crate::error::HttpError;
+use crate::wire::{self, Connect, NewSandbox, Timeout};
+use crate::E2b;
+use axum::extract::{FromRequestParts, Path, Query, State};
+use axum::http::request::Parts;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use sandpit_core::{Caller, CoreError, CreateSandbox, ErrorType, ListSandboxes, SandboxStatus};
+use std::collections::BTreeMap;
+use time::OffsetDateTime;
+
+type Answer = Result<Response, HttpError>;
+
+/// The control plane's routes (to nest under `/e2b`).
+pub fn control_plane(e2b: E2b) -> Router {
+    Router::new()
+        .route("/v2/sandboxes", post(create).get(list))
+        .route("/sandboxes", post(create).get(list))
+        .route("/sandboxes/{id}", get(get_info).delete(kill))
+        .route("/sandboxes/{id}/timeout", post(set_timeout))
+        .route("/sandboxes/{id}/pause", post(pause))
+        .route("/v2/sandboxes/{id}/connect", post(connect))
+        .route("/sandboxes/{id}/connect", post(connect))
+        .route("/sandboxes/{id}/resume", post(connect))
+        .fallback(not_built)
+        .with_state(e2b)
+}
+
+/// The caller, by its API key: `X-API-KEY` (E2B's header) or
+/// `Authorization: Bearer`.
+pub struct Authed(pub Caller);
+
+impl FromRequestParts<E2b> for Authed {
+    type Rejection = HttpError;
+
+    async fn from_request_parts(parts: &mut Parts, e2b: &E2b) -> Result<Self, HttpError> {
+        let header = |name: &str| {
+            parts
+                .headers
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::trim)
+        };
+        let key = header("x-api-key").filter(|k| !k.is_empty()).or_else(|| {
+            header("authorization")
+                .and_then(|a| a.strip_prefix("Bearer ").or(a.strip_prefix("bearer ")))
+                .map(str::trim)
+        });
+        let Some(key) = key else {
+            return Err(HttpError::new(
+                StatusCode::UNAUTHORIZED,
+                "an API key is required: set E2B_API_KEY to a Sandpit key (either spelling)",
+            ));
+        };
+        Ok(Authed(e2b.api.authenticate(key).await?))
+    }
+}
+
+/// What is not built answers 404 with its name, never a hang or a 500.
+async fn not_built(method: axum::http::Method, uri: axum::http::Uri) -> HttpError {
+    HttpError::new(
+        StatusCode::NOT_FOUND,
+        format!(
+            "{method} {} is not part of Sandpit's E2B API (see the README's \"Using the E2B SDKs\" for what is)",
+            uri.path()
+        ),
+    )
+}
+
+/// A size by E2B template name (see the module doc); `Err` says what is.
+fn size_of_template(
+    e2b: &E2b,
+    template: &str,
+    sizes: &[String],
+) -> Result<CreateSandbox, HttpError> {
+    if template == "base" {
+        return Ok(CreateSandbox {
+            size: Some(e2b.default_size.clone()),
+            ..CreateSandbox::default()
+        });
+    }
+    if sizes.iter().any(|s| s == template) {
+        return Ok(CreateSandbox {
+            size: Some(template.to_string()),
+            ..CreateSandbox::default()
+        });
+    }
+    if template.starts_with("snap_") {
+        return Ok(CreateSandbox {
+            snapshot_id: Some(template.to_string()),
+            ..CreateSandbox::default()
+        });
+    }
+    Err(HttpError::bad_request(format!(
+        "template {template:?} is not one of Sandpit's: its templates are \"base\" (the default \
+         size, {}), the sizes {} and snapshot ids (snap_…); templates built from images are not \
+         supported",
+        e2b.default_size,
+        sizes.join(", ")
+    )))
+}
+
+/// Seconds to Sandpit's whole minutes, rounded up, at least one.
+fn minutes(seconds: u64) -> u32 {
+    u32::try_from(seconds.div_ceil(60).max(1)).unwrap_or(u32::MAX)
+}
+
+async fn create(
+    State(e2b): State<E2b>,
+    Authed(caller): Authed,
+    headers: HeaderMap,
+    Json(body): Json<NewSandbox>,
+) -> Answer {
+    refuse_unsupported(&body)?;
+    let info = e2b.api.service_info().await?;
+    let sizes: Vec<String> = info.sizes.iter().map(|s| s.name.clone()).collect();
+    let template = body.template_id.as_deref().unwrap_or("base");
+    let mut req = size_of_template(&e2b, template, &sizes)?;
+    // E2B's default life is 300 s.
+    req.timeout_minutes = Some(minutes(body.timeout.unwrap_or(300)));
+    req.metadata = body.metadata.unwrap_or_default();
+    req.env = body.env_vars.unwrap_or_default();
+    let key = headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let (sandbox, _) = e2b.api.create_sandbox(&caller, req, key).await?;
+    Ok((StatusCode::CREATED, Json(e2b.created(&sandbox))).into_response())
+}
+
+/// A create asking for what Sandpit does not do yet is refused, saying so.
+fn refuse_unsupported(body: &NewSandbox) -> Result<(), HttpError> {
+    let refuse = |what: &str| {
+        Err(HttpError::bad_request(format!(
+            "{what} is not supported by Sandpit's E2B API yet"
+        )))
+    };
+    if body.allow_internet_access == Some(false) {
+        return refuse("allow_internet_access=False (a sandbox with no egress)");
+    }
+    if body.auto_pause == Some(true) {
+        return refuse("auto-pause on timeout");
+    }
+    if body.network.as_ref().is_some_and(|n| !n.is_null()) {
+        return refuse("a network policy (network=…)");
+    }
+    if body.mcp.as_ref().is_some_and(|m| !m.is_null()) {
+        return refuse("the MCP gateway (mcp=…)");
+    }
+    if body.volume_mounts.as_ref().is_some_and(|v| !v.is_empty()) {
+        return refuse("volumes");
+    }
+    Ok(())
+}
+
+/// A live sandbox of the caller's, or E2B's 404.
+async fn live(e2b: &E2b, caller: &Caller, id: &str) -> Result<sandpit_core::Sandbox, HttpError> {
+    let not_found = || HttpError::new(StatusCode::NOT_FOUND, format!("Sandbox {id} not found"));
+    match e2b.api.get_sandbox(caller, id).await {
+        Ok(s) if wire::state_of(s.status).is_some() => Ok(s),
+        Ok(_) => Err(not_found()),
+        Err(e) if e.kind == ErrorType::NotFound => Err(not_found()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+async fn get_info(
+    State(e2b): State<E2b>,
+    Authed(caller): Authed,
+    Path(id): Path<String>,
+) -> Answer {
+    let sandbox = live(&e2b, &caller, &id).await?;
+    Ok(Json(e2b.info(&sandbox, true)).into_response())
+}
+
+async fn kill(State(e2b): State<E2b>, Authed(caller): Authed, Path(id): Path<String>) -> Answer {
+    live(&e2b, &caller, &id).await?;
+    match e2b.api.destroy_sandbox(&caller, &id).await {
+        Ok(_) => Ok(StatusCode::NO_CONTENT.into_response()),
+        Err(e) if e.kind == ErrorType::NotFound => Err(HttpError::new(
+            StatusCode::NOT_FOUND,
+            format!("Sandbox {id} not found"),
+        )),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// E2B's `set_timeout`: the sandbox ends `timeout` seconds from now.
+/// Sandpit lengthens a life; it does not shorten one yet.
+async fn set_timeout(
+    State(e2b): State<E2b>,
+    Authed(caller): Authed,
+    Path(id): Path<String>,
+    Json(body): Json<Timeout>,
+) -> Answer {
+    let sandbox = live(&e2b, &caller, &id).await?;
+    lengthen(&e2b, &caller, &sandbox, body.timeout).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+/// Make `sandbox` live at least `seconds` from now.
+async fn lengthen(
+    e2b: &E2b,
+    caller: &Caller,
+    sandbox: &sandpit_core::Sandbox,
+    seconds: u64,
+) -> Result<(), HttpError> {
+    let expires = OffsetDateTime::parse(
+        &sandbox.expires_at,
+        &time::format_description::well_known::Rfc3339,
+    )
+    .map_err(|e| CoreError::internal(format!("the sandbox's expiry: {e}")))?;
+    let left = (expires - OffsetDateTime::now_utc()).whole_seconds().max(0) as u64;
+    if seconds > left {
+        let more = minutes(seconds - left);
+        e2b.api
+            .extend_sandbox(caller, &sandbox.id, Some(more))
+            .await?;
+    } else if seconds + 60 < left {
+        return Err(HttpError::bad_request(format!(
+            "the sandbox has {left} s left; Sandpit can lengthen a sandbox's life but not shorten \
+             it yet (kill it to end it now)"
+        )));
+    }
+    Ok(())
+}
+
+async fn pause(State(e2b): State<E2b>, Authed(caller): Authed, Path(id): Path<String>) -> Answer {
+    let sandbox = live(&e2b, &caller, &id).await?;
+    if sandbox.status == SandboxStatus::Paused {
+        return Err(HttpError::new(
+            StatusCode::CONFLICT,
+            format!("Sandbox {id} is already paused"),
+        ));
+    }
+    e2b.api.pause_sandbox(&caller, &id).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+/// E2B's `connect`: a paused sandbox is resumed; a running one is
+/// answered as it is, its life lengthened to `timeout` if that is longer.
+async fn connect(
+    State(e2b): State<E2b>,
+    Authed(caller): Authed,
+    Path(id): Path<String>,
+    body: Option<Json<Connect>>,
+) -> Answer {
+    let mut sandbox = live(&e2b, &caller, &id).await?;
+    if sandbox.status == SandboxStatus::Paused {
+        sandbox = e2b.api.resume_sandbox(&caller, &id).await?;
+    }
+    if let Some(seconds) = body.and_then(|Json(b)| b.timeout) {
+        let expires = OffsetDateTime::parse(
+            &sandbox.expires_at,
+            &time::format_description::well_known::Rfc3339,
+        )
+        .map_err(|e| CoreError::internal(format!("the sandbox's expiry: {e}")))?;
+        let left = (expires - OffsetDateTime::now_utc()).whole_seconds().max(0) as u64;
+        if seconds > left {
+            lengthen(&e2b, &caller, &sandbox, seconds).await?;
+        }
+    }
+    Ok(Json(e2b.created(&sandbox)).into_response())
+}
+
+/// `GET /v2/sandboxes`' query.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ListQuery {
+    /// `running`, `paused` or both, comma-separated.
+    state: Option<String>,
+    /// Form-encoded pairs of percent-encoded keys and values.
+    metadata: Option<String>,
+    limit: Option<u32>,
+    next_token: Option<String>,
+}
+
+/// E2B's list: live sandboxes, filtered by state and metadata, a page at
+/// a time (`X-Next-Token` names where the next page starts).
+async fn list(
+    State(e2b): State<E2b>,
+    Authed(caller): Authed,
+    Query(q): Query<ListQuery>,
+) -> Answer {
+    let limit = q.limit.unwrap_or(100).clamp(1, 100) as usize;
+    let states: Vec<String> = match &q.state {
+        Some(s) => s.split(',').map(|s| s.trim().to_string()).collect(),
+        None => vec!["running".into(), "paused".into()],
+    };
+    let wanted = metadata_filter(q.metadata.as_deref());
+    let mut found = Vec::new();
+    let mut cursor = q.next_token.clone();
+    let mut next = None;
+    'pages: loop {
+        let page = e2b
+            .api
+            .list_sandboxes(
+                &caller,
+                ListSandboxes {
+                    limit: Some(100),
+                    starting_after: cursor.clone(),
+                    include_deleted: Some(false),
+                },
+            )
+            .await?;
+        for sandbox in &page.data {
+            let Some(state) = wire::state_of(sandbox.status) else {
+                continue;
+            };
+            let matches = states.iter().any(|s| s == state)
+                && wanted
+                    .iter()
+                    .all(|(k, v)| sandbox.metadata.get(k) == Some(v));
+            if !matches {
+                continue;
+            }
+            if found.len() == limit {
+                next = cursor.clone();
+                break 'pages;
+            }
+            found.push(e2b.info(sandbox, false));
+            cursor = Some(sandbox.id.clone());
+        }
+        match (page.has_more, page.data.last()) {
+            (true, Some(last)) => cursor = Some(last.id.clone()),
+            _ => break,
+        }
+    }
+    let mut response = Json(found).into_response();
+    if let Some(token) = next.and_then(|t| HeaderValue::from_str(&t).ok()) {
+        response.headers_mut().insert("x-next-token", token);
+    }
+    Ok(response)
+}
+
+/// The SDKs' metadata filter: `k=v&k2=v2` with each key and value
+/// percent-encoded once more inside (so decoded twice in all).
+fn metadata_filter(encoded: Option<&str>) -> BTreeMap<String, String> {
+    let decode = |s: &str| {
+        percent_encoding::percent_decode_str(s)
+            .decode_utf8_lossy()
+            .into_owned()
+    };
+    encoded
+        .map(|text| {
+            form_urlencoded::parse(text.as_bytes())
+                .map(|(k, v)| (decode(&k), decode(&v)))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timeouts_round_up_to_whole_minutes() {
+        assert_eq!(minutes(0), 1);
+        assert_eq!(minutes(1), 1);
+        assert_eq!(minutes(60), 1);
+        assert_eq!(minutes(61), 2);
+        assert_eq!(minutes(300), 5);
+    }
+
+    #[test]
+    fn the_metadata_filter_is_decoded_as_the_sdks_encode_it() {
+        // {"user id": "a b", "k": "v&w"}: each part percent-encoded, then
+        // form-encoded together (the query's own decoding is axum's).
+        let filter = metadata_filter(Some("user%2520id=a%2520b&k=v%2526w"));
+        assert_eq!(filter["user id"], "a b");
+        assert_eq!(filter["k"], "v&w");
+        assert!(metadata_filter(None).is_empty());
+    }
+}

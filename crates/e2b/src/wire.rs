@@ -1,0 +1,142 @@
+//! The control plane's JSON, as E2B's SDKs send and read it (field names
+//! are E2B's: camelCase, with `templateID`, `sandboxID` and the one
+//! snake_case `allow_internet_access`).
+
+use crate::{E2b, ENVD_VERSION};
+use sandpit_core::{Sandbox, SandboxStatus};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// `POST /v2/sandboxes`. Fields the SDKs send that Sandpit cannot honour
+/// yet are read so that a create asking for them is refused, saying so.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NewSandbox {
+    #[serde(rename = "templateID")]
+    pub template_id: Option<String>,
+    /// Seconds.
+    pub timeout: Option<u64>,
+    pub metadata: Option<BTreeMap<String, String>>,
+    pub env_vars: Option<BTreeMap<String, String>>,
+    #[serde(rename = "allow_internet_access")]
+    pub allow_internet_access: Option<bool>,
+    pub auto_pause: Option<bool>,
+    pub network: Option<serde_json::Value>,
+    pub mcp: Option<serde_json::Value>,
+    pub volume_mounts: Option<Vec<serde_json::Value>>,
+}
+
+/// `POST /sandboxes/{id}/timeout`.
+#[derive(Debug, Deserialize)]
+pub struct Timeout {
+    /// Seconds from now.
+    pub timeout: u64,
+}
+
+/// `POST /v2/sandboxes/{id}/connect`.
+#[derive(Debug, Default, Deserialize)]
+pub struct Connect {
+    /// Seconds from now, if longer than what the sandbox has left.
+    pub timeout: Option<u64>,
+}
+
+/// A sandbox as create and connect answer it.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CreatedSandbox {
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+    #[serde(rename = "sandboxID")]
+    pub sandbox_id: String,
+    #[serde(rename = "clientID")]
+    pub client_id: &'static str,
+    pub envd_version: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub envd_access_token: Option<String>,
+    pub domain: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub alias: Option<String>,
+}
+
+/// A sandbox as get_info (`detail`) and list answer it.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxInfo {
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+    #[serde(rename = "sandboxID")]
+    pub sandbox_id: String,
+    #[serde(rename = "clientID")]
+    pub client_id: &'static str,
+    pub started_at: String,
+    pub end_at: String,
+    pub envd_version: &'static str,
+    pub cpu_count: u32,
+    #[serde(rename = "memoryMB")]
+    pub memory_mb: u32,
+    #[serde(rename = "diskSizeMB")]
+    pub disk_size_mb: u64,
+    pub state: &'static str,
+    pub metadata: BTreeMap<String, String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub alias: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub domain: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub envd_access_token: Option<String>,
+}
+
+/// Any string: the SDKs keep it, nothing reads it.
+const CLIENT_ID: &str = "sandpit";
+
+/// The template a sandbox stands for, as E2B names it: `base` for the
+/// default size, else the size's name (see `control::size_of_template`).
+pub fn template_of(sandbox: &Sandbox, default_size: &str) -> String {
+    match sandbox.size == default_size {
+        true => "base".into(),
+        false => sandbox.size.clone(),
+    }
+}
+
+/// E2B's two states; `None` for one no list shows (ending or ended).
+pub fn state_of(status: SandboxStatus) -> Option<&'static str> {
+    match status {
+        SandboxStatus::Provisioning | SandboxStatus::Running => Some("running"),
+        SandboxStatus::Paused => Some("paused"),
+        SandboxStatus::Deleting | SandboxStatus::Deleted | SandboxStatus::Failed => None,
+    }
+}
+
+impl E2b {
+    pub fn created(&self, sandbox: &Sandbox) -> CreatedSandbox {
+        CreatedSandbox {
+            template_id: template_of(sandbox, &self.default_size),
+            sandbox_id: sandbox.id.clone(),
+            client_id: CLIENT_ID,
+            envd_version: ENVD_VERSION,
+            envd_access_token: sandbox.access_token.clone(),
+            domain: self.domain.clone(),
+            alias: sandbox.name.clone(),
+        }
+    }
+
+    /// `detail` adds what get_info shows beyond a list's entry.
+    pub fn info(&self, sandbox: &Sandbox, detail: bool) -> SandboxInfo {
+        SandboxInfo {
+            template_id: template_of(sandbox, &self.default_size),
+            sandbox_id: sandbox.id.clone(),
+            client_id: CLIENT_ID,
+            started_at: sandbox.created_at.clone(),
+            end_at: sandbox.expires_at.clone(),
+            envd_version: ENVD_VERSION,
+            cpu_count: sandbox.resources.vcpus,
+            memory_mb: sandbox.resources.memory_mb,
+            disk_size_mb: u64::from(sandbox.resources.disk_gb) * 1024,
+            state: state_of(sandbox.status).unwrap_or("running"),
+            metadata: sandbox.metadata.clone(),
+            alias: sandbox.name.clone(),
+            domain: detail.then(|| self.domain.clone()),
+            envd_access_token: detail.then(|| sandbox.access_token.clone()).flatten(),
+        }
+    }
+}
