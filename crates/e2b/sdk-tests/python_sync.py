@@ -111,6 +111,28 @@ try:
     again = Sandbox.connect(sbx.sandbox_id)
     assert again.commands.run("echo again").stdout.strip() == "again"
     ok("connect")
+
+    # Paused, then connected again: a process and what it held in memory
+    # are as they were.
+    sbx.commands.run(
+        "nohup sleep 1000 >/dev/null 2>&1 & echo $! > /tmp/sleeper; "
+        "head -c 1M /dev/urandom > /dev/shm/mem; sha256sum /dev/shm/mem > /tmp/mem.sum"
+    )
+    assert sbx.pause() is True
+    state = Sandbox.get_info(sbx.sandbox_id).state
+    assert getattr(state, "value", state) == "paused", state
+    assert not sbx.is_running()
+    assert Sandbox.pause(sbx.sandbox_id) is False, "a second pause should say it already was"
+    from e2b import SandboxQuery, SandboxState
+    paused = Sandbox.list(query=SandboxQuery(state=[SandboxState.PAUSED])).next_items()
+    running = Sandbox.list(query=SandboxQuery(state=[SandboxState.RUNNING])).next_items()
+    assert sbx.sandbox_id in [s.sandbox_id for s in paused], paused
+    assert sbx.sandbox_id not in [s.sandbox_id for s in running], running
+    resumed = Sandbox.connect(sbx.sandbox_id)
+    r = resumed.commands.run("kill -0 $(cat /tmp/sleeper) && sha256sum -c --quiet /tmp/mem.sum && echo intact")
+    assert r.stdout.strip() == "intact", r
+    assert resumed.is_running()
+    ok("pause, then connect resumes it with its processes and memory")
 finally:
     killed = sbx.kill()
 
