@@ -1,7 +1,8 @@
 //! E2B's official SDKs, unchanged, against a real server: the Python SDK
 //! (pinned in `crates/e2b/sdk-tests/requirements.txt`, installed by
-//! `scripts/e2b-sdks.sh`) runs `crates/e2b/sdk-tests/*.py` with nothing but
-//! E2B's three variables pointing at the server.
+//! `scripts/e2b-sdks.sh`) runs `crates/e2b/sdk-tests/*.py`, sync and async,
+//! with nothing but E2B's three variables pointing at the server (one
+//! server for both).
 
 use crate::common::serve::Server;
 use crate::common::*;
@@ -79,6 +80,21 @@ fn the_python_sdk_drives_sandboxes_unchanged() {
         assert!(
             done.iter().any(|d| d.starts_with(check)),
             "the script did not check {check:?}: {done:?}"
+        );
+    }
+    let done = run_sdk(&python, "python_async.py", &server, &key, &revoked);
+    for check in [
+        "create",
+        "commands.run, output as it comes",
+        "two commands at once",
+        "CommandExitException",
+        "files",
+        "get_info, is_running",
+        "kill",
+    ] {
+        assert!(
+            done.iter().any(|d| d.starts_with(check)),
+            "the async script did not check {check:?}: {done:?}"
         );
     }
 }

@@ -1,0 +1,62 @@
+"""E2B's Python SDK (async), unchanged, against a Sandpit server.
+
+Run by crates/cli/tests/e2e/e2b.rs like python_sync.py. Prints one
+`ok <check>` line per check; any failure raises.
+"""
+import asyncio
+import time
+
+from e2b import AsyncSandbox, CommandExitException, NotFoundException
+
+
+def ok(what):
+    print(f"ok {what}", flush=True)
+
+
+async def main():
+    sbx = await AsyncSandbox.create(timeout=120, metadata={"suite": "python-async"}, envs={"FROM_CREATE": "async"})
+    try:
+        ok("create")
+        seen = []
+        r = await sbx.commands.run(
+            "for i in 1 2 3 4; do echo line $i; sleep 1; done; echo $FROM_CREATE",
+            on_stdout=lambda line: seen.append((time.monotonic(), line)),
+        )
+        assert r.stdout.split() == ["line", "1", "line", "2", "line", "3", "line", "4", "async"], r.stdout
+        spread = seen[3][0] - seen[0][0]
+        assert spread >= 2.5, f"the callbacks came {spread:.2f} s apart"
+        ok(f"commands.run, output as it comes ({spread:.1f} s), the create's envs")
+
+        # Two commands at once on one sandbox.
+        a, b = await asyncio.gather(
+            sbx.commands.run("sleep 1; echo a"), sbx.commands.run("sleep 1; echo b")
+        )
+        assert (a.stdout.strip(), b.stdout.strip()) == ("a", "b"), (a, b)
+        ok("two commands at once")
+
+        try:
+            await sbx.commands.run("exit 7")
+            raise AssertionError("no CommandExitException")
+        except CommandExitException as e:
+            assert e.exit_code == 7, e
+        ok("CommandExitException")
+
+        await sbx.files.write("async.txt", "written async")
+        assert await sbx.files.read("async.txt") == "written async"
+        ok("files")
+
+        info = await sbx.get_info()
+        assert info.metadata == {"suite": "python-async"}, info
+        assert await sbx.is_running()
+        ok("get_info, is_running")
+    finally:
+        assert await sbx.kill() is True
+    try:
+        await AsyncSandbox.get_info(sbx.sandbox_id)
+        raise AssertionError("a killed sandbox was found")
+    except NotFoundException:
+        pass
+    ok("kill")
+
+
+asyncio.run(main())
