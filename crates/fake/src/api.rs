@@ -154,7 +154,9 @@ impl Sandboxes for Fake {
                 return Ok((st.held(caller, &id)?.sandbox.clone(), true));
             }
         }
-        let s = new_sandbox(&config, new_id("sbx_"), req.name, &size, timeout);
+        let mut s = new_sandbox(&config, new_id("sbx_"), req.name, &size, timeout);
+        s.metadata = req.metadata;
+        s.access_token = Some(format!("token-of-{}", s.id));
         let held = match &req.snapshot_id {
             Some(snap) => Held::from_snapshot(
                 &caller.account_id,
