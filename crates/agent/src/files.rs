@@ -15,8 +15,8 @@ use crate::channel::Reply;
 use crate::sys::{self, lock};
 use crate::window::SendWindow;
 use sandpit_protocol::{
-    resolve_guest_path, AgentError, DoneResult, ErrorKind, FileEntry, FileKind, Message, RequestId,
-    CHUNK_LEN, GUEST_UID, MAX_LISTING_BYTES,
+    resolve_guest_path, AgentError, DoneResult, ErrorKind, FileEntry, FileKind, Message, PathCall,
+    PathEntry, RequestId, CHUNK_LEN, GUEST_UID, MAX_LISTING_BYTES,
 };
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
@@ -45,6 +45,7 @@ pub fn io_error(e: &io::Error, what: &str) -> AgentError {
         libc::EISDIR => ErrorKind::IsADirectory,
         libc::ENOTDIR => ErrorKind::NotADirectory,
         libc::EACCES | libc::EPERM => ErrorKind::PermissionDenied,
+        libc::EEXIST => ErrorKind::AlreadyExists,
         _ => ErrorKind::Io,
     };
     AgentError::new(kind, format!("{what}: {}", strerror(e)))
@@ -509,6 +510,84 @@ pub fn list(path: &str, recursive: bool, max_entries: u64) -> Result<DoneResult,
     })
 }
 
+// ---- calls on paths ---------------------------------------------------
+
+/// A [`PathCall`], as the guest user (the caller's thread has become it):
+/// the kernel decides what the user may see, make and move.
+pub fn path_call(call: PathCall) -> Result<DoneResult, AgentError> {
+    let path = match call {
+        PathCall::Stat { path } => resolve_guest_path(&path)?,
+        PathCall::MakeDir { path } => {
+            let path = resolve_guest_path(&path)?;
+            if fs::symlink_metadata(&path).is_ok() {
+                return Err(AgentError::new(
+                    ErrorKind::AlreadyExists,
+                    format!("{path} already exists"),
+                ));
+            }
+            fs::create_dir_all(&path).map_err(|e| io_error(&e, &path))?;
+            path
+        }
+        PathCall::Move { from, to } => {
+            let (from, to) = (resolve_guest_path(&from)?, resolve_guest_path(&to)?);
+            if from == "/" {
+                return Err(AgentError::new(
+                    ErrorKind::InvalidPath,
+                    "refusing to move /",
+                ));
+            }
+            fs::rename(&from, &to).map_err(|e| io_error(&e, &format!("{from} -> {to}")))?;
+            to
+        }
+    };
+    Ok(DoneResult::PathInfo {
+        entry: describe(&path)?,
+    })
+}
+
+/// `lstat(2)` of an absolute path, with its owner's and group's names.
+fn describe(path: &str) -> Result<PathEntry, AgentError> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = fs::symlink_metadata(path).map_err(|e| io_error(&e, path))?;
+    let kind = kind_of(meta.file_type());
+    let name = Path::new(path)
+        .file_name()
+        .map_or_else(|| "/".to_string(), |n| n.to_string_lossy().into_owned());
+    let symlink_target = match kind {
+        FileKind::Symlink => fs::read_link(path)
+            .ok()
+            .map(|t| t.to_string_lossy().into_owned()),
+        _ => None,
+    };
+    Ok(PathEntry {
+        name,
+        path: path.to_string(),
+        kind,
+        size_bytes: meta.len(),
+        mode: meta.mode() & 0o7777,
+        owner: name_in("/etc/passwd", meta.uid()),
+        group: name_in("/etc/group", meta.gid()),
+        modified_unix_ms: meta.mtime() * 1000 + meta.mtime_nsec() / 1_000_000,
+        symlink_target,
+    })
+}
+
+/// The name `/etc/passwd` or `/etc/group` gives id `id` (its third
+/// field), or the number when none does (read here, not through NSS: the
+/// agent is a static binary).
+fn name_in(file: &str, id: u32) -> String {
+    let text = fs::read_to_string(file).unwrap_or_default();
+    text.lines()
+        .filter_map(|line| {
+            let mut fields = line.split(':');
+            let name = fields.next()?;
+            let number = fields.nth(1)?.parse::<u32>().ok()?;
+            (number == id).then(|| name.to_string())
+        })
+        .next()
+        .unwrap_or_else(|| id.to_string())
+}
+
 // ---- delete -----------------------------------------------------------
 
 /// Delete a file, symlink, empty directory, or (recursive) a whole tree.
@@ -861,6 +940,75 @@ mod tests {
             ErrorKind::NotFound
         );
         assert_eq!(delete("/", true).unwrap_err().kind, ErrorKind::InvalidPath);
+        fs::remove_dir_all(d).unwrap();
+    }
+
+    #[test]
+    fn paths_are_described_made_and_moved() {
+        let d = scratch("paths");
+        let entry = |r: DoneResult| match r {
+            DoneResult::PathInfo { entry } => entry,
+            other => panic!("{other:?}"),
+        };
+        fs::write(d.join("f"), "12345").unwrap();
+        symlink("f", d.join("l")).unwrap();
+        let f = entry(
+            path_call(PathCall::Stat {
+                path: s(&d.join("f")),
+            })
+            .unwrap(),
+        );
+        assert_eq!(
+            (f.name.as_str(), f.kind, f.size_bytes),
+            ("f", FileKind::File, 5)
+        );
+        assert_eq!(f.path, s(&d.join("f")));
+        assert!(f.modified_unix_ms > 1_600_000_000_000, "{f:?}");
+        assert!(!f.owner.is_empty() && !f.group.is_empty(), "{f:?}");
+        let l = entry(
+            path_call(PathCall::Stat {
+                path: s(&d.join("l")),
+            })
+            .unwrap(),
+        );
+        assert_eq!(
+            (l.kind, l.symlink_target.as_deref()),
+            (FileKind::Symlink, Some("f"))
+        );
+        let missing = path_call(PathCall::Stat {
+            path: s(&d.join("nope")),
+        })
+        .unwrap_err();
+        assert_eq!(missing.kind, ErrorKind::NotFound);
+
+        let made = entry(
+            path_call(PathCall::MakeDir {
+                path: s(&d.join("a/b/c")),
+            })
+            .unwrap(),
+        );
+        assert_eq!((made.name.as_str(), made.kind), ("c", FileKind::Dir));
+        let again = path_call(PathCall::MakeDir {
+            path: s(&d.join("a/b")),
+        })
+        .unwrap_err();
+        assert_eq!(again.kind, ErrorKind::AlreadyExists);
+
+        let moved = entry(
+            path_call(PathCall::Move {
+                from: s(&d.join("f")),
+                to: s(&d.join("a/b/g")),
+            })
+            .unwrap(),
+        );
+        assert_eq!((moved.path, moved.size_bytes), (s(&d.join("a/b/g")), 5));
+        assert!(!d.join("f").exists());
+        let gone = path_call(PathCall::Move {
+            from: s(&d.join("f")),
+            to: s(&d.join("h")),
+        })
+        .unwrap_err();
+        assert_eq!(gone.kind, ErrorKind::NotFound);
         fs::remove_dir_all(d).unwrap();
     }
 }

@@ -173,6 +173,12 @@ impl Server {
                     Ok(())
                 });
             }
+            Message::PathCall { id, call } => {
+                spawn_worker(reply, id, "path-call", true, move |r| {
+                    r.done(id, files::path_call(call)?);
+                    Ok(())
+                });
+            }
             Message::PowerOff { id } => power_off(&reply, id),
             Message::TunnelOpen { id, port, window } => tunnel::open(reply, id, port, window),
             Message::TunnelData { id } => tunnel::data(id, body),

@@ -298,6 +298,20 @@ pub trait Files: Send + Sync {
         path: &str,
         recursive: bool,
     ) -> Result<FileDeleted>;
+    /// Describe, make (a directory) or move a path, as the guest user
+    /// (E2B's filesystem API; not part of the REST contract). A backend
+    /// without it refuses.
+    async fn path_call(
+        &self,
+        caller: &Caller,
+        id: &str,
+        call: sandpit_protocol::PathCall,
+    ) -> Result<sandpit_protocol::PathEntry> {
+        let _ = (caller, id, call);
+        Err(crate::error::CoreError::invalid(
+            "describing, making or moving a path is not available here",
+        ))
+    }
 }
 
 /// Ports of a sandbox exposed on preview URLs.

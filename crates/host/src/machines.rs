@@ -10,7 +10,7 @@
 //! decided once, in the service, for both kinds of machine.
 
 use async_trait::async_trait;
-use sandpit_protocol::{ExecRequest, FileEntry};
+use sandpit_protocol::{ExecRequest, FileEntry, PathCall, PathEntry};
 use sandpit_runtime::{GuestExecEvent, RuntimeError, VmState};
 pub use sandpit_runtime::{PtyExit, PtySize};
 use std::sync::Arc;
@@ -145,6 +145,9 @@ pub trait Machines: Send + Sync {
 
     /// Deletes a file or (`recursive`) a tree; returns the resolved path.
     async fn delete_file(&self, id: &str, path: &str, recursive: bool) -> VmResult<String>;
+
+    /// A call on a path or two, as the guest user; what it leaves there.
+    async fn path_call(&self, id: &str, call: PathCall) -> VmResult<PathEntry>;
 
     /// Opens a TCP connection to `port` in the guest.
     async fn open_tunnel(&self, id: &str, port: u16) -> VmResult<Tunnel>;

@@ -515,6 +515,15 @@ impl Machines for RemoteNode {
         Ok(done.path)
     }
 
+    async fn path_call(
+        &self,
+        id: &str,
+        call: sandpit_protocol::PathCall,
+    ) -> VmResult<sandpit_protocol::PathEntry> {
+        self.call(&format!("sandboxes/{id}/path"), &call, FILE_TIMEOUT)
+            .await
+    }
+
     async fn open_tunnel(&self, id: &str, port: u16) -> VmResult<Tunnel> {
         let (upstream, rx) = mpsc::channel::<Bytes>(4);
         let req = self.request(

@@ -275,6 +275,10 @@ async fn handle(state: Arc<dyn NodeState>, req: Request<Incoming>) -> Response<B
                     ),
                     Err(r) => r,
                 },
+                "path" => match body.json::<sandpit_protocol::PathCall>().await {
+                    Ok(call) => answer(vms.path_call(&id, call).await),
+                    Err(r) => r,
+                },
                 "delete" => match body.json::<wire::FileArgs>().await {
                     Ok(a) => answer(
                         vms.delete_file(&id, &a.path, a.recursive)

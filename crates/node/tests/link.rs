@@ -10,7 +10,9 @@ use sandpit_host::machines::{
 use sandpit_node::{
     client_config, init_ca, issue, server_config, Health, NodeClient, NodeError, NodeState,
 };
-use sandpit_protocol::{AgentError, ErrorKind, ExecRequest, ExecResult};
+use sandpit_protocol::{
+    AgentError, ErrorKind, ExecRequest, ExecResult, FileKind, PathCall, PathEntry,
+};
 use sandpit_runtime::{GuestExecEvent, RuntimeError, VmState};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
@@ -309,6 +311,31 @@ impl Machines for FakeVms {
             .remove(path)
             .map(|_| path.to_string())
             .ok_or_else(|| not_found(path))
+    }
+    async fn path_call(&self, id: &str, call: PathCall) -> VmResult<PathEntry> {
+        check(id)?;
+        let entry = |path: &str, kind| PathEntry {
+            name: path.rsplit('/').next().unwrap_or_default().to_string(),
+            path: path.to_string(),
+            kind,
+            size_bytes: 0,
+            mode: 0o755,
+            owner: "user".into(),
+            group: "user".into(),
+            modified_unix_ms: 1_700_000_000_000,
+            symlink_target: None,
+        };
+        match call {
+            PathCall::Stat { path } if self.files.lock().unwrap().contains_key(&path) => {
+                Ok(entry(&path, FileKind::File))
+            }
+            PathCall::Stat { path } => Err(not_found(&path)),
+            PathCall::MakeDir { path } if path == "/workspace" => Err(RuntimeError::Agent(
+                AgentError::new(ErrorKind::AlreadyExists, "/workspace already exists"),
+            )),
+            PathCall::MakeDir { path } => Ok(entry(&path, FileKind::Dir)),
+            PathCall::Move { to, .. } => Ok(entry(&to, FileKind::File)),
+        }
     }
     async fn open_tunnel(&self, id: &str, port: u16) -> VmResult<Tunnel> {
         check(id)?;
@@ -643,6 +670,42 @@ async fn a_nodes_vms_answer_through_the_link_as_they_would_at_home() {
         .await
         .unwrap();
     assert!(listing.truncated);
+    // Calls on paths cross the node API both ways, errors' kinds kept.
+    let made = remote
+        .path_call(
+            "vm1",
+            PathCall::MakeDir {
+                path: "/workspace/d".into(),
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!((made.name.as_str(), made.kind), ("d", FileKind::Dir));
+    match remote
+        .path_call(
+            "vm1",
+            PathCall::MakeDir {
+                path: "/workspace".into(),
+            },
+        )
+        .await
+    {
+        Err(RuntimeError::Agent(a)) => assert_eq!(a.kind, ErrorKind::AlreadyExists),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        remote
+            .path_call(
+                "vm1",
+                PathCall::Stat {
+                    path: "/workspace/small".into()
+                }
+            )
+            .await
+            .unwrap()
+            .kind,
+        FileKind::File
+    );
     assert_eq!(
         remote
             .delete_file("vm1", "/workspace/blob", false)

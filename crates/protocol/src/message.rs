@@ -66,6 +66,10 @@ pub enum Message {
         path: String,
         recursive: bool,
     },
+    /// A file system call on one path or two ([`PathCall`]), as the guest
+    /// user; answered with [`Message::Done`] / [`DoneResult::PathInfo`]
+    /// describing the path it leaves. Older agents answer `Unsupported`.
+    PathCall { id: RequestId, call: PathCall },
 
     /// Sync the disks and power the guest off. The VM then exits; nothing answers.
     PowerOff { id: RequestId },
@@ -172,6 +176,7 @@ impl Message {
             | FileAck { id, .. }
             | ListFiles { id, .. }
             | DeleteFile { id, .. }
+            | PathCall { id, .. }
             | PowerOff { id }
             | TunnelOpen { id, .. }
             | TunnelData { id }
@@ -325,6 +330,44 @@ pub enum DoneResult {
         path: String,
     },
     Cancelled,
+    /// What a [`Message::PathCall`] leaves at its path.
+    PathInfo {
+        entry: PathEntry,
+    },
+}
+
+/// A file system call on one path or two (see [`Message::PathCall`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum PathCall {
+    /// Describe `path` (a final symlink is described, not followed).
+    Stat { path: String },
+    /// Make directory `path` and its missing parents; `AlreadyExists` when
+    /// something is there.
+    MakeDir { path: String },
+    /// Rename `from` to `to`, replacing a file there (never a directory).
+    Move { from: String, to: String },
+}
+
+/// One path described, as `stat(2)` (`lstat`) sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PathEntry {
+    /// Its last component.
+    pub name: String,
+    /// Absolute.
+    pub path: String,
+    #[serde(rename = "type")]
+    pub kind: FileKind,
+    pub size_bytes: u64,
+    /// The permission bits (`0o7777`).
+    pub mode: u32,
+    pub owner: String,
+    pub group: String,
+    /// Last modified, milliseconds since the Unix epoch.
+    pub modified_unix_ms: i64,
+    /// Where a symlink points.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub symlink_target: Option<String>,
 }
 
 /// One entry of a listing.
@@ -381,6 +424,8 @@ pub enum ErrorKind {
     ConnectionRefused,
     /// An operation gave up after its bound (a tunnel's connect).
     TimedOut,
+    /// Something is already there (a directory to make).
+    AlreadyExists,
 }
 
 impl std::fmt::Display for ErrorKind {
@@ -397,6 +442,7 @@ impl std::fmt::Display for ErrorKind {
             ErrorKind::Io => "i/o error",
             ErrorKind::ConnectionRefused => "connection refused",
             ErrorKind::TimedOut => "timed out",
+            ErrorKind::AlreadyExists => "already exists",
         };
         f.write_str(s)
     }

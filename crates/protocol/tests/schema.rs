@@ -234,6 +234,44 @@ fn samples() -> Vec<Message> {
             exit_code: None,
             signal: Some(9),
         },
+        // Added to generation 1: calls on paths (E2B's filesystem API).
+        Message::PathCall {
+            id: 50,
+            call: PathCall::Stat { path: "a".into() },
+        },
+        Message::PathCall {
+            id: 51,
+            call: PathCall::MakeDir {
+                path: "/tmp/x/y".into(),
+            },
+        },
+        Message::PathCall {
+            id: 52,
+            call: PathCall::Move {
+                from: "a".into(),
+                to: "b".into(),
+            },
+        },
+        Message::Done {
+            id: 50,
+            result: DoneResult::PathInfo {
+                entry: PathEntry {
+                    name: "link".into(),
+                    path: "/workspace/link".into(),
+                    kind: FileKind::Symlink,
+                    size_bytes: 0,
+                    mode: 0o777,
+                    owner: "user".into(),
+                    group: "user".into(),
+                    modified_unix_ms: 1_700_000_000_123,
+                    symlink_target: Some("/etc/hostname".into()),
+                },
+            },
+        },
+        Message::Error {
+            id: 51,
+            error: AgentError::new(ErrorKind::AlreadyExists, "/tmp/x/y exists"),
+        },
     ]
 }
 
@@ -251,6 +289,7 @@ fn exhaustive(m: &Message) -> &'static str {
         Message::FileAck { .. } => "file_ack",
         Message::ListFiles { .. } => "list_files",
         Message::DeleteFile { .. } => "delete_file",
+        Message::PathCall { .. } => "path_call",
         Message::PowerOff { .. } => "power_off",
         Message::HelloAck { .. } => "hello_ack",
         Message::Started { .. } => "started",

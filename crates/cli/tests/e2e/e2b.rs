@@ -43,7 +43,11 @@ fn run_sdk(python: &PathBuf, name: &str, server: &Server, key: &str, revoked: &s
     let stdout = String::from_utf8_lossy(&out.stdout).to_string();
     let stderr = String::from_utf8_lossy(&out.stderr).to_string();
     eprintln!("--- {name} ---\n{stdout}{stderr}");
-    assert!(out.status.success(), "{name} failed:\n{stdout}\n{stderr}");
+    assert!(
+        out.status.success(),
+        "{name} failed ({}):\n{stdout}\n{stderr}",
+        out.status
+    );
     stdout
         .lines()
         .filter_map(|l| l.strip_prefix("ok "))
@@ -69,6 +73,7 @@ fn the_python_sdk_drives_sandboxes_unchanged() {
         "timeout",
         "another user is refused, saying why",
         "files.write and files.read",
+        "files.exists, get_info, make_dir, list with depth, rename, remove",
         "is_running, get_info",
         "list, filtered by metadata",
         "set_timeout",

@@ -62,6 +62,8 @@ pub(super) fn runtime_error(e: RuntimeError) -> CoreError {
                 ErrorKind::Io | ErrorKind::ConnectionRefused | ErrorKind::TimedOut => {
                     ErrorType::Conflict
                 }
+                // A directory to make is there already.
+                ErrorKind::AlreadyExists => ErrorType::Conflict,
             };
             CoreError::new(kind, a.message)
         }

@@ -245,4 +245,27 @@ impl Files for Service {
             deleted: true,
         })
     }
+
+    /// The API's `path_call`.
+    async fn path_call(
+        &self,
+        caller: &Caller,
+        id: &str,
+        call: sandpit_protocol::PathCall,
+    ) -> Result<sandpit_protocol::PathEntry> {
+        use sandpit_protocol::PathCall;
+        match &call {
+            PathCall::Stat { path } | PathCall::MakeDir { path } => check_path(path)?,
+            PathCall::Move { from, to } => {
+                check_path(from)?;
+                check_path(to)?;
+            }
+        }
+        let (row, _busy) = self.running(caller, id).await?;
+        let machines = self.machines_for(&row).await?;
+        match machines.path_call(&row.id, call).await {
+            Ok(entry) => Ok(entry),
+            Err(e) => Err(self.agent_failure(&row, e).await),
+        }
+    }
 }

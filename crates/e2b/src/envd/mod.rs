@@ -6,6 +6,7 @@
 
 mod connect;
 mod files;
+mod filesystem;
 mod process;
 
 use crate::error::{HttpError, RpcError};
@@ -24,6 +25,7 @@ pub fn data_plane(e2b: E2b) -> Router {
         .route("/health", get(health))
         .route("/files", get(files::download).post(files::upload))
         .route("/process.Process/Start", post(process::start))
+        .route("/filesystem.Filesystem/{method}", post(filesystem::call))
         .route("/{service}/{method}", post(not_built_rpc))
         .fallback(not_built)
         .with_state(e2b)

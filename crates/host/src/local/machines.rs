@@ -237,6 +237,14 @@ impl Machines for LocalVms {
         self.agent(id).await?.delete_file(path, recursive).await
     }
 
+    async fn path_call(
+        &self,
+        id: &str,
+        call: sandpit_protocol::PathCall,
+    ) -> VmResult<sandpit_protocol::PathEntry> {
+        self.agent(id).await?.path_call(call).await
+    }
+
     async fn open_tunnel(&self, id: &str, port: u16) -> VmResult<Tunnel> {
         let stream = self.agent(id).await?.open_tunnel(port).await?;
         let closer = stream.closer();

@@ -21,8 +21,8 @@ pub mod tunnel;
 use crate::{Result, RuntimeError};
 use sandpit_protocol::{
     encode_frame, AgentError, DoneResult, ErrorKind, ExecRequest, ExecResult, FileEntry, Frame,
-    FrameDecoder, GuestConfig, Message, RequestId, CHUNK_LEN, FRAME_MAGIC, HEADER_PREFIX_LEN,
-    MAX_BODY_LEN, MAX_HEADER_LEN, PROTOCOL_GENERATION,
+    FrameDecoder, GuestConfig, Message, PathCall, PathEntry, RequestId, CHUNK_LEN, FRAME_MAGIC,
+    HEADER_PREFIX_LEN, MAX_BODY_LEN, MAX_HEADER_LEN, PROTOCOL_GENERATION,
 };
 use std::collections::HashMap;
 use std::path::Path;
@@ -892,6 +892,19 @@ impl AgentClient {
             DoneResult::Deleted { path } => Ok(path),
             other => Err(RuntimeError::Disconnected(format!(
                 "unexpected answer to a delete: {other:?}"
+            ))),
+        }
+    }
+
+    /// A call on a path or two ([`PathCall`]); what it leaves at its path.
+    pub async fn path_call(&self, call: PathCall) -> Result<PathEntry> {
+        match self
+            .simple("a call on a path", |id| Message::PathCall { id, call }, &[])
+            .await?
+        {
+            DoneResult::PathInfo { entry } => Ok(entry),
+            other => Err(RuntimeError::Disconnected(format!(
+                "unexpected answer to a call on a path: {other:?}"
             ))),
         }
     }
