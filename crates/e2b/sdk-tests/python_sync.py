@@ -136,6 +136,30 @@ try:
     assert again.commands.run("echo again").stdout.strip() == "again"
     ok("connect")
 
+    # A snapshot, a sandbox made from it, a fork: each holds what was
+    # written before.
+    sbx.files.write("kept.txt", "kept in the snapshot")
+    snap = sbx.create_snapshot(name="before-fork")
+    assert snap.snapshot_id.startswith("snap_") and "before-fork" in snap.names, snap
+    listed = [s.snapshot_id for s in sbx.list_snapshots().next_items()]
+    assert snap.snapshot_id in listed, listed
+    from_snap = Sandbox.create(template=snap.snapshot_id, timeout=60)
+    try:
+        assert from_snap.sandbox_id != sbx.sandbox_id
+        assert from_snap.files.read("kept.txt") == "kept in the snapshot"
+    finally:
+        from_snap.kill()
+    forks = sbx.fork(timeout=60)
+    assert len(forks) == 1 and not isinstance(forks[0], Exception), forks
+    try:
+        assert forks[0].files.read("kept.txt") == "kept in the snapshot"
+        assert forks[0].sandbox_id != sbx.sandbox_id
+    finally:
+        forks[0].kill()
+    assert Sandbox.delete_snapshot(snap.snapshot_id) is True
+    assert Sandbox.delete_snapshot(snap.snapshot_id) is False
+    ok("create_snapshot, list_snapshots, create from a snapshot, fork, delete_snapshot")
+
     # Paused, then connected again: a process and what it held in memory
     # are as they were.
     sbx.commands.run(

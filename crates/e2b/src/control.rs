@@ -37,6 +37,10 @@ pub fn control_plane(e2b: E2b) -> Router {
         .route("/v2/sandboxes/{id}/connect", post(connect))
         .route("/sandboxes/{id}/connect", post(connect))
         .route("/sandboxes/{id}/resume", post(connect))
+        .route("/sandboxes/{id}/fork", post(fork))
+        .route("/sandboxes/{id}/snapshots", post(snapshot))
+        .route("/snapshots", get(list_snapshots))
+        .route("/templates/{id}", axum::routing::delete(delete_snapshot))
         .fallback(not_built)
         .with_state(e2b)
 }
@@ -276,6 +280,114 @@ async fn connect(
         }
     }
     Ok(Json(e2b.created(&sandbox)).into_response())
+}
+
+/// `POST /sandboxes/{id}/fork`: a snapshot of the sandbox (which runs on)
+/// and `count` new sandboxes from it, each answered as a create is.
+async fn fork(
+    State(e2b): State<E2b>,
+    Authed(caller): Authed,
+    Path(id): Path<String>,
+    body: Option<Json<wire::Fork>>,
+) -> Answer {
+    live(&e2b, &caller, &id).await?;
+    let body = body.map(|Json(b)| b).unwrap_or_default();
+    let req = sandpit_core::ForkSandbox {
+        count: body.count,
+        timeout_minutes: body.timeout.map(minutes),
+    };
+    let fork = e2b.api.fork_sandbox(&caller, &id, req).await?;
+    let made: Vec<_> = fork
+        .sandboxes
+        .iter()
+        .map(|s| serde_json::json!({"sandbox": e2b.created(s)}))
+        .collect();
+    Ok((StatusCode::CREATED, Json(made)).into_response())
+}
+
+/// `POST /sandboxes/{id}/snapshots`: its whole state, memory included
+/// (Sandpit's snapshots always keep it), to create sandboxes from.
+async fn snapshot(
+    State(e2b): State<E2b>,
+    Authed(caller): Authed,
+    Path(id): Path<String>,
+    body: Option<Json<wire::NewSnapshot>>,
+) -> Answer {
+    live(&e2b, &caller, &id).await?;
+    let name = body.and_then(|Json(b)| b.name);
+    let req = sandpit_core::CreateSnapshot { name };
+    let (snap, _) = e2b.api.snapshot_sandbox(&caller, &id, req, None).await?;
+    Ok((StatusCode::CREATED, Json(wire::snapshot_info(&snap))).into_response())
+}
+
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct SnapshotQuery {
+    #[serde(rename = "sandboxID")]
+    sandbox_id: Option<String>,
+    limit: Option<u32>,
+    next_token: Option<String>,
+}
+
+/// `GET /snapshots`: the account's snapshots (of one sandbox), newest first.
+async fn list_snapshots(
+    State(e2b): State<E2b>,
+    Authed(caller): Authed,
+    Query(q): Query<SnapshotQuery>,
+) -> Answer {
+    let limit = q.limit.unwrap_or(100).clamp(1, 100) as usize;
+    let mut found = Vec::new();
+    let mut cursor = q.next_token.clone();
+    let mut next = None;
+    'pages: loop {
+        let page = e2b
+            .api
+            .list_snapshots(
+                &caller,
+                sandpit_core::ListSnapshots {
+                    limit: Some(100),
+                    starting_after: cursor.clone(),
+                },
+            )
+            .await?;
+        for snap in &page.data {
+            if q.sandbox_id.as_ref().is_some_and(|s| *s != snap.sandbox_id) {
+                continue;
+            }
+            if found.len() == limit {
+                next = cursor.clone();
+                break 'pages;
+            }
+            found.push(wire::snapshot_info(snap));
+            cursor = Some(snap.id.clone());
+        }
+        match (page.has_more, page.data.last()) {
+            (true, Some(last)) => cursor = Some(last.id.clone()),
+            _ => break,
+        }
+    }
+    let mut response = Json(found).into_response();
+    if let Some(token) = next.and_then(|t| HeaderValue::from_str(&t).ok()) {
+        response.headers_mut().insert("x-next-token", token);
+    }
+    Ok(response)
+}
+
+/// `DELETE /templates/{id}`: a snapshot (the only templates a user makes).
+async fn delete_snapshot(
+    State(e2b): State<E2b>,
+    Authed(caller): Authed,
+    Path(id): Path<String>,
+) -> Answer {
+    let not_found = || HttpError::new(StatusCode::NOT_FOUND, format!("Template {id} not found"));
+    if !id.starts_with("snap_") {
+        return Err(not_found());
+    }
+    match e2b.api.delete_snapshot(&caller, &id).await {
+        Ok(_) => Ok(StatusCode::NO_CONTENT.into_response()),
+        Err(e) if e.kind == ErrorType::NotFound => Err(not_found()),
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// `GET /v2/sandboxes`' query.

@@ -40,6 +40,31 @@ pub struct Connect {
     pub timeout: Option<u64>,
 }
 
+/// `POST /sandboxes/{id}/fork`.
+#[derive(Debug, Default, Deserialize)]
+pub struct Fork {
+    /// Seconds, for each new sandbox.
+    pub timeout: Option<u64>,
+    pub count: Option<u32>,
+}
+
+/// `POST /sandboxes/{id}/snapshots`. (`memory: false`, a snapshot of the
+/// disk alone, is answered with the whole state: Sandpit keeps both.)
+#[derive(Debug, Default, Deserialize)]
+pub struct NewSnapshot {
+    pub name: Option<String>,
+}
+
+/// A snapshot as E2B names it: its id is the template sandboxes are
+/// created from.
+pub fn snapshot_info(snap: &sandpit_core::Snapshot) -> serde_json::Value {
+    let names = match &snap.name {
+        Some(name) => vec![name.clone(), snap.id.clone()],
+        None => vec![snap.id.clone()],
+    };
+    serde_json::json!({"snapshotID": snap.id, "names": names})
+}
+
 /// A sandbox as create and connect answer it.
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "camelCase")]

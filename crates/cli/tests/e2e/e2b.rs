@@ -78,6 +78,7 @@ fn the_python_sdk_drives_sandboxes_unchanged() {
         "list, filtered by metadata",
         "set_timeout",
         "connect",
+        "create_snapshot, list_snapshots, create from a snapshot, fork, delete_snapshot",
         "pause, then connect resumes it",
         "kill; a killed sandbox is not found",
         "a wrong or revoked key is refused",
