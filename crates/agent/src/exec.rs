@@ -15,19 +15,25 @@
 //!
 //! Killing (timeout, cancel, host gone) is SIGKILL to the process group plus
 //! `cgroup.kill`, which also catches processes that called setsid.
+//!
+//! Every command is in the table of `processes` while it runs, its output
+//! going to whoever follows it. A command that is its request's (the
+//! usual) is killed when the request is cancelled or its session ends; one
+//! that asked to `keep_running` only loses that follower.
 
 use crate::cgroup::{self, ExecCgroup};
 use crate::channel::Reply;
 use crate::files;
 use crate::outbound;
 use crate::output::{Output, StreamAcct};
+use crate::processes::{self, Followers, Process};
 use crate::reaper::ExitStatus;
 use crate::spawn::{self, Sandbox, SpawnError, Spawned, Step};
 use crate::sys::{self, lock, EventFd};
 use crate::workers;
 use sandpit_protocol::{
-    resolve_guest_path, AgentError, ErrorKind, ExecRequest, ExecResult, Message, RequestId,
-    GUEST_HOME, GUEST_UID, GUEST_USER, WORKSPACE,
+    resolve_guest_path, AgentError, ErrorKind, ExecRequest, ExecResult, Message, ProcessInfo,
+    RequestId, GUEST_HOME, GUEST_UID, GUEST_USER, WORKSPACE,
 };
 use std::collections::BTreeMap;
 use std::ffi::{CStr, CString};
@@ -44,8 +50,13 @@ struct Running {
     gen: u64,
     serial: u64,
     /// Signalled to kill the command (the host cancelled, or its session
-    /// ended).
+    /// ended, or a SIGKILL was asked for by pid).
     cancel: Arc<EventFd>,
+    /// It outlives its request: a cancel or the session's end only stops
+    /// the request following it.
+    keep_running: bool,
+    /// Who gets its output and end, the request first.
+    followers: Arc<Followers>,
 }
 
 /// Running commands by request id.
@@ -60,6 +71,7 @@ pub fn start(reply: Reply, id: RequestId, request: ExecRequest) {
         Err(e) => return reply.error(id, AgentError::new(ErrorKind::Io, format!("eventfd: {e}"))),
     };
     let serial = SERIAL.fetch_add(1, Ordering::SeqCst);
+    let followers = Followers::first(id, reply.clone());
     {
         let mut running = lock(&RUNNING);
         if running.contains_key(&id) {
@@ -79,12 +91,16 @@ pub fn start(reply: Reply, id: RequestId, request: ExecRequest) {
                 gen: reply.generation(),
                 serial,
                 cancel: cancel.clone(),
+                keep_running: request.keep_running,
+                followers: followers.clone(),
             },
         );
     }
     let r = reply.clone();
     let spawned = workers::COMMANDS.run(move || {
-        let outcome = catch_unwind(AssertUnwindSafe(|| run(&r, id, serial, &request, &cancel)));
+        let outcome = catch_unwind(AssertUnwindSafe(|| {
+            run(&r, id, serial, &request, &cancel, followers)
+        }));
         if outcome.is_err() {
             unregister(id, serial);
             r.error(
@@ -102,30 +118,45 @@ pub fn start(reply: Reply, id: RequestId, request: ExecRequest) {
     }
 }
 
-/// Cancel a running command; false if there is none with that id.
+/// Cancel request `id`: kill the command it started, or, when that keeps
+/// running or `id` only follows a command, stop following it. False if no
+/// command has anything to do with `id`.
 pub fn cancel(id: RequestId) -> bool {
-    match lock(&RUNNING).get(&id) {
+    let mut running = lock(&RUNNING);
+    match running.get(&id) {
+        Some(r) if r.keep_running => {
+            r.followers.remove(id);
+            running.remove(&id);
+            true
+        }
         Some(r) => {
             r.cancel.signal();
             true
         }
-        None => false,
+        None => {
+            drop(running);
+            processes::detach(id)
+        }
     }
 }
 
-/// Kill every command started in a session before `gen` (their answers are
-/// dropped: nobody is listening any more).
+/// Kill every command started in a session before `gen` that is its
+/// request's, and stop that session following the others (their answers
+/// are dropped: nobody is listening any more).
 pub fn cancel_sessions_before(gen: u64) {
     let mut n = 0;
     lock(&RUNNING).retain(|_, r| {
         if r.gen < gen {
-            r.cancel.signal();
-            n += 1;
+            if !r.keep_running {
+                r.cancel.signal();
+                n += 1;
+            }
             false
         } else {
             true
         }
     });
+    processes::forget_sessions_before(gen);
     if n > 0 {
         crate::info!("cancelled {n} command(s) of an ended session");
     }
@@ -138,7 +169,14 @@ fn unregister(id: RequestId, serial: u64) {
     }
 }
 
-fn run(reply: &Reply, id: RequestId, serial: u64, req: &ExecRequest, cancel: &EventFd) {
+fn run(
+    reply: &Reply,
+    id: RequestId,
+    serial: u64,
+    req: &ExecRequest,
+    cancel: &Arc<EventFd>,
+    followers: Arc<Followers>,
+) {
     let fail = |e: AgentError| {
         unregister(id, serial);
         reply.error(id, e);
@@ -169,17 +207,34 @@ fn run(reply: &Reply, id: RequestId, serial: u64, req: &ExecRequest, cancel: &Ev
         deadline,
     };
     let (status_tx, status_rx) = mpsc::channel();
-    let child = match spawn_shell(req, &cwd, &sandbox, status_tx) {
+    let mut child = match spawn_shell(req, &cwd, &sandbox, status_tx) {
         Ok(c) => c,
         Err(e) => return fail(e),
     };
     let pid = child.pid;
+    if req.keep_running {
+        // Its pid, before any output: the host names it by that from now on.
+        reply.send(&Message::Started { id, pid }, &[]);
+    }
+    processes::register(Process::new(
+        ProcessInfo {
+            pid,
+            command: req.command.clone(),
+            cwd: cwd.clone(),
+            env: req.env.clone(),
+            keep_running: req.keep_running,
+            stdin: child.stdin.is_some(),
+        },
+        followers.clone(),
+        child.stdin.take(),
+        cancel.clone(),
+    ));
 
     // Output is forwarded as it comes while waiting for the shell's exit
     // (its pidfd), a cancel, or the deadline.
     let mut output = Output::new(
         id,
-        reply.clone(),
+        followers.clone(),
         child.stdout,
         child.stderr,
         req.max_output_bytes,
@@ -248,13 +303,8 @@ fn run(reply: &Reply, id: RequestId, serial: u64, req: &ExecRequest, cancel: &Ev
     let took = start.elapsed();
     let (out, err) = output.finish();
     unregister(id, serial);
-    reply.send(
-        &Message::Exited {
-            id,
-            result: exec_result(status, timed_out, cancelled, out, err, took),
-        },
-        &[],
-    );
+    processes::unregister(pid);
+    followers.end(&exec_result(status, timed_out, cancelled, out, err, took));
     drop(cg);
     // The next command's cgroup and pipes, made now that this one has its
     // answer.
@@ -279,8 +329,15 @@ fn spawn_shell(
     let on_exit = Box::new(move |status| {
         let _ = status_tx.send(status);
     });
-    spawn::spawn(shell.program, &shell.argv, &shell.env, sandbox, on_exit)
-        .map_err(|e| spawn_error(&e, cwd))
+    spawn::spawn(
+        shell.program,
+        &shell.argv,
+        &shell.env,
+        sandbox,
+        req.stdin,
+        on_exit,
+    )
+    .map_err(|e| spawn_error(&e, cwd))
 }
 
 fn exec_result(
@@ -490,6 +547,7 @@ mod tests {
             env: BTreeMap::new(),
             timeout_ms: 1000,
             max_output_bytes: 10,
+            ..Default::default()
         }
     }
 

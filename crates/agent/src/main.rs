@@ -25,6 +25,7 @@ mod log;
 mod net;
 mod outbound;
 mod output;
+mod processes;
 mod pty;
 mod reaper;
 mod server;

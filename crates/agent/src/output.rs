@@ -11,9 +11,9 @@
 //! discard thread, which reads and drops until EOF, so the background process
 //! neither blocks on a full pipe nor dies of SIGPIPE.
 
-use crate::channel::Reply;
+use crate::processes::Followers;
 use crate::sys::{self, lock, EventFd};
-use sandpit_protocol::{Message, RequestId, CHUNK_LEN};
+use sandpit_protocol::{RequestId, CHUNK_LEN};
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::mpsc::{self, Sender};
@@ -73,7 +73,7 @@ pub struct Output {
 impl Output {
     pub fn new(
         id: RequestId,
-        reply: Reply,
+        followers: Arc<Followers>,
         stdout: OwnedFd,
         stderr: OwnedFd,
         max_output_bytes: u64,
@@ -84,7 +84,7 @@ impl Output {
             stderr,
         };
         Output {
-            fwd: Forwarder { id, reply },
+            fwd: Forwarder { id, followers },
             streams: [stream(stdout, false), stream(stderr, true)],
             buf: vec![0u8; CHUNK_LEN],
         }
@@ -135,10 +135,11 @@ impl Output {
     }
 }
 
-/// Sends what is read.
+/// Sends what is read to whoever follows the command (see `processes`).
 struct Forwarder {
+    /// The request that started it, for the log.
     id: RequestId,
-    reply: Reply,
+    followers: Arc<Followers>,
 }
 
 impl Forwarder {
@@ -156,12 +157,7 @@ impl Forwarder {
             Ok(n) => {
                 let forward = s.acct.accept(n);
                 if forward > 0 {
-                    let msg = if s.stderr {
-                        Message::Stderr { id: self.id }
-                    } else {
-                        Message::Stdout { id: self.id }
-                    };
-                    self.reply.send(&msg, &buf[..forward]);
+                    self.followers.output(s.stderr, &buf[..forward]);
                 }
                 true
             }
@@ -277,7 +273,8 @@ fn start_discarder() -> io::Result<Discarder> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::channel::Outbox;
+    use crate::channel::{Outbox, Reply};
+    use sandpit_protocol::Message;
     use std::io::Write;
     use std::os::fd::FromRawFd;
 
@@ -319,7 +316,7 @@ mod tests {
         let (err_r, _err_w) = pipe();
         let (tx, rx) = mpsc::sync_channel(1 << 10);
         let reply = Reply::new(u64::MAX, Outbox::for_test(tx));
-        let mut output = Output::new(9, reply, flood, err_r, 100_000);
+        let mut output = Output::new(9, Followers::first(9, reply), flood, err_r, 100_000);
         let (done_tx, done_rx) = mpsc::channel();
         thread::spawn(move || {
             let wake = EventFd::new().unwrap();
@@ -340,7 +337,7 @@ mod tests {
         let (tx, rx) = mpsc::sync_channel(64);
         let reply = Reply::new(u64::MAX, Outbox::for_test(tx));
         let exited = Arc::new(EventFd::new().unwrap());
-        let mut output = Output::new(9, reply, out_r, err_r, 5);
+        let mut output = Output::new(9, Followers::first(9, reply), out_r, err_r, 5);
         let wake = exited.clone();
         let h = thread::spawn(move || {
             // Nothing to wake for within the timeout: output is forwarded.

@@ -10,7 +10,7 @@
 //! never die.
 
 use crate::channel::{self, Handler, Outbox, Reply};
-use crate::{config, exec, files, pty, sys, tunnel};
+use crate::{config, exec, files, processes, pty, sys, tunnel};
 use sandpit_protocol::{
     AgentError, DoneResult, ErrorKind, Frame, FrameError, Message, RequestId, PROTOCOL_GENERATION,
 };
@@ -176,6 +176,15 @@ impl Server {
             Message::PathCall { id, call } => {
                 spawn_worker(reply, id, "path-call", true, move |r| {
                     r.done(id, files::path_call(call)?);
+                    Ok(())
+                });
+            }
+            Message::ProcessAttach { id, pid } => processes::attach(reply, id, pid),
+            Message::ProcessList { id } => reply.done(id, processes::list()),
+            Message::ProcessCall { id, pid, call } => {
+                // Input may wait for the command to read it.
+                spawn_worker(reply, id, "process-call", false, move |r| {
+                    r.done(id, processes::call(pid, call, &body)?);
                     Ok(())
                 });
             }

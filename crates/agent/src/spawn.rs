@@ -73,14 +73,15 @@ pub struct Sandbox<'a> {
     pub deadline: Option<Instant>,
 }
 
-/// A started shell: its pid, a pidfd, and the read ends of its stdout and
-/// stderr.
+/// A started shell: its pid, a pidfd, the read ends of its stdout and
+/// stderr, and the write end of its stdin when it was given a pipe.
 pub struct Spawned {
     pub pid: u32,
     /// Readable once the shell has exited (see [`exit_status`]).
     pub pidfd: OwnedFd,
     pub stdout: OwnedFd,
     pub stderr: OwnedFd,
+    pub stdin: Option<OwnedFd>,
 }
 
 /// The step of the child's set-up that failed.
@@ -150,13 +151,15 @@ const CLONE_PARENT_SETTID: u64 = 0x0010_0000;
 const CHILD_STACK_WORDS: usize = 64 * 1024 / 16;
 
 /// Start `program` with `argv` (its first item the name it is called by)
-/// and exactly `env`, as `sandbox` says, stdin from /dev/null, stdout and
-/// stderr into new pipes; the reaper hands its wait status to `on_exit`.
+/// and exactly `env`, as `sandbox` says, stdin from /dev/null (or, with
+/// `stdin`, from a new pipe), stdout and stderr into new pipes; the reaper
+/// hands its wait status to `on_exit`.
 pub fn spawn(
     program: &CStr,
     argv: &[CString],
     env: &[CString],
     sandbox: &Sandbox<'_>,
+    stdin: bool,
     on_exit: ExitCallback,
 ) -> Result<Spawned, SpawnError> {
     let devnull = devnull()?;
@@ -164,8 +167,13 @@ pub fn spawn(
         out: (out_r, out_w),
         err: (err_r, err_w),
     } = take_pipes()?;
+    let input = if stdin { Some(pipe()?) } else { None };
+    let stdin_fd = match &input {
+        Some((r, _)) => r.as_raw_fd(),
+        None => devnull.as_raw_fd(),
+    };
     let stdio = Stdio {
-        fds: [devnull.as_raw_fd(), out_w.as_raw_fd(), err_w.as_raw_fd()],
+        fds: [stdin_fd, out_w.as_raw_fd(), err_w.as_raw_fd()],
         terminal: false,
     };
     let (pid, pidfd) = start(program, argv, env, sandbox, stdio, on_exit)?;
@@ -175,6 +183,7 @@ pub fn spawn(
         pidfd,
         stdout: out_r,
         stderr: err_r,
+        stdin: input.map(|(_, w)| w),
     })
 }
 

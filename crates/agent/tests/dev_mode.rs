@@ -130,6 +130,7 @@ fn exec(
                 env: BTreeMap::from([("GREETING".into(), "hi".into())]),
                 timeout_ms,
                 max_output_bytes: max,
+                ..Default::default()
             },
         },
         b"",
@@ -334,6 +335,7 @@ fn serves_the_protocol_end_to_end() {
                 env: BTreeMap::new(),
                 timeout_ms: 60_000,
                 max_output_bytes: 100,
+                ..Default::default()
             },
         },
         b"",
@@ -357,6 +359,7 @@ fn serves_the_protocol_end_to_end() {
                 env: BTreeMap::new(),
                 timeout_ms: 1000,
                 max_output_bytes: 100,
+                ..Default::default()
             },
         },
         b"",
@@ -500,6 +503,7 @@ fn serves_the_protocol_end_to_end() {
                 env: BTreeMap::new(),
                 timeout_ms: 60_000,
                 max_output_bytes: 100,
+                ..Default::default()
             },
         },
         b"",
@@ -517,6 +521,7 @@ fn serves_the_protocol_end_to_end() {
                 env: BTreeMap::new(),
                 timeout_ms: 60_000,
                 max_output_bytes: 100,
+                ..Default::default()
             },
         },
         b"",
@@ -588,6 +593,7 @@ fn serves_the_protocol_end_to_end() {
                 env: BTreeMap::new(),
                 timeout_ms: 60_000,
                 max_output_bytes: 100,
+                ..Default::default()
             },
         },
         b"",

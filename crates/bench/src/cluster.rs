@@ -371,6 +371,7 @@ fn true_cmd() -> ExecParams {
         env: None,
         timeout_ms: None,
         stream: None,
+        ..Default::default()
     }
 }
 

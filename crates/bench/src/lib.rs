@@ -233,6 +233,7 @@ fn true_cmd() -> ExecRequest {
         env: BTreeMap::new(),
         timeout_ms: 60_000,
         max_output_bytes: MAX_OUTPUT,
+        ..Default::default()
     }
 }
 

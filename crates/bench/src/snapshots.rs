@@ -40,6 +40,7 @@ fn cmd(command: &str) -> ExecRequest {
         env: Default::default(),
         timeout_ms: 120_000,
         max_output_bytes: MAX_OUTPUT,
+        ..Default::default()
     }
 }
 

@@ -568,12 +568,14 @@ async fn exec(settings: &Settings, a: ExecArgs) -> Result<i32> {
         env,
         timeout_ms: a.timeout_ms,
         max_output_bytes: MAX_OUTPUT,
+        ..Default::default()
     })?;
     let mut out = std::io::stdout();
     let mut err = std::io::stderr();
     loop {
         tokio::select! {
             ev = h.next() => match ev? {
+                GuestExecEvent::Started(_) => {}
                 GuestExecEvent::Stdout(b) => { out.write_all(&b)?; out.flush()?; }
                 GuestExecEvent::Stderr(b) => { err.write_all(&b)?; err.flush()?; }
                 GuestExecEvent::Exited(r) => {
@@ -736,6 +738,7 @@ pub async fn demo(settings: &Settings) -> Result<i32> {
                     env: BTreeMap::new(),
                     timeout_ms: 60_000,
                     max_output_bytes: MAX_OUTPUT,
+                    ..Default::default()
                 })
                 .await?;
             println!("$ {cmd}   ({:.2} s)", t.elapsed().as_secs_f64());

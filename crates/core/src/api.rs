@@ -216,6 +216,44 @@ pub trait Commands: Send + Sync {
         params: ExecParams,
     ) -> Result<ExecStream>;
     async fn get_execution(&self, caller: &Caller, exec_id: &str) -> Result<Execution>;
+    /// Follow a running command by its pid (E2B's `commands.connect`; not
+    /// part of the REST contract): its output from now on and its end.
+    /// The stream's `Started` and `Exit` carry the pid and how it ended,
+    /// not a stored execution (that is the starting call's). Dropping the
+    /// stream stops following; the command goes on. A backend without
+    /// processes refuses.
+    async fn attach_process(&self, caller: &Caller, id: &str, pid: u32) -> Result<ExecStream> {
+        let _ = (caller, id, pid);
+        Err(crate::error::CoreError::invalid(
+            "following a running command is not available here",
+        ))
+    }
+    /// The commands running in a sandbox now (E2B's `commands.list`).
+    async fn list_processes(
+        &self,
+        caller: &Caller,
+        id: &str,
+    ) -> Result<Vec<sandpit_protocol::ProcessInfo>> {
+        let _ = (caller, id);
+        Err(crate::error::CoreError::invalid(
+            "listing running commands is not available here",
+        ))
+    }
+    /// Feed (`input`), close the stdin of, or signal a running command
+    /// (E2B's `send_stdin`, `close_stdin`, `kill`).
+    async fn process_call(
+        &self,
+        caller: &Caller,
+        id: &str,
+        pid: u32,
+        call: sandpit_protocol::ProcessCall,
+        input: Vec<u8>,
+    ) -> Result<()> {
+        let _ = (caller, id, pid, call, input);
+        Err(crate::error::CoreError::invalid(
+            "calls on running commands are not available here",
+        ))
+    }
     /// A sandbox's executions (ended or not, of a deleted sandbox too while
     /// they are kept), newest first, a page at a time.
     async fn list_executions(

@@ -278,6 +278,15 @@ pub struct ExecParams {
     /// REST only: answer as a server-sent event stream.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream: Option<bool>,
+    /// E2B's processes (not part of the REST contract): the command goes
+    /// on when its stream is dropped, until it exits, its timeout, or a
+    /// signal, and can be listed, attached to and signalled by its pid.
+    #[serde(skip)]
+    pub keep_running: bool,
+    /// E2B's processes: the command gets a stdin pipe (see
+    /// `Commands::process_call`) instead of `/dev/null`.
+    #[serde(skip)]
+    pub stdin: bool,
 }
 
 /// The execution object.
@@ -296,6 +305,14 @@ pub struct Execution {
     pub duration_ms: u64,
     pub started_at: String,
     pub finished_at: Option<String>,
+    /// The command's pid in the guest, for a command that keeps running
+    /// (E2B's processes; not part of the REST contract).
+    #[serde(skip)]
+    pub pid: Option<u32>,
+    /// The signal that ended it, when one did (its `exit_code` is then 128
+    /// plus it); known to the call that ran it, not stored.
+    #[serde(skip)]
+    pub signal: Option<i32>,
 }
 
 /// Content encodings of file content.
@@ -541,6 +558,9 @@ pub const MAX_COMMAND_BYTES: u64 = 128 * 1024 - 1;
 /// All variables of a command, in bytes: half of `ARG_MAX` (a quarter of the
 /// default 8 MiB stack), leaving room for the rest.
 pub const MAX_ENV_BYTES: u64 = 512 * 1024;
+/// Most bytes fed to a running command's stdin in one call (E2B's
+/// `send_stdin`): the agent takes them in frame-sized pieces.
+pub const MAX_INPUT_BYTES: u64 = 8 * 1024 * 1024;
 
 /// Snapshot restore and the warm pool, as they stand now.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]

@@ -41,6 +41,32 @@ async def main():
             assert e.exit_code == 7, e
         ok("CommandExitException")
 
+        # A background command streams to its callback while the script
+        # goes on; stdin and a kill by pid end it.
+        lines = []
+        bg = await sbx.commands.run(
+            "while read -r l; do echo got $l; done",
+            background=True,
+            stdin=True,
+            on_stdout=lines.append,
+        )
+        listed = [p.pid for p in await sbx.commands.list()]
+        assert bg.pid in listed, listed
+        await sbx.commands.send_stdin(bg.pid, "one\n")
+        await sbx.commands.send_stdin(bg.pid, "two\n")
+        for _ in range(100):
+            if "".join(lines).count("got") == 2:
+                break
+            await asyncio.sleep(0.1)
+        assert "".join(lines) == "got one\ngot two\n", lines
+        assert await sbx.commands.kill(bg.pid) is True
+        try:
+            await bg.wait()
+            raise AssertionError("a killed command ended well")
+        except CommandExitException:
+            pass
+        ok("background with callbacks, send_stdin, list, kill")
+
         await sbx.files.write("async.txt", "written async")
         assert await sbx.files.read("async.txt") == "written async"
         ok("files")

@@ -70,6 +70,54 @@ try:
         assert "unprivileged" in str(e), e
     ok("another user is refused, saying why")
 
+    # Background commands are the guest's processes, by their real pids:
+    # listed, followed by a second client from then on, killed.
+    ticker = sbx.commands.run(
+        "for i in $(seq 1 60); do echo tick $i; sleep 0.5; done", background=True
+    )
+    pid = ticker.pid
+    assert pid > 1, pid
+    r = sbx.commands.run(f"kill -0 {pid} && echo alive")
+    assert r.stdout.strip() == "alive", r
+    listed = {p.pid: p for p in sbx.commands.list()}
+    assert pid in listed and "tick" in " ".join(listed[pid].args), listed
+    ticker.disconnect()
+    time.sleep(1.5)
+    import threading
+
+    other = Sandbox.connect(sbx.sandbox_id)
+    later = other.commands.connect(pid)
+    killer = threading.Timer(2.5, lambda: sbx.commands.kill(pid))
+    killer.start()
+    seen = []
+    try:
+        later.wait(on_stdout=seen.append)
+        raise AssertionError("a killed command ended well")
+    except CommandExitException as e:
+        assert e.exit_code != 0, e
+    killer.join()
+    ticks = [int(line.split()[1]) for line in "".join(seen).split("\n") if line.startswith("tick")]
+    assert len(ticks) >= 3 and ticks[0] > 1, f"the second client saw {ticks}"
+    assert ticks == list(range(ticks[0], ticks[0] + len(ticks))), ticks
+    assert pid not in [p.pid for p in sbx.commands.list()]
+    assert sbx.commands.kill(pid) is False, "an ended command was killed"
+    ok(f"background, list, connect from a second client (from tick {ticks[0]}), kill")
+
+    cat = sbx.commands.run("cat; echo done >&2", background=True, stdin=True)
+    cat.send_stdin("hello ")
+    sbx.commands.send_stdin(cat.pid, b"stdin\n")
+    cat.close_stdin()
+    r = cat.wait()
+    assert (r.stdout, r.stderr.strip()) == ("hello stdin\n", "done"), r
+    no_stdin = sbx.commands.run("sleep 20", background=True)
+    try:
+        no_stdin.send_stdin("x")
+        raise AssertionError("input went to a command without stdin")
+    except SandboxException as e:
+        assert "stdin" in str(e), e
+    assert no_stdin.kill() is True
+    ok("send_stdin, close_stdin; a command without stdin refuses input")
+
     info = sbx.files.write("notes/hello.txt", "hello from the SDK\n")
     assert info.path == "/home/user/notes/hello.txt", info
     assert sbx.files.read("notes/hello.txt") == "hello from the SDK\n"

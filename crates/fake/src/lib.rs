@@ -621,6 +621,8 @@ impl Fake {
             duration_ms: 0,
             started_at: T0.into(),
             finished_at: None,
+            pid: None,
+            signal: None,
         };
         st.started.push(exec.id.clone());
         st.executions

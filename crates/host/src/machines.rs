@@ -10,7 +10,7 @@
 //! decided once, in the service, for both kinds of machine.
 
 use async_trait::async_trait;
-use sandpit_protocol::{ExecRequest, FileEntry, PathCall, PathEntry};
+use sandpit_protocol::{ExecRequest, FileEntry, PathCall, PathEntry, ProcessCall, ProcessInfo};
 use sandpit_runtime::{GuestExecEvent, RuntimeError, VmState};
 pub use sandpit_runtime::{PtyExit, PtySize};
 use std::sync::Arc;
@@ -110,6 +110,29 @@ pub trait Machines: Send + Sync {
     /// Starts a command in the guest.
     async fn exec(&self, id: &str, request: ExecRequest) -> VmResult<Box<dyn Command>>;
 
+    /// Follows the running command `pid` in the guest from now on (its pid,
+    /// its output, at most `max_output_bytes` a stream, and its end), for
+    /// at most `longest`. Dropping it stops following; the command goes on.
+    async fn attach(
+        &self,
+        id: &str,
+        pid: u32,
+        max_output_bytes: u64,
+        longest: std::time::Duration,
+    ) -> VmResult<Box<dyn Command>>;
+
+    /// The commands running in the guest now.
+    async fn processes(&self, id: &str) -> VmResult<Vec<ProcessInfo>>;
+
+    /// Feeds (`input`), closes or signals the running command `pid`.
+    async fn process_call(
+        &self,
+        id: &str,
+        pid: u32,
+        call: ProcessCall,
+        input: Vec<u8>,
+    ) -> VmResult<()>;
+
     /// Writes a file of `size` bytes, sent in pieces.
     async fn upload(&self, id: &str, path: &str, size: u64) -> VmResult<Box<dyn Upload>>;
 
@@ -166,10 +189,11 @@ pub struct Listing {
     pub truncated: bool,
 }
 
-/// A command running in a guest.
+/// A command running in a guest (or followed there).
 #[async_trait]
 pub trait Command: Send {
-    /// The next event; `Exited` (or an error) is the last.
+    /// The next event; `Exited` (or an error) is the last. A command that
+    /// keeps running, or was attached to, gives its pid first (`Started`).
     async fn next(&mut self) -> VmResult<GuestExecEvent>;
     /// Kills the command; its end follows, cancelled.
     fn cancel(&self);

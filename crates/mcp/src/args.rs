@@ -179,6 +179,7 @@ impl RunCommandArgs {
                 cwd: self.cwd,
                 env: self.env,
                 stream: None,
+                ..Default::default()
             },
         )
     }

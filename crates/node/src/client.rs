@@ -430,6 +430,52 @@ impl Machines for RemoteNode {
         }))
     }
 
+    async fn attach(
+        &self,
+        id: &str,
+        pid: u32,
+        max_output_bytes: u64,
+        longest: Duration,
+    ) -> VmResult<Box<dyn Command>> {
+        let deadline = tokio::time::Instant::now() + longest + sandpit_runtime::channel::EXEC_GRACE;
+        let args = wire::AttachArgs {
+            pid,
+            max_output_bytes,
+            longest_ms: longest.as_millis() as u64,
+        };
+        let (upstream, resp) = self
+            .open(&format!("sandboxes/{id}/attach"), &args, RESPONSE_TIMEOUT)
+            .await?;
+        Ok(Box::new(RemoteCommand {
+            address: self.address.clone(),
+            body: resp.into_body(),
+            buf: BytesMut::new(),
+            upstream: Some(upstream),
+            deadline,
+        }))
+    }
+
+    async fn processes(&self, id: &str) -> VmResult<Vec<sandpit_protocol::ProcessInfo>> {
+        self.call(
+            &format!("sandboxes/{id}/processes"),
+            &Nothing {},
+            RESPONSE_TIMEOUT,
+        )
+        .await
+    }
+
+    async fn process_call(
+        &self,
+        id: &str,
+        pid: u32,
+        call: sandpit_protocol::ProcessCall,
+        input: Vec<u8>,
+    ) -> VmResult<()> {
+        let args = wire::ProcessArgs { pid, call, input };
+        self.call(&format!("sandboxes/{id}/process"), &args, FILE_TIMEOUT)
+            .await
+    }
+
     async fn upload(&self, id: &str, path: &str, size: u64) -> VmResult<Box<dyn Upload>> {
         let (upstream, rx) = mpsc::channel::<Bytes>(4);
         let head = wire::FileArgs {
@@ -657,7 +703,9 @@ impl Command for RemoteCommand {
                 Ok(Some(event)) => {
                     if !matches!(
                         event,
-                        Ok(GuestExecEvent::Stdout(_)) | Ok(GuestExecEvent::Stderr(_))
+                        Ok(GuestExecEvent::Started(_))
+                            | Ok(GuestExecEvent::Stdout(_))
+                            | Ok(GuestExecEvent::Stderr(_))
                     ) {
                         self.upstream = None;
                     }

@@ -20,7 +20,9 @@ use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
 use hyper::body::{Frame, Incoming};
 use hyper::{Request, Response, StatusCode};
-use sandpit_host::machines::{Machines, PtySize, Started, Terminal, TERMINAL_QUEUE};
+use sandpit_host::machines::{
+    Command, Machines, PtySize, Started, Terminal, VmResult, TERMINAL_QUEUE,
+};
 use sandpit_protocol::ExecRequest;
 use sandpit_runtime::{GuestExecEvent, RuntimeError};
 use serde::{Deserialize, Serialize};
@@ -261,7 +263,28 @@ async fn handle(state: Arc<dyn NodeState>, req: Request<Incoming>) -> Response<B
                     Err(r) => r,
                 },
                 "state" => answer(vms.state(&id).await.map(|vm| wire::State { vm })),
-                "exec" => exec(vms, id, body).await,
+                "exec" => match body.json::<ExecRequest>().await {
+                    Ok(request) => follow(vms.exec(&id, request).await, body),
+                    Err(r) => r,
+                },
+                "attach" => match body.json::<wire::AttachArgs>().await {
+                    Ok(a) => follow(
+                        vms.attach(
+                            &id,
+                            a.pid,
+                            a.max_output_bytes,
+                            std::time::Duration::from_millis(a.longest_ms),
+                        )
+                        .await,
+                        body,
+                    ),
+                    Err(r) => r,
+                },
+                "processes" => answer(vms.processes(&id).await),
+                "process" => match body.json::<wire::ProcessArgs>().await {
+                    Ok(a) => answer(vms.process_call(&id, a.pid, a.call, a.input).await),
+                    Err(r) => r,
+                },
                 "upload" => upload(vms, id, body).await,
                 "download" => match body.json::<wire::FileArgs>().await {
                     Ok(a) => download(vms, id, a).await,
@@ -394,14 +417,11 @@ fn streamed(rx: mpsc::Receiver<Bytes>, content_type: &'static str) -> Response<B
     r
 }
 
-/// A command: its events stream back as frames; `cancel\n` on the request
-/// body kills it, and so does the caller going away.
-async fn exec(vms: Arc<dyn Machines>, id: String, mut body: Head) -> Response<Body> {
-    let request: ExecRequest = match body.json().await {
-        Ok(r) => r,
-        Err(r) => return r,
-    };
-    let mut command = match vms.exec(&id, request).await {
+/// A command started or attached to: its events stream back as frames;
+/// `cancel\n` on the request body cancels it (kills it, or for one that
+/// keeps running stops following it), and so does the caller going away.
+fn follow(command: VmResult<Box<dyn Command>>, mut body: Head) -> Response<Body> {
+    let mut command = match command {
         Ok(c) => c,
         Err(e) => return failed(&e),
     };
@@ -434,7 +454,9 @@ async fn exec(vms: Arc<dyn Machines>, id: String, mut body: Head) -> Response<Bo
             };
             let last = !matches!(
                 event,
-                Ok(GuestExecEvent::Stdout(_)) | Ok(GuestExecEvent::Stderr(_))
+                Ok(GuestExecEvent::Started(_))
+                    | Ok(GuestExecEvent::Stdout(_))
+                    | Ok(GuestExecEvent::Stderr(_))
             );
             if tx.send(wire::encode(&event)).await.is_err() {
                 // The caller went: dropping the command kills it.

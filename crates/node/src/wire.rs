@@ -23,6 +23,7 @@ const META: u8 = 6;
 const PTY_DATA: u8 = 7;
 const PTY_RESIZE: u8 = 8;
 const PTY_EXIT: u8 = 9;
+const STARTED: u8 = 10;
 
 /// Largest payload a frame may announce (output comes in agent-sized
 /// pieces; a peer announcing more is broken or hostile).
@@ -39,6 +40,7 @@ fn frame(kind: u8, payload: &[u8]) -> Bytes {
 /// The frame of one event, or of the error that ended the command.
 pub fn encode(event: &Result<GuestExecEvent, RuntimeError>) -> Bytes {
     match event {
+        Ok(GuestExecEvent::Started(pid)) => frame(STARTED, &pid.to_be_bytes()),
         Ok(GuestExecEvent::Stdout(b)) => frame(STDOUT, b),
         Ok(GuestExecEvent::Stderr(b)) => frame(STDERR, b),
         Ok(GuestExecEvent::Exited(r)) => frame(EXITED, &serde_json::to_vec(r).expect("json")),
@@ -219,6 +221,42 @@ pub struct FileArgs {
     pub max_entries: u64,
 }
 
+/// The arguments of `attach`: the command's pid, the output a stream may
+/// carry, and how long it may be followed.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct AttachArgs {
+    pub pid: u32,
+    pub max_output_bytes: u64,
+    pub longest_ms: u64,
+}
+
+/// The arguments of `process`: what to do to command `pid`, and the input
+/// for its stdin.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ProcessArgs {
+    pub pid: u32,
+    pub call: sandpit_protocol::ProcessCall,
+    #[serde(default, with = "base64_bytes")]
+    pub input: Vec<u8>,
+}
+
+/// Bytes as base64 in JSON (a stdin's input), not an array of numbers.
+mod base64_bytes {
+    use base64::Engine;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(bytes: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&base64::engine::general_purpose::STANDARD.encode(bytes))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+        let text = String::deserialize(d)?;
+        base64::engine::general_purpose::STANDARD
+            .decode(text)
+            .map_err(serde::de::Error::custom)
+    }
+}
+
 /// What `take_warm` found.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct Warm {
@@ -252,6 +290,11 @@ pub fn decode(buf: &mut BytesMut) -> Result<Option<Result<GuestExecEvent, Runtim
     };
     let bad = |e: serde_json::Error| format!("frame {kind}: {e}");
     Ok(Some(match kind {
+        STARTED => Ok(GuestExecEvent::Started(u32::from_be_bytes(
+            payload[..]
+                .try_into()
+                .map_err(|_| format!("a pid of {} bytes", payload.len()))?,
+        ))),
         STDOUT => Ok(GuestExecEvent::Stdout(payload.to_vec())),
         STDERR => Ok(GuestExecEvent::Stderr(payload.to_vec())),
         EXITED => Ok(GuestExecEvent::Exited(
@@ -378,6 +421,7 @@ mod tests {
     #[test]
     fn events_round_trip_whole_and_in_pieces() {
         let events = vec![
+            Ok(GuestExecEvent::Started(70_001)),
             Ok(GuestExecEvent::Stdout(vec![0, 1, 2, 255])),
             Ok(GuestExecEvent::Stderr(b"oops\n".to_vec())),
             Err(RuntimeError::Disconnected("gone".into())),
@@ -395,9 +439,10 @@ mod tests {
                 got.push(e);
             }
         }
-        assert_eq!(got.len(), 3);
-        assert!(matches!(&got[0], Ok(GuestExecEvent::Stdout(b)) if b == &[0, 1, 2, 255]));
-        assert!(matches!(&got[2], Err(RuntimeError::Disconnected(m)) if m.contains("gone")));
+        assert_eq!(got.len(), 4);
+        assert!(matches!(&got[0], Ok(GuestExecEvent::Started(70_001))));
+        assert!(matches!(&got[1], Ok(GuestExecEvent::Stdout(b)) if b == &[0, 1, 2, 255]));
+        assert!(matches!(&got[3], Err(RuntimeError::Disconnected(m)) if m.contains("gone")));
         // A VM that died stays a VM that died on the other side.
         let mut buf = BytesMut::from(
             &encode(&Err(RuntimeError::VmExited {

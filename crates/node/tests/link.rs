@@ -11,7 +11,8 @@ use sandpit_node::{
     client_config, init_ca, issue, server_config, Health, NodeClient, NodeError, NodeState,
 };
 use sandpit_protocol::{
-    AgentError, ErrorKind, ExecRequest, ExecResult, FileKind, PathCall, PathEntry,
+    AgentError, ErrorKind, ExecRequest, ExecResult, FileKind, PathCall, PathEntry, ProcessCall,
+    ProcessInfo,
 };
 use sandpit_runtime::{GuestExecEvent, RuntimeError, VmState};
 use std::collections::HashMap;
@@ -72,6 +73,7 @@ fn exec_request(command: &str) -> ExecRequest {
         env: Default::default(),
         timeout_ms: 10_000,
         max_output_bytes: 1 << 20,
+        ..Default::default()
     }
 }
 
@@ -336,6 +338,72 @@ impl Machines for FakeVms {
             PathCall::MakeDir { path } => Ok(entry(&path, FileKind::Dir)),
             PathCall::Move { to, .. } => Ok(entry(&to, FileKind::File)),
         }
+    }
+    async fn attach(
+        &self,
+        id: &str,
+        pid: u32,
+        _max_output_bytes: u64,
+        _longest: std::time::Duration,
+    ) -> VmResult<Box<dyn Command>> {
+        check(id)?;
+        if pid != 812 {
+            return Err(RuntimeError::Agent(AgentError::new(
+                ErrorKind::NotFound,
+                format!("no running command has pid {pid}"),
+            )));
+        }
+        Ok(Box::new(FakeCommand {
+            events: vec![
+                GuestExecEvent::Started(pid),
+                GuestExecEvent::Stdout(b"later\n".to_vec()),
+                GuestExecEvent::Exited(ExecResult {
+                    exit_code: None,
+                    signal: Some(15),
+                    timed_out: false,
+                    cancelled: false,
+                    stdout_bytes: 6,
+                    stderr_bytes: 0,
+                    stdout_truncated: false,
+                    stderr_truncated: false,
+                    duration_ms: 1,
+                    duration_us: None,
+                }),
+            ],
+            cancel: Arc::new(tokio::sync::Notify::new()),
+            cancelled: self.cancelled.clone(),
+        }))
+    }
+    async fn processes(&self, id: &str) -> VmResult<Vec<ProcessInfo>> {
+        check(id)?;
+        Ok(vec![ProcessInfo {
+            pid: 812,
+            command: "python3 -m http.server".into(),
+            cwd: "/home/user".into(),
+            env: [("A".to_string(), "b".to_string())].into(),
+            keep_running: true,
+            stdin: true,
+        }])
+    }
+    async fn process_call(
+        &self,
+        id: &str,
+        pid: u32,
+        call: ProcessCall,
+        input: Vec<u8>,
+    ) -> VmResult<()> {
+        check(id)?;
+        if pid != 812 {
+            return Err(RuntimeError::Agent(AgentError::new(
+                ErrorKind::NotFound,
+                format!("no running command has pid {pid}"),
+            )));
+        }
+        self.snapshots.lock().unwrap().push(format!(
+            "{call:?} {pid} {}",
+            String::from_utf8_lossy(&input)
+        ));
+        Ok(())
     }
     async fn open_tunnel(&self, id: &str, port: u16) -> VmResult<Tunnel> {
         check(id)?;
@@ -706,6 +774,71 @@ async fn a_nodes_vms_answer_through_the_link_as_they_would_at_home() {
             .kind,
         FileKind::File
     );
+    // Running commands: attached to by pid (its pid first), listed, fed
+    // and signalled across the node API; an unknown pid stays not found.
+    let mut followed = remote
+        .attach("vm1", 812, 1 << 20, std::time::Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(followed.next().await.unwrap(), GuestExecEvent::Started(812));
+    assert_eq!(
+        followed.next().await.unwrap(),
+        GuestExecEvent::Stdout(b"later\n".to_vec())
+    );
+    assert!(matches!(
+        followed.next().await.unwrap(),
+        GuestExecEvent::Exited(ExecResult {
+            signal: Some(15),
+            ..
+        })
+    ));
+    match remote
+        .attach("vm1", 9, 1 << 20, std::time::Duration::from_secs(60))
+        .await
+    {
+        Ok(mut c) => match c.next().await {
+            Err(RuntimeError::Agent(a)) => assert_eq!(a.kind, ErrorKind::NotFound),
+            other => panic!("{other:?}"),
+        },
+        Err(RuntimeError::Agent(a)) => assert_eq!(a.kind, ErrorKind::NotFound),
+        Err(other) => panic!("{other:?}"),
+    }
+    let listed = remote.processes("vm1").await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].command, "python3 -m http.server");
+    assert_eq!(listed[0].env["A"], "b");
+    let binary = vec![0u8, 255, b'\n'];
+    remote
+        .process_call("vm1", 812, ProcessCall::Input, b"hello\n".to_vec())
+        .await
+        .unwrap();
+    remote
+        .process_call("vm1", 812, ProcessCall::Input, binary.clone())
+        .await
+        .unwrap();
+    remote
+        .process_call("vm1", 812, ProcessCall::Signal { signal: 15 }, Vec::new())
+        .await
+        .unwrap();
+    match remote
+        .process_call("vm1", 9, ProcessCall::CloseStdin, Vec::new())
+        .await
+    {
+        Err(RuntimeError::Agent(a)) => assert_eq!(a.kind, ErrorKind::NotFound),
+        other => panic!("{other:?}"),
+    }
+    {
+        let log = vms.snapshots.lock().unwrap();
+        assert!(log.contains(&"Input 812 hello\n".to_string()), "{log:?}");
+        assert!(
+            log.contains(&format!("Input 812 {}", String::from_utf8_lossy(&binary))),
+            "{log:?}"
+        );
+        assert!(
+            log.contains(&"Signal { signal: 15 } 812 ".to_string()),
+            "{log:?}"
+        );
+    }
     assert_eq!(
         remote
             .delete_file("vm1", "/workspace/blob", false)

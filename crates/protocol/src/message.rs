@@ -70,6 +70,25 @@ pub enum Message {
     /// user; answered with [`Message::Done`] / [`DoneResult::PathInfo`]
     /// describing the path it leaves. Older agents answer `Unsupported`.
     PathCall { id: RequestId, call: PathCall },
+    /// Follow a running command by its pid (see [`ExecRequest::keep_running`]):
+    /// answered by [`Message::Started`], then its output from then on and
+    /// its [`Message::Exited`], as for the [`Message::Exec`] that started
+    /// it; or by [`Message::Error`] / [`ErrorKind::NotFound`] when no
+    /// command of the agent's has that pid. [`Message::Cancel`] stops
+    /// following it (the command goes on). Older agents answer
+    /// `Unsupported`.
+    ProcessAttach { id: RequestId, pid: u32 },
+    /// The commands running now; answered with [`Message::Done`] /
+    /// [`DoneResult::Processes`].
+    ProcessList { id: RequestId },
+    /// Feed, close or signal a running command ([`ProcessCall`]); answered
+    /// with [`Message::Done`] / [`DoneResult::ProcessCalled`], or
+    /// [`ErrorKind::NotFound`] when no command has that pid.
+    ProcessCall {
+        id: RequestId,
+        pid: u32,
+        call: ProcessCall,
+    },
 
     /// Sync the disks and power the guest off. The VM then exits; nothing answers.
     PowerOff { id: RequestId },
@@ -127,9 +146,10 @@ pub enum Message {
         kernel_release: String,
         hostname: String,
     },
-    /// A command started. No longer sent: under emulation the extra frame
-    /// cost every command ~0.4 ms and no host used it. Kept so that a host
-    /// still understands an agent of an older build (it ignores it).
+    /// A command started, or is followed from now on: the first message
+    /// for an [`Message::Exec`] with [`ExecRequest::keep_running`] and for
+    /// a [`Message::ProcessAttach`]. Not sent for other commands: under
+    /// emulation the extra frame cost every command ~0.4 ms.
     Started { id: RequestId, pid: u32 },
     /// Output of a command on stdout (frame body).
     Stdout { id: RequestId },
@@ -177,6 +197,9 @@ impl Message {
             | ListFiles { id, .. }
             | DeleteFile { id, .. }
             | PathCall { id, .. }
+            | ProcessAttach { id, .. }
+            | ProcessList { id }
+            | ProcessCall { id, .. }
             | PowerOff { id }
             | TunnelOpen { id, .. }
             | TunnelData { id }
@@ -263,7 +286,7 @@ pub struct ProxyConfig {
 }
 
 /// A shell command to run.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ExecRequest {
     /// Passed to `bash -c` (or `sh -c` where bash is absent).
     pub command: String,
@@ -277,6 +300,19 @@ pub struct ExecRequest {
     pub timeout_ms: u64,
     /// Output kept per stream; the rest is read and dropped, and flagged truncated.
     pub max_output_bytes: u64,
+    /// The command is not the request's: [`Message::Started`] gives its
+    /// pid first, a [`Message::Cancel`] (or the host's connection ending)
+    /// only stops its output being sent, and it runs on until it exits,
+    /// its timeout, or a signal ([`ProcessCall::Signal`]), followed by
+    /// whoever attaches to it ([`Message::ProcessAttach`]). Added within
+    /// generation 1; older agents ignore it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub keep_running: bool,
+    /// Give the command a pipe for its stdin ([`ProcessCall::Input`],
+    /// [`ProcessCall::CloseStdin`]) instead of `/dev/null`. Added within
+    /// generation 1.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stdin: bool,
 }
 
 /// How a command ended.
@@ -334,6 +370,45 @@ pub enum DoneResult {
     PathInfo {
         entry: PathEntry,
     },
+    /// The commands running now ([`Message::ProcessList`]), oldest first.
+    Processes {
+        processes: Vec<ProcessInfo>,
+    },
+    /// A [`Message::ProcessCall`] was done.
+    ProcessCalled {
+        pid: u32,
+    },
+}
+
+/// What to do to a running command (see [`Message::ProcessCall`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum ProcessCall {
+    /// Write the frame's body to its stdin (which it was given with
+    /// [`ExecRequest::stdin`]). A command that does not read within
+    /// seconds fails it with [`ErrorKind::TimedOut`].
+    Input,
+    /// Close its stdin: it reads end of file.
+    CloseStdin,
+    /// Send `signal` (1 to 31) to its whole process group.
+    Signal { signal: i32 },
+}
+
+/// A running command, as [`Message::ProcessList`] describes it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessInfo {
+    /// The shell's pid, which leads the command's process group.
+    pub pid: u32,
+    /// The command line, as given to the shell.
+    pub command: String,
+    /// Its working directory, resolved.
+    pub cwd: String,
+    /// The environment the request added.
+    pub env: BTreeMap<String, String>,
+    /// Whether it outlives its request ([`ExecRequest::keep_running`]).
+    pub keep_running: bool,
+    /// Whether it has a stdin pipe still open.
+    pub stdin: bool,
 }
 
 /// A file system call on one path or two (see [`Message::PathCall`]).

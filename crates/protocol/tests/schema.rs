@@ -54,6 +54,7 @@ fn samples() -> Vec<Message> {
                 env,
                 timeout_ms: 1000,
                 max_output_bytes: 1 << 20,
+                ..Default::default()
             },
         },
         Message::Cancel { id: 3 },
@@ -272,6 +273,55 @@ fn samples() -> Vec<Message> {
             id: 51,
             error: AgentError::new(ErrorKind::AlreadyExists, "/tmp/x/y exists"),
         },
+        // Added to generation 1: commands that outlive their request (E2B's
+        // process API).
+        Message::Exec {
+            id: 60,
+            request: ExecRequest {
+                command: "python3 -m http.server".into(),
+                cwd: None,
+                env: BTreeMap::new(),
+                timeout_ms: 60_000,
+                max_output_bytes: 1024,
+                keep_running: true,
+                stdin: true,
+            },
+        },
+        Message::Started { id: 60, pid: 812 },
+        Message::ProcessAttach { id: 61, pid: 812 },
+        Message::ProcessList { id: 62 },
+        Message::Done {
+            id: 62,
+            result: DoneResult::Processes {
+                processes: vec![ProcessInfo {
+                    pid: 812,
+                    command: "python3 -m http.server".into(),
+                    cwd: "/home/user".into(),
+                    env: BTreeMap::from([("A".into(), "b".into())]),
+                    keep_running: true,
+                    stdin: true,
+                }],
+            },
+        },
+        Message::ProcessCall {
+            id: 63,
+            pid: 812,
+            call: ProcessCall::Input,
+        },
+        Message::ProcessCall {
+            id: 64,
+            pid: 812,
+            call: ProcessCall::CloseStdin,
+        },
+        Message::ProcessCall {
+            id: 65,
+            pid: 812,
+            call: ProcessCall::Signal { signal: 15 },
+        },
+        Message::Done {
+            id: 65,
+            result: DoneResult::ProcessCalled { pid: 812 },
+        },
     ]
 }
 
@@ -290,6 +340,9 @@ fn exhaustive(m: &Message) -> &'static str {
         Message::ListFiles { .. } => "list_files",
         Message::DeleteFile { .. } => "delete_file",
         Message::PathCall { .. } => "path_call",
+        Message::ProcessAttach { .. } => "process_attach",
+        Message::ProcessList { .. } => "process_list",
+        Message::ProcessCall { .. } => "process_call",
         Message::PowerOff { .. } => "power_off",
         Message::HelloAck { .. } => "hello_ack",
         Message::Started { .. } => "started",

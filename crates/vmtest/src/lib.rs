@@ -189,6 +189,7 @@ pub fn req(cmd: &str) -> ExecRequest {
         env: BTreeMap::new(),
         timeout_ms: 60_000,
         max_output_bytes: 1 << 20,
+        ..Default::default()
     }
 }
 

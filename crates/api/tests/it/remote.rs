@@ -87,6 +87,7 @@ async fn every_method_round_trips() {
         cwd: Some("sub".into()),
         env: Some(BTreeMap::from([("K".to_owned(), "v v".to_owned())])),
         stream: None,
+        ..Default::default()
     };
     let e = api.exec(&me, &sbx.id, params.clone()).await.unwrap();
     assert_eq!(e.stdout, "ran echo 'a b'\n");

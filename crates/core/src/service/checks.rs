@@ -115,6 +115,8 @@ pub fn validate_exec(config: &ServiceConfig, p: &ExecParams) -> Result<ExecReque
         env,
         timeout_ms: timeout,
         max_output_bytes: config.max_output_bytes,
+        keep_running: p.keep_running,
+        stdin: p.stdin,
     })
 }
 

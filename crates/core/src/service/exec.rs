@@ -26,12 +26,13 @@ use time::OffsetDateTime;
 use tokio::sync::{mpsc, oneshot};
 
 impl Service {
-    /// Starts `req` in `row`'s sandbox, wherever its VM runs.
+    /// Starts `req` in `row`'s sandbox, wherever its VM runs; with the
+    /// command's pid when it keeps running (its first event gives it).
     async fn start_command(
         &self,
         row: &SandboxRow,
         mut req: ExecRequest,
-    ) -> Result<Box<dyn Command>> {
+    ) -> Result<(Box<dyn Command>, Option<u32>)> {
         // The sandbox's own environment (given at its create), under the
         // command's.
         if !row.env.is_empty() {
@@ -39,9 +40,21 @@ impl Service {
             env.append(&mut req.env);
             req.env = env;
         }
+        let keep_running = req.keep_running;
         let machines = self.machines_for(row).await?;
-        match machines.exec(&row.id, req).await {
-            Ok(command) => Ok(command),
+        let mut command = match machines.exec(&row.id, req).await {
+            Ok(command) => command,
+            Err(e) => return Err(self.agent_failure(row, e).await),
+        };
+        if !keep_running {
+            return Ok((command, None));
+        }
+        match command.next().await {
+            Ok(GuestExecEvent::Started(pid)) => Ok((command, Some(pid))),
+            Ok(other) => Err(CoreError::internal(format!(
+                "the sandbox's agent did not give the command's pid first ({other:?}): \
+                 is its guest image older than this server?"
+            ))),
             Err(e) => Err(self.agent_failure(row, e).await),
         }
     }
@@ -51,7 +64,7 @@ impl Service {
         &self,
         row: &SandboxRow,
         command: String,
-        mut handle: Box<dyn Command>,
+        (mut handle, pid): (Box<dyn Command>, Option<u32>),
         tx: Option<mpsc::Sender<ExecEvent>>,
         mut cancel: oneshot::Receiver<()>,
     ) -> Result<Execution> {
@@ -85,7 +98,9 @@ impl Service {
             return Err(e.into());
         }
         if let Some(tx) = &tx {
-            let _ = tx.send(ExecEvent::Started(to_execution(&record))).await;
+            let mut started = to_execution(&record);
+            started.pid = pid;
+            let _ = tx.send(ExecEvent::Started(started)).await;
         }
         let (mut out, mut err) = (Utf8Chunker::new(), Utf8Chunker::new());
         let (mut stdout, mut stderr) = (String::new(), String::new());
@@ -105,6 +120,7 @@ impl Service {
                 }
             };
             match ev {
+                Ok(GuestExecEvent::Started(_)) => {}
                 Ok(GuestExecEvent::Stdout(b)) => {
                     let s = within(&stdout, out.push(&b), limit, &mut cut_here);
                     stdout.push_str(&s);
@@ -128,6 +144,7 @@ impl Service {
         let rest = within(&stderr, err.finish(), limit, &mut cut_here);
         stderr.push_str(&rest);
         let finished = OffsetDateTime::now_utc();
+        let signal = outcome.as_ref().ok().and_then(|r| r.signal);
         let result = match outcome {
             Ok(r) => {
                 let st = if r.timed_out {
@@ -194,7 +211,10 @@ impl Service {
             record.truncated = result.truncated;
             record.duration_ms = result.duration_ms;
             record.finished_at = Some(result.finished_at);
-            return Ok(to_execution(&record));
+            let mut ended = to_execution(&record);
+            ended.pid = pid;
+            ended.signal = signal;
+            return Ok(ended);
         }
         // Finished by someone else meanwhile (the sandbox ended): as stored.
         let row = self
@@ -231,6 +251,23 @@ impl Service {
     }
 }
 
+/// How a followed command ended, as an execution (it has no record of
+/// its own: that is the starting call's).
+fn ended(mut attached: Execution, r: &sandpit_protocol::ExecResult) -> Execution {
+    attached.status = if r.timed_out {
+        crate::model::ExecutionStatus::TimedOut
+    } else if r.cancelled {
+        crate::model::ExecutionStatus::Cancelled
+    } else {
+        crate::model::ExecutionStatus::Completed
+    };
+    attached.exit_code = r.exit_code.or(r.signal.map(|s| 128 + s));
+    attached.signal = r.signal;
+    attached.duration_ms = r.duration_ms;
+    attached.finished_at = Some(rfc3339(OffsetDateTime::now_utc()));
+    attached
+}
+
 fn to_execution(r: &ExecutionRow) -> Execution {
     Execution {
         id: r.id.clone(),
@@ -244,6 +281,8 @@ fn to_execution(r: &ExecutionRow) -> Execution {
         duration_ms: r.duration_ms,
         started_at: rfc3339(r.started_at),
         finished_at: r.finished_at.map(rfc3339),
+        pid: None,
+        signal: None,
     }
 }
 
@@ -298,13 +337,22 @@ impl Commands for Service {
         let (row, busy) = self.running(caller, id).await?;
         // Started before the stream: a VM out of reach fails the call.
         let command = req.command.clone();
+        let keep_running = req.keep_running;
         let handle = self.start_command(&row, req).await?;
         let (tx, rx) = mpsc::channel(64);
         let (cancel_tx, cancel_rx) = oneshot::channel();
+        // A command that keeps running is not cancelled with its stream:
+        // the task holds the cancel, and follows it to its end to record it.
+        let (cancel_tx, held) = if keep_running {
+            (None, Some(cancel_tx))
+        } else {
+            (Some(cancel_tx), None)
+        };
         let me = self.arc_self();
         tokio::spawn(async move {
             // In use until the command ends, however long it streams.
             let _busy = busy;
+            let _held = held;
             let Some(me) = me else { return };
             let last = match me
                 .run_exec(&row, command, handle, Some(tx.clone()), cancel_rx)
@@ -317,8 +365,128 @@ impl Commands for Service {
         });
         Ok(ExecStream {
             events: rx,
+            cancel: cancel_tx,
+        })
+    }
+
+    /// The API's `attach_process`.
+    async fn attach_process(&self, caller: &Caller, id: &str, pid: u32) -> Result<ExecStream> {
+        let (row, busy) = self.running(caller, id).await?;
+        let machines = self.machines_for(&row).await?;
+        let longest = std::time::Duration::from_millis(self.config.exec_max_timeout_ms);
+        let limit = self.config.max_output_bytes;
+        let mut handle = match machines.attach(&row.id, pid, limit, longest).await {
+            Ok(h) => h,
+            Err(e) => return Err(self.agent_failure(&row, e).await),
+        };
+        match handle.next().await {
+            Ok(GuestExecEvent::Started(_)) => {}
+            Ok(other) => {
+                return Err(CoreError::internal(format!(
+                    "the sandbox's agent did not start with the command's pid ({other:?})"
+                )))
+            }
+            Err(e) => return Err(self.agent_failure(&row, e).await),
+        }
+        let (tx, rx) = mpsc::channel(64);
+        let (cancel_tx, mut cancel) = oneshot::channel::<()>();
+        let attached = Execution {
+            id: String::new(),
+            object: "execution".into(),
+            sandbox_id: row.id.clone(),
+            status: crate::model::ExecutionStatus::Running,
+            exit_code: None,
+            stdout: String::new(),
+            stderr: String::new(),
+            truncated: false,
+            duration_ms: 0,
+            started_at: rfc3339(OffsetDateTime::now_utc()),
+            finished_at: None,
+            pid: Some(pid),
+            signal: None,
+        };
+        tokio::spawn(async move {
+            let _busy = busy;
+            let _ = tx.send(ExecEvent::Started(attached.clone())).await;
+            let (mut out, mut err) = (Utf8Chunker::new(), Utf8Chunker::new());
+            loop {
+                // The follower went: dropping the handle stops following.
+                let ev = tokio::select! {
+                    ev = handle.next() => ev,
+                    _ = &mut cancel => return,
+                };
+                let event = match ev {
+                    Ok(GuestExecEvent::Started(_)) => continue,
+                    Ok(GuestExecEvent::Stdout(b)) => ExecEvent::Stdout(out.push(&b)),
+                    Ok(GuestExecEvent::Stderr(b)) => ExecEvent::Stderr(err.push(&b)),
+                    Ok(GuestExecEvent::Exited(r)) => {
+                        for (rest, stderr) in [(out.finish(), false), (err.finish(), true)] {
+                            if !rest.is_empty() {
+                                let ev = if stderr {
+                                    ExecEvent::Stderr(rest)
+                                } else {
+                                    ExecEvent::Stdout(rest)
+                                };
+                                let _ = tx.send(ev).await;
+                            }
+                        }
+                        let _ = tx.send(ExecEvent::Exit(ended(attached, &r))).await;
+                        return;
+                    }
+                    Err(e) => {
+                        let _ = tx.send(ExecEvent::Error(runtime_error(e))).await;
+                        return;
+                    }
+                };
+                let empty =
+                    matches!(&event, ExecEvent::Stdout(s) | ExecEvent::Stderr(s) if s.is_empty());
+                if !empty && tx.send(event).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(ExecStream {
+            events: rx,
             cancel: Some(cancel_tx),
         })
+    }
+
+    /// The API's `list_processes`.
+    async fn list_processes(
+        &self,
+        caller: &Caller,
+        id: &str,
+    ) -> Result<Vec<sandpit_protocol::ProcessInfo>> {
+        let (row, _busy) = self.running(caller, id).await?;
+        let machines = self.machines_for(&row).await?;
+        match machines.processes(&row.id).await {
+            Ok(list) => Ok(list),
+            Err(e) => Err(self.agent_failure(&row, e).await),
+        }
+    }
+
+    /// The API's `process_call`.
+    async fn process_call(
+        &self,
+        caller: &Caller,
+        id: &str,
+        pid: u32,
+        call: sandpit_protocol::ProcessCall,
+        input: Vec<u8>,
+    ) -> Result<()> {
+        if input.len() as u64 > crate::model::MAX_INPUT_BYTES {
+            return Err(CoreError::invalid(format!(
+                "{} bytes of input at once; at most {} bytes",
+                input.len(),
+                crate::model::MAX_INPUT_BYTES
+            )));
+        }
+        let (row, _busy) = self.running(caller, id).await?;
+        let machines = self.machines_for(&row).await?;
+        match machines.process_call(&row.id, pid, call, input).await {
+            Ok(()) => Ok(()),
+            Err(e) => Err(self.agent_failure(&row, e).await),
+        }
     }
 
     /// The API's `list_executions`.

@@ -57,6 +57,76 @@ pub fn request<T: DeserializeOwned>(headers: &HeaderMap, body: &[u8]) -> Result<
     serde_json::from_slice(json).map_err(|e| RpcError::invalid(format!("the request: {e}")))
 }
 
+/// The largest message a client stream may send (a piece of input).
+const MOST_CLIENT_FRAME: usize = 16 << 20;
+
+/// The messages of a client stream, each as it arrives: its frames'
+/// payloads, up to its end-of-stream frame or the body's end.
+pub struct Frames<S> {
+    body: S,
+    buf: Vec<u8>,
+    done: bool,
+}
+
+impl<S, E> Frames<S>
+where
+    S: futures::Stream<Item = Result<Bytes, E>> + Unpin,
+    E: std::fmt::Display,
+{
+    pub fn new(body: S) -> Self {
+        Frames {
+            body,
+            buf: Vec::new(),
+            done: false,
+        }
+    }
+
+    /// The next message; `None` at the stream's end.
+    pub async fn next(&mut self) -> Option<Result<Vec<u8>, RpcError>> {
+        use futures::StreamExt;
+        loop {
+            if self.done {
+                return None;
+            }
+            if self.buf.len() >= 5 {
+                let flags = self.buf[0];
+                let len = u32::from_be_bytes(self.buf[1..5].try_into().expect("4 bytes")) as usize;
+                if flags & COMPRESSED != 0 || len > MOST_CLIENT_FRAME {
+                    self.done = true;
+                    return Some(Err(RpcError::invalid(format!(
+                        "a frame of {len} bytes (flags {flags:#x}): compressed frames and frames \
+                         over {MOST_CLIENT_FRAME} bytes are not accepted"
+                    ))));
+                }
+                if self.buf.len() >= 5 + len {
+                    let payload = self.buf[5..5 + len].to_vec();
+                    self.buf.drain(..5 + len);
+                    if flags & END_STREAM != 0 {
+                        self.done = true;
+                        return None;
+                    }
+                    return Some(Ok(payload));
+                }
+            }
+            match self.body.next().await {
+                Some(Ok(bytes)) => self.buf.extend_from_slice(&bytes),
+                Some(Err(e)) => {
+                    self.done = true;
+                    return Some(Err(RpcError::new(
+                        "canceled",
+                        format!("the request stream broke off: {e}"),
+                    )));
+                }
+                None => {
+                    self.done = true;
+                    return (!self.buf.is_empty())
+                        .then(|| Err(RpcError::invalid("the request stream ended mid-frame")));
+                }
+            }
+        }
+    }
+}
+
 /// A server stream being written: messages, then its end.
 pub struct Stream {
     tx: mpsc::Sender<Bytes>,
@@ -126,5 +196,36 @@ mod tests {
         let mut unary = HeaderMap::new();
         unary.insert(header::CONTENT_TYPE, "application/json".parse().unwrap());
         assert_eq!(request::<M>(&unary, br#"{"n":3}"#).unwrap().n, 3);
+    }
+
+    #[tokio::test]
+    async fn a_client_streams_messages_are_taken_as_they_come_whatever_the_pieces() {
+        let mut all = Vec::new();
+        all.extend_from_slice(&frame(0, b"{\"a\":1}"));
+        all.extend_from_slice(&frame(0, b"{}"));
+        all.extend_from_slice(&frame(END_STREAM, b"{}"));
+        // One byte at a time.
+        let pieces: Vec<Result<Bytes, std::convert::Infallible>> = all
+            .iter()
+            .map(|b| Ok(Bytes::copy_from_slice(&[*b])))
+            .collect();
+        let mut frames = Frames::new(futures::stream::iter(pieces));
+        assert_eq!(frames.next().await.unwrap().unwrap(), b"{\"a\":1}");
+        assert_eq!(frames.next().await.unwrap().unwrap(), b"{}");
+        assert!(frames.next().await.is_none());
+        // Cut mid-frame, or too large: an error, not a hang.
+        let cut: Vec<Result<Bytes, std::convert::Infallible>> =
+            vec![Ok(frame(0, b"{}").slice(..4))];
+        let mut frames = Frames::new(futures::stream::iter(cut));
+        assert_eq!(
+            frames.next().await.unwrap().unwrap_err().code,
+            "invalid_argument"
+        );
+        let mut huge = vec![0u8];
+        huge.extend_from_slice(&u32::MAX.to_be_bytes());
+        let mut frames = Frames::new(futures::stream::iter(vec![
+            Ok::<_, std::convert::Infallible>(Bytes::from(huge)),
+        ]));
+        assert!(frames.next().await.unwrap().is_err());
     }
 }

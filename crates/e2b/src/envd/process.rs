@@ -1,20 +1,27 @@
-//! `process.Process`: commands, as the core runs them (`exec_stream`).
+//! `process.Process`: commands, as the core runs them.
 //!
 //! `Start` runs `cmd` with its `args` (the SDKs' `commands.run` sends
 //! `/bin/bash -l -c <command>`), in `cwd` (the user's home by default, as
 //! in E2B), with the sandbox's environment under the call's `envs`, for at
 //! most the call's `Connect-Timeout-Ms` (E2B's `timeout`; Sandpit's
-//! commands run 10 minutes at most). The stream opens with the `start`
-//! event, carries output as it comes, and ends with `end` (the exit code)
-//! or with the error: `deadline_exceeded` for a command killed at its
+//! commands run 10 minutes at most). The command keeps running when its
+//! stream goes (E2B's `background=True` handles, or a client that hung
+//! up): it ends when it exits, at its timeout, or by a signal. The stream
+//! opens with the `start` event (the guest's pid), carries output as it
+//! comes, and ends with `end` (the exit code, or the signal that killed
+//! it) or with the error: `deadline_exceeded` for a command killed at its
 //! timeout. Idle streams get a `keepalive` every `Keepalive-Ping-Interval`
 //! seconds, so proxies do not cut them.
 //!
-//! Not built yet, and refused as `unimplemented`: a terminal (`pty`),
-//! stdin, commands that outlive their stream (`background` handles that
-//! another client connects to), `List`, `SendSignal` and `Connect`. The
-//! `pid` in `start` numbers the command for the SDK; it is not the
-//! guest's process id yet.
+//! `Connect` follows a running command by pid from another client (its
+//! output from then on), `List` gives the running ones, `SendInput`,
+//! `StreamInput` and `CloseStdin` feed its stdin, and `SendSignal` sends
+//! SIGTERM or SIGKILL to its process group: all of it is the guest agent's
+//! table of processes, so any server (a replica, one restarted) sees the
+//! same.
+//!
+//! Not built yet, and refused as `unimplemented`: a terminal (`pty`,
+//! `Update`), and selecting a process by `tag`.
 
 use super::connect::{self, Stream};
 use super::ForSandbox;
@@ -22,14 +29,14 @@ use crate::error::RpcError;
 use crate::E2b;
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::HeaderMap;
-use axum::response::Response;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
 use base64::Engine;
-use sandpit_core::{ExecEvent, ExecParams, ExecutionStatus};
+use sandpit_core::{ExecEvent, ExecParams, ExecStream, Execution, ExecutionStatus};
+use sandpit_protocol::ProcessCall;
 use serde::Deserialize;
 use serde_json::json;
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 /// The longest a command runs in Sandpit (`ExecParams::timeout_ms`).
@@ -54,9 +61,6 @@ struct ProcessConfig {
     cwd: Option<String>,
 }
 
-/// The numbers `start` gives commands.
-static NEXT_PID: AtomicU32 = AtomicU32::new(1000);
-
 pub async fn start(
     State(e2b): State<E2b>,
     sandbox: ForSandbox,
@@ -67,23 +71,52 @@ pub async fn start(
         Ok(params) => params,
         Err(e) => return connect::failed(e).await,
     };
-    let keepalive = headers
-        .get("keepalive-ping-interval")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok())
-        .unwrap_or(50)
-        .max(1);
-    let mut exec = match e2b
+    match e2b
         .api
         .exec_stream(&sandbox.caller, &sandbox.id, params)
         .await
     {
-        Ok(exec) => exec,
-        Err(e) => return connect::failed(e.into()).await,
+        Ok(exec) => follow(exec, keepalive(&headers)),
+        Err(e) => connect::failed(e.into()).await,
+    }
+}
+
+/// `Connect`: follow a running command by pid, from now on.
+pub async fn connect(
+    State(e2b): State<E2b>,
+    sandbox: ForSandbox,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let pid = match connect::request::<Selected>(&headers, &body).and_then(|r| r.process.pid()) {
+        Ok(pid) => pid,
+        Err(e) => return connect::failed(e).await,
     };
+    match e2b
+        .api
+        .attach_process(&sandbox.caller, &sandbox.id, pid)
+        .await
+    {
+        Ok(exec) => follow(exec, keepalive(&headers)),
+        Err(e) => connect::failed(e.into()).await,
+    }
+}
+
+/// Seconds between keepalives on an idle stream (the client's
+/// `Keepalive-Ping-Interval`).
+fn keepalive(headers: &HeaderMap) -> u64 {
+    headers
+        .get("keepalive-ping-interval")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(50)
+        .max(1)
+}
+
+/// A command's events as envd's `ProcessEvent`s, on a stream of their own.
+fn follow(mut exec: ExecStream, keepalive: u64) -> Response {
     let (response, stream) = Stream::open();
     tokio::spawn(async move {
-        let pid = NEXT_PID.fetch_add(1, Ordering::Relaxed);
         let mut tick = tokio::time::interval(Duration::from_secs(keepalive));
         tick.tick().await;
         let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s.as_bytes());
@@ -98,47 +131,23 @@ pub async fn start(
                 }
             };
             let message = match event {
-                Some(ExecEvent::Started(_)) => json!({"event": {"start": {"pid": pid}}}),
+                Some(ExecEvent::Started(ex)) => {
+                    json!({"event": {"start": {"pid": ex.pid.unwrap_or_default()}}})
+                }
                 Some(ExecEvent::Stdout(text)) => {
                     json!({"event": {"data": {"stdout": b64(&text)}}})
                 }
                 Some(ExecEvent::Stderr(text)) => {
                     json!({"event": {"data": {"stderr": b64(&text)}}})
                 }
-                Some(ExecEvent::Exit(ex)) => match ex.status {
-                    ExecutionStatus::Completed => {
-                        let code = ex.exit_code.unwrap_or(-1);
-                        let end = json!({"event": {"end": {
-                            "exitCode": code,
-                            "exited": ex.exit_code.is_some(),
-                            "status": match ex.exit_code {
-                                Some(c) => format!("exit status {c}"),
-                                None => "killed by a signal".into(),
-                            },
-                        }}});
+                Some(ExecEvent::Exit(ex)) => match end_event(&ex) {
+                    Ok(end) => {
                         if !stream.send(&end).await {
                             return;
                         }
                         break None;
                     }
-                    ExecutionStatus::TimedOut => {
-                        break Some(RpcError::new(
-                            "deadline_exceeded",
-                            format!(
-                                "the command ran past its timeout ({} ms) and was killed",
-                                ex.duration_ms
-                            ),
-                        ))
-                    }
-                    ExecutionStatus::Cancelled => {
-                        break Some(RpcError::new("canceled", "the command was cancelled"))
-                    }
-                    ExecutionStatus::Failed | ExecutionStatus::Running => {
-                        break Some(RpcError::new(
-                            "unavailable",
-                            "the sandbox failed while the command ran",
-                        ))
-                    }
+                    Err(e) => break Some(e),
                 },
                 Some(ExecEvent::Error(e)) => break Some(e.into()),
                 None => {
@@ -149,7 +158,7 @@ pub async fn start(
                 }
             };
             if !stream.send(&message).await {
-                // The client went: dropping `exec` cancels the command.
+                // The client went; the command goes on (it keeps running).
                 return;
             }
         };
@@ -158,15 +167,265 @@ pub async fn start(
     response
 }
 
+/// envd's `end` event for how a command ended, or the stream's error.
+fn end_event(ex: &Execution) -> Result<serde_json::Value, RpcError> {
+    let killed = |signal: i32| {
+        let name = match signal {
+            9 => "killed".to_string(),
+            15 => "terminated".to_string(),
+            2 => "interrupt".to_string(),
+            1 => "hangup".to_string(),
+            n => format!("signal {n}"),
+        };
+        json!({"event": {"end": {"exitCode": -1, "exited": false, "status": format!("signal: {name}")}}})
+    };
+    match ex.status {
+        ExecutionStatus::Completed => Ok(match (ex.signal, ex.exit_code) {
+            (Some(signal), _) => killed(signal),
+            (None, Some(code)) => json!({"event": {"end": {
+                "exitCode": code,
+                "exited": true,
+                "status": format!("exit status {code}"),
+            }}}),
+            (None, None) => killed(9),
+        }),
+        // Killed by a SIGKILL asked for by pid (a command that keeps
+        // running is never cancelled by its stream going).
+        ExecutionStatus::Cancelled => Ok(killed(9)),
+        ExecutionStatus::TimedOut => Err(RpcError::new(
+            "deadline_exceeded",
+            format!(
+                "the command ran past its timeout ({} ms) and was killed",
+                ex.duration_ms
+            ),
+        )),
+        ExecutionStatus::Failed | ExecutionStatus::Running => Err(RpcError::new(
+            "unavailable",
+            "the sandbox failed while the command ran",
+        )),
+    }
+}
+
+/// A request naming one process.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct Selected {
+    process: Selector,
+}
+
+/// envd's `ProcessSelector`: a pid, or a tag.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct Selector {
+    pid: Option<u32>,
+    tag: Option<String>,
+}
+
+impl Selector {
+    fn pid(&self) -> Result<u32, RpcError> {
+        match (self.pid, &self.tag) {
+            (Some(pid), _) => Ok(pid),
+            (None, Some(_)) => Err(RpcError::unimplemented(
+                "selecting a process by tag (name it by its pid)",
+            )),
+            (None, None) => Err(RpcError::invalid("process.pid is missing")),
+        }
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct InputRequest {
+    process: Selector,
+    input: Input,
+}
+
+/// envd's `ProcessInput`: bytes for stdin, or for a terminal.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct Input {
+    stdin: Option<String>,
+    pty: Option<String>,
+}
+
+impl Input {
+    fn bytes(&self) -> Result<Vec<u8>, RpcError> {
+        if self.pty.is_some() {
+            return Err(RpcError::unimplemented("input to a terminal (pty)"));
+        }
+        base64::engine::general_purpose::STANDARD
+            .decode(self.stdin.as_deref().unwrap_or_default())
+            .map_err(|e| RpcError::invalid(format!("input.stdin is not base64: {e}")))
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct SignalRequest {
+    process: Selector,
+    signal: Option<serde_json::Value>,
+}
+
+/// The signal envd's `Signal` names (as its name or its number).
+fn signal_number(value: Option<&serde_json::Value>) -> Result<i32, RpcError> {
+    match value {
+        Some(serde_json::Value::String(s)) if s == "SIGNAL_SIGKILL" => Ok(9),
+        Some(serde_json::Value::String(s)) if s == "SIGNAL_SIGTERM" => Ok(15),
+        Some(serde_json::Value::Number(n)) if n.as_i64() == Some(9) => Ok(9),
+        Some(serde_json::Value::Number(n)) if n.as_i64() == Some(15) => Ok(15),
+        other => Err(RpcError::invalid(format!(
+            "signal must be SIGNAL_SIGTERM or SIGNAL_SIGKILL, not {other:?}"
+        ))),
+    }
+}
+
+/// The unary calls: `List`, `SendInput`, `SendSignal`, `CloseStdin`.
+pub async fn unary(
+    State(e2b): State<E2b>,
+    sandbox: ForSandbox,
+    axum::extract::Path(method): axum::extract::Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    match answer(&e2b, &sandbox, &method, &headers, &body).await {
+        Ok(message) => (StatusCode::OK, axum::Json(message)).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn answer(
+    e2b: &E2b,
+    sandbox: &ForSandbox,
+    method: &str,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Result<serde_json::Value, RpcError> {
+    super::check_user(super::named_user(headers).as_deref())?;
+    let call = |pid: u32, call: ProcessCall, input: Vec<u8>| async move {
+        e2b.api
+            .process_call(&sandbox.caller, &sandbox.id, pid, call, input)
+            .await
+            .map_err(RpcError::from)
+    };
+    match method {
+        "List" => {
+            let processes = e2b.api.list_processes(&sandbox.caller, &sandbox.id).await?;
+            Ok(json!({"processes": processes.iter().map(listed).collect::<Vec<_>>()}))
+        }
+        "SendInput" => {
+            let req: InputRequest = connect::request(headers, body)?;
+            call(req.process.pid()?, ProcessCall::Input, req.input.bytes()?).await?;
+            Ok(json!({}))
+        }
+        "SendSignal" => {
+            let req: SignalRequest = connect::request(headers, body)?;
+            let signal = signal_number(req.signal.as_ref())?;
+            call(
+                req.process.pid()?,
+                ProcessCall::Signal { signal },
+                Vec::new(),
+            )
+            .await?;
+            Ok(json!({}))
+        }
+        "CloseStdin" => {
+            let req: Selected = connect::request(headers, body)?;
+            call(req.process.pid()?, ProcessCall::CloseStdin, Vec::new()).await?;
+            Ok(json!({}))
+        }
+        "Update" => Err(RpcError::unimplemented(
+            "process.Process/Update (a terminal's size)",
+        )),
+        other => Err(RpcError::unimplemented(&format!("process.Process/{other}"))),
+    }
+}
+
+/// envd's `ProcessInfo` for a running command: its command line split back
+/// into `cmd` and `args`.
+fn listed(p: &sandpit_protocol::ProcessInfo) -> serde_json::Value {
+    let mut words = shell_words::split(&p.command).unwrap_or_else(|_| vec![p.command.clone()]);
+    let cmd = if words.is_empty() {
+        String::new()
+    } else {
+        words.remove(0)
+    };
+    json!({
+        "pid": p.pid,
+        "config": {"cmd": cmd, "args": words, "envs": p.env, "cwd": p.cwd},
+    })
+}
+
+/// `StreamInput`: a client stream of input for one process (its first
+/// message names it), each piece written as it comes, in order.
+pub async fn stream_input(
+    State(e2b): State<E2b>,
+    sandbox: ForSandbox,
+    headers: HeaderMap,
+    body: axum::body::Body,
+) -> Response {
+    if let Err(e) = super::check_user(super::named_user(&headers).as_deref()) {
+        return connect::failed(e).await;
+    }
+    let mut frames = connect::Frames::new(body.into_data_stream());
+    let mut pid = None;
+    let outcome: Result<(), RpcError> = async {
+        while let Some(message) = frames.next().await {
+            let message: StreamInputMessage = serde_json::from_slice(&message?)
+                .map_err(|e| RpcError::invalid(format!("a StreamInput message: {e}")))?;
+            if let Some(start) = message.start {
+                pid = Some(start.process.pid()?);
+                continue;
+            }
+            if let Some(data) = message.data {
+                let Some(pid) = pid else {
+                    return Err(RpcError::invalid(
+                        "input came before the start naming the process",
+                    ));
+                };
+                e2b.api
+                    .process_call(
+                        &sandbox.caller,
+                        &sandbox.id,
+                        pid,
+                        ProcessCall::Input,
+                        data.input.bytes()?,
+                    )
+                    .await?;
+            }
+        }
+        Ok(())
+    }
+    .await;
+    let (response, stream) = Stream::open();
+    match outcome {
+        Ok(()) => {
+            let _ = stream.send(&json!({})).await;
+            stream.end(None).await;
+        }
+        Err(e) => stream.end(Some(e)).await,
+    }
+    response
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct StreamInputMessage {
+    start: Option<Selected>,
+    data: Option<StreamedData>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct StreamedData {
+    input: Input,
+}
+
 /// The core's command for a `Start`, or why not.
 fn start_params(headers: &HeaderMap, body: &[u8]) -> Result<ExecParams, RpcError> {
     let req: StartRequest = connect::request(headers, body)?;
     super::check_user(super::named_user(headers).as_deref())?;
     if req.pty.as_ref().is_some_and(|p| !p.is_null()) {
         return Err(RpcError::unimplemented("a terminal (pty)"));
-    }
-    if req.stdin == Some(true) {
-        return Err(RpcError::unimplemented("stdin for a command"));
     }
     if req.process.cmd.is_empty() {
         return Err(RpcError::invalid("process.cmd is empty"));
@@ -191,11 +450,87 @@ fn start_params(headers: &HeaderMap, body: &[u8]) -> Result<ExecParams, RpcError
         ),
         env: Some(req.process.envs).filter(|e| !e.is_empty()),
         stream: Some(true),
+        keep_running: true,
+        // envd's default, for clients older than the field.
+        stdin: req.stdin.unwrap_or(true),
     })
 }
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn an_end_says_the_exit_code_or_the_signal_as_envd_does() {
+        let ex = |status, exit_code, signal| Execution {
+            id: String::new(),
+            object: "execution".into(),
+            sandbox_id: "sbx".into(),
+            status,
+            exit_code,
+            stdout: String::new(),
+            stderr: String::new(),
+            truncated: false,
+            duration_ms: 5,
+            started_at: String::new(),
+            finished_at: None,
+            pid: Some(7),
+            signal,
+        };
+        let end = |e: &Execution| end_event(e).unwrap()["event"]["end"].clone();
+        let e = end(&ex(ExecutionStatus::Completed, Some(3), None));
+        assert_eq!(
+            (e["exitCode"].as_i64(), e["exited"].as_bool()),
+            (Some(3), Some(true))
+        );
+        assert_eq!(e["status"], "exit status 3");
+        let e = end(&ex(ExecutionStatus::Completed, Some(143), Some(15)));
+        assert_eq!(
+            (e["exitCode"].as_i64(), e["exited"].as_bool()),
+            (Some(-1), Some(false))
+        );
+        assert_eq!(e["status"], "signal: terminated");
+        assert_eq!(
+            end(&ex(ExecutionStatus::Cancelled, Some(137), Some(9)))["status"],
+            "signal: killed"
+        );
+        let timed_out = end_event(&ex(ExecutionStatus::TimedOut, Some(137), Some(9)));
+        assert_eq!(timed_out.unwrap_err().code, "deadline_exceeded");
+    }
+
+    #[test]
+    fn a_selector_needs_a_pid_and_a_signal_is_term_or_kill() {
+        let s: Selected = serde_json::from_str(r#"{"process":{"pid":42}}"#).unwrap();
+        assert_eq!(s.process.pid().unwrap(), 42);
+        let s: Selected = serde_json::from_str(r#"{"process":{"tag":"web"}}"#).unwrap();
+        assert_eq!(s.process.pid().unwrap_err().code, "unimplemented");
+        let s: Selected = serde_json::from_str(r#"{}"#).unwrap();
+        assert_eq!(s.process.pid().unwrap_err().code, "invalid_argument");
+        assert_eq!(signal_number(Some(&json!("SIGNAL_SIGKILL"))).unwrap(), 9);
+        assert_eq!(signal_number(Some(&json!(15))).unwrap(), 15);
+        assert!(signal_number(Some(&json!("SIGNAL_UNSPECIFIED"))).is_err());
+        assert!(signal_number(None).is_err());
+        let input: Input = serde_json::from_str(r#"{"stdin":"aGk="}"#).unwrap();
+        assert_eq!(input.bytes().unwrap(), b"hi");
+        let input: Input = serde_json::from_str(r#"{"pty":"aGk="}"#).unwrap();
+        assert_eq!(input.bytes().unwrap_err().code, "unimplemented");
+    }
+
+    #[test]
+    fn a_listed_process_gives_its_command_line_back_as_cmd_and_args() {
+        let p = sandpit_protocol::ProcessInfo {
+            pid: 9,
+            command: "/bin/bash -l -c 'sleep 30'".into(),
+            cwd: "/home/user".into(),
+            env: BTreeMap::new(),
+            keep_running: true,
+            stdin: false,
+        };
+        let l = listed(&p);
+        assert_eq!(l["pid"], 9);
+        assert_eq!(l["config"]["cmd"], "/bin/bash");
+        assert_eq!(l["config"]["args"], json!(["-l", "-c", "sleep 30"]));
+        assert_eq!(l["config"]["cwd"], "/home/user");
+    }
+
     use super::*;
     use axum::http::header;
 
@@ -225,12 +560,18 @@ mod tests {
     }
 
     #[test]
-    fn a_terminal_stdin_or_another_user_is_refused_saying_so() {
+    fn a_terminal_or_another_user_is_refused_saying_so() {
         let (h, body) =
             streamed(r#"{"process":{"cmd":"bash"},"pty":{"size":{"cols":80,"rows":24}}}"#);
         assert_eq!(start_params(&h, &body).unwrap_err().code, "unimplemented");
+        // stdin is envd's default for clients older than the field.
         let (h, body) = streamed(r#"{"process":{"cmd":"cat"},"stdin":true}"#);
-        assert_eq!(start_params(&h, &body).unwrap_err().code, "unimplemented");
+        let p = start_params(&h, &body).unwrap();
+        assert!(p.stdin && p.keep_running);
+        let (h, body) = streamed(r#"{"process":{"cmd":"cat"}}"#);
+        assert!(start_params(&h, &body).unwrap().stdin);
+        let (h, body) = streamed(r#"{"process":{"cmd":"cat"},"stdin":false}"#);
+        assert!(!start_params(&h, &body).unwrap().stdin);
         let (mut h, body) = streamed(r#"{"process":{"cmd":"id"}}"#);
         h.insert("authorization", "Basic cm9vdDo=".parse().unwrap());
         let e = start_params(&h, &body).unwrap_err();

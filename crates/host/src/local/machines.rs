@@ -186,6 +186,38 @@ impl Machines for LocalVms {
         }))
     }
 
+    async fn attach(
+        &self,
+        id: &str,
+        pid: u32,
+        max_output_bytes: u64,
+        longest: std::time::Duration,
+    ) -> VmResult<Box<dyn Command>> {
+        let live = self.manager.hold_background();
+        let handle = self
+            .agent(id)
+            .await?
+            .attach(pid, max_output_bytes, longest)?;
+        Ok(Box::new(LocalCommand {
+            handle,
+            _live: live,
+        }))
+    }
+
+    async fn processes(&self, id: &str) -> VmResult<Vec<sandpit_protocol::ProcessInfo>> {
+        self.agent(id).await?.processes().await
+    }
+
+    async fn process_call(
+        &self,
+        id: &str,
+        pid: u32,
+        call: sandpit_protocol::ProcessCall,
+        input: Vec<u8>,
+    ) -> VmResult<()> {
+        self.agent(id).await?.process_call(pid, call, &input).await
+    }
+
     async fn upload(&self, id: &str, path: &str, size: u64) -> VmResult<Box<dyn Upload>> {
         let live = self.manager.hold_background();
         let upload = self.agent(id).await?.upload(path, size, None)?;

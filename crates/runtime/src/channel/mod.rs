@@ -21,8 +21,8 @@ pub mod tunnel;
 use crate::{Result, RuntimeError};
 use sandpit_protocol::{
     encode_frame, AgentError, DoneResult, ErrorKind, ExecRequest, ExecResult, FileEntry, Frame,
-    FrameDecoder, GuestConfig, Message, PathCall, PathEntry, RequestId, CHUNK_LEN, FRAME_MAGIC,
-    HEADER_PREFIX_LEN, MAX_BODY_LEN, MAX_HEADER_LEN, PROTOCOL_GENERATION,
+    FrameDecoder, GuestConfig, Message, PathCall, PathEntry, ProcessCall, ProcessInfo, RequestId,
+    CHUNK_LEN, FRAME_MAGIC, HEADER_PREFIX_LEN, MAX_BODY_LEN, MAX_HEADER_LEN, PROTOCOL_GENERATION,
 };
 use std::collections::HashMap;
 use std::path::Path;
@@ -207,17 +207,24 @@ pub struct AgentClient {
 /// An event of a running command.
 #[derive(Debug, Clone, PartialEq)]
 pub enum GuestExecEvent {
+    /// The command's pid: the first event of a command that keeps running
+    /// ([`ExecRequest::keep_running`]) and of one attached to
+    /// ([`AgentClient::attach`]); other commands do not give it.
+    Started(u32),
     Stdout(Vec<u8>),
     Stderr(Vec<u8>),
     Exited(ExecResult),
 }
 
-/// A command running in the guest. Dropping it before it exits cancels it.
+/// A command running in the guest. Dropping it before it exits cancels it
+/// (one that keeps running, or was attached to, is only no longer followed).
 pub struct ExecHandle {
     id: RequestId,
     inner: Arc<Inner>,
     rx: mpsc::UnboundedReceiver<Frame>,
     finished: bool,
+    /// Its first event is its pid ([`GuestExecEvent::Started`]).
+    announced: bool,
     /// Output still to be taken, per stream (`max_output_bytes` of the
     /// request): the guest's agent keeps to it, and the host holds a guest
     /// that does not to it as well.
@@ -256,12 +263,14 @@ impl ExecHandle {
                     });
                 }
             };
-            // Agents of older builds announce the start; nothing needs it.
-            if !matches!(frame.message, Message::Started { .. }) {
+            // Agents of older builds announce every start; only one asked
+            // for is passed on.
+            if self.announced || !matches!(frame.message, Message::Started { .. }) {
                 break frame;
             }
         };
         match frame.message {
+            Message::Started { pid, .. } => Ok(GuestExecEvent::Started(pid)),
             Message::Stdout { .. } => Ok(GuestExecEvent::Stdout(take_within(
                 frame.body,
                 &mut self.stdout_left,
@@ -628,6 +637,7 @@ impl AgentClient {
                 env: Default::default(),
                 timeout_ms: 60_000,
                 max_output_bytes: 1024,
+                ..Default::default()
             })
             .await?;
         if out.result.exit_code != Some(0) {
@@ -727,6 +737,7 @@ impl AgentClient {
         let deadline =
             tokio::time::Instant::now() + Duration::from_millis(request.timeout_ms) + EXEC_GRACE;
         let limit = request.max_output_bytes;
+        let announced = request.keep_running;
         if let Err(e) = self.inner.send(&Message::Exec { id, request }, &[]) {
             self.inner.pending.lock().unwrap().remove(&id);
             return Err(e);
@@ -736,11 +747,77 @@ impl AgentClient {
             inner: self.inner.clone(),
             rx,
             finished: false,
+            announced,
             stdout_left: limit,
             stderr_left: limit,
             cut: (false, false),
             deadline,
         })
+    }
+
+    /// Follow the running command `pid` from now on: its pid first, then
+    /// its output (at most `max_output_bytes` a stream) and its end, for
+    /// at most `longest` (plus [`EXEC_GRACE`]). Dropping the handle stops
+    /// following it; the command goes on.
+    pub fn attach(&self, pid: u32, max_output_bytes: u64, longest: Duration) -> Result<ExecHandle> {
+        let (id, rx) = self.register()?;
+        if let Err(e) = self.inner.send(&Message::ProcessAttach { id, pid }, &[]) {
+            self.inner.pending.lock().unwrap().remove(&id);
+            return Err(e);
+        }
+        Ok(ExecHandle {
+            id,
+            inner: self.inner.clone(),
+            rx,
+            finished: false,
+            announced: true,
+            stdout_left: max_output_bytes,
+            stderr_left: max_output_bytes,
+            cut: (false, false),
+            deadline: tokio::time::Instant::now() + longest + EXEC_GRACE,
+        })
+    }
+
+    /// The commands running in the guest now.
+    pub async fn processes(&self) -> Result<Vec<ProcessInfo>> {
+        match self
+            .simple("its commands", |id| Message::ProcessList { id }, &[])
+            .await?
+        {
+            DoneResult::Processes { processes } => Ok(processes),
+            other => Err(RuntimeError::Disconnected(format!(
+                "unexpected answer to a list of commands: {other:?}"
+            ))),
+        }
+    }
+
+    /// Feed (`input`, for [`ProcessCall::Input`], in pieces of at most a
+    /// frame), close or signal the running command `pid`.
+    pub async fn process_call(&self, pid: u32, call: ProcessCall, input: &[u8]) -> Result<()> {
+        let pieces: Vec<&[u8]> = if input.len() > CHUNK_LEN {
+            input.chunks(CHUNK_LEN).collect()
+        } else {
+            vec![input]
+        };
+        for piece in pieces {
+            let call = call.clone();
+            match self
+                .simple(
+                    "a call on a command",
+                    |id| Message::ProcessCall { id, pid, call },
+                    piece,
+                )
+                .await?
+            {
+                DoneResult::ProcessCalled { .. } => {}
+                other => {
+                    return Err(RuntimeError::Disconnected(format!(
+                        "unexpected answer to a call on a command: {other:?}"
+                    )))
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Run a command and collect its whole output.
@@ -749,6 +826,7 @@ impl AgentClient {
         let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
         loop {
             match h.next().await? {
+                GuestExecEvent::Started(_) => {}
                 GuestExecEvent::Stdout(b) => stdout.extend_from_slice(&b),
                 GuestExecEvent::Stderr(b) => stderr.extend_from_slice(&b),
                 GuestExecEvent::Exited(result) => {

@@ -8,6 +8,7 @@ fn exec_request(max_output_bytes: u64) -> ExecRequest {
         env: Default::default(),
         timeout_ms: 10_000,
         max_output_bytes,
+        ..Default::default()
     }
 }
 

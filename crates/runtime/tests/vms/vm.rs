@@ -307,6 +307,174 @@ fn a_background_server_survives_its_command() {
     });
 }
 
+/// The next event of `h`, within 30 s.
+async fn next_event(h: &mut sandpit_runtime::ExecHandle) -> GuestExecEvent {
+    tokio::time::timeout(Duration::from_secs(30), h.next())
+        .await
+        .expect("an event within 30 s")
+        .expect("an event")
+}
+
+#[test]
+fn a_command_that_keeps_running_is_followed_fed_listed_and_signalled_by_pid() {
+    let s = vm();
+    block(async {
+        let agent = &s.vm.agent;
+        // It gives its pid first, and goes on when its request stops
+        // following it.
+        let mut ticker = agent
+            .exec(sandpit_protocol::ExecRequest {
+                keep_running: true,
+                ..req_timeout(
+                    "for i in $(seq 1 600); do echo $i; sleep 0.1; done",
+                    120_000,
+                )
+            })
+            .unwrap();
+        let GuestExecEvent::Started(pid) = next_event(&mut ticker).await else {
+            panic!("no pid first");
+        };
+        assert!(matches!(
+            next_event(&mut ticker).await,
+            GuestExecEvent::Stdout(_)
+        ));
+        drop(ticker);
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        assert_eq!(
+            sh(&s.vm, &format!("kill -0 {pid} && echo alive")).await,
+            "alive"
+        );
+        let listed = agent.processes().await.unwrap();
+        let me = listed.iter().find(|p| p.pid == pid).expect("listed");
+        assert!(
+            me.keep_running && !me.stdin && me.command.contains("seq 1 600"),
+            "{me:?}"
+        );
+
+        // Another request follows it from now on: its pid, later numbers
+        // in order, then the end a SIGTERM to its group gives.
+        let mut later = agent.attach(pid, 1 << 20, Duration::from_secs(60)).unwrap();
+        assert_eq!(next_event(&mut later).await, GuestExecEvent::Started(pid));
+        let mut seen = Vec::new();
+        while seen.len() < 5 {
+            if let GuestExecEvent::Stdout(b) = next_event(&mut later).await {
+                seen.extend(b);
+            }
+        }
+        let numbers: Vec<u32> = String::from_utf8(seen)
+            .unwrap()
+            .lines()
+            .filter_map(|l| l.parse().ok())
+            .collect();
+        assert!(numbers[0] > 2, "the follower saw the start: {numbers:?}");
+        assert!(numbers.windows(2).all(|w| w[1] == w[0] + 1), "{numbers:?}");
+        agent
+            .process_call(
+                pid,
+                sandpit_protocol::ProcessCall::Signal { signal: 15 },
+                &[],
+            )
+            .await
+            .unwrap();
+        let end = loop {
+            if let GuestExecEvent::Exited(r) = next_event(&mut later).await {
+                break r;
+            }
+        };
+        assert_eq!((end.signal, end.cancelled), (Some(15), false), "{end:?}");
+        assert!(!agent
+            .processes()
+            .await
+            .unwrap()
+            .iter()
+            .any(|p| p.pid == pid));
+        match agent
+            .process_call(pid, sandpit_protocol::ProcessCall::CloseStdin, &[])
+            .await
+        {
+            Err(RuntimeError::Agent(e)) => assert_eq!(e.kind, ErrorKind::NotFound),
+            other => panic!("an ended command was found: {other:?}"),
+        }
+
+        // Its stdin is a pipe: input (more than a frame of it) reaches it
+        // in order, and closing it is its end of file.
+        let mut cat = agent
+            .exec(sandpit_protocol::ExecRequest {
+                keep_running: true,
+                stdin: true,
+                ..req_timeout("sha256sum; echo closed >&2", 60_000)
+            })
+            .unwrap();
+        let GuestExecEvent::Started(cat_pid) = next_event(&mut cat).await else {
+            panic!("no pid first");
+        };
+        let input: Vec<u8> = (0..600_000u32).map(|i| (i % 251) as u8).collect();
+        agent
+            .process_call(cat_pid, sandpit_protocol::ProcessCall::Input, &input)
+            .await
+            .unwrap();
+        agent
+            .process_call(cat_pid, sandpit_protocol::ProcessCall::CloseStdin, &[])
+            .await
+            .unwrap();
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let end = loop {
+            match next_event(&mut cat).await {
+                GuestExecEvent::Stdout(b) => out.extend(b),
+                GuestExecEvent::Stderr(b) => err.extend(b),
+                GuestExecEvent::Exited(r) => break r,
+                GuestExecEvent::Started(_) => panic!("a second start"),
+            }
+        };
+        assert_eq!(end.exit_code, Some(0));
+        assert_eq!(
+            String::from_utf8_lossy(&out)
+                .split_whitespace()
+                .next()
+                .unwrap(),
+            sha256_hex(&input)
+        );
+        assert_eq!(err, b"closed\n");
+
+        // A command given no stdin refuses input, saying so; a SIGKILL by
+        // pid goes through its own kill (its cgroup too).
+        let mut sleeper = agent
+            .exec(sandpit_protocol::ExecRequest {
+                keep_running: true,
+                ..req_timeout("sleep 60", 60_000)
+            })
+            .unwrap();
+        let GuestExecEvent::Started(sleeper_pid) = next_event(&mut sleeper).await else {
+            panic!("no pid first");
+        };
+        match agent
+            .process_call(sleeper_pid, sandpit_protocol::ProcessCall::Input, b"x")
+            .await
+        {
+            Err(RuntimeError::Agent(e)) => {
+                assert_eq!(e.kind, ErrorKind::InvalidRequest);
+                assert!(e.message.contains("stdin"), "{e}");
+            }
+            other => panic!("input went to a command without stdin: {other:?}"),
+        }
+        agent
+            .process_call(
+                sleeper_pid,
+                sandpit_protocol::ProcessCall::Signal { signal: 9 },
+                &[],
+            )
+            .await
+            .unwrap();
+        let end = loop {
+            if let GuestExecEvent::Exited(r) = next_event(&mut sleeper).await {
+                break r;
+            }
+        };
+        assert!(end.cancelled && end.signal == Some(9), "{end:?}");
+        assert_eq!(sh(&s.vm, "echo still answering").await, "still answering");
+    });
+}
+
 #[test]
 fn several_commands_run_at_once() {
     let s = vm();
