@@ -60,10 +60,13 @@ async fn every_method_round_trips() {
         starting_after: None,
         include_deleted: Some(true),
     };
-    assert_eq!(
-        api.list_sandboxes(&me, q.clone()).await.unwrap(),
-        fake.list_sandboxes(&local, q).await.unwrap()
-    );
+    // E2B's data-plane token is not part of the REST API, so it does not
+    // come through it.
+    let mut direct = fake.list_sandboxes(&local, q.clone()).await.unwrap();
+    for s in &mut direct.data {
+        s.access_token = None;
+    }
+    assert_eq!(api.list_sandboxes(&me, q).await.unwrap(), direct);
     assert_eq!(
         api.list_sandboxes(&me, ListSandboxes::default())
             .await
