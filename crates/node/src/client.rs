@@ -301,6 +301,25 @@ impl RemoteNode {
         Ok((upstream, ok(&self.address, resp).await?))
     }
 
+    /// A command started or attached to on the node (`path` with `head`),
+    /// followed for at most `longest` plus the runtime's grace.
+    async fn follow<A: Serialize>(
+        &self,
+        path: &str,
+        head: &A,
+        longest: Duration,
+    ) -> VmResult<Box<dyn Command>> {
+        let deadline = tokio::time::Instant::now() + longest + sandpit_runtime::channel::EXEC_GRACE;
+        let (upstream, resp) = self.open(path, head, RESPONSE_TIMEOUT).await?;
+        Ok(Box::new(RemoteCommand {
+            address: self.address.clone(),
+            body: resp.into_body(),
+            buf: BytesMut::new(),
+            upstream: Some(upstream),
+            deadline,
+        }))
+    }
+
     fn disconnected(&self, e: impl std::fmt::Display) -> RuntimeError {
         RuntimeError::Disconnected(format!("node {}: {e}", self.address))
     }
@@ -415,19 +434,9 @@ impl Machines for RemoteNode {
     }
 
     async fn exec(&self, id: &str, request: ExecRequest) -> VmResult<Box<dyn Command>> {
-        let deadline = tokio::time::Instant::now()
-            + Duration::from_millis(request.timeout_ms)
-            + sandpit_runtime::channel::EXEC_GRACE;
-        let (upstream, resp) = self
-            .open(&format!("sandboxes/{id}/exec"), &request, RESPONSE_TIMEOUT)
-            .await?;
-        Ok(Box::new(RemoteCommand {
-            address: self.address.clone(),
-            body: resp.into_body(),
-            buf: BytesMut::new(),
-            upstream: Some(upstream),
-            deadline,
-        }))
+        let longest = Duration::from_millis(request.timeout_ms);
+        self.follow(&format!("sandboxes/{id}/exec"), &request, longest)
+            .await
     }
 
     async fn attach(
@@ -437,22 +446,13 @@ impl Machines for RemoteNode {
         max_output_bytes: u64,
         longest: Duration,
     ) -> VmResult<Box<dyn Command>> {
-        let deadline = tokio::time::Instant::now() + longest + sandpit_runtime::channel::EXEC_GRACE;
         let args = wire::AttachArgs {
             pid,
             max_output_bytes,
             longest_ms: longest.as_millis() as u64,
         };
-        let (upstream, resp) = self
-            .open(&format!("sandboxes/{id}/attach"), &args, RESPONSE_TIMEOUT)
-            .await?;
-        Ok(Box::new(RemoteCommand {
-            address: self.address.clone(),
-            body: resp.into_body(),
-            buf: BytesMut::new(),
-            upstream: Some(upstream),
-            deadline,
-        }))
+        self.follow(&format!("sandboxes/{id}/attach"), &args, longest)
+            .await
     }
 
     async fn processes(&self, id: &str) -> VmResult<Vec<sandpit_protocol::ProcessInfo>> {

@@ -733,12 +733,42 @@ impl AgentClient {
 
     /// Start a command; read its events from the handle.
     pub fn exec(&self, request: ExecRequest) -> Result<ExecHandle> {
-        let (id, rx) = self.register()?;
-        let deadline =
-            tokio::time::Instant::now() + Duration::from_millis(request.timeout_ms) + EXEC_GRACE;
+        let longest = Duration::from_millis(request.timeout_ms);
         let limit = request.max_output_bytes;
         let announced = request.keep_running;
-        if let Err(e) = self.inner.send(&Message::Exec { id, request }, &[]) {
+        self.follow(
+            |id| Message::Exec { id, request },
+            announced,
+            limit,
+            longest,
+        )
+    }
+
+    /// Follow the running command `pid` from now on: its pid first, then
+    /// its output (at most `max_output_bytes` a stream) and its end, for
+    /// at most `longest` (plus [`EXEC_GRACE`]). Dropping the handle stops
+    /// following it; the command goes on.
+    pub fn attach(&self, pid: u32, max_output_bytes: u64, longest: Duration) -> Result<ExecHandle> {
+        self.follow(
+            |id| Message::ProcessAttach { id, pid },
+            true,
+            max_output_bytes,
+            longest,
+        )
+    }
+
+    /// Send the request `make` builds and hand back the handle its
+    /// command's events come to, for at most `longest` plus [`EXEC_GRACE`].
+    fn follow(
+        &self,
+        make: impl FnOnce(RequestId) -> Message,
+        announced: bool,
+        limit: u64,
+        longest: Duration,
+    ) -> Result<ExecHandle> {
+        let (id, rx) = self.register()?;
+        let deadline = tokio::time::Instant::now() + longest + EXEC_GRACE;
+        if let Err(e) = self.inner.send(&make(id), &[]) {
             self.inner.pending.lock().unwrap().remove(&id);
             return Err(e);
         }
@@ -752,29 +782,6 @@ impl AgentClient {
             stderr_left: limit,
             cut: (false, false),
             deadline,
-        })
-    }
-
-    /// Follow the running command `pid` from now on: its pid first, then
-    /// its output (at most `max_output_bytes` a stream) and its end, for
-    /// at most `longest` (plus [`EXEC_GRACE`]). Dropping the handle stops
-    /// following it; the command goes on.
-    pub fn attach(&self, pid: u32, max_output_bytes: u64, longest: Duration) -> Result<ExecHandle> {
-        let (id, rx) = self.register()?;
-        if let Err(e) = self.inner.send(&Message::ProcessAttach { id, pid }, &[]) {
-            self.inner.pending.lock().unwrap().remove(&id);
-            return Err(e);
-        }
-        Ok(ExecHandle {
-            id,
-            inner: self.inner.clone(),
-            rx,
-            finished: false,
-            announced: true,
-            stdout_left: max_output_bytes,
-            stderr_left: max_output_bytes,
-            cut: (false, false),
-            deadline: tokio::time::Instant::now() + longest + EXEC_GRACE,
         })
     }
 
