@@ -167,7 +167,10 @@ pub fn register(process: Arc<Process>) {
 /// Take an ended command out of the table (before its end is sent, so a
 /// list that comes after the end never shows it).
 pub fn unregister(pid: u32) {
-    if let Some(p) = lock(&TABLE).remove(&pid) {
+    // The table's lock is let go first: input being written may hold the
+    // stdin's for seconds, and every new command registers in the table.
+    let removed = lock(&TABLE).remove(&pid);
+    if let Some(p) = removed {
         // Its stdin closes with it; the attached requests' entries go once
         // their end is sent.
         lock(&p.stdin).take();
