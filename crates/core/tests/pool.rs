@@ -101,12 +101,18 @@ async fn creates_take_pool_vms_once_and_the_pool_refills() {
         hostnames.insert(out(&svc, &me, id, "hostname").await);
         machine_ids.insert(out(&svc, &me, id, "cat /etc/machine-id").await);
         random.insert(out(&svc, &me, id, "head -c 16 /dev/urandom | od -An -tx1").await);
+        // The guest read its clock between `before` and `after` (a busy
+        // host makes that window seconds wide): it is right if it falls in
+        // the window, give or take a quarter of a second.
         let before = host_now();
         let guest: f64 = out(&svc, &me, id, "date +%s.%N").await.parse().unwrap();
-        let off = guest - (before + host_now()) / 2.0;
+        let after = host_now();
         assert!(
-            off.abs() < 1.0,
-            "{id}: guest clock {off:.3} s off the host's"
+            guest > before - 0.25 && guest < after + 0.25,
+            "{id}: guest clock read {:.3} s after the host's {before:.3}, \
+             which read {:.3} s later",
+            guest - before,
+            after - before
         );
     }
     assert_eq!(hostnames.len(), 4);
@@ -253,7 +259,9 @@ async fn a_full_start_queue_refuses_a_create_before_it_records_anything() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_pool_grows_to_the_last_burst_and_shrinks_when_it_is_forgotten() {
     let (svc, _dir) = service_with_pool(PoolConfig {
-        burst_memory_secs: 8,
+        // Long enough for two restores on a busy host: a burst forgotten
+        // before the pool could grow to it would never be met.
+        burst_memory_secs: 30,
         ..pool_of(1)
     })
     .await;
@@ -291,11 +299,11 @@ async fn the_pool_grows_to_the_last_burst_and_shrinks_when_it_is_forgotten() {
         svc.destroy_sandbox(&me, id).await.unwrap();
     }
 
-    // Forgotten 8 s after it came: back to one, the surplus destroyed.
+    // Forgotten 30 s after it came: back to one, the surplus destroyed.
     let start = Instant::now();
     while svc.warm_count("small") > 1 {
         assert!(
-            start.elapsed() < Duration::from_secs(60),
+            start.elapsed() < Duration::from_secs(90),
             "the pool did not shrink back (has {})",
             svc.warm_count("small")
         );

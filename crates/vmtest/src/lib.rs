@@ -201,8 +201,14 @@ pub fn req_timeout(cmd: &str, timeout_ms: u64) -> ExecRequest {
 }
 
 /// Run a command, returning trimmed stdout; panics with everything on failure.
+/// Bounded at 5 minutes: writing half a gigabyte takes most of one on a
+/// busy host under emulation.
 pub async fn sh(vm: &Vm, cmd: &str) -> String {
-    let out = vm.agent.exec_collect(req(cmd)).await.expect("exec");
+    let out = vm
+        .agent
+        .exec_collect(req_timeout(cmd, 300_000))
+        .await
+        .expect("exec");
     assert_eq!(
         out.result.exit_code,
         Some(0),

@@ -239,15 +239,25 @@ impl Service {
                         0,
                     )
                     .await;
-                Err(StartFailed {
-                    error: CoreError::new(
-                        ErrorType::ServiceUnavailable,
-                        format!(
-                            "the sandbox's VM could not be started ({e}); nothing was charged, \
-                             retry"
-                        ),
+                let now = OffsetDateTime::now_utc();
+                // Its watchdog ends a VM at its expiry, started or not: on a
+                // host busy enough, a short lifetime runs out in the start.
+                let message = if now >= row.expires_at {
+                    format!(
+                        "the sandbox's lifetime ({} min) ran out while its VM was being \
+                         started ({} s on a busy host; {e}); nothing was charged, retry or \
+                         ask for a longer timeout",
+                        row.timeout_minutes,
+                        (now - row.created_at).whole_seconds()
                     )
-                    .with_retry_after(5),
+                } else {
+                    format!(
+                        "the sandbox's VM could not be started ({e}); nothing was charged, retry"
+                    )
+                };
+                Err(StartFailed {
+                    error: CoreError::new(ErrorType::ServiceUnavailable, message)
+                        .with_retry_after(5),
                     unreachable,
                 })
             }
