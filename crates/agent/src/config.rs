@@ -103,6 +103,10 @@ fn add_entropy(bytes: &[u8]) -> io::Result<()> {
 
 /// Apply a whole configuration. `entropy` is the frame body.
 pub fn configure(cfg: &GuestConfig, entropy: &[u8]) -> Result<(), AgentError> {
+    // The host read its clock just before sending: what this call spends
+    // before the guest's clock is set (checks, a lock, on a busy host under
+    // emulation up to a second) is added to it.
+    let received = std::time::Instant::now();
     check_hostname(&cfg.hostname)?;
     check_machine_id(&cfg.machine_id)?;
     let plan = cfg.network.as_ref().map(net::Plan::new).transpose()?;
@@ -120,6 +124,10 @@ pub fn configure(cfg: &GuestConfig, entropy: &[u8]) -> Result<(), AgentError> {
     let step = |name: &'static str| {
         move |e: io::Error| AgentError::new(ErrorKind::Io, format!("{name}: {e}"))
     };
+    if cfg.time_unix_ms > 0 {
+        let late = u64::try_from(received.elapsed().as_millis()).unwrap_or(0);
+        set_clock(cfg.time_unix_ms + late).map_err(step("clock"))?;
+    }
 
     // After a restore, every file this step creates runs kernel code the new
     // QEMU has not translated yet (~15 ms each under emulation): the image
@@ -138,9 +146,6 @@ pub fn configure(cfg: &GuestConfig, entropy: &[u8]) -> Result<(), AgentError> {
         0o444,
     )
     .map_err(step("/etc/machine-id"))?;
-    if cfg.time_unix_ms > 0 {
-        set_clock(cfg.time_unix_ms).map_err(step("clock"))?;
-    }
     add_entropy(entropy).map_err(step("entropy"))?;
     // Like the network below: a restored VM already has the template's
     // limits, which are this host's.

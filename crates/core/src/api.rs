@@ -164,6 +164,23 @@ pub trait Sandboxes: Send + Sync {
         additional_minutes: Option<u32>,
     ) -> Result<Sandbox>;
     async fn destroy_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox>;
+    /// Ends a live sandbox's life sooner: it expires `timeout_minutes`
+    /// after its creation instead, and the reservation of the time it will
+    /// not live goes back (E2B's `set_timeout` to less than what is left;
+    /// not part of the REST contract). A lifetime that is not shorter, or
+    /// that would be over already, is refused. A backend that cannot
+    /// refuses.
+    async fn shorten_sandbox(
+        &self,
+        caller: &Caller,
+        id: &str,
+        timeout_minutes: u32,
+    ) -> Result<Sandbox> {
+        let _ = (caller, id, timeout_minutes);
+        Err(crate::error::CoreError::invalid(
+            "shortening a sandbox's life is not available here",
+        ))
+    }
     /// Stops the sandbox's VM, its whole state kept on disk, billed at the
     /// paused rate; any call that needs the VM resumes it. Pausing a paused
     /// sandbox changes nothing.

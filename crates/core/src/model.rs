@@ -132,6 +132,12 @@ pub struct CreateSandbox {
     #[serde(skip)]
     #[schemars(skip)]
     pub env: BTreeMap<String, String>,
+    /// Every port of the sandbox is reached through its preview URL without
+    /// `expose_port` first, as E2B's `get_host(port)` expects (not part of
+    /// the REST API, where ports are exposed one by one).
+    #[serde(skip)]
+    #[schemars(skip)]
+    pub every_port_public: bool,
 }
 
 /// The snapshot object: the whole state of a running sandbox at one

@@ -339,16 +339,19 @@ async fn a_sandbox_expires_on_time_while_the_service_runs() {
 /// read the same sandbox at once each stored `timeout + 1` (one lost, both
 /// reserved), and one that read a row another had since extended moved the
 /// VM's watchdog back before the stored expiry. Eight at once must add
-/// eight minutes, in the database and on the VM's watchdog alike.
+/// eight minutes, in the database and on the VM's watchdog alike. A life
+/// shortened then gives back what it will not use, and its watchdog moves
+/// back with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn concurrent_extensions_all_count_and_the_vm_keeps_the_latest_expiry() {
+async fn extensions_all_count_the_vm_keeps_the_latest_expiry_and_a_shortening_gives_back() {
     let (svc, dir) = service().await;
     let me = account(&svc, "extender", 1.0).await;
     let (sbx, _) = svc
         .create_sandbox(
             &me,
             CreateSandbox {
-                timeout_minutes: Some(1),
+                // Two: the size's template is made in this lifetime.
+                timeout_minutes: Some(2),
                 ..Default::default()
             },
             None,
@@ -365,24 +368,48 @@ async fn concurrent_extensions_all_count_and_the_vm_keeps_the_latest_expiry() {
         r.await.unwrap().unwrap();
     }
     let s = svc.get_sandbox(&me, &sbx.id).await.unwrap();
-    assert_eq!(s.timeout_minutes, 9, "{s:?}");
-    let expires = sandpit_host::ids::parse_rfc3339(&s.expires_at).unwrap();
-    let watchdog: i64 =
-        std::fs::read_to_string(dir.path().join("vms").join(&sbx.id).join("expires"))
-            .unwrap()
-            .trim()
-            .parse()
-            .unwrap();
-    let lag = watchdog - expires.unix_timestamp();
+    assert_eq!(s.timeout_minutes, 10, "{s:?}");
+    let watchdog_lag = |s: &sandpit_core::Sandbox| {
+        let expires = sandpit_host::ids::parse_rfc3339(&s.expires_at).unwrap();
+        let watchdog: i64 =
+            std::fs::read_to_string(dir.path().join("vms").join(&s.id).join("expires"))
+                .unwrap()
+                .trim()
+                .parse()
+                .unwrap();
+        watchdog - expires.unix_timestamp()
+    };
+    let lag = watchdog_lag(&s);
     assert!(
         (1..=2).contains(&lag),
         "the VM's watchdog fires {lag} s after the stored expiry"
     );
-    // Nine minutes reserved, no more: $0.09/h * 9/60.
-    let acct = svc.account(&me).await.unwrap();
+    // Ten minutes reserved, no more: $0.09/h * 10/60.
+    let credit = || async { svc.account(&me).await.unwrap().credit_remaining_usd };
+    let left = credit().await;
+    assert!((left - (1.0 - 0.015)).abs() < 1e-9, "{left}");
+
+    // Shortened to 5 minutes from its creation (E2B's set_timeout): the
+    // five it will not live go back, and the watchdog learns it.
+    let short = svc.shorten_sandbox(&me, &sbx.id, 5).await.unwrap();
+    assert_eq!(short.timeout_minutes, 5);
+    let lag = watchdog_lag(&short);
     assert!(
-        (acct.credit_remaining_usd - (1.0 - 0.0135)).abs() < 1e-9,
-        "{acct:?}"
+        (1..=2).contains(&lag),
+        "after the shortening the VM's watchdog fires {lag} s after the stored expiry"
+    );
+    let left = credit().await;
+    assert!((left - (1.0 - 0.0075)).abs() < 1e-9, "{left}");
+    for not_shorter in [5, 0, 20] {
+        let e = svc
+            .shorten_sandbox(&me, &sbx.id, not_shorter)
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind, sandpit_core::ErrorType::InvalidRequest, "{e}");
+    }
+    assert_eq!(
+        svc.get_sandbox(&me, &sbx.id).await.unwrap().timeout_minutes,
+        5
     );
     svc.destroy_sandbox(&me, &sbx.id).await.unwrap();
 }

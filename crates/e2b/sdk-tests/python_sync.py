@@ -118,6 +118,44 @@ try:
     assert no_stdin.kill() is True
     ok("send_stdin, close_stdin; a command without stdin refuses input")
 
+    # A server in the sandbox, on a port nobody exposed, reached through
+    # get_host as the user's own program reaches it: urllib, which asks the
+    # system's resolver for the *.localhost name.
+    import urllib.error
+    import urllib.request
+
+    sbx.files.write("site/index.html", "served from the sandbox\n")
+    server = sbx.commands.run("cd site && exec python3 -m http.server 8000", background=True)
+    host = sbx.get_host(8000)
+    assert host.startswith(f"8000-{sbx.sandbox_id}."), host
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://{host}/index.html", timeout=10) as resp:
+                body = resp.read().decode()
+            break
+        except urllib.error.HTTPError as e:
+            # 502 until the server listens.
+            assert e.code == 502 and time.monotonic() < deadline, e
+        except urllib.error.URLError as e:
+            raise AssertionError(f"http://{host}/ did not resolve or connect: {e}")
+        time.sleep(0.5)
+    assert body == "served from the sandbox\n", body
+    assert server.kill() is True
+    # 502 once nothing listens (a connection the proxy held to the killed
+    # server may first end in a 503).
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            urllib.request.urlopen(f"http://{host}/index.html", timeout=10)
+            raise AssertionError("a killed server still answered")
+        except urllib.error.HTTPError as e:
+            if e.code == 502:
+                break
+            assert e.code == 503 and time.monotonic() < deadline, e
+        time.sleep(0.5)
+    ok(f"get_host: a background http.server reached at {host.split('.')[0]}…, then killed")
+
     info = sbx.files.write("notes/hello.txt", "hello from the SDK\n")
     assert info.path == "/home/user/notes/hello.txt", info
     assert sbx.files.read("notes/hello.txt") == "hello from the SDK\n"
@@ -178,7 +216,15 @@ try:
     sbx.set_timeout(600)
     after = sbx.get_info().end_at
     assert after > before, (before, after)
-    ok("set_timeout")
+    # Shorter again (Sandpit counts whole minutes from the creation, so the
+    # end is within a minute after what was asked).
+    import datetime
+
+    asked = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=300)
+    sbx.set_timeout(300)
+    shorter = sbx.get_info().end_at
+    assert asked <= shorter < min(after, asked + datetime.timedelta(seconds=61)), (asked, shorter, after)
+    ok("set_timeout, longer then shorter")
 
     again = Sandbox.connect(sbx.sandbox_id)
     assert again.commands.run("echo again").stdout.strip() == "again"

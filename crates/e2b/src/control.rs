@@ -139,6 +139,8 @@ async fn create(
     req.timeout_minutes = Some(minutes(body.timeout.unwrap_or(300)));
     req.metadata = body.metadata.unwrap_or_default();
     req.env = body.env_vars.unwrap_or_default();
+    // `get_host(port)` names any port: E2B's sandboxes need no expose.
+    req.every_port_public = true;
     let key = headers
         .get("idempotency-key")
         .and_then(|v| v.to_str().ok())
@@ -160,8 +162,22 @@ fn refuse_unsupported(body: &NewSandbox) -> Result<(), HttpError> {
     if body.auto_pause == Some(true) {
         return refuse("auto-pause on timeout");
     }
-    if body.network.as_ref().is_some_and(|n| !n.is_null()) {
-        return refuse("a network policy (network=…)");
+    if let Some(network) = &body.network {
+        if network.allow_public_traffic == Some(false) {
+            return refuse(
+                "network allow_public_traffic=False (ports reached only with a traffic token)",
+            );
+        }
+        let empty = |list: &Option<Vec<String>>| list.as_ref().is_none_or(Vec::is_empty);
+        if !empty(&network.allow_out) || !empty(&network.deny_out) {
+            return refuse("an egress policy (network allow_out / deny_out)");
+        }
+        if network.mask_request_host.is_some() {
+            return refuse("network mask_request_host");
+        }
+        if let Some(what) = network.other.iter().find(|(_, v)| !v.is_null()) {
+            return refuse(&format!("network {}", what.0));
+        }
     }
     if body.mcp.as_ref().is_some_and(|m| !m.is_null()) {
         return refuse("the MCP gateway (mcp=…)");
@@ -204,8 +220,9 @@ async fn kill(State(e2b): State<E2b>, Authed(caller): Authed, Path(id): Path<Str
     }
 }
 
-/// E2B's `set_timeout`: the sandbox ends `timeout` seconds from now.
-/// Sandpit lengthens a life; it does not shorten one yet.
+/// E2B's `set_timeout`: the sandbox ends `timeout` seconds from now,
+/// sooner or later than it would have (in Sandpit's whole minutes from
+/// its creation, rounded up).
 async fn set_timeout(
     State(e2b): State<E2b>,
     Authed(caller): Authed,
@@ -213,8 +230,25 @@ async fn set_timeout(
     Json(body): Json<Timeout>,
 ) -> Answer {
     let sandbox = live(&e2b, &caller, &id).await?;
-    lengthen(&e2b, &caller, &sandbox, body.timeout).await?;
+    let wanted = minutes_from_creation(&sandbox, body.timeout)?;
+    if wanted < sandbox.timeout_minutes {
+        e2b.api.shorten_sandbox(&caller, &id, wanted).await?;
+    } else {
+        lengthen(&e2b, &caller, &sandbox, body.timeout).await?;
+    }
     Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+/// The whole minutes from `sandbox`'s creation to `seconds` from now,
+/// rounded up: the lifetime that ends it then.
+fn minutes_from_creation(sandbox: &sandpit_core::Sandbox, seconds: u64) -> Result<u32, HttpError> {
+    let created = OffsetDateTime::parse(
+        &sandbox.created_at,
+        &time::format_description::well_known::Rfc3339,
+    )
+    .map_err(|e| CoreError::internal(format!("the sandbox's creation time: {e}")))?;
+    let lived = (OffsetDateTime::now_utc() - created).whole_seconds().max(0) as u64;
+    Ok(minutes(lived.saturating_add(seconds)))
 }
 
 /// Make `sandbox` live at least `seconds` from now.
@@ -235,11 +269,6 @@ async fn lengthen(
         e2b.api
             .extend_sandbox(caller, &sandbox.id, Some(more))
             .await?;
-    } else if seconds + 60 < left {
-        return Err(HttpError::bad_request(format!(
-            "the sandbox has {left} s left; Sandpit can lengthen a sandbox's life but not shorten \
-             it yet (kill it to end it now)"
-        )));
     }
     Ok(())
 }
@@ -269,15 +298,7 @@ async fn connect(
         sandbox = e2b.api.resume_sandbox(&caller, &id).await?;
     }
     if let Some(seconds) = body.and_then(|Json(b)| b.timeout) {
-        let expires = OffsetDateTime::parse(
-            &sandbox.expires_at,
-            &time::format_description::well_known::Rfc3339,
-        )
-        .map_err(|e| CoreError::internal(format!("the sandbox's expiry: {e}")))?;
-        let left = (expires - OffsetDateTime::now_utc()).whole_seconds().max(0) as u64;
-        if seconds > left {
-            lengthen(&e2b, &caller, &sandbox, seconds).await?;
-        }
+        lengthen(&e2b, &caller, &sandbox, seconds).await?;
     }
     Ok(Json(e2b.created(&sandbox)).into_response())
 }
@@ -498,5 +519,40 @@ mod tests {
         assert_eq!(filter["user id"], "a b");
         assert_eq!(filter["k"], "v&w");
         assert!(metadata_filter(None).is_empty());
+    }
+
+    #[test]
+    fn a_network_asking_for_what_sandpit_does_not_do_is_refused_by_name() {
+        let create = |network: serde_json::Value| -> NewSandbox {
+            serde_json::from_value(serde_json::json!({"templateID": "base", "network": network}))
+                .unwrap()
+        };
+        for fine in [
+            serde_json::Value::Null,
+            serde_json::json!({}),
+            serde_json::json!({"allowPublicTraffic": true, "allowOut": [], "denyOut": []}),
+        ] {
+            assert!(refuse_unsupported(&create(fine.clone())).is_ok(), "{fine}");
+        }
+        for (network, says) in [
+            (
+                serde_json::json!({"allowPublicTraffic": false}),
+                "allow_public_traffic",
+            ),
+            (serde_json::json!({"allowOut": ["8.8.8.8"]}), "allow_out"),
+            (serde_json::json!({"denyOut": ["10.0.0.0/8"]}), "deny_out"),
+            (
+                serde_json::json!({"maskRequestHost": "x.example"}),
+                "mask_request_host",
+            ),
+            (
+                serde_json::json!({"egressProxy": {"url": "x"}}),
+                "egressProxy",
+            ),
+        ] {
+            let e = refuse_unsupported(&create(network.clone())).unwrap_err();
+            assert!(e.message.contains(says), "{network}: {}", e.message);
+            assert!(e.message.contains("not supported"), "{}", e.message);
+        }
     }
 }

@@ -21,9 +21,24 @@ pub struct NewSandbox {
     #[serde(rename = "allow_internet_access")]
     pub allow_internet_access: Option<bool>,
     pub auto_pause: Option<bool>,
-    pub network: Option<serde_json::Value>,
+    pub network: Option<Network>,
     pub mcp: Option<serde_json::Value>,
     pub volume_mounts: Option<Vec<serde_json::Value>>,
+}
+
+/// `network` of a create (E2B's `SandboxNetworkConfig`). Sandpit serves
+/// every port of an E2B sandbox on its preview host (`get_host(port)`);
+/// what else may be asked is read so that it is refused, saying so.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Network {
+    pub allow_public_traffic: Option<bool>,
+    pub allow_out: Option<Vec<String>>,
+    pub deny_out: Option<Vec<String>>,
+    pub mask_request_host: Option<String>,
+    /// Whatever else (the egress proxy, rules): refused when present.
+    #[serde(flatten)]
+    pub other: BTreeMap<String, serde_json::Value>,
 }
 
 /// `POST /sandboxes/{id}/timeout`.

@@ -59,6 +59,7 @@ on_both_engines!(
     a_nodes_start_is_recorded_only_on_its_provisioning_sandbox,
     a_second_create_under_a_taken_id_writes_nothing,
     extending_reserves_more_and_checks_the_balance,
+    shortening_gives_back_the_reservation_it_will_not_use,
     executions_are_recorded_and_finished_once,
     a_sandboxs_executions_are_paged_newest_first,
     ports_are_opened_once_and_closed,
@@ -266,6 +267,7 @@ fn sandbox(account_id: &str, created_at: OffsetDateTime, minutes: u32, reserve: 
         metadata: [("made-by".to_string(), "the store's tests".to_string())].into(),
         env: [("GREETING".to_string(), "hello".to_string())].into(),
         access_token: Some(format!("token-of-{created_at}")),
+        every_port_public: false,
     }
 }
 
@@ -579,17 +581,22 @@ async fn the_ledger_reserves_refunds_and_settles_once(store: Store) {
     // 60 minutes reserved: 90_000.
     let sbx = created(
         store
-            .create_sandbox(sandbox(&acct.id, T0, 60, 90_000))
+            .create_sandbox(NewSandbox {
+                every_port_public: true,
+                ..sandbox(&acct.id, T0, 60, 90_000)
+            })
             .await
             .unwrap(),
     );
     assert_eq!(sbx.status, SandboxStatus::Provisioning);
+    assert!(sbx.every_port_public);
     assert_eq!(store.balance(&acct.id).await.unwrap(), 910_000);
     // E2B's metadata, environment and token come back as written.
     let again = store.sandbox(&sbx.id).await.unwrap().unwrap();
     assert_eq!(again.metadata["made-by"], "the store's tests");
     assert_eq!(again.env["GREETING"], "hello");
     assert_eq!(again.access_token, Some(format!("token-of-{T0}")));
+    assert!(again.every_port_public);
     // Something that happened to it, its status unchanged.
     assert!(store
         .note_event(&sbx.id, "stopped: the disk")
@@ -1103,6 +1110,10 @@ async fn a_second_create_under_a_taken_id_writes_nothing(store: Store) {
         ..first.clone()
     };
     let s = created(store.create_sandbox(first).await.unwrap());
+    assert!(
+        !s.every_port_public,
+        "a port is public only when it is exposed"
+    );
     let balance = store.balance(&acct.id).await.unwrap();
     assert_eq!(
         store.create_sandbox(again).await.unwrap(),
@@ -1243,6 +1254,72 @@ async fn extending_reserves_more_and_checks_the_balance(store: Store) {
             .unwrap(),
         ExtendOutcome::NotLive(_)
     ));
+}
+
+async fn shortening_gives_back_the_reservation_it_will_not_use(store: Store) {
+    let acct = store.create_account("alice", 100).await.unwrap();
+    let bob = store.create_account("bob", 100).await.unwrap();
+    store.add_credit(&acct.id, 100_000, None).await.unwrap();
+    // Made a minute ago for an hour (90_000 reserved).
+    // (Whole seconds: the store keeps microseconds.)
+    let made = OffsetDateTime::now_utc().replace_nanosecond(0).unwrap() - Duration::minutes(1);
+    let s = created(
+        store
+            .create_sandbox(sandbox(&acct.id, made, 60, 90_000))
+            .await
+            .unwrap(),
+    );
+    assert_eq!(store.balance(&acct.id).await.unwrap(), 10_000);
+
+    // To 20 minutes: the 40 it will not live go back.
+    let sooner = made + Duration::minutes(20);
+    let short = store
+        .shorten_sandbox(&s.id, &acct.id, sooner, 20, 60_000)
+        .await
+        .unwrap()
+        .expect("a live sandbox is shortened");
+    assert_eq!((short.expires_at, short.timeout_minutes), (sooner, 20));
+    assert_eq!(store.balance(&acct.id).await.unwrap(), 70_000);
+
+    // Not shorter, already past, or not the caller's: refused, nothing changed.
+    for at in [sooner, sooner + Duration::minutes(5), made] {
+        assert!(
+            matches!(
+                store.shorten_sandbox(&s.id, &acct.id, at, 10, 1).await,
+                Err(StoreError::Invalid(_))
+            ),
+            "{at}"
+        );
+    }
+    assert!(matches!(
+        store
+            .shorten_sandbox(&s.id, &bob.id, made + Duration::minutes(10), 10, 0)
+            .await,
+        Err(StoreError::NotFound(_))
+    ));
+    assert_eq!(store.balance(&acct.id).await.unwrap(), 70_000);
+
+    // Its end settles the rest: 10 minutes charged of the 20 still held.
+    store
+        .finish_sandbox(
+            &s.id,
+            SandboxStatus::Deleted,
+            "destroyed",
+            made + Duration::minutes(10),
+            15_000,
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(store.balance(&acct.id).await.unwrap(), 85_000);
+    assert_never_negative(&store, &acct.id).await;
+    assert_eq!(
+        store
+            .shorten_sandbox(&s.id, &acct.id, made + Duration::minutes(5), 5, 0)
+            .await
+            .unwrap(),
+        None
+    );
 }
 
 async fn a_sandboxs_executions_are_paged_newest_first(store: Store) {

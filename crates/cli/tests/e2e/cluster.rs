@@ -76,6 +76,7 @@ fn a_server_on_postgresql_keeps_its_state_there_and_only_its_own_sandboxes() {
                 metadata: Default::default(),
                 env: Default::default(),
                 access_token: None,
+                every_port_public: false,
             })
             .await
             .unwrap()
@@ -590,6 +591,7 @@ fn a_replica_names_a_sandbox_after_the_warm_vm_a_node_published() {
             metadata: Default::default(),
             env: Default::default(),
             access_token: None,
+            every_port_public: false,
         };
         assert!(matches!(
             store.create_sandbox(taken).await.unwrap(),

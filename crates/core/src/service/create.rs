@@ -315,6 +315,7 @@ impl Service {
             // Every sandbox can be reached through E2B's data plane,
             // whichever surface made it.
             access_token: Some(hex::encode(rand::random::<[u8; 16]>())),
+            every_port_public: order.req.every_port_public,
         };
         let outcome = self.store.create_sandbox_named(new, id).await;
         let warm = match taken.into_inner().unwrap() {

@@ -105,8 +105,14 @@ impl PreviewGate for Service {
                 message: format!("it is {}", row.status),
             });
         }
-        let ports = self.store.list_ports(id).await.map_err(unavailable)?;
-        if !ports.iter().any(|p| p.port == port) {
+        let exposed = match row.every_port_public {
+            true => true,
+            false => {
+                let ports = self.store.list_ports(id).await.map_err(unavailable)?;
+                ports.iter().any(|p| p.port == port)
+            }
+        };
+        if !exposed {
             return Err(PreviewError::PortClosed {
                 id: id.to_string(),
                 port,

@@ -385,9 +385,10 @@ impl Snapshots for Service {
             name: None,
             timeout_minutes: req.timeout_minutes,
             snapshot_id: None,
-            // A fork keeps its origin's labels and environment.
+            // A fork keeps its origin's labels, environment and ports.
             metadata: row.metadata.clone(),
             env: row.env.clone(),
+            every_port_public: row.every_port_public,
         };
         let (_, size, timeout) = crate::service::checks::check_create(&self.config, &copy, None)?;
         let needed = cost(size.price_micros_per_hour(), u64::from(timeout) * 60) * i64::from(count);

@@ -84,6 +84,47 @@ impl Drop for Tracked {
     }
 }
 
+impl Tracked {
+    /// Continue this start now, and let nothing stop it until the returned
+    /// guard drops: for a step that must not be stopped halfway, the guest
+    /// setting its clock from the host's time (stopped after the host read
+    /// its clock and before the guest set it, the guest would be as late as
+    /// the stop was long, and stay so).
+    pub(crate) fn unstoppable(&self) -> Unstoppable {
+        let mut st = self.give_way.lock();
+        let taken = st.starting.remove(&self.pid).map(|mut s| {
+            resume(&mut s);
+            s
+        });
+        Unstoppable {
+            give_way: self.give_way.clone(),
+            pid: self.pid,
+            taken,
+        }
+    }
+}
+
+/// See [`Tracked::unstoppable`]: on drop, the start can be stopped again
+/// (at once, if live work holds).
+pub(crate) struct Unstoppable {
+    give_way: GiveWay,
+    pid: u32,
+    taken: Option<Starting>,
+}
+
+impl Drop for Unstoppable {
+    fn drop(&mut self) {
+        let Some(mut s) = self.taken.take() else {
+            return;
+        };
+        let mut st = self.give_way.lock();
+        if st.holders > 0 {
+            self.give_way.stop(self.pid, &mut s);
+        }
+        st.starting.insert(self.pid, s);
+    }
+}
+
 impl GiveWay {
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
@@ -324,6 +365,29 @@ mod tests {
             c.kill().unwrap();
             c.wait().unwrap();
         }
+    }
+
+    #[tokio::test]
+    async fn a_start_made_unstoppable_runs_through_live_work_until_the_guard_drops() {
+        let (mut child, file) = counter();
+        let g = GiveWay::default();
+        let tracked = g.track(child.id()).unwrap();
+        let held = g.hold();
+        assert_eq!(g.stopped(), 1);
+        let unstoppable = tracked.unstoppable();
+        assert_eq!(g.stopped(), 0, "continued at once");
+        assert!(advances(&file).await, "runs while live work holds");
+        drop(g.hold());
+        assert!(advances(&file).await, "new live work does not stop it");
+        drop(unstoppable);
+        assert_eq!(g.stopped(), 1, "stopped again: live work still holds");
+        assert_eq!(g.starting(), 1);
+        drop(held);
+        continued_within(&g, MAX_STOP / 2).await;
+        drop(tracked);
+        assert_eq!(g.starting(), 0);
+        child.kill().unwrap();
+        child.wait().unwrap();
     }
 
     #[tokio::test]

@@ -192,7 +192,7 @@ impl VmManager {
         ))?;
         let qemu_pid = child.id().unwrap_or(0);
         let spawned = Instant::now();
-        let _giving_way = match priority {
+        let giving_way = match priority {
             Priority::Background => self.give_way.track(qemu_pid),
             Priority::Normal => None,
         };
@@ -312,6 +312,9 @@ impl VmManager {
         let mut entropy = vec![0u8; 64];
         rand::rngs::OsRng.fill_bytes(&mut entropy);
         let network = passt.as_ref().map(|_| self.network_config());
+        // The guest sets its clock from the time read here: no stop for
+        // live work in between.
+        let setting_the_clock = giving_way.as_ref().map(|t| t.unstoppable());
         agent
             .configure(
                 GuestConfig {
@@ -330,6 +333,7 @@ impl VmManager {
                 &entropy,
             )
             .await?;
+        drop(setting_the_clock);
         let configured = spawned.elapsed();
         if priority == Priority::Background && !matches!(start, Start::Template { .. }) {
             // A VM made ahead of demand runs one command before it is handed

@@ -53,6 +53,8 @@ pub struct SandboxRow {
     pub metadata: std::collections::BTreeMap<String, String>,
     pub env: std::collections::BTreeMap<String, String>,
     pub access_token: Option<String>,
+    /// See [`NewSandbox::every_port_public`].
+    pub every_port_public: bool,
 }
 
 impl SandboxRow {
@@ -103,6 +105,9 @@ pub struct NewSandbox {
     pub metadata: std::collections::BTreeMap<String, String>,
     pub env: std::collections::BTreeMap<String, String>,
     pub access_token: Option<String>,
+    /// Every port is reached through the preview URL without being exposed
+    /// (E2B's sandboxes, see migration 0014); `false`: only exposed ports.
+    pub every_port_public: bool,
     /// On a shared database: the epoch `host` must be `up` at, within its
     /// lease (see [`Store::register_node`]), and it must have room (its
     /// `max_sandboxes`), checked in the create's transaction under the
@@ -219,6 +224,7 @@ pub(crate) fn sandbox_from(row: &AnyRow) -> Result<SandboxRow> {
         metadata: get_json_map(row, "metadata")?,
         env: get_json_map(row, "env")?,
         access_token: get_opt_str(row, "access_token")?,
+        every_port_public: get_i64(row, "every_port_public")? != 0,
     })
 }
 
@@ -542,6 +548,69 @@ impl Store {
         }
         tx.commit().await?;
         Ok(ExtendOutcome::Extended(updated))
+    }
+
+    /// Shortens a live sandbox of `account_id`: stores the earlier expiry
+    /// and timeout, and gives `release_micros` of its reservation back (a
+    /// `release` ledger row; its end settles the rest as always). Same
+    /// transaction discipline as [`Store::extend_sandbox`]. `None` when it
+    /// is not live; a sandbox of another account is
+    /// [`StoreError::NotFound`]; an expiry not earlier than the current one,
+    /// or already past, is [`StoreError::Invalid`].
+    pub async fn shorten_sandbox(
+        &self,
+        id: &str,
+        account_id: &str,
+        new_expires_at: OffsetDateTime,
+        new_timeout_minutes: u32,
+        release_micros: i64,
+    ) -> Result<Option<SandboxRow>> {
+        if release_micros < 0 {
+            return Err(StoreError::Invalid(format!(
+                "release_micros must not be negative, not {release_micros}"
+            )));
+        }
+        let mut tx = self.write_tx().await?;
+        lock_account(&mut tx, account_id).await?;
+        let row = sandbox_in(&mut tx, id)
+            .await?
+            .filter(|r| r.account_id == account_id)
+            .ok_or_else(|| StoreError::NotFound(format!("sandbox {id}")))?;
+        if !row.is_live() || row.status == SandboxStatus::Deleting {
+            return Ok(None);
+        }
+        let at = now();
+        if new_expires_at >= row.expires_at || new_expires_at <= at {
+            return Err(StoreError::Invalid(format!(
+                "new expiry {} is not between now ({}) and the current {}",
+                format_ts(new_expires_at),
+                format_ts(at),
+                format_ts(row.expires_at)
+            )));
+        }
+        let updated = sqlx::query(
+            "UPDATE sandboxes SET expires_at = $2, timeout_minutes = $3 WHERE id = $1 RETURNING *",
+        )
+        .bind(id)
+        .bind(format_ts(new_expires_at))
+        .bind(i64::from(new_timeout_minutes))
+        .fetch_one(&mut *tx)
+        .await?;
+        let updated = sandbox_from(&updated)?;
+        if release_micros > 0 {
+            insert_ledger(
+                &mut tx,
+                account_id,
+                id,
+                "release",
+                release_micros,
+                Some("shorten"),
+                at,
+            )
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(Some(updated))
     }
 
     /// A running sandbox whose VM was saved and stopped is `paused` from
