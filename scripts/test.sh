@@ -162,6 +162,15 @@ if [ ! -e target ] && [ ! -L target ] && [ "$cache" != none ]; then
   echo "$me: build caches in $cache/target (target/ links there)" >&2
 fi
 mkdir -p target
+# Files the cache saw before keep the times of then, so that Cargo rebuilds
+# only the crates whose files changed (a clone dates every file now; see
+# scripts/source-times.py). Only where target/ is the shared cache: a clone's
+# own target/ has seen its own files' times. The dashboard's npm packages
+# are fetched first, as the build reads them too.
+if [ -L target ] && [ "$(readlink target)" = "$cache/target" ]; then
+  scripts/web-assets.sh
+  python3 scripts/source-times.py "$cache/target/source-times.json" .
+fi
 times_dir=$(mktemp -d)
 rm -f target/tests-*.log target/beside-*.log
 

@@ -97,7 +97,7 @@ pub fn run(settings: &Settings, args: DoctorArgs) -> Result<i32> {
     } else {
         println!(
             "sandpit {} doctor: data in {}",
-            sandpit_core::VERSION,
+            crate::VERSION,
             settings.data_dir.display()
         );
         for f in &findings {

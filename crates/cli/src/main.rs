@@ -17,10 +17,23 @@ use clap::{Parser, Subcommand};
 use sandpit_server::{images, serve, settings};
 use std::path::PathBuf;
 
+/// The commit this binary was built from (`unknown` outside a checkout,
+/// unless the build's environment named it in `SANDPIT_COMMIT`; see
+/// build.rs).
+const COMMIT: &str = env!("SANDPIT_COMMIT");
+
+/// The version and the commit, as `sandpit --version` prints them.
+const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("SANDPIT_COMMIT"),
+    ")"
+);
+
 #[derive(Parser)]
 #[command(
     name = "sandpit",
-    version = sandpit_core::VERSION,
+    version = VERSION,
     about = "Real Linux VMs that AI agents can break"
 )]
 struct Cli {
@@ -154,6 +167,7 @@ async fn run(cli: Cli) -> Result<i32> {
     let mut settings =
         settings::Settings::load(cli.data_dir, cli.images_dir, cli.config.as_deref())?;
     settings.database_url = cli.database.filter(|u| !u.is_empty());
+    settings.service.commit = COMMIT.into();
     match cli.command {
         Command::Image {
             command: ImageCommand::Build { agent },

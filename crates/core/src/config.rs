@@ -88,6 +88,10 @@ pub struct ServiceConfig {
     /// 0: never (see `crate::idle`). Only where this process runs the VMs
     /// itself (not on a cluster's replicas).
     pub idle_pause_secs: u64,
+    /// The commit the running binary was built from, which service info
+    /// shows (`unknown` unless the binary says; not a setting).
+    #[serde(skip)]
+    pub commit: String,
 }
 
 impl ServiceConfig {
@@ -162,6 +166,7 @@ impl Default for ServiceConfig {
             snapshot_bytes_per_account: 50 * 1024 * 1024 * 1024,
             paused_price_percent: 10,
             idle_pause_secs: 0,
+            commit: "unknown".into(),
         }
     }
 }

@@ -20,17 +20,12 @@ pub mod preview;
 pub mod service;
 pub mod utf8;
 
-/// The commit this binary was built from (`unknown` outside a checkout,
-/// unless the build's environment named it in `SANDPIT_COMMIT`).
-pub const COMMIT: &str = env!("SANDPIT_COMMIT");
-
-/// The version and the commit, as `sandpit --version` prints them.
-pub const VERSION: &str = concat!(
-    env!("CARGO_PKG_VERSION"),
-    " (commit ",
-    env!("SANDPIT_COMMIT"),
-    ")"
-);
+/// This release's version and the commit the binary was built from, as
+/// `sandpit --version` prints them (the binary knows its commit and says it
+/// in [`ServiceConfig::commit`](config::ServiceConfig::commit)).
+pub fn version(commit: &str) -> String {
+    format!("{} (commit {commit})", env!("CARGO_PKG_VERSION"))
+}
 
 /// The API's traits by subject, for `use sandpit_core::prelude::*`.
 pub use api::prelude;

@@ -73,7 +73,7 @@ impl Accounts for Fake {
         Ok(ServiceInfo {
             name: "sandpit".into(),
             version: env!("CARGO_PKG_VERSION").into(),
-            commit: sandpit_core::COMMIT.into(),
+            commit: config.commit.clone(),
             sizes: config.sizes_cheapest_first(),
             default_size: config.default_size.clone(),
             default_timeout_minutes: config.default_timeout_minutes,

@@ -350,7 +350,7 @@ pub async fn serve(settings: &Settings, args: ServeArgs) -> Result<i32> {
     });
     eprintln!(
         "sandpit {} serving {public_url} (REST /v1, MCP /v1/mcp, previews {}://PORT-ID.{}; {} acceleration; data in {})",
-        sandpit_core::VERSION,
+        sandpit_core::version(&settings.service.commit),
         settings.service.preview_scheme,
         settings.service.preview_domain,
         svc.vms_accel()
@@ -492,7 +492,7 @@ pub async fn node(settings: &Settings, args: NodeArgs) -> Result<i32> {
     .await?;
     eprintln!(
         "sandpit {} node {} serving its VMs at {} (epoch {}; {} acceleration; data in {})",
-        sandpit_core::VERSION,
+        sandpit_core::version(&settings.service.commit),
         settings.service.host_name,
         settings.node_address.as_deref().unwrap_or_default(),
         svc.cluster_epoch().unwrap_or_default(),

@@ -128,7 +128,7 @@ impl Accounts for Service {
         Ok(ServiceInfo {
             name: "Sandpit".into(),
             version: env!("CARGO_PKG_VERSION").into(),
-            commit: crate::COMMIT.into(),
+            commit: self.config.commit.clone(),
             sizes: self.config.sizes_cheapest_first(),
             default_size: self.config.default_size.clone(),
             default_timeout_minutes: self.config.default_timeout_minutes,

@@ -2,6 +2,10 @@
 //! `sandpit --version` and `get_service_info` tell an operator exactly what
 //! runs (two binaries of one version can differ by many commits on `main`).
 //!
+//! Here, in the binary's crate, and not in a library under it: every commit
+//! changes it, and what changes rebuilds every crate above it. The binary
+//! hands it to the service (`ServiceConfig::commit`).
+//!
 //! A build outside a Git checkout (a source tarball, a package build) takes
 //! `SANDPIT_COMMIT` from its environment, or says `unknown`.
 
