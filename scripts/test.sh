@@ -304,6 +304,7 @@ joined guest-image
 joined previous-release
 joined e2b-sdks
 export SANDPIT_E2B_PYTHON="$built/e2b-sdks/python/bin/python"
+export SANDPIT_E2B_JS="$built/e2b-sdks/js"
 
 step "tests (and the end of the set-up test)"
 # Two lanes: the end-to-end tests (crates/cli/tests/e2e, most of the time)

@@ -354,11 +354,26 @@ async fn a_size_without_a_pool_gets_a_template_and_its_sandboxes_can_be_saved() 
         size: Some("roomy".into()),
         ..Default::default()
     };
+    let asked = time::OffsetDateTime::now_utc();
     let (first, _) = svc.create_sandbox(&me, roomy(), None).await.unwrap();
     let record = svc.vm_record(&first.id).expect("a VM");
     assert!(
         record.template.is_some(),
         "the first roomy sandbox booted cold"
+    );
+    // The template (a cold boot and a save) was made before the sandbox's
+    // lifetime began, which then spent only the restore: a one-minute
+    // sandbox keeps its minute.
+    let at = |t: &str| {
+        time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339).unwrap()
+    };
+    let created = at(&first.created_at);
+    let ready = at(first.ready_at.as_deref().expect("ready"));
+    assert!(
+        created - asked > ready - created,
+        "the template took {} before the row, the restore {} after it: the lifetime began before the template was made",
+        created - asked,
+        ready - created
     );
     assert_eq!(out(&svc, &me, &first.id, "nproc").await, "1");
     out(&svc, &me, &first.id, "echo kept > /workspace/note").await;

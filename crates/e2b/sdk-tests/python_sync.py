@@ -296,6 +296,15 @@ for key in ["e2b_" + "0" * 50, os.environ["SANDPIT_REVOKED_KEY"]]:
         pass
 ok("a wrong or revoked key is refused")
 
+# An account without credit: the SDK's error carries Sandpit's 402 and says
+# why, and nothing was started.
+try:
+    Sandbox.create(api_key=os.environ["SANDPIT_BROKE_KEY"])
+    raise AssertionError("an account without credit created a sandbox")
+except SandboxException as e:
+    assert getattr(e, "status_code", None) == 402 and "credit" in str(e), (repr(e), getattr(e, "status_code", None))
+ok("an account without credit is refused with 402, saying why")
+
 # Every check is done. Leave without the interpreter's teardown: once, on a
 # loaded machine, the async script ended with a failing status and nothing
 # on stderr after its last check (its HTTP client is a native extension);

@@ -57,6 +57,16 @@ pub trait Machines: Send + Sync {
     /// not created; nothing ever ran in it.
     async fn return_warm(&self, id: &str, size: &str) -> VmResult<()>;
 
+    /// Makes ready what a start of `size` needs, before the new sandbox's
+    /// row (and so its lifetime) exists: the size's snapshot template, built
+    /// now if it has none (a cold boot and a few seconds, once per size,
+    /// image and QEMU; minutes on a loaded host), so a one-minute sandbox
+    /// does not spend its minute on it. Nothing to do is fine; a failure is
+    /// the caller's to log: the start then tries as it always did.
+    async fn prepare(&self, _size: &str) -> VmResult<()> {
+        Ok(())
+    }
+
     /// Starts the VM of a new sandbox `id` (the pool VM taken for it, the
     /// ready pool VM of that id, or one restored or booted now; from
     /// `snapshot` when given, a snapshot this node holds) whose watchdog

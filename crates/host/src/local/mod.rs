@@ -207,6 +207,20 @@ impl LocalVms {
             .await
     }
 
+    /// The size's template, made now if it has none (see
+    /// [`Machines::prepare`]): as a start, it waits its turn in the start
+    /// queue and is admitted by the host's budget.
+    pub async fn prepare(&self, size: &str) -> Result<(), RuntimeError> {
+        if !self.manager.snapshots_supported() || self.manager.template(size).is_some() {
+            return Ok(());
+        }
+        let _live = self.manager.hold_background();
+        let _slot = self.start_slot().await?;
+        let _charged = self.admit_start()?;
+        self.ensure_template(size).await;
+        Ok(())
+    }
+
     /// Only a VM restored from its size's snapshot template can be saved
     /// (snapshot, fork, pause, idle sleep), and a size without a warm pool
     /// gets no template from the refill: its first start builds it (about

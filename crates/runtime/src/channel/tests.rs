@@ -1,4 +1,5 @@
 use super::*;
+use sandpit_protocol::ExecResult;
 use tokio::io::AsyncWriteExt;
 
 fn exec_request(max_output_bytes: u64) -> ExecRequest {
