@@ -61,10 +61,11 @@ pub trait Machines: Send + Sync {
     /// row (and so its lifetime) exists: the size's snapshot template, built
     /// now if it has none (a cold boot and a few seconds, once per size,
     /// image and QEMU; minutes on a loaded host), so a one-minute sandbox
-    /// does not spend its minute on it. Nothing to do is fine; a failure is
-    /// the caller's to log: the start then tries as it always did.
-    async fn prepare(&self, _size: &str) -> VmResult<()> {
-        Ok(())
+    /// does not spend its minute on it. Whether it made something now (a
+    /// create's lifetime then starts after it); nothing to do is `false`. A
+    /// failure is the caller's to log: the start then tries as it always did.
+    async fn prepare(&self, _size: &str) -> VmResult<bool> {
+        Ok(false)
     }
 
     /// Starts the VM of a new sandbox `id` (the pool VM taken for it, the

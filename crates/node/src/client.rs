@@ -347,7 +347,7 @@ impl Machines for RemoteNode {
         .await
     }
 
-    async fn prepare(&self, size: &str) -> VmResult<()> {
+    async fn prepare(&self, size: &str) -> VmResult<bool> {
         self.call(&format!("sizes/{size}/prepare"), &Nothing {}, START_TIMEOUT)
             .await
     }

@@ -318,8 +318,22 @@ fn many_concurrent_requests_over_http1_and_http2() {
                 .map(|_| {
                     let (client, url) = (client.clone(), format!("{url}/n.txt"));
                     tokio::spawn(async move {
-                        let r = client.get(url).send().await.unwrap();
-                        (r.status().as_u16(), r.version(), r.text().await.unwrap())
+                        // 100 at once against 64 connections to the guest:
+                        // the rest wait up to 5 s for one, and on a loaded
+                        // host may get 503 with Retry-After, which a client
+                        // honours.
+                        let mut tries = 0;
+                        loop {
+                            let r = client.get(&url).send().await.unwrap();
+                            let retry =
+                                r.status() == 503 && r.headers().contains_key("retry-after");
+                            tries += 1;
+                            if retry && tries < 10 {
+                                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                                continue;
+                            }
+                            break (r.status().as_u16(), r.version(), r.text().await.unwrap());
+                        }
                     })
                 })
                 .collect();

@@ -287,14 +287,17 @@ impl Service {
                 false => None,
             };
         // A new VM of a size without a template would make it inside the
-        // sandbox's lifetime: it is made first, and the lifetime starts
+        // sandbox's lifetime: it is made first, and then the lifetime starts
         // after it (a pool VM, published or taken, is a template's already).
         let mut at = order.at;
         if tries == 1 && published.is_none() && order.snapshot.is_none() {
-            if let Err(e) = target.machines.prepare(&order.size_name).await {
-                tracing::warn!(node = %target.host, size = %order.size_name, "preparing a start: {e}");
+            match target.machines.prepare(&order.size_name).await {
+                Ok(true) => at = at.max(OffsetDateTime::now_utc()),
+                Ok(false) => {}
+                Err(e) => tracing::warn!(
+                    node = %target.host, size = %order.size_name, "preparing a start: {e}"
+                ),
             }
-            at = at.max(OffsetDateTime::now_utc());
         }
         let taken = std::sync::Mutex::new(None);
         let id = self.claim_id(order, target, published.clone(), &taken);

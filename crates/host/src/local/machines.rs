@@ -89,7 +89,7 @@ impl Machines for LocalVms {
         Ok(())
     }
 
-    async fn prepare(&self, size: &str) -> VmResult<()> {
+    async fn prepare(&self, size: &str) -> VmResult<bool> {
         LocalVms::prepare(self, size).await
     }
 

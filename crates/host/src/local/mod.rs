@@ -209,16 +209,17 @@ impl LocalVms {
 
     /// The size's template, made now if it has none (see
     /// [`Machines::prepare`]): as a start, it waits its turn in the start
-    /// queue and is admitted by the host's budget.
-    pub async fn prepare(&self, size: &str) -> Result<(), RuntimeError> {
+    /// queue and is admitted by the host's budget. Whether a template was
+    /// made (or waited for) now.
+    pub async fn prepare(&self, size: &str) -> Result<bool, RuntimeError> {
         if !self.manager.snapshots_supported() || self.manager.template(size).is_some() {
-            return Ok(());
+            return Ok(false);
         }
         let _live = self.manager.hold_background();
         let _slot = self.start_slot().await?;
         let _charged = self.admit_start()?;
         self.ensure_template(size).await;
-        Ok(())
+        Ok(true)
     }
 
     /// Only a VM restored from its size's snapshot template can be saved
