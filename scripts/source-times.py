@@ -20,6 +20,12 @@ saw (the cache may have been built from other contents since). The record
 is written before the build: a build that stops half-way leaves outputs older
 than the times recorded, so the next run builds them again.
 
+Only for the same clone path: a crate compiled in one clone keeps that
+clone's absolute paths (`env!("CARGO_MANIFEST_DIR")` in a build script or a
+test, `OUT_DIR` through the `target` link), and Cargo does not see them
+change. The record names the clone's path; a clone elsewhere dates every
+file now, and so builds everything, as before. (CI clones to one path.)
+
 Usage: source-times.py RECORD DIR  (every file under DIR but .git, target,
 fuzz/target and fuzz/artifacts: the tracked sources and the generated ones a
 build reads, such as the dashboard's npm packages).
@@ -55,12 +61,15 @@ def digest(path):
 
 
 def main():
-    record_path, root = sys.argv[1], sys.argv[2]
+    record_path, root = sys.argv[1], os.path.abspath(sys.argv[2])
     try:
         with open(record_path) as f:
-            record = json.load(f)
+            saved = json.load(f)
     except (FileNotFoundError, json.JSONDecodeError):
-        record = {}
+        saved = {}
+    # Another clone's record (or none) is no record here.
+    same_clone = isinstance(saved, dict) and saved.get("root") == root
+    record = saved.get("files", {}) if same_clone else {}
     now = time.time_ns()
     kept = changed = 0
     for rel, path in files(root):
@@ -76,12 +85,13 @@ def main():
         os.utime(path, ns=(at, at), follow_symlinks=False)
     tmp = record_path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(record, f)
+        json.dump({"root": root, "files": record}, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, record_path)
     print(
-        f"source-times.py: {kept} files as the cache last saw them, {changed} new or changed",
+        f"source-times.py: {kept} files as the cache last saw them, {changed} new or changed"
+        + ("" if same_clone else f" (the cache last saw another clone than {root}: all new)"),
         file=sys.stderr,
     )
 
