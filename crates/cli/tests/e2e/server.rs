@@ -444,6 +444,19 @@ fn a_client_that_hangs_up_mid_create_leaks_nothing() {
     let server = Server::start(&data);
     let key = server.admin_key.clone().unwrap();
     rt().block_on(async {
+        // The size's template is made first (a create that hangs up while
+        // it is made leaves nothing at all): this one hangs up in the start.
+        let api = Rest::new(&server, &key);
+        let (st, first) = api.post("/sandboxes", json!({})).await;
+        assert_eq!(st, 201, "{first}");
+        let (st, _) = api
+            .call(
+                reqwest::Method::DELETE,
+                &format!("/sandboxes/{}", first["id"].as_str().unwrap()),
+                None,
+            )
+            .await;
+        assert_eq!(st, 200);
         let impatient = reqwest::Client::builder()
             .timeout(Duration::from_millis(300))
             .build()
@@ -456,11 +469,13 @@ fn a_client_that_hangs_up_mid_create_leaks_nothing() {
             .await;
         assert!(r.is_err(), "the create answered within 300 ms?");
         // The boot goes on; the sandbox shows up running, and can be destroyed.
-        let api = Rest::new(&server, &key);
         let deadline = Instant::now() + Duration::from_secs(120);
         let id = loop {
             let (_, l) = api.get("/sandboxes").await;
-            if let Some(s) = l["data"].as_array().and_then(|d| d.first()) {
+            let live = l["data"]
+                .as_array()
+                .and_then(|d| d.iter().find(|s| s["id"] != first["id"]));
+            if let Some(s) = live {
                 if s["status"] == "running" {
                     break s["id"].as_str().unwrap().to_string();
                 }

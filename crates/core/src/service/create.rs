@@ -291,12 +291,17 @@ impl Service {
         // after it (a pool VM, published or taken, is a template's already).
         let mut at = order.at;
         if tries == 1 && published.is_none() && order.snapshot.is_none() {
-            match target.machines.prepare(&order.size_name).await {
-                Ok(true) => at = at.max(OffsetDateTime::now_utc()),
-                Ok(false) => {}
-                Err(e) => tracing::warn!(
+            // In a task of its own: a caller that hangs up meanwhile leaves
+            // nothing recorded, and the build goes on for the next create.
+            let (machines, size) = (target.machines.clone(), order.size_name.clone());
+            let prepared = tokio::spawn(async move { machines.prepare(&size).await });
+            match prepared.await {
+                Ok(Ok(true)) => at = at.max(OffsetDateTime::now_utc()),
+                Ok(Ok(false)) => {}
+                Ok(Err(e)) => tracing::warn!(
                     node = %target.host, size = %order.size_name, "preparing a start: {e}"
                 ),
+                Err(e) => tracing::warn!(node = %target.host, "preparing a start: {e}"),
             }
         }
         let taken = std::sync::Mutex::new(None);
