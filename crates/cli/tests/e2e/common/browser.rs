@@ -300,11 +300,25 @@ impl Browser {
         {
             panic!("resizing the window to a {width}x{height} viewport: {e}");
         }
-        let mut viewport = self.execute(VIEWPORT, vec![]).await;
+        let want = json!([width, height]);
+        // A loaded browser resizes a little later than it answers: the
+        // viewport is read until it is what was asked, for up to 2 s.
+        let settled = || async {
+            let mut viewport = self.execute(VIEWPORT, vec![]).await;
+            for _ in 0..20 {
+                if viewport == want {
+                    break;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                viewport = self.execute(VIEWPORT, vec![]).await;
+            }
+            viewport
+        };
+        let mut viewport = settled().await;
         // A frame measured while the window was held at its smallest (a
         // phone's width is under headless Chromium's least) is off by what
         // was held: correct by what the page got, once.
-        if viewport != json!([width, height]) {
+        if viewport != want {
             let got = |i: usize| viewport[i].as_i64().unwrap_or(0);
             let outer_w = (width + extra(0)) as i64 + (width as i64 - got(0));
             let outer_h = (height + extra(1)) as i64 + (height as i64 - got(1));
@@ -315,11 +329,10 @@ impl Browser {
             {
                 panic!("resizing the window to a {width}x{height} viewport: {e}");
             }
-            viewport = self.execute(VIEWPORT, vec![]).await;
+            viewport = settled().await;
         }
         assert_eq!(
-            viewport,
-            json!([width, height]),
+            viewport, want,
             "the viewport is not {width}x{height} after resizing the window (its frame: {frame})"
         );
     }
