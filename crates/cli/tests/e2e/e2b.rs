@@ -124,7 +124,7 @@ fn the_python_and_javascript_sdks_drive_sandboxes_unchanged() {
         check_python_sync(&done);
         js.join().expect("the JavaScript SDK's run")
     });
-    for check in [
+    let js_checks = [
         "create",
         "commands.run",
         "onStdout as it comes",
@@ -144,14 +144,10 @@ fn the_python_and_javascript_sdks_drive_sandboxes_unchanged() {
         "kill; a killed sandbox is not found",
         "a wrong or revoked key is refused",
         "an account without credit is refused",
-    ] {
-        assert!(
-            done_js.iter().any(|d| d.starts_with(check)),
-            "the JavaScript script did not check {check:?}: {done_js:?}"
-        );
-    }
+    ];
+    checked("js.mjs", &done_js, &js_checks);
     let done = run_sdk(&python, "python_async.py", &server, &key, &revoked, &broke);
-    for check in [
+    let async_checks = [
         "create",
         "commands.run, output as it comes",
         "two commands at once",
@@ -160,17 +156,23 @@ fn the_python_and_javascript_sdks_drive_sandboxes_unchanged() {
         "files",
         "get_info, is_running",
         "kill",
-    ] {
+    ];
+    checked("python_async.py", &done, &async_checks);
+}
+
+/// Every check in `checks` was among the `ok` lines of script `name`.
+fn checked(name: &str, done: &[String], checks: &[&str]) {
+    for check in checks {
         assert!(
             done.iter().any(|d| d.starts_with(check)),
-            "the async script did not check {check:?}: {done:?}"
+            "{name} did not check {check:?}: {done:?}"
         );
     }
 }
 
 /// What the sync Python script must have checked.
 fn check_python_sync(done: &[String]) {
-    for check in [
+    let sync_checks = [
         "create",
         "commands.run",
         "on_stdout as it comes",
@@ -192,10 +194,6 @@ fn check_python_sync(done: &[String]) {
         "kill; a killed sandbox is not found",
         "a wrong or revoked key is refused",
         "an account without credit is refused with 402",
-    ] {
-        assert!(
-            done.iter().any(|d| d.starts_with(check)),
-            "the script did not check {check:?}: {done:?}"
-        );
-    }
+    ];
+    checked("python_sync.py", done, &sync_checks);
 }
