@@ -158,10 +158,18 @@ impl Drop for SmallDisk {
     }
 }
 
+/// How long a test VM may take to boot: three minutes, not the default one.
+/// CI runs four VM tests at once beside package installs on two emulated
+/// cores, where a cold boot has taken over a minute; a test is about what it
+/// names, not about that host's load. What a boot timeout does is tested with
+/// bounds of its own.
+pub const BOOT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(180);
+
 /// A runtime config for tests in `dir`.
 pub fn config(dir: &Path) -> RuntimeConfig {
     let mut c = RuntimeConfig::new(dir);
     c.sizes = test_sizes();
+    c.boot_timeout = BOOT_TIMEOUT;
     c
 }
 

@@ -126,18 +126,20 @@ fn a_host_out_of_memory_refuses_creates_with_retry_after_and_keeps_no_pool() {
 #[test]
 fn a_host_whose_vms_spend_the_cpu_budget_refuses_until_they_calm_down() {
     let data = data_dir();
-    // Two busy vCPUs of one sandbox are about all of a 2-core host; the
-    // budget is a quarter of it, over 10 s.
+    // Two busy vCPUs of one sandbox are about all of an idle 2-core host;
+    // the budget is an eighth of it, over 10 s: low enough that the
+    // sandbox spends it on a host busy with other tests (CI's, where a
+    // quarter was not reached), high enough that it calms below it idle.
     let server = Server::start_with(
         &data,
-        "[pool]\nsizes = {}\n[capacity]\ncpu_budget_percent = 25\ncpu_window_secs = 10\n",
+        "[pool]\nsizes = {}\n[capacity]\ncpu_budget_percent = 12\ncpu_window_secs = 10\n",
     );
     let key = server.admin_key.clone().unwrap();
     rt().block_on(async {
         let rest = Rest::new(&server, &key);
         let cap = capacity(&server.url).await;
         assert_eq!(cap["accepting"], true, "{cap}");
-        assert_eq!(cap["cpu_budget_percent"], 25, "{cap}");
+        assert_eq!(cap["cpu_budget_percent"], 12, "{cap}");
         let (status, _, busy) = create(&server.url, &key).await;
         assert_eq!(status, 201, "{busy}");
         let id = busy["id"].as_str().unwrap().to_string();
@@ -156,7 +158,7 @@ fn a_host_whose_vms_spend_the_cpu_budget_refuses_until_they_calm_down() {
         let adj = std::fs::read_to_string(format!("/proc/{}/oom_score_adj", qemu.pid)).unwrap();
         assert_eq!(adj.trim(), "500");
         let limited = wait_for_capacity(&server.url, |c| c["limited_by"] == "cpu").await;
-        assert!(limited["cpu_used_percent"].as_f64().unwrap() >= 25.0, "{limited}");
+        assert!(limited["cpu_used_percent"].as_f64().unwrap() >= 12.0, "{limited}");
         let (status, retry, body) = create(&server.url, &key).await;
         assert_eq!(status, 503, "{body}");
         assert_eq!(retry.as_deref(), Some("15"));

@@ -17,7 +17,8 @@ impl Cli {
         let config = data.join("config.toml");
         std::fs::write(
             &config,
-            "[sizes.small]\nvcpus = 2\nmemory_mb = 1024\ndisk_gb = 4\n",
+            // Three minutes to boot, as the test servers have (serve::CONFIG).
+            "boot_timeout_secs = 180\n[sizes.small]\nvcpus = 2\nmemory_mb = 1024\ndisk_gb = 4\n",
         )
         .unwrap();
         Cli { data, config }

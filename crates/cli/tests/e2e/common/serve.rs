@@ -9,8 +9,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-pub const CONFIG: &str =
-    "[sizes.small]\nvcpus = 2\nmemory_mb = 1024\ndisk_gb = 4\nprice_usd_per_hour = 0.09\n";
+/// The test servers' config: one small size, and boots given three minutes
+/// rather than one (`sandpit_vmtest::BOOT_TIMEOUT` says why).
+pub const CONFIG: &str = concat!(
+    "boot_timeout_secs = 180\n",
+    "[sizes.small]\nvcpus = 2\nmemory_mb = 1024\ndisk_gb = 4\nprice_usd_per_hour = 0.09\n"
+);
 
 pub fn sandpit(data: &Path) -> Command {
     sandpit_of(
