@@ -26,6 +26,15 @@ test, `OUT_DIR` through the `target` link), and Cargo does not see them
 change. The record names the clone's path; a clone elsewhere dates every
 file now, and so builds everything, as before. (CI clones to one path.)
 
+Directories too: a build script's `rerun-if-changed` on a directory
+(`crates/store/migrations`, `crates/web/static`) has Cargo look at the
+directory's own time beside its files', and a clone dates directories now
+as well, so two crates and everything above them (the sandpit binary's nine
+release minutes) built again on every run. A directory whose list of names
+the record has seen keeps the recorded time, else gets the present one (a
+file added or removed shows there); either way, no earlier than the newest
+of what it holds.
+
 Usage: source-times.py RECORD DIR  (every file under DIR but .git, target,
 fuzz/target and fuzz/artifacts: the tracked sources and the generated ones a
 build reads, such as the dashboard's npm packages).
@@ -50,6 +59,19 @@ def files(root):
             path = os.path.join(dirpath, name)
             if os.path.isfile(path) and not os.path.islink(path):
                 yield os.path.normpath(os.path.relpath(path, root)), path
+
+
+def directories(root):
+    """Every directory under ROOT (ROOT too) but the skipped ones, deepest
+    first, each with the names of its entries."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root, topdown=True):
+        rel_dir = os.path.normpath(os.path.relpath(dirpath, root))
+        dirnames[:] = [
+            d for d in dirnames if os.path.normpath(os.path.join(rel_dir, d)) not in SKIPPED
+        ]
+        found.append((rel_dir, dirpath, sorted(os.listdir(dirpath))))
+    return sorted(found, key=lambda d: d[0].count(os.sep) + (d[0] != "."), reverse=True)
 
 
 def digest(path):
@@ -83,9 +105,27 @@ def main():
             at = now
             record[rel] = [sha, at]
         os.utime(path, ns=(at, at), follow_symlinks=False)
+    dirs = saved.get("dirs", {}) if same_clone else {}
+    for rel, path, names in directories(root):
+        listing = hashlib.sha256("\n".join(names).encode()).hexdigest()
+        seen = dirs.get(rel)
+        if seen and seen[0] == listing:
+            at = seen[1]
+        else:
+            at = now
+            dirs[rel] = [listing, at]
+        newest = max(
+            [at]
+            + [
+                os.lstat(os.path.join(path, name)).st_mtime_ns
+                for name in names
+                if os.path.normpath(os.path.join(rel, name)) not in SKIPPED
+            ]
+        )
+        os.utime(path, ns=(newest, newest), follow_symlinks=False)
     tmp = record_path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump({"root": root, "files": record}, f)
+        json.dump({"root": root, "files": record, "dirs": dirs}, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, record_path)

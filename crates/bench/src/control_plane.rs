@@ -109,6 +109,7 @@ impl<'a> Bench<'a> {
             api: api.clone(),
             domain: service.preview_domain.clone(),
             default_size: api.service_info().await?.default_size,
+            max_body_bytes: sandpit_api::RestConfig::default().max_body_bytes,
         };
         let app = sandpit_api::router(api.clone(), sandpit_api::RestConfig::default())
             .nest_service(

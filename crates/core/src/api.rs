@@ -144,6 +144,19 @@ pub trait Accounts: Send + Sync {
         let _ = (sandbox_id, token);
         Err(crate::error::CoreError::unauthorized())
     }
+    /// The live sandbox whose data-plane token `proof` accepts, and its
+    /// account, for a request that names no sandbox but carries proof made
+    /// with its token (E2B's signed file URLs: a hash of the path, the
+    /// operation and the token, and no sandbox id). `unauthorized` when no
+    /// live sandbox's token is accepted; a backend without tokens refuses
+    /// every proof. `proof` should compare in constant time.
+    async fn authenticate_sandbox_by_proof(
+        &self,
+        proof: &(dyn for<'t> Fn(&'t str) -> bool + Send + Sync),
+    ) -> Result<(String, Caller)> {
+        let _ = proof;
+        Err(crate::error::CoreError::unauthorized())
+    }
 }
 
 /// A sandbox's life: create, look up, list, extend, destroy, pause and resume.

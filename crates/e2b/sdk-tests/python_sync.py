@@ -87,9 +87,18 @@ try:
 
     other = Sandbox.connect(sbx.sandbox_id)
     later = other.commands.connect(pid)
-    killer = threading.Timer(2.5, lambda: sbx.commands.kill(pid))
-    killer.start()
     seen = []
+
+    # Killed once the second client has seen three ticks (a busy host may
+    # take longer than their second and a half).
+    def kill_after_three_ticks():
+        deadline = time.time() + 60
+        while "".join(seen).count("tick") < 3 and time.time() < deadline:
+            time.sleep(0.1)
+        sbx.commands.kill(pid)
+
+    killer = threading.Thread(target=kill_after_three_ticks)
+    killer.start()
     try:
         later.wait(on_stdout=seen.append)
         raise AssertionError("a killed command ended well")
@@ -196,6 +205,60 @@ try:
     except SandboxException:
         pass
     ok("files.exists, get_info, make_dir, list with depth, rename, remove")
+
+    # Signed URLs, opened as a browser or curl would: no SDK, no headers.
+    import json
+    import urllib.error
+    import urllib.request
+
+    def fetch(url, body=None, content_type=None):
+        req = urllib.request.Request(url, data=body, method="POST" if body is not None else "GET")
+        if content_type:
+            req.add_header("Content-Type", content_type)
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    sbx.files.write("signed/down.txt", "signed and delivered")
+    status, body = fetch(sbx.download_url("signed/down.txt"))
+    assert (status, body) == (200, b"signed and delivered"), (status, body)
+    status, body = fetch(sbx.download_url("signed/down.txt", use_signature_expiration=600))
+    assert (status, body) == (200, b"signed and delivered"), (status, body)
+    url = sbx.download_url("signed/down.txt", use_signature_expiration=-10)
+    status, body = fetch(url)
+    assert status == 401 and json.loads(body)["message"] == "signature is already expired", (status, body)
+    # A URL signed for one file opens no other, and not for writing.
+    other = sbx.download_url("signed/down.txt").replace("down.txt", "other.txt")
+    status, body = fetch(other)
+    assert status == 401, (status, body)
+    boundary = "sandpit-signed"
+    form = (
+        f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"blob\"\r\n"
+        f"Content-Type: application/octet-stream\r\n\r\nuploaded by URL\r\n--{boundary}--\r\n"
+    ).encode()
+    multipart = f"multipart/form-data; boundary={boundary}"
+    status, body = fetch(sbx.download_url("signed/up.txt"), form, multipart)
+    assert status == 401, ("a read signature wrote", status, body)
+    status, body = fetch(sbx.upload_url("signed/up.txt", use_signature_expiration=600), form, multipart)
+    assert status == 200, (status, body)
+    assert json.loads(body) == [{"name": "up.txt", "path": "/home/user/signed/up.txt", "type": "file"}], body
+    assert sbx.files.read("signed/up.txt") == "uploaded by URL"
+    ok("download_url and upload_url, signed, opened without the SDK (an expired, a moved or a read signature refused)")
+
+    # An iterable is streamed (chunked, no length): held by the server up to
+    # its max_body_bytes (8 MiB in this test's server), refused past it.
+    chunk = bytes(range(256)) * 4096
+    sbx.files.write("streamed.bin", iter([chunk] * 3), use_octet_stream=True)
+    assert sbx.files.get_info("streamed.bin").size == 3 * len(chunk)
+    try:
+        sbx.files.write("too-big.bin", iter([chunk] * 9), use_octet_stream=True)
+        raise AssertionError("9 MiB of unknown length were taken")
+    except SandboxException as e:
+        assert "max_body_bytes" in str(e), e
+    assert not sbx.files.exists("too-big.bin")
+    ok("a streamed upload of unknown length: 3 MiB written, 9 MiB refused past the server's limit")
 
     assert sbx.is_running()
     got = sbx.get_info()

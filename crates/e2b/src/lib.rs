@@ -26,7 +26,7 @@ mod envd;
 mod error;
 mod wire;
 
-use axum::http::HeaderMap;
+use axum::http::{HeaderMap, Uri};
 use sandpit_core::SandboxApi;
 use std::sync::Arc;
 
@@ -52,10 +52,21 @@ pub struct E2b {
     pub domain: String,
     /// The size template `base` stands for (the service's default).
     pub default_size: String,
+    /// The most bytes of one request body held in memory: a multipart
+    /// form, or a raw upload that gives no length (chunked), which cannot
+    /// be streamed to the guest as it comes (a write names its size first).
+    /// The server's `max_body_bytes`.
+    pub max_body_bytes: usize,
 }
 
-/// Whether a request is for a sandbox's data plane (it names one in
-/// [`SANDBOX_ID_HEADER`]).
-pub fn is_data_plane(headers: &HeaderMap) -> bool {
+/// Whether a request is for a sandbox's data plane: it names one in
+/// [`SANDBOX_ID_HEADER`], or it is a signed file URL
+/// (`/files?…&signature=…`, which a browser or `curl` opens without the
+/// SDK's headers: the signature, made with one sandbox's token, says which).
+pub fn is_data_plane(headers: &HeaderMap, uri: &Uri) -> bool {
     headers.contains_key(SANDBOX_ID_HEADER)
+        || (uri.path() == "/files"
+            && uri.query().is_some_and(|q| {
+                form_urlencoded::parse(q.as_bytes()).any(|(name, _)| name == "signature")
+            }))
 }

@@ -61,7 +61,7 @@ impl Front {
                 let mut req = req.map(Body::new);
                 // The dashboard counts sign-ups per client address.
                 req.extensions_mut().insert(sandpit_web::ClientAddr(peer));
-                let router = match sandpit_e2b::is_data_plane(req.headers()) {
+                let router = match sandpit_e2b::is_data_plane(req.headers(), req.uri()) {
                     true => &self.e2b_data,
                     false => &self.api,
                 };

@@ -316,6 +316,7 @@ pub async fn serve(settings: &Settings, args: ServeArgs) -> Result<i32> {
         api: api.clone(),
         domain: settings.service.preview_domain.clone(),
         default_size: info.default_size,
+        max_body_bytes: rest.max_body_bytes,
     };
     let e2b_data = sandpit_api::with_request_layers(
         sandpit_e2b::data_plane(e2b.clone())

@@ -597,6 +597,12 @@ async fn the_ledger_reserves_refunds_and_settles_once(store: Store) {
     assert_eq!(again.env["GREETING"], "hello");
     assert_eq!(again.access_token, Some(format!("token-of-{T0}")));
     assert!(again.every_port_public);
+    // Its token is among the live ones (for signed file URLs).
+    let tokens = store.live_sandbox_tokens().await.unwrap();
+    assert!(
+        tokens.contains(&(sbx.id.clone(), acct.id.clone(), format!("token-of-{T0}"))),
+        "{tokens:?}"
+    );
     // Something that happened to it, its status unchanged.
     assert!(store
         .note_event(&sbx.id, "stopped: the disk")
@@ -614,6 +620,9 @@ async fn the_ledger_reserves_refunds_and_settles_once(store: Store) {
     assert_eq!(done.deleted_at, Some(ended));
     assert_eq!(done.deleted_reason.as_deref(), Some("destroyed"));
     assert_eq!(store.balance(&acct.id).await.unwrap(), 985_000);
+    // An ended sandbox's token opens nothing any more.
+    let tokens = store.live_sandbox_tokens().await.unwrap();
+    assert!(!tokens.iter().any(|(id, _, _)| *id == sbx.id), "{tokens:?}");
     let kinds: Vec<(String, i64)> = store
         .ledger(&acct.id)
         .await

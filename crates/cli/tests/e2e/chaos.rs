@@ -391,6 +391,31 @@ fn current_pool_vm(data: &Path, id: &str, since: OffsetDateTime) -> Option<bool>
     Some(record.metadata.contains_key("pool") && record.created_at >= since)
 }
 
+/// A process's working directory.
+fn cwd_of(pid: u32) -> String {
+    std::fs::read_link(format!("/proc/{pid}/cwd"))
+        .map(|p| p.display().to_string())
+        .unwrap_or_default()
+}
+
+/// When a process started, to the clock tick (`/proc/PID/stat`'s start
+/// time after the boot time of `/proc/stat`).
+fn started_at(pid: u32) -> Option<OffsetDateTime> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The fields after the command name (which may hold spaces), from the
+    // third on: the start time is the 22nd.
+    let after = &stat[stat.rfind(')')? + 2..];
+    let ticks: i64 = after.split_whitespace().nth(19)?.parse().ok()?;
+    let boot: i64 = std::fs::read_to_string("/proc/stat")
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("btime ")?.trim().parse().ok())?;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as i64;
+    let at = OffsetDateTime::from_unix_timestamp(boot).ok()?;
+    Some(at + time::Duration::milliseconds(ticks * 1000 / hz.max(1)))
+}
+
 /// One look at everything the invariants speak of.
 async fn census(
     data: &Path,
@@ -452,11 +477,27 @@ async fn census(
         }
     };
     let procs = host_processes(data);
+    // A snapshot template being built (a restore that failed discards the
+    // template, and the pool has the next one built) is this server's when
+    // it started after this server did; one a killed server left behind
+    // must be stopped by the next build of that size (see the runtime's
+    // `remove_others`), before the census settles.
+    let builds = format!("{}/templates/", data.display());
     for p in &procs {
         if p.pid == server_pid {
             continue;
         }
         let what = format!("{:?} (pid {})", p.role, p.pid);
+        if p.cmdline.contains(&builds) || cwd_of(p.pid).starts_with(&builds) {
+            // (The boot time is in whole seconds: a second's doubt.)
+            if started_at(p.pid).is_some_and(|at| at + time::Duration::seconds(1) < since) {
+                c.violations.push(format!(
+                    "{what} of a snapshot template build outlives the server that started it: {}",
+                    p.cmdline
+                ));
+            }
+            continue;
+        }
         match (&p.role, &p.vm) {
             (HostRole::Other, _) | (_, None) => c
                 .violations

@@ -1,19 +1,32 @@
 //! envd's `/files`: a file's bytes down (`GET`), and files up (`POST`), as
-//! a multipart form (one part named `file` per file, its filename the
-//! destination) or as a raw body (`application/octet-stream`, the path in
-//! the query). Raw bodies with a length are streamed to the guest a piece
-//! at a time (see `sandpit_api::raw`); multipart parts are held whole,
-//! within the body limit. Paths that are not absolute are under the
-//! user's home, as in E2B.
+//! a multipart form (one part named `file` per file, written to the `path`
+//! of the query when there is one, else to its filename) or as a raw body
+//! (`application/octet-stream`, the path in the query). Raw bodies with a
+//! length are streamed to the guest a piece at a time (see
+//! `sandpit_api::raw`); multipart parts are held whole, within the body
+//! limit. Paths that are not absolute are under the user's home, as in E2B.
 //!
-//! Not yet: signed URLs (`download_url`/`upload_url` used without the
-//! token), gzip bodies, and `X-Metadata-*`.
+//! **Signed URLs.** The SDKs' `download_url`/`upload_url` give a URL that a
+//! browser or `curl` opens without the SDK's headers: no token, and no
+//! sandbox id (with `E2B_SANDBOX_URL` every sandbox has the same URL). It
+//! carries a signature instead: `v1_` and the unpadded base64 of the
+//! SHA-256 of `path:operation:user:token[:expiration]`, made with the
+//! sandbox's own token (`envdAccessToken`). The server finds the live
+//! sandbox whose token makes that signature (see
+//! `SandboxApi::authenticate_sandbox_by_proof`), refuses one past its
+//! `signature_expiration` (as envd: 401, "signature is already expired"),
+//! and lets it do only what it names: `read` for `GET`, `write` for
+//! `POST`, on its own path.
+//!
+//! A body of unknown length (chunked) is held in memory, up to the
+//! server's `max_body_bytes` (then 413): a write to the guest names its
+//! size first. Not yet: gzip bodies, and `X-Metadata-*`.
 
 use super::{check_user, guest_path, ForSandbox};
 use crate::error::HttpError;
 use crate::E2b;
 use axum::extract::{FromRequest, Multipart, Query, Request, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use sandpit_api::raw::{download_response, RequestBody};
@@ -26,25 +39,106 @@ pub struct FileQuery {
     path: Option<String>,
     username: Option<String>,
     signature: Option<String>,
+    /// Unix seconds after which the signature is refused.
+    signature_expiration: Option<i64>,
 }
 
-fn checked(q: &FileQuery) -> Result<(), HttpError> {
-    if q.signature.is_some() {
-        return Err(HttpError::new(
-            StatusCode::UNAUTHORIZED,
-            "signed file URLs are not supported by Sandpit's E2B API yet: send X-Access-Token",
-        ));
+/// What a signed URL was signed for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Operation {
+    Read,
+    Write,
+}
+
+impl Operation {
+    fn as_str(self) -> &'static str {
+        match self {
+            Operation::Read => "read",
+            Operation::Write => "write",
+        }
     }
-    check_user(q.username.as_deref()).map_err(|e| HttpError::new(StatusCode::FORBIDDEN, e.message))
+}
+
+/// E2B's v1 signature of a file URL made with `token`.
+fn signature(
+    path: &str,
+    operation: Operation,
+    user: &str,
+    token: &str,
+    expiration: Option<i64>,
+) -> String {
+    use base64::Engine;
+    use sha2::{Digest, Sha256};
+    let op = operation.as_str();
+    let raw = match expiration {
+        Some(at) => format!("{path}:{op}:{user}:{token}:{at}"),
+        None => format!("{path}:{op}:{user}:{token}"),
+    };
+    let digest = Sha256::digest(raw.as_bytes());
+    format!(
+        "v1_{}",
+        base64::engine::general_purpose::STANDARD_NO_PAD.encode(digest)
+    )
+}
+
+/// The sandbox a `/files` call is for, and the user it names checked: by
+/// the SDK's headers and the sandbox's token, or, for a signed URL opened
+/// without them, by its signature (module docs).
+async fn file_caller(
+    e2b: &E2b,
+    headers: &HeaderMap,
+    q: &FileQuery,
+    operation: Operation,
+) -> Result<ForSandbox, HttpError> {
+    check_user(q.username.as_deref())
+        .map_err(|e| HttpError::new(StatusCode::FORBIDDEN, e.message))?;
+    let signed = q
+        .signature
+        .as_deref()
+        .filter(|_| !headers.contains_key("x-access-token"));
+    let Some(given) = signed else {
+        return ForSandbox::from_headers(headers, e2b).await;
+    };
+    let path = q
+        .path
+        .as_deref()
+        .ok_or_else(|| HttpError::bad_request("path is required"))?;
+    if let Some(at) = q.signature_expiration {
+        if at < time::OffsetDateTime::now_utc().unix_timestamp() {
+            return Err(HttpError::new(
+                StatusCode::UNAUTHORIZED,
+                "signature is already expired",
+            ));
+        }
+    }
+    let user = q.username.as_deref().unwrap_or_default();
+    let expiration = q.signature_expiration;
+    let proof = move |token: &str| {
+        sandpit_core::metrics::token_matches(
+            &signature(path, operation, user, token, expiration),
+            given,
+        )
+    };
+    match e2b.api.authenticate_sandbox_by_proof(&proof).await {
+        Ok((id, caller)) => Ok(ForSandbox { id, caller }),
+        Err(e) if e.kind == sandpit_core::ErrorType::Unauthorized => Err(HttpError::new(
+            StatusCode::UNAUTHORIZED,
+            format!(
+                "the signature is not valid for {} of {path:?} by any running sandbox's token",
+                operation.as_str()
+            ),
+        )),
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// `GET /files?path=`.
 pub async fn download(
     State(e2b): State<E2b>,
-    sandbox: ForSandbox,
+    headers: HeaderMap,
     Query(q): Query<FileQuery>,
 ) -> Result<Response, HttpError> {
-    checked(&q)?;
+    let sandbox = file_caller(&e2b, &headers, &q, Operation::Read).await?;
     let path = q
         .path
         .as_deref()
@@ -78,11 +172,10 @@ impl From<FileWritten> for Written {
 /// `POST /files[?path=]`.
 pub async fn upload(
     State(e2b): State<E2b>,
-    sandbox: ForSandbox,
     Query(q): Query<FileQuery>,
     req: Request,
 ) -> Result<Response, HttpError> {
-    checked(&q)?;
+    let sandbox = file_caller(&e2b, req.headers(), &q, Operation::Write).await?;
     let content_type = req
         .headers()
         .get(header::CONTENT_TYPE)
@@ -107,10 +200,12 @@ pub async fn upload(
             if field.name() != Some("file") {
                 continue;
             }
-            let dest = field
-                .file_name()
-                .map(str::to_string)
-                .or_else(|| q.path.clone())
+            // The query's path wins (a signed URL's is the one signed; the
+            // SDKs send it only for a single file), else the part's name.
+            let dest = q
+                .path
+                .clone()
+                .or_else(|| field.file_name().map(str::to_string))
                 .ok_or_else(|| HttpError::bad_request("a file part without a filename or path"))?;
             let bytes = field
                 .bytes()
@@ -143,9 +238,23 @@ pub async fn upload(
         let (size, source): (u64, Box<dyn ByteSource>) = match length {
             Some(size) => (size, Box::new(RequestBody::new(body))),
             None => {
-                let bytes = axum::body::to_bytes(body, usize::MAX)
-                    .await
-                    .map_err(|e| HttpError::bad_request(format!("the body: {e}")))?;
+                let limit = e2b.max_body_bytes;
+                let bytes = axum::body::to_bytes(body, limit).await.map_err(|e| {
+                    if std::error::Error::source(&e)
+                        .is_some_and(|s| s.is::<http_body_util::LengthLimitError>())
+                    {
+                        HttpError::new(
+                            StatusCode::PAYLOAD_TOO_LARGE,
+                            format!(
+                                "an upload without Content-Length is held in memory, up to \
+                                 {limit} bytes (the server's max_body_bytes): send its length \
+                                 to stream a larger file"
+                            ),
+                        )
+                    } else {
+                        HttpError::bad_request(format!("the body: {e}"))
+                    }
+                })?;
                 (bytes.len() as u64, Box::new(Whole(Some(bytes.to_vec()))))
             }
         };
@@ -179,5 +288,30 @@ struct Whole(Option<Vec<u8>>);
 impl ByteSource for Whole {
     async fn next_chunk(&mut self) -> Option<std::io::Result<Vec<u8>>> {
         self.0.take().map(Ok)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Signatures as E2B's Python SDK makes them (`e2b.sandbox.signature`,
+    /// run once to get these).
+    #[test]
+    fn signatures_are_the_sdks() {
+        assert_eq!(
+            signature("hello.txt", Operation::Read, "", "3f2a", None),
+            "v1_KEcfCpH9zTsHCOavO+aRpiUp/MbGOshK47T9/JcWjqM"
+        );
+        assert_eq!(
+            signature(
+                "/tmp/a.txt",
+                Operation::Write,
+                "user",
+                "3f2a",
+                Some(1_700_000_120)
+            ),
+            "v1_yo1SaFFX2aoFqtDxJMYGkC69tLNKnweG4Eh8Ry7zljQ"
+        );
     }
 }

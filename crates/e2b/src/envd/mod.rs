@@ -13,7 +13,7 @@ use crate::error::{HttpError, RpcError};
 use crate::{E2b, SANDBOX_ID_HEADER};
 use axum::extract::{FromRequestParts, State};
 use axum::http::request::Parts;
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
@@ -44,7 +44,14 @@ impl FromRequestParts<E2b> for ForSandbox {
     type Rejection = HttpError;
 
     async fn from_request_parts(parts: &mut Parts, e2b: &E2b) -> Result<Self, HttpError> {
-        let header = |name: &str| parts.headers.get(name).and_then(|v| v.to_str().ok());
+        ForSandbox::from_headers(&parts.headers, e2b).await
+    }
+}
+
+impl ForSandbox {
+    /// The sandbox `headers` name, if their token is its own.
+    pub async fn from_headers(headers: &HeaderMap, e2b: &E2b) -> Result<Self, HttpError> {
+        let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
         let id = header(SANDBOX_ID_HEADER).unwrap_or_default().to_string();
         let Some(token) = header("x-access-token") else {
             return Err(HttpError::new(

@@ -640,6 +640,29 @@ impl Store {
         .collect()
     }
 
+    /// Every live sandbox that has a data-plane token, of every account and
+    /// host, as (id, account id, token): for a request that names no
+    /// sandbox but proves it knows one's token (E2B's signed file URLs carry
+    /// a signature made with it, and no sandbox id).
+    pub async fn live_sandbox_tokens(&self) -> Result<Vec<(String, String, String)>> {
+        sqlx::query(concat!(
+            "SELECT id, account_id, access_token FROM sandboxes WHERE status IN ",
+            live_statuses!(),
+            " AND access_token IS NOT NULL ORDER BY id"
+        ))
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(|row| {
+            Ok((
+                get_str(row, "id")?,
+                get_str(row, "account_id")?,
+                get_str(row, "access_token")?,
+            ))
+        })
+        .collect()
+    }
+
     /// Live sandboxes on `host` whose `expires_at` ≤ `now`, soonest first.
     pub async fn expired_sandboxes(
         &self,
