@@ -482,7 +482,9 @@ async fn census(
     // it started after this server did; one a killed server left behind
     // must be stopped by the next build of that size (see the runtime's
     // `remove_others`), before the census settles.
-    let builds = format!("{}/templates/", data.display());
+    // (A build is in a hidden directory, `templates/.<size>-<key>.<n>.tmp`;
+    // restored VMs name the finished template's files.)
+    let builds = format!("{}/templates/.", data.display());
     for p in &procs {
         if p.pid == server_pid {
             continue;
