@@ -4,7 +4,9 @@
 //! `run_command` until the time is up (each client makes every call at
 //! least once, however long that takes). Prints per operation the calls,
 //! errors (by kind) and latency percentiles, and exits non-zero if anything
-//! failed: the target is no error at all.
+//! failed: the target is no error at all. An answer that says the service
+//! is busy and the call safe to retry (a database under its lock) is
+//! retried after the seconds it names, as an agent would, and counted apart.
 //!
 //! Sandboxes are shared: one VM per client does not fit a small host (each
 //! restored VM is ~100 MiB of host memory), and what is under test is the
@@ -94,14 +96,47 @@ fn kind(message: &str) -> String {
         .join("N")
 }
 
-/// A tool call's result as the bench needs it: structured content, or why not.
+/// Calls answered "unavailable, safe to retry" and tried again, as the
+/// answer says (counted apart: an agent acts on them, they are no error).
+static RETRIED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+/// Tries of one call that keeps being answered so.
+const TRIES: u32 = 4;
+
+/// A tool call's result as the bench needs it: structured content, or why
+/// not. A `service_unavailable` that says it is safe to retry (a busy
+/// database) is tried again after the seconds it names, as a client would.
 async fn tool(c: &Client, name: &'static str, args: Value) -> Result<Value, String> {
-    let params = CallToolRequestParams::new(name)
-        .with_arguments(args.as_object().cloned().unwrap_or_default());
-    let r = c
-        .call_tool(params)
-        .await
-        .map_err(|e| kind(&format!("protocol: {e}")))?;
+    let mut tries = 0;
+    let r = loop {
+        tries += 1;
+        let params = CallToolRequestParams::new(name)
+            .with_arguments(args.as_object().cloned().unwrap_or_default());
+        let r = c
+            .call_tool(params)
+            .await
+            .map_err(|e| kind(&format!("protocol: {e}")))?;
+        let text = r
+            .content
+            .iter()
+            .find_map(|c| c.as_text().map(|t| t.text.clone()))
+            .unwrap_or_default();
+        if r.is_error == Some(true)
+            && text.starts_with("service_unavailable")
+            && text.contains("safe to retry")
+            && tries < TRIES
+        {
+            RETRIED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let secs = text
+                .split("Retry in ")
+                .nth(1)
+                .and_then(|rest| rest.split(' ').next()?.parse::<u64>().ok())
+                .unwrap_or(1)
+                .min(5);
+            tokio::time::sleep(Duration::from_secs(secs)).await;
+            continue;
+        }
+        break r;
+    };
     if r.is_error == Some(true) {
         let text = r
             .content
@@ -387,6 +422,10 @@ fn report(a: &LoadArgs, s: &Stats, secs: f64) -> i32 {
             }
         }
     }
+    println!(
+        "calls answered \"unavailable, safe to retry\" and tried again: {}",
+        RETRIED.load(std::sync::atomic::Ordering::Relaxed)
+    );
     println!("errors: {total_errors}");
     if total_errors > 0 || starved > 0 {
         1
