@@ -107,7 +107,7 @@ const TRIES: u32 = 4;
 /// database) is tried again after the seconds it names, as a client would.
 async fn tool(c: &Client, name: &'static str, args: Value) -> Result<Value, String> {
     let mut tries = 0;
-    let r = loop {
+    loop {
         tries += 1;
         let params = CallToolRequestParams::new(name)
             .with_arguments(args.as_object().cloned().unwrap_or_default());
@@ -115,38 +115,30 @@ async fn tool(c: &Client, name: &'static str, args: Value) -> Result<Value, Stri
             .call_tool(params)
             .await
             .map_err(|e| kind(&format!("protocol: {e}")))?;
-        let text = r
-            .content
-            .iter()
-            .find_map(|c| c.as_text().map(|t| t.text.clone()))
-            .unwrap_or_default();
-        if r.is_error == Some(true)
-            && text.starts_with("service_unavailable")
-            && text.contains("safe to retry")
-            && tries < TRIES
-        {
-            RETRIED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let secs = text
-                .split("Retry in ")
-                .nth(1)
-                .and_then(|rest| rest.split(' ').next()?.parse::<u64>().ok())
-                .unwrap_or(1)
-                .min(5);
-            tokio::time::sleep(Duration::from_secs(secs)).await;
-            continue;
+        if r.is_error != Some(true) {
+            return r
+                .structured_content
+                .ok_or_else(|| "no structuredContent".to_string());
         }
-        break r;
-    };
-    if r.is_error == Some(true) {
         let text = r
             .content
             .iter()
             .find_map(|c| c.as_text().map(|t| t.text.clone()))
             .unwrap_or_default();
-        return Err(kind(&format!("tool error: {text}")));
+        if !(text.starts_with("service_unavailable") && text.contains("safe to retry"))
+            || tries >= TRIES
+        {
+            return Err(kind(&format!("tool error: {text}")));
+        }
+        RETRIED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let secs = text
+            .split("Retry in ")
+            .nth(1)
+            .and_then(|rest| rest.split(' ').next()?.parse::<u64>().ok())
+            .unwrap_or(1)
+            .min(5);
+        tokio::time::sleep(Duration::from_secs(secs)).await;
     }
-    r.structured_content
-        .ok_or_else(|| "no structuredContent".to_string())
 }
 
 /// Time one call; count it.
