@@ -28,11 +28,20 @@ impl VmManager {
             tcg_tb_size_mb: self.config.tcg_tb_size_mb,
             kernel_cmdline: kernel_cmdline(self.accel, 0),
             machine: machine_type(self.accel),
-            network: self
-                .config
-                .network
-                .enabled
-                .then(|| serde_json::to_value(self.network_config()).expect("json")),
+            // The operator's deny list, not the host's addresses that every
+            // VM's list also holds: those change when the host gains an
+            // address (a bridge, a VPN, a test's namespace), and a restore
+            // sends the whole plan again, which the agent applies when it
+            // differs from the template's. So a new address costs restores
+            // a ruleset load, not every template a rebuild, and two managers
+            // made a moment apart agree on the key.
+            network: self.config.network.enabled.then(|| {
+                let configured = NetworkConfig {
+                    deny: self.config.network.deny.clone(),
+                    ..self.network_config()
+                };
+                serde_json::to_value(configured).expect("json")
+            }),
             user_pids_max: self.config.user_pids_max,
             reserved_memory_mb: self.config.reserved_memory_mb,
             ca_certificates: template::ca_digest(&self.ca_certificates),

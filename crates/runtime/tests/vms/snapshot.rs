@@ -189,10 +189,16 @@ fn a_broken_template_falls_back_to_a_cold_boot_and_is_rebuilt() {
         let t = m.ensure_template("small").await.expect("template");
         // A restore that is only late (here: a deadline no restore meets)
         // means a host too busy for another VM: refused as such, nothing
-        // left behind, and the good template kept.
+        // left behind, and the good template kept. The host gains an
+        // address first (as when a bridge or a VPN comes up, or another
+        // test's namespace): that is no reason to rebuild the template,
+        // whose restores are sent the new deny list (CI once saw this
+        // manager miss the template for it, and boot cold).
+        let address = HostAddress::add("198.51.100.77/32");
         let mut hurried = m.config().clone();
         hurried.boot_timeout = Duration::from_millis(1);
         let hurried = manager_with(hurried);
+        drop(address);
         match hurried.create(new_vm("sbx_late")).await {
             Err(sandpit_runtime::RuntimeError::HostFull(why)) => {
                 assert!(why.contains("too busy"), "{why}")
@@ -443,4 +449,27 @@ fn only_the_network_helper_is_offered_to_page_merging() {
         assert!(mergeable.is_empty(), "QEMU offers {mergeable:?} to KSM");
         m.destroy("sbx_ksm").await.unwrap();
     });
+}
+
+/// An address on the host's loopback for as long as it is held (a TEST-NET
+/// address no one else uses).
+struct HostAddress(&'static str);
+
+impl HostAddress {
+    fn add(cidr: &'static str) -> HostAddress {
+        let status = std::process::Command::new("ip")
+            .args(["addr", "add", cidr, "dev", "lo"])
+            .status()
+            .expect("running ip (iproute2)");
+        assert!(status.success(), "adding {cidr} to lo");
+        HostAddress(cidr)
+    }
+}
+
+impl Drop for HostAddress {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip")
+            .args(["addr", "del", self.0, "dev", "lo"])
+            .status();
+    }
 }
