@@ -68,9 +68,43 @@ extern "C" fn cleanup_at_exit() {
     }
 }
 
-/// SIGKILL every QEMU/passt whose command line mentions `dir`.
+/// SIGKILL every QEMU/passt whose command line mentions `dir`, and remove
+/// the host's network guards of the VMs under it (their uid files), which
+/// only a destroy would have removed.
 pub fn kill_vms_under(dir: &Path) {
     kill_mentioning(&dir.display().to_string());
+    for uid in vm_uids_under(dir, 4) {
+        sandpit_runtime::vm::guard::remove(uid);
+    }
+}
+
+/// The uids written in VM directories (`…/vms/<id>/uid`) under `dir`,
+/// looking `depth` levels down (a cluster test's nodes have data
+/// directories of their own inside the test's).
+fn vm_uids_under(dir: &Path, depth: u32) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for e in entries.flatten() {
+        let path = e.path();
+        if !e.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
+        if e.file_name() == "vms" {
+            for vm in std::fs::read_dir(&path).into_iter().flatten().flatten() {
+                if let Some(uid) = std::fs::read_to_string(vm.path().join("uid"))
+                    .ok()
+                    .and_then(|t| t.trim().parse().ok())
+                {
+                    out.push(uid);
+                }
+            }
+        } else if depth > 0 {
+            out.extend(vm_uids_under(&path, depth - 1));
+        }
+    }
+    out
 }
 
 /// A fresh data directory (short path: it holds unix sockets).

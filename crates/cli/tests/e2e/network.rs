@@ -135,6 +135,46 @@ fn the_guest_reaches_the_internet_but_not_the_host() {
             connects_as(uid, INTERNET, 8080),
             "passt's uid cannot reach the internet"
         );
+        // Guards whose VMs went without a destroy (a data directory
+        // deleted by hand): the sweep every manager makes at its start
+        // removes those made long enough ago (one an hour old, one of an
+        // older Sandpit with no time on it), and not a live VM's, nor one
+        // made a moment ago for a VM whose passt is not running yet.
+        let table = sandpit_runtime::vm::guard::TABLE;
+        let an_hour_ago = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs()
+            - 3600;
+        let (old, older, young) = (3_999_001, 3_999_002, 3_999_003);
+        let orphans = format!(
+            "add chain inet {table} vm_{old}\n\
+             add rule inet {table} vm_{old} meta nfproto ipv6 reject \
+             comment \"sandpit guard made at {an_hour_ago}\"\n\
+             add element inet {table} guests {{ {old} : jump vm_{old} }}\n\
+             add chain inet {table} vm_{older}\n\
+             add rule inet {table} vm_{older} meta nfproto ipv6 reject\n\
+             add element inet {table} guests {{ {older} : jump vm_{older} }}\n"
+        );
+        nft_script(&orphans);
+        let plan = sandpit_runtime::vm::guard::GuardPlan {
+            deny: vec!["10.0.0.0/8".into()],
+            dns: Vec::new(),
+            proxy: None,
+        };
+        sandpit_runtime::vm::guard::install(young, &plan).unwrap();
+        assert!(sandpit_runtime::vm::guard::installed(old));
+        let swept = sandpit_runtime::vm::guard::sweep(sandpit_runtime::vm::guard::SWEEP_AFTER);
+        assert!(swept >= 2, "the sweep removed {swept} guards");
+        assert!(!sandpit_runtime::vm::guard::installed(old));
+        assert!(!sandpit_runtime::vm::guard::installed(older));
+        assert!(sandpit_runtime::vm::guard::installed(young));
+        assert!(
+            sandpit_runtime::vm::guard::installed(uid),
+            "a live VM's guard went"
+        );
+        sandpit_runtime::vm::guard::remove(young);
+
         s.manager.destroy(&s.vm.record.id).await.unwrap();
         assert!(
             !sandpit_runtime::vm::guard::installed(uid),
@@ -177,6 +217,22 @@ fn the_guest_reaches_the_internet_but_not_the_host() {
         );
         assert!(!paths.dir.exists());
     });
+}
+
+/// Apply an nft script, as an operator would.
+fn nft_script(script: &str) {
+    let mut child = Command::new("nft")
+        .args(["-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .expect("running nft (Debian's nftables)");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(script.as_bytes())
+        .unwrap();
+    assert!(child.wait().unwrap().success(), "nft refused:\n{script}");
 }
 
 /// The real uid of process `pid`.

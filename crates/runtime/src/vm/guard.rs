@@ -25,14 +25,23 @@
 //! chains). The chain goes when the VM is destroyed, or when its start
 //! fails. The VM's uid is written in its directory before its chain goes in,
 //! so a start that died before its record was written (a crash) leaves a
-//! directory the next start's sweep destroys, chain and all. (A chain left
-//! anyway is harmless: no process has its uid, and it is replaced when the
-//! uid is used again.)
+//! directory the next start's sweep destroys, chain and all.
+//!
+//! A chain can still outlive its VM: a data directory deleted by hand, a
+//! VM killed with its server and never destroyed by a later one. Such a
+//! chain is harmless (no process has its uid, and it is replaced when the
+//! uid is used again), but they add up: a test host once held 69. So every
+//! VM manager [`sweep`]s at its start: a chain whose uid runs no process and
+//! whose last rule says it was made over ten minutes ago goes. Installing
+//! and sweeping take one host-wide lock, so a sweep never removes a chain
+//! another process has just remade for a VM it is starting.
 
 use crate::{Result, RuntimeError};
+use nix::fcntl::{Flock, FlockArg};
 use std::io::Write;
 use std::net::IpAddr;
 use std::process::{Command, Stdio};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// The nftables table of the host's guards.
 pub const TABLE: &str = "sandpit_guests";
@@ -100,15 +109,46 @@ pub fn script(uid: u32, plan: &GuardPlan) -> String {
         "fib daddr type local meta l4proto tcp reject with tcp reset",
     );
     rule(&mut s, "fib daddr type local reject");
-    rule(&mut s, "meta nfproto ipv6 reject");
+    let made = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs();
+    rule(
+        &mut s,
+        &format!("meta nfproto ipv6 reject comment \"{MADE}{made}\""),
+    );
     s.push_str(&format!(
         "add element inet {TABLE} guests {{ {uid} : jump {c} }}\n"
     ));
     s
 }
 
+/// How old a chain with no process of its uid must be for [`sweep`] to
+/// remove it: far longer than a start takes from its guard to its passt.
+pub const SWEEP_AFTER: Duration = Duration::from_secs(600);
+
+/// The comment on a chain's last rule, before the second it was made.
+const MADE: &str = "sandpit guard made at ";
+
+/// The lock every install and sweep on this host takes (see the module
+/// docs); `None` when it cannot be opened, which only a sweep minds.
+fn host_lock() -> Option<Flock<std::fs::File>> {
+    let path = "/run/lock/sandpit-guards.lock";
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .map_err(|e| tracing::debug!("opening {path}: {e}"))
+        .ok()?;
+    Flock::lock(file, FlockArg::LockExclusive)
+        .map_err(|(_, e)| tracing::debug!("locking {path}: {e}"))
+        .ok()
+}
+
 /// Make the guard of the VM whose passt runs as `uid`.
 pub fn install(uid: u32, plan: &GuardPlan) -> Result<()> {
+    let _lock = host_lock();
     nft(&script(uid, plan)).map_err(|e| {
         RuntimeError::Launch(format!(
             "installing the host's network guard for uid {uid}: {e}"
@@ -122,6 +162,93 @@ pub fn remove(uid: u32) {
     // Two transactions: the element may be gone while the chain is not.
     let _ = nft(&format!("delete element inet {TABLE} guests {{ {uid} }}\n"));
     let _ = nft(&format!("delete chain inet {TABLE} {c}\n"));
+}
+
+/// Remove the guards of uids no process runs as, made over `min_age` ago
+/// (see the module docs); returns how many went. Chains of an older
+/// Sandpit, with no time on them, count as old.
+pub fn sweep(min_age: Duration) -> usize {
+    let Some(_lock) = host_lock() else {
+        return 0;
+    };
+    let Ok(out) = Command::new("nft")
+        .args(["-j", "list", "table", "inet", TABLE])
+        .stderr(Stdio::null())
+        .output()
+    else {
+        return 0;
+    };
+    if !out.status.success() {
+        return 0; // no table: nothing to sweep
+    }
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs();
+    let running = uids_running();
+    let mut gone = 0;
+    for (uid, made) in chains(&out.stdout) {
+        let young = made.is_some_and(|t| now.saturating_sub(t) < min_age.as_secs());
+        if young || running.contains(&uid) {
+            continue;
+        }
+        remove(uid);
+        gone += 1;
+    }
+    if gone > 0 {
+        tracing::info!("removed {gone} network guards whose VMs are gone");
+    }
+    gone
+}
+
+/// The VM chains in `nft -j list table` output: uid, and the second the
+/// chain was made when its rules say.
+fn chains(json: &[u8]) -> Vec<(u32, Option<u64>)> {
+    let Ok(doc) = serde_json::from_slice::<serde_json::Value>(json) else {
+        return Vec::new();
+    };
+    let items = doc["nftables"].as_array().cloned().unwrap_or_default();
+    let uid_of = |name: &serde_json::Value| name.as_str()?.strip_prefix("vm_")?.parse().ok();
+    let mut out: Vec<(u32, Option<u64>)> = items
+        .iter()
+        .filter_map(|i| uid_of(&i["chain"]["name"]).map(|uid| (uid, None)))
+        .collect();
+    for rule in items.iter().map(|i| &i["rule"]) {
+        let (Some(uid), Some(made)) = (
+            uid_of(&rule["chain"]),
+            rule["comment"]
+                .as_str()
+                .and_then(|c| c.strip_prefix(MADE)?.parse::<u64>().ok()),
+        ) else {
+            continue;
+        };
+        if let Some(entry) = out.iter_mut().find(|(u, _)| *u == uid) {
+            entry.1 = Some(made);
+        }
+    }
+    out
+}
+
+/// The real uids of every process on the host. (`/proc/<pid>`'s owner is
+/// not one: a process that changed its uid is not dumpable, and its
+/// directory is root's.)
+fn uids_running() -> std::collections::HashSet<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Default::default();
+    };
+    dir.flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .bytes()
+                .all(|b| b.is_ascii_digit())
+        })
+        .filter_map(|e| {
+            let status = std::fs::read_to_string(e.path().join("status")).ok()?;
+            let line = status.lines().find(|l| l.starts_with("Uid:"))?;
+            line.split_whitespace().nth(1)?.parse().ok()
+        })
+        .collect()
 }
 
 /// Is there a guard for `uid`?
@@ -184,8 +311,26 @@ mod tests {
         at("vm_3000123 ip daddr 203.0.113.7 reject with icmp type admin-prohibited");
         at("vm_3000123 ip6 daddr fd00::/8 reject with icmpv6 type admin-prohibited");
         at("vm_3000123 fib daddr type local reject");
-        at("vm_3000123 meta nfproto ipv6 reject");
+        at("vm_3000123 meta nfproto ipv6 reject comment \"sandpit guard made at ");
         at("guests { 3000123 : jump vm_3000123 }");
+    }
+
+    #[test]
+    fn a_chains_age_is_read_from_its_last_rule() {
+        let listing = br#"{"nftables": [{"metainfo": {"version": "1.0.6"}},
+            {"table": {"family": "inet", "name": "sandpit_guests"}},
+            {"chain": {"family": "inet", "table": "sandpit_guests", "name": "output"}},
+            {"chain": {"family": "inet", "table": "sandpit_guests", "name": "vm_3000001"}},
+            {"chain": {"family": "inet", "table": "sandpit_guests", "name": "vm_3000002"}},
+            {"rule": {"family": "inet", "table": "sandpit_guests", "chain": "vm_3000001",
+                      "expr": [], "comment": "sandpit guard made at 1733450000"}},
+            {"rule": {"family": "inet", "table": "sandpit_guests", "chain": "vm_3000002",
+                      "expr": []}}]}"#;
+        assert_eq!(
+            chains(listing),
+            vec![(3_000_001, Some(1_733_450_000)), (3_000_002, None)]
+        );
+        assert!(chains(b"not json").is_empty());
     }
 
     #[test]

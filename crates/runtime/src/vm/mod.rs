@@ -309,6 +309,9 @@ impl VmManager {
         if config.ksm {
             crate::host::ksm::ensure_running_logged();
         }
+        if config.network.enabled && nix::unistd::geteuid().is_root() {
+            guard::sweep(guard::SWEEP_AFTER);
+        }
         if nix::unistd::geteuid().is_root() {
             // VMs' QEMUs (each its own uid) reopen their disks by path, so
             // they must be able to walk (not list) the way there.
