@@ -383,6 +383,28 @@ fn the_package_installs_in_a_clean_debian_root_and_its_service_serves_sandboxes(
             r
         })
     };
+    // A first create waits for the warm pool, which shows the snapshot
+    // template is built: a create before it boots cold beside the build,
+    // which on CI's loaded host took over the service's 60 s boot bound
+    // (the service then answers 503 "retry", as it should). Sandboxes
+    // restored from the template are also the ones that can be saved.
+    let t = std::time::Instant::now();
+    loop {
+        let (_, info) = rt.block_on(rest.get("/service"));
+        let pool = &info["fast_start"]["warm_pool"];
+        if pool
+            .as_array()
+            .is_some_and(|sizes| sizes.iter().any(|s| s["ready"].as_u64() > Some(0)))
+        {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(240),
+            "no warm VM from a template within 240 s: {pool}\n{}",
+            c.sh("journalctl -u sandpit --no-pager -o cat | tail -n 40")
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
     let (st, sandbox) = rt.block_on(rest.post("/sandboxes", json!({"timeout_minutes": 30})));
     assert_eq!(st, 201, "{sandbox}");
     let id = sandbox["id"].as_str().unwrap().to_string();
@@ -424,27 +446,7 @@ fn the_package_installs_in_a_clean_debian_root_and_its_service_serves_sandboxes(
 
     // Saves work under the unit's hardening (its data directory is the only
     // writable place; the saved memory is mounted detached): a fork copies
-    // a sandbox, and a pause and a resume bring it back as it was. The
-    // first sandbox may have booted before the service had its snapshot
-    // template (a cold boot has no base to save against), so these go to
-    // one restored from it, once the warm pool shows it is built.
-    let t = std::time::Instant::now();
-    loop {
-        let (_, info) = rt.block_on(rest.get("/service"));
-        let pool = &info["fast_start"]["warm_pool"];
-        if pool
-            .as_array()
-            .is_some_and(|sizes| sizes.iter().any(|s| s["ready"].as_u64() > Some(0)))
-        {
-            break;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(240),
-            "no warm VM from a template within 240 s: {pool}\n{}",
-            c.sh("journalctl -u sandpit --no-pager -o cat | tail -n 40")
-        );
-        std::thread::sleep(Duration::from_millis(500));
-    }
+    // a sandbox, and a pause and a resume bring it back as it was.
     let (st, saved) = rt.block_on(rest.post("/sandboxes", json!({"timeout_minutes": 30})));
     assert_eq!(st, 201, "{saved}");
     let saved = saved["id"].as_str().unwrap().to_string();

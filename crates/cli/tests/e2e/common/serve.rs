@@ -35,6 +35,31 @@ fn sandpit_of(program: &Path, images: &Path, data: &Path) -> Command {
     c
 }
 
+/// Servers and nodes of this build with the same config share one
+/// templates directory (`data/templates` is a link to it), as processes on
+/// one data directory do: the first to need a size's template builds it
+/// (about a cold boot, the dearest thing a test server does under
+/// emulation) under the per-size lock, and the others restore from it.
+/// Same config, same image and QEMU: the same template key, so no server
+/// removes another's template as outdated. A data directory that already
+/// has its own is left alone, and so are other releases' servers
+/// ([`Build`]), whose templates differ and are the subject of their tests.
+fn share_templates(data: &Path, config: &str) {
+    use std::hash::{Hash, Hasher};
+    static ROOT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    let link = data.join("templates");
+    if link.symlink_metadata().is_ok() {
+        return;
+    }
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    config.hash(&mut h);
+    let shared = ROOT
+        .get_or_init(sandpit_vmtest::data_dir)
+        .join(format!("templates-{:016x}", h.finish()));
+    std::fs::create_dir_all(&shared).unwrap();
+    std::os::unix::fs::symlink(&shared, &link).unwrap();
+}
+
 /// A `sandpit` to start instead of this build's (another release's), with
 /// the agent its guest image is built from and its images directory.
 pub struct Build {
@@ -133,7 +158,11 @@ impl Server {
         database: Option<(&str, &str, &[&str])>,
         build: Option<&Build>,
     ) -> Server {
-        std::fs::write(data.join("config.toml"), format!("{CONFIG}{extra}")).unwrap();
+        let config = format!("{CONFIG}{extra}");
+        std::fs::write(data.join("config.toml"), &config).unwrap();
+        if build.is_none() {
+            share_templates(data, &config);
+        }
         // Only a first start (no database yet) prints an admin key; of a
         // shared database, whatever is printed is taken.
         let first_start = database.is_some() || !data.join("sandpit.db").exists();
@@ -377,7 +406,9 @@ impl Node {
         certs: &Path,
         extra: &str,
     ) -> Node {
-        std::fs::write(data.join("config.toml"), format!("{CONFIG}{extra}")).unwrap();
+        let config = format!("{CONFIG}{extra}");
+        std::fs::write(data.join("config.toml"), &config).unwrap();
+        share_templates(data, &config);
         let direct = sandpit(data);
         let mut cmd = match ns {
             Some(ns) => {
