@@ -400,11 +400,18 @@ impl AgentClient {
         id: RequestId,
         rx: &mut mpsc::UnboundedReceiver<Frame>,
         what: &str,
+        within: Duration,
     ) -> Result<Frame> {
-        let deadline = tokio::time::Instant::now() + REPLY_DEADLINE;
+        let deadline = tokio::time::Instant::now() + within;
         let r = next_frame(rx, deadline, what).await;
         self.inner.pending.lock().unwrap().remove(&id);
-        let frame = r?;
+        let frame = r.map_err(|e| match e {
+            RuntimeError::AgentTimeout { what, .. } => RuntimeError::AgentTimeout {
+                what,
+                secs: within.as_secs(),
+            },
+            other => other,
+        })?;
         match frame.message {
             Message::Error { error, .. } => Err(RuntimeError::Agent(error)),
             _ => Ok(frame),
@@ -417,12 +424,23 @@ impl AgentClient {
         make: impl FnOnce(RequestId) -> Message,
         body: &[u8],
     ) -> Result<DoneResult> {
+        self.simple_within(what, make, body, REPLY_DEADLINE).await
+    }
+
+    /// [`AgentClient::simple`], answered `within` instead.
+    async fn simple_within(
+        &self,
+        what: &str,
+        make: impl FnOnce(RequestId) -> Message,
+        body: &[u8],
+        within: Duration,
+    ) -> Result<DoneResult> {
         let (id, mut rx) = self.register()?;
         if let Err(e) = self.inner.send(&make(id), body) {
             self.inner.pending.lock().unwrap().remove(&id);
             return Err(e);
         }
-        let frame = self.finish(id, &mut rx, what).await?;
+        let frame = self.finish(id, &mut rx, what, within).await?;
         match frame.message {
             Message::Done { result, .. } => Ok(result),
             other => Err(unexpected(other)),
@@ -436,12 +454,20 @@ impl AgentClient {
             .map(|_| ())
     }
 
-    /// Give the guest its identity, clock, limits and network (and fresh entropy).
-    pub async fn configure(&self, config: GuestConfig, entropy: &[u8]) -> Result<()> {
-        self.simple(
+    /// Give the guest its identity, clock, limits and network (and fresh
+    /// entropy), answered `within` (a boot's configuration is part of the
+    /// boot, and has what is left of its bound).
+    pub async fn configure(
+        &self,
+        config: GuestConfig,
+        entropy: &[u8],
+        within: Duration,
+    ) -> Result<()> {
+        self.simple_within(
             "its configuration",
             |id| Message::Configure { id, config },
             entropy,
+            within,
         )
         .await
         .map(|_| ())
