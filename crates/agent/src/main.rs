@@ -30,6 +30,7 @@ mod pty;
 mod reaper;
 mod server;
 mod spawn;
+mod stats;
 mod sys;
 mod tunnel;
 mod window;

@@ -181,6 +181,10 @@ impl Server {
             }
             Message::ProcessAttach { id, pid } => processes::attach(reply, id, pid),
             Message::ProcessList { id } => reply.done(id, processes::list()),
+            Message::Stats { id } => match stats::read() {
+                Ok(stats) => reply.done(id, DoneResult::Stats { stats }),
+                Err(e) => reply.error(id, e),
+            },
             Message::ProcessCall { id, pid, call } => {
                 // Input may wait for the command to read it.
                 spawn_worker(reply, id, "process-call", false, move |r| {

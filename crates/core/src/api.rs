@@ -201,6 +201,16 @@ pub trait Sandboxes: Send + Sync {
     /// Runs a paused sandbox again, its processes where they were.
     /// Resuming a running sandbox changes nothing.
     async fn resume_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox>;
+    /// The sandbox's resources as its guest counts them: a reading taken
+    /// now when it runs (a paused one is not woken), after the ones kept
+    /// from the last hour, oldest first (E2B's `get_metrics`; not part of
+    /// the REST contract). A backend without it refuses.
+    async fn sandbox_metrics(&self, caller: &Caller, id: &str) -> Result<Vec<SandboxMetric>> {
+        let _ = (caller, id);
+        Err(crate::error::CoreError::invalid(
+            "a sandbox's metrics are not available here",
+        ))
+    }
 }
 
 /// A sandbox's whole state saved, and what starts from it: snapshots, forks, restores.

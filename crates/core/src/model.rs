@@ -71,6 +71,26 @@ pub struct Resources {
     pub disk_gb: u32,
 }
 
+/// A sandbox's resources at one moment, as its guest's kernel counts them
+/// (E2B's `SandboxMetric`; not part of the REST contract).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SandboxMetric {
+    /// When it was read, in milliseconds since the Unix epoch.
+    pub at_unix_ms: i64,
+    pub cpu_count: u32,
+    /// The guest's CPUs' busy share since the reading before, in percent
+    /// of all of them (0 to 100).
+    pub cpu_used_pct: f64,
+    /// `MemTotal` less `MemAvailable`: what programs hold.
+    pub mem_used_bytes: u64,
+    pub mem_total_bytes: u64,
+    /// The page cache.
+    pub mem_cache_bytes: u64,
+    /// The root file system, as `df /` counts it.
+    pub disk_used_bytes: u64,
+    pub disk_total_bytes: u64,
+}
+
 /// The sandbox object.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Sandbox {

@@ -49,6 +49,7 @@ mod idle;
 mod lifecycle;
 mod pause;
 mod ports;
+mod readings;
 mod snapshots;
 mod terminals;
 
@@ -116,6 +117,8 @@ pub struct Service {
     restoring: std::sync::Mutex<std::collections::HashSet<String>>,
     /// Which sandboxes are in use, for the idle sweep (see [`crate::idle`]).
     activity: Arc<Activity>,
+    /// Guests' resources read lately (see [`readings`]).
+    readings: readings::Readings,
 }
 
 /// A VM being replaced (see [`Service::restoring`]); over when dropped.
@@ -187,6 +190,7 @@ impl Service {
             routes: Default::default(),
             restoring: Default::default(),
             activity: Arc::new(Activity::new(tracking)),
+            readings: Default::default(),
         })
     }
 

@@ -266,6 +266,32 @@ try:
     assert got.state.value == "running" if hasattr(got.state, "value") else got.state == "running", got
     ok("is_running, get_info")
 
+    # Metrics: each call reads the guest, and the readings are kept. A
+    # busy loop on one of the two vCPUs shows as about half the CPU between
+    # two calls; 64 MiB written show on the disk.
+    first = sbx.get_metrics()
+    assert len(first) >= 1, first
+    m = first[-1]
+    assert m.cpu_count == 2 and 0 <= m.cpu_used_pct <= 100, m
+    assert 0 < m.mem_used < m.mem_total and m.mem_cache > 0, m
+    assert 0 < m.disk_used < m.disk_total, m
+    spin = sbx.commands.run("timeout 3 sh -c 'while :; do :; done'", background=True)
+    time.sleep(2)
+    busy = sbx.get_metrics()[-1]
+    spin.wait()
+    assert busy.cpu_used_pct >= 20, ("one busy vCPU of two", busy)
+    sbx.commands.run("head -c 67108864 /dev/zero > /home/user/64m.bin && sync")
+    series = sbx.get_metrics()
+    assert len(series) >= 3, series
+    assert series[-1].disk_used - m.disk_used >= 60 << 20, (m, series[-1])
+    stamps = [s.timestamp for s in series]
+    assert stamps == sorted(stamps), stamps
+    import datetime as _dt
+    later = _dt.datetime.now(_dt.timezone.utc) + _dt.timedelta(hours=1)
+    assert sbx.get_metrics(start=later) == [], "readings from the future"
+    sbx.commands.run("rm /home/user/64m.bin")
+    ok(f"get_metrics: a reading per call, {busy.cpu_used_pct:.0f}% CPU with one vCPU busy, 64 MiB on the disk")
+
     found = Sandbox.list(query=None).next_items()
     assert any(s.sandbox_id == sbx.sandbox_id for s in found), found
     from e2b import SandboxQuery

@@ -31,7 +31,9 @@ pub fn control_plane(e2b: E2b) -> Router {
     Router::new()
         .route("/v2/sandboxes", post(create).get(list))
         .route("/sandboxes", post(create).get(list))
+        .route("/sandboxes/metrics", get(metrics_of_many))
         .route("/sandboxes/{id}", get(get_info).delete(kill))
+        .route("/sandboxes/{id}/metrics", get(metrics))
         .route("/sandboxes/{id}/timeout", post(set_timeout))
         .route("/sandboxes/{id}/pause", post(pause))
         .route("/v2/sandboxes/{id}/connect", post(connect))
@@ -206,6 +208,75 @@ async fn get_info(
 ) -> Answer {
     let sandbox = live(&e2b, &caller, &id).await?;
     Ok(Json(e2b.info(&sandbox, true)).into_response())
+}
+
+/// `start` and `end` of a metrics query: Unix seconds, both optional.
+#[derive(Debug, Default, serde::Deserialize)]
+struct Interval {
+    start: Option<i64>,
+    end: Option<i64>,
+}
+
+/// E2B's `get_metrics`: the sandbox's readings between `start` and `end`
+/// (see `sandpit_core`'s `readings`: one is taken at each call).
+async fn metrics(
+    State(e2b): State<E2b>,
+    Authed(caller): Authed,
+    Path(id): Path<String>,
+    Query(interval): Query<Interval>,
+) -> Answer {
+    if let (Some(start), Some(end)) = (interval.start, interval.end) {
+        if start > end {
+            return Err(HttpError::new(
+                StatusCode::BAD_REQUEST,
+                format!("start ({start}) is after end ({end})"),
+            ));
+        }
+    }
+    live(&e2b, &caller, &id).await?;
+    let readings = e2b.api.sandbox_metrics(&caller, &id).await?;
+    let within = |at_ms: i64| {
+        let at = at_ms.div_euclid(1000);
+        interval.start.is_none_or(|s| at >= s) && interval.end.is_none_or(|e| at <= e)
+    };
+    let out: Vec<wire::Metric> = readings
+        .iter()
+        .filter(|m| within(m.at_unix_ms))
+        .map(wire::Metric::from)
+        .collect();
+    Ok(Json(out).into_response())
+}
+
+/// E2B's metrics of several sandboxes (`sandbox_ids=a,b`, at most 100):
+/// each running one's latest reading, by id; ids not found are left out.
+async fn metrics_of_many(
+    State(e2b): State<E2b>,
+    Authed(caller): Authed,
+    Query(q): Query<BTreeMap<String, String>>,
+) -> Answer {
+    let ids: Vec<&str> = q
+        .get("sandbox_ids")
+        .map(|s| s.split(',').map(str::trim).filter(|s| !s.is_empty()).collect())
+        .unwrap_or_default();
+    if ids.is_empty() || ids.len() > 100 {
+        return Err(HttpError::new(
+            StatusCode::BAD_REQUEST,
+            "sandbox_ids: from 1 to 100 comma-separated sandbox ids".to_string(),
+        ));
+    }
+    let mut sandboxes = BTreeMap::new();
+    for id in ids {
+        match e2b.api.sandbox_metrics(&caller, id).await {
+            Ok(readings) => {
+                if let Some(last) = readings.last() {
+                    sandboxes.insert(id.to_string(), wire::Metric::from(last));
+                }
+            }
+            Err(e) if matches!(e.kind, ErrorType::NotFound | ErrorType::Conflict) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(Json(serde_json::json!({ "sandboxes": sandboxes })).into_response())
 }
 
 async fn kill(State(e2b): State<E2b>, Authed(caller): Authed, Path(id): Path<String>) -> Answer {

@@ -126,6 +126,42 @@ pub struct SandboxInfo {
     pub envd_access_token: Option<String>,
 }
 
+/// A reading of a sandbox's resources (`SandboxMetric`).
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Metric {
+    /// RFC 3339 (deprecated by E2B, still required by its Python SDK).
+    pub timestamp: String,
+    pub timestamp_unix: i64,
+    pub cpu_count: u32,
+    pub cpu_used_pct: f64,
+    pub mem_used: u64,
+    pub mem_total: u64,
+    pub mem_cache: u64,
+    pub disk_used: u64,
+    pub disk_total: u64,
+}
+
+impl From<&sandpit_core::SandboxMetric> for Metric {
+    fn from(m: &sandpit_core::SandboxMetric) -> Metric {
+        let at = time::OffsetDateTime::from_unix_timestamp_nanos(m.at_unix_ms as i128 * 1_000_000)
+            .unwrap_or(time::OffsetDateTime::UNIX_EPOCH);
+        Metric {
+            timestamp: at
+                .format(&time::format_description::well_known::Rfc3339)
+                .unwrap_or_default(),
+            timestamp_unix: at.unix_timestamp(),
+            cpu_count: m.cpu_count,
+            cpu_used_pct: m.cpu_used_pct,
+            mem_used: m.mem_used_bytes,
+            mem_total: m.mem_total_bytes,
+            mem_cache: m.mem_cache_bytes,
+            disk_used: m.disk_used_bytes,
+            disk_total: m.disk_total_bytes,
+        }
+    }
+}
+
 /// Any string: the SDKs keep it, nothing reads it.
 const CLIENT_ID: &str = "sandpit";
 

@@ -10,7 +10,9 @@
 //! decided once, in the service, for both kinds of machine.
 
 use async_trait::async_trait;
-use sandpit_protocol::{ExecRequest, FileEntry, PathCall, PathEntry, ProcessCall, ProcessInfo};
+use sandpit_protocol::{
+    ExecRequest, FileEntry, GuestStats, PathCall, PathEntry, ProcessCall, ProcessInfo,
+};
 use sandpit_runtime::{GuestExecEvent, RuntimeError, VmState};
 pub use sandpit_runtime::{PtyExit, PtySize};
 use std::sync::Arc;
@@ -134,6 +136,9 @@ pub trait Machines: Send + Sync {
 
     /// The commands running in the guest now.
     async fn processes(&self, id: &str) -> VmResult<Vec<ProcessInfo>>;
+
+    /// The guest's CPU, memory and disk now, as its kernel counts them.
+    async fn stats(&self, id: &str) -> VmResult<GuestStats>;
 
     /// Feeds (`input`), closes or signals the running command `pid`.
     async fn process_call(

@@ -469,6 +469,11 @@ impl Machines for RemoteNode {
         .await
     }
 
+    async fn stats(&self, id: &str) -> VmResult<sandpit_protocol::GuestStats> {
+        self.call(&format!("sandboxes/{id}/stats"), &Nothing {}, RESPONSE_TIMEOUT)
+            .await
+    }
+
     async fn process_call(
         &self,
         id: &str,

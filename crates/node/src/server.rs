@@ -287,6 +287,7 @@ async fn handle(state: Arc<dyn NodeState>, req: Request<Incoming>) -> Response<B
                     Err(r) => r,
                 },
                 "processes" => answer(vms.processes(&id).await),
+                "stats" => answer(vms.stats(&id).await),
                 "process" => match body.json::<wire::ProcessArgs>().await {
                     Ok(a) => answer(vms.process_call(&id, a.pid, a.call, a.input).await),
                     Err(r) => r,

@@ -374,6 +374,19 @@ impl Machines for FakeVms {
             cancelled: self.cancelled.clone(),
         }))
     }
+    async fn stats(&self, id: &str) -> VmResult<sandpit_protocol::GuestStats> {
+        check(id)?;
+        Ok(sandpit_protocol::GuestStats {
+            cpu_count: 2,
+            cpu_busy_ticks: 150,
+            cpu_total_ticks: 1000,
+            mem_total_bytes: 1 << 30,
+            mem_available_bytes: 3 << 28,
+            mem_cache_bytes: 1 << 26,
+            disk_total_bytes: 4 << 30,
+            disk_used_bytes: 1 << 30,
+        })
+    }
     async fn processes(&self, id: &str) -> VmResult<Vec<ProcessInfo>> {
         check(id)?;
         Ok(vec![ProcessInfo {
@@ -807,6 +820,9 @@ async fn a_nodes_vms_answer_through_the_link_as_they_would_at_home() {
     assert_eq!(listed.len(), 1);
     assert_eq!(listed[0].command, "python3 -m http.server");
     assert_eq!(listed[0].env["A"], "b");
+    let stats = remote.stats("vm1").await.unwrap();
+    assert_eq!((stats.cpu_count, stats.cpu_busy_ticks), (2, 150));
+    assert_eq!(stats.disk_used_bytes, 1 << 30);
     let binary = vec![0u8, 255, b'\n'];
     remote
         .process_call("vm1", 812, ProcessCall::Input, b"hello\n".to_vec())

@@ -81,6 +81,10 @@ pub enum Message {
     /// The commands running now; answered with [`Message::Done`] /
     /// [`DoneResult::Processes`].
     ProcessList { id: RequestId },
+    /// The guest's CPU, memory and disk now, as its kernel counts them;
+    /// answered with [`Message::Done`] / [`DoneResult::Stats`]. Older
+    /// agents answer `Unsupported`.
+    Stats { id: RequestId },
     /// Feed, close or signal a running command ([`ProcessCall`]); answered
     /// with [`Message::Done`] / [`DoneResult::ProcessCalled`], or
     /// [`ErrorKind::NotFound`] when no command has that pid.
@@ -199,6 +203,7 @@ impl Message {
             | PathCall { id, .. }
             | ProcessAttach { id, .. }
             | ProcessList { id }
+            | Stats { id }
             | ProcessCall { id, .. }
             | PowerOff { id }
             | TunnelOpen { id, .. }
@@ -378,6 +383,34 @@ pub enum DoneResult {
     ProcessCalled {
         pid: u32,
     },
+    /// The guest's resources now ([`Message::Stats`]).
+    Stats {
+        stats: GuestStats,
+    },
+}
+
+/// What the guest's kernel says of its resources at one moment. CPU time is
+/// cumulative: the busy share of an interval is the difference of two
+/// readings' `cpu_busy_ticks` over that of their `cpu_total_ticks`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GuestStats {
+    /// CPUs online.
+    pub cpu_count: u32,
+    /// Clock ticks all CPUs spent on anything but idling and waiting for
+    /// I/O since boot (`/proc/stat`'s `cpu` line).
+    pub cpu_busy_ticks: u64,
+    /// Clock ticks all CPUs spent in all since boot (the same line's first
+    /// eight fields; the guest fields are already in user and nice).
+    pub cpu_total_ticks: u64,
+    /// `MemTotal`, in bytes.
+    pub mem_total_bytes: u64,
+    /// `MemAvailable`: what could be given to programs without swapping.
+    pub mem_available_bytes: u64,
+    /// `Cached`: the page cache.
+    pub mem_cache_bytes: u64,
+    /// The root file system's size and use, as `df /` counts them.
+    pub disk_total_bytes: u64,
+    pub disk_used_bytes: u64,
 }
 
 /// What to do to a running command (see [`Message::ProcessCall`]).

@@ -709,6 +709,10 @@ impl Sandboxes for Service {
     async fn resume_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
         self.resume(caller, id).await
     }
+
+    async fn sandbox_metrics(&self, caller: &Caller, id: &str) -> Result<Vec<SandboxMetric>> {
+        self.read_metrics(caller, id).await
+    }
 }
 
 #[cfg(test)]

@@ -212,6 +212,10 @@ impl Machines for LocalVms {
         self.agent(id).await?.processes().await
     }
 
+    async fn stats(&self, id: &str) -> VmResult<sandpit_protocol::GuestStats> {
+        self.agent(id).await?.stats().await
+    }
+
     async fn process_call(
         &self,
         id: &str,
