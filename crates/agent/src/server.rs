@@ -181,7 +181,7 @@ impl Server {
             }
             Message::ProcessAttach { id, pid } => processes::attach(reply, id, pid),
             Message::ProcessList { id } => reply.done(id, processes::list()),
-            Message::Stats { id } => match stats::read() {
+            Message::Stats { id } => match crate::stats::read() {
                 Ok(stats) => reply.done(id, DoneResult::Stats { stats }),
                 Err(e) => reply.error(id, e),
             },

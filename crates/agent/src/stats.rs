@@ -15,11 +15,11 @@ pub fn read() -> Result<GuestStats, AgentError> {
     let stat = std::fs::read_to_string("/proc/stat").map_err(io("/proc/stat"))?;
     let meminfo = std::fs::read_to_string("/proc/meminfo").map_err(io("/proc/meminfo"))?;
     let (cpu_count, cpu_busy_ticks, cpu_total_ticks) = cpu(&stat)
-        .ok_or_else(|| AgentError::new(ErrorKind::Io, "/proc/stat has no cpu line".into()))?;
+        .ok_or_else(|| AgentError::new(ErrorKind::Io, "/proc/stat has no cpu line"))?;
     let mem = |key: &str| {
-        meminfo_kib(&meminfo, key).map(|kib| kib * 1024).ok_or_else(|| {
-            AgentError::new(ErrorKind::Io, format!("/proc/meminfo has no {key}"))
-        })
+        meminfo_kib(&meminfo, key)
+            .map(|kib| kib * 1024)
+            .ok_or_else(|| AgentError::new(ErrorKind::Io, format!("/proc/meminfo has no {key}")))
     };
     let fs = nix::sys::statvfs::statvfs("/")
         .map_err(|e| AgentError::new(ErrorKind::Io, format!("statvfs /: {e}")))?;

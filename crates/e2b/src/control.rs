@@ -256,7 +256,12 @@ async fn metrics_of_many(
 ) -> Answer {
     let ids: Vec<&str> = q
         .get("sandbox_ids")
-        .map(|s| s.split(',').map(str::trim).filter(|s| !s.is_empty()).collect())
+        .map(|s| {
+            s.split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .collect()
+        })
         .unwrap_or_default();
     if ids.is_empty() || ids.len() > 100 {
         return Err(HttpError::new(

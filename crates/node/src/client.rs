@@ -470,8 +470,12 @@ impl Machines for RemoteNode {
     }
 
     async fn stats(&self, id: &str) -> VmResult<sandpit_protocol::GuestStats> {
-        self.call(&format!("sandboxes/{id}/stats"), &Nothing {}, RESPONSE_TIMEOUT)
-            .await
+        self.call(
+            &format!("sandboxes/{id}/stats"),
+            &Nothing {},
+            RESPONSE_TIMEOUT,
+        )
+        .await
     }
 
     async fn process_call(

@@ -322,6 +322,22 @@ fn samples() -> Vec<Message> {
             id: 65,
             result: DoneResult::ProcessCalled { pid: 812 },
         },
+        Message::Stats { id: 66 },
+        Message::Done {
+            id: 66,
+            result: DoneResult::Stats {
+                stats: GuestStats {
+                    cpu_count: 2,
+                    cpu_busy_ticks: 1_234,
+                    cpu_total_ticks: 56_789,
+                    mem_total_bytes: 1_028_620_288,
+                    mem_available_bytes: 812_000_000,
+                    mem_cache_bytes: 150_000_000,
+                    disk_total_bytes: 4_160_000_000,
+                    disk_used_bytes: 1_900_000_000,
+                },
+            },
+        },
     ]
 }
 
@@ -342,6 +358,7 @@ fn exhaustive(m: &Message) -> &'static str {
         Message::PathCall { .. } => "path_call",
         Message::ProcessAttach { .. } => "process_attach",
         Message::ProcessList { .. } => "process_list",
+        Message::Stats { .. } => "stats",
         Message::ProcessCall { .. } => "process_call",
         Message::PowerOff { .. } => "power_off",
         Message::HelloAck { .. } => "hello_ack",

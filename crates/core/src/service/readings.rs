@@ -17,6 +17,7 @@ use crate::model::SandboxMetric;
 use sandpit_protocol::GuestStats;
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
+use time::OffsetDateTime;
 
 /// Readings kept per sandbox (an hour of one every 5 s).
 const KEPT: usize = 720;
@@ -61,7 +62,10 @@ impl Readings {
         let series = all.entry(id.to_string()).or_default();
         series.kept.push_back(metric);
         while series.kept.len() > KEPT
-            || series.kept.front().is_some_and(|m| m.at_unix_ms < cutoff_ms)
+            || series
+                .kept
+                .front()
+                .is_some_and(|m| m.at_unix_ms < cutoff_ms)
         {
             series.kept.pop_front();
         }
@@ -92,7 +96,11 @@ fn metric(before: &GuestStats, now: &GuestStats, at: OffsetDateTime) -> SandboxM
 
 impl Service {
     /// The API's `sandbox_metrics`.
-    pub(super) async fn read_metrics(&self, caller: &Caller, id: &str) -> Result<Vec<SandboxMetric>> {
+    pub(super) async fn read_metrics(
+        &self,
+        caller: &Caller,
+        id: &str,
+    ) -> Result<Vec<SandboxMetric>> {
         let row = self.owned(caller, id).await?;
         if row.status == SandboxStatus::Paused {
             return Ok(self.readings.kept(&row.id));

@@ -24,8 +24,8 @@ pub use requests::{ExecHandle, ExecOutput, FileUpload, GuestDownload, GuestExecE
 use crate::{Result, RuntimeError};
 use sandpit_protocol::{
     encode_frame, AgentError, DoneResult, ErrorKind, ExecRequest, FileEntry, Frame, FrameDecoder,
-    GuestConfig, GuestStats, Message, PathCall, PathEntry, ProcessCall, ProcessInfo, RequestId, CHUNK_LEN,
-    FRAME_MAGIC, HEADER_PREFIX_LEN, MAX_BODY_LEN, MAX_HEADER_LEN, PROTOCOL_GENERATION,
+    GuestConfig, GuestStats, Message, PathCall, PathEntry, ProcessCall, ProcessInfo, RequestId,
+    CHUNK_LEN, FRAME_MAGIC, HEADER_PREFIX_LEN, MAX_BODY_LEN, MAX_HEADER_LEN, PROTOCOL_GENERATION,
 };
 use std::collections::HashMap;
 use std::path::Path;
@@ -542,7 +542,10 @@ impl AgentClient {
 
     /// The guest's CPU, memory and disk now, as its kernel counts them.
     pub async fn stats(&self) -> Result<GuestStats> {
-        match self.simple("its resources", |id| Message::Stats { id }, &[]).await? {
+        match self
+            .simple("its resources", |id| Message::Stats { id }, &[])
+            .await?
+        {
             DoneResult::Stats { stats } => Ok(stats),
             other => Err(RuntimeError::Disconnected(format!(
                 "unexpected answer to a reading of resources: {other:?}"
