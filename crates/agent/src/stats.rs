@@ -14,8 +14,8 @@ use sandpit_protocol::{AgentError, ErrorKind, GuestStats};
 pub fn read() -> Result<GuestStats, AgentError> {
     let stat = std::fs::read_to_string("/proc/stat").map_err(io("/proc/stat"))?;
     let meminfo = std::fs::read_to_string("/proc/meminfo").map_err(io("/proc/meminfo"))?;
-    let (cpu_count, cpu_busy_ticks, cpu_total_ticks) = cpu(&stat)
-        .ok_or_else(|| AgentError::new(ErrorKind::Io, "/proc/stat has no cpu line"))?;
+    let (cpu_count, cpu_busy_ticks, cpu_total_ticks) =
+        cpu(&stat).ok_or_else(|| AgentError::new(ErrorKind::Io, "/proc/stat has no cpu line"))?;
     let mem = |key: &str| {
         meminfo_kib(&meminfo, key)
             .map(|kib| kib * 1024)
