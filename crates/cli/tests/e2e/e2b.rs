@@ -141,7 +141,6 @@ fn the_python_and_javascript_sdks_drive_sandboxes_unchanged() {
         "files.exists, getInfo, makeDir, list with depth, rename, remove",
         "downloadUrl and uploadUrl, signed, opened with fetch",
         "isRunning, getInfo, list filtered by metadata",
-        "getMetrics",
         "setTimeout, longer then shorter",
         "createSnapshot, create from it, deleteSnapshot",
         "pause, then connect resumes it",
