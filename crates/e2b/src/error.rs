@@ -56,6 +56,15 @@ impl IntoResponse for HttpError {
             response
                 .headers_mut()
                 .insert("retry-after", HeaderValue::from(seconds));
+        } else if self.status == StatusCode::PAYLOAD_TOO_LARGE {
+            // The request's body was not read to its end, so the connection
+            // cannot carry another request: said, so a client's pool does
+            // not send its next one down it as hyper closes it (the Python
+            // SDK's next call once failed "connection closed before message
+            // completed").
+            response
+                .headers_mut()
+                .insert("connection", HeaderValue::from_static("close"));
         } else if self.status.is_server_error() {
             // The Python SDK retries a 502, 503 or 504 unless told not to.
             response
