@@ -97,6 +97,10 @@ impl Server {
                         agent_version: env!("CARGO_PKG_VERSION").to_string(),
                         kernel_release,
                         hostname,
+                        features: sandpit_protocol::FEATURES
+                            .iter()
+                            .map(|f| f.to_string())
+                            .collect(),
                     },
                     &[],
                 );

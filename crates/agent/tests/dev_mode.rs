@@ -212,6 +212,7 @@ fn serves_the_protocol_end_to_end() {
         nonce,
         agent_version,
         kernel_release,
+        features,
         ..
     } = f.message
     else {
@@ -219,6 +220,7 @@ fn serves_the_protocol_end_to_end() {
     };
     assert_eq!((protocol, nonce), (PROTOCOL_GENERATION, 77));
     assert!(!agent_version.is_empty() && !kernel_release.is_empty());
+    assert_eq!(features, sandpit_protocol::FEATURES);
 
     a.send(Message::Ping { id: 1 }, b"");
     assert_eq!(

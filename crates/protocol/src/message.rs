@@ -149,6 +149,14 @@ pub enum Message {
         agent_version: String,
         kernel_release: String,
         hostname: String,
+        /// What this agent can do beyond generation 1 as it was first
+        /// frozen ([`FEATURES`]): an agent of an older image lists less,
+        /// or nothing (absent), and the host refuses at once, by name,
+        /// what it lacks, where the agent would time the request out
+        /// (an unknown message's error cannot name its request) or
+        /// silently ignore a new field.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        features: Vec<String>,
     },
     /// A command started, or is followed from now on: the first message
     /// for an [`Message::Exec`] with [`ExecRequest::keep_running`] and for

@@ -28,6 +28,8 @@ where
             agent_version: "test".into(),
             kernel_release: "test".into(),
             hostname: "test".into(),
+            // An agent of the first generation-1 image: nothing added since.
+            features: Vec::new(),
         };
         s.write_all(&encode_frame(&ack, b"")).await.unwrap();
         then(s, d).await;

@@ -83,6 +83,9 @@ pub struct AgentInfo {
     pub agent_version: String,
     pub kernel_release: String,
     pub hostname: String,
+    /// What it can do beyond generation 1 as first frozen
+    /// ([`sandpit_protocol::FEATURES`]).
+    pub features: Vec<String>,
 }
 
 /// Bytes queued for a guest that is not reading them, at most: past it a
@@ -245,6 +248,7 @@ impl AgentClient {
                         agent_version,
                         kernel_release,
                         hostname,
+                        features,
                         ..
                     } = message
                     {
@@ -253,6 +257,7 @@ impl AgentClient {
                             agent_version,
                             kernel_release,
                             hostname,
+                            features,
                         });
                     }
                 }
@@ -540,8 +545,25 @@ impl AgentClient {
         }
     }
 
+    /// `Unsupported`, naming `what`, when the agent does not list
+    /// `feature` (an older image's agent: see [`AgentInfo::features`]).
+    fn needs(&self, feature: &str, what: &str) -> Result<()> {
+        if self.info.features.iter().any(|f| f == feature) {
+            return Ok(());
+        }
+        Err(RuntimeError::Agent(AgentError::new(
+            ErrorKind::Unsupported,
+            format!(
+                "this sandbox's guest agent ({}) predates {what}: sandboxes started \
+                 since the server's upgrade have it",
+                self.info.agent_version
+            ),
+        )))
+    }
+
     /// The guest's CPU, memory and disk now, as its kernel counts them.
     pub async fn stats(&self) -> Result<GuestStats> {
+        self.needs("stats", "reading its resources")?;
         match self
             .simple("its resources", |id| Message::Stats { id }, &[])
             .await?

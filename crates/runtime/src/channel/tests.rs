@@ -52,6 +52,26 @@ async fn a_guest_sending_past_the_output_limit_is_cut_on_the_host() {
 }
 
 #[tokio::test]
+async fn an_older_agent_is_not_asked_what_it_does_not_list() {
+    // It would answer an unknown message with an error no request can
+    // claim, and the call would wait out its deadline: refused at once.
+    let (client, _dir) = fake::agent(|s, d| async move {
+        let _kept = (s, d);
+        tokio::time::sleep(Duration::from_secs(60)).await;
+    })
+    .await;
+    let started = std::time::Instant::now();
+    match client.stats().await {
+        Err(RuntimeError::Agent(e)) => {
+            assert_eq!(e.kind, ErrorKind::Unsupported);
+            assert!(e.message.contains("predates"), "{}", e.message);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(5));
+}
+
+#[tokio::test]
 async fn a_guest_that_reads_nothing_gets_a_bounded_queue_and_still_its_cancels() {
     let (client, _dir) = fake::agent(|s, d| async move {
         // Keeps the connection and reads nothing, ever.
@@ -147,6 +167,7 @@ async fn handshake_after(leftover: Vec<u8>) {
                 agent_version: "test".into(),
                 kernel_release: "test".into(),
                 hostname: "test".into(),
+                features: Vec::new(),
             },
             b"",
         ));
