@@ -17,6 +17,7 @@
 
 mod cgroup;
 mod channel;
+mod clock;
 mod config;
 mod exec;
 mod files;

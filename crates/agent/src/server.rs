@@ -189,6 +189,10 @@ impl Server {
                 Ok(stats) => reply.done(id, DoneResult::Stats { stats }),
                 Err(e) => reply.error(id, e),
             },
+            Message::Clock { id, step_ns } => match crate::clock::step_and_read(step_ns) {
+                Ok(unix_ns) => reply.done(id, DoneResult::Clock { unix_ns }),
+                Err(e) => reply.error(id, e),
+            },
             Message::ProcessCall { id, pid, call } => {
                 // Input may wait for the command to read it.
                 spawn_worker(reply, id, "process-call", false, move |r| {

@@ -85,6 +85,13 @@ pub enum Message {
     /// answered with [`Message::Done`] / [`DoneResult::Stats`]. Older
     /// agents answer `Unsupported`.
     Stats { id: RequestId },
+    /// Step the guest's clock by `step_ns` (0: leave it) and answer with
+    /// its reading after, [`Message::Done`] / [`DoneResult::Clock`]: the
+    /// host reads its own clock around the exchange and steps the guest's
+    /// when the two differ by more than the exchange can explain (the time
+    /// in [`GuestConfig`] arrives late by as long as a busy host delays the
+    /// message). Older agents do not list `"clock"` in their features.
+    Clock { id: RequestId, step_ns: i64 },
     /// Feed, close or signal a running command ([`ProcessCall`]); answered
     /// with [`Message::Done`] / [`DoneResult::ProcessCalled`], or
     /// [`ErrorKind::NotFound`] when no command has that pid.
@@ -212,6 +219,7 @@ impl Message {
             | ProcessAttach { id, .. }
             | ProcessList { id }
             | Stats { id }
+            | Clock { id, .. }
             | ProcessCall { id, .. }
             | PowerOff { id }
             | TunnelOpen { id, .. }
@@ -394,6 +402,11 @@ pub enum DoneResult {
     /// The guest's resources now ([`Message::Stats`]).
     Stats {
         stats: GuestStats,
+    },
+    /// The guest's `CLOCK_REALTIME` after a [`Message::Clock`], in
+    /// nanoseconds since the Unix epoch.
+    Clock {
+        unix_ns: i64,
     },
 }
 

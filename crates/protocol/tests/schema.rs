@@ -96,7 +96,7 @@ fn samples() -> Vec<Message> {
             agent_version: "0.1.0".into(),
             kernel_release: "6.1.0".into(),
             hostname: "sandpit".into(),
-            features: vec!["stats".into()],
+            features: vec!["stats".into(), "clock".into()],
         },
         Message::Started { id: 3, pid: 99 },
         Message::Stdout { id: 3 },
@@ -347,6 +347,16 @@ fn samples() -> Vec<Message> {
                 },
             },
         },
+        Message::Clock {
+            id: 67,
+            step_ns: -1_026_000_000,
+        },
+        Message::Done {
+            id: 67,
+            result: DoneResult::Clock {
+                unix_ns: 1_796_539_623_702_000_000,
+            },
+        },
     ]
 }
 
@@ -368,6 +378,7 @@ fn exhaustive(m: &Message) -> &'static str {
         Message::ProcessAttach { .. } => "process_attach",
         Message::ProcessList { .. } => "process_list",
         Message::Stats { .. } => "stats",
+        Message::Clock { .. } => "clock",
         Message::ProcessCall { .. } => "process_call",
         Message::PowerOff { .. } => "power_off",
         Message::HelloAck { .. } => "hello_ack",

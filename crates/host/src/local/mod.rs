@@ -196,6 +196,11 @@ impl LocalVms {
             let record = self.manager.record(id)?;
             // It was made at background priority; now it is live.
             sandpit_runtime::vm::process::set_priority(record.qemu_pid, Priority::Normal);
+            // Its clock was set at idle priority, perhaps late, and it may
+            // have waited since: made right now that the guest runs.
+            if let Ok(agent) = self.agent(id).await {
+                agent.settle_clock(id).await;
+            }
             return Ok(record);
         }
         // Someone waits for this one: a refill in flight gives way.

@@ -15,6 +15,7 @@
 //! is sent that the agent would refuse unread: a message over the frame
 //! limits fails here, typed, before it is queued.
 
+pub mod clock;
 mod requests;
 pub mod terminal;
 pub mod tunnel;

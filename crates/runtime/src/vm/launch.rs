@@ -346,6 +346,11 @@ impl VmManager {
             )
             .await?;
         drop(setting_the_clock);
+        if priority == Priority::Normal && !matches!(start, Start::Template { .. }) {
+            // A VM made ahead of demand is checked when it is handed out,
+            // at normal priority (see `LocalVms::create`).
+            agent.settle_clock(&req.id).await;
+        }
         let configured = spawned.elapsed();
         if priority == Priority::Background && !matches!(start, Start::Template { .. }) {
             // A VM made ahead of demand runs one command before it is handed

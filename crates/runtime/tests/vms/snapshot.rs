@@ -1,6 +1,7 @@
 //! Snapshot templates, for real: a template is built from the real image,
 //! VMs restored from it each get a fresh identity (entropy, hostname,
-//! machine-id, clock) and a disk of their own, a broken template falls back to
+//! machine-id, clock, which the clock exchange brings back when it is
+//! wrong) and a disk of their own, a broken template falls back to
 //! a cold boot (a late restore is a busy host: refused, the template kept),
 //! and a changed image gets a template of its own. A QEMU outside the
 //! series whose RAM block table the save path reads refuses saves, saying
@@ -160,6 +161,30 @@ fn restored_vms_get_their_own_identity_clock_and_disk() {
         assert!(
             off.abs() < 1.0,
             "after 10 s the guest clock is {off:.3} s off the host's"
+        );
+
+        // A guest clock gone wrong (stepped 5 s back through the exchange
+        // itself) is brought back by the next exchange.
+        a.agent.clock_exchange(-5_000_000_000).await.unwrap();
+        let off = clock_offset(&a).await;
+        assert!(
+            (off + 5.0).abs() < 1.0,
+            "a step of -5 s left the guest clock {off:.3} s off the host's"
+        );
+        let synced = a.agent.sync_clock().await.unwrap();
+        assert!(synced.stepped_ns.is_some(), "{synced:?}");
+        // Read by the user's own `date`: within the host's readings around
+        // the command, give or take what the exchange could not tell.
+        let before = host_now();
+        let guest: f64 = sh(&a, "date +%s.%N").await.parse().unwrap();
+        let after = host_now();
+        let slack = 0.05 + synced.found.width() as f64 / 2e9;
+        assert!(
+            guest > before - slack && guest < after + slack,
+            "after the exchange ({synced:?}) the guest read {:.3} s after the \
+             host's {before:.3}, which read {:.3} s later",
+            guest - before,
+            after - before
         );
 
         // Disks: a file written in one never appears in the other, nor in a
