@@ -238,8 +238,13 @@ impl Settings {
         images_dir: Option<PathBuf>,
         config: Option<&Path>,
     ) -> Result<Settings> {
-        let data_dir = data_dir.unwrap_or_else(default_data_dir);
-        let images_dir = images_dir.unwrap_or_else(|| data_dir.join("images"));
+        // Absolute: QEMU and qemu-img are given paths inside it (a disk's
+        // backing template among them), which they read relative to other
+        // files, not to this process's working directory.
+        let data_dir = std::path::absolute(data_dir.unwrap_or_else(default_data_dir))
+            .context("the data directory's path")?;
+        let images_dir = std::path::absolute(images_dir.unwrap_or_else(|| data_dir.join("images")))
+            .context("the images directory's path")?;
         let file: FileConfig = match config {
             Some(p) => {
                 let text = std::fs::read_to_string(p)

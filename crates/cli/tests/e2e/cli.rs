@@ -9,8 +9,13 @@ use std::time::{Duration, Instant};
 #[test]
 fn create_exec_cp_ls_rm_across_invocations() {
     let cli = Cli::new();
-    let id = cli.ok(&["sandbox", "create", "--size", "small", "--timeout", "15m"]);
-    let id = id.trim().to_string();
+    let out = cli.run(&["sandbox", "create", "--size", "small", "--timeout", "15m"]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "create failed: {said}");
+    // Restored from the size's template, not booted cold after a warning
+    // (a relative --data-dir once made every restore fall back).
+    assert!(!said.contains("WARN"), "create warned: {said}");
+    let id = String::from_utf8(out.stdout).unwrap().trim().to_string();
     assert!(
         id.starts_with("sbx_") && id.len() == 28,
         "stdout is the id alone: {id:?}"

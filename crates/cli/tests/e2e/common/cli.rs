@@ -42,9 +42,15 @@ impl Cli {
         ]
     }
 
+    /// One call, as a person types it: from the data directory's parent,
+    /// naming it relative to there (a relative data directory once broke
+    /// every restore: QEMU read the template's path relative to the disk).
     pub fn run(&self, args: &[&str]) -> Output {
+        let mut base = self.base_args();
+        base[1] = self.data.file_name().unwrap().into();
         Command::new(Self::program())
-            .args(self.base_args())
+            .current_dir(self.data.parent().unwrap())
+            .args(base)
             .args(args)
             // Found beside the binary, as an install finds it.
             .env_remove("SANDPIT_AGENT_BIN")
