@@ -9,12 +9,13 @@ use serde_json::{json, Value};
 struct Server {
     url: String,
     http: reqwest::Client,
+    fake: std::sync::Arc<Fake>,
 }
 
 async fn start() -> Server {
     let fake = Fake::new();
     let e2b = sandpit_e2b::E2b {
-        api: fake,
+        api: fake.clone(),
         domain: "sandpit.test".into(),
         default_size: "small".into(),
         max_body_bytes: sandpit_api::RestConfig::default().max_body_bytes,
@@ -26,6 +27,7 @@ async fn start() -> Server {
     Server {
         url: format!("http://{addr}/e2b"),
         http: reqwest::Client::new(),
+        fake,
     }
 }
 
@@ -252,4 +254,63 @@ async fn lists_are_paged_by_the_next_token_and_filtered_by_metadata() {
         .call(Method::GET, "/v2/sandboxes", Some(KEY_B), None)
         .await;
     assert_eq!(theirs, json!([]));
+}
+
+#[tokio::test]
+async fn metrics_of_many_sandboxes_are_read_side_by_side() {
+    use reqwest::Method;
+    let s = start().await;
+    let mut mine = Vec::new();
+    for _ in 0..40 {
+        let (st, _, body) = s
+            .call(Method::POST, "/v2/sandboxes", Some(KEY_A), Some(json!({})))
+            .await;
+        assert_eq!(st, 201, "{body}");
+        mine.push(body["sandboxID"].as_str().unwrap().to_string());
+    }
+    let (st, _, theirs) = s
+        .call(Method::POST, "/v2/sandboxes", Some(KEY_B), Some(json!({})))
+        .await;
+    assert_eq!(st, 201, "{theirs}");
+    // Mine (one of them twice), another account's, and one nobody has.
+    let asked = format!(
+        "{},{},{},sbx_nobody",
+        mine.join(","),
+        mine[0],
+        theirs["sandboxID"].as_str().unwrap()
+    );
+    let (st, _, body) = s
+        .call(
+            Method::GET,
+            &format!("/sandboxes/metrics?sandbox_ids={asked}"),
+            Some(KEY_A),
+            None,
+        )
+        .await;
+    assert_eq!(st, 200, "{body}");
+    let got = body["sandboxes"].as_object().unwrap();
+    let mut expected = mine.clone();
+    expected.sort();
+    assert_eq!(got.keys().cloned().collect::<Vec<_>>(), expected);
+    for (id, m) in got {
+        assert_eq!(m["cpuCount"], 2, "{id}: {m}");
+        assert!(m["memTotal"].as_u64().unwrap() > 0, "{id}: {m}");
+    }
+    // Side by side, and a bounded number at once: one reading takes a
+    // moment (the service's first waits to measure the CPU), and a
+    // hundred in turn took half a minute.
+    let at_once = s.fake.most_readings_at_once();
+    assert!((2..=16).contains(&at_once), "{at_once} readings at once");
+
+    // More than a hundred ids is refused.
+    let many: Vec<String> = (0..101).map(|i| format!("sbx_{i}")).collect();
+    let (st, _, body) = s
+        .call(
+            Method::GET,
+            &format!("/sandboxes/metrics?sandbox_ids={}", many.join(",")),
+            Some(KEY_A),
+            None,
+        )
+        .await;
+    assert_error(st, &body, 400, "from 1 to 100");
 }

@@ -261,6 +261,34 @@ impl Sandboxes for Fake {
         let mut st = self.state.lock().unwrap();
         Ok(st.running(caller, id)?.sandbox.clone())
     }
+
+    async fn sandbox_metrics(&self, caller: &Caller, id: &str) -> Result<Vec<SandboxMetric>> {
+        self.begin(caller, Op::SandboxMetrics { id: id.into() })?;
+        let sandbox = self.state.lock().unwrap().held(caller, id)?.sandbox.clone();
+        if sandbox.status != SandboxStatus::Running {
+            // A paused sandbox is not woken to be read; an ended one has
+            // nothing to read.
+            return match sandbox.status {
+                SandboxStatus::Paused => Ok(Vec::new()),
+                _ => Err(CoreError::conflict(format!("sandbox {id} is not running"))),
+            };
+        }
+        {
+            let _reading = self.reading();
+            tokio::time::sleep(crate::READING_TAKES).await;
+        }
+        let spec = self.config().sizes[&sandbox.size].clone();
+        Ok(vec![SandboxMetric {
+            at_unix_ms: (OffsetDateTime::now_utc().unix_timestamp_nanos() / 1_000_000) as i64,
+            cpu_count: spec.vcpus,
+            cpu_used_pct: 1.0,
+            mem_used_bytes: 64 << 20,
+            mem_total_bytes: u64::from(spec.memory_mb) << 20,
+            mem_cache_bytes: 16 << 20,
+            disk_used_bytes: 1 << 30,
+            disk_total_bytes: u64::from(spec.disk_gb) << 30,
+        }])
+    }
 }
 
 #[async_trait]

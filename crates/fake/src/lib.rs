@@ -97,13 +97,15 @@ const ACCOUNTS: [(&str, &str, &str); 2] = [
     (KEY_B, ACCOUNT_B, "Account B"),
 ];
 const CREDIT_USD: f64 = 9.5;
+/// How long the fake's `sandbox_metrics` takes.
+pub const READING_TAKES: std::time::Duration = std::time::Duration::from_millis(50);
 /// A killed command's exit code: 128 + SIGKILL, as the service reports it.
 const KILLED: i32 = 128 + 9;
 
 /// The names of the operations [`Fake::calls`] records and
 /// [`Fake::fail_next`] takes: [`SandboxApi`]'s methods that act for an
 /// account.
-pub const OPERATIONS: [&str; 25] = [
+pub const OPERATIONS: [&str; 26] = [
     "create_sandbox",
     "get_sandbox",
     "list_sandboxes",
@@ -117,6 +119,7 @@ pub const OPERATIONS: [&str; 25] = [
     "restore_sandbox",
     "pause_sandbox",
     "resume_sandbox",
+    "sandbox_metrics",
     "exec",
     "exec_stream",
     "get_execution",
@@ -185,6 +188,9 @@ pub enum Op {
         id: String,
     },
     ResumeSandbox {
+        id: String,
+    },
+    SandboxMetrics {
         id: String,
     },
     Exec {
@@ -257,6 +263,7 @@ impl Op {
             Op::RestoreSandbox { .. } => "restore_sandbox",
             Op::PauseSandbox { .. } => "pause_sandbox",
             Op::ResumeSandbox { .. } => "resume_sandbox",
+            Op::SandboxMetrics { .. } => "sandbox_metrics",
             Op::Exec { .. } => "exec",
             Op::ExecStream { .. } => "exec_stream",
             Op::GetExecution { .. } => "get_execution",
@@ -459,6 +466,8 @@ pub struct Fake {
     calls: Mutex<Vec<Call>>,
     faults: Mutex<VecDeque<(&'static str, Fault)>>,
     cancels: Arc<Cancels>,
+    /// `sandbox_metrics` calls in flight, and the most there ever were.
+    readings: Mutex<(usize, usize)>,
 }
 
 impl Fake {
@@ -475,6 +484,7 @@ impl Fake {
             calls: Mutex::default(),
             faults: Mutex::default(),
             cancels: Arc::default(),
+            readings: Mutex::default(),
         })
     }
 
@@ -511,6 +521,28 @@ impl Fake {
             .lock()
             .unwrap()
             .push_back((operation, fault.into()));
+    }
+
+    /// The most `sandbox_metrics` calls that were ever in flight at once
+    /// (each takes [`READING_TAKES`], as the service's first reading of a
+    /// sandbox waits a moment to measure its CPU).
+    pub fn most_readings_at_once(&self) -> usize {
+        self.readings.lock().unwrap().1
+    }
+
+    /// Count a `sandbox_metrics` reading in flight until the guard drops
+    /// (a call given up half-way included).
+    fn reading(&self) -> impl Drop + '_ {
+        struct Reading<'a>(&'a Mutex<(usize, usize)>);
+        impl Drop for Reading<'_> {
+            fn drop(&mut self) {
+                self.0.lock().unwrap().0 -= 1;
+            }
+        }
+        let mut r = self.readings.lock().unwrap();
+        r.0 += 1;
+        r.1 = r.1.max(r.0);
+        Reading(&self.readings)
     }
 
     /// Every call so far, oldest first.
