@@ -224,10 +224,12 @@ fn run(
             env: req.env.clone(),
             keep_running: req.keep_running,
             stdin: child.stdin.is_some(),
+            pty: child.terminal.is_some(),
         },
         followers.clone(),
         child.stdin.take(),
         cancel.clone(),
+        child.terminal.take(),
     ));
 
     // Output is forwarded as it comes while waiting for the shell's exit
@@ -329,15 +331,43 @@ fn spawn_shell(
     let on_exit = Box::new(move |status| {
         let _ = status_tx.send(status);
     });
-    spawn::spawn(
+    let Some(size) = req.pty else {
+        return spawn::spawn(
+            shell.program,
+            &shell.argv,
+            &shell.env,
+            sandbox,
+            req.stdin,
+            on_exit,
+        )
+        .map_err(|e| spawn_error(&e, cwd));
+    };
+    // On a terminal: the slave side is the shell's stdin, stdout, stderr
+    // and controlling terminal; the master side is read for its output,
+    // written for its input and kept for its size.
+    let io = |what: &'static str| {
+        move |e: io::Error| AgentError::new(ErrorKind::Io, format!("the terminal: {what}: {e}"))
+    };
+    let (master, slave) = crate::pty::open_pair().map_err(io("open"))?;
+    crate::pty::set_size(master.as_raw_fd(), size).map_err(io("size"))?;
+    let (pid, pidfd) = spawn::spawn_on_terminal(
         shell.program,
         &shell.argv,
         &shell.env,
         sandbox,
-        req.stdin,
+        slave.as_raw_fd(),
         on_exit,
     )
-    .map_err(|e| spawn_error(&e, cwd))
+    .map_err(|e| spawn_error(&e, cwd))?;
+    drop(slave);
+    Ok(Spawned {
+        pid,
+        pidfd,
+        stdout: master.try_clone().map_err(io("dup"))?,
+        stderr: None,
+        stdin: Some(master.try_clone().map_err(io("dup"))?),
+        terminal: Some(master),
+    })
 }
 
 fn exec_result(
@@ -387,6 +417,12 @@ fn cwd_path(cwd: Option<&str>) -> Result<String, AgentError> {
 
 /// Reject what exec(2) cannot carry, before forking.
 fn check_request(req: &ExecRequest) -> Result<(), AgentError> {
+    if req.pty.is_some_and(|p| p.rows == 0 || p.cols == 0) {
+        return Err(AgentError::new(
+            ErrorKind::InvalidRequest,
+            "a terminal needs at least one row and one column",
+        ));
+    }
     if req.command.contains('\0') {
         return Err(AgentError::new(
             ErrorKind::InvalidRequest,
@@ -483,7 +519,15 @@ fn is_executable(path: &CStr) -> bool {
 fn shell_command(req: &ExecRequest, cwd: &str) -> Result<ShellCommand, AgentError> {
     let (program, name) = shell();
     let invalid = |e: io::Error| AgentError::new(ErrorKind::InvalidRequest, e.to_string());
-    let extra = req.env.iter().map(|(k, v)| (k.as_str(), v.as_str()));
+    // On a terminal, programs are told what it is unless the caller said.
+    let term = req
+        .pty
+        .is_some()
+        .then_some(("TERM", crate::pty::TERM))
+        .filter(|_| !req.env.contains_key("TERM"));
+    let extra = term
+        .into_iter()
+        .chain(req.env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
     let env = environment(cwd, extra).map_err(invalid)?;
     Ok(ShellCommand {
         program,

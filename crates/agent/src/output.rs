@@ -75,17 +75,17 @@ impl Output {
         id: RequestId,
         followers: Arc<Followers>,
         stdout: OwnedFd,
-        stderr: OwnedFd,
+        stderr: Option<OwnedFd>,
         max_output_bytes: u64,
     ) -> Self {
         let stream = |fd, stderr| Stream {
-            fd: Some(fd),
+            fd,
             acct: StreamAcct::new(max_output_bytes),
             stderr,
         };
         Output {
             fwd: Forwarder { id, followers },
-            streams: [stream(stdout, false), stream(stderr, true)],
+            streams: [stream(Some(stdout), false), stream(stderr, true)],
             buf: vec![0u8; CHUNK_LEN],
         }
     }
@@ -162,6 +162,12 @@ impl Forwarder {
                 true
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => false,
+            // A terminal's master side once nothing holds the other: its
+            // end of file.
+            Err(e) if e.raw_os_error() == Some(libc::EIO) => {
+                s.fd = None;
+                false
+            }
             Err(e) => {
                 crate::error!("exec {}: reading output: {e}", self.id);
                 s.fd = None;
@@ -316,7 +322,7 @@ mod tests {
         let (err_r, _err_w) = pipe();
         let (tx, rx) = mpsc::sync_channel(1 << 10);
         let reply = Reply::new(u64::MAX, Outbox::for_test(tx));
-        let mut output = Output::new(9, Followers::first(9, reply), flood, err_r, 100_000);
+        let mut output = Output::new(9, Followers::first(9, reply), flood, Some(err_r), 100_000);
         let (done_tx, done_rx) = mpsc::channel();
         thread::spawn(move || {
             let wake = EventFd::new().unwrap();
@@ -337,7 +343,7 @@ mod tests {
         let (tx, rx) = mpsc::sync_channel(64);
         let reply = Reply::new(u64::MAX, Outbox::for_test(tx));
         let exited = Arc::new(EventFd::new().unwrap());
-        let mut output = Output::new(9, Followers::first(9, reply), out_r, err_r, 5);
+        let mut output = Output::new(9, Followers::first(9, reply), out_r, Some(err_r), 5);
         let wake = exited.clone();
         let h = thread::spawn(move || {
             // Nothing to wake for within the timeout: output is forwarded.

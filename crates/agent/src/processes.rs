@@ -21,6 +21,7 @@ use crate::channel::Reply;
 use crate::sys::{self, lock, EventFd};
 use sandpit_protocol::{
     AgentError, DoneResult, ErrorKind, ExecResult, Message, ProcessCall, ProcessInfo, RequestId,
+    TerminalSize,
 };
 use std::collections::BTreeMap;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -130,6 +131,8 @@ pub struct Process {
     /// Tells the command's thread to kill it (SIGKILL to its process group
     /// and its cgroup, which catches what left the group).
     kill: Arc<EventFd>,
+    /// The master side of its terminal, when it runs on one.
+    terminal: Option<OwnedFd>,
 }
 
 impl Process {
@@ -138,6 +141,7 @@ impl Process {
         followers: Arc<Followers>,
         stdin: Option<OwnedFd>,
         kill: Arc<EventFd>,
+        terminal: Option<OwnedFd>,
     ) -> Arc<Self> {
         if let Some(fd) = &stdin {
             // Writes never block the agent: a full pipe is waited for with
@@ -149,6 +153,7 @@ impl Process {
             followers,
             stdin: Mutex::new(stdin),
             kill,
+            terminal,
         })
     }
 }
@@ -254,6 +259,7 @@ pub fn call(pid: u32, call: ProcessCall, input: &[u8]) -> Result<DoneResult, Age
             lock(&process.stdin).take();
         }
         ProcessCall::Signal { signal } => send_signal(&process, signal)?,
+        ProcessCall::Resize { rows, cols } => resize(&process, TerminalSize { rows, cols })?,
     }
     Ok(DoneResult::ProcessCalled { pid })
 }
@@ -314,6 +320,26 @@ fn write_input(process: &Process, mut input: &[u8]) -> Result<(), AgentError> {
         }
     }
     Ok(())
+}
+
+fn resize(process: &Process, size: TerminalSize) -> Result<(), AgentError> {
+    let Some(terminal) = process.terminal.as_ref() else {
+        return Err(AgentError::new(
+            ErrorKind::InvalidRequest,
+            format!(
+                "command {} has no terminal to resize (start it with a pty)",
+                process.info.pid
+            ),
+        ));
+    };
+    if size.rows == 0 || size.cols == 0 {
+        return Err(AgentError::new(
+            ErrorKind::InvalidRequest,
+            format!("a terminal of {} rows and {} columns", size.rows, size.cols),
+        ));
+    }
+    crate::pty::set_size(terminal.as_raw_fd(), size)
+        .map_err(|e| AgentError::new(ErrorKind::Io, format!("resizing the terminal: {e}")))
 }
 
 fn send_signal(process: &Process, signal: i32) -> Result<(), AgentError> {

@@ -53,7 +53,7 @@ pub const HANGUP_GRACE: Duration = Duration::from_secs(2);
 /// The group that owns terminals (Debian's `tty`).
 const TTY_GID: libc::gid_t = 5;
 /// What every terminal's programs are told they draw on.
-const TERM: &str = "xterm-256color";
+pub(crate) const TERM: &str = "xterm-256color";
 
 /// Handle a `PtyOpen` (on the reader thread: registers the stream before
 /// anything else about it can arrive).
@@ -77,11 +77,7 @@ pub fn open(reply: Reply, id: RequestId, rows: u16, cols: u16, window: u32) {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Size {
-    rows: u16,
-    cols: u16,
-}
+type Size = sandpit_protocol::TerminalSize;
 
 /// A started terminal: the master side, the shell on it, and its cgroup.
 struct Terminal {
@@ -429,7 +425,7 @@ fn kill_group(pid: u32) {
 /// A new pseudo-terminal: its master side and its slave side, the slave
 /// owned by the guest user and group `tty` (mode 0620), as `login` leaves
 /// it.
-fn open_pair() -> io::Result<(OwnedFd, OwnedFd)> {
+pub(crate) fn open_pair() -> io::Result<(OwnedFd, OwnedFd)> {
     // SAFETY: plain syscalls; every descriptor made is wrapped at once.
     unsafe {
         let m = sys::cvt(libc::posix_openpt(
@@ -449,7 +445,7 @@ fn open_pair() -> io::Result<(OwnedFd, OwnedFd)> {
     }
 }
 
-fn set_size(master: RawFd, size: Size) -> io::Result<()> {
+pub(crate) fn set_size(master: RawFd, size: Size) -> io::Result<()> {
     let ws = libc::winsize {
         ws_row: size.rows,
         ws_col: size.cols,

@@ -74,14 +74,17 @@ pub struct Sandbox<'a> {
 }
 
 /// A started shell: its pid, a pidfd, the read ends of its stdout and
-/// stderr, and the write end of its stdin when it was given a pipe.
+/// stderr, and the write end of its stdin when it was given a pipe. On a
+/// terminal, stdout and stdin are the terminal's master side, there is no
+/// separate stderr, and `terminal` is kept for its size.
 pub struct Spawned {
     pub pid: u32,
     /// Readable once the shell has exited (see [`exit_status`]).
     pub pidfd: OwnedFd,
     pub stdout: OwnedFd,
-    pub stderr: OwnedFd,
+    pub stderr: Option<OwnedFd>,
     pub stdin: Option<OwnedFd>,
+    pub terminal: Option<OwnedFd>,
 }
 
 /// The step of the child's set-up that failed.
@@ -182,8 +185,9 @@ pub fn spawn(
         pid,
         pidfd,
         stdout: out_r,
-        stderr: err_r,
+        stderr: Some(err_r),
         stdin: input.map(|(_, w)| w),
+        terminal: None,
     })
 }
 

@@ -313,6 +313,11 @@ pub struct ExecParams {
     /// `Commands::process_call`) instead of `/dev/null`.
     #[serde(skip)]
     pub stdin: bool,
+    /// E2B's terminals: the command runs on a pseudo-terminal of this size
+    /// (its output all comes as stdout; input and resizing through
+    /// `Commands::process_call`).
+    #[serde(skip)]
+    pub pty: Option<sandpit_protocol::TerminalSize>,
 }
 
 /// The execution object.

@@ -5,9 +5,10 @@ E2B_API_KEY pointing at the server; SANDPIT_REVOKED_KEY is a key that was
 revoked. Prints one `ok <check>` line per check; any failure raises.
 """
 import os
+import threading
 import time
 
-from e2b import Sandbox
+from e2b import PtySize, Sandbox
 from e2b import (
     AuthenticationException,
     CommandExitException,
@@ -126,6 +127,41 @@ try:
         assert "stdin" in str(e), e
     assert no_stdin.kill() is True
     ok("send_stdin, close_stdin; a command without stdin refuses input")
+
+    # A terminal: bash on a pty, typed into, resized, exited. Its output is
+    # gathered by a thread waiting on it while this one types.
+    chunks = []
+    term = sbx.pty.create(PtySize(rows=24, cols=80))
+    ended = []
+
+    def wait_for_the_terminal():
+        try:
+            ended.append(term.wait(on_pty=chunks.append).exit_code)
+        except CommandExitException as e:
+            ended.append(e.exit_code)
+
+    waiter = threading.Thread(target=wait_for_the_terminal)
+    waiter.start()
+
+    def screen():
+        return b"".join(chunks).decode(errors="replace")
+
+    def shows(text, within=60):
+        deadline = time.monotonic() + within
+        while text not in screen():
+            assert time.monotonic() < deadline, (text, screen())
+            time.sleep(0.1)
+
+    sbx.pty.send_stdin(term.pid, b"stty size; echo $TERM; tty; echo typed-$((6*7))\n")
+    shows("typed-42")
+    assert "24 80" in screen() and "xterm-256color" in screen() and "/dev/pts/" in screen(), screen()
+    sbx.pty.resize(term.pid, PtySize(rows=50, cols=132))
+    sbx.pty.send_stdin(term.pid, b"stty size; exit 3\n")
+    waiter.join(60)
+    assert not waiter.is_alive(), screen()
+    assert "50 132" in screen(), screen()
+    assert ended == [3], ended
+    ok("pty: create, send_stdin, resize, exit")
 
     # A server in the sandbox, on a port nobody exposed, reached through
     # get_host as the user's own program reaches it: urllib, which asks the

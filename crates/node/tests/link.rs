@@ -396,6 +396,7 @@ impl Machines for FakeVms {
             env: [("A".to_string(), "b".to_string())].into(),
             keep_running: true,
             stdin: true,
+            pty: true,
         }])
     }
     async fn process_call(
@@ -820,6 +821,10 @@ async fn a_nodes_vms_answer_through_the_link_as_they_would_at_home() {
     assert_eq!(listed.len(), 1);
     assert_eq!(listed[0].command, "python3 -m http.server");
     assert_eq!(listed[0].env["A"], "b");
+    assert!(
+        listed[0].pty,
+        "a command's terminal is said across the link"
+    );
     let stats = remote.stats("vm1").await.unwrap();
     assert_eq!((stats.cpu_count, stats.cpu_busy_ticks), (2, 150));
     assert_eq!(stats.disk_used_bytes, 1 << 30);

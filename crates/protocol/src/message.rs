@@ -334,6 +334,21 @@ pub struct ExecRequest {
     /// generation 1.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub stdin: bool,
+    /// Run it on a new pseudo-terminal of this size instead of pipes: the
+    /// terminal is its stdin, stdout and stderr (all output comes as
+    /// stdout, as a terminal shows it) and its controlling terminal, input
+    /// goes through [`ProcessCall::Input`] as keystrokes, and
+    /// [`ProcessCall::Resize`] changes the size. Added within generation 1
+    /// (feature `pty`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pty: Option<TerminalSize>,
+}
+
+/// A terminal's size, in characters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TerminalSize {
+    pub rows: u16,
+    pub cols: u16,
 }
 
 /// How a command ended.
@@ -446,6 +461,11 @@ pub enum ProcessCall {
     CloseStdin,
     /// Send `signal` (1 to 31) to its whole process group.
     Signal { signal: i32 },
+    /// Set the size of its terminal ([`ExecRequest::pty`]); its
+    /// foreground programs get SIGWINCH. A command without one fails it
+    /// with [`ErrorKind::InvalidRequest`]. Added within generation 1
+    /// (feature `pty`).
+    Resize { rows: u16, cols: u16 },
 }
 
 /// A running command, as [`Message::ProcessList`] describes it.
@@ -463,6 +483,10 @@ pub struct ProcessInfo {
     pub keep_running: bool,
     /// Whether it has a stdin pipe still open.
     pub stdin: bool,
+    /// Whether it runs on a terminal ([`ExecRequest::pty`]). Added within
+    /// generation 1 (feature `pty`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pty: bool,
 }
 
 /// A file system call on one path or two (see [`Message::PathCall`]).

@@ -96,7 +96,7 @@ fn samples() -> Vec<Message> {
             agent_version: "0.1.0".into(),
             kernel_release: "6.1.0".into(),
             hostname: "sandpit".into(),
-            features: vec!["stats".into(), "clock".into()],
+            features: vec!["stats".into(), "clock".into(), "pty".into()],
         },
         Message::Started { id: 3, pid: 99 },
         Message::Stdout { id: 3 },
@@ -294,6 +294,7 @@ fn samples() -> Vec<Message> {
                 max_output_bytes: 1024,
                 keep_running: true,
                 stdin: true,
+                pty: None,
             },
         },
         Message::Started { id: 60, pid: 812 },
@@ -309,6 +310,7 @@ fn samples() -> Vec<Message> {
                     env: BTreeMap::from([("A".into(), "b".into())]),
                     keep_running: true,
                     stdin: true,
+                    pty: false,
                 }],
             },
         },
@@ -345,6 +347,42 @@ fn samples() -> Vec<Message> {
                     disk_total_bytes: 4_160_000_000,
                     disk_used_bytes: 1_900_000_000,
                 },
+            },
+        },
+        // Added to generation 1: a command on a terminal (E2B's pty).
+        Message::Exec {
+            id: 68,
+            request: ExecRequest {
+                command: "/bin/bash -i -l".into(),
+                cwd: None,
+                env: BTreeMap::new(),
+                timeout_ms: 0,
+                max_output_bytes: 1 << 20,
+                keep_running: true,
+                stdin: true,
+                pty: Some(TerminalSize { rows: 24, cols: 80 }),
+            },
+        },
+        Message::ProcessCall {
+            id: 69,
+            pid: 813,
+            call: ProcessCall::Resize {
+                rows: 50,
+                cols: 132,
+            },
+        },
+        Message::Done {
+            id: 70,
+            result: DoneResult::Processes {
+                processes: vec![ProcessInfo {
+                    pid: 813,
+                    command: "/bin/bash -i -l".into(),
+                    cwd: "/home/user".into(),
+                    env: BTreeMap::new(),
+                    keep_running: true,
+                    stdin: true,
+                    pty: true,
+                }],
             },
         },
         Message::Clock {

@@ -117,6 +117,7 @@ pub fn validate_exec(config: &ServiceConfig, p: &ExecParams) -> Result<ExecReque
         max_output_bytes: config.max_output_bytes,
         keep_running: p.keep_running,
         stdin: p.stdin,
+        pty: p.pty,
     })
 }
 

@@ -20,8 +20,12 @@
 //! table of processes, so any server (a replica, one restarted) sees the
 //! same.
 //!
-//! Not built yet, and refused as `unimplemented`: a terminal (`pty`,
-//! `Update`), and selecting a process by `tag`.
+//! A `Start` with `pty` runs the command on a terminal of that size: its
+//! output comes as `pty` data, `SendInput`'s `pty` bytes are keystrokes,
+//! and `Update` resizes it.
+//!
+//! Not built yet, and refused as `unimplemented`: selecting a process by
+//! `tag`.
 
 use super::connect::{self, Stream};
 use super::ForSandbox;
@@ -46,8 +50,39 @@ const MOST_MS: u64 = 600_000;
 #[serde(rename_all = "camelCase")]
 struct StartRequest {
     process: ProcessConfig,
-    pty: Option<serde_json::Value>,
+    pty: Option<Pty>,
     stdin: Option<bool>,
+}
+
+/// envd's `PTY`: a terminal, of this size.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct Pty {
+    size: Option<PtySize>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct PtySize {
+    cols: u32,
+    rows: u32,
+}
+
+impl Pty {
+    fn size(&self) -> Result<sandpit_protocol::TerminalSize, RpcError> {
+        let size = self
+            .size
+            .as_ref()
+            .ok_or_else(|| RpcError::invalid("pty.size is missing"))?;
+        let fits = |n: u32| u16::try_from(n).ok().filter(|&n| n > 0);
+        match (fits(size.rows), fits(size.cols)) {
+            (Some(rows), Some(cols)) => Ok(sandpit_protocol::TerminalSize { rows, cols }),
+            _ => Err(RpcError::invalid(format!(
+                "pty.size: {} rows and {} columns (each from 1 to 65535)",
+                size.rows, size.cols
+            ))),
+        }
+    }
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -71,12 +106,13 @@ pub async fn start(
         Ok(params) => params,
         Err(e) => return connect::failed(e).await,
     };
+    let on_terminal = params.pty.is_some();
     match e2b
         .api
         .exec_stream(&sandbox.caller, &sandbox.id, params)
         .await
     {
-        Ok(exec) => follow(exec, keepalive(&headers)),
+        Ok(exec) => follow(exec, keepalive(&headers), on_terminal),
         Err(e) => connect::failed(e.into()).await,
     }
 }
@@ -92,12 +128,17 @@ pub async fn connect(
         Ok(pid) => pid,
         Err(e) => return connect::failed(e).await,
     };
+    // A terminal's output goes out as such: the agent's table says which.
+    let on_terminal = match e2b.api.list_processes(&sandbox.caller, &sandbox.id).await {
+        Ok(running) => running.iter().any(|p| p.pid == pid && p.pty),
+        Err(e) => return connect::failed(e.into()).await,
+    };
     match e2b
         .api
         .attach_process(&sandbox.caller, &sandbox.id, pid)
         .await
     {
-        Ok(exec) => follow(exec, keepalive(&headers)),
+        Ok(exec) => follow(exec, keepalive(&headers), on_terminal),
         Err(e) => connect::failed(e.into()).await,
     }
 }
@@ -113,8 +154,10 @@ fn keepalive(headers: &HeaderMap) -> u64 {
         .max(1)
 }
 
-/// A command's events as envd's `ProcessEvent`s, on a stream of their own.
-fn follow(mut exec: ExecStream, keepalive: u64) -> Response {
+/// A command's events as envd's `ProcessEvent`s, on a stream of their own
+/// (a terminal's output as `pty` data, a command's as `stdout`/`stderr`).
+fn follow(mut exec: ExecStream, keepalive: u64, on_terminal: bool) -> Response {
+    let stdout = if on_terminal { "pty" } else { "stdout" };
     let (response, stream) = Stream::open();
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(keepalive));
@@ -135,7 +178,7 @@ fn follow(mut exec: ExecStream, keepalive: u64) -> Response {
                     json!({"event": {"start": {"pid": ex.pid.unwrap_or_default()}}})
                 }
                 Some(ExecEvent::Stdout(text)) => {
-                    json!({"event": {"data": {"stdout": b64(&text)}}})
+                    json!({"event": {"data": {stdout: b64(&text)}}})
                 }
                 Some(ExecEvent::Stderr(text)) => {
                     json!({"event": {"data": {"stderr": b64(&text)}}})
@@ -240,7 +283,8 @@ struct InputRequest {
     input: Input,
 }
 
-/// envd's `ProcessInput`: bytes for stdin, or for a terminal.
+/// envd's `ProcessInput`: bytes for stdin, or keystrokes for a terminal
+/// (both go to what the command reads: its stdin is its terminal).
 #[derive(Debug, Default, Deserialize)]
 #[serde(default)]
 struct Input {
@@ -250,13 +294,22 @@ struct Input {
 
 impl Input {
     fn bytes(&self) -> Result<Vec<u8>, RpcError> {
-        if self.pty.is_some() {
-            return Err(RpcError::unimplemented("input to a terminal (pty)"));
-        }
+        let (field, text) = match (&self.stdin, &self.pty) {
+            (_, Some(pty)) => ("pty", pty.as_str()),
+            (stdin, None) => ("stdin", stdin.as_deref().unwrap_or_default()),
+        };
         base64::engine::general_purpose::STANDARD
-            .decode(self.stdin.as_deref().unwrap_or_default())
-            .map_err(|e| RpcError::invalid(format!("input.stdin is not base64: {e}")))
+            .decode(text)
+            .map_err(|e| RpcError::invalid(format!("input.{field} is not base64: {e}")))
     }
+}
+
+/// envd's `UpdateRequest`: a terminal's new size.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct UpdateRequest {
+    process: Selector,
+    pty: Option<Pty>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -333,9 +386,20 @@ async fn answer(
             call(req.process.pid()?, ProcessCall::CloseStdin, Vec::new()).await?;
             Ok(json!({}))
         }
-        "Update" => Err(RpcError::unimplemented(
-            "process.Process/Update (a terminal's size)",
-        )),
+        "Update" => {
+            let req: UpdateRequest = connect::request(headers, body)?;
+            let pid = req.process.pid()?;
+            // Nothing to change but the terminal's size.
+            if let Some(pty) = req.pty {
+                let size = pty.size()?;
+                let resize = ProcessCall::Resize {
+                    rows: size.rows,
+                    cols: size.cols,
+                };
+                call(pid, resize, Vec::new()).await?;
+            }
+            Ok(json!({}))
+        }
         other => Err(RpcError::unimplemented(&format!("process.Process/{other}"))),
     }
 }
@@ -424,9 +488,7 @@ struct StreamedData {
 fn start_params(headers: &HeaderMap, body: &[u8]) -> Result<ExecParams, RpcError> {
     let req: StartRequest = connect::request(headers, body)?;
     super::check_user(super::named_user(headers).as_deref())?;
-    if req.pty.as_ref().is_some_and(|p| !p.is_null()) {
-        return Err(RpcError::unimplemented("a terminal (pty)"));
-    }
+    let pty = req.pty.as_ref().map(Pty::size).transpose()?;
     if req.process.cmd.is_empty() {
         return Err(RpcError::invalid("process.cmd is empty"));
     }
@@ -453,6 +515,7 @@ fn start_params(headers: &HeaderMap, body: &[u8]) -> Result<ExecParams, RpcError
         keep_running: true,
         // envd's default, for clients older than the field.
         stdin: req.stdin.unwrap_or(true),
+        pty,
     })
 }
 
@@ -511,7 +574,11 @@ mod tests {
         let input: Input = serde_json::from_str(r#"{"stdin":"aGk="}"#).unwrap();
         assert_eq!(input.bytes().unwrap(), b"hi");
         let input: Input = serde_json::from_str(r#"{"pty":"aGk="}"#).unwrap();
-        assert_eq!(input.bytes().unwrap_err().code, "unimplemented");
+        assert_eq!(input.bytes().unwrap(), b"hi");
+        let input: Input = serde_json::from_str(r#"{"pty":"not base64!"}"#).unwrap();
+        let e = input.bytes().unwrap_err();
+        assert_eq!(e.code, "invalid_argument");
+        assert!(e.message.contains("input.pty"), "{}", e.message);
     }
 
     #[test]
@@ -523,6 +590,7 @@ mod tests {
             env: BTreeMap::new(),
             keep_running: true,
             stdin: false,
+            pty: false,
         };
         let l = listed(&p);
         assert_eq!(l["pid"], 9);
@@ -560,10 +628,23 @@ mod tests {
     }
 
     #[test]
-    fn a_terminal_or_another_user_is_refused_saying_so() {
+    fn a_terminal_has_a_size_and_another_user_is_refused_saying_so() {
         let (h, body) =
             streamed(r#"{"process":{"cmd":"bash"},"pty":{"size":{"cols":80,"rows":24}}}"#);
-        assert_eq!(start_params(&h, &body).unwrap_err().code, "unimplemented");
+        let size = start_params(&h, &body).unwrap().pty.unwrap();
+        assert_eq!((size.rows, size.cols), (24, 80));
+        for bad in [
+            r#"{}"#,
+            r#"{"size":{"cols":0,"rows":24}}"#,
+            r#"{"size":{"cols":80,"rows":70000}}"#,
+        ] {
+            let (h, body) = streamed(&format!(r#"{{"process":{{"cmd":"bash"}},"pty":{bad}}}"#));
+            assert_eq!(
+                start_params(&h, &body).unwrap_err().code,
+                "invalid_argument",
+                "{bad}"
+            );
+        }
         // stdin is envd's default for clients older than the field.
         let (h, body) = streamed(r#"{"process":{"cmd":"cat"},"stdin":true}"#);
         let p = start_params(&h, &body).unwrap();

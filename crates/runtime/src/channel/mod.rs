@@ -481,6 +481,9 @@ impl AgentClient {
 
     /// Start a command; read its events from the handle.
     pub fn exec(&self, request: ExecRequest) -> Result<ExecHandle> {
+        if request.pty.is_some() {
+            self.needs("pty", "commands on a terminal")?;
+        }
         let longest = Duration::from_millis(request.timeout_ms);
         let limit = request.max_output_bytes;
         let announced = request.keep_running;
@@ -579,6 +582,9 @@ impl AgentClient {
     /// Feed (`input`, for [`ProcessCall::Input`], in pieces of at most a
     /// frame), close or signal the running command `pid`.
     pub async fn process_call(&self, pid: u32, call: ProcessCall, input: &[u8]) -> Result<()> {
+        if matches!(call, ProcessCall::Resize { .. }) {
+            self.needs("pty", "resizing a command's terminal")?;
+        }
         let pieces: Vec<&[u8]> = if input.len() > CHUNK_LEN {
             input.chunks(CHUNK_LEN).collect()
         } else {
