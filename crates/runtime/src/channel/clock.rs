@@ -36,19 +36,22 @@ pub struct Exchange {
 
 impl Exchange {
     pub fn width(&self) -> i64 {
-        self.answered - self.asked
+        self.answered.saturating_sub(self.asked)
     }
 
     /// How far the guest is ahead of the window's middle (behind: < 0).
+    /// Saturating: the reading is the guest's to make up.
     pub fn offset(&self) -> i64 {
-        self.guest - (self.asked + self.width() / 2)
+        self.guest
+            .saturating_sub(self.asked.saturating_add(self.width() / 2))
     }
 
     /// The step that brings the guest to the window's middle, when its
     /// reading fell outside the window (and past the tolerance).
     pub fn step(&self) -> Option<i64> {
         let offset = self.offset();
-        (offset.abs() > (self.width() / 2).max(CLOCK_TOLERANCE_NS)).then_some(-offset)
+        (offset.saturating_abs() > (self.width() / 2).max(CLOCK_TOLERANCE_NS))
+            .then(|| offset.saturating_neg())
     }
 }
 
@@ -174,5 +177,18 @@ mod tests {
     #[test]
     fn a_clock_ahead_is_stepped_back() {
         assert_eq!(exchange(1000, 1500, 1002).step(), Some(-499 * MS));
+    }
+
+    #[test]
+    fn a_guest_that_answers_anything_gets_a_step_and_no_panic() {
+        let now = 1_796_539_623_702_000_000;
+        for guest in [i64::MIN, i64::MAX, 0, -1] {
+            let e = Exchange {
+                asked: now,
+                guest,
+                answered: now + 2 * MS,
+            };
+            assert!(e.step().is_some(), "{e:?}");
+        }
     }
 }
