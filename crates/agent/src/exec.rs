@@ -417,11 +417,8 @@ fn cwd_path(cwd: Option<&str>) -> Result<String, AgentError> {
 
 /// Reject what exec(2) cannot carry, before forking.
 fn check_request(req: &ExecRequest) -> Result<(), AgentError> {
-    if req.pty.is_some_and(|p| p.rows == 0 || p.cols == 0) {
-        return Err(AgentError::new(
-            ErrorKind::InvalidRequest,
-            "a terminal needs at least one row and one column",
-        ));
+    if let Some(size) = req.pty {
+        crate::pty::check_size(size)?;
     }
     if req.command.contains('\0') {
         return Err(AgentError::new(

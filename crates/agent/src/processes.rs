@@ -332,12 +332,7 @@ fn resize(process: &Process, size: TerminalSize) -> Result<(), AgentError> {
             ),
         ));
     };
-    if size.rows == 0 || size.cols == 0 {
-        return Err(AgentError::new(
-            ErrorKind::InvalidRequest,
-            format!("a terminal of {} rows and {} columns", size.rows, size.cols),
-        ));
-    }
+    crate::pty::check_size(size)?;
     crate::pty::set_size(terminal.as_raw_fd(), size)
         .map_err(|e| AgentError::new(ErrorKind::Io, format!("resizing the terminal: {e}")))
 }

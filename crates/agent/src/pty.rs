@@ -445,6 +445,20 @@ pub(crate) fn open_pair() -> io::Result<(OwnedFd, OwnedFd)> {
     }
 }
 
+/// A size a terminal can have: at least one row and one column.
+pub(crate) fn check_size(size: Size) -> Result<(), AgentError> {
+    if size.rows == 0 || size.cols == 0 {
+        return Err(AgentError::new(
+            ErrorKind::InvalidRequest,
+            format!(
+                "a terminal of {} rows and {} columns: it needs at least one of each",
+                size.rows, size.cols
+            ),
+        ));
+    }
+    Ok(())
+}
+
 pub(crate) fn set_size(master: RawFd, size: Size) -> io::Result<()> {
     let ws = libc::winsize {
         ws_row: size.rows,
