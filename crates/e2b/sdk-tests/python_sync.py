@@ -30,6 +30,11 @@ try:
     assert r.exit_code == 0 and r.stdout.startswith("Linux"), r
     ok("commands.run")
 
+    # All a command writes comes back, not the first megabyte of it.
+    r = sbx.commands.run("head -c 3000000 /dev/zero | tr '\\0' x")
+    assert len(r.stdout) == 3_000_000 and set(r.stdout) == {"x"}, len(r.stdout)
+    ok("3 MB of output, whole")
+
     # Output reaches the callbacks as it is written, not at the end.
     seen = []
     r = sbx.commands.run(
@@ -154,6 +159,10 @@ try:
 
     sbx.pty.send_stdin(term.pid, b"stty size; echo $TERM; tty; echo typed-$((6*7))\n")
     shows("typed-42")
+    # A terminal does not go quiet after its first megabyte.
+    sbx.pty.send_stdin(term.pid, b"head -c 3000000 /dev/zero | tr '\\0' a; echo; echo after-$((6*7))\n")
+    shows("after-42")
+    assert screen().count("a") >= 3_000_000, screen().count("a")
     assert "24 80" in screen() and "xterm-256color" in screen() and "/dev/pts/" in screen(), screen()
     sbx.pty.resize(term.pid, PtySize(rows=50, cols=132))
     sbx.pty.send_stdin(term.pid, b"stty size; exit 3\n")

@@ -114,7 +114,16 @@ pub fn validate_exec(config: &ServiceConfig, p: &ExecParams) -> Result<ExecReque
         cwd: p.cwd.clone(),
         env,
         timeout_ms: timeout,
-        max_output_bytes: config.max_output_bytes,
+        // A command that keeps running is followed, not collected: all it
+        // writes streams to its followers (the host bounds what it queues
+        // for a slow one), and the host keeps `max_output_bytes` of it in
+        // the execution's record (`Service::run_exec`). A terminal, or a
+        // server's log, must not go quiet after its first megabyte.
+        max_output_bytes: if p.keep_running {
+            u64::MAX
+        } else {
+            config.max_output_bytes
+        },
         keep_running: p.keep_running,
         stdin: p.stdin,
         pty: p.pty,

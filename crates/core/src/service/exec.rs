@@ -104,10 +104,13 @@ impl Service {
         }
         let (mut out, mut err) = (Utf8Chunker::new(), Utf8Chunker::new());
         let (mut stdout, mut stderr) = (String::new(), String::new());
-        // The agent drops output past the limit itself; the host holds it to
-        // that too, so a guest whose agent does not (a guest root that
-        // replaced it) cannot fill the host's memory or the database.
+        // The record keeps `max_output_bytes` of each stream. A collected
+        // command streams no more than that either (its agent drops the
+        // rest, and the host holds a guest whose agent does not to it as
+        // well, so a guest root cannot fill the host's memory or the
+        // database); one that keeps running streams all of it to `tx`.
         let limit = self.config.max_output_bytes as usize;
+        let stream_all = pid.is_some();
         let mut cut_here = false;
         let mut cancelled_by_client = false;
         let outcome = loop {
@@ -122,17 +125,21 @@ impl Service {
             match ev {
                 Ok(GuestExecEvent::Started(_)) => {}
                 Ok(GuestExecEvent::Stdout(b)) => {
-                    let s = within(&stdout, out.push(&b), limit, &mut cut_here);
-                    stdout.push_str(&s);
-                    if let (Some(tx), false) = (&tx, s.is_empty()) {
-                        let _ = tx.send(ExecEvent::Stdout(s)).await;
+                    let piece = out.push(&b);
+                    let kept = within(&stdout, piece.clone(), limit, &mut cut_here);
+                    stdout.push_str(&kept);
+                    let streamed = if stream_all { piece } else { kept };
+                    if let (Some(tx), false) = (&tx, streamed.is_empty()) {
+                        let _ = tx.send(ExecEvent::Stdout(streamed)).await;
                     }
                 }
                 Ok(GuestExecEvent::Stderr(b)) => {
-                    let s = within(&stderr, err.push(&b), limit, &mut cut_here);
-                    stderr.push_str(&s);
-                    if let (Some(tx), false) = (&tx, s.is_empty()) {
-                        let _ = tx.send(ExecEvent::Stderr(s)).await;
+                    let piece = err.push(&b);
+                    let kept = within(&stderr, piece.clone(), limit, &mut cut_here);
+                    stderr.push_str(&kept);
+                    let streamed = if stream_all { piece } else { kept };
+                    if let (Some(tx), false) = (&tx, streamed.is_empty()) {
+                        let _ = tx.send(ExecEvent::Stderr(streamed)).await;
                     }
                 }
                 Ok(GuestExecEvent::Exited(r)) => break Ok(r),
@@ -374,8 +381,9 @@ impl Commands for Service {
         let (row, busy) = self.running(caller, id).await?;
         let machines = self.machines_for(&row).await?;
         let longest = std::time::Duration::from_millis(self.config.exec_max_timeout_ms);
-        let limit = self.config.max_output_bytes;
-        let mut handle = match machines.attach(&row.id, pid, limit, longest).await {
+        // A follower gets all the command writes from now on (see
+        // `validate_exec`); nothing of it is kept here.
+        let mut handle = match machines.attach(&row.id, pid, u64::MAX, longest).await {
             Ok(h) => h,
             Err(e) => return Err(self.agent_failure(&row, e).await),
         };

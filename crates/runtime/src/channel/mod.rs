@@ -20,6 +20,7 @@ mod requests;
 pub mod terminal;
 pub mod tunnel;
 
+pub(crate) use requests::OutputBacklog;
 pub use requests::{ExecHandle, ExecOutput, FileUpload, GuestDownload, GuestExecEvent};
 
 use crate::{Result, RuntimeError};
@@ -117,6 +118,9 @@ pub(crate) struct Inner {
     /// The send windows of open tunnel streams; `TunnelAck`s go here directly, so
     /// a writer learns its window grew even while nobody reads its stream.
     pub(crate) windows: Mutex<HashMap<RequestId, Arc<crate::channel::tunnel::SendWindow>>>,
+    /// The output queued for each command followed ([`ExecHandle`]), so the
+    /// reader drops what a slow follower would let pile up in the host.
+    pub(crate) backlogs: Mutex<HashMap<RequestId, Arc<OutputBacklog>>>,
     next_id: AtomicU64,
     pub(crate) closed: AtomicBool,
     /// The reader and writer tasks, so `close` can end the connection while
@@ -133,6 +137,7 @@ impl Inner {
         for (_, c) in self.windows.lock().unwrap().drain() {
             c.close();
         }
+        self.backlogs.lock().unwrap().clear();
     }
 
     pub(crate) fn send(&self, message: &Message, body: &[u8]) -> Result<()> {
@@ -304,6 +309,7 @@ impl AgentClient {
             queued,
             drained,
             pending: Mutex::new(HashMap::new()),
+            backlogs: Mutex::new(HashMap::new()),
             windows: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             closed: AtomicBool::new(false),
@@ -519,8 +525,15 @@ impl AgentClient {
     ) -> Result<ExecHandle> {
         let (id, rx) = self.register()?;
         let deadline = tokio::time::Instant::now() + longest + EXEC_GRACE;
+        let backlog = Arc::new(OutputBacklog::default());
+        self.inner
+            .backlogs
+            .lock()
+            .unwrap()
+            .insert(id, backlog.clone());
         if let Err(e) = self.inner.send(&make(id), &[]) {
             self.inner.pending.lock().unwrap().remove(&id);
+            self.inner.backlogs.lock().unwrap().remove(&id);
             return Err(e);
         }
         Ok(ExecHandle {
@@ -532,6 +545,7 @@ impl AgentClient {
             stdout_left: limit,
             stderr_left: limit,
             cut: (false, false),
+            backlog,
             deadline,
         })
     }
@@ -795,6 +809,12 @@ fn route(inner: &Inner, frame: Frame) {
                 c.add(bytes as u64);
             }
             return;
+        }
+        Message::Stdout { .. } | Message::Stderr { .. } => {
+            let backlog = inner.backlogs.lock().unwrap().get(&id).cloned();
+            if backlog.is_some_and(|b| !b.admit(frame.body.len(), &frame.message)) {
+                return;
+            }
         }
         Message::TunnelData { .. } => {
             let within = inner

@@ -8,8 +8,65 @@ use crate::{Result, RuntimeError};
 use sandpit_protocol::{
     AgentError, DoneResult, ErrorKind, ExecResult, Frame, Message, RequestId, CHUNK_LEN,
 };
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use tokio::sync::mpsc;
+
+/// Most output of one command held in the host for a follower that has not
+/// taken it yet. A command that keeps running streams all it writes (the
+/// agent holds back nothing), so a follower slower than the command would
+/// otherwise let it pile up here without end; past this much waiting, the
+/// reader drops what comes and the command's end says its output was cut.
+pub const OUTPUT_BACKLOG_BYTES: u64 = 16 * 1024 * 1024;
+
+/// The output of one followed command waiting in its queue: counted by the
+/// connection's reader as it queues a piece, and by the [`ExecHandle`] as
+/// it takes it.
+#[derive(Default)]
+pub(crate) struct OutputBacklog {
+    bytes: AtomicU64,
+    dropped_stdout: AtomicBool,
+    dropped_stderr: AtomicBool,
+}
+
+impl OutputBacklog {
+    /// Whether a piece of `len` bytes of `message` (stdout or stderr) may
+    /// be queued; counts it if so, notes the loss if not.
+    pub(crate) fn admit(&self, len: usize, message: &Message) -> bool {
+        let len = len as u64;
+        let admitted = self
+            .bytes
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |queued| {
+                (queued.saturating_add(len) <= OUTPUT_BACKLOG_BYTES).then(|| queued + len)
+            })
+            .is_ok();
+        if !admitted {
+            let dropped = match message {
+                Message::Stderr { .. } => &self.dropped_stderr,
+                _ => &self.dropped_stdout,
+            };
+            dropped.store(true, Ordering::Release);
+        }
+        admitted
+    }
+
+    /// A piece of `len` bytes was taken from the queue.
+    fn taken(&self, len: usize) {
+        let _ = self
+            .bytes
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |queued| {
+                Some(queued.saturating_sub(len as u64))
+            });
+    }
+
+    /// Whether stdout and stderr lost pieces here.
+    pub(super) fn dropped(&self) -> (bool, bool) {
+        (
+            self.dropped_stdout.load(Ordering::Acquire),
+            self.dropped_stderr.load(Ordering::Acquire),
+        )
+    }
+}
 
 /// An event of a running command.
 #[derive(Debug, Clone, PartialEq)]
@@ -39,6 +96,8 @@ pub struct ExecHandle {
     pub(super) stderr_left: u64,
     /// Output the guest sent past those.
     pub(super) cut: (bool, bool),
+    /// Its output waiting to be taken (see [`OUTPUT_BACKLOG_BYTES`]).
+    pub(super) backlog: Arc<OutputBacklog>,
     /// The command's own timeout plus [`EXEC_GRACE`].
     pub(super) deadline: tokio::time::Instant,
 }
@@ -76,6 +135,12 @@ impl ExecHandle {
                 break frame;
             }
         };
+        if matches!(
+            frame.message,
+            Message::Stdout { .. } | Message::Stderr { .. }
+        ) {
+            self.backlog.taken(frame.body.len());
+        }
         match frame.message {
             Message::Started { pid, .. } => Ok(GuestExecEvent::Started(pid)),
             Message::Stdout { .. } => Ok(GuestExecEvent::Stdout(take_within(
@@ -90,8 +155,9 @@ impl ExecHandle {
             ))),
             Message::Exited { mut result, .. } => {
                 self.finished = true;
-                result.stdout_truncated |= self.cut.0;
-                result.stderr_truncated |= self.cut.1;
+                let dropped = self.backlog.dropped();
+                result.stdout_truncated |= self.cut.0 || dropped.0;
+                result.stderr_truncated |= self.cut.1 || dropped.1;
                 Ok(GuestExecEvent::Exited(result))
             }
             Message::Error { error, .. } => {
@@ -127,6 +193,7 @@ impl Drop for ExecHandle {
             self.cancel();
         }
         self.inner.pending.lock().unwrap().remove(&self.id);
+        self.inner.backlogs.lock().unwrap().remove(&self.id);
     }
 }
 

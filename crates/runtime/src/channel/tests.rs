@@ -1,3 +1,4 @@
+use super::requests::OUTPUT_BACKLOG_BYTES;
 use super::*;
 use sandpit_protocol::ExecResult;
 use tokio::io::AsyncWriteExt;
@@ -49,6 +50,68 @@ async fn a_guest_sending_past_the_output_limit_is_cut_on_the_host() {
     assert_eq!(out.stdout.len(), 1 << 20);
     assert_eq!(out.stderr.len(), 1 << 20);
     assert!(out.result.stdout_truncated && out.result.stderr_truncated);
+}
+
+#[tokio::test]
+async fn a_follower_that_falls_behind_loses_output_past_the_backlog_and_is_told() {
+    // A command that keeps running streams all it writes; nothing of it is
+    // taken here until the guest is done, so the host holds the backlog's
+    // worth and drops the rest.
+    const SENT: u64 = OUTPUT_BACKLOG_BYTES + (8 << 20);
+    let (client, _dir) = fake::agent(|mut s, mut d| async move {
+        let Message::Exec { id, .. } = fake::next(&mut s, &mut d).await.message else {
+            panic!("no exec");
+        };
+        for _ in 0..SENT / (64 * 1024) {
+            s.write_all(&encode_frame(&Message::Stdout { id }, &[b'y'; 64 * 1024]))
+                .await
+                .unwrap();
+        }
+        let result = ExecResult {
+            exit_code: Some(0),
+            signal: None,
+            timed_out: false,
+            cancelled: false,
+            stdout_bytes: SENT,
+            stderr_bytes: 0,
+            stdout_truncated: false,
+            stderr_truncated: false,
+            duration_ms: 1,
+            duration_us: None,
+        };
+        s.write_all(&encode_frame(&Message::Exited { id, result }, b""))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_secs(30)).await;
+    })
+    .await;
+    let mut handle = client.exec(exec_request(u64::MAX)).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !handle.backlog.dropped().0 {
+        assert!(std::time::Instant::now() < deadline, "nothing was dropped");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut taken = 0u64;
+    let result = loop {
+        match handle.next().await.unwrap() {
+            GuestExecEvent::Stdout(b) => taken += b.len() as u64,
+            GuestExecEvent::Exited(r) => break r,
+            other => panic!("{other:?}"),
+        }
+    };
+    // What was queued when the follower started taking, and what came
+    // after it made room; never all of it.
+    assert!(taken >= OUTPUT_BACKLOG_BYTES && taken < SENT, "{taken}");
+    assert!(result.stdout_truncated && !result.stderr_truncated);
+    assert!(client
+        .inner
+        .backlogs
+        .lock()
+        .unwrap()
+        .get(&handle.id)
+        .is_some());
+    drop(handle);
+    assert!(client.inner.backlogs.lock().unwrap().is_empty());
 }
 
 #[tokio::test]
