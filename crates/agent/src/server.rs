@@ -10,7 +10,7 @@
 //! never die.
 
 use crate::channel::{self, Handler, Outbox, Reply};
-use crate::{config, exec, files, processes, pty, sys, tunnel};
+use crate::{config, exec, files, processes, pty, sys, tunnel, watch};
 use sandpit_protocol::{
     AgentError, DoneResult, ErrorKind, Frame, FrameError, Message, RequestId, PROTOCOL_GENERATION,
 };
@@ -77,6 +77,7 @@ impl Server {
     fn end_sessions_before(&mut self, gen: u64) {
         exec::cancel_sessions_before(gen);
         tunnel::close_sessions_before(gen);
+        watch::stop_sessions_before(gen);
         // Dropping the senders makes the upload threads give up.
         self.uploads.clear();
     }
@@ -118,6 +119,10 @@ impl Server {
                 // A write the host gave up on: its thread sees the data
                 // end, removes its temporary file and answers nothing.
                 if self.uploads.remove(&id).is_some() || files::close_read(id) {
+                    return;
+                }
+                // A watch answers `Cancelled` itself.
+                if watch::stop(id) {
                     return;
                 }
                 // The Exited of the command is the answer.
@@ -198,6 +203,23 @@ impl Server {
                 spawn_worker(reply, id, "process-call", false, move |r| {
                     r.done(id, processes::call(pid, call, &body)?);
                     Ok(())
+                });
+            }
+            Message::WatchDir {
+                id,
+                path,
+                recursive,
+            } => {
+                // Registered here, on the reader thread, before a cancel
+                // for it can arrive.
+                let stop = match watch::register(id, reply.generation()) {
+                    Ok(stop) => stop,
+                    Err(e) => return reply.error(id, e),
+                };
+                spawn_worker(reply, id, "watch-dir", true, move |r| {
+                    let watched = watch::run(r, id, &path, recursive, &stop);
+                    watch::unregister(id);
+                    watched
                 });
             }
             Message::PowerOff { id } => power_off(&reply, id),

@@ -28,8 +28,9 @@ pub use message::*;
 /// What an agent of this build lists in its [`Message::HelloAck`]: each
 /// names messages or fields added within generation 1 after it was first
 /// frozen: `stats` is [`Message::Stats`], `clock` is [`Message::Clock`],
-/// `pty` is [`ExecRequest::pty`] and [`ProcessCall::Resize`].
-pub const FEATURES: &[&str] = &["stats", "clock", "pty"];
+/// `pty` is [`ExecRequest::pty`] and [`ProcessCall::Resize`], `watch` is
+/// [`Message::WatchDir`].
+pub const FEATURES: &[&str] = &["stats", "clock", "pty", "watch"];
 
 /// The protocol generation this build speaks. Bump it only for incompatible changes.
 pub const PROTOCOL_GENERATION: u32 = 1;

@@ -100,6 +100,20 @@ pub enum Message {
         pid: u32,
         call: ProcessCall,
     },
+    /// Watch a directory (and, `recursive`, every directory under it, those
+    /// made later included) as the guest user: the kernel decides what the
+    /// user may watch. Answered by [`Message::Watching`] once the watch is
+    /// set, then [`Message::WatchEvents`] as things change, until a
+    /// [`Message::Cancel`] ([`Message::Done`] / [`DoneResult::Cancelled`])
+    /// or the directory goes ([`Message::Error`] / [`ErrorKind::NotFound`]).
+    /// Events the guest's kernel could not queue end it with
+    /// [`ErrorKind::TooLarge`]. Older agents do not list `"watch"` in their
+    /// features.
+    WatchDir {
+        id: RequestId,
+        path: String,
+        recursive: bool,
+    },
 
     /// Sync the disks and power the guest off. The VM then exits; nothing answers.
     PowerOff { id: RequestId },
@@ -198,6 +212,15 @@ pub enum Message {
         exit_code: Option<i32>,
         signal: Option<i32>,
     },
+    /// A [`Message::WatchDir`]'s watch is set: what changes from now on is
+    /// reported.
+    Watching { id: RequestId, path: String },
+    /// What changed in a watched directory, in the order the guest's kernel
+    /// reported it.
+    WatchEvents {
+        id: RequestId,
+        events: Vec<WatchEvent>,
+    },
 }
 
 impl Message {
@@ -221,6 +244,9 @@ impl Message {
             | Stats { id }
             | Clock { id, .. }
             | ProcessCall { id, .. }
+            | WatchDir { id, .. }
+            | Watching { id, .. }
+            | WatchEvents { id, .. }
             | PowerOff { id }
             | TunnelOpen { id, .. }
             | TunnelData { id }
@@ -423,6 +449,28 @@ pub enum DoneResult {
     Clock {
         unix_ns: i64,
     },
+}
+
+/// One change in a watched directory ([`Message::WatchDir`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WatchEvent {
+    /// The entry's path relative to the watched directory (`sub/file.txt`
+    /// under a recursive watch).
+    pub name: String,
+    pub kind: WatchEventKind,
+}
+
+/// What happened to a watched entry, as inotify reports it: `Create` (made,
+/// or moved in), `Write` (its content changed), `Remove`, `Rename` (moved
+/// away, or renamed from this name), `Chmod` (its metadata changed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WatchEventKind {
+    Create,
+    Write,
+    Remove,
+    Rename,
+    Chmod,
 }
 
 /// What the guest's kernel says of its resources at one moment. CPU time is

@@ -395,6 +395,40 @@ fn samples() -> Vec<Message> {
                 unix_ns: 1_796_539_623_702_000_000,
             },
         },
+        Message::WatchDir {
+            id: 71,
+            path: "project".into(),
+            recursive: true,
+        },
+        Message::Watching {
+            id: 71,
+            path: "/home/user/project".into(),
+        },
+        Message::WatchEvents {
+            id: 71,
+            events: vec![
+                WatchEvent {
+                    name: "src/main.rs".into(),
+                    kind: WatchEventKind::Create,
+                },
+                WatchEvent {
+                    name: "src/main.rs".into(),
+                    kind: WatchEventKind::Write,
+                },
+                WatchEvent {
+                    name: "old.txt".into(),
+                    kind: WatchEventKind::Rename,
+                },
+                WatchEvent {
+                    name: "gone".into(),
+                    kind: WatchEventKind::Remove,
+                },
+                WatchEvent {
+                    name: "run.sh".into(),
+                    kind: WatchEventKind::Chmod,
+                },
+            ],
+        },
     ]
 }
 
@@ -437,6 +471,9 @@ fn exhaustive(m: &Message) -> &'static str {
         Message::PtyOpen { .. } => "pty_open",
         Message::PtyResize { .. } => "pty_resize",
         Message::PtyExited { .. } => "pty_exited",
+        Message::WatchDir { .. } => "watch_dir",
+        Message::Watching { .. } => "watching",
+        Message::WatchEvents { .. } => "watch_events",
     }
 }
 
