@@ -28,6 +28,7 @@ pub mod vm;
 
 pub use channel::terminal::{Pty, PtyControl, PtySize};
 pub use channel::tunnel::{PtyExit, TunnelCloser, TunnelStream};
+pub use channel::watch::DirWatch;
 pub use channel::{AgentClient, ExecHandle, ExecOutput, FileUpload, GuestDownload, GuestExecEvent};
 pub use config::{AccelChoice, NetworkPolicy, RuntimeConfig, SizeSpec};
 pub use error::{Result, RuntimeError};

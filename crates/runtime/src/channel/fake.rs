@@ -13,6 +13,20 @@ where
     F: FnOnce(UnixStream, FrameDecoder) -> Fut + Send + 'static,
     Fut: std::future::Future<Output = ()> + Send,
 {
+    // An agent of the first generation-1 image: nothing added since.
+    agent_with(&[], then).await
+}
+
+/// [`agent`], listing `features` in its handshake.
+pub(crate) async fn agent_with<F, Fut>(
+    features: &[&str],
+    then: F,
+) -> (AgentClient, tempfile::TempDir)
+where
+    F: FnOnce(UnixStream, FrameDecoder) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let features: Vec<String> = features.iter().map(|f| f.to_string()).collect();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("agent.sock");
     let listener = UnixListener::bind(&path).unwrap();
@@ -28,8 +42,7 @@ where
             agent_version: "test".into(),
             kernel_release: "test".into(),
             hostname: "test".into(),
-            // An agent of the first generation-1 image: nothing added since.
-            features: Vec::new(),
+            features,
         };
         s.write_all(&encode_frame(&ack, b"")).await.unwrap();
         then(s, d).await;

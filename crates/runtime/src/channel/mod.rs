@@ -19,6 +19,7 @@ pub mod clock;
 mod requests;
 pub mod terminal;
 pub mod tunnel;
+pub mod watch;
 
 pub(crate) use requests::OutputBacklog;
 pub use requests::{ExecHandle, ExecOutput, FileUpload, GuestDownload, GuestExecEvent};
@@ -810,9 +811,14 @@ fn route(inner: &Inner, frame: Frame) {
             }
             return;
         }
-        Message::Stdout { .. } | Message::Stderr { .. } => {
+        Message::Stdout { .. } | Message::Stderr { .. } | Message::WatchEvents { .. } => {
+            let (len, stream) = match &frame.message {
+                Message::Stderr { .. } => (frame.body.len(), 1),
+                Message::WatchEvents { events, .. } => (watch::queued_size(events), 0),
+                _ => (frame.body.len(), 0),
+            };
             let backlog = inner.backlogs.lock().unwrap().get(&id).cloned();
-            if backlog.is_some_and(|b| !b.admit(frame.body.len(), &frame.message)) {
+            if backlog.is_some_and(|b| !b.admit(len, stream)) {
                 return;
             }
         }

@@ -25,14 +25,15 @@ pub const OUTPUT_BACKLOG_BYTES: u64 = 16 * 1024 * 1024;
 #[derive(Default)]
 pub(crate) struct OutputBacklog {
     bytes: AtomicU64,
-    dropped_stdout: AtomicBool,
-    dropped_stderr: AtomicBool,
+    /// Pieces of stdout (or of a watch's events), and of stderr, dropped.
+    dropped: [AtomicBool; 2],
 }
 
 impl OutputBacklog {
-    /// Whether a piece of `len` bytes of `message` (stdout or stderr) may
-    /// be queued; counts it if so, notes the loss if not.
-    pub(crate) fn admit(&self, len: usize, message: &Message) -> bool {
+    /// Whether a piece of `len` bytes may be queued for stream `stream`
+    /// (0: stdout, or a watch's events; 1: stderr); counts it if so, notes
+    /// the loss if not.
+    pub(crate) fn admit(&self, len: usize, stream: usize) -> bool {
         let len = len as u64;
         let admitted = self
             .bytes
@@ -41,17 +42,13 @@ impl OutputBacklog {
             })
             .is_ok();
         if !admitted {
-            let dropped = match message {
-                Message::Stderr { .. } => &self.dropped_stderr,
-                _ => &self.dropped_stdout,
-            };
-            dropped.store(true, Ordering::Release);
+            self.dropped[stream.min(1)].store(true, Ordering::Release);
         }
         admitted
     }
 
     /// A piece of `len` bytes was taken from the queue.
-    fn taken(&self, len: usize) {
+    pub(super) fn taken(&self, len: usize) {
         let _ = self
             .bytes
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |queued| {
@@ -62,8 +59,8 @@ impl OutputBacklog {
     /// Whether stdout and stderr lost pieces here.
     pub(super) fn dropped(&self) -> (bool, bool) {
         (
-            self.dropped_stdout.load(Ordering::Acquire),
-            self.dropped_stderr.load(Ordering::Acquire),
+            self.dropped[0].load(Ordering::Acquire),
+            self.dropped[1].load(Ordering::Acquire),
         )
     }
 }

@@ -1,6 +1,6 @@
 use super::requests::OUTPUT_BACKLOG_BYTES;
 use super::*;
-use sandpit_protocol::ExecResult;
+use sandpit_protocol::{ExecResult, WatchEvent, WatchEventKind};
 use tokio::io::AsyncWriteExt;
 
 fn exec_request(max_output_bytes: u64) -> ExecRequest {
@@ -112,6 +112,94 @@ async fn a_follower_that_falls_behind_loses_output_past_the_backlog_and_is_told(
         .is_some());
     drop(handle);
     assert!(client.inner.backlogs.lock().unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn a_watch_read_too_slowly_ends_saying_events_were_lost() {
+    let (client, _dir) = fake::agent_with(&["watch"], |mut s, mut d| async move {
+        let Message::WatchDir { id, .. } = fake::next(&mut s, &mut d).await.message else {
+            panic!("no watch");
+        };
+        let watching = Message::Watching {
+            id,
+            path: "/home/user/w".into(),
+        };
+        s.write_all(&encode_frame(&watching, b"")).await.unwrap();
+        // A guest that names far more than the host holds for a reader.
+        let event = WatchEvent {
+            name: "n".repeat(60_000),
+            kind: WatchEventKind::Create,
+        };
+        for _ in 0..OUTPUT_BACKLOG_BYTES / 60_000 + 100 {
+            let m = Message::WatchEvents {
+                id,
+                events: vec![event.clone()],
+            };
+            s.write_all(&encode_frame(&m, b"")).await.unwrap();
+        }
+        // Then the host stops the watch.
+        loop {
+            if let Message::Cancel { id: c } = fake::next(&mut s, &mut d).await.message {
+                assert_eq!(c, id);
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(30)).await;
+    })
+    .await;
+    let mut watch = client.watch_dir("w", true).await.unwrap();
+    assert_eq!(watch.path(), "/home/user/w");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let lost = loop {
+        assert!(std::time::Instant::now() < deadline, "nothing was lost");
+        match watch.next().await {
+            Ok(Some(events)) => {
+                assert_eq!(events.len(), 1);
+                // Read slowly at first.
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            Err(RuntimeError::Agent(e)) => break e,
+            other => panic!("{other:?}"),
+        }
+    };
+    assert_eq!(lost.kind, ErrorKind::TooLarge, "{lost:?}");
+    assert!(matches!(watch.next().await, Ok(None)));
+    drop(watch);
+    assert!(client.inner.backlogs.lock().unwrap().is_empty());
+    assert!(client.inner.pending.lock().unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn a_watch_the_guest_refuses_is_the_guests_error() {
+    let (client, _dir) = fake::agent_with(&["watch"], |mut s, mut d| async move {
+        let Message::WatchDir { id, .. } = fake::next(&mut s, &mut d).await.message else {
+            panic!("no watch");
+        };
+        let error = AgentError::new(ErrorKind::PermissionDenied, "/root: Permission denied");
+        s.write_all(&encode_frame(&Message::Error { id, error }, b""))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_secs(30)).await;
+    })
+    .await;
+    match client.watch_dir("/root", false).await {
+        Err(RuntimeError::Agent(e)) => assert_eq!(e.kind, ErrorKind::PermissionDenied),
+        Err(e) => panic!("{e:?}"),
+        Ok(_) => panic!("watched"),
+    }
+    assert!(client.inner.pending.lock().unwrap().is_empty());
+    assert!(client.inner.backlogs.lock().unwrap().is_empty());
+    // An agent that predates watches is not asked.
+    let (old, _dir) = fake::agent(|s, d| async move {
+        let _kept = (s, d);
+        tokio::time::sleep(Duration::from_secs(60)).await;
+    })
+    .await;
+    match old.watch_dir("w", false).await {
+        Err(RuntimeError::Agent(e)) => assert_eq!(e.kind, ErrorKind::Unsupported),
+        Err(e) => panic!("{e:?}"),
+        Ok(_) => panic!("watched"),
+    }
 }
 
 #[tokio::test]
