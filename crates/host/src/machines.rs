@@ -11,7 +11,7 @@
 
 use async_trait::async_trait;
 use sandpit_protocol::{
-    ExecRequest, FileEntry, GuestStats, PathCall, PathEntry, ProcessCall, ProcessInfo,
+    ExecRequest, FileEntry, GuestStats, PathCall, PathEntry, ProcessCall, ProcessInfo, WatchEvent,
 };
 use sandpit_runtime::{GuestExecEvent, RuntimeError, VmState};
 pub use sandpit_runtime::{PtyExit, PtySize};
@@ -188,6 +188,10 @@ pub trait Machines: Send + Sync {
     /// A call on a path or two, as the guest user; what it leaves there.
     async fn path_call(&self, id: &str, call: PathCall) -> VmResult<PathEntry>;
 
+    /// Watches directory `path` in the guest (with `recursive`, the tree
+    /// under it) as the guest user; returns once the watch is set.
+    async fn watch_dir(&self, id: &str, path: &str, recursive: bool) -> VmResult<Box<dyn Watch>>;
+
     /// Opens a TCP connection to `port` in the guest.
     async fn open_tunnel(&self, id: &str, port: u16) -> VmResult<Tunnel>;
 
@@ -213,6 +217,17 @@ pub trait Command: Send {
     async fn next(&mut self) -> VmResult<GuestExecEvent>;
     /// Kills the command; its end follows, cancelled.
     fn cancel(&self);
+}
+
+/// A directory watched in a guest ([`Machines::watch_dir`]); dropped, the
+/// guest stops watching.
+#[async_trait]
+pub trait Watch: Send {
+    /// The watched directory, as the guest resolved it.
+    fn path(&self) -> &str;
+    /// The next events (waits while nothing changes); `None` once the
+    /// watch was stopped. An error ends it.
+    async fn next(&mut self) -> VmResult<Option<Vec<WatchEvent>>>;
 }
 
 /// A file being written; dropped before [`Upload::finish`], the guest

@@ -8,7 +8,7 @@
 
 use crate::server::{full, Body, ChannelBody, ErrorBody, Health, EPOCH_HEADER};
 use crate::tls;
-use crate::wire::{self, ms, DownloadFrame};
+use crate::wire::{self, ms, DownloadFrame, WatchFrame};
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use http_body_util::BodyExt;
@@ -16,7 +16,7 @@ use hyper::body::Incoming;
 use hyper::{Request, Response};
 use sandpit_host::machines::{
     Command, Download, Duplex, Listing, Machines, PtyInput, PtyOutput, PtySize, Started, Terminal,
-    Tunnel, Upload, VmResult, TERMINAL_QUEUE,
+    Tunnel, Upload, VmResult, Watch, TERMINAL_QUEUE,
 };
 use sandpit_protocol::ExecRequest;
 use sandpit_runtime::{GuestExecEvent, RuntimeError, VmState};
@@ -584,6 +584,31 @@ impl Machines for RemoteNode {
             .await
     }
 
+    async fn watch_dir(&self, id: &str, path: &str, recursive: bool) -> VmResult<Box<dyn Watch>> {
+        let args = wire::WatchArgs {
+            path: path.to_string(),
+            recursive,
+        };
+        let (upstream, resp) = self
+            .open(&format!("sandboxes/{id}/watch"), &args, FILE_TIMEOUT)
+            .await?;
+        let mut watch = RemoteWatch {
+            address: self.address.clone(),
+            body: resp.into_body(),
+            buf: BytesMut::new(),
+            _upstream: upstream,
+            path: String::new(),
+            ended: false,
+        };
+        match watch.frame().await? {
+            WatchFrame::Watching(path) => watch.path = path,
+            other => {
+                return Err(self.disconnected(format!("a watch began with {other:?}")));
+            }
+        }
+        Ok(Box::new(watch))
+    }
+
     async fn open_tunnel(&self, id: &str, port: u16) -> VmResult<Tunnel> {
         let (upstream, rx) = mpsc::channel::<Bytes>(4);
         let req = self.request(
@@ -699,6 +724,63 @@ impl RemoteNode {
 
 /// A command running on another node. Dropping it before its end resets
 /// its stream, and the node kills the command.
+/// A directory watched on a node: its frames come on the answer's body;
+/// dropping it ends the request's body, and the node stops the watch.
+struct RemoteWatch {
+    address: String,
+    body: Incoming,
+    buf: BytesMut,
+    _upstream: mpsc::Sender<Bytes>,
+    path: String,
+    ended: bool,
+}
+
+impl RemoteWatch {
+    /// The next frame; waits as long as the watch is quiet.
+    async fn frame(&mut self) -> VmResult<WatchFrame> {
+        let broken = |e: String| RuntimeError::Disconnected(format!("node {}: {e}", self.address));
+        loop {
+            match wire::decode_watch(&mut self.buf) {
+                Ok(Some(frame)) => return frame,
+                Ok(None) => {}
+                Err(e) => return Err(broken(e)),
+            }
+            match self.body.frame().await {
+                Some(Ok(f)) => {
+                    if let Ok(d) = f.into_data() {
+                        self.buf.extend_from_slice(&d);
+                    }
+                }
+                Some(Err(e)) => return Err(broken(e.to_string())),
+                None => return Err(broken("the watch's stream ended before the watch".into())),
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Watch for RemoteWatch {
+    fn path(&self) -> &str {
+        &self.path
+    }
+
+    async fn next(&mut self) -> VmResult<Option<Vec<sandpit_protocol::WatchEvent>>> {
+        if self.ended {
+            return Ok(None);
+        }
+        let frame = self.frame().await;
+        self.ended = !matches!(frame, Ok(WatchFrame::Events(_)));
+        match frame? {
+            WatchFrame::Events(events) => Ok(Some(events)),
+            WatchFrame::Ended => Ok(None),
+            WatchFrame::Watching(_) => Err(RuntimeError::Disconnected(format!(
+                "node {}: a watch began twice",
+                self.address
+            ))),
+        }
+    }
+}
+
 struct RemoteCommand {
     address: String,
     body: Incoming,

@@ -14,14 +14,14 @@
 //! HTTP 422 with the error's kind ([`wire::WireError`]); the node's own
 //! refusals (epoch, route) carry `{"error": {"type", "message"}}`.
 
-use crate::wire::{self, time_of, DownloadMeta};
+use crate::wire::{self, time_of, DownloadMeta, WatchFrame};
 use bytes::{Bytes, BytesMut};
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
 use hyper::body::{Frame, Incoming};
 use hyper::{Request, Response, StatusCode};
 use sandpit_host::machines::{
-    Command, Machines, PtySize, Started, Terminal, VmResult, TERMINAL_QUEUE,
+    Command, Machines, PtySize, Started, Terminal, VmResult, Watch, TERMINAL_QUEUE,
 };
 use sandpit_protocol::ExecRequest;
 use sandpit_runtime::{GuestExecEvent, RuntimeError};
@@ -298,6 +298,10 @@ async fn handle(state: Arc<dyn NodeState>, req: Request<Incoming>) -> Response<B
                     Err(r) => r,
                 },
                 "pty" => terminal(vms, id, body).await,
+                "watch" => match body.json::<wire::WatchArgs>().await {
+                    Ok(a) => watch(vms.watch_dir(&id, &a.path, a.recursive).await, body),
+                    Err(r) => r,
+                },
                 "list" => match body.json::<wire::FileArgs>().await {
                     Ok(a) => answer(
                         vms.list_files(&id, &a.path, a.recursive, a.max_entries)
@@ -475,6 +479,42 @@ fn follow(command: VmResult<Box<dyn Command>>, mut body: Head) -> Response<Body>
         }
     });
     streamed(rx, "application/x-sandpit-exec")
+}
+
+/// A directory watched: its resolved path, then its events stream back as
+/// frames until it ends; the caller's body ending (the caller went) stops
+/// it.
+fn watch(watched: VmResult<Box<dyn Watch>>, mut body: Head) -> Response<Body> {
+    let mut watched = match watched {
+        Ok(w) => w,
+        Err(e) => return failed(&e),
+    };
+    let (tx, rx) = mpsc::channel::<Bytes>(16);
+    let start = wire::encode_watch(&Ok(WatchFrame::Watching(watched.path().to_string())));
+    tokio::spawn(async move {
+        if tx.send(start).await.is_err() {
+            return;
+        }
+        loop {
+            let next = tokio::select! {
+                next = watched.next() => next,
+                more = body.next() => match more {
+                    Some(_) => continue,
+                    None => return,
+                },
+            };
+            let frame = match next {
+                Ok(Some(events)) => Ok(WatchFrame::Events(events)),
+                Ok(None) => Ok(WatchFrame::Ended),
+                Err(e) => Err(e),
+            };
+            let last = !matches!(frame, Ok(WatchFrame::Events(_)));
+            if tx.send(wire::encode_watch(&frame)).await.is_err() || last {
+                return;
+            }
+        }
+    });
+    streamed(rx, "application/x-sandpit-watch")
 }
 
 /// A file written from the bytes after the head; the answer comes once

@@ -9,7 +9,7 @@
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use sandpit_host::machines::{PtyInput, PtyOutput};
-use sandpit_protocol::{AgentError, ExecResult};
+use sandpit_protocol::{AgentError, ExecResult, WatchEvent};
 use sandpit_runtime::{GuestExecEvent, RuntimeError, VmState};
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
@@ -24,6 +24,9 @@ const PTY_DATA: u8 = 7;
 const PTY_RESIZE: u8 = 8;
 const PTY_EXIT: u8 = 9;
 const STARTED: u8 = 10;
+const WATCHING: u8 = 11;
+const WATCH_EVENTS: u8 = 12;
+const WATCH_ENDED: u8 = 13;
 
 /// Largest payload a frame may announce (output comes in agent-sized
 /// pieces; a peer announcing more is broken or hostile).
@@ -44,12 +47,32 @@ pub fn encode(event: &Result<GuestExecEvent, RuntimeError>) -> Bytes {
         Ok(GuestExecEvent::Stdout(b)) => frame(STDOUT, b),
         Ok(GuestExecEvent::Stderr(b)) => frame(STDERR, b),
         Ok(GuestExecEvent::Exited(r)) => frame(EXITED, &serde_json::to_vec(r).expect("json")),
-        Err(RuntimeError::Agent(a)) => frame(AGENT_ERROR, &serde_json::to_vec(a).expect("json")),
-        Err(e) => frame(
+        Err(e) => error_frame(e),
+    }
+}
+
+/// The frame of an error that ended a stream.
+fn error_frame(e: &RuntimeError) -> Bytes {
+    match e {
+        RuntimeError::Agent(a) => frame(AGENT_ERROR, &serde_json::to_vec(a).expect("json")),
+        e => frame(
             OTHER_ERROR,
             &serde_json::to_vec(&WireError::from(e)).expect("json"),
         ),
     }
+}
+
+/// The error an `AGENT_ERROR` or `OTHER_ERROR` frame carries.
+fn decode_error(kind: u8, payload: &[u8]) -> Result<RuntimeError, String> {
+    let bad = |e: serde_json::Error| format!("frame {kind}: {e}");
+    if kind == AGENT_ERROR {
+        return Ok(RuntimeError::Agent(
+            serde_json::from_slice::<AgentError>(payload).map_err(bad)?,
+        ));
+    }
+    Ok(serde_json::from_slice::<WireError>(payload)
+        .map_err(bad)?
+        .into())
 }
 
 /// The first frame of a download: its resolved path and size.
@@ -200,6 +223,13 @@ pub fn time_of(ms: i64) -> OffsetDateTime {
         .unwrap_or(OffsetDateTime::UNIX_EPOCH)
 }
 
+/// `watch`'s arguments.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct WatchArgs {
+    pub path: String,
+    pub recursive: bool,
+}
+
 /// `expiry`'s arguments.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct ExpiryArgs {
@@ -300,12 +330,50 @@ pub fn decode(buf: &mut BytesMut) -> Result<Option<Result<GuestExecEvent, Runtim
         EXITED => Ok(GuestExecEvent::Exited(
             serde_json::from_slice::<ExecResult>(&payload).map_err(bad)?,
         )),
-        AGENT_ERROR => Err(RuntimeError::Agent(
-            serde_json::from_slice::<AgentError>(&payload).map_err(bad)?,
+        AGENT_ERROR | OTHER_ERROR => Err(decode_error(kind, &payload)?),
+        other => return Err(format!("unknown frame kind {other}")),
+    }))
+}
+
+/// One frame of a directory watch: its start (the resolved path), events,
+/// or its end.
+#[derive(Debug, Clone, PartialEq)]
+pub enum WatchFrame {
+    Watching(String),
+    Events(Vec<WatchEvent>),
+    Ended,
+}
+
+/// The frame of a watch's start, events or end, or of the error that ended
+/// it.
+pub fn encode_watch(frame_of: &Result<WatchFrame, RuntimeError>) -> Bytes {
+    match frame_of {
+        Ok(WatchFrame::Watching(path)) => frame(WATCHING, path.as_bytes()),
+        Ok(WatchFrame::Events(events)) => {
+            frame(WATCH_EVENTS, &serde_json::to_vec(events).expect("json"))
+        }
+        Ok(WatchFrame::Ended) => frame(WATCH_ENDED, b""),
+        Err(e) => error_frame(e),
+    }
+}
+
+/// Takes one whole watch frame off the front of `buf`, if it holds one.
+pub fn decode_watch(
+    buf: &mut BytesMut,
+) -> Result<Option<Result<WatchFrame, RuntimeError>>, String> {
+    let Some((kind, payload)) = take_frame(buf)? else {
+        return Ok(None);
+    };
+    let bad = |e: serde_json::Error| format!("frame {kind}: {e}");
+    Ok(Some(match kind {
+        WATCHING => Ok(WatchFrame::Watching(
+            String::from_utf8(payload.to_vec()).map_err(|e| format!("a watched path: {e}"))?,
         )),
-        OTHER_ERROR => Err(serde_json::from_slice::<WireError>(&payload)
-            .map_err(bad)?
-            .into()),
+        WATCH_EVENTS => Ok(WatchFrame::Events(
+            serde_json::from_slice(&payload).map_err(bad)?,
+        )),
+        WATCH_ENDED => Ok(WatchFrame::Ended),
+        AGENT_ERROR | OTHER_ERROR => Err(decode_error(kind, &payload)?),
         other => return Err(format!("unknown frame kind {other}")),
     }))
 }
@@ -375,6 +443,45 @@ pub fn decode_pty_output(buf: &mut BytesMut) -> Result<Option<PtyOutput>, String
 mod tests {
     use super::*;
     use sandpit_host::machines::{PtyExit, PtySize};
+
+    #[test]
+    fn watch_frames_round_trip_in_pieces() {
+        use sandpit_protocol::{ErrorKind, WatchEventKind};
+        let frames = [
+            Ok(WatchFrame::Watching("/home/user/é".into())),
+            Ok(WatchFrame::Events(vec![WatchEvent {
+                name: "a/b".into(),
+                kind: WatchEventKind::Rename,
+            }])),
+            Ok(WatchFrame::Ended),
+            Err(RuntimeError::Agent(AgentError::new(
+                ErrorKind::NotFound,
+                "gone",
+            ))),
+            Err(RuntimeError::VmExited {
+                cause: "killed".into(),
+            }),
+        ];
+        let mut wire = BytesMut::new();
+        for f in &frames {
+            wire.extend_from_slice(&encode_watch(f));
+        }
+        let (mut buf, mut got) = (BytesMut::new(), Vec::new());
+        for byte in wire {
+            buf.extend_from_slice(&[byte]);
+            while let Some(f) = decode_watch(&mut buf).unwrap() {
+                got.push(f);
+            }
+        }
+        assert_eq!(got.len(), frames.len());
+        for (g, f) in got.iter().zip(&frames) {
+            match (g, f) {
+                (Ok(a), Ok(b)) => assert_eq!(a, b),
+                (Err(a), Err(b)) => assert_eq!(a.to_string(), b.to_string()),
+                other => panic!("{other:?}"),
+            }
+        }
+    }
 
     #[test]
     fn terminal_frames_round_trip_in_pieces() {

@@ -5,14 +5,14 @@
 use async_trait::async_trait;
 use sandpit_host::machines::{
     Command, Download, Listing, Machines, PtyExit, PtyInput, PtyOutput, PtySize, Started, Terminal,
-    Tunnel, Upload, VmResult,
+    Tunnel, Upload, VmResult, Watch,
 };
 use sandpit_node::{
     client_config, init_ca, issue, server_config, Health, NodeClient, NodeError, NodeState,
 };
 use sandpit_protocol::{
     AgentError, ErrorKind, ExecRequest, ExecResult, FileKind, PathCall, PathEntry, ProcessCall,
-    ProcessInfo,
+    ProcessInfo, WatchEvent, WatchEventKind,
 };
 use sandpit_runtime::{GuestExecEvent, RuntimeError, VmState};
 use std::collections::HashMap;
@@ -64,6 +64,40 @@ struct FakeVms {
     cancelled: Arc<AtomicUsize>,
     /// The snapshot calls it was asked, in order.
     snapshots: Mutex<Vec<String>>,
+    /// Directory watches stopped (dropped).
+    watches_stopped: Arc<AtomicUsize>,
+}
+
+/// A watch that reports two batches, then waits until it is dropped.
+struct FakeWatch {
+    batches: Vec<Vec<WatchEvent>>,
+    stopped: Arc<AtomicUsize>,
+}
+
+#[async_trait]
+impl Watch for FakeWatch {
+    fn path(&self) -> &str {
+        "/home/user/w"
+    }
+    async fn next(&mut self) -> VmResult<Option<Vec<WatchEvent>>> {
+        if self.batches.is_empty() {
+            std::future::pending::<()>().await;
+        }
+        Ok(Some(self.batches.remove(0)))
+    }
+}
+
+impl Drop for FakeWatch {
+    fn drop(&mut self) {
+        self.stopped.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+fn event(name: &str, kind: WatchEventKind) -> WatchEvent {
+    WatchEvent {
+        name: name.into(),
+        kind,
+    }
 }
 
 fn exec_request(command: &str) -> ExecRequest {
@@ -338,6 +372,22 @@ impl Machines for FakeVms {
             PathCall::MakeDir { path } => Ok(entry(&path, FileKind::Dir)),
             PathCall::Move { to, .. } => Ok(entry(&to, FileKind::File)),
         }
+    }
+    async fn watch_dir(&self, id: &str, path: &str, _recursive: bool) -> VmResult<Box<dyn Watch>> {
+        check(id)?;
+        if path != "w" {
+            return Err(not_found(path));
+        }
+        Ok(Box::new(FakeWatch {
+            batches: vec![
+                vec![
+                    event("a.txt", WatchEventKind::Create),
+                    event("a.txt", WatchEventKind::Write),
+                ],
+                vec![event("sub/é", WatchEventKind::Remove)],
+            ],
+            stopped: self.watches_stopped.clone(),
+        }))
     }
     async fn attach(
         &self,
@@ -710,6 +760,40 @@ async fn a_nodes_vms_answer_through_the_link_as_they_would_at_home() {
     cmd.cancel();
     assert!(matches!(cmd.next().await.unwrap(), GuestExecEvent::Exited(r) if r.cancelled));
     assert_eq!(vms.cancelled.load(Ordering::SeqCst), 1);
+
+    // A directory watch: set before it returns, its events as they come,
+    // stopped on the node when the caller drops it; its errors' kinds kept.
+    let mut watch = remote.watch_dir("vm1", "w", true).await.unwrap();
+    assert_eq!(watch.path(), "/home/user/w");
+    assert_eq!(
+        watch.next().await.unwrap().unwrap(),
+        [
+            event("a.txt", WatchEventKind::Create),
+            event("a.txt", WatchEventKind::Write)
+        ]
+    );
+    assert_eq!(
+        watch.next().await.unwrap().unwrap(),
+        [event("sub/é", WatchEventKind::Remove)]
+    );
+    drop(watch);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while vms.watches_stopped.load(Ordering::SeqCst) == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the node's watch ran on"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    match remote.watch_dir("vm1", "nope", false).await {
+        Err(RuntimeError::Agent(a)) => assert_eq!(a.kind, ErrorKind::NotFound),
+        Err(e) => panic!("{e:?}"),
+        Ok(_) => panic!("watched"),
+    }
+    assert!(matches!(
+        remote.watch_dir("vm2", "w", false).await,
+        Err(RuntimeError::VmExited { .. })
+    ));
 
     // Files: a binary one in pieces, a listing, a delete; a missing file
     // is the agent's not-found.

@@ -22,6 +22,21 @@ impl Command for LocalCommand {
     }
 }
 
+/// A directory watched in a local guest. Unlike a command it does not hold
+/// the warm pool's refills back: a watch mostly waits.
+struct LocalWatch(sandpit_runtime::DirWatch);
+
+#[async_trait]
+impl Watch for LocalWatch {
+    fn path(&self) -> &str {
+        self.0.path()
+    }
+
+    async fn next(&mut self) -> VmResult<Option<Vec<sandpit_protocol::WatchEvent>>> {
+        self.0.next().await
+    }
+}
+
 struct LocalUpload {
     upload: sandpit_runtime::FileUpload,
     _live: sandpit_runtime::Held,
@@ -283,6 +298,11 @@ impl Machines for LocalVms {
         call: sandpit_protocol::PathCall,
     ) -> VmResult<sandpit_protocol::PathEntry> {
         self.agent(id).await?.path_call(call).await
+    }
+
+    async fn watch_dir(&self, id: &str, path: &str, recursive: bool) -> VmResult<Box<dyn Watch>> {
+        let watch = self.agent(id).await?.watch_dir(path, recursive).await?;
+        Ok(Box::new(LocalWatch(watch)))
     }
 
     async fn open_tunnel(&self, id: &str, port: u16) -> VmResult<Tunnel> {

@@ -28,6 +28,7 @@ use crate::capacity::{Capacity, CapacityConfig, CapacityReport};
 use crate::ids::new_id;
 use crate::machines::{
     Command, Download, Listing, Machines, PtySize, Started, Terminal, Tunnel, Upload, VmResult,
+    Watch,
 };
 use async_trait::async_trait;
 use sandpit_protocol::ExecRequest;
