@@ -296,6 +296,7 @@ async fn side(
         domain: service.preview_domain.clone(),
         default_size: api.service_info().await?.default_size,
         max_body_bytes: sandpit_api::RestConfig::default().max_body_bytes,
+        watchers: Default::default(),
     };
     let front = Arc::new(sandpit_server::front::Front {
         api: sandpit_api::router(api, sandpit_api::RestConfig::default())

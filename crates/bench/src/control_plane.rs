@@ -110,6 +110,7 @@ impl<'a> Bench<'a> {
             domain: service.preview_domain.clone(),
             default_size: api.service_info().await?.default_size,
             max_body_bytes: sandpit_api::RestConfig::default().max_body_bytes,
+            watchers: Default::default(),
         };
         let app = sandpit_api::router(api.clone(), sandpit_api::RestConfig::default())
             .nest_service(

@@ -69,6 +69,17 @@ pub struct FileDownload {
     pub chunks: mpsc::Receiver<Result<Vec<u8>>>,
 }
 
+/// A directory being watched ([`Files::watch_dir`]). Dropping it stops
+/// the watch in the guest.
+pub struct DirWatchStream {
+    /// The watched directory, resolved, absolute.
+    pub path: String,
+    /// What changes, a batch at a time as the guest reports it; an error
+    /// is the last item (the directory went, events were lost, the sandbox
+    /// ended); the channel closing without one means the watch was stopped.
+    pub events: mpsc::Receiver<Result<Vec<sandpit_protocol::WatchEvent>>>,
+}
+
 /// One event of a streaming execution.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ExecEvent {
@@ -388,6 +399,23 @@ pub trait Files: Send + Sync {
         let _ = (caller, id, call);
         Err(crate::error::CoreError::invalid(
             "describing, making or moving a path is not available here",
+        ))
+    }
+    /// Watch directory `path` (with `recursive`, the tree under it) as the
+    /// guest user, from the moment this returns (E2B's filesystem API; not
+    /// part of the REST contract). The sandbox is in use, and so not put
+    /// to sleep for idleness, while the watch is open. A backend without it
+    /// refuses.
+    async fn watch_dir(
+        &self,
+        caller: &Caller,
+        id: &str,
+        path: &str,
+        recursive: bool,
+    ) -> Result<DirWatchStream> {
+        let _ = (caller, id, path, recursive);
+        Err(crate::error::CoreError::invalid(
+            "watching a directory is not available here",
         ))
     }
 }

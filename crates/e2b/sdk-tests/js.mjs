@@ -179,6 +179,23 @@ try {
   await refused(sbx.files.makeDir("/root/mine"), SandboxError, "a directory in /root");
   ok("files.exists, getInfo, makeDir, list with depth, rename, remove");
 
+  // watchDir: a stream of what a command does in the tree, as it happens.
+  await sbx.files.makeDir("jwatched/sub");
+  const seenEvents = [];
+  const watching = await sbx.files.watchDir("jwatched", (e) => seenEvents.push(`${e.type} ${e.name}`), {
+    recursive: true,
+  });
+  await sbx.commands.run("echo hi > jwatched/sub/a.txt && rm jwatched/sub/a.txt");
+  for (let i = 0; i < 300 && !seenEvents.includes("remove sub/a.txt"); i++) await sleep(100);
+  assert.deepEqual(
+    seenEvents.filter((e) => e.endsWith("sub/a.txt")).filter((e, i, all) => all.indexOf(e) === i),
+    ["create sub/a.txt", "write sub/a.txt", "remove sub/a.txt"],
+    JSON.stringify(seenEvents),
+  );
+  await watching.stop();
+  await refused(sbx.files.watchDir("no/such/dir", () => {}), NotFoundError, "watching a missing directory");
+  ok("watchDir: create, write, remove, recursive, stop");
+
   // Signed URLs, opened with Node's own fetch: no SDK, no headers.
   await sbx.files.write("signed.txt", "hello world");
   let res = await fetch(await sbx.downloadUrl("signed.txt", { useSignatureExpiration: 10_000 }));

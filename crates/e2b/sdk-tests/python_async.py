@@ -27,6 +27,23 @@ async def main():
         assert spread >= 2.5, f"the callbacks came {spread:.2f} s apart"
         ok(f"commands.run, output as it comes ({spread:.1f} s), the create's envs")
 
+        # watch_dir (async: a stream): a file the SDK writes, seen as it
+        # is made; the stream ends when stopped.
+        from e2b import FilesystemEventType
+
+        await sbx.files.make_dir("awatched")
+        seen_events = []
+        handle = await sbx.files.watch_dir("awatched", on_event=seen_events.append)
+        await sbx.files.write("awatched/note.txt", "watched")
+        for _ in range(300):
+            if ("note.txt", FilesystemEventType.CREATE) in [(e.name, e.type) for e in seen_events]:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError([(e.name, e.type) for e in seen_events])
+        await handle.stop()
+        ok("watch_dir as a stream")
+
         # Two commands at once on one sandbox.
         a, b = await asyncio.gather(
             sbx.commands.run("sleep 1; echo a"), sbx.commands.run("sleep 1; echo b")

@@ -251,6 +251,48 @@ try:
         pass
     ok("files.exists, get_info, make_dir, list with depth, rename, remove")
 
+    # watch_dir (the sync SDK polls): what commands do in a watched tree,
+    # named relative to it, in order; a directory made later is followed.
+    from e2b import FilesystemEventType as Ev
+
+    sbx.files.make_dir("watched/sub")
+    handle = sbx.files.watch_dir("watched", recursive=True)
+
+    def wait_for(wanted, within=30):
+        got, deadline = [], time.monotonic() + within
+        while True:
+            got += [(e.name, e.type) for e in handle.get_new_events()]
+            rest = iter(got)
+            if all(w in rest for w in wanted):  # in this order
+                return got
+            assert time.monotonic() < deadline, (wanted, got)
+            time.sleep(0.2)
+
+    sbx.commands.run(
+        "echo hi > watched/sub/made.txt && mv watched/sub/made.txt watched/moved.txt"
+        " && chmod 600 watched/moved.txt && rm watched/moved.txt && mkdir watched/later"
+    )
+    wait_for([
+        ("sub/made.txt", Ev.CREATE), ("sub/made.txt", Ev.WRITE), ("sub/made.txt", Ev.RENAME),
+        ("moved.txt", Ev.CREATE), ("moved.txt", Ev.CHMOD), ("moved.txt", Ev.REMOVE),
+        ("later", Ev.CREATE),
+    ])
+    sbx.commands.run("echo deeper > watched/later/inner.txt")
+    wait_for([("later/inner.txt", Ev.CREATE), ("later/inner.txt", Ev.WRITE)])
+    handle.stop()
+    try:
+        sbx.files.watch_dir("no/such/dir")
+        raise AssertionError("a missing directory was watched")
+    except NotFoundException:
+        pass
+    # The kernel decides, as the user: root's home is not the user's to watch.
+    try:
+        sbx.files.watch_dir("/root")
+        raise AssertionError("the user watched /root")
+    except SandboxException as e:
+        assert "ermission" in str(e), e
+    ok("watch_dir: a command's writes, recursive, a directory made later, stop, refusals")
+
     # Signed URLs, opened as a browser or curl would: no SDK, no headers.
     import json
     import urllib.error

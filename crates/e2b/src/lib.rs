@@ -31,7 +31,7 @@ use sandpit_core::SandboxApi;
 use std::sync::Arc;
 
 pub use control::control_plane;
-pub use envd::data_plane;
+pub use envd::{data_plane, Watchers};
 
 /// The header E2B's SDKs name the sandbox in, on every data-plane request.
 pub const SANDBOX_ID_HEADER: &str = "e2b-sandbox-id";
@@ -57,6 +57,9 @@ pub struct E2b {
     /// be streamed to the guest as it comes (a write names its size first).
     /// The server's `max_body_bytes`.
     pub max_body_bytes: usize,
+    /// The directory watches the sync SDK polls (`CreateWatcher`); they
+    /// live in this process, so its polls must reach this server.
+    pub watchers: Watchers,
 }
 
 /// Whether a request is for a sandbox's data plane: it names one in

@@ -19,6 +19,7 @@ async fn start() -> Server {
         domain: "sandpit.test".into(),
         default_size: "small".into(),
         max_body_bytes: sandpit_api::RestConfig::default().max_body_bytes,
+        watchers: Default::default(),
     };
     let app = axum::Router::new().nest_service("/e2b", sandpit_e2b::control_plane(e2b));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -317,6 +317,7 @@ pub async fn serve(settings: &Settings, args: ServeArgs) -> Result<i32> {
         domain: settings.service.preview_domain.clone(),
         default_size: info.default_size,
         max_body_bytes: rest.max_body_bytes,
+        watchers: Default::default(),
     };
     let e2b_data = sandpit_api::with_request_layers(
         sandpit_e2b::data_plane(e2b.clone())

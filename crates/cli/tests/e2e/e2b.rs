@@ -139,6 +139,7 @@ fn the_python_and_javascript_sdks_drive_sandboxes_unchanged() {
         "getHost: a background http.server reached with fetch",
         "files.write and files.read",
         "files.exists, getInfo, makeDir, list with depth, rename, remove",
+        "watchDir: create, write, remove, recursive, stop",
         "downloadUrl and uploadUrl, signed, opened with fetch",
         "isRunning, getInfo, list filtered by metadata",
         "getMetrics",
@@ -154,6 +155,7 @@ fn the_python_and_javascript_sdks_drive_sandboxes_unchanged() {
     let async_checks = [
         "create",
         "commands.run, output as it comes",
+        "watch_dir as a stream",
         "two commands at once",
         "background with callbacks, send_stdin, list, kill",
         "CommandExitException",
@@ -179,6 +181,7 @@ fn check_python_sync(done: &[String]) {
     let sync_checks = [
         "create",
         "commands.run",
+        "3 MB of output, whole",
         "on_stdout as it comes",
         "CommandExitException",
         "cwd, envs, the create's envs, the default user",
@@ -190,6 +193,7 @@ fn check_python_sync(done: &[String]) {
         "get_host: a background http.server reached",
         "files.write and files.read",
         "files.exists, get_info, make_dir, list with depth, rename, remove",
+        "watch_dir: a command's writes, recursive, a directory made later, stop, refusals",
         "download_url and upload_url, signed, opened without the SDK",
         "a streamed upload of unknown length",
         "is_running, get_info",

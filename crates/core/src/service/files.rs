@@ -268,4 +268,50 @@ impl Files for Service {
             Err(e) => Err(self.agent_failure(&row, e).await),
         }
     }
+
+    async fn watch_dir(
+        &self,
+        caller: &Caller,
+        id: &str,
+        path: &str,
+        recursive: bool,
+    ) -> Result<crate::api::DirWatchStream> {
+        check_path(path)?;
+        let (row, busy) = self.running(caller, id).await?;
+        let machines = self.machines_for(&row).await?;
+        let mut watch = match machines.watch_dir(&row.id, path, recursive).await {
+            Ok(w) => w,
+            Err(e) => return Err(self.agent_failure(&row, e).await),
+        };
+        let resolved = watch.path().to_string();
+        let (tx, events) = mpsc::channel(16);
+        let me = self.arc_self();
+        tokio::spawn(async move {
+            // In use while watched (see `Files::watch_dir`).
+            let _busy = busy;
+            loop {
+                let next = tokio::select! {
+                    next = watch.next() => next,
+                    // The watcher went: dropping the watch stops it.
+                    _ = tx.closed() => return,
+                };
+                let item = match next {
+                    Ok(Some(batch)) => Ok(batch),
+                    Ok(None) => return,
+                    Err(e) => match &me {
+                        Some(me) => Err(me.agent_failure(&row, e).await),
+                        None => Err(runtime_error(e)),
+                    },
+                };
+                let last = item.is_err();
+                if tx.send(item).await.is_err() || last {
+                    return;
+                }
+            }
+        });
+        Ok(crate::api::DirWatchStream {
+            path: resolved,
+            events,
+        })
+    }
 }

@@ -156,6 +156,11 @@ impl Stream {
         self.tx.send(frame(0, &payload)).await.is_ok()
     }
 
+    /// Resolves once the client has gone (the response's body was dropped).
+    pub async fn closed(&self) {
+        self.tx.closed().await
+    }
+
     /// End the stream, with an error or without.
     pub async fn end(self, error: Option<RpcError>) {
         let trailer = match error {

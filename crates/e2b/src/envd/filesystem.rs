@@ -2,8 +2,7 @@
 //! removing paths, as the guest user (the guest's kernel decides what the
 //! user may do), over the core's files (`list_files`, `delete_file`,
 //! `path_call`). Paths that are not absolute are under the user's home.
-//! Unary calls only; watching (`WatchDir`, `CreateWatcher`, …) is not
-//! built yet.
+//! Watching a directory is [`super::watch`]'s.
 
 use super::connect;
 use super::{check_user, guest_path, named_user, ForSandbox};
@@ -48,6 +47,12 @@ async fn answer(
     headers: &HeaderMap,
     body: &[u8],
 ) -> Result<Value, RpcError> {
+    if matches!(
+        method,
+        "CreateWatcher" | "GetWatcherEvents" | "RemoveWatcher"
+    ) {
+        return super::watch::polled(e2b, sandbox, method, headers, body).await;
+    }
     check_user(named_user(headers).as_deref())?;
     let req: Request = connect::request(headers, body)?;
     let call = |call: PathCall| async {

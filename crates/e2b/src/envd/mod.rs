@@ -8,6 +8,9 @@ mod connect;
 mod files;
 mod filesystem;
 mod process;
+mod watch;
+
+pub use watch::Watchers;
 
 use crate::error::{HttpError, RpcError};
 use crate::{E2b, SANDBOX_ID_HEADER};
@@ -28,6 +31,7 @@ pub fn data_plane(e2b: E2b) -> Router {
         .route("/process.Process/Connect", post(process::connect))
         .route("/process.Process/StreamInput", post(process::stream_input))
         .route("/process.Process/{method}", post(process::unary))
+        .route("/filesystem.Filesystem/WatchDir", post(watch::watch_dir))
         .route("/filesystem.Filesystem/{method}", post(filesystem::call))
         .route("/{service}/{method}", post(not_built_rpc))
         .fallback(not_built)

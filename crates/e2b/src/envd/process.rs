@@ -145,7 +145,7 @@ pub async fn connect(
 
 /// Seconds between keepalives on an idle stream (the client's
 /// `Keepalive-Ping-Interval`).
-fn keepalive(headers: &HeaderMap) -> u64 {
+pub(super) fn keepalive(headers: &HeaderMap) -> u64 {
     headers
         .get("keepalive-ping-interval")
         .and_then(|v| v.to_str().ok())
