@@ -209,6 +209,11 @@ try {
   assert.equal(await sbx.files.read("uploaded.txt"), "file content");
   ok("downloadUrl and uploadUrl, signed, opened with fetch (an expired one refused)");
 
+  const packed = "gzip me, sandbox\n".repeat(100_000);
+  await sbx.files.write("gz/packed.txt", packed, { gzip: true });
+  assert.equal(await sbx.files.read("gz/packed.txt"), packed);
+  ok("a gzip upload");
+
   assert.equal(await sbx.isRunning(), true);
   const got = await sbx.getInfo();
   assert.equal(got.sandboxId, sbx.sandboxId);

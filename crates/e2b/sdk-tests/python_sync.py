@@ -347,6 +347,19 @@ try:
     assert not sbx.files.exists("too-big.bin")
     ok("a streamed upload of unknown length: 3 MiB written, 9 MiB refused past the server's limit")
 
+    # gzip=True: compressed on the way, written as it was; one that would
+    # decompress past the server's limit is refused, and nothing is written.
+    packed = b"gzip me, sandbox\n" * 250_000
+    sbx.files.write("gz/packed.txt", packed, gzip=True)
+    assert sbx.files.read("gz/packed.txt", format="bytes") == packed
+    try:
+        sbx.files.write("gz/bomb.bin", bytes(64 << 20), gzip=True)
+        raise AssertionError("64 MiB of zeros were decompressed")
+    except SandboxException as e:
+        assert "max_body_bytes" in str(e), e
+    assert not sbx.files.exists("gz/bomb.bin")
+    ok("gzip uploads: 4 MiB written whole, a 64 MiB bomb refused")
+
     assert sbx.is_running()
     got = sbx.get_info()
     assert got.sandbox_id == sbx.sandbox_id and got.metadata == {"suite": "python-sync", "run": "1"}, got

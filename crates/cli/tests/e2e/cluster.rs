@@ -749,6 +749,22 @@ fn a_replica_names_a_sandbox_after_the_warm_vm_a_node_published() {
         assert_eq!(st, 200);
     });
 
+    // E2B's Python SDK through a, which runs no VMs: every call, a
+    // directory watch's included, reaches b over the node API.
+    let python = crate::e2b::sdk_python();
+    let done = crate::e2b::run_sdk(&python, "python_replica.py", &a, &key, &key, &key);
+    crate::e2b::checked(
+        "python_replica.py",
+        &done,
+        &[
+            "create, commands.run",
+            "output as it comes, CommandExitException",
+            "background, connect from a second client, kill",
+            "files.write, files.read, watch_dir",
+            "kill",
+        ],
+    );
+
     // b dies (SIGKILL) with a warm VM published; a create through a at
     // once goes to b first (its lease has not lapsed), cannot reach it,
     // and goes on to c in the same request. Its retry with the same key

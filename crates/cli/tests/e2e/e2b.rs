@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 /// The SDKs' Python (`SANDPIT_E2B_PYTHON`, which the test command sets).
-fn sdk_python() -> PathBuf {
+pub(crate) fn sdk_python() -> PathBuf {
     let python = std::env::var_os("SANDPIT_E2B_PYTHON").map(PathBuf::from);
     match python {
         Some(p) if p.is_file() => p,
@@ -47,7 +47,7 @@ fn script(name: &str) -> PathBuf {
 
 /// Run an SDK script with `interpreter` against `server` with `key`;
 /// returns its `ok` lines.
-fn run_sdk(
+pub(crate) fn run_sdk(
     interpreter: &PathBuf,
     name: &str,
     server: &Server,
@@ -141,6 +141,7 @@ fn the_python_and_javascript_sdks_drive_sandboxes_unchanged() {
         "files.exists, getInfo, makeDir, list with depth, rename, remove",
         "watchDir: create, write, remove, recursive, stop",
         "downloadUrl and uploadUrl, signed, opened with fetch",
+        "a gzip upload",
         "isRunning, getInfo, list filtered by metadata",
         "getMetrics",
         "setTimeout, longer then shorter",
@@ -167,7 +168,7 @@ fn the_python_and_javascript_sdks_drive_sandboxes_unchanged() {
 }
 
 /// Every check in `checks` was among the `ok` lines of script `name`.
-fn checked(name: &str, done: &[String], checks: &[&str]) {
+pub(crate) fn checked(name: &str, done: &[String], checks: &[&str]) {
     for check in checks {
         assert!(
             done.iter().any(|d| d.starts_with(check)),
@@ -196,6 +197,7 @@ fn check_python_sync(done: &[String]) {
         "watch_dir: a command's writes, recursive, a directory made later, stop, refusals",
         "download_url and upload_url, signed, opened without the SDK",
         "a streamed upload of unknown length",
+        "gzip uploads: 4 MiB written whole, a 64 MiB bomb refused",
         "is_running, get_info",
         "get_metrics: a reading per call",
         "list, filtered by metadata",

@@ -20,7 +20,11 @@
 //!
 //! A body of unknown length (chunked) is held in memory, up to the
 //! server's `max_body_bytes` (then 413): a write to the guest names its
-//! size first. Not yet: gzip bodies, and `X-Metadata-*`.
+//! size first. So is a gzip body (`Content-Encoding: gzip`, the SDKs'
+//! `gzip=True`), decompressed as it comes: what it decompresses to is known
+//! only at its end, and both what comes in and what it makes are held to
+//! `max_body_bytes`, so a small bomb is refused as soon as it passes the
+//! limit. Not yet: `X-Metadata-*`.
 
 use super::{check_user, guest_path, ForSandbox};
 use crate::error::HttpError;
@@ -182,13 +186,37 @@ pub async fn upload(
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default()
         .to_string();
-    if req.headers().contains_key(header::CONTENT_ENCODING) {
-        return Err(HttpError::bad_request(
-            "compressed uploads (gzip) are not supported by Sandpit's E2B API yet",
-        ));
-    }
+    let gzipped = match req
+        .headers()
+        .get(header::CONTENT_ENCODING)
+        .map(|v| v.to_str().unwrap_or_default().trim().to_ascii_lowercase())
+    {
+        None => false,
+        Some(e) if e == "identity" => false,
+        Some(e) if e == "gzip" => true,
+        Some(e) => {
+            return Err(HttpError::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                format!("Content-Encoding {e:?}: uploads may be gzip-compressed, or not at all"),
+            ))
+        }
+    };
     let mut written = Vec::new();
-    if content_type.starts_with("multipart/form-data") {
+    if gzipped {
+        if content_type.starts_with("multipart/form-data") {
+            return Err(HttpError::bad_request(
+                "a gzip-compressed upload is a raw body (application/octet-stream), not a form",
+            ));
+        }
+        let dest = q
+            .path
+            .clone()
+            .ok_or_else(|| HttpError::bad_request("path is required"))?;
+        let bytes = gunzip(req.into_body(), e2b.max_body_bytes).await?;
+        let size = bytes.len() as u64;
+        let source = Box::new(Whole(Some(bytes)));
+        written.push(write(&e2b, &sandbox.caller, &sandbox.id, &dest, size, source).await?);
+    } else if content_type.starts_with("multipart/form-data") {
         let mut form = Multipart::from_request(req, &())
             .await
             .map_err(|e| HttpError::bad_request(format!("the multipart form: {e}")))?;
@@ -281,6 +309,73 @@ async fn write(
     Ok(done.into())
 }
 
+/// A gzip body decompressed as it comes, each of what comes in and what it
+/// makes held to `limit` bytes (413 past it); concatenated members are one
+/// file, as `gzip -d` makes them.
+async fn gunzip(body: axum::body::Body, limit: usize) -> Result<Vec<u8>, HttpError> {
+    use futures::StreamExt;
+    use std::io::Write;
+    let too_large = || {
+        HttpError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "a gzip-compressed upload is decompressed in memory, up to {limit} bytes (the \
+                 server's max_body_bytes): send a larger file uncompressed, with its length"
+            ),
+        )
+    };
+    let broken = |e: std::io::Error| match e.get_ref().is_some_and(|i| i.is::<PastLimit>()) {
+        true => too_large(),
+        false => HttpError::bad_request(format!("the body is not valid gzip: {e}")),
+    };
+    let mut decoder = flate2::write::MultiGzDecoder::new(Bounded {
+        out: Vec::new(),
+        limit,
+    });
+    let (mut body, mut taken) = (body.into_data_stream(), 0usize);
+    while let Some(chunk) = body.next().await {
+        let chunk = chunk.map_err(|e| HttpError::bad_request(format!("the body: {e}")))?;
+        taken += chunk.len();
+        if taken > limit {
+            return Err(too_large());
+        }
+        decoder.write_all(&chunk).map_err(broken)?;
+    }
+    Ok(decoder.finish().map_err(broken)?.out)
+}
+
+/// What a gzip body decompresses to, held to `limit` bytes.
+struct Bounded {
+    out: Vec<u8>,
+    limit: usize,
+}
+
+/// The error a [`Bounded`] writer gives past its limit.
+#[derive(Debug)]
+struct PastLimit;
+
+impl std::fmt::Display for PastLimit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("past the limit")
+    }
+}
+
+impl std::error::Error for PastLimit {}
+
+impl std::io::Write for Bounded {
+    fn write(&mut self, piece: &[u8]) -> std::io::Result<usize> {
+        if self.out.len() + piece.len() > self.limit {
+            return Err(std::io::Error::other(PastLimit));
+        }
+        self.out.extend_from_slice(piece);
+        Ok(piece.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 /// Bytes already held, as an upload's source.
 struct Whole(Option<Vec<u8>>);
 
@@ -294,6 +389,40 @@ impl ByteSource for Whole {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn gzip(data: &[u8]) -> Vec<u8> {
+        use std::io::Write;
+        let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        e.write_all(data).unwrap();
+        e.finish().unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_gzip_body_is_decompressed_within_the_limit_and_a_bomb_is_not() {
+        let text = b"hello, sandbox\n".repeat(1000);
+        // Two members, as a writer that flushed between them makes.
+        let mut two = gzip(&text[..7000]);
+        two.extend(gzip(&text[7000..]));
+        let out = gunzip(axum::body::Body::from(two), 1 << 20).await.unwrap();
+        assert_eq!(out, text);
+        // 64 MiB of zeros is ~64 KiB compressed: refused at the limit.
+        let bomb = gzip(&vec![0u8; 64 << 20]);
+        assert!(bomb.len() < 1 << 20, "{}", bomb.len());
+        let e = gunzip(axum::body::Body::from(bomb), 1 << 20)
+            .await
+            .unwrap_err();
+        assert_eq!(e.status, StatusCode::PAYLOAD_TOO_LARGE);
+        // What comes in is held to the limit too.
+        let e = gunzip(axum::body::Body::from(vec![0u8; 2 << 20]), 1 << 20)
+            .await
+            .unwrap_err();
+        assert_eq!(e.status, StatusCode::PAYLOAD_TOO_LARGE);
+        let e = gunzip(axum::body::Body::from(b"not gzip at all".to_vec()), 1 << 20)
+            .await
+            .unwrap_err();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert!(e.message.contains("gzip"), "{}", e.message);
+    }
 
     /// Signatures as E2B's Python SDK makes them (`e2b.sandbox.signature`,
     /// run once to get these).

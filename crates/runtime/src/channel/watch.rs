@@ -27,7 +27,7 @@ pub struct DirWatch {
     id: RequestId,
     inner: Arc<Inner>,
     rx: mpsc::UnboundedReceiver<Frame>,
-    backlog: Arc<OutputBacklog>,
+    pub(super) backlog: Arc<OutputBacklog>,
     /// The watched directory's path in the guest, resolved.
     path: String,
     ended: bool,
