@@ -212,10 +212,9 @@ fn run(
         Err(e) => return fail(e),
     };
     let pid = child.pid;
-    if req.keep_running {
-        // Its pid, before any output: the host names it by that from now on.
-        reply.send(&Message::Started { id, pid }, &[]);
-    }
+    // In the table before its pid is told: a client that lists the
+    // commands, or feeds this one, as soon as it has the pid must find it
+    // (a busy guest once answered such a list with nothing).
     processes::register(Process::new(
         ProcessInfo {
             pid,
@@ -231,6 +230,10 @@ fn run(
         cancel.clone(),
         child.terminal.take(),
     ));
+    if req.keep_running {
+        // Its pid, before any output: the host names it by that from now on.
+        reply.send(&Message::Started { id, pid }, &[]);
+    }
 
     // Output is forwarded as it comes while waiting for the shell's exit
     // (its pidfd), a cancel, or the deadline.

@@ -118,7 +118,7 @@ pub fn run(
     let mut tree = Tree::new(recursive)?;
     let root_wd = tree.add(&root, PathBuf::new(), true)?;
     if recursive {
-        tree.add_below(&root, Path::new(""))?;
+        tree.add_below(&root, Path::new(""), None)?;
     }
     reply.send(
         &Message::Watching {
@@ -235,18 +235,32 @@ impl Tree {
 
     /// Watch every directory under `abs` (named `rel`), depth first. A
     /// directory the user may not read is not followed: the kernel said no,
-    /// and the rest of the tree is still watched.
-    fn add_below(&mut self, abs: &Path, rel: &Path) -> Result<(), AgentError> {
+    /// and the rest of the tree is still watched. With `found`, each entry
+    /// met is reported made (`Create`): under a directory made a moment
+    /// ago, what was made in it before its watch was set (`mkdir -p a/b &&
+    /// touch a/b/f`) has no event of its own.
+    fn add_below(
+        &mut self,
+        abs: &Path,
+        rel: &Path,
+        mut found: Option<&mut Vec<WatchEvent>>,
+    ) -> Result<(), AgentError> {
         let mut todo = vec![(abs.to_path_buf(), rel.to_path_buf())];
         while let Some((dir, name)) = todo.pop() {
             let Ok(entries) = std::fs::read_dir(&dir) else {
                 continue;
             };
             for entry in entries.flatten() {
+                let (abs, rel) = (entry.path(), name.join(entry.file_name()));
+                if let Some(found) = found.as_deref_mut() {
+                    found.push(WatchEvent {
+                        name: rel.to_string_lossy().into_owned(),
+                        kind: WatchEventKind::Create,
+                    });
+                }
                 if !entry.file_type().is_ok_and(|t| t.is_dir()) {
                     continue;
                 }
-                let (abs, rel) = (entry.path(), name.join(entry.file_name()));
                 match self.add(&abs, rel.clone(), false) {
                     Ok(_) => todo.push((abs, rel)),
                     Err(e) if e.kind == ErrorKind::TooLarge => return Err(e),
@@ -326,12 +340,18 @@ impl Tree {
                     match moved_away.remove(&raw.cookie).filter(|_| raw.cookie != 0) {
                         Some(from) => self.renamed(&from, &rel),
                         None => {
+                            // Reported before what is found in it.
+                            out.push(WatchEvent {
+                                name: rel.to_string_lossy().into_owned(),
+                                kind: WatchEventKind::Create,
+                            });
                             let abs = root.join(&rel);
                             match self.add(&abs, rel.clone(), false) {
-                                Ok(_) => self.add_below(&abs, &rel)?,
+                                Ok(_) => self.add_below(&abs, &rel, Some(out))?,
                                 Err(e) if e.kind == ErrorKind::TooLarge => return Err(e),
                                 Err(_) => {}
                             }
+                            continue;
                         }
                     }
                 }
@@ -524,9 +544,14 @@ mod tests {
         let d = w.dir.clone();
         std::fs::write(d.join("old/inner"), "x").unwrap();
         w.events_until(("old/inner", Write));
-        // A directory made now, and one made inside it at once.
+        // A directory made now, and one made inside it at once, with a
+        // file: whether or not each was made before its directory's watch
+        // was set, each is reported made.
         std::fs::create_dir_all(d.join("new/deeper")).unwrap();
-        w.events_until(("new", Create));
+        std::fs::write(d.join("new/deeper/early"), "e").unwrap();
+        let seen = w.events_until(("new/deeper/early", Create));
+        assert!(seen.contains(&("new".into(), Create)), "{seen:?}");
+        assert!(seen.contains(&("new/deeper".into(), Create)), "{seen:?}");
         std::fs::write(d.join("new/deeper/f"), "y").unwrap();
         w.events_until(("new/deeper/f", Write));
         // Moved within the tree: followed under its new name.

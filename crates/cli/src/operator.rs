@@ -21,6 +21,10 @@ pub enum AccountCommand {
         /// can add credit
         #[arg(long)]
         admin: bool,
+        /// Most sandboxes it may have live at once (default: the
+        /// configuration's `max_concurrent_sandboxes`)
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+        max_sandboxes: Option<u32>,
     },
     /// List accounts with their credit
     List,
@@ -79,8 +83,13 @@ pub async fn account(settings: &Settings, cmd: AccountCommand) -> Result<i32> {
             name,
             credit,
             admin: operator,
+            max_sandboxes,
         } => {
-            let a = admin::create_account(&store, &settings.service, &name, credit).await?;
+            let mut service = settings.service.clone();
+            if let Some(most) = max_sandboxes {
+                service.default_max_concurrent_sandboxes = most;
+            }
+            let a = admin::create_account(&store, &service, &name, credit).await?;
             if operator {
                 store.set_admin(&a.id, true).await?;
             }

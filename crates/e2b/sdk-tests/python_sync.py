@@ -496,6 +496,24 @@ except SandboxException as e:
     assert getattr(e, "status_code", None) == 402 and "credit" in str(e), (repr(e), getattr(e, "status_code", None))
 ok("an account without credit is refused with 402, saying why")
 
+# An account at its limit of live sandboxes: 429, the SDK's
+# RateLimitException (with retries=0: by default the SDK waits out the
+# answer's Retry-After three times first), saying why; nothing started.
+from e2b import RateLimitException
+
+limited = os.environ["SANDPIT_LIMITED_KEY"]
+only = Sandbox.create(api_key=limited, timeout=60)
+try:
+    try:
+        Sandbox.create(api_key=limited, retries=0)
+        raise AssertionError("an account past its limit created a sandbox")
+    except RateLimitException as e:
+        assert "limit is 1" in str(e), repr(e)
+    assert [s.sandbox_id for s in Sandbox.list(api_key=limited).next_items()] == [only.sandbox_id]
+finally:
+    only.kill()
+ok("an account at its limit of sandboxes gets RateLimitException (429), saying why")
+
 # Every check is done. Leave without the interpreter's teardown: once, on a
 # loaded machine, the async script ended with a failing status and nothing
 # on stderr after its last check (its HTTP client is a native extension);

@@ -110,6 +110,18 @@ fn the_python_and_javascript_sdks_drive_sandboxes_unchanged() {
     let revoked = server.admin(&["key", "create", "--account", "e2b-user"]);
     server.admin(&["key", "revoke", &revoked[..12]]);
     let broke = server.new_account("e2b-broke", 0.0);
+    server.admin(&[
+        "account",
+        "create",
+        "e2b-one",
+        "--credit",
+        "10",
+        "--max-sandboxes",
+        "1",
+    ]);
+    let limited =
+        sandpit_store::e2b_spelling(&server.admin(&["key", "create", "--account", "e2b-one"]))
+            .expect("a Sandpit key");
     let done_js = std::thread::scope(|scope| {
         let js = scope.spawn(|| {
             run_sdk_with(
@@ -122,7 +134,15 @@ fn the_python_and_javascript_sdks_drive_sandboxes_unchanged() {
                 &[("NODE_PATH", node_modules.as_os_str())],
             )
         });
-        let done = run_sdk(&python, "python_sync.py", &server, &key, &revoked, &broke);
+        let done = run_sdk_with(
+            &python,
+            "python_sync.py",
+            &server,
+            &key,
+            &revoked,
+            &broke,
+            &[("SANDPIT_LIMITED_KEY", std::ffi::OsStr::new(&limited))],
+        );
         check_python_sync(&done);
         js.join().expect("the JavaScript SDK's run")
     });
@@ -208,6 +228,7 @@ fn check_python_sync(done: &[String]) {
         "kill; a killed sandbox is not found",
         "a wrong or revoked key is refused",
         "an account without credit is refused with 402",
+        "an account at its limit of sandboxes gets RateLimitException (429)",
     ];
     checked("python_sync.py", done, &sync_checks);
 }

@@ -141,6 +141,12 @@ impl Inner {
         self.backlogs.lock().unwrap().clear();
     }
 
+    /// Request `id` is over: its frames and its backlog go.
+    pub(crate) fn forget(&self, id: RequestId) {
+        self.pending.lock().unwrap().remove(&id);
+        self.backlogs.lock().unwrap().remove(&id);
+    }
+
     pub(crate) fn send(&self, message: &Message, body: &[u8]) -> Result<()> {
         self.send_all(vec![Self::frame(message, body)?])
     }
@@ -408,6 +414,26 @@ impl AgentClient {
         Ok((id, rx))
     }
 
+    /// [`AgentClient::register`] for a request whose pieces (a command's
+    /// output, a watch's events) stream until it ends: what waits for its
+    /// reader is counted against [`OutputBacklog`]'s bound.
+    pub(crate) fn register_followed(
+        &self,
+    ) -> Result<(
+        RequestId,
+        mpsc::UnboundedReceiver<Frame>,
+        Arc<OutputBacklog>,
+    )> {
+        let (id, rx) = self.register()?;
+        let backlog = Arc::new(OutputBacklog::default());
+        self.inner
+            .backlogs
+            .lock()
+            .unwrap()
+            .insert(id, backlog.clone());
+        Ok((id, rx, backlog))
+    }
+
     async fn finish(
         &self,
         id: RequestId,
@@ -524,17 +550,10 @@ impl AgentClient {
         limit: u64,
         longest: Duration,
     ) -> Result<ExecHandle> {
-        let (id, rx) = self.register()?;
+        let (id, rx, backlog) = self.register_followed()?;
         let deadline = tokio::time::Instant::now() + longest + EXEC_GRACE;
-        let backlog = Arc::new(OutputBacklog::default());
-        self.inner
-            .backlogs
-            .lock()
-            .unwrap()
-            .insert(id, backlog.clone());
         if let Err(e) = self.inner.send(&make(id), &[]) {
-            self.inner.pending.lock().unwrap().remove(&id);
-            self.inner.backlogs.lock().unwrap().remove(&id);
+            self.inner.forget(id);
             return Err(e);
         }
         Ok(ExecHandle {

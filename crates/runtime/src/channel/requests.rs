@@ -189,8 +189,7 @@ impl Drop for ExecHandle {
         if !self.finished {
             self.cancel();
         }
-        self.inner.pending.lock().unwrap().remove(&self.id);
-        self.inner.backlogs.lock().unwrap().remove(&self.id);
+        self.inner.forget(self.id);
     }
 }
 

@@ -40,13 +40,7 @@ impl AgentClient {
     /// directory, permission denied, too many watches).
     pub async fn watch_dir(&self, path: &str, recursive: bool) -> Result<DirWatch> {
         self.needs("watch", "watching a directory")?;
-        let (id, mut rx) = self.register()?;
-        let backlog = Arc::new(OutputBacklog::default());
-        self.inner
-            .backlogs
-            .lock()
-            .unwrap()
-            .insert(id, backlog.clone());
+        let (id, mut rx, backlog) = self.register_followed()?;
         let mut watch = DirWatch {
             id,
             inner: self.inner.clone(),
@@ -137,7 +131,6 @@ impl DirWatch {
 impl Drop for DirWatch {
     fn drop(&mut self) {
         self.stop();
-        self.inner.pending.lock().unwrap().remove(&self.id);
-        self.inner.backlogs.lock().unwrap().remove(&self.id);
+        self.inner.forget(self.id);
     }
 }
