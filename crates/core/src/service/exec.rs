@@ -126,18 +126,22 @@ impl Service {
                 Ok(GuestExecEvent::Started(_)) => {}
                 Ok(GuestExecEvent::Stdout(b)) => {
                     let piece = out.push(&b);
-                    let kept = within(&stdout, piece.clone(), limit, &mut cut_here);
+                    // Copied only when the stream gets more than is kept.
+                    let all = stream_all.then(|| piece.clone());
+                    let kept = within(&stdout, piece, limit, &mut cut_here);
                     stdout.push_str(&kept);
-                    let streamed = if stream_all { piece } else { kept };
+                    let streamed = all.unwrap_or(kept);
                     if let (Some(tx), false) = (&tx, streamed.is_empty()) {
                         let _ = tx.send(ExecEvent::Stdout(streamed)).await;
                     }
                 }
                 Ok(GuestExecEvent::Stderr(b)) => {
                     let piece = err.push(&b);
-                    let kept = within(&stderr, piece.clone(), limit, &mut cut_here);
+                    // Copied only when the stream gets more than is kept.
+                    let all = stream_all.then(|| piece.clone());
+                    let kept = within(&stderr, piece, limit, &mut cut_here);
                     stderr.push_str(&kept);
-                    let streamed = if stream_all { piece } else { kept };
+                    let streamed = all.unwrap_or(kept);
                     if let (Some(tx), false) = (&tx, streamed.is_empty()) {
                         let _ = tx.send(ExecEvent::Stderr(streamed)).await;
                     }
