@@ -11,7 +11,7 @@ use crate::{median, row, Row, MAX_OUTPUT};
 use anyhow::Result;
 use clap::Args;
 use sandpit_host::local::LocalVms;
-use sandpit_host::machines::Machines;
+use sandpit_host::machines::{Egress, Machines};
 use sandpit_protocol::ExecRequest;
 use sandpit_server::settings::Settings;
 use std::sync::Arc;
@@ -141,7 +141,7 @@ async fn measure(
         // The baseline: a template restore to its first command.
         let id = fresh(made);
         let t = Instant::now();
-        vms.create(&id, &a.size, expiry()).await?;
+        vms.create(&id, &a.size, expiry(), Egress::Allowed).await?;
         sh(vms, &id, "true").await?;
         restore.push(secs(t));
 
@@ -172,14 +172,22 @@ async fn measure(
         // A new sandbox from it.
         let copy = fresh(made);
         let t = Instant::now();
-        Machines::start(&**vms, &copy, &a.size, Some(&snap), expiry()).await?;
+        Machines::start(
+            &**vms,
+            &copy,
+            &a.size,
+            Some(&snap),
+            expiry(),
+            Egress::Allowed,
+        )
+        .await?;
         sh(vms, &copy, "true").await?;
         from_snap.push(secs(t));
 
         // The sandbox rolled back to it.
         sh(vms, &id, "rm /workspace/f").await?;
         let t = Instant::now();
-        vms.restore(&id, &snap, expiry()).await?;
+        vms.restore(&id, &snap, expiry(), Egress::Allowed).await?;
         sh(vms, &id, "test -e /workspace/f").await?;
         rollback.push(secs(t));
 
@@ -191,7 +199,7 @@ async fn measure(
         let starts = ids.iter().map(|c| {
             let (vms, c, size, snap) = (vms.clone(), c.clone(), a.size.clone(), fork_snap.clone());
             tokio::spawn(async move {
-                Machines::start(&*vms, &c, &size, Some(&snap), expiry()).await?;
+                Machines::start(&*vms, &c, &size, Some(&snap), expiry(), Egress::Allowed).await?;
                 sh(&vms, &c, "true").await
             })
         });
@@ -206,7 +214,7 @@ async fn measure(
         pause.push(secs(t));
         paused_processes += processes_mentioning(&id);
         let t = Instant::now();
-        vms.resume(&id, expiry()).await?;
+        vms.resume(&id, expiry(), Egress::Allowed).await?;
         sh(vms, &id, "test -e /workspace/f").await?;
         resume.push(secs(t));
 

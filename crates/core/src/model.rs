@@ -123,6 +123,10 @@ pub struct Sandbox {
     #[serde(skip)]
     #[schemars(skip)]
     pub access_token: Option<String>,
+    /// See [`CreateSandbox::internet_access`] (not part of the REST API).
+    #[serde(skip)]
+    #[schemars(skip)]
+    pub internet_access: Option<bool>,
 }
 
 /// `POST /sandboxes` body and `create_sandbox` input.
@@ -158,6 +162,13 @@ pub struct CreateSandbox {
     #[serde(skip)]
     #[schemars(skip)]
     pub every_port_public: bool,
+    /// Whether the guest may reach the network beyond itself: `false` is
+    /// E2B's `allow_internet_access=False` (nothing but its own loopback;
+    /// commands, files and preview URLs work as ever); `None` (not said)
+    /// and `true` are the operator's network. Not part of the REST API yet.
+    #[serde(skip)]
+    #[schemars(skip)]
+    pub internet_access: Option<bool>,
 }
 
 /// The snapshot object: the whole state of a running sandbox at one

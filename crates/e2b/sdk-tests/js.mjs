@@ -279,6 +279,10 @@ try {
   r = await resumed.commands.run("kill -0 $(cat /tmp/sleeper) && echo intact");
   assert.equal(r.stdout.trim(), "intact");
   ok("pause, then connect resumes it with its processes");
+
+  r = await resumed.commands.run(`curl -sS -m 20 ${process.env.SANDPIT_INTERNET}`);
+  assert.equal(r.stdout, "hello from the internet\n");
+  ok("the internet reached");
 } finally {
   killed = await sbx.kill();
 }
@@ -286,6 +290,19 @@ assert.equal(killed, true);
 await refused(Sandbox.getInfo(sbx.sandboxId), NotFoundError, "a killed sandbox");
 assert.equal(await Sandbox.kill(sbx.sandboxId), false);
 ok("kill; a killed sandbox is not found");
+
+// allowInternetAccess: false: the harness's "internet" is refused at once
+// (curl's 7, not a timeout's 28), which the first sandbox reached.
+const offline = await Sandbox.create({ allowInternetAccess: false, timeoutMs: 60_000 });
+try {
+  const tried = await offline.commands.run(
+    `curl -sS -m 20 -o /dev/null ${process.env.SANDPIT_INTERNET}; echo $?`,
+  );
+  assert.equal(tried.stdout.trim().split("\n").at(-1), "7", tried.stdout + tried.stderr);
+} finally {
+  await offline.kill();
+}
+ok("allowInternetAccess: false: nothing leaves");
 
 for (const apiKey of ["e2b_" + "0".repeat(50), process.env.SANDPIT_REVOKED_KEY]) {
   await refused(Sandbox.create({ apiKey }), AuthenticationError, "a bad key");

@@ -21,6 +21,9 @@ def ok(what):
     print(f"ok {what}", flush=True)
 
 
+# http://ADDRESS:8080/hello.txt on a test host of the harness's.
+INTERNET = os.environ["SANDPIT_INTERNET"]
+
 sbx = Sandbox.create(timeout=120, metadata={"suite": "python-sync", "run": "1"}, envs={"FROM_CREATE": "made at create"})
 try:
     assert sbx.sandbox_id, sbx
@@ -445,6 +448,12 @@ try:
     assert Sandbox.delete_snapshot(snap.snapshot_id) is False
     ok("create_snapshot, list_snapshots, create from a snapshot, fork, delete_snapshot")
 
+    # "The internet": a test host of the harness's, which a sandbox with
+    # the operator's network reaches.
+    r = sbx.commands.run(f"curl -sS -m 20 {INTERNET}")
+    assert r.stdout == "hello from the internet\n", r
+    ok("the internet reached")
+
     # Paused, then connected again: a process and what it held in memory
     # are as they were.
     sbx.commands.run(
@@ -478,6 +487,52 @@ except NotFoundException:
     pass
 assert Sandbox.kill(sbx.sandbox_id) is False
 ok("kill; a killed sandbox is not found")
+
+
+
+def curl_exit(sandbox, url):
+    """curl's exit status in `sandbox`: 0 fetched, 6 no such name, 7
+    refused, 28 timed out."""
+    r = sandbox.commands.run(f"curl -sS -m 20 -o /dev/null {url}; echo $?")
+    return int(r.stdout.strip().splitlines()[-1])
+
+
+def blocked(sandbox):
+    """Nothing leaves, and fails at once: refused, not a timeout; no name
+    resolves."""
+    assert curl_exit(sandbox, INTERNET) == 7
+    assert curl_exit(sandbox, "http://pypi.org/simple/") == 6
+
+
+# allow_internet_access=False: nothing leaves the sandbox, and saying so at
+# once; commands, files and its ports through get_host work as ever, and
+# it stays without internet across a pause and a resume.
+offline = Sandbox.create(timeout=120, allow_internet_access=False)
+try:
+    blocked(offline)
+    info = Sandbox.get_info(offline.sandbox_id)
+    if hasattr(info, "allow_internet_access"):
+        assert info.allow_internet_access is False, info
+    offline.files.write("site/index.html", "served without internet\n")
+    server = offline.commands.run("cd site && exec python3 -m http.server 8000", background=True)
+    host = offline.get_host(8000)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://{host}/index.html", timeout=10) as resp:
+                body = resp.read().decode()
+            break
+        except urllib.error.HTTPError as e:
+            assert e.code == 502 and time.monotonic() < deadline, e
+        time.sleep(0.5)
+    assert body == "served without internet\n", body
+    server.kill()
+    assert offline.pause() is True
+    resumed = Sandbox.connect(offline.sandbox_id)
+    blocked(resumed)
+finally:
+    offline.kill()
+ok("allow_internet_access=False: nothing leaves, at once; get_host works; still so after a pause")
 
 for key in ["e2b_" + "0" * 50, os.environ["SANDPIT_REVOKED_KEY"]]:
     try:

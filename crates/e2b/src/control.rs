@@ -144,6 +144,11 @@ async fn create(
     req.env = body.env_vars.unwrap_or_default();
     // `get_host(port)` names any port: E2B's sandboxes need no expose.
     req.every_port_public = true;
+    req.internet_access = match body.network.as_ref().is_some_and(denies_everything) {
+        // E2B's own definition of `allow_internet_access=False`.
+        true => Some(false),
+        false => body.allow_internet_access,
+    };
     let key = headers
         .get("idempotency-key")
         .and_then(|v| v.to_str().ok())
@@ -159,9 +164,6 @@ fn refuse_unsupported(body: &NewSandbox) -> Result<(), HttpError> {
             "{what} is not supported by Sandpit's E2B API yet"
         )))
     };
-    if body.allow_internet_access == Some(false) {
-        return refuse("allow_internet_access=False (a sandbox with no egress)");
-    }
     if body.auto_pause == Some(true) {
         return refuse("auto-pause on timeout");
     }
@@ -172,8 +174,11 @@ fn refuse_unsupported(body: &NewSandbox) -> Result<(), HttpError> {
             );
         }
         let empty = |list: &Option<Vec<String>>| list.as_ref().is_none_or(Vec::is_empty);
-        if !empty(&network.allow_out) || !empty(&network.deny_out) {
-            return refuse("an egress policy (network allow_out / deny_out)");
+        if !denies_everything(network) && (!empty(&network.allow_out) || !empty(&network.deny_out))
+        {
+            return refuse(
+                "an egress policy other than none at all (network allow_out / deny_out)",
+            );
         }
         if network.mask_request_host.is_some() {
             return refuse("network mask_request_host");
@@ -189,6 +194,15 @@ fn refuse_unsupported(body: &NewSandbox) -> Result<(), HttpError> {
         return refuse("volumes");
     }
     Ok(())
+}
+
+/// Whether a create's network is `denyOut: ["0.0.0.0/0"]` and nothing
+/// allowed, which E2B defines as `allow_internet_access=False`.
+fn denies_everything(network: &wire::Network) -> bool {
+    let denied = network.deny_out.as_deref().unwrap_or_default();
+    network.allow_out.as_ref().is_none_or(Vec::is_empty)
+        && !denied.is_empty()
+        && denied.iter().all(|d| d.trim() == "0.0.0.0/0")
 }
 
 /// A live sandbox of the caller's, or E2B's 404.
@@ -624,6 +638,8 @@ mod tests {
             serde_json::Value::Null,
             serde_json::json!({}),
             serde_json::json!({"allowPublicTraffic": true, "allowOut": [], "denyOut": []}),
+            // E2B's definition of no internet access.
+            serde_json::json!({"denyOut": ["0.0.0.0/0"]}),
         ] {
             assert!(refuse_unsupported(&create(fine.clone())).is_ok(), "{fine}");
         }
@@ -634,6 +650,10 @@ mod tests {
             ),
             (serde_json::json!({"allowOut": ["8.8.8.8"]}), "allow_out"),
             (serde_json::json!({"denyOut": ["10.0.0.0/8"]}), "deny_out"),
+            (
+                serde_json::json!({"denyOut": ["0.0.0.0/0"], "allowOut": ["1.1.1.1"]}),
+                "allow_out",
+            ),
             (
                 serde_json::json!({"maskRequestHost": "x.example"}),
                 "mask_request_host",

@@ -124,6 +124,9 @@ pub struct SandboxInfo {
     pub domain: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub envd_access_token: Option<String>,
+    /// Whether its create said `allow_internet_access` (absent: it did not).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub allow_internet_access: Option<bool>,
 }
 
 /// A reading of a sandbox's resources (`SandboxMetric`).
@@ -213,6 +216,7 @@ impl E2b {
             alias: sandbox.name.clone(),
             domain: detail.then(|| self.domain.clone()),
             envd_access_token: detail.then(|| sandbox.access_token.clone()).flatten(),
+            allow_internet_access: detail.then_some(sandbox.internet_access).flatten(),
         }
     }
 }

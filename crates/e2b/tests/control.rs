@@ -101,15 +101,43 @@ async fn refusals_are_e2bs_error_bodies() {
         400,
         "templates built from images are not supported",
     );
+    // A sandbox without internet, asked either way E2B defines it; its
+    // detail says so, and one that did not say shows nothing.
+    for asked in [
+        json!({"templateID": "base", "allow_internet_access": false}),
+        json!({"templateID": "base", "network": {"denyOut": ["0.0.0.0/0"]}}),
+    ] {
+        let (st, _, made) = s
+            .call(
+                Method::POST,
+                "/v2/sandboxes",
+                Some(KEY_A),
+                Some(asked.clone()),
+            )
+            .await;
+        assert_eq!(st, 201, "{asked}: {made}");
+        let id = made["sandboxID"].as_str().unwrap();
+        let (_, _, info) = s
+            .call(Method::GET, &format!("/sandboxes/{id}"), Some(KEY_A), None)
+            .await;
+        assert_eq!(info["allowInternetAccess"], false, "{asked}: {info}");
+        s.call(
+            Method::DELETE,
+            &format!("/sandboxes/{id}"),
+            Some(KEY_A),
+            None,
+        )
+        .await;
+    }
     let (st, _, body) = s
         .call(
             Method::POST,
             "/v2/sandboxes",
             Some(KEY_A),
-            Some(json!({"templateID": "base", "allow_internet_access": false})),
+            Some(json!({"templateID": "base", "network": {"denyOut": ["0.0.0.0/0", "10.0.0.0/8"], "allowOut": ["1.1.1.1"]}})),
         )
         .await;
-    assert_error(st, &body, 400, "allow_internet_access");
+    assert_error(st, &body, 400, "allow_out");
     let (st, _, body) = s
         .call(Method::GET, "/sandboxes/sbx_nope", Some(KEY_A), None)
         .await;
@@ -151,6 +179,7 @@ async fn refusals_are_e2bs_error_bodies() {
         .await;
     assert_eq!(st, 200, "{info}");
     assert_eq!(info["state"], "running");
+    assert!(info.get("allowInternetAccess").is_none(), "{info}");
     let (st, _, body) = s
         .call(Method::GET, &format!("/sandboxes/{id}"), Some(KEY_B), None)
         .await;

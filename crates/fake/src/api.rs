@@ -156,6 +156,7 @@ impl Sandboxes for Fake {
         }
         let mut s = new_sandbox(&config, new_id("sbx_"), req.name, &size, timeout);
         s.metadata = req.metadata;
+        s.internet_access = req.internet_access;
         s.access_token = Some(format!("token-of-{}", s.id));
         let held = match &req.snapshot_id {
             Some(snap) => Held::from_snapshot(

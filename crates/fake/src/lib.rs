@@ -793,6 +793,7 @@ fn new_sandbox(
         disk_used_bytes: 0,
         metadata: Default::default(),
         access_token: None,
+        internet_access: None,
     }
 }
 

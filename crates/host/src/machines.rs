@@ -13,6 +13,7 @@ use async_trait::async_trait;
 use sandpit_protocol::{
     ExecRequest, FileEntry, GuestStats, PathCall, PathEntry, ProcessCall, ProcessInfo, WatchEvent,
 };
+pub use sandpit_runtime::Egress;
 use sandpit_runtime::{GuestExecEvent, RuntimeError, VmState};
 pub use sandpit_runtime::{PtyExit, PtySize};
 use std::sync::Arc;
@@ -73,7 +74,8 @@ pub trait Machines: Send + Sync {
     /// Starts the VM of a new sandbox `id` (the pool VM taken for it, the
     /// ready pool VM of that id, or one restored or booted now; from
     /// `snapshot` when given, a snapshot this node holds) whose watchdog
-    /// ends it at `expires_at`.
+    /// ends it at `expires_at` and whose guest reaches what `egress` lets
+    /// it (a pool VM gets it before it is handed over).
     /// Starting a VM that already runs is not an error: a create retried
     /// after its first caller was lost finds the VM it started.
     async fn start(
@@ -82,6 +84,7 @@ pub trait Machines: Send + Sync {
         size: &str,
         snapshot: Option<&str>,
         expires_at: OffsetDateTime,
+        egress: Egress,
     ) -> VmResult<Started>;
 
     /// Saves the whole state of VM `id` as snapshot `snapshot` (the VM
@@ -91,9 +94,16 @@ pub trait Machines: Send + Sync {
     /// Deletes a snapshot's files (one already gone is fine).
     async fn delete_snapshot(&self, snapshot: &str) -> VmResult<()>;
 
-    /// Replaces VM `id` by one started from `snapshot`, under the same id
-    /// and with its watchdog at `expires_at`.
-    async fn restore(&self, id: &str, snapshot: &str, expires_at: OffsetDateTime) -> VmResult<()>;
+    /// Replaces VM `id` by one started from `snapshot`, under the same id,
+    /// with its watchdog at `expires_at` and `egress` (the sandbox's, not
+    /// the snapshot's: every start of a VM is told its egress).
+    async fn restore(
+        &self,
+        id: &str,
+        snapshot: &str,
+        expires_at: OffsetDateTime,
+        egress: Egress,
+    ) -> VmResult<()>;
 
     /// Saves VM `id` whole to this node's disk and stops it: no CPU, no
     /// memory until [`Machines::resume`]. (Destroying it removes the saved
@@ -101,8 +111,8 @@ pub trait Machines: Send + Sync {
     async fn pause(&self, id: &str) -> VmResult<()>;
 
     /// Starts paused VM `id` again where it was, its watchdog at
-    /// `expires_at`. One that runs already is fine.
-    async fn resume(&self, id: &str, expires_at: OffsetDateTime) -> VmResult<()>;
+    /// `expires_at`, with `egress`. One that runs already is fine.
+    async fn resume(&self, id: &str, expires_at: OffsetDateTime, egress: Egress) -> VmResult<()>;
 
     /// Kills the VM and removes its files (one already gone is fine).
     /// Returns what its disk held just before, when it could be measured.

@@ -100,6 +100,7 @@ impl RecordedStarts {
         size: &str,
         snapshot: Option<&str>,
         expires_at: OffsetDateTime,
+        egress: crate::machines::Egress,
     ) -> VmResult<Started> {
         let turn = self.turns.take(id).await;
         // A start that waited for another finds the outcome recorded.
@@ -110,7 +111,7 @@ impl RecordedStarts {
         if let Some(record) = known.filter(|r| r.phase != Phase::Provisioning) {
             return self.started_before(&record).await;
         }
-        if let Err(e) = self.vms.start(id, size, snapshot, expires_at).await {
+        if let Err(e) = self.vms.start(id, size, snapshot, expires_at, egress).await {
             tracing::warn!(id, "create failed: {e}");
             let _ = self.vms.destroy(id).await;
             let _ = self

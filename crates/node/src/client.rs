@@ -19,7 +19,7 @@ use sandpit_host::machines::{
     Tunnel, Upload, VmResult, Watch, TERMINAL_QUEUE,
 };
 use sandpit_protocol::ExecRequest;
-use sandpit_runtime::{GuestExecEvent, RuntimeError, VmState};
+use sandpit_runtime::{Egress, GuestExecEvent, RuntimeError, VmState};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use std::sync::Arc;
@@ -358,11 +358,13 @@ impl Machines for RemoteNode {
         size: &str,
         snapshot: Option<&str>,
         expires_at: OffsetDateTime,
+        egress: Egress,
     ) -> VmResult<Started> {
         let args = wire::StartArgs {
             size: size.to_string(),
             snapshot: snapshot.map(str::to_string),
             expires_at_ms: ms(expires_at),
+            egress,
         };
         self.call(&format!("sandboxes/{id}/start"), &args, START_TIMEOUT)
             .await
@@ -372,6 +374,7 @@ impl Machines for RemoteNode {
         let args = wire::SnapshotArgs {
             snapshot: snapshot.to_string(),
             expires_at_ms: 0,
+            egress: Egress::default(),
         };
         let taken: wire::SnapshotTaken = self
             .call(&format!("sandboxes/{id}/snapshot"), &args, START_TIMEOUT)
@@ -393,18 +396,26 @@ impl Machines for RemoteNode {
             .await
     }
 
-    async fn resume(&self, id: &str, expires_at: OffsetDateTime) -> VmResult<()> {
-        let args = wire::ExpiryArgs {
+    async fn resume(&self, id: &str, expires_at: OffsetDateTime, egress: Egress) -> VmResult<()> {
+        let args = wire::ResumeArgs {
             at_ms: ms(expires_at),
+            egress,
         };
         self.call(&format!("sandboxes/{id}/resume"), &args, START_TIMEOUT)
             .await
     }
 
-    async fn restore(&self, id: &str, snapshot: &str, expires_at: OffsetDateTime) -> VmResult<()> {
+    async fn restore(
+        &self,
+        id: &str,
+        snapshot: &str,
+        expires_at: OffsetDateTime,
+        egress: Egress,
+    ) -> VmResult<()> {
         let args = wire::SnapshotArgs {
             snapshot: snapshot.to_string(),
             expires_at_ms: ms(expires_at),
+            egress,
         };
         self.call(&format!("sandboxes/{id}/restore"), &args, START_TIMEOUT)
             .await

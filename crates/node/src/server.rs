@@ -72,6 +72,7 @@ pub trait NodeState: Send + Sync + 'static {
         size: &str,
         snapshot: Option<&str>,
         expires_at: time::OffsetDateTime,
+        egress: sandpit_runtime::Egress,
     ) -> Result<Started, RuntimeError>;
 }
 
@@ -225,6 +226,7 @@ async fn handle(state: Arc<dyn NodeState>, req: Request<Incoming>) -> Response<B
                                     &a.size,
                                     a.snapshot.as_deref(),
                                     time_of(a.expires_at_ms),
+                                    a.egress,
                                 )
                                 .await
                         })
@@ -243,16 +245,17 @@ async fn handle(state: Arc<dyn NodeState>, req: Request<Incoming>) -> Response<B
                     Err(r) => r,
                 },
                 "pause" => answer(detached(async move { vms.pause(&id).await }).await),
-                "resume" => match body.json::<wire::ExpiryArgs>().await {
+                "resume" => match body.json::<wire::ResumeArgs>().await {
                     Ok(a) => answer(
-                        detached(async move { vms.resume(&id, time_of(a.at_ms)).await }).await,
+                        detached(async move { vms.resume(&id, time_of(a.at_ms), a.egress).await })
+                            .await,
                     ),
                     Err(r) => r,
                 },
                 "restore" => match body.json::<wire::SnapshotArgs>().await {
                     Ok(a) => answer(
                         detached(async move {
-                            vms.restore(&id, &a.snapshot, time_of(a.expires_at_ms))
+                            vms.restore(&id, &a.snapshot, time_of(a.expires_at_ms), a.egress)
                                 .await
                         })
                         .await,

@@ -10,7 +10,7 @@
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use sandpit_host::machines::{PtyInput, PtyOutput};
 use sandpit_protocol::{AgentError, ExecResult, WatchEvent};
-use sandpit_runtime::{GuestExecEvent, RuntimeError, VmState};
+use sandpit_runtime::{Egress, GuestExecEvent, RuntimeError, VmState};
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 
@@ -195,6 +195,9 @@ pub struct StartArgs {
     pub snapshot: Option<String>,
     /// Unix milliseconds.
     pub expires_at_ms: i64,
+    /// What the guest may reach (absent: what the operator allows).
+    #[serde(default)]
+    pub egress: Egress,
 }
 
 /// `snapshot`'s and `restore`'s arguments.
@@ -204,6 +207,9 @@ pub struct SnapshotArgs {
     /// `restore`: the VM's expiry, Unix milliseconds.
     #[serde(default)]
     pub expires_at_ms: i64,
+    /// `restore`: what the guest may reach.
+    #[serde(default)]
+    pub egress: Egress,
 }
 
 /// What `snapshot` took.
@@ -235,6 +241,16 @@ pub struct WatchArgs {
 pub struct ExpiryArgs {
     /// Unix milliseconds.
     pub at_ms: i64,
+}
+
+/// `resume`'s arguments.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ResumeArgs {
+    /// The VM's expiry, Unix milliseconds.
+    pub at_ms: i64,
+    /// What the guest may reach (absent: what the operator allows).
+    #[serde(default)]
+    pub egress: Egress,
 }
 
 /// The arguments of the file calls (each reads the fields it needs).

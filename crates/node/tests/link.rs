@@ -14,7 +14,7 @@ use sandpit_protocol::{
     AgentError, ErrorKind, ExecRequest, ExecResult, FileKind, PathCall, PathEntry, ProcessCall,
     ProcessInfo, WatchEvent, WatchEventKind,
 };
-use sandpit_runtime::{GuestExecEvent, RuntimeError, VmState};
+use sandpit_runtime::{Egress, GuestExecEvent, RuntimeError, VmState};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -50,8 +50,9 @@ impl NodeState for TestNode {
         size: &str,
         snapshot: Option<&str>,
         expires_at: OffsetDateTime,
+        egress: Egress,
     ) -> VmResult<Started> {
-        self.vms.start(id, size, snapshot, expires_at).await
+        self.vms.start(id, size, snapshot, expires_at, egress).await
     }
 }
 
@@ -206,6 +207,7 @@ impl Machines for FakeVms {
         size: &str,
         snapshot: Option<&str>,
         expires_at: OffsetDateTime,
+        egress: Egress,
     ) -> VmResult<Started> {
         check(id)?;
         *self.expiry.lock().unwrap() = Some(expires_at);
@@ -213,7 +215,7 @@ impl Machines for FakeVms {
             self.snapshots
                 .lock()
                 .unwrap()
-                .push(format!("start {id} {s}"));
+                .push(format!("start {id} {s} {egress:?}"));
         }
         // A node records its starts; a "large" one here stands for a
         // machine that leaves that to its caller.
@@ -249,19 +251,28 @@ impl Machines for FakeVms {
         self.snapshots.lock().unwrap().push(format!("pause {id}"));
         Ok(())
     }
-    async fn resume(&self, id: &str, expires_at: OffsetDateTime) -> VmResult<()> {
-        check(id)?;
-        *self.expiry.lock().unwrap() = Some(expires_at);
-        self.snapshots.lock().unwrap().push(format!("resume {id}"));
-        Ok(())
-    }
-    async fn restore(&self, id: &str, snapshot: &str, expires_at: OffsetDateTime) -> VmResult<()> {
+    async fn resume(&self, id: &str, expires_at: OffsetDateTime, egress: Egress) -> VmResult<()> {
         check(id)?;
         *self.expiry.lock().unwrap() = Some(expires_at);
         self.snapshots
             .lock()
             .unwrap()
-            .push(format!("restore {id} {snapshot}"));
+            .push(format!("resume {id} {egress:?}"));
+        Ok(())
+    }
+    async fn restore(
+        &self,
+        id: &str,
+        snapshot: &str,
+        expires_at: OffsetDateTime,
+        egress: Egress,
+    ) -> VmResult<()> {
+        check(id)?;
+        *self.expiry.lock().unwrap() = Some(expires_at);
+        self.snapshots
+            .lock()
+            .unwrap()
+            .push(format!("restore {id} {snapshot} {egress:?}"));
         Ok(())
     }
     async fn set_expiry(&self, id: &str, at: OffsetDateTime) -> VmResult<()> {
@@ -691,7 +702,10 @@ async fn a_nodes_vms_answer_through_the_link_as_they_would_at_home() {
     remote.return_warm("vm1", "small").await.unwrap();
     let at = OffsetDateTime::from_unix_timestamp(1_900_000_000).unwrap();
     assert_eq!(
-        remote.start("vm1", "small", None, at).await.unwrap(),
+        remote
+            .start("vm1", "small", None, at, Egress::Allowed)
+            .await
+            .unwrap(),
         Started::Recorded {
             ready_at: OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap(),
             expires_at: at + time::Duration::minutes(5),
@@ -700,11 +714,17 @@ async fn a_nodes_vms_answer_through_the_link_as_they_would_at_home() {
     );
     assert_eq!(*vms.expiry.lock().unwrap(), Some(at));
     assert_eq!(
-        remote.start("vm1", "large", None, at).await.unwrap(),
+        remote
+            .start("vm1", "large", None, at, Egress::Allowed)
+            .await
+            .unwrap(),
         Started::Booted
     );
     // A VM that died is a VM that died here too, not "retry".
-    match remote.start("vm2", "small", None, at).await {
+    match remote
+        .start("vm2", "small", None, at, Egress::Allowed)
+        .await
+    {
         Err(RuntimeError::VmExited { cause }) => assert_eq!(cause, "killed by signal 9"),
         other => panic!("{other:?}"),
     }
@@ -714,15 +734,19 @@ async fn a_nodes_vms_answer_through_the_link_as_they_would_at_home() {
     // Snapshots: taken, started from, restored and deleted on the node.
     assert_eq!(remote.snapshot("vm1", "snap_a").await.unwrap(), 72 << 20);
     remote
-        .start("vm1", "small", Some("snap_a"), at)
+        .start("vm1", "small", Some("snap_a"), at, Egress::Blocked)
         .await
         .unwrap();
     let later = at + time::Duration::minutes(1);
-    remote.restore("vm1", "snap_a", later).await.unwrap();
+    // Each start of a VM carries its egress across the wire.
+    remote
+        .restore("vm1", "snap_a", later, Egress::Allowed)
+        .await
+        .unwrap();
     assert_eq!(*vms.expiry.lock().unwrap(), Some(later));
     remote.delete_snapshot("snap_a").await.unwrap();
     remote.pause("vm1").await.unwrap();
-    remote.resume("vm1", at).await.unwrap();
+    remote.resume("vm1", at, Egress::Blocked).await.unwrap();
     assert_eq!(*vms.expiry.lock().unwrap(), Some(at));
     assert!(matches!(
         remote.snapshot("vm2", "snap_b").await,
@@ -732,11 +756,11 @@ async fn a_nodes_vms_answer_through_the_link_as_they_would_at_home() {
         *vms.snapshots.lock().unwrap(),
         [
             "save vm1 snap_a",
-            "start vm1 snap_a",
-            "restore vm1 snap_a",
+            "start vm1 snap_a Blocked",
+            "restore vm1 snap_a Allowed",
             "delete snap_a",
             "pause vm1",
-            "resume vm1"
+            "resume vm1 Blocked"
         ]
     );
     assert_eq!(remote.destroy("vm1").await.unwrap(), Some(4096));

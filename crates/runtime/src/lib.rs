@@ -39,4 +39,4 @@ pub use save::erofs::probe as probe_file_backed_erofs;
 pub use save::saved::{AfterSave, SavedRecord, SavedVm};
 pub use save::template::Template;
 pub use vm::give_way::{GiveWay, Held};
-pub use vm::{CreateVm, StartTimes, Vm, VmManager, VmRecord, VmState};
+pub use vm::{CreateVm, Egress, StartTimes, Vm, VmManager, VmRecord, VmState};

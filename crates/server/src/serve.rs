@@ -642,8 +642,11 @@ impl sandpit_node::NodeState for ServedNode {
         size: &str,
         snapshot: Option<&str>,
         expires_at: time::OffsetDateTime,
+        egress: sandpit_runtime::Egress,
     ) -> Result<sandpit_host::machines::Started, sandpit_runtime::RuntimeError> {
-        self.starts.start(id, size, snapshot, expires_at).await
+        self.starts
+            .start(id, size, snapshot, expires_at, egress)
+            .await
     }
 }
 

@@ -81,6 +81,10 @@ pub(crate) fn get_i64(row: &AnyRow, col: &str) -> Result<i64> {
     Ok(row.try_get::<i64, _>(col)?)
 }
 
+pub(crate) fn get_opt_i64(row: &AnyRow, col: &str) -> Result<Option<i64>> {
+    Ok(row.try_get::<Option<i64>, _>(col)?)
+}
+
 pub(crate) fn get_u32(row: &AnyRow, col: &str) -> Result<u32> {
     let v = get_i64(row, col)?;
     u32::try_from(v).map_err(|_| StoreError::Corrupt(format!("{col} = {v} is not a u32")))

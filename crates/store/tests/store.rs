@@ -268,6 +268,7 @@ fn sandbox(account_id: &str, created_at: OffsetDateTime, minutes: u32, reserve: 
         env: [("GREETING".to_string(), "hello".to_string())].into(),
         access_token: Some(format!("token-of-{created_at}")),
         every_port_public: false,
+        internet_access: None,
     }
 }
 
@@ -583,6 +584,7 @@ async fn the_ledger_reserves_refunds_and_settles_once(store: Store) {
         store
             .create_sandbox(NewSandbox {
                 every_port_public: true,
+                internet_access: Some(false),
                 ..sandbox(&acct.id, T0, 60, 90_000)
             })
             .await
@@ -597,6 +599,7 @@ async fn the_ledger_reserves_refunds_and_settles_once(store: Store) {
     assert_eq!(again.env["GREETING"], "hello");
     assert_eq!(again.access_token, Some(format!("token-of-{T0}")));
     assert!(again.every_port_public);
+    assert_eq!(again.internet_access, Some(false));
     // Its token is among the live ones (for signed file URLs).
     let tokens = store.live_sandbox_tokens().await.unwrap();
     assert!(
@@ -1123,6 +1126,7 @@ async fn a_second_create_under_a_taken_id_writes_nothing(store: Store) {
         !s.every_port_public,
         "a port is public only when it is exposed"
     );
+    assert_eq!(s.internet_access, None, "not said is not stored as said");
     let balance = store.balance(&acct.id).await.unwrap();
     assert_eq!(
         store.create_sandbox(again).await.unwrap(),

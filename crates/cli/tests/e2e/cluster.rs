@@ -77,6 +77,7 @@ fn a_server_on_postgresql_keeps_its_state_there_and_only_its_own_sandboxes() {
                 env: Default::default(),
                 access_token: None,
                 every_port_public: false,
+                internet_access: None,
             })
             .await
             .unwrap()
@@ -592,6 +593,7 @@ fn a_replica_names_a_sandbox_after_the_warm_vm_a_node_published() {
             env: Default::default(),
             access_token: None,
             every_port_public: false,
+            internet_access: None,
         };
         assert!(matches!(
             store.create_sandbox(taken).await.unwrap(),

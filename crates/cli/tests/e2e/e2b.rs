@@ -6,6 +6,7 @@
 //! `scripts/e2b-sdks.sh`, with nothing but E2B's three variables pointing at
 //! the server (one server for all).
 
+use crate::common::netns::TestHost;
 use crate::common::serve::Server;
 use crate::common::*;
 use std::path::PathBuf;
@@ -98,6 +99,10 @@ fn run_sdk_with(
         .collect()
 }
 
+/// The test host that plays the internet for the SDKs' sandboxes.
+const INTERNET_HOST_SIDE: &str = "198.18.81.1";
+const INTERNET: &str = "198.18.81.2";
+
 #[test]
 fn the_python_and_javascript_sdks_drive_sandboxes_unchanged() {
     let python = sdk_python();
@@ -122,6 +127,13 @@ fn the_python_and_javascript_sdks_drive_sandboxes_unchanged() {
     let limited =
         sandpit_store::e2b_spelling(&server.admin(&["key", "create", "--account", "e2b-one"]))
             .expect("a Sandpit key");
+    // "The internet" a sandbox reaches unless created without it: a test
+    // host in a network namespace (no traffic leaves this machine).
+    let www = data_dir();
+    std::fs::write(www.join("hello.txt"), "hello from the internet\n").unwrap();
+    let mut internet = TestHost::start("e2b", INTERNET_HOST_SIDE, INTERNET);
+    internet.serve_http(&www);
+    let internet_url = format!("http://{INTERNET}:8080/hello.txt");
     let done_js = std::thread::scope(|scope| {
         let js = scope.spawn(|| {
             run_sdk_with(
@@ -131,7 +143,10 @@ fn the_python_and_javascript_sdks_drive_sandboxes_unchanged() {
                 &key,
                 &revoked,
                 &broke,
-                &[("NODE_PATH", node_modules.as_os_str())],
+                &[
+                    ("NODE_PATH", node_modules.as_os_str()),
+                    ("SANDPIT_INTERNET", std::ffi::OsStr::new(&internet_url)),
+                ],
             )
         });
         let done = run_sdk_with(
@@ -141,7 +156,10 @@ fn the_python_and_javascript_sdks_drive_sandboxes_unchanged() {
             &key,
             &revoked,
             &broke,
-            &[("SANDPIT_LIMITED_KEY", std::ffi::OsStr::new(&limited))],
+            &[
+                ("SANDPIT_LIMITED_KEY", std::ffi::OsStr::new(&limited)),
+                ("SANDPIT_INTERNET", std::ffi::OsStr::new(&internet_url)),
+            ],
         );
         check_python_sync(&done);
         js.join().expect("the JavaScript SDK's run")
@@ -167,7 +185,9 @@ fn the_python_and_javascript_sdks_drive_sandboxes_unchanged() {
         "setTimeout, longer then shorter",
         "createSnapshot, create from it, deleteSnapshot",
         "pause, then connect resumes it",
+        "the internet reached",
         "kill; a killed sandbox is not found",
+        "allowInternetAccess: false: nothing leaves",
         "a wrong or revoked key is refused",
         "an account without credit is refused",
     ];
@@ -224,8 +244,10 @@ fn check_python_sync(done: &[String]) {
         "set_timeout, longer then shorter",
         "connect",
         "create_snapshot, list_snapshots, create from a snapshot, fork, delete_snapshot",
+        "the internet reached",
         "pause, then connect resumes it",
         "kill; a killed sandbox is not found",
+        "allow_internet_access=False: nothing leaves, at once; get_host works; still so after a pause",
         "a wrong or revoked key is refused",
         "an account without credit is refused with 402",
         "an account at its limit of sandboxes gets RateLimitException (429)",

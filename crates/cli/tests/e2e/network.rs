@@ -18,6 +18,7 @@
 use crate::common::cli::Cli;
 use crate::common::netns::*;
 use crate::common::*;
+use sandpit_runtime::Egress;
 use std::io::{Read, Write};
 use std::net::TcpListener;
 use std::os::unix::fs::PermissionsExt;
@@ -80,6 +81,71 @@ fn the_guest_reaches_the_internet_but_not_the_host() {
         .await;
         assert_eq!(body, "hello from the internet");
 
+        // A sandbox without internet (E2B's `allow_internet_access=False`):
+        // the same VM, its egress changed while it runs (as a warm pool
+        // VM's is when a sandbox takes it). Nothing leaves, and fails at
+        // once: a refused connect (curl's 7), a name that does not resolve
+        // (6), not a timeout (28). The guest's own loopback still works.
+        let uid =
+            s.vm.record
+                .qemu_uid
+                .expect("a root runtime's VMs have uids of their own");
+        s.manager
+            .set_egress(&s.vm.record.id, &s.vm.agent, Egress::Blocked)
+            .await
+            .unwrap();
+        assert_eq!(
+            s.manager.record(&s.vm.record.id).unwrap().egress,
+            Egress::Blocked
+        );
+        let refused = run(
+            &s.vm,
+            req(&format!("curl -sS -m 20 http://{INTERNET}:8080/hello.txt")),
+        )
+        .await;
+        assert_eq!(
+            refused.result.exit_code,
+            Some(7),
+            "a blocked guest's connect: {}",
+            String::from_utf8_lossy(&refused.stderr)
+        );
+        let unnamed = run(
+            &s.vm,
+            req("curl -sS -m 20 http://pypi.example.test:8080/hello.txt"),
+        )
+        .await;
+        assert_eq!(
+            unnamed.result.exit_code,
+            Some(6),
+            "a blocked guest's name lookup: {}",
+            String::from_utf8_lossy(&unnamed.stderr)
+        );
+        let local = sh(
+            &s.vm,
+            "python3 -c \"import socket; l = socket.create_server(('127.0.0.1', 0)); \
+             c = socket.create_connection(l.getsockname()); a, _ = l.accept(); \
+             c.sendall(b'loopback'); print(a.recv(8).decode())\"",
+        )
+        .await;
+        assert_eq!(local, "loopback");
+        // And behind the guest's filter, the host's guard: passt's uid
+        // reaches nothing, "the internet" included.
+        assert!(
+            !connects_as(uid, INTERNET, 8080),
+            "a blocked VM's passt reached the internet"
+        );
+        // Given back: the internet again, by address and by name.
+        s.manager
+            .set_egress(&s.vm.record.id, &s.vm.agent, Egress::Allowed)
+            .await
+            .unwrap();
+        let body = sh(
+            &s.vm,
+            "curl -sS -m 20 http://pypi.example.test:8080/hello.txt",
+        )
+        .await;
+        assert_eq!(body, "hello from the internet");
+
         // Not the host: every address of it, the gateway, link-local metadata.
         let mut targets = vec![
             format!("http://10.0.2.2:{port}/"),
@@ -113,10 +179,6 @@ fn the_guest_reaches_the_internet_but_not_the_host() {
 
         // Root in the guest could; the host's own guard stands behind it,
         // keyed to the uid this VM's passt runs as.
-        let uid =
-            s.vm.record
-                .qemu_uid
-                .expect("a root runtime's VMs have uids of their own");
         let passt = s.vm.record.passt_pid.expect("passt runs");
         assert_eq!(uid_of(passt), uid, "passt runs as its VM's uid");
         assert!(sandpit_runtime::vm::guard::installed(uid));

@@ -334,6 +334,7 @@ impl Service {
             // whichever surface made it.
             access_token: Some(hex::encode(rand::random::<[u8; 16]>())),
             every_port_public: order.req.every_port_public,
+            internet_access: order.req.internet_access,
         };
         let outcome = self.store.create_sandbox_named(new, id).await;
         let warm = match taken.into_inner().unwrap() {

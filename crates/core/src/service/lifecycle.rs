@@ -26,7 +26,7 @@ use crate::service::errors::{not_running, runtime_error};
 use crate::service::Service;
 use sandpit_host::ids::rfc3339;
 use sandpit_host::machines::{Machines, Started};
-use sandpit_runtime::{RuntimeError, VmState};
+use sandpit_runtime::{Egress, RuntimeError, VmState};
 use sandpit_store::{ExtendOutcome, SandboxRow};
 use std::sync::Arc;
 use std::time::Duration;
@@ -121,6 +121,7 @@ impl Service {
                                 &first.size,
                                 first.snapshot_id.as_deref(),
                                 first.expires_at,
+                                egress_of(&first),
                             )
                             .await
                             .map(|_| ())
@@ -193,6 +194,7 @@ impl Service {
                 &row.size,
                 row.snapshot_id.as_deref(),
                 row.expires_at,
+                egress_of(&row),
             )
             .await
         {
@@ -493,6 +495,15 @@ pub(super) fn to_sandbox(r: &SandboxRow) -> Sandbox {
         disk_used_bytes: r.disk_used_bytes,
         metadata: r.metadata.clone(),
         access_token: r.access_token.clone(),
+        internet_access: r.internet_access,
+    }
+}
+
+/// What sandbox `row`'s guest may reach, as every start of its VM is told.
+pub(crate) fn egress_of(row: &SandboxRow) -> Egress {
+    match row.internet_access {
+        Some(false) => Egress::Blocked,
+        Some(true) | None => Egress::Allowed,
     }
 }
 
@@ -750,6 +761,7 @@ mod tests {
             env: Default::default(),
             access_token: None,
             every_port_public: false,
+            internet_access: None,
         }
     }
 

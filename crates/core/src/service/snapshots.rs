@@ -385,10 +385,12 @@ impl Snapshots for Service {
             name: None,
             timeout_minutes: req.timeout_minutes,
             snapshot_id: None,
-            // A fork keeps its origin's labels, environment and ports.
+            // A fork keeps its origin's labels, environment, ports and
+            // network.
             metadata: row.metadata.clone(),
             env: row.env.clone(),
             every_port_public: row.every_port_public,
+            internet_access: row.internet_access,
         };
         let (_, size, timeout) = crate::service::checks::check_create(&self.config, &copy, None)?;
         let needed = cost(size.price_micros_per_hour(), u64::from(timeout) * 60) * i64::from(count);
@@ -496,7 +498,14 @@ impl Snapshots for Service {
         self.previews.close(id, None);
         self.terminals.close(id);
         let restoring = self.restoring(id).await;
-        let restored = machines.restore(id, &snap.id, row.expires_at).await;
+        let restored = machines
+            .restore(
+                id,
+                &snap.id,
+                row.expires_at,
+                super::lifecycle::egress_of(&row),
+            )
+            .await;
         drop(restoring);
         if let Err(e) = restored {
             // The old VM may be gone already: the sandbox failed.

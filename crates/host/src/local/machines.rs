@@ -114,12 +114,16 @@ impl Machines for LocalVms {
         size: &str,
         snapshot: Option<&str>,
         expires_at: OffsetDateTime,
+        egress: Egress,
     ) -> VmResult<Started> {
         if let Some(snapshot) = snapshot {
             match LocalVms::state(self, id) {
-                Some(VmState::Running) => self.manager.set_expiry(id, expires_at)?,
+                Some(VmState::Running) => {
+                    self.manager.set_expiry(id, expires_at)?;
+                    self.ensure_egress(id, egress).await?;
+                }
                 _ => drop(
-                    self.create_from_snapshot(id, size, snapshot, expires_at)
+                    self.create_from_snapshot(id, size, snapshot, expires_at, egress)
                         .await?,
                 ),
             }
@@ -129,8 +133,9 @@ impl Machines for LocalVms {
         let claimed = claimed || self.take_ready(id).await;
         if !claimed && matches!(LocalVms::state(self, id), Some(VmState::Running)) {
             self.manager.set_expiry(id, expires_at)?;
+            self.ensure_egress(id, egress).await?;
         } else {
-            self.create(id, size, expires_at).await?;
+            self.create(id, size, expires_at, egress).await?;
         }
         Ok(Started::Booted)
     }
@@ -153,8 +158,14 @@ impl Machines for LocalVms {
         self.manager.delete_saved(snapshot).await
     }
 
-    async fn restore(&self, id: &str, snapshot: &str, expires_at: OffsetDateTime) -> VmResult<()> {
-        LocalVms::restore(self, id, snapshot, expires_at).await
+    async fn restore(
+        &self,
+        id: &str,
+        snapshot: &str,
+        expires_at: OffsetDateTime,
+        egress: Egress,
+    ) -> VmResult<()> {
+        LocalVms::restore(self, id, snapshot, expires_at, egress).await
     }
 
     /// Saves the VM whole under its pause's name, then stops it.
@@ -174,16 +185,17 @@ impl Machines for LocalVms {
 
     /// Starts the paused VM again from its pause's save (a VM that runs
     /// already just has its expiry moved).
-    async fn resume(&self, id: &str, expires_at: OffsetDateTime) -> VmResult<()> {
+    async fn resume(&self, id: &str, expires_at: OffsetDateTime, egress: Egress) -> VmResult<()> {
         let _one_at_a_time = self.saving.lock().await;
         if matches!(LocalVms::state(self, id), Some(VmState::Running)) {
-            return self.manager.set_expiry(id, expires_at);
+            self.manager.set_expiry(id, expires_at)?;
+            return self.ensure_egress(id, egress).await;
         }
         let name = paused_name(id);
         let saved = self.manager.saved(&name)?;
         // What is left of a VM that died is no obstacle (but its saved
         // state is what resumes).
-        self.replace_from_snapshot(id, &saved.record.size, &name, expires_at)
+        self.replace_from_snapshot(id, &saved.record.size, &name, expires_at, egress)
             .await?;
         self.manager.delete_saved(&name).await
     }

@@ -34,7 +34,7 @@ use async_trait::async_trait;
 use sandpit_protocol::ExecRequest;
 use sandpit_runtime::vm::process::Priority;
 use sandpit_runtime::{
-    AfterSave, AgentClient, CreateVm, RuntimeError, VmManager, VmRecord, VmState,
+    AfterSave, AgentClient, CreateVm, Egress, RuntimeError, VmManager, VmRecord, VmState,
 };
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
@@ -190,10 +190,14 @@ impl LocalVms {
         id: &str,
         size: &str,
         expires_at: OffsetDateTime,
+        egress: Egress,
     ) -> Result<VmRecord, RuntimeError> {
         if self.claimed.lock().unwrap().remove(id) {
             // From a pool lease to the sandbox's own expiry.
             self.manager.set_expiry(id, expires_at)?;
+            // Made for any sandbox: it gets this one's network before
+            // anything of the sandbox's runs in it.
+            self.ensure_egress(id, egress).await?;
             let record = self.manager.record(id)?;
             // It was made at background priority; now it is live.
             sandpit_runtime::vm::process::set_priority(record.qemu_pid, Priority::Normal);
@@ -209,8 +213,25 @@ impl LocalVms {
         let _slot = self.start_slot().await?;
         let _charged = self.admit_start()?;
         self.ensure_template(size).await;
-        self.start_vm(id, size, BTreeMap::new(), expires_at, Priority::Normal)
-            .await
+        self.start_vm(
+            id,
+            size,
+            BTreeMap::new(),
+            expires_at,
+            egress,
+            Priority::Normal,
+        )
+        .await
+    }
+
+    /// Gives running VM `id` the egress its sandbox has, if it has another
+    /// (see [`VmManager::set_egress`]).
+    pub async fn ensure_egress(&self, id: &str, egress: Egress) -> Result<(), RuntimeError> {
+        if self.manager.record(id)?.egress == egress {
+            return Ok(());
+        }
+        let agent = self.agent(id).await?;
+        self.manager.set_egress(id, &agent, egress).await
     }
 
     /// The size's template, made now if it has none (see
@@ -271,9 +292,10 @@ impl LocalVms {
         size: &str,
         snapshot: &str,
         expires_at: OffsetDateTime,
+        egress: Egress,
     ) -> Result<VmRecord, RuntimeError> {
         let vm = self
-            .start_from_snapshot(id, size, snapshot, expires_at)
+            .start_from_snapshot(id, size, snapshot, expires_at, egress)
             .await?;
         self.agents
             .lock()
@@ -294,6 +316,7 @@ impl LocalVms {
         size: &str,
         snapshot: &str,
         expires_at: OffsetDateTime,
+        egress: Egress,
     ) -> Result<(), RuntimeError> {
         let slot = self.agent_slot(id).await;
         let mut held = slot.lock().await;
@@ -306,7 +329,7 @@ impl LocalVms {
             self.manager.delete_saved(&paused_name(id)).await?;
         }
         let vm = self
-            .start_from_snapshot(id, size, snapshot, expires_at)
+            .start_from_snapshot(id, size, snapshot, expires_at, egress)
             .await?;
         *held = Some(vm.agent);
         Ok(())
@@ -320,6 +343,7 @@ impl LocalVms {
         size: &str,
         snapshot: &str,
         expires_at: OffsetDateTime,
+        egress: Egress,
     ) -> Result<sandpit_runtime::Vm, RuntimeError> {
         let saved = self.manager.saved(snapshot)?;
         let _live = self.manager.hold_background();
@@ -332,6 +356,7 @@ impl LocalVms {
                     size: size.to_string(),
                     metadata: BTreeMap::new(),
                     expires_at,
+                    egress,
                 },
                 &saved,
             )
@@ -357,10 +382,11 @@ impl LocalVms {
         id: &str,
         snapshot: &str,
         expires_at: OffsetDateTime,
+        egress: Egress,
     ) -> Result<(), RuntimeError> {
         let _one_at_a_time = self.saving.lock().await;
         let saved = self.manager.saved(snapshot)?;
-        self.replace_from_snapshot(id, &saved.record.size, snapshot, expires_at)
+        self.replace_from_snapshot(id, &saved.record.size, snapshot, expires_at, egress)
             .await
     }
 
@@ -398,6 +424,7 @@ impl LocalVms {
         size: &str,
         metadata: BTreeMap<String, String>,
         expires_at: OffsetDateTime,
+        egress: Egress,
         priority: Priority,
     ) -> Result<VmRecord, RuntimeError> {
         let vm = self
@@ -408,6 +435,7 @@ impl LocalVms {
                     size: size.to_string(),
                     metadata,
                     expires_at,
+                    egress,
                 },
                 priority,
             )

@@ -355,6 +355,9 @@ impl LocalVms {
                 &size,
                 BTreeMap::from([(POOL_LABEL.to_string(), size.clone())]),
                 OffsetDateTime::now_utc() + POOL_LEASE,
+                // The operator's network; a sandbox that has another gets
+                // it when it takes the VM (`LocalVms::create`).
+                sandpit_runtime::Egress::Allowed,
                 Priority::Background,
             )
             .await?;

@@ -63,7 +63,7 @@ impl VmManager {
                     .map_err(RuntimeError::io("writing the VM's uid"))?;
                 // `nft` takes ~25 ms: off the async workers, which a burst
                 // of starts would otherwise stall.
-                let plan = self.guard_plan();
+                let plan = self.guard_plan(req.egress);
                 tokio::task::spawn_blocking(move || guard::install(uid, &plan))
                     .await
                     .map_err(|e| RuntimeError::Launch(format!("the guard's task: {e}")))??;
@@ -264,6 +264,7 @@ impl VmManager {
                 Start::Saved(saved) if mapped => saved.record.ram.clone(),
                 _ => None,
             },
+            egress: req.egress,
         };
         write_record(paths, &record)?;
         // Recorded first, so a failed start's clean-up stops QEMU and passt.
@@ -319,25 +320,17 @@ impl VmManager {
 
         let mut entropy = vec![0u8; 64];
         rand::rngs::OsRng.fill_bytes(&mut entropy);
-        let network = passt.as_ref().map(|_| self.network_config());
+        let network = passt.as_ref().map(|_| self.network_config(req.egress));
         // The guest sets its clock from the time read here: no stop for
         // live work in between.
         let setting_the_clock = giving_way.as_ref().map(|t| t.unstoppable());
+        let hostname = match start {
+            Start::Template { .. } => "sandpit-template".into(),
+            _ => hostname_for(&req.id),
+        };
         agent
             .configure(
-                GuestConfig {
-                    hostname: match start {
-                        Start::Template { .. } => "sandpit-template".into(),
-                        _ => hostname_for(&req.id),
-                    },
-                    machine_id,
-                    time_unix_ms: (OffsetDateTime::now_utc().unix_timestamp_nanos() / 1_000_000)
-                        as u64,
-                    network,
-                    user_pids_max: self.config.user_pids_max,
-                    reserved_memory_mb: self.config.reserved_memory_mb,
-                    ca_certificates: self.ca_certificates.clone(),
-                },
+                self.guest_config(hostname, machine_id, network),
                 &entropy,
                 // What is left of the boot's bound, and at least a reply's.
                 boot_timeout
@@ -383,9 +376,35 @@ impl VmManager {
         })
     }
 
-    /// What the host denies this manager's guests' passt (see `guard`):
-    /// what their own filter denies, with the same exemptions.
-    fn guard_plan(&self) -> guard::GuardPlan {
+    /// What a guest is configured with: its identity and network, this
+    /// host's limits and CAs, and the clock as read now.
+    pub(super) fn guest_config(
+        &self,
+        hostname: String,
+        machine_id: String,
+        network: Option<NetworkConfig>,
+    ) -> GuestConfig {
+        GuestConfig {
+            hostname,
+            machine_id,
+            time_unix_ms: (OffsetDateTime::now_utc().unix_timestamp_nanos() / 1_000_000) as u64,
+            network,
+            user_pids_max: self.config.user_pids_max,
+            reserved_memory_mb: self.config.reserved_memory_mb,
+            ca_certificates: self.ca_certificates.clone(),
+        }
+    }
+
+    /// What the host denies the passt of a guest with `egress` (see
+    /// `guard`): what its own filter denies, with the same exemptions.
+    pub(super) fn guard_plan(&self, egress: Egress) -> guard::GuardPlan {
+        if egress == Egress::Blocked {
+            return guard::GuardPlan {
+                deny: vec![Egress::EVERYTHING.into()],
+                dns: Vec::new(),
+                proxy: None,
+            };
+        }
         let dns = match &self.config.network.dns {
             Some(servers) => servers.iter().filter_map(|s| s.parse().ok()).collect(),
             // passt forwards to the resolver it reads at its start, as here.
@@ -407,7 +426,20 @@ impl VmManager {
         }
     }
 
-    pub(super) fn network_config(&self) -> NetworkConfig {
+    /// The network a guest with `egress` is configured with.
+    pub(super) fn network_config(&self, egress: Egress) -> NetworkConfig {
+        if egress == Egress::Blocked {
+            // No name server: a lookup then fails at once (nothing answers
+            // on the guest's loopback) instead of timing out on a filter.
+            return NetworkConfig {
+                address: net::GUEST_ADDRESS.into(),
+                gateway: net::GUEST_GATEWAY.into(),
+                dns: Vec::new(),
+                deny: vec![Egress::EVERYTHING.into()],
+                mtu: net::GUEST_MTU,
+                proxy: None,
+            };
+        }
         NetworkConfig {
             address: net::GUEST_ADDRESS.into(),
             gateway: net::GUEST_GATEWAY.into(),

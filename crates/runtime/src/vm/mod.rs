@@ -91,6 +91,10 @@ pub struct VmRecord {
     /// layers' collection keeps the file. `None`: the template's RAM file.
     #[serde(default)]
     pub ram_mapped: Option<String>,
+    /// What the guest may reach, as last set (absent: from before it was
+    /// recorded, when every VM had the operator's network).
+    #[serde(default)]
+    pub egress: Egress,
 }
 
 impl VmRecord {
@@ -243,6 +247,11 @@ pub(crate) enum Start<'a> {
     Saved(&'a crate::save::saved::SavedVm),
 }
 
+/// How long a running guest may take to apply a new egress: its `nft`
+/// and `ip` runs, a few hundred milliseconds under emulation, far longer on
+/// a host this loaded.
+const EGRESS_CHANGE_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// What to create.
 #[derive(Debug, Clone)]
 pub struct CreateVm {
@@ -252,6 +261,36 @@ pub struct CreateVm {
     /// When the VM is killed and removed even if no process of ours is left
     /// to do it (see `expiry`); [`VmManager::set_expiry`] moves it later.
     pub expires_at: OffsetDateTime,
+    /// What the guest may reach outside itself.
+    pub egress: Egress,
+}
+
+/// What one guest may reach outside itself, on top of what the operator's
+/// `[network]` allows every guest. Each start of a VM is told its egress
+/// (the caller keeps it: a restore, a resume or a fork starts a new QEMU),
+/// and [`VmManager::set_egress`] changes a running VM's.
+///
+/// `Blocked` is E2B's `allow_internet_access=False`, which that API defines
+/// as a deny list of `0.0.0.0/0`, and is enforced the same way as the
+/// operator's deny list, twice: by the guest's own packet filter (nothing
+/// but its loopback; no name server either, so a lookup fails at once
+/// instead of timing out) and by the host's guard on the VM's passt (see
+/// `guard`), which a guest that became root cannot lift. The agent's
+/// channel is not the network, so commands, files and preview URLs work
+/// as before.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Egress {
+    /// Whatever the operator's `[network]` allows.
+    #[default]
+    Allowed,
+    /// Nothing beyond the guest itself.
+    Blocked,
+}
+
+impl Egress {
+    /// The deny list that blocks everything (IPv6 is off in every guest).
+    pub const EVERYTHING: &'static str = "0.0.0.0/0";
 }
 
 /// A running VM and a live connection to its agent.
@@ -498,6 +537,47 @@ impl VmManager {
         r.metadata = metadata;
         write_record(&self.paths(id), &r)?;
         Ok(r)
+    }
+
+    /// Change what running VM `id` (whose agent is `agent`) may reach: the
+    /// host's guard first, then the guest's filter, then the record. A VM
+    /// made ahead of demand gets its sandbox's egress this way when it is
+    /// handed out. Setting what is set already is cheap: the guest skips a
+    /// network it has.
+    pub async fn set_egress(&self, id: &str, agent: &AgentClient, egress: Egress) -> Result<()> {
+        let mut record = self.record(id)?;
+        if record.passt_pid.is_none() {
+            // No network at all: nothing to reach, nothing to block.
+            record.egress = egress;
+            return write_record(&self.paths(id), &record);
+        }
+        if let Some(uid) = record.qemu_uid {
+            let plan = self.guard_plan(egress);
+            tokio::task::spawn_blocking(move || guard::install(uid, &plan))
+                .await
+                .map_err(|e| RuntimeError::Launch(format!("the guard's task: {e}")))??;
+        }
+        let machine_id = record.machine_id.clone().unwrap_or_else(|| {
+            let mut bytes = [0u8; 16];
+            rand::rngs::OsRng.fill_bytes(&mut bytes);
+            hex::encode(bytes)
+        });
+        let mut entropy = vec![0u8; 64];
+        rand::rngs::OsRng.fill_bytes(&mut entropy);
+        agent
+            .configure(
+                self.guest_config(
+                    hostname_for(id),
+                    machine_id.clone(),
+                    Some(self.network_config(egress)),
+                ),
+                &entropy,
+                EGRESS_CHANGE_TIMEOUT,
+            )
+            .await?;
+        record.machine_id = Some(machine_id);
+        record.egress = egress;
+        write_record(&self.paths(id), &record)
     }
 
     /// Move VM `id`'s expiry (see [`CreateVm::expires_at`]).

@@ -6,7 +6,8 @@ use crate::accounts::balance_in;
 use crate::error::{Result, StoreError};
 use crate::states::{live_statuses, SandboxStatus};
 use crate::util::{
-    format_ts, get_i64, get_opt_str, get_opt_ts, get_str, get_ts, get_u32, now, parse_ts,
+    format_ts, get_i64, get_opt_i64, get_opt_str, get_opt_ts, get_str, get_ts, get_u32, now,
+    parse_ts,
 };
 use crate::{lock_account, row_lock, Store};
 use sha2::Digest;
@@ -57,6 +58,8 @@ pub struct SandboxRow {
     pub access_token: Option<String>,
     /// See [`NewSandbox::every_port_public`].
     pub every_port_public: bool,
+    /// See [`NewSandbox::internet_access`].
+    pub internet_access: Option<bool>,
 }
 
 impl SandboxRow {
@@ -110,6 +113,10 @@ pub struct NewSandbox {
     /// Every port is reached through the preview URL without being exposed
     /// (E2B's sandboxes, see migration 0014); `false`: only exposed ports.
     pub every_port_public: bool,
+    /// Whether its guest may reach the network beyond itself, as its
+    /// creator said (see migration 0015): `Some(false)` nothing, `None` not
+    /// said (the operator's network, as `Some(true)`).
+    pub internet_access: Option<bool>,
     /// On a shared database: the epoch `host` must be `up` at, within its
     /// lease (see [`Store::register_node`]), and it must have room (its
     /// `max_sandboxes`), checked in the create's transaction under the
@@ -227,6 +234,7 @@ pub(crate) fn sandbox_from(row: &AnyRow) -> Result<SandboxRow> {
         env: get_json_map(row, "env")?,
         access_token: get_opt_str(row, "access_token")?,
         every_port_public: get_i64(row, "every_port_public")? != 0,
+        internet_access: get_opt_i64(row, "internet_access")?.map(|v| v != 0),
     })
 }
 
