@@ -168,7 +168,7 @@ impl<'a> Bench<'a> {
         let live = self.sandbox_id(&self.create().await?)?;
         self.wait_pool(self.pool_target).await?;
         self.round_trip(&live, &mut report, base).await?;
-        self.e2b_figures(&mut report).await?;
+        self.e2b_figures(&live, &mut report).await?;
         self.refill(&live, &mut report).await?;
         self.empty_pool(&mut report, base).await?;
         self.bursts(&mut report, base).await?;

@@ -59,6 +59,11 @@ pub struct BenchArgs {
     /// the first command in a slept sandbox timed
     #[arg(long)]
     idle_pause: Option<u64>,
+    /// The python of an environment with E2B's SDK, which E2B's figures
+    /// are measured through (`scripts/e2b-sdks.sh` makes one and prints
+    /// its path)
+    #[arg(long, env = "SANDPIT_E2B_PYTHON")]
+    e2b_python: Option<std::path::PathBuf>,
 }
 
 /// Other measurements than the default table.
