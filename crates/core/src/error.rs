@@ -77,6 +77,11 @@ pub struct CoreError {
     pub message: String,
     /// Seconds after which a retry may succeed (rate limits, capacity).
     pub retry_after: Option<u64>,
+    /// A limit that stays until the caller acts (the account's live
+    /// sandboxes, its snapshot quota): the same call retried soon fails
+    /// the same way, so a client that retries by itself (E2B's SDKs) is
+    /// told not to.
+    pub lasting: bool,
 }
 
 impl CoreError {
@@ -85,6 +90,7 @@ impl CoreError {
             kind,
             message: message.into(),
             retry_after: None,
+            lasting: false,
         }
     }
     pub fn invalid(message: impl Into<String>) -> Self {
@@ -107,6 +113,11 @@ impl CoreError {
     }
     pub fn with_retry_after(mut self, secs: u64) -> Self {
         self.retry_after = Some(secs);
+        self
+    }
+    /// See [`CoreError::lasting`].
+    pub fn lasting(mut self) -> Self {
+        self.lasting = true;
         self
     }
 }

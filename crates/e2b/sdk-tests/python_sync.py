@@ -552,22 +552,36 @@ except SandboxException as e:
 ok("an account without credit is refused with 402, saying why")
 
 # An account at its limit of live sandboxes: 429, the SDK's
-# RateLimitException (with retries=0: by default the SDK waits out the
-# answer's Retry-After three times first), saying why; nothing started.
+# RateLimitException, saying why, and nothing started. The limit stays
+# until the account ends a sandbox, so the answer tells the SDK not to
+# retry (by default it would wait out Retry-After three times first).
+import json
+import urllib.request
+
 from e2b import RateLimitException
 
 limited = os.environ["SANDPIT_LIMITED_KEY"]
 only = Sandbox.create(api_key=limited, timeout=60)
 try:
     try:
-        Sandbox.create(api_key=limited, retries=0)
+        Sandbox.create(api_key=limited)
         raise AssertionError("an account past its limit created a sandbox")
     except RateLimitException as e:
         assert "limit is 1" in str(e), repr(e)
+    raw = urllib.request.Request(
+        os.environ["E2B_API_URL"] + "/sandboxes",
+        data=json.dumps({"templateID": "base"}).encode(),
+        headers={"X-API-KEY": limited, "Content-Type": "application/json"},
+    )
+    try:
+        urllib.request.urlopen(raw, timeout=30)
+        raise AssertionError("an account past its limit created a sandbox")
+    except urllib.error.HTTPError as e:
+        assert e.code == 429 and e.headers.get("Should-Retry") == "false", (e.code, dict(e.headers))
     assert [s.sandbox_id for s in Sandbox.list(api_key=limited).next_items()] == [only.sandbox_id]
 finally:
     only.kill()
-ok("an account at its limit of sandboxes gets RateLimitException (429), saying why")
+ok("an account at its limit of sandboxes gets RateLimitException (429), saying why, and the SDK is told not to retry")
 
 # Every check is done. Leave without the interpreter's teardown: once, on a
 # loaded machine, the async script ended with a failing status and nothing

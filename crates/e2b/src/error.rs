@@ -13,6 +13,8 @@ pub struct HttpError {
     pub status: StatusCode,
     pub message: String,
     pub retry_after: Option<u64>,
+    /// See [`CoreError::lasting`]: the SDKs are told not to retry it.
+    pub lasting: bool,
 }
 
 impl HttpError {
@@ -21,6 +23,7 @@ impl HttpError {
             status,
             message: message.into(),
             retry_after: None,
+            lasting: false,
         }
     }
 
@@ -44,6 +47,7 @@ impl From<CoreError> for HttpError {
             status: status_of(e.kind),
             message: e.message,
             retry_after: e.retry_after,
+            lasting: e.lasting,
         }
     }
 }
@@ -52,6 +56,14 @@ impl IntoResponse for HttpError {
     fn into_response(self) -> Response {
         let body = serde_json::json!({"code": self.status.as_u16(), "message": self.message});
         let mut response = (self.status, axum::Json(body)).into_response();
+        if self.lasting {
+            // The SDKs retry a 429 unless told not to (the Python SDK
+            // three times, each after Retry-After): an account at its limit
+            // would wait half a minute for the same answer.
+            response
+                .headers_mut()
+                .insert("should-retry", HeaderValue::from_static("false"));
+        }
         if let Some(seconds) = self.retry_after {
             response
                 .headers_mut()
@@ -161,5 +173,28 @@ impl From<CoreError> for RpcError {
 impl IntoResponse for RpcError {
     fn into_response(self) -> Response {
         (self.status(), axum::Json(self.json())).into_response()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lasting_limit_tells_the_sdks_not_to_retry_and_a_passing_one_does_not() {
+        let lasting = CoreError::new(ErrorType::RateLimited, "the account has 1 live sandboxes")
+            .with_retry_after(10)
+            .lasting();
+        let r = HttpError::from(lasting).into_response();
+        assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(r.headers()["should-retry"], "false");
+        assert_eq!(r.headers()["retry-after"], "10");
+        let passing = CoreError::new(ErrorType::RateLimited, "4 file transfers in flight");
+        let r = HttpError::from(passing).into_response();
+        assert!(
+            r.headers().get("should-retry").is_none(),
+            "{:?}",
+            r.headers()
+        );
     }
 }

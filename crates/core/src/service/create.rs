@@ -466,7 +466,8 @@ impl Service {
                     "the account has {live} live sandboxes, its limit is {limit}; destroy one first"
                 ),
             )
-            .with_retry_after(10)),
+            .with_retry_after(10)
+            .lasting()),
             CreateOutcome::OverDiskLimit { used, limit } => {
                 Err(super::disk::over_limit(used, limit))
             }

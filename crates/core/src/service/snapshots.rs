@@ -86,7 +86,8 @@ impl Service {
                         "the account holds {count} snapshots taking {bytes} bytes; its quota is \
                          {max_count} snapshots and {max_bytes} bytes: delete one first"
                     ),
-                ))
+                )
+                .lasting())
             }
         };
         // In a task of its own: a client that hangs up does not leave a

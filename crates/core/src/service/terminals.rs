@@ -129,7 +129,8 @@ impl Terminals for Service {
                     row.id
                 ),
             )
-            .with_retry_after(5));
+            .with_retry_after(5)
+            .lasting());
         };
         // Ended (or paused) while it opened: cut it now rather than serve it.
         let now = self.store.sandbox(&row.id).await?;
