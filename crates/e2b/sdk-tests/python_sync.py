@@ -511,8 +511,7 @@ offline = Sandbox.create(timeout=120, allow_internet_access=False)
 try:
     blocked(offline)
     info = Sandbox.get_info(offline.sandbox_id)
-    if hasattr(info, "allow_internet_access"):
-        assert info.allow_internet_access is False, info
+    assert info.allow_internet_access is False, info
     offline.files.write("site/index.html", "served without internet\n")
     server = offline.commands.run("cd site && exec python3 -m http.server 8000", background=True)
     host = offline.get_host(8000)
