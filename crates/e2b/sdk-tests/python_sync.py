@@ -529,9 +529,17 @@ try:
     assert offline.pause() is True
     resumed = Sandbox.connect(offline.sandbox_id)
     blocked(resumed)
+    # A fork is a copy of the machine, its network included.
+    forks = resumed.fork(timeout=60)
+    assert len(forks) == 1 and not isinstance(forks[0], Exception), forks
+    try:
+        blocked(forks[0])
+        assert Sandbox.get_info(forks[0].sandbox_id).allow_internet_access is False
+    finally:
+        forks[0].kill()
 finally:
     offline.kill()
-ok("allow_internet_access=False: nothing leaves, at once; get_host works; still so after a pause")
+ok("allow_internet_access=False: nothing leaves, at once; get_host works; still so after a pause and in a fork")
 
 for key in ["e2b_" + "0" * 50, os.environ["SANDPIT_REVOKED_KEY"]]:
     try:

@@ -247,7 +247,7 @@ fn check_python_sync(done: &[String]) {
         "the internet reached",
         "pause, then connect resumes it",
         "kill; a killed sandbox is not found",
-        "allow_internet_access=False: nothing leaves, at once; get_host works; still so after a pause",
+        "allow_internet_access=False: nothing leaves, at once; get_host works; still so after a pause and in a fork",
         "a wrong or revoked key is refused",
         "an account without credit is refused with 402",
         "an account at its limit of sandboxes gets RateLimitException (429)",
