@@ -584,7 +584,9 @@ try:
         urllib.request.urlopen(raw, timeout=30)
         raise AssertionError("an account past its limit created a sandbox")
     except urllib.error.HTTPError as e:
+        # Nor a Retry-After, which the JavaScript SDK retries on.
         assert e.code == 429 and e.headers.get("Should-Retry") == "false", (e.code, dict(e.headers))
+        assert e.headers.get("Retry-After") is None, dict(e.headers)
     assert [s.sandbox_id for s in Sandbox.list(api_key=limited).next_items()] == [only.sandbox_id]
 finally:
     only.kill()

@@ -57,14 +57,15 @@ impl IntoResponse for HttpError {
         let body = serde_json::json!({"code": self.status.as_u16(), "message": self.message});
         let mut response = (self.status, axum::Json(body)).into_response();
         if self.lasting {
-            // The SDKs retry a 429 unless told not to (the Python SDK
-            // three times, each after Retry-After): an account at its limit
-            // would wait half a minute for the same answer.
+            // The SDKs retry a 429 unless told not to: the Python SDK three
+            // times (each after Retry-After) without `Should-Retry: false`,
+            // the JavaScript one whenever it carries a Retry-After. An
+            // account at its limit would wait half a minute for the same
+            // answer.
             response
                 .headers_mut()
                 .insert("should-retry", HeaderValue::from_static("false"));
-        }
-        if let Some(seconds) = self.retry_after {
+        } else if let Some(seconds) = self.retry_after {
             response
                 .headers_mut()
                 .insert("retry-after", HeaderValue::from(seconds));
@@ -188,9 +189,15 @@ mod tests {
         let r = HttpError::from(lasting).into_response();
         assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(r.headers()["should-retry"], "false");
-        assert_eq!(r.headers()["retry-after"], "10");
-        let passing = CoreError::new(ErrorType::RateLimited, "4 file transfers in flight");
+        assert!(
+            r.headers().get("retry-after").is_none(),
+            "{:?}",
+            r.headers()
+        );
+        let passing = CoreError::new(ErrorType::RateLimited, "4 file transfers in flight")
+            .with_retry_after(2);
         let r = HttpError::from(passing).into_response();
+        assert_eq!(r.headers()["retry-after"], "2");
         assert!(
             r.headers().get("should-retry").is_none(),
             "{:?}",
