@@ -21,6 +21,25 @@ def ok(what):
     print(f"ok {what}", flush=True)
 
 
+def served(host, path):
+    """What a server in a sandbox answers at `path` through its preview
+    `host`, reached as the user's own program reaches it (urllib, which asks
+    the system's resolver for the *.localhost name): 502 until it listens."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://{host}{path}", timeout=10) as resp:
+                return resp.read().decode()
+        except urllib.error.HTTPError as e:
+            assert e.code == 502 and time.monotonic() < deadline, e
+        except urllib.error.URLError as e:
+            raise AssertionError(f"http://{host}/ did not resolve or connect: {e}")
+        time.sleep(0.5)
+
+
 # http://ADDRESS:8080/hello.txt on a test host of the harness's.
 INTERNET = os.environ["SANDPIT_INTERNET"]
 
@@ -185,18 +204,7 @@ try:
     server = sbx.commands.run("cd site && exec python3 -m http.server 8000", background=True)
     host = sbx.get_host(8000)
     assert host.startswith(f"8000-{sbx.sandbox_id}."), host
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://{host}/index.html", timeout=10) as resp:
-                body = resp.read().decode()
-            break
-        except urllib.error.HTTPError as e:
-            # 502 until the server listens.
-            assert e.code == 502 and time.monotonic() < deadline, e
-        except urllib.error.URLError as e:
-            raise AssertionError(f"http://{host}/ did not resolve or connect: {e}")
-        time.sleep(0.5)
+    body = served(host, "/index.html")
     assert body == "served from the sandbox\n", body
     assert server.kill() is True
     # 502 once nothing listens (a connection the proxy held to the killed
@@ -515,15 +523,7 @@ try:
     offline.files.write("site/index.html", "served without internet\n")
     server = offline.commands.run("cd site && exec python3 -m http.server 8000", background=True)
     host = offline.get_host(8000)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://{host}/index.html", timeout=10) as resp:
-                body = resp.read().decode()
-            break
-        except urllib.error.HTTPError as e:
-            assert e.code == 502 and time.monotonic() < deadline, e
-        time.sleep(0.5)
+    body = served(host, "/index.html")
     assert body == "served without internet\n", body
     server.kill()
     assert offline.pause() is True
