@@ -360,14 +360,18 @@ impl AgentClient {
         &self.info
     }
 
-    /// Run `true` as the guest user and check it succeeded: a VM prepared
-    /// ahead of use runs it so its QEMU has already translated the shell's
-    /// code (and the guest has it in its page cache) when the first real
-    /// command comes.
+    /// Run a login shell's `true` as the guest user and check it
+    /// succeeded: a VM prepared ahead of use runs it so its QEMU has
+    /// already translated the shell's code (and the guest has it in its
+    /// page cache) when the first real command comes. A login shell, as
+    /// E2B's SDKs run every command (`bash -l -c`): it covers the plain
+    /// shell too, and a login shell's first start in a new QEMU costs
+    /// ~250 ms more under emulation (its profile's files and processes),
+    /// measured, which a first `commands.run` otherwise paid.
     pub async fn warm_up(&self) -> Result<()> {
         let out = self
             .exec_collect(ExecRequest {
-                command: "true".into(),
+                command: "bash -l -c true".into(),
                 cwd: None,
                 env: Default::default(),
                 timeout_ms: 60_000,
