@@ -482,7 +482,7 @@ pub fn environment<'a>(
 /// The shell, its argv and environment, as C strings.
 struct ShellCommand {
     program: &'static CStr,
-    argv: [CString; 3],
+    argv: Vec<CString>,
     env: Vec<CString>,
 }
 
@@ -529,15 +529,36 @@ fn shell_command(req: &ExecRequest, cwd: &str) -> Result<ShellCommand, AgentErro
         .into_iter()
         .chain(req.env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
     let env = environment(cwd, extra).map_err(invalid)?;
-    Ok(ShellCommand {
-        program,
-        argv: [
+    let argv = match login_shell(&req.command).filter(|_| program != c"/bin/sh") {
+        Some((name, script)) => vec![
+            sys::cstring(name).map_err(invalid)?,
+            c"-l".to_owned(),
+            c"-c".to_owned(),
+            sys::cstring(&script).map_err(invalid)?,
+        ],
+        None => vec![
             name.to_owned(),
             c"-c".to_owned(),
             sys::cstring(&req.command).map_err(invalid)?,
         ],
-        env,
-    })
+    };
+    Ok(ShellCommand { program, argv, env })
+}
+
+/// A command that only starts a login bash on a script, `/bin/bash -l -c
+/// SCRIPT` as E2B's SDKs send every command: bash would parse it and exec
+/// `/bin/bash`, a second start (and the dynamic loader's work, ~5 ms under
+/// emulation); the shell is started as that login shell itself instead,
+/// under the name given. Only the exact quoting the host writes
+/// (`shell_words::join`) is taken: there every word is literal, so bash's
+/// own parse would give the same four words; anything else goes to bash.
+fn login_shell(command: &str) -> Option<(&'static str, String)> {
+    let words = shell_words::split(command).ok()?;
+    let [bash, login, c, script] = <[String; 4]>::try_from(words.clone()).ok()?;
+    let name = ["/bin/bash", "/usr/bin/bash", "bash"]
+        .into_iter()
+        .find(|n| *n == bash)?;
+    (login == "-l" && c == "-c" && shell_words::join(&words) == command).then_some((name, script))
 }
 
 /// Map a failed spawn to an error for the host.
@@ -592,6 +613,37 @@ mod tests {
             timeout_ms: 1000,
             max_output_bytes: 10,
             ..Default::default()
+        }
+    }
+
+    #[test]
+    fn only_the_hosts_exact_login_shell_command_starts_one_directly() {
+        assert_eq!(
+            login_shell("/bin/bash -l -c true"),
+            Some(("/bin/bash", "true".to_string()))
+        );
+        assert_eq!(
+            login_shell("bash -l -c 'echo \"$HOME\" | wc -c'"),
+            Some(("bash", "echo \"$HOME\" | wc -c".to_string()))
+        );
+        for other in [
+            // bash would expand these: the words are not all literal.
+            "/bin/bash -l -c $SCRIPT",
+            "/bin/bash -l -c \"echo x\"",
+            "/bin/bash -l -c true; rm -rf x",
+            "/bin/bash -c true",
+            "/bin/bash -l -c true extra",
+            "/bin/sh -l -c true",
+            "/tmp/bash -l -c true",
+            "true",
+        ] {
+            assert_eq!(login_shell(other), None, "{other}");
+        }
+        // Started as that shell: its name, -l, -c, the script.
+        let shell = shell_command(&req("/bin/bash -l -c 'echo x'"), "/").unwrap();
+        if shell.program != c"/bin/sh" {
+            let argv: Vec<_> = shell.argv.iter().map(|a| a.to_str().unwrap()).collect();
+            assert_eq!(argv, ["/bin/bash", "-l", "-c", "echo x"]);
         }
     }
 
