@@ -237,7 +237,7 @@ impl Bench<'_> {
                  environment with E2B's SDK (scripts/e2b-sdks.sh makes one and prints its path)",
             ),
         }
-        self.the_servers_part(&client, report).await
+        self.the_servers_part(&client, live, report).await
     }
 
     /// The issue's three targets, through E2B's Python SDK.
@@ -329,8 +329,15 @@ impl Bench<'_> {
     }
 
     /// The server's part: `Process/Start` on a kept connection against a
-    /// direct agent exec of the same command.
-    async fn the_servers_part(&self, client: &Client, report: &mut Report<'_>) -> Result<()> {
+    /// direct agent exec of the same command; and the SDKs' own command
+    /// (`/bin/bash -l -c true`) against MCP's `run_command` on `live`,
+    /// which leaves the SDK's client out of the round trip's target.
+    async fn the_servers_part(
+        &self,
+        client: &Client,
+        live: &str,
+        report: &mut Report<'_>,
+    ) -> Result<()> {
         let sandbox = client.create().await?;
         let agent = self.vms.agent(&sandbox.id).await?;
         for _ in 0..3 {
@@ -338,7 +345,13 @@ impl Bench<'_> {
         }
         let (mut over_direct, mut over_shell, mut first_byte, mut direct_round) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut login_over_mcp = Vec::new();
         for _ in 0..self.a.execs {
+            let login = client
+                .run(&sandbox, &["/bin/bash", "-l", "-c", "true"])
+                .await?
+                .end_ms;
+            login_over_mcp.push(login - self.time_true(live).await?);
             let e2b = client.run(&sandbox, &["true"]).await?.end_ms;
             let t = Instant::now();
             let out = agent.exec_collect(true_cmd()).await?;
@@ -365,6 +378,17 @@ impl Bench<'_> {
                 "{:.2} ms over a {direct:.2} ms direct exec; over the shell's own time {:.2} ms",
                 median(over_direct),
                 median(over_shell)
+            ),
+        );
+        row(
+            report.rows,
+            format!(
+                "E2B `Process/Start` of the SDKs' `/bin/bash -l -c true` without an SDK, over MCP's `run_command(\"true\")` ({} paired calls)",
+                login_over_mcp.len()
+            ),
+            format!(
+                "{:.2} ms: the server's and the login shell's part of the SDK's round trip over MCP's",
+                median(login_over_mcp)
             ),
         );
         row(
