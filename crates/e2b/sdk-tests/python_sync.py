@@ -43,6 +43,11 @@ def served(host, path):
 # http://ADDRESS:8080/hello.txt on a test host of the harness's.
 INTERNET = os.environ["SANDPIT_INTERNET"]
 
+# A sandbox left to its timeout (1 s asks for Sandpit's shortest life, a
+# minute), checked at the end: by then it is past it, or the end waits.
+short = Sandbox.create(timeout=1)
+short_made = time.monotonic()
+
 sbx = Sandbox.create(timeout=120, metadata={"suite": "python-sync", "run": "1"}, envs={"FROM_CREATE": "made at create"})
 try:
     assert sbx.sandbox_id, sbx
@@ -591,6 +596,22 @@ try:
 finally:
     only.kill()
 ok("an account at its limit of sandboxes gets RateLimitException (429), saying why, and the SDK is told not to retry")
+
+# Past its timeout, nobody having killed it: not found, and its commands
+# fail saying so.
+time.sleep(max(0.0, short_made + 75 - time.monotonic()))
+try:
+    Sandbox.get_info(short.sandbox_id)
+    raise AssertionError("a sandbox past its timeout was found")
+except NotFoundException:
+    pass
+try:
+    short.commands.run("true")
+    raise AssertionError("a sandbox past its timeout ran a command")
+except SandboxException as e:
+    assert "not found" in str(e).lower() or isinstance(e, NotFoundException), repr(e)
+assert short.sandbox_id not in [s.sandbox_id for s in Sandbox.list().next_items()]
+ok("a sandbox past its timeout is not found")
 
 # Every check is done. Leave without the interpreter's teardown: once, on a
 # loaded machine, the async script ended with a failing status and nothing

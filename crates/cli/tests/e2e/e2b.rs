@@ -251,6 +251,7 @@ fn check_python_sync(done: &[String]) {
         "a wrong or revoked key is refused",
         "an account without credit is refused with 402",
         "an account at its limit of sandboxes gets RateLimitException (429)",
+        "a sandbox past its timeout is not found",
     ];
     checked("python_sync.py", done, &sync_checks);
 }
