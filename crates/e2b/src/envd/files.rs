@@ -24,7 +24,11 @@
 //! `gzip=True`), decompressed as it comes: what it decompresses to is known
 //! only at its end, and both what comes in and what it makes are held to
 //! `max_body_bytes`, so a small bomb is refused as soon as it passes the
-//! limit. Not yet: `X-Metadata-*`.
+//! limit. A refused body is still read, and dropped, for a while before
+//! the 413 goes (`drain`): a client still sending when the server answers
+//! and closes gets a reset instead of the answer (the Python SDK's write
+//! failed with "broken pipe" and never saw the 413). Not yet:
+//! `X-Metadata-*`.
 
 use super::{check_user, guest_path, ForSandbox};
 use crate::error::HttpError;
@@ -267,23 +271,17 @@ pub async fn upload(
             Some(size) => (size, Box::new(RequestBody::new(body))),
             None => {
                 let limit = e2b.max_body_bytes;
-                let bytes = axum::body::to_bytes(body, limit).await.map_err(|e| {
-                    if std::error::Error::source(&e)
-                        .is_some_and(|s| s.is::<http_body_util::LengthLimitError>())
-                    {
-                        HttpError::new(
-                            StatusCode::PAYLOAD_TOO_LARGE,
-                            format!(
-                                "an upload without Content-Length is held in memory, up to \
-                                 {limit} bytes (the server's max_body_bytes): send its length \
-                                 to stream a larger file"
-                            ),
-                        )
-                    } else {
-                        HttpError::bad_request(format!("the body: {e}"))
-                    }
+                let bytes = held_whole(body, limit).await?.ok_or_else(|| {
+                    HttpError::new(
+                        StatusCode::PAYLOAD_TOO_LARGE,
+                        format!(
+                            "an upload without Content-Length is held in memory, up to \
+                             {limit} bytes (the server's max_body_bytes): send its length \
+                             to stream a larger file"
+                        ),
+                    )
                 })?;
-                (bytes.len() as u64, Box::new(Whole(Some(bytes.to_vec()))))
+                (bytes.len() as u64, Box::new(Whole(Some(bytes))))
             }
         };
         written.push(write(&e2b, &sandbox.caller, &sandbox.id, &dest, size, source).await?);
@@ -312,6 +310,41 @@ async fn write(
 /// A gzip body decompressed as it comes, each of what comes in and what it
 /// makes held to `limit` bytes (413 past it); concatenated members are one
 /// file, as `gzip -d` makes them.
+/// How much of a refused body is still read (and dropped) before the
+/// refusal is sent, and for how long at most (see the module's docs).
+const DRAIN_BYTES: usize = 64 << 20;
+const DRAIN_TIME: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Reads what is left of a refused body, within [`DRAIN_BYTES`] and
+/// [`DRAIN_TIME`], so the client gets to read the refusal.
+async fn drain(mut body: axum::body::BodyDataStream) {
+    use futures::StreamExt;
+    let deadline = tokio::time::Instant::now() + DRAIN_TIME;
+    let mut drained = 0usize;
+    while drained < DRAIN_BYTES {
+        match tokio::time::timeout_at(deadline, body.next()).await {
+            Ok(Some(Ok(chunk))) => drained += chunk.len(),
+            _ => return,
+        }
+    }
+}
+
+/// The whole body, when it is at most `limit` bytes; `None` past it (what
+/// is left of it drained).
+async fn held_whole(body: axum::body::Body, limit: usize) -> Result<Option<Vec<u8>>, HttpError> {
+    use futures::StreamExt;
+    let (mut stream, mut out) = (body.into_data_stream(), Vec::new());
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| HttpError::bad_request(format!("the body: {e}")))?;
+        if out.len() + chunk.len() > limit {
+            drain(stream).await;
+            return Ok(None);
+        }
+        out.extend_from_slice(&chunk);
+    }
+    Ok(Some(out))
+}
+
 async fn gunzip(body: axum::body::Body, limit: usize) -> Result<Vec<u8>, HttpError> {
     use futures::StreamExt;
     use std::io::Write;
@@ -337,9 +370,13 @@ async fn gunzip(body: axum::body::Body, limit: usize) -> Result<Vec<u8>, HttpErr
         let chunk = chunk.map_err(|e| HttpError::bad_request(format!("the body: {e}")))?;
         taken += chunk.len();
         if taken > limit {
+            drain(body).await;
             return Err(too_large());
         }
-        decoder.write_all(&chunk).map_err(broken)?;
+        if let Err(e) = decoder.write_all(&chunk) {
+            drain(body).await;
+            return Err(broken(e));
+        }
     }
     Ok(decoder.finish().map_err(broken)?.out)
 }
