@@ -553,12 +553,19 @@ fn shell_command(req: &ExecRequest, cwd: &str) -> Result<ShellCommand, AgentErro
 /// (`shell_words::join`) is taken: there every word is literal, so bash's
 /// own parse would give the same four words; anything else goes to bash.
 fn login_shell(command: &str) -> Option<(&'static str, String)> {
-    let words = shell_words::split(command).ok()?;
-    let [bash, login, c, script] = <[String; 4]>::try_from(words.clone()).ok()?;
+    // Every command comes here: one that does not start so is not parsed.
     let name = ["/bin/bash", "/usr/bin/bash", "bash"]
         .into_iter()
-        .find(|n| *n == bash)?;
-    (login == "-l" && c == "-c" && shell_words::join(&words) == command).then_some((name, script))
+        .find(|n| {
+            command
+                .strip_prefix(n)
+                .is_some_and(|rest| rest.starts_with(" -l -c "))
+        })?;
+    let words = shell_words::split(command).ok()?;
+    if words.len() != 4 || words[0] != name || shell_words::join(&words) != command {
+        return None;
+    }
+    words.into_iter().nth(3).map(|script| (name, script))
 }
 
 /// Map a failed spawn to an error for the host.
