@@ -17,7 +17,9 @@ pub enum RuntimeError {
     #[error(transparent)]
     Agent(#[from] AgentError),
     /// The guest did not reach its agent within the boot bound.
-    #[error("the VM did not boot within {secs} s; last console lines:\n{console_tail}")]
+    /// `console_tail`: what the host saw of it (QEMU's CPU time, where its
+    /// vCPUs were) and the last lines of its console.
+    #[error("the VM did not boot within {secs} s: {console_tail}")]
     BootTimeout { secs: u64, console_tail: String },
     /// The VM is gone: QEMU exited (guest power-off, panic, crash or kill).
     #[error("the VM is not running: {cause}")]

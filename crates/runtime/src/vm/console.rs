@@ -75,6 +75,54 @@ pub fn exit_cause(console: &Path, qemu_log: &Path) -> String {
     }
 }
 
+/// What the host can tell of a guest that did not boot within its bound,
+/// for the error and the log: QEMU's CPU time since it started (a guest
+/// spinning somewhere shows the bound's worth, one starved by a busy host
+/// little) and where each vCPU is (its instruction pointer, from QEMU's
+/// monitor: stuck in one place or moving between two looks). Under TCG a
+/// quiet guest kernel prints nothing while it boots, so without this a
+/// boot that never came up left an empty console and no clue.
+pub async fn stuck_boot(qmp_socket: &Path, qemu_pid: u32) -> String {
+    let cpu = crate::host::cpu_ticks(qemu_pid)
+        .map(|ticks| {
+            format!(
+                "QEMU used {:.1} s of CPU",
+                ticks as f64 / crate::host::clock_ticks_per_second()
+            )
+        })
+        .unwrap_or_else(|| "QEMU's CPU time is unknown".into());
+    let rips = async {
+        let mut qmp = super::qmp::Qmp::connect(qmp_socket).await.ok()?;
+        let mut seen = Vec::new();
+        // Twice, a moment apart: a vCPU in a tight loop stays put.
+        for _ in 0..2 {
+            let out = qmp
+                .execute(
+                    "human-monitor-command",
+                    serde_json::json!({"command-line": "info registers -a"}),
+                )
+                .await
+                .ok()?;
+            seen.push(vcpu_positions(out.as_str().unwrap_or_default()).join(" "));
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+        Some(seen.join(", then "))
+    };
+    match tokio::time::timeout(std::time::Duration::from_secs(3), rips).await {
+        Ok(Some(rips)) if !rips.trim().is_empty() => format!("{cpu}; vCPUs at {rips}"),
+        _ => cpu,
+    }
+}
+
+/// Each vCPU's `RIP=` from the monitor's `info registers -a`.
+fn vcpu_positions(registers: &str) -> Vec<String> {
+    registers
+        .split_whitespace()
+        .filter_map(|word| word.strip_prefix("RIP="))
+        .map(str::to_string)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -112,5 +160,17 @@ mod tests {
         let len = std::fs::metadata(&con).unwrap().len();
         assert!(len <= KEEP_BYTES);
         assert!(tail(&con, 100).ends_with("THE END"));
+    }
+
+    #[test]
+    fn each_vcpus_instruction_pointer_is_read_from_the_monitor() {
+        let out = "\r\nCPU#0\r\nRAX=0000000000000000 RBX=ffffffff82a0e940\r\n\
+                   RIP=ffffffff81e2b7d4 RFL=00000246 [---Z-P-] CPL=0 II=0 A20=1 SMM=0 HLT=1\r\n\
+                   CPU#1\r\nRIP=ffffffff8106a1b2 RFL=00000002\r\n";
+        assert_eq!(
+            vcpu_positions(out),
+            ["ffffffff81e2b7d4", "ffffffff8106a1b2"]
+        );
+        assert!(vcpu_positions("").is_empty());
     }
 }

@@ -484,10 +484,21 @@ impl VmManager {
             Ok(vm) => Ok(vm),
             Err(e) => {
                 let e = match e {
-                    RuntimeError::BootTimeout { secs, .. } => RuntimeError::BootTimeout {
-                        secs,
-                        console_tail: console::tail_lines(&paths.console(), 30),
-                    },
+                    RuntimeError::BootTimeout { secs, .. } => {
+                        let host = match self.record(&req.id) {
+                            Ok(record) => {
+                                console::stuck_boot(&paths.qmp_socket(), record.qemu_pid).await
+                            }
+                            Err(_) => "QEMU did not start".into(),
+                        };
+                        RuntimeError::BootTimeout {
+                            secs,
+                            console_tail: format!(
+                                "{host}; last console lines:\n{}",
+                                console::tail_lines(&paths.console(), 30)
+                            ),
+                        }
+                    }
                     RuntimeError::Disconnected(_) => RuntimeError::VmExited {
                         cause: format!(
                             "{}; last console lines:\n{}",

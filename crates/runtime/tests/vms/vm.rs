@@ -37,6 +37,28 @@ fn boots_the_guest_kernel_and_debian() {
     });
 }
 
+/// A boot past its bound says what the host saw of the guest, not only
+/// its console (empty: the kernel boots quietly): CI once had a cold boot
+/// that never came up and left no clue.
+#[test]
+fn a_boot_past_its_bound_says_where_the_guest_was() {
+    let s = vm();
+    let mut hurried = s.manager.config().clone();
+    hurried.boot_timeout = Duration::from_secs(1);
+    let m = manager_with(hurried);
+    block(async {
+        match m.create_cold(new_vm("sbx_hurried")).await {
+            Err(RuntimeError::BootTimeout { secs, console_tail }) => {
+                assert_eq!(secs, 1);
+                assert!(console_tail.contains(" s of CPU"), "{console_tail}");
+                assert!(console_tail.contains("vCPUs at ffffffff"), "{console_tail}");
+            }
+            other => panic!("a boot with a 1 s bound: {:?}", other.map(|vm| vm.record)),
+        }
+        assert!(!m.paths("sbx_hurried").dir.exists());
+    });
+}
+
 #[test]
 fn commands_run_as_the_unprivileged_user_without_sudo() {
     let s = vm();
