@@ -198,9 +198,10 @@ fn run(
         0 => None,
         ms => start.checked_add(Duration::from_millis(ms)),
     };
+    let uid = if req.as_root { 0 } else { GUEST_UID };
     let sandbox = Sandbox {
-        uid: GUEST_UID,
-        gid: GUEST_UID,
+        uid,
+        gid: uid,
         cwd: &c_cwd,
         cgroup: cg.as_ref().map(ExecCgroup::dir_fd),
         nproc: cgroup::pids_max(),
@@ -440,17 +441,28 @@ fn check_request(req: &ExecRequest) -> Result<(), AgentError> {
     Ok(())
 }
 
-/// The environment every command starts from (the request's env goes on top).
-pub fn base_env(cwd: &str) -> Vec<(&'static str, String)> {
-    vec![
-        ("HOME", GUEST_HOME.to_string()),
-        ("USER", GUEST_USER.to_string()),
-        ("LOGNAME", GUEST_USER.to_string()),
-        ("SHELL", "/bin/bash".to_string()),
+/// The environment every command starts from (the request's env goes on
+/// top): the guest user's, or root's (`as_root`, a template's build step).
+pub fn base_env(cwd: &str, as_root: bool) -> Vec<(&'static str, String)> {
+    let (home, user, path) = if as_root {
         (
-            "PATH",
+            "/root",
+            "root",
+            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".to_string(),
+        )
+    } else {
+        (
+            GUEST_HOME,
+            GUEST_USER,
             format!("{GUEST_HOME}/.local/bin:/usr/local/bin:/usr/bin:/bin"),
-        ),
+        )
+    };
+    vec![
+        ("HOME", home.to_string()),
+        ("USER", user.to_string()),
+        ("LOGNAME", user.to_string()),
+        ("SHELL", "/bin/bash".to_string()),
+        ("PATH", path),
         ("LANG", "C.UTF-8".to_string()),
         ("PWD", cwd.to_string()),
         ("TERM", "dumb".to_string()),
@@ -462,9 +474,10 @@ pub fn base_env(cwd: &str) -> Vec<(&'static str, String)> {
 /// name.
 pub fn environment<'a>(
     cwd: &str,
+    as_root: bool,
     extra: impl Iterator<Item = (&'a str, &'a str)>,
 ) -> io::Result<Vec<CString>> {
-    let base = base_env(cwd);
+    let base = base_env(cwd, as_root);
     outbound::with_env(|outbound| {
         let mut env: BTreeMap<&str, &str> = BTreeMap::new();
         for (k, v) in base.iter().chain(outbound) {
@@ -528,7 +541,7 @@ fn shell_command(req: &ExecRequest, cwd: &str) -> Result<ShellCommand, AgentErro
     let extra = term
         .into_iter()
         .chain(req.env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
-    let env = environment(cwd, extra).map_err(invalid)?;
+    let env = environment(cwd, req.as_root, extra).map_err(invalid)?;
     let argv = match login_shell(&req.command).filter(|_| program != c"/bin/sh") {
         Some((name, script)) => vec![
             sys::cstring(name).map_err(invalid)?,
@@ -696,7 +709,7 @@ mod tests {
 
     #[test]
     fn base_environment() {
-        let env: BTreeMap<_, _> = base_env("/workspace/x").into_iter().collect();
+        let env: BTreeMap<_, _> = base_env("/workspace/x", false).into_iter().collect();
         assert_eq!(env["HOME"], "/home/user");
         assert_eq!(env["PWD"], "/workspace/x");
         assert_eq!(
@@ -704,6 +717,14 @@ mod tests {
             "/home/user/.local/bin:/usr/local/bin:/usr/bin:/bin"
         );
         assert_eq!(env.len(), 8);
+        let root: BTreeMap<_, _> = base_env("/", true).into_iter().collect();
+        assert_eq!(root["HOME"], "/root");
+        assert_eq!(root["USER"], "root");
+        assert!(
+            root["PATH"].starts_with("/usr/local/sbin:"),
+            "{}",
+            root["PATH"]
+        );
     }
 
     #[test]

@@ -346,7 +346,7 @@ impl Terminal {
         set_size(master.as_raw_fd(), size).map_err(|e| io_err("size", e))?;
         sys::set_nonblocking(master.as_raw_fd(), true).map_err(|e| io_err("fcntl", e))?;
         let (program, argv) = login_shell();
-        let env = crate::exec::environment(WORKSPACE, [("TERM", TERM)].into_iter())
+        let env = crate::exec::environment(WORKSPACE, false, [("TERM", TERM)].into_iter())
             .map_err(|e| AgentError::new(ErrorKind::InvalidRequest, e.to_string()))?;
         let cwd = sys::cstring(WORKSPACE).map_err(|e| io_err("cwd", e))?;
         let cgroup = cgroup::create_exec();

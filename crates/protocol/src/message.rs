@@ -368,6 +368,14 @@ pub struct ExecRequest {
     /// (feature `pty`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pty: Option<TerminalSize>,
+    /// Run it as root (uid 0, root's home and `PATH`) instead of
+    /// [`crate::GUEST_USER`]: a template's build steps, which install
+    /// packages, are the one caller (the host sends it for them alone; no
+    /// API asks for it). Added within generation 1 (feature `root_exec`): an
+    /// older agent would ignore it and run the step as the user, so the
+    /// host checks the feature first.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub as_root: bool,
 }
 
 /// A terminal's size, in characters.

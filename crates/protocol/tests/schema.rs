@@ -295,6 +295,7 @@ fn samples() -> Vec<Message> {
                 keep_running: true,
                 stdin: true,
                 pty: None,
+                as_root: false,
             },
         },
         Message::Started { id: 60, pid: 812 },
@@ -361,6 +362,7 @@ fn samples() -> Vec<Message> {
                 keep_running: true,
                 stdin: true,
                 pty: Some(TerminalSize { rows: 24, cols: 80 }),
+                as_root: false,
             },
         },
         Message::ProcessCall {
@@ -428,6 +430,19 @@ fn samples() -> Vec<Message> {
                     kind: WatchEventKind::Chmod,
                 },
             ],
+        },
+        // Added to generation 1: a template's build step, run as root.
+        Message::Exec {
+            id: 72,
+            request: ExecRequest {
+                command: "apt-get install -y cowsay".into(),
+                cwd: Some("/".into()),
+                env: BTreeMap::from([("DEBIAN_FRONTEND".into(), "noninteractive".into())]),
+                timeout_ms: 600_000,
+                max_output_bytes: 1 << 20,
+                as_root: true,
+                ..Default::default()
+            },
         },
     ]
 }

@@ -127,6 +127,9 @@ pub fn validate_exec(config: &ServiceConfig, p: &ExecParams) -> Result<ExecReque
         keep_running: p.keep_running,
         stdin: p.stdin,
         pty: p.pty,
+        // Every API's command runs as the guest user; root is a template
+        // build's alone (`service::templates`).
+        as_root: false,
     })
 }
 

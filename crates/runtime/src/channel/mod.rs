@@ -521,6 +521,10 @@ impl AgentClient {
         if request.pty.is_some() {
             self.needs("pty", "commands on a terminal")?;
         }
+        if request.as_root {
+            // An older agent would run it as the user.
+            self.needs("root_exec", "a template's build steps (run as root)")?;
+        }
         let longest = Duration::from_millis(request.timeout_ms);
         let limit = request.max_output_bytes;
         let announced = request.keep_running;

@@ -217,6 +217,14 @@ async fn an_older_agent_is_not_asked_what_it_does_not_list() {
         other => panic!("{other:?}"),
     }
     assert!(started.elapsed() < Duration::from_secs(5));
+    // Nor given a build step as root, which it would run as the user.
+    let mut step = exec_request(1024);
+    step.as_root = true;
+    match client.exec(step) {
+        Err(RuntimeError::Agent(e)) => assert_eq!(e.kind, ErrorKind::Unsupported),
+        Err(e) => panic!("{e:?}"),
+        Ok(_) => panic!("an older agent was asked to run a command as root"),
+    }
 }
 
 #[tokio::test]

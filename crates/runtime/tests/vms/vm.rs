@@ -94,6 +94,56 @@ fn commands_run_as_the_unprivileged_user_without_sudo() {
     });
 }
 
+/// A template's build step runs as root (the host alone asks: no API
+/// does), with root's home and `PATH`; the next command is the user's again.
+#[test]
+fn a_build_step_runs_as_root_and_leaves_the_user_unprivileged() {
+    let s = vm();
+    block(async {
+        let mut step =
+            req("id -u; echo $HOME; command -v apt-get; touch /etc/built-by-root; echo $PWD");
+        step.as_root = true;
+        step.cwd = Some("/".into());
+        let out = s.vm.agent.exec_collect(step).await.expect("a root step");
+        assert_eq!(
+            out.result.exit_code,
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            "0\n/root\n/usr/bin/apt-get\n/\n"
+        );
+        assert_eq!(
+            sh(&s.vm, "id -u; stat -c %U /etc/built-by-root").await,
+            "1000\nroot"
+        );
+        let refused =
+            s.vm.agent
+                .exec_collect(req("rm /etc/built-by-root"))
+                .await
+                .unwrap();
+        assert_ne!(
+            refused.result.exit_code,
+            Some(0),
+            "the user removed root's file"
+        );
+        let mut step = req("rm /etc/built-by-root");
+        step.as_root = true;
+        step.cwd = Some("/".into());
+        assert_eq!(
+            s.vm.agent
+                .exec_collect(step)
+                .await
+                .unwrap()
+                .result
+                .exit_code,
+            Some(0)
+        );
+    });
+}
+
 #[test]
 fn commands_run_in_bash_linked_statically_under_its_usual_name() {
     let s = vm();
