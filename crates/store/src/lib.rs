@@ -97,6 +97,7 @@ mod sandboxes;
 mod snapshots;
 mod states;
 mod tally;
+mod templates;
 mod tokens;
 mod util;
 mod web;
@@ -112,6 +113,7 @@ pub use sandboxes::{
 pub use snapshots::{NewSnapshot, SnapshotOutcome, SnapshotPage, SnapshotRow, SnapshotStatus};
 pub use states::{ExecutionState, ExecutionStatus, NodeState, SandboxStatus};
 pub use tally::SandboxTally;
+pub use templates::{LayerRow, TemplateRow, TemplateStatus, MAX_LOG_BYTES};
 pub use tokens::TerminalGrant;
 pub use util::{format_ts, hash_key, new_id, parse_ts};
 pub use web::WebSession;

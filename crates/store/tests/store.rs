@@ -7,7 +7,7 @@
 use sandpit_store::{
     format_ts, hash_key, new_id, CreateOutcome, Engine, ExecutionResult, ExecutionRow,
     ExecutionState, ExecutionStatus, ExtendOutcome, NewSandbox, NewSnapshot, SandboxStatus,
-    SnapshotOutcome, SnapshotStatus, Store, StoreError,
+    SnapshotOutcome, SnapshotStatus, Store, StoreError, TemplateStatus,
 };
 use std::collections::HashSet;
 use tempfile::TempDir;
@@ -69,6 +69,7 @@ on_both_engines!(
     an_accounts_stored_executions_are_counted_and_trimmed_oldest_first,
     an_ended_sandboxs_executions_go_after_the_retention,
     the_tally_counts_a_hosts_live_sandboxes_and_their_reservations,
+    template_builds_layers_and_files_are_an_accounts_own_until_published,
 );
 
 /// A row lock held by a transaction that never ends (its process stopped
@@ -269,6 +270,8 @@ fn sandbox(account_id: &str, created_at: OffsetDateTime, minutes: u32, reserve: 
         access_token: Some(format!("token-of-{created_at}")),
         every_port_public: false,
         internet_access: None,
+        template_id: None,
+        workdir: None,
     }
 }
 
@@ -2541,4 +2544,170 @@ async fn the_tally_counts_a_hosts_live_sandboxes_and_their_reservations(store: S
         store.sandbox_tally("local").await.unwrap(),
         [tally("paused", 1, 90_000)]
     );
+}
+
+async fn template_builds_layers_and_files_are_an_accounts_own_until_published(store: Store) {
+    let acct = store.create_account("builder", 20).await.unwrap();
+    let other = store.create_account("other", 20).await.unwrap();
+    let building = |s: &[TemplateStatus]| s.to_vec();
+    let first = store
+        .create_template("tpl_1", &acct.id, ("web", "latest"), "small", "{}", 3)
+        .await
+        .unwrap();
+    assert_eq!(first.status, TemplateStatus::Building);
+    // Its log moves (NUL bytes made storable, its end kept when long).
+    let long = format!("{}\0end", "x".repeat(sandpit_store::MAX_LOG_BYTES));
+    store.template_progress("tpl_1", &long, 2).await.unwrap();
+    let t = store.template("tpl_1").await.unwrap().unwrap();
+    assert_eq!(t.log.len(), sandpit_store::MAX_LOG_BYTES);
+    assert!(
+        t.log.ends_with("\u{fffd}end"),
+        "{}",
+        &t.log[t.log.len() - 10..]
+    );
+    assert_eq!(t.cached_steps, 2);
+    // Ready: the newest ready build is the template; the other account
+    // sees nothing until it is published.
+    let ready = store
+        .finish_template("tpl_1", Ok(("snap_a", "node-a", 4096)), "done")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(ready.status, TemplateStatus::Ready);
+    assert_eq!(ready.snapshot_id.as_deref(), Some("snap_a"));
+    assert!(store
+        .finish_template("tpl_1", Err("late"), "")
+        .await
+        .unwrap()
+        .is_none());
+    store
+        .create_template("tpl_2", &acct.id, ("web", "latest"), "small", "{}", 3)
+        .await
+        .unwrap();
+    let found = store
+        .template_named(
+            &acct.id,
+            "web",
+            "latest",
+            &building(&[TemplateStatus::Ready]),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        found.id, "tpl_1",
+        "a build in progress is not the template yet"
+    );
+    assert!(store
+        .template_named(&other.id, "web", "latest", &[TemplateStatus::Ready])
+        .await
+        .unwrap()
+        .is_none());
+    assert!(store.templates_of(&other.id).await.unwrap().is_empty());
+    assert_eq!(
+        store
+            .publish_template(&acct.id, "web", "latest", true)
+            .await
+            .unwrap(),
+        2
+    );
+    let shared = store
+        .template_named(&other.id, "web", "latest", &[TemplateStatus::Ready])
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(shared.id, "tpl_1");
+    assert!(shared.public);
+    // A build whose server died stops moving and is failed.
+    let later = OffsetDateTime::now_utc() + Duration::minutes(5);
+    assert_eq!(store.fail_stalled_templates(later).await.unwrap(), 1);
+    let stalled = store.template("tpl_2").await.unwrap().unwrap();
+    assert_eq!(stalled.status, TemplateStatus::Failed);
+    assert!(stalled.error.unwrap().contains("went away"));
+    // Retired beyond the newest one: deleted, its save no longer kept.
+    let retired = store
+        .retire_templates(&acct.id, "web", "latest", 1)
+        .await
+        .unwrap();
+    assert_eq!(
+        retired.iter().map(|t| t.id.as_str()).collect::<Vec<_>>(),
+        ["tpl_1"]
+    );
+    // Layers: by key, on a host; a forced step replaces its save.
+    let layer = sandpit_store::LayerRow {
+        account_id: acct.id.clone(),
+        layer_key: "k1".into(),
+        host: "node-a".into(),
+        save_id: "snap_l1".into(),
+        size: "small".into(),
+        bytes: 10,
+    };
+    assert_eq!(store.put_template_layer(&layer).await.unwrap(), None);
+    let hosts = ["node-b".to_string(), "node-a".to_string()];
+    assert_eq!(
+        store
+            .template_layer(&acct.id, "k1", &hosts)
+            .await
+            .unwrap()
+            .unwrap()
+            .save_id,
+        "snap_l1"
+    );
+    assert!(store
+        .template_layer(&other.id, "k1", &hosts)
+        .await
+        .unwrap()
+        .is_none());
+    assert!(store
+        .template_layer(&acct.id, "k1", &hosts[..1])
+        .await
+        .unwrap()
+        .is_none());
+    let again = sandpit_store::LayerRow {
+        save_id: "snap_l2".into(),
+        ..layer
+    };
+    assert_eq!(
+        store.put_template_layer(&again).await.unwrap().as_deref(),
+        Some("snap_l1")
+    );
+    let mut kept = store.template_saves_on("node-a").await.unwrap();
+    kept.sort();
+    assert_eq!(kept, ["snap_l2"], "the retired build's save is not kept");
+    // A sandbox names the build it started from, and its commands' directory.
+    store.add_credit(&acct.id, 1_000_000, None).await.unwrap();
+    let sbx = created(
+        store
+            .create_sandbox(NewSandbox {
+                template_id: Some("tpl_1".into()),
+                workdir: Some("/srv/site".into()),
+                ..sandbox(&acct.id, OffsetDateTime::now_utc(), 10, 0)
+            })
+            .await
+            .unwrap(),
+    );
+    let read = store.sandbox(&sbx.id).await.unwrap().unwrap();
+    assert_eq!(read.template_id.as_deref(), Some("tpl_1"));
+    assert_eq!(read.workdir.as_deref(), Some("/srv/site"));
+    // Files: an account's own, stored once, byte for byte.
+    let tar: Vec<u8> = (0..=255u8).cycle().take(100_000).collect();
+    store
+        .put_template_files(&acct.id, "ab", &tar)
+        .await
+        .unwrap();
+    store
+        .put_template_files(&acct.id, "ab", &tar)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.template_files(&acct.id, "ab").await.unwrap().unwrap(),
+        tar
+    );
+    assert!(store.has_template_files(&acct.id, "ab").await.unwrap());
+    assert!(!store.has_template_files(&other.id, "ab").await.unwrap());
+    assert!(store
+        .template_files(&other.id, "ab")
+        .await
+        .unwrap()
+        .is_none());
 }

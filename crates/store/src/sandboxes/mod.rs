@@ -60,6 +60,10 @@ pub struct SandboxRow {
     pub every_port_public: bool,
     /// See [`NewSandbox::internet_access`].
     pub internet_access: Option<bool>,
+    /// See [`NewSandbox::template_id`].
+    pub template_id: Option<String>,
+    /// See [`NewSandbox::workdir`].
+    pub workdir: Option<String>,
 }
 
 impl SandboxRow {
@@ -117,6 +121,11 @@ pub struct NewSandbox {
     /// creator said (see migration 0015): `Some(false)` nothing, `None` not
     /// said (the operator's network, as `Some(true)`).
     pub internet_access: Option<bool>,
+    /// The template build it starts from (see migration 0016), and the
+    /// working directory its commands get by default (the template's
+    /// `WORKDIR`; `None`: `/workspace`).
+    pub template_id: Option<String>,
+    pub workdir: Option<String>,
     /// On a shared database: the epoch `host` must be `up` at, within its
     /// lease (see [`Store::register_node`]), and it must have room (its
     /// `max_sandboxes`), checked in the create's transaction under the
@@ -235,6 +244,8 @@ pub(crate) fn sandbox_from(row: &AnyRow) -> Result<SandboxRow> {
         access_token: get_opt_str(row, "access_token")?,
         every_port_public: get_i64(row, "every_port_public")? != 0,
         internet_access: get_opt_i64(row, "internet_access")?.map(|v| v != 0),
+        template_id: get_opt_str(row, "template_id")?,
+        workdir: get_opt_str(row, "workdir")?,
     })
 }
 
