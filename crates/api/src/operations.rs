@@ -22,9 +22,10 @@ use axum::routing::{delete, get, post, put, MethodRouter};
 use axum::Router;
 use sandpit_core::SandboxApi;
 use sandpit_core::{
-    Account, CreateSandbox, CreateSnapshot, ExecParams, Execution, FileContent, FileDeleted,
-    FileList, FileWritten, Fork, ForkSandbox, List, ListExecutions, ListSandboxes, ListSnapshots,
-    Port, RestoreSandbox, Sandbox, ServiceInfo, Snapshot, TerminalToken, Usage, WriteFile,
+    Account, BuildTemplate, CreateSandbox, CreateSnapshot, ExecParams, Execution, FileContent,
+    FileDeleted, FileList, FileWritten, Fork, ForkSandbox, List, ListExecutions, ListSandboxes,
+    ListSnapshots, Port, RestoreSandbox, Sandbox, ServiceInfo, Snapshot, Template, TerminalToken,
+    Usage, WriteFile,
 };
 use schemars::generate::{Contract, SchemaGenerator, SchemaSettings};
 use schemars::JsonSchema;
@@ -360,6 +361,8 @@ fn table() -> Table {
     let error = res.subschema_for::<ErrorBody>().to_value();
     let sandbox_resp = json_content(sandbox.clone());
     let snapshot_resp = json_content(res.subschema_for::<Snapshot>().to_value());
+    let template_resp = json_content(res.subschema_for::<Template>().to_value());
+    let template_list = res.subschema_for::<List<Template>>().to_value();
     let snapshot_list = res.subschema_for::<List<Snapshot>>().to_value();
     let snapshot_list_ref = snapshot_list.clone();
     let idempotency_header = |what: &str| {
@@ -625,6 +628,76 @@ fn table() -> Table {
             body: None,
             responses: vec![("200", "The deleted snapshot.", snapshot_resp.clone())],
             errors: Errors { not_found: true, conflict: true, ..AUTH },
+        },
+        Op {
+            method: "post",
+            path: "/v1/templates",
+            handler: post(server::build_template),
+            id: "buildTemplate",
+            summary: "Build a template",
+            description: "Starts a build of template `name` (the standard image plus steps, saved with its \
+                start command running) and answers at once with the build, `building`; follow it with \
+                `GET /v1/templates/{id}` (its `log`). Steps up to the first changed one are taken from \
+                earlier builds' layers. What cannot be built (another `FROM`, an unknown instruction, \
+                files not uploaded) is 400, before any VM starts. The build runs in a sandbox of the \
+                account, billed as one.",
+            params: vec![],
+            body: Some(json_content(req.subschema_for::<BuildTemplate>().to_value())),
+            responses: vec![("202", "The build, building.", template_resp.clone())],
+            errors: Errors { body: true, credits: true, ..AUTH },
+        },
+        Op {
+            method: "get",
+            path: "/v1/templates",
+            handler: get(server::list_templates),
+            id: "listTemplates",
+            summary: "List templates",
+            description: "The account's builds and those an operator published, newest first.",
+            params: vec![],
+            body: None,
+            responses: vec![("200", "Every build.", json_content(template_list))],
+            errors: AUTH,
+        },
+        Op {
+            method: "get",
+            path: "/v1/templates/{id}",
+            handler: get(server::get_template),
+            id: "getTemplate",
+            summary: "Get a template build",
+            description: "A build by id (`tpl_…`), or the newest build of `name` or `name:tag`, with its log.",
+            params: vec![id_param("template build (or name[:tag])")],
+            body: None,
+            responses: vec![("200", "The template object, with `log`.", template_resp.clone())],
+            errors: Errors { not_found: true, ..AUTH },
+        },
+        Op {
+            method: "delete",
+            path: "/v1/templates/{id}",
+            handler: delete(server::delete_template),
+            id: "deleteTemplate",
+            summary: "Delete a template build",
+            description: "Sandboxes started from it live on; its layers stay while newer builds use them.",
+            params: vec![id_param("template build")],
+            body: None,
+            responses: vec![("200", "The build, as it was.", template_resp)],
+            errors: Errors { not_found: true, conflict: true, ..AUTH },
+        },
+        Op {
+            method: "put",
+            path: "/v1/templates/files/{sha256}",
+            handler: put(server::upload_template_files),
+            id: "uploadTemplateFiles",
+            summary: "Upload a copy step's files",
+            description: "The body is a tar (at most 64 MiB) whose SHA-256 is the path's: a copy step of a \
+                build names it in `files` and unpacks it into its `dest`. Kept for the account.",
+            params: vec![path_param(
+                "sha256",
+                "The tar's SHA-256, in hex.",
+                json!({"type": "string"}),
+            )],
+            body: Some(json!({"application/x-tar": {"schema": {"type": "string", "format": "binary"}}})),
+            responses: vec![("204", "Kept.", json!({}))],
+            errors: Errors { body: true, ..AUTH },
         },
         Op {
             method: "post",

@@ -16,10 +16,10 @@ use reqwest::{header, Method, RequestBuilder, StatusCode, Url};
 use sandpit_core::api::prelude::*;
 use sandpit_core::error::Result;
 use sandpit_core::{
-    Account, Caller, CoreError, CreateSandbox, CreateSnapshot, Encoding, ErrorType, ExecEvent,
-    ExecParams, ExecStream, Execution, FileContent, FileDeleted, FileList, FileWritten, Fork,
-    ForkSandbox, List, ListExecutions, ListSandboxes, ListSnapshots, Port, RestoreSandbox, Sandbox,
-    ServiceInfo, Snapshot, Usage, WriteFile,
+    Account, BuildTemplate, Caller, CoreError, CreateSandbox, CreateSnapshot, Encoding, ErrorType,
+    ExecEvent, ExecParams, ExecStream, Execution, FileContent, FileDeleted, FileList, FileWritten,
+    Fork, ForkSandbox, List, ListExecutions, ListSandboxes, ListSnapshots, Port, RestoreSandbox,
+    Sandbox, ServiceInfo, Snapshot, Template, Usage, WriteFile,
 };
 use serde::de::DeserializeOwned;
 use std::collections::HashMap;
@@ -526,6 +526,47 @@ impl Ports for RemoteApi {
 /// `sandpit sandbox shell`'s: this client answers as a backend without them.
 #[async_trait]
 impl Terminals for RemoteApi {}
+
+#[async_trait]
+impl Templates for RemoteApi {
+    async fn build_template(&self, caller: &Caller, req: BuildTemplate) -> Result<Template> {
+        let r = self
+            .request(caller, Method::POST, self.url(&["templates"]))?
+            .json(&req);
+        self.call(r).await
+    }
+
+    async fn get_template(&self, caller: &Caller, id: &str) -> Result<Template> {
+        self.get(caller, self.url(&["templates", id])).await
+    }
+
+    async fn list_templates(&self, caller: &Caller) -> Result<List<Template>> {
+        self.get(caller, self.url(&["templates"])).await
+    }
+
+    async fn delete_template(&self, caller: &Caller, id: &str) -> Result<Template> {
+        let r = self.request(caller, Method::DELETE, self.url(&["templates", id]))?;
+        self.call(r).await
+    }
+
+    async fn upload_template_files(
+        &self,
+        caller: &Caller,
+        sha256: &str,
+        tar: Vec<u8>,
+    ) -> Result<()> {
+        let r = self
+            .request(
+                caller,
+                Method::PUT,
+                self.url(&["templates", "files", sha256]),
+            )?
+            .header(header::CONTENT_TYPE, "application/x-tar")
+            .body(tar);
+        self.send(r).await?;
+        Ok(())
+    }
+}
 
 /// Read the event stream into `tx` until the last event, the receiver's
 /// drop, or `cancel`; returning drops the response, which closes the

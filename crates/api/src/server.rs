@@ -13,8 +13,8 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::{Json, Router};
 use sandpit_core::{
-    CoreError, CreateSandbox, CreateSnapshot, ExecParams, ForkSandbox, ListExecutions,
-    ListSandboxes, ListSnapshots, RestoreSandbox, WriteFile,
+    BuildTemplate, CoreError, CreateSandbox, CreateSnapshot, ExecParams, ForkSandbox,
+    ListExecutions, ListSandboxes, ListSnapshots, RestoreSandbox, WriteFile,
 };
 use serde::Serialize;
 
@@ -172,6 +172,57 @@ pub(crate) async fn delete_snapshot(
     Path(id): Path<String>,
 ) -> ApiResult {
     ok(st.api.delete_snapshot(&c, &id).await?)
+}
+
+pub(crate) async fn build_template(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    JsonBody(body): JsonBody<BuildTemplate>,
+) -> ApiResult {
+    let template = st.api.build_template(&c, body).await?;
+    Ok((StatusCode::ACCEPTED, Json(template)).into_response())
+}
+
+pub(crate) async fn list_templates(State(st): State<AppState>, Authed(c): Authed) -> ApiResult {
+    ok(st.api.list_templates(&c).await?)
+}
+
+pub(crate) async fn get_template(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(id): Path<String>,
+) -> ApiResult {
+    ok(st.api.get_template(&c, &id).await?)
+}
+
+pub(crate) async fn delete_template(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(id): Path<String>,
+) -> ApiResult {
+    ok(st.api.delete_template(&c, &id).await?)
+}
+
+/// A copy step's files: the request's body, a tar of at most
+/// [`sandpit_core::MAX_TEMPLATE_FILES_BYTES`].
+pub(crate) async fn upload_template_files(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(sha256): Path<String>,
+    req: axum::extract::Request,
+) -> ApiResult {
+    let max = sandpit_core::MAX_TEMPLATE_FILES_BYTES;
+    let tar = axum::body::to_bytes(req.into_body(), max)
+        .await
+        .map_err(|_| {
+            ApiError::invalid(format!(
+                "a copy step's files are at most {max} bytes (or the upload was cut)"
+            ))
+        })?;
+    st.api
+        .upload_template_files(&c, &sha256, tar.to_vec())
+        .await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
 }
 
 pub(crate) async fn fork_sandbox(

@@ -122,19 +122,19 @@ impl Drop for ExecStream {
 /// module of that subject, and an adapter names what it uses. Bring the
 /// methods into scope with `use sandpit_core::api::prelude::*`.
 pub trait SandboxApi:
-    Accounts + Sandboxes + Snapshots + Commands + Files + Ports + Terminals
+    Accounts + Sandboxes + Snapshots + Commands + Files + Ports + Terminals + Templates
 {
 }
 
 impl<T> SandboxApi for T where
-    T: Accounts + Sandboxes + Snapshots + Commands + Files + Ports + Terminals + ?Sized
+    T: Accounts + Sandboxes + Snapshots + Commands + Files + Ports + Terminals + Templates + ?Sized
 {
 }
 
 /// The API's traits, for `use sandpit_core::api::prelude::*`.
 pub mod prelude {
     pub use super::{
-        Accounts, Commands, Files, Ports, SandboxApi, Sandboxes, Snapshots, Terminals,
+        Accounts, Commands, Files, Ports, SandboxApi, Sandboxes, Snapshots, Templates, Terminals,
     };
 }
 
@@ -450,6 +450,49 @@ pub trait Terminals: Send + Sync {
     /// expired or another sandbox's: `unauthorized`.
     async fn redeem_terminal_token(&self, _token: &str, _id: &str) -> Result<Caller> {
         Err(no_terminals())
+    }
+}
+
+/// What an implementation without templates answers.
+fn no_templates() -> crate::error::CoreError {
+    crate::error::CoreError::new(
+        crate::error::ErrorType::InvalidRequest,
+        "templates are built by a Sandpit server's own API only",
+    )
+}
+
+/// Templates: environments built once (the standard image plus steps,
+/// saved with their start command running), which sandboxes start from.
+#[async_trait]
+pub trait Templates: Send + Sync {
+    /// Starts a build; returns it `building` (its log in
+    /// [`Templates::get_template`]). What cannot be built is refused here,
+    /// before any VM starts.
+    async fn build_template(&self, _caller: &Caller, _req: BuildTemplate) -> Result<Template> {
+        Err(no_templates())
+    }
+    /// A build by id (`tpl_…`), or the newest of `name[:tag]`, with its log.
+    async fn get_template(&self, _caller: &Caller, _id: &str) -> Result<Template> {
+        Err(no_templates())
+    }
+    /// The account's builds and the published ones, newest first.
+    async fn list_templates(&self, _caller: &Caller) -> Result<List<Template>> {
+        Err(no_templates())
+    }
+    /// Deletes a build (by id), or every build of `name[:tag]`; sandboxes
+    /// started from it live on.
+    async fn delete_template(&self, _caller: &Caller, _id: &str) -> Result<Template> {
+        Err(no_templates())
+    }
+    /// Keeps the files of a `COPY` step (a tar) under their SHA-256, which
+    /// is checked.
+    async fn upload_template_files(
+        &self,
+        _caller: &Caller,
+        _sha256: &str,
+        _tar: Vec<u8>,
+    ) -> Result<()> {
+        Err(no_templates())
     }
 }
 

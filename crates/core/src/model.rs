@@ -127,6 +127,9 @@ pub struct Sandbox {
     #[serde(skip)]
     #[schemars(skip)]
     pub internet_access: Option<bool>,
+    /// The template build it started from (`tpl_…`), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template_id: Option<String>,
 }
 
 /// `POST /sandboxes` body and `create_sandbox` input.
@@ -147,6 +150,17 @@ pub struct CreateSandbox {
     /// different `size` is refused).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub snapshot_id: Option<String>,
+    /// Start from this template (`name` or `name:tag`, tag `latest` by
+    /// default): the newest ready build the account owns, or one an
+    /// operator published; its start command already running. The size is
+    /// the template's (a different `size` is refused).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<String>,
+    /// A template build's own start: the cached layer (a save on a node)
+    /// its next step runs on (not part of any API).
+    #[serde(skip)]
+    #[schemars(skip)]
+    pub layer: Option<LayerStart>,
     /// E2B's labels, which its lists filter by (not part of the REST API).
     #[serde(skip)]
     #[schemars(skip)]
@@ -169,6 +183,85 @@ pub struct CreateSandbox {
     #[serde(skip)]
     #[schemars(skip)]
     pub internet_access: Option<bool>,
+}
+
+/// Where a template build's sandbox starts: a layer's save on its host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerStart {
+    pub save_id: String,
+    pub host: String,
+}
+
+/// The template object: one build of a named environment (the standard
+/// image plus steps), which sandboxes start from with its start command
+/// already running.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Template {
+    /// `tpl_…`: this build.
+    pub id: String,
+    /// Always `"template"`.
+    pub object: String,
+    pub name: String,
+    pub tag: String,
+    /// The size it was built for; its sandboxes have it.
+    pub size: String,
+    /// `building`, then `ready` or `failed`.
+    pub status: String,
+    /// Published by the operator for every account.
+    pub public: bool,
+    /// Its build steps, and how many a cached layer spared.
+    pub steps: u32,
+    pub cached_steps: u32,
+    /// Why the build failed.
+    pub error: Option<String>,
+    /// What its layers take on the host's disk.
+    pub size_bytes: u64,
+    /// RFC 3339 UTC.
+    pub created_at: String,
+    pub finished_at: Option<String>,
+    /// The build's output (its last 256 KiB); in `GET /v1/templates/{id}`
+    /// alone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub log: Option<String>,
+}
+
+/// `POST /v1/templates` body: a build of template `name`, described by a
+/// Dockerfile (without `COPY`: files are sent by `sandpit template build`)
+/// or by its steps.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct BuildTemplate {
+    /// `name` or `name:tag` (tag `latest` by default): lower-case letters,
+    /// digits, `-`, `_` and `.`.
+    pub name: String,
+    /// `small` (default), `medium` or `large`: its sandboxes' size.
+    #[serde(default)]
+    pub size: Option<String>,
+    /// The Dockerfile subset: `FROM sandpit` (or `debian:bookworm`), `RUN`,
+    /// `ENV`, `WORKDIR`, `USER`, `ARG`, `CMD`/`ENTRYPOINT` (the start
+    /// command), `HEALTHCHECK CMD` (its ready check).
+    #[serde(default)]
+    pub dockerfile: Option<String>,
+    /// Values of the Dockerfile's `ARG`s.
+    #[serde(default)]
+    pub build_args: BTreeMap<String, String>,
+    /// The steps instead of a Dockerfile: `{"steps": [{"type": "run",
+    /// "command": "…"}, {"type": "copy", "files": "<sha256>", "dest":
+    /// "/app"}, {"type": "env", "vars": {…}}, {"type": "workdir", "path":
+    /// "…"}, {"type": "user", "user": "root"|"user"}], "start": {"command":
+    /// "…", "ready": "…"}}`.
+    #[serde(default)]
+    #[schemars(with = "Option<serde_json::Value>")]
+    pub spec: Option<serde_json::Value>,
+    /// The ready check (over the Dockerfile's `HEALTHCHECK`).
+    #[serde(default)]
+    pub ready_cmd: Option<String>,
+    /// How long the ready check may take to pass (default 300 s).
+    #[serde(default)]
+    pub ready_timeout_seconds: Option<u32>,
+    /// Run every step again, whatever the cache holds.
+    #[serde(default)]
+    pub no_cache: bool,
 }
 
 /// The snapshot object: the whole state of a running sandbox at one

@@ -787,3 +787,6 @@ fn page_of<'a, T: Clone + 'a>(
 /// Terminals are a server's own: the fake answers as any backend without them.
 #[async_trait]
 impl Terminals for Fake {}
+
+#[async_trait]
+impl Templates for Fake {}

@@ -794,6 +794,7 @@ fn new_sandbox(
         metadata: Default::default(),
         access_token: None,
         internet_access: None,
+        template_id: None,
     }
 }
 

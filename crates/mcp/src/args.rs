@@ -31,6 +31,9 @@ pub struct CreateSandboxArgs {
     /// Start from this snapshot (`snap_...`, from snapshot_sandbox or list_snapshots) instead of a fresh image: its files, installed packages and running processes, with a fresh identity. The size is the snapshot's (leave size out).
     #[serde(default)]
     pub snapshot_id: Option<String>,
+    /// Start from this template (`name` or `name:tag`, built with `sandpit template build` or POST /v1/templates): its packages, files and environment, its server already running. The size is the template's (leave size out).
+    #[serde(default)]
+    pub template: Option<String>,
 }
 
 impl From<CreateSandboxArgs> for CreateSandbox {
@@ -40,6 +43,7 @@ impl From<CreateSandboxArgs> for CreateSandbox {
             name: a.name,
             timeout_minutes: a.timeout_minutes,
             snapshot_id: a.snapshot_id,
+            template: a.template,
             ..CreateSandbox::default()
         }
     }

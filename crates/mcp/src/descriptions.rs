@@ -36,7 +36,8 @@ at expires_at (default 15 minutes; the most is timeout_minutes' maximum). Code r
 /workspace; there is no sudo, so apt-get will not work: use `pip install --user \
 --break-system-packages ...` or `npm install ...`. Pass snapshot_id (from snapshot_sandbox or \
 list_snapshots) to start from a prepared environment instead: the snapshot's files, installed \
-packages and running processes, at the snapshot's size.";
+packages and running processes, at the snapshot's size; or template (a name the account's \
+operator or team built) for an environment built once, its server already running.";
 
 pub(crate) const D_RUN: &str = "\
 Run a shell command in a sandbox as the unprivileged user (uid 1000, in /workspace unless \

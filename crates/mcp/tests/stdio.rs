@@ -105,6 +105,7 @@ async fn tools_list_has_every_tool_with_schemas_and_annotations() {
     let create = &get("create_sandbox").input_schema;
     assert!(create.get("required").is_none_or(|r| r == &json!([])));
     assert!(create["properties"].get("snapshot_id").is_some());
+    assert!(create["properties"].get("template").is_some());
     for (tool, required) in [
         ("snapshot_sandbox", json!(["sandbox_id"])),
         ("fork_sandbox", json!(["sandbox_id"])),

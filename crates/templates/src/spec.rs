@@ -232,11 +232,12 @@ impl Spec {
         out
     }
 
-    /// The cache key of the layer after each step, and last (when there is
-    /// a start command) of the saved template with it running: each hashes
-    /// the key before it with its step, so a key names every step up to
-    /// it. `base` names what the first step starts from (the guest image's
-    /// standard template of a size).
+    /// The cache key of the layer after each step, and last of the saved
+    /// template (with its start command running, when it has one):
+    /// `steps.len() + 1` keys. Each hashes the key before it with its
+    /// step, so a key names every step up to it. `base` names what the
+    /// first step starts from (the guest image's standard template of a
+    /// size).
     pub fn layer_keys(&self, base: &str) -> Vec<String> {
         let mut key = hash(&("base", base));
         let mut keys = Vec::with_capacity(self.steps.len() + 1);
@@ -244,9 +245,7 @@ impl Spec {
             key = hash(&("step", &key, step));
             keys.push(key.clone());
         }
-        if let Some(start) = &self.start {
-            keys.push(hash(&("start", &key, start)));
-        }
+        keys.push(hash(&("start", &key, &self.start)));
         keys
     }
 }
@@ -338,8 +337,11 @@ mod tests {
         let mut c = a.clone();
         c.steps.insert(0, run("true"));
         assert!(c.layer_keys("small").iter().all(|k| !ka.contains(k)));
-        // Without a start command there is no last save.
-        assert_eq!(Spec { start: None, ..a }.layer_keys("small").len(), 2);
+        // Without a start command the last save is another.
+        let plain = Spec { start: None, ..a }.layer_keys("small");
+        assert_eq!(plain.len(), 3);
+        assert_eq!(plain[..2], ka[..2]);
+        assert_ne!(plain[2], ka[2]);
     }
 
     #[test]

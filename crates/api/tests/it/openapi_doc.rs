@@ -136,6 +136,12 @@ fn documents_exactly_the_contract_routes() {
         ("DELETE", "/v1/sandboxes/{id}/ports/{port}"),
         ("GET", "/v1/sandboxes/{id}/pty"),
         ("POST", "/v1/sandboxes/{id}/pty/tokens"),
+        // Sandpit's own: templates.
+        ("POST", "/v1/templates"),
+        ("GET", "/v1/templates"),
+        ("GET", "/v1/templates/{id}"),
+        ("DELETE", "/v1/templates/{id}"),
+        ("PUT", "/v1/templates/files/{sha256}"),
     ]
     .into_iter()
     .map(|(m, p)| (m.to_owned(), p.to_owned()))

@@ -27,7 +27,7 @@ use crate::service::Service;
 use sandpit_host::ids::new_id;
 use sandpit_host::machines::Machines;
 use sandpit_runtime::RuntimeError;
-use sandpit_store::{CreateOutcome, SandboxRow, SnapshotRow};
+use sandpit_store::{CreateOutcome, SandboxRow};
 use sha2::Digest;
 use std::sync::Arc;
 use time::OffsetDateTime;
@@ -56,11 +56,27 @@ fn create_hash(
     ))
 }
 
+/// A saved state a new sandbox starts from (a snapshot, a template, a
+/// template build's layer), on the node that holds it: the sandbox is
+/// placed there, and its VM never comes from a pool.
+pub(super) struct StartFrom {
+    /// The save's name on its node (the row's `snapshot_id`).
+    pub(super) save: String,
+    pub(super) host: String,
+    /// What it is, for messages: `snapshot snap_…`, `template web:latest`.
+    pub(super) what: String,
+}
+
 /// A create request checked and priced.
 struct Order<'c> {
     req: CreateSandbox,
-    /// The snapshot it starts from, on the node that holds it.
-    snapshot: Option<SnapshotRow>,
+    /// The saved state it starts from, if any.
+    from: Option<StartFrom>,
+    /// The template build it starts from, and the working directory its
+    /// commands get (a template's `WORKDIR`, or its origin's when from a
+    /// snapshot).
+    template_id: Option<String>,
+    workdir: Option<String>,
     size_name: String,
     size: &'c SizeConfig,
     timeout: u32,
@@ -105,7 +121,7 @@ impl Service {
             return Ok((replayed, true));
         }
         let order = self.order(caller, req, idempotency_key).await?;
-        let from_snapshot = order.snapshot.is_some();
+        let from_snapshot = order.from.is_some();
         // Nodes that could not be reached by this create's starts.
         let mut unreachable: Vec<String> = Vec::new();
         let mut attempts = 0;
@@ -161,7 +177,11 @@ impl Service {
         req: &CreateSandbox,
         idempotency_key: Option<&str>,
     ) -> Result<Option<Sandbox>> {
-        let (Some(_), Some(key)) = (&req.snapshot_id, idempotency_key) else {
+        let source = req
+            .snapshot_id
+            .clone()
+            .or_else(|| req.template.as_ref().map(|t| format!("template:{t}")));
+        let (Some(_), Some(key)) = (&source, idempotency_key) else {
             return Ok(None);
         };
         let Some((hash, row)) = self.store.created_with_key(&caller.account_id, key).await? else {
@@ -173,45 +193,98 @@ impl Service {
             ..req.clone()
         };
         let (size_name, _, timeout) = check_create(&self.config, &first, Some(key))?;
-        if !same_size || create_hash(&size_name, &first.name, timeout, &first.snapshot_id) != hash {
+        if !same_size || create_hash(&size_name, &first.name, timeout, &source) != hash {
             return Err(CoreError::conflict(KEY_REUSED));
         }
         Ok(Some(to_sandbox(&self.replayed(row).await?)))
     }
 
-    /// Step 2: the request checked and priced; from a snapshot, of the
-    /// snapshot's size.
+    /// Step 2: the request checked and priced; from a snapshot or a
+    /// template, of its size.
     async fn order(
         &self,
         caller: &Caller,
         req: CreateSandbox,
         idempotency_key: Option<String>,
     ) -> Result<Order<'_>> {
-        let snapshot = match &req.snapshot_id {
-            Some(s) => Some(self.startable_snapshot(caller, s).await?),
-            None => None,
+        if req.snapshot_id.is_some() && req.template.is_some() {
+            return Err(CoreError::invalid(
+                "a sandbox starts from a snapshot or a template, not both",
+            ));
+        }
+        let mut req = req;
+        let (mut template_id, mut workdir) = (None, None);
+        // What it starts from, and that one's size.
+        let from = if let Some(s) = &req.snapshot_id {
+            let snap = self.startable_snapshot(caller, s).await?;
+            // Like the sandbox it was taken of: its template, its directory.
+            if let Some(origin) = self.store.sandbox(&snap.sandbox_id).await? {
+                template_id = origin.template_id;
+                workdir = origin.workdir;
+            }
+            Some((
+                StartFrom {
+                    save: snap.id.clone(),
+                    host: snap.host.clone(),
+                    what: format!("snapshot {}", snap.id),
+                },
+                snap.size,
+            ))
+        } else if let Some(name) = &req.template {
+            let (template, state) = self.startable_template(caller, name).await?;
+            for (k, v) in state.env {
+                req.env.entry(k).or_insert(v);
+            }
+            workdir = state.workdir_set.then_some(state.workdir);
+            template_id = Some(template.id.clone());
+            Some((
+                StartFrom {
+                    save: template.snapshot_id.clone().unwrap_or_default(),
+                    host: template.host.clone().unwrap_or_default(),
+                    what: format!("template {}:{}", template.name, template.tag),
+                },
+                template.size,
+            ))
+        } else {
+            req.layer.clone().map(|layer| {
+                let size = req.size.clone().unwrap_or_default();
+                let from = StartFrom {
+                    save: layer.save_id,
+                    host: layer.host,
+                    what: "a template build's layer".into(),
+                };
+                (from, size)
+            })
         };
-        let req = match &snapshot {
-            Some(snap) if req.size.as_ref().is_some_and(|s| *s != snap.size) => {
+        let from = match from {
+            Some((from, size)) if req.size.as_ref().is_some_and(|s| *s != size) => {
                 return Err(CoreError::invalid(format!(
-                    "snapshot {} is of size {}: a sandbox from it is too (leave out size)",
-                    snap.id, snap.size
+                    "{} is of size {size}: a sandbox from it is too (leave out size)",
+                    from.what
                 )))
             }
-            Some(snap) => CreateSandbox {
-                size: Some(snap.size.clone()),
-                ..req
-            },
-            None => req,
+            Some((from, size)) => {
+                req.size = Some(size);
+                Some(from)
+            }
+            None => None,
         };
         let (size_name, size, timeout) =
             check_create(&self.config, &req, idempotency_key.as_deref())?;
         let price = size.price_micros_per_hour();
+        // A template is named in the hash as a snapshot is (a request
+        // without either hashes as it always did).
+        let source = req
+            .snapshot_id
+            .clone()
+            .or_else(|| req.template.as_ref().map(|t| format!("template:{t}")));
         Ok(Order {
-            request_hash: create_hash(&size_name, &req.name, timeout, &req.snapshot_id),
+            request_hash: create_hash(&size_name, &req.name, timeout, &source),
             reserve: cost(price, timeout as u64 * 60),
             req,
-            snapshot,
+            from,
+            template_id,
+            workdir,
             size_name,
             size,
             timeout,
@@ -233,16 +306,16 @@ impl Service {
             .placement(&order.size_name)
             .await?
             .into_iter()
-            .filter(|t| order.snapshot.as_ref().is_none_or(|s| s.host == t.host))
+            .filter(|t| order.from.as_ref().is_none_or(|s| s.host == t.host))
             .filter(|t| !unreachable.contains(&t.host))
             .collect::<Vec<_>>()
             .into_iter();
-        if let (Some(snap), None) = (&order.snapshot, targets.as_slice().first()) {
+        if let (Some(from), None) = (&order.from, targets.as_slice().first()) {
             return Err(CoreError::new(
                 ErrorType::ServiceUnavailable,
                 format!(
-                    "snapshot {} is kept on node {}, which cannot take a sandbox now; retry",
-                    snap.id, snap.host
+                    "{} is kept on node {}, which cannot take a sandbox now; retry",
+                    from.what, from.host
                 ),
             )
             .with_retry_after(5));
@@ -282,7 +355,7 @@ impl Service {
         // Another node's pool, as its last heartbeat published it, names
         // the sandbox without a call.
         let published =
-            match tries == 1 && target.host != self.config.host_name && order.snapshot.is_none() {
+            match tries == 1 && target.host != self.config.host_name && order.from.is_none() {
                 true => self.routes.take_published(&target.host, &order.size_name),
                 false => None,
             };
@@ -290,7 +363,7 @@ impl Service {
         // sandbox's lifetime: it is made first, and then the lifetime starts
         // after it (a pool VM, published or taken, is a template's already).
         let mut at = order.at;
-        if tries == 1 && published.is_none() && order.snapshot.is_none() {
+        if tries == 1 && published.is_none() && order.from.is_none() {
             // In a task of its own: a caller that hangs up meanwhile leaves
             // nothing recorded, and the build goes on for the next create.
             let (machines, size) = (target.machines.clone(), order.size_name.clone());
@@ -318,7 +391,7 @@ impl Service {
             price_micros_per_hour: order.price,
             host: target.host.clone(),
             host_epoch: target.epoch,
-            snapshot_id: order.snapshot.as_ref().map(|s| s.id.clone()),
+            snapshot_id: order.from.as_ref().map(|s| s.save.clone()),
             created_at: at,
             expires_at: at + time::Duration::minutes(order.timeout as i64),
             reserve_micros: order.reserve,
@@ -335,6 +408,8 @@ impl Service {
             access_token: Some(hex::encode(rand::random::<[u8; 16]>())),
             every_port_public: order.req.every_port_public,
             internet_access: order.req.internet_access,
+            template_id: order.template_id.clone(),
+            workdir: order.workdir.clone(),
         };
         let outcome = self.store.create_sandbox_named(new, id).await;
         let warm = match taken.into_inner().unwrap() {
@@ -422,7 +497,7 @@ impl Service {
                 *taken.lock().unwrap() = Some(Ok(None));
                 return Some(id);
             }
-            if order.snapshot.is_some() {
+            if order.from.is_some() {
                 *taken.lock().unwrap() = Some(Ok(None));
                 return Some(new_id("sbx_"));
             }

@@ -40,6 +40,10 @@ impl Service {
             env.append(&mut req.env);
             req.env = env;
         }
+        // Its template's working directory, unless the command says.
+        if req.cwd.as_deref().is_none_or(str::is_empty) {
+            req.cwd.clone_from(&row.workdir);
+        }
         let keep_running = req.keep_running;
         let machines = self.machines_for(row).await?;
         let mut command = match machines.exec(&row.id, req).await {

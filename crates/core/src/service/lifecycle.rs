@@ -356,6 +356,14 @@ impl Service {
             Err(e) => tracing::warn!("reaper: {e}"),
         }
         let next_snapshot = self.sweep_snapshots().await;
+        // Template builds whose server went away stop moving: failed.
+        let stalled = OffsetDateTime::now_utc()
+            - time::Duration::seconds(super::templates::STALLED_AFTER.as_secs() as i64);
+        match self.store.fail_stalled_templates(stalled).await {
+            Ok(0) => {}
+            Ok(n) => tracing::warn!("{n} template build(s) stopped moving: failed"),
+            Err(e) => tracing::warn!("reaper: template builds: {e}"),
+        }
         let next_sandbox = self.store.next_expiry(&self.config.host_name).await;
         let next = next_sandbox.map(|n| match (n, next_snapshot) {
             (Some(a), Some(b)) => Some(a.min(b)),
@@ -496,6 +504,7 @@ pub(super) fn to_sandbox(r: &SandboxRow) -> Sandbox {
         metadata: r.metadata.clone(),
         access_token: r.access_token.clone(),
         internet_access: r.internet_access,
+        template_id: r.template_id.clone(),
     }
 }
 
@@ -762,6 +771,8 @@ mod tests {
             access_token: None,
             every_port_public: false,
             internet_access: None,
+            template_id: None,
+            workdir: None,
         }
     }
 

@@ -268,6 +268,14 @@ impl Service {
                 return None;
             }
         };
+        // Templates' saves (their layers, their last saves) are kept too.
+        let templates = match self.store.template_saves_on(host).await {
+            Ok(saves) => saves,
+            Err(e) => {
+                tracing::warn!("snapshot sweep: {e}");
+                return None;
+            }
+        };
         for id in vms.paused() {
             if let Ok(row) = self.store.sandbox(&id).await {
                 if row.is_none_or(|r| r.status.is_ended()) {
@@ -277,7 +285,7 @@ impl Service {
             }
         }
         for name in on_disk {
-            if !live.iter().any(|s| s.id == name) {
+            if !live.iter().any(|s| s.id == name) && !templates.contains(&name) {
                 if let Err(e) = vms.manager().delete_saved(&name).await {
                     tracing::warn!(snapshot = %name, "removing its files: {e}");
                 }
@@ -392,6 +400,9 @@ impl Snapshots for Service {
             env: row.env.clone(),
             every_port_public: row.every_port_public,
             internet_access: row.internet_access,
+            // From the snapshot: its origin's template and directory.
+            template: None,
+            layer: None,
         };
         let (_, size, timeout) = crate::service::checks::check_create(&self.config, &copy, None)?;
         let needed = cost(size.price_micros_per_hour(), u64::from(timeout) * 60) * i64::from(count);
