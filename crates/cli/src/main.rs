@@ -11,6 +11,7 @@ mod doctor;
 mod operator;
 mod sandbox;
 mod shell;
+mod template;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -68,6 +69,12 @@ enum Command {
     Sandbox {
         #[command(subcommand)]
         command: sandbox::SandboxCommand,
+    },
+    /// Templates on a server: build one from a Dockerfile (--url,
+    /// SANDPIT_API_KEY), list, show, delete; publish one (operator)
+    Template {
+        #[command(subcommand)]
+        command: template::TemplateCommand,
     },
     /// Run the control plane: REST /v1 and MCP (Streamable HTTP) at /v1/mcp
     Serve(serve::ServeArgs),
@@ -183,6 +190,7 @@ async fn run(cli: Cli) -> Result<i32> {
             Ok(0)
         }
         Command::Sandbox { command } => sandbox::run(&settings, command).await,
+        Command::Template { command } => template::run(&settings, command).await,
         Command::Serve(a) => serve::serve(&settings, a).await,
         Command::Mcp(a) => serve::mcp(&settings, a).await,
         Command::Node(a) => serve::node(&settings, a).await,

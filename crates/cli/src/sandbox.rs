@@ -108,7 +108,7 @@ pub struct CreateArgs {
 pub struct ServerArgs {
     /// The Sandpit server's base URL
     #[arg(long, env = "SANDPIT_URL", default_value = "http://127.0.0.1:8080")]
-    url: String,
+    pub(crate) url: String,
 }
 
 #[derive(Args)]
@@ -336,7 +336,7 @@ async fn create(settings: &Settings, a: CreateArgs) -> Result<i32> {
 
 /// The server at `args.url` as a [`SandboxApi`], and the caller its key
 /// (`SANDPIT_API_KEY`) stands for.
-async fn server(args: &ServerArgs) -> Result<(sandpit_api::RemoteApi, Caller)> {
+pub(crate) async fn server(args: &ServerArgs) -> Result<(sandpit_api::RemoteApi, Caller)> {
     let key = std::env::var(sandpit_api::API_KEY_ENV).map_err(|_| {
         anyhow!(
             "this command talks to a Sandpit server ({}): put an API key of it in {}",
@@ -350,7 +350,7 @@ async fn server(args: &ServerArgs) -> Result<(sandpit_api::RemoteApi, Caller)> {
 }
 
 /// A failure the server reported, with its type (`not_found: ...`).
-fn api_error(e: sandpit_core::CoreError) -> anyhow::Error {
+pub(crate) fn api_error(e: sandpit_core::CoreError) -> anyhow::Error {
     anyhow!("{}: {}", e.kind, e.message)
 }
 

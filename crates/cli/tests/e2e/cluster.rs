@@ -78,6 +78,8 @@ fn a_server_on_postgresql_keeps_its_state_there_and_only_its_own_sandboxes() {
                 access_token: None,
                 every_port_public: false,
                 internet_access: None,
+                template_id: None,
+                workdir: None,
             })
             .await
             .unwrap()
@@ -600,6 +602,8 @@ fn a_replica_names_a_sandbox_after_the_warm_vm_a_node_published() {
             access_token: None,
             every_port_public: false,
             internet_access: None,
+            template_id: None,
+            workdir: None,
         };
         assert!(matches!(
             store.create_sandbox(taken).await.unwrap(),

@@ -33,6 +33,7 @@ mod registries;
 mod sandbox_snapshots;
 mod server;
 mod snapshot_commands;
+mod templates;
 mod terminal;
 mod topology;
 mod upgrade;

@@ -1,0 +1,375 @@
+//! Templates as a user builds and uses one: `sandpit template build` of a
+//! Dockerfile against a real server (an apt package and a pip package from
+//! the test's own repositories on a test host, a copied file, ENV, WORKDIR,
+//! USER, and a start command with a ready check); a sandbox from it answers
+//! on its preview URL at its first request, no command run; a rebuild with
+//! the last changing step changed takes the steps before it from the
+//! cache; another account can neither see nor start it until an operator
+//! publishes it; what cannot be built is refused with its reason, and a
+//! ready check that never passes fails the build with the command's last
+//! lines.
+
+use crate::common::netns::{HostNetworkLock, TestHost};
+use crate::common::serve::{sandpit, Rest, Server};
+use crate::common::*;
+use serde_json::{json, Value};
+use sha2::Digest;
+use std::path::Path;
+use std::time::Duration;
+
+const HOST_SIDE: &str = "198.18.72.1";
+/// The test's package repositories (a public address: the guest's
+/// default deny list does not hold it).
+const REPO: &str = "198.18.72.2";
+
+/// An apt repository (a flat one: `Packages` and an unsigned `Release`,
+/// which `[trusted=yes]` takes) with `sandpit-hello`, and a PyPI simple
+/// index with `sandpit-greet`, under `www`.
+fn make_repositories(www: &Path) {
+    // The .deb, built by dpkg-deb.
+    let pkg = www.join("pkg");
+    std::fs::create_dir_all(pkg.join("DEBIAN")).unwrap();
+    std::fs::create_dir_all(pkg.join("usr/bin")).unwrap();
+    std::fs::write(
+        pkg.join("DEBIAN/control"),
+        "Package: sandpit-hello\nVersion: 1.0\nArchitecture: all\nMaintainer: tests <t@example.test>\n\
+         Description: says hello\n",
+    )
+    .unwrap();
+    let bin = pkg.join("usr/bin/sandpit-hello");
+    std::fs::write(&bin, "#!/bin/sh\necho hello from apt\n").unwrap();
+    std::fs::set_permissions(&bin, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let apt = www.join("apt");
+    std::fs::create_dir_all(&apt).unwrap();
+    let deb = apt.join("sandpit-hello_1.0_all.deb");
+    let built = std::process::Command::new("dpkg-deb")
+        .args(["--root-owner-group", "--build"])
+        .arg(&pkg)
+        .arg(&deb)
+        .output()
+        .expect("dpkg-deb (install dpkg)");
+    assert!(
+        built.status.success(),
+        "{}",
+        String::from_utf8_lossy(&built.stderr)
+    );
+    std::fs::remove_dir_all(&pkg).unwrap();
+    let bytes = std::fs::read(&deb).unwrap();
+    let packages = format!(
+        "Package: sandpit-hello\nVersion: 1.0\nArchitecture: all\nMaintainer: tests <t@example.test>\n\
+         Filename: ./sandpit-hello_1.0_all.deb\nSize: {}\nSHA256: {}\nDescription: says hello\n\n",
+        bytes.len(),
+        hex::encode(sha2::Sha256::digest(&bytes))
+    );
+    std::fs::write(apt.join("Packages"), &packages).unwrap();
+    std::fs::write(
+        apt.join("Release"),
+        format!(
+            "Origin: tests\nLabel: tests\nDate: Sat, 05 Dec 2026 00:00:00 UTC\nArchitectures: all amd64\nSHA256:\n {} {} Packages\n",
+            hex::encode(sha2::Sha256::digest(packages.as_bytes())),
+            packages.len()
+        ),
+    )
+    .unwrap();
+    // The wheel, zipped by Python with its RECORD's hashes.
+    let files = www.join("files");
+    std::fs::create_dir_all(&files).unwrap();
+    let made = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(
+            r#"
+import base64, hashlib, sys, zipfile
+out = sys.argv[1]
+members = {
+    "sandpit_greet/__init__.py": "def greet():\n    return 'hello from pip'\n",
+    "sandpit_greet-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: sandpit-greet\nVersion: 1.0\n",
+    "sandpit_greet-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+}
+record = []
+with zipfile.ZipFile(out, "w") as z:
+    for name, text in members.items():
+        data = text.encode()
+        z.writestr(name, data)
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record.append(f"{name},sha256={digest},{len(data)}")
+    record.append("sandpit_greet-1.0.dist-info/RECORD,,")
+    z.writestr("sandpit_greet-1.0.dist-info/RECORD", "\n".join(record) + "\n")
+"#,
+        )
+        .arg(files.join("sandpit_greet-1.0-py3-none-any.whl"))
+        .output()
+        .expect("python3");
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let simple = www.join("simple/sandpit-greet");
+    std::fs::create_dir_all(&simple).unwrap();
+    std::fs::write(
+        simple.join("index.html"),
+        "<html><body><a href=\"/files/sandpit_greet-1.0-py3-none-any.whl\">\
+         sandpit_greet-1.0-py3-none-any.whl</a></body></html>\n",
+    )
+    .unwrap();
+}
+
+/// The Dockerfile of the test's template, its page saying `page`.
+fn write_context(dir: &Path, page: &str) {
+    std::fs::create_dir_all(dir.join("site")).unwrap();
+    std::fs::write(dir.join("site/index.html"), page).unwrap();
+    let apt =
+        "-o Dir::Etc::sourcelist=/etc/apt/sources.list.d/tests.list -o Dir::Etc::sourceparts=-";
+    std::fs::write(
+        dir.join("Dockerfile"),
+        format!(
+            "FROM sandpit\n\
+             ARG REPO=http://{REPO}:8080\n\
+             RUN echo \"deb [trusted=yes] $REPO/apt ./\" > /etc/apt/sources.list.d/tests.list \\\n\
+             \x20&& apt-get {apt} update && apt-get {apt} install -y sandpit-hello\n\
+             RUN pip install --break-system-packages --index-url $REPO/simple/ --trusted-host {REPO} sandpit-greet\n\
+             ENV GREETING=\"hello from env\" PYTHONUNBUFFERED=1\n\
+             WORKDIR /srv/site\n\
+             COPY site/ ./\n\
+             USER user\n\
+             EXPOSE 8000\n\
+             CMD [\"python3\", \"-m\", \"http.server\", \"8000\"]\n\
+             HEALTHCHECK CMD curl -fsS http://127.0.0.1:8000/ >/dev/null\n"
+        ),
+    )
+    .unwrap();
+}
+
+/// `sandpit template build` as a user runs it: its exit code, stdout and
+/// stderr (the build's log).
+fn template_build(server: &Server, key: &str, dir: &Path, extra: &[&str]) -> (i32, String, String) {
+    let out = sandpit(&server.data)
+        .current_dir(dir)
+        .env("SANDPIT_URL", &server.url)
+        .env("SANDPIT_API_KEY", key)
+        .args(["template", "build", "web"])
+        .args(extra)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).trim().to_string(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The page a sandbox of the template serves on its preview URL, fetched
+/// as a user's program would (the system resolver finds `*.localhost`).
+async fn first_page(api: &Rest, id: &str) -> String {
+    let (st, port) = api
+        .post(&format!("/sandboxes/{id}/ports"), json!({"port": 8000}))
+        .await;
+    assert_eq!(st, 200, "{port}");
+    let url = port["url"].as_str().unwrap().to_string();
+    let resp = reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap()
+        .get(&url)
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{url}: {e}"));
+    assert_eq!(resp.status(), 200, "{url}");
+    resp.text().await.unwrap()
+}
+
+async fn create_from(api: &Rest, template: &str) -> (u16, Value) {
+    api.post(
+        "/sandboxes",
+        json!({"template": template, "timeout_minutes": 10}),
+    )
+    .await
+}
+
+#[test]
+fn a_dockerfile_template_starts_sandboxes_with_its_server_up_and_rebuilds_from_its_cache() {
+    let _net = HostNetworkLock::changing();
+    let www = tempfile::tempdir().unwrap();
+    make_repositories(www.path());
+    let mut host = TestHost::start("tpl", HOST_SIDE, REPO);
+    host.serve_http(www.path());
+    let data = data_dir();
+    let server = Server::start(&data);
+    let key = server.new_account("builder", 50.0);
+    let other_key = server.new_account("neighbour", 50.0);
+    let api = Rest::new(&server, &key);
+    let other = Rest::new(&server, &other_key);
+    let context = tempfile::tempdir().unwrap();
+    write_context(context.path(), "<h1>hello from the template</h1>\n");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+
+    let (code, first_id, log) = template_build(&server, &key, context.path(), &[]);
+    assert_eq!(code, 0, "the build failed:\n{log}");
+    assert!(first_id.starts_with("tpl_"), "{first_id}");
+    assert!(log.contains("step 1/6: RUN"), "{log}");
+    assert!(
+        log.contains("Unpacking sandpit-hello"),
+        "apt's output is not in the log:\n{log}"
+    );
+    assert!(log.contains("ready after"), "{log}");
+    assert!(
+        !log.contains("(cached)"),
+        "the first build had nothing to reuse:\n{log}"
+    );
+    assert!(log.contains("EXPOSE 8000 is not used"), "{log}");
+
+    rt.block_on(async {
+        let (st, t) = api.get("/templates/web").await;
+        assert_eq!(st, 200, "{t}");
+        assert_eq!(
+            (t["id"].as_str(), t["status"].as_str()),
+            (Some(first_id.as_str()), Some("ready"))
+        );
+        assert_eq!(t["steps"], 6);
+        assert!(t["size_bytes"].as_u64() > Some(0), "{t}");
+
+        // A sandbox of it: the server answers its first request, before
+        // any command ran in it.
+        let (st, sbx) = create_from(&api, "web").await;
+        assert_eq!(st, 201, "{sbx}");
+        assert_eq!(sbx["template_id"], first_id.as_str());
+        let id = sbx["id"].as_str().unwrap();
+        assert_eq!(
+            first_page(&api, id).await,
+            "<h1>hello from the template</h1>\n"
+        );
+        // Its packages, environment and directory are the template's; its
+        // commands are the unprivileged user's.
+        assert_eq!(api.sh(id, "sandpit-hello").await, "hello from apt");
+        assert_eq!(
+            api.sh(
+                id,
+                "python3 -c 'import sandpit_greet; print(sandpit_greet.greet())'"
+            )
+            .await,
+            "hello from pip"
+        );
+        assert_eq!(
+            api.sh(id, "echo \"$GREETING\"; pwd; id -un").await,
+            "hello from env\n/srv/site\nuser"
+        );
+        // The start command runs as the build's last user.
+        assert_eq!(api.sh(id, "ps -o user= -C python3 | sort -u").await, "user");
+
+        // Another account sees nothing and starts nothing of it.
+        let (st, _) = other.get("/templates/web").await;
+        assert_eq!(st, 404);
+        let (st, body) = create_from(&other, "web").await;
+        assert_eq!(st, 404, "{body}");
+        let (_, list) = other.get("/templates").await;
+        assert_eq!(list["data"], json!([]), "{list}");
+    });
+
+    // Published by the operator: every account may start it.
+    server.admin(&["template", "publish", "web", "--account", "builder"]);
+    rt.block_on(async {
+        let (st, sbx) = create_from(&other, "web").await;
+        assert_eq!(st, 201, "{sbx}");
+        let id = sbx["id"].as_str().unwrap();
+        assert_eq!(
+            first_page(&other, id).await,
+            "<h1>hello from the template</h1>\n"
+        );
+    });
+
+    // The page changed: the COPY and what follows run again, the apt and
+    // pip steps (and the two before the COPY) come from the cache.
+    write_context(context.path(), "<h1>the second build</h1>\n");
+    let (code, second_id, log) = template_build(&server, &key, context.path(), &[]);
+    assert_eq!(code, 0, "the rebuild failed:\n{log}");
+    assert_ne!(second_id, first_id);
+    for step in 1..=4 {
+        let line = format!("step {step}/6:");
+        assert!(
+            log.lines()
+                .any(|l| l.starts_with(&line) && l.ends_with("(cached)")),
+            "step {step} was not cached:\n{log}"
+        );
+    }
+    assert!(
+        !log.contains("Unpacking sandpit-hello"),
+        "apt ran again:\n{log}"
+    );
+    assert!(log.contains("4 of 6 steps cached"), "{log}");
+    rt.block_on(async {
+        let (st, sbx) = create_from(&api, "web:latest").await;
+        assert_eq!(st, 201, "{sbx}");
+        assert_eq!(sbx["template_id"], second_id.as_str());
+        let id = sbx["id"].as_str().unwrap();
+        assert_eq!(first_page(&api, id).await, "<h1>the second build</h1>\n");
+        assert_eq!(api.sh(id, "sandpit-hello").await, "hello from apt");
+    });
+
+    // A ready check that never passes fails the build, with the start
+    // command's last lines and the check named; the template stays the
+    // last good build.
+    let (code, _, log) = template_build(
+        &server,
+        &key,
+        context.path(),
+        &["--ready", "false", "--ready-timeout", "3"],
+    );
+    assert_eq!(code, 1, "{log}");
+    assert!(
+        log.contains("the ready check (false) did not pass within 3 s"),
+        "{log}"
+    );
+    assert!(
+        log.contains("Serving HTTP on"),
+        "the start command's output is not in the log:\n{log}"
+    );
+    // What cannot be built is refused before any VM: here and over REST.
+    std::fs::write(
+        context.path().join("Dockerfile"),
+        "FROM ubuntu:22.04\nRUN true\n",
+    )
+    .unwrap();
+    let (code, _, log) = template_build(&server, &key, context.path(), &[]);
+    assert_ne!(code, 0);
+    assert!(
+        log.contains("line 1: FROM ubuntu:22.04: templates start from the standard image"),
+        "{log}"
+    );
+    rt.block_on(async {
+        let (st, body) = api
+            .post(
+                "/templates",
+                json!({"name": "bad", "dockerfile": "FROM sandpit\nVOLUME /x\n"}),
+            )
+            .await;
+        assert_eq!(st, 400, "{body}");
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("VOLUME is not supported"),
+            "{body}"
+        );
+        let (_, t) = api.get("/templates/web").await;
+        assert_eq!(
+            t["id"],
+            second_id.as_str(),
+            "a failed build is not the template"
+        );
+        // No build sandbox is left running, and none was billed beyond its
+        // seconds: every sandbox but the three made here has ended.
+        let (_, list) = api.get("/sandboxes?limit=100").await;
+        let running: Vec<&Value> = list["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|s| s["status"] == "running")
+            .collect();
+        assert_eq!(
+            running.len(),
+            2,
+            "build sandboxes were left running: {list}"
+        );
+    });
+    drop(host);
+}
