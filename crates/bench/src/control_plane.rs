@@ -15,6 +15,7 @@ use rmcp::{RoleClient, ServiceExt};
 use std::sync::Arc;
 
 mod e2b;
+mod templates;
 
 /// What the runtime's own figures gave, for the ratios the control
 /// plane's rows are judged by.
@@ -169,6 +170,7 @@ impl<'a> Bench<'a> {
         self.wait_pool(self.pool_target).await?;
         self.round_trip(&live, &mut report, base).await?;
         self.e2b_figures(&live, &mut report).await?;
+        self.template_figures(&mut report).await?;
         self.refill(&live, &mut report).await?;
         self.empty_pool(&mut report, base).await?;
         self.bursts(&mut report, base).await?;

@@ -113,10 +113,24 @@ fn size_of_template(
             ..CreateSandbox::default()
         });
     }
+    // A template the account built (or an operator published): `name` or
+    // `name:tag`; the create says if there is none.
+    let named = |s: &str| {
+        !s.is_empty()
+            && s.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"-_.".contains(&b))
+    };
+    let (name, tag) = template.split_once(':').unwrap_or((template, "latest"));
+    if named(name) && named(tag) {
+        return Ok(CreateSandbox {
+            template: Some(template.to_string()),
+            ..CreateSandbox::default()
+        });
+    }
     Err(HttpError::bad_request(format!(
         "template {template:?} is not one of Sandpit's: its templates are \"base\" (the default \
-         size, {}), the sizes {} and snapshot ids (snap_…); templates built from images are not \
-         supported",
+         size, {}), the sizes {}, snapshot ids (snap_…) and the account's templates (name or \
+         name:tag)",
         e2b.default_size,
         sizes.join(", ")
     )))

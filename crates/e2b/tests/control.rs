@@ -92,15 +92,20 @@ async fn refusals_are_e2bs_error_bodies() {
             Method::POST,
             "/v2/sandboxes",
             Some(KEY_A),
+            Some(json!({"templateID": "Python 3.12"})),
+        )
+        .await;
+    assert_error(st, &body, 400, "the account's templates (name or name:tag)");
+    // A name nobody built: not found, as E2B says of a missing template.
+    let (st, _, body) = s
+        .call(
+            Method::POST,
+            "/v2/sandboxes",
+            Some(KEY_A),
             Some(json!({"templateID": "python-3.12"})),
         )
         .await;
-    assert_error(
-        st,
-        &body,
-        400,
-        "templates built from images are not supported",
-    );
+    assert_error(st, &body, 404, "python-3.12");
     // A sandbox without internet, asked either way E2B defines it; its
     // detail says so, and one that did not say shows nothing.
     for asked in [

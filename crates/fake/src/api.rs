@@ -125,6 +125,11 @@ impl Sandboxes for Fake {
         let mut st = self.state.lock().unwrap();
         // A snapshot sets the size; another size is refused.
         let mut checked = req.clone();
+        // The fake builds no templates: every name is unknown, as the
+        // service says of one nobody built.
+        if let Some(t) = &req.template {
+            return Err(CoreError::not_found("template", t));
+        }
         if let Some(snap) = &req.snapshot_id {
             let size = st.snapshot(caller, snap)?.snapshot.size.clone();
             match &req.size {

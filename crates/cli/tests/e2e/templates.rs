@@ -265,6 +265,33 @@ fn a_dockerfile_template_starts_sandboxes_with_its_server_up_and_rebuilds_from_i
         assert_eq!(list["data"], json!([]), "{list}");
     });
 
+    // E2B's SDK starts it by name, as `Sandbox.create("web")`: its server
+    // answers on `get_host(8000)` (reached through the system resolver).
+    let e2b = std::process::Command::new(crate::e2b::sdk_python())
+        .arg("-c")
+        .arg(
+            "from e2b import Sandbox\n\
+             import urllib.request\n\
+             s = Sandbox.create('web')\n\
+             print(urllib.request.urlopen('http://' + s.get_host(8000), timeout=60).read().decode().strip())\n\
+             print(s.commands.run('sandpit-hello; echo $GREETING').stdout.strip())\n\
+             s.kill()\n",
+        )
+        .env("E2B_API_URL", format!("{}/e2b", server.url))
+        .env("E2B_SANDBOX_URL", &server.url)
+        .env("E2B_API_KEY", sandpit_store::e2b_spelling(&key).unwrap())
+        .output()
+        .unwrap();
+    assert!(
+        e2b.status.success(),
+        "E2B's Sandbox.create('web'): {}",
+        String::from_utf8_lossy(&e2b.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&e2b.stdout),
+        "<h1>hello from the template</h1>\nhello from apt\nhello from env\n"
+    );
+
     // Published by the operator: every account may start it.
     server.admin(&["template", "publish", "web", "--account", "builder"]);
     rt.block_on(async {
@@ -312,11 +339,12 @@ fn a_dockerfile_template_starts_sandboxes_with_its_server_up_and_rebuilds_from_i
         &server,
         &key,
         context.path(),
-        &["--ready", "false", "--ready-timeout", "3"],
+        // Time for Python to start and say so, on a loaded host.
+        &["--ready", "false", "--ready-timeout", "20"],
     );
     assert_eq!(code, 1, "{log}");
     assert!(
-        log.contains("the ready check (false) did not pass within 3 s"),
+        log.contains("the ready check (false) did not pass within 20 s"),
         "{log}"
     );
     assert!(
