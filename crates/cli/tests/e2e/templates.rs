@@ -384,6 +384,32 @@ fn a_dockerfile_template_starts_sandboxes_with_its_server_up_and_rebuilds_from_i
             second_id.as_str(),
             "a failed build is not the template"
         );
+        // A Dockerfile without a start command, over REST: the template is
+        // its last step's layer; built again, every step is cached.
+        let plain = json!({"name": "plain:v1", "dockerfile": "FROM sandpit\nRUN echo plain > /etc/plain\nENV X=1\n"});
+        for round in 0..2 {
+            let (st, b) = api.post("/templates", plain.clone()).await;
+            assert_eq!(st, 202, "{b}");
+            assert_eq!(b["status"], "building");
+            let id = b["id"].as_str().unwrap().to_string();
+            let built = loop {
+                let (_, b) = api.get(&format!("/templates/{id}")).await;
+                if b["status"] != "building" {
+                    break b;
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            };
+            assert_eq!(built["status"], "ready", "{built}");
+            let log = built["log"].as_str().unwrap();
+            if round == 1 {
+                assert!(log.contains("the whole template is cached"), "{log}");
+                assert_eq!(built["cached_steps"], 2, "{built}");
+            }
+        }
+        let (st, sbx) = create_from(&api, "plain:v1").await;
+        assert_eq!(st, 201, "{sbx}");
+        let id = sbx["id"].as_str().unwrap();
+        assert_eq!(api.sh(id, "cat /etc/plain; echo $X; pwd").await, "plain\n1\n/workspace");
         // No build sandbox is left running, and none was billed beyond its
         // seconds: every sandbox but the three made here has ended.
         let (_, list) = api.get("/sandboxes?limit=100").await;
@@ -395,7 +421,7 @@ fn a_dockerfile_template_starts_sandboxes_with_its_server_up_and_rebuilds_from_i
             .collect();
         assert_eq!(
             running.len(),
-            2,
+            3,
             "build sandboxes were left running: {list}"
         );
     });

@@ -308,11 +308,6 @@ impl Service {
         let outcome = self
             .build(&caller, &row, &spec, ready, &mut log, &mut sandbox)
             .await;
-        if let Some(id) = &sandbox {
-            if let Err(e) = self.destroy_sandbox(&caller, id).await {
-                tracing::warn!(template = %row.id, sandbox = %id, "ending the build's sandbox: {}", e.message);
-            }
-        }
         let finished = match outcome {
             Ok(built) => {
                 log.line(format!(
@@ -352,6 +347,12 @@ impl Service {
         };
         if let Err(e) = finished {
             tracing::warn!(template = %row.id, "recording the build's end: {e}");
+        }
+        // Once the build is told: its sandbox is not needed for it.
+        if let Some(id) = &sandbox {
+            if let Err(e) = self.destroy_sandbox(&caller, id).await {
+                tracing::warn!(template = %row.id, sandbox = %id, "ending the build's sandbox: {}", e.message);
+            }
         }
         match self
             .store
@@ -404,7 +405,16 @@ impl Service {
                 break;
             }
         }
-        let done = resume.as_ref().map_or(0, |(done, _)| *done);
+        // Without a start command, the template is the layer of its last
+        // step that changed the VM (the steps after it change nothing
+        // there): no save of its own.
+        let last_change = spec.steps.iter().rposition(changes_the_vm);
+        let last_layer_is_all =
+            |done: usize| spec.start.is_none() && last_change.is_some_and(|j| done == j + 1);
+        let mut done = resume.as_ref().map_or(0, |(done, _)| *done);
+        if last_layer_is_all(done) {
+            done = steps + 1;
+        }
         for (i, step) in spec.steps.iter().enumerate().take(done.min(steps)) {
             log.line(format!(
                 "step {}/{steps}: {} (cached)",
@@ -413,8 +423,8 @@ impl Service {
             ));
         }
         log.cached_steps = done.min(steps) as u32;
-        if let Some((done, layer)) = &resume {
-            if *done == steps + 1 {
+        if let Some((_, layer)) = &resume {
+            if done == steps + 1 {
                 log.line("the whole template is cached");
                 return Ok(Built {
                     save: layer.save_id.clone(),
@@ -449,11 +459,14 @@ impl Service {
         let machines = self.machines_for(&vm).await?;
         let deadline = Instant::now() + Duration::from_secs(u64::from(self.build_minutes()) * 60);
         let mut bytes = resume.as_ref().map_or(0, |(_, l)| l.bytes);
+        // The newest layer's save, and what it takes.
+        let mut last_layer = resume.as_ref().map(|(_, l)| (l.save_id.clone(), l.bytes));
         for i in done..steps {
             let step = &spec.steps[i];
             let state = &states[i];
             log.line(format!("step {}/{steps}: {}", i + 1, describe(step)));
             log.flush(true).await;
+            let t = Instant::now();
             self.run_step(caller, &vm, &machines, step, state, deadline, log)
                 .await
                 .map_err(|e| {
@@ -465,7 +478,26 @@ impl Service {
                     ))
                 })?;
             if changes_the_vm(step) {
-                bytes += self.save_layer(caller, &vm, &machines, &keys[i]).await?.1;
+                let ran = t.elapsed();
+                let t = Instant::now();
+                let saved = self.save_layer(caller, &vm, &machines, &keys[i]).await?;
+                log.line(format!(
+                    "step {}/{steps} done in {:.1} s, its layer saved in {} ms",
+                    i + 1,
+                    ran.as_secs_f64(),
+                    t.elapsed().as_millis()
+                ));
+                bytes += saved.1;
+                last_layer = Some(saved);
+            }
+        }
+        if spec.start.is_none() && last_change.is_some() {
+            if let Some((save, _)) = last_layer {
+                return Ok(Built {
+                    save,
+                    host: vm.host.clone(),
+                    bytes,
+                });
             }
         }
         let last = states.last().cloned().unwrap_or_default();
