@@ -150,10 +150,8 @@ pub async fn run(settings: &Settings, cmd: TemplateCommand) -> Result<i32> {
                 .account_by_name(&account)
                 .await?
                 .ok_or_else(|| anyhow!("no account named {account:?}"))?;
-            let (name, tag) = match reference.split_once(':') {
-                Some((n, t)) => (n.to_string(), t.to_string()),
-                None => (reference.clone(), "latest".to_string()),
-            };
+            let (name, tag) = sandpit_core::parse_template_reference(&reference)
+                .map_err(|e| anyhow!("{}", e.message))?;
             let n = store
                 .publish_template(&owner.id, &name, &tag, !withdraw)
                 .await?;

@@ -33,4 +33,4 @@ pub use api::{Caller, DirWatchStream, ExecEvent, ExecStream, SandboxApi};
 pub use error::{CoreError, ErrorType};
 pub use model::*;
 pub use service::Service;
-pub use service::MAX_TEMPLATE_FILES_BYTES;
+pub use service::{parse_template_reference, MAX_TEMPLATE_FILES_BYTES};

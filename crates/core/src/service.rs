@@ -52,7 +52,7 @@ mod ports;
 mod readings;
 mod snapshots;
 mod templates;
-pub use templates::MAX_TEMPLATE_FILES_BYTES;
+pub use templates::{parse_reference as parse_template_reference, MAX_TEMPLATE_FILES_BYTES};
 mod terminals;
 
 pub use terminals::{check_terminal_size, MAX_TERMINALS, MAX_TERMINAL_CELLS, TERMINAL_TOKEN_TTL};

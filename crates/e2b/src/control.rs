@@ -115,13 +115,7 @@ fn size_of_template(
     }
     // A template the account built (or an operator published): `name` or
     // `name:tag`; the create says if there is none.
-    let named = |s: &str| {
-        !s.is_empty()
-            && s.bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"-_.".contains(&b))
-    };
-    let (name, tag) = template.split_once(':').unwrap_or((template, "latest"));
-    if named(name) && named(tag) {
+    if sandpit_core::parse_template_reference(template).is_ok() {
         return Ok(CreateSandbox {
             template: Some(template.to_string()),
             ..CreateSandbox::default()

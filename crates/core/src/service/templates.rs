@@ -54,7 +54,7 @@ const COPY_ARCHIVE: &str = "/tmp/.sandpit-template-copy.tar";
 
 /// `name[:tag]` checked: lower-case letters, digits, `-`, `_`, `.`; 1 to
 /// 63 characters each; tag `latest` by default.
-pub(crate) fn parse_reference(reference: &str) -> Result<(String, String)> {
+pub fn parse_reference(reference: &str) -> Result<(String, String)> {
     let (name, tag) = match reference.split_once(':') {
         Some((n, t)) => (n, t),
         None => (reference, "latest"),

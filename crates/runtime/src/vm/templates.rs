@@ -105,10 +105,25 @@ impl VmManager {
         let tmp = dir.join(format!(".{name}.{}.tmp", rand::random::<u32>()));
         let started = Instant::now();
         tracing::info!(size = size_name, template = %name, "building a snapshot template");
-        if let Err(e) = self.build_template_in(&tmp, size_name, size).await {
+        let mut built = self.build_template_in(&tmp, size_name, size).await;
+        // A boot that hung (see `start_cold`): once more, in a clean directory.
+        if let Err(e @ RuntimeError::BootTimeout { .. }) = built {
+            tracing::warn!(
+                size = size_name,
+                "the template's boot did not come up; booting it again: {e}"
+            );
+            let _ = std::fs::remove_dir_all(&tmp);
+            built = self.build_template_in(&tmp, size_name, size).await;
+        }
+        if let Err(e) = built {
             let _ = std::fs::remove_dir_all(&tmp);
             template::count_build(false);
-            return Err(e);
+            return Err(match e {
+                e @ RuntimeError::BootTimeout { .. } => {
+                    RuntimeError::Launch(format!("booting the template VM: {e}"))
+                }
+                e => e,
+            });
         }
         let record = template::TemplateRecord {
             inputs,
@@ -200,8 +215,12 @@ impl VmManager {
                 Priority::Normal,
             )
             .await;
-        let saved = match &booted {
-            Ok(vm) => save_template(vm).await,
+        let saved = match booted {
+            Ok(ref vm) => save_template(vm).await,
+            // Told as such: the build tries once more.
+            Err(e @ RuntimeError::BootTimeout { .. }) => {
+                Err(crate::vm::explain_boot_timeout(&paths, e).await)
+            }
             Err(e) => Err(RuntimeError::Launch(format!(
                 "booting the template VM: {e}; last console lines:\n{}",
                 console::tail_lines(&paths.console(), 20)
