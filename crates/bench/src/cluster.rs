@@ -294,6 +294,7 @@ async fn side(
     let e2b = sandpit_e2b::E2b {
         api: api.clone(),
         domain: service.preview_domain.clone(),
+        public_url: format!("http://127.0.0.1:{port}"),
         default_size: api.service_info().await?.default_size,
         max_body_bytes: sandpit_api::RestConfig::default().max_body_bytes,
         watchers: Default::default(),

@@ -111,6 +111,7 @@ impl<'a> Bench<'a> {
         let e2b = sandpit_e2b::E2b {
             api: api.clone(),
             domain: service.preview_domain.clone(),
+            public_url: url.clone(),
             default_size: api.service_info().await?.default_size,
             max_body_bytes: sandpit_api::RestConfig::default().max_body_bytes,
             watchers: Default::default(),

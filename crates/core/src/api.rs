@@ -494,6 +494,58 @@ pub trait Templates: Send + Sync {
     ) -> Result<()> {
         Err(no_templates())
     }
+    /// Whether the account holds files by this key (a SHA-256, or an E2B
+    /// build context's own hash).
+    async fn has_template_files(&self, _caller: &Caller, _key: &str) -> Result<bool> {
+        Err(no_templates())
+    }
+    /// Asks for a build of `name[:tag]` whose steps come later (E2B's
+    /// builder uploads its files in between): `waiting`, with the secret
+    /// its uploads carry ([`Templates::upload_template_context`]). Left
+    /// waiting for an hour, it fails.
+    async fn reserve_template_build(
+        &self,
+        _caller: &Caller,
+        _name: &str,
+        _size: Option<String>,
+    ) -> Result<ReservedBuild> {
+        Err(no_templates())
+    }
+    /// The upload secret of the caller's waiting build `id`.
+    async fn template_upload_token(&self, _caller: &Caller, _id: &str) -> Result<String> {
+        Err(no_templates())
+    }
+    /// Starts waiting build `id` with its steps; returns it `building`.
+    async fn start_template_build(
+        &self,
+        _caller: &Caller,
+        _id: &str,
+        _spec: sandpit_templates::Spec,
+    ) -> Result<Template> {
+        Err(no_templates())
+    }
+    /// Keeps a build context (a tar, maybe gzipped) for waiting build
+    /// `build_id`'s account under the client's own key for it (E2B's
+    /// `filesHash`, not the bytes' hash: it also covers names and modes),
+    /// let in by the build's upload secret instead of an API key.
+    async fn upload_template_context(
+        &self,
+        _build_id: &str,
+        _upload_token: &str,
+        _key: &str,
+        _archive: Vec<u8>,
+    ) -> Result<()> {
+        Err(no_templates())
+    }
+}
+
+/// A build asked for before its steps ([`Templates::reserve_template_build`]).
+#[derive(Debug, Clone)]
+pub struct ReservedBuild {
+    pub template: Template,
+    /// Lets the build's files be uploaded without the API key (E2B's
+    /// upload URL carries it); spent when the build starts.
+    pub upload_token: String,
 }
 
 /// The API key an HTTP request carries, read the same way by REST and MCP:

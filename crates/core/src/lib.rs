@@ -29,7 +29,7 @@ pub fn version(commit: &str) -> String {
 
 /// The API's traits by subject, for `use sandpit_core::prelude::*`.
 pub use api::prelude;
-pub use api::{Caller, DirWatchStream, ExecEvent, ExecStream, SandboxApi};
+pub use api::{Caller, DirWatchStream, ExecEvent, ExecStream, ReservedBuild, SandboxApi};
 pub use error::{CoreError, ErrorType};
 pub use model::*;
 pub use service::Service;

@@ -205,7 +205,8 @@ pub struct Template {
     pub tag: String,
     /// The size it was built for; its sandboxes have it.
     pub size: String,
-    /// `building`, then `ready` or `failed`.
+    /// `building`, then `ready` or `failed` (`waiting` first when E2B's
+    /// builder asked for it before sending its steps).
     pub status: String,
     /// Published by the operator for every account.
     pub public: bool,
@@ -223,6 +224,12 @@ pub struct Template {
     /// alone.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub log: Option<String>,
+    /// What it was built from: its steps and start command, as `spec` in
+    /// `POST /v1/templates` takes them (a rebuild sends them again); in
+    /// `GET /v1/templates/{id}` alone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<serde_json::Value>")]
+    pub spec: Option<serde_json::Value>,
 }
 
 /// `POST /v1/templates` body: a build of template `name`, described by a

@@ -44,6 +44,7 @@ pub fn control_plane(e2b: E2b) -> Router {
         .route("/sandboxes/{id}/snapshots", post(snapshot))
         .route("/snapshots", get(list_snapshots))
         .route("/templates/{id}", axum::routing::delete(delete_snapshot))
+        .merge(crate::templates::routes())
         .fallback(not_built)
         .with_state(e2b)
 }

@@ -24,6 +24,7 @@
 mod control;
 mod envd;
 mod error;
+mod templates;
 mod wire;
 
 use axum::http::{HeaderMap, Uri};
@@ -50,6 +51,9 @@ pub struct E2b {
     /// given to the SDKs as the sandboxes' `domain`: their `get_host(port)`
     /// is then `<port>-<id>.<domain>`, Sandpit's preview host.
     pub domain: String,
+    /// Where this server's API is reached from outside (`public_url`):
+    /// the base of the upload links a template build's files are sent to.
+    pub public_url: String,
     /// The size template `base` stands for (the service's default).
     pub default_size: String,
     /// The most bytes of one request body held in memory: a multipart

@@ -17,6 +17,7 @@ async fn start() -> Server {
     let e2b = sandpit_e2b::E2b {
         api: fake.clone(),
         domain: "sandpit.test".into(),
+        public_url: "http://sandpit.test".into(),
         default_size: "small".into(),
         max_body_bytes: sandpit_api::RestConfig::default().max_body_bytes,
         watchers: Default::default(),

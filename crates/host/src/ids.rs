@@ -8,6 +8,12 @@ use time::OffsetDateTime;
 
 const ALPHABET: &[u8; 32] = b"abcdefghijklmnopqrstuvwxyz234567";
 
+/// Whether two secrets are equal, in a time that does not say where they
+/// differ (a guesser learns nothing from how fast a wrong one is refused).
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
 /// `prefix` + 24 random base32 characters (120 bits).
 pub fn new_id(prefix: &str) -> String {
     let mut s = String::with_capacity(prefix.len() + 24);

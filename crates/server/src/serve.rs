@@ -315,6 +315,7 @@ pub async fn serve(settings: &Settings, args: ServeArgs) -> Result<i32> {
     let e2b = sandpit_e2b::E2b {
         api: api.clone(),
         domain: settings.service.preview_domain.clone(),
+        public_url: public_url.clone(),
         default_size: info.default_size,
         max_body_bytes: rest.max_body_bytes,
         watchers: Default::default(),

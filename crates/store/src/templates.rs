@@ -17,6 +17,9 @@ use time::OffsetDateTime;
 /// Where a build is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TemplateStatus {
+    /// Asked for, its steps not given yet (E2B's builder uploads its files
+    /// in between; see migration 0017).
+    Waiting,
     Building,
     Ready,
     Failed,
@@ -26,6 +29,7 @@ pub enum TemplateStatus {
 impl TemplateStatus {
     pub fn as_str(self) -> &'static str {
         match self {
+            TemplateStatus::Waiting => "waiting",
             TemplateStatus::Building => "building",
             TemplateStatus::Ready => "ready",
             TemplateStatus::Failed => "failed",
@@ -35,6 +39,7 @@ impl TemplateStatus {
 
     fn stored(s: &str) -> Result<TemplateStatus> {
         match s {
+            "waiting" => Ok(TemplateStatus::Waiting),
             "building" => Ok(TemplateStatus::Building),
             "ready" => Ok(TemplateStatus::Ready),
             "failed" => Ok(TemplateStatus::Failed),
@@ -73,6 +78,9 @@ pub struct TemplateRow {
     pub created_at: OffsetDateTime,
     pub updated_at: OffsetDateTime,
     pub finished_at: Option<OffsetDateTime>,
+    /// A waiting build's secret for uploading its files (E2B's upload
+    /// URL carries it instead of an API key).
+    pub upload_token: Option<String>,
 }
 
 /// A layer: the save after a step, by the key naming that step and every
@@ -107,6 +115,7 @@ fn template_from(row: &AnyRow) -> Result<TemplateRow> {
         created_at: get_ts(row, "created_at")?,
         updated_at: get_ts(row, "updated_at")?,
         finished_at: get_opt_ts(row, "finished_at")?,
+        upload_token: get_opt_str(row, "upload_token")?,
     })
 }
 
@@ -168,6 +177,58 @@ impl Store {
         template_from(&row)
     }
 
+    /// Records a build of `account_id`'s `name:tag` whose steps come later
+    /// ([`Store::start_template`]), `waiting`, with the secret its files'
+    /// uploads carry.
+    pub async fn reserve_template(
+        &self,
+        id: &str,
+        account_id: &str,
+        (name, tag): (&str, &str),
+        size: &str,
+        upload_token: &str,
+    ) -> Result<TemplateRow> {
+        let at = format_ts(now());
+        let row = sqlx::query(
+            "INSERT INTO templates (id, account_id, name, tag, size, status, spec, steps, \
+               upload_token, created_at, updated_at) \
+             VALUES ($1, $2, $3, $4, $5, 'waiting', '{}', 0, $6, $7, $7) RETURNING *",
+        )
+        .bind(id)
+        .bind(account_id)
+        .bind(name)
+        .bind(tag)
+        .bind(size)
+        .bind(upload_token)
+        .bind(at)
+        .fetch_one(&self.pool)
+        .await?;
+        template_from(&row)
+    }
+
+    /// A waiting build given its steps: `building` from now (its upload
+    /// token spent). `None` if it is not waiting (started already, failed
+    /// by the reaper, deleted).
+    pub async fn start_template(
+        &self,
+        id: &str,
+        spec: &str,
+        steps: u32,
+    ) -> Result<Option<TemplateRow>> {
+        let row = sqlx::query(
+            "UPDATE templates SET status = 'building', spec = $2, steps = $3, \
+               upload_token = NULL, updated_at = $4 \
+             WHERE id = $1 AND status = 'waiting' RETURNING *",
+        )
+        .bind(id)
+        .bind(spec)
+        .bind(i64::from(steps))
+        .bind(format_ts(now()))
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(template_from).transpose()
+    }
+
     /// A building template's log so far (its last [`MAX_LOG_BYTES`]) and
     /// how many steps were cached; moves its `updated_at`, which says the
     /// build is alive.
@@ -223,21 +284,36 @@ impl Store {
         row.as_ref().map(template_from).transpose()
     }
 
-    /// Builds that stopped moving before `before` (their server died):
-    /// failed, with that said. Returns how many.
-    pub async fn fail_stalled_templates(&self, before: OffsetDateTime) -> Result<u64> {
+    /// Builds that stopped moving before `before` (their server died), and
+    /// builds left waiting for their steps since `waiting_before`: failed,
+    /// with that said. Returns how many.
+    pub async fn fail_stalled_templates(
+        &self,
+        before: OffsetDateTime,
+        waiting_before: OffsetDateTime,
+    ) -> Result<u64> {
         let at = format_ts(now());
-        let done = sqlx::query(
+        let stalled = sqlx::query(
             "UPDATE templates SET status = 'failed', \
                error = 'the build stopped: the server running it went away', \
                updated_at = $2, finished_at = $2 \
              WHERE status = 'building' AND updated_at < $1",
         )
         .bind(format_ts(before))
-        .bind(at)
+        .bind(&at)
         .execute(&self.pool)
         .await?;
-        Ok(done.rows_affected())
+        let abandoned = sqlx::query(
+            "UPDATE templates SET status = 'failed', upload_token = NULL, \
+               error = 'the build was asked for and never started (its steps never came)', \
+               updated_at = $2, finished_at = $2 \
+             WHERE status = 'waiting' AND updated_at < $1",
+        )
+        .bind(format_ts(waiting_before))
+        .bind(&at)
+        .execute(&self.pool)
+        .await?;
+        Ok(stalled.rows_affected() + abandoned.rows_affected())
     }
 
     /// A build by id, in any status.

@@ -2618,12 +2618,54 @@ async fn template_builds_layers_and_files_are_an_accounts_own_until_published(st
         .unwrap();
     assert_eq!(shared.id, "tpl_1");
     assert!(shared.public);
-    // A build whose server died stops moving and is failed.
+    // A build asked for before its steps (E2B's builder): waiting, with
+    // its upload secret, until started; then building, the secret spent.
+    let waiting = store
+        .reserve_template("tpl_3", &acct.id, ("e2b", "v1"), "small", "secret")
+        .await
+        .unwrap();
+    assert_eq!(waiting.status, TemplateStatus::Waiting);
+    assert_eq!(waiting.upload_token.as_deref(), Some("secret"));
+    let started = store
+        .start_template("tpl_3", "{\"steps\":[]}", 4)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (started.status, started.steps, started.upload_token),
+        (TemplateStatus::Building, 4, None)
+    );
+    assert!(
+        store
+            .start_template("tpl_3", "{}", 1)
+            .await
+            .unwrap()
+            .is_none(),
+        "a build starts once"
+    );
+    store
+        .reserve_template("tpl_4", &acct.id, ("e2b", "v2"), "small", "s2")
+        .await
+        .unwrap();
+    // A build whose server died stops moving and is failed; one left
+    // waiting for its steps too, once its own (longer) time is past.
     let later = OffsetDateTime::now_utc() + Duration::minutes(5);
-    assert_eq!(store.fail_stalled_templates(later).await.unwrap(), 1);
+    assert_eq!(
+        store
+            .fail_stalled_templates(later, OffsetDateTime::now_utc() - Duration::hours(1))
+            .await
+            .unwrap(),
+        2,
+        "tpl_2 and tpl_3 stalled; tpl_4 may still get its steps"
+    );
     let stalled = store.template("tpl_2").await.unwrap().unwrap();
     assert_eq!(stalled.status, TemplateStatus::Failed);
     assert!(stalled.error.unwrap().contains("went away"));
+    assert_eq!(store.fail_stalled_templates(later, later).await.unwrap(), 1);
+    let abandoned = store.template("tpl_4").await.unwrap().unwrap();
+    assert_eq!(abandoned.status, TemplateStatus::Failed);
+    assert!(abandoned.error.unwrap().contains("never started"));
+    assert_eq!(abandoned.upload_token, None);
     // Retired beyond the newest one: deleted, its save no longer kept.
     let retired = store
         .retire_templates(&acct.id, "web", "latest", 1)

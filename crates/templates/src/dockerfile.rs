@@ -203,6 +203,7 @@ pub fn parse(text: &str, args: &BTreeMap<String, String>) -> Result<Dockerfile, 
                 let dest_resolved = resolve(&state.workdir, &dest);
                 spec.steps.push(Step::Copy {
                     files: String::new(),
+                    src: None,
                     dest: dest_resolved.clone(),
                     user,
                     mode,

@@ -14,6 +14,7 @@
 //! the first one that changed.
 
 pub mod dockerfile;
+pub mod e2b;
 mod spec;
 
 pub use spec::*;

@@ -75,8 +75,17 @@ pub enum Step {
     /// out as they are to stand under `dest`) unpacked into directory
     /// `dest`, owned by `user` (default: the build's current user), with
     /// `mode` when given.
+    ///
+    /// With `src`, the archive is a whole build context instead (paths
+    /// relative to the context's directory, maybe gzipped, named by the
+    /// client's own hash: E2B's `filesHash`), and what `src` matches in it
+    /// (a path or a glob) is copied as Docker's `COPY` does: a directory's
+    /// contents into `dest`, a file into `dest` when it ends with `/` or
+    /// is a directory, else to `dest` itself.
     Copy {
         files: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        src: Option<String>,
         dest: String,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         user: Option<User>,
@@ -120,6 +129,10 @@ pub struct Spec {
     /// (E2B's `skip_cache`, `force`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub force_from: Option<usize>,
+    /// What the first step starts as, when not as a Dockerfile's (root in
+    /// `/`): E2B's builder starts as `user` in `/home/user`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initial: Option<State>,
 }
 
 /// What the steps before a point leave: who runs, where, with what.
@@ -171,12 +184,19 @@ impl Spec {
             match step {
                 Step::Run { command: c, .. } => command(&format!("step {n}'s command"), c)?,
                 Step::Copy {
-                    files, dest, mode, ..
+                    files,
+                    src,
+                    dest,
+                    mode,
+                    ..
                 } => {
                     if files.len() != 64 || !files.bytes().all(|b| b.is_ascii_hexdigit()) {
                         return Err(SpecError::new(format!(
                             "step {n}: files must name an upload by its SHA-256 (64 hex digits)"
                         )));
+                    }
+                    if let Some(src) = src {
+                        check_source(src).map_err(|e| SpecError::new(format!("step {n}: {e}")))?;
                     }
                     check_path(dest).map_err(|e| SpecError::new(format!("step {n}: {e}")))?;
                     if mode.is_some_and(|m| m > 0o7777) {
@@ -211,7 +231,7 @@ impl Spec {
     /// the start command and the template's sandboxes get): `steps.len() + 1`
     /// states.
     pub fn states(&self) -> Vec<State> {
-        let mut at = State::default();
+        let mut at = self.initial.clone().unwrap_or_default();
         let mut out = vec![at.clone()];
         for step in &self.steps {
             match step {
@@ -239,7 +259,10 @@ impl Spec {
     /// first step starts from (the guest image's standard template of a
     /// size).
     pub fn layer_keys(&self, base: &str) -> Vec<String> {
-        let mut key = hash(&("base", base));
+        let mut key = match &self.initial {
+            None => hash(&("base", base)),
+            Some(initial) => hash(&("base", base, initial)),
+        };
         let mut keys = Vec::with_capacity(self.steps.len() + 1);
         for step in &self.steps {
             key = hash(&("step", &key, step));
@@ -284,6 +307,20 @@ fn check_path(path: &str) -> Result<(), String> {
     }
 }
 
+/// A copy's source in a build context: relative, inside it, a path or a
+/// glob (`*`, `?`, `[…]`).
+fn check_source(src: &str) -> Result<(), String> {
+    if src.is_empty() || src.len() > 4096 || src.contains('\0') {
+        return Err(format!("{src:?} is not a source path"));
+    }
+    if src.starts_with('/') || src.split('/').any(|p| p == "..") {
+        return Err(format!(
+            "{src:?} is not inside the build context: sources are relative to it"
+        ));
+    }
+    Ok(())
+}
+
 /// A variable a step may set: a shell name, a value without NUL.
 pub fn check_variable(name: &str, value: &str) -> Result<(), String> {
     let ok = !name.is_empty()
@@ -320,6 +357,7 @@ mod tests {
                 ready: None,
             }),
             force_from: None,
+            initial: None,
         };
         let mut b = a.clone();
         b.steps[1] = run("pip install requests");
@@ -391,6 +429,7 @@ mod tests {
         assert!(bad(vec![run("  ")]).contains("empty"));
         assert!(bad(vec![Step::Copy {
             files: "abc".into(),
+            src: None,
             dest: "/app".into(),
             user: None,
             mode: None

@@ -32,7 +32,7 @@ pub(crate) struct Signed {
 impl Signed {
     /// Refuses a form whose CSRF token is not the session's.
     pub fn check_csrf(&self, token: &str) -> Result<(), view::Failure> {
-        if constant_time_eq(token.as_bytes(), self.session.csrf.as_bytes()) {
+        if sandpit_host::ids::constant_time_eq(token.as_bytes(), self.session.csrf.as_bytes()) {
             Ok(())
         } else {
             Err(view::Failure::new(
@@ -45,10 +45,6 @@ impl Signed {
     pub fn csrf(&self) -> &str {
         &self.session.csrf
     }
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// The session token the request's cookie carries.
@@ -287,8 +283,8 @@ mod tests {
             "a=1; sandpit_session=sps_x; b=2".parse().unwrap(),
         );
         assert_eq!(token_of(&h).as_deref(), Some("sps_x"));
-        assert!(constant_time_eq(b"abc", b"abc"));
-        assert!(!constant_time_eq(b"abc", b"abd"));
-        assert!(!constant_time_eq(b"abc", b"ab"));
+        assert!(sandpit_host::ids::constant_time_eq(b"abc", b"abc"));
+        assert!(!sandpit_host::ids::constant_time_eq(b"abc", b"abd"));
+        assert!(!sandpit_host::ids::constant_time_eq(b"abc", b"ab"));
     }
 }

@@ -26,7 +26,7 @@ pub(crate) fn sdk_python() -> PathBuf {
 
 /// The JavaScript SDK's directory (`SANDPIT_E2B_JS`, which the test
 /// command sets): its Node.js and its `node_modules`.
-fn sdk_js() -> (PathBuf, PathBuf) {
+pub(crate) fn sdk_js() -> (PathBuf, PathBuf) {
     let dir = std::env::var_os("SANDPIT_E2B_JS").map(PathBuf::from);
     let node = dir
         .as_ref()
@@ -59,7 +59,7 @@ pub(crate) fn run_sdk(
     run_sdk_with(interpreter, name, server, key, revoked, broke, &[])
 }
 
-fn run_sdk_with(
+pub(crate) fn run_sdk_with(
     interpreter: &PathBuf,
     name: &str,
     server: &Server,

@@ -292,6 +292,69 @@ fn a_dockerfile_template_starts_sandboxes_with_its_server_up_and_rebuilds_from_i
         "<h1>hello from the template</h1>\nhello from apt\nhello from env\n"
     );
 
+    // E2B's template builder, in both SDKs at once: Python's builds with
+    // apt and pip from the test's repositories, copies and a start
+    // command; JavaScript's a small one.
+    let e2b_context = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(e2b_context.path().join("site")).unwrap();
+    std::fs::write(
+        e2b_context.path().join("site/index.html"),
+        "<h1>hello from the e2b builder</h1>\n",
+    )
+    .unwrap();
+    let repo = format!("http://{REPO}:8080");
+    let (node, node_modules) = crate::e2b::sdk_js();
+    let (python_checks, js_checks) = std::thread::scope(|scope| {
+        let js = scope.spawn(|| {
+            crate::e2b::run_sdk_with(
+                &node,
+                "template_build.mjs",
+                &server,
+                &key,
+                &key,
+                &key,
+                &[("NODE_PATH", node_modules.as_os_str())],
+            )
+        });
+        let python = crate::e2b::run_sdk_with(
+            &crate::e2b::sdk_python(),
+            "template_build.py",
+            &server,
+            &key,
+            &key,
+            &key,
+            &[
+                ("SANDPIT_REPO", std::ffi::OsStr::new(&repo)),
+                ("SANDPIT_CONTEXT", e2b_context.path().as_os_str()),
+            ],
+        );
+        (python, js.join().expect("the JavaScript SDK's run"))
+    });
+    assert_eq!(
+        python_checks,
+        [
+            "built, its log streamed to on_build_logs",
+            "Template.exists",
+            "its server answers the first request",
+            "packages, env, workdir, user and copies",
+            "built again unchanged: cached, files not uploaded again",
+            "another image refused with the reason",
+        ]
+    );
+    assert_eq!(
+        js_checks,
+        [
+            "built, its log streamed to onBuildLogs",
+            "steps, env, workdir and user"
+        ]
+    );
+    rt.block_on(async {
+        // The same builds over REST: each E2B template a name like any.
+        let (st, t) = api.get("/templates/e2bweb:v1").await;
+        assert_eq!((st, t["status"].as_str()), (200, Some("ready")), "{t}");
+        assert_eq!(t["spec"]["steps"].as_array().map(Vec::len), Some(7), "{t}");
+    });
+
     // Published by the operator: every account may start it.
     server.admin(&["template", "publish", "web", "--account", "builder"]);
     rt.block_on(async {

@@ -356,10 +356,19 @@ impl Service {
             Err(e) => tracing::warn!("reaper: {e}"),
         }
         let next_snapshot = self.sweep_snapshots().await;
-        // Template builds whose server went away stop moving: failed.
-        let stalled = OffsetDateTime::now_utc()
-            - time::Duration::seconds(super::templates::STALLED_AFTER.as_secs() as i64);
-        match self.store.fail_stalled_templates(stalled).await {
+        // Template builds whose server went away stop moving, and builds asked
+        // for whose steps never came: failed.
+        let ago = |d: std::time::Duration| {
+            OffsetDateTime::now_utc() - time::Duration::seconds(d.as_secs() as i64)
+        };
+        match self
+            .store
+            .fail_stalled_templates(
+                ago(super::templates::STALLED_AFTER),
+                ago(super::templates::WAITING_AFTER),
+            )
+            .await
+        {
             Ok(0) => {}
             Ok(n) => tracing::warn!("{n} template build(s) stopped moving: failed"),
             Err(e) => tracing::warn!("reaper: template builds: {e}"),

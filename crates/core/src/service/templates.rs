@@ -17,7 +17,7 @@
 //! updating its row and is failed by the reaper ([`STALLED_AFTER`]); its
 //! sandbox expires as any does.
 
-use crate::api::{Caller, Sandboxes, Templates};
+use crate::api::{Caller, ReservedBuild, Sandboxes, Templates};
 use crate::error::{CoreError, ErrorType, Result};
 use crate::model::*;
 use crate::service::Service;
@@ -36,6 +36,9 @@ const BUILD_MINUTES: u32 = 60;
 /// A build that has not said anything for this long is taken for one
 /// whose server went away.
 pub(super) const STALLED_AFTER: Duration = Duration::from_secs(180);
+/// A build asked for whose steps have not come for this long (E2B's
+/// builder uploads its files in between) is failed.
+pub(super) const WAITING_AFTER: Duration = Duration::from_secs(3600);
 /// How often a build says it is alive while a step is quiet.
 const HEARTBEAT: Duration = Duration::from_secs(20);
 /// Finished builds of a `name:tag` kept; older ones are retired.
@@ -91,6 +94,9 @@ fn to_template(t: &TemplateRow, with_log: bool) -> Template {
         created_at: rfc3339(t.created_at),
         finished_at: t.finished_at.map(rfc3339),
         log: with_log.then(|| t.log.clone()),
+        spec: with_log
+            .then(|| serde_json::from_str(&t.spec).ok())
+            .flatten(),
     }
 }
 
@@ -109,6 +115,15 @@ fn describe(step: &Step) -> String {
             Some(u) => format!("RUN (as {}) {}", u.name(), short(command)),
             None => format!("RUN {}", short(command)),
         },
+        Step::Copy {
+            files,
+            src: Some(src),
+            dest,
+            ..
+        } => format!(
+            "COPY {src} {dest} (files {}…)",
+            &files[..12.min(files.len())]
+        ),
         Step::Copy { files, dest, .. } => format!("COPY {}… {dest}", &files[..12.min(files.len())]),
         Step::Env { vars } => format!("ENV {}", vars.keys().cloned().collect::<Vec<_>>().join(" ")),
         Step::Workdir { path } => format!("WORKDIR {path}"),
@@ -269,6 +284,13 @@ impl Service {
         if req.no_cache {
             spec.force_from = Some(0);
         }
+        self.check_spec(caller, &spec).await?;
+        Ok(spec)
+    }
+
+    /// What can be checked of a spec before a VM starts: its steps, and
+    /// that the account holds every copy's files.
+    async fn check_spec(&self, caller: &Caller, spec: &Spec) -> Result<()> {
         spec.check().map_err(|e| CoreError::invalid(e.0))?;
         for step in &spec.steps {
             if let Step::Copy { files, .. } = step {
@@ -284,7 +306,36 @@ impl Service {
                 }
             }
         }
-        Ok(spec)
+        Ok(())
+    }
+
+    /// The ready check's bound a build asks for, checked.
+    fn ready_timeout(seconds: Option<u32>) -> Result<Duration> {
+        match seconds {
+            None => Ok(READY_TIMEOUT),
+            Some(s) if (1..=MOST_READY_SECONDS).contains(&s) => {
+                Ok(Duration::from_secs(u64::from(s)))
+            }
+            Some(s) => Err(CoreError::invalid(format!(
+                "ready_timeout_seconds is 1..{MOST_READY_SECONDS}, not {s}"
+            ))),
+        }
+    }
+
+    /// A size a build may have (a build is a sandbox of it, for as long as
+    /// a build may take); the service's default if none.
+    fn build_size(&self, size: Option<String>) -> Result<String> {
+        let size = size.unwrap_or_else(|| self.config.default_size.clone());
+        crate::service::checks::check_create(
+            &self.config,
+            &CreateSandbox {
+                size: Some(size.clone()),
+                timeout_minutes: Some(self.build_minutes()),
+                ..CreateSandbox::default()
+            },
+            None,
+        )?;
+        Ok(size)
     }
 
     /// The build's task: runs it, records how it ended, retires old
@@ -567,6 +618,7 @@ impl Service {
             Step::Run { command, user } => (command.clone(), user.unwrap_or(state.user)),
             Step::Copy {
                 files,
+                src,
                 dest,
                 user,
                 mode,
@@ -581,7 +633,11 @@ impl Service {
                     .await
                     .map_err(|e| failed(format!("writing the files into the build: {e}")))?;
                 let owner = user.unwrap_or(state.user);
-                (copy_script(dest, owner, *mode), User::Root)
+                let script = match src {
+                    None => copy_script(dest, owner, *mode),
+                    Some(src) => context_copy_script(COPY_ARCHIVE, src, dest, owner, *mode),
+                };
+                (script, User::Root)
             }
             Step::Workdir { path } => (workdir_script(path, state.user), User::Root),
             Step::Env { .. } | Step::User { .. } => return Ok(()),
@@ -756,6 +812,65 @@ fn copy_script(dest: &str, owner: User, mode: Option<u32>) -> String {
     s
 }
 
+/// Copies what `src` (a path or a glob) matches in an uploaded build
+/// context (E2B's: paths relative to the context, maybe gzipped, which
+/// `tar` tells by itself) as Docker's `COPY` does: a directory's contents
+/// into `dest`; a file into `dest` when it ends with `/`, is a directory
+/// or several sources match, else to `dest` itself. Run as root; what it
+/// copies (and `dest`, when it made it) then goes to `owner`, with `mode`
+/// when given. A `src` that matches nothing fails the step, naming it.
+fn context_copy_script(
+    archive: &str,
+    src: &str,
+    dest: &str,
+    owner: User,
+    mode: Option<u32>,
+) -> String {
+    let mut fix = String::new();
+    if owner == User::User {
+        fix.push_str("xargs -0 -r chown -h user:user -- < \"$1\"; ");
+    }
+    if let Some(mode) = mode {
+        fix.push_str(&format!("xargs -0 -r chmod {mode:o} -- < \"$1\"; "));
+    }
+    if fix.is_empty() {
+        fix.push_str(": ; ");
+    }
+    let own_dest = if owner == User::User {
+        "if [ -n \"$made\" ]; then chown user:user -- \"$dest\"; fi; "
+    } else {
+        ""
+    };
+    format!(
+        "set -e; a={archive}; c=$(mktemp -d); l=$(mktemp); \
+         trap 'rm -rf -- \"$c\" \"$l\" \"$a\"' EXIT; \
+         src={src}; dest={dest}; \
+         case \"$dest\" in /*) ;; *) dest=\"$PWD/$dest\" ;; esac; \
+         fix() {{ {fix} }}; \
+         tar -xf \"$a\" -C \"$c\" --no-same-owner; cd \"$c\"; \
+         shopt -s nullglob dotglob; IFS=; m=( $src ); IFS=' '; found=(); \
+         for x in \"${{m[@]}}\"; do if [ -e \"$x\" ] || [ -L \"$x\" ]; then found+=(\"${{x%/}}\"); fi; done; \
+         if [ ${{#found[@]}} -eq 0 ]; then \
+           echo \"COPY: $src matches nothing in the uploaded files\" >&2; exit 1; fi; \
+         into=; case \"$dest\" in */) into=1 ;; esac; \
+         if [ ${{#found[@]}} -gt 1 ] || [ -d \"$dest\" ]; then into=1; fi; \
+         made=; if [ ! -e \"$dest\" ]; then made=1; fi; dest=${{dest%/}}; dest=${{dest:-/}}; \
+         for x in \"${{found[@]}}\"; do \
+           if [ -d \"$x\" ] && [ ! -L \"$x\" ]; then \
+             mkdir -p -- \"$dest\"; cp -a -- \"$x/.\" \"$dest/\"; \
+             (cd \"$x\" && find . -mindepth 1 -printf '%P\\0') > \"$l\"; (cd \"$dest\" && fix \"$l\"); \
+           else \
+             if [ -n \"$into\" ]; then mkdir -p -- \"$dest\"; t=\"$dest/${{x##*/}}\"; \
+             else mkdir -p -- \"$(dirname -- \"$dest\")\"; t=$dest; fi; \
+             cp -a -- \"$x\" \"$t\"; printf '%s\\0' \"$t\" > \"$l\"; fix \"$l\"; \
+           fi; \
+         done; {own_dest}",
+        archive = shell_words::quote(archive),
+        src = shell_words::quote(src),
+        dest = shell_words::quote(dest),
+    )
+}
+
 /// Makes a `WORKDIR` (as root; the user's when the build runs as the user
 /// and it is new).
 fn workdir_script(path: &str, user: User) -> String {
@@ -772,28 +887,8 @@ fn workdir_script(path: &str, user: User) -> String {
 impl Templates for Service {
     async fn build_template(&self, caller: &Caller, req: BuildTemplate) -> Result<Template> {
         let (name, tag) = parse_reference(&req.name)?;
-        let size = req
-            .size
-            .clone()
-            .unwrap_or_else(|| self.config.default_size.clone());
-        crate::service::checks::check_create(
-            &self.config,
-            &CreateSandbox {
-                size: Some(size.clone()),
-                timeout_minutes: Some(self.build_minutes()),
-                ..CreateSandbox::default()
-            },
-            None,
-        )?;
-        let ready = match req.ready_timeout_seconds {
-            None => READY_TIMEOUT,
-            Some(s) if (1..=MOST_READY_SECONDS).contains(&s) => Duration::from_secs(u64::from(s)),
-            Some(s) => {
-                return Err(CoreError::invalid(format!(
-                    "ready_timeout_seconds is 1..{MOST_READY_SECONDS}, not {s}"
-                )))
-            }
-        };
+        let size = self.build_size(req.size.clone())?;
+        let ready = Self::ready_timeout(req.ready_timeout_seconds)?;
         let spec = self.checked_spec(caller, &req).await?;
         let me = self
             .arc_self()
@@ -898,6 +993,120 @@ impl Templates for Service {
             .await?;
         Ok(())
     }
+
+    async fn has_template_files(&self, caller: &Caller, key: &str) -> Result<bool> {
+        Ok(self
+            .store
+            .has_template_files(&caller.account_id, &key.to_ascii_lowercase())
+            .await?)
+    }
+
+    async fn reserve_template_build(
+        &self,
+        caller: &Caller,
+        name: &str,
+        size: Option<String>,
+    ) -> Result<ReservedBuild> {
+        let (name, tag) = parse_reference(name)?;
+        let size = self.build_size(size)?;
+        let token = hex::encode(rand::random::<[u8; 24]>());
+        let row = self
+            .store
+            .reserve_template(
+                &sandpit_host::ids::new_id("tpl_"),
+                &caller.account_id,
+                (&name, &tag),
+                &size,
+                &token,
+            )
+            .await?;
+        Ok(ReservedBuild {
+            template: to_template(&row, false),
+            upload_token: token,
+        })
+    }
+
+    async fn template_upload_token(&self, caller: &Caller, id: &str) -> Result<String> {
+        self.store
+            .template(id)
+            .await?
+            .filter(|t| t.account_id == caller.account_id && t.status == TemplateStatus::Waiting)
+            .and_then(|t| t.upload_token)
+            .ok_or_else(|| CoreError::not_found("waiting template build", id))
+    }
+
+    async fn start_template_build(
+        &self,
+        caller: &Caller,
+        id: &str,
+        spec: Spec,
+    ) -> Result<Template> {
+        let waiting = self
+            .store
+            .template(id)
+            .await?
+            .filter(|t| t.account_id == caller.account_id)
+            .ok_or_else(|| CoreError::not_found("template build", id))?;
+        if waiting.status != TemplateStatus::Waiting {
+            return Err(CoreError::conflict(format!(
+                "build {id} is {}: a build starts once",
+                waiting.status.as_str()
+            )));
+        }
+        self.check_spec(caller, &spec).await?;
+        let me = self
+            .arc_self()
+            .ok_or_else(|| CoreError::internal("the service is shutting down"))?;
+        let row = self
+            .store
+            .start_template(
+                id,
+                &serde_json::to_string(&spec).expect("a spec serializes"),
+                spec.steps.len() as u32,
+            )
+            .await?
+            .ok_or_else(|| CoreError::conflict(format!("build {id} has started already")))?;
+        tokio::spawn(me.run_build(caller.clone(), row.clone(), spec, READY_TIMEOUT));
+        Ok(to_template(&row, false))
+    }
+
+    async fn upload_template_context(
+        &self,
+        build_id: &str,
+        upload_token: &str,
+        key: &str,
+        archive: Vec<u8>,
+    ) -> Result<()> {
+        let refused = || {
+            CoreError::new(
+                ErrorType::Unauthorized,
+                "this upload link is not (or no longer) valid: ask for the build again",
+            )
+        };
+        let build = self.store.template(build_id).await?.ok_or_else(refused)?;
+        let token_ok = build.status == TemplateStatus::Waiting
+            && build.upload_token.as_deref().is_some_and(|t| {
+                sandpit_host::ids::constant_time_eq(t.as_bytes(), upload_token.as_bytes())
+            });
+        if !token_ok {
+            return Err(refused());
+        }
+        let key = key.to_ascii_lowercase();
+        if key.len() != 64 || !key.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(CoreError::invalid(format!(
+                "{key:?} is not a files hash (64 hex digits)"
+            )));
+        }
+        if archive.len() > MAX_TEMPLATE_FILES_BYTES {
+            return Err(CoreError::invalid(format!(
+                "a copy step's files are at most {MAX_TEMPLATE_FILES_BYTES} bytes"
+            )));
+        }
+        self.store
+            .put_template_files(&build.account_id, &key, &archive)
+            .await?;
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -928,5 +1137,86 @@ mod tests {
         assert!(s.contains("chmod 644"), "{s}");
         let root = copy_script("/app", User::Root, None);
         assert!(!root.contains("chown") && !root.contains("chmod"), "{root}");
+    }
+
+    /// The script run by a real shell on a real (gzipped) context, as
+    /// E2B's SDKs pack one: each of Docker's cases lands where `COPY`
+    /// puts it, with its mode; a source that matches nothing says so.
+    #[test]
+    fn a_context_copy_lays_files_out_as_dockers_copy() {
+        use std::path::Path;
+        use std::process::Command;
+        let dir = tempfile::tempdir().unwrap();
+        let ctx = dir.path().join("ctx");
+        let write = |p: &str, body: &str| {
+            let p = ctx.join(p);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, body).unwrap();
+        };
+        write("site/index.html", "<h1>hi</h1>");
+        write("site/css/a.css", "h1{}");
+        write("app.py", "print(1)");
+        write("tool.py", "print(2)");
+        let archive = dir.path().join("ctx.tar.gz");
+        let packed = Command::new("tar")
+            .arg("-czf")
+            .arg(&archive)
+            .arg("-C")
+            .arg(&ctx)
+            .args(["site", "app.py", "tool.py"])
+            .status()
+            .unwrap();
+        assert!(packed.success());
+        let out = dir.path().join("out");
+        let copy = |src: &str, dest: &str, mode: Option<u32>| {
+            // The script removes its archive, as in a build: a copy each run.
+            let a = dir.path().join("a.tgz");
+            std::fs::copy(&archive, &a).unwrap();
+            let script = context_copy_script(a.to_str().unwrap(), src, dest, User::Root, mode);
+            let run = Command::new("bash")
+                .args(["-c", &script])
+                .current_dir(dir.path())
+                .output()
+                .unwrap();
+            assert!(
+                !a.exists(),
+                "the archive is removed: {}",
+                String::from_utf8_lossy(&run.stderr)
+            );
+            run
+        };
+        let ok = |r: std::process::Output| {
+            assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+        };
+        let o = out.to_str().unwrap();
+        ok(copy("site/", &format!("{o}/www/"), None));
+        assert_eq!(
+            std::fs::read_to_string(out.join("www/index.html")).unwrap(),
+            "<h1>hi</h1>"
+        );
+        assert!(
+            out.join("www/css/a.css").is_file(),
+            "a directory's contents, kept whole"
+        );
+        ok(copy("app.py", &format!("{o}/bin/run.py"), Some(0o600)));
+        let renamed = out.join("bin/run.py");
+        assert_eq!(std::fs::read_to_string(&renamed).unwrap(), "print(1)");
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(
+            renamed.metadata().unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        ok(copy("*.py", &format!("{o}/py"), None));
+        assert!(
+            out.join("py/app.py").is_file() && out.join("py/tool.py").is_file(),
+            "several sources go into dest"
+        );
+        // Relative to the step's directory.
+        ok(copy("app.py", "rel/", None));
+        assert!(dir.path().join("rel/app.py").is_file());
+        let missing = copy("nope/*.txt", &format!("{o}/x/"), None);
+        assert!(!missing.status.success());
+        assert!(String::from_utf8_lossy(&missing.stderr).contains("nope/*.txt matches nothing"));
+        assert!(!Path::new(&format!("{o}/x")).exists());
     }
 }

@@ -1,8 +1,8 @@
 //! `process.Process`: commands, as the core runs them.
 //!
 //! `Start` runs `cmd` with its `args` (the SDKs' `commands.run` sends
-//! `/bin/bash -l -c <command>`), in `cwd` (the user's home by default, as
-//! in E2B), with the sandbox's environment under the call's `envs`, for at
+//! `/bin/bash -l -c <command>`), in `cwd` (by default the user's home, as
+//! in E2B, or a template's sandbox's working directory), with the sandbox's environment under the call's `envs`, for at
 //! most the call's `Connect-Timeout-Ms` (E2B's `timeout`; Sandpit's
 //! commands run 10 minutes at most). The command keeps running when its
 //! stream goes (E2B's `background=True` handles, or a client that hung
@@ -102,10 +102,20 @@ pub async fn start(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let params = match start_params(&headers, &body) {
+    let mut params = match start_params(&headers, &body) {
         Ok(params) => params,
         Err(e) => return connect::failed(e).await,
     };
+    // No directory asked for: the user's home, as in E2B, unless the
+    // sandbox comes from a template, whose last working directory is its
+    // commands' (E2B's "user and workdir"), which the core knows.
+    if params.cwd.is_none() {
+        match e2b.api.get_sandbox(&sandbox.caller, &sandbox.id).await {
+            Ok(s) if s.template_id.is_some() => {}
+            Ok(_) => params.cwd = Some(sandpit_protocol::GUEST_HOME.to_string()),
+            Err(e) => return connect::failed(e.into()).await,
+        }
+    }
     let on_terminal = params.pty.is_some();
     match e2b
         .api
@@ -504,12 +514,7 @@ fn start_params(headers: &HeaderMap, body: &[u8]) -> Result<ExecParams, RpcError
     Ok(ExecParams {
         command: shell_words::join(&words),
         timeout_ms: Some(timeout_ms),
-        cwd: Some(
-            req.process
-                .cwd
-                .map(|c| super::guest_path(&c))
-                .unwrap_or_else(|| sandpit_protocol::GUEST_HOME.to_string()),
-        ),
+        cwd: req.process.cwd.map(|c| super::guest_path(&c)),
         env: Some(req.process.envs).filter(|e| !e.is_empty()),
         stream: Some(true),
         keep_running: true,
@@ -613,7 +618,7 @@ mod tests {
     }
 
     #[test]
-    fn a_run_becomes_the_same_command_line_in_the_users_home() {
+    fn a_run_becomes_the_same_command_line() {
         let (h, body) = streamed(
             r#"{"process":{"cmd":"/bin/bash","args":["-l","-c","echo 'a b' && uname -a"],"envs":{"X":"y"}},"stdin":false}"#,
         );
@@ -622,7 +627,10 @@ mod tests {
             p.command,
             r#"/bin/bash -l -c 'echo '\''a b'\'' && uname -a'"#
         );
-        assert_eq!(p.cwd.as_deref(), Some("/home/user"));
+        assert_eq!(
+            p.cwd, None,
+            "no directory asked for: `start` picks the home or the template's"
+        );
         assert_eq!(p.timeout_ms, Some(60_000));
         assert_eq!(p.env.unwrap()["X"], "y");
     }
