@@ -516,11 +516,13 @@ pub trait Templates: Send + Sync {
         Err(no_templates())
     }
     /// Starts waiting build `id` with its steps; returns it `building`.
+    /// Steps that cannot be built (`Err`: why, from reading them; or what
+    /// the check finds) fail the build at once, the reason in its log.
     async fn start_template_build(
         &self,
         _caller: &Caller,
         _id: &str,
-        _spec: sandpit_templates::Spec,
+        _spec: std::result::Result<sandpit_templates::Spec, sandpit_templates::SpecError>,
     ) -> Result<Template> {
         Err(no_templates())
     }

@@ -232,6 +232,19 @@ pub struct Template {
     pub spec: Option<serde_json::Value>,
 }
 
+/// The templates a sandbox can start from, out of a list of builds (newest
+/// first, as `list_templates` gives them): each `name:tag`'s newest ready
+/// build, in the list's order. What `create`'s `template` picks by name.
+pub fn usable_templates(builds: &[Template]) -> Vec<Template> {
+    let mut seen = std::collections::BTreeSet::new();
+    builds
+        .iter()
+        .filter(|t| t.status == "ready")
+        .filter(|t| seen.insert((t.name.clone(), t.tag.clone())))
+        .cloned()
+        .collect()
+}
+
 /// `POST /v1/templates` body: a build of template `name`, described by a
 /// Dockerfile (without `COPY`: files are sent by `sandpit template build`)
 /// or by its steps.

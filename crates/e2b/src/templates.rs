@@ -232,8 +232,9 @@ async fn start_build(
     Path((_template, build)): Path<(String, String)>,
     Json(body): Json<BuildStart>,
 ) -> Answer {
-    let spec = to_spec(&body).map_err(|e| HttpError::bad_request(e.0))?;
-    e2b.api.start_template_build(&caller, &build, spec).await?;
+    e2b.api
+        .start_template_build(&caller, &build, to_spec(&body))
+        .await?;
     Ok(StatusCode::ACCEPTED.into_response())
 }
 

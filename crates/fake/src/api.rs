@@ -793,5 +793,10 @@ fn page_of<'a, T: Clone + 'a>(
 #[async_trait]
 impl Terminals for Fake {}
 
+/// The fake builds no templates: it has none to list.
 #[async_trait]
-impl Templates for Fake {}
+impl Templates for Fake {
+    async fn list_templates(&self, _caller: &Caller) -> Result<List<Template>> {
+        Ok(List::new(Vec::new(), false, None))
+    }
+}

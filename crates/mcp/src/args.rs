@@ -31,7 +31,7 @@ pub struct CreateSandboxArgs {
     /// Start from this snapshot (`snap_...`, from snapshot_sandbox or list_snapshots) instead of a fresh image: its files, installed packages and running processes, with a fresh identity. The size is the snapshot's (leave size out).
     #[serde(default)]
     pub snapshot_id: Option<String>,
-    /// Start from this template (`name` or `name:tag`, built with `sandpit template build` or POST /v1/templates): its packages, files and environment, its server already running. The size is the template's (leave size out).
+    /// Start from this template (`name` or `name:tag`, from list_templates; built with `sandpit template build`, E2B's Template.build or POST /v1/templates): its packages, files and environment, its server already running. The size is the template's (leave size out).
     #[serde(default)]
     pub template: Option<String>,
 }
@@ -113,6 +113,15 @@ impl RestoreSandboxArgs {
             },
         )
     }
+}
+
+/// `list_templates`.
+#[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ListTemplatesArgs {
+    /// Every build (building, failed and older versions too), not just the templates a sandbox can start from.
+    #[serde(default)]
+    pub all_builds: bool,
 }
 
 /// `list_snapshots`.

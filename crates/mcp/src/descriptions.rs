@@ -127,6 +127,13 @@ pub(crate) const D_LIST_SNAPSHOTS: &str = "\
 List this account's snapshots, newest first: id, name, the sandbox each was taken of, size on \
 disk and expiry. Pages with limit and starting_after = the previous page's next_cursor.";
 
+pub(crate) const D_LIST_TEMPLATES: &str = "\
+List the templates this account may start sandboxes from (its own and those the operator \
+published): for each name:tag its newest ready build, with its size and steps. Pass the name \
+as create_sandbox's template to get a sandbox with the template's packages, files and \
+environment, its server already running. all_builds=true lists every build instead (building, \
+failed, older versions), newest first.";
+
 pub(crate) const D_DELETE_SNAPSHOT: &str = "\
 Delete a snapshot and free its disk once you no longer need to restore to it or start from it. \
 Sandboxes already started from it are not affected. Snapshots are deleted at their expires_at \

@@ -2,8 +2,8 @@
 //! (create_sandbox, run_command, write_file, read_file, list_files,
 //! expose_port, get_sandbox, list_sandboxes, extend_sandbox, destroy_sandbox,
 //! get_usage, get_service_info), and snapshot_sandbox, fork_sandbox,
-//! restore_sandbox, list_snapshots and delete_snapshot, over stdio and
-//! Streamable HTTP.
+//! restore_sandbox, list_snapshots, delete_snapshot, pause_sandbox,
+//! resume_sandbox and list_templates, over stdio and Streamable HTTP.
 //!
 //! Why it looks like this:
 //!

@@ -23,7 +23,7 @@ use rmcp::{
 use sandpit_core::{
     Caller, CoreError, Encoding, ErrorType, ExecEvent, ExecParams, Execution, ExecutionStatus,
     FileContent, FileList, FileWritten, Fork, Limits, List, Port, Sandbox, SandboxApi, ServiceInfo,
-    Snapshot, Usage,
+    Snapshot, Template, Usage,
 };
 use serde::{de::DeserializeOwned, Serialize};
 use std::{borrow::Cow, sync::Arc};
@@ -841,6 +841,42 @@ impl SandpitMcp {
             Err(r) => return r,
         };
         answer(self.api.list_snapshots(&caller, a.into()).await)
+    }
+
+    #[tool(
+        name = "list_templates",
+        description = D_LIST_TEMPLATES,
+        input_schema = schema::input::<ListTemplatesArgs>(),
+        output_schema = schema::output::<List<Template>>(),
+        annotations(
+            title = "List templates",
+            read_only_hint = true,
+            destructive_hint = false,
+            idempotent_hint = true,
+            open_world_hint = false
+        )
+    )]
+    async fn list_templates(
+        &self,
+        ctx: RequestContext<RoleServer>,
+        args: JsonObject,
+    ) -> Result<CallToolResult, ErrorData> {
+        let (caller, a) = match self
+            .prepare::<ListTemplatesArgs>("list_templates", &ctx, args)
+            .await
+        {
+            Ok(v) => v,
+            Err(r) => return r,
+        };
+        answer(
+            self.api
+                .list_templates(&caller)
+                .await
+                .map(|all| match a.all_builds {
+                    true => all,
+                    false => List::new(sandpit_core::usable_templates(&all.data), false, None),
+                }),
+        )
     }
 
     #[tool(

@@ -79,6 +79,7 @@ async fn tools_list_has_every_tool_with_schemas_and_annotations() {
         "read_file",
         "list_files",
         "list_snapshots",
+        "list_templates",
     ] {
         assert!(hints(ro).0, "{ro} is read-only");
         assert!(!hints(ro).1, "{ro} is not destructive");

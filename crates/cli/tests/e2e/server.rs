@@ -168,7 +168,7 @@ async fn mcp_flow<S: rmcp::service::Service<rmcp::RoleClient>>(
 ) {
     let tools = c.list_all_tools().await.unwrap();
     // The spec's twelve, then snapshots, fork, restore and pause.
-    assert_eq!(tools.len(), 19);
+    assert_eq!(tools.len(), 20);
     for name in ["run_command", "snapshot_sandbox", "pause_sandbox"] {
         assert!(tools.iter().any(|t| t.name == name), "{name}");
     }
@@ -242,7 +242,7 @@ fn the_agent_flow_over_mcp_streamable_http() {
             ))
             .await
             .unwrap();
-        assert_eq!(anon.list_all_tools().await.unwrap().len(), 19);
+        assert_eq!(anon.list_all_tools().await.unwrap().len(), 20);
         let info = anon
             .call_tool(CallToolRequestParams::new("get_service_info"))
             .await

@@ -353,6 +353,74 @@ fn a_dockerfile_template_starts_sandboxes_with_its_server_up_and_rebuilds_from_i
         let (st, t) = api.get("/templates/e2bweb:v1").await;
         assert_eq!((st, t["status"].as_str()), (200, Some("ready")), "{t}");
         assert_eq!(t["spec"]["steps"].as_array().map(Vec::len), Some(7), "{t}");
+
+        // An agent over MCP: list_templates names what it may start (each
+        // name:tag once, ready), and create_sandbox starts one.
+        use rmcp::model::CallToolRequestParams;
+        use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+        use rmcp::transport::StreamableHttpClientTransport;
+        use rmcp::ServiceExt;
+        let agent = ()
+            .serve(StreamableHttpClientTransport::from_config(
+                StreamableHttpClientTransportConfig::with_uri(format!("{}/v1/mcp", server.url))
+                    .auth_header(key.clone()),
+            ))
+            .await
+            .unwrap();
+        let call = |name: &'static str, args: Value| {
+            let params = CallToolRequestParams::new(name)
+                .with_arguments(args.as_object().unwrap().clone());
+            let agent = &agent;
+            async move {
+                let r = agent.call_tool(params).await.unwrap();
+                assert_ne!(r.is_error, Some(true), "{name}: {r:?}");
+                r.structured_content.unwrap()
+            }
+        };
+        let listed = call("list_templates", json!({})).await;
+        let mut names: Vec<String> = listed["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| format!("{}:{} {}", t["name"].as_str().unwrap(), t["tag"].as_str().unwrap(), t["status"].as_str().unwrap()))
+            .collect();
+        names.sort();
+        assert_eq!(
+            names,
+            ["e2bjs:latest ready", "e2bweb:v1 ready", "web:latest ready"],
+            "each name:tag once, ready: {listed}"
+        );
+        let all = call("list_templates", json!({"all_builds": true})).await;
+        // Every build: e2bweb:v1 twice, and the Ubuntu one refused
+        // (failed at once, saying why, not left waiting).
+        let mut builds: Vec<String> = all["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| format!("{} {}", t["name"].as_str().unwrap(), t["status"].as_str().unwrap()))
+            .collect();
+        builds.sort();
+        assert_eq!(
+            builds,
+            ["bad failed", "e2bjs ready", "e2bweb ready", "e2bweb ready", "web ready"],
+            "{all}"
+        );
+        let (_, bad) = api.get("/templates/bad").await;
+        assert!(bad["error"].as_str().unwrap().contains("standard image"), "{bad}");
+        let sbx = call("create_sandbox", json!({"template": "e2bweb:v1", "timeout_minutes": 5})).await;
+        let id = sbx["id"].as_str().unwrap();
+        let run = call(
+            "run_command",
+            json!({"sandbox_id": id, "command": "pwd; sandpit-hello; curl -s http://127.0.0.1:8000/"}),
+        )
+        .await;
+        assert_eq!(
+            run["stdout"],
+            "/srv/app\nhello from apt\n<h1>hello from the e2b builder</h1>\n",
+            "{run}"
+        );
+        call("destroy_sandbox", json!({"sandbox_id": id})).await;
+        agent.cancel().await.unwrap();
     });
 
     // Published by the operator: every account may start it.

@@ -1039,7 +1039,7 @@ impl Templates for Service {
         &self,
         caller: &Caller,
         id: &str,
-        spec: Spec,
+        spec: std::result::Result<Spec, sandpit_templates::SpecError>,
     ) -> Result<Template> {
         let waiting = self
             .store
@@ -1053,7 +1053,24 @@ impl Templates for Service {
                 waiting.status.as_str()
             )));
         }
-        self.check_spec(caller, &spec).await?;
+        let checked = match spec {
+            Ok(spec) => self.check_spec(caller, &spec).await.map(|()| spec),
+            Err(e) => Err(CoreError::invalid(e.0)),
+        };
+        let spec = match checked {
+            Ok(spec) => spec,
+            Err(e) => {
+                // Refused: the build fails now, not when the reaper finds
+                // it waiting, and says why.
+                if self.store.start_template(id, "{}", 0).await?.is_some() {
+                    let log = format!("build refused: {}\n", e.message);
+                    self.store
+                        .finish_template(id, Err(&e.message), &log)
+                        .await?;
+                }
+                return Err(e);
+            }
+        };
         let me = self
             .arc_self()
             .ok_or_else(|| CoreError::internal("the service is shutting down"))?;

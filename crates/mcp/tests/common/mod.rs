@@ -53,8 +53,9 @@ pub const SPEC_TOOLS: [&str; 12] = [
     "get_service_info",
 ];
 
-/// Every tool: the spec's twelve, then snapshots, fork, restore and pause.
-pub const TOOLS: [&str; 19] = [
+/// Every tool: the spec's twelve, then snapshots, fork, restore, pause and
+/// templates.
+pub const TOOLS: [&str; 20] = [
     "create_sandbox",
     "run_command",
     "write_file",
@@ -74,6 +75,7 @@ pub const TOOLS: [&str; 19] = [
     "delete_snapshot",
     "pause_sandbox",
     "resume_sandbox",
+    "list_templates",
 ];
 
 /// An rmcp client that offers one protocol version at `initialize` and keeps

@@ -45,6 +45,7 @@ const calls = [
   ['resume_sandbox', () => sandbox],
   ['list_snapshots', () => ({ limit: 10 })],
   ['delete_snapshot', () => snapshot],
+  ['list_templates', () => ({ all_builds: true })],
   ['get_usage', () => ({ days: 7 })],
   ['destroy_sandbox', () => sandbox],
 ];
