@@ -23,6 +23,7 @@ mod keys;
 mod pages;
 mod session;
 mod signup;
+mod templates;
 mod view;
 
 pub use signup::{ClientAddr, SignupConfig, SignupMode};
@@ -91,6 +92,10 @@ pub fn router(svc: Arc<Service>, config: WebConfig) -> Router {
         .route("/sandboxes/{id}/files/delete", post(files::delete))
         .route("/snapshots", get(pages::snapshots))
         .route("/snapshots/{id}/delete", post(pages::delete_snapshot))
+        .route("/templates", get(templates::list))
+        .route("/templates/{id}", get(templates::build))
+        .route("/templates/{id}/rebuild", post(templates::rebuild))
+        .route("/templates/{id}/delete", post(templates::delete))
         .route("/usage", get(pages::usage))
         .route("/keys", get(keys::list).post(keys::create))
         .route("/keys/{id}/revoke", post(keys::revoke))

@@ -12,8 +12,8 @@ use axum::response::{IntoResponse, Redirect, Response};
 use axum::Json;
 use maud::{html, Markup};
 use sandpit_core::{
-    CreateSandbox, CreateSnapshot, EntryType, ExecParams, ForkSandbox, ListSandboxes,
-    ListSnapshots, Sandbox, SandboxStatus,
+    usable_templates, CreateSandbox, CreateSnapshot, EntryType, ExecParams, ForkSandbox,
+    ListSandboxes, ListSnapshots, Sandbox, SandboxStatus,
 };
 use serde::Deserialize;
 
@@ -92,6 +92,7 @@ async fn render_sandboxes(
             },
         )
         .await?;
+    let templates = usable_templates(&web.api.list_templates(&signed.caller).await?.data);
     let (live_ones, ended): (Vec<&Sandbox>, Vec<&Sandbox>) =
         list.data.iter().partition(|s| live(s));
     let csrf = signed.csrf();
@@ -133,6 +134,17 @@ async fn render_sandboxes(
                         @for s in snapshots.data.iter().filter(|s| s.status == "ready") {
                             option value=(s.id) {
                                 (s.name.as_deref().unwrap_or(&s.id)) " (" (s.size) ")"
+                            }
+                        }
+                    }
+                }
+                div {
+                    label for="template" { "From a template" }
+                    select id="template" name="template" {
+                        option value="" { "— none —" }
+                        @for t in &templates {
+                            option value={ (t.name) ":" (t.tag) } {
+                                (t.name) ":" (t.tag) " (" (t.size) ")"
                             }
                         }
                     }
@@ -223,6 +235,8 @@ pub(crate) struct CreateForm {
     name: String,
     #[serde(default)]
     snapshot_id: String,
+    #[serde(default)]
+    template: String,
 }
 
 /// `POST /sandboxes`: create, then show it.
@@ -233,12 +247,14 @@ pub(crate) async fn create(
 ) -> PageResult {
     signed.check_csrf(&f.csrf)?;
     let from_snapshot = !f.snapshot_id.is_empty();
+    let from_template = !f.template.is_empty();
     let req = CreateSandbox {
-        // A snapshot decides the size.
-        size: (!from_snapshot).then_some(f.size),
+        // A snapshot or a template decides the size.
+        size: (!from_snapshot && !from_template).then_some(f.size),
         name: Some(f.name.trim().to_string()).filter(|n| !n.is_empty()),
         timeout_minutes: Some(f.timeout_minutes),
         snapshot_id: from_snapshot.then_some(f.snapshot_id),
+        template: from_template.then_some(f.template),
         ..CreateSandbox::default()
     };
     match web.api.create_sandbox(&signed.caller, req, None).await {

@@ -19,6 +19,7 @@ use time::OffsetDateTime;
 pub(crate) enum Section {
     Sandboxes,
     Snapshots,
+    Templates,
     Usage,
     Keys,
     Accounts,
@@ -52,6 +53,7 @@ pub(crate) fn page(
                             ul {
                                 (nav_item("/sandboxes", "Sandboxes", section == Section::Sandboxes))
                                 (nav_item("/snapshots", "Snapshots", section == Section::Snapshots))
+                                (nav_item("/templates", "Templates", section == Section::Templates))
                                 (nav_item("/usage", "Usage", section == Section::Usage))
                                 (nav_item("/keys", "API keys", section == Section::Keys))
                                 @if s.admin {

@@ -3,7 +3,8 @@
 //! person does: sign in with the printed key, create a sandbox, run a
 //! command, use the file browser (upload, download, delete), expose a port
 //! and open its link, type into the terminal and read its output from the
-//! page, pause, resume and snapshot, make and revoke a key, read usage,
+//! page, pause, resume and snapshot, find a template, read its build's
+//! log, rebuild it and start a sandbox from it, make and revoke a key, read usage,
 //! add credit as an operator, sign out, sign up with an invitation (and be
 //! refused past the per-address limit), and never see another account's
 //! sandboxes.
@@ -155,6 +156,24 @@ async fn template_ready(url: &str, key: &str) {
         assert!(
             std::time::Instant::now() < deadline,
             "the warm pool did not fill"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// Waits until template `name`'s first build is ready; its id.
+async fn template_built(url: &str, key: &str, name: &str) -> String {
+    let deadline = std::time::Instant::now() + PATIENCE;
+    loop {
+        let (_, t) = rest_get(url, key, &format!("/templates/{name}")).await;
+        match t["status"].as_str() {
+            Some("ready") => return t["id"].as_str().unwrap().to_string(),
+            Some("building") => {}
+            _ => panic!("template {name}: {t}"),
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{name} was not built: {t}"
         );
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
@@ -445,6 +464,75 @@ async fn a_person_uses_the_dashboard_in_a_real_browser() {
         click_and_load(&b, "Delete").await;
     }
     b.wait_for_text("No snapshots yet", PATIENCE).await;
+
+    // Templates: one built over REST is on its page (a laptop's and a
+    // phone's window), its build's page shows the log; a rebuild from the
+    // page runs every step again; the create form starts a sandbox from
+    // it, the step's file there.
+    let started = reqwest::Client::new()
+        .post(format!("{url}/v1/templates"))
+        .bearer_auth(&admin_key)
+        .json(&json!({"name": "dash", "spec": {"steps": [
+            {"type": "run", "command": "echo from-the-template > /etc/dash"}
+        ]}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(started.status().as_u16(), 202);
+    let built = template_built(&url, &admin_key, "dash").await;
+    click_and_load(&b, "Templates").await;
+    b.wait_for_text("Ready to use (1)", PATIENCE).await;
+    shots.take(&b, "templates").await;
+    click_and_load(&b, "dash:latest").await;
+    b.wait_for_text("step 1/1: RUN echo from-the-template", PATIENCE)
+        .await;
+    shots.take(&b, "template").await;
+    click_and_load(&b, "Rebuild from scratch").await;
+    let rebuilt = b.current_url().await;
+    assert!(!rebuilt.ends_with(&built), "a new build's page: {rebuilt}");
+    let deadline = std::time::Instant::now() + PATIENCE;
+    loop {
+        b.goto(&rebuilt).await;
+        let text = b.text().await;
+        if text.contains("ready in") {
+            assert!(
+                !text.contains("(cached)"),
+                "a rebuild from scratch used the cache: {text}"
+            );
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the rebuild did not finish: {text}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    b.goto(&format!("{url}/sandboxes")).await;
+    let offered = b
+        .execute(
+            "return [...document.querySelectorAll('#template option')].map(o => o.value)",
+            vec![],
+        )
+        .await;
+    assert_eq!(offered, json!(["", "dash:latest"]));
+    b.execute(
+        "document.getElementById('template').value = 'dash:latest'",
+        vec![],
+    )
+    .await;
+    click_and_load(&b, "Create sandbox").await;
+    b.wait_for_text("Preview ports", PATIENCE).await;
+    let from_template = sandbox_shown(&b).await;
+    b.fill("Command", "cat /etc/dash").await;
+    click_and_load(&b, "Run").await;
+    wait_for_output(&b, "from-the-template").await;
+    let gone = reqwest::Client::new()
+        .delete(format!("{url}/v1/sandboxes/{from_template}"))
+        .bearer_auth(&admin_key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(gone.status().as_u16(), 200);
 
     // Usage.
     click_and_load(&b, "Usage").await;
