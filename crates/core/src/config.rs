@@ -80,6 +80,12 @@ pub struct ServiceConfig {
     /// What one account's snapshots may take on disk together; at it, no
     /// new one (429).
     pub snapshot_bytes_per_account: u64,
+    /// Templates (`name:tag`s with a build not failed or deleted) one
+    /// account may hold; past it, a build of a new one is refused (429).
+    pub max_templates_per_account: u32,
+    /// What one account's template layers and uploaded files may take
+    /// together; at it, no new build (429).
+    pub template_bytes_per_account: u64,
     /// What a paused sandbox costs, in percent of its running price.
     pub paused_price_percent: u32,
     /// A sandbox that nobody used for this long (no call, no preview
@@ -164,6 +170,8 @@ impl Default for ServiceConfig {
             snapshot_retention_days: 7,
             max_snapshots_per_account: 20,
             snapshot_bytes_per_account: 50 * 1024 * 1024 * 1024,
+            max_templates_per_account: 20,
+            template_bytes_per_account: 50 * 1024 * 1024 * 1024,
             paused_price_percent: 10,
             idle_pause_secs: 0,
             commit: "unknown".into(),

@@ -111,6 +111,12 @@ pub struct LimitsSection {
     /// What one account's snapshots may take on disk together, in MiB
     /// (default 51200); at it, no new snapshot (429).
     pub snapshot_storage_mb: Option<u64>,
+    /// Templates one account may hold (default 20); a build of one more
+    /// is refused (429).
+    pub max_templates: Option<u32>,
+    /// What one account's template layers and uploaded files may take
+    /// together, in MiB (default 51200); at it, no new build (429).
+    pub template_storage_mb: Option<u64>,
     /// What a paused sandbox costs, in percent of its running price
     /// (default 10).
     pub paused_price_percent: Option<u32>,
@@ -341,6 +347,12 @@ impl Settings {
             }
             if let Some(mb) = l.snapshot_storage_mb {
                 service.snapshot_bytes_per_account = mb.saturating_mul(1024 * 1024);
+            }
+            if let Some(n) = l.max_templates {
+                service.max_templates_per_account = n;
+            }
+            if let Some(mb) = l.template_storage_mb {
+                service.template_bytes_per_account = mb.saturating_mul(1024 * 1024);
             }
             if let Some(p) = l.paused_price_percent {
                 service.paused_price_percent = p.min(100);

@@ -229,6 +229,42 @@ impl Store {
         row.as_ref().map(template_from).transpose()
     }
 
+    /// What `account_id`'s templates hold: the `name:tag`s with a build
+    /// waiting, building or ready (other than `except`, the one a new build
+    /// is of), and the bytes of its builds' layers (a layer two builds
+    /// share counts twice) and of its uploaded files.
+    pub async fn template_usage(
+        &self,
+        account_id: &str,
+        except: (&str, &str),
+    ) -> Result<(u64, u64)> {
+        let names: i64 = sqlx::query_scalar(
+            "SELECT CAST(COUNT(*) AS BIGINT) FROM (SELECT DISTINCT name, tag FROM templates \
+               WHERE account_id = $1 AND status IN ('waiting', 'building', 'ready') \
+                 AND NOT (name = $2 AND tag = $3)) AS held",
+        )
+        .bind(account_id)
+        .bind(except.0)
+        .bind(except.1)
+        .fetch_one(&self.pool)
+        .await?;
+        let builds: i64 = sqlx::query_scalar(
+            "SELECT CAST(COALESCE(SUM(bytes), 0) AS BIGINT) FROM templates \
+             WHERE account_id = $1 AND status IN ('building', 'ready')",
+        )
+        .bind(account_id)
+        .fetch_one(&self.pool)
+        .await?;
+        let files: i64 = sqlx::query_scalar(
+            "SELECT CAST(COALESCE(SUM(bytes), 0) AS BIGINT) FROM template_files \
+             WHERE account_id = $1",
+        )
+        .bind(account_id)
+        .fetch_one(&self.pool)
+        .await?;
+        Ok((names.max(0) as u64, (builds.max(0) + files.max(0)) as u64))
+    }
+
     /// A building template's log so far (its last [`MAX_LOG_BYTES`]) and
     /// how many steps were cached; moves its `updated_at`, which says the
     /// build is alive.
@@ -461,6 +497,21 @@ impl Store {
         .execute(&self.pool)
         .await?;
         Ok(Some(found))
+    }
+
+    /// Forgets the layers nobody used since `before` that no live template
+    /// starts from (the cache's eviction; the sweep then removes their
+    /// saves, which nothing names any more). Returns how many.
+    pub async fn drop_stale_template_layers(&self, before: OffsetDateTime) -> Result<u64> {
+        let done = sqlx::query(
+            "DELETE FROM template_layers WHERE used_at < $1 AND save_id NOT IN \
+               (SELECT snapshot_id FROM templates \
+                WHERE status <> 'deleted' AND snapshot_id IS NOT NULL)",
+        )
+        .bind(format_ts(before))
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected())
     }
 
     /// Records a layer (a newer save of the same key on the same host

@@ -2618,6 +2618,27 @@ async fn template_builds_layers_and_files_are_an_accounts_own_until_published(st
         .unwrap();
     assert_eq!(shared.id, "tpl_1");
     assert!(shared.public);
+    // What the account holds: one name:tag (a ready build and one going),
+    // the ready build's bytes; a build of web:latest again adds no name.
+    assert_eq!(
+        store.template_usage(&acct.id, ("api", "v1")).await.unwrap(),
+        (1, 4096)
+    );
+    assert_eq!(
+        store
+            .template_usage(&acct.id, ("web", "latest"))
+            .await
+            .unwrap(),
+        (0, 4096)
+    );
+    assert_eq!(
+        store
+            .template_usage(&other.id, ("api", "v1"))
+            .await
+            .unwrap(),
+        (0, 0),
+        "a published template is not the other account's to pay for"
+    );
     // A build asked for before its steps (E2B's builder): waiting, with
     // its upload secret, until started; then building, the secret spent.
     let waiting = store
@@ -2716,6 +2737,21 @@ async fn template_builds_layers_and_files_are_an_accounts_own_until_published(st
     let mut kept = store.template_saves_on("node-a").await.unwrap();
     kept.sort();
     assert_eq!(kept, ["snap_l2"], "the retired build's save is not kept");
+    // Retired and failed builds hold nothing.
+    assert_eq!(
+        store
+            .template_usage(&acct.id, ("other", "latest"))
+            .await
+            .unwrap()
+            .0,
+        0,
+        "tpl_1 was retired, the rest failed"
+    );
+    // The cache: a layer unused for long goes, unless a template starts
+    // from its save.
+    let soon = OffsetDateTime::now_utc() + Duration::minutes(1);
+    assert_eq!(store.drop_stale_template_layers(soon).await.unwrap(), 1);
+    assert!(store.template_saves_on("node-a").await.unwrap().is_empty());
     // A sandbox names the build it started from, and its commands' directory.
     store.add_credit(&acct.id, 1_000_000, None).await.unwrap();
     let sbx = created(

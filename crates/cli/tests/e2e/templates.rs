@@ -194,7 +194,8 @@ fn a_dockerfile_template_starts_sandboxes_with_its_server_up_and_rebuilds_from_i
     let mut host = TestHost::start("tpl", HOST_SIDE, REPO);
     host.serve_http(www.path());
     let data = data_dir();
-    let server = Server::start(&data);
+    // Four templates per account: the fifth name is refused.
+    let server = Server::start_with(&data, "[limits]\nmax_templates = 4\n");
     let key = server.new_account("builder", 50.0);
     let other_key = server.new_account("neighbour", 50.0);
     let api = Rest::new(&server, &key);
@@ -537,6 +538,17 @@ fn a_dockerfile_template_starts_sandboxes_with_its_server_up_and_rebuilds_from_i
                 assert_eq!(built["cached_steps"], 2, "{built}");
             }
         }
+        // The account holds four templates (web, e2bweb:v1, e2bjs,
+        // plain:v1; the refused one failed): a fifth is over its quota,
+        // a new build of one it holds is not.
+        let (st, body) = api
+            .post("/templates", json!({"name": "fifth", "dockerfile": "FROM sandpit\nRUN true\n"}))
+            .await;
+        assert_eq!(st, 429, "{body}");
+        assert!(
+            body["error"]["message"].as_str().unwrap().contains("quota is 4 templates"),
+            "{body}"
+        );
         let (st, sbx) = create_from(&api, "plain:v1").await;
         assert_eq!(st, 201, "{sbx}");
         let id = sbx["id"].as_str().unwrap();

@@ -373,6 +373,19 @@ impl Service {
             Ok(n) => tracing::warn!("{n} template build(s) stopped moving: failed"),
             Err(e) => tracing::warn!("reaper: template builds: {e}"),
         }
+        // Template layers are a cache: one unused for as long as a snapshot
+        // is kept, that no template starts from, goes (its save with the
+        // next sweep).
+        let unused = time::Duration::days(i64::from(self.config.snapshot_retention_days));
+        match self
+            .store
+            .drop_stale_template_layers(OffsetDateTime::now_utc() - unused)
+            .await
+        {
+            Ok(0) => {}
+            Ok(n) => tracing::info!("{n} template layer(s) unused for {unused}: dropped"),
+            Err(e) => tracing::warn!("reaper: template layers: {e}"),
+        }
         let next_sandbox = self.store.next_expiry(&self.config.host_name).await;
         let next = next_sandbox.map(|n| match (n, next_snapshot) {
             (Some(a), Some(b)) => Some(a.min(b)),

@@ -309,6 +309,32 @@ impl Service {
         Ok(())
     }
 
+    /// Refuses a build of `name:tag` that would take the account past its
+    /// templates' quota (count or bytes; checked before the build, so two
+    /// racing builds may pass it by one).
+    async fn check_quota(&self, caller: &Caller, (name, tag): (&str, &str)) -> Result<()> {
+        let (held, bytes) = self
+            .store
+            .template_usage(&caller.account_id, (name, tag))
+            .await?;
+        let (max_count, max_bytes) = (
+            u64::from(self.config.max_templates_per_account),
+            self.config.template_bytes_per_account,
+        );
+        if held >= max_count || bytes >= max_bytes {
+            return Err(CoreError::new(
+                ErrorType::RateLimited,
+                format!(
+                    "the account holds {held} other templates taking {bytes} bytes; its quota \
+                     is {max_count} templates and {max_bytes} bytes: delete templates (and \
+                     their older builds) first"
+                ),
+            )
+            .lasting());
+        }
+        Ok(())
+    }
+
     /// The ready check's bound a build asks for, checked.
     fn ready_timeout(seconds: Option<u32>) -> Result<Duration> {
         match seconds {
@@ -889,6 +915,7 @@ impl Templates for Service {
         let (name, tag) = parse_reference(&req.name)?;
         let size = self.build_size(req.size.clone())?;
         let ready = Self::ready_timeout(req.ready_timeout_seconds)?;
+        self.check_quota(caller, (&name, &tag)).await?;
         let spec = self.checked_spec(caller, &req).await?;
         let me = self
             .arc_self()
@@ -1009,6 +1036,7 @@ impl Templates for Service {
     ) -> Result<ReservedBuild> {
         let (name, tag) = parse_reference(name)?;
         let size = self.build_size(size)?;
+        self.check_quota(caller, (&name, &tag)).await?;
         let token = hex::encode(rand::random::<[u8; 24]>());
         let row = self
             .store
