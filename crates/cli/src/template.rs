@@ -69,6 +69,11 @@ pub struct BuildArgs {
     /// The Dockerfile
     #[arg(short = 'f', long = "file", default_value = "Dockerfile")]
     file: PathBuf,
+    /// A template Sandpit carries instead of a Dockerfile:
+    /// `code-interpreter` (Jupyter's Python kernel behind the API of E2B's
+    /// code-interpreter SDK, on port 49999)
+    #[arg(long, value_name = "PRESET", conflicts_with_all = ["file", "context"])]
+    preset: Option<String>,
     /// Where COPY's sources are [default: the Dockerfile's directory]
     #[arg(long)]
     context: Option<PathBuf>,
@@ -171,7 +176,51 @@ pub async fn run(settings: &Settings, cmd: TemplateCommand) -> Result<i32> {
     }
 }
 
-async fn build(args: BuildArgs) -> Result<i32> {
+/// The templates Sandpit carries (`templates/` in its source): each a
+/// Dockerfile and the files it copies, by name.
+const PRESETS: &[(&str, &[(&str, &str)])] = &[(
+    "code-interpreter",
+    &[
+        (
+            "Dockerfile",
+            include_str!("../../../templates/code-interpreter/Dockerfile"),
+        ),
+        (
+            "server.py",
+            include_str!("../../../templates/code-interpreter/server.py"),
+        ),
+    ],
+)];
+
+/// A preset's files written to a directory of their own (a build context,
+/// removed when dropped).
+fn preset_context(name: &str) -> Result<tempfile::TempDir> {
+    let (_, files) = PRESETS.iter().find(|(n, _)| *n == name).ok_or_else(|| {
+        anyhow!(
+            "no preset {name:?}: the presets are {}",
+            PRESETS
+                .iter()
+                .map(|(n, _)| *n)
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
+    })?;
+    let dir = tempfile::tempdir()?;
+    for (file, text) in *files {
+        std::fs::write(dir.path().join(file), text)?;
+    }
+    Ok(dir)
+}
+
+async fn build(mut args: BuildArgs) -> Result<i32> {
+    let _preset = match &args.preset {
+        Some(name) => {
+            let dir = preset_context(name)?;
+            args.file = dir.path().join("Dockerfile");
+            Some(dir)
+        }
+        None => None,
+    };
     let text = std::fs::read_to_string(&args.file)
         .with_context(|| format!("reading {}", args.file.display()))?;
     let mut build_args = BTreeMap::new();

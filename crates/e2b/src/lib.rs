@@ -66,6 +66,27 @@ pub struct E2b {
     pub watchers: Watchers,
 }
 
+/// The port envd listens on in E2B's sandboxes: a data-plane request that
+/// names it (or no port) is envd's.
+pub const ENVD_PORT: u16 = 49983;
+
+/// The sandbox and port a request names for a server of the sandbox's own
+/// (`E2b-Sandbox-Id` and `E2b-Sandbox-Port` other than envd's): what the
+/// SDKs send when `E2B_SANDBOX_URL` is set, e.g. the code interpreter's
+/// `run_code` to port 49999. Such a request goes to that port as a preview
+/// URL's would.
+pub fn sandbox_port(headers: &HeaderMap) -> Option<(String, u16)> {
+    let id = headers.get(SANDBOX_ID_HEADER)?.to_str().ok()?.trim();
+    let port: u16 = headers
+        .get("e2b-sandbox-port")?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    (port != ENVD_PORT && !id.is_empty()).then(|| (id.to_string(), port))
+}
+
 /// Whether a request is for a sandbox's data plane: it names one in
 /// [`SANDBOX_ID_HEADER`], or it is a signed file URL
 /// (`/files?…&signature=…`, which a browser or `curl` opens without the
@@ -76,4 +97,28 @@ pub fn is_data_plane(headers: &HeaderMap, uri: &Uri) -> bool {
             && uri.query().is_some_and(|q| {
                 form_urlencoded::parse(q.as_bytes()).any(|(name, _)| name == "signature")
             }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_port_other_than_envds_goes_to_the_sandboxs_own_server() {
+        let headers = |port: Option<&str>| {
+            let mut h = HeaderMap::new();
+            h.insert(SANDBOX_ID_HEADER, "sbx_1".parse().unwrap());
+            if let Some(p) = port {
+                h.insert("e2b-sandbox-port", p.parse().unwrap());
+            }
+            h
+        };
+        assert_eq!(
+            sandbox_port(&headers(Some("49999"))),
+            Some(("sbx_1".into(), 49999))
+        );
+        assert_eq!(sandbox_port(&headers(Some("49983"))), None, "envd's");
+        assert_eq!(sandbox_port(&headers(None)), None);
+        assert_eq!(sandbox_port(&headers(Some("x"))), None);
+    }
 }

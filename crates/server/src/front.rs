@@ -56,6 +56,12 @@ impl Front {
             Some(a) => parse_host(a, &self.preview_domain, &self.preview_scheme),
             None => HostKind::Api,
         };
+        // E2B's SDKs name a sandbox's own server (not envd) by headers on
+        // the data plane's URL: it is reached as its preview URL would be.
+        let kind = match (kind, sandpit_e2b::sandbox_port(req.headers())) {
+            (HostKind::Api, Some((sandbox_id, port))) => HostKind::Preview { port, sandbox_id },
+            (kind, _) => kind,
+        };
         match kind {
             HostKind::Api => {
                 let mut req = req.map(Body::new);

@@ -239,6 +239,21 @@ fn a_dockerfile_template_starts_sandboxes_with_its_server_up_and_rebuilds_from_i
             first_page(&api, id).await,
             "<h1>hello from the template</h1>\n"
         );
+        // The same server named as E2B's SDKs name a sandbox's port when
+        // E2B_SANDBOX_URL is set (the code interpreter's `run_code`):
+        // headers on the server's own URL.
+        let direct = reqwest::Client::new()
+            .get(format!("{}/", server.url))
+            .header("e2b-sandbox-id", id)
+            .header("e2b-sandbox-port", "8000")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(direct.status(), 200);
+        assert_eq!(
+            direct.text().await.unwrap(),
+            "<h1>hello from the template</h1>\n"
+        );
         // Its packages, environment and directory are the template's; its
         // commands are the unprivileged user's.
         assert_eq!(api.sh(id, "sandpit-hello").await, "hello from apt");
