@@ -131,6 +131,9 @@ fn size_of_template(
     )))
 }
 
+/// The template `e2b_code_interpreter`'s `Sandbox.create()` asks for.
+const CODE_INTERPRETER_DEFAULT: &str = "code-interpreter-v1";
+
 /// Seconds to Sandpit's whole minutes, rounded up, at least one.
 fn minutes(seconds: u64) -> u32 {
     u32::try_from(seconds.div_ceil(60).max(1)).unwrap_or(u32::MAX)
@@ -145,7 +148,15 @@ async fn create(
     refuse_unsupported(&body)?;
     let info = e2b.api.service_info().await?;
     let sizes: Vec<String> = info.sizes.iter().map(|s| s.name.clone()).collect();
-    let template = body.template_id.as_deref().unwrap_or("base");
+    let mut template = body.template_id.as_deref().unwrap_or("base");
+    // The code-interpreter SDK's default template: the operator's
+    // `code-interpreter` (`sandpit template build code-interpreter
+    // --preset code-interpreter`), unless the account has one of that name.
+    if template == CODE_INTERPRETER_DEFAULT
+        && e2b.api.get_template(&caller, template).await.is_err()
+    {
+        template = "code-interpreter";
+    }
     let mut req = size_of_template(&e2b, template, &sizes)?;
     // E2B's default life is 300 s.
     req.timeout_minutes = Some(minutes(body.timeout.unwrap_or(300)));
