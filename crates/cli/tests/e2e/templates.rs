@@ -195,7 +195,12 @@ fn a_dockerfile_template_starts_sandboxes_with_its_server_up_and_rebuilds_from_i
     host.serve_http(www.path());
     let data = data_dir();
     // Four templates per account: the fifth name is refused.
-    let server = Server::start_with(&data, "[limits]\nmax_templates = 4\n");
+    // And a second size, which a template may be built for.
+    let server = Server::start_with(
+        &data,
+        "[limits]\nmax_templates = 4\n\
+         [sizes.medium]\nvcpus = 2\nmemory_mb = 1536\ndisk_gb = 4\nprice_usd_per_hour = 0.18\n",
+    );
     let key = server.new_account("builder", 50.0);
     let other_key = server.new_account("neighbour", 50.0);
     let api = Rest::new(&server, &key);
@@ -533,7 +538,8 @@ fn a_dockerfile_template_starts_sandboxes_with_its_server_up_and_rebuilds_from_i
         );
         // A Dockerfile without a start command, over REST: the template is
         // its last step's layer; built again, every step is cached.
-        let plain = json!({"name": "plain:v1", "dockerfile": "FROM sandpit\nRUN echo plain > /etc/plain\nENV X=1\n"});
+        // Built for the other size: its sandboxes have that size.
+        let plain = json!({"name": "plain:v1", "size": "medium", "dockerfile": "FROM sandpit\nRUN echo plain > /etc/plain\nENV X=1\n"});
         for round in 0..2 {
             let (st, b) = api.post("/templates", plain.clone()).await;
             assert_eq!(st, 202, "{b}");
@@ -566,8 +572,17 @@ fn a_dockerfile_template_starts_sandboxes_with_its_server_up_and_rebuilds_from_i
         );
         let (st, sbx) = create_from(&api, "plain:v1").await;
         assert_eq!(st, 201, "{sbx}");
+        assert_eq!(sbx["size"], "medium", "{sbx}");
         let id = sbx["id"].as_str().unwrap();
         assert_eq!(api.sh(id, "cat /etc/plain; echo $X; pwd").await, "plain\n1\n/workspace");
+        // Its guest has the medium size's memory (1536 MiB, less the
+        // kernel's own), not the small one's 1024.
+        let kib: u64 = api
+            .sh(id, "awk '/MemTotal/ {print $2}' /proc/meminfo")
+            .await
+            .parse()
+            .unwrap();
+        assert!(kib > 1200 * 1024, "MemTotal {kib} kB");
         // No build sandbox is left running, and none was billed beyond its
         // seconds: every sandbox but the three made here has ended.
         let (_, list) = api.get("/sandboxes?limit=100").await;
