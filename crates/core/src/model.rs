@@ -442,6 +442,11 @@ pub struct ExecParams {
     /// `Commands::process_call`).
     #[serde(skip)]
     pub pty: Option<sandpit_protocol::TerminalSize>,
+    /// E2B's processes: where the command runs when it names no `cwd` and
+    /// the sandbox's template sets no working directory (E2B's home,
+    /// where Sandpit's own default is `/workspace`).
+    #[serde(skip)]
+    pub default_cwd: Option<String>,
 }
 
 /// The execution object.

@@ -33,6 +33,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 type Answer = Result<Response, HttpError>;
+type HttpResult<T> = Result<T, HttpError>;
 
 /// The most log lines one status answer carries (E2B's own bound).
 const MOST_LOG_ENTRIES: usize = 100;
@@ -107,7 +108,7 @@ fn reference(req: &BuildRequest) -> Result<String, HttpError> {
 
 /// The smallest of the service's sizes with at least `cpus` and
 /// `memory_mb` (the default size when neither is asked for).
-async fn size_for(e2b: &E2b, cpus: Option<u32>, memory_mb: Option<u32>) -> Answer2<String> {
+async fn size_for(e2b: &E2b, cpus: Option<u32>, memory_mb: Option<u32>) -> HttpResult<String> {
     if cpus.is_none() && memory_mb.is_none() {
         return Ok(e2b.default_size.clone());
     }
@@ -138,8 +139,6 @@ async fn size_for(e2b: &E2b, cpus: Option<u32>, memory_mb: Option<u32>) -> Answe
     })
 }
 
-type Answer2<T> = Result<T, HttpError>;
-
 async fn request_build(
     State(e2b): State<E2b>,
     Authed(caller): Authed,
@@ -165,7 +164,7 @@ async fn request_build(
 
 /// The account's newest build of `name` waiting for its steps: the one
 /// whose upload secret a files link carries.
-async fn waiting_build(e2b: &E2b, caller: &Caller, name: &str) -> Answer2<Template> {
+async fn waiting_build(e2b: &E2b, caller: &Caller, name: &str) -> HttpResult<Template> {
     let builds = e2b.api.list_templates(caller).await?;
     builds
         .data

@@ -32,6 +32,7 @@ impl Service {
         &self,
         row: &SandboxRow,
         mut req: ExecRequest,
+        default_cwd: Option<String>,
     ) -> Result<(Box<dyn Command>, Option<u32>)> {
         // The sandbox's own environment (given at its create), under the
         // command's.
@@ -40,9 +41,10 @@ impl Service {
             env.append(&mut req.env);
             req.env = env;
         }
-        // Its template's working directory, unless the command says.
+        // Its template's working directory, unless the command says; else
+        // the caller's default, if it has one.
         if req.cwd.as_deref().is_none_or(str::is_empty) {
-            req.cwd.clone_from(&row.workdir);
+            req.cwd = row.workdir.clone().or(default_cwd);
         }
         let keep_running = req.keep_running;
         let machines = self.machines_for(row).await?;
@@ -331,7 +333,7 @@ impl Commands for Service {
             .ok_or_else(|| CoreError::internal("the service is shutting down"))?;
         let task = tokio::spawn(async move {
             let command = req.command.clone();
-            let handle = me.start_command(&row, req).await?;
+            let handle = me.start_command(&row, req, params.default_cwd).await?;
             me.run_exec(&row, command, handle, None, cancel).await
         });
         let result = task
@@ -353,7 +355,7 @@ impl Commands for Service {
         // Started before the stream: a VM out of reach fails the call.
         let command = req.command.clone();
         let keep_running = req.keep_running;
-        let handle = self.start_command(&row, req).await?;
+        let handle = self.start_command(&row, req, params.default_cwd).await?;
         let (tx, rx) = mpsc::channel(64);
         let (cancel_tx, cancel_rx) = oneshot::channel();
         // A command that keeps running is not cancelled with its stream:

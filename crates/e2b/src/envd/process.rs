@@ -102,20 +102,10 @@ pub async fn start(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let mut params = match start_params(&headers, &body) {
+    let params = match start_params(&headers, &body) {
         Ok(params) => params,
         Err(e) => return connect::failed(e).await,
     };
-    // No directory asked for: the user's home, as in E2B, unless the
-    // sandbox comes from a template, whose last working directory is its
-    // commands' (E2B's "user and workdir"), which the core knows.
-    if params.cwd.is_none() {
-        match e2b.api.get_sandbox(&sandbox.caller, &sandbox.id).await {
-            Ok(s) if s.template_id.is_some() => {}
-            Ok(_) => params.cwd = Some(sandpit_protocol::GUEST_HOME.to_string()),
-            Err(e) => return connect::failed(e.into()).await,
-        }
-    }
     let on_terminal = params.pty.is_some();
     match e2b
         .api
@@ -515,6 +505,9 @@ fn start_params(headers: &HeaderMap, body: &[u8]) -> Result<ExecParams, RpcError
         command: shell_words::join(&words),
         timeout_ms: Some(timeout_ms),
         cwd: req.process.cwd.map(|c| super::guest_path(&c)),
+        // No directory asked for: a template's last working directory
+        // (E2B's "user and workdir"), else the user's home, as in E2B.
+        default_cwd: Some(sandpit_protocol::GUEST_HOME.to_string()),
         env: Some(req.process.envs).filter(|e| !e.is_empty()),
         stream: Some(true),
         keep_running: true,
