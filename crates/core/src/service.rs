@@ -43,6 +43,7 @@ mod create;
 mod disk;
 mod errors;
 mod exec;
+mod fetch;
 mod files;
 mod gauges;
 mod idle;
@@ -117,6 +118,9 @@ pub struct Service {
     /// resume): a call that finds it gone meanwhile is told to retry, and
     /// does not fail the sandbox.
     restoring: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// Templates being fetched to a node by this member, one at a time
+    /// per node and layer (see [`fetch`]).
+    fetching: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Which sandboxes are in use, for the idle sweep (see [`crate::idle`]).
     activity: Arc<Activity>,
     /// Guests' resources read lately (see [`readings`]).
@@ -191,6 +195,7 @@ impl Service {
             node_link: std::sync::OnceLock::new(),
             routes: Default::default(),
             restoring: Default::default(),
+            fetching: Default::default(),
             activity: Arc::new(Activity::new(tracking)),
             readings: Default::default(),
         })

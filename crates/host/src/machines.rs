@@ -94,6 +94,32 @@ pub trait Machines: Send + Sync {
     /// Deletes a snapshot's files (one already gone is fine).
     async fn delete_snapshot(&self, snapshot: &str) -> VmResult<()>;
 
+    /// What this node holds that a snapshot sent to it need not carry (see
+    /// [`Machines::send_snapshot`]).
+    async fn held_parts(&self) -> VmResult<Vec<String>> {
+        Err(cannot_carry())
+    }
+
+    /// Snapshot `snapshot` with everything it stands on (its layers, the
+    /// snapshot template its memory is a difference to) that `held` (the
+    /// receiver's [`Machines::held_parts`]) does not name, as one stream
+    /// for another node's [`Machines::receive_snapshot`] (see
+    /// `sandpit_runtime::save::transfer`). Its `size` is the stream's.
+    async fn send_snapshot(
+        &self,
+        _snapshot: &str,
+        _held: Vec<String>,
+    ) -> VmResult<Box<dyn Download>> {
+        Err(cannot_carry())
+    }
+
+    /// Receives as snapshot `snapshot` the `size` bytes another node's
+    /// [`Machines::send_snapshot`] gave; dropped before it finished, nothing
+    /// of it stays. Finishing gives what the snapshot takes here.
+    async fn receive_snapshot(&self, _snapshot: &str, _size: u64) -> VmResult<Box<dyn Upload>> {
+        Err(cannot_carry())
+    }
+
     /// Replaces VM `id` by one started from `snapshot`, under the same id,
     /// with its watchdog at `expires_at` and `egress` (the sandbox's, not
     /// the snapshot's: every start of a VM is told its egress).
@@ -217,6 +243,11 @@ pub struct Listing {
     pub path: String,
     pub entries: Vec<FileEntry>,
     pub truncated: bool,
+}
+
+/// What a machine that cannot carry snapshots to another answers.
+fn cannot_carry() -> RuntimeError {
+    RuntimeError::Launch("these machines cannot carry snapshots to another node".into())
 }
 
 /// A command running in a guest (or followed there).

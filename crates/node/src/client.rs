@@ -502,31 +502,13 @@ impl Machines for RemoteNode {
     }
 
     async fn upload(&self, id: &str, path: &str, size: u64) -> VmResult<Box<dyn Upload>> {
-        let (upstream, rx) = mpsc::channel::<Bytes>(4);
         let head = wire::FileArgs {
             path: path.to_string(),
             size,
             ..Default::default()
         };
-        let mut line = serde_json::to_vec(&head).expect("json");
-        line.push(b'\n');
-        upstream
-            .send(Bytes::from(line))
+        self.upload_to(&format!("sandboxes/{id}/upload"), &head)
             .await
-            .expect("the receiver is here");
-        let req = self.request(&format!("sandboxes/{id}/upload"), ChannelBody(rx).boxed());
-        // The answer comes once the node has every byte: it is awaited
-        // when the upload finishes, while the bytes go.
-        let me = self.clone();
-        let answer = tokio::spawn(async move {
-            let resp = me.client.send(&me.address, req, START_TIMEOUT).await?;
-            parse::<wire::Written>(&me.address, resp).await
-        });
-        Ok(Box::new(RemoteUpload {
-            node: self.clone(),
-            upstream: Some(upstream),
-            answer,
-        }))
     }
 
     async fn download(&self, id: &str, path: &str, max_bytes: u64) -> VmResult<Box<dyn Download>> {
@@ -535,26 +517,34 @@ impl Machines for RemoteNode {
             max_bytes,
             ..Default::default()
         };
-        let body = full(Bytes::from(serde_json::to_vec(&args).expect("json")));
-        let req = self.request(&format!("sandboxes/{id}/download"), body);
-        let resp = self.client.send(&self.address, req, FILE_TIMEOUT).await?;
-        let resp = ok(&self.address, resp).await?;
-        let mut download = RemoteDownload {
-            node: self.clone(),
-            body: resp.into_body(),
-            buf: BytesMut::new(),
-            path: String::new(),
-            size: 0,
+        self.download_from(&format!("sandboxes/{id}/download"), &args)
+            .await
+    }
+
+    async fn held_parts(&self) -> VmResult<Vec<String>> {
+        let held: wire::Held = self.call("snapshots/held", &(), RESPONSE_TIMEOUT).await?;
+        Ok(held.parts)
+    }
+
+    async fn send_snapshot(
+        &self,
+        snapshot: &str,
+        held: Vec<String>,
+    ) -> VmResult<Box<dyn Download>> {
+        self.download_from(
+            &format!("snapshots/{snapshot}/send"),
+            &wire::Held { parts: held },
+        )
+        .await
+    }
+
+    async fn receive_snapshot(&self, snapshot: &str, size: u64) -> VmResult<Box<dyn Upload>> {
+        let head = wire::FileArgs {
+            size,
+            ..Default::default()
         };
-        match download.frame().await? {
-            Some(DownloadFrame::Meta(meta)) => {
-                download.path = meta.path;
-                download.size = meta.size;
-                Ok(Box::new(download))
-            }
-            Some(DownloadFrame::Event(Err(e))) => Err(e),
-            _ => Err(self.disconnected("a download without its head")),
-        }
+        self.upload_to(&format!("snapshots/{snapshot}/receive"), &head)
+            .await
     }
 
     async fn list_files(
@@ -857,6 +847,62 @@ impl Command for RemoteCommand {
     fn cancel(&self) {
         if let Some(up) = &self.upstream {
             let _ = up.try_send(Bytes::from_static(b"cancel\n"));
+        }
+    }
+}
+
+impl RemoteNode {
+    /// A call whose head is `head` and whose bytes follow from the
+    /// returned [`Upload`]; the node answers once it has them all.
+    async fn upload_to(&self, route: &str, head: &wire::FileArgs) -> VmResult<Box<dyn Upload>> {
+        let (upstream, rx) = mpsc::channel::<Bytes>(4);
+        let mut line = serde_json::to_vec(head).expect("json");
+        line.push(b'\n');
+        upstream
+            .send(Bytes::from(line))
+            .await
+            .expect("the receiver is here");
+        let req = self.request(route, ChannelBody(rx).boxed());
+        // The answer comes once the node has every byte: it is awaited
+        // when the upload finishes, while the bytes go.
+        let me = self.clone();
+        let answer = tokio::spawn(async move {
+            let resp = me.client.send(&me.address, req, START_TIMEOUT).await?;
+            parse::<wire::Written>(&me.address, resp).await
+        });
+        Ok(Box::new(RemoteUpload {
+            node: self.clone(),
+            upstream: Some(upstream),
+            answer,
+        }))
+    }
+
+    /// A call with JSON `args` answered by a stream: its head (a name and
+    /// a size), then its pieces.
+    async fn download_from<A: Serialize>(
+        &self,
+        route: &str,
+        args: &A,
+    ) -> VmResult<Box<dyn Download>> {
+        let body = full(Bytes::from(serde_json::to_vec(args).expect("json")));
+        let req = self.request(route, body);
+        let resp = self.client.send(&self.address, req, FILE_TIMEOUT).await?;
+        let resp = ok(&self.address, resp).await?;
+        let mut download = RemoteDownload {
+            node: self.clone(),
+            body: resp.into_body(),
+            buf: BytesMut::new(),
+            path: String::new(),
+            size: 0,
+        };
+        match download.frame().await? {
+            Some(DownloadFrame::Meta(meta)) => {
+                download.path = meta.path;
+                download.size = meta.size;
+                Ok(Box::new(download))
+            }
+            Some(DownloadFrame::Event(Err(e))) => Err(e),
+            _ => Err(self.disconnected("a download without its head")),
         }
     }
 }

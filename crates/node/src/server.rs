@@ -21,7 +21,8 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::{Frame, Incoming};
 use hyper::{Request, Response, StatusCode};
 use sandpit_host::machines::{
-    Command, Machines, PtySize, Started, Terminal, VmResult, Watch, TERMINAL_QUEUE,
+    Command, Download, Machines, PtySize, Started, Terminal, Upload, VmResult, Watch,
+    TERMINAL_QUEUE,
 };
 use sandpit_protocol::ExecRequest;
 use sandpit_runtime::{GuestExecEvent, RuntimeError};
@@ -198,6 +199,24 @@ async fn handle(state: Arc<dyn NodeState>, req: Request<Incoming>) -> Response<B
         (&hyper::Method::POST, ["node", "v1", "snapshots", snapshot, "delete"]) => {
             let snapshot = snapshot.to_string();
             answer(detached(async move { vms.delete_snapshot(&snapshot).await }).await)
+        }
+        (&hyper::Method::POST, ["node", "v1", "snapshots", "held"]) => {
+            answer(vms.held_parts().await.map(|parts| wire::Held { parts }))
+        }
+        (&hyper::Method::POST, ["node", "v1", "snapshots", snapshot, "send"]) => {
+            match body.json::<wire::Held>().await {
+                Ok(a) => send_from(vms.send_snapshot(snapshot, a.parts).await),
+                Err(r) => r,
+            }
+        }
+        // A snapshot another node sends: the caller relays it.
+        (&hyper::Method::POST, ["node", "v1", "snapshots", snapshot, "receive"]) => {
+            match body.json::<wire::FileArgs>().await {
+                Ok(a) => {
+                    receive_into(vms.receive_snapshot(snapshot, a.size).await, a.size, body).await
+                }
+                Err(r) => r,
+            }
         }
         (&hyper::Method::POST, ["node", "v1", "warm", size, "take"]) => {
             answer(vms.take_warm(size).await.map(|id| wire::Warm { id }))
@@ -527,23 +546,38 @@ async fn upload(vms: Arc<dyn Machines>, id: String, mut body: Head) -> Response<
         Ok(a) => a,
         Err(r) => return r,
     };
-    let mut upload = match vms.upload(&id, &args.path, args.size).await {
+    receive_into(
+        vms.upload(&id, &args.path, args.size).await,
+        args.size,
+        body,
+    )
+    .await
+}
+
+/// The `size` bytes after the head written to `upload`; the answer comes
+/// once it has them all.
+async fn receive_into(
+    upload: VmResult<Box<dyn Upload>>,
+    size: u64,
+    mut body: Head,
+) -> Response<Body> {
+    let mut upload = match upload {
         Ok(u) => u,
         Err(e) => return failed(&e),
     };
     let mut got = 0u64;
     while let Some(piece) = body.next().await {
         got += piece.len() as u64;
-        if got > args.size {
-            return bad_request(format!("more than the {} bytes announced", args.size));
+        if got > size {
+            return bad_request(format!("more than the {size} bytes announced"));
         }
         if let Err(e) = upload.send(&piece).await {
             return failed(&e);
         }
     }
-    if got != args.size {
+    if got != size {
         // The caller went mid-way: dropping the upload discards it.
-        return bad_request(format!("{got} bytes of the {} announced", args.size));
+        return bad_request(format!("{got} bytes of the {size} announced"));
     }
     answer(
         upload
@@ -555,7 +589,12 @@ async fn upload(vms: Arc<dyn Machines>, id: String, mut body: Head) -> Response<
 
 /// A file read: its head, then its pieces, as frames.
 async fn download(vms: Arc<dyn Machines>, id: String, args: wire::FileArgs) -> Response<Body> {
-    let mut download = match vms.download(&id, &args.path, args.max_bytes).await {
+    send_from(vms.download(&id, &args.path, args.max_bytes).await)
+}
+
+/// A stream read: its head (name and size), then its pieces, as frames.
+fn send_from(download: VmResult<Box<dyn Download>>) -> Response<Body> {
+    let mut download = match download {
         Ok(d) => d,
         Err(e) => return failed(&e),
     };

@@ -267,6 +267,13 @@ pub struct FileArgs {
     pub max_entries: u64,
 }
 
+/// What a node holds that a snapshot sent to it need not carry (the
+/// answer of `snapshots/held`, and the argument of `snapshots/{id}/send`).
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub struct Held {
+    pub parts: Vec<String>,
+}
+
 /// The arguments of `attach`: the command's pid, the output a stream may
 /// carry, and how long it may be followed.
 #[derive(Debug, Serialize, Deserialize)]

@@ -499,6 +499,45 @@ impl Store {
         Ok(Some(found))
     }
 
+    /// The layer whose save is `save_id` (a template's save is always
+    /// one), if any.
+    pub async fn template_layer_of(&self, save_id: &str) -> Result<Option<LayerRow>> {
+        sqlx::query("SELECT * FROM template_layers WHERE save_id = $1")
+            .bind(save_id)
+            .fetch_optional(&self.pool)
+            .await?
+            .as_ref()
+            .map(layer_from)
+            .transpose()
+    }
+
+    /// Every host's copy of an account's layer of `layer_key` (a node that
+    /// fetched a template holds a copy of its layer).
+    pub async fn template_layer_copies(
+        &self,
+        account_id: &str,
+        layer_key: &str,
+    ) -> Result<Vec<LayerRow>> {
+        sqlx::query("SELECT * FROM template_layers WHERE account_id = $1 AND layer_key = $2")
+            .bind(account_id)
+            .bind(layer_key)
+            .fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(layer_from)
+            .collect()
+    }
+
+    /// Forgets the layer whose save is `save_id` (a copy that could not be
+    /// made); the host's sweep then removes whatever of it is there.
+    pub async fn forget_template_layer(&self, save_id: &str) -> Result<()> {
+        sqlx::query("DELETE FROM template_layers WHERE save_id = $1")
+            .bind(save_id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
     /// Forgets the layers nobody used since `before` that no live template
     /// starts from (the cache's eviction; the sweep then removes their
     /// saves, which nothing names any more). Returns how many.

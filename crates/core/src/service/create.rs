@@ -65,6 +65,10 @@ pub(super) struct StartFrom {
     pub(super) host: String,
     /// What it is, for messages: `snapshot snap_…`, `template web:latest`.
     pub(super) what: String,
+    /// A template's: the layer it is, which other nodes hold copies of or
+    /// fetch before they start it (see [`super::fetch`]); a snapshot stays
+    /// on its node.
+    pub(super) fetch: Option<sandpit_store::LayerRow>,
 }
 
 /// A create request checked and priced.
@@ -227,6 +231,7 @@ impl Service {
                     save: snap.id.clone(),
                     host: snap.host.clone(),
                     what: format!("snapshot {}", snap.id),
+                    fetch: None,
                 },
                 snap.size,
             ))
@@ -237,9 +242,11 @@ impl Service {
             }
             workdir = state.workdir_set.then_some(state.workdir);
             template_id = Some(template.id.clone());
+            let save = template.snapshot_id.clone().unwrap_or_default();
             Some((
                 StartFrom {
-                    save: template.snapshot_id.clone().unwrap_or_default(),
+                    fetch: self.store.template_layer_of(&save).await?,
+                    save,
                     host: template.host.clone().unwrap_or_default(),
                     what: format!("template {}:{}", template.name, template.tag),
                 },
@@ -252,6 +259,7 @@ impl Service {
                     save: layer.save_id,
                     host: layer.host,
                     what: "a template build's layer".into(),
+                    fetch: None,
                 };
                 (from, size)
             })
@@ -302,15 +310,41 @@ impl Service {
         order: &Order<'_>,
         unreachable: &[String],
     ) -> Result<Placed> {
-        let mut targets = self
+        let placement = self
             .placement(&order.size_name)
             .await?
             .into_iter()
-            .filter(|t| order.from.as_ref().is_none_or(|s| s.host == t.host))
-            .filter(|t| !unreachable.contains(&t.host))
-            .collect::<Vec<_>>()
-            .into_iter();
-        if let (Some(from), None) = (&order.from, targets.as_slice().first()) {
+            .filter(|t| !unreachable.contains(&t.host));
+        // Each node with the save it starts from there: the one that holds
+        // it, nodes with a copy of a template first, then the others, which
+        // fetch it (`None`).
+        let mut targets: Vec<(Placement, Option<String>)> = match &order.from {
+            None => placement.map(|t| (t, None)).collect(),
+            Some(from) => {
+                let mut kept = vec![(from.host.clone(), from.save.clone())];
+                if let Some(layer) = &from.fetch {
+                    kept.extend(
+                        self.store
+                            .template_layer_copies(&layer.account_id, &layer.layer_key)
+                            .await?
+                            .into_iter()
+                            // Whole copies (one being made has no bytes yet).
+                            .filter(|l| l.bytes > 0)
+                            .map(|l| (l.host, l.save_id)),
+                    );
+                }
+                let mut targets: Vec<_> = placement
+                    .map(|t| {
+                        let save = kept.iter().find(|k| k.0 == t.host).map(|k| k.1.clone());
+                        (t, save)
+                    })
+                    .filter(|(_, save)| save.is_some() || from.fetch.is_some())
+                    .collect();
+                targets.sort_by_key(|(_, save)| save.is_none());
+                targets
+            }
+        };
+        if let (Some(from), true) = (&order.from, targets.is_empty()) {
             return Err(CoreError::new(
                 ErrorType::ServiceUnavailable,
                 format!(
@@ -324,10 +358,31 @@ impl Service {
         // A node tried again after the id of the VM it gave was taken, and
         // how many times it was tried.
         let mut again = None;
-        while let Some((target, tries)) = again.take().or_else(|| targets.next().map(|t| (t, 1))) {
-            match self.try_node(caller, order, &target, tries).await? {
-                Try::Placed(placed) => return Ok(*placed),
-                Try::Again => again = Some((target, tries + 1)),
+        let mut targets = targets.drain(..);
+        while let Some(((target, save), tries)) =
+            again.take().or_else(|| targets.next().map(|t| (t, 1)))
+        {
+            let save = match (save, &order.from) {
+                (None, Some(from)) => match self.fetch_to(from, &target).await {
+                    Ok(save) => Some(save),
+                    Err(why) => {
+                        refused = Some(why);
+                        continue;
+                    }
+                },
+                (save, _) => save,
+            };
+            match self
+                .try_node(caller, order, &target, save.as_deref(), tries)
+                .await?
+            {
+                Try::Placed(placed) => {
+                    if let (Some(from), Some(save)) = (&order.from, &save) {
+                        self.used_copy(from, &target.host, save).await;
+                    }
+                    return Ok(*placed);
+                }
+                Try::Again => again = Some(((target, save), tries + 1)),
                 Try::Refused(why) => refused = Some(why),
             }
         }
@@ -344,12 +399,14 @@ impl Service {
         .with_retry_after(5))
     }
 
-    /// One try of node `target` (its `tries`th): the id, then the row.
+    /// One try of node `target` (its `tries`th): the id, then the row;
+    /// from `save` on that node when the order starts from one.
     async fn try_node(
         &self,
         caller: &Caller,
         order: &Order<'_>,
         target: &Placement,
+        save: Option<&str>,
         tries: u32,
     ) -> Result<Try> {
         // Another node's pool, as its last heartbeat published it, names
@@ -391,7 +448,7 @@ impl Service {
             price_micros_per_hour: order.price,
             host: target.host.clone(),
             host_epoch: target.epoch,
-            snapshot_id: order.from.as_ref().map(|s| s.save.clone()),
+            snapshot_id: save.map(str::to_string),
             created_at: at,
             expires_at: at + time::Duration::minutes(order.timeout as i64),
             reserve_micros: order.reserve,

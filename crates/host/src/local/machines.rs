@@ -73,6 +73,47 @@ impl Download for LocalDownload {
     }
 }
 
+/// A snapshot sent from here to another node.
+struct SnapshotSending {
+    name: String,
+    sending: sandpit_runtime::save::transfer::SaveSending,
+    _live: sandpit_runtime::Held,
+}
+
+#[async_trait]
+impl Download for SnapshotSending {
+    fn path(&self) -> &str {
+        &self.name
+    }
+
+    fn size(&self) -> u64 {
+        self.sending.size()
+    }
+
+    async fn next_chunk(&mut self) -> VmResult<Option<Vec<u8>>> {
+        self.sending.next_piece().await
+    }
+}
+
+/// A snapshot another node sends here.
+struct SnapshotReceiving {
+    name: String,
+    receiving: sandpit_runtime::save::transfer::SaveReceiving,
+    _live: sandpit_runtime::Held,
+}
+
+#[async_trait]
+impl Upload for SnapshotReceiving {
+    async fn send(&mut self, data: &[u8]) -> VmResult<()> {
+        self.receiving.send(data).await
+    }
+
+    async fn finish(self: Box<Self>) -> VmResult<(String, u64)> {
+        let bytes = self.receiving.finish().await?;
+        Ok((self.name, bytes))
+    }
+}
+
 #[async_trait]
 impl Machines for LocalVms {
     async fn take_warm(&self, size: &str) -> VmResult<Option<String>> {
@@ -156,6 +197,31 @@ impl Machines for LocalVms {
 
     async fn delete_snapshot(&self, snapshot: &str) -> VmResult<()> {
         self.manager.delete_saved(snapshot).await
+    }
+
+    async fn held_parts(&self) -> VmResult<Vec<String>> {
+        Ok(self.manager.held_parts())
+    }
+
+    async fn send_snapshot(
+        &self,
+        snapshot: &str,
+        held: Vec<String>,
+    ) -> VmResult<Box<dyn Download>> {
+        let held = held.into_iter().collect();
+        Ok(Box::new(SnapshotSending {
+            name: snapshot.to_string(),
+            sending: self.manager.send_saved(snapshot, &held)?,
+            _live: self.manager.hold_background(),
+        }))
+    }
+
+    async fn receive_snapshot(&self, snapshot: &str, size: u64) -> VmResult<Box<dyn Upload>> {
+        Ok(Box::new(SnapshotReceiving {
+            name: snapshot.to_string(),
+            receiving: self.manager.receive_saved(snapshot, size).await?,
+            _live: self.manager.hold_background(),
+        }))
     }
 
     async fn restore(

@@ -3,7 +3,8 @@
 //! ([`template`]), a sandbox's saves for snapshots, pause and sleep
 //! ([`saved`]), the RAM they hold ([`ram_pages`], composed into one file by
 //! [`ram_image`] over [`erofs`]) and the frozen disk layers they share with
-//! the VMs started from them ([`layers`]).
+//! the VMs started from them ([`layers`]), and a save carried to another
+//! host ([`transfer`]).
 
 pub(crate) mod erofs;
 pub mod layers;
@@ -11,3 +12,4 @@ pub(crate) mod ram_image;
 pub mod ram_pages;
 pub mod saved;
 pub mod template;
+pub mod transfer;

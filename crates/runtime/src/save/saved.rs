@@ -691,7 +691,7 @@ fn absolute(path: &Path) -> PathBuf {
 }
 
 /// `saved.json`, whole or not at all, readable by root alone.
-fn write_saved_record(dir: &Path, record: &SavedRecord) -> Result<()> {
+pub(crate) fn write_saved_record(dir: &Path, record: &SavedRecord) -> Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let tmp = dir.join(format!("{RECORD}.tmp"));
@@ -710,14 +710,14 @@ fn write_saved_record(dir: &Path, record: &SavedRecord) -> Result<()> {
 
 /// A save being written: its directory, locked while it lives, removed
 /// with all it holds unless [`Unfinished::finish`] renamed it into place.
-struct Unfinished {
-    path: PathBuf,
+pub(crate) struct Unfinished {
+    pub(crate) path: PathBuf,
     _lock: std::fs::File,
     finished: bool,
 }
 
 impl Unfinished {
-    async fn create(m: &VmManager, name: &str) -> Result<Unfinished> {
+    pub(crate) async fn create(m: &VmManager, name: &str) -> Result<Unfinished> {
         use std::os::unix::fs::PermissionsExt;
         let path = m
             .saves_dir()
@@ -747,7 +747,7 @@ impl Unfinished {
     }
 
     /// Renamed into place, unless a save of that name appeared meanwhile.
-    fn finish(mut self, dir: &Path, name: &str) -> Result<()> {
+    pub(crate) fn finish(mut self, dir: &Path, name: &str) -> Result<()> {
         use std::os::unix::ffi::OsStrExt;
         let c = |p: &Path| std::ffi::CString::new(p.as_os_str().as_bytes()).expect("no NUL");
         let (from, to) = (c(&self.path), c(dir));

@@ -225,7 +225,16 @@ pub(crate) fn load(dir: &Path, inputs: &TemplateInputs, tsc_khz: u32) -> Option<
 pub(crate) fn load_any(dir: &Path) -> Option<Template> {
     let bytes = std::fs::read(dir.join(RECORD)).ok()?;
     let record: TemplateRecord = serde_json::from_slice(&bytes).ok()?;
+    // A template received from another host with a save (see `transfer`)
+    // is `<size>-<key>-<identity>` beside this host's own: its whole
+    // suffix names it, in the saves and VMs that stand on it.
     let key = record.inputs.key();
+    let key = dir
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_prefix(&format!("{}-", record.inputs.size)))
+        .filter(|k| k.len() == 16 + 1 + 16 && k.starts_with(&format!("{key}-")))
+        .map_or(key, str::to_string);
     if ![MEM, STATE, DISK, KERNEL_STUB]
         .iter()
         .all(|f| dir.join(f).is_file())

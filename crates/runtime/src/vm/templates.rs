@@ -17,7 +17,7 @@ impl VmManager {
         self.config.data_dir.join("templates")
     }
 
-    fn template_inputs(&self, size_name: &str, size: SizeSpec) -> TemplateInputs {
+    pub(crate) fn template_inputs(&self, size_name: &str, size: SizeSpec) -> TemplateInputs {
         TemplateInputs {
             format: template::FORMAT,
             image_id: self.image.id.clone(),
