@@ -1009,3 +1009,203 @@ fn two_machines_given_one_name_do_not_take_it_from_each_other() {
     let id = create_on(&second, &key);
     assert_eq!(sandbox_status(&Rest::new(&second, &key), &id).0, "running");
 }
+
+/// Two sandboxes at most per node, so a test can fill one.
+const TWO_PER_NODE: &str =
+    "[cluster]\nlease_secs = 3\nlost_after_secs = 2\nmax_sandboxes = 2\n[pool]\nsizes = {}\n";
+
+#[test]
+fn a_template_built_on_one_node_starts_on_another_which_fetches_it_first() {
+    let rt = rt();
+    let pg = sandpit_pgtest::shared();
+    let url = rt.block_on(pg.fresh_database());
+    let (data_a, data_b, data_c) = (data_dir(), data_dir(), data_dir());
+    let key = team_key(&data_a, &url);
+    let certs = loopback_certs(&["a", "b", "c", "replica"]);
+    let ca = certs.path();
+    let ca_arg = ca.to_str().unwrap();
+    // a serves the API and runs no VMs: every fetch is relayed by it, from
+    // one node's API to the other's.
+    let a = Server::start_node_with(
+        &data_a,
+        &url,
+        "a",
+        NODE_CONFIG,
+        &["--no-vms", "--cluster-dir", ca_arg],
+    );
+    let b = Server::start_node_with(&data_b, &url, "b", TWO_PER_NODE, &node_args(ca_arg));
+    let api = Rest::new(&a, &key);
+    let db = rt.block_on(Store::connect(&url)).unwrap();
+    let dockerfile = "FROM debian:bookworm\n\
+                      RUN echo fetched > /etc/marker\n\
+                      WORKDIR /srv\n\
+                      RUN echo served > index.html\n\
+                      CMD python3 -m http.server 8000\n\
+                      HEALTHCHECK CMD python3 -c \"import urllib.request as u; u.urlopen('http://localhost:8000/')\"\n";
+    // Built while b is the only node: on b.
+    rt.block_on(async {
+        let (st, t) = api
+            .post(
+                "/templates",
+                json!({"name": "web", "dockerfile": dockerfile}),
+            )
+            .await;
+        assert_eq!(st, 202, "{t}");
+        let id = t["id"].as_str().unwrap().to_string();
+        let deadline = Instant::now() + Duration::from_secs(600);
+        loop {
+            let (_, t) = api.get(&format!("/templates/{id}")).await;
+            if t["status"] != "building" {
+                assert_eq!(t["status"], "ready", "{t}");
+                break;
+            }
+            assert!(Instant::now() < deadline, "the build never ended: {t}");
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    });
+    let team = rt.block_on(db.account_by_name("team")).unwrap().unwrap();
+    let template = rt
+        .block_on(db.template_named(
+            &team.id,
+            "web",
+            "latest",
+            &[sandpit_store::TemplateStatus::Ready],
+        ))
+        .unwrap()
+        .unwrap();
+    assert_eq!(template.host.as_deref(), Some("b"));
+    let save = template.snapshot_id.clone().unwrap();
+
+    // c joins with snapshot templates of its own (a node of its own
+    // machine), so b's save stands on a template c does not have.
+    std::fs::create_dir_all(data_c.join("templates")).unwrap();
+    let c = Server::start_node_with(&data_c, &url, "c", TWO_PER_NODE, &node_args(ca_arg));
+    let from_web = || {
+        rt.block_on(async {
+            let (st, s) = api
+                .post(
+                    "/sandboxes",
+                    json!({"template": "web", "timeout_minutes": 30}),
+                )
+                .await;
+            (st, s)
+        })
+    };
+    let host_of = |id: &str| rt.block_on(db.sandbox(id)).unwrap().unwrap().host;
+    let sh = |id: &str, command: &str| -> String {
+        rt.block_on(async {
+            let (st, ex) = api
+                .post(
+                    &format!("/sandboxes/{id}/exec"),
+                    json!({ "command": command }),
+                )
+                .await;
+            assert_eq!(st, 200, "{ex}");
+            assert_eq!(ex["exit_code"], 0, "{command}: {ex}");
+            ex["stdout"].as_str().unwrap().trim().to_string()
+        })
+    };
+    // The node that holds it is tried first: b, until it is full.
+    let mut on_b = Vec::new();
+    for _ in 0..2 {
+        let (st, s) = from_web();
+        assert_eq!(st, 201, "{s}");
+        let id = s["id"].as_str().unwrap().to_string();
+        assert_eq!(host_of(&id), "b");
+        on_b.push(id);
+    }
+    // Then c, which fetches it first (through a), and starts the sandbox
+    // with the server up, from b's save.
+    let (st, s) = from_web();
+    assert_eq!(st, 201, "{s}");
+    let first_on_c = s["id"].as_str().unwrap().to_string();
+    assert_eq!(host_of(&first_on_c), "c");
+    assert_eq!(
+        sh(
+            &first_on_c,
+            "cat /etc/marker; pwd; python3 -c \"import urllib.request as u; print(u.urlopen('http://localhost:8000/index.html').read().decode())\""
+        ),
+        "fetched\n/srv\nserved"
+    );
+    let layer = rt.block_on(db.template_layer_of(&save)).unwrap().unwrap();
+    let copies = rt
+        .block_on(db.template_layer_copies(&team.id, &layer.layer_key))
+        .unwrap();
+    let on_c: Vec<_> = copies.iter().filter(|l| l.host == "c").collect();
+    assert_eq!(on_c.len(), 1, "{copies:?}");
+    assert!(on_c[0].bytes > 0, "{copies:?}");
+    let copy = on_c[0].save_id.clone();
+    // c keeps b's snapshot template beside its own, for that save.
+    let received: Vec<String> = std::fs::read_dir(data_c.join("templates"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().to_string())
+        .filter(|n| n.starts_with("small-") && n.len() == "small-".len() + 33)
+        .collect();
+    assert_eq!(received.len(), 1, "{received:?}");
+
+    // The node API as a member calls it: what c holds now (b's template)
+    // is left out of what b sends it.
+    let replica = sandpit_node::NodeClient::new(
+        sandpit_node::client_config(&sandpit_node::Identity::in_dir(ca, "replica")).unwrap(),
+    );
+    rt.block_on(async {
+        use sandpit_host::machines::Machines;
+        let b_row = db.node("b").await.unwrap().unwrap();
+        let c_row = db.node("c").await.unwrap().unwrap();
+        let b_vms = replica.node(&b_row.address, b_row.epoch);
+        let c_vms = replica.node(&c_row.address, c_row.epoch);
+        let held = c_vms.held_parts().await.unwrap();
+        assert!(held.iter().any(|p| p.starts_with("template:")), "{held:?}");
+        let whole = b_vms.send_snapshot(&save, Vec::new()).await.unwrap();
+        let rest = b_vms.send_snapshot(&save, held).await.unwrap();
+        assert!(
+            rest.size() * 4 < whole.size(),
+            "{} bytes sent to c, against {} whole",
+            rest.size(),
+            whole.size()
+        );
+        // An unknown snapshot is refused by name.
+        let unknown = b_vms.send_snapshot("snap_nothing", Vec::new()).await;
+        assert!(unknown.is_err());
+    });
+
+    // Its copy is used again, not fetched again.
+    sh(&first_on_c, "true");
+    let (st, _) = rt.block_on(api.call(
+        reqwest::Method::DELETE,
+        &format!("/sandboxes/{first_on_c}"),
+        None,
+    ));
+    assert_eq!(st, 200);
+    let (st, s) = from_web();
+    assert_eq!(st, 201, "{s}");
+    let second_on_c = s["id"].as_str().unwrap().to_string();
+    assert_eq!(host_of(&second_on_c), "c");
+    assert_eq!(
+        rt.block_on(db.sandbox(&second_on_c))
+            .unwrap()
+            .unwrap()
+            .snapshot_id
+            .as_deref(),
+        Some(copy.as_str())
+    );
+
+    // b dies: its template's sandboxes still start, on c, from the copy.
+    b.sigkill();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let after = loop {
+        let (st, s) = from_web();
+        if st == 201 {
+            break s["id"].as_str().unwrap().to_string();
+        }
+        assert_eq!(st, 503, "{s}");
+        assert!(Instant::now() < deadline, "no create after b died: {s}");
+        std::thread::sleep(Duration::from_secs(1));
+    };
+    assert_eq!(host_of(&after), "c");
+    assert_eq!(sh(&after, "cat /etc/marker"), "fetched");
+    drop(c);
+    drop(a);
+    drop(on_b);
+}

@@ -75,10 +75,7 @@ impl Service {
             .await
             .map_err(|e| refused(e.to_string()))?;
         // A copy the create before this one made.
-        if let Some(copy) = copies
-            .iter()
-            .find(|c| c.host == target.host && c.bytes > 0)
-        {
+        if let Some(copy) = copies.iter().find(|c| c.host == target.host && c.bytes > 0) {
             return Ok(copy.save_id.clone());
         }
         let mut copy = sandpit_store::LayerRow {
