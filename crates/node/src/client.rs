@@ -281,6 +281,23 @@ impl RemoteNode {
         Ok(parse(&self.address, resp).await?)
     }
 
+    /// A request whose body is `head` as a JSON line, then what is sent
+    /// on the returned sender.
+    async fn headed<A: Serialize>(
+        &self,
+        path: &str,
+        head: &A,
+    ) -> (mpsc::Sender<Bytes>, Request<Body>) {
+        let (upstream, rx) = mpsc::channel::<Bytes>(4);
+        let mut line = serde_json::to_vec(head).expect("json");
+        line.push(b'\n');
+        upstream
+            .send(Bytes::from(line))
+            .await
+            .expect("the receiver is here");
+        (upstream, self.request(path, ChannelBody(rx).boxed()))
+    }
+
     /// A call whose body is a JSON head, then bytes the caller keeps
     /// writing to the returned sender.
     async fn open<A: Serialize>(
@@ -289,14 +306,7 @@ impl RemoteNode {
         head: &A,
         timeout: Duration,
     ) -> VmResult<(mpsc::Sender<Bytes>, Response<Incoming>)> {
-        let (upstream, rx) = mpsc::channel::<Bytes>(4);
-        let mut line = serde_json::to_vec(head).expect("json");
-        line.push(b'\n');
-        upstream
-            .send(Bytes::from(line))
-            .await
-            .expect("the receiver is here");
-        let req = self.request(path, ChannelBody(rx).boxed());
+        let (upstream, req) = self.headed(path, head).await;
         let resp = self.client.send(&self.address, req, timeout).await?;
         Ok((upstream, ok(&self.address, resp).await?))
     }
@@ -855,14 +865,7 @@ impl RemoteNode {
     /// A call whose head is `head` and whose bytes follow from the
     /// returned [`Upload`]; the node answers once it has them all.
     async fn upload_to(&self, route: &str, head: &wire::FileArgs) -> VmResult<Box<dyn Upload>> {
-        let (upstream, rx) = mpsc::channel::<Bytes>(4);
-        let mut line = serde_json::to_vec(head).expect("json");
-        line.push(b'\n');
-        upstream
-            .send(Bytes::from(line))
-            .await
-            .expect("the receiver is here");
-        let req = self.request(route, ChannelBody(rx).boxed());
+        let (upstream, req) = self.headed(route, head).await;
         // The answer comes once the node has every byte: it is awaited
         // when the upload finishes, while the bytes go.
         let me = self.clone();

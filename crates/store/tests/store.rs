@@ -2737,6 +2737,38 @@ async fn template_builds_layers_and_files_are_an_accounts_own_until_published(st
     let mut kept = store.template_saves_on("node-a").await.unwrap();
     kept.sort();
     assert_eq!(kept, ["snap_l2"], "the retired build's save is not kept");
+    // A copy of the layer on another host (a node that fetched it): found
+    // by its save, listed with the original, kept by its host's sweep, and
+    // forgotten alone.
+    let copy = sandpit_store::LayerRow {
+        host: "node-b".into(),
+        save_id: "snap_copy".into(),
+        ..again.clone()
+    };
+    assert_eq!(store.put_template_layer(&copy).await.unwrap(), None);
+    assert_eq!(
+        store.template_layer_of("snap_copy").await.unwrap(),
+        Some(copy.clone())
+    );
+    assert_eq!(store.template_layer_of("snap_none").await.unwrap(), None);
+    let mut copies = store.template_layer_copies(&acct.id, "k1").await.unwrap();
+    copies.sort_by(|a, b| a.host.cmp(&b.host));
+    assert_eq!(copies, [again.clone(), copy.clone()]);
+    assert!(store
+        .template_layer_copies(&other.id, "k1")
+        .await
+        .unwrap()
+        .is_empty());
+    assert_eq!(
+        store.template_saves_on("node-b").await.unwrap(),
+        ["snap_copy"]
+    );
+    store.forget_template_layer("snap_copy").await.unwrap();
+    assert!(store.template_saves_on("node-b").await.unwrap().is_empty());
+    assert_eq!(
+        store.template_layer_copies(&acct.id, "k1").await.unwrap(),
+        std::slice::from_ref(&again)
+    );
     // Retired and failed builds hold nothing.
     assert_eq!(
         store

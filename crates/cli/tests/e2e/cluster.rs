@@ -1116,7 +1116,12 @@ fn a_template_built_on_one_node_starts_on_another_which_fetches_it_first() {
     }
     // Then c, which fetches it first (through a), and starts the sandbox
     // with the server up, from b's save.
+    let fetching = Instant::now();
     let (st, s) = from_web();
+    eprintln!(
+        "the create that fetched the template to c took {} ms",
+        fetching.elapsed().as_millis()
+    );
     assert_eq!(st, 201, "{s}");
     let first_on_c = s["id"].as_str().unwrap().to_string();
     assert_eq!(host_of(&first_on_c), "c");
@@ -1159,6 +1164,11 @@ fn a_template_built_on_one_node_starts_on_another_which_fetches_it_first() {
         assert!(held.iter().any(|p| p.starts_with("template:")), "{held:?}");
         let whole = b_vms.send_snapshot(&save, Vec::new()).await.unwrap();
         let rest = b_vms.send_snapshot(&save, held).await.unwrap();
+        eprintln!(
+            "b's save for c: {} bytes, {} whole",
+            rest.size(),
+            whole.size()
+        );
         assert!(
             rest.size() * 4 < whole.size(),
             "{} bytes sent to c, against {} whole",
