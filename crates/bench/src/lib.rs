@@ -465,7 +465,7 @@ pub async fn run(settings: &Settings, a: BenchArgs) -> Result<i32> {
         metadata: BTreeMap::new(),
         // The bench destroys its VMs; should it die, they go within the hour.
         expires_at: time::OffsetDateTime::now_utc() + time::Duration::hours(1),
-        egress: sandpit_runtime::Egress::Allowed,
+        egress: sandpit_runtime::Egress::open(),
     };
     let mut rows = Vec::new();
 

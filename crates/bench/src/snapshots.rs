@@ -141,7 +141,7 @@ async fn measure(
         // The baseline: a template restore to its first command.
         let id = fresh(made);
         let t = Instant::now();
-        vms.create(&id, &a.size, expiry(), Egress::Allowed).await?;
+        vms.create(&id, &a.size, expiry(), Egress::open()).await?;
         sh(vms, &id, "true").await?;
         restore.push(secs(t));
 
@@ -178,7 +178,7 @@ async fn measure(
             &a.size,
             Some(&snap),
             expiry(),
-            Egress::Allowed,
+            Egress::open(),
         )
         .await?;
         sh(vms, &copy, "true").await?;
@@ -187,7 +187,7 @@ async fn measure(
         // The sandbox rolled back to it.
         sh(vms, &id, "rm /workspace/f").await?;
         let t = Instant::now();
-        vms.restore(&id, &snap, expiry(), Egress::Allowed).await?;
+        vms.restore(&id, &snap, expiry(), Egress::open()).await?;
         sh(vms, &id, "test -e /workspace/f").await?;
         rollback.push(secs(t));
 
@@ -199,7 +199,7 @@ async fn measure(
         let starts = ids.iter().map(|c| {
             let (vms, c, size, snap) = (vms.clone(), c.clone(), a.size.clone(), fork_snap.clone());
             tokio::spawn(async move {
-                Machines::start(&*vms, &c, &size, Some(&snap), expiry(), Egress::Allowed).await?;
+                Machines::start(&*vms, &c, &size, Some(&snap), expiry(), Egress::open()).await?;
                 sh(&vms, &c, "true").await
             })
         });
@@ -214,7 +214,7 @@ async fn measure(
         pause.push(secs(t));
         paused_processes += processes_mentioning(&id);
         let t = Instant::now();
-        vms.resume(&id, expiry(), Egress::Allowed).await?;
+        vms.resume(&id, expiry(), Egress::open()).await?;
         sh(vms, &id, "test -e /workspace/f").await?;
         resume.push(secs(t));
 

@@ -140,6 +140,11 @@ pub trait Machines: Send + Sync {
     /// `expires_at`, with `egress`. One that runs already is fine.
     async fn resume(&self, id: &str, expires_at: OffsetDateTime, egress: Egress) -> VmResult<()>;
 
+    /// Gives running VM `id` another egress, for its new connections (the
+    /// host's guard at once, then the guest's own filter); the next start
+    /// of it is told the same by its caller.
+    async fn set_egress(&self, id: &str, egress: Egress) -> VmResult<()>;
+
     /// Kills the VM and removes its files (one already gone is fine).
     /// Returns what its disk held just before, when it could be measured.
     async fn destroy(&self, id: &str) -> VmResult<Option<u64>>;

@@ -442,6 +442,12 @@ impl Machines for RemoteNode {
         Ok(done.disk_used_bytes)
     }
 
+    async fn set_egress(&self, id: &str, egress: Egress) -> VmResult<()> {
+        let args = wire::EgressArgs { egress };
+        self.call(&format!("sandboxes/{id}/egress"), &args, FILE_TIMEOUT)
+            .await
+    }
+
     async fn set_expiry(&self, id: &str, at: OffsetDateTime) -> VmResult<()> {
         let args = wire::ExpiryArgs { at_ms: ms(at) };
         self.call(&format!("sandboxes/{id}/expiry"), &args, RESPONSE_TIMEOUT)

@@ -286,6 +286,10 @@ async fn handle(state: Arc<dyn NodeState>, req: Request<Incoming>) -> Response<B
                         .await
                         .map(|disk_used_bytes| wire::Destroyed { disk_used_bytes }),
                 ),
+                "egress" => match body.json::<wire::EgressArgs>().await {
+                    Ok(a) => answer(vms.set_egress(&id, a.egress).await),
+                    Err(r) => r,
+                },
                 "expiry" => match body.json::<wire::ExpiryArgs>().await {
                     Ok(a) => answer(vms.set_expiry(&id, time_of(a.at_ms)).await),
                     Err(r) => r,

@@ -267,6 +267,12 @@ pub struct FileArgs {
     pub max_entries: u64,
 }
 
+/// The argument of `egress`: what the running VM may reach from now on.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct EgressArgs {
+    pub egress: Egress,
+}
+
 /// What a node holds that a snapshot sent to it need not carry (the
 /// answer of `snapshots/held`, and the argument of `snapshots/{id}/send`).
 #[derive(Debug, Default, Serialize, Deserialize)]

@@ -62,6 +62,7 @@ impl NodeState for TestNode {
 struct FakeVms {
     files: Arc<Mutex<HashMap<String, Vec<u8>>>>,
     expiry: Mutex<Option<OffsetDateTime>>,
+    egress: Mutex<Option<Egress>>,
     cancelled: Arc<AtomicUsize>,
     /// The snapshot calls it was asked, in order.
     snapshots: Mutex<Vec<String>>,
@@ -281,6 +282,11 @@ impl Machines for FakeVms {
     async fn set_expiry(&self, id: &str, at: OffsetDateTime) -> VmResult<()> {
         check(id)?;
         *self.expiry.lock().unwrap() = Some(at);
+        Ok(())
+    }
+    async fn set_egress(&self, id: &str, egress: Egress) -> VmResult<()> {
+        check(id)?;
+        *self.egress.lock().unwrap() = Some(egress);
         Ok(())
     }
     async fn state(&self, id: &str) -> VmResult<Option<VmState>> {
@@ -737,7 +743,7 @@ async fn a_nodes_vms_answer_through_the_link_as_they_would_at_home() {
     let at = OffsetDateTime::from_unix_timestamp(1_900_000_000).unwrap();
     assert_eq!(
         remote
-            .start("vm1", "small", None, at, Egress::Allowed)
+            .start("vm1", "small", None, at, Egress::open())
             .await
             .unwrap(),
         Started::Recorded {
@@ -749,16 +755,13 @@ async fn a_nodes_vms_answer_through_the_link_as_they_would_at_home() {
     assert_eq!(*vms.expiry.lock().unwrap(), Some(at));
     assert_eq!(
         remote
-            .start("vm1", "large", None, at, Egress::Allowed)
+            .start("vm1", "large", None, at, Egress::open())
             .await
             .unwrap(),
         Started::Booted
     );
     // A VM that died is a VM that died here too, not "retry".
-    match remote
-        .start("vm2", "small", None, at, Egress::Allowed)
-        .await
-    {
+    match remote.start("vm2", "small", None, at, Egress::open()).await {
         Err(RuntimeError::VmExited { cause }) => assert_eq!(cause, "killed by signal 9"),
         other => panic!("{other:?}"),
     }
@@ -768,20 +771,28 @@ async fn a_nodes_vms_answer_through_the_link_as_they_would_at_home() {
     // Snapshots: taken, started from, restored and deleted on the node.
     assert_eq!(remote.snapshot("vm1", "snap_a").await.unwrap(), 72 << 20);
     remote
-        .start("vm1", "small", Some("snap_a"), at, Egress::Blocked)
+        .start("vm1", "small", Some("snap_a"), at, Egress::blocked())
         .await
         .unwrap();
     let later = at + time::Duration::minutes(1);
     // Each start of a VM carries its egress across the wire.
     remote
-        .restore("vm1", "snap_a", later, Egress::Allowed)
+        .restore("vm1", "snap_a", later, Egress::open())
         .await
         .unwrap();
     assert_eq!(*vms.expiry.lock().unwrap(), Some(later));
     remote.delete_snapshot("snap_a").await.unwrap();
     remote.pause("vm1").await.unwrap();
-    remote.resume("vm1", at, Egress::Blocked).await.unwrap();
+    remote.resume("vm1", at, Egress::blocked()).await.unwrap();
     assert_eq!(*vms.expiry.lock().unwrap(), Some(at));
+    // A running VM's egress changed: its lists arrive as sent.
+    let policy = Egress::checked(vec!["198.51.100.7".into()], vec!["0.0.0.0/0".into()]).unwrap();
+    remote.set_egress("vm1", policy.clone()).await.unwrap();
+    assert_eq!(*vms.egress.lock().unwrap(), Some(policy));
+    assert!(matches!(
+        remote.set_egress("vm2", Egress::open()).await,
+        Err(RuntimeError::VmExited { .. })
+    ));
     assert!(matches!(
         remote.snapshot("vm2", "snap_b").await,
         Err(RuntimeError::VmExited { .. })
@@ -789,12 +800,12 @@ async fn a_nodes_vms_answer_through_the_link_as_they_would_at_home() {
     assert_eq!(
         *vms.snapshots.lock().unwrap(),
         [
-            "save vm1 snap_a",
-            "start vm1 snap_a Blocked",
-            "restore vm1 snap_a Allowed",
-            "delete snap_a",
-            "pause vm1",
-            "resume vm1 Blocked"
+            "save vm1 snap_a".to_string(),
+            format!("start vm1 snap_a {:?}", Egress::blocked()),
+            format!("restore vm1 snap_a {:?}", Egress::open()),
+            "delete snap_a".into(),
+            "pause vm1".into(),
+            format!("resume vm1 {:?}", Egress::blocked()),
         ]
     );
     assert_eq!(remote.destroy("vm1").await.unwrap(), Some(4096));

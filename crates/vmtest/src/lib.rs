@@ -221,7 +221,7 @@ pub fn new_vm(id: &str) -> CreateVm {
         size: "small".into(),
         metadata: BTreeMap::new(),
         expires_at: time::OffsetDateTime::now_utc() + time::Duration::minutes(30),
-        egress: sandpit_runtime::Egress::Allowed,
+        egress: sandpit_runtime::Egress::open(),
     }
 }
 

@@ -91,12 +91,12 @@ fn the_guest_reaches_the_internet_but_not_the_host() {
                 .qemu_uid
                 .expect("a root runtime's VMs have uids of their own");
         s.manager
-            .set_egress(&s.vm.record.id, &s.vm.agent, Egress::Blocked)
+            .set_egress(&s.vm.record.id, &s.vm.agent, Egress::blocked())
             .await
             .unwrap();
         assert_eq!(
             s.manager.record(&s.vm.record.id).unwrap().egress,
-            Egress::Blocked
+            Egress::blocked()
         );
         let refused = run(
             &s.vm,
@@ -136,7 +136,7 @@ fn the_guest_reaches_the_internet_but_not_the_host() {
         );
         // Given back: the internet again, by address and by name.
         s.manager
-            .set_egress(&s.vm.record.id, &s.vm.agent, Egress::Allowed)
+            .set_egress(&s.vm.record.id, &s.vm.agent, Egress::open())
             .await
             .unwrap();
         let body = sh(
@@ -145,6 +145,83 @@ fn the_guest_reaches_the_internet_but_not_the_host() {
         )
         .await;
         assert_eq!(body, "hello from the internet");
+
+        // A sandbox's own lists (E2B's `allowOut` and `denyOut`), changed
+        // while it runs. An allow list with everything else denied: the
+        // allowed host answers by address and by name; another address is
+        // refused at once (198.51.100.1 leads nowhere: without the guard a
+        // connect would hang until curl's bound, 28).
+        let lists = |allow: &[&str], deny: &[&str]| {
+            let owned = |l: &[&str]| l.iter().map(|e| e.to_string()).collect();
+            Egress::checked(owned(allow), owned(deny)).unwrap()
+        };
+        let changed = std::time::Instant::now();
+        s.manager
+            .set_egress(
+                &s.vm.record.id,
+                &s.vm.agent,
+                lists(&[&format!("{INTERNET}/32")], &["0.0.0.0/0"]),
+            )
+            .await
+            .unwrap();
+        eprintln!(
+            "an allow list took effect in {} ms",
+            changed.elapsed().as_millis()
+        );
+        let body = sh(
+            &s.vm,
+            "curl -sS -m 20 http://pypi.example.test:8080/hello.txt",
+        )
+        .await;
+        assert_eq!(body, "hello from the internet");
+        let code = |command: String| {
+            let vm = &s.vm;
+            async move { run(vm, req(&command)).await.result.exit_code }
+        };
+        assert_eq!(
+            code("curl -sS -m 5 http://198.51.100.1:8080/".into()).await,
+            Some(7),
+            "a destination the allow list leaves out"
+        );
+        assert!(!connects_as(uid, "198.51.100.1", 8080));
+        // An allow list never opens what the operator denies (the host).
+        s.manager
+            .set_egress(
+                &s.vm.record.id,
+                &s.vm.agent,
+                lists(
+                    &[&format!("{HOST_SIDE}/32"), &format!("{INTERNET}/32")],
+                    &[],
+                ),
+            )
+            .await
+            .unwrap();
+        assert_ne!(
+            code(format!("curl -sS -m 5 http://{HOST_SIDE}:{port}/")).await,
+            Some(0),
+            "an allow list opened the host"
+        );
+        assert!(!connects_as(uid, HOST_SIDE, port));
+        // A deny list: that host refused at once, by the guest's filter and
+        // the host's guard; names still resolve.
+        s.manager
+            .set_egress(
+                &s.vm.record.id,
+                &s.vm.agent,
+                lists(&[], &[&format!("{INTERNET}/32")]),
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            code(format!("curl -sS -m 20 http://{INTERNET}:8080/hello.txt")).await,
+            Some(7)
+        );
+        assert!(!connects_as(uid, INTERNET, 8080));
+        s.manager
+            .set_egress(&s.vm.record.id, &s.vm.agent, Egress::open())
+            .await
+            .unwrap();
+        assert!(connects_as(uid, INTERNET, 8080), "given back, but refused");
 
         // Not the host: every address of it, the gateway, link-local metadata.
         let mut targets = vec![
@@ -221,8 +298,7 @@ fn the_guest_reaches_the_internet_but_not_the_host() {
         nft_script(&orphans);
         let plan = sandpit_runtime::vm::guard::GuardPlan {
             deny: vec!["10.0.0.0/8".into()],
-            dns: Vec::new(),
-            proxy: None,
+            ..Default::default()
         };
         sandpit_runtime::vm::guard::install(young, &plan).unwrap();
         assert!(sandpit_runtime::vm::guard::installed(old));
@@ -268,8 +344,7 @@ fn the_guest_reaches_the_internet_but_not_the_host() {
         std::fs::write(paths.uid_file(), uid.to_string()).unwrap();
         let plan = sandpit_runtime::vm::guard::GuardPlan {
             deny: vec!["10.0.0.0/8".into()],
-            dns: Vec::new(),
-            proxy: None,
+            ..Default::default()
         };
         sandpit_runtime::vm::guard::install(uid, &plan).unwrap();
         s.manager.destroy("sbx_net_crashed").await.unwrap();

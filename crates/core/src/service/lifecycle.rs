@@ -533,8 +533,8 @@ pub(super) fn to_sandbox(r: &SandboxRow) -> Sandbox {
 /// What sandbox `row`'s guest may reach, as every start of its VM is told.
 pub(crate) fn egress_of(row: &SandboxRow) -> Egress {
     match row.internet_access {
-        Some(false) => Egress::Blocked,
-        Some(true) | None => Egress::Allowed,
+        Some(false) => Egress::blocked(),
+        Some(true) | None => Egress::open(),
     }
 }
 

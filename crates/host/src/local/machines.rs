@@ -199,6 +199,10 @@ impl Machines for LocalVms {
         self.manager.delete_saved(snapshot).await
     }
 
+    async fn set_egress(&self, id: &str, egress: Egress) -> VmResult<()> {
+        self.ensure_egress(id, egress).await
+    }
+
     async fn held_parts(&self) -> VmResult<Vec<String>> {
         Ok(self.manager.held_parts())
     }

@@ -357,7 +357,7 @@ impl LocalVms {
                 OffsetDateTime::now_utc() + POOL_LEASE,
                 // The operator's network; a sandbox that has another gets
                 // it when it takes the VM (`LocalVms::create`).
-                sandpit_runtime::Egress::Allowed,
+                sandpit_runtime::Egress::open(),
                 Priority::Background,
             )
             .await?;

@@ -47,7 +47,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 pub const TABLE: &str = "sandpit_guests";
 
 /// What a VM's passt may not reach, and the exemptions before that.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct GuardPlan {
     /// Denied prefixes and addresses, as nft reads them (`10.0.0.0/8`,
     /// `169.254.169.254`, `fd00::/8`).
@@ -56,6 +56,11 @@ pub struct GuardPlan {
     pub dns: Vec<IpAddr>,
     /// The operator's proxy, reached on its TCP port although denied.
     pub proxy: Option<(IpAddr, u16)>,
+    /// A sandbox's own prefixes let through after `deny` and the host's
+    /// addresses (never past them)…
+    pub then_allow: Vec<String>,
+    /// …and its own refused after that.
+    pub then_deny: Vec<String>,
 }
 
 /// The chain of the VM whose passt runs as `uid`.
@@ -89,26 +94,35 @@ pub fn script(uid: u32, plan: &GuardPlan) -> String {
             &format!("{} daddr {a} tcp dport {port} accept", family(&a)),
         );
     }
-    for d in &plan.deny {
+    let reject = |s: &mut String, d: &str| {
         let (f, icmp) = if d.contains(':') {
             ("ip6", "icmpv6")
         } else {
             ("ip", "icmp")
         };
         rule(
-            &mut s,
+            s,
             &format!("{f} daddr {d} meta l4proto tcp reject with tcp reset"),
         );
         rule(
-            &mut s,
+            s,
             &format!("{f} daddr {d} reject with {icmp} type admin-prohibited"),
         );
+    };
+    for d in &plan.deny {
+        reject(&mut s, d);
     }
     rule(
         &mut s,
         "fib daddr type local meta l4proto tcp reject with tcp reset",
     );
     rule(&mut s, "fib daddr type local reject");
+    for a in &plan.then_allow {
+        rule(&mut s, &format!("ip daddr {a} accept"));
+    }
+    for d in &plan.then_deny {
+        reject(&mut s, d);
+    }
     let made = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap_or_default()
@@ -294,6 +308,8 @@ mod tests {
             deny: vec!["10.0.0.0/8".into(), "203.0.113.7".into(), "fd00::/8".into()],
             dns: vec!["127.0.0.53".parse().unwrap()],
             proxy: Some(("10.1.2.3".parse().unwrap(), 3128)),
+            then_allow: vec!["198.51.100.0/24".into()],
+            then_deny: vec!["0.0.0.0/0".into()],
         }
     }
 
@@ -313,6 +329,12 @@ mod tests {
         at("vm_3000123 fib daddr type local reject");
         at("vm_3000123 meta nfproto ipv6 reject comment \"sandpit guard made at ");
         at("guests { 3000123 : jump vm_3000123 }");
+        // A sandbox's own lists come after the operator's and the host's
+        // rejects (an allow never opens those), its allow before its deny.
+        let allowed = at("vm_3000123 ip daddr 198.51.100.0/24 accept");
+        assert!(at("vm_3000123 fib daddr type local reject") < allowed);
+        assert!(at("ip6 daddr fd00::/8 reject") < allowed);
+        assert!(allowed < at("vm_3000123 ip daddr 0.0.0.0/0 meta l4proto tcp reject"));
     }
 
     #[test]

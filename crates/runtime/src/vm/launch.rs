@@ -63,7 +63,7 @@ impl VmManager {
                     .map_err(RuntimeError::io("writing the VM's uid"))?;
                 // `nft` takes ~25 ms: off the async workers, which a burst
                 // of starts would otherwise stall.
-                let plan = self.guard_plan(req.egress);
+                let plan = self.guard_plan(&req.egress);
                 tokio::task::spawn_blocking(move || guard::install(uid, &plan))
                     .await
                     .map_err(|e| RuntimeError::Launch(format!("the guard's task: {e}")))??;
@@ -264,7 +264,7 @@ impl VmManager {
                 Start::Saved(saved) if mapped => saved.record.ram.clone(),
                 _ => None,
             },
-            egress: req.egress,
+            egress: req.egress.clone(),
         };
         write_record(paths, &record)?;
         // Recorded first, so a failed start's clean-up stops QEMU and passt.
@@ -320,7 +320,7 @@ impl VmManager {
 
         let mut entropy = vec![0u8; 64];
         rand::rngs::OsRng.fill_bytes(&mut entropy);
-        let network = passt.as_ref().map(|_| self.network_config(req.egress));
+        let network = passt.as_ref().map(|_| self.network_config(&req.egress));
         // The guest sets its clock from the time read here: no stop for
         // live work in between.
         let setting_the_clock = giving_way.as_ref().map(|t| t.unstoppable());
@@ -396,13 +396,13 @@ impl VmManager {
     }
 
     /// What the host denies the passt of a guest with `egress` (see
-    /// `guard`): what its own filter denies, with the same exemptions.
-    pub(super) fn guard_plan(&self, egress: Egress) -> guard::GuardPlan {
-        if egress == Egress::Blocked {
+    /// `guard`): what its own filter denies, with the same exemptions, then
+    /// the sandbox's own lists.
+    pub(super) fn guard_plan(&self, egress: &Egress) -> guard::GuardPlan {
+        if egress.is_blocked() {
             return guard::GuardPlan {
                 deny: vec![Egress::EVERYTHING.into()],
-                dns: Vec::new(),
-                proxy: None,
+                ..guard::GuardPlan::default()
             };
         }
         let dns = match &self.config.network.dns {
@@ -416,19 +416,30 @@ impl VmManager {
                     .collect()
             }
         };
-        guard::GuardPlan {
-            deny: self.deny.clone(),
-            dns,
-            proxy: self
+        // A sandbox with lists of its own does not get the operator's proxy
+        // past them: through it, it would reach any host, whatever its
+        // lists say (the proxy's address is one destination like others).
+        let proxy = match egress.allow.is_empty() && egress.deny.is_empty() {
+            true => self
                 .proxy
                 .as_ref()
                 .and_then(|p| Some((p.address.parse().ok()?, p.port))),
+            false => None,
+        };
+        guard::GuardPlan {
+            deny: self.deny.clone(),
+            dns,
+            proxy,
+            then_allow: egress.allow.clone(),
+            then_deny: egress.deny.clone(),
         }
     }
 
-    /// The network a guest with `egress` is configured with.
-    pub(super) fn network_config(&self, egress: Egress) -> NetworkConfig {
-        if egress == Egress::Blocked {
+    /// The network a guest with `egress` is configured with. Its filter
+    /// gets the sandbox's deny list when it has no allow list (the host's
+    /// guard alone can let an allowed prefix through a denied one).
+    pub(super) fn network_config(&self, egress: &Egress) -> NetworkConfig {
+        if egress.is_blocked() {
             // No name server: a lookup then fails at once (nothing answers
             // on the guest's loopback) instead of timing out on a filter.
             return NetworkConfig {
@@ -440,6 +451,11 @@ impl VmManager {
                 proxy: None,
             };
         }
+        let mut deny = self.deny.clone();
+        if egress.allow.is_empty() {
+            deny.extend(egress.deny.iter().cloned());
+        }
+        let unrestricted = egress.allow.is_empty() && egress.deny.is_empty();
         NetworkConfig {
             address: net::GUEST_ADDRESS.into(),
             gateway: net::GUEST_GATEWAY.into(),
@@ -449,9 +465,9 @@ impl VmManager {
                 .dns
                 .clone()
                 .unwrap_or_else(|| vec![net::GUEST_DNS_FORWARD.into()]),
-            deny: self.deny.clone(),
+            deny,
             mtu: net::GUEST_MTU,
-            proxy: self.proxy.clone(),
+            proxy: self.proxy.clone().filter(|_| unrestricted),
         }
     }
 

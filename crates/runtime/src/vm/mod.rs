@@ -270,27 +270,109 @@ pub struct CreateVm {
 /// (the caller keeps it: a restore, a resume or a fork starts a new QEMU),
 /// and [`VmManager::set_egress`] changes a running VM's.
 ///
-/// `Blocked` is E2B's `allow_internet_access=False`, which that API defines
-/// as a deny list of `0.0.0.0/0`, and is enforced the same way as the
-/// operator's deny list, twice: by the guest's own packet filter (nothing
-/// but its loopback; no name server either, so a lookup fails at once
-/// instead of timing out) and by the host's guard on the VM's passt (see
-/// `guard`), which a guest that became root cannot lift. The agent's
-/// channel is not the network, so commands, files and preview URLs work
-/// as before.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Egress {
-    /// Whatever the operator's `[network]` allows.
-    #[default]
-    Allowed,
-    /// Nothing beyond the guest itself.
-    Blocked,
+/// Two lists of IPv4 prefixes (`203.0.113.0/24`, or an address alone):
+/// `allow` lets a destination through before `deny` refuses it, as E2B's
+/// `allowOut` and `denyOut` do, and neither reaches past the operator's
+/// deny list (the host's addresses, the private ranges, metadata), which is
+/// applied first. Blocked (nothing allowed, `0.0.0.0/0` denied) is E2B's
+/// `allow_internet_access=False`: the guest then has no name server
+/// either, so a lookup fails at once instead of timing out.
+///
+/// Enforced by the host's guard on the VM's passt (see `guard`), which a
+/// guest that became root cannot lift: a refused connect is reset at once.
+/// The guest's own filter repeats what it can express (a deny list with no
+/// allow list); the agent's channel is not the network, so commands, files
+/// and preview URLs work whatever the egress.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Egress {
+    /// Let through before `deny` (never past the operator's deny list).
+    pub allow: Vec<String>,
+    /// Refused, after `allow`.
+    pub deny: Vec<String>,
 }
 
 impl Egress {
     /// The deny list that blocks everything (IPv6 is off in every guest).
     pub const EVERYTHING: &'static str = "0.0.0.0/0";
+
+    /// Whatever the operator's `[network]` allows.
+    pub fn open() -> Egress {
+        Egress::default()
+    }
+
+    /// Nothing beyond the guest itself.
+    pub fn blocked() -> Egress {
+        Egress {
+            allow: Vec::new(),
+            deny: vec![Egress::EVERYTHING.into()],
+        }
+    }
+
+    /// Nothing allowed and everything denied.
+    pub fn is_blocked(&self) -> bool {
+        self.allow.is_empty() && self.deny.iter().any(|d| d == Egress::EVERYTHING)
+    }
+
+    /// The lists checked: each entry an IPv4 address or prefix, written as
+    /// nft and the agent read it (`a.b.c.d` or `a.b.c.d/n`, the address
+    /// part with no host bits past the prefix).
+    pub fn checked(allow: Vec<String>, deny: Vec<String>) -> std::result::Result<Egress, String> {
+        for entry in allow.iter().chain(&deny) {
+            let (address, prefix) = match entry.split_once('/') {
+                Some((a, p)) => (a, Some(p)),
+                None => (entry.as_str(), None),
+            };
+            let address: std::net::Ipv4Addr = address
+                .parse()
+                .map_err(|_| format!("{entry:?} is not an IPv4 address or prefix"))?;
+            if let Some(p) = prefix {
+                let bits: u32 = p
+                    .parse()
+                    .ok()
+                    .filter(|b| *b <= 32)
+                    .ok_or_else(|| format!("{entry:?}: a prefix length is 0 to 32"))?;
+                let mask = u32::MAX.checked_shl(32 - bits).unwrap_or(0);
+                if u32::from(address) & !mask != 0 {
+                    return Err(format!(
+                        "{entry:?} has bits set past its prefix (the network is {}/{bits})",
+                        std::net::Ipv4Addr::from(u32::from(address) & mask)
+                    ));
+                }
+            }
+        }
+        Ok(Egress { allow, deny })
+    }
+}
+
+/// What a VM's record (and the node API) held before egress had lists:
+/// `"allowed"` or `"blocked"`; read as the lists they meant.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum EgressAsStored {
+    Named(NamedEgress),
+    Lists {
+        #[serde(default)]
+        allow: Vec<String>,
+        #[serde(default)]
+        deny: Vec<String>,
+    },
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum NamedEgress {
+    Allowed,
+    Blocked,
+}
+
+impl<'de> Deserialize<'de> for Egress {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        Ok(match EgressAsStored::deserialize(d)? {
+            EgressAsStored::Named(NamedEgress::Allowed) => Egress::open(),
+            EgressAsStored::Named(NamedEgress::Blocked) => Egress::blocked(),
+            EgressAsStored::Lists { allow, deny } => Egress { allow, deny },
+        })
+    }
 }
 
 /// A running VM and a live connection to its agent.
@@ -565,7 +647,7 @@ impl VmManager {
             return write_record(&self.paths(id), &record);
         }
         if let Some(uid) = record.qemu_uid {
-            let plan = self.guard_plan(egress);
+            let plan = self.guard_plan(&egress);
             tokio::task::spawn_blocking(move || guard::install(uid, &plan))
                 .await
                 .map_err(|e| RuntimeError::Launch(format!("the guard's task: {e}")))??;
@@ -582,7 +664,7 @@ impl VmManager {
                 self.guest_config(
                     hostname_for(id),
                     machine_id.clone(),
-                    Some(self.network_config(egress)),
+                    Some(self.network_config(&egress)),
                 ),
                 &entropy,
                 EGRESS_CHANGE_TIMEOUT,
@@ -885,4 +967,42 @@ pub fn qemu_version(qemu: &Path) -> Result<QemuVersion> {
         minor: numbers.next().unwrap_or(0),
         line,
     })
+}
+
+#[cfg(test)]
+mod egress_tests {
+    use super::Egress;
+
+    #[test]
+    fn an_egress_reads_what_older_records_held_and_its_lists() {
+        let read = |json: &str| serde_json::from_str::<Egress>(json).unwrap();
+        assert_eq!(read("\"allowed\""), Egress::open());
+        assert_eq!(read("\"blocked\""), Egress::blocked());
+        assert!(read("\"blocked\"").is_blocked());
+        let lists =
+            Egress::checked(vec!["198.51.100.0/24".into()], vec!["0.0.0.0/0".into()]).unwrap();
+        assert!(!lists.is_blocked(), "an allow list lets something out");
+        assert_eq!(read(&serde_json::to_string(&lists).unwrap()), lists);
+        assert_eq!(read("{}"), Egress::open());
+    }
+
+    #[test]
+    fn an_egress_takes_ipv4_addresses_and_prefixes_only() {
+        let one = |e: &str| Egress::checked(vec![e.into()], Vec::new());
+        assert!(one("8.8.8.8").is_ok());
+        assert!(one("10.0.0.0/8").is_ok());
+        assert!(one("0.0.0.0/0").is_ok());
+        for bad in [
+            "example.com",
+            "10.0.0.1/8",
+            "10.0.0.0/33",
+            "::1",
+            "1.2.3",
+            "1.2.3.4/x",
+            "",
+        ] {
+            assert!(one(bad).is_err(), "{bad:?} was taken");
+        }
+        assert!(Egress::checked(Vec::new(), vec!["nope".into()]).is_err());
+    }
 }

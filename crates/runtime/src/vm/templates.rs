@@ -38,7 +38,7 @@ impl VmManager {
             network: self.config.network.enabled.then(|| {
                 let configured = NetworkConfig {
                     deny: self.config.network.deny.clone(),
-                    ..self.network_config(Egress::Allowed)
+                    ..self.network_config(&Egress::open())
                 };
                 serde_json::to_value(configured).expect("json")
             }),
@@ -203,7 +203,7 @@ impl VmManager {
             metadata: BTreeMap::new(),
             // Far more than a build takes; a builder that died leaves no VM.
             expires_at: OffsetDateTime::now_utc() + TEMPLATE_BUILD_LEASE,
-            egress: crate::vm::Egress::Allowed,
+            egress: crate::vm::Egress::open(),
         };
         let mem = dir.join(template::MEM);
         let booted = self
