@@ -270,6 +270,7 @@ fn sandbox(account_id: &str, created_at: OffsetDateTime, minutes: u32, reserve: 
         access_token: Some(format!("token-of-{created_at}")),
         every_port_public: false,
         internet_access: None,
+        network: None,
         template_id: None,
         workdir: None,
     }
@@ -588,6 +589,7 @@ async fn the_ledger_reserves_refunds_and_settles_once(store: Store) {
             .create_sandbox(NewSandbox {
                 every_port_public: true,
                 internet_access: Some(false),
+                network: Some(r#"{"allow_out":["198.51.100.7"]}"#.into()),
                 ..sandbox(&acct.id, T0, 60, 90_000)
             })
             .await
@@ -603,6 +605,32 @@ async fn the_ledger_reserves_refunds_and_settles_once(store: Store) {
     assert_eq!(again.access_token, Some(format!("token-of-{T0}")));
     assert!(again.every_port_public);
     assert_eq!(again.internet_access, Some(false));
+    assert_eq!(
+        again.network.as_deref(),
+        Some(r#"{"allow_out":["198.51.100.7"]}"#)
+    );
+    // Its egress replaced while it lives (not once it ended).
+    assert!(store
+        .set_sandbox_network(&sbx.id, Some(true), Some(r#"{"deny_out":["10.0.0.0/8"]}"#))
+        .await
+        .unwrap());
+    let changed = store.sandbox(&sbx.id).await.unwrap().unwrap();
+    assert_eq!(
+        (changed.internet_access, changed.network.as_deref()),
+        (Some(true), Some(r#"{"deny_out":["10.0.0.0/8"]}"#))
+    );
+    assert!(!store
+        .set_sandbox_network("sbx_nope", None, None)
+        .await
+        .unwrap());
+    store
+        .set_sandbox_network(
+            &sbx.id,
+            Some(false),
+            Some(r#"{"allow_out":["198.51.100.7"]}"#),
+        )
+        .await
+        .unwrap();
     // Its token is among the live ones (for signed file URLs).
     let tokens = store.live_sandbox_tokens().await.unwrap();
     assert!(

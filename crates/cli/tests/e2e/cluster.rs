@@ -78,6 +78,7 @@ fn a_server_on_postgresql_keeps_its_state_there_and_only_its_own_sandboxes() {
                 access_token: None,
                 every_port_public: false,
                 internet_access: None,
+                network: None,
                 template_id: None,
                 workdir: None,
             })
@@ -602,6 +603,7 @@ fn a_replica_names_a_sandbox_after_the_warm_vm_a_node_published() {
             access_token: None,
             every_port_public: false,
             internet_access: None,
+            network: None,
             template_id: None,
             workdir: None,
         };

@@ -465,6 +465,7 @@ impl Service {
             access_token: Some(hex::encode(rand::random::<[u8; 16]>())),
             every_port_public: order.req.every_port_public,
             internet_access: order.req.internet_access,
+            network: None,
             template_id: order.template_id.clone(),
             workdir: order.workdir.clone(),
         };

@@ -793,6 +793,7 @@ mod tests {
             access_token: None,
             every_port_public: false,
             internet_access: None,
+            network: None,
             template_id: None,
             workdir: None,
         }

@@ -185,9 +185,9 @@ fn insert_sql(postgres: bool, host_max: &str) -> String {
         "INSERT INTO sandboxes (id, account_id, name, size, vcpus, memory_mb, disk_gb, \
            timeout_minutes, status, price_micros_per_hour, host, created_at, expires_at, \
            snapshot_id, metadata, env, access_token, every_port_public, internet_access, \
-           template_id, workdir) \
+           template_id, workdir, network) \
          SELECT $1, $2, $3, $4, $5, $6, $7, $8, 'provisioning', $9, $10, $11, $12, $18, \
-           $20, $21, $22, $23, $24, $25, $26 \
+           $20, $21, $22, $23, $24, $25, $26, $27 \
          FROM accounts a WHERE a.id = $2 \
            AND NOT EXISTS (SELECT 1 FROM idempotency WHERE account_id = a.id AND key = $13) \
            AND ({host_max} IS NULL OR (SELECT COUNT(*) FROM sandboxes \
@@ -267,7 +267,7 @@ pub(crate) fn create_function() -> &'static (String, String) {
         let definition = format!(
             "CREATE OR REPLACE FUNCTION {name}(text, text, text, text, bigint, bigint, bigint, \
                  bigint, bigint, text, text, text, text, bigint, bigint, bigint, bigint, text, text, \
-                 text, text, text, bigint, bigint, text, text) \
+                 text, text, text, bigint, bigint, text, text, text) \
              RETURNS SETOF sandboxes LANGUAGE plpgsql AS $create$ {body} $create$"
         );
         (name, definition)
@@ -343,6 +343,7 @@ fn bind_create<'q>(
         .bind(new.internet_access.map(i64::from))
         .bind(&new.template_id)
         .bind(&new.workdir)
+        .bind(&new.network)
 }
 
 impl Store {
@@ -383,7 +384,7 @@ impl Store {
             // The common case in one round trip (see `create_function`).
             let sql = format!(
                 "SELECT * FROM {}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, \
-                 $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25, $26)",
+                 $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25, $26, $27)",
                 create_function().0
             );
             let query = bind_create(sqlx::query(sqlx::AssertSqlSafe(sql)), &new, new.host_epoch);

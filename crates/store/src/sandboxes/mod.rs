@@ -60,6 +60,8 @@ pub struct SandboxRow {
     pub every_port_public: bool,
     /// See [`NewSandbox::internet_access`].
     pub internet_access: Option<bool>,
+    /// See [`NewSandbox::network`].
+    pub network: Option<String>,
     /// See [`NewSandbox::template_id`].
     pub template_id: Option<String>,
     /// See [`NewSandbox::workdir`].
@@ -121,6 +123,9 @@ pub struct NewSandbox {
     /// creator said (see migration 0015): `Some(false)` nothing, `None` not
     /// said (the operator's network, as `Some(true)`).
     pub internet_access: Option<bool>,
+    /// Its own egress lists, as the service's JSON (see migration 0018);
+    /// `None`: none.
+    pub network: Option<String>,
     /// The template build it starts from (see migration 0016), and the
     /// working directory its commands get by default (the template's
     /// `WORKDIR`; `None`: `/workspace`).
@@ -244,6 +249,7 @@ pub(crate) fn sandbox_from(row: &AnyRow) -> Result<SandboxRow> {
         access_token: get_opt_str(row, "access_token")?,
         every_port_public: get_i64(row, "every_port_public")? != 0,
         internet_access: get_opt_i64(row, "internet_access")?.map(|v| v != 0),
+        network: get_opt_str(row, "network")?,
         template_id: get_opt_str(row, "template_id")?,
         workdir: get_opt_str(row, "workdir")?,
     })
@@ -787,6 +793,28 @@ impl Store {
 
     /// Record what each sandbox's disk takes now (`(sandbox id, bytes)`),
     /// in one transaction. Sandboxes that ended keep their last figure.
+    /// Replaces a live sandbox's egress: whether it may reach the network
+    /// at all, and its own lists (see migration 0018). `false` when no live
+    /// sandbox has that id.
+    pub async fn set_sandbox_network(
+        &self,
+        id: &str,
+        internet_access: Option<bool>,
+        network: Option<&str>,
+    ) -> Result<bool> {
+        let done = sqlx::query(concat!(
+            "UPDATE sandboxes SET internet_access = $2, network = $3 \
+             WHERE id = $1 AND status IN ",
+            live_statuses!()
+        ))
+        .bind(id)
+        .bind(internet_access.map(i64::from))
+        .bind(network)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() > 0)
+    }
+
     pub async fn set_disk_use(&self, uses: &[(String, u64)]) -> Result<()> {
         if uses.is_empty() {
             return Ok(());
