@@ -120,7 +120,7 @@ pub struct Service {
     restoring: std::sync::Mutex<std::collections::HashSet<String>>,
     /// Templates being fetched to a node by this member, one at a time
     /// per node and layer (see [`fetch`]).
-    fetching: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    fetching: Arc<sandpit_host::turns::Turns>,
     /// Which sandboxes are in use, for the idle sweep (see [`crate::idle`]).
     activity: Arc<Activity>,
     /// Guests' resources read lately (see [`readings`]).

@@ -6,6 +6,9 @@
 //! that wakes a paused sandbox. Each takes the sandbox's [`Turn`] first; a
 //! caller that had to wait learns so ([`Turn::waited`]) and reads the
 //! outcome the first one recorded instead of starting again.
+//!
+//! The turns are keyed by any string: the service also takes one per node
+//! and template layer to fetch a template once at a time.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

@@ -43,22 +43,8 @@ impl Service {
             return Err(format!("{} is kept on node {} alone", from.what, from.host));
         };
         let key = format!("{}/{}/{}", target.host, layer.account_id, layer.layer_key);
-        let turn = self
-            .fetching
-            .lock()
-            .expect("not poisoned")
-            .entry(key.clone())
-            .or_default()
-            .clone();
-        let held = turn.lock().await;
-        let outcome = self.fetch_in_turn(from, layer, target).await;
-        drop(held);
-        let mut fetching = self.fetching.lock().expect("not poisoned");
-        // Nobody else waits for this one (the map's and this call's).
-        if Arc::strong_count(&turn) <= 2 {
-            fetching.remove(&key);
-        }
-        outcome
+        let _turn = self.fetching.take(&key).await;
+        self.fetch_in_turn(from, layer, target).await
     }
 
     async fn fetch_in_turn(
