@@ -76,6 +76,10 @@ pub struct Plan {
     gateway: IpAddr,
     dns: Vec<IpAddr>,
     deny: Vec<Cidr>,
+    /// The sandbox's own allow list, after `deny`.
+    allow: Vec<Cidr>,
+    /// The sandbox's own deny list when it has an allow list, after `allow`.
+    then_deny: Vec<Cidr>,
     /// The operator's HTTP proxy: address and TCP port.
     proxy: Option<(IpAddr, u16)>,
     mtu: u32,
@@ -107,15 +111,18 @@ impl Plan {
                     .map_err(|_| invalid("name server", d))
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let deny = net
-            .deny
-            .iter()
-            .map(|d| {
-                Cidr::parse(d)
-                    .map(Cidr::network)
-                    .ok_or_else(|| invalid("deny CIDR", d))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        let cidrs = |list: &[String], what: &str| {
+            list.iter()
+                .map(|d| {
+                    Cidr::parse(d)
+                        .map(Cidr::network)
+                        .ok_or_else(|| invalid(what, d))
+                })
+                .collect::<Result<Vec<_>, _>>()
+        };
+        let deny = cidrs(&net.deny, "deny CIDR")?;
+        let allow = cidrs(&net.allow, "allow CIDR")?;
+        let then_deny = cidrs(&net.then_deny, "deny CIDR")?;
         if !(68..=65535).contains(&net.mtu) {
             return Err(invalid("mtu", &net.mtu.to_string()));
         }
@@ -138,6 +145,8 @@ impl Plan {
             gateway,
             dns,
             deny,
+            allow,
+            then_deny,
             proxy,
             mtu: net.mtu,
         })
@@ -145,8 +154,15 @@ impl Plan {
 }
 
 /// The nftables script: (re)create table `inet sandpit` with one reject pair
-/// per denied prefix. Declaring the table before deleting it makes the delete
-/// succeed whether or not it existed; all of it is one atomic transaction.
+/// per denied prefix, then the sandbox's own allow list (accepted) and the
+/// deny list that follows it. Declaring the table before deleting it makes
+/// the delete succeed whether or not it existed; all of it is one atomic
+/// transaction.
+///
+/// The sandbox's lists are enforced by the host's guard too (the guest is
+/// the agent's to break); they are here so that a denied connect fails at
+/// once: passt drops a guest's connection whose host-side connect is
+/// refused later than at once, and the guest would wait out its timeout.
 ///
 /// Three exemptions come first:
 /// - loopback: traffic to the guest's own addresses is not egress, and the
@@ -158,7 +174,7 @@ impl Plan {
 ///   place inside a denied range (passt's forwarder is 10.0.2.3);
 /// - the operator's HTTP proxy, its address and TCP port only: a corporate
 ///   proxy usually sits on a private address.
-pub fn ruleset(deny: &[Cidr], dns: &[IpAddr], proxy: Option<(IpAddr, u16)>) -> String {
+pub fn ruleset(plan: &Plan) -> String {
     let family = |a: &IpAddr| if a.is_ipv4() { "ip" } else { "ip6" };
     let mut s = String::from(
         "table inet sandpit\n\
@@ -168,24 +184,33 @@ pub fn ruleset(deny: &[Cidr], dns: &[IpAddr], proxy: Option<(IpAddr, u16)>) -> S
          \t\ttype filter hook output priority 0; policy accept;\n\
          \t\toifname \"lo\" accept\n",
     );
-    for d in dns {
+    for d in &plan.dns {
         let f = family(d);
         s.push_str(&format!(
             "\t\t{f} daddr {d} udp dport 53 accept\n\
              \t\t{f} daddr {d} tcp dport 53 accept\n"
         ));
     }
-    if let Some((a, port)) = proxy {
+    if let Some((a, port)) = plan.proxy {
         let f = family(&a);
         s.push_str(&format!("\t\t{f} daddr {a} tcp dport {port} accept\n"));
     }
-    for c in deny {
+    let reject = |s: &mut String, c: &Cidr| {
         let f = family(&c.addr);
         let icmp = if c.addr.is_ipv4() { "icmp" } else { "icmpv6" };
         s.push_str(&format!(
             "\t\t{f} daddr {c} meta l4proto tcp reject with tcp reset\n\
              \t\t{f} daddr {c} reject with {icmp} type admin-prohibited\n"
         ));
+    };
+    for c in &plan.deny {
+        reject(&mut s, c);
+    }
+    for c in &plan.allow {
+        s.push_str(&format!("\t\t{} daddr {c} accept\n", family(&c.addr)));
+    }
+    for c in &plan.then_deny {
+        reject(&mut s, c);
     }
     s.push_str("\t}\n}\n");
     s
@@ -244,7 +269,7 @@ pub fn apply(plan: &Plan) -> Result<(), AgentError> {
         "egress filter",
         "nft",
         &["-f", "-"],
-        Some(ruleset(&plan.deny, &plan.dns, plan.proxy).into_bytes()),
+        Some(ruleset(plan).into_bytes()),
     )?;
     if plan.address.addr.is_ipv4() {
         let knob = format!("/proc/sys/net/ipv6/conf/{ifname}/disable_ipv6");
@@ -290,8 +315,10 @@ pub fn apply(plan: &Plan) -> Result<(), AgentError> {
     )
     .map_err(|e| AgentError::new(ErrorKind::Io, format!("network: /etc/resolv.conf: {e}")))?;
     crate::info!(
-        "network: {address} via {gateway} on {ifname}, {} denied prefix(es)",
-        plan.deny.len()
+        "network: {address} via {gateway} on {ifname}, {} denied prefix(es), {} allowed before {} more",
+        plan.deny.len(),
+        plan.allow.len(),
+        plan.then_deny.len()
     );
     Ok(())
 }
@@ -311,6 +338,8 @@ mod tests {
                 "10.0.0.1/8".into(),
                 "fd00::1/8".into(),
             ],
+            allow: vec![],
+            then_deny: vec![],
             mtu: 1500,
             proxy: Some(ProxyConfig {
                 url: "http://10.1.2.3:3128".into(),
@@ -386,7 +415,7 @@ mod tests {
     #[test]
     fn ruleset_rejects_each_prefix() {
         let p = Plan::new(&net()).unwrap();
-        let r = ruleset(&p.deny, &p.dns, p.proxy);
+        let r = ruleset(&p);
         assert!(r.starts_with("table inet sandpit\ndelete table inet sandpit\n"));
         assert!(r.contains("policy accept;\n\t\toifname \"lo\" accept\n"));
         assert!(r.contains("ip daddr 10.0.0.0/8 meta l4proto tcp reject with tcp reset\n"));
@@ -406,8 +435,40 @@ mod tests {
             "the proxy's exemption must come before the rejects"
         );
         assert_eq!(r.matches("10.1.2.3").count(), 1, "the proxy only: {r}");
-        assert!(ruleset(&[], &[], None).contains("policy accept;"));
-        assert!(!ruleset(&p.deny, &p.dns, None).contains("3128"));
+        let bare = Plan {
+            deny: vec![],
+            dns: vec![],
+            proxy: None,
+            ..p.clone()
+        };
+        assert!(ruleset(&bare).contains("policy accept;"));
+        assert!(!ruleset(&Plan { proxy: None, ..p }).contains("3128"));
+    }
+
+    fn with_lists() -> NetworkConfig {
+        NetworkConfig {
+            allow: vec!["198.51.100.7".into(), "203.0.113.0/24".into()],
+            then_deny: vec!["0.0.0.0/0".into()],
+            ..net()
+        }
+    }
+
+    #[test]
+    fn the_sandbox_lists_come_after_the_operators_rejects_allow_first() {
+        let r = ruleset(&Plan::new(&with_lists()).unwrap());
+        let at = |needle: &str| r.find(needle).unwrap_or_else(|| panic!("{needle}: {r}"));
+        let allowed = at("ip daddr 198.51.100.7/32 accept\n");
+        assert!(at("ip daddr 10.0.0.0/8 meta l4proto tcp reject") < allowed);
+        assert!(allowed < at("ip daddr 203.0.113.0/24 accept\n"));
+        assert!(
+            at("ip daddr 203.0.113.0/24 accept") < at("ip daddr 0.0.0.0/0 meta l4proto tcp reject")
+        );
+        assert!(r.contains("ip daddr 0.0.0.0/0 reject with icmp type admin-prohibited\n"));
+        let bad = NetworkConfig {
+            allow: vec!["1.2.3.4/8; flush ruleset".into()],
+            ..net()
+        };
+        assert_eq!(Plan::new(&bad).unwrap_err().kind, ErrorKind::InvalidRequest);
     }
 
     /// Let the real nft parse the ruleset in check mode (nothing is applied).
@@ -417,7 +478,7 @@ mod tests {
             reaper::find_program("nft").is_some(),
             "nft is missing: apt-get install nftables (scripts/install-deps.sh does)"
         );
-        let p = Plan::new(&net()).unwrap();
+        let p = Plan::new(&with_lists()).unwrap();
         let out = std::process::Command::new(reaper::find_program("nft").unwrap())
             .args(["-c", "-f", "-"])
             .stdin(std::process::Stdio::piped())
@@ -426,10 +487,7 @@ mod tests {
             .spawn()
             .and_then(|mut c| {
                 use std::io::Write;
-                c.stdin
-                    .take()
-                    .unwrap()
-                    .write_all(ruleset(&p.deny, &p.dns, p.proxy).as_bytes())?;
+                c.stdin.take().unwrap().write_all(ruleset(&p).as_bytes())?;
                 c.wait_with_output()
             })
             .unwrap();

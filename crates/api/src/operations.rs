@@ -24,8 +24,8 @@ use sandpit_core::SandboxApi;
 use sandpit_core::{
     Account, BuildTemplate, CreateSandbox, CreateSnapshot, ExecParams, Execution, FileContent,
     FileDeleted, FileList, FileWritten, Fork, ForkSandbox, List, ListExecutions, ListSandboxes,
-    ListSnapshots, Port, RestoreSandbox, Sandbox, ServiceInfo, Snapshot, Template, TerminalToken,
-    Usage, WriteFile,
+    ListSnapshots, NetworkLists, Port, RestoreSandbox, Sandbox, ServiceInfo, Snapshot, Template,
+    TerminalToken, Usage, WriteFile,
 };
 use schemars::generate::{Contract, SchemaGenerator, SchemaSettings};
 use schemars::JsonSchema;
@@ -509,6 +509,22 @@ fn table() -> Table {
             body: Some(json_content(req.subschema_for::<ExtendBody>().to_value())),
             responses: vec![("200", "The updated sandbox.", sandbox_resp.clone())],
             errors: Errors { body: true, credits: true, ..ON_SANDBOX },
+        },
+        Op {
+            method: "put",
+            path: "/v1/sandboxes/{id}/network",
+            handler: put(server::update_network),
+            id: "updateSandboxNetwork",
+            summary: "Replace a sandbox's egress lists",
+            description: "Replaces the sandbox's own `allow_out` and `deny_out` lists (IPv4 addresses \
+                and prefixes, at most 256 each; empty lists: the operator's network as it is). A running \
+                sandbox has them when this answers: a connect they deny is refused at once; a paused \
+                one gets them when it resumes. Nothing reaches what the operator denies or the host's \
+                own addresses, whatever the lists say. A domain name is refused (400).",
+            params: vec![id_param("sandbox")],
+            body: Some(json_content(req.subschema_for::<NetworkLists>().to_value())),
+            responses: vec![("200", "The updated sandbox.", sandbox_resp.clone())],
+            errors: Errors { body: true, ..ON_SANDBOX },
         },
         Op {
             method: "post",

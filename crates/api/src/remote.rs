@@ -18,8 +18,8 @@ use sandpit_core::error::Result;
 use sandpit_core::{
     Account, BuildTemplate, Caller, CoreError, CreateSandbox, CreateSnapshot, Encoding, ErrorType,
     ExecEvent, ExecParams, ExecStream, Execution, FileContent, FileDeleted, FileList, FileWritten,
-    Fork, ForkSandbox, List, ListExecutions, ListSandboxes, ListSnapshots, Port, RestoreSandbox,
-    Sandbox, ServiceInfo, Snapshot, Template, Usage, WriteFile,
+    Fork, ForkSandbox, List, ListExecutions, ListSandboxes, ListSnapshots, NetworkLists, Port,
+    RestoreSandbox, Sandbox, ServiceInfo, Snapshot, Template, Usage, WriteFile,
 };
 use serde::de::DeserializeOwned;
 use std::collections::HashMap;
@@ -314,6 +314,25 @@ impl Sandboxes for RemoteApi {
 
     async fn resume_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
         let r = self.request(caller, Method::POST, self.url(&["sandboxes", id, "resume"]))?;
+        self.call(r).await
+    }
+
+    /// `internet_access` is E2B's alone: the REST API's lists say it.
+    async fn update_network(
+        &self,
+        caller: &Caller,
+        id: &str,
+        lists: NetworkLists,
+        internet_access: Option<bool>,
+    ) -> Result<Sandbox> {
+        if internet_access.is_some() {
+            return Err(CoreError::invalid(
+                "the REST API changes a sandbox's lists only: say no internet with deny_out [\"0.0.0.0/0\"]",
+            ));
+        }
+        let r = self
+            .request(caller, Method::PUT, self.url(&["sandboxes", id, "network"]))?
+            .json(&lists);
         self.call(r).await
     }
 }

@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::{Json, Router};
 use sandpit_core::{
     BuildTemplate, CoreError, CreateSandbox, CreateSnapshot, ExecParams, ForkSandbox,
-    ListExecutions, ListSandboxes, ListSnapshots, RestoreSandbox, WriteFile,
+    ListExecutions, ListSandboxes, ListSnapshots, NetworkLists, RestoreSandbox, WriteFile,
 };
 use serde::Serialize;
 
@@ -136,6 +136,15 @@ pub(crate) async fn extend_sandbox(
         .api
         .extend_sandbox(&c, &id, body.additional_minutes)
         .await?)
+}
+
+pub(crate) async fn update_network(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(id): Path<String>,
+    JsonBody(lists): JsonBody<NetworkLists>,
+) -> ApiResult {
+    ok(st.api.update_network(&c, &id, lists, None).await?)
 }
 
 pub(crate) async fn snapshot_sandbox(

@@ -222,6 +222,23 @@ pub trait Sandboxes: Send + Sync {
             "a sandbox's metrics are not available here",
         ))
     }
+    /// Replaces a live sandbox's own egress lists (see [`NetworkLists`];
+    /// empty lists: the operator's network as it is) and, from E2B's
+    /// update, whether it may reach the network at all (`None`: as its
+    /// lists say). A running sandbox's VM has them when this answers; a
+    /// paused one gets them when it resumes. A backend without it refuses.
+    async fn update_network(
+        &self,
+        caller: &Caller,
+        id: &str,
+        lists: NetworkLists,
+        internet_access: Option<bool>,
+    ) -> Result<Sandbox> {
+        let _ = (caller, id, lists, internet_access);
+        Err(crate::error::CoreError::invalid(
+            "changing a sandbox's network is not available here",
+        ))
+    }
 }
 
 /// A sandbox's whole state saved, and what starts from it: snapshots, forks, restores.

@@ -130,6 +130,9 @@ pub struct Sandbox {
     /// The template build it started from (`tpl_…`), if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub template_id: Option<String>,
+    /// Its own egress lists, if it has any (see [`NetworkLists`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<NetworkLists>,
 }
 
 /// `POST /sandboxes` body and `create_sandbox` input.
@@ -183,6 +186,28 @@ pub struct CreateSandbox {
     #[serde(skip)]
     #[schemars(skip)]
     pub internet_access: Option<bool>,
+    /// The sandbox's own egress lists (E2B's `allowOut` and `denyOut`),
+    /// on top of what the operator lets every sandbox reach. Omitted: the
+    /// operator's network as it is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<NetworkLists>,
+}
+
+/// A sandbox's own egress lists: IPv4 addresses and prefixes (`8.8.8.8`,
+/// `10.0.0.0/8`; at most 256 each). A destination in `allow_out` is
+/// reached even inside a prefix of `deny_out`; nothing reaches what the
+/// operator denies or the host's own addresses. A denied connect is
+/// refused at once. `deny_out: ["0.0.0.0/0"]` with an `allow_out` list
+/// lets the sandbox reach those destinations only (names still resolve).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NetworkLists {
+    /// Reached, even inside a denied prefix.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allow_out: Vec<String>,
+    /// Refused at once, unless in `allow_out`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub deny_out: Vec<String>,
 }
 
 /// Where a template build's sandbox starts: a layer's save on its host.

@@ -48,6 +48,7 @@ mod files;
 mod gauges;
 mod idle;
 mod lifecycle;
+mod network;
 mod pause;
 mod ports;
 mod readings;

@@ -7,6 +7,7 @@ revoked. Prints one `ok <check>` line per check; any failure raises.
 import os
 import threading
 import time
+import urllib.parse
 
 from e2b import PtySize, Sandbox
 from e2b import (
@@ -545,6 +546,42 @@ try:
 finally:
     offline.kill()
 ok("allow_internet_access=False: nothing leaves, at once; get_host works; still so after a pause and in a fork")
+
+# A sandbox's own lists: an allow list with everything else denied reaches
+# the allowed host and is refused elsewhere at once (curl's 7, not a
+# timeout); update_network replaces them on the running sandbox, and on a
+# paused one for when it resumes; a domain rule is refused by name.
+internet_ip = urllib.parse.urlparse(INTERNET).hostname
+ELSEWHERE = "http://198.51.100.1:8080/"
+listed = Sandbox.create(
+    timeout=120, network={"allow_out": [internet_ip], "deny_out": ["0.0.0.0/0"]}
+)
+try:
+    assert curl_exit(listed, INTERNET) == 0
+    started = time.monotonic()
+    assert curl_exit(listed, ELSEWHERE) == 7
+    assert time.monotonic() - started < 10, "a denied connect should fail at once"
+    listed.update_network({"deny_out": [f"{internet_ip}/32"]})
+    assert curl_exit(listed, INTERNET) == 7
+    listed.update_network({})
+    assert curl_exit(listed, INTERNET) == 0
+    listed.update_network({"allow_internet_access": False})
+    blocked(listed)
+    assert listed.pause() is True
+    Sandbox.update_network(listed.sandbox_id, {"allow_out": [internet_ip], "deny_out": ["0.0.0.0/0"]})
+    resumed = Sandbox.connect(listed.sandbox_id)
+    assert curl_exit(resumed, INTERNET) == 0
+    assert curl_exit(resumed, ELSEWHERE) == 7
+    try:
+        resumed.update_network({"allow_out": ["example.com"], "deny_out": ["0.0.0.0/0"]})
+        raise AssertionError("a domain rule was accepted")
+    except SandboxException as e:
+        assert "domain names are not supported yet" in str(e), e
+    # Refused whole: the lists it had still hold.
+    assert curl_exit(resumed, INTERNET) == 0
+finally:
+    listed.kill()
+ok("network allow_out and deny_out: a denied host refused at once, an allowed one reached; update_network on a running and a paused sandbox; a domain rule refused by name")
 
 for key in ["e2b_" + "0" * 50, os.environ["SANDPIT_REVOKED_KEY"]]:
     try:

@@ -36,6 +36,10 @@ pub fn control_plane(e2b: E2b) -> Router {
         .route("/sandboxes/{id}", get(get_info).delete(kill))
         .route("/sandboxes/{id}/metrics", get(metrics))
         .route("/sandboxes/{id}/timeout", post(set_timeout))
+        .route(
+            "/sandboxes/{id}/network",
+            axum::routing::put(update_network),
+        )
         .route("/sandboxes/{id}/pause", post(pause))
         .route("/v2/sandboxes/{id}/connect", post(connect))
         .route("/sandboxes/{id}/connect", post(connect))
@@ -164,11 +168,14 @@ async fn create(
     req.env = body.env_vars.unwrap_or_default();
     // `get_host(port)` names any port: E2B's sandboxes need no expose.
     req.every_port_public = true;
-    req.internet_access = match body.network.as_ref().is_some_and(denies_everything) {
-        // E2B's own definition of `allow_internet_access=False`.
-        true => Some(false),
-        false => body.allow_internet_access,
-    };
+    let network = body.network.as_ref();
+    let (internet_access, lists) = egress(
+        body.allow_internet_access,
+        network.and_then(|n| n.allow_out.as_deref()),
+        network.and_then(|n| n.deny_out.as_deref()),
+    );
+    req.internet_access = internet_access;
+    req.network = Some(lists).filter(|l| !l.allow_out.is_empty() || !l.deny_out.is_empty());
     let key = headers
         .get("idempotency-key")
         .and_then(|v| v.to_str().ok())
@@ -193,13 +200,6 @@ fn refuse_unsupported(body: &NewSandbox) -> Result<(), HttpError> {
                 "network allow_public_traffic=False (ports reached only with a traffic token)",
             );
         }
-        let empty = |list: &Option<Vec<String>>| list.as_ref().is_none_or(Vec::is_empty);
-        if !denies_everything(network) && (!empty(&network.allow_out) || !empty(&network.deny_out))
-        {
-            return refuse(
-                "an egress policy other than none at all (network allow_out / deny_out)",
-            );
-        }
         if network.mask_request_host.is_some() {
             return refuse("network mask_request_host");
         }
@@ -216,13 +216,70 @@ fn refuse_unsupported(body: &NewSandbox) -> Result<(), HttpError> {
     Ok(())
 }
 
-/// Whether a create's network is `denyOut: ["0.0.0.0/0"]` and nothing
-/// allowed, which E2B defines as `allow_internet_access=False`.
-fn denies_everything(network: &wire::Network) -> bool {
-    let denied = network.deny_out.as_deref().unwrap_or_default();
-    network.allow_out.as_ref().is_none_or(Vec::is_empty)
-        && !denied.is_empty()
-        && denied.iter().all(|d| d.trim() == "0.0.0.0/0")
+/// A create's or an update's egress as the service has it: whether the
+/// sandbox may reach the network at all, and its own lists (IPv4 addresses
+/// and prefixes: the service refuses anything else, a domain name
+/// included, with the reason). E2B defines `allow_internet_access=False`
+/// as `denyOut: ["0.0.0.0/0"]`: with nothing allowed that is Sandpit's
+/// sandbox without internet (no name server either); with an allow list it
+/// is the lists.
+fn egress(
+    allow_internet_access: Option<bool>,
+    allow_out: Option<&[String]>,
+    deny_out: Option<&[String]>,
+) -> (Option<bool>, sandpit_core::NetworkLists) {
+    let list = |l: Option<&[String]>| -> Vec<String> {
+        l.unwrap_or_default()
+            .iter()
+            .map(|e| e.trim().to_string())
+            .collect()
+    };
+    let (allow_out, mut deny_out) = (list(allow_out), list(deny_out));
+    let everything = |d: &String| d == "0.0.0.0/0";
+    let denies_everything = !deny_out.is_empty() && deny_out.iter().all(everything);
+    if allow_out.is_empty() && (denies_everything || allow_internet_access == Some(false)) {
+        return (Some(false), sandpit_core::NetworkLists::default());
+    }
+    let mut internet_access = allow_internet_access;
+    if allow_internet_access == Some(false) {
+        internet_access = None;
+        if !deny_out.iter().any(everything) {
+            deny_out.push("0.0.0.0/0".into());
+        }
+    }
+    (
+        internet_access,
+        sandpit_core::NetworkLists {
+            allow_out,
+            deny_out,
+        },
+    )
+}
+
+/// E2B's `update_network`: the sandbox's egress replaced whole (see
+/// [`egress`]), in effect when this answers.
+async fn update_network(
+    State(e2b): State<E2b>,
+    Authed(caller): Authed,
+    Path(id): Path<String>,
+    Json(body): Json<wire::NetworkUpdate>,
+) -> Answer {
+    if let Some(what) = body.other.iter().find(|(_, v)| !v.is_null()) {
+        return Err(HttpError::bad_request(format!(
+            "network {} is not supported by Sandpit's E2B API yet",
+            what.0
+        )));
+    }
+    live(&e2b, &caller, &id).await?;
+    let (internet_access, lists) = egress(
+        body.allow_internet_access,
+        body.allow_out.as_deref(),
+        body.deny_out.as_deref(),
+    );
+    e2b.api
+        .update_network(&caller, &id, lists, internet_access)
+        .await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
 }
 
 /// A live sandbox of the caller's, or E2B's 404.
@@ -649,7 +706,43 @@ mod tests {
     }
 
     #[test]
-    fn a_network_asking_for_what_sandpit_does_not_do_is_refused_by_name() {
+    fn e2bs_egress_is_no_internet_or_lists() {
+        let v = |l: &[&str]| l.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let lists = |a: &[&str], d: &[&str]| sandpit_core::NetworkLists {
+            allow_out: v(a),
+            deny_out: v(d),
+        };
+        // Nothing said: the operator's network.
+        assert_eq!(egress(None, None, None), (None, lists(&[], &[])));
+        // E2B's two spellings of no internet.
+        assert_eq!(
+            egress(Some(false), None, None),
+            (Some(false), lists(&[], &[]))
+        );
+        let all = v(&["0.0.0.0/0"]);
+        assert_eq!(
+            egress(None, None, Some(&all)),
+            (Some(false), lists(&[], &[]))
+        );
+        // An allow list through no internet: the lists, names resolving.
+        let one = v(&[" 198.51.100.7 "]);
+        assert_eq!(
+            egress(Some(false), Some(&one), None),
+            (None, lists(&["198.51.100.7"], &["0.0.0.0/0"]))
+        );
+        assert_eq!(
+            egress(Some(true), Some(&one), Some(&all)),
+            (Some(true), lists(&["198.51.100.7"], &["0.0.0.0/0"]))
+        );
+        let private = v(&["10.0.0.0/8"]);
+        assert_eq!(
+            egress(None, None, Some(&private)),
+            (None, lists(&[], &["10.0.0.0/8"]))
+        );
+    }
+
+    #[test]
+    fn a_network_asking_for_what_sandpit_does_not_do_is_refused_by_name_and_lists_pass() {
         let create = |network: serde_json::Value| -> NewSandbox {
             serde_json::from_value(serde_json::json!({"templateID": "base", "network": network}))
                 .unwrap()
@@ -660,6 +753,10 @@ mod tests {
             serde_json::json!({"allowPublicTraffic": true, "allowOut": [], "denyOut": []}),
             // E2B's definition of no internet access.
             serde_json::json!({"denyOut": ["0.0.0.0/0"]}),
+            // Lists of its own (the service checks their entries).
+            serde_json::json!({"allowOut": ["8.8.8.8"]}),
+            serde_json::json!({"denyOut": ["10.0.0.0/8"]}),
+            serde_json::json!({"denyOut": ["0.0.0.0/0"], "allowOut": ["1.1.1.1"]}),
         ] {
             assert!(refuse_unsupported(&create(fine.clone())).is_ok(), "{fine}");
         }
@@ -667,12 +764,6 @@ mod tests {
             (
                 serde_json::json!({"allowPublicTraffic": false}),
                 "allow_public_traffic",
-            ),
-            (serde_json::json!({"allowOut": ["8.8.8.8"]}), "allow_out"),
-            (serde_json::json!({"denyOut": ["10.0.0.0/8"]}), "deny_out"),
-            (
-                serde_json::json!({"denyOut": ["0.0.0.0/0"], "allowOut": ["1.1.1.1"]}),
-                "allow_out",
             ),
             (
                 serde_json::json!({"maskRequestHost": "x.example"}),

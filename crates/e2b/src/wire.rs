@@ -41,6 +41,31 @@ pub struct Network {
     pub other: BTreeMap<String, serde_json::Value>,
 }
 
+/// `PUT /sandboxes/{id}/network` (E2B's `SandboxNetworkUpdateConfig`):
+/// the sandbox's egress replaced whole, an omitted field cleared.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NetworkUpdate {
+    pub allow_out: Option<Vec<String>>,
+    pub deny_out: Option<Vec<String>>,
+    #[serde(rename = "allow_internet_access")]
+    pub allow_internet_access: Option<bool>,
+    /// Whatever else (the egress proxy, rules, name servers): refused when
+    /// present.
+    #[serde(flatten)]
+    pub other: BTreeMap<String, serde_json::Value>,
+}
+
+/// A sandbox's own lists as get_info shows them (`SandboxNetworkConfig`).
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NetworkInfo {
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub allow_out: Vec<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub deny_out: Vec<String>,
+}
+
 /// `POST /sandboxes/{id}/timeout`.
 #[derive(Debug, Deserialize)]
 pub struct Timeout {
@@ -127,6 +152,9 @@ pub struct SandboxInfo {
     /// Whether its create said `allow_internet_access` (absent: it did not).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub allow_internet_access: Option<bool>,
+    /// Its own egress lists, if it has any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub network: Option<NetworkInfo>,
 }
 
 /// A reading of a sandbox's resources (`SandboxMetric`).
@@ -217,6 +245,13 @@ impl E2b {
             domain: detail.then(|| self.domain.clone()),
             envd_access_token: detail.then(|| sandbox.access_token.clone()).flatten(),
             allow_internet_access: detail.then_some(sandbox.internet_access).flatten(),
+            network: detail
+                .then(|| sandbox.network.clone())
+                .flatten()
+                .map(|n| NetworkInfo {
+                    allow_out: n.allow_out,
+                    deny_out: n.deny_out,
+                }),
         }
     }
 }

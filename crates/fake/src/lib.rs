@@ -795,6 +795,7 @@ fn new_sandbox(
         access_token: None,
         internet_access: None,
         template_id: None,
+        network: None,
     }
 }
 

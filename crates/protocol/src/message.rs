@@ -307,6 +307,16 @@ pub struct NetworkConfig {
     /// guest before any user command runs; connections are rejected, not dropped,
     /// so a denied connect fails at once instead of hanging.
     pub deny: Vec<String>,
+    /// The sandbox's own allow list (CIDRs, IPv4): let through after `deny`
+    /// and before `then_deny`. Added within generation 1; an older agent
+    /// ignores it, and the host's guard still enforces the lists (a denied
+    /// connect then times out there instead of failing at once).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allow: Vec<String>,
+    /// The sandbox's own deny list when it has an allow list: rejected after
+    /// `allow`. (Without an allow list it is part of `deny`.)
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub then_deny: Vec<String>,
     /// Interface MTU.
     pub mtu: u32,
     /// The HTTP proxy every command is told to use. Added within generation

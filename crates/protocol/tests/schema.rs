@@ -37,6 +37,8 @@ fn samples() -> Vec<Message> {
                     gateway: "10.0.2.2".into(),
                     dns: vec!["10.0.2.3".into()],
                     deny: vec!["169.254.0.0/16".into()],
+                    allow: vec![],
+                    then_deny: vec![],
                     mtu: 65520,
                     proxy: None,
                 }),
@@ -182,8 +184,9 @@ fn samples() -> Vec<Message> {
             error: AgentError::new(ErrorKind::TimedOut, "connecting to port 8000 timed out"),
         },
         // Added within generation 1: the operator's extra CA certificates
-        // and HTTP proxy (both optional; the Configure above, without them,
-        // keeps its wire form).
+        // and HTTP proxy, the sandbox's own allow list and the deny list
+        // after it (all optional; the Configure above, without them, keeps
+        // its wire form).
         Message::Configure {
             id: 10,
             config: GuestConfig {
@@ -195,6 +198,8 @@ fn samples() -> Vec<Message> {
                     gateway: "10.0.2.2".into(),
                     dns: vec!["10.0.2.3".into()],
                     deny: vec!["10.0.0.0/8".into()],
+                    allow: vec!["198.51.100.7/32".into()],
+                    then_deny: vec!["0.0.0.0/0".into()],
                     mtu: 65520,
                     proxy: Some(ProxyConfig {
                         url: "http://10.1.2.3:3128".into(),

@@ -117,6 +117,8 @@ fn documents_exactly_the_contract_routes() {
         ("GET", "/v1/sandboxes/{id}"),
         ("DELETE", "/v1/sandboxes/{id}"),
         ("POST", "/v1/sandboxes/{id}/extend"),
+        // Sandpit's own: a sandbox's egress lists.
+        ("PUT", "/v1/sandboxes/{id}/network"),
         ("POST", "/v1/sandboxes/{id}/snapshots"),
         ("POST", "/v1/sandboxes/{id}/fork"),
         ("POST", "/v1/sandboxes/{id}/restore"),

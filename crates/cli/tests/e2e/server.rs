@@ -43,10 +43,37 @@ fn the_agent_flow_over_rest() {
             assert!(Instant::now() < deadline, "the warm pool did not fill");
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        let (st, sbx) = api.post("/sandboxes", json!({"name": "flow", "timeout_minutes": 10})).await;
+        // Its own egress lists: a denied address refused at once (curl's
+        // 7: the connect never leaves the VM).
+        let denied = "198.51.100.1";
+        let (st, sbx) = api
+            .post(
+                "/sandboxes",
+                json!({"name": "flow", "timeout_minutes": 10,
+                       "network": {"deny_out": [format!("{denied}/32")]}}),
+            )
+            .await;
         assert_eq!(st, 201, "{sbx}");
         assert_eq!(sbx["status"], "running");
+        assert_eq!(sbx["network"], json!({"deny_out": ["198.51.100.1/32"]}));
         let id = sbx["id"].as_str().unwrap().to_string();
+        let curl = format!("curl -sS -m 20 -o /dev/null http://{denied}:8080/");
+        let (st, ex) = api.post(&format!("/sandboxes/{id}/exec"), json!({"command": curl})).await;
+        assert_eq!((st, ex["exit_code"].as_i64()), (200, Some(7)), "{ex}");
+        let network = format!("/sandboxes/{id}/network");
+        let (st, err) = api
+            .call(reqwest::Method::PUT, &network, Some(json!({"allow_out": ["example.com"]})))
+            .await;
+        assert_eq!(st, 400, "{err}");
+        let message = err["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains("domain names are not supported yet"), "{err}");
+        let (st, err) = api
+            .call(reqwest::Method::PUT, "/sandboxes/sbx_nosuch/network", Some(json!({})))
+            .await;
+        assert_eq!(st, 404, "{err}");
+        let (st, cleared) = api.call(reqwest::Method::PUT, &network, Some(json!({}))).await;
+        assert_eq!(st, 200, "{cleared}");
+        assert!(cleared.get("network").is_none(), "{cleared}");
         let (st, w) = api
             .call(
                 reqwest::Method::PUT,

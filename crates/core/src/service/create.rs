@@ -81,6 +81,8 @@ struct Order<'c> {
     /// snapshot).
     template_id: Option<String>,
     workdir: Option<String>,
+    /// Its own egress lists, checked, as stored.
+    network: Option<String>,
     size_name: String,
     size: &'c SizeConfig,
     timeout: u32,
@@ -280,6 +282,7 @@ impl Service {
         let (size_name, size, timeout) =
             check_create(&self.config, &req, idempotency_key.as_deref())?;
         let price = size.price_micros_per_hour();
+        let network = super::network::stored_lists(req.network.as_ref())?;
         // A template is named in the hash as a snapshot is (a request
         // without either hashes as it always did).
         let source = req
@@ -293,6 +296,7 @@ impl Service {
             from,
             template_id,
             workdir,
+            network,
             size_name,
             size,
             timeout,
@@ -465,7 +469,7 @@ impl Service {
             access_token: Some(hex::encode(rand::random::<[u8; 16]>())),
             every_port_public: order.req.every_port_public,
             internet_access: order.req.internet_access,
-            network: None,
+            network: order.network.clone(),
             template_id: order.template_id.clone(),
             workdir: order.workdir.clone(),
         };

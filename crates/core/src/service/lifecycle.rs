@@ -23,10 +23,11 @@ use crate::metrics::CreatePath;
 use crate::model::*;
 use crate::service::checks::{extension_minutes, page_limit, unknown_cursor};
 use crate::service::errors::{not_running, runtime_error};
+use crate::service::network::egress_of;
 use crate::service::Service;
 use sandpit_host::ids::rfc3339;
 use sandpit_host::machines::{Machines, Started};
-use sandpit_runtime::{Egress, RuntimeError, VmState};
+use sandpit_runtime::{RuntimeError, VmState};
 use sandpit_store::{ExtendOutcome, SandboxRow};
 use std::sync::Arc;
 use std::time::Duration;
@@ -527,14 +528,10 @@ pub(super) fn to_sandbox(r: &SandboxRow) -> Sandbox {
         access_token: r.access_token.clone(),
         internet_access: r.internet_access,
         template_id: r.template_id.clone(),
-    }
-}
-
-/// What sandbox `row`'s guest may reach, as every start of its VM is told.
-pub(crate) fn egress_of(row: &SandboxRow) -> Egress {
-    match row.internet_access {
-        Some(false) => Egress::blocked(),
-        Some(true) | None => Egress::open(),
+        network: r
+            .network
+            .as_deref()
+            .and_then(|n| serde_json::from_str(n).ok()),
     }
 }
 
@@ -600,6 +597,17 @@ impl Sandboxes for Service {
             .await?;
         let data = page.data.iter().map(to_sandbox).collect();
         Ok(List::page(data, page.has_more, |s| s.id.clone()))
+    }
+
+    async fn update_network(
+        &self,
+        caller: &Caller,
+        id: &str,
+        lists: NetworkLists,
+        internet_access: Option<bool>,
+    ) -> Result<Sandbox> {
+        self.replace_network(caller, id, lists, internet_access)
+            .await
     }
 
     /// The API's `extend_sandbox`.

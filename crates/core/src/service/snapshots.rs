@@ -400,6 +400,10 @@ impl Snapshots for Service {
             env: row.env.clone(),
             every_port_public: row.every_port_public,
             internet_access: row.internet_access,
+            network: row
+                .network
+                .as_deref()
+                .and_then(|n| serde_json::from_str(n).ok()),
             // From the snapshot: its origin's template and directory.
             template: None,
             layer: None,
@@ -515,7 +519,7 @@ impl Snapshots for Service {
                 id,
                 &snap.id,
                 row.expires_at,
-                super::lifecycle::egress_of(&row),
+                super::network::egress_of(&row),
             )
             .await;
         drop(restoring);

@@ -435,9 +435,11 @@ impl VmManager {
         }
     }
 
-    /// The network a guest with `egress` is configured with. Its filter
-    /// gets the sandbox's deny list when it has no allow list (the host's
-    /// guard alone can let an allowed prefix through a denied one).
+    /// The network a guest with `egress` is configured with: its filter
+    /// holds the sandbox's lists too, so that a denied connect fails at
+    /// once (the host's guard enforces them; passt lets a connect the guard
+    /// refuses time out in the guest). Without an allow list the deny list
+    /// is part of `deny`, which an agent of any generation applies.
     pub(super) fn network_config(&self, egress: &Egress) -> NetworkConfig {
         if egress.is_blocked() {
             // No name server: a lookup then fails at once (nothing answers
@@ -447,14 +449,20 @@ impl VmManager {
                 gateway: net::GUEST_GATEWAY.into(),
                 dns: Vec::new(),
                 deny: vec![Egress::EVERYTHING.into()],
+                allow: Vec::new(),
+                then_deny: Vec::new(),
                 mtu: net::GUEST_MTU,
                 proxy: None,
             };
         }
         let mut deny = self.deny.clone();
-        if egress.allow.is_empty() {
-            deny.extend(egress.deny.iter().cloned());
-        }
+        let (allow, then_deny) = match egress.allow.is_empty() {
+            true => {
+                deny.extend(egress.deny.iter().cloned());
+                (Vec::new(), Vec::new())
+            }
+            false => (egress.allow.clone(), egress.deny.clone()),
+        };
         let unrestricted = egress.allow.is_empty() && egress.deny.is_empty();
         NetworkConfig {
             address: net::GUEST_ADDRESS.into(),
@@ -466,6 +474,8 @@ impl VmManager {
                 .clone()
                 .unwrap_or_else(|| vec![net::GUEST_DNS_FORWARD.into()]),
             deny,
+            allow,
+            then_deny,
             mtu: net::GUEST_MTU,
             proxy: self.proxy.clone().filter(|_| unrestricted),
         }

@@ -1,0 +1,164 @@
+//! A sandbox's own egress: what its create asked for (E2B's
+//! `allow_internet_access`, its own `allow_out` and `deny_out` lists),
+//! stored with it, given to every start of its VM, and replaced while it
+//! lives (`update_network`).
+//!
+//! Separate because every way a VM starts (create, restore, resume, fork,
+//! wake from idle sleep) asks it what the sandbox may reach, and the one
+//! change a live sandbox's network has goes through the same checks as its
+//! create.
+
+use crate::api::Caller;
+use crate::error::{CoreError, Result};
+use crate::model::*;
+use crate::service::errors::{not_running, runtime_error};
+use crate::service::Service;
+use sandpit_runtime::Egress;
+use sandpit_store::SandboxRow;
+
+/// What sandbox `row`'s guest may reach, as every start of its VM is told:
+/// nothing when its create said no internet, else its own lists (checked
+/// when they were stored; a row that cannot be read gets nothing rather
+/// than everything).
+pub(crate) fn egress_of(row: &SandboxRow) -> Egress {
+    if row.internet_access == Some(false) {
+        return Egress::blocked();
+    }
+    match row.network.as_deref().map(lists_of) {
+        None => Egress::open(),
+        Some(Ok(lists)) => lists,
+        Some(Err(e)) => {
+            tracing::warn!(sandbox = %row.id, "its stored egress lists: {e}; it gets none");
+            Egress::blocked()
+        }
+    }
+}
+
+/// Stored lists (`sandboxes.network`) as the runtime's egress.
+fn lists_of(json: &str) -> std::result::Result<Egress, String> {
+    let lists: NetworkLists = serde_json::from_str(json).map_err(|e| e.to_string())?;
+    Egress::checked(lists.allow_out, lists.deny_out)
+}
+
+/// A create's lists checked, as stored (`None`: none).
+pub(crate) fn stored_lists(lists: Option<&NetworkLists>) -> Result<Option<String>> {
+    let Some(lists) = lists.filter(|l| !l.allow_out.is_empty() || !l.deny_out.is_empty()) else {
+        return Ok(None);
+    };
+    for (name, list) in [
+        ("allow_out", &lists.allow_out),
+        ("deny_out", &lists.deny_out),
+    ] {
+        if list.len() > MAX_EGRESS_ENTRIES {
+            return Err(CoreError::invalid(format!(
+                "{name} has {} entries; at most {MAX_EGRESS_ENTRIES}",
+                list.len()
+            )));
+        }
+    }
+    Egress::checked(lists.allow_out.clone(), lists.deny_out.clone()).map_err(|e| {
+        CoreError::invalid(format!(
+            "network: {e} (an entry is an IPv4 address or prefix; domain names are not \
+             supported yet)"
+        ))
+    })?;
+    Ok(Some(serde_json::to_string(lists).expect("json")))
+}
+
+/// The most entries one egress list may have.
+const MAX_EGRESS_ENTRIES: usize = 256;
+
+impl Service {
+    /// The API's `update_network`: sandbox `id`'s egress replaced by
+    /// `lists` (and, from E2B's update, whether it may reach the network at
+    /// all). A running sandbox's VM gets it first (in effect when this
+    /// answers), then the store; a paused one (or one asleep) has it stored
+    /// and gets it when it resumes. In its turn with pause and resume, so
+    /// neither starts a VM with the egress it had before.
+    pub(super) async fn replace_network(
+        &self,
+        caller: &Caller,
+        id: &str,
+        lists: NetworkLists,
+        internet_access: Option<bool>,
+    ) -> Result<Sandbox> {
+        let network = stored_lists(Some(&lists))?;
+        self.owned(caller, id).await?;
+        let _turn = self.turns.take(id).await;
+        let row = self.owned(caller, id).await?;
+        let mut changed = row.clone();
+        changed.internet_access = internet_access;
+        changed.network = network.clone();
+        let machines = match row.status {
+            SandboxStatus::Running => Some(self.machines_for(&row).await?),
+            SandboxStatus::Paused => None,
+            SandboxStatus::Provisioning => {
+                return Err(CoreError::conflict(format!(
+                    "sandbox {id} is still starting; change its network once it runs"
+                )))
+            }
+            _ => return Err(not_running(&row)),
+        };
+        if let Some(m) = &machines {
+            m.set_egress(id, egress_of(&changed))
+                .await
+                .map_err(runtime_error)?;
+        }
+        let stored = self
+            .store
+            .set_sandbox_network(id, internet_access, network.as_deref())
+            .await;
+        if !matches!(stored, Ok(true)) {
+            // Not stored: the VM goes back to what the sandbox has.
+            if let Some(m) = &machines {
+                let _ = m.set_egress(id, egress_of(&row)).await;
+            }
+        }
+        if !stored? {
+            return Err(not_running(&self.owned(caller, id).await?));
+        }
+        Ok(super::lifecycle::to_sandbox(&changed))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lists(allow: &[&str], deny: &[&str]) -> NetworkLists {
+        NetworkLists {
+            allow_out: allow.iter().map(|s| s.to_string()).collect(),
+            deny_out: deny.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn lists_are_checked_and_stored_as_json_or_not_at_all() {
+        assert_eq!(stored_lists(None).unwrap(), None);
+        assert_eq!(stored_lists(Some(&lists(&[], &[]))).unwrap(), None);
+        let stored = stored_lists(Some(&lists(&["198.51.100.7"], &["0.0.0.0/0"])))
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            lists_of(&stored).unwrap(),
+            Egress::checked(vec!["198.51.100.7".into()], vec!["0.0.0.0/0".into()]).unwrap()
+        );
+        let named = stored_lists(Some(&lists(&["example.com"], &[]))).unwrap_err();
+        assert!(
+            named.message.contains("domain names are not supported yet"),
+            "{}",
+            named.message
+        );
+        let many: Vec<String> = (0..=256)
+            .map(|i| format!("10.0.{}.{}", i / 256, i % 256))
+            .collect();
+        let too_many = NetworkLists {
+            allow_out: vec![],
+            deny_out: many,
+        };
+        assert!(stored_lists(Some(&too_many))
+            .unwrap_err()
+            .message
+            .contains("at most 256"));
+    }
+}
