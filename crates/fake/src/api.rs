@@ -240,6 +240,35 @@ impl Sandboxes for Fake {
         Ok(s.clone())
     }
 
+    /// The lists as given (the fake checks nothing of them).
+    async fn update_network(
+        &self,
+        caller: &Caller,
+        id: &str,
+        lists: NetworkLists,
+        internet_access: Option<bool>,
+    ) -> Result<Sandbox> {
+        self.begin(
+            caller,
+            Op::UpdateNetwork {
+                id: id.into(),
+                lists: lists.clone(),
+                internet_access,
+            },
+        )?;
+        let mut st = self.state.lock().unwrap();
+        let s = &mut st.held(caller, id)?.sandbox;
+        if !s.status.is_live() {
+            return Err(CoreError::conflict(format!(
+                "sandbox {id} is {}; create a new one",
+                s.status.as_str()
+            )));
+        }
+        s.internet_access = internet_access;
+        s.network = Some(lists).filter(|l| !l.allow_out.is_empty() || !l.deny_out.is_empty());
+        Ok(s.clone())
+    }
+
     async fn destroy_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
         self.begin(caller, Op::DestroySandbox { id: id.into() })?;
         let mut st = self.state.lock().unwrap();

@@ -159,6 +159,11 @@ pub enum Op {
         id: String,
         additional_minutes: Option<u32>,
     },
+    UpdateNetwork {
+        id: String,
+        lists: NetworkLists,
+        internet_access: Option<bool>,
+    },
     DestroySandbox {
         id: String,
     },
@@ -254,6 +259,7 @@ impl Op {
             Op::GetSandbox { .. } => "get_sandbox",
             Op::ListSandboxes { .. } => "list_sandboxes",
             Op::ExtendSandbox { .. } => "extend_sandbox",
+            Op::UpdateNetwork { .. } => "update_network",
             Op::DestroySandbox { .. } => "destroy_sandbox",
             Op::SnapshotSandbox { .. } => "snapshot_sandbox",
             Op::GetSnapshot { .. } => "get_snapshot",

@@ -8,7 +8,7 @@
 
 use sandpit_core::{
     CreateSandbox, CreateSnapshot, Encoding, ExecParams, ForkSandbox, ListSandboxes, ListSnapshots,
-    RestoreSandbox, WriteFile,
+    NetworkLists, RestoreSandbox, WriteFile,
 };
 use schemars::JsonSchema;
 use serde::Deserialize;
@@ -34,6 +34,9 @@ pub struct CreateSandboxArgs {
     /// Start from this template (`name` or `name:tag`, from list_templates; built with `sandpit template build`, E2B's Template.build or POST /v1/templates): its packages, files and environment, its server already running. The size is the template's (leave size out).
     #[serde(default)]
     pub template: Option<String>,
+    /// What it may reach on the network, beyond the service's usual limits: allow_out and deny_out, IPv4 addresses and prefixes (see update_network). Leave out for the usual network.
+    #[serde(default)]
+    pub network: Option<NetworkLists>,
 }
 
 impl From<CreateSandboxArgs> for CreateSandbox {
@@ -44,9 +47,24 @@ impl From<CreateSandboxArgs> for CreateSandbox {
             timeout_minutes: a.timeout_minutes,
             snapshot_id: a.snapshot_id,
             template: a.template,
+            network: a.network,
             ..CreateSandbox::default()
         }
     }
+}
+
+/// `update_network`.
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct UpdateNetworkArgs {
+    /// The sandbox's id (`sbx_...`); running or paused.
+    pub sandbox_id: String,
+    /// Destinations it reaches, even inside a prefix of deny_out: IPv4 addresses or prefixes (`203.0.113.7`, `203.0.113.0/24`), at most 256.
+    #[serde(default)]
+    pub allow_out: Vec<String>,
+    /// Destinations refused at once unless in allow_out (`0.0.0.0/0`: everything else), at most 256.
+    #[serde(default)]
+    pub deny_out: Vec<String>,
 }
 
 /// `snapshot_sandbox`.

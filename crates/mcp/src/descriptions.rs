@@ -134,6 +134,14 @@ as create_sandbox's template to get a sandbox with the template's packages, file
 environment, its server already running. all_builds=true lists every build instead (building, \
 failed, older versions), newest first.";
 
+pub(crate) const D_UPDATE_NETWORK: &str = "\
+Replace what a sandbox may reach on the network: allow_out and deny_out, IPv4 addresses and \
+prefixes (e.g. allow_out [\"203.0.113.7\"] with deny_out [\"0.0.0.0/0\"] reaches that address \
+only; names still resolve). An allowed destination is reached even inside a denied prefix; \
+empty lists give back the service's usual network. In effect when this returns: a denied \
+connect is refused at once (curl exit 7). Domain names are not supported yet. Returns the \
+sandbox object with its network.";
+
 pub(crate) const D_DELETE_SNAPSHOT: &str = "\
 Delete a snapshot and free its disk once you no longer need to restore to it or start from it. \
 Sandboxes already started from it are not affected. Snapshots are deleted at their expires_at \

@@ -3,7 +3,7 @@
 //! expose_port, get_sandbox, list_sandboxes, extend_sandbox, destroy_sandbox,
 //! get_usage, get_service_info), and snapshot_sandbox, fork_sandbox,
 //! restore_sandbox, list_snapshots, delete_snapshot, pause_sandbox,
-//! resume_sandbox and list_templates, over stdio and Streamable HTTP.
+//! resume_sandbox, list_templates and update_network, over stdio and Streamable HTTP.
 //!
 //! Why it looks like this:
 //!

@@ -640,6 +640,42 @@ impl SandpitMcp {
     }
 
     #[tool(
+        name = "update_network",
+        description = D_UPDATE_NETWORK,
+        input_schema = schema::input::<UpdateNetworkArgs>(),
+        output_schema = schema::output::<Sandbox>(),
+        annotations(
+            title = "Change what a sandbox may reach",
+            read_only_hint = false,
+            destructive_hint = false,
+            idempotent_hint = true,
+            open_world_hint = false
+        )
+    )]
+    async fn update_network(
+        &self,
+        ctx: RequestContext<RoleServer>,
+        args: JsonObject,
+    ) -> Result<CallToolResult, ErrorData> {
+        let (caller, a) = match self
+            .prepare::<UpdateNetworkArgs>("update_network", &ctx, args)
+            .await
+        {
+            Ok(v) => v,
+            Err(r) => return r,
+        };
+        let lists = sandpit_core::NetworkLists {
+            allow_out: a.allow_out,
+            deny_out: a.deny_out,
+        };
+        answer(
+            self.api
+                .update_network(&caller, &a.sandbox_id, lists, None)
+                .await,
+        )
+    }
+
+    #[tool(
         name = "destroy_sandbox",
         description = D_DESTROY,
         input_schema = schema::input::<SandboxIdArgs>(),

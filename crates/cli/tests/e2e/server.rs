@@ -194,8 +194,9 @@ async fn mcp_flow<S: rmcp::service::Service<rmcp::RoleClient>>(
     c: &rmcp::service::RunningService<rmcp::RoleClient, S>,
 ) {
     let tools = c.list_all_tools().await.unwrap();
-    // The spec's twelve, then snapshots, fork, restore and pause.
-    assert_eq!(tools.len(), 20);
+    // The spec's twelve, then snapshots, fork, restore, pause, templates
+    // and the network.
+    assert_eq!(tools.len(), 21);
     for name in ["run_command", "snapshot_sandbox", "pause_sandbox"] {
         assert!(tools.iter().any(|t| t.name == name), "{name}");
     }
@@ -234,6 +235,22 @@ async fn mcp_flow<S: rmcp::service::Service<rmcp::RoleClient>>(
     )
     .await;
     assert_eq!(e["timeout_minutes"], 15);
+    // Its network narrowed: a denied address refused at once (the connect
+    // never leaves the VM), then the usual network back.
+    let n = call(
+        "update_network",
+        json!({"sandbox_id": id, "deny_out": ["198.51.100.1/32"]}),
+    )
+    .await;
+    assert_eq!(n["network"], json!({"deny_out": ["198.51.100.1/32"]}));
+    let ex = call(
+        "run_command",
+        json!({"sandbox_id": id, "command": "curl -sS -m 20 -o /dev/null http://198.51.100.1:8080/"}),
+    )
+    .await;
+    assert_eq!(ex["exit_code"], 7, "{ex}");
+    let n = call("update_network", json!({"sandbox_id": id})).await;
+    assert!(n.get("network").is_none(), "{n}");
     let u = call("get_usage", json!({})).await;
     assert!(u["sandboxes"]
         .as_array()
@@ -269,7 +286,7 @@ fn the_agent_flow_over_mcp_streamable_http() {
             ))
             .await
             .unwrap();
-        assert_eq!(anon.list_all_tools().await.unwrap().len(), 20);
+        assert_eq!(anon.list_all_tools().await.unwrap().len(), 21);
         let info = anon
             .call_tool(CallToolRequestParams::new("get_service_info"))
             .await

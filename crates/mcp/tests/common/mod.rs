@@ -53,9 +53,9 @@ pub const SPEC_TOOLS: [&str; 12] = [
     "get_service_info",
 ];
 
-/// Every tool: the spec's twelve, then snapshots, fork, restore, pause and
-/// templates.
-pub const TOOLS: [&str; 20] = [
+/// Every tool: the spec's twelve, then snapshots, fork, restore, pause,
+/// templates and the network.
+pub const TOOLS: [&str; 21] = [
     "create_sandbox",
     "run_command",
     "write_file",
@@ -76,6 +76,7 @@ pub const TOOLS: [&str; 20] = [
     "pause_sandbox",
     "resume_sandbox",
     "list_templates",
+    "update_network",
 ];
 
 /// An rmcp client that offers one protocol version at `initialize` and keeps

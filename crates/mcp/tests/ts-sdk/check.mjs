@@ -37,6 +37,7 @@ const calls = [
   ['expose_port', () => ({ ...sandbox, port: 8000 })],
   ['list_sandboxes', () => ({ limit: 10 })],
   ['extend_sandbox', () => ({ ...sandbox, additional_minutes: 30 })],
+  ['update_network', () => ({ ...sandbox, allow_out: ['203.0.113.7'], deny_out: ['0.0.0.0/0'] })],
   ['run_command', () => ({ ...sandbox, command: 'echo hi', timeout_ms: 5000 })],
   ['snapshot_sandbox', () => ({ ...sandbox, name: 'before' })],
   ['restore_sandbox', () => ({ ...sandbox, ...snapshot })],
