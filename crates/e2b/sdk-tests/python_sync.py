@@ -558,9 +558,7 @@ listed = Sandbox.create(
 )
 try:
     assert curl_exit(listed, INTERNET) == 0
-    started = time.monotonic()
     assert curl_exit(listed, ELSEWHERE) == 7
-    assert time.monotonic() - started < 10, "a denied connect should fail at once"
     listed.update_network({"deny_out": [f"{internet_ip}/32"]})
     assert curl_exit(listed, INTERNET) == 7
     listed.update_network({})

@@ -13,7 +13,7 @@ use axum::Json;
 use maud::{html, Markup};
 use sandpit_core::{
     usable_templates, CreateSandbox, CreateSnapshot, EntryType, ExecParams, ForkSandbox,
-    ListSandboxes, ListSnapshots, Sandbox, SandboxStatus,
+    ListSandboxes, ListSnapshots, NetworkLists, Sandbox, SandboxStatus,
 };
 use serde::Deserialize;
 
@@ -284,6 +284,22 @@ pub(crate) struct ActForm {
     /// `snapshot`: its label.
     #[serde(default)]
     name: Option<String>,
+    /// `network`: the allow list, entries apart by commas or spaces.
+    #[serde(default)]
+    allow_out: Option<String>,
+    /// `network`: the deny list, as `allow_out`.
+    #[serde(default)]
+    deny_out: Option<String>,
+}
+
+/// A list typed in one field: entries apart by commas, spaces or lines.
+fn entries(field: Option<&str>) -> Vec<String> {
+    field
+        .unwrap_or_default()
+        .split(|c: char| c == ',' || c.is_whitespace())
+        .filter(|e| !e.is_empty())
+        .map(str::to_string)
+        .collect()
 }
 
 /// `POST /sandboxes/{id}/act/{action}`: one of a sandbox's actions, then
@@ -337,6 +353,14 @@ pub(crate) async fn act(
             };
             web.api.exec(c, &id, params).await?;
             format!("{back}#executions")
+        }
+        "network" => {
+            let lists = NetworkLists {
+                allow_out: entries(f.allow_out.as_deref()),
+                deny_out: entries(f.deny_out.as_deref()),
+            };
+            web.api.update_network(c, &id, lists, None).await?;
+            format!("{back}#network")
         }
         "expose" => {
             let port = f
@@ -407,6 +431,36 @@ pub(crate) async fn sandbox(
         }
         @if live(&s) {
             div class="actions" { (sandbox_actions(&s, csrf)) }
+        }
+        @if live(&s) {
+            section class="card" id="network" aria-labelledby="network-h" {
+                h2 id="network-h" { "Network" }
+                @let lists = s.network.clone().unwrap_or_default();
+                @if s.internet_access == Some(false) {
+                    p { "No internet: nothing beyond the sandbox itself." }
+                } @else if lists.allow_out.is_empty() && lists.deny_out.is_empty() {
+                    p class="muted" { "The service's usual network: no lists of its own." }
+                }
+                p class="muted" {
+                    "IPv4 addresses and prefixes, apart by commas or spaces. An allowed "
+                    "destination is reached even inside a denied prefix (deny 0.0.0.0/0 "
+                    "to reach the allowed ones only); a denied connect is refused at once."
+                }
+                form class="row" method="post" action=(act("network")) {
+                    input type="hidden" name="csrf" value=(csrf);
+                    div class="grow" {
+                        label for="allow-out" { "Allowed" }
+                        input id="allow-out" name="allow_out" type="text" spellcheck="false"
+                            value=(lists.allow_out.join(", ")) placeholder="203.0.113.7";
+                    }
+                    div class="grow" {
+                        label for="deny-out" { "Denied" }
+                        input id="deny-out" name="deny_out" type="text" spellcheck="false"
+                            value=(lists.deny_out.join(", ")) placeholder="0.0.0.0/0";
+                    }
+                    div { button type="submit" { "Save network" } }
+                }
+            }
         }
         @if running {
             section class="card" id="ports" aria-labelledby="ports-h" {

@@ -388,6 +388,28 @@ async fn a_person_uses_the_dashboard_in_a_real_browser() {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
 
+    // Its network: a denied address typed in the form, in effect at once
+    // (the connect never leaves the VM), the usual network back after.
+    b.goto(&format!("{url}/sandboxes/{id}")).await;
+    b.fill("Denied", "198.51.100.1/32").await;
+    click_and_load(&b, "Save network").await;
+    let (_, shown) = rest_get(&url, &admin_key, &format!("/sandboxes/{id}")).await;
+    assert_eq!(
+        shown["network"]["deny_out"],
+        json!(["198.51.100.1/32"]),
+        "{shown}"
+    );
+    b.fill(
+        "Command",
+        "curl -sS -m 20 -o /dev/null http://198.51.100.1:8080/",
+    )
+    .await;
+    click_and_load(&b, "Run").await;
+    wait_for_output(&b, "exit 7").await;
+    b.fill("Denied", "").await;
+    click_and_load(&b, "Save network").await;
+    b.wait_for_text("no lists of its own", PATIENCE).await;
+
     // The terminal: type a command, read its output on the page.
     b.goto(&format!("{url}/sandboxes/{id}/terminal")).await;
     b.wait_for_text("Connected", PATIENCE).await;
