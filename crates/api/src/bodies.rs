@@ -21,6 +21,20 @@ pub struct ExtendBody {
 pub struct ExposePortBody {
     /// The port the server inside the sandbox listens on (localhost is enough), 1..65535.
     pub port: u16,
+    /// Serve it only to requests with the sandbox's traffic token (the
+    /// `x-sandpit-traffic-token` header, or a signed URL); others get 401
+    /// before anything reaches the sandbox. Default false: public.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub private: bool,
+}
+
+/// `POST /sandboxes/{id}/ports/{port}/signed-url` body.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SignUrlBody {
+    /// How long the URL works, in seconds: 1..604800 (7 days), default 3600.
+    #[serde(default)]
+    pub expires_in_seconds: Option<u64>,
 }
 
 /// Answer to `DELETE /sandboxes/{id}/ports/{port}`.

@@ -11,7 +11,7 @@
 //! contract's list of routes, and another holds `docs/openapi.json` to this
 //! document.
 
-use crate::bodies::{ExposePortBody, ExtendBody, FilesQuery, PortClosed, UsageQuery};
+use crate::bodies::{ExposePortBody, ExtendBody, FilesQuery, PortClosed, SignUrlBody, UsageQuery};
 use crate::error::ErrorBody;
 use crate::server;
 use crate::sse::OutputChunk;
@@ -24,8 +24,8 @@ use sandpit_core::SandboxApi;
 use sandpit_core::{
     Account, BuildTemplate, CreateSandbox, CreateSnapshot, ExecParams, Execution, FileContent,
     FileDeleted, FileList, FileWritten, Fork, ForkSandbox, List, ListExecutions, ListSandboxes,
-    ListSnapshots, NetworkLists, Port, RestoreSandbox, Sandbox, ServiceInfo, Snapshot, Template,
-    TerminalToken, Usage, WriteFile,
+    ListSnapshots, NetworkLists, Port, RestoreSandbox, Sandbox, ServiceInfo, SignedUrl, Snapshot,
+    Template, TerminalToken, Usage, WriteFile,
 };
 use schemars::generate::{Contract, SchemaGenerator, SchemaSettings};
 use schemars::JsonSchema;
@@ -876,14 +876,45 @@ fn table() -> Table {
             handler: post(server::expose_port),
             id: "exposePort",
             summary: "Expose a port",
-            description: "Gives a public URL for a port the sandbox listens on (localhost is enough); \
-                asking again for the same port returns the same URL. WebSocket upgrades pass through.",
+            description: "Gives a URL for a port the sandbox listens on (localhost is enough); \
+                asking again for the same port returns the same URL (and changes only whether it is \
+                private). WebSocket upgrades pass through. Public by default; a private port is \
+                served only to requests with the sandbox's `traffic_token` in the \
+                `x-sandpit-traffic-token` header or with a signed URL (`signed_url` here, good for an \
+                hour; `POST .../signed-url` for another expiry), and anything else gets 401 before it \
+                reaches the sandbox.",
             params: vec![id_param("sandbox")],
             body: Some(json_content(req.subschema_for::<ExposePortBody>().to_value())),
             responses: vec![(
                 "200",
                 "The exposed port.",
                 json_content(res.subschema_for::<Port>().to_value()),
+            )],
+            errors: Errors { body: true, ..ON_SANDBOX },
+        },
+        Op {
+            method: "post",
+            path: "/v1/sandboxes/{id}/ports/{port}/signed-url",
+            handler: post(server::sign_preview_url),
+            id: "signPreviewUrl",
+            summary: "Sign a private port's URL",
+            description: "A URL of a private port that works without the token until `expires_at` \
+                (`expires_in_seconds`, default an hour, at most 7 days): for a browser, which cannot \
+                send the header. Opening it leaves a cookie for that preview host until then, so \
+                the page's links and assets load too. 404 when the port is not private.",
+            params: vec![
+                id_param("sandbox"),
+                path_param(
+                    "port",
+                    "The private port.",
+                    json!({"type": "integer", "minimum": 1, "maximum": 65535}),
+                ),
+            ],
+            body: Some(json_content(req.subschema_for::<SignUrlBody>().to_value())),
+            responses: vec![(
+                "200",
+                "The signed URL.",
+                json_content(res.subschema_for::<SignedUrl>().to_value()),
             )],
             errors: Errors { body: true, ..ON_SANDBOX },
         },

@@ -7,7 +7,7 @@
 //! same errors as in-process. TLS is rustls (no OpenSSL), trusting both the
 //! system's roots and the bundled Mozilla roots.
 
-use crate::bodies::{ExposePortBody, ExtendBody};
+use crate::bodies::{ExposePortBody, ExtendBody, SignUrlBody};
 use crate::error::{kind_for_status, ErrorBody};
 use crate::sse::OutputChunk;
 use async_trait::async_trait;
@@ -19,7 +19,7 @@ use sandpit_core::{
     Account, BuildTemplate, Caller, CoreError, CreateSandbox, CreateSnapshot, Encoding, ErrorType,
     ExecEvent, ExecParams, ExecStream, Execution, FileContent, FileDeleted, FileList, FileWritten,
     Fork, ForkSandbox, List, ListExecutions, ListSandboxes, ListSnapshots, NetworkLists, Port,
-    RestoreSandbox, Sandbox, ServiceInfo, Snapshot, Template, Usage, WriteFile,
+    RestoreSandbox, Sandbox, ServiceInfo, SignedUrl, Snapshot, Template, Usage, WriteFile,
 };
 use serde::de::DeserializeOwned;
 use std::collections::HashMap;
@@ -521,10 +521,30 @@ impl Files for RemoteApi {
 
 #[async_trait]
 impl Ports for RemoteApi {
-    async fn expose_port(&self, caller: &Caller, id: &str, port: u16) -> Result<Port> {
+    async fn expose_port(
+        &self,
+        caller: &Caller,
+        id: &str,
+        port: u16,
+        private: bool,
+    ) -> Result<Port> {
         let r = self
             .request(caller, Method::POST, self.url(&["sandboxes", id, "ports"]))?
-            .json(&ExposePortBody { port });
+            .json(&ExposePortBody { port, private });
+        self.call(r).await
+    }
+
+    async fn sign_preview_url(
+        &self,
+        caller: &Caller,
+        id: &str,
+        port: u16,
+        expires_in_seconds: Option<u64>,
+    ) -> Result<SignedUrl> {
+        let url = self.url(&["sandboxes", id, "ports", &port.to_string(), "signed-url"]);
+        let r = self
+            .request(caller, Method::POST, url)?
+            .json(&SignUrlBody { expires_in_seconds });
         self.call(r).await
     }
 

@@ -392,7 +392,19 @@ pub(crate) async fn expose_port(
     Path(id): Path<String>,
     JsonBody(body): JsonBody<ExposePortBody>,
 ) -> ApiResult {
-    ok(st.api.expose_port(&c, &id, body.port).await?)
+    ok(st.api.expose_port(&c, &id, body.port, body.private).await?)
+}
+
+pub(crate) async fn sign_preview_url(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path((id, port)): Path<(String, u16)>,
+    JsonBody(body): JsonBody<SignUrlBody>,
+) -> ApiResult {
+    ok(st
+        .api
+        .sign_preview_url(&c, &id, port, body.expires_in_seconds)
+        .await?)
 }
 
 pub(crate) async fn list_ports(

@@ -404,7 +404,7 @@ async fn preview_url(side: &Side, id: &str) -> Result<String> {
         && (nohup python3 -m http.server 8000 > /tmp/bench-http.log 2>&1 &)"
         .into();
     side.svc.exec(&side.caller, id, setup).await?;
-    let port = side.svc.expose_port(&side.caller, id, 8000).await?;
+    let port = side.svc.expose_port(&side.caller, id, 8000, false).await?;
     let url = format!("{}/bench.txt", port.url);
     let http = reqwest::Client::new();
     let deadline = Instant::now() + Duration::from_secs(120);

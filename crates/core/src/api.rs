@@ -440,9 +440,31 @@ pub trait Files: Send + Sync {
 /// Ports of a sandbox exposed on preview URLs.
 #[async_trait]
 pub trait Ports: Send + Sync {
-    async fn expose_port(&self, caller: &Caller, id: &str, port: u16) -> Result<Port>;
+    /// Exposes `port` on its preview URL, `private` (the traffic token
+    /// needed) or public; exposing an exposed port again changes only that.
+    async fn expose_port(
+        &self,
+        caller: &Caller,
+        id: &str,
+        port: u16,
+        private: bool,
+    ) -> Result<Port>;
     async fn list_ports(&self, caller: &Caller, id: &str) -> Result<List<Port>>;
     async fn close_port(&self, caller: &Caller, id: &str, port: u16) -> Result<()>;
+    /// A private port's URL signed for `expires_in_seconds` (default an
+    /// hour, at most 7 days). A backend without private ports refuses.
+    async fn sign_preview_url(
+        &self,
+        caller: &Caller,
+        id: &str,
+        port: u16,
+        expires_in_seconds: Option<u64>,
+    ) -> Result<SignedUrl> {
+        let _ = (caller, id, port, expires_in_seconds);
+        Err(crate::error::CoreError::invalid(
+            "signed preview URLs are not available here",
+        ))
+    }
 }
 
 /// Interactive shells for people, and the one-use tokens a browser opens them with.

@@ -17,6 +17,7 @@ pub(crate) mod idle;
 pub mod metrics;
 pub mod model;
 pub mod preview;
+pub mod private_preview;
 pub mod service;
 pub mod utf8;
 

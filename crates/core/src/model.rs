@@ -133,6 +133,15 @@ pub struct Sandbox {
     /// Its own egress lists, if it has any (see [`NetworkLists`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network: Option<NetworkLists>,
+    /// The token its private ports want (the `x-sandpit-traffic-token`
+    /// header); shown to its owner only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traffic_token: Option<String>,
+    /// Every port of it is private (E2B's `allowPublicTraffic=false`; not
+    /// part of the REST API).
+    #[serde(skip)]
+    #[schemars(skip)]
+    pub private_traffic: bool,
 }
 
 /// `POST /sandboxes` body and `create_sandbox` input.
@@ -191,6 +200,11 @@ pub struct CreateSandbox {
     /// operator's network as it is.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network: Option<NetworkLists>,
+    /// Every port of it private (E2B's `allowPublicTraffic=false`; not part
+    /// of the REST API, whose ports are private one by one).
+    #[serde(skip)]
+    #[schemars(skip)]
+    pub private_traffic: bool,
 }
 
 /// A sandbox's own egress lists: IPv4 addresses and prefixes (`8.8.8.8`,
@@ -588,6 +602,26 @@ pub struct Port {
     pub port: u16,
     pub url: String,
     pub created_at: String,
+    /// Served only to requests with the sandbox's traffic token (the
+    /// `x-sandpit-traffic-token` header, or a signed URL); anything else
+    /// gets 401 before it reaches the sandbox.
+    #[serde(default)]
+    pub private: bool,
+    /// A private port's URL signed for an hour from this answer (open it in
+    /// a browser: it keeps working for that preview host until then).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signed_url: Option<String>,
+    /// When `signed_url` stops working (RFC 3339 UTC).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signed_url_expires_at: Option<String>,
+}
+
+/// A private port's URL signed until a time its owner chose.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct SignedUrl {
+    pub url: String,
+    /// RFC 3339 UTC.
+    pub expires_at: String,
 }
 
 /// One sandbox in a usage report.

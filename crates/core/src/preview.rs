@@ -39,9 +39,10 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 /// its URL, which involves no account (anyone who has the URL may use it).
 #[async_trait::async_trait]
 pub trait PreviewGate: Send + Sync {
-    /// Can `port` of sandbox `id` be served through its preview URL now?
-    /// Returns the node that holds the sandbox.
-    async fn check_preview(&self, id: &str, port: u16) -> Result<String, PreviewError>;
+    /// Can `port` of sandbox `id` be served through its preview URL now,
+    /// and to whom? Returns the node that holds the sandbox and the port's
+    /// access.
+    async fn check_preview(&self, id: &str, port: u16) -> Result<Admitted, PreviewError>;
 
     /// Takes one request of the allowance of sandbox `id`'s preview URLs
     /// (after [`PreviewGate::check_preview`]: only live sandboxes have one).
@@ -219,6 +220,10 @@ pub enum PreviewError {
     /// the sandbox's previews hold as many connections as they may
     #[error("sandbox {id} has {max} preview connections open, its most")]
     TooManyConnections { id: String, max: u32 },
+    /// the port is private and the request proved no right to it (401, or
+    /// 403 for an E2B sandbox made private whole)
+    #[error("port {port} of sandbox {id} is private")]
+    Private { id: String, port: u16, status: u16 },
 }
 
 impl PreviewError {
@@ -233,6 +238,7 @@ impl PreviewError {
             PreviewError::Timeout { .. } => 504,
             PreviewError::Unavailable { .. } | PreviewError::TooManyConnections { .. } => 503,
             PreviewError::TooManyRequests { .. } => 429,
+            PreviewError::Private { status, .. } => *status,
         }
     }
 
@@ -255,6 +261,10 @@ impl PreviewError {
             PreviewError::Unavailable { .. }
             | PreviewError::TooManyRequests { .. }
             | PreviewError::TooManyConnections { .. } => "Try again in a moment.",
+            PreviewError::Private { .. } => {
+                "Send the sandbox's traffic token in the x-sandpit-traffic-token header, or open \
+                 a signed URL of the port (its owner makes one)."
+            }
         }
     }
 }
@@ -266,8 +276,16 @@ pub(crate) struct Traffic {
     pub(crate) bytes_out: AtomicU64,
 }
 
-/// A passed preview check: when, the sandbox's expiry, its node.
-type Checked = (Instant, OffsetDateTime, String);
+/// A passed preview check: when, the sandbox's expiry, what was found.
+type Checked = (Instant, OffsetDateTime, Admitted);
+
+/// What a passed preview check found: the sandbox's node, and who may use
+/// the port.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Admitted {
+    pub host: String,
+    pub access: crate::private_preview::PreviewAccess,
+}
 
 /// A sandbox's open preview connections: serial -> (port, closer).
 type OpenConns = HashMap<u64, (u16, Closer)>;
@@ -369,14 +387,14 @@ impl Previews {
     /// Did `port` of `id` pass its check less than [`CHECK_REMEMBERED`] ago
     /// (and has the sandbox not expired since)?
     /// The node of a sandbox whose `port` passed a check lately.
-    pub(crate) fn recently_checked(&self, id: &str, port: u16) -> Option<String> {
+    pub(crate) fn recently_checked(&self, id: &str, port: u16) -> Option<Admitted> {
         let checked = self.checked.lock().unwrap();
         checked
             .get(&(id.to_string(), port))
             .filter(|(at, expires, _)| {
                 at.elapsed() < CHECK_REMEMBERED && *expires > OffsetDateTime::now_utc()
             })
-            .map(|(_, _, host)| host.clone())
+            .map(|(_, _, admitted)| admitted.clone())
     }
 
     /// Remember that `port` of `id` passed a check that began at `epoch`,
@@ -386,14 +404,14 @@ impl Previews {
         id: &str,
         port: u16,
         expires: OffsetDateTime,
-        host: &str,
+        admitted: &Admitted,
         epoch: u64,
     ) {
         let mut checked = self.checked.lock().unwrap();
         if self.closes.load(Ordering::SeqCst) == epoch {
             checked.insert(
                 (id.to_string(), port),
-                (Instant::now(), expires, host.to_string()),
+                (Instant::now(), expires, admitted.clone()),
             );
         }
     }

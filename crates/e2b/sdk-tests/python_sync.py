@@ -581,6 +581,41 @@ finally:
     listed.kill()
 ok("network allow_out and deny_out: a denied host refused at once, an allowed one reached; update_network on a running and a paused sandbox; a domain rule refused by name")
 
+# allow_public_traffic=False: every port wants the traffic token, in E2B's
+# header; without it, 403 (as E2B answers) and the guest sees nothing.
+def status_of(host, headers):
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + 60
+    while True:
+        req = urllib.request.Request(f"http://{host}/", headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as e:
+            if e.code != 502 or time.monotonic() > deadline:
+                return e.code, e.read().decode()
+        time.sleep(0.5)
+
+
+guarded = Sandbox.create(timeout=120, network={"allow_public_traffic": False})
+try:
+    token = guarded.traffic_access_token
+    assert token, "a sandbox with private traffic has a traffic access token"
+    guarded.files.write("site/index.html", "for token holders\n")
+    guarded.commands.run("cd site && exec python3 -m http.server 8000", background=True)
+    host = guarded.get_host(8000)
+    code, body = status_of(host, {"e2b-traffic-access-token": token})
+    assert (code, body) == (200, "for token holders\n"), (code, body)
+    code, _ = status_of(host, {})
+    assert code == 403, code
+    code, _ = status_of(host, {"e2b-traffic-access-token": "tt_" + "0" * 40})
+    assert code == 403, code
+finally:
+    guarded.kill()
+ok("network allow_public_traffic=False: 403 without the traffic access token, served with it")
+
 for key in ["e2b_" + "0" * 50, os.environ["SANDPIT_REVOKED_KEY"]]:
     try:
         Sandbox.create(api_key=key)

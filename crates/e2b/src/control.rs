@@ -176,6 +176,9 @@ async fn create(
     );
     req.internet_access = internet_access;
     req.network = Some(lists).filter(|l| !l.allow_out.is_empty() || !l.deny_out.is_empty());
+    // Every port then wants the traffic token (E2B's
+    // `e2b-traffic-access-token` header; 403 without, as E2B answers).
+    req.private_traffic = network.and_then(|n| n.allow_public_traffic) == Some(false);
     let key = headers
         .get("idempotency-key")
         .and_then(|v| v.to_str().ok())
@@ -195,11 +198,6 @@ fn refuse_unsupported(body: &NewSandbox) -> Result<(), HttpError> {
         return refuse("auto-pause on timeout");
     }
     if let Some(network) = &body.network {
-        if network.allow_public_traffic == Some(false) {
-            return refuse(
-                "network allow_public_traffic=False (ports reached only with a traffic token)",
-            );
-        }
         if network.mask_request_host.is_some() {
             return refuse("network mask_request_host");
         }
@@ -757,14 +755,12 @@ mod tests {
             serde_json::json!({"allowOut": ["8.8.8.8"]}),
             serde_json::json!({"denyOut": ["10.0.0.0/8"]}),
             serde_json::json!({"denyOut": ["0.0.0.0/0"], "allowOut": ["1.1.1.1"]}),
+            // Ports wanting the traffic token.
+            serde_json::json!({"allowPublicTraffic": false}),
         ] {
             assert!(refuse_unsupported(&create(fine.clone())).is_ok(), "{fine}");
         }
         for (network, says) in [
-            (
-                serde_json::json!({"allowPublicTraffic": false}),
-                "allow_public_traffic",
-            ),
             (
                 serde_json::json!({"maskRequestHost": "x.example"}),
                 "mask_request_host",

@@ -121,6 +121,9 @@ pub struct CreatedSandbox {
     pub domain: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub alias: Option<String>,
+    /// What its ports want when they are private (`allowPublicTraffic=false`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub traffic_access_token: Option<String>,
 }
 
 /// A sandbox as get_info (`detail`) and list answer it.
@@ -224,6 +227,10 @@ impl E2b {
             envd_access_token: sandbox.access_token.clone(),
             domain: self.domain.clone(),
             alias: sandbox.name.clone(),
+            traffic_access_token: sandbox
+                .traffic_token
+                .clone()
+                .filter(|_| sandbox.private_traffic),
         }
     }
 

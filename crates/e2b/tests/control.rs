@@ -140,10 +140,10 @@ async fn refusals_are_e2bs_error_bodies() {
             Method::POST,
             "/v2/sandboxes",
             Some(KEY_A),
-            Some(json!({"templateID": "base", "network": {"denyOut": ["0.0.0.0/0", "10.0.0.0/8"], "allowOut": ["1.1.1.1"]}})),
+            Some(json!({"templateID": "base", "network": {"rules": {"api.example.com": []}}})),
         )
         .await;
-    assert_error(st, &body, 400, "allow_out");
+    assert_error(st, &body, 400, "rules");
     let (st, _, body) = s
         .call(Method::GET, "/sandboxes/sbx_nope", Some(KEY_A), None)
         .await;

@@ -741,19 +741,28 @@ impl Files for Fake {
 
 #[async_trait]
 impl Ports for Fake {
-    async fn expose_port(&self, caller: &Caller, id: &str, port: u16) -> Result<Port> {
+    /// Private or not as asked (no signed URL: the fake has no token).
+    async fn expose_port(
+        &self,
+        caller: &Caller,
+        id: &str,
+        port: u16,
+        private: bool,
+    ) -> Result<Port> {
         self.begin(
             caller,
             Op::ExposePort {
                 id: id.into(),
                 port,
+                private,
             },
         )?;
         check_port(port)?;
         let config = self.config();
         let mut st = self.state.lock().unwrap();
         let h = st.running(caller, id)?;
-        if let Some(p) = h.ports.iter().find(|p| p.port == port) {
+        if let Some(p) = h.ports.iter_mut().find(|p| p.port == port) {
+            p.private = private;
             return Ok(p.clone());
         }
         let p = Port {
@@ -765,6 +774,9 @@ impl Ports for Fake {
                 id,
             ),
             created_at: T0.into(),
+            private,
+            signed_url: None,
+            signed_url_expires_at: None,
         };
         h.ports.push(p.clone());
         Ok(p)

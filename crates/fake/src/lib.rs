@@ -237,6 +237,7 @@ pub enum Op {
     ExposePort {
         id: String,
         port: u16,
+        private: bool,
     },
     ListPorts {
         id: String,
@@ -802,6 +803,8 @@ fn new_sandbox(
         internet_access: None,
         template_id: None,
         network: None,
+        traffic_token: None,
+        private_traffic: false,
     }
 }
 

@@ -280,6 +280,9 @@ pub struct ExposePortArgs {
     /// The TCP port a server inside the sandbox listens on (localhost is enough), 1..65535.
     #[schemars(range(min = 1, max = 65535))]
     pub port: u16,
+    /// true: only requests with the sandbox's traffic_token (header x-sandpit-traffic-token) or the signed_url returned (good for an hour) get through; others get 401. Default false: anyone with the URL.
+    #[serde(default)]
+    pub private: bool,
 }
 
 /// `list_sandboxes`.

@@ -548,7 +548,11 @@ impl SandpitMcp {
             Ok(v) => v,
             Err(r) => return r,
         };
-        answer(self.api.expose_port(&caller, &a.sandbox_id, a.port).await)
+        answer(
+            self.api
+                .expose_port(&caller, &a.sandbox_id, a.port, a.private)
+                .await,
+        )
     }
 
     #[tool(

@@ -23,6 +23,7 @@ use hyper_util::client::legacy::connect::{Connected, Connection};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use sandpit_core::preview::{PreviewConn, PreviewError, PreviewGate};
+use sandpit_core::private_preview::{self, Grant, PreviewAccess};
 use std::future::Future;
 use std::net::IpAddr;
 use std::pin::Pin;
@@ -66,8 +67,25 @@ impl Proxy {
         authority: &str,
         peer: IpAddr,
     ) -> Response<Body> {
-        if let Err(e) = self.svc.check_preview(id, port).await {
-            return error_page(&e);
+        let admitted = match self.svc.check_preview(id, port).await {
+            Ok(a) => a,
+            Err(e) => return error_page(&e),
+        };
+        // A private port: nothing reaches the guest without a proof, and
+        // the proofs do not reach it either.
+        let mut keep_grant = None;
+        if let PreviewAccess::Private { token, refusal } = &admitted.access {
+            match private_preview_grant(&req, token, id, port) {
+                Some(grant) => keep_grant = grant,
+                None => {
+                    return error_page(&PreviewError::Private {
+                        id: id.to_string(),
+                        port,
+                        status: *refusal,
+                    })
+                }
+            }
+            take_proofs(&mut req);
         }
         if let Err(e) = self.svc.admit_preview_request(id) {
             return error_page(&e);
@@ -133,7 +151,87 @@ impl Proxy {
             // client's connection stays open.
             *resp.version_mut() = Version::HTTP_11;
         }
+        if let Some((cookie, expires_unix)) = keep_grant {
+            let set = private_preview::set_cookie(
+                &cookie,
+                expires_unix,
+                unix_now(),
+                self.scheme == "https",
+            );
+            if let Ok(v) = HeaderValue::from_str(&set) {
+                resp.headers_mut().append(header::SET_COOKIE, v);
+            }
+        }
         resp.map(Body::new)
+    }
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Whether `req` may reach private port `port` of sandbox `id` (whose
+/// traffic token is `token`): `None` if not; `Some(Some((cookie,
+/// expiry)))` when a signed URL let it in and its cookie is to be left.
+fn private_preview_grant(
+    req: &Request<Incoming>,
+    token: &str,
+    id: &str,
+    port: u16,
+) -> Option<Option<(String, u64)>> {
+    let values = |name: &str| -> Vec<&str> {
+        req.headers()
+            .get_all(name)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .collect()
+    };
+    let mut headers = values(private_preview::TOKEN_HEADER);
+    headers.extend(values(private_preview::E2B_TOKEN_HEADER));
+    let proofs = private_preview::Proofs {
+        headers,
+        query: req.uri().query(),
+        cookies: values(header::COOKIE.as_str()),
+    };
+    match private_preview::admit(token, id, port, &proofs, unix_now())? {
+        Grant::Signed {
+            expires_unix,
+            cookie,
+        } => Some(Some((cookie, expires_unix))),
+        Grant::Token | Grant::Cookie => Some(None),
+    }
+}
+
+/// Takes a private port's proofs off `req`: the token headers, the signed
+/// URL's parameters and the cookie.
+fn take_proofs(req: &mut Request<Incoming>) {
+    let headers = req.headers_mut();
+    headers.remove(private_preview::TOKEN_HEADER);
+    headers.remove(private_preview::E2B_TOKEN_HEADER);
+    let cookies: Vec<String> = headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .filter_map(private_preview::strip_cookie)
+        .collect();
+    headers.remove(header::COOKIE);
+    for c in cookies {
+        if let Ok(v) = HeaderValue::from_str(&c) {
+            headers.append(header::COOKIE, v);
+        }
+    }
+    if let Some(query) = req.uri().query() {
+        let path = req.uri().path().to_string();
+        let rest = private_preview::strip_query(query);
+        let path_and_query = match rest {
+            Some(q) => format!("{path}?{q}"),
+            None => path,
+        };
+        if let Ok(uri) = path_and_query.parse::<Uri>() {
+            *req.uri_mut() = uri;
+        }
     }
 }
 

@@ -51,6 +51,8 @@ pub struct PortRow {
     /// When it was (last) opened.
     pub created_at: OffsetDateTime,
     pub closed_at: Option<OffsetDateTime>,
+    /// Served only with the sandbox's traffic token (see migration 0019).
+    pub private: bool,
 }
 
 /// A page of a sandbox's executions, newest first.
@@ -118,6 +120,7 @@ fn port_from(row: &AnyRow) -> Result<PortRow> {
         url: get_str(row, "url")?,
         created_at: get_ts(row, "created_at")?,
         closed_at: get_opt_ts(row, "closed_at")?,
+        private: get_i64(row, "private")? != 0,
     })
 }
 
@@ -473,24 +476,36 @@ impl Store {
         fail_running_executions_of(&mut conn, host, finished_at).await
     }
 
-    /// Opens a port of a sandbox. If it is already open, returns that row
-    /// unchanged (same URL, same `created_at`); a closed one is reopened
-    /// with `url`.
-    pub async fn upsert_port(&self, sandbox_id: &str, port: u16, url: &str) -> Result<PortRow> {
+    /// Opens a port of a sandbox, `private` or not. If it is already open,
+    /// returns that row with the same URL and `created_at` (and `private` as
+    /// asked now); a closed one is reopened with `url`.
+    pub async fn upsert_port(
+        &self,
+        sandbox_id: &str,
+        port: u16,
+        url: &str,
+        private: bool,
+    ) -> Result<PortRow> {
         if port == 0 {
             return Err(StoreError::Invalid("port 0".into()));
         }
         let mut tx = self.write_tx().await?;
+        // An open port keeps its URL and time; whether it is private is
+        // what the last expose said.
         let res = sqlx::query(
-            "INSERT INTO ports (sandbox_id, port, url, created_at) VALUES ($1, $2, $3, $4) \
-             ON CONFLICT (sandbox_id, port) DO UPDATE \
-                 SET url = excluded.url, created_at = excluded.created_at, closed_at = NULL \
-                 WHERE ports.closed_at IS NOT NULL",
+            "INSERT INTO ports (sandbox_id, port, url, created_at, private) \
+             VALUES ($1, $2, $3, $4, $5) \
+             ON CONFLICT (sandbox_id, port) DO UPDATE SET \
+                 url = CASE WHEN ports.closed_at IS NULL THEN ports.url ELSE excluded.url END, \
+                 created_at = CASE WHEN ports.closed_at IS NULL THEN ports.created_at \
+                     ELSE excluded.created_at END, \
+                 closed_at = NULL, private = excluded.private",
         )
         .bind(sandbox_id)
         .bind(i64::from(port))
         .bind(url)
         .bind(format_ts(now()))
+        .bind(i64::from(private))
         .execute(&mut *tx)
         .await;
         if let Err(e) = res {

@@ -6,8 +6,8 @@
 
 use sandpit_store::{
     format_ts, hash_key, new_id, CreateOutcome, Engine, ExecutionResult, ExecutionRow,
-    ExecutionState, ExecutionStatus, ExtendOutcome, NewSandbox, NewSnapshot, SandboxStatus,
-    SnapshotOutcome, SnapshotStatus, Store, StoreError, TemplateStatus,
+    ExecutionState, ExecutionStatus, ExtendOutcome, NewSandbox, NewSnapshot, PortRow,
+    SandboxStatus, SnapshotOutcome, SnapshotStatus, Store, StoreError, TemplateStatus,
 };
 use std::collections::HashSet;
 use tempfile::TempDir;
@@ -1562,20 +1562,38 @@ async fn ports_are_opened_once_and_closed(store: Store) {
             .unwrap(),
     );
     let p = store
-        .upsert_port(&s.id, 8080, "https://8080-x.example")
+        .upsert_port(&s.id, 8080, "https://8080-x.example", false)
         .await
         .unwrap();
     assert_eq!((p.port, p.closed_at), (8080, None));
     // Asking again returns the same row, whatever URL is offered.
     assert_eq!(
         store
-            .upsert_port(&s.id, 8080, "https://other")
+            .upsert_port(&s.id, 8080, "https://other", false)
             .await
             .unwrap(),
         p
     );
+    // Made private by the next expose, the same port otherwise.
+    let private = store
+        .upsert_port(&s.id, 8080, "https://other", true)
+        .await
+        .unwrap();
+    assert_eq!(
+        private,
+        PortRow {
+            private: true,
+            ..p.clone()
+        }
+    );
+    assert!(store.list_ports(&s.id).await.unwrap()[0].private);
+    // A live sandbox's every port made private, and back.
+    assert!(!s.private_traffic);
+    assert!(store.set_private_traffic(&s.id, true).await.unwrap());
+    assert!(store.sandbox(&s.id).await.unwrap().unwrap().private_traffic);
+    assert!(!store.set_private_traffic("sbx_nope", true).await.unwrap());
     store
-        .upsert_port(&s.id, 3000, "https://3000-x.example")
+        .upsert_port(&s.id, 3000, "https://3000-x.example", false)
         .await
         .unwrap();
     let ports: Vec<u16> = store
@@ -1592,7 +1610,7 @@ async fn ports_are_opened_once_and_closed(store: Store) {
     assert_eq!(store.list_ports(&s.id).await.unwrap().len(), 1);
     // Reopened with the new URL.
     let again = store
-        .upsert_port(&s.id, 8080, "https://8080-y.example")
+        .upsert_port(&s.id, 8080, "https://8080-y.example", false)
         .await
         .unwrap();
     assert_eq!(
@@ -1604,7 +1622,7 @@ async fn ports_are_opened_once_and_closed(store: Store) {
 
     // Ending the sandbox closes what is open.
     store
-        .upsert_port(&s.id, 9000, "https://9000")
+        .upsert_port(&s.id, 9000, "https://9000", false)
         .await
         .unwrap();
     store
@@ -1613,7 +1631,7 @@ async fn ports_are_opened_once_and_closed(store: Store) {
         .unwrap();
     assert!(store.list_ports(&s.id).await.unwrap().is_empty());
     assert!(matches!(
-        store.upsert_port("sbx_nope", 80, "u").await,
+        store.upsert_port("sbx_nope", 80, "u", false).await,
         Err(StoreError::NotFound(_))
     ));
 }

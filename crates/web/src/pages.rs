@@ -281,6 +281,9 @@ pub(crate) struct ActForm {
     /// `expose`: the port.
     #[serde(default)]
     port: Option<u16>,
+    /// `expose`: the checkbox that makes it private (`on` when ticked).
+    #[serde(default)]
+    private: Option<String>,
     /// `snapshot`: its label.
     #[serde(default)]
     name: Option<String>,
@@ -366,7 +369,9 @@ pub(crate) async fn act(
             let port = f
                 .port
                 .ok_or_else(|| Failure::new(StatusCode::BAD_REQUEST, "Which port?"))?;
-            web.api.expose_port(c, &id, port).await?;
+            web.api
+                .expose_port(c, &id, port, f.private.is_some())
+                .await?;
             format!("{back}#ports")
         }
         other => {
@@ -468,7 +473,16 @@ pub(crate) async fn sandbox(
                 @if ports.is_empty() { p class="muted" { "No port is exposed." } }
                 ul {
                     @for p in &ports {
-                        li { "Port " (p.port) ": " a href=(p.url) target="_blank" rel="noopener" { (p.url) } }
+                        li {
+                            "Port " (p.port) ": "
+                            @if let Some(signed) = &p.signed_url {
+                                a href=(signed) target="_blank" rel="noopener" { (p.url) }
+                                " " span class="badge" { "private" }
+                                " (this link works for an hour; others need the sandbox's traffic token)"
+                            } @else {
+                                a href=(p.url) target="_blank" rel="noopener" { (p.url) }
+                            }
+                        }
                     }
                 }
                 form class="row" method="post" action=(act("expose")) {
@@ -476,6 +490,10 @@ pub(crate) async fn sandbox(
                     div {
                         label for="port" { "Port" }
                         input id="port" name="port" type="number" min="1" max="65535" required;
+                    }
+                    div class="check" {
+                        input id="private" name="private" type="checkbox";
+                        label for="private" { "Private (token or signed link only)" }
                     }
                     div { button type="submit" { "Expose port" } }
                 }

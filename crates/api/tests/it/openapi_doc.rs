@@ -136,6 +136,8 @@ fn documents_exactly_the_contract_routes() {
         ("POST", "/v1/sandboxes/{id}/ports"),
         ("GET", "/v1/sandboxes/{id}/ports"),
         ("DELETE", "/v1/sandboxes/{id}/ports/{port}"),
+        // Sandpit's own: a private port's signed URL.
+        ("POST", "/v1/sandboxes/{id}/ports/{port}/signed-url"),
         ("GET", "/v1/sandboxes/{id}/pty"),
         ("POST", "/v1/sandboxes/{id}/pty/tokens"),
         // Sandpit's own: templates.

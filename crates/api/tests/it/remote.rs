@@ -183,7 +183,7 @@ async fn every_method_round_trips() {
         }
     );
 
-    let p = api.expose_port(&me, &sbx.id, 3000).await.unwrap();
+    let p = api.expose_port(&me, &sbx.id, 3000, false).await.unwrap();
     assert_eq!(p.port, 3000);
     assert_eq!(api.list_ports(&me, &sbx.id).await.unwrap().data, vec![p]);
     api.close_port(&me, &sbx.id, 3000).await.unwrap();

@@ -1038,3 +1038,154 @@ fn a_sandboxs_previews_take_bounded_requests_and_connections() {
         assert_eq!(r.status(), 200, "the connections were not given back");
     });
 }
+
+/// The requests the guest's `http.server` on `port` logged (one line each).
+async fn logged_requests(api: &Rest, id: &str, port: u16) -> Vec<String> {
+    sh(
+        api,
+        id,
+        &format!("grep -h '\"GET ' /tmp/server-{port}.log || true"),
+    )
+    .await
+    .lines()
+    .map(str::to_string)
+    .collect()
+}
+
+#[test]
+fn a_private_port_answers_only_with_its_token_or_a_signed_url() {
+    let f = fix();
+    f.rt.block_on(async {
+        let api = f.api();
+        let id = &f.id;
+        start_server(
+            &api,
+            id,
+            8300,
+            "mkdir -p /workspace/p && cd /workspace/p && echo private-page > index.html",
+            "python3 -m http.server 8300",
+        )
+        .await;
+        let (st, p) = api
+            .post(
+                &format!("/sandboxes/{id}/ports"),
+                json!({"port": 8300, "private": true}),
+            )
+            .await;
+        assert_eq!(st, 200, "{p}");
+        assert_eq!(p["private"], true, "{p}");
+        let url = p["url"].as_str().unwrap().to_string();
+        let signed = p["signed_url"]
+            .as_str()
+            .expect("a private port's signed URL")
+            .to_string();
+        let (_, me) = api.get(&format!("/sandboxes/{id}")).await;
+        let token = me["traffic_token"]
+            .as_str()
+            .expect("the owner sees the token")
+            .to_string();
+        let other = create(&api, "other-token", 5).await;
+        let other_token = other["traffic_token"].as_str().unwrap().to_string();
+        assert_ne!(token, other_token);
+        let client = f.client(false);
+        let get = |headers: Vec<(&'static str, String)>, url: String| {
+            let client = client.clone();
+            async move {
+                let deadline = Instant::now() + Duration::from_secs(120);
+                loop {
+                    let mut r = client.get(&url);
+                    for (k, v) in &headers {
+                        r = r.header(*k, v);
+                    }
+                    let r = r.send().await.unwrap();
+                    if r.status() != 502 || Instant::now() > deadline {
+                        return r;
+                    }
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+            }
+        };
+        // With the token: served (and the server is up from here on).
+        let r = get(
+            vec![("x-sandpit-traffic-token", token.clone())],
+            url.clone(),
+        )
+        .await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.text().await.unwrap(), "private-page\n");
+        let seen = logged_requests(&api, id, 8300).await.len();
+        // Without, or with another sandbox's: 401, and the guest saw nothing.
+        for headers in [
+            vec![],
+            vec![("x-sandpit-traffic-token", other_token.clone())],
+        ] {
+            let r = get(headers, url.clone()).await;
+            assert_eq!(r.status(), 401);
+            assert!(r.text().await.unwrap().contains("is private"));
+        }
+        assert_eq!(logged_requests(&api, id, 8300).await.len(), seen);
+        // E2B's header name works too.
+        let r = get(
+            vec![("e2b-traffic-access-token", token.clone())],
+            url.clone(),
+        )
+        .await;
+        assert_eq!(r.status(), 200);
+        // A signed URL: served, its proofs kept from the guest, and the
+        // cookie it leaves serves the pages after it.
+        let r = get(vec![], signed.clone()).await;
+        assert_eq!(r.status(), 200);
+        let cookie = r
+            .headers()
+            .get("set-cookie")
+            .expect("a signed URL leaves its cookie")
+            .to_str()
+            .unwrap()
+            .to_string();
+        assert!(
+            cookie.contains("HttpOnly") && cookie.contains("Max-Age="),
+            "{cookie}"
+        );
+        let pair = cookie.split(';').next().unwrap().to_string();
+        let r = get(
+            vec![("cookie", format!("theme=dark; {pair}"))],
+            format!("{url}/index.html"),
+        )
+        .await;
+        assert_eq!(r.status(), 200);
+        let log = logged_requests(&api, id, 8300).await;
+        assert!(
+            log.iter().all(|l| !l.contains("sandpit_")),
+            "the guest saw a signed URL's parameters: {log:?}"
+        );
+        // One that expires: good until then, 401 after.
+        let (st, s) = api
+            .post(
+                &format!("/sandboxes/{id}/ports/8300/signed-url"),
+                json!({"expires_in_seconds": 2}),
+            )
+            .await;
+        assert_eq!(st, 200, "{s}");
+        let short = s["url"].as_str().unwrap().to_string();
+        assert_eq!(get(vec![], short.clone()).await.status(), 200);
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        assert_eq!(get(vec![], short).await.status(), 401);
+        let (st, _) = api
+            .post(&format!("/sandboxes/{id}/ports/8000/signed-url"), json!({}))
+            .await;
+        assert_eq!(st, 404, "a public port has no signed URL");
+        // Public again: anyone.
+        let (st, p) = api
+            .post(&format!("/sandboxes/{id}/ports"), json!({"port": 8300}))
+            .await;
+        assert_eq!((st, p["private"].as_bool()), (200, Some(false)), "{p}");
+        assert_eq!(get(vec![], url).await.status(), 200);
+        let other_id = other["id"].as_str().unwrap();
+        api.call(
+            reqwest::Method::DELETE,
+            &format!("/sandboxes/{other_id}"),
+            None,
+        )
+        .await;
+    });
+}

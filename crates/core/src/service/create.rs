@@ -149,6 +149,11 @@ impl Service {
                 }
                 Err(replayed) => return Ok((to_sandbox(&self.replayed(replayed).await?), true)),
             };
+            // Private before its VM starts: never served without the token.
+            let row = match order.req.private_traffic {
+                true => self.made_private(row).await?,
+                false => row,
+            };
             let host = row.host.clone();
             let id = row.id.clone();
             match self
@@ -573,6 +578,38 @@ impl Service {
             };
             *taken.lock().unwrap() = Some(warm);
             id
+        }
+    }
+
+    /// New sandbox `row` with every port private (E2B's
+    /// `allowPublicTraffic=false`); one the store could not mark ends
+    /// failed, its reservation given back, rather than start public.
+    async fn made_private(&self, row: SandboxRow) -> Result<SandboxRow> {
+        match self.store.set_private_traffic(&row.id, true).await {
+            Ok(true) => Ok(SandboxRow {
+                private_traffic: true,
+                ..row
+            }),
+            outcome => {
+                let why = match outcome {
+                    Err(e) => e.to_string(),
+                    _ => "it ended meanwhile".to_string(),
+                };
+                let _ = self
+                    .store
+                    .finish_sandbox(
+                        &row.id,
+                        SandboxStatus::Failed,
+                        &format!("failed: making its ports private: {why}"),
+                        OffsetDateTime::now_utc(),
+                        0,
+                    )
+                    .await;
+                Err(CoreError::internal(format!(
+                    "sandbox {}: making its ports private: {why}",
+                    row.id
+                )))
+            }
         }
     }
 

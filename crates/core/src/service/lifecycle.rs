@@ -532,6 +532,11 @@ pub(super) fn to_sandbox(r: &SandboxRow) -> Sandbox {
             .network
             .as_deref()
             .and_then(|n| serde_json::from_str(n).ok()),
+        traffic_token: r
+            .access_token
+            .as_deref()
+            .map(crate::private_preview::traffic_token),
+        private_traffic: r.private_traffic,
     }
 }
 
@@ -802,6 +807,7 @@ mod tests {
             every_port_public: false,
             internet_access: None,
             network: None,
+            private_traffic: false,
             template_id: None,
             workdir: None,
         }

@@ -12,13 +12,14 @@ use crate::api::Caller;
 use crate::api::Ports;
 use crate::error::{CoreError, Result};
 use crate::model::*;
-use crate::preview::{preview_url, PreviewConn, PreviewError, PreviewGate};
+use crate::preview::{preview_url, Admitted, PreviewConn, PreviewError, PreviewGate};
+use crate::private_preview::{self, PreviewAccess};
 use crate::service::checks::check_port;
 use crate::service::Service;
 use sandpit_host::ids::rfc3339;
 use sandpit_protocol::ErrorKind;
 use sandpit_runtime::RuntimeError;
-use sandpit_store::StoreError;
+use sandpit_store::{SandboxRow, StoreError};
 use std::time::Duration;
 use time::OffsetDateTime;
 
@@ -53,13 +54,13 @@ impl PreviewGate for Service {
     /// Can `port` of sandbox `id` be served through its preview URL now?
     /// Anyone with the URL may ask: no account is involved.
     /// Returns the node that holds the sandbox.
-    async fn check_preview(&self, id: &str, port: u16) -> Result<String, PreviewError> {
+    async fn check_preview(&self, id: &str, port: u16) -> Result<Admitted, PreviewError> {
         // A visitor uses the sandbox as much as its owner does (and waits
         // for a pause for idleness under way, then resumes it).
         self.activity.touch(id);
         self.activity.unclaimed(id).await;
-        if let Some(host) = self.previews.recently_checked(id, port) {
-            return Ok(host);
+        if let Some(admitted) = self.previews.recently_checked(id, port) {
+            return Ok(admitted);
         }
         let epoch = self.previews.check_epoch();
         let unavailable = |e: StoreError| PreviewError::Unavailable {
@@ -106,21 +107,38 @@ impl PreviewGate for Service {
             });
         }
         let exposed = match row.every_port_public {
-            true => true,
+            true => Some(false),
             false => {
                 let ports = self.store.list_ports(id).await.map_err(unavailable)?;
-                ports.iter().any(|p| p.port == port)
+                ports.iter().find(|p| p.port == port).map(|p| p.private)
             }
         };
-        if !exposed {
+        let Some(private_port) = exposed else {
             return Err(PreviewError::PortClosed {
                 id: id.to_string(),
                 port,
             });
-        }
+        };
+        let access = match (private_port || row.private_traffic, &row.access_token) {
+            (false, _) => PreviewAccess::Public,
+            (true, Some(secret)) => PreviewAccess::Private {
+                token: private_preview::traffic_token(secret),
+                // E2B answers 403 for a sandbox made private whole.
+                refusal: if row.private_traffic { 403 } else { 401 },
+            },
+            // Private, and no token to prove: nobody gets through.
+            (true, None) => PreviewAccess::Private {
+                token: hex::encode(rand::random::<[u8; 32]>()),
+                refusal: 401,
+            },
+        };
+        let admitted = Admitted {
+            host: row.host.clone(),
+            access,
+        };
         self.previews
-            .remember_check(id, port, row.expires_at, &row.host, epoch);
-        Ok(row.host)
+            .remember_check(id, port, row.expires_at, &admitted, epoch);
+        Ok(admitted)
     }
 
     /// Take one request of the allowance of sandbox `id`'s preview URLs
@@ -134,7 +152,7 @@ impl PreviewGate for Service {
     /// the sandbox's preview traffic, and cut when the port is closed or the
     /// sandbox ends.
     async fn open_preview(&self, id: &str, port: u16) -> Result<PreviewConn, PreviewError> {
-        let host = self.check_preview(id, port).await?;
+        let host = self.check_preview(id, port).await?.host;
         let slot = self.previews.admit_connection(id).await?;
         let (sid, p) = (id.to_string(), port);
         let gate = self.previews.connect_gate(id, port);
@@ -182,22 +200,31 @@ impl PreviewGate for Service {
 
 #[async_trait::async_trait]
 impl Ports for Service {
-    /// The API's `expose_port`.
-    async fn expose_port(&self, caller: &Caller, id: &str, port: u16) -> Result<Port> {
+    /// The API's `expose_port`. A change of privacy cuts the port's open
+    /// preview connections: the next ones are checked as it is now.
+    async fn expose_port(
+        &self,
+        caller: &Caller,
+        id: &str,
+        port: u16,
+        private: bool,
+    ) -> Result<Port> {
         check_port(port)?;
         let (row, _busy) = self.running(caller, id).await?;
+        if private && row.access_token.is_none() {
+            return Err(CoreError::invalid(format!(
+                "sandbox {id} was made before private ports: it has no traffic token"
+            )));
+        }
         let url = preview_url(
             &self.config.preview_scheme,
             &self.config.preview_domain,
             port,
             &row.id,
         );
-        let p = self.store.upsert_port(&row.id, port, &url).await?;
-        Ok(Port {
-            port: p.port,
-            url: p.url,
-            created_at: rfc3339(p.created_at),
-        })
+        let p = self.store.upsert_port(&row.id, port, &url, private).await?;
+        self.previews.close(&row.id, Some(port));
+        Ok(port_of(&row, p))
     }
 
     /// The API's `list_ports`.
@@ -208,15 +235,42 @@ impl Ports for Service {
             ports
                 .into_iter()
                 .filter(|p| p.closed_at.is_none())
-                .map(|p| Port {
-                    port: p.port,
-                    url: p.url,
-                    created_at: rfc3339(p.created_at),
-                })
+                .map(|p| port_of(&row, p))
                 .collect(),
             false,
             None,
         ))
+    }
+
+    /// The API's `sign_preview_url`.
+    async fn sign_preview_url(
+        &self,
+        caller: &Caller,
+        id: &str,
+        port: u16,
+        expires_in_seconds: Option<u64>,
+    ) -> Result<SignedUrl> {
+        let seconds = expires_in_seconds.unwrap_or(private_preview::DEFAULT_SIGNED_SECONDS);
+        if !(1..=private_preview::MAX_SIGNED_SECONDS).contains(&seconds) {
+            return Err(CoreError::invalid(format!(
+                "expires_in_seconds must be 1..{}; it was {seconds}",
+                private_preview::MAX_SIGNED_SECONDS
+            )));
+        }
+        let row = self.owned(caller, id).await?;
+        let exposed = self.store.list_ports(&row.id).await?;
+        let private = exposed.iter().any(|p| p.port == port && p.private) || row.private_traffic;
+        if !row.is_live() || !private {
+            return Err(CoreError::not_found("private port", &port.to_string()));
+        }
+        let url = preview_url(
+            &self.config.preview_scheme,
+            &self.config.preview_domain,
+            port,
+            &row.id,
+        );
+        signed(&row, &url, port, seconds)
+            .ok_or_else(|| CoreError::not_found("private port", &port.to_string()))
     }
 
     /// The API's `close_port`.
@@ -229,4 +283,32 @@ impl Ports for Service {
             Err(CoreError::not_found("exposed port", &port.to_string()))
         }
     }
+}
+
+/// Port row `p` of sandbox `row` as the API shows it: a private one with a
+/// URL signed for an hour.
+fn port_of(row: &SandboxRow, p: sandpit_store::PortRow) -> Port {
+    let signed = p
+        .private
+        .then(|| signed(row, &p.url, p.port, private_preview::DEFAULT_SIGNED_SECONDS))
+        .flatten();
+    Port {
+        port: p.port,
+        created_at: rfc3339(p.created_at),
+        private: p.private,
+        signed_url: signed.as_ref().map(|s| s.url.clone()),
+        signed_url_expires_at: signed.map(|s| s.expires_at),
+        url: p.url,
+    }
+}
+
+/// `url` (port `port` of sandbox `row`) signed for `seconds` from now.
+fn signed(row: &SandboxRow, url: &str, port: u16, seconds: u64) -> Option<SignedUrl> {
+    let token = private_preview::traffic_token(row.access_token.as_deref()?);
+    let expires = OffsetDateTime::now_utc() + time::Duration::seconds(seconds as i64);
+    let expires_unix = expires.unix_timestamp() as u64;
+    Some(SignedUrl {
+        url: private_preview::signed_url(url, &token, &row.id, port, expires_unix),
+        expires_at: rfc3339(expires.replace_nanosecond(0).unwrap_or(expires)),
+    })
 }

@@ -404,6 +404,8 @@ impl Snapshots for Service {
                 .network
                 .as_deref()
                 .and_then(|n| serde_json::from_str(n).ok()),
+            // A copy of a sandbox whose every port is private is so too.
+            private_traffic: row.private_traffic,
             // From the snapshot: its origin's template and directory.
             template: None,
             layer: None,

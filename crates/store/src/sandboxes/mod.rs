@@ -62,6 +62,9 @@ pub struct SandboxRow {
     pub internet_access: Option<bool>,
     /// See [`NewSandbox::network`].
     pub network: Option<String>,
+    /// Every port of it needs the traffic token (see migration 0019; set
+    /// after the create by [`Store::set_private_traffic`]).
+    pub private_traffic: bool,
     /// See [`NewSandbox::template_id`].
     pub template_id: Option<String>,
     /// See [`NewSandbox::workdir`].
@@ -250,6 +253,7 @@ pub(crate) fn sandbox_from(row: &AnyRow) -> Result<SandboxRow> {
         every_port_public: get_i64(row, "every_port_public")? != 0,
         internet_access: get_opt_i64(row, "internet_access")?.map(|v| v != 0),
         network: get_opt_str(row, "network")?,
+        private_traffic: get_i64(row, "private_traffic")? != 0,
         template_id: get_opt_str(row, "template_id")?,
         workdir: get_opt_str(row, "workdir")?,
     })
@@ -810,6 +814,20 @@ impl Store {
         .bind(id)
         .bind(internet_access.map(i64::from))
         .bind(network)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() > 0)
+    }
+
+    /// Makes every port of live sandbox `id` private (or not): see
+    /// migration 0019. `false` when no live sandbox has that id.
+    pub async fn set_private_traffic(&self, id: &str, private: bool) -> Result<bool> {
+        let done = sqlx::query(concat!(
+            "UPDATE sandboxes SET private_traffic = $2 WHERE id = $1 AND status IN ",
+            live_statuses!()
+        ))
+        .bind(id)
+        .bind(i64::from(private))
         .execute(&self.pool)
         .await?;
         Ok(done.rows_affected() > 0)
