@@ -71,7 +71,9 @@ Give a server running inside a sandbox a public URL to share. The server only ha
 on the port (localhost is enough); start it in the background with `&` first, since \
 run_command waits for commands to finish. Asking again for the same port returns the same URL. \
 The URL answers 502 (\"not listening yet\") until the server listens, and stops working when \
-the sandbox is destroyed or expires. HTTP, streaming responses and WebSockets pass through.";
+the sandbox is destroyed or expires. HTTP, streaming responses and WebSockets pass through. \
+private=true serves it only to requests with the sandbox's traffic_token (header \
+x-sandpit-traffic-token) or the returned signed_url (good for an hour); others get 401.";
 
 pub(crate) const D_GET: &str = "Get a sandbox's status, size, resources and expiry (expires_at).";
 

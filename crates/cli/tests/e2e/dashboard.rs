@@ -388,6 +388,25 @@ async fn a_person_uses_the_dashboard_in_a_real_browser() {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
 
+    // The port made private: the page's link is signed and serves in the
+    // browser; the bare URL answers 401 to a client without the token.
+    b.goto(&format!("{url}/sandboxes/{id}")).await;
+    b.fill("Port", "8000").await;
+    b.execute("document.querySelector('#private').click()", vec![])
+        .await;
+    click_and_load(&b, "Expose port").await;
+    b.wait_for_text("this link works for an hour", PATIENCE)
+        .await;
+    let signed = b
+        .execute("return document.querySelector('#ports li a').href", vec![])
+        .await;
+    let signed = signed.as_str().expect("a signed link").to_string();
+    assert!(signed.contains("sandpit_signature="), "{signed}");
+    b.goto(&signed).await;
+    b.wait_for_text("upload.bin", PATIENCE).await;
+    let bare = reqwest::get(&link).await.unwrap();
+    assert_eq!(bare.status(), 401, "a private port served a stranger");
+
     // Its network: a denied address typed in the form, in effect at once
     // (the connect never leaves the VM), the usual network back after.
     b.goto(&format!("{url}/sandboxes/{id}")).await;
