@@ -14,12 +14,15 @@
 //! - [`save`]: saving a running VM and starting VMs from saves: templates,
 //!   saved VMs, their RAM and the disk layers they freeze (shared by VMs
 //!   and saves, collected when nothing names them).
+//! - [`egress`]: a sandbox's egress by host name: name rules, and the first
+//!   look at a connection (TLS server name, HTTP `Host`).
 //! - [`channel`]: the agent channel, with the port tunnels and terminals
 //!   carried over it.
 //! - [`host`]: what this host has (memory, CPU, KVM, KSM), read once here.
 
 pub mod channel;
 pub mod config;
+pub mod egress;
 mod error;
 pub mod host;
 pub mod image;
