@@ -437,36 +437,6 @@ pub(crate) async fn sandbox(
         @if live(&s) {
             div class="actions" { (sandbox_actions(&s, csrf)) }
         }
-        @if live(&s) {
-            section class="card" id="network" aria-labelledby="network-h" {
-                h2 id="network-h" { "Network" }
-                @let lists = s.network.clone().unwrap_or_default();
-                @if s.internet_access == Some(false) {
-                    p { "No internet: nothing beyond the sandbox itself." }
-                } @else if lists.allow_out.is_empty() && lists.deny_out.is_empty() {
-                    p class="muted" { "The service's usual network: no lists of its own." }
-                }
-                p class="muted" {
-                    "IPv4 addresses and prefixes, apart by commas or spaces. An allowed "
-                    "destination is reached even inside a denied prefix (deny 0.0.0.0/0 "
-                    "to reach the allowed ones only); a denied connect is refused at once."
-                }
-                form class="row" method="post" action=(act("network")) {
-                    input type="hidden" name="csrf" value=(csrf);
-                    div class="grow" {
-                        label for="allow-out" { "Allowed" }
-                        input id="allow-out" name="allow_out" type="text" spellcheck="false"
-                            value=(lists.allow_out.join(", ")) placeholder="203.0.113.7";
-                    }
-                    div class="grow" {
-                        label for="deny-out" { "Denied" }
-                        input id="deny-out" name="deny_out" type="text" spellcheck="false"
-                            value=(lists.deny_out.join(", ")) placeholder="0.0.0.0/0";
-                    }
-                    div { button type="submit" { "Save network" } }
-                }
-            }
-        }
         @if running {
             section class="card" id="ports" aria-labelledby="ports-h" {
                 h2 id="ports-h" { "Preview ports" }
@@ -516,6 +486,36 @@ pub(crate) async fn sandbox(
                             placeholder="uname -a";
                     }
                     div { button type="submit" { "Run" } }
+                }
+            }
+        }
+        @if live(&s) {
+            section class="card" id="network" aria-labelledby="network-h" {
+                h2 id="network-h" { "Network" }
+                @let lists = s.network.clone().unwrap_or_default();
+                @if s.internet_access == Some(false) {
+                    p { "No internet: nothing beyond the sandbox itself." }
+                } @else if lists.allow_out.is_empty() && lists.deny_out.is_empty() {
+                    p class="muted" { "The service's usual network: no lists of its own." }
+                }
+                p class="muted" {
+                    "IPv4 addresses and prefixes, apart by commas or spaces. An allowed "
+                    "destination is reached even inside a denied prefix (deny 0.0.0.0/0 "
+                    "to reach the allowed ones only); a denied connect is refused at once."
+                }
+                form class="row" method="post" action=(act("network")) {
+                    input type="hidden" name="csrf" value=(csrf);
+                    div class="grow" {
+                        label for="allow-out" { "Allowed" }
+                        input id="allow-out" name="allow_out" type="text" spellcheck="false"
+                            value=(lists.allow_out.join(", ")) placeholder="203.0.113.7";
+                    }
+                    div class="grow" {
+                        label for="deny-out" { "Denied" }
+                        input id="deny-out" name="deny_out" type="text" spellcheck="false"
+                            value=(lists.deny_out.join(", ")) placeholder="0.0.0.0/0";
+                    }
+                    div { button type="submit" { "Save network" } }
                 }
             }
         }

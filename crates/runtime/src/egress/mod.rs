@@ -16,3 +16,5 @@
 
 pub mod names;
 pub mod peek;
+pub mod proxy;
+pub mod rules;
