@@ -80,6 +80,8 @@ pub struct Plan {
     allow: Vec<Cidr>,
     /// The sandbox's own deny list when it has an allow list, after `allow`.
     then_deny: Vec<Cidr>,
+    /// TCP ports the host's egress proxy decides, let through after `deny`.
+    proxied_ports: Vec<u16>,
     /// The operator's HTTP proxy: address and TCP port.
     proxy: Option<(IpAddr, u16)>,
     mtu: u32,
@@ -147,6 +149,12 @@ impl Plan {
             deny,
             allow,
             then_deny,
+            proxied_ports: net
+                .proxied_ports
+                .iter()
+                .copied()
+                .filter(|p| *p != 0)
+                .collect(),
             proxy,
             mtu: net.mtu,
         })
@@ -205,6 +213,13 @@ pub fn ruleset(plan: &Plan) -> String {
     };
     for c in &plan.deny {
         reject(&mut s, c);
+    }
+    if !plan.proxied_ports.is_empty() {
+        let ports: Vec<String> = plan.proxied_ports.iter().map(u16::to_string).collect();
+        s.push_str(&format!(
+            "\t\ttcp dport {{ {} }} accept\n",
+            ports.join(", ")
+        ));
     }
     for c in &plan.allow {
         s.push_str(&format!("\t\t{} daddr {c} accept\n", family(&c.addr)));
@@ -340,6 +355,7 @@ mod tests {
             ],
             allow: vec![],
             then_deny: vec![],
+            proxied_ports: vec![],
             mtu: 1500,
             proxy: Some(ProxyConfig {
                 url: "http://10.1.2.3:3128".into(),
@@ -449,6 +465,7 @@ mod tests {
         NetworkConfig {
             allow: vec!["198.51.100.7".into(), "203.0.113.0/24".into()],
             then_deny: vec!["0.0.0.0/0".into()],
+            proxied_ports: vec![80, 443],
             ..net()
         }
     }
@@ -464,6 +481,11 @@ mod tests {
             at("ip daddr 203.0.113.0/24 accept") < at("ip daddr 0.0.0.0/0 meta l4proto tcp reject")
         );
         assert!(r.contains("ip daddr 0.0.0.0/0 reject with icmp type admin-prohibited\n"));
+        // The host's egress proxy's ports pass the sandbox's lists, never
+        // the operator's.
+        let proxied = at("tcp dport { 80, 443 } accept\n");
+        assert!(at("ip daddr 10.0.0.0/8 meta l4proto tcp reject") < proxied);
+        assert!(proxied < at("ip daddr 0.0.0.0/0 meta l4proto tcp reject"));
         let bad = NetworkConfig {
             allow: vec!["1.2.3.4/8; flush ruleset".into()],
             ..net()

@@ -571,15 +571,19 @@ try:
     assert curl_exit(resumed, INTERNET) == 0
     assert curl_exit(resumed, ELSEWHERE) == 7
     try:
-        resumed.update_network({"allow_out": ["example.com"], "deny_out": ["0.0.0.0/0"]})
-        raise AssertionError("a domain rule was accepted")
+        resumed.update_network({"allow_out": ["exa mple.com"], "deny_out": ["0.0.0.0/0"]})
+        raise AssertionError("a broken host name was accepted")
     except SandboxException as e:
-        assert "domain names are not supported yet" in str(e), e
+        assert "is not a host name" in str(e), e
     # Refused whole: the lists it had still hold.
     assert curl_exit(resumed, INTERNET) == 0
+    # A host name allows that name's HTTP(S) (ports 80 and 443) only: the
+    # test host's port 8080 by address is refused.
+    resumed.update_network({"allow_out": ["web.test"], "deny_out": ["0.0.0.0/0"]})
+    assert curl_exit(resumed, INTERNET) == 7
 finally:
     listed.kill()
-ok("network allow_out and deny_out: a denied host refused at once, an allowed one reached; update_network on a running and a paused sandbox; a domain rule refused by name")
+ok("network allow_out and deny_out: a denied host refused at once, an allowed one reached; update_network on a running and a paused sandbox; a broken host name refused saying why")
 
 # allow_public_traffic=False: every port wants the traffic token, in E2B's
 # header; without it, 403 (as E2B answers) and the guest sees nothing.

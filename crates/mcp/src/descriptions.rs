@@ -138,10 +138,11 @@ failed, older versions), newest first.";
 
 pub(crate) const D_UPDATE_NETWORK: &str = "\
 Replace what a sandbox may reach on the network: allow_out and deny_out, IPv4 addresses and \
-prefixes (e.g. allow_out [\"203.0.113.7\"] with deny_out [\"0.0.0.0/0\"] reaches that address \
-only; names still resolve). An allowed destination is reached even inside a denied prefix; \
-empty lists give back the service's usual network. In effect when this returns: a denied \
-connect is refused at once (curl exit 7). Domain names are not supported yet. Returns the \
+prefixes, or host names (example.com, *.example.com: HTTP and HTTPS on ports 80 and 443, by \
+the name the request itself carries). E.g. allow_out [\"pypi.org\", \"*.pythonhosted.org\"] \
+with deny_out [\"0.0.0.0/0\"] reaches those sites only (names still resolve). An allowed \
+destination is reached even inside a denied prefix; empty lists give back the service's usual \
+network. In effect when this returns: a denied connect is refused at once. Returns the \
 sandbox object with its network.";
 
 pub(crate) const D_DELETE_SNAPSHOT: &str = "\

@@ -317,6 +317,13 @@ pub struct NetworkConfig {
     /// `allow`. (Without an allow list it is part of `deny`.)
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub then_deny: Vec<String>,
+    /// TCP ports let through after `deny` and before the sandbox's own
+    /// lists: the host's egress proxy decides their connections by host
+    /// name (80 and 443 when the lists name hosts). Added within
+    /// generation 1; an older agent ignores it (and then applies no
+    /// sandbox list that would need it: see `allow`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub proxied_ports: Vec<u16>,
     /// Interface MTU.
     pub mtu: u32,
     /// The HTTP proxy every command is told to use. Added within generation

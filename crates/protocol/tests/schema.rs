@@ -39,6 +39,7 @@ fn samples() -> Vec<Message> {
                     deny: vec!["169.254.0.0/16".into()],
                     allow: vec![],
                     then_deny: vec![],
+                    proxied_ports: vec![],
                     mtu: 65520,
                     proxy: None,
                 }),
@@ -200,6 +201,7 @@ fn samples() -> Vec<Message> {
                     deny: vec!["10.0.0.0/8".into()],
                     allow: vec!["198.51.100.7/32".into()],
                     then_deny: vec!["0.0.0.0/0".into()],
+                    proxied_ports: vec![80, 443],
                     mtu: 65520,
                     proxy: Some(ProxyConfig {
                         url: "http://10.1.2.3:3128".into(),

@@ -248,7 +248,7 @@ fn check_python_sync(done: &[String]) {
         "pause, then connect resumes it",
         "kill; a killed sandbox is not found",
         "allow_internet_access=False: nothing leaves, at once; get_host works; still so after a pause and in a fork",
-        "network allow_out and deny_out: a denied host refused at once, an allowed one reached; update_network on a running and a paused sandbox; a domain rule refused by name",
+        "network allow_out and deny_out: a denied host refused at once, an allowed one reached; update_network on a running and a paused sandbox; a broken host name refused saying why",
         "network allow_public_traffic=False: 403 without the traffic access token, served with it",
         "a wrong or revoked key is refused",
         "an account without credit is refused with 402",

@@ -223,6 +223,88 @@ fn the_guest_reaches_the_internet_but_not_the_host() {
             .unwrap();
         assert!(connects_as(uid, INTERNET, 8080), "given back, but refused");
 
+        // Host names: the host's egress proxy decides HTTP and HTTPS (ports
+        // 80 and 443) by the name each connection carries (HTTP's Host,
+        // TLS's server name), not by the addresses a name had; every name
+        // here resolves to the same test host.
+        host.serve_http_on(80, &www);
+        let (_, site, key) = ca_and_site("names");
+        let tls_dir = data_dir();
+        let (cert_file, key_file) = (tls_dir.join("site.pem"), tls_dir.join("site.key"));
+        std::fs::write(&cert_file, &site).unwrap();
+        std::fs::write(&key_file, &key).unwrap();
+        host.serve_https(443, &cert_file, &key_file, "tls hello");
+        s.manager
+            .set_egress(
+                &s.vm.record.id,
+                &s.vm.agent,
+                lists(&["web.test"], &["0.0.0.0/0"]),
+            )
+            .await
+            .unwrap();
+        let body = sh(&s.vm, "curl -sS -m 20 http://web.test/hello.txt").await;
+        assert_eq!(body, "hello from the internet");
+        let body = sh(&s.vm, "curl -sS -m 20 -k https://web.test/").await;
+        assert_eq!(body, "tls hello");
+        // Refused at once (a reset: curl's 56 or 52 over HTTP, 35 over
+        // TLS), never a timeout (28): another name, the allowed host's
+        // address given directly, a forged Host under another server name,
+        // a CONNECT through an allowed name, and a port the proxy does not
+        // look at (8080, by the address lists alone).
+        let reset = [Some(52), Some(56), Some(35)];
+        for (what, command) in [
+            (
+                "another name",
+                "curl -sS -m 20 http://other.test/hello.txt".to_string(),
+            ),
+            (
+                "another name over TLS",
+                "curl -sS -m 20 -k https://other.test/".into(),
+            ),
+            (
+                "an address",
+                format!("curl -sS -m 20 http://{INTERNET}/hello.txt"),
+            ),
+            (
+                "an address over TLS",
+                format!("curl -sS -m 20 -k https://{INTERNET}/"),
+            ),
+            (
+                "a forged Host",
+                "curl -sS -m 20 -k -H 'Host: web.test' https://other.test/".into(),
+            ),
+            (
+                "a CONNECT through an allowed name",
+                "curl -sS -m 20 -k -p -x http://web.test:80 https://other.test/".into(),
+            ),
+        ] {
+            let got = code(command).await;
+            assert!(reset.contains(&got), "{what}: curl exited {got:?}");
+        }
+        assert_eq!(
+            code(format!("curl -sS -m 20 http://{INTERNET}:8080/hello.txt")).await,
+            Some(7)
+        );
+        let refused = s.manager.egress_refused(&s.vm.record.id);
+        assert!(refused >= 6, "the proxy counted {refused} refusals");
+        // A denied name: that name refused, others through.
+        s.manager
+            .set_egress(&s.vm.record.id, &s.vm.agent, lists(&[], &["web.test"]))
+            .await
+            .unwrap();
+        assert!(reset.contains(&code("curl -sS -m 20 http://web.test/hello.txt".into()).await));
+        let body = sh(&s.vm, "curl -sS -m 20 http://other.test/hello.txt").await;
+        assert_eq!(body, "hello from the internet");
+        s.manager
+            .set_egress(&s.vm.record.id, &s.vm.agent, Egress::open())
+            .await
+            .unwrap();
+        assert_eq!(
+            s.manager.egress_refused(&s.vm.record.id),
+            0,
+            "no proxy left"
+        );
+
         // Not the host: every address of it, the gateway, link-local metadata.
         let mut targets = vec![
             format!("http://10.0.2.2:{port}/"),

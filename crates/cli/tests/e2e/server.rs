@@ -62,11 +62,11 @@ fn the_agent_flow_over_rest() {
         assert_eq!((st, ex["exit_code"].as_i64()), (200, Some(7)), "{ex}");
         let network = format!("/sandboxes/{id}/network");
         let (st, err) = api
-            .call(reqwest::Method::PUT, &network, Some(json!({"allow_out": ["example.com"]})))
+            .call(reqwest::Method::PUT, &network, Some(json!({"allow_out": ["exa mple.com"]})))
             .await;
         assert_eq!(st, 400, "{err}");
         let message = err["error"]["message"].as_str().unwrap_or_default();
-        assert!(message.contains("domain names are not supported yet"), "{err}");
+        assert!(message.contains("is not a host name"), "{err}");
         let (st, err) = api
             .call(reqwest::Method::PUT, "/sandboxes/sbx_nosuch/network", Some(json!({})))
             .await;

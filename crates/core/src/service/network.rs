@@ -58,8 +58,8 @@ pub(crate) fn stored_lists(lists: Option<&NetworkLists>) -> Result<Option<String
     }
     Egress::checked(lists.allow_out.clone(), lists.deny_out.clone()).map_err(|e| {
         CoreError::invalid(format!(
-            "network: {e} (an entry is an IPv4 address or prefix; domain names are not \
-             supported yet)"
+            "network: {e} (an entry is an IPv4 address or prefix, or a host name such as \
+             example.com or *.example.com)"
         ))
     })?;
     Ok(Some(serde_json::to_string(lists).expect("json")))
@@ -143,11 +143,18 @@ mod tests {
             lists_of(&stored).unwrap(),
             Egress::checked(vec!["198.51.100.7".into()], vec!["0.0.0.0/0".into()]).unwrap()
         );
-        let named = stored_lists(Some(&lists(&["example.com"], &[]))).unwrap_err();
+        assert!(stored_lists(Some(&lists(&["example.com", "*.pypi.org"], &["0.0.0.0/0"]))).is_ok());
+        let bad = stored_lists(Some(&lists(&["exa mple.com"], &[]))).unwrap_err();
         assert!(
-            named.message.contains("domain names are not supported yet"),
+            bad.message.contains("is not a host name"),
             "{}",
-            named.message
+            bad.message
+        );
+        let bad = stored_lists(Some(&lists(&["10.0.0.1/8"], &[]))).unwrap_err();
+        assert!(
+            bad.message.contains("bits set past its prefix"),
+            "{}",
+            bad.message
         );
         let many: Vec<String> = (0..=256)
             .map(|i| format!("10.0.{}.{}", i / 256, i % 256))

@@ -224,6 +224,9 @@ impl LocalVms {
     /// admission), and those that keep the pool full and its leases
     /// renewed (when there is a pool).
     pub fn start_tasks(self: &Arc<Self>) {
+        // VMs that outlived the last process: their egress proxies anew.
+        let vms = self.clone();
+        tokio::spawn(async move { vms.manager.restart_egress_proxies().await });
         self.every(crate::capacity::SAMPLE_EVERY, |vms| async move {
             let _ = tokio::task::spawn_blocking(move || {
                 let pids: Vec<u32> = vms

@@ -1,18 +1,20 @@
 //! One VM's egress proxy: a listener on the host's loopback to which the
 //! host redirects that VM's connections to ports 80 and 443 when its lists
-//! name hosts. Each connection is looked at ([`super::peek`]), decided
-//! ([`super::rules`]), then either refused with a reset, counted and
-//! logged with the rule that refused it, or connected to the address the
-//! guest dialled (never to another: the name only decides) and spliced.
-//!
-//! The redirect itself (an nftables `redirect` for the VM's uid, and the
-//! guard's rejects matching the original destination) is issue 45's next
-//! step; this part is exercised on the loopback by its tests.
+//! name hosts (see `vm::guard`). Each connection is looked at
+//! ([`super::peek`]), decided ([`super::rules`]), then either refused with
+//! a reset, counted and logged with the rule that refused it, or connected
+//! and spliced: to the address the guest dialled, or, when its name let it
+//! through, to that name's addresses as [`Upstream::resolve`] finds them.
+//! An address the operator denies or one of the host's own is never
+//! connected to ([`Upstream::forbidden`]): a name an allowed rule matches
+//! may well resolve to one.
 
 use super::peek::{peek, Peeked, MAX_PEEK};
 use super::rules::{Decision, Rules};
+use std::future::Future;
 use std::io;
-use std::net::{SocketAddr, SocketAddrV4};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -29,6 +31,19 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 /// Where a redirected connection was going.
 pub type OriginalOf = fn(&TcpStream) -> io::Result<SocketAddrV4>;
 
+/// A name's IPv4 addresses, looked up.
+pub type Resolve = Arc<
+    dyn Fn(String) -> Pin<Box<dyn Future<Output = io::Result<Vec<Ipv4Addr>>> + Send>> + Send + Sync,
+>;
+
+/// What the proxy connects with: how names resolve (as the guests' own
+/// name servers answer them), and which addresses it must never reach.
+#[derive(Clone)]
+pub struct Upstream {
+    pub resolve: Resolve,
+    pub forbidden: Arc<dyn Fn(Ipv4Addr) -> bool + Send + Sync>,
+}
+
 /// A running egress proxy; stops when dropped.
 pub struct EgressProxy {
     addr: SocketAddr,
@@ -40,13 +55,14 @@ pub struct EgressProxy {
 impl EgressProxy {
     /// A proxy for sandbox `sandbox` with `rules`, on a free loopback port,
     /// for connections the host redirected to it.
-    pub async fn start(sandbox: &str, rules: Rules) -> io::Result<EgressProxy> {
+    pub async fn start(sandbox: &str, rules: Rules, upstream: Upstream) -> io::Result<EgressProxy> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         Ok(EgressProxy::serve(
             listener,
             sandbox,
             rules,
             original_destination,
+            upstream,
         ))
     }
 
@@ -57,6 +73,7 @@ impl EgressProxy {
         sandbox: &str,
         rules: Rules,
         original_of: OriginalOf,
+        upstream: Upstream,
     ) -> EgressProxy {
         let addr = listener
             .local_addr()
@@ -69,9 +86,9 @@ impl EgressProxy {
                 let Ok((stream, _)) = listener.accept().await else {
                     continue;
                 };
-                let (r, n, sandbox) = (r.clone(), n.clone(), sandbox.clone());
+                let (r, n, sandbox, up) = (r.clone(), n.clone(), sandbox.clone(), upstream.clone());
                 tokio::spawn(async move {
-                    if let Err(e) = handle(stream, &r, &n, &sandbox, original_of).await {
+                    if let Err(e) = handle(stream, &r, &n, &sandbox, original_of, &up).await {
                         tracing::debug!(%sandbox, "egress connection: {e}");
                     }
                 });
@@ -113,6 +130,7 @@ async fn handle(
     refused: &AtomicU64,
     sandbox: &str,
     original_of: OriginalOf,
+    upstream: &Upstream,
 ) -> io::Result<()> {
     let to = original_of(&guest)?;
     let mut first = Vec::with_capacity(4096);
@@ -134,22 +152,52 @@ async fn handle(
     .await
     .unwrap_or(Ok(Peeked::Unnamed))?;
     let decision = rules.read().unwrap().decide(*to.ip(), &peeked);
-    match decision {
-        Decision::Refuse { rule } => {
-            refused.fetch_add(1, Ordering::Relaxed);
-            tracing::info!(%sandbox, %to, host = ?named(&peeked), %rule, "egress refused");
-            // A reset, so the guest's connect fails at once.
-            guest.set_zero_linger()?;
-            Ok(())
-        }
-        Decision::Allow => {
-            let mut upstream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(to))
-                .await
-                .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "connecting timed out"))??;
-            upstream.write_all(&first).await?;
-            tokio::io::copy_bidirectional(&mut guest, &mut upstream).await?;
-            Ok(())
-        }
+    let refuse = |rule: &str| {
+        refused.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(%sandbox, %to, host = ?named(&peeked), %rule, "egress refused");
+        // A reset, so the guest's client fails at once.
+        guest.set_zero_linger()
+    };
+    let target = match decision {
+        Decision::Refuse { rule } => return refuse(&rule),
+        Decision::Allow => to,
+        Decision::AllowName(name) => match name_target(&name, to, upstream).await {
+            Ok(t) => t,
+            Err(rule) => return refuse(&rule),
+        },
+    };
+    if (upstream.forbidden)(*target.ip()) {
+        return refuse(&format!(
+            "{} (the host's own, or denied by the operator)",
+            target.ip()
+        ));
+    }
+    let mut up = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(target))
+        .await
+        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "connecting timed out"))??;
+    up.write_all(&first).await?;
+    tokio::io::copy_bidirectional(&mut guest, &mut up).await?;
+    Ok(())
+}
+
+/// Where a connection let through for `name` goes: the address the guest
+/// dialled when it is one of the name's, else the name's first one that
+/// may be reached; `Err` (the rule to log) when there is none.
+async fn name_target(
+    name: &str,
+    to: SocketAddrV4,
+    upstream: &Upstream,
+) -> Result<SocketAddrV4, String> {
+    let addresses = (upstream.resolve)(name.to_string())
+        .await
+        .map_err(|e| format!("{name} (it does not resolve: {e})"))?;
+    let usable: Vec<Ipv4Addr> = addresses
+        .into_iter()
+        .filter(|a| !(upstream.forbidden)(*a))
+        .collect();
+    match usable.iter().find(|a| *a == to.ip()).or(usable.first()) {
+        Some(a) => Ok(SocketAddrV4::new(*a, to.port())),
+        None => Err(format!("{name} (none of its addresses may be reached)")),
     }
 }
 
@@ -192,47 +240,71 @@ mod tests {
     use super::*;
     use std::sync::OnceLock;
 
-    /// The test's upstream: answers `upstream saw: <first line>`.
-    static UPSTREAM: OnceLock<SocketAddrV4> = OnceLock::new();
+    /// The test's upstream, on 127.0.0.1 and 127.0.0.3 at one port: it
+    /// answers `<address it was reached at> saw: <first line>`.
+    static UPSTREAM: OnceLock<u16> = OnceLock::new();
 
-    fn to_upstream(_: &TcpStream) -> io::Result<SocketAddrV4> {
-        Ok(*UPSTREAM.get().expect("the upstream runs"))
+    /// The guest dialled 127.0.0.1 (at the upstream's port).
+    fn dialled(_: &TcpStream) -> io::Result<SocketAddrV4> {
+        let port = *UPSTREAM.get().expect("the upstream runs");
+        Ok(SocketAddrV4::new(Ipv4Addr::LOCALHOST, port))
     }
 
-    async fn upstream() -> SocketAddrV4 {
-        if let Some(a) = UPSTREAM.get() {
-            return *a;
-        }
-        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let SocketAddr::V4(a) = l.local_addr().unwrap() else {
-            unreachable!()
-        };
-        std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async move {
-                loop {
-                    let (mut s, _) = l.accept().await.unwrap();
-                    tokio::spawn(async move {
+    fn upstream_port() -> u16 {
+        *UPSTREAM.get_or_init(|| {
+            let first = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let port = first.local_addr().unwrap().port();
+            let second = std::net::TcpListener::bind(("127.0.0.3", port)).unwrap();
+            for l in [first, second] {
+                std::thread::spawn(move || {
+                    for mut s in l.incoming().flatten() {
+                        use std::io::{Read, Write};
                         let mut buf = vec![0u8; 65536];
-                        let n = s.read(&mut buf).await.unwrap_or(0);
-                        let line = String::from_utf8_lossy(&buf[..n]);
-                        let first = line.lines().next().unwrap_or("").to_string();
-                        let _ = s
-                            .write_all(format!("upstream saw: {first}").as_bytes())
-                            .await;
-                    });
-                }
-            });
-        });
-        *UPSTREAM.get_or_init(|| a)
+                        let n = s.read(&mut buf).unwrap_or(0);
+                        let text = String::from_utf8_lossy(&buf[..n]);
+                        let line = text.lines().next().unwrap_or("").to_string();
+                        let at = s.local_addr().unwrap().ip();
+                        let _ = s.write_all(format!("{at} saw: {line}").as_bytes());
+                    }
+                });
+            }
+            port
+        })
+    }
+
+    /// Names resolve to 127.0.0.3, but `metadata.site.example` to the
+    /// link-local metadata address and `nowhere.site.example` to nothing;
+    /// 169.254.0.0/16 is forbidden.
+    fn upstream() -> Upstream {
+        upstream_port();
+        Upstream {
+            resolve: Arc::new(|name: String| {
+                Box::pin(async move {
+                    match name.as_str() {
+                        "nowhere.site.example" => Err(io::Error::other("NXDOMAIN")),
+                        "metadata.site.example" => Ok(vec![Ipv4Addr::new(169, 254, 169, 254)]),
+                        _ => Ok(vec![Ipv4Addr::new(127, 0, 0, 3)]),
+                    }
+                })
+            }),
+            forbidden: Arc::new(|a: Ipv4Addr| a.octets()[..2] == [169, 254]),
+        }
     }
 
     fn rules(allow: &[&str], deny: &[&str]) -> Rules {
         let v = |l: &[&str]| l.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         Rules::new(&v(allow), &v(deny)).unwrap()
+    }
+
+    async fn proxy(allow: &[&str], deny: &[&str]) -> EgressProxy {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        EgressProxy::serve(
+            listener,
+            "sbx_test",
+            rules(allow, deny),
+            dialled,
+            upstream(),
+        )
     }
 
     async fn ask(proxy: &EgressProxy, request: &str) -> io::Result<String> {
@@ -243,58 +315,44 @@ mod tests {
         Ok(answer)
     }
 
+    fn get(host: &str) -> String {
+        format!("GET /{host} HTTP/1.1\r\nHost: {host}\r\n\r\n")
+    }
+
+    fn reset(answer: io::Result<String>) -> bool {
+        matches!(answer, Err(e) if e.kind() == io::ErrorKind::ConnectionReset)
+    }
+
     #[tokio::test]
-    async fn an_allowed_host_is_reached_and_another_is_reset_and_counted() {
-        upstream().await;
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let proxy = EgressProxy::serve(
-            listener,
-            "sbx_test",
-            rules(&["web.example"], &["0.0.0.0/0"]),
-            to_upstream,
-        );
-        let answer = ask(&proxy, "GET /a HTTP/1.1\r\nHost: web.example\r\n\r\n")
-            .await
-            .unwrap();
-        assert_eq!(answer, "upstream saw: GET /a HTTP/1.1");
-        let refused = ask(&proxy, "GET /b HTTP/1.1\r\nHost: other.example\r\n\r\n").await;
-        match refused {
-            Err(e) => assert_eq!(e.kind(), io::ErrorKind::ConnectionReset, "{e}"),
-            Ok(a) => panic!("a refused host was answered: {a:?}"),
-        }
-        assert_eq!(proxy.refused(), 1);
+    async fn an_allowed_name_reaches_its_own_address_and_another_is_reset_and_counted() {
+        let p = proxy(&["web.example"], &["0.0.0.0/0"]).await;
+        // To the name's address (127.0.0.3), not to the one dialled.
+        let answer = ask(&p, &get("web.example")).await.unwrap();
+        assert_eq!(answer, "127.0.0.3 saw: GET /web.example HTTP/1.1");
+        assert!(reset(ask(&p, &get("other.example")).await));
+        assert_eq!(p.refused(), 1);
         // New rules hold for the next connection.
-        proxy.set_rules(rules(&["other.example"], &["0.0.0.0/0"]));
-        let answer = ask(&proxy, "GET /c HTTP/1.1\r\nHost: other.example\r\n\r\n")
-            .await
-            .unwrap();
-        assert_eq!(answer, "upstream saw: GET /c HTTP/1.1");
+        p.set_rules(rules(&["other.example"], &["0.0.0.0/0"]));
+        let answer = ask(&p, &get("other.example")).await.unwrap();
+        assert_eq!(answer, "127.0.0.3 saw: GET /other.example HTTP/1.1");
+    }
+
+    #[tokio::test]
+    async fn an_allowed_name_that_resolves_nowhere_or_somewhere_forbidden_is_reset() {
+        let p = proxy(&["*.site.example"], &["0.0.0.0/0"]).await;
+        assert!(reset(ask(&p, &get("nowhere.site.example")).await));
+        assert!(reset(ask(&p, &get("metadata.site.example")).await));
+        assert_eq!(p.refused(), 2);
     }
 
     #[tokio::test]
     async fn a_connection_that_names_nothing_is_decided_by_its_address() {
-        upstream().await;
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let open = EgressProxy::serve(
-            listener,
-            "sbx_test",
-            rules(&["web.example"], &[]),
-            to_upstream,
-        );
-        let answer = ask(&open, "CONNECT web.example:443 HTTP/1.1\r\n\r\n")
-            .await
-            .unwrap();
-        assert_eq!(answer, "upstream saw: CONNECT web.example:443 HTTP/1.1");
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let closed = EgressProxy::serve(
-            listener,
-            "sbx_test",
-            rules(&["web.example"], &["127.0.0.0/8"]),
-            to_upstream,
-        );
-        assert!(ask(&closed, "CONNECT web.example:443 HTTP/1.1\r\n\r\n")
-            .await
-            .is_err());
+        let open = proxy(&["web.example"], &[]).await;
+        let connect = "CONNECT web.example:443 HTTP/1.1\r\n\r\n";
+        let answer = ask(&open, connect).await.unwrap();
+        assert_eq!(answer, "127.0.0.1 saw: CONNECT web.example:443 HTTP/1.1");
+        let closed = proxy(&["web.example"], &["127.0.0.0/8"]).await;
+        assert!(reset(ask(&closed, connect).await));
         assert_eq!(closed.refused(), 1);
     }
 }

@@ -5,7 +5,15 @@
 //! through whatever the deny list says; then a denied name or prefix
 //! refuses it; anything else goes through. The operator's deny list and
 //! the host's own addresses are not here: the host's guard refuses those
-//! before any of this (an allow never opens them).
+//! before any of this (an allow never opens them), and the proxy checks
+//! the addresses it connects to against them ([`Prefixes`]).
+//!
+//! A connection let through for its name goes to that name's addresses as
+//! the host resolves them, not to the address the guest dialled: the name
+//! is the guest's word, and a guest that named an allowed host while
+//! dialling another would otherwise reach the other. A denied name is the
+//! weaker rule: it stops a client that names the host; one that dials the
+//! host's address under another name is stopped only by address entries.
 
 use super::names::NameRule;
 use super::peek::Peeked;
@@ -53,6 +61,8 @@ pub struct Rules {
 pub enum Decision {
     /// Connected to the address the guest dialled.
     Allow,
+    /// Allowed for the name it carries: connected to that name's addresses.
+    AllowName(String),
     /// Refused at once (a reset), for this entry of the deny list.
     Refuse { rule: String },
 }
@@ -98,7 +108,7 @@ impl Rules {
         }
         if let Some(name) = named {
             if self.allow_names.iter().any(|r| r.matches(name)) {
-                return Decision::Allow;
+                return Decision::AllowName(name.to_ascii_lowercase());
             }
             if let Some(r) = self.deny_names.iter().find(|r| r.matches(name)) {
                 return Decision::Refuse {
@@ -115,8 +125,31 @@ impl Rules {
     }
 }
 
+/// A list of prefixes an address is checked against (the operator's deny
+/// list, for the addresses the proxy connects to).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Prefixes(Vec<Prefix>);
+
+impl Prefixes {
+    /// The IPv4 entries of `entries` (others, IPv6 ones included, are left
+    /// out: the proxy connects over IPv4 only).
+    pub fn new(entries: &[String]) -> Prefixes {
+        Prefixes(
+            entries
+                .iter()
+                .filter_map(|e| Prefix::parse(e.trim()))
+                .collect(),
+        )
+    }
+
+    /// Whether `a` is in one of them.
+    pub fn contains(&self, a: Ipv4Addr) -> bool {
+        self.0.iter().any(|p| p.contains(a))
+    }
+}
+
 /// Digits, dots, a slash: meant as an address, not a name.
-fn looks_like_an_address(entry: &str) -> bool {
+pub(crate) fn looks_like_an_address(entry: &str) -> bool {
     entry.contains('/') || entry.bytes().all(|b| b.is_ascii_digit() || b == b'.')
 }
 
@@ -139,11 +172,14 @@ mod tests {
     fn an_allowed_name_passes_a_deny_of_everything_and_nothing_else_does() {
         let r = rules(&["*.example.com", "pypi.org"], &["0.0.0.0/0"]);
         assert!(r.has_names());
-        assert_eq!(r.decide(WEB, &tls("api.example.com")), Decision::Allow);
+        assert_eq!(
+            r.decide(WEB, &tls("api.example.com")),
+            Decision::AllowName("api.example.com".into())
+        );
         let http = Peeked::Http {
             host: Some("PyPI.org".into()),
         };
-        assert_eq!(r.decide(WEB, &http), Decision::Allow);
+        assert_eq!(r.decide(WEB, &http), Decision::AllowName("pypi.org".into()));
         let refused = Decision::Refuse {
             rule: "0.0.0.0/0".into(),
         };
@@ -182,6 +218,10 @@ mod tests {
     fn entries_are_prefixes_or_names_and_nothing_in_between() {
         let v = |l: &[&str]| l.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         assert!(!rules(&["1.2.3.4"], &["0.0.0.0/0"]).has_names());
+        let never = Prefixes::new(&v(&["10.0.0.0/8", "169.254.169.254", "fd00::/8"]));
+        assert!(never.contains(Ipv4Addr::new(10, 9, 8, 7)));
+        assert!(never.contains(Ipv4Addr::new(169, 254, 169, 254)));
+        assert!(!never.contains(WEB));
         for bad in ["1.2.3.4/33", "1.2.3", "300.1.1.1", "exa mple.com"] {
             assert!(Rules::new(&v(&[bad]), &[]).is_err(), "{bad}");
         }

@@ -61,28 +61,63 @@ pub struct GuardPlan {
     pub then_allow: Vec<String>,
     /// …and its own refused after that.
     pub then_deny: Vec<String>,
+    /// The loopback port of the VM's egress proxy, when its lists name
+    /// hosts: its connections to TCP ports 80 and 443 go there instead
+    /// (those to what `deny` refuses or to the host's own addresses are
+    /// not redirected, and are refused as ever), and the proxy decides.
+    pub redirect: Option<u16>,
 }
+
+/// The ports whose connections the egress proxy looks at.
+pub const PROXIED_PORTS: [u16; 2] = [80, 443];
 
 /// The chain of the VM whose passt runs as `uid`.
 fn chain(uid: u32) -> String {
     format!("vm_{uid}")
 }
 
+/// Its chain on the NAT hook (the egress proxy's redirect).
+fn nat_chain(uid: u32) -> String {
+    format!("vmnat_{uid}")
+}
+
 /// The transaction that makes (or remakes) the guard of `uid`.
 pub fn script(uid: u32, plan: &GuardPlan) -> String {
     let c = chain(uid);
+    let n = nat_chain(uid);
     let family = |a: &IpAddr| if a.is_ipv4() { "ip" } else { "ip6" };
     let mut s = format!(
         "table inet {TABLE} {{\n\
          \tmap guests {{ type uid : verdict; }}\n\
+         \tmap nat_guests {{ type uid : verdict; }}\n\
          \tchain output {{ type filter hook output priority 0; policy accept; }}\n\
+         \tchain nat_output {{ type nat hook output priority -100; policy accept; }}\n\
          \tchain {c} {{ }}\n\
+         \tchain {n} {{ }}\n\
          }}\n\
          flush chain inet {TABLE} output\n\
          add rule inet {TABLE} output meta skuid vmap @guests\n\
-         flush chain inet {TABLE} {c}\n"
+         flush chain inet {TABLE} nat_output\n\
+         add rule inet {TABLE} nat_output meta skuid vmap @nat_guests\n\
+         flush chain inet {TABLE} {c}\n\
+         flush chain inet {TABLE} {n}\n"
     );
     let rule = |s: &mut String, r: &str| s.push_str(&format!("add rule inet {TABLE} {c} {r}\n"));
+    let nat_rule =
+        |s: &mut String, r: &str| s.push_str(&format!("add rule inet {TABLE} {n} {r}\n"));
+    let ports = PROXIED_PORTS.map(|p| p.to_string()).join(", ");
+    if let Some(port) = plan.redirect {
+        // What the guard refuses is not redirected: it is refused below.
+        for d in &plan.deny {
+            let f = if d.contains(':') { "ip6" } else { "ip" };
+            nat_rule(&mut s, &format!("{f} daddr {d} return"));
+        }
+        nat_rule(&mut s, "fib daddr type local return");
+        nat_rule(
+            &mut s,
+            &format!("meta nfproto ipv4 tcp dport {{ {ports} }} redirect to :{port}"),
+        );
+    }
     for d in &plan.dns {
         let f = family(d);
         rule(&mut s, &format!("{f} daddr {d} udp dport 53 accept"));
@@ -92,6 +127,13 @@ pub fn script(uid: u32, plan: &GuardPlan) -> String {
         rule(
             &mut s,
             &format!("{} daddr {a} tcp dport {port} accept", family(&a)),
+        );
+    }
+    if let Some(port) = plan.redirect {
+        // Only what the NAT chain redirected reaches the proxy's port.
+        rule(
+            &mut s,
+            &format!("ct status dnat ip daddr 127.0.0.1 tcp dport {port} accept"),
         );
     }
     let reject = |s: &mut String, d: &str| {
@@ -134,6 +176,17 @@ pub fn script(uid: u32, plan: &GuardPlan) -> String {
     s.push_str(&format!(
         "add element inet {TABLE} guests {{ {uid} : jump {c} }}\n"
     ));
+    if plan.redirect.is_some() {
+        s.push_str(&format!(
+            "add element inet {TABLE} nat_guests {{ {uid} : jump {n} }}\n"
+        ));
+    } else {
+        // Declared and deleted: gone whether or not it was there.
+        s.push_str(&format!(
+            "add element inet {TABLE} nat_guests {{ {uid} : jump {n} }}\n\
+             delete element inet {TABLE} nat_guests {{ {uid} }}\n"
+        ));
+    }
     s
 }
 
@@ -173,9 +226,14 @@ pub fn install(uid: u32, plan: &GuardPlan) -> Result<()> {
 /// Remove the guard of `uid` (nothing if there is none).
 pub fn remove(uid: u32) {
     let c = chain(uid);
-    // Two transactions: the element may be gone while the chain is not.
+    let n = nat_chain(uid);
+    // Apart: an element may be gone while its chain is not.
     let _ = nft(&format!("delete element inet {TABLE} guests {{ {uid} }}\n"));
+    let _ = nft(&format!(
+        "delete element inet {TABLE} nat_guests {{ {uid} }}\n"
+    ));
     let _ = nft(&format!("delete chain inet {TABLE} {c}\n"));
+    let _ = nft(&format!("delete chain inet {TABLE} {n}\n"));
 }
 
 /// Remove the guards of uids no process runs as, made over `min_age` ago
@@ -310,7 +368,37 @@ mod tests {
             proxy: Some(("10.1.2.3".parse().unwrap(), 3128)),
             then_allow: vec!["198.51.100.0/24".into()],
             then_deny: vec!["0.0.0.0/0".into()],
+            redirect: None,
         }
+    }
+
+    #[test]
+    fn named_lists_send_web_ports_to_the_proxy_past_what_the_guard_refuses() {
+        let s = script(
+            3_000_123,
+            &GuardPlan {
+                redirect: Some(43_210),
+                ..plan()
+            },
+        );
+        let at = |needle: &str| {
+            s.find(needle)
+                .unwrap_or_else(|| panic!("{needle:?} missing from:\n{s}"))
+        };
+        // Not redirected: what the operator denies and the host's own
+        // addresses (refused by the filter chain as ever).
+        let redirect =
+            at("vmnat_3000123 meta nfproto ipv4 tcp dport { 80, 443 } redirect to :43210");
+        assert!(at("vmnat_3000123 ip daddr 10.0.0.0/8 return") < redirect);
+        assert!(at("vmnat_3000123 fib daddr type local return") < redirect);
+        at("nat_guests { 3000123 : jump vmnat_3000123 }");
+        // The redirected flows pass the filter before its rejects.
+        let accepted = at("vm_3000123 ct status dnat ip daddr 127.0.0.1 tcp dport 43210 accept");
+        assert!(accepted < at("vm_3000123 ip daddr 10.0.0.0/8 meta l4proto tcp reject"));
+        // Without names: no redirect, and the element goes.
+        let plain = script(3_000_123, &plan());
+        assert!(!plain.contains("redirect"), "{plain}");
+        assert!(plain.contains("delete element inet sandpit_guests nat_guests { 3000123 }"));
     }
 
     #[test]
@@ -373,7 +461,16 @@ mod tests {
             .stdin
             .take()
             .unwrap()
-            .write_all(script(3_000_123, &plan()).as_bytes())
+            .write_all(
+                script(
+                    3_000_123,
+                    &GuardPlan {
+                        redirect: Some(43_210),
+                        ..plan()
+                    },
+                )
+                .as_bytes(),
+            )
             .unwrap();
         let out = child.wait_with_output().unwrap();
         assert!(

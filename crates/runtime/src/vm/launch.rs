@@ -63,7 +63,8 @@ impl VmManager {
                     .map_err(RuntimeError::io("writing the VM's uid"))?;
                 // `nft` takes ~25 ms: off the async workers, which a burst
                 // of starts would otherwise stall.
-                let plan = self.guard_plan(&req.egress);
+                let redirect = self.egress_proxy(&req.id, &req.egress).await?;
+                let plan = self.guard_plan(&req.egress, redirect);
                 tokio::task::spawn_blocking(move || guard::install(uid, &plan))
                     .await
                     .map_err(|e| RuntimeError::Launch(format!("the guard's task: {e}")))??;
@@ -397,8 +398,10 @@ impl VmManager {
 
     /// What the host denies the passt of a guest with `egress` (see
     /// `guard`): what its own filter denies, with the same exemptions, then
-    /// the sandbox's own lists.
-    pub(super) fn guard_plan(&self, egress: &Egress) -> guard::GuardPlan {
+    /// the sandbox's own lists' addresses and prefixes, its connections to
+    /// ports 80 and 443 sent to its egress proxy on `redirect` when the
+    /// lists name hosts.
+    pub(super) fn guard_plan(&self, egress: &Egress, redirect: Option<u16>) -> guard::GuardPlan {
         if egress.is_blocked() {
             return guard::GuardPlan {
                 deny: vec![Egress::EVERYTHING.into()],
@@ -430,8 +433,9 @@ impl VmManager {
             deny: self.deny.clone(),
             dns,
             proxy,
-            then_allow: egress.allow.clone(),
-            then_deny: egress.deny.clone(),
+            then_allow: egress.allow_prefixes(),
+            then_deny: egress.deny_prefixes(),
+            redirect: redirect.filter(|_| egress.has_names()),
         }
     }
 
@@ -439,7 +443,8 @@ impl VmManager {
     /// holds the sandbox's lists too, so that a denied connect fails at
     /// once (the host's guard enforces them; passt lets a connect the guard
     /// refuses time out in the guest). Without an allow list the deny list
-    /// is part of `deny`, which an agent of any generation applies.
+    /// is part of `deny`, which an agent of any generation applies. Lists
+    /// that name hosts leave ports 80 and 443 to the host's egress proxy.
     pub(super) fn network_config(&self, egress: &Egress) -> NetworkConfig {
         if egress.is_blocked() {
             // No name server: a lookup then fails at once (nothing answers
@@ -451,17 +456,26 @@ impl VmManager {
                 deny: vec![Egress::EVERYTHING.into()],
                 allow: Vec::new(),
                 then_deny: Vec::new(),
+                proxied_ports: Vec::new(),
                 mtu: net::GUEST_MTU,
                 proxy: None,
             };
         }
         let mut deny = self.deny.clone();
-        let (allow, then_deny) = match egress.allow.is_empty() {
+        let named = egress.has_names();
+        let (allow, then_deny) = match egress.allow_prefixes().is_empty() && !named {
             true => {
-                deny.extend(egress.deny.iter().cloned());
+                deny.extend(egress.deny_prefixes());
                 (Vec::new(), Vec::new())
             }
-            false => (egress.allow.clone(), egress.deny.clone()),
+            false => (egress.allow_prefixes(), egress.deny_prefixes()),
+        };
+        // Without root there is no guard and no proxy: the guest's filter
+        // then refuses those ports by the lists' addresses alone (a name
+        // allows nothing), rather than let them out unchecked.
+        let proxied_ports = match named && nix::unistd::geteuid().is_root() {
+            true => guard::PROXIED_PORTS.to_vec(),
+            false => Vec::new(),
         };
         let unrestricted = egress.allow.is_empty() && egress.deny.is_empty();
         NetworkConfig {
@@ -476,6 +490,7 @@ impl VmManager {
             deny,
             allow,
             then_deny,
+            proxied_ports,
             mtu: net::GUEST_MTU,
             proxy: self.proxy.clone().filter(|_| unrestricted),
         }

@@ -18,6 +18,7 @@ mod host_disk;
 mod launch;
 pub mod net;
 pub mod process;
+mod proxies;
 pub mod qmp;
 mod templates;
 
@@ -192,6 +193,8 @@ pub struct VmManager {
     give_way: give_way::GiveWay,
     /// The images of saves' guest RAM that VMs start from (see `ram_image`).
     ram_images: crate::save::ram_image::RamImages,
+    /// The egress proxies of VMs whose lists name hosts (see `proxies`).
+    proxies: std::sync::Mutex<std::collections::HashMap<String, crate::egress::proxy::EgressProxy>>,
 }
 
 /// QEMU's version: its `--version` line and the numbers that gate features.
@@ -315,9 +318,14 @@ impl Egress {
 
     /// The lists checked: each entry an IPv4 address or prefix, written as
     /// nft and the agent read it (`a.b.c.d` or `a.b.c.d/n`, the address
-    /// part with no host bits past the prefix).
+    /// part with no host bits past the prefix), or a host name rule
+    /// (`example.com`, `*.example.com`; see [`crate::egress::names`]).
     pub fn checked(allow: Vec<String>, deny: Vec<String>) -> std::result::Result<Egress, String> {
         for entry in allow.iter().chain(&deny) {
+            if !crate::egress::rules::looks_like_an_address(entry) {
+                crate::egress::names::NameRule::parse(entry)?;
+                continue;
+            }
             let (address, prefix) = match entry.split_once('/') {
                 Some((a, p)) => (a, Some(p)),
                 None => (entry.as_str(), None),
@@ -341,6 +349,43 @@ impl Egress {
             }
         }
         Ok(Egress { allow, deny })
+    }
+
+    /// The entries of `list` that are addresses or prefixes: what nft and
+    /// the guest's filter hold.
+    fn prefixes(list: &[String]) -> Vec<String> {
+        list.iter()
+            .filter(|e| crate::egress::rules::looks_like_an_address(e))
+            .cloned()
+            .collect()
+    }
+
+    /// The allow list's addresses and prefixes.
+    pub fn allow_prefixes(&self) -> Vec<String> {
+        Egress::prefixes(&self.allow)
+    }
+
+    /// The deny list's addresses and prefixes.
+    pub fn deny_prefixes(&self) -> Vec<String> {
+        Egress::prefixes(&self.deny)
+    }
+
+    /// Whether an entry names a host: then the host's egress proxy looks at
+    /// the VM's connections to ports 80 and 443 (see [`crate::egress`]).
+    pub fn has_names(&self) -> bool {
+        self.allow
+            .iter()
+            .chain(&self.deny)
+            .any(|e| !crate::egress::rules::looks_like_an_address(e))
+    }
+
+    /// The lists as the egress proxy decides by them (checked lists always
+    /// make rules; lists that do not are taken to deny everything).
+    pub fn rules(&self) -> crate::egress::rules::Rules {
+        crate::egress::rules::Rules::new(&self.allow, &self.deny).unwrap_or_else(|_| {
+            crate::egress::rules::Rules::new(&[], &[Egress::EVERYTHING.to_string()])
+                .expect("a prefix")
+        })
     }
 }
 
@@ -450,6 +495,7 @@ impl VmManager {
             qemu_version,
             give_way: Default::default(),
             ram_images: Default::default(),
+            proxies: Default::default(),
         };
         manager.prepare_saves()?;
         Ok(manager)
@@ -647,7 +693,8 @@ impl VmManager {
             return write_record(&self.paths(id), &record);
         }
         if let Some(uid) = record.qemu_uid {
-            let plan = self.guard_plan(&egress);
+            let redirect = self.egress_proxy(id, &egress).await?;
+            let plan = self.guard_plan(&egress, redirect);
             tokio::task::spawn_blocking(move || guard::install(uid, &plan))
                 .await
                 .map_err(|e| RuntimeError::Launch(format!("the guard's task: {e}")))??;
@@ -779,6 +826,7 @@ impl VmManager {
         if !paths.dir.exists() {
             return Err(RuntimeError::NotFound(id.to_string()));
         }
+        self.stop_egress_proxy(id);
         if let Ok(record) = self.record(id) {
             stop_processes(&record, &paths).await;
             if let Some(uid) = record.qemu_uid.filter(|_| self.config.network.enabled) {
@@ -987,13 +1035,16 @@ mod egress_tests {
     }
 
     #[test]
-    fn an_egress_takes_ipv4_addresses_and_prefixes_only() {
+    fn an_egress_takes_ipv4_addresses_prefixes_and_host_names() {
         let one = |e: &str| Egress::checked(vec![e.into()], Vec::new());
         assert!(one("8.8.8.8").is_ok());
         assert!(one("10.0.0.0/8").is_ok());
         assert!(one("0.0.0.0/0").is_ok());
+        assert!(one("example.com").is_ok());
+        assert!(one("*.example.com").is_ok());
         for bad in [
-            "example.com",
+            "exa mple.com",
+            "*.com",
             "10.0.0.1/8",
             "10.0.0.0/33",
             "::1",
@@ -1003,6 +1054,17 @@ mod egress_tests {
         ] {
             assert!(one(bad).is_err(), "{bad:?} was taken");
         }
-        assert!(Egress::checked(Vec::new(), vec!["nope".into()]).is_err());
+        assert!(Egress::checked(Vec::new(), vec!["no pe".into()]).is_err());
+        // Names and addresses apart: the guard and the guest's filter take
+        // the addresses, the egress proxy all of it.
+        let mixed = Egress::checked(
+            vec!["pypi.org".into(), "203.0.113.7".into()],
+            vec!["0.0.0.0/0".into()],
+        )
+        .unwrap();
+        assert!(mixed.has_names());
+        assert_eq!(mixed.allow_prefixes(), ["203.0.113.7"]);
+        assert_eq!(mixed.deny_prefixes(), ["0.0.0.0/0"]);
+        assert!(!Egress::blocked().has_names());
     }
 }

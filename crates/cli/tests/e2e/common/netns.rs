@@ -123,9 +123,15 @@ impl TestHost {
 
     /// Serve `www` over HTTP on port 8080 of the test host's address.
     pub fn serve_http(&mut self, www: &Path) {
+        self.serve_http_on(8080, www);
+    }
+
+    /// Serve `www` over HTTP on `port` of the test host's address.
+    pub fn serve_http_on(&mut self, port: u16, www: &Path) {
         let http = Command::new("ip")
             .args(["netns", "exec", &self.ns, "python3", "-m", "http.server"])
-            .args(["8080", "--bind", self.address, "--directory"])
+            .arg(port.to_string())
+            .args(["--bind", self.address, "--directory"])
             .arg(www)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
@@ -133,7 +139,7 @@ impl TestHost {
             .expect("python3 (install python3)");
         self.servers.push(http);
         for _ in 0..100 {
-            if std::net::TcpStream::connect((self.address, 8080)).is_ok() {
+            if std::net::TcpStream::connect((self.address, port)).is_ok() {
                 return;
             }
             std::thread::sleep(std::time::Duration::from_millis(100));
