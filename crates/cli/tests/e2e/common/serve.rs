@@ -221,7 +221,14 @@ impl Server {
             }
         });
         let (mut url, mut key) = (None, None);
-        let deadline = Instant::now() + Duration::from_secs(120);
+        // A server of another build (the previous release, in the upgrade
+        // test) may first bootstrap its own guest root file system when
+        // its recipe is not this build's and no cache holds it (minutes).
+        let start_within = match build {
+            Some(_) => Duration::from_secs(900),
+            None => Duration::from_secs(120),
+        };
+        let deadline = Instant::now() + start_within;
         while url.is_none() {
             let left = deadline.saturating_duration_since(Instant::now());
             match rx.recv_timeout(left) {
