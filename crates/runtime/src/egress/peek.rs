@@ -24,6 +24,17 @@ pub enum Peeked {
     Unnamed,
 }
 
+impl Peeked {
+    /// The host it names, if any.
+    pub fn name(&self) -> Option<&str> {
+        match self {
+            Peeked::Tls { server_name } => server_name.as_deref(),
+            Peeked::Http { host } => host.as_deref(),
+            Peeked::NeedMore | Peeked::Unnamed => None,
+        }
+    }
+}
+
 /// What `first` (the bytes a connection began with) names.
 pub fn peek(first: &[u8]) -> Peeked {
     match first.first() {

@@ -154,7 +154,7 @@ async fn handle(
     let decision = rules.read().unwrap().decide(*to.ip(), &peeked);
     let refuse = |rule: &str| {
         refused.fetch_add(1, Ordering::Relaxed);
-        tracing::info!(%sandbox, %to, host = ?named(&peeked), %rule, "egress refused");
+        tracing::info!(%sandbox, %to, host = ?peeked.name(), %rule, "egress refused");
         // A reset, so the guest's client fails at once.
         guest.set_zero_linger()
     };
@@ -198,14 +198,6 @@ async fn name_target(
     match usable.iter().find(|a| *a == to.ip()).or(usable.first()) {
         Some(a) => Ok(SocketAddrV4::new(*a, to.port())),
         None => Err(format!("{name} (none of its addresses may be reached)")),
-    }
-}
-
-fn named(peeked: &Peeked) -> Option<&str> {
-    match peeked {
-        Peeked::Tls { server_name } => server_name.as_deref(),
-        Peeked::Http { host } => host.as_deref(),
-        Peeked::NeedMore | Peeked::Unnamed => None,
     }
 }
 

@@ -98,11 +98,7 @@ impl Rules {
 
     /// The fate of a connection to `to` that `peeked` says is for a host.
     pub fn decide(&self, to: Ipv4Addr, peeked: &Peeked) -> Decision {
-        let named = match peeked {
-            Peeked::Tls { server_name } => server_name.as_deref(),
-            Peeked::Http { host } => host.as_deref(),
-            Peeked::NeedMore | Peeked::Unnamed => None,
-        };
+        let named = peeked.name();
         if self.allow_prefixes.iter().any(|p| p.contains(to)) {
             return Decision::Allow;
         }
