@@ -14,6 +14,7 @@
 //! This module holds the parts that decide; the proxy that applies them to
 //! a VM's connections is issue 45's next step (see `docs/design.md`).
 
+pub mod broker;
 pub mod names;
 pub mod peek;
 pub mod proxy;

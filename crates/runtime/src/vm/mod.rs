@@ -27,6 +27,7 @@ pub(crate) use launch::wait_for_socket;
 
 use crate::channel::AgentClient;
 use crate::config::{RuntimeConfig, SizeSpec};
+use crate::egress::broker::Broker;
 use crate::host::accel::Accel;
 use crate::image::GuestImage;
 use crate::save::template::{self, Template, TemplateInputs};
@@ -93,8 +94,9 @@ pub struct VmRecord {
     #[serde(default)]
     pub ram_mapped: Option<String>,
     /// What the guest may reach, as last set (absent: from before it was
-    /// recorded, when every VM had the operator's network).
-    #[serde(default)]
+    /// recorded, when every VM had the operator's network). Its secrets'
+    /// values are never written here (see `Broker::without_values`).
+    #[serde(default, serialize_with = "Egress::serialize_without_values")]
     pub egress: Egress,
 }
 
@@ -292,6 +294,10 @@ pub struct Egress {
     pub allow: Vec<String>,
     /// Refused, after `allow`.
     pub deny: Vec<String>,
+    /// The secrets its egress proxy puts into its HTTPS requests (see
+    /// [`crate::egress::broker`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub broker: Option<Broker>,
 }
 
 impl Egress {
@@ -306,8 +312,8 @@ impl Egress {
     /// Nothing beyond the guest itself.
     pub fn blocked() -> Egress {
         Egress {
-            allow: Vec::new(),
             deny: vec![Egress::EVERYTHING.into()],
+            ..Egress::default()
         }
     }
 
@@ -348,7 +354,42 @@ impl Egress {
                 }
             }
         }
-        Ok(Egress { allow, deny })
+        Ok(Egress {
+            allow,
+            deny,
+            broker: None,
+        })
+    }
+
+    /// The same with `broker`'s secrets (checked).
+    pub fn with_broker(self, broker: Broker) -> std::result::Result<Egress, String> {
+        Ok(Egress {
+            broker: Some(broker.checked()?),
+            ..self
+        })
+    }
+
+    /// As a VM's record on disk holds it: its secrets without their values.
+    fn serialize_without_values<S: serde::Serializer>(
+        egress: &Egress,
+        s: S,
+    ) -> std::result::Result<S::Ok, S::Error> {
+        Egress {
+            broker: egress.broker.as_ref().map(Broker::without_values),
+            ..egress.clone()
+        }
+        .serialize(s)
+    }
+
+    /// Whether its egress proxy has secrets to broker.
+    pub fn brokers(&self) -> bool {
+        self.broker.as_ref().is_some_and(Broker::is_usable)
+    }
+
+    /// Whether the VM needs an egress proxy: its lists name hosts, or it
+    /// has secrets (whose hosts the proxy recognises by name).
+    pub fn needs_proxy(&self) -> bool {
+        self.has_names() || self.broker.is_some()
     }
 
     /// The entries of `list` that are addresses or prefixes: what nft and
@@ -400,6 +441,8 @@ enum EgressAsStored {
         allow: Vec<String>,
         #[serde(default)]
         deny: Vec<String>,
+        #[serde(default)]
+        broker: Option<Broker>,
     },
 }
 
@@ -415,7 +458,15 @@ impl<'de> Deserialize<'de> for Egress {
         Ok(match EgressAsStored::deserialize(d)? {
             EgressAsStored::Named(NamedEgress::Allowed) => Egress::open(),
             EgressAsStored::Named(NamedEgress::Blocked) => Egress::blocked(),
-            EgressAsStored::Lists { allow, deny } => Egress { allow, deny },
+            EgressAsStored::Lists {
+                allow,
+                deny,
+                broker,
+            } => Egress {
+                allow,
+                deny,
+                broker,
+            },
         })
     }
 }
