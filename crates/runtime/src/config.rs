@@ -50,6 +50,11 @@ pub struct NetworkPolicy {
     /// TLS-inspecting proxy's), read at start.
     #[serde(default)]
     pub ca_certificates: Vec<PathBuf>,
+    /// PEM files of CA certificates the host trusts, besides its own trust
+    /// store, when it sends a brokered secret on to its server (an
+    /// internal API with a private CA), read at start.
+    #[serde(default)]
+    pub upstream_ca_certificates: Vec<PathBuf>,
 }
 
 /// The safe default deny list: link-local (cloud metadata at 169.254.169.254),
@@ -80,6 +85,7 @@ impl Default for NetworkPolicy {
             proxy: None,
             no_proxy: Vec::new(),
             ca_certificates: Vec::new(),
+            upstream_ca_certificates: Vec::new(),
         }
     }
 }

@@ -62,9 +62,19 @@ fn the_guest_reaches_the_internet_but_not_the_host() {
         }
     });
 
+    // The test host's HTTPS site, `web.test`, has a certificate of a CA of
+    // its own, which the host (not the guest) trusts for brokered secrets.
+    let (web_ca, web_site, web_key) = ca_and_site_for("names", "web.test");
+    let tls_dir = data_dir();
+    let (cert_file, key_file) = (tls_dir.join("site.pem"), tls_dir.join("site.key"));
+    std::fs::write(&cert_file, &web_site).unwrap();
+    std::fs::write(&key_file, &web_key).unwrap();
+    std::fs::write(tls_dir.join("ca.pem"), &web_ca).unwrap();
+
     let dir = data_dir();
     let mut c = config(&dir);
     c.network.dns = Some(vec![INTERNET.to_string()]);
+    c.network.upstream_ca_certificates = vec![tls_dir.join("ca.pem")];
     let s = shared("sbx_net", || c);
     s.rt.block_on(async {
         // The internet, by address and by name.
@@ -228,12 +238,7 @@ fn the_guest_reaches_the_internet_but_not_the_host() {
         // TLS's server name), not by the addresses a name had; every name
         // here resolves to the same test host.
         host.serve_http_on(80, &www);
-        let (_, site, key) = ca_and_site("names");
-        let tls_dir = data_dir();
-        let (cert_file, key_file) = (tls_dir.join("site.pem"), tls_dir.join("site.key"));
-        std::fs::write(&cert_file, &site).unwrap();
-        std::fs::write(&key_file, &key).unwrap();
-        host.serve_https(443, &cert_file, &key_file, "tls hello");
+        host.serve_https(443, &cert_file, &key_file, "{headers}");
         s.manager
             .set_egress(
                 &s.vm.record.id,
@@ -245,7 +250,7 @@ fn the_guest_reaches_the_internet_but_not_the_host() {
         let body = sh(&s.vm, "curl -sS -m 20 http://web.test/hello.txt").await;
         assert_eq!(body, "hello from the internet");
         let body = sh(&s.vm, "curl -sS -m 20 -k https://web.test/").await;
-        assert_eq!(body, "tls hello");
+        assert!(body.contains("Host: web.test"), "{body}");
         // Refused at once (a reset: curl's 56 or 52 over HTTP, 35 over
         // TLS), never a timeout (28): another name, the allowed host's
         // address given directly, a forged Host under another server name,
@@ -304,6 +309,8 @@ fn the_guest_reaches_the_internet_but_not_the_host() {
             0,
             "no proxy left"
         );
+
+        secrets_are_brokered_on_the_host(&s).await;
 
         // Not the host: every address of it, the gateway, link-local metadata.
         let mut targets = vec![
@@ -706,6 +713,12 @@ const SITE: &str = "inspected.example.test";
 /// A CA as a TLS-inspecting proxy has one, and a certificate it made for
 /// `SITE`: (CA certificate, site certificate, site key), PEM.
 fn ca_and_site(name: &str) -> (String, String, String) {
+    ca_and_site_for(name, SITE)
+}
+
+/// A CA of its own named `name`, and a certificate it signed for `host`,
+/// with that certificate's key (PEM each).
+fn ca_and_site_for(name: &str, host: &str) -> (String, String, String) {
     use rcgen::{
         BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair,
         KeyUsagePurpose,
@@ -718,7 +731,7 @@ fn ca_and_site(name: &str) -> (String, String, String) {
         .push(DnType::CommonName, format!("Sandpit test {name} CA"));
     let ca = CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap();
     let key = KeyPair::generate().unwrap();
-    let site = CertificateParams::new(vec![SITE.to_string()])
+    let site = CertificateParams::new(vec![host.to_string()])
         .unwrap()
         .signed_by(&key, &ca)
         .unwrap();
@@ -796,4 +809,231 @@ fn the_guest_trusts_the_operators_ca_certificates() {
         }
         s.manager.destroy(&s.vm.record.id).await.unwrap();
     });
+}
+
+/// The value of the test's brokered secret: what must never be in the
+/// guest.
+const SECRET_VALUE: &str = "sk-live-7f3c9a1e5d2b8c4f6a0e9d7b5c3a1f8e";
+const PLACEHOLDER: &str = "sandpit-secret-0c1d2e3f405162738495a6b7c8d9eaf0b1c2d3e4";
+
+/// Secrets brokered on the host (`web.test` over HTTPS answers with the
+/// headers it got, and every name resolves to it): the guest holds a
+/// placeholder, the host's egress path puts the value in for the secret's
+/// host only, after verifying that host's server; the value is in no
+/// memory of the VM's QEMU, nor on its disk, nor in its record.
+async fn secrets_are_brokered_on_the_host(s: &sandpit_vmtest::Shared) {
+    use sandpit_runtime::{Broker, BrokerCa, BrokeredSecret, Sensitive};
+    let id = s.vm.record.id.clone();
+    let secret = |name: &str, hosts: &[&str], header: &str, format: &str| BrokeredSecret {
+        name: name.into(),
+        placeholder: format!("{PLACEHOLDER}{}", name.len()),
+        hosts: hosts.iter().map(|h| h.to_string()).collect(),
+        header: header.into(),
+        format: format.into(),
+        value: Sensitive::new(format!("{SECRET_VALUE}{}", name.len())),
+    };
+    // API_TOKEN (9 bytes): placeholder and value end in "9"; BAD_HOST
+    // (8): a host whose server fails verification.
+    let broker = Broker {
+        ca: BrokerCa::generate(&id).unwrap(),
+        secrets: vec![
+            secret(
+                "API_TOKEN",
+                &["web.test"],
+                "Authorization",
+                "Bearer {value}",
+            ),
+            secret("BAD_HOST", &["bad.test"], "Authorization", "Bearer {value}"),
+        ],
+    };
+    let (ph, value) = (format!("{PLACEHOLDER}9"), format!("{SECRET_VALUE}9"));
+    s.manager
+        .set_egress(
+            &id,
+            &s.vm.agent,
+            Egress::open().with_broker(broker).unwrap(),
+        )
+        .await
+        .unwrap();
+    let code = |command: String| {
+        let vm = &s.vm;
+        async move { run(vm, req(&command)).await.result.exit_code }
+    };
+    // To the secret's host, without -k: the guest trusts its sandbox's CA
+    // (and nothing else signed web.test for it).
+    let seen = sh(
+        &s.vm,
+        &format!("curl -sS -m 20 -H 'Authorization: Bearer {ph}' https://web.test/echo"),
+    )
+    .await;
+    assert!(
+        seen.contains(&format!("Authorization: Bearer {value}")),
+        "{seen}"
+    );
+    assert!(!seen.contains(&ph), "{seen}");
+    // The placeholder alone in its header: the secret's format.
+    let seen = sh(
+        &s.vm,
+        &format!("curl -sS -m 20 -H 'Authorization: {ph}' https://web.test/echo"),
+    )
+    .await;
+    assert!(
+        seen.contains(&format!("Authorization: Bearer {value}")),
+        "{seen}"
+    );
+    // Two requests on one connection (curl keeps it for its second URL).
+    let twice = sh(
+        &s.vm,
+        &format!(
+            "curl -sS -m 20 -H 'Authorization: Bearer {ph}' https://web.test/a https://web.test/b"
+        ),
+    )
+    .await;
+    assert_eq!(twice.matches(&value).count(), 2, "{twice}");
+    // In another header: sent as it was.
+    let seen = sh(
+        &s.vm,
+        &format!("curl -sS -m 20 -H 'X-Token: {ph}' https://web.test/echo"),
+    )
+    .await;
+    assert!(seen.contains(&ph) && !seen.contains(&value), "{seen}");
+    // To another host (same server, another name): the placeholder.
+    let seen = sh(
+        &s.vm,
+        &format!("curl -sS -m 20 -k -H 'Authorization: Bearer {ph}' https://other.test/echo"),
+    )
+    .await;
+    assert!(seen.contains(&ph) && !seen.contains(&value), "{seen}");
+    // A hostile guest: a Host other than its server name gets 421, nothing
+    // sent; a forged server name under the secret's Host is not brokered;
+    // a CONNECT through the secret's host gets nothing either.
+    let misdirected = sh(
+        &s.vm,
+        &format!(
+            "curl -sS -m 20 -o /dev/null -w '%{{http_code}}' -H 'Host: other.test' \
+             -H 'Authorization: Bearer {ph}' https://web.test/echo"
+        ),
+    )
+    .await;
+    assert_eq!(misdirected, "421");
+    let seen = sh(
+        &s.vm,
+        &format!(
+            "curl -sS -m 20 -k -H 'Host: web.test' -H 'Authorization: Bearer {ph}' \
+             https://other.test/echo"
+        ),
+    )
+    .await;
+    assert!(seen.contains(&ph) && !seen.contains(&value), "{seen}");
+    let connect = run(
+        &s.vm,
+        req(&format!(
+            "curl -sS -m 20 -p -x http://web.test:80 -H 'Authorization: Bearer {ph}' \
+             https://web.test/echo"
+        )),
+    )
+    .await;
+    let all = format!(
+        "{}{}",
+        String::from_utf8_lossy(&connect.stdout),
+        String::from_utf8_lossy(&connect.stderr)
+    );
+    assert!(!all.contains(&value), "{all}");
+    // A secret's host whose server cannot prove it (its certificate is
+    // web.test's): reset before the guest's handshake, nothing sent.
+    let before = s.manager.egress_refused(&id);
+    let got = code(format!(
+        "curl -sS -m 20 -H 'Authorization: Bearer {PLACEHOLDER}8' https://bad.test/echo"
+    ))
+    .await;
+    assert!(
+        matches!(got, Some(35) | Some(56) | Some(52)),
+        "curl exited {got:?}"
+    );
+    assert_eq!(s.manager.egress_refused(&id), before + 1);
+
+    // Nowhere in the VM: its QEMU's memory (the guest's RAM with it; a
+    // file in the guest's /dev/shm proves the scan sees guest memory), its
+    // disk, its record.
+    sh(
+        &s.vm,
+        "printf 'sandpit-marker-%s' 51f0c2 > /dev/shm/marker && sync",
+    )
+    .await;
+    let record = s.manager.record(&id).unwrap();
+    let found = process_memory_holds(
+        record.qemu_pid,
+        &[b"sandpit-marker-51f0c2", value.as_bytes()],
+    );
+    assert!(
+        found[0],
+        "the scan of QEMU's memory does not see the guest's"
+    );
+    assert!(!found[1], "the value is in the VM's memory");
+    let dir = s.manager.paths(&id).dir;
+    for entry in std::fs::read_dir(&dir).unwrap().flatten() {
+        let path = entry.path();
+        if path.is_file() {
+            let bytes = std::fs::read(&path).unwrap_or_default();
+            assert!(
+                !contains(&bytes, value.as_bytes()),
+                "the value is in {}",
+                path.display()
+            );
+        }
+    }
+    s.manager
+        .set_egress(&id, &s.vm.agent, Egress::open())
+        .await
+        .unwrap();
+}
+
+/// Which of `needles` some readable mapping of process `pid` holds, read
+/// through /proc (as root) a chunk at a time.
+fn process_memory_holds(pid: u32, needles: &[&[u8]]) -> Vec<bool> {
+    use std::io::{Seek, SeekFrom};
+    const CHUNK: u64 = 64 << 20;
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    let mut mem = std::fs::File::open(format!("/proc/{pid}/mem")).unwrap();
+    let finders: Vec<_> = needles
+        .iter()
+        .map(|n| memchr::memmem::Finder::new(n))
+        .collect();
+    let longest = needles.iter().map(|n| n.len()).max().unwrap_or(0) as u64;
+    let mut found = vec![false; needles.len()];
+    for line in maps.lines() {
+        let mut fields = line.split_whitespace();
+        let (Some(range), Some(perms)) = (fields.next(), fields.next()) else {
+            continue;
+        };
+        if !perms.starts_with('r') || line.ends_with("[vvar]") || line.ends_with("[vsyscall]") {
+            continue;
+        }
+        let (start, end) = range.split_once('-').unwrap();
+        let (start, end) = (
+            u64::from_str_radix(start, 16).unwrap(),
+            u64::from_str_radix(end, 16).unwrap(),
+        );
+        let mut at = start;
+        while at < end {
+            // Chunks overlap by a needle's length, so none is cut in two.
+            let len = CHUNK.min(end - at);
+            let mut chunk = vec![0u8; len as usize];
+            if mem.seek(SeekFrom::Start(at)).is_err() || mem.read_exact(&mut chunk).is_err() {
+                break;
+            }
+            for (f, hit) in finders.iter().zip(found.iter_mut()) {
+                *hit |= f.find(&chunk).is_some();
+            }
+            if at + len >= end {
+                break;
+            }
+            at += len - longest.min(len);
+        }
+    }
+    found
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    memchr::memmem::find(haystack, needle).is_some()
 }

@@ -19,3 +19,4 @@ pub mod names;
 pub mod peek;
 pub mod proxy;
 pub mod rules;
+pub mod terminate;

@@ -9,8 +9,10 @@
 //! connected to ([`Upstream::forbidden`]): a name an allowed rule matches
 //! may well resolve to one.
 
+use super::broker::Broker;
 use super::peek::{peek, Peeked, MAX_PEEK};
 use super::rules::{Decision, Rules};
+use super::terminate::{self, BrokerPath};
 use std::future::Future;
 use std::io;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
@@ -37,33 +39,44 @@ pub type Resolve = Arc<
 >;
 
 /// What the proxy connects with: how names resolve (as the guests' own
-/// name servers answer them), and which addresses it must never reach.
+/// name servers answer them), which addresses it must never reach, and
+/// what it trusts when it reaches a secret's server (see
+/// [`terminate::client_config`]).
 #[derive(Clone)]
 pub struct Upstream {
     pub resolve: Resolve,
     pub forbidden: Arc<dyn Fn(Ipv4Addr) -> bool + Send + Sync>,
+    pub tls: Arc<tokio_rustls::rustls::ClientConfig>,
+}
+
+/// What a proxy decides and brokers by; replaced whole when the VM's
+/// egress changes.
+struct Policy {
+    rules: Rules,
+    broker: Option<Arc<BrokerPath>>,
 }
 
 /// A running egress proxy; stops when dropped.
 pub struct EgressProxy {
     addr: SocketAddr,
-    rules: Arc<RwLock<Rules>>,
+    policy: Arc<RwLock<Policy>>,
     refused: Arc<AtomicU64>,
     task: tokio::task::JoinHandle<()>,
 }
 
 impl EgressProxy {
-    /// A proxy for sandbox `sandbox` with `rules`, on a free loopback port,
-    /// for connections the host redirected to it.
-    pub async fn start(sandbox: &str, rules: Rules, upstream: Upstream) -> io::Result<EgressProxy> {
+    /// A proxy for sandbox `sandbox` with `rules` and `broker`'s secrets,
+    /// on a free loopback port, for connections the host redirected to it.
+    pub async fn start(
+        sandbox: &str,
+        rules: Rules,
+        broker: Option<&Broker>,
+        upstream: Upstream,
+    ) -> io::Result<EgressProxy> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
-        Ok(EgressProxy::serve(
-            listener,
-            sandbox,
-            rules,
-            original_destination,
-            upstream,
-        ))
+        let proxy = EgressProxy::serve(listener, sandbox, rules, original_destination, upstream);
+        proxy.set_broker(broker);
+        Ok(proxy)
     }
 
     /// A proxy on `listener`, learning each connection's destination with
@@ -78,9 +91,12 @@ impl EgressProxy {
         let addr = listener
             .local_addr()
             .expect("a bound listener has an address");
-        let rules = Arc::new(RwLock::new(rules));
+        let policy = Arc::new(RwLock::new(Policy {
+            rules,
+            broker: None,
+        }));
         let refused = Arc::new(AtomicU64::new(0));
-        let (r, n, sandbox) = (rules.clone(), refused.clone(), sandbox.to_string());
+        let (r, n, sandbox) = (policy.clone(), refused.clone(), sandbox.to_string());
         let task = tokio::spawn(async move {
             loop {
                 let Ok((stream, _)) = listener.accept().await else {
@@ -96,7 +112,7 @@ impl EgressProxy {
         });
         EgressProxy {
             addr,
-            rules,
+            policy,
             refused,
             task,
         }
@@ -109,7 +125,19 @@ impl EgressProxy {
 
     /// New rules, for the connections from now on.
     pub fn set_rules(&self, rules: Rules) {
-        *self.rules.write().unwrap() = rules;
+        self.policy.write().unwrap().rules = rules;
+    }
+
+    /// New secrets to broker (none: `None`, or a broker without its
+    /// values), for the connections from now on.
+    pub fn set_broker(&self, broker: Option<&Broker>) {
+        self.policy.write().unwrap().broker = broker.and_then(BrokerPath::new).map(Arc::new);
+    }
+
+    /// When each of its secrets was last put into a request (by name).
+    pub fn secrets_last_used(&self) -> std::collections::HashMap<String, time::OffsetDateTime> {
+        let broker = self.policy.read().unwrap().broker.clone();
+        broker.map(|b| b.last_used()).unwrap_or_default()
     }
 
     /// Connections refused so far.
@@ -126,7 +154,7 @@ impl Drop for EgressProxy {
 
 async fn handle(
     mut guest: TcpStream,
-    rules: &RwLock<Rules>,
+    policy: &RwLock<Policy>,
     refused: &AtomicU64,
     sandbox: &str,
     original_of: OriginalOf,
@@ -151,7 +179,13 @@ async fn handle(
     })
     .await
     .unwrap_or(Ok(Peeked::Unnamed))?;
-    let decision = rules.read().unwrap().decide(*to.ip(), &peeked);
+    let (decision, broker) = {
+        let policy = policy.read().unwrap();
+        (
+            policy.rules.decide(*to.ip(), &peeked),
+            policy.broker.clone(),
+        )
+    };
     let refuse = |rule: &str| {
         refused.fetch_add(1, Ordering::Relaxed);
         tracing::info!(%sandbox, %to, host = ?peeked.name(), %rule, "egress refused");
@@ -171,6 +205,22 @@ async fn handle(
             "{} (the host's own, or denied by the operator)",
             target.ip()
         ));
+    }
+    // A secret's host over TLS: ended here, its secrets put in.
+    if let (
+        Some(broker),
+        Peeked::Tls {
+            server_name: Some(host),
+        },
+    ) = (broker, &peeked)
+    {
+        if !broker.secrets_for(host).is_empty() {
+            let server = match terminate::reach(host, target, upstream.tls.clone()).await {
+                Ok(s) => s,
+                Err(rule) => return refuse(&rule),
+            };
+            return broker.serve(guest, first, host, server, sandbox).await;
+        }
     }
     let mut up = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(target))
         .await
@@ -280,6 +330,7 @@ mod tests {
                 })
             }),
             forbidden: Arc::new(|a: Ipv4Addr| a.octets()[..2] == [169, 254]),
+            tls: terminate::client_config(&[]),
         }
     }
 

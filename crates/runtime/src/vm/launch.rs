@@ -331,7 +331,7 @@ impl VmManager {
         };
         agent
             .configure(
-                self.guest_config(hostname, machine_id, network),
+                self.guest_config(hostname, machine_id, network, &req.egress),
                 &entropy,
                 // What is left of the boot's bound, and at least a reply's.
                 boot_timeout
@@ -378,13 +378,19 @@ impl VmManager {
     }
 
     /// What a guest is configured with: its identity and network, this
-    /// host's limits and CAs, and the clock as read now.
+    /// host's limits and CAs (and its own broker's, when `egress` brokers
+    /// secrets), and the clock as read now.
     pub(super) fn guest_config(
         &self,
         hostname: String,
         machine_id: String,
         network: Option<NetworkConfig>,
+        egress: &Egress,
     ) -> GuestConfig {
+        let mut ca_certificates = self.ca_certificates.clone();
+        if let (Some(broker), Some(_)) = (&egress.broker, &network) {
+            ca_certificates.push(broker.ca.cert_pem.clone());
+        }
         GuestConfig {
             hostname,
             machine_id,
@@ -392,7 +398,7 @@ impl VmManager {
             network,
             user_pids_max: self.config.user_pids_max,
             reserved_memory_mb: self.config.reserved_memory_mb,
-            ca_certificates: self.ca_certificates.clone(),
+            ca_certificates,
         }
     }
 
@@ -435,7 +441,7 @@ impl VmManager {
             proxy,
             then_allow: egress.allow_prefixes(),
             then_deny: egress.deny_prefixes(),
-            redirect: redirect.filter(|_| egress.has_names()),
+            redirect: redirect.filter(|_| egress.needs_proxy()),
         }
     }
 
@@ -473,7 +479,7 @@ impl VmManager {
         // Without root there is no guard and no proxy: the guest's filter
         // then refuses those ports by the lists' addresses alone (a name
         // allows nothing), rather than let them out unchecked.
-        let proxied_ports = match named && nix::unistd::geteuid().is_root() {
+        let proxied_ports = match egress.needs_proxy() && nix::unistd::geteuid().is_root() {
             true => guard::PROXIED_PORTS.to_vec(),
             false => Vec::new(),
         };

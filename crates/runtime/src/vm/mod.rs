@@ -197,6 +197,9 @@ pub struct VmManager {
     ram_images: crate::save::ram_image::RamImages,
     /// The egress proxies of VMs whose lists name hosts (see `proxies`).
     proxies: std::sync::Mutex<std::collections::HashMap<String, crate::egress::proxy::EgressProxy>>,
+    /// What the egress proxies trust when they send a brokered secret on:
+    /// the host's trust store and `[network] upstream_ca_certificates`.
+    upstream_tls: std::sync::Arc<tokio_rustls::rustls::ClientConfig>,
 }
 
 /// QEMU's version: its `--version` line and the numbers that gate features.
@@ -517,6 +520,9 @@ impl VmManager {
             _ => None,
         };
         let ca_certificates = net::read_ca_certificates(&config.network.ca_certificates)?;
+        let upstream_tls = crate::egress::terminate::client_config(&net::read_ca_certificates(
+            &config.network.upstream_ca_certificates,
+        )?);
         let qemu_version = qemu_version(&config.qemu_binary)?;
         if config.snapshots && qemu_version.restores_templates() {
             if let Err(why) = qemu_version.saves_running_vms() {
@@ -547,6 +553,7 @@ impl VmManager {
             give_way: Default::default(),
             ram_images: Default::default(),
             proxies: Default::default(),
+            upstream_tls,
         };
         manager.prepare_saves()?;
         Ok(manager)
@@ -763,6 +770,7 @@ impl VmManager {
                     hostname_for(id),
                     machine_id.clone(),
                     Some(self.network_config(&egress)),
+                    &egress,
                 ),
                 &entropy,
                 EGRESS_CHANGE_TIMEOUT,

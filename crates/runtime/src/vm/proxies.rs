@@ -20,17 +20,23 @@ impl VmManager {
     /// or given `egress`'s rules, when its lists name hosts; stopped
     /// (`None`) when they do not.
     pub(super) async fn egress_proxy(&self, id: &str, egress: &Egress) -> Result<Option<u16>> {
-        if !egress.has_names() {
+        if !egress.needs_proxy() {
             self.stop_egress_proxy(id);
             return Ok(None);
         }
         if let Some(p) = self.proxies.lock().unwrap().get(id) {
             p.set_rules(egress.rules());
+            p.set_broker(egress.broker.as_ref());
             return Ok(Some(p.addr().port()));
         }
-        let proxy = EgressProxy::start(id, egress.rules(), self.egress_upstream())
-            .await
-            .map_err(RuntimeError::io("starting the VM's egress proxy"))?;
+        let proxy = EgressProxy::start(
+            id,
+            egress.rules(),
+            egress.broker.as_ref(),
+            self.egress_upstream(),
+        )
+        .await
+        .map_err(RuntimeError::io("starting the VM's egress proxy"))?;
         let port = proxy.addr().port();
         self.proxies.lock().unwrap().insert(id.to_string(), proxy);
         Ok(Some(port))
@@ -92,7 +98,11 @@ impl VmManager {
                 })
             }
         };
-        Upstream { resolve, forbidden }
+        Upstream {
+            resolve,
+            forbidden,
+            tls: self.upstream_tls.clone(),
+        }
     }
 
     /// VM `id` has no egress proxy any more.
@@ -121,7 +131,8 @@ impl VmManager {
             let Some(uid) = record.qemu_uid else {
                 continue;
             };
-            if !record.egress.has_names() || self.proxies.lock().unwrap().contains_key(&record.id) {
+            if !record.egress.needs_proxy() || self.proxies.lock().unwrap().contains_key(&record.id)
+            {
                 continue;
             }
             if !matches!(self.state(&record), super::VmState::Running) {
