@@ -1,5 +1,6 @@
 //! Sandpit's persistence: accounts, API keys, the credit ledger, sandboxes
-//! and their status history, executions, exposed ports, idempotency keys.
+//! and their status history, executions, exposed ports, idempotency keys,
+//! secrets (sealed by the service).
 //!
 //! # Why it looks like this
 //!
@@ -94,6 +95,7 @@ mod executions;
 mod key_spelling;
 mod nodes;
 mod sandboxes;
+mod secrets;
 mod snapshots;
 mod states;
 mod tally;
@@ -110,6 +112,7 @@ pub use nodes::{ms_to_time, Candidate, LostNode, NewNode, NodeRow};
 pub use sandboxes::{
     CreateOutcome, EventRow, ExtendOutcome, NewSandbox, SandboxPage, SandboxRow, UsageRow,
 };
+pub use secrets::{NewSecret, SandboxBroker, SecretRow};
 pub use snapshots::{NewSnapshot, SnapshotOutcome, SnapshotPage, SnapshotRow, SnapshotStatus};
 pub use states::{ExecutionState, ExecutionStatus, NodeState, SandboxStatus};
 pub use tally::SandboxTally;

@@ -6,8 +6,9 @@
 
 use sandpit_store::{
     format_ts, hash_key, new_id, CreateOutcome, Engine, ExecutionResult, ExecutionRow,
-    ExecutionState, ExecutionStatus, ExtendOutcome, NewSandbox, NewSnapshot, PortRow,
-    SandboxStatus, SnapshotOutcome, SnapshotStatus, Store, StoreError, TemplateStatus,
+    ExecutionState, ExecutionStatus, ExtendOutcome, NewSandbox, NewSecret, NewSnapshot, PortRow,
+    SandboxBroker, SandboxStatus, SnapshotOutcome, SnapshotStatus, Store, StoreError,
+    TemplateStatus,
 };
 use std::collections::HashSet;
 use tempfile::TempDir;
@@ -70,6 +71,7 @@ on_both_engines!(
     an_ended_sandboxs_executions_go_after_the_retention,
     the_tally_counts_a_hosts_live_sandboxes_and_their_reservations,
     template_builds_layers_and_files_are_an_accounts_own_until_published,
+    secrets_are_an_accounts_own_and_sandboxes_keep_their_placeholders,
 );
 
 /// A row lock held by a transaction that never ends (its process stopped
@@ -2866,4 +2868,144 @@ async fn template_builds_layers_and_files_are_an_accounts_own_until_published(st
         .await
         .unwrap()
         .is_none());
+}
+
+async fn secrets_are_an_accounts_own_and_sandboxes_keep_their_placeholders(store: Store) {
+    let acct = store.create_account("keeper", 20).await.unwrap();
+    let other = store.create_account("other", 20).await.unwrap();
+    store.add_credit(&acct.id, 1_000_000, None).await.unwrap();
+    let secret = |account_id: &str, name: &str, sealed: &[u8]| NewSecret {
+        account_id: account_id.to_string(),
+        name: name.to_string(),
+        hosts: vec!["api.openai.com".into(), "*.example.com".into()],
+        header: "Authorization".into(),
+        format: "Bearer {value}".into(),
+        sealed_value: sealed.to_vec(),
+    };
+    let first = store
+        .put_secret(&secret(&acct.id, "OPENAI_API_KEY", b"sealed-1"))
+        .await
+        .unwrap();
+    assert_eq!(first.hosts, ["api.openai.com", "*.example.com"]);
+    assert_eq!(first.created_at, first.updated_at);
+    assert_eq!(first.last_used_at, None);
+    store
+        .put_secret(&secret(&acct.id, "ANTHROPIC_API_KEY", b"sealed-a"))
+        .await
+        .unwrap();
+    store
+        .put_secret(&secret(&other.id, "OPENAI_API_KEY", b"theirs"))
+        .await
+        .unwrap();
+
+    // Put again: replaced, its creation kept.
+    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    let replaced = store
+        .put_secret(&NewSecret {
+            hosts: vec!["api.openai.com".into()],
+            format: "{value}".into(),
+            header: "x-api-key".into(),
+            ..secret(&acct.id, "OPENAI_API_KEY", b"sealed-2")
+        })
+        .await
+        .unwrap();
+    assert_eq!(replaced.created_at, first.created_at);
+    assert!(replaced.updated_at > first.updated_at);
+    assert_eq!(
+        (replaced.header.as_str(), replaced.format.as_str()),
+        ("x-api-key", "{value}")
+    );
+
+    // Listed by name, the account's own; read with values by name.
+    let names: Vec<String> = store
+        .list_secrets(&acct.id)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| s.name)
+        .collect();
+    assert_eq!(names, ["ANTHROPIC_API_KEY", "OPENAI_API_KEY"]);
+    let named = store
+        .secrets_named(&acct.id, &["OPENAI_API_KEY".into(), "MISSING".into()])
+        .await
+        .unwrap();
+    assert_eq!(named.len(), 1);
+    assert_eq!(named[0].0, replaced);
+    assert_eq!(named[0].1, b"sealed-2");
+    assert!(store.secrets_named(&acct.id, &[]).await.unwrap().is_empty());
+
+    // A sandbox's broker: its CA and placeholders, read back, found by the
+    // secrets it uses while it lives.
+    let sbx = created(
+        store
+            .create_sandbox(sandbox(&acct.id, T0, 60, 1000))
+            .await
+            .unwrap(),
+    );
+    assert_eq!(store.sandbox_broker(&sbx.id).await.unwrap(), None);
+    let broker = SandboxBroker {
+        ca_cert: "-----BEGIN CERTIFICATE-----".into(),
+        ca_key_sealed: b"sealed-ca".to_vec(),
+        secrets: vec![("OPENAI_API_KEY".into(), "sandpit-secret-0123".into())],
+    };
+    store.set_sandbox_broker(&sbx.id, &broker).await.unwrap();
+    assert_eq!(
+        store.sandbox_broker(&sbx.id).await.unwrap(),
+        Some(broker.clone())
+    );
+    assert!(matches!(
+        store.set_sandbox_broker("sbx_nothere", &broker).await,
+        Err(StoreError::NotFound(_))
+    ));
+    assert_eq!(
+        store
+            .live_sandboxes_using_secret(&acct.id, "OPENAI_API_KEY")
+            .await
+            .unwrap(),
+        vec![sbx.id.clone()]
+    );
+    assert!(store
+        .live_sandboxes_using_secret(&other.id, "OPENAI_API_KEY")
+        .await
+        .unwrap()
+        .is_empty());
+    assert_eq!(
+        store.live_brokered_sandboxes("local").await.unwrap(),
+        vec![sbx.id.clone()]
+    );
+    assert!(store
+        .live_brokered_sandboxes("elsewhere")
+        .await
+        .unwrap()
+        .is_empty());
+
+    // Deleted: gone from the account (the other's stays), true once; the
+    // sandbox keeps its placeholder.
+    let deleted = store
+        .delete_secret(&acct.id, "OPENAI_API_KEY")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(deleted.name, "OPENAI_API_KEY");
+    assert_eq!(
+        store
+            .delete_secret(&acct.id, "OPENAI_API_KEY")
+            .await
+            .unwrap(),
+        None
+    );
+    assert_eq!(store.list_secrets(&acct.id).await.unwrap().len(), 1);
+    assert_eq!(store.list_secrets(&other.id).await.unwrap().len(), 1);
+    assert_eq!(store.sandbox_broker(&sbx.id).await.unwrap(), Some(broker));
+
+    // An ended sandbox's egress changes no more.
+    store
+        .finish_sandbox(&sbx.id, SandboxStatus::Deleted, "destroyed", T0, 0)
+        .await
+        .unwrap();
+    assert!(store
+        .live_brokered_sandboxes("local")
+        .await
+        .unwrap()
+        .is_empty());
 }
