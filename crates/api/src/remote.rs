@@ -19,7 +19,8 @@ use sandpit_core::{
     Account, BuildTemplate, Caller, CoreError, CreateSandbox, CreateSnapshot, Encoding, ErrorType,
     ExecEvent, ExecParams, ExecStream, Execution, FileContent, FileDeleted, FileList, FileWritten,
     Fork, ForkSandbox, List, ListExecutions, ListSandboxes, ListSnapshots, NetworkLists, Port,
-    RestoreSandbox, Sandbox, ServiceInfo, SignedUrl, Snapshot, Template, Usage, WriteFile,
+    PutSecret, RestoreSandbox, Sandbox, Secret, ServiceInfo, SignedUrl, Snapshot, Template, Usage,
+    WriteFile,
 };
 use serde::de::DeserializeOwned;
 use std::collections::HashMap;
@@ -604,6 +605,25 @@ impl Templates for RemoteApi {
             .body(tar);
         self.send(r).await?;
         Ok(())
+    }
+}
+
+#[async_trait]
+impl Secrets for RemoteApi {
+    async fn put_secret(&self, caller: &Caller, name: &str, req: PutSecret) -> Result<Secret> {
+        let r = self
+            .request(caller, Method::PUT, self.url(&["secrets", name]))?
+            .json(&req);
+        self.call(r).await
+    }
+
+    async fn list_secrets(&self, caller: &Caller) -> Result<List<Secret>> {
+        self.get(caller, self.url(&["secrets"])).await
+    }
+
+    async fn delete_secret(&self, caller: &Caller, name: &str) -> Result<Secret> {
+        let r = self.request(caller, Method::DELETE, self.url(&["secrets", name]))?;
+        self.call(r).await
     }
 }
 

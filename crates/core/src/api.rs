@@ -1,6 +1,7 @@
 //! The operations an agent can ask for, as a few traits by subject
 //! ([`Sandboxes`], [`Snapshots`], [`Commands`], [`Files`], [`Ports`],
-//! [`Terminals`], [`Accounts`]) that [`SandboxApi`] gathers. The core
+//! [`Terminals`], [`Accounts`], [`Templates`], [`Secrets`]) that
+//! [`SandboxApi`] gathers. The core
 //! service implements each in the module of its subject; a REST client
 //! implements them for a remote server. The REST, MCP and dashboard
 //! adapters take an `Arc<dyn SandboxApi>` and translate, nothing more.
@@ -122,19 +123,29 @@ impl Drop for ExecStream {
 /// module of that subject, and an adapter names what it uses. Bring the
 /// methods into scope with `use sandpit_core::api::prelude::*`.
 pub trait SandboxApi:
-    Accounts + Sandboxes + Snapshots + Commands + Files + Ports + Terminals + Templates
+    Accounts + Sandboxes + Snapshots + Commands + Files + Ports + Terminals + Templates + Secrets
 {
 }
 
 impl<T> SandboxApi for T where
-    T: Accounts + Sandboxes + Snapshots + Commands + Files + Ports + Terminals + Templates + ?Sized
+    T: Accounts
+        + Sandboxes
+        + Snapshots
+        + Commands
+        + Files
+        + Ports
+        + Terminals
+        + Templates
+        + Secrets
+        + ?Sized
 {
 }
 
 /// The API's traits, for `use sandpit_core::api::prelude::*`.
 pub mod prelude {
     pub use super::{
-        Accounts, Commands, Files, Ports, SandboxApi, Sandboxes, Snapshots, Templates, Terminals,
+        Accounts, Commands, Files, Ports, SandboxApi, Sandboxes, Secrets, Snapshots, Templates,
+        Terminals,
     };
 }
 
@@ -577,6 +588,36 @@ pub trait Templates: Send + Sync {
         _archive: Vec<u8>,
     ) -> Result<()> {
         Err(no_templates())
+    }
+}
+
+/// What an implementation without secrets answers.
+fn no_secrets() -> crate::error::CoreError {
+    crate::error::CoreError::new(
+        crate::error::ErrorType::InvalidRequest,
+        "secrets are kept by a Sandpit server's own API only",
+    )
+}
+
+/// Secrets: an account's credentials, which its sandboxes use without
+/// holding them (see [`CreateSandbox::secrets`]). A value is given once and
+/// never shown again.
+#[async_trait]
+pub trait Secrets: Send + Sync {
+    /// Stores secret `name` (an environment variable's name), replacing
+    /// the account's secret of that name if it has one; its running
+    /// sandboxes that use it send the new value from their next request.
+    async fn put_secret(&self, _caller: &Caller, _name: &str, _req: PutSecret) -> Result<Secret> {
+        Err(no_secrets())
+    }
+    /// The account's secrets, by name, without their values.
+    async fn list_secrets(&self, _caller: &Caller) -> Result<List<Secret>> {
+        Err(no_secrets())
+    }
+    /// Deletes secret `name`: what it was. Sandboxes that use it keep
+    /// their placeholder, which is sent on as it is from then on.
+    async fn delete_secret(&self, _caller: &Caller, _name: &str) -> Result<Secret> {
+        Err(no_secrets())
     }
 }
 

@@ -98,6 +98,11 @@ pub struct ServiceConfig {
     /// shows (`unknown` unless the binary says; not a setting).
     #[serde(skip)]
     pub commit: String,
+    /// What secrets are sealed with at rest (`[secrets] key_file`; not a
+    /// setting of its own here: the server reads the file). A default
+    /// configuration has a random key of its own.
+    #[serde(skip)]
+    pub secrets_key: crate::secrets_key::SecretsKey,
 }
 
 impl ServiceConfig {
@@ -175,6 +180,7 @@ impl Default for ServiceConfig {
             paused_price_percent: 10,
             idle_pause_secs: 0,
             commit: "unknown".into(),
+            secrets_key: Default::default(),
         }
     }
 }

@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod model;
 pub mod preview;
 pub mod private_preview;
+pub mod secrets_key;
 pub mod service;
 pub mod utf8;
 

@@ -205,6 +205,70 @@ pub struct CreateSandbox {
     #[serde(skip)]
     #[schemars(skip)]
     pub private_traffic: bool,
+    /// The account's secrets (by name, at most 32) the sandbox uses: each
+    /// is an environment variable of its commands holding a placeholder,
+    /// which the host replaces with the value in HTTPS requests to the
+    /// secret's hosts only. The value never enters the sandbox.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub secrets: Vec<String>,
+    /// A fork's: the sandbox whose secrets (its CA and placeholders, which
+    /// the snapshot's guest already has) it takes on (not part of any API).
+    #[serde(skip)]
+    #[schemars(skip)]
+    pub secrets_of: Option<String>,
+}
+
+/// A secret of the account (`GET /v1/secrets`): a credential its sandboxes
+/// use without holding it. Its value is never shown again once stored.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Secret {
+    /// Always `"secret"`.
+    pub object: String,
+    /// The environment variable a sandbox created with it gets.
+    pub name: String,
+    /// The hosts it is sent to (`api.example.com`, `*.example.com`).
+    pub hosts: Vec<String>,
+    /// The request header it goes in.
+    pub header: String,
+    /// The header's value, `{value}` standing for the secret.
+    pub format: String,
+    /// RFC 3339 UTC.
+    pub created_at: String,
+    /// The last time it was stored (RFC 3339 UTC).
+    pub updated_at: String,
+    /// Not kept yet: always `null`.
+    pub last_used_at: Option<String>,
+}
+
+/// `PUT /v1/secrets/{name}` body: a secret stored, or replaced.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PutSecret {
+    /// The value (at most 8 KiB; no CR, LF or NUL). Never shown again.
+    pub value: String,
+    /// The hosts it may be sent to, 1 to 32: `api.example.com` or
+    /// `*.example.com` (any name under it).
+    pub hosts: Vec<String>,
+    /// The request header it goes in (default `Authorization`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub header: Option<String>,
+    /// The header's value, with `{value}` once where the secret goes
+    /// (default `Bearer {value}`; `{value}` for a header such as
+    /// `x-api-key`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub format: Option<String>,
+}
+
+/// Its value is never shown, in a log either.
+impl std::fmt::Debug for PutSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PutSecret")
+            .field("value", &"<redacted>")
+            .field("hosts", &self.hosts)
+            .field("header", &self.header)
+            .field("format", &self.format)
+            .finish()
+    }
 }
 
 /// A sandbox's own egress lists: IPv4 addresses and prefixes (`8.8.8.8`,

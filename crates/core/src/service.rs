@@ -32,6 +32,8 @@
 //!   service's info.
 //! - `terminals`: `Terminals`: interactive shells for people, their tokens,
 //!   and hanging them up when their sandbox ends.
+//! - `secrets`: `Secrets`: an account's secrets, and the broker of them a
+//!   sandbox's VM gets (its egress: `network`).
 //! - `checks`: the pure request checks, public for the fuzz targets and
 //!   the fake.
 //! - `errors`: how store and runtime failures read as API errors.
@@ -52,6 +54,8 @@ mod network;
 mod pause;
 mod ports;
 mod readings;
+mod secrets;
+pub use secrets::MAX_SANDBOX_SECRETS;
 mod snapshots;
 mod templates;
 pub use templates::{parse_reference as parse_template_reference, MAX_TEMPLATE_FILES_BYTES};
@@ -230,6 +234,9 @@ impl Service {
         if let Some(vms) = &self.vms {
             vms.start_tasks();
         }
+        // The values its VMs' egress proxies lost with the last process.
+        let me = self.clone();
+        tokio::spawn(async move { me.resend_brokered_egress().await });
         let me = Arc::downgrade(self);
         tokio::spawn(async move {
             loop {

@@ -834,6 +834,11 @@ fn page_of<'a, T: Clone + 'a>(
 #[async_trait]
 impl Terminals for Fake {}
 
+/// Secrets are a server's own (sealed under its key): the fake answers as
+/// any backend without them.
+#[async_trait]
+impl Secrets for Fake {}
+
 /// The fake builds no templates: it has none to list.
 #[async_trait]
 impl Templates for Fake {

@@ -129,8 +129,10 @@ fn private_dir(dir: &std::path::Path) -> Result<()> {
 /// only an existing one is used (the reaper).
 async fn service_with(settings: &Settings, build: bool) -> Result<Arc<Service>> {
     let store = open_store(settings).await?;
+    let mut config = settings.service.clone();
+    config.secrets_key = settings.secrets_key()?;
     if settings.no_vms {
-        let svc = Service::without_vms(settings.service.clone(), store);
+        let svc = Service::without_vms(config, store);
         svc.join_cluster(settings.cluster.clone(), "").await?;
         svc.start().await?;
         return Ok(svc);
@@ -151,7 +153,7 @@ async fn service_with(settings: &Settings, build: bool) -> Result<Arc<Service>> 
     } else {
         LocalVms::new(manager)
     };
-    let svc = Service::new(settings.service.clone(), store, vms);
+    let svc = Service::new(config, store, vms);
     // On a shared database this machine is a node of the cluster: it joins
     // (a new epoch, a lease) before it reconciles, so a sweep that declared
     // it lost while it was down has settled its old sandboxes already.

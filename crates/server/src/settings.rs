@@ -62,6 +62,8 @@ pub struct FileConfig {
     /// Sign-up on the dashboard: off, open or by invitation, and the free
     /// credit of a new account.
     pub signup: Option<sandpit_web::SignupConfig>,
+    /// Secrets at rest: the file of the key they are sealed with.
+    pub secrets: Option<SecretsSection>,
 }
 
 /// A size: resources and (for the server) its price.
@@ -174,6 +176,17 @@ pub struct NetworkSection {
     pub ca_certificates: Option<Vec<PathBuf>>,
 }
 
+/// `[secrets]`: what accounts' secrets are sealed with at rest.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SecretsSection {
+    /// A file holding the key (64 hex characters), its owner's alone
+    /// (mode 0600). Default: `<data_dir>/secrets.key`, made at the first
+    /// start. Every member of a cluster on one database must have the
+    /// same key: a secret sealed by one opens on the others only so.
+    pub key_file: Option<PathBuf>,
+}
+
 /// Resolved settings of one invocation.
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -213,12 +226,28 @@ pub struct Settings {
     pub metrics: crate::metrics::MetricsSection,
     /// `[signup]`.
     pub signup: sandpit_web::SignupConfig,
+    /// `[secrets] key_file`, when set (else the data directory's
+    /// `secrets.key`; see [`Settings::secrets_key`]).
+    pub secrets_key_file: Option<PathBuf>,
 }
 
 impl Settings {
     /// The SQLite file of the control plane.
     pub fn database(&self) -> PathBuf {
         self.data_dir.join("sandpit.db")
+    }
+
+    /// The key secrets are sealed with: `[secrets] key_file`'s, or the
+    /// data directory's `secrets.key`, made (random, 0600) at the first
+    /// start. A key that is not 64 hex characters, or that others can
+    /// read, is refused, saying what to do.
+    pub fn secrets_key(&self) -> Result<sandpit_core::secrets_key::SecretsKey> {
+        use sandpit_core::secrets_key::SecretsKey;
+        let key = match &self.secrets_key_file {
+            Some(path) => SecretsKey::load(path),
+            None => SecretsKey::load_or_create(&self.data_dir.join("secrets.key")),
+        };
+        key.map_err(anyhow::Error::msg)
     }
 }
 
@@ -497,6 +526,7 @@ impl Settings {
             connections: file.server.unwrap_or_default(),
             metrics: file.metrics.unwrap_or_default(),
             signup: file.signup.unwrap_or_default(),
+            secrets_key_file: file.secrets.and_then(|s| s.key_file),
         })
     }
 }
@@ -534,6 +564,48 @@ mod pool_tests {
         assert_eq!(m["medium"], 1);
         assert!(parse_pool_sizes("small").is_err());
         assert!(parse_pool_sizes("small=x").is_err());
+    }
+}
+
+#[cfg(test)]
+mod secrets_tests {
+    use super::Settings;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn the_secrets_key_is_the_configured_files_or_one_made_in_the_data_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        std::fs::create_dir(&data).unwrap();
+        let s = Settings::load(Some(data.clone()), None, None).unwrap();
+        assert_eq!(s.secrets_key_file, None);
+        s.secrets_key().unwrap();
+        let made = data.join("secrets.key");
+        let mode = std::fs::metadata(&made).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+
+        let config = dir.path().join("config.toml");
+        let key = dir.path().join("shared.key");
+        std::fs::write(
+            &config,
+            format!("[secrets]\nkey_file = \"{}\"\n", key.display()),
+        )
+        .unwrap();
+        let s = Settings::load(Some(data.clone()), None, Some(&config)).unwrap();
+        assert_eq!(s.secrets_key_file.as_deref(), Some(key.as_path()));
+        // A configured file is not made: it is the operator's.
+        let e = s.secrets_key().unwrap_err().to_string();
+        assert!(e.contains("key_file"), "{e}");
+        std::fs::write(&key, format!("{}\n", "0f".repeat(32))).unwrap();
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o640)).unwrap();
+        let e = s.secrets_key().unwrap_err().to_string();
+        assert!(e.contains("chmod 600"), "{e}");
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+        s.secrets_key().unwrap();
+
+        std::fs::write(&config, "[secrets]\nkey = \"x\"\n").unwrap();
+        let e = Settings::load(Some(data), None, Some(&config)).unwrap_err();
+        assert!(format!("{e:#}").contains("key"), "{e:#}");
     }
 }
 

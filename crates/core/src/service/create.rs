@@ -83,6 +83,9 @@ struct Order<'c> {
     workdir: Option<String>,
     /// Its own egress lists, checked, as stored.
     network: Option<String>,
+    /// The secrets it uses, `(name, placeholder)` (the placeholders are in
+    /// its `env` too).
+    placeholders: Vec<(String, String)>,
     size_name: String,
     size: &'c SizeConfig,
     timeout: u32,
@@ -154,6 +157,9 @@ impl Service {
                 true => self.made_private(row).await?,
                 false => row,
             };
+            // Its secrets before its VM starts, whose egress brokers them.
+            self.give_broker(&row, &order.placeholders, order.req.secrets_of.as_deref())
+                .await?;
             let host = row.host.clone();
             let id = row.id.clone();
             match self
@@ -224,6 +230,8 @@ impl Service {
             ));
         }
         let mut req = req;
+        // Checked against the create's own env, before a template adds to it.
+        let placeholders = self.placeholders_for(caller, &req).await?;
         let (mut template_id, mut workdir) = (None, None);
         // What it starts from, and that one's size.
         let from = if let Some(s) = &req.snapshot_id {
@@ -286,6 +294,10 @@ impl Service {
         };
         let (size_name, size, timeout) =
             check_create(&self.config, &req, idempotency_key.as_deref())?;
+        // A secret's placeholder over a template's variable of that name.
+        for (name, placeholder) in &placeholders {
+            req.env.insert(name.clone(), placeholder.clone());
+        }
         let price = size.price_micros_per_hour();
         let network = super::network::stored_lists(req.network.as_ref())?;
         // A template is named in the hash as a snapshot is (a request
@@ -302,6 +314,7 @@ impl Service {
             template_id,
             workdir,
             network,
+            placeholders,
             size_name,
             size,
             timeout,

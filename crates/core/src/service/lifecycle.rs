@@ -23,7 +23,6 @@ use crate::metrics::CreatePath;
 use crate::model::*;
 use crate::service::checks::{extension_minutes, page_limit, unknown_cursor};
 use crate::service::errors::{not_running, runtime_error};
-use crate::service::network::egress_of;
 use crate::service::Service;
 use sandpit_host::ids::rfc3339;
 use sandpit_host::machines::{Machines, Started};
@@ -122,7 +121,7 @@ impl Service {
                                 &first.size,
                                 first.snapshot_id.as_deref(),
                                 first.expires_at,
-                                egress_of(&first),
+                                me.egress(&first).await,
                             )
                             .await
                             .map(|_| ())
@@ -195,7 +194,7 @@ impl Service {
                 &row.size,
                 row.snapshot_id.as_deref(),
                 row.expires_at,
-                egress_of(&row),
+                self.egress(&row).await,
             )
             .await
         {

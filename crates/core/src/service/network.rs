@@ -1,7 +1,8 @@
 //! A sandbox's own egress: what its create asked for (E2B's
-//! `allow_internet_access`, its own `allow_out` and `deny_out` lists),
-//! stored with it, given to every start of its VM, and replaced while it
-//! lives (`update_network`).
+//! `allow_internet_access`, its own `allow_out` and `deny_out` lists, the
+//! secrets its egress proxy brokers), stored with it, given to every start
+//! of its VM ([`Service::egress`]), and replaced while it lives
+//! (`update_network`).
 //!
 //! Separate because every way a VM starts (create, restore, resume, fork,
 //! wake from idle sleep) asks it what the sandbox may reach, and the one
@@ -16,11 +17,10 @@ use crate::service::Service;
 use sandpit_runtime::Egress;
 use sandpit_store::SandboxRow;
 
-/// What sandbox `row`'s guest may reach, as every start of its VM is told:
-/// nothing when its create said no internet, else its own lists (checked
-/// when they were stored; a row that cannot be read gets nothing rather
-/// than everything).
-pub(crate) fn egress_of(row: &SandboxRow) -> Egress {
+/// What sandbox `row`'s guest may reach: nothing when its create said no
+/// internet, else its own lists (checked when they were stored; a row that
+/// cannot be read gets nothing rather than everything).
+fn egress_of(row: &SandboxRow) -> Egress {
     if row.internet_access == Some(false) {
         return Egress::blocked();
     }
@@ -69,6 +69,25 @@ pub(crate) fn stored_lists(lists: Option<&NetworkLists>) -> Result<Option<String
 const MAX_EGRESS_ENTRIES: usize = 256;
 
 impl Service {
+    /// The egress every start of sandbox `row`'s VM is given (and a live
+    /// one when it changes): what its guest may reach, and the secrets its
+    /// egress proxy brokers, with their values (see `secrets`). Secrets
+    /// that cannot be read or unsealed are left out, logged: the VM starts
+    /// without them rather than not at all.
+    pub(crate) async fn egress(&self, row: &SandboxRow) -> Egress {
+        let lists = egress_of(row);
+        let Some(broker) = self.broker_of(row).await else {
+            return lists;
+        };
+        match lists.clone().with_broker(broker) {
+            Ok(egress) => egress,
+            Err(why) => {
+                tracing::warn!(sandbox = %row.id, "its secrets: {why}; it gets none");
+                lists
+            }
+        }
+    }
+
     /// The API's `update_network`: sandbox `id`'s egress replaced by
     /// `lists` (and, from E2B's update, whether it may reach the network at
     /// all). A running sandbox's VM gets it first (in effect when this
@@ -100,7 +119,7 @@ impl Service {
             _ => return Err(not_running(&row)),
         };
         if let Some(m) = &machines {
-            m.set_egress(id, egress_of(&changed))
+            m.set_egress(id, self.egress(&changed).await)
                 .await
                 .map_err(runtime_error)?;
         }
@@ -111,7 +130,7 @@ impl Service {
         if !matches!(stored, Ok(true)) {
             // Not stored: the VM goes back to what the sandbox has.
             if let Some(m) = &machines {
-                let _ = m.set_egress(id, egress_of(&row)).await;
+                let _ = m.set_egress(id, self.egress(&row).await).await;
             }
         }
         if !stored? {

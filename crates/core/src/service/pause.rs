@@ -97,7 +97,7 @@ impl Service {
         let machines = self.machines_for(&row).await?;
         let resuming = self.restoring(id).await;
         let resumed = machines
-            .resume(id, row.expires_at, super::network::egress_of(&row))
+            .resume(id, row.expires_at, self.egress(&row).await)
             .await;
         drop(resuming);
         if let Err(e) = resumed {

@@ -409,6 +409,10 @@ impl Snapshots for Service {
             // From the snapshot: its origin's template and directory.
             template: None,
             layer: None,
+            // Its origin's secrets: the snapshot's guest has their
+            // placeholders (in `env` too) and trusts their CA.
+            secrets: Vec::new(),
+            secrets_of: Some(row.id.clone()),
         };
         let (_, size, timeout) = crate::service::checks::check_create(&self.config, &copy, None)?;
         let needed = cost(size.price_micros_per_hour(), u64::from(timeout) * 60) * i64::from(count);
@@ -517,12 +521,7 @@ impl Snapshots for Service {
         self.terminals.close(id);
         let restoring = self.restoring(id).await;
         let restored = machines
-            .restore(
-                id,
-                &snap.id,
-                row.expires_at,
-                super::network::egress_of(&row),
-            )
+            .restore(id, &snap.id, row.expires_at, self.egress(&row).await)
             .await;
         drop(restoring);
         if let Err(e) = restored {
