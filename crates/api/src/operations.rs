@@ -24,8 +24,8 @@ use sandpit_core::SandboxApi;
 use sandpit_core::{
     Account, BuildTemplate, CreateSandbox, CreateSnapshot, ExecParams, Execution, FileContent,
     FileDeleted, FileList, FileWritten, Fork, ForkSandbox, List, ListExecutions, ListSandboxes,
-    ListSnapshots, NetworkLists, Port, RestoreSandbox, Sandbox, ServiceInfo, SignedUrl, Snapshot,
-    Template, TerminalToken, Usage, WriteFile,
+    ListSnapshots, NetworkLists, Port, PutSecret, RestoreSandbox, Sandbox, Secret, ServiceInfo,
+    SignedUrl, Snapshot, Template, TerminalToken, Usage, WriteFile,
 };
 use schemars::generate::{Contract, SchemaGenerator, SchemaSettings};
 use schemars::JsonSchema;
@@ -365,6 +365,15 @@ fn table() -> Table {
     let template_list = res.subschema_for::<List<Template>>().to_value();
     let snapshot_list = res.subschema_for::<List<Snapshot>>().to_value();
     let snapshot_list_ref = snapshot_list.clone();
+    let secret_resp = json_content(res.subschema_for::<Secret>().to_value());
+    let secret_list = res.subschema_for::<List<Secret>>().to_value();
+    let secret_name = || {
+        path_param(
+            "name",
+            "The secret's name: an environment variable's (letters, digits and _).",
+            json!({"type": "string"}),
+        )
+    };
     let idempotency_header = |what: &str| {
         json!({
             "name": "Idempotency-Key",
@@ -644,6 +653,50 @@ fn table() -> Table {
             body: None,
             responses: vec![("200", "The deleted snapshot.", snapshot_resp.clone())],
             errors: Errors { not_found: true, conflict: true, ..AUTH },
+        },
+        Op {
+            method: "get",
+            path: "/v1/secrets",
+            handler: get(server::list_secrets),
+            id: "listSecrets",
+            summary: "List secrets",
+            description: "The account's secrets, by name: their hosts, header and format, never their \
+                values.",
+            params: vec![],
+            body: None,
+            responses: vec![("200", "Every secret, without its value.", json_content(secret_list))],
+            errors: AUTH,
+        },
+        Op {
+            method: "put",
+            path: "/v1/secrets/{name}",
+            handler: put(server::put_secret),
+            id: "putSecret",
+            summary: "Store a secret",
+            description: "Stores the secret `name` (replacing one of that name, whose `created_at` is \
+                kept), sealed at rest; its value is never shown again. A sandbox created with \
+                `secrets: [name]` has `name` in its commands' environment holding a placeholder, \
+                which the host replaces with the value in the secret's `header` (as `format` says) \
+                of HTTPS requests to its `hosts` only, after it verified their server: the value \
+                never enters the sandbox. Running sandboxes that use it send the new value from \
+                their next request. A bad name, value, host, header or format is 400, saying why.",
+            params: vec![secret_name()],
+            body: Some(json_content(req.subschema_for::<PutSecret>().to_value())),
+            responses: vec![("200", "The secret, without its value.", secret_resp.clone())],
+            errors: Errors { body: true, ..AUTH },
+        },
+        Op {
+            method: "delete",
+            path: "/v1/secrets/{name}",
+            handler: delete(server::delete_secret),
+            id: "deleteSecret",
+            summary: "Delete a secret",
+            description: "Deletes it; answers with it as it was (without its value). Sandboxes that \
+                use it keep their placeholder, which is sent on unchanged from their next request.",
+            params: vec![secret_name()],
+            body: None,
+            responses: vec![("200", "The deleted secret, without its value.", secret_resp)],
+            errors: Errors { not_found: true, ..AUTH },
         },
         Op {
             method: "post",

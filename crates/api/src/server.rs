@@ -14,7 +14,8 @@ use axum::response::{IntoResponse, Response};
 use axum::{Json, Router};
 use sandpit_core::{
     BuildTemplate, CoreError, CreateSandbox, CreateSnapshot, ExecParams, ForkSandbox,
-    ListExecutions, ListSandboxes, ListSnapshots, NetworkLists, RestoreSandbox, WriteFile,
+    ListExecutions, ListSandboxes, ListSnapshots, NetworkLists, PutSecret, RestoreSandbox,
+    WriteFile,
 };
 use serde::Serialize;
 
@@ -190,6 +191,27 @@ pub(crate) async fn build_template(
 ) -> ApiResult {
     let template = st.api.build_template(&c, body).await?;
     Ok((StatusCode::ACCEPTED, Json(template)).into_response())
+}
+
+pub(crate) async fn list_secrets(State(st): State<AppState>, Authed(c): Authed) -> ApiResult {
+    ok(st.api.list_secrets(&c).await?)
+}
+
+pub(crate) async fn put_secret(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(name): Path<String>,
+    JsonBody(body): JsonBody<PutSecret>,
+) -> ApiResult {
+    ok(st.api.put_secret(&c, &name, body).await?)
+}
+
+pub(crate) async fn delete_secret(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(name): Path<String>,
+) -> ApiResult {
+    ok(st.api.delete_secret(&c, &name).await?)
 }
 
 pub(crate) async fn list_templates(State(st): State<AppState>, Authed(c): Authed) -> ApiResult {

@@ -6,6 +6,7 @@
 mod openapi_doc;
 mod remote;
 mod rest;
+mod secrets;
 mod snapshots;
 mod stream;
 

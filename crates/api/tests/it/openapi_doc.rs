@@ -77,6 +77,8 @@ fn every_ref_resolves_and_ids_are_unique() {
         "ForkSandbox",
         "Fork",
         "RestoreSandbox",
+        "Secret",
+        "PutSecret",
     ] {
         assert!(schemas.contains_key(name), "no schema {name}");
     }
@@ -146,6 +148,10 @@ fn documents_exactly_the_contract_routes() {
         ("GET", "/v1/templates/{id}"),
         ("DELETE", "/v1/templates/{id}"),
         ("PUT", "/v1/templates/files/{sha256}"),
+        // Sandpit's own: secrets that never enter the VM.
+        ("GET", "/v1/secrets"),
+        ("PUT", "/v1/secrets/{name}"),
+        ("DELETE", "/v1/secrets/{name}"),
     ]
     .into_iter()
     .map(|(m, p)| (m.to_owned(), p.to_owned()))
@@ -160,7 +166,9 @@ async fn every_documented_route_is_served() {
         let url = format!(
             "{}{}",
             s.url,
-            path.replace("{id}", "x").replace("{port}", "1")
+            path.replace("{id}", "x")
+                .replace("{port}", "1")
+                .replace("{name}", "X")
         );
         let m = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
         let r = s.http.request(m, &url).send().await.unwrap();
