@@ -10,6 +10,7 @@
 mod doctor;
 mod operator;
 mod sandbox;
+mod secret;
 mod shell;
 mod template;
 
@@ -75,6 +76,12 @@ enum Command {
     Template {
         #[command(subcommand)]
         command: template::TemplateCommand,
+    },
+    /// Secrets on a server (--url, SANDPIT_API_KEY): set (the value from
+    /// stdin), list, delete; sandboxes use them without ever holding them
+    Secret {
+        #[command(subcommand)]
+        command: secret::SecretCommand,
     },
     /// Run the control plane: REST /v1 and MCP (Streamable HTTP) at /v1/mcp
     Serve(serve::ServeArgs),
@@ -191,6 +198,7 @@ async fn run(cli: Cli) -> Result<i32> {
         }
         Command::Sandbox { command } => sandbox::run(&settings, command).await,
         Command::Template { command } => template::run(&settings, command).await,
+        Command::Secret { command } => secret::run(command).await,
         Command::Serve(a) => serve::serve(&settings, a).await,
         Command::Mcp(a) => serve::mcp(&settings, a).await,
         Command::Node(a) => serve::node(&settings, a).await,
