@@ -525,6 +525,127 @@ mod tests {
         assert_ne!(p, new_placeholder());
     }
 
+    /// A sandbox row of `account_id` in the store, as a create makes it.
+    async fn sandbox_row(svc: &Service, account_id: &str) -> SandboxRow {
+        let at = OffsetDateTime::now_utc();
+        let new = sandpit_store::NewSandbox {
+            id: sandpit_host::ids::new_id("sbx_"),
+            account_id: account_id.to_string(),
+            name: None,
+            size: "small".into(),
+            vcpus: 1,
+            memory_mb: 512,
+            disk_gb: 10,
+            timeout_minutes: 15,
+            price_micros_per_hour: 0,
+            host: svc.config.host_name.clone(),
+            host_epoch: None,
+            snapshot_id: None,
+            created_at: at,
+            expires_at: at + time::Duration::minutes(15),
+            reserve_micros: 0,
+            max_concurrent: None,
+            disk_limit_bytes: None,
+            idempotency: None,
+            metadata: Default::default(),
+            env: Default::default(),
+            access_token: None,
+            every_port_public: false,
+            internet_access: None,
+            network: None,
+            template_id: None,
+            workdir: None,
+        };
+        match svc.store.create_sandbox(new).await.unwrap() {
+            sandpit_store::CreateOutcome::Created(row) => row,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// A create's secrets become its VM's broker, with their values; a
+    /// fork's is its origin's CA and placeholders; a deleted secret is
+    /// left out; a broker that does not open under the key is left out.
+    #[tokio::test]
+    async fn every_start_of_a_vm_is_given_its_secrets_values() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = sandpit_store::Store::open_sqlite(dir.path().join("sandpit.db"))
+            .await
+            .unwrap();
+        let config = crate::config::ServiceConfig::default();
+        let acct = crate::admin::create_account(&store, &config, "ann", 1.0)
+            .await
+            .unwrap();
+        let svc = Service::without_vms(config, store.clone());
+        let me = Caller {
+            account_id: acct.id.clone(),
+        };
+        for (name, value) in [("OPENAI_API_KEY", "sk-openai"), ("OTHER", "sk-other")] {
+            svc.put_secret(&me, name, put(&["api.openai.com"], None, None))
+                .await
+                .unwrap();
+            let req = PutSecret {
+                value: value.into(),
+                ..put(&["api.openai.com"], None, None)
+            };
+            svc.put_secret(&me, name, req).await.unwrap();
+        }
+        let req = CreateSandbox {
+            secrets: vec!["OPENAI_API_KEY".into()],
+            ..Default::default()
+        };
+        let placeholders = svc.placeholders_for(&me, &req).await.unwrap();
+        let row = sandbox_row(&svc, &acct.id).await;
+        svc.give_broker(&row, &placeholders, None).await.unwrap();
+        let egress = svc.egress(&row).await;
+        assert!(egress.brokers());
+        let broker = egress.broker.clone().unwrap();
+        assert!(broker.ca.cert_pem.contains("BEGIN CERTIFICATE"));
+        assert!(broker.ca.key_pem.expose().contains("PRIVATE KEY"));
+        assert_eq!(broker.secrets.len(), 1);
+        let secret = &broker.secrets[0];
+        assert_eq!(secret.placeholder, placeholders[0].1);
+        assert_eq!(secret.value.expose(), "sk-openai");
+        assert_eq!(secret.format, "Bearer {value}");
+
+        // A fork: the same CA and placeholders, its own sealing.
+        let fork = sandbox_row(&svc, &acct.id).await;
+        svc.give_broker(&fork, &[], Some(&row.id)).await.unwrap();
+        let forked = svc.egress(&fork).await.broker.unwrap();
+        assert_eq!(forked, broker);
+        let stored = store.sandbox_broker(&fork.id).await.unwrap().unwrap();
+        let origin = store.sandbox_broker(&row.id).await.unwrap().unwrap();
+        assert_ne!(stored.ca_key_sealed, origin.ca_key_sealed);
+
+        // Deleted: left out, the CA stays.
+        svc.delete_secret(&me, "OPENAI_API_KEY").await.unwrap();
+        let left = svc.egress(&row).await.broker.unwrap();
+        assert!(left.secrets.is_empty());
+        assert!(!svc.egress(&row).await.brokers());
+
+        // Under another key nothing opens: no broker, the VM starts anyway.
+        let other = Service::without_vms(crate::config::ServiceConfig::default(), store);
+        assert_eq!(other.egress(&row).await.broker, None);
+
+        // A create naming a variable of its env, or a name twice: refused.
+        let clash = CreateSandbox {
+            secrets: vec!["OTHER".into()],
+            env: [("OTHER".to_string(), "x".to_string())].into(),
+            ..Default::default()
+        };
+        let e = svc.placeholders_for(&me, &clash).await.unwrap_err();
+        assert!(
+            e.message.contains("both a secret and a variable"),
+            "{}",
+            e.message
+        );
+        let twice = CreateSandbox {
+            secrets: vec!["OTHER".into(), "OTHER".into()],
+            ..Default::default()
+        };
+        let e = svc.placeholders_for(&me, &twice).await.unwrap_err();
+        assert!(e.message.contains("twice"), "{}", e.message);
+    }
+
     #[test]
     fn a_put_never_shows_its_value() {
         let shown = format!("{:?}", put(&["a.com"], None, None));
