@@ -8,6 +8,7 @@ mod cluster;
 mod control_plane;
 mod load;
 mod preview;
+mod secrets;
 mod snapshots;
 
 use anyhow::Result;
@@ -80,6 +81,10 @@ pub enum BenchMode {
     /// Snapshots, fork, restore, pause and resume of a sandbox that touched
     /// memory, each as a ratio to a template restore in the same run
     Snapshots(crate::snapshots::SnapshotBenchArgs),
+    /// What the secret-injecting egress path adds over the plain one: an
+    /// HTTPS request on a new and on a kept connection, and throughput,
+    /// through the runtime's proxy on loopback (no VM, no root)
+    Secrets(crate::secrets::SecretsBenchArgs),
 }
 
 /// Refills timed with a live sandbox's commands running.
@@ -454,6 +459,7 @@ pub async fn run(settings: &Settings, a: BenchArgs) -> Result<i32> {
         Some(BenchMode::Load(load)) => return crate::load::run(load).await,
         Some(BenchMode::Cluster(c)) => return crate::cluster::run(settings, c).await,
         Some(BenchMode::Snapshots(s)) => return crate::snapshots::run(settings, s).await,
+        Some(BenchMode::Secrets(s)) => return crate::secrets::run(s).await,
         None => {}
     }
     let _owner = sandpit_server::serve::own(settings, sandpit_server::owner::Role::Bench)?;
