@@ -37,6 +37,9 @@ pub struct CreateSandboxArgs {
     /// What it may reach on the network, beyond the service's usual limits: allow_out and deny_out, IPv4 addresses and prefixes (see update_network). Leave out for the usual network.
     #[serde(default)]
     pub network: Option<NetworkLists>,
+    /// Names of the account's secrets to use (stored with `sandpit secret set` or PUT /v1/secrets/NAME). Each becomes an environment variable holding a placeholder, never the value: the service puts the value in for that secret's hosts only, in its header, on the way out over HTTPS. Use the variable as you would the key, e.g. `curl -H "Authorization: Bearer $OPENAI_API_KEY" https://api.openai.com/...`.
+    #[serde(default)]
+    pub secrets: Vec<String>,
 }
 
 impl From<CreateSandboxArgs> for CreateSandbox {
@@ -48,6 +51,7 @@ impl From<CreateSandboxArgs> for CreateSandbox {
             snapshot_id: a.snapshot_id,
             template: a.template,
             network: a.network,
+            secrets: a.secrets,
             ..CreateSandbox::default()
         }
     }

@@ -151,7 +151,11 @@ impl BrokerPath {
         )
         .await
         .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "the guest's handshake"))??;
-        let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(server))
+        // Header names go on as the guest wrote them (`Authorization`,
+        // not hyper's `authorization`): some servers still compare them.
+        let (sender, connection) = hyper::client::conn::http1::Builder::new()
+            .preserve_header_case(true)
+            .handshake(TokioIo::new(server))
             .await
             .map_err(io::Error::other)?;
         tokio::spawn(async move {
@@ -165,6 +169,7 @@ impl BrokerPath {
             async move { Ok::<_, hyper::Error>(path.forward(request, &sender, &host, &sandbox).await) }
         });
         if let Err(e) = hyper::server::conn::http1::Builder::new()
+            .preserve_header_case(true)
             .serve_connection(TokioIo::new(guest), service)
             .await
         {

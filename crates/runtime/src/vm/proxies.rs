@@ -37,9 +37,14 @@ impl VmManager {
         )
         .await
         .map_err(RuntimeError::io("starting the VM's egress proxy"))?;
-        let port = proxy.addr().port();
-        self.proxies.lock().unwrap().insert(id.to_string(), proxy);
-        Ok(Some(port))
+        // A restart of the proxies may have started one meanwhile (the
+        // service gives running VMs their secrets while this process
+        // restarts their proxies): the first stays, given this egress.
+        let mut proxies = self.proxies.lock().unwrap();
+        let proxy = proxies.entry(id.to_string()).or_insert(proxy);
+        proxy.set_rules(egress.rules());
+        proxy.set_broker(egress.broker.as_ref());
+        Ok(Some(proxy.addr().port()))
     }
 
     /// How the proxies reach a name's host: names resolved as the guests'
@@ -138,12 +143,26 @@ impl VmManager {
             if !matches!(self.state(&record), super::VmState::Running) {
                 continue;
             }
-            let redirect = match self.egress_proxy(&record.id, &record.egress).await {
-                Ok(port) => port,
+            // The record's egress has no secrets' values: a proxy the
+            // service gave them to meanwhile (see `egress_proxy`) is kept.
+            let proxy = match EgressProxy::start(
+                &record.id,
+                record.egress.rules(),
+                record.egress.broker.as_ref(),
+                self.egress_upstream(),
+            )
+            .await
+            {
+                Ok(p) => p,
                 Err(e) => {
                     tracing::warn!(id = %record.id, "restarting its egress proxy: {e}");
                     continue;
                 }
+            };
+            let redirect = {
+                let mut proxies = self.proxies.lock().unwrap();
+                let proxy = proxies.entry(record.id.clone()).or_insert(proxy);
+                Some(proxy.addr().port())
             };
             let plan = self.guard_plan(&record.egress, redirect);
             let installed = tokio::task::spawn_blocking(move || guard::install(uid, &plan)).await;
