@@ -866,6 +866,7 @@ async fn secrets_are_brokered_on_the_host(s: &sandpit_vmtest::Shared) {
         &format!("curl -sS -m 20 -H 'Authorization: Bearer {ph}' https://web.test/echo"),
     )
     .await;
+    // (Header names as the guest wrote them.)
     assert!(
         seen.contains(&format!("Authorization: Bearer {value}")),
         "{seen}"
@@ -997,7 +998,7 @@ fn process_memory_holds(pid: u32, needles: &[&[u8]]) -> Vec<bool> {
     let mut mem = std::fs::File::open(format!("/proc/{pid}/mem")).unwrap();
     let finders: Vec<_> = needles
         .iter()
-        .map(|n| memchr::memmem::Finder::new(n))
+        .map(memchr::memmem::Finder::new)
         .collect();
     let longest = needles.iter().map(|n| n.len()).max().unwrap_or(0) as u64;
     let mut found = vec![false; needles.len()];
