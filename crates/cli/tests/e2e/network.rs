@@ -996,10 +996,7 @@ fn process_memory_holds(pid: u32, needles: &[&[u8]]) -> Vec<bool> {
     const CHUNK: u64 = 64 << 20;
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
     let mut mem = std::fs::File::open(format!("/proc/{pid}/mem")).unwrap();
-    let finders: Vec<_> = needles
-        .iter()
-        .map(memchr::memmem::Finder::new)
-        .collect();
+    let finders: Vec<_> = needles.iter().map(memchr::memmem::Finder::new).collect();
     let longest = needles.iter().map(|n| n.len()).max().unwrap_or(0) as u64;
     let mut found = vec![false; needles.len()];
     for line in maps.lines() {
