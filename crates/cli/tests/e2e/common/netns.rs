@@ -149,7 +149,8 @@ impl TestHost {
 
     /// Serve `body` over HTTPS on `port` of the test host's address, with
     /// this certificate chain and key (PEM files); `{headers}` answers each
-    /// request with its own headers.
+    /// request with its own headers (see `HTTPS_SERVER` for
+    /// `{headers-masking:S}`).
     pub fn serve_https(&mut self, port: u16, cert: &Path, key: &Path, body: &str) {
         let https = Command::new("ip")
             .args(["netns", "exec", &self.ns, "python3", "-c", HTTPS_SERVER])
@@ -237,14 +238,21 @@ fn remove_leftovers_on(host_side: &str) {
 
 /// An HTTPS server on `argv[1]`, port `argv[2]`, with the certificate chain
 /// `argv[3]` and key `argv[4]`, answering every GET with `argv[5]`, or with
-/// the request's headers when that is `{headers}`.
+/// the request's headers when that is `{headers}`, or with them and each
+/// `S` in them shown as `<the secret>` when it is `{headers-masking:S}` (so
+/// a test sees that the server got `S` without `S` reaching the client).
 const HTTPS_SERVER: &str = r#"
 import http.server, ssl, sys
 addr, port, cert, key, body = sys.argv[1:6]
 class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = 'HTTP/1.1'
     def do_GET(self):
-        data = (str(self.headers) if body == '{headers}' else body).encode()
+        data = body
+        if body == '{headers}':
+            data = str(self.headers)
+        elif body.startswith('{headers-masking:'):
+            data = str(self.headers).replace(body[len('{headers-masking:'):-1], '<the secret>')
+        data = data.encode()
         self.send_response(200)
         self.send_header('Content-Length', str(len(data)))
         self.end_headers()
