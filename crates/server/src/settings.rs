@@ -174,6 +174,9 @@ pub struct NetworkSection {
     pub no_proxy: Option<Vec<String>>,
     /// PEM files of CA certificates every guest trusts.
     pub ca_certificates: Option<Vec<PathBuf>>,
+    /// PEM files of CA certificates the host trusts, besides its own trust
+    /// store, when it sends a brokered secret on to its server.
+    pub upstream_ca_certificates: Option<Vec<PathBuf>>,
 }
 
 /// `[secrets]`: what accounts' secrets are sealed with at rest.
@@ -457,6 +460,7 @@ impl Settings {
             rt.network.proxy = n.proxy;
             rt.network.no_proxy = n.no_proxy.unwrap_or_default();
             rt.network.ca_certificates = n.ca_certificates.unwrap_or_default();
+            rt.network.upstream_ca_certificates = n.upstream_ca_certificates.unwrap_or_default();
         }
         if let Some(v) = file.user_pids_max {
             rt.user_pids_max = v;
@@ -621,7 +625,8 @@ mod network_tests {
             &config,
             "[network]\nproxy = \"http://proxy.corp.example:3128\"\n\
              no_proxy = [\".corp.example\"]\n\
-             ca_certificates = [\"/etc/sandpit/corp-root.pem\"]\n",
+             ca_certificates = [\"/etc/sandpit/corp-root.pem\"]\n\
+             upstream_ca_certificates = [\"/etc/sandpit/internal-ca.pem\"]\n",
         )
         .unwrap();
         let s = Settings::load(Some(dir.path().into()), None, Some(&config)).unwrap();
@@ -631,6 +636,10 @@ mod network_tests {
         assert_eq!(
             n.ca_certificates,
             [std::path::Path::new("/etc/sandpit/corp-root.pem")]
+        );
+        assert_eq!(
+            n.upstream_ca_certificates,
+            [std::path::Path::new("/etc/sandpit/internal-ca.pem")]
         );
         assert_eq!(n.dns, None, "the guests' DNS stays passt's forwarder");
 
