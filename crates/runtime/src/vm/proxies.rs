@@ -41,9 +41,15 @@ impl VmManager {
         // service gives running VMs their secrets while this process
         // restarts their proxies): the first stays, given this egress.
         let mut proxies = self.proxies.lock().unwrap();
-        let proxy = proxies.entry(id.to_string()).or_insert(proxy);
-        proxy.set_rules(egress.rules());
-        proxy.set_broker(egress.broker.as_ref());
+        let proxy = match proxies.entry(id.to_string()) {
+            std::collections::hash_map::Entry::Vacant(v) => v.insert(proxy),
+            std::collections::hash_map::Entry::Occupied(o) => {
+                let first = o.into_mut();
+                first.set_rules(egress.rules());
+                first.set_broker(egress.broker.as_ref());
+                first
+            }
+        };
         Ok(Some(proxy.addr().port()))
     }
 
