@@ -394,6 +394,7 @@ async fn bench(a: &SecretsBenchArgs) -> Result<()> {
         Arc::new(|_name: String| Box::pin(async { Ok(vec![Ipv4Addr::LOCALHOST]) }));
     let upstream = Upstream {
         resolve,
+        name_servers: Vec::new(),
         forbidden: Arc::new(|_| false),
         tls: sandpit_runtime::egress::terminate::client_config(std::slice::from_ref(&server_ca)),
     };
@@ -422,6 +423,7 @@ async fn bench(a: &SecretsBenchArgs) -> Result<()> {
             format: "Bearer {value}".into(),
             value: Sensitive::new(VALUE),
         }],
+        headers: vec![],
     }
     .checked()
     .map_err(|e| anyhow!("the broker: {e}"))?;

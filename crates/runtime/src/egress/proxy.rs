@@ -8,8 +8,12 @@
 //! An address the operator denies or one of the host's own is never
 //! connected to ([`Upstream::forbidden`]): a name an allowed rule matches
 //! may well resolve to one.
+//!
+//! When the lists name hosts, the guest's DNS comes here too, on the same
+//! port number over UDP and TCP, and is answered as [`super::dns`] says.
 
 use super::broker::Broker;
+use super::dns::{self, Verdict};
 use super::peek::{peek, Peeked, MAX_PEEK};
 use super::rules::{Decision, Rules};
 use super::terminate::{self, BrokerPath};
@@ -21,7 +25,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpStream, UdpSocket};
 
 /// How long a connection may take to say which host it is for; one that
 /// says nothing by then (a protocol where the server speaks first) is
@@ -29,6 +33,12 @@ use tokio::net::{TcpListener, TcpStream};
 const PEEK_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long connecting to the destination may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+/// The most DNS queries over UDP one proxy answers at once; more are
+/// dropped (the guest's resolver asks again), so a guest that floods its
+/// name server holds a bounded share of the host.
+const MAX_DNS_IN_FLIGHT: usize = 64;
+/// How long a DNS connection over TCP may stay idle between queries.
+const DNS_TCP_IDLE: Duration = Duration::from_secs(10);
 
 /// Where a redirected connection was going.
 pub type OriginalOf = fn(&TcpStream) -> io::Result<SocketAddrV4>;
@@ -39,12 +49,13 @@ pub type Resolve = Arc<
 >;
 
 /// What the proxy connects with: how names resolve (as the guests' own
-/// name servers answer them), which addresses it must never reach, and
-/// what it trusts when it reaches a secret's server (see
-/// [`terminate::client_config`]).
+/// name servers answer them), those name servers (which the guests' DNS
+/// is asked of), which addresses it must never reach, and what it trusts
+/// when it reaches a secret's server (see [`terminate::client_config`]).
 #[derive(Clone)]
 pub struct Upstream {
     pub resolve: Resolve,
+    pub name_servers: Vec<SocketAddr>,
     pub forbidden: Arc<dyn Fn(Ipv4Addr) -> bool + Send + Sync>,
     pub tls: Arc<tokio_rustls::rustls::ClientConfig>,
 }
@@ -61,20 +72,24 @@ pub struct EgressProxy {
     addr: SocketAddr,
     policy: Arc<RwLock<Policy>>,
     refused: Arc<AtomicU64>,
-    task: tokio::task::JoinHandle<()>,
+    dns: Arc<DnsFilter>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl EgressProxy {
     /// A proxy for sandbox `sandbox` with `rules` and `broker`'s secrets,
-    /// on a free loopback port, for connections the host redirected to it.
+    /// on a free loopback port (the same number over TCP and UDP), for
+    /// connections and DNS queries the host redirected to it.
     pub async fn start(
         sandbox: &str,
         rules: Rules,
         broker: Option<&Broker>,
         upstream: Upstream,
     ) -> io::Result<EgressProxy> {
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
-        let proxy = EgressProxy::serve(listener, sandbox, rules, original_destination, upstream);
+        let (listener, dns) = bind_both().await?;
+        let mut proxy =
+            EgressProxy::serve(listener, sandbox, rules, original_destination, upstream);
+        proxy.answer_dns(dns);
         proxy.set_broker(broker);
         Ok(proxy)
     }
@@ -97,14 +112,30 @@ impl EgressProxy {
         }));
         let refused = Arc::new(AtomicU64::new(0));
         let (r, n, sandbox) = (policy.clone(), refused.clone(), sandbox.to_string());
+        let dns = Arc::new(DnsFilter {
+            sandbox: sandbox.clone(),
+            policy: policy.clone(),
+            refused: refused.clone(),
+            name_servers: upstream.name_servers.clone(),
+        });
+        let tcp_dns = dns.clone();
         let task = tokio::spawn(async move {
             loop {
                 let Ok((stream, _)) = listener.accept().await else {
                     continue;
                 };
                 let (r, n, sandbox, up) = (r.clone(), n.clone(), sandbox.clone(), upstream.clone());
+                let dns = tcp_dns.clone();
                 tokio::spawn(async move {
-                    if let Err(e) = handle(stream, &r, &n, &sandbox, original_of, &up).await {
+                    let to = match original_of(&stream) {
+                        Ok(to) => to,
+                        Err(e) => return tracing::debug!(%sandbox, "egress connection: {e}"),
+                    };
+                    let handled = match to.port() {
+                        53 => dns.serve_tcp(stream).await,
+                        _ => handle(stream, to, &r, &n, &sandbox, &up).await,
+                    };
+                    if let Err(e) = handled {
                         tracing::debug!(%sandbox, "egress connection: {e}");
                     }
                 });
@@ -114,8 +145,16 @@ impl EgressProxy {
             addr,
             policy,
             refused,
-            task,
+            dns,
+            tasks: vec![task],
         }
+    }
+
+    /// Answer the DNS queries that come to `socket` (the UDP side of its
+    /// port).
+    pub fn answer_dns(&mut self, socket: UdpSocket) {
+        let dns = self.dns.clone();
+        self.tasks.push(tokio::spawn(dns.serve_udp(socket)));
     }
 
     /// Where it listens.
@@ -148,19 +187,122 @@ impl EgressProxy {
 
 impl Drop for EgressProxy {
     fn drop(&mut self) {
-        self.task.abort();
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+/// A TCP listener and a UDP socket on one free loopback port.
+async fn bind_both() -> io::Result<(TcpListener, UdpSocket)> {
+    let mut last = None;
+    for _ in 0..16 {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        match UdpSocket::bind(listener.local_addr()?).await {
+            Ok(udp) => return Ok((listener, udp)),
+            // That number is taken over UDP: another one.
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.expect("tried at least once"))
+}
+
+/// A proxy's DNS side (see [`super::dns`]).
+struct DnsFilter {
+    sandbox: String,
+    policy: Arc<RwLock<Policy>>,
+    refused: Arc<AtomicU64>,
+    name_servers: Vec<SocketAddr>,
+}
+
+impl DnsFilter {
+    /// The answer to `query`, asked upstream with `ask` when the lists let
+    /// it be.
+    async fn answer<F, Fut>(&self, query: &[u8], ask: F) -> Option<Vec<u8>>
+    where
+        F: FnOnce(Vec<SocketAddr>, Vec<u8>) -> Fut,
+        Fut: Future<Output = io::Result<Vec<u8>>>,
+    {
+        let verdict = dns::verdict(&self.policy.read().unwrap().rules, query);
+        let (answer, rule, name) = match verdict {
+            Verdict::Answer { message, rule } => (message, rule, None),
+            Verdict::Ask { name } => {
+                let asked = ask(self.name_servers.clone(), query.to_vec()).await;
+                let answer = match asked {
+                    Ok(answer) => answer,
+                    Err(e) => {
+                        tracing::debug!(sandbox = %self.sandbox, %name, "DNS upstream: {e}");
+                        return None;
+                    }
+                };
+                let rules = self.policy.read().unwrap().rules.clone();
+                let (answer, rule) = dns::filter_answer(&rules, &name, &answer);
+                (answer, rule, Some(name))
+            }
+        };
+        if let Some(rule) = rule {
+            self.refused.fetch_add(1, Ordering::Relaxed);
+            let name = name.unwrap_or_else(|| "(the query)".into());
+            tracing::info!(sandbox = %self.sandbox, host = %name, %rule, "egress refused (DNS)");
+        }
+        Some(answer)
+    }
+
+    /// Queries over UDP, each answered by a task of its own (at most
+    /// [`MAX_DNS_IN_FLIGHT`] at once).
+    async fn serve_udp(self: Arc<Self>, socket: UdpSocket) {
+        let socket = Arc::new(socket);
+        let in_flight = Arc::new(tokio::sync::Semaphore::new(MAX_DNS_IN_FLIGHT));
+        let mut buf = vec![0u8; dns::MAX_UDP_MESSAGE];
+        loop {
+            let Ok((n, from)) = socket.recv_from(&mut buf).await else {
+                continue;
+            };
+            let Ok(permit) = in_flight.clone().try_acquire_owned() else {
+                continue;
+            };
+            let (me, socket, query) = (self.clone(), socket.clone(), buf[..n].to_vec());
+            tokio::spawn(async move {
+                let ask = |servers: Vec<SocketAddr>, q: Vec<u8>| async move {
+                    dns::ask_udp(&servers, &q).await
+                };
+                if let Some(answer) = me.answer(&query, ask).await {
+                    let _ = socket.send_to(&answer, from).await;
+                }
+                drop(permit);
+            });
+        }
+    }
+
+    /// Queries over TCP (length-prefixed), one after another, until the
+    /// guest closes or is idle for [`DNS_TCP_IDLE`].
+    async fn serve_tcp(&self, mut guest: TcpStream) -> io::Result<()> {
+        while let Ok(Some(query)) = tokio::time::timeout(DNS_TCP_IDLE, dns::read_framed(&mut guest))
+            .await
+            .unwrap_or(Ok(None))
+        {
+            let ask = |servers: Vec<SocketAddr>, q: Vec<u8>| async move {
+                dns::ask_tcp(&servers, &q).await
+            };
+            let Some(answer) = self.answer(&query, ask).await else {
+                return Ok(());
+            };
+            let length = u16::try_from(answer.len()).map_err(io::Error::other)?;
+            guest.write_all(&length.to_be_bytes()).await?;
+            guest.write_all(&answer).await?;
+        }
+        Ok(())
     }
 }
 
 async fn handle(
     mut guest: TcpStream,
+    to: SocketAddrV4,
     policy: &RwLock<Policy>,
     refused: &AtomicU64,
     sandbox: &str,
-    original_of: OriginalOf,
     upstream: &Upstream,
 ) -> io::Result<()> {
-    let to = original_of(&guest)?;
     // What the proxy writes goes at once (a brokered TLS handshake's small
     // records would otherwise wait 40 ms on a delayed ACK).
     guest.set_nodelay(true)?;
@@ -209,7 +351,8 @@ async fn handle(
             target.ip()
         ));
     }
-    // A secret's host over TLS: ended here, its secrets put in.
+    // A secret's host (or a header rule's) over TLS: ended here, its
+    // secrets put in.
     if let (
         Some(broker),
         Peeked::Tls {
@@ -217,7 +360,7 @@ async fn handle(
         },
     ) = (broker, &peeked)
     {
-        if !broker.secrets_for(host).is_empty() {
+        if broker.brokers_for(host) {
             let server = match terminate::reach(host, target, upstream.tls.clone()).await {
                 Ok(s) => s,
                 Err(rule) => return refuse(&rule),
@@ -333,6 +476,7 @@ mod tests {
                     }
                 })
             }),
+            name_servers: Vec::new(),
             forbidden: Arc::new(|a: Ipv4Addr| a.octets()[..2] == [169, 254]),
             tls: terminate::client_config(&[]),
         }
@@ -401,5 +545,70 @@ mod tests {
         let closed = proxy(&["web.example"], &["127.0.0.0/8"]).await;
         assert!(reset(ask(&closed, connect).await));
         assert_eq!(closed.refused(), 1);
+    }
+
+    /// A name server on loopback that answers every query with its own
+    /// bytes turned into an answer of one A record, 127.0.0.3.
+    async fn name_server() -> SocketAddr {
+        let socket = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let addr = socket.local_addr().unwrap();
+        tokio::spawn(async move {
+            let mut buf = [0u8; 512];
+            while let Ok((n, from)) = socket.recv_from(&mut buf).await {
+                let mut answer = buf[..n].to_vec();
+                answer[2] |= 0x80; // a response
+                answer[7] = 1; // one answer
+                answer.extend_from_slice(&[0xc0, 12, 0, 1, 0, 1, 0, 0, 0, 60, 0, 4, 127, 0, 0, 3]);
+                let _ = socket.send_to(&answer, from).await;
+            }
+        });
+        addr
+    }
+
+    fn a_query(name: &str) -> Vec<u8> {
+        let mut q = vec![0x42, 0x42, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0];
+        for label in name.split('.') {
+            q.push(label.len() as u8);
+            q.extend_from_slice(label.as_bytes());
+        }
+        q.extend_from_slice(&[0, 0, 1, 0, 1]);
+        q
+    }
+
+    #[tokio::test]
+    async fn lookups_over_udp_and_tcp_are_answered_by_the_lists() {
+        let (listener, udp) = bind_both().await.unwrap();
+        let up = Upstream {
+            name_servers: vec![name_server().await],
+            ..upstream()
+        };
+        let dns_port = |_: &TcpStream| Ok(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 53));
+        let mut p = EgressProxy::serve(
+            listener,
+            "sbx_test",
+            rules(&["web.example"], &["0.0.0.0/0"]),
+            dns_port,
+            up,
+        );
+        p.answer_dns(udp);
+        let guest = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let rcode_and_count = |a: &[u8]| (a[3] & 15, a[7]);
+        let mut buf = [0u8; 512];
+        for (name, expected) in [("web.example", (0, 1)), ("other.example", (3, 0))] {
+            guest.send_to(&a_query(name), p.addr()).await.unwrap();
+            let n = guest.recv(&mut buf).await.unwrap();
+            assert_eq!(rcode_and_count(&buf[..n]), expected, "{name}");
+        }
+        // Over TCP (the name server here speaks UDP only: a refused name
+        // is answered without it).
+        let mut tcp = TcpStream::connect(p.addr()).await.unwrap();
+        let q = a_query("other.example");
+        tcp.write_all(&(q.len() as u16).to_be_bytes())
+            .await
+            .unwrap();
+        tcp.write_all(&q).await.unwrap();
+        let answer = dns::read_framed(&mut tcp).await.unwrap().unwrap();
+        assert_eq!(rcode_and_count(&answer), (3, 0));
+        assert_eq!(p.refused(), 2);
     }
 }

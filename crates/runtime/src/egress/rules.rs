@@ -121,6 +121,37 @@ impl Rules {
     }
 }
 
+impl Rules {
+    /// The rule that refuses every connection under `name`, whatever the
+    /// name's addresses (a lookup of it is answered "no such name"): a
+    /// denied name, or a deny of everything, when neither an allowed name
+    /// nor an allowed prefix could let it through.
+    pub fn refuses_name(&self, name: &str) -> Option<String> {
+        if self.allow_names.iter().any(|r| r.matches(name)) || !self.allow_prefixes.is_empty() {
+            return None;
+        }
+        if let Some(r) = self.deny_names.iter().find(|r| r.matches(name)) {
+            return Some(r.to_string());
+        }
+        self.deny_prefixes
+            .iter()
+            .find(|p| p.mask == 0)
+            .map(|p| p.text.clone())
+    }
+
+    /// The rule that refuses a connection to `address` under `name` (an
+    /// address a lookup of `name` found is left out of its answer).
+    pub fn refuses_address(&self, name: &str, address: Ipv4Addr) -> Option<String> {
+        let named = Peeked::Tls {
+            server_name: Some(name.to_string()),
+        };
+        match self.decide(address, &named) {
+            Decision::Refuse { rule } => Some(rule),
+            Decision::Allow | Decision::AllowName(_) => None,
+        }
+    }
+}
+
 /// A list of prefixes an address is checked against (the operator's deny
 /// list, for the addresses the proxy connects to).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -66,6 +66,10 @@ pub struct GuardPlan {
     /// (those to what `deny` refuses or to the host's own addresses are
     /// not redirected, and are refused as ever), and the proxy decides.
     pub redirect: Option<u16>,
+    /// Whether its DNS (UDP and TCP port 53, to any server, the host's
+    /// own included) goes to the proxy's port too, to be answered by the
+    /// lists' names (see `egress::dns`).
+    pub filter_dns: bool,
 }
 
 /// The ports whose connections the egress proxy looks at.
@@ -106,6 +110,17 @@ pub fn script(uid: u32, plan: &GuardPlan) -> String {
     let nat_rule =
         |s: &mut String, r: &str| s.push_str(&format!("add rule inet {TABLE} {n} {r}\n"));
     let ports = PROXIED_PORTS.map(|p| p.to_string()).join(", ");
+    if let Some(port) = plan.redirect.filter(|_| plan.filter_dns) {
+        // Every lookup, whichever server it is for: the proxy asks the
+        // guests' own name servers (a denied one too: that is the
+        // resolver the operator configured).
+        nat_rule(
+            &mut s,
+            &format!(
+                "meta nfproto ipv4 meta l4proto {{ tcp, udp }} th dport 53 redirect to :{port}"
+            ),
+        );
+    }
     if let Some(port) = plan.redirect {
         // What the guard refuses is not redirected: it is refused below.
         for d in &plan.deny {
@@ -133,7 +148,9 @@ pub fn script(uid: u32, plan: &GuardPlan) -> String {
         // Only what the NAT chain redirected reaches the proxy's port.
         rule(
             &mut s,
-            &format!("ct status dnat ip daddr 127.0.0.1 tcp dport {port} accept"),
+            &format!(
+                "ct status dnat ip daddr 127.0.0.1 meta l4proto {{ tcp, udp }} th dport {port} accept"
+            ),
         );
     }
     let reject = |s: &mut String, d: &str| {
@@ -369,6 +386,7 @@ mod tests {
             then_allow: vec!["198.51.100.0/24".into()],
             then_deny: vec!["0.0.0.0/0".into()],
             redirect: None,
+            filter_dns: false,
         }
     }
 
@@ -378,6 +396,7 @@ mod tests {
             3_000_123,
             &GuardPlan {
                 redirect: Some(43_210),
+                filter_dns: true,
                 ..plan()
             },
         );
@@ -391,13 +410,27 @@ mod tests {
             at("vmnat_3000123 meta nfproto ipv4 tcp dport { 80, 443 } redirect to :43210");
         assert!(at("vmnat_3000123 ip daddr 10.0.0.0/8 return") < redirect);
         assert!(at("vmnat_3000123 fib daddr type local return") < redirect);
+        // Every lookup, to a denied server or the host's own resolver too.
+        let lookups = at(
+            "vmnat_3000123 meta nfproto ipv4 meta l4proto { tcp, udp } th dport 53 redirect to :43210",
+        );
+        assert!(lookups < at("vmnat_3000123 ip daddr 10.0.0.0/8 return"));
         at("nat_guests { 3000123 : jump vmnat_3000123 }");
         // The redirected flows pass the filter before its rejects.
-        let accepted = at("vm_3000123 ct status dnat ip daddr 127.0.0.1 tcp dport 43210 accept");
+        let accepted = at("vm_3000123 ct status dnat ip daddr 127.0.0.1 meta l4proto { tcp, udp } th dport 43210 accept");
         assert!(accepted < at("vm_3000123 ip daddr 10.0.0.0/8 meta l4proto tcp reject"));
         // Without names: no redirect, and the element goes.
         let plain = script(3_000_123, &plan());
         assert!(!plain.contains("redirect"), "{plain}");
+        // A proxy for secrets alone leaves lookups alone.
+        let secrets = script(
+            3_000_123,
+            &GuardPlan {
+                redirect: Some(43_210),
+                ..plan()
+            },
+        );
+        assert!(!secrets.contains("dport 53 redirect"), "{secrets}");
         assert!(plain.contains("delete element inet sandpit_guests nat_guests { 3000123 }"));
     }
 
@@ -466,6 +499,7 @@ mod tests {
                     3_000_123,
                     &GuardPlan {
                         redirect: Some(43_210),
+                        filter_dns: true,
                         ..plan()
                     },
                 )

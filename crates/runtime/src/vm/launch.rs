@@ -414,17 +414,7 @@ impl VmManager {
                 ..guard::GuardPlan::default()
             };
         }
-        let dns = match &self.config.network.dns {
-            Some(servers) => servers.iter().filter_map(|s| s.parse().ok()).collect(),
-            // passt forwards to the resolver it reads at its start, as here.
-            None => {
-                let conf = std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default();
-                net::host_resolver(&conf)
-                    .map(std::net::IpAddr::V4)
-                    .into_iter()
-                    .collect()
-            }
-        };
+        let dns = self.guest_name_servers();
         // A sandbox with lists of its own does not get the operator's proxy
         // past them: through it, it would reach any host, whatever its
         // lists say (the proxy's address is one destination like others).
@@ -442,6 +432,23 @@ impl VmManager {
             then_allow: egress.allow_prefixes(),
             then_deny: egress.deny_prefixes(),
             redirect: redirect.filter(|_| egress.needs_proxy()),
+            filter_dns: egress.has_names(),
+        }
+    }
+
+    /// The name servers a guest's lookups end at: the `[network] dns`
+    /// servers, else the host's resolver, which passt forwards to (read
+    /// now, as passt reads it at its start).
+    pub(super) fn guest_name_servers(&self) -> Vec<std::net::IpAddr> {
+        match &self.config.network.dns {
+            Some(servers) => servers.iter().filter_map(|s| s.parse().ok()).collect(),
+            None => {
+                let conf = std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default();
+                net::host_resolver(&conf)
+                    .map(std::net::IpAddr::V4)
+                    .into_iter()
+                    .collect()
+            }
         }
     }
 

@@ -109,8 +109,14 @@ impl VmManager {
                 })
             }
         };
+        let name_servers = self
+            .guest_name_servers()
+            .into_iter()
+            .map(|a| std::net::SocketAddr::new(a, 53))
+            .collect();
         Upstream {
             resolve,
+            name_servers,
             forbidden,
             tls: self.upstream_tls.clone(),
         }
