@@ -80,6 +80,11 @@ struct ErrorLabels {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ViaLabels {
+    via: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct DirectionLabels {
     direction: &'static str,
 }
@@ -284,6 +289,17 @@ fn register_events(registry: &mut Registry) {
         "sandpit_template_builds",
         "Snapshot template builds this process made, by outcome",
         template_builds,
+    );
+    let (connections, lookups) = sandpit_runtime::egress::proxy::refused_total();
+    let egress_refused: Family<ViaLabels, Counter> = Family::default();
+    for (via, n) in [("connection", connections), ("dns", lookups)] {
+        egress_refused.get_or_create(&ViaLabels { via }).inc_by(n);
+    }
+    registry.register(
+        "sandpit_egress_refused",
+        "Connections and name lookups of sandboxes that their network policy refused \
+         (each logged with its sandbox and rule), by how they were refused",
+        egress_refused,
     );
 }
 
@@ -527,6 +543,7 @@ mod exporter_tests {
             "sandpit_preview_connections_total",
             "sandpit_preview_connections_open",
             "sandpit_template_builds_total",
+            "sandpit_egress_refused_total",
             "sandpit_credit_reserved_usd",
             "sandpit_vms",
             "sandpit_vm_cpu_seconds_total",

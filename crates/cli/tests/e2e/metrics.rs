@@ -136,6 +136,7 @@ fn metrics_move_with_sandboxes_on_their_listener_and_behind_the_token() {
         for family in [
             "sandpit_template_builds_total",
             "sandpit_preview_connections_total",
+            "sandpit_egress_refused_total",
         ] {
             assert!(before.has(family), "{family} is missing");
         }

@@ -40,6 +40,16 @@ const MAX_DNS_IN_FLIGHT: usize = 64;
 /// How long a DNS connection over TCP may stay idle between queries.
 const DNS_TCP_IDLE: Duration = Duration::from_secs(10);
 
+/// Refusals of every proxy of this process: connections, then lookups.
+static REFUSED: [AtomicU64; 2] = [AtomicU64::new(0), AtomicU64::new(0)];
+
+/// Connections and lookups the egress proxies of this process refused so
+/// far (the metric `sandpit_egress_refused_total`).
+pub fn refused_total() -> (u64, u64) {
+    let read = |n: &AtomicU64| n.load(Ordering::Relaxed);
+    (read(&REFUSED[0]), read(&REFUSED[1]))
+}
+
 /// Where a redirected connection was going.
 pub type OriginalOf = fn(&TcpStream) -> io::Result<SocketAddrV4>;
 
@@ -242,6 +252,7 @@ impl DnsFilter {
         };
         if let Some(rule) = rule {
             self.refused.fetch_add(1, Ordering::Relaxed);
+            REFUSED[1].fetch_add(1, Ordering::Relaxed);
             let name = name.unwrap_or_else(|| "(the query)".into());
             tracing::info!(sandbox = %self.sandbox, host = %name, %rule, "egress refused (DNS)");
         }
@@ -333,6 +344,7 @@ async fn handle(
     };
     let refuse = |rule: &str| {
         refused.fetch_add(1, Ordering::Relaxed);
+        REFUSED[0].fetch_add(1, Ordering::Relaxed);
         tracing::info!(%sandbox, %to, host = ?peeked.name(), %rule, "egress refused");
         // A reset, so the guest's client fails at once.
         guest.set_zero_linger()
