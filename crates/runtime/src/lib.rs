@@ -34,7 +34,7 @@ pub use channel::tunnel::{PtyExit, TunnelCloser, TunnelStream};
 pub use channel::watch::DirWatch;
 pub use channel::{AgentClient, ExecHandle, ExecOutput, FileUpload, GuestDownload, GuestExecEvent};
 pub use config::{AccelChoice, NetworkPolicy, RuntimeConfig, SizeSpec};
-pub use egress::broker::{Broker, BrokerCa, BrokeredSecret, Sensitive};
+pub use egress::broker::{Broker, BrokerCa, BrokeredSecret, HeaderRule, Sensitive};
 pub use error::{Result, RuntimeError};
 pub use host::accel::Accel;
 /// Can this host compose a save's memory from files, so that the VMs started

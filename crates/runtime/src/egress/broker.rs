@@ -16,6 +16,12 @@
 //! turned into the value by this process, on a connection it made itself
 //! to a server that proved it is the secret's host.
 //!
+//! A sandbox may also have headers set on its requests to some hosts
+//! ([`HeaderRule`], E2B's network rules): their values, resolved by the
+//! service from the account's secrets (`Bearer ${e2b.secrets.NAME}`), are
+//! set on the same path, the guest's own header of that name replaced; the
+//! guest never holds even a placeholder.
+//!
 //! The values and the CA's key are [`Sensitive`]: never logged, never in a
 //! VM's record on disk (see [`Broker::without_values`]), wiped from memory
 //! when dropped.
@@ -76,6 +82,21 @@ pub struct BrokeredSecret {
     pub value: Sensitive,
 }
 
+/// A header set on every HTTPS request of the guest's to some hosts,
+/// whatever it sent in it (E2B's network rules).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeaderRule {
+    /// The hosts whose requests get it: names, `*.` wildcards allowed.
+    pub hosts: Vec<String>,
+    /// The header's name.
+    pub header: String,
+    /// Its value, secrets resolved; empty in a VM's record on disk (then
+    /// nothing is set).
+    pub value: Sensitive,
+    /// The names of the secrets its value holds, for logs.
+    pub secrets: Vec<String>,
+}
+
 /// A sandbox's own certificate authority: its guest trusts it, its egress
 /// proxy signs a certificate for a secret's host with it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -119,17 +140,22 @@ impl BrokerCa {
     }
 }
 
-/// What a sandbox's egress proxy brokers: its CA and its secrets.
+/// What a sandbox's egress proxy brokers: its CA, its secrets and the
+/// headers it sets.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Broker {
     pub ca: BrokerCa,
     pub secrets: Vec<BrokeredSecret>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub headers: Vec<HeaderRule>,
 }
 
 impl Broker {
     /// Checked: each secret's hosts are name rules, its header a header
     /// name, its format holds `{value}` once, its placeholder is long
-    /// enough not to be guessed and appears in no other.
+    /// enough not to be guessed and appears in no other; each header rule's
+    /// hosts are name rules, its header a header name, its value a
+    /// header's.
     pub fn checked(self) -> Result<Broker, String> {
         for s in &self.secrets {
             if s.hosts.is_empty() {
@@ -154,6 +180,20 @@ impl Broker {
                 return Err(format!("secret {}: a placeholder that short", s.name));
             }
         }
+        for h in &self.headers {
+            if h.hosts.is_empty() {
+                return Err(format!("header {}: it names no host", h.header));
+            }
+            for host in &h.hosts {
+                NameRule::parse(host).map_err(|e| format!("header {}: {e}", h.header))?;
+            }
+            if http::HeaderName::from_bytes(h.header.as_bytes()).is_err() {
+                return Err(format!("{:?} is not a header name", h.header));
+            }
+            if http::HeaderValue::from_str(h.value.expose()).is_err() {
+                return Err(format!("header {}: its value is not a header's", h.header));
+            }
+        }
         Ok(self)
     }
 
@@ -175,11 +215,21 @@ impl Broker {
                     ..s.clone()
                 })
                 .collect(),
+            headers: self
+                .headers
+                .iter()
+                .map(|h| HeaderRule {
+                    value: Sensitive::default(),
+                    ..h.clone()
+                })
+                .collect(),
         }
     }
 
     /// Whether it can broker anything: it has the CA's key and a value.
     pub fn is_usable(&self) -> bool {
-        !self.ca.key_pem.is_empty() && self.secrets.iter().any(|s| !s.value.is_empty())
+        !self.ca.key_pem.is_empty()
+            && (self.secrets.iter().any(|s| !s.value.is_empty())
+                || self.headers.iter().any(|h| !h.value.is_empty()))
     }
 }

@@ -1,20 +1,22 @@
 //! The secret-injecting path of an egress proxy (see [`super::broker`]): a
-//! guest's TLS connection to a secret's host, ended here with a
-//! certificate of the sandbox's CA, its HTTP/1.1 requests given the
-//! secret's value in place of the placeholder, and sent on over this
-//! process's own TLS connection to the server, verified against the host's
-//! trust store.
+//! guest's TLS connection to a secret's host (or a host a header rule
+//! names), ended here with a certificate of the sandbox's CA, its HTTP/1.1
+//! requests given the secret's value in place of the placeholder (and the
+//! rules' headers set), and sent on over this process's own TLS connection
+//! to the server, verified against the host's trust store.
 //!
 //! The order is what keeps a value from going astray: the server is
 //! reached and verified for the name the guest asked for *before* the
 //! guest's handshake completes (a server that fails verification resets
 //! the guest, as a refusal does), each request must name that same host in
 //! its `Host` (else 421, nothing sent), and only the secrets whose hosts
-//! match that name are put in, in their own header only. HTTP/2 is not
+//! match that name are put in, in their own header only (a header rule's
+//! likewise). Plain HTTP is never given a value: nothing proves where it
+//! goes. HTTP/2 is not
 //! offered to the guest (ALPN `http/1.1`), so every client falls back to
 //! the protocol read here.
 
-use super::broker::{Broker, BrokeredSecret};
+use super::broker::{Broker, BrokeredSecret, HeaderRule};
 use super::names::NameRule;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
@@ -42,6 +44,8 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 pub struct BrokerPath {
     broker: Broker,
     rules: Vec<(NameRule, usize)>,
+    /// The header rules' hosts, with each rule's index.
+    header_rules: Vec<(NameRule, usize)>,
     issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
     served: Mutex<HashMap<String, Arc<rustls::ServerConfig>>>,
     last_used: Mutex<HashMap<String, OffsetDateTime>>,
@@ -71,9 +75,21 @@ impl BrokerPath {
                     .filter_map(move |h| NameRule::parse(h).ok().map(|r| (r, i)))
             })
             .collect();
+        let header_rules = broker
+            .headers
+            .iter()
+            .enumerate()
+            .filter(|(_, h)| !h.value.is_empty())
+            .flat_map(|(i, h)| {
+                h.hosts
+                    .iter()
+                    .filter_map(move |host| NameRule::parse(host).ok().map(|r| (r, i)))
+            })
+            .collect();
         Some(BrokerPath {
             broker: broker.clone(),
             rules,
+            header_rules,
             issuer,
             served: Mutex::new(HashMap::new()),
             last_used: Mutex::new(HashMap::new()),
@@ -90,6 +106,24 @@ impl BrokerPath {
             .collect();
         found.dedup();
         found.iter().map(|i| &self.broker.secrets[*i]).collect()
+    }
+
+    /// The header rules for `host`.
+    pub fn headers_for(&self, host: &str) -> Vec<&HeaderRule> {
+        let mut found: Vec<usize> = self
+            .header_rules
+            .iter()
+            .filter(|(rule, _)| rule.matches(host))
+            .map(|(_, i)| *i)
+            .collect();
+        found.dedup();
+        found.iter().map(|i| &self.broker.headers[*i]).collect()
+    }
+
+    /// Whether the guest's TLS for `host` is ended here: a secret may go
+    /// to it, or a header rule names it.
+    pub fn brokers_for(&self, host: &str) -> bool {
+        !self.secrets_for(host).is_empty() || !self.headers_for(host).is_empty()
     }
 
     /// When each secret was last put into a request (by name).
@@ -197,7 +231,9 @@ impl BrokerPath {
                 "sandpit: this connection is for another host\n",
             );
         }
-        let used = put_in(request.headers_mut(), &self.secrets_for(host));
+        let mut used = put_in(request.headers_mut(), &self.secrets_for(host));
+        used.extend(set_headers(request.headers_mut(), &self.headers_for(host)));
+        used.dedup();
         if !used.is_empty() {
             let now = OffsetDateTime::now_utc();
             let mut last = self.last_used.lock().unwrap();
@@ -316,6 +352,29 @@ pub fn put_in(headers: &mut HeaderMap, secrets: &[&BrokeredSecret]) -> Vec<Strin
             headers.append(name.clone(), v);
         }
         used.push(s.name.clone());
+    }
+    used
+}
+
+/// `rules` applied to `headers`: each rule's header set to its value, any
+/// the guest sent of that name replaced (a later rule for the same header
+/// wins). Returns the names of the secrets their values hold.
+pub fn set_headers(headers: &mut HeaderMap, rules: &[&HeaderRule]) -> Vec<String> {
+    let mut used = Vec::new();
+    for rule in rules {
+        let Ok(name) = http::HeaderName::from_bytes(rule.header.as_bytes()) else {
+            continue;
+        };
+        let Ok(mut value) = HeaderValue::from_str(rule.value.expose()) else {
+            continue;
+        };
+        value.set_sensitive(!rule.secrets.is_empty());
+        headers.insert(name, value);
+        for secret in &rule.secrets {
+            if !used.contains(secret) {
+                used.push(secret.clone());
+            }
+        }
     }
     used
 }
@@ -478,6 +537,7 @@ mod tests {
         let broker = Broker {
             ca: BrokerCa::generate("sbx_test").unwrap(),
             secrets: vec![secret("Authorization", "Bearer {value}")],
+            headers: vec![],
         };
         let path = BrokerPath::new(&broker).expect("usable");
         assert_eq!(path.secrets_for("api.example.com").len(), 1);
@@ -494,6 +554,72 @@ mod tests {
         assert!(!on_disk.contains("sk-real-value"));
         assert!(!on_disk.contains("PRIVATE KEY"));
         assert_eq!(format!("{:?}", broker).matches("sk-real-value").count(), 0);
+    }
+
+    fn header_rule(hosts: &[&str], header: &str, value: &str) -> HeaderRule {
+        HeaderRule {
+            hosts: hosts.iter().map(|h| h.to_string()).collect(),
+            header: header.into(),
+            value: Sensitive::new(value),
+            secrets: vec!["my-key".into()],
+        }
+    }
+
+    #[test]
+    fn a_header_rule_sets_its_header_replacing_the_guests() {
+        let auth = header_rule(&["api.example.com"], "Authorization", "Bearer sk-real");
+        let extra = header_rule(&["api.example.com"], "X-Team", "a");
+        // The guest's own of that name replaced, every copy; others kept.
+        let mut h = headers(&[
+            ("authorization", "Bearer mine"),
+            ("Authorization", "Basic other"),
+            ("accept", "*/*"),
+        ]);
+        assert_eq!(set_headers(&mut h, &[&auth, &extra]), vec!["my-key"]);
+        assert_eq!(h.get_all("authorization").iter().count(), 1);
+        assert_eq!(h["authorization"], "Bearer sk-real");
+        assert!(h["authorization"].is_sensitive());
+        assert_eq!(h["x-team"], "a");
+        assert_eq!(h["accept"], "*/*");
+        // None sent: set all the same.
+        let mut h = HeaderMap::new();
+        set_headers(&mut h, &[&auth]);
+        assert_eq!(h["authorization"], "Bearer sk-real");
+        // A later rule for the same header wins.
+        let later = header_rule(&["api.example.com"], "authorization", "Bearer later");
+        let mut h = HeaderMap::new();
+        set_headers(&mut h, &[&auth, &later]);
+        assert_eq!(h["authorization"], "Bearer later");
+    }
+
+    #[test]
+    fn a_broker_with_header_rules_alone_ends_tls_for_their_hosts_only() {
+        let broker = Broker {
+            ca: BrokerCa::generate("sbx_test").unwrap(),
+            secrets: vec![],
+            headers: vec![header_rule(
+                &["api.example.com", "*.example.net"],
+                "Authorization",
+                "Bearer sk-real",
+            )],
+        }
+        .checked()
+        .unwrap();
+        let path = BrokerPath::new(&broker).expect("usable");
+        assert!(path.brokers_for("api.example.com"));
+        assert!(path.brokers_for("eu.example.net"));
+        assert!(!path.brokers_for("example.com"));
+        assert!(path.secrets_for("api.example.com").is_empty());
+        assert_eq!(path.headers_for("api.example.com").len(), 1);
+        // As a VM's record holds it: no value, nothing to broker.
+        let on_disk = broker.without_values();
+        assert!(BrokerPath::new(&on_disk).is_none());
+        assert!(!serde_json::to_string(&on_disk).unwrap().contains("sk-real"));
+        assert!(!format!("{broker:?}").contains("sk-real"));
+        // A value no header may hold is refused.
+        let mut bad = broker.clone();
+        bad.headers[0].value = Sensitive::new("a\nb");
+        assert!(bad.checked().is_err());
     }
 
     #[test]
