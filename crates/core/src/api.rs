@@ -9,6 +9,7 @@
 use crate::error::Result;
 use crate::model::*;
 use async_trait::async_trait;
+use std::collections::BTreeMap;
 use tokio::sync::mpsc;
 
 pub use sandpit_host::machines::{PtyExit, PtyInput, PtyOutput, PtySize};
@@ -246,6 +247,22 @@ pub trait Sandboxes: Send + Sync {
         internet_access: Option<bool>,
     ) -> Result<Sandbox> {
         let _ = (caller, id, lists, internet_access);
+        Err(crate::error::CoreError::invalid(
+            "changing a sandbox's network is not available here",
+        ))
+    }
+    /// E2B's `update_network`: as [`Sandboxes::update_network`], its
+    /// network rules replaced too (see [`NetworkRules`]; each secret they
+    /// name must be the account's). Not part of the REST API.
+    async fn update_network_and_rules(
+        &self,
+        caller: &Caller,
+        id: &str,
+        lists: NetworkLists,
+        internet_access: Option<bool>,
+        rules: NetworkRules,
+    ) -> Result<Sandbox> {
+        let _ = (caller, id, lists, internet_access, rules);
         Err(crate::error::CoreError::invalid(
             "changing a sandbox's network is not available here",
         ))
@@ -614,9 +631,41 @@ pub trait Secrets: Send + Sync {
     async fn list_secrets(&self, _caller: &Caller) -> Result<List<Secret>> {
         Err(no_secrets())
     }
-    /// Deletes secret `name`: what it was. Sandboxes that use it keep
-    /// their placeholder, which is sent on as it is from then on.
+    /// Deletes secret `name` (or of id `name`, `sec_…`): what it was.
+    /// Sandboxes that use it keep their placeholder, which is sent on as it
+    /// is from then on; their network rules that name it set nothing.
     async fn delete_secret(&self, _caller: &Caller, _name: &str) -> Result<Secret> {
+        Err(no_secrets())
+    }
+    /// Creates secret `name` as E2B does (lower-cased; letters, digits, `-`
+    /// and `_`; not `sec_…`), with no hosts: its sandboxes' network rules
+    /// put it in requests (see [`NetworkRules`]). A name the account has
+    /// already is a conflict. Not part of the REST API.
+    async fn create_secret(
+        &self,
+        _caller: &Caller,
+        _name: &str,
+        _value: String,
+        _metadata: BTreeMap<String, String>,
+    ) -> Result<Secret> {
+        Err(no_secrets())
+    }
+    /// The account's secret of id `secret` (`sec_…`) or of that name (as
+    /// it is, else lower-cased: E2B's canonical form), without its value.
+    async fn get_secret(&self, _caller: &Caller, _secret: &str) -> Result<Secret> {
+        Err(no_secrets())
+    }
+    /// A new value for secret `secret` (as [`Secrets::get_secret`] finds
+    /// it): its version one more, its metadata replaced when given, its
+    /// hosts kept. Running sandboxes that use it send the new value from
+    /// their next connection. Not part of the REST API.
+    async fn update_secret(
+        &self,
+        _caller: &Caller,
+        _secret: &str,
+        _value: String,
+        _metadata: Option<BTreeMap<String, String>>,
+    ) -> Result<Secret> {
         Err(no_secrets())
     }
 }

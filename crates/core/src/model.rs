@@ -216,6 +216,10 @@ pub struct CreateSandbox {
     #[serde(skip)]
     #[schemars(skip)]
     pub secrets_of: Option<String>,
+    /// Its network rules (E2B's; not part of the REST API).
+    #[serde(skip)]
+    #[schemars(skip)]
+    pub network_rules: NetworkRules,
 }
 
 /// A secret of the account (`GET /v1/secrets`): a credential its sandboxes
@@ -238,7 +242,27 @@ pub struct Secret {
     pub updated_at: String,
     /// Not kept yet: always `null`.
     pub last_used_at: Option<String>,
+    /// Its stable id (`sec_…`; E2B's `secretID`; not part of the REST API).
+    #[serde(skip)]
+    #[schemars(skip)]
+    pub id: String,
+    /// 1 at its create, one more at each new value (E2B's
+    /// `currentVersion`; not part of the REST API).
+    #[serde(skip)]
+    #[schemars(skip)]
+    pub version: i64,
+    /// Its owner's metadata (E2B's; not part of the REST API).
+    #[serde(skip)]
+    #[schemars(skip)]
+    pub metadata: BTreeMap<String, String>,
 }
+
+/// A sandbox's network rules (E2B's `network.rules`): per host name
+/// (`api.example.com`, `*.example.com`), the headers set on its HTTPS
+/// requests, each value a template in which `${e2b.secrets.NAME}` stands
+/// for the account's secret `NAME`, resolved on the host: the value never
+/// enters the sandbox.
+pub type NetworkRules = BTreeMap<String, BTreeMap<String, String>>;
 
 /// `PUT /v1/secrets/{name}` body: a secret stored, or replaced.
 #[derive(Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]

@@ -112,7 +112,7 @@ pub use nodes::{ms_to_time, Candidate, LostNode, NewNode, NodeRow};
 pub use sandboxes::{
     CreateOutcome, EventRow, ExtendOutcome, NewSandbox, SandboxPage, SandboxRow, UsageRow,
 };
-pub use secrets::{NewSecret, SandboxBroker, SecretRow};
+pub use secrets::{NewSecret, SandboxBroker, SecretRow, SecretValue};
 pub use snapshots::{NewSnapshot, SnapshotOutcome, SnapshotPage, SnapshotRow, SnapshotStatus};
 pub use states::{ExecutionState, ExecutionStatus, NodeState, SandboxStatus};
 pub use tally::SandboxTally;

@@ -1,5 +1,6 @@
-//! Secrets (see migration 0020): an account's credentials by name, and
-//! what a sandbox that uses them keeps (its CA, a placeholder for each).
+//! Secrets (see migrations 0020 and 0021): an account's credentials by
+//! name (and by id, E2B's), and what a sandbox that uses them keeps (its
+//! CA, a placeholder for each, its network rules).
 //!
 //! The store holds values and the CA's key only as the service sealed
 //! them: it never sees one in clear, and a value never leaves here except
@@ -9,7 +10,7 @@
 
 use crate::error::{Result, StoreError};
 use crate::states::live_statuses;
-use crate::util::{format_ts, get_opt_ts, get_str, get_ts, now};
+use crate::util::{format_ts, get_i64, get_opt_str, get_opt_ts, get_str, get_ts, new_id, now};
 use crate::Store;
 use sqlx::any::AnyRow;
 use sqlx::Row;
@@ -19,14 +20,21 @@ use time::OffsetDateTime;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SecretRow {
     pub account_id: String,
+    /// Its stable id (`sec_…`, E2B's `secretID`).
+    pub id: String,
     /// The guest's environment variable.
     pub name: String,
-    /// Host name rules it may be sent to.
+    /// Host name rules it may be sent to; none for one made through E2B
+    /// (its network rules put it in requests).
     pub hosts: Vec<String>,
     /// The request header it goes in.
     pub header: String,
     /// That header's value, `{value}` standing for the secret's.
     pub format: String,
+    /// 1 at its create, one more at each new value.
+    pub version: i64,
+    /// Its owner's metadata (E2B's), as JSON: an object of strings.
+    pub metadata: String,
     pub created_at: OffsetDateTime,
     /// The last put.
     pub updated_at: OffsetDateTime,
@@ -46,6 +54,16 @@ pub struct NewSecret {
     pub sealed_value: Vec<u8>,
 }
 
+/// What [`Store::update_secret_value`] changes: a secret's value (a new
+/// version), and its metadata when given.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SecretValue {
+    /// The value as the service sealed it.
+    pub sealed_value: Vec<u8>,
+    /// The new metadata (JSON), or `None` to keep it.
+    pub metadata: Option<String>,
+}
+
 /// A sandbox's brokered secrets: its own CA and the placeholders its guest
 /// has (see [`Store::set_sandbox_broker`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -56,21 +74,26 @@ pub struct SandboxBroker {
     pub ca_key_sealed: Vec<u8>,
     /// `(name, placeholder)`, by name.
     pub secrets: Vec<(String, String)>,
+    /// Its network rules (see migration 0021), as JSON, if it has any.
+    pub rules: Option<String>,
 }
 
 /// The columns of a [`SecretRow`].
-const SECRET_COLUMNS: &str = "account_id, name, hosts, header, format, created_at, updated_at, \
-                              last_used_at";
+const SECRET_COLUMNS: &str = "account_id, id, name, hosts, header, format, version, metadata, \
+                              created_at, updated_at, last_used_at";
 
 fn secret_from(row: &AnyRow) -> Result<SecretRow> {
     let hosts = get_str(row, "hosts")?;
     Ok(SecretRow {
         account_id: get_str(row, "account_id")?,
+        id: get_str(row, "id")?,
         name: get_str(row, "name")?,
         hosts: serde_json::from_str(&hosts)
             .map_err(|e| StoreError::Corrupt(format!("a secret's hosts {hosts:?}: {e}")))?,
         header: get_str(row, "header")?,
         format: get_str(row, "format")?,
+        version: get_i64(row, "version")?,
+        metadata: get_str(row, "metadata")?,
         created_at: get_ts(row, "created_at")?,
         updated_at: get_ts(row, "updated_at")?,
         last_used_at: get_opt_ts(row, "last_used_at")?,
@@ -79,15 +102,17 @@ fn secret_from(row: &AnyRow) -> Result<SecretRow> {
 
 impl Store {
     /// Stores `secret`, replacing the account's secret of that name if it
-    /// has one (whose `created_at` is kept): the row as stored.
+    /// has one (whose id, `created_at` and metadata are kept, its version
+    /// one more): the row as stored.
     pub async fn put_secret(&self, secret: &NewSecret) -> Result<SecretRow> {
         let at = format_ts(now());
         let row = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "INSERT INTO secrets (account_id, name, hosts, header, format, sealed_value, \
-             created_at, updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $7) \
+            "INSERT INTO secrets (account_id, id, name, hosts, header, format, sealed_value, \
+             created_at, updated_at) VALUES ($1, $8, $2, $3, $4, $5, $6, $7, $7) \
              ON CONFLICT (account_id, name) DO UPDATE SET hosts = excluded.hosts, \
              header = excluded.header, format = excluded.format, \
-             sealed_value = excluded.sealed_value, updated_at = excluded.updated_at \
+             sealed_value = excluded.sealed_value, updated_at = excluded.updated_at, \
+             version = secrets.version + 1 \
              RETURNING {SECRET_COLUMNS}"
         )))
         .bind(&secret.account_id)
@@ -97,9 +122,91 @@ impl Store {
         .bind(&secret.format)
         .bind(secret.sealed_value.clone())
         .bind(at)
+        .bind(new_id("sec"))
         .fetch_one(&self.pool)
         .await?;
         secret_from(&row)
+    }
+
+    /// Stores `secret` as a new one (version 1) with `metadata` (JSON):
+    /// `None` when the account has a secret of that name already.
+    pub async fn create_secret(
+        &self,
+        secret: &NewSecret,
+        metadata: &str,
+    ) -> Result<Option<SecretRow>> {
+        let at = format_ts(now());
+        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO secrets (account_id, id, name, hosts, header, format, sealed_value, \
+             metadata, created_at, updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $9) \
+             ON CONFLICT (account_id, name) DO NOTHING RETURNING {SECRET_COLUMNS}"
+        )))
+        .bind(&secret.account_id)
+        .bind(new_id("sec"))
+        .bind(&secret.name)
+        .bind(serde_json::to_string(&secret.hosts).expect("strings serialize"))
+        .bind(&secret.header)
+        .bind(&secret.format)
+        .bind(secret.sealed_value.clone())
+        .bind(metadata)
+        .bind(at)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(secret_from).transpose()
+    }
+
+    /// The account's secret `name`, without its value.
+    pub async fn secret(&self, account_id: &str, name: &str) -> Result<Option<SecretRow>> {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {SECRET_COLUMNS} FROM secrets WHERE account_id = $1 AND name = $2"
+        )))
+        .bind(account_id)
+        .bind(name)
+        .fetch_optional(&self.pool)
+        .await?
+        .as_ref()
+        .map(secret_from)
+        .transpose()
+    }
+
+    /// The account's secret of id `id`, without its value.
+    pub async fn secret_by_id(&self, account_id: &str, id: &str) -> Result<Option<SecretRow>> {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {SECRET_COLUMNS} FROM secrets WHERE account_id = $1 AND id = $2"
+        )))
+        .bind(account_id)
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await?
+        .as_ref()
+        .map(secret_from)
+        .transpose()
+    }
+
+    /// Gives the account's secret `name` a new value (its version one
+    /// more) and, when `change` says, new metadata; its hosts, header and
+    /// format stay. `None` when it has no secret of that name.
+    pub async fn update_secret_value(
+        &self,
+        account_id: &str,
+        name: &str,
+        change: &SecretValue,
+    ) -> Result<Option<SecretRow>> {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE secrets SET sealed_value = $3, metadata = COALESCE($4, metadata), \
+             version = version + 1, updated_at = $5 WHERE account_id = $1 AND name = $2 \
+             RETURNING {SECRET_COLUMNS}"
+        )))
+        .bind(account_id)
+        .bind(name)
+        .bind(change.sealed_value.clone())
+        .bind(change.metadata.as_deref())
+        .bind(format_ts(now()))
+        .fetch_optional(&self.pool)
+        .await?
+        .as_ref()
+        .map(secret_from)
+        .transpose()
     }
 
     /// An account's secrets, by name, without their values.
@@ -168,18 +275,21 @@ impl Store {
         .transpose()
     }
 
-    /// Gives sandbox `sandbox_id` its broker: its CA, and a placeholder for
-    /// each secret it uses (`(name, placeholder)`), in one transaction. A
+    /// Gives sandbox `sandbox_id` its broker: its CA, a placeholder for
+    /// each secret it uses (`(name, placeholder)`) and its network rules,
+    /// in one transaction. A
     /// fork's is its origin's, read with [`Store::sandbox_broker`] and given
     /// here (its CA's key sealed anew for it).
     pub async fn set_sandbox_broker(&self, sandbox_id: &str, broker: &SandboxBroker) -> Result<()> {
         let mut tx = self.write_tx().await?;
         let done = sqlx::query(
-            "UPDATE sandboxes SET broker_ca_cert = $2, broker_ca_key = $3 WHERE id = $1",
+            "UPDATE sandboxes SET broker_ca_cert = $2, broker_ca_key = $3, network_rules = $4 \
+             WHERE id = $1",
         )
         .bind(sandbox_id)
         .bind(&broker.ca_cert)
         .bind(broker.ca_key_sealed.clone())
+        .bind(broker.rules.as_deref())
         .execute(&mut *tx)
         .await?;
         if done.rows_affected() == 0 {
@@ -202,7 +312,7 @@ impl Store {
     /// Sandbox `sandbox_id`'s broker, if it has one.
     pub async fn sandbox_broker(&self, sandbox_id: &str) -> Result<Option<SandboxBroker>> {
         let Some(row) = sqlx::query(
-            "SELECT broker_ca_cert, broker_ca_key FROM sandboxes \
+            "SELECT broker_ca_cert, broker_ca_key, network_rules FROM sandboxes \
              WHERE id = $1 AND broker_ca_cert IS NOT NULL",
         )
         .bind(sandbox_id)
@@ -226,21 +336,23 @@ impl Store {
                 .try_get::<Option<Vec<u8>>, _>("broker_ca_key")?
                 .unwrap_or_default(),
             secrets,
+            rules: get_opt_str(&row, "network_rules")?,
         }))
     }
 
-    /// The ids of the account's live sandboxes that use its secret `name`:
-    /// those whose egress changes when it does.
+    /// The ids of the account's live sandboxes that use its secret `name`
+    /// (by a placeholder), or may (they have network rules, which name
+    /// secrets): those whose egress changes when it does.
     pub async fn live_sandboxes_using_secret(
         &self,
         account_id: &str,
         name: &str,
     ) -> Result<Vec<String>> {
         let rows = sqlx::query(concat!(
-            "SELECT s.id FROM sandboxes s JOIN sandbox_secrets u ON u.sandbox_id = s.id \
-             WHERE s.account_id = $1 AND u.name = $2 AND s.status IN ",
+            "SELECT s.id FROM sandboxes s WHERE s.account_id = $1 AND s.status IN ",
             live_statuses!(),
-            " ORDER BY s.id"
+            " AND (s.network_rules IS NOT NULL OR EXISTS (SELECT 1 FROM sandbox_secrets u \
+             WHERE u.sandbox_id = s.id AND u.name = $2)) ORDER BY s.id"
         ))
         .bind(account_id)
         .bind(name)

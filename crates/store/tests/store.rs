@@ -2915,6 +2915,14 @@ async fn secrets_are_an_accounts_own_and_sandboxes_keep_their_placeholders(store
         (replaced.header.as_str(), replaced.format.as_str()),
         ("x-api-key", "{value}")
     );
+    // Its id stays, its version counts the values.
+    assert!(first.id.starts_with("sec_"), "{}", first.id);
+    assert_eq!(
+        (replaced.id.as_str(), first.version),
+        (first.id.as_str(), 1)
+    );
+    assert_eq!(replaced.version, 2);
+    assert_eq!(replaced.metadata, "{}");
 
     // Listed by name, the account's own; read with values by name.
     let names: Vec<String> = store
@@ -2947,6 +2955,7 @@ async fn secrets_are_an_accounts_own_and_sandboxes_keep_their_placeholders(store
         ca_cert: "-----BEGIN CERTIFICATE-----".into(),
         ca_key_sealed: b"sealed-ca".to_vec(),
         secrets: vec![("OPENAI_API_KEY".into(), "sandpit-secret-0123".into())],
+        rules: None,
     };
     store.set_sandbox_broker(&sbx.id, &broker).await.unwrap();
     assert_eq!(
@@ -2997,6 +3006,74 @@ async fn secrets_are_an_accounts_own_and_sandboxes_keep_their_placeholders(store
     assert_eq!(store.list_secrets(&acct.id).await.unwrap().len(), 1);
     assert_eq!(store.list_secrets(&other.id).await.unwrap().len(), 1);
     assert_eq!(store.sandbox_broker(&sbx.id).await.unwrap(), Some(broker));
+
+    // E2B's: created once (a second create of the name is refused), found
+    // by name and by id, given a new value (its hosts kept, its metadata
+    // replaced when given).
+    let e2b = NewSecret {
+        hosts: vec![],
+        ..secret(&acct.id, "my-key", b"sealed-e")
+    };
+    let made = store
+        .create_secret(&e2b, r#"{"team":"a"}"#)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (made.version, made.metadata.as_str()),
+        (1, r#"{"team":"a"}"#)
+    );
+    assert!(made.hosts.is_empty());
+    assert_eq!(store.create_secret(&e2b, "{}").await.unwrap(), None);
+    assert_eq!(
+        store.secret(&acct.id, "my-key").await.unwrap(),
+        Some(made.clone())
+    );
+    assert_eq!(
+        store.secret_by_id(&acct.id, &made.id).await.unwrap(),
+        Some(made.clone())
+    );
+    assert_eq!(store.secret_by_id(&other.id, &made.id).await.unwrap(), None);
+    let change = |metadata: Option<&str>| sandpit_store::SecretValue {
+        sealed_value: b"sealed-e2".to_vec(),
+        metadata: metadata.map(str::to_string),
+    };
+    let two = store
+        .update_secret_value(&acct.id, "my-key", &change(None))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((two.version, two.metadata.as_str()), (2, r#"{"team":"a"}"#));
+    let three = store
+        .update_secret_value(&acct.id, "my-key", &change(Some("{}")))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((three.version, three.metadata.as_str()), (3, "{}"));
+    assert_eq!(three.id, made.id);
+    assert_eq!(
+        store
+            .update_secret_value(&acct.id, "nothere", &change(None))
+            .await
+            .unwrap(),
+        None
+    );
+
+    // A sandbox's network rules: kept with its broker, replaced while it
+    // lives; one with rules may use any of the account's secrets.
+    assert!(store
+        .set_sandbox_rules(&sbx.id, Some(r#"{"a.com":{}}"#))
+        .await
+        .unwrap());
+    let with_rules = store.sandbox_broker(&sbx.id).await.unwrap().unwrap();
+    assert_eq!(with_rules.rules.as_deref(), Some(r#"{"a.com":{}}"#));
+    assert_eq!(
+        store
+            .live_sandboxes_using_secret(&acct.id, "my-key")
+            .await
+            .unwrap(),
+        vec![sbx.id.clone()]
+    );
 
     // An ended sandbox's egress changes no more.
     store

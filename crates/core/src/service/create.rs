@@ -86,6 +86,8 @@ struct Order<'c> {
     /// The secrets it uses, `(name, placeholder)` (the placeholders are in
     /// its `env` too).
     placeholders: Vec<(String, String)>,
+    /// Its network rules, checked, as stored.
+    rules: Option<String>,
     size_name: String,
     size: &'c SizeConfig,
     timeout: u32,
@@ -158,8 +160,13 @@ impl Service {
                 false => row,
             };
             // Its secrets before its VM starts, whose egress brokers them.
-            self.give_broker(&row, &order.placeholders, order.req.secrets_of.as_deref())
-                .await?;
+            self.give_broker(
+                &row,
+                &order.placeholders,
+                order.rules.as_deref(),
+                order.req.secrets_of.as_deref(),
+            )
+            .await?;
             let host = row.host.clone();
             let id = row.id.clone();
             match self
@@ -232,6 +239,7 @@ impl Service {
         let mut req = req;
         // Checked against the create's own env, before a template adds to it.
         let placeholders = self.placeholders_for(caller, &req).await?;
+        let rules = self.stored_rules(caller, &req.network_rules).await?;
         let (mut template_id, mut workdir) = (None, None);
         // What it starts from, and that one's size.
         let from = if let Some(s) = &req.snapshot_id {
@@ -315,6 +323,7 @@ impl Service {
             workdir,
             network,
             placeholders,
+            rules,
             size_name,
             size,
             timeout,

@@ -610,7 +610,19 @@ impl Sandboxes for Service {
         lists: NetworkLists,
         internet_access: Option<bool>,
     ) -> Result<Sandbox> {
-        self.replace_network(caller, id, lists, internet_access)
+        self.replace_network(caller, id, lists, internet_access, None)
+            .await
+    }
+
+    async fn update_network_and_rules(
+        &self,
+        caller: &Caller,
+        id: &str,
+        lists: NetworkLists,
+        internet_access: Option<bool>,
+        rules: NetworkRules,
+    ) -> Result<Sandbox> {
+        self.replace_network(caller, id, lists, internet_access, Some(rules))
             .await
     }
 

@@ -1,6 +1,6 @@
 //! A sandbox's own egress: what its create asked for (E2B's
 //! `allow_internet_access`, its own `allow_out` and `deny_out` lists, the
-//! secrets its egress proxy brokers), stored with it, given to every start
+//! secrets its egress proxy brokers and its network rules), stored with it, given to every start
 //! of its VM ([`Service::egress`]), and replaced while it lives
 //! (`update_network`).
 //!
@@ -75,8 +75,14 @@ impl Service {
     /// that cannot be read or unsealed are left out, logged: the VM starts
     /// without them rather than not at all.
     pub(crate) async fn egress(&self, row: &SandboxRow) -> Egress {
+        self.egress_with(row, None).await
+    }
+
+    /// [`Service::egress`] with network rules `rules` (JSON, as stored)
+    /// instead of its stored ones, when given.
+    async fn egress_with(&self, row: &SandboxRow, rules: Option<Option<&str>>) -> Egress {
         let lists = egress_of(row);
-        let Some(broker) = self.broker_of(row).await else {
+        let Some(broker) = self.broker_of(row, rules).await else {
             return lists;
         };
         match lists.clone().with_broker(broker) {
@@ -90,18 +96,26 @@ impl Service {
 
     /// The API's `update_network`: sandbox `id`'s egress replaced by
     /// `lists` (and, from E2B's update, whether it may reach the network at
-    /// all). A running sandbox's VM gets it first (in effect when this
-    /// answers), then the store; a paused one (or one asleep) has it stored
-    /// and gets it when it resumes. In its turn with pause and resume, so
-    /// neither starts a VM with the egress it had before.
+    /// all, and its network `rules`; `None`: they stay). A running
+    /// sandbox's VM gets it first (in effect when this answers), then the
+    /// store; a paused one (or one asleep) has it stored and gets it when
+    /// it resumes. In its turn with pause and resume, so neither starts a
+    /// VM with the egress it had before. A sandbox given rules gets a CA of
+    /// its own first if it has none (its guest trusts it from this egress
+    /// on).
     pub(super) async fn replace_network(
         &self,
         caller: &Caller,
         id: &str,
         lists: NetworkLists,
         internet_access: Option<bool>,
+        rules: Option<NetworkRules>,
     ) -> Result<Sandbox> {
         let network = stored_lists(Some(&lists))?;
+        let rules = match &rules {
+            Some(rules) => Some(self.stored_rules(caller, rules).await?),
+            None => None,
+        };
         self.owned(caller, id).await?;
         let _turn = self.turns.take(id).await;
         let row = self.owned(caller, id).await?;
@@ -118,15 +132,22 @@ impl Service {
             }
             _ => return Err(not_running(&row)),
         };
+        if let Some(Some(_)) = &rules {
+            self.ensure_broker(&row).await?;
+        }
+        let new_rules = rules.as_ref().map(|r| r.as_deref());
         if let Some(m) = &machines {
-            m.set_egress(id, self.egress(&changed).await)
+            m.set_egress(id, self.egress_with(&changed, new_rules).await)
                 .await
                 .map_err(runtime_error)?;
         }
-        let stored = self
+        let mut stored = self
             .store
             .set_sandbox_network(id, internet_access, network.as_deref())
             .await;
+        if let (Ok(true), Some(rules)) = (&stored, new_rules) {
+            stored = self.store.set_sandbox_rules(id, rules).await;
+        }
         if !matches!(stored, Ok(true)) {
             // Not stored: the VM goes back to what the sandbox has.
             if let Some(m) = &machines {

@@ -413,6 +413,8 @@ impl Snapshots for Service {
             // placeholders (in `env` too) and trusts their CA.
             secrets: Vec::new(),
             secrets_of: Some(row.id.clone()),
+            // Its origin's too, with its secrets.
+            network_rules: Default::default(),
         };
         let (_, size, timeout) = crate::service::checks::check_create(&self.config, &copy, None)?;
         let needed = cost(size.price_micros_per_hour(), u64::from(timeout) * 60) * i64::from(count);

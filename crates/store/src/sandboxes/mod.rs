@@ -819,6 +819,20 @@ impl Store {
         Ok(done.rows_affected() > 0)
     }
 
+    /// Replaces a live sandbox's network rules (see migration 0021; `None`:
+    /// none). `false` when no live sandbox has that id.
+    pub async fn set_sandbox_rules(&self, id: &str, rules: Option<&str>) -> Result<bool> {
+        let done = sqlx::query(concat!(
+            "UPDATE sandboxes SET network_rules = $2 WHERE id = $1 AND status IN ",
+            live_statuses!()
+        ))
+        .bind(id)
+        .bind(rules)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() > 0)
+    }
+
     /// Makes every port of live sandbox `id` private (or not): see
     /// migration 0019. `false` when no live sandbox has that id.
     pub async fn set_private_traffic(&self, id: &str, private: bool) -> Result<bool> {
