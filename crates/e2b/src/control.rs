@@ -49,6 +49,7 @@ pub fn control_plane(e2b: E2b) -> Router {
         .route("/snapshots", get(list_snapshots))
         .route("/templates/{id}", axum::routing::delete(delete_snapshot))
         .merge(crate::templates::routes())
+        .merge(crate::secrets::routes())
         .fallback(not_built)
         .with_state(e2b)
 }
@@ -176,6 +177,7 @@ async fn create(
     );
     req.internet_access = internet_access;
     req.network = Some(lists).filter(|l| !l.allow_out.is_empty() || !l.deny_out.is_empty());
+    req.network_rules = wire::network_rules(network.and_then(|n| n.rules.as_ref()));
     // Every port then wants the traffic token (E2B's
     // `e2b-traffic-access-token` header; 403 without, as E2B answers).
     req.private_traffic = network.and_then(|n| n.allow_public_traffic) == Some(false);
@@ -255,7 +257,7 @@ fn egress(
 }
 
 /// E2B's `update_network`: the sandbox's egress replaced whole (see
-/// [`egress`]), in effect when this answers.
+/// [`egress`]), its network rules with it, in effect when this answers.
 async fn update_network(
     State(e2b): State<E2b>,
     Authed(caller): Authed,
@@ -274,8 +276,9 @@ async fn update_network(
         body.allow_out.as_deref(),
         body.deny_out.as_deref(),
     );
+    let rules = wire::network_rules(body.rules.as_ref());
     e2b.api
-        .update_network(&caller, &id, lists, internet_access)
+        .update_network_and_rules(&caller, &id, lists, internet_access, rules)
         .await?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
@@ -740,6 +743,26 @@ mod tests {
     }
 
     #[test]
+    fn e2bs_rules_are_the_headers_each_host_gets_the_last_one_winning() {
+        let rules: wire::Rules = serde_json::from_value(serde_json::json!({
+            "API.example.com": [
+                {"transform": {"headers": {"Authorization": "Bearer ${e2b.secrets.a}", "X-A": "1"}}},
+                {},
+                {"transform": {"headers": {"authorization": "Bearer ${e2b.secrets.b}"}}}
+            ],
+            "other.example.com": []
+        }))
+        .unwrap();
+        let got = wire::network_rules(Some(&rules));
+        assert_eq!(got.len(), 1);
+        let api = &got["api.example.com"];
+        assert_eq!(api.len(), 2);
+        assert_eq!(api["authorization"], "Bearer ${e2b.secrets.b}");
+        assert_eq!(api["X-A"], "1");
+        assert!(wire::network_rules(None).is_empty());
+    }
+
+    #[test]
     fn a_network_asking_for_what_sandpit_does_not_do_is_refused_by_name_and_lists_pass() {
         let create = |network: serde_json::Value| -> NewSandbox {
             serde_json::from_value(serde_json::json!({"templateID": "base", "network": network}))
@@ -757,6 +780,8 @@ mod tests {
             serde_json::json!({"denyOut": ["0.0.0.0/0"], "allowOut": ["1.1.1.1"]}),
             // Ports wanting the traffic token.
             serde_json::json!({"allowPublicTraffic": false}),
+            // Transform rules (the service checks them).
+            serde_json::json!({"rules": {"api.example.com": [{"transform": {"headers": {"A": "b"}}}]}}),
         ] {
             assert!(refuse_unsupported(&create(fine.clone())).is_ok(), "{fine}");
         }

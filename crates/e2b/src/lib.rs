@@ -24,6 +24,7 @@
 mod control;
 mod envd;
 mod error;
+mod secrets;
 mod templates;
 mod wire;
 

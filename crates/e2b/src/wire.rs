@@ -36,9 +36,46 @@ pub struct Network {
     pub allow_out: Option<Vec<String>>,
     pub deny_out: Option<Vec<String>>,
     pub mask_request_host: Option<String>,
-    /// Whatever else (the egress proxy, rules): refused when present.
+    pub rules: Option<Rules>,
+    /// Whatever else (the egress proxy): refused when present.
     #[serde(flatten)]
     pub other: BTreeMap<String, serde_json::Value>,
+}
+
+/// `network.rules` (E2B's `SandboxNetworkConfig.rules`): per host, rules
+/// in order, each a transform setting headers.
+pub type Rules = BTreeMap<String, Vec<Rule>>;
+
+/// `SandboxNetworkRule`.
+#[derive(Debug, Default, Deserialize)]
+pub struct Rule {
+    pub transform: Option<Transform>,
+}
+
+/// `SandboxNetworkTransform`.
+#[derive(Debug, Default, Deserialize)]
+pub struct Transform {
+    pub headers: Option<BTreeMap<String, String>>,
+}
+
+/// Rules as the service has them: per host, the headers set (a later
+/// rule's header over an earlier one's of the same name); a host whose
+/// rules set none is left out.
+pub fn network_rules(rules: Option<&Rules>) -> sandpit_core::NetworkRules {
+    let mut out = sandpit_core::NetworkRules::new();
+    for (host, list) in rules.into_iter().flatten() {
+        let set = out.entry(host.trim().to_ascii_lowercase()).or_default();
+        let headers = list
+            .iter()
+            .filter_map(|r| r.transform.as_ref()?.headers.as_ref())
+            .flatten();
+        for (name, value) in headers {
+            set.retain(|k: &String, _| !k.eq_ignore_ascii_case(name));
+            set.insert(name.clone(), value.clone());
+        }
+    }
+    out.retain(|_, set| !set.is_empty());
+    out
 }
 
 /// `PUT /sandboxes/{id}/network` (E2B's `SandboxNetworkUpdateConfig`):
@@ -50,7 +87,8 @@ pub struct NetworkUpdate {
     pub deny_out: Option<Vec<String>>,
     #[serde(rename = "allow_internet_access")]
     pub allow_internet_access: Option<bool>,
-    /// Whatever else (the egress proxy, rules, name servers): refused when
+    pub rules: Option<Rules>,
+    /// Whatever else (the egress proxy, name servers): refused when
     /// present.
     #[serde(flatten)]
     pub other: BTreeMap<String, serde_json::Value>,
