@@ -21,6 +21,7 @@ mod assets;
 mod files;
 mod keys;
 mod pages;
+mod secrets;
 mod session;
 mod signup;
 mod templates;
@@ -99,6 +100,8 @@ pub fn router(svc: Arc<Service>, config: WebConfig) -> Router {
         .route("/usage", get(pages::usage))
         .route("/keys", get(keys::list).post(keys::create))
         .route("/keys/{id}/revoke", post(keys::revoke))
+        .route("/secrets", get(secrets::list).post(secrets::put))
+        .route("/secrets/{name}/delete", post(secrets::delete))
         .route("/accounts", get(pages::accounts))
         .route("/accounts/{id}/credit", post(pages::add_credit))
         .route("/assets/{file}", get(assets::serve))

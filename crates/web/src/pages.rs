@@ -93,6 +93,7 @@ async fn render_sandboxes(
         )
         .await?;
     let templates = usable_templates(&web.api.list_templates(&signed.caller).await?.data);
+    let secrets = web.api.list_secrets(&signed.caller).await?.data;
     let (live_ones, ended): (Vec<&Sandbox>, Vec<&Sandbox>) =
         list.data.iter().partition(|s| live(s));
     let csrf = signed.csrf();
@@ -146,6 +147,16 @@ async fn render_sandboxes(
                             option value={ (t.name) ":" (t.tag) } {
                                 (t.name) ":" (t.tag) " (" (t.size) ")"
                             }
+                        }
+                    }
+                }
+                @if !secrets.is_empty() {
+                    div {
+                        label for="secrets" { "Secrets (names, optional)" }
+                        input id="secrets" name="secrets" type="text" spellcheck="false"
+                            list="secret-names" autocomplete="off";
+                        datalist id="secret-names" {
+                            @for s in &secrets { option value=(s.name) {} }
                         }
                     }
                 }
@@ -237,6 +248,9 @@ pub(crate) struct CreateForm {
     snapshot_id: String,
     #[serde(default)]
     template: String,
+    /// Secret names apart by commas or spaces.
+    #[serde(default)]
+    secrets: String,
 }
 
 /// `POST /sandboxes`: create, then show it.
@@ -255,6 +269,7 @@ pub(crate) async fn create(
         timeout_minutes: Some(f.timeout_minutes),
         snapshot_id: from_snapshot.then_some(f.snapshot_id),
         template: from_template.then_some(f.template),
+        secrets: entries(Some(&f.secrets)),
         ..CreateSandbox::default()
     };
     match web.api.create_sandbox(&signed.caller, req, None).await {

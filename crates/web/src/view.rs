@@ -22,6 +22,7 @@ pub(crate) enum Section {
     Templates,
     Usage,
     Keys,
+    Secrets,
     Accounts,
     None,
 }
@@ -56,6 +57,7 @@ pub(crate) fn page(
                                 (nav_item("/templates", "Templates", section == Section::Templates))
                                 (nav_item("/usage", "Usage", section == Section::Usage))
                                 (nav_item("/keys", "API keys", section == Section::Keys))
+                                (nav_item("/secrets", "Secrets", section == Section::Secrets))
                                 @if s.admin {
                                     (nav_item("/accounts", "Accounts", section == Section::Accounts))
                                 }

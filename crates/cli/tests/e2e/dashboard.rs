@@ -280,10 +280,52 @@ async fn a_person_uses_the_dashboard_in_a_real_browser() {
         json!([["small", true], ["medium", false], ["large", false]])
     );
 
-    // Create a sandbox from the form; its page shows it running. (Once the
-    // server's snapshot template exists, which its warm pool waits for: a
-    // sandbox booted before it cannot be paused or snapshotted.)
+    // A secret saved on its page: listed by name, hosts and header, its
+    // value never shown again; a bad name is told why, the form kept.
+    click_and_load(&b, "Secrets").await;
+    b.wait_for_text("No secrets yet", PATIENCE).await;
+    b.fill("Name (an environment variable)", "DASH_TOKEN").await;
+    b.fill("Value", "dash-secret-value-1234").await;
+    b.fill("Hosts it may be sent to", "api.example.test, *.example.org")
+        .await;
+    click_and_load(&b, "Save secret").await;
+    let listed = b.wait_for_text("Saved (1)", PATIENCE).await;
+    assert!(
+        listed.contains("DASH_TOKEN")
+            && listed.contains("api.example.test, *.example.org")
+            && listed.contains("Authorization: Bearer {value}")
+            && listed.contains("never"),
+        "{listed}"
+    );
+    let html = b
+        .execute("return document.documentElement.outerHTML", vec![])
+        .await;
+    assert!(
+        !html.as_str().unwrap().contains("dash-secret-value"),
+        "the value on the page"
+    );
+    let (_, secrets) = rest_get(&url, &admin_key, "/secrets").await;
+    assert_eq!(secrets["data"][0]["name"], "DASH_TOKEN", "{secrets}");
+    b.execute(
+        "document.getElementById('secret-name').removeAttribute('pattern')",
+        vec![],
+    )
+    .await;
+    b.fill("Name (an environment variable)", "2BAD").await;
+    b.fill("Value", "x").await;
+    b.fill("Hosts it may be sent to", "api.example.test").await;
+    click_and_load(&b, "Save secret").await;
+    b.wait_for_text("not an environment variable", PATIENCE)
+        .await;
+    shots.take(&b, "secrets").await;
+    click_and_load(&b, "Sandboxes").await;
+
+    // Create a sandbox from the form, with the secret; its page shows it
+    // running. (Once the server's snapshot template exists, which its warm
+    // pool waits for: a sandbox booted before it cannot be paused or
+    // snapshotted.)
     template_ready(&url, &admin_key).await;
+    b.fill("Secrets (names, optional)", "DASH_TOKEN").await;
     b.fill("Name (optional)", "demo").await;
     b.fill("Lifetime (minutes)", "30").await;
     click_and_load(&b, "Create sandbox").await;
@@ -298,11 +340,14 @@ async fn a_person_uses_the_dashboard_in_a_real_browser() {
     // A command from the command box, and its execution with its output.
     b.fill(
         "Command",
-        "echo made-$((6*7)) > /workspace/made.txt; cat /workspace/made.txt",
+        "echo made-$((6*7)) > /workspace/made.txt; cat /workspace/made.txt; \
+         echo \"token=${DASH_TOKEN:0:15}\"",
     )
     .await;
     click_and_load(&b, "Run").await;
     wait_for_output(&b, "made-42").await;
+    // The secret's placeholder, not its value, is what the sandbox holds.
+    wait_for_output(&b, "token=sandpit-secret-").await;
 
     // Files: the new file is listed, downloads as it is, uploads arrive
     // byte for byte, and a delete removes it.
