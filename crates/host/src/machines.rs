@@ -145,6 +145,16 @@ pub trait Machines: Send + Sync {
     /// of it is told the same by its caller.
     async fn set_egress(&self, id: &str, egress: Egress) -> VmResult<()>;
 
+    /// When running VM `id`'s egress last put each of its secrets into a
+    /// request (by name, RFC 3339), since its egress proxy started; empty
+    /// for a VM without one, or where that is not known.
+    async fn secrets_used(
+        &self,
+        _id: &str,
+    ) -> VmResult<std::collections::BTreeMap<String, String>> {
+        Ok(Default::default())
+    }
+
     /// Kills the VM and removes its files (one already gone is fine).
     /// Returns what its disk held just before, when it could be measured.
     async fn destroy(&self, id: &str) -> VmResult<Option<u64>>;

@@ -496,6 +496,15 @@ impl Machines for RemoteNode {
         .await
     }
 
+    async fn secrets_used(&self, id: &str) -> VmResult<std::collections::BTreeMap<String, String>> {
+        self.call(
+            &format!("sandboxes/{id}/secrets-used"),
+            &Nothing {},
+            RESPONSE_TIMEOUT,
+        )
+        .await
+    }
+
     async fn stats(&self, id: &str) -> VmResult<sandpit_protocol::GuestStats> {
         self.call(
             &format!("sandboxes/{id}/stats"),

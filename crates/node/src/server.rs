@@ -314,6 +314,7 @@ async fn handle(state: Arc<dyn NodeState>, req: Request<Incoming>) -> Response<B
                 },
                 "processes" => answer(vms.processes(&id).await),
                 "stats" => answer(vms.stats(&id).await),
+                "secrets-used" => answer(vms.secrets_used(&id).await),
                 "process" => match body.json::<wire::ProcessArgs>().await {
                     Ok(a) => answer(vms.process_call(&id, a.pid, a.call, a.input).await),
                     Err(r) => r,

@@ -203,6 +203,14 @@ impl Machines for LocalVms {
         self.ensure_egress(id, egress).await
     }
 
+    async fn secrets_used(&self, id: &str) -> VmResult<std::collections::BTreeMap<String, String>> {
+        let used = self.manager.secrets_last_used(id);
+        Ok(used
+            .into_iter()
+            .map(|(name, at)| (name, crate::ids::rfc3339(at)))
+            .collect())
+    }
+
     async fn held_parts(&self) -> VmResult<Vec<String>> {
         Ok(self.manager.held_parts())
     }

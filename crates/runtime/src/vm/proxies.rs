@@ -127,6 +127,20 @@ impl VmManager {
         self.proxies.lock().unwrap().remove(id);
     }
 
+    /// When VM `id`'s egress proxy last put each of its secrets into a
+    /// request (by name; empty without a proxy).
+    pub fn secrets_last_used(
+        &self,
+        id: &str,
+    ) -> std::collections::HashMap<String, time::OffsetDateTime> {
+        self.proxies
+            .lock()
+            .unwrap()
+            .get(id)
+            .map(EgressProxy::secrets_last_used)
+            .unwrap_or_default()
+    }
+
     /// Connections VM `id`'s egress proxy refused (0 without one).
     pub fn egress_refused(&self, id: &str) -> u64 {
         self.proxies
