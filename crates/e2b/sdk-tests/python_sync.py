@@ -9,12 +9,14 @@ import threading
 import time
 import urllib.parse
 
-from e2b import PtySize, Sandbox
+from e2b import PtySize, Sandbox, Secret
 from e2b import (
     AuthenticationException,
     CommandExitException,
     NotFoundException,
     SandboxException,
+    SecretException,
+    SecretNotFoundException,
 )
 
 
@@ -547,16 +549,98 @@ finally:
     offline.kill()
 ok("allow_internet_access=False: nothing leaves, at once; get_host works; still so after a pause and in a fork")
 
+# Secrets (E2B's `Secret`): values written once, never read back; listed
+# a page at a time, found by name and by id, given new values (versions).
+SECRET_VALUE = os.environ["SANDPIT_SECRET_VALUE"]
+made = Secret.create("Web-Token", SECRET_VALUE, metadata={"suite": "python-sync"})
+assert made.name == "web-token" and made.version == 1, made
+assert made.secret_id.startswith("sec_") and made.metadata == {"suite": "python-sync"}, made
+for name in ("extra-a", "extra-b"):
+    Secret.create(name, "v-" + name)
+pager = Secret.list(limit=2)
+names, pages = [], 0
+while pager.has_next:
+    names += [s.name for s in pager.next_items()]
+    pages += 1
+assert names == ["extra-a", "extra-b", "web-token"] and pages == 2, (names, pages)
+assert Secret.get_info("web-token").secret_id == made.secret_id
+assert Secret.get_info(made.secret_id).name == "web-token"
+updated = Secret.update("web-token", SECRET_VALUE)
+assert updated.version == 2 and updated.metadata == {"suite": "python-sync"}, updated
+assert updated.secret_id == made.secret_id, updated
+assert Secret.destroy("extra-a") is True
+try:
+    Secret.get_info("extra-a")
+    raise AssertionError("a destroyed secret was found")
+except SecretNotFoundException:
+    pass
+assert Secret.destroy("extra-a") is False
+assert Secret.exists("extra-b") and not Secret.exists("extra-a")
+try:
+    Secret.create("not.a.name", "v")
+    raise AssertionError("a name with a dot was accepted")
+except (SecretException, SandboxException) as e:
+    assert "letters, digits" in str(e), e
+ok("Secret: create, list paged, get_info by name and id, update (version 2), destroy, then not found; a bad name refused")
+
 # A sandbox's own lists: an allow list with everything else denied reaches
 # the allowed host and is refused elsewhere at once (curl's 7, not a
 # timeout); update_network replaces them on the running sandbox, and on a
-# paused one for when it resumes; a domain rule is refused by name.
+# paused one for when it resumes; a domain rule is refused by name. Its
+# network rules set a header holding the secret on its HTTPS requests to
+# web.test (the test host's site, whose answer shows the value as `<the
+# secret>`): set on the host, the value never in the guest.
 internet_ip = urllib.parse.urlparse(INTERNET).hostname
 ELSEWHERE = "http://198.51.100.1:8080/"
+WEB = (
+    f"curl -sS -m 20 --resolve web.test:443:{internet_ip} "
+    "-H 'Authorization: Bearer mine' https://web.test/echo"
+)
+
+
+def header_rules(value):
+    return {"web.test": [{"transform": {"headers": {"Authorization": value}}}]}
+
+
+try:
+    Sandbox.create(
+        timeout=60, network={"rules": header_rules("Bearer ${e2b.secrets.nope}")}
+    )
+    raise AssertionError("a rule naming no secret was accepted")
+except SandboxException as e:
+    assert "no secret named" in str(e), e
 listed = Sandbox.create(
-    timeout=120, network={"allow_out": [internet_ip], "deny_out": ["0.0.0.0/0"]}
+    timeout=120,
+    network={
+        "allow_out": [internet_ip],
+        "deny_out": ["0.0.0.0/0"],
+        "rules": header_rules(f"Bearer {Secret.fill('web-token')}"),
+    },
 )
 try:
+    seen = listed.commands.run(WEB).stdout
+    assert "Authorization: Bearer <the secret>" in seen and "mine" not in seen, seen
+    env = listed.commands.run("env").stdout
+    assert SECRET_VALUE not in env and "e2b.secrets" not in env, env
+    found = listed.commands.run(
+        f"grep -rl {SECRET_VALUE} /etc /tmp /root /home 2>/dev/null; true"
+    ).stdout
+    assert found.strip() == "", found
+    listed.update_network(
+        {
+            "allow_out": [internet_ip],
+            "deny_out": ["0.0.0.0/0"],
+            "rules": header_rules("Token ${e2b.secrets.web-token}"),
+        }
+    )
+    seen = listed.commands.run(WEB).stdout
+    assert "Authorization: Token <the secret>" in seen, seen
+    try:
+        listed.update_network({"rules": header_rules("${e2b.secrets.nope}")})
+        raise AssertionError("a rule naming no secret was accepted")
+    except SandboxException as e:
+        assert "no secret named" in str(e), e
+    ok("network rules: a header with a secret set on the host for its domain (HTTPS), never in the guest; replaced by update_network; an unknown secret refused")
     assert curl_exit(listed, INTERNET) == 0
     assert curl_exit(listed, ELSEWHERE) == 7
     listed.update_network({"deny_out": [f"{internet_ip}/32"]})

@@ -102,15 +102,38 @@ pub(crate) fn run_sdk_with(
 /// The test host that plays the internet for the SDKs' sandboxes.
 const INTERNET_HOST_SIDE: &str = "198.18.81.1";
 const INTERNET: &str = "198.18.81.2";
+/// The value of the secret the sync script's network rules put in its
+/// requests to `web.test` (the test host's HTTPS site, whose answer shows
+/// it as `<the secret>`): what must never be in the guest.
+const SECRET_VALUE: &str = "sk-e2b-3f9a1c7e5b2d8f4a6c0e9b7d5a3c1e8f";
 
 #[test]
 fn the_python_and_javascript_sdks_drive_sandboxes_unchanged() {
     let python = sdk_python();
     let (node, node_modules) = sdk_js();
     let data = data_dir();
+    // The test host's HTTPS site, `web.test`, has a certificate of a CA of
+    // its own, which the server's host (not the guest) trusts: the sync
+    // script's network rules put a secret in its requests there.
+    let (web_ca, web_site, web_key) = crate::network::ca_and_site_for("e2b", "web.test");
+    let tls = data_dir();
+    let (ca_file, cert_file, key_file) = (
+        tls.join("ca.pem"),
+        tls.join("site.pem"),
+        tls.join("site.key"),
+    );
+    std::fs::write(&ca_file, &web_ca).unwrap();
+    std::fs::write(&cert_file, &web_site).unwrap();
+    std::fs::write(&key_file, &web_key).unwrap();
     // Bodies held in memory (a chunked upload) stop at 8 MiB here, which
     // the sync script crosses once.
-    let server = Server::start_with(&data, "[limits]\nmax_body_bytes = 8388608\n");
+    let server = Server::start_with(
+        &data,
+        &format!(
+            "[limits]\nmax_body_bytes = 8388608\n[network]\nupstream_ca_certificates = [{:?}]\n",
+            ca_file.display().to_string()
+        ),
+    );
     let key = server.new_account("e2b-user", 20.0);
     let revoked = server.admin(&["key", "create", "--account", "e2b-user"]);
     server.admin(&["key", "revoke", &revoked[..12]]);
@@ -133,6 +156,12 @@ fn the_python_and_javascript_sdks_drive_sandboxes_unchanged() {
     std::fs::write(www.join("hello.txt"), "hello from the internet\n").unwrap();
     let mut internet = TestHost::start("e2b", INTERNET_HOST_SIDE, INTERNET);
     internet.serve_http(&www);
+    internet.serve_https(
+        443,
+        &cert_file,
+        &key_file,
+        &format!("{{headers-masking:{SECRET_VALUE}}}"),
+    );
     let internet_url = format!("http://{INTERNET}:8080/hello.txt");
     let done_js = std::thread::scope(|scope| {
         let js = scope.spawn(|| {
@@ -159,6 +188,7 @@ fn the_python_and_javascript_sdks_drive_sandboxes_unchanged() {
             &[
                 ("SANDPIT_LIMITED_KEY", std::ffi::OsStr::new(&limited)),
                 ("SANDPIT_INTERNET", std::ffi::OsStr::new(&internet_url)),
+                ("SANDPIT_SECRET_VALUE", std::ffi::OsStr::new(SECRET_VALUE)),
             ],
         );
         check_python_sync(&done);
@@ -250,6 +280,8 @@ fn check_python_sync(done: &[String]) {
         "allow_internet_access=False: nothing leaves, at once; get_host works; still so after a pause and in a fork",
         "network allow_out and deny_out: a denied host refused at once, an allowed one reached; update_network on a running and a paused sandbox; a broken host name refused saying why",
         "network allow_public_traffic=False: 403 without the traffic access token, served with it",
+        "Secret: create, list paged, get_info by name and id, update (version 2), destroy, then not found; a bad name refused",
+        "network rules: a header with a secret set on the host for its domain (HTTPS), never in the guest; replaced by update_network; an unknown secret refused",
         "a wrong or revoked key is refused",
         "an account without credit is refused with 402",
         "an account at its limit of sandboxes gets RateLimitException (429)",

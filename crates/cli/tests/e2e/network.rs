@@ -785,7 +785,7 @@ fn ca_and_site(name: &str) -> (String, String, String) {
 
 /// A CA of its own named `name`, and a certificate it signed for `host`,
 /// with that certificate's key (PEM each).
-fn ca_and_site_for(name: &str, host: &str) -> (String, String, String) {
+pub(crate) fn ca_and_site_for(name: &str, host: &str) -> (String, String, String) {
     use rcgen::{
         BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair,
         KeyUsagePurpose,
