@@ -240,7 +240,8 @@ pub struct Secret {
     pub created_at: String,
     /// The last time it was stored (RFC 3339 UTC).
     pub updated_at: String,
-    /// Not kept yet: always `null`.
+    /// When a sandbox last had it put into a request (RFC 3339 UTC;
+    /// `null`: never), as its host last reported.
     pub last_used_at: Option<String>,
     /// Its stable id (`sec_…`; E2B's `secretID`; not part of the REST API).
     #[serde(skip)]

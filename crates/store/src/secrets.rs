@@ -38,7 +38,8 @@ pub struct SecretRow {
     pub created_at: OffsetDateTime,
     /// The last put.
     pub updated_at: OffsetDateTime,
-    /// Not kept yet: always `None`.
+    /// When a sandbox's egress last put it into a request, as far as
+    /// the service has written it ([`Store::note_secret_used`]).
     pub last_used_at: Option<OffsetDateTime>,
 }
 
@@ -371,6 +372,40 @@ impl Store {
             " ORDER BY id"
         ))
         .bind(host)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(|r| get_str(r, "id")).collect()
+    }
+
+    /// Secret `name` of the account was put into a request at `at` (kept
+    /// when it is later than the one known).
+    pub async fn note_secret_used(
+        &self,
+        account_id: &str,
+        name: &str,
+        at: OffsetDateTime,
+    ) -> Result<()> {
+        let at = format_ts(at);
+        sqlx::query(
+            "UPDATE secrets SET last_used_at = $3 WHERE account_id = $1 AND name = $2 \
+             AND (last_used_at IS NULL OR last_used_at < $3)",
+        )
+        .bind(account_id)
+        .bind(name)
+        .bind(&at)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// The ids of the account's running sandboxes with a broker: those
+    /// whose egress proxies know when its secrets were last used.
+    pub async fn running_brokered_sandboxes(&self, account_id: &str) -> Result<Vec<String>> {
+        let rows = sqlx::query(
+            "SELECT id FROM sandboxes WHERE account_id = $1 AND broker_ca_cert IS NOT NULL \
+             AND status = 'running' ORDER BY id",
+        )
+        .bind(account_id)
         .fetch_all(&self.pool)
         .await?;
         rows.iter().map(|r| get_str(r, "id")).collect()

@@ -2897,6 +2897,30 @@ async fn secrets_are_an_accounts_own_and_sandboxes_keep_their_placeholders(store
         .put_secret(&secret(&other.id, "OPENAI_API_KEY", b"theirs"))
         .await
         .unwrap();
+    // A use is kept when it is the latest, for that account's secret only.
+    let (earlier, later) = (
+        time::macros::datetime!(2026-12-07 08:00:00 UTC),
+        time::macros::datetime!(2026-12-07 08:05:00 UTC),
+    );
+    for at in [later, earlier] {
+        store
+            .note_secret_used(&acct.id, "OPENAI_API_KEY", at)
+            .await
+            .unwrap();
+    }
+    let used = |account_id: String| {
+        let store = store.clone();
+        async move {
+            store
+                .secret(&account_id, "OPENAI_API_KEY")
+                .await
+                .unwrap()
+                .unwrap()
+                .last_used_at
+        }
+    };
+    assert_eq!(used(acct.id.clone()).await, Some(later));
+    assert_eq!(used(other.id.clone()).await, None);
 
     // Put again: replaced, its creation kept.
     tokio::time::sleep(std::time::Duration::from_millis(5)).await;

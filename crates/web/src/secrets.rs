@@ -22,8 +22,19 @@ pub(crate) async fn list(State(web): State<Web>, signed: Signed) -> PageResult {
     render(&web, &signed, None, StatusCode::OK).await
 }
 
-/// The page, with what went wrong with the last form when something did.
-async fn render(web: &Web, signed: &Signed, error: Option<&str>, status: StatusCode) -> PageResult {
+/// The page; after a form that failed, what went wrong and the form as it
+/// was sent (all but the value).
+async fn render(
+    web: &Web,
+    signed: &Signed,
+    failed: Option<(&str, &PutForm)>,
+    status: StatusCode,
+) -> PageResult {
+    let error = failed.map(|(e, _)| e);
+    let sent = failed.map(|(_, f)| f);
+    let kept = |field: fn(&PutForm) -> &str, default: &'static str| {
+        sent.map_or(default.to_string(), |f| field(f).to_string())
+    };
     let secrets = web.api.list_secrets(&signed.caller).await?.data;
     let csrf = signed.csrf();
     let body = html! {
@@ -45,7 +56,8 @@ async fn render(web: &Web, signed: &Signed, error: Option<&str>, status: StatusC
                 div {
                     label for="secret-name" { "Name (an environment variable)" }
                     input id="secret-name" name="name" type="text" required pattern="[A-Za-z_][A-Za-z0-9_]*"
-                        maxlength="64" autocomplete="off" spellcheck="false" placeholder="OPENAI_API_KEY";
+                        maxlength="64" autocomplete="off" spellcheck="false" placeholder="OPENAI_API_KEY"
+                        value=(kept(|f| &f.name, ""));
                 }
                 div {
                     label for="secret-value" { "Value" }
@@ -54,15 +66,17 @@ async fn render(web: &Web, signed: &Signed, error: Option<&str>, status: StatusC
                 div {
                     label for="secret-hosts" { "Hosts it may be sent to" }
                     input id="secret-hosts" name="hosts" type="text" required spellcheck="false"
-                        placeholder="api.openai.com, *.example.com";
+                        placeholder="api.openai.com, *.example.com" value=(kept(|f| &f.hosts, ""));
                 }
                 div {
                     label for="secret-header" { "Header" }
-                    input id="secret-header" name="header" type="text" value="Authorization" spellcheck="false";
+                    input id="secret-header" name="header" type="text" spellcheck="false"
+                        value=(kept(|f| &f.header, "Authorization"));
                 }
                 div {
                     label for="secret-format" { "Header's value ({value}: the secret)" }
-                    input id="secret-format" name="format" type="text" value="Bearer {value}" spellcheck="false";
+                    input id="secret-format" name="format" type="text" spellcheck="false"
+                        value=(kept(|f| &f.format, "Bearer {value}"));
                 }
                 div { button type="submit" { "Save secret" } }
             }
@@ -134,7 +148,7 @@ pub(crate) struct PutForm {
 pub(crate) async fn put(
     State(web): State<Web>,
     signed: Signed,
-    PageForm(f): PageForm<PutForm>,
+    PageForm(mut f): PageForm<PutForm>,
 ) -> PageResult {
     signed.check_csrf(&f.csrf)?;
     let hosts = f
@@ -145,7 +159,7 @@ pub(crate) async fn put(
         .collect();
     let given = |s: &str| Some(s.trim().to_string()).filter(|s| !s.is_empty());
     let req = PutSecret {
-        value: f.value,
+        value: std::mem::take(&mut f.value),
         hosts,
         header: given(&f.header),
         format: given(&f.format),
@@ -155,7 +169,7 @@ pub(crate) async fn put(
         Err(e) => {
             let status =
                 StatusCode::from_u16(e.kind.http_status()).unwrap_or(StatusCode::BAD_REQUEST);
-            render(&web, &signed, Some(&e.message), status).await
+            render(&web, &signed, Some((&e.message, &f)), status).await
         }
     }
 }

@@ -317,6 +317,17 @@ async fn a_person_uses_the_dashboard_in_a_real_browser() {
     click_and_load(&b, "Save secret").await;
     b.wait_for_text("not an environment variable", PATIENCE)
         .await;
+    let kept = b
+        .execute(
+            "return ['secret-name', 'secret-value', 'secret-hosts'].map(i => document.getElementById(i).value)",
+            vec![],
+        )
+        .await;
+    assert_eq!(
+        kept,
+        json!(["2BAD", "", "api.example.test"]),
+        "the form as sent, but its value"
+    );
     shots.take(&b, "secrets").await;
     click_and_load(&b, "Sandboxes").await;
 

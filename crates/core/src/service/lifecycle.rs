@@ -320,6 +320,7 @@ impl Service {
         self.previews.close(&row.id, None);
         self.terminals.close(&row.id);
         self.activity.forget(&row.id);
+        self.note_secrets_used_by(row).await;
         let destroyed = match self.machines_for(row).await {
             Ok(machines) => machines.destroy(&row.id).await.map_err(|e| e.to_string()),
             Err(e) => Err(e.message),

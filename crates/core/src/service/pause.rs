@@ -50,6 +50,7 @@ impl Service {
         // Its preview connections reach the VM being stopped.
         self.previews.close(id, None);
         self.terminals.close(id);
+        self.note_secrets_used_by(&row).await;
         let pausing = self.restoring(id).await;
         let paused = machines.pause(id).await;
         drop(pausing);

@@ -397,6 +397,7 @@ impl Secrets for Service {
     }
 
     async fn list_secrets(&self, caller: &Caller) -> Result<List<Secret>> {
+        self.note_secrets_used(&caller.account_id).await;
         let rows = self.store.list_secrets(&caller.account_id).await?;
         Ok(List::new(rows.iter().map(to_secret).collect(), false, None))
     }
@@ -445,6 +446,7 @@ impl Secrets for Service {
     }
 
     async fn get_secret(&self, caller: &Caller, secret: &str) -> Result<Secret> {
+        self.note_secrets_used(&caller.account_id).await;
         Ok(to_secret(&self.find_secret(caller, secret).await?))
     }
 
@@ -479,6 +481,56 @@ impl Secrets for Service {
 }
 
 impl Service {
+    /// Writes when the account's running sandboxes last put each secret
+    /// into a request: their egress proxies keep it in memory only, so it
+    /// is read from them when secrets are listed or read, and from a VM
+    /// about to pause or end ([`Service::note_secrets_used_by`]).
+    async fn note_secrets_used(&self, account_id: &str) {
+        let ids = match self.store.running_brokered_sandboxes(account_id).await {
+            Ok(ids) => ids,
+            Err(e) => return tracing::warn!("finding the sandboxes with secrets: {e}"),
+        };
+        for id in ids {
+            if let Ok(Some(row)) = self.store.sandbox(&id).await {
+                self.note_secrets_used_by(&row).await;
+            }
+        }
+    }
+
+    /// Writes when sandbox `row`'s VM last put each of its secrets into a
+    /// request (nothing for a sandbox without secrets).
+    pub(crate) async fn note_secrets_used_by(&self, row: &SandboxRow) {
+        match self.store.sandbox_broker(&row.id).await {
+            Ok(Some(_)) => {}
+            Ok(None) => return,
+            Err(e) => return tracing::warn!(sandbox = %row.id, "reading its broker: {e}"),
+        }
+        let used = match self.machines_for(row).await {
+            Ok(machines) => machines
+                .secrets_used(&row.id)
+                .await
+                .map_err(|e| e.to_string()),
+            Err(e) => Err(e.message),
+        };
+        let used = match used {
+            Ok(used) => used,
+            Err(e) => return tracing::debug!(sandbox = %row.id, "reading its secrets' use: {e}"),
+        };
+        let rfc3339 = &time::format_description::well_known::Rfc3339;
+        for (name, at) in used {
+            let Ok(at) = OffsetDateTime::parse(&at, rfc3339) else {
+                continue;
+            };
+            if let Err(e) = self
+                .store
+                .note_secret_used(&row.account_id, &name, at)
+                .await
+            {
+                tracing::warn!(sandbox = %row.id, secret = %name, "noting its use: {e}");
+            }
+        }
+    }
+
     /// The account's secret of id `secret`, or of that name (as it is,
     /// else lower-cased).
     async fn find_secret(&self, caller: &Caller, secret: &str) -> Result<SecretRow> {
