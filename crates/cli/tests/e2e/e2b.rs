@@ -192,6 +192,22 @@ fn the_python_and_javascript_sdks_drive_sandboxes_unchanged() {
             ],
         );
         check_python_sync(&done);
+        // The secret the rules put into requests says when it was last
+        // used, as its owner lists it over REST.
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let (status, secrets) =
+            rt.block_on(crate::common::serve::Rest::new(&server, &key).get("/secrets"));
+        assert_eq!(status, 200, "{secrets}");
+        let used = secrets["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["name"] == "web-token")
+            .map(|s| s["last_used_at"].clone());
+        assert!(
+            used.as_ref().is_some_and(|u| u.is_string()),
+            "web-token's last use: {secrets}"
+        );
         js.join().expect("the JavaScript SDK's run")
     });
     let js_checks = [
