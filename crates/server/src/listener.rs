@@ -4,13 +4,18 @@
 //! public port, so what a client holds open must be bounded, or a few
 //! thousand idle or half-sent connections take the process to its
 //! descriptor limit and everything stops at once:
-//! - a request's head must arrive within `header_timeout_secs` (hyper's
-//!   header-read timeout, which also bounds how long an HTTP/1.1 connection
-//!   may wait idle for its next request; a connection that sends nothing at
-//!   all gets no longer either);
+//! - a request's head must arrive within `header_timeout_secs` of its
+//!   first byte (a connection that sends nothing at all gets no longer
+//!   either);
 //! - a connection with no request in flight and no byte either way for
-//!   `idle_timeout_secs` is closed (HTTP/2 included, which has no header
-//!   timeout; a command that runs silently keeps its request in flight);
+//!   `idle_timeout_secs` is closed (HTTP/2 included; a command that runs
+//!   silently keeps its request in flight). An HTTP/1.1 connection waits
+//!   that long for its next request, longer than clients keep one in their
+//!   pools (reqwest and hyper: 90 s), so a client is the one to let go of
+//!   an idle connection: a server that closes first races the client's
+//!   next request on it, which then fails ("connection closed before
+//!   message completed"), as hyper's own header timeout did, since it runs
+//!   while a connection waits idle too;
 //! - at most `max_connections` are open; one more is answered `503` with
 //!   the standard error body (plain HTTP) and closed, so a client learns why,
 //!   and the process raises its descriptor limit to fit.
@@ -53,11 +58,12 @@ const RESERVED_DESCRIPTORS: u64 = 4096;
 pub struct ConnectionLimits {
     /// Open client connections at most; one more gets 503 and is closed.
     pub max_connections: usize,
-    /// A request's head must arrive within this many seconds (and an idle
-    /// HTTP/1.1 connection waits no longer for its next request).
+    /// A request's head must arrive within this many seconds of its first
+    /// byte.
     pub header_timeout_secs: u64,
     /// A connection with no request in flight and no traffic for this many
-    /// seconds is closed.
+    /// seconds is closed (an idle HTTP/1.1 connection waits this long for
+    /// its next request).
     pub idle_timeout_secs: u64,
 }
 
@@ -225,19 +231,61 @@ async fn refuse(mut tcp: TcpStream, limit: usize) {
     let _ = tokio::time::timeout(Duration::from_secs(1), write).await;
 }
 
-/// A connection's last traffic, in milliseconds since `since`.
+/// A connection's last traffic, in milliseconds since `since` (+1: zero
+/// means "nothing yet"); when the head of its next request began to arrive
+/// (bytes read with no request in flight, not HTTP/2), likewise; and its
+/// requests in flight.
 struct Activity {
     since: Instant,
     last_ms: AtomicU64,
+    head_ms: AtomicU64,
+    in_flight: AtomicUsize,
+    http2: std::sync::atomic::AtomicBool,
 }
 
 impl Activity {
+    fn new() -> Activity {
+        Activity {
+            since: Instant::now(),
+            last_ms: AtomicU64::new(0),
+            head_ms: AtomicU64::new(0),
+            in_flight: AtomicUsize::new(0),
+            http2: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+    fn now_ms(&self) -> u64 {
+        self.since.elapsed().as_millis() as u64 + 1
+    }
     fn touch(&self) {
-        // +1: zero means "nothing yet".
-        self.last_ms.store(
-            self.since.elapsed().as_millis() as u64 + 1,
-            Ordering::Relaxed,
-        );
+        self.last_ms.store(self.now_ms(), Ordering::Relaxed);
+    }
+    /// Bytes `read` came in (the connection's first, when `first`).
+    fn read(&self, read: &[u8], first: bool) {
+        if first && read.starts_with(b"PRI ") {
+            self.http2.store(true, Ordering::Relaxed);
+        }
+        self.touch();
+        let waiting = self.in_flight.load(Ordering::SeqCst) == 0;
+        if waiting && !self.http2.load(Ordering::Relaxed) {
+            let _ =
+                self.head_ms
+                    .compare_exchange(0, self.now_ms(), Ordering::SeqCst, Ordering::SeqCst);
+        }
+    }
+    /// A request's head arrived: it is in flight.
+    fn request_started(&self) {
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        self.head_ms.store(0, Ordering::SeqCst);
+    }
+    fn request_answered(&self) {
+        self.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+    /// How long the head of a next request has been arriving, if one is.
+    fn head_for(&self) -> Option<Duration> {
+        match self.head_ms.load(Ordering::SeqCst) {
+            0 => None,
+            began => Some(Duration::from_millis(self.now_ms().saturating_sub(began))),
+        }
     }
     fn quiet_for(&self) -> Duration {
         let last = Duration::from_millis(self.last_ms.load(Ordering::Relaxed));
@@ -263,7 +311,8 @@ impl<S: AsyncRead + Unpin> AsyncRead for Watched<S> {
         let before = buf.filled().len();
         let r = Pin::new(&mut self.inner).poll_read(cx, buf);
         if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
-            self.activity.touch();
+            let first = self.activity.silent();
+            self.activity.read(&buf.filled()[before..], first);
         }
         r
     }
@@ -317,31 +366,30 @@ async fn serve_conn<S>(
 ) where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let activity = Arc::new(Activity {
-        since: Instant::now(),
-        last_ms: AtomicU64::new(0),
-    });
-    let in_flight = Arc::new(AtomicUsize::new(0));
+    let activity = Arc::new(Activity::new());
     let io = TokioIo::new(Watched {
         inner: stream,
         activity: activity.clone(),
     });
-    let counter = in_flight.clone();
+    let requests = activity.clone();
     let service = hyper::service::service_fn(move |req| {
         let front = front.clone();
-        let counter = counter.clone();
+        let requests = requests.clone();
         async move {
-            counter.fetch_add(1, Ordering::SeqCst);
+            requests.request_started();
             let response = front.handle(req, peer).await;
-            counter.fetch_sub(1, Ordering::SeqCst);
+            requests.request_answered();
             Ok::<_, Infallible>(response)
         }
     });
     let mut builder = auto::Builder::new(TokioExecutor::new());
+    // Not hyper's header timeout: it runs while a connection waits idle
+    // for its next request too (see the module's docs); the loop below
+    // times a head from its first byte.
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(Duration::from_secs(limits.header_timeout_secs.max(1)));
+        .header_read_timeout(None);
     builder.http2().timer(TokioTimer::new());
     let conn = builder
         .serve_connection_with_upgrades(io, service)
@@ -351,19 +399,27 @@ async fn serve_conn<S>(
     let header_limit = Duration::from_secs(limits.header_timeout_secs.max(1));
     let idle = async {
         loop {
-            // A client that never sends a byte is still in the protocol
-            // detection, which hyper's header timeout does not cover yet.
-            let limit = if activity.silent() {
-                header_limit.min(idle_limit)
-            } else {
-                idle_limit
+            let waiting = activity.in_flight.load(Ordering::SeqCst) == 0;
+            // A head that takes too long from its first byte; a client
+            // that never sends one gets no longer.
+            let head = match activity.head_for() {
+                Some(_) if !waiting => None,
+                Some(taken) => Some(taken),
+                None if activity.silent() => Some(activity.quiet_for()),
+                None => None,
             };
-            let quiet = activity.quiet_for();
-            if quiet >= limit && in_flight.load(Ordering::SeqCst) == 0 {
+            if head.is_some_and(|taken| taken >= header_limit) {
                 return;
             }
-            let check = limit.saturating_sub(quiet).max(Duration::from_millis(100));
-            tokio::time::sleep(check).await;
+            let quiet = activity.quiet_for();
+            if quiet >= idle_limit && waiting {
+                return;
+            }
+            let next = match head {
+                Some(taken) => header_limit.saturating_sub(taken),
+                None => idle_limit.saturating_sub(quiet),
+            };
+            tokio::time::sleep(next.max(Duration::from_millis(100))).await;
         }
     };
     let stopped = async move {

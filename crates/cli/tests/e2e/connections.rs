@@ -67,6 +67,41 @@ fn closed_by_server(c: &mut TcpStream, deadline: Instant) -> bool {
     }
 }
 
+/// One HTTP/1.1 response (with a `content-length`) read off `c`, leaving
+/// the connection open.
+fn one_response(c: &mut TcpStream) -> String {
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = c.read(&mut buf).expect("the response");
+        assert!(
+            n > 0,
+            "closed before its response: {:?}",
+            String::from_utf8_lossy(&got)
+        );
+        got.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&got).to_string();
+        let Some((head, body)) = text.split_once("\r\n\r\n") else {
+            continue;
+        };
+        let length: usize = head
+            .lines()
+            .find_map(|l| {
+                l.to_ascii_lowercase()
+                    .strip_prefix("content-length: ")
+                    .map(str::to_string)
+            })
+            .expect("a content-length")
+            .trim()
+            .parse()
+            .unwrap();
+        if body.len() >= length {
+            return text;
+        }
+    }
+}
+
 #[test]
 fn thousands_of_idle_and_half_sent_connections_neither_stop_the_api_nor_stay_open() {
     raise_descriptor_limit();
@@ -94,6 +129,20 @@ fn thousands_of_idle_and_half_sent_connections_neither_stop_the_api_nor_stay_ope
     }
     // The API answers while they are all open.
     service_answers(&server);
+    // A connection between two requests is kept past the head's timeout,
+    // as a client's pool keeps it, and the next request on it is answered:
+    // the server lets go of it only after the idle timeout.
+    let mut kept = TcpStream::connect(addr(&server)).unwrap();
+    let get = format!(
+        "GET /v1/service HTTP/1.1\r\nHost: {}\r\n\r\n",
+        addr(&server)
+    );
+    for _ in 0..2 {
+        kept.write_all(get.as_bytes()).unwrap();
+        let answer = one_response(&mut kept);
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        std::thread::sleep(Duration::from_millis(2_500));
+    }
     // And the server lets go of every one of them, none kept for ever.
     let deadline = Instant::now() + Duration::from_secs(30);
     let open: Vec<usize> = conns
