@@ -83,6 +83,7 @@ pub struct EgressProxy {
     policy: Arc<RwLock<Policy>>,
     refused: Arc<AtomicU64>,
     dns: Arc<DnsFilter>,
+    secrets_used: terminate::LastUsed,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
@@ -156,6 +157,7 @@ impl EgressProxy {
             policy,
             refused,
             dns,
+            secrets_used: terminate::LastUsed::default(),
             tasks: vec![task],
         }
     }
@@ -180,13 +182,15 @@ impl EgressProxy {
     /// New secrets to broker (none: `None`, or a broker without its
     /// values), for the connections from now on.
     pub fn set_broker(&self, broker: Option<&Broker>) {
-        self.policy.write().unwrap().broker = broker.and_then(BrokerPath::new).map(Arc::new);
+        let path = broker.and_then(BrokerPath::new);
+        self.policy.write().unwrap().broker =
+            path.map(|p| Arc::new(p.noting_use_in(self.secrets_used.clone())));
     }
 
-    /// When each of its secrets was last put into a request (by name).
+    /// When each of its secrets was last put into a request (by name),
+    /// since it started, whatever brokers it was given since.
     pub fn secrets_last_used(&self) -> std::collections::HashMap<String, time::OffsetDateTime> {
-        let broker = self.policy.read().unwrap().broker.clone();
-        broker.map(|b| b.last_used()).unwrap_or_default()
+        self.secrets_used.lock().unwrap().clone()
     }
 
     /// Connections refused so far.

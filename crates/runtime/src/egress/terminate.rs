@@ -48,8 +48,13 @@ pub struct BrokerPath {
     header_rules: Vec<(NameRule, usize)>,
     issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
     served: Mutex<HashMap<String, Arc<rustls::ServerConfig>>>,
-    last_used: Mutex<HashMap<String, OffsetDateTime>>,
+    last_used: LastUsed,
 }
+
+/// When each secret was last put into a request (by name): shared by the
+/// broker paths a proxy has had, so a VM's egress given anew (a secret
+/// changed, its rules replaced) keeps what was used before.
+pub type LastUsed = Arc<Mutex<HashMap<String, OffsetDateTime>>>;
 
 impl BrokerPath {
     /// `None` when `broker` has nothing to put in (no values, no CA key:
@@ -92,8 +97,14 @@ impl BrokerPath {
             header_rules,
             issuer,
             served: Mutex::new(HashMap::new()),
-            last_used: Mutex::new(HashMap::new()),
+            last_used: LastUsed::default(),
         })
+    }
+
+    /// This path, noting its secrets' use in `used`.
+    pub fn noting_use_in(mut self, used: LastUsed) -> BrokerPath {
+        self.last_used = used;
+        self
     }
 
     /// The secrets that may go to `host`.
