@@ -1,6 +1,6 @@
 //! Sandpit's persistence: accounts, API keys, the credit ledger, sandboxes
 //! and their status history, executions, exposed ports, idempotency keys,
-//! secrets (sealed by the service).
+//! secrets (sealed by the service), volumes and their mounts.
 //!
 //! # Why it looks like this
 //!
@@ -102,6 +102,7 @@ mod tally;
 mod templates;
 mod tokens;
 mod util;
+mod volumes;
 mod web;
 
 pub use accounts::{AccountRow, KeyRow, LedgerRow};
@@ -119,6 +120,9 @@ pub use tally::SandboxTally;
 pub use templates::{LayerRow, TemplateRow, TemplateStatus, MAX_LOG_BYTES};
 pub use tokens::TerminalGrant;
 pub use util::{format_ts, hash_key, new_id, parse_ts};
+pub use volumes::{
+    NewVolume, VolumeChange, VolumeCreated, VolumeMountRow, VolumeRow, VolumeStatus, VolumesHeld,
+};
 pub use web::WebSession;
 
 use sqlx::any::AnyPoolOptions;

@@ -6,9 +6,9 @@
 
 use sandpit_store::{
     format_ts, hash_key, new_id, CreateOutcome, Engine, ExecutionResult, ExecutionRow,
-    ExecutionState, ExecutionStatus, ExtendOutcome, NewSandbox, NewSecret, NewSnapshot, PortRow,
-    SandboxBroker, SandboxStatus, SnapshotOutcome, SnapshotStatus, Store, StoreError,
-    TemplateStatus,
+    ExecutionState, ExecutionStatus, ExtendOutcome, NewSandbox, NewSecret, NewSnapshot, NewVolume,
+    PortRow, SandboxBroker, SandboxStatus, SnapshotOutcome, SnapshotStatus, Store, StoreError,
+    TemplateStatus, VolumeChange, VolumeCreated, VolumeMountRow, VolumeStatus, VolumesHeld,
 };
 use std::collections::HashSet;
 use tempfile::TempDir;
@@ -72,6 +72,9 @@ on_both_engines!(
     the_tally_counts_a_hosts_live_sandboxes_and_their_reservations,
     template_builds_layers_and_files_are_an_accounts_own_until_published,
     secrets_are_an_accounts_own_and_sandboxes_keep_their_placeholders,
+    volumes_are_an_accounts_own_by_name_within_its_quota,
+    a_volume_is_held_read_write_by_one_live_sandbox_at_a_time,
+    a_held_volume_is_neither_resized_nor_deleted,
 );
 
 /// A row lock held by a transaction that never ends (its process stopped
@@ -3109,4 +3112,292 @@ async fn secrets_are_an_accounts_own_and_sandboxes_keep_their_placeholders(store
         .await
         .unwrap()
         .is_empty());
+}
+
+const GIB: u64 = 1024 * 1024 * 1024;
+
+fn volume(account_id: &str, name: &str, size_bytes: u64) -> NewVolume {
+    NewVolume {
+        id: new_id("vol"),
+        account_id: account_id.to_string(),
+        name: name.to_string(),
+        size_bytes,
+        host: "local".into(),
+        max_count: 3,
+        max_bytes: 30 * GIB,
+    }
+}
+
+/// A volume made `ready`, as its node's file would leave it.
+async fn ready_volume(store: &Store, account_id: &str, name: &str) -> sandpit_store::VolumeRow {
+    let new = volume(account_id, name, GIB);
+    match store.create_volume(&new).await.unwrap() {
+        VolumeCreated::Created(row) => assert_eq!(row.status, VolumeStatus::Creating),
+        other => panic!("expected Created, got {other:?}"),
+    }
+    store.volume_ready(&new.id, GIB).await.unwrap().unwrap()
+}
+
+fn mount(sandbox_id: &str, volume_id: &str, path: &str, read_only: bool) -> VolumeMountRow {
+    VolumeMountRow {
+        sandbox_id: sandbox_id.to_string(),
+        volume_id: volume_id.to_string(),
+        path: path.to_string(),
+        read_only,
+    }
+}
+
+async fn volumes_are_an_accounts_own_by_name_within_its_quota(store: Store) {
+    let acct = store.create_account("owner", 20).await.unwrap();
+    let other = store.create_account("other", 20).await.unwrap();
+    let data = ready_volume(&store, &acct.id, "data").await;
+    assert_eq!((data.size_bytes, data.status), (GIB, VolumeStatus::Ready));
+    // A name is the account's own: taken for it, free for another.
+    assert_eq!(
+        store
+            .create_volume(&volume(&acct.id, "data", GIB))
+            .await
+            .unwrap(),
+        VolumeCreated::NameTaken
+    );
+    ready_volume(&store, &other.id, "data").await;
+    assert_eq!(
+        store.volume_named(&acct.id, "data").await.unwrap(),
+        Some(data.clone())
+    );
+    assert_eq!(store.volume(&other.id, &data.id).await.unwrap(), None);
+    // Bytes: 1 GiB held, 29 GiB more is past 30.
+    assert_eq!(
+        store
+            .create_volume(&volume(&acct.id, "big", 30 * GIB))
+            .await
+            .unwrap(),
+        VolumeCreated::OverBytes {
+            used: GIB,
+            limit: 30 * GIB
+        }
+    );
+    // Count: three at most; a volume whose file was never made is
+    // forgotten and frees its place and name.
+    let failed = volume(&acct.id, "cache", GIB);
+    assert!(matches!(
+        store.create_volume(&failed).await.unwrap(),
+        VolumeCreated::Created(_)
+    ));
+    store.forget_volume(&failed.id).await.unwrap();
+    ready_volume(&store, &acct.id, "cache").await;
+    ready_volume(&store, &acct.id, "models").await;
+    assert_eq!(
+        store
+            .create_volume(&volume(&acct.id, "more", GIB))
+            .await
+            .unwrap(),
+        VolumeCreated::TooMany { count: 3, limit: 3 }
+    );
+    let names: Vec<String> = store
+        .list_volumes(&acct.id)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|v| v.name)
+        .collect();
+    assert_eq!(names, ["cache", "data", "models"]);
+    // Deleted: its name is free, its row kept for the usage report.
+    let VolumeChange::Changed(gone) = store.delete_volume(&acct.id, &data.id).await.unwrap() else {
+        panic!("not deleted");
+    };
+    assert_eq!(gone.status, VolumeStatus::Deleted);
+    assert!(gone.deleted_at.is_some());
+    assert_eq!(store.volume_named(&acct.id, "data").await.unwrap(), None);
+    ready_volume(&store, &acct.id, "data").await;
+    let billed = store
+        .volumes_since(&acct.id, gone.created_at - Duration::minutes(1))
+        .await
+        .unwrap();
+    assert_eq!(billed.len(), 4, "{billed:?}");
+    assert!(billed.iter().any(|v| v.id == gone.id));
+    assert_eq!(
+        store.delete_volume(&other.id, &gone.id).await.unwrap(),
+        VolumeChange::Missing
+    );
+}
+
+async fn a_volume_is_held_read_write_by_one_live_sandbox_at_a_time(store: Store) {
+    let acct = store.create_account("racer", 20).await.unwrap();
+    store.add_credit(&acct.id, 10_000_000, None).await.unwrap();
+    let vol = ready_volume(&store, &acct.id, "shared").await;
+    // Many sandboxes ask for it read-write at once: exactly one gets it.
+    let mut ids = Vec::new();
+    for _ in 0..8 {
+        let row = created(
+            store
+                .create_sandbox(sandbox(&acct.id, T0, 60, 0))
+                .await
+                .unwrap(),
+        );
+        ids.push(row.id);
+    }
+    let tasks: Vec<_> = ids
+        .iter()
+        .map(|id| {
+            let (store, acct, vol, id) =
+                (store.clone(), acct.id.clone(), vol.id.clone(), id.clone());
+            tokio::spawn(async move {
+                let held = store
+                    .hold_volumes(&acct, &id, &[mount(&id, &vol, "/data", false)])
+                    .await
+                    .unwrap();
+                (id, held)
+            })
+        })
+        .collect();
+    let mut winners = Vec::new();
+    for task in tasks {
+        let (id, held) = task.await.unwrap();
+        match held {
+            VolumesHeld::Held => winners.push(id),
+            VolumesHeld::HeldReadWrite { volume_id, .. } => assert_eq!(volume_id, vol.id),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(winners.len(), 1, "{winners:?}");
+    let writer = winners[0].clone();
+    // Read-only mounts beside it, any number; a refusal names the writer.
+    let reader = ids.iter().find(|id| **id != writer).unwrap().clone();
+    assert_eq!(
+        store
+            .hold_volumes(&acct.id, &reader, &[mount(&reader, &vol.id, "/ro", true)])
+            .await
+            .unwrap(),
+        VolumesHeld::Held
+    );
+    let third = ids.iter().rfind(|id| **id != writer).unwrap().clone();
+    assert_eq!(
+        store
+            .hold_volumes(&acct.id, &third, &[mount(&third, &vol.id, "/w", false)])
+            .await
+            .unwrap(),
+        VolumesHeld::HeldReadWrite {
+            volume_id: vol.id.clone(),
+            sandbox_id: writer.clone()
+        }
+    );
+    assert_eq!(
+        store.sandbox_volume_mounts(&reader).await.unwrap(),
+        [mount(&reader, &vol.id, "/ro", true)]
+    );
+    let holders = store.volume_holders(&vol.id).await.unwrap();
+    assert_eq!(holders.len(), 2, "{holders:?}");
+    // Another account's sandbox cannot name it; nothing is recorded.
+    let stranger = store.create_account("stranger", 20).await.unwrap();
+    assert_eq!(
+        store
+            .hold_volumes(&stranger.id, &third, &[mount(&third, &vol.id, "/x", true)])
+            .await
+            .unwrap(),
+        VolumesHeld::Missing {
+            volume_id: vol.id.clone()
+        }
+    );
+    // The writer ends: the volume is free for another writer.
+    store
+        .finish_sandbox(&writer, SandboxStatus::Deleted, "destroyed", T0, 0)
+        .await
+        .unwrap();
+    assert_eq!(
+        store
+            .hold_volumes(&acct.id, &third, &[mount(&third, &vol.id, "/w", false)])
+            .await
+            .unwrap(),
+        VolumesHeld::Held
+    );
+}
+
+async fn a_held_volume_is_neither_resized_nor_deleted(store: Store) {
+    let acct = store.create_account("holder", 20).await.unwrap();
+    store.add_credit(&acct.id, 10_000_000, None).await.unwrap();
+    let vol = ready_volume(&store, &acct.id, "kept").await;
+    let sbx = created(
+        store
+            .create_sandbox(sandbox(&acct.id, T0, 60, 0))
+            .await
+            .unwrap(),
+    );
+    store
+        .hold_volumes(&acct.id, &sbx.id, &[mount(&sbx.id, &vol.id, "/data", true)])
+        .await
+        .unwrap();
+    let held = VolumeChange::Held(vec![sbx.id.clone()]);
+    assert_eq!(store.delete_volume(&acct.id, &vol.id).await.unwrap(), held);
+    assert_eq!(
+        store
+            .begin_volume_resize(&acct.id, &vol.id, 2 * GIB, 30 * GIB)
+            .await
+            .unwrap(),
+        held
+    );
+    store
+        .finish_sandbox(&sbx.id, SandboxStatus::Failed, "test", T0, 0)
+        .await
+        .unwrap();
+    // Free: a resize past the account's bytes is refused, one within
+    // them marks it resizing, which no sandbox can take, then ready.
+    assert_eq!(
+        store
+            .begin_volume_resize(&acct.id, &vol.id, 31 * GIB, 30 * GIB)
+            .await
+            .unwrap(),
+        VolumeChange::OverBytes {
+            used: GIB,
+            limit: 30 * GIB
+        }
+    );
+    let VolumeChange::Changed(resizing) = store
+        .begin_volume_resize(&acct.id, &vol.id, 2 * GIB, 30 * GIB)
+        .await
+        .unwrap()
+    else {
+        panic!("not resizing");
+    };
+    assert_eq!(resizing.status, VolumeStatus::Resizing);
+    let next = created(
+        store
+            .create_sandbox(sandbox(&acct.id, T0, 60, 0))
+            .await
+            .unwrap(),
+    );
+    assert_eq!(
+        store
+            .hold_volumes(&acct.id, &next.id, &[mount(&next.id, &vol.id, "/d", true)])
+            .await
+            .unwrap(),
+        VolumesHeld::NotReady {
+            volume_id: vol.id.clone(),
+            status: VolumeStatus::Resizing
+        }
+    );
+    assert_eq!(
+        store.delete_volume(&acct.id, &vol.id).await.unwrap(),
+        VolumeChange::Busy(VolumeStatus::Resizing)
+    );
+    let grown = store.volume_ready(&vol.id, 2 * GIB).await.unwrap().unwrap();
+    assert_eq!(
+        (grown.size_bytes, grown.status),
+        (2 * GIB, VolumeStatus::Ready)
+    );
+    // A failed resize leaves it ready at its size.
+    store
+        .begin_volume_resize(&acct.id, &vol.id, 3 * GIB, 30 * GIB)
+        .await
+        .unwrap();
+    store.volume_resize_failed(&vol.id).await.unwrap();
+    let kept = store.volume(&acct.id, &vol.id).await.unwrap().unwrap();
+    assert_eq!(
+        (kept.size_bytes, kept.status),
+        (2 * GIB, VolumeStatus::Ready)
+    );
+    assert!(matches!(
+        store.delete_volume(&acct.id, &vol.id).await.unwrap(),
+        VolumeChange::Changed(_)
+    ));
 }
