@@ -192,6 +192,11 @@ impl RuntimeConfig {
         self.data_dir.join("vms")
     }
 
+    /// Where this host keeps volumes' files (see [`crate::volume_files`]).
+    pub fn volumes_dir(&self) -> PathBuf {
+        self.data_dir.join("volumes")
+    }
+
     pub fn size(&self, name: &str) -> crate::Result<SizeSpec> {
         self.sizes.get(name).copied().ok_or_else(|| {
             crate::RuntimeError::UnknownSize(

@@ -54,6 +54,18 @@ pub enum RuntimeError {
         "{tool} is not installed; install the Debian package {package} (apt-get install {package})"
     )]
     MissingTool { tool: String, package: String },
+    /// A host tool ran and failed: `what` it was doing, and the end of
+    /// what it said.
+    #[error("{what}: {tool} failed: {detail}")]
+    ToolFailed {
+        tool: String,
+        what: String,
+        detail: String,
+    },
+    /// A volume's file cannot take this size (smaller than it is, or too
+    /// small for a file system).
+    #[error("volume {id} cannot be {bytes} bytes: {why}")]
+    VolumeSize { id: String, bytes: u64, why: String },
     /// Filesystem or socket error on the host.
     #[error("{context}: {source}")]
     Io {

@@ -19,6 +19,8 @@
 //! - [`channel`]: the agent channel, with the port tunnels and terminals
 //!   carried over it.
 //! - [`host`]: what this host has (memory, CPU, KVM, KSM), read once here.
+//! - [`volume_files`]: volumes' files on this host's disk (made, grown,
+//!   removed); how a running VM reaches one is [`vm`]'s.
 
 pub mod channel;
 pub mod config;
@@ -28,6 +30,7 @@ pub mod host;
 pub mod image;
 pub mod save;
 pub mod vm;
+pub mod volume_files;
 
 pub use channel::terminal::{Pty, PtyControl, PtySize};
 pub use channel::tunnel::{PtyExit, TunnelCloser, TunnelStream};
