@@ -155,6 +155,23 @@ pub trait Machines: Send + Sync {
         Ok(Default::default())
     }
 
+    /// Makes volume `id` on this node's disk: `bytes`, an empty ext4 file
+    /// system the guest's user owns (see `sandpit_runtime::volume_files`).
+    /// One that exists already is refused.
+    async fn create_volume(&self, _id: &str, _bytes: u64) -> VmResult<()> {
+        Err(keeps_no_volumes())
+    }
+
+    /// Grows volume `id` to `bytes` (never smaller), which no VM holds.
+    async fn resize_volume(&self, _id: &str, _bytes: u64) -> VmResult<()> {
+        Err(keeps_no_volumes())
+    }
+
+    /// Removes volume `id`'s file (one already gone is fine).
+    async fn delete_volume(&self, _id: &str) -> VmResult<()> {
+        Err(keeps_no_volumes())
+    }
+
     /// Kills the VM and removes its files (one already gone is fine).
     /// Returns what its disk held just before, when it could be measured.
     async fn destroy(&self, id: &str) -> VmResult<Option<u64>>;
@@ -263,6 +280,11 @@ pub struct Listing {
 /// What a machine that cannot carry snapshots to another answers.
 fn cannot_carry() -> RuntimeError {
     RuntimeError::Launch("these machines cannot carry snapshots to another node".into())
+}
+
+/// What machines that keep no volumes answer.
+fn keeps_no_volumes() -> RuntimeError {
+    RuntimeError::Launch("these machines keep no volumes".into())
 }
 
 /// A command running in a guest (or followed there).

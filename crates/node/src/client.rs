@@ -448,6 +448,23 @@ impl Machines for RemoteNode {
             .await
     }
 
+    async fn create_volume(&self, id: &str, bytes: u64) -> VmResult<()> {
+        let args = wire::VolumeArgs { bytes };
+        self.call(&format!("volumes/{id}/create"), &args, START_TIMEOUT)
+            .await
+    }
+
+    async fn resize_volume(&self, id: &str, bytes: u64) -> VmResult<()> {
+        let args = wire::VolumeArgs { bytes };
+        self.call(&format!("volumes/{id}/resize"), &args, START_TIMEOUT)
+            .await
+    }
+
+    async fn delete_volume(&self, id: &str) -> VmResult<()> {
+        self.call(&format!("volumes/{id}/delete"), &Nothing {}, FILE_TIMEOUT)
+            .await
+    }
+
     async fn set_expiry(&self, id: &str, at: OffsetDateTime) -> VmResult<()> {
         let args = wire::ExpiryArgs { at_ms: ms(at) };
         self.call(&format!("sandboxes/{id}/expiry"), &args, RESPONSE_TIMEOUT)

@@ -218,6 +218,30 @@ async fn handle(state: Arc<dyn NodeState>, req: Request<Incoming>) -> Response<B
                 Err(r) => r,
             }
         }
+        // A volume's file is made, grown or removed even if its caller
+        // goes: the caller's row says what became of it.
+        (&hyper::Method::POST, ["node", "v1", "volumes", id, "create"]) => {
+            match body.json::<wire::VolumeArgs>().await {
+                Ok(a) => {
+                    let id = id.to_string();
+                    answer(detached(async move { vms.create_volume(&id, a.bytes).await }).await)
+                }
+                Err(r) => r,
+            }
+        }
+        (&hyper::Method::POST, ["node", "v1", "volumes", id, "resize"]) => {
+            match body.json::<wire::VolumeArgs>().await {
+                Ok(a) => {
+                    let id = id.to_string();
+                    answer(detached(async move { vms.resize_volume(&id, a.bytes).await }).await)
+                }
+                Err(r) => r,
+            }
+        }
+        (&hyper::Method::POST, ["node", "v1", "volumes", id, "delete"]) => {
+            let id = id.to_string();
+            answer(detached(async move { vms.delete_volume(&id).await }).await)
+        }
         (&hyper::Method::POST, ["node", "v1", "warm", size, "take"]) => {
             answer(vms.take_warm(size).await.map(|id| wire::Warm { id }))
         }

@@ -243,6 +243,13 @@ pub struct ExpiryArgs {
     pub at_ms: i64,
 }
 
+/// A volume's `create` and `resize` arguments.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct VolumeArgs {
+    /// Its size.
+    pub bytes: u64,
+}
+
 /// `resume`'s arguments.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct ResumeArgs {

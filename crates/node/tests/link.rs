@@ -250,6 +250,28 @@ impl Machines for FakeVms {
             .push(format!("delete {snapshot}"));
         Ok(())
     }
+    async fn create_volume(&self, id: &str, bytes: u64) -> VmResult<()> {
+        let mut log = self.snapshots.lock().unwrap();
+        log.push(format!("create volume {id} {bytes}"));
+        Ok(())
+    }
+    async fn resize_volume(&self, id: &str, bytes: u64) -> VmResult<()> {
+        if id != "vol_a" {
+            return Err(RuntimeError::VolumeSize {
+                id: id.into(),
+                bytes,
+                why: "no such volume here".into(),
+            });
+        }
+        let mut log = self.snapshots.lock().unwrap();
+        log.push(format!("resize volume {id} {bytes}"));
+        Ok(())
+    }
+    async fn delete_volume(&self, id: &str) -> VmResult<()> {
+        let mut log = self.snapshots.lock().unwrap();
+        log.push(format!("delete volume {id}"));
+        Ok(())
+    }
     async fn pause(&self, id: &str) -> VmResult<()> {
         check(id)?;
         self.snapshots.lock().unwrap().push(format!("pause {id}"));
@@ -785,6 +807,13 @@ async fn a_nodes_vms_answer_through_the_link_as_they_would_at_home() {
     remote.pause("vm1").await.unwrap();
     remote.resume("vm1", at, Egress::blocked()).await.unwrap();
     assert_eq!(*vms.expiry.lock().unwrap(), Some(at));
+    // A volume's file is made, grown and removed by its node; a failure
+    // comes back with its message.
+    remote.create_volume("vol_a", 1 << 30).await.unwrap();
+    remote.resize_volume("vol_a", 2 << 30).await.unwrap();
+    let e = remote.resize_volume("vol_b", 1 << 30).await.unwrap_err();
+    assert!(e.to_string().contains("no such volume here"), "{e}");
+    remote.delete_volume("vol_a").await.unwrap();
     // A running VM's egress changed: its lists arrive as sent.
     let policy = Egress::checked(vec!["198.51.100.7".into()], vec!["0.0.0.0/0".into()]).unwrap();
     remote.set_egress("vm1", policy.clone()).await.unwrap();
@@ -806,6 +835,9 @@ async fn a_nodes_vms_answer_through_the_link_as_they_would_at_home() {
             "delete snap_a".into(),
             "pause vm1".into(),
             format!("resume vm1 {:?}", Egress::blocked()),
+            format!("create volume vol_a {}", 1u64 << 30),
+            format!("resize volume vol_a {}", 2u64 << 30),
+            "delete volume vol_a".into(),
         ]
     );
     assert_eq!(remote.destroy("vm1").await.unwrap(), Some(4096));

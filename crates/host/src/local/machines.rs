@@ -191,6 +191,18 @@ impl Machines for LocalVms {
         self.manager.set_expiry(id, at)
     }
 
+    async fn create_volume(&self, id: &str, bytes: u64) -> VmResult<()> {
+        self.volume_files().create(id, bytes).await
+    }
+
+    async fn resize_volume(&self, id: &str, bytes: u64) -> VmResult<()> {
+        self.volume_files().resize(id, bytes).await
+    }
+
+    async fn delete_volume(&self, id: &str) -> VmResult<()> {
+        self.volume_files().delete(id).await
+    }
+
     async fn snapshot(&self, id: &str, snapshot: &str) -> VmResult<u64> {
         LocalVms::snapshot(self, id, snapshot).await
     }

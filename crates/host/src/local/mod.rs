@@ -182,6 +182,11 @@ impl LocalVms {
         &self.manager
     }
 
+    /// This host's volumes' files.
+    pub fn volume_files(&self) -> sandpit_runtime::volume_files::VolumeFiles {
+        sandpit_runtime::volume_files::VolumeFiles::new(self.manager.config().volumes_dir())
+    }
+
     /// The VM of a new sandbox: the pool VM taken for it (see
     /// [`LocalVms::take_warm`]), or one restored or booted now, and keep its
     /// agent connection.
