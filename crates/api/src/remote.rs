@@ -16,11 +16,11 @@ use reqwest::{header, Method, RequestBuilder, StatusCode, Url};
 use sandpit_core::api::prelude::*;
 use sandpit_core::error::Result;
 use sandpit_core::{
-    Account, BuildTemplate, Caller, CoreError, CreateSandbox, CreateSnapshot, Encoding, ErrorType,
-    ExecEvent, ExecParams, ExecStream, Execution, FileContent, FileDeleted, FileList, FileWritten,
-    Fork, ForkSandbox, List, ListExecutions, ListSandboxes, ListSnapshots, NetworkLists, Port,
-    PutSecret, RestoreSandbox, Sandbox, Secret, ServiceInfo, SignedUrl, Snapshot, Template, Usage,
-    WriteFile,
+    Account, BuildTemplate, Caller, CoreError, CreateSandbox, CreateSnapshot, CreateVolume,
+    Encoding, ErrorType, ExecEvent, ExecParams, ExecStream, Execution, FileContent, FileDeleted,
+    FileList, FileWritten, Fork, ForkSandbox, List, ListExecutions, ListSandboxes, ListSnapshots,
+    NetworkLists, Port, PutSecret, ResizeVolume, RestoreSandbox, Sandbox, Secret, ServiceInfo,
+    SignedUrl, Snapshot, Template, Usage, Volume, WriteFile,
 };
 use serde::de::DeserializeOwned;
 use std::collections::HashMap;
@@ -623,6 +623,41 @@ impl Secrets for RemoteApi {
 
     async fn delete_secret(&self, caller: &Caller, name: &str) -> Result<Secret> {
         let r = self.request(caller, Method::DELETE, self.url(&["secrets", name]))?;
+        self.call(r).await
+    }
+}
+
+#[async_trait]
+impl Volumes for RemoteApi {
+    async fn create_volume(&self, caller: &Caller, req: CreateVolume) -> Result<Volume> {
+        let r = self
+            .request(caller, Method::POST, self.url(&["volumes"]))?
+            .json(&req);
+        self.call(r).await
+    }
+
+    async fn list_volumes(&self, caller: &Caller) -> Result<List<Volume>> {
+        self.get(caller, self.url(&["volumes"])).await
+    }
+
+    async fn get_volume(&self, caller: &Caller, volume: &str) -> Result<Volume> {
+        self.get(caller, self.url(&["volumes", volume])).await
+    }
+
+    async fn resize_volume(
+        &self,
+        caller: &Caller,
+        volume: &str,
+        req: ResizeVolume,
+    ) -> Result<Volume> {
+        let r = self
+            .request(caller, Method::PATCH, self.url(&["volumes", volume]))?
+            .json(&req);
+        self.call(r).await
+    }
+
+    async fn delete_volume(&self, caller: &Caller, volume: &str) -> Result<Volume> {
+        let r = self.request(caller, Method::DELETE, self.url(&["volumes", volume]))?;
         self.call(r).await
     }
 }

@@ -1,6 +1,6 @@
 //! The operations an agent can ask for, as a few traits by subject
 //! ([`Sandboxes`], [`Snapshots`], [`Commands`], [`Files`], [`Ports`],
-//! [`Terminals`], [`Accounts`], [`Templates`], [`Secrets`]) that
+//! [`Terminals`], [`Accounts`], [`Templates`], [`Secrets`], [`Volumes`]) that
 //! [`SandboxApi`] gathers. The core
 //! service implements each in the module of its subject; a REST client
 //! implements them for a remote server. The REST, MCP and dashboard
@@ -124,7 +124,16 @@ impl Drop for ExecStream {
 /// module of that subject, and an adapter names what it uses. Bring the
 /// methods into scope with `use sandpit_core::api::prelude::*`.
 pub trait SandboxApi:
-    Accounts + Sandboxes + Snapshots + Commands + Files + Ports + Terminals + Templates + Secrets
+    Accounts
+    + Sandboxes
+    + Snapshots
+    + Commands
+    + Files
+    + Ports
+    + Terminals
+    + Templates
+    + Secrets
+    + Volumes
 {
 }
 
@@ -138,6 +147,7 @@ impl<T> SandboxApi for T where
         + Terminals
         + Templates
         + Secrets
+        + Volumes
         + ?Sized
 {
 }
@@ -146,7 +156,7 @@ impl<T> SandboxApi for T where
 pub mod prelude {
     pub use super::{
         Accounts, Commands, Files, Ports, SandboxApi, Sandboxes, Secrets, Snapshots, Templates,
-        Terminals,
+        Terminals, Volumes,
     };
 }
 
@@ -667,6 +677,48 @@ pub trait Secrets: Send + Sync {
         _metadata: Option<BTreeMap<String, String>>,
     ) -> Result<Secret> {
         Err(no_secrets())
+    }
+}
+
+/// What an implementation without volumes answers.
+fn no_volumes() -> crate::error::CoreError {
+    crate::error::CoreError::new(
+        crate::error::ErrorType::InvalidRequest,
+        "volumes are kept by a Sandpit server's own API only",
+    )
+}
+
+/// Volumes: an account's named file systems, kept on one node's disk until
+/// deleted, which its sandboxes mount (see [`CreateSandbox::volumes`]).
+/// A volume is found by its id (`vol_…`) or its name.
+#[async_trait]
+pub trait Volumes: Send + Sync {
+    /// Makes an empty volume: a name the account has already, or one past
+    /// its quota (count or bytes), is refused saying which.
+    async fn create_volume(&self, _caller: &Caller, _req: CreateVolume) -> Result<Volume> {
+        Err(no_volumes())
+    }
+    /// The account's volumes, by name.
+    async fn list_volumes(&self, _caller: &Caller) -> Result<List<Volume>> {
+        Err(no_volumes())
+    }
+    async fn get_volume(&self, _caller: &Caller, _volume: &str) -> Result<Volume> {
+        Err(no_volumes())
+    }
+    /// Grows a volume (never shrinks it); refused (conflict) while a live
+    /// sandbox mounts it.
+    async fn resize_volume(
+        &self,
+        _caller: &Caller,
+        _volume: &str,
+        _req: ResizeVolume,
+    ) -> Result<Volume> {
+        Err(no_volumes())
+    }
+    /// Deletes a volume and what it holds: what it was. Refused (conflict)
+    /// while a live sandbox mounts it.
+    async fn delete_volume(&self, _caller: &Caller, _volume: &str) -> Result<Volume> {
+        Err(no_volumes())
     }
 }
 

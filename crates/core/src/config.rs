@@ -94,6 +94,8 @@ pub struct ServiceConfig {
     /// 0: never (see `crate::idle`). Only where this process runs the VMs
     /// itself (not on a cluster's replicas).
     pub idle_pause_secs: u64,
+    /// `[volumes]`: quotas, sizes and price of accounts' volumes.
+    pub volumes: VolumesConfig,
     /// The commit the running binary was built from, which service info
     /// shows (`unknown` unless the binary says; not a setting).
     #[serde(skip)]
@@ -179,10 +181,56 @@ impl Default for ServiceConfig {
             template_bytes_per_account: 50 * 1024 * 1024 * 1024,
             paused_price_percent: 10,
             idle_pause_secs: 0,
+            volumes: VolumesConfig::default(),
             commit: "unknown".into(),
             secrets_key: Default::default(),
         }
     }
+}
+
+/// `[volumes]`: what an account may keep in volumes, and what it costs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct VolumesConfig {
+    /// Volumes (not deleted) one account may have; one more is refused.
+    pub max_per_account: u32,
+    /// What one account's volumes may be together, in bytes (their sizes,
+    /// not what they hold); past it, a create or a resize is refused.
+    pub max_bytes_per_account: u64,
+    /// A new volume's size unless its create says, in GiB.
+    pub default_size_gb: u32,
+    /// The largest volume, in GiB.
+    pub max_size_gb: u32,
+    /// What a GiB stored for a month (30 days) costs, in USD: a volume's
+    /// size is billed per second from its create to its delete, whatever
+    /// it holds and whether a sandbox mounts it.
+    pub price_usd_per_gb_month: f64,
+}
+
+impl Default for VolumesConfig {
+    fn default() -> Self {
+        VolumesConfig {
+            max_per_account: 20,
+            max_bytes_per_account: 100 * 1024 * 1024 * 1024,
+            default_size_gb: 10,
+            max_size_gb: 100,
+            // A block store's going rate.
+            price_usd_per_gb_month: 0.10,
+        }
+    }
+}
+
+/// The seconds in the month of [`VolumesConfig::price_usd_per_gb_month`].
+pub const SECONDS_PER_MONTH: u64 = 30 * 24 * 3600;
+
+/// What `bytes` stored for `seconds` costs at `price_usd_per_gb_month`,
+/// rounded up to the next micro-dollar.
+pub fn storage_cost(price_usd_per_gb_month: f64, bytes: u64, seconds: u64) -> Micros {
+    const GIB: i128 = 1024 * 1024 * 1024;
+    let per_gib_month = micros(price_usd_per_gb_month) as i128;
+    let num = per_gib_month * bytes as i128 * seconds as i128;
+    let den = GIB * SECONDS_PER_MONTH as i128;
+    ((num + den - 1) / den) as Micros
 }
 
 /// What `seconds` of a size costs, rounded up to the next micro-dollar.
@@ -244,6 +292,19 @@ mod tests {
         assert_eq!(cost(280_000, 1), 78);
         assert_eq!(cost(280_000, 3600), 280_000);
         assert_eq!(cost(280_000, 0), 0);
+    }
+
+    #[test]
+    fn storage_is_billed_per_byte_second_and_rounds_up() {
+        const GIB: u64 = 1024 * 1024 * 1024;
+        // 10 GiB for a month at $0.10: $1.
+        assert_eq!(storage_cost(0.10, 10 * GIB, SECONDS_PER_MONTH), 1_000_000);
+        // A second of it: a fraction of a micro-dollar, rounded up.
+        assert_eq!(storage_cost(0.10, 10 * GIB, 1), 1);
+        assert_eq!(storage_cost(0.10, 10 * GIB, 0), 0);
+        // An hour of 1 GiB: 100_000 / 720 = 138.9 µ$.
+        assert_eq!(storage_cost(0.10, GIB, 3600), 139);
+        assert_eq!(storage_cost(0.0, GIB, 3600), 0);
     }
 
     #[test]

@@ -220,6 +220,76 @@ pub struct CreateSandbox {
     #[serde(skip)]
     #[schemars(skip)]
     pub network_rules: NetworkRules,
+    /// The account's volumes it mounts (at most 4), each at a path of its
+    /// own. A volume is mounted read-write by one live sandbox at a time
+    /// and read-only by any number.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<VolumeMount>,
+}
+
+/// A volume a sandbox mounts (`CreateSandbox::volumes`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct VolumeMount {
+    /// The volume's name or id (`vol_…`).
+    pub volume: String,
+    /// Where the guest sees it: an absolute path, not `/` and not under
+    /// `/proc`, `/sys`, `/dev`, `/etc`, `/usr`, `/bin`, `/lib`, `/sbin`,
+    /// `/boot` or `/run`.
+    pub path: String,
+    /// Mounted read-only (default `false`: read-write).
+    #[serde(default)]
+    pub read_only: bool,
+}
+
+/// A volume of the account (`GET /v1/volumes/{volume}`): an ext4 file
+/// system its sandboxes mount, kept until it is deleted whatever becomes
+/// of them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Volume {
+    /// Always `"volume"`.
+    pub object: String,
+    /// `vol_…`.
+    pub id: String,
+    /// The account's own name for it (unique among its volumes).
+    pub name: String,
+    /// Its size in GiB (1 GiB = 2^30 bytes).
+    pub size_gb: u32,
+    /// `creating`, `ready`, `resizing` or `deleted`.
+    pub status: String,
+    /// RFC 3339 UTC.
+    pub created_at: String,
+    /// The live sandboxes that mount it.
+    pub mounted_by: Vec<VolumeHolder>,
+}
+
+/// A live sandbox that mounts a volume.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct VolumeHolder {
+    pub sandbox_id: String,
+    pub path: String,
+    pub read_only: bool,
+}
+
+/// `POST /v1/volumes` body and `create_volume` input.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateVolume {
+    /// 1 to 64 letters, digits, `-` and `_`; unique among the account's
+    /// volumes.
+    pub name: String,
+    /// Its size in GiB: by default 10, at most 100 (an operator's
+    /// `[volumes]` may say otherwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size_gb: Option<u32>,
+}
+
+/// `PATCH /v1/volumes/{volume}` body: a volume grown.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ResizeVolume {
+    /// Its new size in GiB: larger than it is (a volume never shrinks).
+    pub size_gb: u32,
 }
 
 /// A secret of the account (`GET /v1/secrets`): a credential its sandboxes
@@ -733,6 +803,20 @@ pub struct SandboxUsage {
     pub disk_used_bytes: u64,
 }
 
+/// One volume in a usage report: its stored bytes, billed per second it
+/// existed within the period.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct VolumeUsage {
+    pub id: String,
+    pub name: String,
+    pub size_gb: u32,
+    /// Seconds it existed within the period.
+    pub seconds: u64,
+    pub cost_usd: f64,
+    pub created_at: String,
+    pub deleted_at: Option<String>,
+}
+
 /// The usage object.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Usage {
@@ -740,8 +824,13 @@ pub struct Usage {
     pub object: String,
     pub credit_remaining_usd: f64,
     pub period_days: u32,
+    /// The sandboxes' and the volumes' costs together.
     pub total_cost_usd: f64,
     pub sandboxes: Vec<SandboxUsage>,
+    /// The account's volumes that existed within the period. Absent from
+    /// older servers.
+    #[serde(default)]
+    pub volumes: Vec<VolumeUsage>,
 }
 
 /// The account object.

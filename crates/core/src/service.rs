@@ -60,8 +60,10 @@ mod snapshots;
 mod templates;
 pub use templates::{parse_reference as parse_template_reference, MAX_TEMPLATE_FILES_BYTES};
 mod terminals;
+mod volumes;
 
 pub use terminals::{check_terminal_size, MAX_TERMINALS, MAX_TERMINAL_CELLS, TERMINAL_TOKEN_TTL};
+pub use volumes::{check_mount_path, check_volume_name, mounts_not_wired, MAX_SANDBOX_VOLUMES};
 
 pub use checks::{
     check_create, check_path, check_port, check_write_size, extension_minutes, page_limit,

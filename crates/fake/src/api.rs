@@ -48,6 +48,7 @@ impl Accounts for Fake {
             period_days: days,
             total_cost_usd: 0.0,
             sandboxes,
+            volumes: Vec::new(),
         })
     }
 
@@ -117,11 +118,19 @@ impl Sandboxes for Fake {
         self.begin(
             caller,
             Op::CreateSandbox {
-                req: req.clone(),
+                req: Box::new(req.clone()),
                 idempotency_key: idempotency_key.clone(),
             },
         )?;
         let config = self.config();
+        // Volumes: their paths checked, then refused, as the service does
+        // until they are mounted in VMs.
+        if !req.volumes.is_empty() {
+            for mount in &req.volumes {
+                sandpit_core::service::check_mount_path(&mount.path)?;
+            }
+            return Err(sandpit_core::service::mounts_not_wired());
+        }
         let mut st = self.state.lock().unwrap();
         // A snapshot sets the size; another size is refused.
         let mut checked = req.clone();
@@ -838,6 +847,123 @@ impl Terminals for Fake {}
 /// any backend without them.
 #[async_trait]
 impl Secrets for Fake {}
+
+/// Volumes as the service keeps them, without their files: the same
+/// checks (name, size, one name per account), made `ready` at once,
+/// mounted by no sandbox (creates with volumes are refused, as the
+/// service's are until mounting is wired).
+#[async_trait]
+impl Volumes for Fake {
+    async fn create_volume(&self, caller: &Caller, req: CreateVolume) -> Result<Volume> {
+        self.begin(caller, Op::CreateVolume { req: req.clone() })?;
+        sandpit_core::service::check_volume_name(&req.name)?;
+        let limits = self.config().volumes;
+        let size_gb = req.size_gb.unwrap_or(limits.default_size_gb);
+        if size_gb == 0 || size_gb > limits.max_size_gb {
+            return Err(CoreError::invalid(format!(
+                "size_gb must be between 1 and {}, not {size_gb}",
+                limits.max_size_gb
+            )));
+        }
+        let mut st = self.state.lock().unwrap();
+        let theirs = |(a, _): &&(String, Volume)| *a == caller.account_id;
+        if st
+            .volumes
+            .iter()
+            .filter(theirs)
+            .any(|(_, v)| v.name == req.name)
+        {
+            return Err(CoreError::conflict(format!(
+                "the account has a volume named {:?} already",
+                req.name
+            )));
+        }
+        let volume = Volume {
+            object: "volume".into(),
+            id: new_id("vol_"),
+            name: req.name,
+            size_gb,
+            status: "ready".into(),
+            created_at: T0.into(),
+            mounted_by: Vec::new(),
+        };
+        st.volumes.push((caller.account_id.clone(), volume.clone()));
+        Ok(volume)
+    }
+
+    async fn list_volumes(&self, caller: &Caller) -> Result<List<Volume>> {
+        self.begin(caller, Op::ListVolumes)?;
+        let st = self.state.lock().unwrap();
+        let mut data: Vec<Volume> = st
+            .volumes
+            .iter()
+            .filter(|(a, _)| *a == caller.account_id)
+            .map(|(_, v)| v.clone())
+            .collect();
+        data.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(List::new(data, false, None))
+    }
+
+    async fn get_volume(&self, caller: &Caller, volume: &str) -> Result<Volume> {
+        let op = Op::GetVolume {
+            volume: volume.into(),
+        };
+        self.begin(caller, op)?;
+        let st = self.state.lock().unwrap();
+        Ok(st.volumes[volume_at(&st, caller, volume)?].1.clone())
+    }
+
+    async fn resize_volume(
+        &self,
+        caller: &Caller,
+        volume: &str,
+        req: ResizeVolume,
+    ) -> Result<Volume> {
+        let op = Op::ResizeVolume {
+            volume: volume.into(),
+            size_gb: req.size_gb,
+        };
+        self.begin(caller, op)?;
+        let max = self.config().volumes.max_size_gb;
+        let mut st = self.state.lock().unwrap();
+        let at = volume_at(&st, caller, volume)?;
+        let v = &mut st.volumes[at].1;
+        if req.size_gb > max {
+            return Err(CoreError::invalid(format!(
+                "size_gb must be between 1 and {max}, not {}",
+                req.size_gb
+            )));
+        }
+        if req.size_gb <= v.size_gb {
+            return Err(CoreError::invalid(format!(
+                "volume {:?} is {} GiB: a volume only grows (size_gb above {})",
+                v.name, v.size_gb, v.size_gb
+            )));
+        }
+        v.size_gb = req.size_gb;
+        Ok(v.clone())
+    }
+
+    async fn delete_volume(&self, caller: &Caller, volume: &str) -> Result<Volume> {
+        let op = Op::DeleteVolume {
+            volume: volume.into(),
+        };
+        self.begin(caller, op)?;
+        let mut st = self.state.lock().unwrap();
+        let at = volume_at(&st, caller, volume)?;
+        let (_, mut gone) = st.volumes.remove(at);
+        gone.status = "deleted".into();
+        Ok(gone)
+    }
+}
+
+/// Where the caller's volume of id or name `volume` is in `st.volumes`.
+fn volume_at(st: &State, caller: &Caller, volume: &str) -> Result<usize> {
+    st.volumes
+        .iter()
+        .position(|(a, v)| *a == caller.account_id && (v.id == volume || v.name == volume))
+        .ok_or_else(|| CoreError::new(ErrorType::NotFound, format!("no volume {volume:?}")))
+}
 
 /// The fake builds no templates: it has none to list.
 #[async_trait]

@@ -146,7 +146,7 @@ pub struct Call {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Op {
     CreateSandbox {
-        req: CreateSandbox,
+        req: Box<CreateSandbox>,
         idempotency_key: Option<String>,
     },
     GetSandbox {
@@ -250,6 +250,20 @@ pub enum Op {
         days: Option<u32>,
     },
     Account,
+    CreateVolume {
+        req: CreateVolume,
+    },
+    ListVolumes,
+    GetVolume {
+        volume: String,
+    },
+    ResizeVolume {
+        volume: String,
+        size_gb: u32,
+    },
+    DeleteVolume {
+        volume: String,
+    },
 }
 
 impl Op {
@@ -284,6 +298,11 @@ impl Op {
             Op::ClosePort { .. } => "close_port",
             Op::Usage { .. } => "usage",
             Op::Account => "account",
+            Op::CreateVolume { .. } => "create_volume",
+            Op::ListVolumes => "list_volumes",
+            Op::GetVolume { .. } => "get_volume",
+            Op::ResizeVolume { .. } => "resize_volume",
+            Op::DeleteVolume { .. } => "delete_volume",
         }
     }
 }
@@ -348,6 +367,8 @@ struct State {
     executions: HashMap<String, (String, Execution)>,
     /// Execution ids in the order they started.
     started: Vec<String>,
+    /// (account, volume), oldest first; deleted ones are gone.
+    volumes: Vec<(String, Volume)>,
 }
 
 impl State {

@@ -64,6 +64,8 @@ pub struct FileConfig {
     pub signup: Option<sandpit_web::SignupConfig>,
     /// Secrets at rest: the file of the key they are sealed with.
     pub secrets: Option<SecretsSection>,
+    /// Volumes: quotas per account, sizes and price.
+    pub volumes: Option<sandpit_core::config::VolumesConfig>,
 }
 
 /// A size: resources and (for the server) its price.
@@ -393,6 +395,16 @@ impl Settings {
                 service.idle_pause_secs = secs;
             }
         }
+        if let Some(v) = &file.volumes {
+            if v.default_size_gb == 0 || v.default_size_gb > v.max_size_gb {
+                bail!(
+                    "[volumes] default_size_gb ({}) must be between 1 and max_size_gb ({})",
+                    v.default_size_gb,
+                    v.max_size_gb
+                );
+            }
+            service.volumes = v.clone();
+        }
         let listen = env_or("SANDPIT_LISTEN", file.listen.clone())
             .unwrap_or_else(|| "127.0.0.1:8080".into());
         let public_url = env_or("SANDPIT_PUBLIC_URL", file.public_url.clone());
@@ -568,6 +580,42 @@ mod pool_tests {
         assert_eq!(m["medium"], 1);
         assert!(parse_pool_sizes("small").is_err());
         assert!(parse_pool_sizes("small=x").is_err());
+    }
+}
+
+#[cfg(test)]
+mod volumes_tests {
+    use super::Settings;
+
+    #[test]
+    fn volumes_are_configured_by_their_section_and_a_bad_default_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        std::fs::create_dir(&data).unwrap();
+        let s = Settings::load(Some(data.clone()), None, None).unwrap();
+        assert_eq!(s.service.volumes, Default::default());
+        let config = dir.path().join("config.toml");
+        std::fs::write(
+            &config,
+            "[volumes]\nmax_per_account = 3\nmax_size_gb = 5\ndefault_size_gb = 2\n\
+             price_usd_per_gb_month = 0.5\n",
+        )
+        .unwrap();
+        let s = Settings::load(Some(data.clone()), None, Some(&config)).unwrap();
+        let v = &s.service.volumes;
+        assert_eq!(
+            (v.max_per_account, v.max_size_gb, v.default_size_gb),
+            (3, 5, 2)
+        );
+        assert_eq!(v.price_usd_per_gb_month, 0.5);
+        assert_eq!(v.max_bytes_per_account, 100 * 1024 * 1024 * 1024);
+        std::fs::write(&config, "[volumes]\nmax_size_gb = 5\n").unwrap();
+        let e = Settings::load(Some(data.clone()), None, Some(&config))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("default_size_gb"), "{e}");
+        std::fs::write(&config, "[volumes]\nsize = 5\n").unwrap();
+        assert!(Settings::load(Some(data), None, Some(&config)).is_err());
     }
 }
 

@@ -170,7 +170,7 @@ fn snapshot_restore_fork_create_list_delete() {
         unreachable!()
     };
     assert_eq!(
-        req,
+        *req,
         CreateSandbox {
             size: None,
             name: Some("from-cli".into()),

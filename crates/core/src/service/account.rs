@@ -73,10 +73,8 @@ impl Accounts for Service {
             )));
         }
         let now = OffsetDateTime::now_utc();
-        let rows = self
-            .store
-            .usage(&caller.account_id, now - time::Duration::days(days as i64))
-            .await?;
+        let since = now - time::Duration::days(days as i64);
+        let rows = self.store.usage(&caller.account_id, since).await?;
         let mut total = 0;
         let sandboxes = rows
             .iter()
@@ -104,6 +102,8 @@ impl Accounts for Service {
                 }
             })
             .collect();
+        let (volumes, stored) = self.volume_usage(&caller.account_id, since, now).await?;
+        total += stored;
         let balance = self.store.balance(&caller.account_id).await?;
         Ok(Usage {
             object: "usage".into(),
@@ -111,6 +111,7 @@ impl Accounts for Service {
             period_days: days,
             total_cost_usd: usd(total),
             sandboxes,
+            volumes,
         })
     }
 

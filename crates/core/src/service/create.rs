@@ -88,6 +88,8 @@ struct Order<'c> {
     placeholders: Vec<(String, String)>,
     /// Its network rules, checked, as stored.
     rules: Option<String>,
+    /// The volumes it mounts, checked.
+    mounts: super::volumes::CheckedMounts,
     size_name: String,
     size: &'c SizeConfig,
     timeout: u32,
@@ -167,6 +169,8 @@ impl Service {
                 order.req.secrets_of.as_deref(),
             )
             .await?;
+            // Its volumes before its VM starts, which mounts them.
+            self.hold_volumes(&row, &order.mounts).await?;
             let host = row.host.clone();
             let id = row.id.clone();
             match self
@@ -240,6 +244,8 @@ impl Service {
         // Checked against the create's own env, before a template adds to it.
         let placeholders = self.placeholders_for(caller, &req).await?;
         let rules = self.stored_rules(caller, &req.network_rules).await?;
+        let mounts = self.checked_mounts(caller, &req.volumes).await?;
+        super::volumes::refuse_until_mounts_are_wired(&mounts)?;
         let (mut template_id, mut workdir) = (None, None);
         // What it starts from, and that one's size.
         let from = if let Some(s) = &req.snapshot_id {
@@ -324,6 +330,7 @@ impl Service {
             network,
             placeholders,
             rules,
+            mounts,
             size_name,
             size,
             timeout,
@@ -345,7 +352,9 @@ impl Service {
             .placement(&order.size_name)
             .await?
             .into_iter()
-            .filter(|t| !unreachable.contains(&t.host));
+            .filter(|t| !unreachable.contains(&t.host))
+            // A sandbox runs where its volumes are.
+            .filter(|t| order.mounts.host().is_none_or(|host| t.host == host));
         // Each node with the save it starts from there: the one that holds
         // it, nodes with a copy of a template first, then the others, which
         // fetch it (`None`).
@@ -381,6 +390,16 @@ impl Service {
                 format!(
                     "{} is kept on node {}, which cannot take a sandbox now; retry",
                     from.what, from.host
+                ),
+            )
+            .with_retry_after(5));
+        }
+        if let (Some(host), true) = (order.mounts.host(), targets.is_empty()) {
+            return Err(CoreError::new(
+                ErrorType::ServiceUnavailable,
+                format!(
+                    "the sandbox's volumes are kept on node {host}, which cannot take a sandbox \
+                     now; retry"
                 ),
             )
             .with_retry_after(5));

@@ -415,6 +415,9 @@ impl Snapshots for Service {
             secrets_of: Some(row.id.clone()),
             // Its origin's too, with its secrets.
             network_rules: Default::default(),
+            // None until volumes are mounted in VMs (then its origin's,
+            // read-only).
+            volumes: Vec::new(),
         };
         let (_, size, timeout) = crate::service::checks::check_create(&self.config, &copy, None)?;
         let needed = cost(size.price_micros_per_hour(), u64::from(timeout) * 60) * i64::from(count);
