@@ -18,14 +18,15 @@ use crate::sse::OutputChunk;
 use crate::state::{AppState, RestConfig};
 use crate::terminal;
 use axum::extract::DefaultBodyLimit;
-use axum::routing::{delete, get, post, put, MethodRouter};
+use axum::routing::{delete, get, patch, post, put, MethodRouter};
 use axum::Router;
 use sandpit_core::SandboxApi;
 use sandpit_core::{
-    Account, BuildTemplate, CreateSandbox, CreateSnapshot, ExecParams, Execution, FileContent,
-    FileDeleted, FileList, FileWritten, Fork, ForkSandbox, List, ListExecutions, ListSandboxes,
-    ListSnapshots, NetworkLists, Port, PutSecret, RestoreSandbox, Sandbox, Secret, ServiceInfo,
-    SignedUrl, Snapshot, Template, TerminalToken, Usage, WriteFile,
+    Account, BuildTemplate, CreateSandbox, CreateSnapshot, CreateVolume, ExecParams, Execution,
+    FileContent, FileDeleted, FileList, FileWritten, Fork, ForkSandbox, List, ListExecutions,
+    ListSandboxes, ListSnapshots, NetworkLists, Port, PutSecret, ResizeVolume, RestoreSandbox,
+    Sandbox, Secret, ServiceInfo, SignedUrl, Snapshot, Template, TerminalToken, Usage, Volume,
+    WriteFile,
 };
 use schemars::generate::{Contract, SchemaGenerator, SchemaSettings};
 use schemars::JsonSchema;
@@ -374,6 +375,15 @@ fn table() -> Table {
             json!({"type": "string"}),
         )
     };
+    let volume_resp = json_content(res.subschema_for::<Volume>().to_value());
+    let volume_list = res.subschema_for::<List<Volume>>().to_value();
+    let volume_param = || {
+        path_param(
+            "volume",
+            "The volume's id (`vol_…`) or name.",
+            json!({"type": "string"}),
+        )
+    };
     let idempotency_header = |what: &str| {
         json!({
             "name": "Idempotency-Key",
@@ -697,6 +707,75 @@ fn table() -> Table {
             body: None,
             responses: vec![("200", "The deleted secret, without its value.", secret_resp)],
             errors: Errors { not_found: true, ..AUTH },
+        },
+        Op {
+            method: "post",
+            path: "/v1/volumes",
+            handler: post(server::create_volume),
+            id: "createVolume",
+            summary: "Create a volume",
+            description: "Makes an empty volume: an ext4 file system of `size_gb` GiB (default 10, at \
+                most 100 unless the operator says otherwise) on one node's disk, owned by the \
+                sandbox's user, kept until it is deleted whatever becomes of the sandboxes. Its \
+                size is billed per second it exists (`GET /v1/usage`). A name the account has \
+                already is 409; past the account's quota (20 volumes, 100 GiB together by \
+                default) 429, saying which. Mounting volumes in sandboxes comes next: a create \
+                with `volumes` is refused (400) until then.",
+            params: vec![],
+            body: Some(json_content(req.subschema_for::<CreateVolume>().to_value())),
+            responses: vec![("201", "The new volume, ready.", volume_resp.clone())],
+            errors: Errors { body: true, conflict: true, ..AUTH },
+        },
+        Op {
+            method: "get",
+            path: "/v1/volumes",
+            handler: get(server::list_volumes),
+            id: "listVolumes",
+            summary: "List volumes",
+            description: "The account's volumes, by name, with the live sandboxes that mount each.",
+            params: vec![],
+            body: None,
+            responses: vec![("200", "Every volume.", json_content(volume_list))],
+            errors: AUTH,
+        },
+        Op {
+            method: "get",
+            path: "/v1/volumes/{volume}",
+            handler: get(server::get_volume),
+            id: "getVolume",
+            summary: "Get a volume",
+            description: "The volume object, with the live sandboxes that mount it.",
+            params: vec![volume_param()],
+            body: None,
+            responses: vec![("200", "The volume object.", volume_resp.clone())],
+            errors: Errors { not_found: true, ..AUTH },
+        },
+        Op {
+            method: "patch",
+            path: "/v1/volumes/{volume}",
+            handler: patch(server::resize_volume),
+            id: "resizeVolume",
+            summary: "Grow a volume",
+            description: "Grows the volume and its file system to `size_gb` GiB, what it holds kept. \
+                A volume never shrinks (400). Refused (409) while a live sandbox mounts it.",
+            params: vec![volume_param()],
+            body: Some(json_content(req.subschema_for::<ResizeVolume>().to_value())),
+            responses: vec![("200", "The grown volume.", volume_resp.clone())],
+            errors: Errors { body: true, not_found: true, conflict: true, ..AUTH },
+        },
+        Op {
+            method: "delete",
+            path: "/v1/volumes/{volume}",
+            handler: delete(server::delete_volume),
+            id: "deleteVolume",
+            summary: "Delete a volume",
+            description: "Deletes the volume and everything on it; answers with it, status \
+                `deleted`. Its billing ends and its name is free again. Refused (409) while a \
+                live sandbox mounts it, saying which.",
+            params: vec![volume_param()],
+            body: None,
+            responses: vec![("200", "The deleted volume.", volume_resp)],
+            errors: Errors { not_found: true, conflict: true, ..AUTH },
         },
         Op {
             method: "post",

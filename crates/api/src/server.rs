@@ -13,9 +13,9 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::{Json, Router};
 use sandpit_core::{
-    BuildTemplate, CoreError, CreateSandbox, CreateSnapshot, ExecParams, ForkSandbox,
-    ListExecutions, ListSandboxes, ListSnapshots, NetworkLists, PutSecret, RestoreSandbox,
-    WriteFile,
+    BuildTemplate, CoreError, CreateSandbox, CreateSnapshot, CreateVolume, ExecParams, ForkSandbox,
+    ListExecutions, ListSandboxes, ListSnapshots, NetworkLists, PutSecret, ResizeVolume,
+    RestoreSandbox, WriteFile,
 };
 use serde::Serialize;
 
@@ -212,6 +212,44 @@ pub(crate) async fn delete_secret(
     Path(name): Path<String>,
 ) -> ApiResult {
     ok(st.api.delete_secret(&c, &name).await?)
+}
+
+pub(crate) async fn create_volume(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    JsonBody(body): JsonBody<CreateVolume>,
+) -> ApiResult {
+    let volume = st.api.create_volume(&c, body).await?;
+    Ok((StatusCode::CREATED, Json(volume)).into_response())
+}
+
+pub(crate) async fn list_volumes(State(st): State<AppState>, Authed(c): Authed) -> ApiResult {
+    ok(st.api.list_volumes(&c).await?)
+}
+
+pub(crate) async fn get_volume(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(volume): Path<String>,
+) -> ApiResult {
+    ok(st.api.get_volume(&c, &volume).await?)
+}
+
+pub(crate) async fn resize_volume(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(volume): Path<String>,
+    JsonBody(body): JsonBody<ResizeVolume>,
+) -> ApiResult {
+    ok(st.api.resize_volume(&c, &volume, body).await?)
+}
+
+pub(crate) async fn delete_volume(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(volume): Path<String>,
+) -> ApiResult {
+    ok(st.api.delete_volume(&c, &volume).await?)
 }
 
 pub(crate) async fn list_templates(State(st): State<AppState>, Authed(c): Authed) -> ApiResult {

@@ -9,6 +9,7 @@ mod rest;
 mod secrets;
 mod snapshots;
 mod stream;
+mod volumes;
 
 use sandpit_api::{ErrorBody, RestConfig};
 use sandpit_core::ErrorType;

@@ -152,6 +152,12 @@ fn documents_exactly_the_contract_routes() {
         ("GET", "/v1/secrets"),
         ("PUT", "/v1/secrets/{name}"),
         ("DELETE", "/v1/secrets/{name}"),
+        // Sandpit's own: volumes.
+        ("POST", "/v1/volumes"),
+        ("GET", "/v1/volumes"),
+        ("GET", "/v1/volumes/{volume}"),
+        ("PATCH", "/v1/volumes/{volume}"),
+        ("DELETE", "/v1/volumes/{volume}"),
     ]
     .into_iter()
     .map(|(m, p)| (m.to_owned(), p.to_owned()))
@@ -169,6 +175,7 @@ async fn every_documented_route_is_served() {
             path.replace("{id}", "x")
                 .replace("{port}", "1")
                 .replace("{name}", "X")
+                .replace("{volume}", "v")
         );
         let m = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
         let r = s.http.request(m, &url).send().await.unwrap();
