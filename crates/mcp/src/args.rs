@@ -7,8 +7,8 @@
 //! `timeout_ms` learns it at once rather than having its value ignored.
 
 use sandpit_core::{
-    CreateSandbox, CreateSnapshot, Encoding, ExecParams, ForkSandbox, ListSandboxes, ListSnapshots,
-    NetworkLists, RestoreSandbox, WriteFile,
+    CreateSandbox, CreateSnapshot, CreateVolume, Encoding, ExecParams, ForkSandbox, ListSandboxes,
+    ListSnapshots, NetworkLists, RestoreSandbox, VolumeMount, WriteFile,
 };
 use schemars::JsonSchema;
 use serde::Deserialize;
@@ -40,6 +40,9 @@ pub struct CreateSandboxArgs {
     /// Names of the account's secrets to use (stored with `sandpit secret set` or PUT /v1/secrets/NAME). Each becomes an environment variable holding a placeholder, never the value: the service puts the value in for that secret's hosts only, in its header, on the way out over HTTPS. Use the variable as you would the key, e.g. `curl -H "Authorization: Bearer $OPENAI_API_KEY" https://api.openai.com/...`.
     #[serde(default)]
     pub secrets: Vec<String>,
+    /// The account's volumes to mount (at most 4; made with create_volume, listed by list_volumes): each `{volume: name or id, path: absolute directory such as /data, read_only: false}`. A volume is written by one sandbox at a time and read by any number. Not available yet: a create with volumes is refused until mounting is wired.
+    #[serde(default)]
+    pub volumes: Vec<VolumeMount>,
 }
 
 impl From<CreateSandboxArgs> for CreateSandbox {
@@ -52,6 +55,7 @@ impl From<CreateSandboxArgs> for CreateSandbox {
             template: a.template,
             network: a.network,
             secrets: a.secrets,
+            volumes: a.volumes,
             ..CreateSandbox::default()
         }
     }
@@ -174,6 +178,35 @@ impl From<ListSnapshotsArgs> for ListSnapshots {
 pub struct SnapshotIdArgs {
     /// The snapshot's id (`snap_...`), as returned by snapshot_sandbox, fork_sandbox or list_snapshots.
     pub snapshot_id: String,
+}
+
+/// `create_volume`.
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateVolumeArgs {
+    /// Its name: 1 to 64 letters, digits, `-` and `_`, unique among the account's volumes.
+    pub name: String,
+    /// Its size in GiB (default 10; the service's maximum applies, 100 unless configured).
+    #[serde(default)]
+    #[schemars(range(min = 1))]
+    pub size_gb: Option<u32>,
+}
+
+impl From<CreateVolumeArgs> for CreateVolume {
+    fn from(a: CreateVolumeArgs) -> Self {
+        CreateVolume {
+            name: a.name,
+            size_gb: a.size_gb,
+        }
+    }
+}
+
+/// A tool that acts on one volume and needs nothing else.
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct VolumeArgs {
+    /// The volume's name or id (`vol_...`), as create_volume or list_volumes returned it.
+    pub volume: String,
 }
 
 /// A tool that acts on one sandbox and needs nothing else.
@@ -337,6 +370,7 @@ pub struct GetUsageArgs {
     pub days: Option<u32>,
 }
 
-/// `get_service_info` takes nothing (anything given is ignored).
+/// `get_service_info` and `list_volumes` take nothing (anything given is
+/// ignored).
 #[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
 pub struct NoArgs {}

@@ -158,3 +158,18 @@ pub(crate) const D_INFO: &str = "\
 What this service is: name and version, the sandbox sizes with their resources and prices, \
 timeouts and limits, hosts, the acceleration in use (kvm or tcg), what the guest looks like \
 and how to authenticate. Needs no API key.";
+
+pub(crate) const D_LIST_VOLUMES: &str = "\
+List this account's volumes, by name: id, size_gb, status and the live sandboxes that mount \
+each (mounted_by). A volume is storage that outlives sandboxes: a cloned repository, a \
+dataset, a cache.";
+
+pub(crate) const D_CREATE_VOLUME: &str = "\
+Create an empty volume, storage that outlives sandboxes: a named ext4 file system (size_gb \
+GiB, default 10) kept until delete_volume, whatever becomes of the sandboxes, and billed per \
+GB-month while it exists (get_usage shows it). Sandboxes are to mount it with create_sandbox's volumes; mounting is not \
+available yet, so create and list volumes now and mount them once it is.";
+
+pub(crate) const D_DELETE_VOLUME: &str = "\
+Delete a volume and everything on it, for good; its billing ends and its name is free again. \
+Refused while a live sandbox mounts it (destroy that sandbox first).";

@@ -23,7 +23,7 @@ use rmcp::{
 use sandpit_core::{
     Caller, CoreError, Encoding, ErrorType, ExecEvent, ExecParams, Execution, ExecutionStatus,
     FileContent, FileList, FileWritten, Fork, Limits, List, Port, Sandbox, SandboxApi, ServiceInfo,
-    Snapshot, Template, Usage,
+    Snapshot, Template, Usage, Volume,
 };
 use serde::{de::DeserializeOwned, Serialize};
 use std::{borrow::Cow, sync::Arc};
@@ -945,6 +945,87 @@ impl SandpitMcp {
             Err(r) => return r,
         };
         answer(self.api.delete_snapshot(&caller, &a.snapshot_id).await)
+    }
+
+    #[tool(
+        name = "list_volumes",
+        description = D_LIST_VOLUMES,
+        input_schema = schema::input::<NoArgs>(),
+        output_schema = schema::output::<List<Volume>>(),
+        annotations(
+            title = "List volumes",
+            read_only_hint = true,
+            destructive_hint = false,
+            idempotent_hint = true,
+            open_world_hint = false
+        )
+    )]
+    async fn list_volumes(
+        &self,
+        ctx: RequestContext<RoleServer>,
+        args: JsonObject,
+    ) -> Result<CallToolResult, ErrorData> {
+        let (caller, _) = match self.prepare::<NoArgs>("list_volumes", &ctx, args).await {
+            Ok(v) => v,
+            Err(r) => return r,
+        };
+        answer(self.api.list_volumes(&caller).await)
+    }
+
+    #[tool(
+        name = "create_volume",
+        description = D_CREATE_VOLUME,
+        input_schema = schema::input::<CreateVolumeArgs>(),
+        output_schema = schema::output::<Volume>(),
+        annotations(
+            title = "Create a volume",
+            read_only_hint = false,
+            destructive_hint = false,
+            idempotent_hint = false,
+            open_world_hint = false
+        )
+    )]
+    async fn create_volume(
+        &self,
+        ctx: RequestContext<RoleServer>,
+        args: JsonObject,
+    ) -> Result<CallToolResult, ErrorData> {
+        let (caller, a) = match self
+            .prepare::<CreateVolumeArgs>("create_volume", &ctx, args)
+            .await
+        {
+            Ok(v) => v,
+            Err(r) => return r,
+        };
+        answer(self.api.create_volume(&caller, a.into()).await)
+    }
+
+    #[tool(
+        name = "delete_volume",
+        description = D_DELETE_VOLUME,
+        input_schema = schema::input::<VolumeArgs>(),
+        output_schema = schema::output::<Volume>(),
+        annotations(
+            title = "Delete a volume",
+            read_only_hint = false,
+            destructive_hint = true,
+            idempotent_hint = false,
+            open_world_hint = false
+        )
+    )]
+    async fn delete_volume(
+        &self,
+        ctx: RequestContext<RoleServer>,
+        args: JsonObject,
+    ) -> Result<CallToolResult, ErrorData> {
+        let (caller, a) = match self
+            .prepare::<VolumeArgs>("delete_volume", &ctx, args)
+            .await
+        {
+            Ok(v) => v,
+            Err(r) => return r,
+        };
+        answer(self.api.delete_volume(&caller, &a.volume).await)
     }
 
     #[tool(

@@ -80,6 +80,7 @@ async fn tools_list_has_every_tool_with_schemas_and_annotations() {
         "list_files",
         "list_snapshots",
         "list_templates",
+        "list_volumes",
     ] {
         assert!(hints(ro).0, "{ro} is read-only");
         assert!(!hints(ro).1, "{ro} is not destructive");
@@ -95,6 +96,8 @@ async fn tools_list_has_every_tool_with_schemas_and_annotations() {
     assert_eq!(hints("delete_snapshot"), (false, true, true, false));
     assert_eq!(hints("pause_sandbox"), (false, false, true, false));
     assert_eq!(hints("resume_sandbox"), (false, false, true, false));
+    assert_eq!(hints("create_volume"), (false, false, false, false));
+    assert_eq!(hints("delete_volume"), (false, true, false, false));
 
     // Input schemas name the spec's fields, with the right ones required.
     let run = &get("run_command").input_schema;
@@ -112,6 +115,8 @@ async fn tools_list_has_every_tool_with_schemas_and_annotations() {
         ("fork_sandbox", json!(["sandbox_id"])),
         ("restore_sandbox", json!(["sandbox_id", "snapshot_id"])),
         ("delete_snapshot", json!(["snapshot_id"])),
+        ("create_volume", json!(["name"])),
+        ("delete_volume", json!(["volume"])),
     ] {
         assert_eq!(get(tool).input_schema["required"], required, "{tool}");
     }
@@ -127,6 +132,12 @@ async fn tools_list_has_every_tool_with_schemas_and_annotations() {
         }
     };
     says("snapshot_sandbox", &["risky change", "restore_sandbox"]);
+    says(
+        "create_volume",
+        &["outlives", "create_sandbox", "not available yet"],
+    );
+    let volumes = &create["properties"]["volumes"];
+    assert!(volumes.is_object(), "create_sandbox.volumes: {create:?}");
     says("fork_sandbox", &["parallel", "count"]);
     says("restore_sandbox", &["undo", "lost"]);
     says("pause_sandbox", &["resumes it", "expires_at"]);

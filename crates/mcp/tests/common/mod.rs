@@ -54,8 +54,8 @@ pub const SPEC_TOOLS: [&str; 12] = [
 ];
 
 /// Every tool: the spec's twelve, then snapshots, fork, restore, pause,
-/// templates and the network.
-pub const TOOLS: [&str; 21] = [
+/// templates, the network and volumes.
+pub const TOOLS: [&str; 24] = [
     "create_sandbox",
     "run_command",
     "write_file",
@@ -77,6 +77,9 @@ pub const TOOLS: [&str; 21] = [
     "resume_sandbox",
     "list_templates",
     "update_network",
+    "list_volumes",
+    "create_volume",
+    "delete_volume",
 ];
 
 /// An rmcp client that offers one protocol version at `initialize` and keeps

@@ -47,6 +47,9 @@ const calls = [
   ['list_snapshots', () => ({ limit: 10 })],
   ['delete_snapshot', () => snapshot],
   ['list_templates', () => ({ all_builds: true })],
+  ['create_volume', () => ({ name: 'data', size_gb: 2 })],
+  ['list_volumes', () => ({})],
+  ['delete_volume', () => ({ volume: 'data' })],
   ['get_usage', () => ({ days: 7 })],
   ['destroy_sandbox', () => sandbox],
 ];
@@ -57,6 +60,8 @@ const refused = [
   ['run_command', { ...sandbox, command: 'true', timeout_ms: 1.5 }],
   ['fork_sandbox', { ...sandbox, count: 11 }],
   ['restore_sandbox', { ...sandbox }],
+  ['create_volume', { size_gb: 2 }],
+  ['delete_volume', {}],
 ];
 
 const client = new Client({ name: 'sandpit-ts-sdk-test', version: '0' });
