@@ -11,7 +11,7 @@
 //! - **Metadata and `envVars`** are kept on the sandbox; every command in
 //!   it gets the variables, under its own.
 
-use crate::error::HttpError;
+use crate::error::{Body, HttpError};
 use crate::wire::{self, Connect, NewSandbox, Timeout};
 use crate::E2b;
 use axum::extract::{FromRequestParts, Path, Query, State};
@@ -148,7 +148,7 @@ async fn create(
     State(e2b): State<E2b>,
     Authed(caller): Authed,
     headers: HeaderMap,
-    Json(body): Json<NewSandbox>,
+    Body(body): Body<NewSandbox>,
 ) -> Answer {
     refuse_unsupported(&body)?;
     let info = e2b.api.service_info().await?;
@@ -262,7 +262,7 @@ async fn update_network(
     State(e2b): State<E2b>,
     Authed(caller): Authed,
     Path(id): Path<String>,
-    Json(body): Json<wire::NetworkUpdate>,
+    Body(body): Body<wire::NetworkUpdate>,
 ) -> Answer {
     if let Some(what) = body.other.iter().find(|(_, v)| !v.is_null()) {
         return Err(HttpError::bad_request(format!(
@@ -412,7 +412,7 @@ async fn set_timeout(
     State(e2b): State<E2b>,
     Authed(caller): Authed,
     Path(id): Path<String>,
-    Json(body): Json<Timeout>,
+    Body(body): Body<Timeout>,
 ) -> Answer {
     let sandbox = live(&e2b, &caller, &id).await?;
     let wanted = minutes_from_creation(&sandbox, body.timeout)?;

@@ -41,6 +41,35 @@ impl HttpError {
     }
 }
 
+/// A JSON request body whose refusal (not JSON, not E2B's shape) is
+/// E2B's error body, saying what did not fit: axum's own `Json` answers
+/// those in plain text, which the SDKs cannot decode.
+pub struct Body<T>(pub T);
+
+impl<T, S> axum::extract::FromRequest<S> for Body<T>
+where
+    T: serde::de::DeserializeOwned,
+    S: Send + Sync,
+{
+    type Rejection = HttpError;
+
+    async fn from_request(request: axum::extract::Request, state: &S) -> Result<Self, HttpError> {
+        match axum::Json::<T>::from_request(request, state).await {
+            Ok(axum::Json(body)) => Ok(Body(body)),
+            // E2B says 400 of any body it cannot take (axum: 415 without
+            // a JSON type, 422 for a shape that does not fit), but too
+            // large is too large.
+            Err(rejection) => Err(HttpError::new(
+                match rejection.status() {
+                    StatusCode::PAYLOAD_TOO_LARGE => StatusCode::PAYLOAD_TOO_LARGE,
+                    _ => StatusCode::BAD_REQUEST,
+                },
+                rejection.body_text(),
+            )),
+        }
+    }
+}
+
 impl From<CoreError> for HttpError {
     fn from(e: CoreError) -> Self {
         HttpError {

@@ -4,7 +4,7 @@
 //! only maps E2B's wire shapes onto those calls, and pages the list.
 
 use crate::control::Authed;
-use crate::error::HttpError;
+use crate::error::{Body, HttpError};
 use crate::E2b;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderValue, StatusCode};
@@ -113,7 +113,7 @@ async fn list(
 async fn create(
     State(e2b): State<E2b>,
     Authed(caller): Authed,
-    Json(body): Json<NewSecret>,
+    Body(body): Body<NewSecret>,
 ) -> Answer {
     let made = e2b
         .api
@@ -144,7 +144,7 @@ async fn update(
     State(e2b): State<E2b>,
     Authed(caller): Authed,
     Path(secret): Path<String>,
-    Json(body): Json<SecretUpdate>,
+    Body(body): Body<SecretUpdate>,
 ) -> Answer {
     let updated = e2b
         .api

@@ -19,7 +19,7 @@
 //! `GET /templates/aliases/{name}` answers `Template.exists`.
 
 use crate::control::Authed;
-use crate::error::HttpError;
+use crate::error::{Body, HttpError};
 use crate::E2b;
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, Path, Query, State};
@@ -142,7 +142,7 @@ async fn size_for(e2b: &E2b, cpus: Option<u32>, memory_mb: Option<u32>) -> HttpR
 async fn request_build(
     State(e2b): State<E2b>,
     Authed(caller): Authed,
-    Json(req): Json<BuildRequest>,
+    Body(req): Body<BuildRequest>,
 ) -> Answer {
     let reference = reference(&req)?;
     let size = size_for(&e2b, req.cpu_count, req.memory_mb).await?;
@@ -229,7 +229,7 @@ async fn start_build(
     State(e2b): State<E2b>,
     Authed(caller): Authed,
     Path((_template, build)): Path<(String, String)>,
-    Json(body): Json<BuildStart>,
+    Body(body): Body<BuildStart>,
 ) -> Answer {
     e2b.api
         .start_template_build(&caller, &build, to_spec(&body))

@@ -140,7 +140,9 @@ async fn refusals_are_e2bs_error_bodies() {
             Method::POST,
             "/v2/sandboxes",
             Some(KEY_A),
-            Some(json!({"templateID": "base", "network": {"rules": {"api.example.com": []}}})),
+            // Rules are taken (the service checks the secrets they name);
+            // a body that is not E2B's shape of them is refused.
+            Some(json!({"templateID": "base", "network": {"rules": {"api.example.com": "nope"}}})),
         )
         .await;
     assert_error(st, &body, 400, "rules");
