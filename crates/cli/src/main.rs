@@ -13,6 +13,7 @@ mod sandbox;
 mod secret;
 mod shell;
 mod template;
+mod volume;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -82,6 +83,12 @@ enum Command {
     Secret {
         #[command(subcommand)]
         command: secret::SecretCommand,
+    },
+    /// Volumes on a server (--url, SANDPIT_API_KEY): create, list, resize,
+    /// delete; storage that outlives sandboxes
+    Volume {
+        #[command(subcommand)]
+        command: volume::VolumeCommand,
     },
     /// Run the control plane: REST /v1 and MCP (Streamable HTTP) at /v1/mcp
     Serve(serve::ServeArgs),
@@ -199,6 +206,7 @@ async fn run(cli: Cli) -> Result<i32> {
         Command::Sandbox { command } => sandbox::run(&settings, command).await,
         Command::Template { command } => template::run(&settings, command).await,
         Command::Secret { command } => secret::run(command).await,
+        Command::Volume { command } => volume::run(command).await,
         Command::Serve(a) => serve::serve(&settings, a).await,
         Command::Mcp(a) => serve::mcp(&settings, a).await,
         Command::Node(a) => serve::node(&settings, a).await,

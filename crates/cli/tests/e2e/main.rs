@@ -37,3 +37,4 @@ mod templates;
 mod terminal;
 mod topology;
 mod upgrade;
+mod volume_commands;
