@@ -34,6 +34,7 @@ mod spawn;
 mod stats;
 mod sys;
 mod tunnel;
+mod volumes;
 mod watch;
 mod window;
 mod workers;

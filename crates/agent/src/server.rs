@@ -10,7 +10,7 @@
 //! never die.
 
 use crate::channel::{self, Handler, Outbox, Reply};
-use crate::{config, exec, files, processes, pty, sys, tunnel, watch};
+use crate::{config, exec, files, processes, pty, sys, tunnel, volumes, watch};
 use sandpit_protocol::{
     AgentError, DoneResult, ErrorKind, Frame, FrameError, Message, RequestId, PROTOCOL_GENERATION,
 };
@@ -220,6 +220,24 @@ impl Server {
                     let watched = watch::run(r, id, &path, recursive, &stop);
                     watch::unregister(id);
                     watched
+                });
+            }
+            Message::MountVolume {
+                id,
+                serial,
+                path,
+                read_only,
+            } => {
+                // As root: mounting is the host's to ask, not the user's.
+                spawn_worker(reply, id, "mount-volume", false, move |r| {
+                    r.done(id, volumes::mount(&serial, &path, read_only)?);
+                    Ok(())
+                });
+            }
+            Message::SyncVolume { id, path, unmount } => {
+                spawn_worker(reply, id, "sync-volume", false, move |r| {
+                    r.done(id, volumes::sync(&path, unmount)?);
+                    Ok(())
                 });
             }
             Message::PowerOff { id } => power_off(&reply, id),

@@ -29,8 +29,9 @@ pub use message::*;
 /// names messages or fields added within generation 1 after it was first
 /// frozen: `stats` is [`Message::Stats`], `clock` is [`Message::Clock`],
 /// `pty` is [`ExecRequest::pty`] and [`ProcessCall::Resize`], `watch` is
-/// [`Message::WatchDir`], `root_exec` is [`ExecRequest::as_root`].
-pub const FEATURES: &[&str] = &["stats", "clock", "pty", "watch", "root_exec"];
+/// [`Message::WatchDir`], `root_exec` is [`ExecRequest::as_root`],
+/// `volumes` is [`Message::MountVolume`] and [`Message::SyncVolume`].
+pub const FEATURES: &[&str] = &["stats", "clock", "pty", "watch", "root_exec", "volumes"];
 
 /// The protocol generation this build speaks. Bump it only for incompatible changes.
 pub const PROTOCOL_GENERATION: u32 = 1;

@@ -115,6 +115,29 @@ pub enum Message {
         recursive: bool,
     },
 
+    /// Mount the volume the host attached to the slot whose block device
+    /// has serial `serial` (`sandpit-vol<N>`) at `path` (made if missing),
+    /// ext4, `read_only` or read-write, without set-uid programs or
+    /// devices; answered with [`Message::Done`] / [`DoneResult::Mounted`]
+    /// once mounted, after the device shows the volume's size (the host's
+    /// attach reaches the guest as a capacity change). Older agents do not
+    /// list `"volumes"` in their features.
+    MountVolume {
+        id: RequestId,
+        serial: String,
+        path: String,
+        read_only: bool,
+    },
+    /// Write what the guest holds of the volume mounted at `path` to its
+    /// device (`syncfs`), then unmount it when `unmount`; answered with
+    /// [`Message::Done`] / [`DoneResult::Synced`]. What a command wrote
+    /// there is then in the volume's file on the host.
+    SyncVolume {
+        id: RequestId,
+        path: String,
+        unmount: bool,
+    },
+
     /// Sync the disks and power the guest off. The VM then exits; nothing answers.
     PowerOff { id: RequestId },
     /// Open a TCP connection to `port` on the guest's loopback (127.0.0.1,
@@ -247,6 +270,8 @@ impl Message {
             | WatchDir { id, .. }
             | Watching { id, .. }
             | WatchEvents { id, .. }
+            | MountVolume { id, .. }
+            | SyncVolume { id, .. }
             | PowerOff { id }
             | TunnelOpen { id, .. }
             | TunnelData { id }
@@ -473,6 +498,17 @@ pub enum DoneResult {
     /// nanoseconds since the Unix epoch.
     Clock {
         unix_ns: i64,
+    },
+    /// A [`Message::MountVolume`]'s volume is mounted at `path`, from the
+    /// guest's block device `device` (`/dev/vdb`).
+    Mounted {
+        path: String,
+        device: String,
+    },
+    /// A [`Message::SyncVolume`] is done.
+    Synced {
+        path: String,
+        unmounted: bool,
     },
 }
 

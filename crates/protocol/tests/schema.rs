@@ -451,6 +451,32 @@ fn samples() -> Vec<Message> {
                 ..Default::default()
             },
         },
+        // Added to generation 1: volumes (feature `volumes`).
+        Message::MountVolume {
+            id: 73,
+            serial: "sandpit-vol0".into(),
+            path: "/data".into(),
+            read_only: false,
+        },
+        Message::Done {
+            id: 73,
+            result: DoneResult::Mounted {
+                path: "/data".into(),
+                device: "/dev/vdb".into(),
+            },
+        },
+        Message::SyncVolume {
+            id: 74,
+            path: "/data".into(),
+            unmount: true,
+        },
+        Message::Done {
+            id: 74,
+            result: DoneResult::Synced {
+                path: "/data".into(),
+                unmounted: true,
+            },
+        },
     ]
 }
 
@@ -474,6 +500,8 @@ fn exhaustive(m: &Message) -> &'static str {
         Message::Stats { .. } => "stats",
         Message::Clock { .. } => "clock",
         Message::ProcessCall { .. } => "process_call",
+        Message::MountVolume { .. } => "mount_volume",
+        Message::SyncVolume { .. } => "sync_volume",
         Message::PowerOff { .. } => "power_off",
         Message::HelloAck { .. } => "hello_ack",
         Message::Started { .. } => "started",

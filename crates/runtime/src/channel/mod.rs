@@ -19,6 +19,7 @@ pub mod clock;
 mod requests;
 pub mod terminal;
 pub mod tunnel;
+pub mod volumes;
 pub mod watch;
 
 pub(crate) use requests::OutputBacklog;

@@ -75,6 +75,15 @@ pub struct TemplateInputs {
     /// their key.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ca_certificates: Option<String>,
+    /// The VM's empty volume slots (see `vm::volumes`), part of its
+    /// devices: a template's VMs, and the saves made from them, have as
+    /// many. Absent (0) in templates made before volumes existed.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub volume_slots: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// What [`TemplateInputs::ca_certificates`] holds for these certificates.
@@ -396,6 +405,7 @@ mod tests {
             user_pids_max: 100,
             reserved_memory_mb: 64,
             ca_certificates: None,
+            volume_slots: 0,
         }
     }
 

@@ -645,6 +645,13 @@ impl VmManager {
             .iter()
             .map(|s| s.to_string()),
         );
+        // The devices a restored VM had when its state was saved.
+        let slots = match start {
+            Start::Restore(t) => t.record.inputs.volume_slots,
+            Start::Saved(saved) => saved.template.record.inputs.volume_slots,
+            Start::Cold | Start::Template { .. } => super::volumes::VOLUME_SLOTS,
+        };
+        a.extend(super::volumes::slot_args(slots));
         if network {
             a.push("-netdev".into());
             a.push(format!(

@@ -21,6 +21,7 @@ pub mod process;
 mod proxies;
 pub mod qmp;
 mod templates;
+pub mod volumes;
 
 use launch::log_guest_resolver;
 pub(crate) use launch::wait_for_socket;

@@ -60,13 +60,54 @@ impl Qmp {
 
     /// Run one command and return its `return` value.
     pub async fn execute(&mut self, command: &str, arguments: Value) -> Result<Value> {
-        let msg = json!({"execute": command, "arguments": arguments});
-        let mut bytes = serde_json::to_vec(&msg).expect("json");
-        bytes.push(b'\n');
+        let bytes = command_line(command, arguments);
         self.writer
             .write_all(&bytes)
             .await
             .map_err(RuntimeError::io("writing QMP"))?;
+        self.reply_to(command).await
+    }
+
+    /// Run one command with a descriptor passed along it (`SCM_RIGHTS`),
+    /// as `add-fd` takes one: QEMU, unprivileged and confined, then uses a
+    /// file the host opened.
+    pub async fn execute_with_fd(
+        &mut self,
+        command: &str,
+        arguments: Value,
+        fd: std::os::fd::BorrowedFd<'_>,
+    ) -> Result<Value> {
+        use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+        use std::os::fd::AsRawFd;
+        let bytes = command_line(command, arguments);
+        let stream: &tokio::net::UnixStream = self.writer.as_ref();
+        let fds = [fd.as_raw_fd()];
+        let sent = loop {
+            stream
+                .writable()
+                .await
+                .map_err(RuntimeError::io("writing QMP"))?;
+            let tried = stream.try_io(tokio::io::Interest::WRITABLE, || {
+                let iov = [std::io::IoSlice::new(&bytes)];
+                let rights = [ControlMessage::ScmRights(&fds)];
+                sendmsg::<()>(stream.as_raw_fd(), &iov, &rights, MsgFlags::empty(), None)
+                    .map_err(std::io::Error::from)
+            });
+            match tried {
+                Ok(n) => break n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(RuntimeError::io("writing QMP")(e)),
+            }
+        };
+        self.writer
+            .write_all(&bytes[sent..])
+            .await
+            .map_err(RuntimeError::io("writing QMP"))?;
+        self.reply_to(command).await
+    }
+
+    /// The answer to `command`, just sent (events meanwhile are kept).
+    async fn reply_to(&mut self, command: &str) -> Result<Value> {
         loop {
             let v = self.read_value().await?;
             if let Some(ret) = v.get("return") {
@@ -126,4 +167,12 @@ impl Qmp {
             }
         }
     }
+}
+
+/// `command` with `arguments`, as a QMP line.
+fn command_line(command: &str, arguments: Value) -> Vec<u8> {
+    let msg = json!({"execute": command, "arguments": arguments});
+    let mut bytes = serde_json::to_vec(&msg).expect("json");
+    bytes.push(b'\n');
+    bytes
 }

@@ -45,6 +45,7 @@ impl VmManager {
             user_pids_max: self.config.user_pids_max,
             reserved_memory_mb: self.config.reserved_memory_mb,
             ca_certificates: template::ca_digest(&self.ca_certificates),
+            volume_slots: super::volumes::VOLUME_SLOTS,
         }
     }
 

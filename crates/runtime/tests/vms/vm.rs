@@ -774,3 +774,106 @@ fn listing_a_tree_and_deleting() {
         assert_eq!(sh(&s.vm, "test -e tree && echo yes || echo no").await, "no");
     });
 }
+
+/// A volume's file as the host makes one: `mib` MiB, ext4, its root
+/// directory the guest user's.
+fn volume_file(dir: &std::path::Path, mib: u64) -> std::path::PathBuf {
+    let file = dir.join("volume.img");
+    std::fs::File::create(&file)
+        .unwrap()
+        .set_len(mib << 20)
+        .unwrap();
+    let made = std::process::Command::new("mkfs.ext4")
+        .args(["-q", "-F", "-m", "0", "-E", "root_owner=1000:1000"])
+        .arg(&file)
+        .output()
+        .expect("mkfs.ext4 is missing: install Debian's e2fsprogs");
+    assert!(made.status.success(), "{made:?}");
+    file
+}
+
+/// A file of the volume as the host reads it, without mounting it
+/// (`debugfs`, read-only).
+fn file_in_volume(volume: &std::path::Path, path: &str) -> Vec<u8> {
+    let out = std::process::Command::new("debugfs")
+        .args(["-R", &format!("cat {path}")])
+        .arg(volume)
+        .output()
+        .expect("debugfs is missing: install Debian's e2fsprogs");
+    assert!(out.status.success(), "{out:?}");
+    out.stdout
+}
+
+#[test]
+fn a_volume_given_to_a_running_vm_is_mounted_written_and_kept_and_read_only_stays_so() {
+    use sandpit_runtime::vm::volumes::slot_serial;
+    let s = vm();
+    let dir = data_dir();
+    let volume = volume_file(&dir, 64);
+    block(async {
+        let id = &s.vm.record.id;
+        // Read-write in slot 0: the user owns it and writes; synced and
+        // unmounted, what it wrote is in the volume's file.
+        s.manager
+            .attach_volume(id, 0, &volume, false)
+            .await
+            .expect("an attach");
+        let device =
+            s.vm.agent
+                .mount_volume(&slot_serial(0), "/mnt/data", false)
+                .await
+                .expect("a mount");
+        assert!(device.starts_with("/dev/vd"), "{device}");
+        let seen = sh(
+            &s.vm,
+            "stat -c %U /mnt/data; head -c 5000000 /dev/urandom > /mnt/data/blob; \
+             sha256sum < /mnt/data/blob | cut -d' ' -f1; df -m --output=size /mnt/data | tail -1",
+        )
+        .await;
+        let mut lines = seen.lines();
+        assert_eq!(lines.next(), Some("user"), "{seen}");
+        let written = lines.next().unwrap().to_string();
+        let size_mb: u64 = lines.next().unwrap().trim().parse().unwrap();
+        assert!((50..=64).contains(&size_mb), "{seen}");
+        s.vm.agent
+            .sync_volume("/mnt/data", true)
+            .await
+            .expect("a sync");
+        let kept = file_in_volume(&volume, "/blob");
+        assert_eq!(sha256_hex(&kept), written, "the volume's file");
+
+        // Read-only in slot 1: the data is there, the user cannot write,
+        // and root, remounting it read-write, writes only to the VM's
+        // overlay: the volume's file does not change.
+        let before = sha256_hex(&std::fs::read(&volume).unwrap());
+        s.manager
+            .attach_volume(id, 1, &volume, true)
+            .await
+            .expect("a read-only attach");
+        s.vm.agent
+            .mount_volume(&slot_serial(1), "/mnt/ro", true)
+            .await
+            .expect("a read-only mount");
+        assert_eq!(
+            sh(&s.vm, "sha256sum < /mnt/ro/blob | cut -d' ' -f1").await,
+            written
+        );
+        let refused = run(&s.vm, req("touch /mnt/ro/new")).await;
+        assert_ne!(refused.result.exit_code, Some(0));
+        assert!(
+            String::from_utf8_lossy(&refused.stderr).contains("Read-only file system"),
+            "{refused:?}"
+        );
+        let mut forced = req("mount -o remount,rw /mnt/ro && echo forced > /mnt/ro/new && sync");
+        forced.as_root = true;
+        let _ = run(&s.vm, forced).await;
+        assert_eq!(
+            sha256_hex(&std::fs::read(&volume).unwrap()),
+            before,
+            "a read-only volume's file changed"
+        );
+        let mut off = req("umount /mnt/ro");
+        off.as_root = true;
+        let _ = run(&s.vm, off).await;
+    });
+}
