@@ -719,11 +719,16 @@ fn table() -> Table {
                 sandbox's user, kept until it is deleted whatever becomes of the sandboxes. Its \
                 size is billed per second it exists (`GET /v1/usage`). A name the account has \
                 already is 409; past the account's quota (20 volumes, 100 GiB together by \
-                default) 429, saying which. Mounting volumes in sandboxes comes next: a create \
-                with `volumes` is refused (400) until then.",
-            params: vec![],
+                default) 429, saying which. With `Idempotency-Key`, a retry with the same key \
+                and body returns the volume the first request made (200); the same key with a \
+                different body is 409. Mounting volumes in sandboxes comes next: a create with \
+                `volumes` is refused (400) until then.",
+            params: vec![idempotency_header("volume")],
             body: Some(json_content(req.subschema_for::<CreateVolume>().to_value())),
-            responses: vec![("201", "The new volume, ready.", volume_resp.clone())],
+            responses: vec![
+                ("201", "The new volume, ready.", volume_resp.clone()),
+                ("200", "Idempotent replay: the volume made by the first request with this key.", volume_resp.clone()),
+            ],
             errors: Errors { body: true, conflict: true, ..AUTH },
         },
         Op {

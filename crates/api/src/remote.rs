@@ -629,11 +629,16 @@ impl Secrets for RemoteApi {
 
 #[async_trait]
 impl Volumes for RemoteApi {
-    async fn create_volume(&self, caller: &Caller, req: CreateVolume) -> Result<Volume> {
+    async fn create_volume(
+        &self,
+        caller: &Caller,
+        req: CreateVolume,
+        idempotency_key: Option<String>,
+    ) -> Result<(Volume, bool)> {
         let r = self
             .request(caller, Method::POST, self.url(&["volumes"]))?
             .json(&req);
-        self.call(r).await
+        self.create(r, idempotency_key, "create_volume").await
     }
 
     async fn list_volumes(&self, caller: &Caller) -> Result<List<Volume>> {

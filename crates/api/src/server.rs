@@ -217,10 +217,12 @@ pub(crate) async fn delete_secret(
 pub(crate) async fn create_volume(
     State(st): State<AppState>,
     Authed(c): Authed,
+    headers: HeaderMap,
     JsonBody(body): JsonBody<CreateVolume>,
 ) -> ApiResult {
-    let volume = st.api.create_volume(&c, body).await?;
-    Ok((StatusCode::CREATED, Json(volume)).into_response())
+    let key = idempotency_key(&headers)?;
+    let (volume, replayed) = st.api.create_volume(&c, body, key).await?;
+    Ok((created_or_replayed(replayed), Json(volume)).into_response())
 }
 
 pub(crate) async fn list_volumes(State(st): State<AppState>, Authed(c): Authed) -> ApiResult {

@@ -62,7 +62,10 @@ pub async fn run(cmd: VolumeCommand) -> Result<i32> {
         } => {
             let (api, caller) = server(&s).await?;
             let req = CreateVolume { name, size_gb };
-            let volume = api.create_volume(&caller, req).await.map_err(api_error)?;
+            let (volume, _) = api
+                .create_volume(&caller, req, None)
+                .await
+                .map_err(api_error)?;
             print_volume(&volume, json)
         }
         VolumeCommand::Ls { server: s, json } => {

@@ -694,8 +694,16 @@ fn no_volumes() -> crate::error::CoreError {
 #[async_trait]
 pub trait Volumes: Send + Sync {
     /// Makes an empty volume: a name the account has already, or one past
-    /// its quota (count or bytes), is refused saying which.
-    async fn create_volume(&self, _caller: &Caller, _req: CreateVolume) -> Result<Volume> {
+    /// its quota (count or bytes), is refused saying which. With
+    /// `idempotency_key`, a retry of the same request returns the volume
+    /// the first made (`true`: replayed); another request under the key is
+    /// a conflict.
+    async fn create_volume(
+        &self,
+        _caller: &Caller,
+        _req: CreateVolume,
+        _idempotency_key: Option<String>,
+    ) -> Result<(Volume, bool)> {
         Err(no_volumes())
     }
     /// The account's volumes, by name.

@@ -7,7 +7,7 @@
 
 use sandpit_core::api::prelude::*;
 use sandpit_core::config::ServiceConfig;
-use sandpit_core::{Caller, CreateSandbox, CreateVolume, ErrorType, ResizeVolume, Service};
+use sandpit_core::{Caller, CreateSandbox, CreateVolume, ErrorType, ResizeVolume, Service, Volume};
 use sandpit_host::local::LocalVms;
 use sandpit_runtime::image::GuestImage;
 use sandpit_runtime::{RuntimeConfig, VmManager};
@@ -51,6 +51,15 @@ fn create(name: &str, size_gb: Option<u32>) -> CreateVolume {
         name: name.into(),
         size_gb,
     }
+}
+
+/// A create without an idempotency key.
+async fn make(
+    svc: &Service,
+    caller: &Caller,
+    req: CreateVolume,
+) -> sandpit_core::error::Result<Volume> {
+    svc.create_volume(caller, req, None).await.map(|(v, _)| v)
 }
 
 fn file(dir: &Path, id: &str) -> std::path::PathBuf {
@@ -112,10 +121,7 @@ async fn a_volume_is_made_listed_grown_held_and_deleted_with_its_file() {
     let ann = account(&svc, "ann").await;
     let bob = account(&svc, "bob").await;
 
-    let data = svc
-        .create_volume(&ann, create("data", Some(1)))
-        .await
-        .unwrap();
+    let data = make(&svc, &ann, create("data", Some(1))).await.unwrap();
     assert_eq!(data.object, "volume");
     assert!(data.id.starts_with("vol_"), "{}", data.id);
     assert_eq!((data.size_gb, data.status.as_str()), (1, "ready"));
@@ -133,10 +139,7 @@ async fn a_volume_is_made_listed_grown_held_and_deleted_with_its_file() {
         assert_eq!(e.kind, ErrorType::NotFound, "{e}");
     }
     assert!(svc.list_volumes(&bob).await.unwrap().data.is_empty());
-    let e = svc
-        .create_volume(&ann, create("data", None))
-        .await
-        .unwrap_err();
+    let e = make(&svc, &ann, create("data", None)).await.unwrap_err();
     assert_eq!(e.kind, ErrorType::Conflict);
     assert!(e.message.contains("already"), "{e}");
 
@@ -272,9 +275,7 @@ async fn a_volume_is_made_listed_grown_held_and_deleted_with_its_file() {
     assert!(billed.cost_usd > 0.0, "{billed:?}");
     assert!(usage.total_cost_usd >= billed.cost_usd);
     // Its name is free again.
-    svc.create_volume(&ann, create("data", Some(1)))
-        .await
-        .unwrap();
+    make(&svc, &ann, create("data", Some(1))).await.unwrap();
 }
 
 #[tokio::test]
@@ -294,37 +295,24 @@ async fn names_sizes_and_quotas_are_refused_saying_which() {
         ("vol_x", "reserved"),
         (&"n".repeat(65), "at most 64"),
     ] {
-        let e = svc
-            .create_volume(&ann, create(name, None))
-            .await
-            .unwrap_err();
+        let e = make(&svc, &ann, create(name, None)).await.unwrap_err();
         assert_eq!(e.kind, ErrorType::InvalidRequest, "{name:?}");
         assert!(e.message.contains(why), "{name:?}: {e}");
     }
     for size in [0, 3] {
-        let e = svc
-            .create_volume(&ann, create("sized", Some(size)))
+        let e = make(&svc, &ann, create("sized", Some(size)))
             .await
             .unwrap_err();
         assert!(e.message.contains("between 1 and 2"), "{e}");
     }
-    let first = svc
-        .create_volume(&ann, create("one", Some(2)))
-        .await
-        .unwrap();
+    let first = make(&svc, &ann, create("one", Some(2))).await.unwrap();
     assert_eq!(first.size_gb, 2);
     // 2 GiB held, 2 more is past 3.
-    let e = svc
-        .create_volume(&ann, create("two", Some(2)))
-        .await
-        .unwrap_err();
+    let e = make(&svc, &ann, create("two", Some(2))).await.unwrap_err();
     assert_eq!(e.kind, ErrorType::RateLimited);
     assert!(e.message.contains("quota of 3 GiB"), "{e}");
-    svc.create_volume(&ann, create("two", None)).await.unwrap();
-    let e = svc
-        .create_volume(&ann, create("three", None))
-        .await
-        .unwrap_err();
+    make(&svc, &ann, create("two", None)).await.unwrap();
+    let e = make(&svc, &ann, create("three", None)).await.unwrap_err();
     assert_eq!(e.kind, ErrorType::RateLimited);
     assert!(e.message.contains("quota is 2"), "{e}");
     // Growing counts too.
@@ -347,4 +335,36 @@ async fn names_sizes_and_quotas_are_refused_saying_which() {
         .unwrap()
         .count();
     assert_eq!(files, 2);
+}
+
+#[tokio::test]
+async fn a_create_retried_with_its_key_gets_the_same_volume() {
+    let dir = tempfile::tempdir().unwrap();
+    let svc = service(dir.path(), |_| {}).await;
+    let ann = account(&svc, "ann").await;
+    let key = || Some("k-1".to_string());
+    let (first, replayed) = svc
+        .create_volume(&ann, create("data", Some(1)), key())
+        .await
+        .unwrap();
+    assert!(!replayed);
+    let (again, replayed) = svc
+        .create_volume(&ann, create("data", Some(1)), key())
+        .await
+        .unwrap();
+    assert!(replayed);
+    assert_eq!(again, first);
+    // The default size is what a retry that leaves it out asks for.
+    let e = svc
+        .create_volume(&ann, create("data", None), key())
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorType::Conflict);
+    assert!(e.message.contains("Idempotency-Key"), "{e}");
+    let e = svc
+        .create_volume(&ann, create("other", Some(1)), Some(String::new()))
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorType::InvalidRequest);
+    assert_eq!(svc.list_volumes(&ann).await.unwrap().data, [first]);
 }

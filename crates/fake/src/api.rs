@@ -854,8 +854,17 @@ impl Secrets for Fake {}
 /// service's are until mounting is wired).
 #[async_trait]
 impl Volumes for Fake {
-    async fn create_volume(&self, caller: &Caller, req: CreateVolume) -> Result<Volume> {
-        self.begin(caller, Op::CreateVolume { req: req.clone() })?;
+    async fn create_volume(
+        &self,
+        caller: &Caller,
+        req: CreateVolume,
+        idempotency_key: Option<String>,
+    ) -> Result<(Volume, bool)> {
+        let op = Op::CreateVolume {
+            req: req.clone(),
+            idempotency_key: idempotency_key.clone(),
+        };
+        self.begin(caller, op)?;
         sandpit_core::service::check_volume_name(&req.name)?;
         let limits = self.config().volumes;
         let size_gb = req.size_gb.unwrap_or(limits.default_size_gb);
@@ -866,6 +875,24 @@ impl Volumes for Fake {
             )));
         }
         let mut st = self.state.lock().unwrap();
+        let keyed = idempotency_key.map(|k| (caller.account_id.clone(), k));
+        if let Some((asked, made)) = keyed.as_ref().and_then(|k| st.volume_keys.get(k)) {
+            if *asked != (req.name.clone(), size_gb) {
+                return Err(CoreError::conflict(
+                    "this Idempotency-Key was already used with a different request body",
+                ));
+            }
+            // As it is now: gone since, it is shown deleted.
+            let now = st.volumes.iter().find(|(_, v)| v.id == made.id);
+            let volume = match now {
+                Some((_, v)) => v.clone(),
+                None => Volume {
+                    status: "deleted".into(),
+                    ..made.clone()
+                },
+            };
+            return Ok((volume, true));
+        }
         let theirs = |(a, _): &&(String, Volume)| *a == caller.account_id;
         if st
             .volumes
@@ -888,7 +915,11 @@ impl Volumes for Fake {
             mounted_by: Vec::new(),
         };
         st.volumes.push((caller.account_id.clone(), volume.clone()));
-        Ok(volume)
+        if let Some(key) = keyed {
+            let asked = (volume.name.clone(), size_gb);
+            st.volume_keys.insert(key, (asked, volume.clone()));
+        }
+        Ok((volume, false))
     }
 
     async fn list_volumes(&self, caller: &Caller) -> Result<List<Volume>> {

@@ -252,6 +252,7 @@ pub enum Op {
     Account,
     CreateVolume {
         req: CreateVolume,
+        idempotency_key: Option<String>,
     },
     ListVolumes,
     GetVolume {
@@ -369,6 +370,9 @@ struct State {
     started: Vec<String>,
     /// (account, volume), oldest first; deleted ones are gone.
     volumes: Vec<(String, Volume)>,
+    /// (account, key) -> ((name, size_gb), the volume as it was made):
+    /// volume creates' keys.
+    volume_keys: HashMap<(String, String), ((String, u32), Volume)>,
 }
 
 impl State {

@@ -997,7 +997,12 @@ impl SandpitMcp {
             Ok(v) => v,
             Err(r) => return r,
         };
-        answer(self.api.create_volume(&caller, a.into()).await)
+        answer(
+            self.api
+                .create_volume(&caller, a.into(), None)
+                .await
+                .map(|(volume, _replayed)| volume),
+        )
     }
 
     #[tool(

@@ -12,7 +12,7 @@
 
 use crate::error::{Result, StoreError};
 use crate::states::live_statuses;
-use crate::util::{format_ts, get_i64, get_opt_ts, get_str, get_ts, now};
+use crate::util::{format_ts, get_i64, get_opt_str, get_opt_ts, get_str, get_ts, now};
 use crate::{lock_account, row_lock, Store};
 use sqlx::any::AnyRow;
 use sqlx::{Any, Transaction};
@@ -81,12 +81,19 @@ pub struct NewVolume {
     pub max_count: u32,
     /// The most bytes its volumes (not deleted) may have together.
     pub max_bytes: u64,
+    /// The create's `Idempotency-Key` and a hash of what it asked.
+    pub idempotency: Option<(String, String)>,
 }
 
 /// What [`Store::create_volume`] came to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum VolumeCreated {
     Created(VolumeRow),
+    /// An earlier create with the same key and request made this one (as
+    /// it is now: still `creating`, or deleted since).
+    Replay(VolumeRow),
+    /// An earlier create used the key for another request.
+    IdempotencyConflict,
     /// The account has a volume of that name (not deleted).
     NameTaken,
     /// The account has `count` volumes already, its limit.
@@ -236,13 +243,31 @@ async fn account_volumes_in(
 }
 
 impl Store {
-    /// Stores a new volume as `creating`, unless the account has one of
-    /// that name, or as many volumes or bytes as it may: checked and
-    /// written in one transaction under the account's lock, so creates
-    /// that race never pass the quota together.
+    /// Stores a new volume as `creating`, unless its key replays an
+    /// earlier create, or the account has one of that name, or as many
+    /// volumes or bytes as it may: checked and written in one transaction
+    /// under the account's lock, so creates that race never pass the quota
+    /// together.
     pub async fn create_volume(&self, new: &NewVolume) -> Result<VolumeCreated> {
         let mut tx = self.write_tx().await?;
         lock_account(&mut tx, &new.account_id).await?;
+        if let Some((key, hash)) = &new.idempotency {
+            let earlier = sqlx::query(sqlx::AssertSqlSafe(format!(
+                "SELECT {VOLUME_COLUMNS}, request_hash FROM volumes \
+                 WHERE account_id = $1 AND idempotency_key = $2"
+            )))
+            .bind(&new.account_id)
+            .bind(key)
+            .fetch_optional(&mut *tx)
+            .await?;
+            if let Some(earlier) = earlier {
+                let same = get_opt_str(&earlier, "request_hash")?.as_deref() == Some(hash);
+                return Ok(match same {
+                    true => VolumeCreated::Replay(volume_from(&earlier)?),
+                    false => VolumeCreated::IdempotencyConflict,
+                });
+            }
+        }
         let (count, used) = account_volumes_in(&mut tx, &new.account_id, "").await?;
         if count >= u64::from(new.max_count) {
             return Ok(VolumeCreated::TooMany {
@@ -257,8 +282,9 @@ impl Store {
             });
         }
         let inserted = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "INSERT INTO volumes (id, account_id, name, size_bytes, host, status, created_at) \
-             VALUES ($1, $2, $3, $4, $5, 'creating', $6) RETURNING {VOLUME_COLUMNS}"
+            "INSERT INTO volumes (id, account_id, name, size_bytes, host, status, created_at, \
+             idempotency_key, request_hash) VALUES ($1, $2, $3, $4, $5, 'creating', $6, $7, $8) \
+             RETURNING {VOLUME_COLUMNS}"
         )))
         .bind(&new.id)
         .bind(&new.account_id)
@@ -266,6 +292,8 @@ impl Store {
         .bind(bytes_i64(new.size_bytes))
         .bind(&new.host)
         .bind(format_ts(now()))
+        .bind(new.idempotency.as_ref().map(|(key, _)| key.clone()))
+        .bind(new.idempotency.as_ref().map(|(_, hash)| hash.clone()))
         .fetch_one(&mut *tx)
         .await;
         let row = match inserted {
@@ -299,7 +327,8 @@ impl Store {
     }
 
     /// Removes volume `id` whose file could not be made (`creating`): as
-    /// if it had never been, its name free again and nothing billed.
+    /// if it had never been, its name and key free again and nothing
+    /// billed.
     pub async fn forget_volume(&self, id: &str) -> Result<()> {
         sqlx::query("DELETE FROM volumes WHERE id = $1 AND status = 'creating'")
             .bind(id)

@@ -3125,6 +3125,7 @@ fn volume(account_id: &str, name: &str, size_bytes: u64) -> NewVolume {
         host: "local".into(),
         max_count: 3,
         max_bytes: 30 * GIB,
+        idempotency: None,
     }
 }
 
@@ -3220,6 +3221,40 @@ async fn volumes_are_an_accounts_own_by_name_within_its_quota(store: Store) {
         store.delete_volume(&other.id, &gone.id).await.unwrap(),
         VolumeChange::Missing
     );
+    // A key replays its create (as the volume is now), whatever the
+    // quota; another request under it is a conflict; another account's
+    // key is its own.
+    let keyed = |name: &str, hash: &str| NewVolume {
+        max_count: 10,
+        idempotency: Some(("key-1".into(), hash.into())),
+        ..volume(&other.id, name, GIB)
+    };
+    let VolumeCreated::Created(first) = store.create_volume(&keyed("k", "h1")).await.unwrap()
+    else {
+        panic!("not created");
+    };
+    assert_eq!(
+        store.create_volume(&keyed("k", "h1")).await.unwrap(),
+        VolumeCreated::Replay(first.clone())
+    );
+    assert_eq!(
+        store.create_volume(&keyed("k2", "h2")).await.unwrap(),
+        VolumeCreated::IdempotencyConflict
+    );
+    let mine = NewVolume {
+        idempotency: Some(("key-1".into(), "h1".into())),
+        ..volume(&acct.id, "mine", GIB)
+    };
+    assert!(matches!(
+        store.create_volume(&mine).await.unwrap(),
+        VolumeCreated::Created(_) | VolumeCreated::TooMany { .. }
+    ));
+    // A create whose file was never made frees its key.
+    store.forget_volume(&first.id).await.unwrap();
+    assert!(matches!(
+        store.create_volume(&keyed("k", "h1")).await.unwrap(),
+        VolumeCreated::Created(_)
+    ));
 }
 
 async fn a_volume_is_held_read_write_by_one_live_sandbox_at_a_time(store: Store) {

@@ -72,6 +72,22 @@ async fn volumes_are_created_listed_found_grown_and_deleted() {
     assert_eq!(r.json::<Value>().await.unwrap()["status"], "deleted");
     let r = s.a(Method::GET, "/volumes/data").send().await.unwrap();
     expect_error(r, 404, ErrorType::NotFound).await;
+
+    // A create retried with its Idempotency-Key: 201, then 200 with the
+    // same volume; another body under the key, 409.
+    let keyed = |body: Value| {
+        s.a(Method::POST, "/volumes")
+            .header("Idempotency-Key", "vol-key-1")
+            .json(&body)
+    };
+    let r = keyed(json!({"name": "kept"})).send().await.unwrap();
+    assert_eq!(r.status(), 201);
+    let first: Volume = r.json().await.unwrap();
+    let r = keyed(json!({"name": "kept"})).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.json::<Volume>().await.unwrap(), first);
+    let r = keyed(json!({"name": "other"})).send().await.unwrap();
+    expect_error(r, 409, ErrorType::Conflict).await;
 }
 
 #[tokio::test]
@@ -134,8 +150,17 @@ async fn the_remote_client_speaks_the_volume_routes() {
         name: "cache".into(),
         size_gb: None,
     };
-    let made = api.create_volume(&caller, req).await.unwrap();
+    let key = Some("once".to_string());
+    let (made, replayed) = api
+        .create_volume(&caller, req.clone(), key.clone())
+        .await
+        .unwrap();
+    assert!(!replayed);
     assert_eq!(made.size_gb, 10);
+    // The same request under the same key: the same volume, replayed.
+    let (again, replayed) = api.create_volume(&caller, req, key).await.unwrap();
+    assert!(replayed);
+    assert_eq!(again, made);
     assert_eq!(
         api.list_volumes(&caller).await.unwrap().data,
         std::slice::from_ref(&made)

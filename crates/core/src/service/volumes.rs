@@ -30,6 +30,7 @@ use sandpit_store::{
     NewVolume, SandboxRow, SandboxStatus, VolumeChange, VolumeCreated, VolumeMountRow, VolumeRow,
     VolumeStatus, VolumesHeld,
 };
+use sha2::Digest;
 use std::sync::Arc;
 use time::OffsetDateTime;
 
@@ -209,11 +210,27 @@ fn over_bytes(used: u64, asked: u64, limit: u64) -> CoreError {
 
 #[async_trait::async_trait]
 impl Volumes for Service {
-    async fn create_volume(&self, caller: &Caller, req: CreateVolume) -> Result<Volume> {
+    async fn create_volume(
+        &self,
+        caller: &Caller,
+        req: CreateVolume,
+        idempotency_key: Option<String>,
+    ) -> Result<(Volume, bool)> {
         check_volume_name(&req.name)?;
         let limits = &self.config.volumes;
         let size_gb = req.size_gb.unwrap_or(limits.default_size_gb);
         self.check_size(size_gb)?;
+        if let Some(k) = &idempotency_key {
+            if k.is_empty() || k.len() > 255 {
+                return Err(CoreError::invalid(
+                    "Idempotency-Key must be 1 to 255 characters",
+                ));
+            }
+        }
+        // What a retry must ask again: the name and the size it gets.
+        let hash = hex::encode(sha2::Sha256::digest(
+            serde_json::to_vec(&(&req.name, size_gb)).expect("json"),
+        ));
         let bytes = u64::from(size_gb) * GIB;
         let (host, machines) = self.volume_node().await?;
         let new = NewVolume {
@@ -224,9 +241,17 @@ impl Volumes for Service {
             host,
             max_count: limits.max_per_account,
             max_bytes: limits.max_bytes_per_account,
+            idempotency: idempotency_key.map(|key| (key, hash)),
         };
         match self.store.create_volume(&new).await? {
             VolumeCreated::Created(_) => {}
+            VolumeCreated::Replay(row) => {
+                let holders = self.store.volume_holders(&row.id).await?;
+                return Ok((to_volume(&row, &holders), true));
+            }
+            VolumeCreated::IdempotencyConflict => {
+                return Err(CoreError::conflict(super::create::KEY_REUSED))
+            }
             VolumeCreated::NameTaken => {
                 return Err(CoreError::conflict(format!(
                     "the account has a volume named {:?} already",
@@ -261,7 +286,7 @@ impl Volumes for Service {
             .volume_ready(&new.id, bytes)
             .await?
             .ok_or_else(|| CoreError::internal(format!("volume {} went while made", new.id)))?;
-        Ok(to_volume(&row, &[]))
+        Ok((to_volume(&row, &[]), false))
     }
 
     async fn list_volumes(&self, caller: &Caller) -> Result<List<Volume>> {

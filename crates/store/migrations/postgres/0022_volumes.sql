@@ -16,11 +16,16 @@ CREATE TABLE volumes (
     status      TEXT COLLATE "C" NOT NULL
                 CHECK (status IN ('creating', 'ready', 'resizing', 'deleted')),
     created_at  TEXT COLLATE "C" NOT NULL,
-    deleted_at  TEXT COLLATE "C"
+    deleted_at  TEXT COLLATE "C",
+    -- A create's `Idempotency-Key` and a hash of what it asked: a retry
+    -- with both gets this volume back, another body under it a conflict.
+    idempotency_key TEXT COLLATE "C",
+    request_hash    TEXT COLLATE "C"
 );
 CREATE UNIQUE INDEX volumes_live_name ON volumes (account_id, name)
     WHERE status <> 'deleted';
 CREATE INDEX volumes_account ON volumes (account_id, created_at);
+CREATE UNIQUE INDEX volumes_idempotency ON volumes (account_id, idempotency_key);
 
 -- Which sandbox mounts which volume, where, and whether read-only. A
 -- volume is held while a live sandbox has a row here: at most one of them
