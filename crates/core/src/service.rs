@@ -63,7 +63,9 @@ mod terminals;
 mod volumes;
 
 pub use terminals::{check_terminal_size, MAX_TERMINALS, MAX_TERMINAL_CELLS, TERMINAL_TOKEN_TTL};
-pub use volumes::{check_mount_path, check_volume_name, mounts_not_wired, MAX_SANDBOX_VOLUMES};
+pub use volumes::{
+    check_mount_path, check_volume_name, mounts_not_wired, MAX_SANDBOX_VOLUMES, VOLUME_STUCK_AFTER,
+};
 
 pub use checks::{
     check_create, check_path, check_port, check_write_size, extension_minutes, page_limit,
@@ -253,6 +255,9 @@ impl Service {
                 let Some(svc) = me.upgrade() else { return };
                 if let Err(e) = svc.drop_old_executions().await {
                     tracing::warn!("dropping old executions: {e}");
+                }
+                if let Err(e) = svc.sweep_stuck_volumes(VOLUME_STUCK_AFTER).await {
+                    tracing::warn!("settling stuck volumes: {e}");
                 }
                 drop(svc);
                 tokio::time::sleep(RETENTION_SWEEP).await;

@@ -368,3 +368,53 @@ async fn a_create_retried_with_its_key_gets_the_same_volume() {
     assert_eq!(e.kind, ErrorType::InvalidRequest);
     assert_eq!(svc.list_volumes(&ann).await.unwrap().data, [first]);
 }
+
+#[tokio::test]
+async fn a_volume_whose_making_or_growing_was_lost_is_settled_by_the_sweep() {
+    let dir = tempfile::tempdir().unwrap();
+    let svc = service(dir.path(), |_| {}).await;
+    let ann = account(&svc, "ann").await;
+    let kept = make(&svc, &ann, create("kept", Some(1))).await.unwrap();
+    // A create whose process was lost after its node made the file, and a
+    // resize lost half-way: rows left `creating` and `resizing`.
+    let lost = sandpit_store::NewVolume {
+        id: "vol_lostlostlostlostlostlost".into(),
+        account_id: ann.account_id.clone(),
+        name: "lost".into(),
+        size_bytes: GIB,
+        host: svc.config().host_name.clone(),
+        max_count: 20,
+        max_bytes: 100 * GIB,
+        idempotency: None,
+    };
+    svc.store().create_volume(&lost).await.unwrap();
+    sandpit_runtime::volume_files::VolumeFiles::new(dir.path().join("volumes"))
+        .create(&lost.id, 64 << 20)
+        .await
+        .unwrap();
+    svc.store()
+        .begin_volume_resize(&ann.account_id, &kept.id, 2 * GIB, 100 * GIB)
+        .await
+        .unwrap();
+    // Recent: nothing is touched (the work may still be under way).
+    let after = sandpit_core::service::VOLUME_STUCK_AFTER;
+    svc.sweep_stuck_volumes(after).await.unwrap();
+    assert_eq!(
+        svc.get_volume(&ann, "lost").await.unwrap().status,
+        "creating"
+    );
+    assert_eq!(
+        svc.get_volume(&ann, "kept").await.unwrap().status,
+        "resizing"
+    );
+    // Past the bound (here: any time at all): settled.
+    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    svc.sweep_stuck_volumes(time::Duration::ZERO).await.unwrap();
+    let e = svc.get_volume(&ann, "lost").await.unwrap_err();
+    assert_eq!(e.kind, ErrorType::NotFound);
+    assert!(!file(dir.path(), &lost.id).exists());
+    let back = svc.get_volume(&ann, "kept").await.unwrap();
+    assert_eq!((back.status.as_str(), back.size_gb), ("ready", 1));
+    // Its name is free again.
+    make(&svc, &ann, create("lost", Some(1))).await.unwrap();
+}

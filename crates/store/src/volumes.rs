@@ -283,8 +283,8 @@ impl Store {
         }
         let inserted = sqlx::query(sqlx::AssertSqlSafe(format!(
             "INSERT INTO volumes (id, account_id, name, size_bytes, host, status, created_at, \
-             idempotency_key, request_hash) VALUES ($1, $2, $3, $4, $5, 'creating', $6, $7, $8) \
-             RETURNING {VOLUME_COLUMNS}"
+             changed_at, idempotency_key, request_hash) \
+             VALUES ($1, $2, $3, $4, $5, 'creating', $6, $6, $7, $8) RETURNING {VOLUME_COLUMNS}"
         )))
         .bind(&new.id)
         .bind(&new.account_id)
@@ -314,11 +314,12 @@ impl Store {
     /// after a resize): its node finished its file. The row as it is now.
     pub async fn volume_ready(&self, id: &str, size_bytes: u64) -> Result<Option<VolumeRow>> {
         sqlx::query(sqlx::AssertSqlSafe(format!(
-            "UPDATE volumes SET status = 'ready', size_bytes = $2 \
+            "UPDATE volumes SET status = 'ready', size_bytes = $2, changed_at = $3 \
              WHERE id = $1 AND status IN ('creating', 'resizing') RETURNING {VOLUME_COLUMNS}"
         )))
         .bind(id)
         .bind(bytes_i64(size_bytes))
+        .bind(format_ts(now()))
         .fetch_optional(&self.pool)
         .await?
         .as_ref()
@@ -335,6 +336,22 @@ impl Store {
             .execute(&self.pool)
             .await?;
         Ok(())
+    }
+
+    /// The volumes (of every account) `creating` or `resizing` since before
+    /// `before`: the process that was making or growing their files is
+    /// gone (see the service's sweep).
+    pub async fn stuck_volumes(&self, before: OffsetDateTime) -> Result<Vec<VolumeRow>> {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {VOLUME_COLUMNS} FROM volumes WHERE status IN ('creating', 'resizing') \
+             AND changed_at < $1 ORDER BY id"
+        )))
+        .bind(format_ts(before))
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(volume_from)
+        .collect()
     }
 
     /// The account's volume of id `id`, deleted ones too.
@@ -519,9 +536,11 @@ impl Store {
             });
         }
         let row = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "UPDATE volumes SET status = 'resizing' WHERE id = $1 RETURNING {VOLUME_COLUMNS}"
+            "UPDATE volumes SET status = 'resizing', changed_at = $2 WHERE id = $1 \
+             RETURNING {VOLUME_COLUMNS}"
         )))
         .bind(id)
+        .bind(format_ts(now()))
         .fetch_one(&mut *tx)
         .await?;
         let row = volume_from(&row)?;
@@ -531,10 +550,14 @@ impl Store {
 
     /// Volume `id`'s resize failed: `ready` again at its old size.
     pub async fn volume_resize_failed(&self, id: &str) -> Result<()> {
-        sqlx::query("UPDATE volumes SET status = 'ready' WHERE id = $1 AND status = 'resizing'")
-            .bind(id)
-            .execute(&self.pool)
-            .await?;
+        sqlx::query(
+            "UPDATE volumes SET status = 'ready', changed_at = $2 \
+             WHERE id = $1 AND status = 'resizing'",
+        )
+        .bind(id)
+        .bind(format_ts(now()))
+        .execute(&self.pool)
+        .await?;
         Ok(())
     }
 
@@ -554,8 +577,8 @@ impl Store {
             return Ok(VolumeChange::Held(holders));
         }
         let row = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "UPDATE volumes SET status = 'deleted', deleted_at = $2 WHERE id = $1 \
-             RETURNING {VOLUME_COLUMNS}"
+            "UPDATE volumes SET status = 'deleted', deleted_at = $2, changed_at = $2 \
+             WHERE id = $1 RETURNING {VOLUME_COLUMNS}"
         )))
         .bind(id)
         .bind(format_ts(now()))

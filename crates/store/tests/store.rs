@@ -3431,6 +3431,29 @@ async fn a_held_volume_is_neither_resized_nor_deleted(store: Store) {
         (kept.size_bytes, kept.status),
         (2 * GIB, VolumeStatus::Ready)
     );
+    // Stuck: creating or resizing since before a time, and only those.
+    let making = volume(&acct.id, "making", GIB);
+    store.create_volume(&making).await.unwrap();
+    store
+        .begin_volume_resize(&acct.id, &vol.id, 3 * GIB, 30 * GIB)
+        .await
+        .unwrap();
+    let later = OffsetDateTime::now_utc() + Duration::minutes(1);
+    let stuck: Vec<String> = store
+        .stuck_volumes(later)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|v| v.id)
+        .collect();
+    let mut want = vec![making.id.clone(), vol.id.clone()];
+    want.sort();
+    assert_eq!(stuck, want);
+    let earlier = OffsetDateTime::now_utc() - Duration::minutes(1);
+    assert!(store.stuck_volumes(earlier).await.unwrap().is_empty());
+    store.forget_volume(&making.id).await.unwrap();
+    store.volume_resize_failed(&vol.id).await.unwrap();
+    assert!(store.stuck_volumes(later).await.unwrap().is_empty());
     assert!(matches!(
         store.delete_volume(&acct.id, &vol.id).await.unwrap(),
         VolumeChange::Changed(_)

@@ -42,6 +42,9 @@ const MAX_NAME_BYTES: usize = 64;
 const ID_PREFIX: &str = "vol_";
 /// A GiB: volumes are sized in them.
 const GIB: u64 = 1024 * 1024 * 1024;
+/// How long a volume may be `creating` or `resizing` before the process
+/// doing it is taken for lost (far past a node call's bound, 5 minutes).
+pub const VOLUME_STUCK_AFTER: time::Duration = time::Duration::minutes(30);
 /// Where no volume is mounted: the guest's system, which a mount over
 /// would hide or break.
 const SYSTEM_DIRS: [&str; 10] = [
@@ -524,6 +527,47 @@ impl Service {
             tracing::warn!(id = %row.id, "ending a sandbox whose volumes were taken: {e}");
         }
         Err(why)
+    }
+
+    /// Settles volumes whose making or growing never finished (the process
+    /// doing it was lost): one never made is removed from its node and
+    /// forgotten (its name, quota and key free again); one never grown is
+    /// `ready` again at the size its row had (its file may be larger, which
+    /// a later resize takes in). Stuck: in that state for longer than
+    /// `after` ([`VOLUME_STUCK_AFTER`] in [`Service::start`]'s hourly
+    /// sweep); a node out of reach is tried again at the next.
+    pub async fn sweep_stuck_volumes(&self, after: time::Duration) -> Result<()> {
+        let before = OffsetDateTime::now_utc() - after;
+        for volume in self.store.stuck_volumes(before).await? {
+            match volume.status {
+                VolumeStatus::Creating => {
+                    let removed = match self.machines_on(&volume.host, &volume.id).await {
+                        Ok(machines) => machines
+                            .delete_volume(&volume.id)
+                            .await
+                            .map_err(runtime_error),
+                        Err(e) => Err(e),
+                    };
+                    if let Err(e) = removed {
+                        tracing::warn!(id = %volume.id, node = %volume.host, "removing a volume never made: {e}");
+                        continue;
+                    }
+                    self.store.forget_volume(&volume.id).await?;
+                }
+                VolumeStatus::Resizing => self.store.volume_resize_failed(&volume.id).await?,
+                VolumeStatus::Ready | VolumeStatus::Deleted => continue,
+            }
+            tracing::warn!(
+                id = %volume.id,
+                status = volume.status.as_str(),
+                "a volume whose {} never finished is settled",
+                match volume.status {
+                    VolumeStatus::Creating => "making",
+                    _ => "growing",
+                }
+            );
+        }
+        Ok(())
     }
 
     /// The account's volumes in a usage report since `since`: each billed

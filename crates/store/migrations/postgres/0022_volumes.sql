@@ -17,6 +17,9 @@ CREATE TABLE volumes (
                 CHECK (status IN ('creating', 'ready', 'resizing', 'deleted')),
     created_at  TEXT COLLATE "C" NOT NULL,
     deleted_at  TEXT COLLATE "C",
+    -- When `status` last changed: a volume `creating` or `resizing` for
+    -- long lost the process that was making it (see `stuck_volumes`).
+    changed_at  TEXT COLLATE "C" NOT NULL,
     -- A create's `Idempotency-Key` and a hash of what it asked: a retry
     -- with both gets this volume back, another body under it a conflict.
     idempotency_key TEXT COLLATE "C",
