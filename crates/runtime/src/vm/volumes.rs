@@ -27,6 +27,12 @@
 //! ever writes into its own overlay, which goes with the VM. The volume's
 //! file is never opened for writing.
 //!
+//! QEMU's own image locking is off for volumes' files (`locking: off`):
+//! it would refuse a read-only reader while a writer holds the file
+//! ("Failed to get shared write lock"), which volumes allow (one sandbox
+//! writes, any number read), and who may hold a volume read-write is the
+//! store's to decide, across nodes too, not one host's file locks.
+//!
 //! [`AgentClient::mount_volume`]: crate::AgentClient::mount_volume
 
 use super::qmp::Qmp;
@@ -113,7 +119,7 @@ impl VmManager {
                         json!({
                             "driver": "file", "node-name": file_node,
                             "filename": format!("/dev/fdset/{base}"),
-                            "discard": "unmap",
+                            "discard": "unmap", "locking": "off",
                         }),
                     )
                     .await?;
@@ -128,7 +134,7 @@ impl VmManager {
                         "blockdev-add",
                         json!({
                             "driver": "raw", "node-name": backing, "read-only": true,
-                            "file": {"driver": "file", "read-only": true,
+                            "file": {"driver": "file", "read-only": true, "locking": "off",
                                      "filename": format!("/dev/fdset/{base}")},
                         }),
                     )
