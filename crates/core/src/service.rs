@@ -259,6 +259,9 @@ impl Service {
                 if let Err(e) = svc.sweep_stuck_volumes(VOLUME_STUCK_AFTER).await {
                     tracing::warn!("settling stuck volumes: {e}");
                 }
+                if let Err(e) = svc.sweep_volume_files(VOLUME_STUCK_AFTER).await {
+                    tracing::warn!("sweeping volumes' files: {e}");
+                }
                 drop(svc);
                 tokio::time::sleep(RETENTION_SWEEP).await;
             }

@@ -418,3 +418,34 @@ async fn a_volume_whose_making_or_growing_was_lost_is_settled_by_the_sweep() {
     // Its name is free again.
     make(&svc, &ann, create("lost", Some(1))).await.unwrap();
 }
+
+#[tokio::test]
+async fn a_deleted_volumes_file_left_behind_is_removed_and_a_stranger_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let svc = service(dir.path(), |_| {}).await;
+    let ann = account(&svc, "ann").await;
+    let files = sandpit_runtime::volume_files::VolumeFiles::new(dir.path().join("volumes"));
+    let gone = make(&svc, &ann, create("gone", Some(1))).await.unwrap();
+    svc.delete_volume(&ann, "gone").await.unwrap();
+    // As if its node had been out of reach at the delete: the file stays.
+    files.create(&gone.id, 64 << 20).await.unwrap();
+    // A file no row names (a database restored from an older backup).
+    files
+        .create("vol_strangerstrangerstrang", 64 << 20)
+        .await
+        .unwrap();
+    let kept = make(&svc, &ann, create("kept", Some(1))).await.unwrap();
+    // A make lost mid-way, long ago.
+    std::fs::write(dir.path().join("volumes/vol_lost.img.making"), b"").unwrap();
+
+    let after = sandpit_core::service::VOLUME_STUCK_AFTER;
+    svc.sweep_volume_files(after).await.unwrap();
+    assert!(!file(dir.path(), &gone.id).exists());
+    assert!(file(dir.path(), "vol_strangerstrangerstrang").exists());
+    assert!(file(dir.path(), &kept.id).exists());
+    // Recent: the make may still be under way.
+    assert!(dir.path().join("volumes/vol_lost.img.making").exists());
+    svc.sweep_volume_files(time::Duration::ZERO).await.unwrap();
+    assert!(!dir.path().join("volumes/vol_lost.img.making").exists());
+    assert!(file(dir.path(), &kept.id).exists());
+}

@@ -29,6 +29,15 @@ const PACKAGE: &str = "e2fsprogs";
 /// own structures take most of it.
 pub const MIN_VOLUME_BYTES: u64 = 16 * 1024 * 1024;
 
+/// A file in the volumes' directory ([`VolumeFiles::list`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeFile {
+    pub id: String,
+    /// Its temporary file: being made, or left by a make that was lost.
+    pub making: bool,
+    pub modified: std::time::SystemTime,
+}
+
 /// The volumes' files of one host.
 #[derive(Debug, Clone)]
 pub struct VolumeFiles {
@@ -140,6 +149,61 @@ impl VolumeFiles {
             .map_err(RuntimeError::io(format!("sizing {}", path.display())))?;
         run("resize2fs", &[], &path, &what).await?;
         sync_file(&path)
+    }
+
+    /// The files here: each volume's id, and whether it is still being
+    /// made (its temporary file) with when it last changed. None when the
+    /// directory is not there yet.
+    pub fn list(&self) -> Result<Vec<VolumeFile>> {
+        let entries = match std::fs::read_dir(&self.dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => {
+                return Err(RuntimeError::io(format!("listing {}", self.dir.display()))(
+                    e,
+                ))
+            }
+        };
+        let mut out = Vec::new();
+        for entry in entries {
+            let entry =
+                entry.map_err(RuntimeError::io(format!("listing {}", self.dir.display())))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let (id, making) = match (name.strip_suffix(".img"), name.strip_suffix(".img.making")) {
+                (Some(id), _) => (id.to_string(), false),
+                (_, Some(id)) => (id.to_string(), true),
+                _ => continue,
+            };
+            let modified =
+                entry
+                    .metadata()
+                    .and_then(|m| m.modified())
+                    .map_err(RuntimeError::io(format!(
+                        "reading {}",
+                        entry.path().display()
+                    )))?;
+            out.push(VolumeFile {
+                id,
+                making,
+                modified,
+            });
+        }
+        out.sort_by(|a, b| a.id.cmp(&b.id));
+        Ok(out)
+    }
+
+    /// Removes what a make of volume `id` that never finished left (its
+    /// process was lost mid-way).
+    pub fn remove_unfinished(&self, id: &str) -> Result<()> {
+        self.path(id)?;
+        let making = self.dir.join(format!("{id}.img.making"));
+        match std::fs::remove_file(&making) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(RuntimeError::io(format!("removing {}", making.display()))(
+                e,
+            )),
+        }
     }
 
     /// Removes volume `id`'s file (one already gone is fine).
@@ -310,6 +374,23 @@ mod tests {
         let e = files.resize("vol_test", 64 * MIB).await.unwrap_err();
         assert!(matches!(e, RuntimeError::VolumeSize { .. }), "{e}");
         files.resize("vol_test", 96 * MIB).await.unwrap();
+
+        // Listed, with what a lost make left beside it.
+        std::fs::write(dir.path().join("volumes/vol_lost.img.making"), b"").unwrap();
+        std::fs::write(dir.path().join("volumes/notes.txt"), b"").unwrap();
+        let listed: Vec<(String, bool)> = files
+            .list()
+            .unwrap()
+            .into_iter()
+            .map(|f| (f.id, f.making))
+            .collect();
+        assert_eq!(
+            listed,
+            [("vol_lost".into(), true), ("vol_test".into(), false)]
+        );
+        files.remove_unfinished("vol_lost").unwrap();
+        files.remove_unfinished("vol_lost").unwrap();
+        assert_eq!(files.list().unwrap().len(), 1);
 
         // Deleted, twice without error.
         files.delete("vol_test").await.unwrap();

@@ -354,6 +354,20 @@ impl Store {
         .collect()
     }
 
+    /// Volume `id`, whoever's, deleted ones too: what a node's sweep of its
+    /// volumes' files asks of each file.
+    pub async fn volume_by_id(&self, id: &str) -> Result<Option<VolumeRow>> {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {VOLUME_COLUMNS} FROM volumes WHERE id = $1"
+        )))
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await?
+        .as_ref()
+        .map(volume_from)
+        .transpose()
+    }
+
     /// The account's volume of id `id`, deleted ones too.
     pub async fn volume(&self, account_id: &str, id: &str) -> Result<Option<VolumeRow>> {
         sqlx::query(sqlx::AssertSqlSafe(format!(

@@ -3210,6 +3210,12 @@ async fn volumes_are_an_accounts_own_by_name_within_its_quota(store: Store) {
     assert_eq!(gone.status, VolumeStatus::Deleted);
     assert!(gone.deleted_at.is_some());
     assert_eq!(store.volume_named(&acct.id, "data").await.unwrap(), None);
+    // Whoever's, by id: what a node's sweep of its files asks.
+    assert_eq!(
+        store.volume_by_id(&gone.id).await.unwrap(),
+        Some(gone.clone())
+    );
+    assert_eq!(store.volume_by_id("vol_none").await.unwrap(), None);
     ready_volume(&store, &acct.id, "data").await;
     let billed = store
         .volumes_since(&acct.id, gone.created_at - Duration::minutes(1))

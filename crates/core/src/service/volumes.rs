@@ -570,6 +570,41 @@ impl Service {
         Ok(())
     }
 
+    /// Removes this machine's volume files that nothing will use again: a
+    /// deleted volume's whose node was out of reach at its delete, and what
+    /// a make lost mid-way left (older than `after`). A file no volume row
+    /// names is left alone, and logged: a database restored from an older
+    /// backup must not cost anyone a volume.
+    pub async fn sweep_volume_files(&self, after: time::Duration) -> Result<()> {
+        let Some(vms) = self.vms() else {
+            return Ok(());
+        };
+        let files = vms.volume_files();
+        let bound = std::time::SystemTime::now() - after.unsigned_abs();
+        for file in files.list().map_err(runtime_error)? {
+            if file.making {
+                if file.modified < bound {
+                    tracing::warn!(id = %file.id, "removing what a lost make of a volume left");
+                    files.remove_unfinished(&file.id).map_err(runtime_error)?;
+                }
+                continue;
+            }
+            match self.store.volume_by_id(&file.id).await? {
+                Some(row)
+                    if row.status == VolumeStatus::Deleted && row.host == self.config.host_name =>
+                {
+                    tracing::warn!(id = %file.id, "removing a deleted volume's file");
+                    files.delete(&file.id).await.map_err(runtime_error)?;
+                }
+                Some(_) => {}
+                None => {
+                    tracing::warn!(id = %file.id, "a volume file no volume names: left as it is");
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The account's volumes in a usage report since `since`: each billed
     /// for its size, per second it existed then. With their total.
     pub(crate) async fn volume_usage(
