@@ -572,11 +572,7 @@ async fn list_snapshots(
             _ => break,
         }
     }
-    let mut response = Json(found).into_response();
-    if let Some(token) = next.and_then(|t| HeaderValue::from_str(&t).ok()) {
-        response.headers_mut().insert("x-next-token", token);
-    }
-    Ok(response)
+    Ok(paged(found, next))
 }
 
 /// `DELETE /templates/{id}`: a snapshot (the only templates a user makes).
@@ -659,11 +655,7 @@ async fn list(
             _ => break,
         }
     }
-    let mut response = Json(found).into_response();
-    if let Some(token) = next.and_then(|t| HeaderValue::from_str(&t).ok()) {
-        response.headers_mut().insert("x-next-token", token);
-    }
-    Ok(response)
+    Ok(paged(found, next))
 }
 
 /// The SDKs' metadata filter: `k=v&k2=v2` with each key and value
@@ -681,6 +673,16 @@ fn metadata_filter(encoded: Option<&str>) -> BTreeMap<String, String> {
                 .collect()
         })
         .unwrap_or_default()
+}
+
+/// A page of a list as E2B answers it: the items, and the token of the
+/// next page in `X-Next-Token` when there is one.
+pub(crate) fn paged<T: serde::Serialize>(items: T, next: Option<String>) -> Response {
+    let mut response = Json(items).into_response();
+    if let Some(token) = next.and_then(|t| HeaderValue::from_str(&t).ok()) {
+        response.headers_mut().insert("x-next-token", token);
+    }
+    response
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@ use crate::control::Authed;
 use crate::error::{Body, HttpError};
 use crate::E2b;
 use axum::extract::{Path, Query, State};
-use axum::http::{HeaderValue, StatusCode};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
@@ -103,11 +103,7 @@ async fn list(
     page.truncate(limit);
     let next = more.then(|| page.last().map(|s| s.name.clone())).flatten();
     let shown: Vec<SecretInfo> = page.into_iter().map(SecretInfo::from).collect();
-    let mut response = Json(shown).into_response();
-    if let Some(token) = next.and_then(|t| HeaderValue::from_str(&t).ok()) {
-        response.headers_mut().insert("x-next-token", token);
-    }
-    Ok(response)
+    Ok(crate::control::paged(shown, next))
 }
 
 async fn create(
