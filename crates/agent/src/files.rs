@@ -212,6 +212,11 @@ pub fn write_file(
     let mode = mode.unwrap_or(0o644) & 0o7777;
     file.set_permissions(fs::Permissions::from_mode(mode))
         .map_err(|e| io_error(&e, &target))?;
+    // On a volume, written means on its device: it outlives this VM.
+    let on_volume = crate::volumes::holds(target_path);
+    if on_volume {
+        file.sync_all().map_err(|e| io_error(&e, &target))?;
+    }
     drop(file);
     let tmp_path = tmp.0.as_ref().expect("still armed");
     match fs::rename(tmp_path, target_path) {
@@ -231,6 +236,12 @@ pub fn write_file(
     }
     let mut tmp = tmp;
     tmp.0 = None;
+    if on_volume {
+        // The rename, too.
+        fs::File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(|e| io_error(&e, &target))?;
+    }
     Ok(Some(DoneResult::Written {
         path: target,
         bytes: written,

@@ -472,6 +472,7 @@ pub async fn run(settings: &Settings, a: BenchArgs) -> Result<i32> {
         // The bench destroys its VMs; should it die, they go within the hour.
         expires_at: time::OffsetDateTime::now_utc() + time::Duration::hours(1),
         egress: sandpit_runtime::Egress::open(),
+        volumes: Vec::new(),
     };
     let mut rows = Vec::new();
 

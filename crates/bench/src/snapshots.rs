@@ -141,7 +141,8 @@ async fn measure(
         // The baseline: a template restore to its first command.
         let id = fresh(made);
         let t = Instant::now();
-        vms.create(&id, &a.size, expiry(), Egress::open()).await?;
+        vms.create(&id, &a.size, expiry(), Egress::open(), vec![])
+            .await?;
         sh(vms, &id, "true").await?;
         restore.push(secs(t));
 
@@ -179,6 +180,7 @@ async fn measure(
             Some(&snap),
             expiry(),
             Egress::open(),
+            vec![],
         )
         .await?;
         sh(vms, &copy, "true").await?;
@@ -187,7 +189,8 @@ async fn measure(
         // The sandbox rolled back to it.
         sh(vms, &id, "rm /workspace/f").await?;
         let t = Instant::now();
-        vms.restore(&id, &snap, expiry(), Egress::open()).await?;
+        vms.restore(&id, &snap, expiry(), Egress::open(), vec![])
+            .await?;
         sh(vms, &id, "test -e /workspace/f").await?;
         rollback.push(secs(t));
 
@@ -199,7 +202,16 @@ async fn measure(
         let starts = ids.iter().map(|c| {
             let (vms, c, size, snap) = (vms.clone(), c.clone(), a.size.clone(), fork_snap.clone());
             tokio::spawn(async move {
-                Machines::start(&*vms, &c, &size, Some(&snap), expiry(), Egress::open()).await?;
+                Machines::start(
+                    &*vms,
+                    &c,
+                    &size,
+                    Some(&snap),
+                    expiry(),
+                    Egress::open(),
+                    vec![],
+                )
+                .await?;
                 sh(&vms, &c, "true").await
             })
         });
@@ -214,7 +226,7 @@ async fn measure(
         pause.push(secs(t));
         paused_processes += processes_mentioning(&id);
         let t = Instant::now();
-        vms.resume(&id, expiry(), Egress::open()).await?;
+        vms.resume(&id, expiry(), Egress::open(), vec![]).await?;
         sh(vms, &id, "test -e /workspace/f").await?;
         resume.push(secs(t));
 

@@ -320,6 +320,7 @@ async fn create(settings: &Settings, a: CreateArgs) -> Result<i32> {
             metadata,
             expires_at: created + timeout,
             egress: sandpit_runtime::Egress::open(),
+            volumes: Vec::new(),
         })
         .await?;
     eprintln!("{id} is running ({:.1} s)", start.elapsed().as_secs_f64());
@@ -723,6 +724,7 @@ pub async fn demo(settings: &Settings) -> Result<i32> {
             // The demo destroys it; should the demo die, it goes anyway.
             expires_at: OffsetDateTime::now_utc() + time::Duration::minutes(15),
             egress: sandpit_runtime::Egress::open(),
+            volumes: Vec::new(),
         })
         .await?;
     eprintln!("running after {:.2} s", t.elapsed().as_secs_f64());

@@ -63,9 +63,7 @@ mod terminals;
 mod volumes;
 
 pub use terminals::{check_terminal_size, MAX_TERMINALS, MAX_TERMINAL_CELLS, TERMINAL_TOKEN_TTL};
-pub use volumes::{
-    check_mount_path, check_volume_name, mounts_not_wired, MAX_SANDBOX_VOLUMES, VOLUME_STUCK_AFTER,
-};
+pub use volumes::{check_mount_path, check_volume_name, MAX_SANDBOX_VOLUMES, VOLUME_STUCK_AFTER};
 
 pub use checks::{
     check_create, check_path, check_port, check_write_size, extension_minutes, page_limit,

@@ -123,15 +123,21 @@ impl Sandboxes for Fake {
             },
         )?;
         let config = self.config();
-        // Volumes: their paths checked, then refused, as the service does
-        // until they are mounted in VMs.
-        if !req.volumes.is_empty() {
-            for mount in &req.volumes {
-                sandpit_core::service::check_mount_path(&mount.path)?;
-            }
-            return Err(sandpit_core::service::mounts_not_wired());
-        }
         let mut st = self.state.lock().unwrap();
+        // Volumes: their paths checked and each one the caller's (the
+        // fake's sandboxes mount nothing).
+        for mount in &req.volumes {
+            sandpit_core::service::check_mount_path(&mount.path)?;
+            let known = st.volumes.iter().any(|(account, v)| {
+                *account == caller.account_id && (v.id == mount.volume || v.name == mount.volume)
+            });
+            if !known {
+                return Err(CoreError::new(
+                    sandpit_core::error::ErrorType::NotFound,
+                    format!("no volume {:?}", mount.volume),
+                ));
+            }
+        }
         // A snapshot sets the size; another size is refused.
         let mut checked = req.clone();
         // The fake builds no templates: every name is unknown, as the
@@ -850,7 +856,7 @@ impl Secrets for Fake {}
 
 /// Volumes as the service keeps them, without their files: the same
 /// checks (name, size, one name per account), made `ready` at once,
-/// mounted by no sandbox (creates with volumes are refused, as the
+/// mounted by no sandbox (a create names them, the fake mounts none, as the
 /// service's are until mounting is wired).
 #[async_trait]
 impl Volumes for Fake {

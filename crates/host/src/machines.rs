@@ -13,6 +13,7 @@ use async_trait::async_trait;
 use sandpit_protocol::{
     ExecRequest, FileEntry, GuestStats, PathCall, PathEntry, ProcessCall, ProcessInfo, WatchEvent,
 };
+pub use sandpit_runtime::vm::volumes::VmVolume;
 pub use sandpit_runtime::Egress;
 use sandpit_runtime::{GuestExecEvent, RuntimeError, VmState};
 pub use sandpit_runtime::{PtyExit, PtySize};
@@ -75,7 +76,8 @@ pub trait Machines: Send + Sync {
     /// ready pool VM of that id, or one restored or booted now; from
     /// `snapshot` when given, a snapshot this node holds) whose watchdog
     /// ends it at `expires_at` and whose guest reaches what `egress` lets
-    /// it (a pool VM gets it before it is handed over).
+    /// it (a pool VM gets it before it is handed over), with `volumes`
+    /// (files of this node) mounted when it is handed over.
     /// Starting a VM that already runs is not an error: a create retried
     /// after its first caller was lost finds the VM it started.
     async fn start(
@@ -85,10 +87,15 @@ pub trait Machines: Send + Sync {
         snapshot: Option<&str>,
         expires_at: OffsetDateTime,
         egress: Egress,
+        volumes: Vec<VmVolume>,
     ) -> VmResult<Started>;
 
     /// Saves the whole state of VM `id` as snapshot `snapshot` (the VM
-    /// runs on); returns what the snapshot alone takes on disk.
+    /// runs on); returns what the snapshot alone takes on disk. Its
+    /// volumes are synced and unmounted for the save (a snapshot holds no
+    /// volume, its memory no mount of one) and mounted again after; one
+    /// that a guest process holds (a file open, a working directory) is
+    /// refused.
     async fn snapshot(&self, id: &str, snapshot: &str) -> VmResult<u64>;
 
     /// Deletes a snapshot's files (one already gone is fine).
@@ -121,24 +128,36 @@ pub trait Machines: Send + Sync {
     }
 
     /// Replaces VM `id` by one started from `snapshot`, under the same id,
-    /// with its watchdog at `expires_at` and `egress` (the sandbox's, not
-    /// the snapshot's: every start of a VM is told its egress).
+    /// with its watchdog at `expires_at`, `egress` and `volumes` mounted
+    /// (the sandbox's, not the snapshot's: every start of a VM is told
+    /// them; a snapshot holds no volume's content). The old VM's volumes
+    /// are synced before it goes.
     async fn restore(
         &self,
         id: &str,
         snapshot: &str,
         expires_at: OffsetDateTime,
         egress: Egress,
+        volumes: Vec<VmVolume>,
     ) -> VmResult<()>;
 
     /// Saves VM `id` whole to this node's disk and stops it: no CPU, no
-    /// memory until [`Machines::resume`]. (Destroying it removes the saved
+    /// memory until [`Machines::resume`]; its volumes synced first, and
+    /// mounted still in its saved memory. (Destroying it removes the saved
     /// state too.)
     async fn pause(&self, id: &str) -> VmResult<()>;
 
     /// Starts paused VM `id` again where it was, its watchdog at
-    /// `expires_at`, with `egress`. One that runs already is fine.
-    async fn resume(&self, id: &str, expires_at: OffsetDateTime, egress: Egress) -> VmResult<()>;
+    /// `expires_at`, with `egress` and its `volumes` (those it was paused
+    /// with, attached again before its guest runs). One that runs already
+    /// is fine.
+    async fn resume(
+        &self,
+        id: &str,
+        expires_at: OffsetDateTime,
+        egress: Egress,
+        volumes: Vec<VmVolume>,
+    ) -> VmResult<()>;
 
     /// Gives running VM `id` another egress, for its new connections (the
     /// host's guard at once, then the guest's own filter); the next start
@@ -172,7 +191,9 @@ pub trait Machines: Send + Sync {
         Err(keeps_no_volumes())
     }
 
-    /// Kills the VM and removes its files (one already gone is fine).
+    /// Kills the VM and removes its files (one already gone is fine), its
+    /// volumes synced first (the guest's cache, then the host's): what
+    /// the guest wrote to them is in their files when this returns.
     /// Returns what its disk held just before, when it could be measured.
     async fn destroy(&self, id: &str) -> VmResult<Option<u64>>;
 

@@ -101,6 +101,7 @@ impl RecordedStarts {
         snapshot: Option<&str>,
         expires_at: OffsetDateTime,
         egress: crate::machines::Egress,
+        volumes: Vec<crate::machines::VmVolume>,
     ) -> VmResult<Started> {
         let turn = self.turns.take(id).await;
         // A start that waited for another finds the outcome recorded.
@@ -111,7 +112,11 @@ impl RecordedStarts {
         if let Some(record) = known.filter(|r| r.phase != Phase::Provisioning) {
             return self.started_before(&record).await;
         }
-        if let Err(e) = self.vms.start(id, size, snapshot, expires_at, egress).await {
+        if let Err(e) = self
+            .vms
+            .start(id, size, snapshot, expires_at, egress, volumes)
+            .await
+        {
             tracing::warn!(id, "create failed: {e}");
             let _ = self.vms.destroy(id).await;
             let _ = self

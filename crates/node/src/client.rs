@@ -19,6 +19,7 @@ use sandpit_host::machines::{
     Tunnel, Upload, VmResult, Watch, TERMINAL_QUEUE,
 };
 use sandpit_protocol::ExecRequest;
+use sandpit_runtime::vm::volumes::VmVolume;
 use sandpit_runtime::{Egress, GuestExecEvent, RuntimeError, VmState};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -369,12 +370,14 @@ impl Machines for RemoteNode {
         snapshot: Option<&str>,
         expires_at: OffsetDateTime,
         egress: Egress,
+        volumes: Vec<VmVolume>,
     ) -> VmResult<Started> {
         let args = wire::StartArgs {
             size: size.to_string(),
             snapshot: snapshot.map(str::to_string),
             expires_at_ms: ms(expires_at),
             egress,
+            volumes,
         };
         self.call(&format!("sandboxes/{id}/start"), &args, START_TIMEOUT)
             .await
@@ -385,6 +388,7 @@ impl Machines for RemoteNode {
             snapshot: snapshot.to_string(),
             expires_at_ms: 0,
             egress: Egress::default(),
+            volumes: Vec::new(),
         };
         let taken: wire::SnapshotTaken = self
             .call(&format!("sandboxes/{id}/snapshot"), &args, START_TIMEOUT)
@@ -406,10 +410,17 @@ impl Machines for RemoteNode {
             .await
     }
 
-    async fn resume(&self, id: &str, expires_at: OffsetDateTime, egress: Egress) -> VmResult<()> {
+    async fn resume(
+        &self,
+        id: &str,
+        expires_at: OffsetDateTime,
+        egress: Egress,
+        volumes: Vec<VmVolume>,
+    ) -> VmResult<()> {
         let args = wire::ResumeArgs {
             at_ms: ms(expires_at),
             egress,
+            volumes,
         };
         self.call(&format!("sandboxes/{id}/resume"), &args, START_TIMEOUT)
             .await
@@ -421,11 +432,13 @@ impl Machines for RemoteNode {
         snapshot: &str,
         expires_at: OffsetDateTime,
         egress: Egress,
+        volumes: Vec<VmVolume>,
     ) -> VmResult<()> {
         let args = wire::SnapshotArgs {
             snapshot: snapshot.to_string(),
             expires_at_ms: ms(expires_at),
             egress,
+            volumes,
         };
         self.call(&format!("sandboxes/{id}/restore"), &args, START_TIMEOUT)
             .await

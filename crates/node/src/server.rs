@@ -25,6 +25,7 @@ use sandpit_host::machines::{
     TERMINAL_QUEUE,
 };
 use sandpit_protocol::ExecRequest;
+use sandpit_runtime::vm::volumes::VmVolume;
 use sandpit_runtime::{GuestExecEvent, RuntimeError};
 use serde::{Deserialize, Serialize};
 use std::future::Future;
@@ -74,6 +75,7 @@ pub trait NodeState: Send + Sync + 'static {
         snapshot: Option<&str>,
         expires_at: time::OffsetDateTime,
         egress: sandpit_runtime::Egress,
+        volumes: Vec<VmVolume>,
     ) -> Result<Started, RuntimeError>;
 }
 
@@ -270,6 +272,7 @@ async fn handle(state: Arc<dyn NodeState>, req: Request<Incoming>) -> Response<B
                                     a.snapshot.as_deref(),
                                     time_of(a.expires_at_ms),
                                     a.egress,
+                                    a.volumes,
                                 )
                                 .await
                         })
@@ -290,16 +293,24 @@ async fn handle(state: Arc<dyn NodeState>, req: Request<Incoming>) -> Response<B
                 "pause" => answer(detached(async move { vms.pause(&id).await }).await),
                 "resume" => match body.json::<wire::ResumeArgs>().await {
                     Ok(a) => answer(
-                        detached(async move { vms.resume(&id, time_of(a.at_ms), a.egress).await })
-                            .await,
+                        detached(async move {
+                            vms.resume(&id, time_of(a.at_ms), a.egress, a.volumes).await
+                        })
+                        .await,
                     ),
                     Err(r) => r,
                 },
                 "restore" => match body.json::<wire::SnapshotArgs>().await {
                     Ok(a) => answer(
                         detached(async move {
-                            vms.restore(&id, &a.snapshot, time_of(a.expires_at_ms), a.egress)
-                                .await
+                            vms.restore(
+                                &id,
+                                &a.snapshot,
+                                time_of(a.expires_at_ms),
+                                a.egress,
+                                a.volumes,
+                            )
+                            .await
                         })
                         .await,
                     ),

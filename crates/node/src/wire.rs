@@ -10,6 +10,7 @@
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use sandpit_host::machines::{PtyInput, PtyOutput};
 use sandpit_protocol::{AgentError, ExecResult, WatchEvent};
+use sandpit_runtime::vm::volumes::VmVolume;
 use sandpit_runtime::{Egress, GuestExecEvent, RuntimeError, VmState};
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
@@ -198,6 +199,9 @@ pub struct StartArgs {
     /// What the guest may reach (absent: what the operator allows).
     #[serde(default)]
     pub egress: Egress,
+    /// The volumes mounted when it is handed over (absent: none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<VmVolume>,
 }
 
 /// `snapshot`'s and `restore`'s arguments.
@@ -210,6 +214,9 @@ pub struct SnapshotArgs {
     /// `restore`: what the guest may reach.
     #[serde(default)]
     pub egress: Egress,
+    /// The volumes mounted when it is handed over (absent: none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<VmVolume>,
 }
 
 /// What `snapshot` took.
@@ -258,6 +265,9 @@ pub struct ResumeArgs {
     /// What the guest may reach (absent: what the operator allows).
     #[serde(default)]
     pub egress: Egress,
+    /// The volumes mounted when it is handed over (absent: none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<VmVolume>,
 }
 
 /// The arguments of the file calls (each reads the fields it needs).

@@ -5,7 +5,7 @@
 use async_trait::async_trait;
 use sandpit_host::machines::{
     Command, Download, Listing, Machines, PtyExit, PtyInput, PtyOutput, PtySize, Started, Terminal,
-    Tunnel, Upload, VmResult, Watch,
+    Tunnel, Upload, VmResult, VmVolume, Watch,
 };
 use sandpit_node::{
     client_config, init_ca, issue, server_config, Health, NodeClient, NodeError, NodeState,
@@ -51,8 +51,11 @@ impl NodeState for TestNode {
         snapshot: Option<&str>,
         expires_at: OffsetDateTime,
         egress: Egress,
+        volumes: Vec<VmVolume>,
     ) -> VmResult<Started> {
-        self.vms.start(id, size, snapshot, expires_at, egress).await
+        self.vms
+            .start(id, size, snapshot, expires_at, egress, volumes)
+            .await
     }
 }
 
@@ -212,6 +215,7 @@ impl Machines for FakeVms {
         snapshot: Option<&str>,
         expires_at: OffsetDateTime,
         egress: Egress,
+        volumes: Vec<VmVolume>,
     ) -> VmResult<Started> {
         check(id)?;
         *self.expiry.lock().unwrap() = Some(expires_at);
@@ -219,7 +223,7 @@ impl Machines for FakeVms {
             self.snapshots
                 .lock()
                 .unwrap()
-                .push(format!("start {id} {s} {egress:?}"));
+                .push(format!("start {id} {s} {egress:?} {volumes:?}"));
         }
         // A node records its starts; a "large" one here stands for a
         // machine that leaves that to its caller.
@@ -277,13 +281,19 @@ impl Machines for FakeVms {
         self.snapshots.lock().unwrap().push(format!("pause {id}"));
         Ok(())
     }
-    async fn resume(&self, id: &str, expires_at: OffsetDateTime, egress: Egress) -> VmResult<()> {
+    async fn resume(
+        &self,
+        id: &str,
+        expires_at: OffsetDateTime,
+        egress: Egress,
+        volumes: Vec<VmVolume>,
+    ) -> VmResult<()> {
         check(id)?;
         *self.expiry.lock().unwrap() = Some(expires_at);
         self.snapshots
             .lock()
             .unwrap()
-            .push(format!("resume {id} {egress:?}"));
+            .push(format!("resume {id} {egress:?} {volumes:?}"));
         Ok(())
     }
     async fn restore(
@@ -292,13 +302,14 @@ impl Machines for FakeVms {
         snapshot: &str,
         expires_at: OffsetDateTime,
         egress: Egress,
+        volumes: Vec<VmVolume>,
     ) -> VmResult<()> {
         check(id)?;
         *self.expiry.lock().unwrap() = Some(expires_at);
         self.snapshots
             .lock()
             .unwrap()
-            .push(format!("restore {id} {snapshot} {egress:?}"));
+            .push(format!("restore {id} {snapshot} {egress:?} {volumes:?}"));
         Ok(())
     }
     async fn set_expiry(&self, id: &str, at: OffsetDateTime) -> VmResult<()> {
@@ -765,7 +776,7 @@ async fn a_nodes_vms_answer_through_the_link_as_they_would_at_home() {
     let at = OffsetDateTime::from_unix_timestamp(1_900_000_000).unwrap();
     assert_eq!(
         remote
-            .start("vm1", "small", None, at, Egress::open())
+            .start("vm1", "small", None, at, Egress::open(), vec![])
             .await
             .unwrap(),
         Started::Recorded {
@@ -777,13 +788,16 @@ async fn a_nodes_vms_answer_through_the_link_as_they_would_at_home() {
     assert_eq!(*vms.expiry.lock().unwrap(), Some(at));
     assert_eq!(
         remote
-            .start("vm1", "large", None, at, Egress::open())
+            .start("vm1", "large", None, at, Egress::open(), vec![])
             .await
             .unwrap(),
         Started::Booted
     );
     // A VM that died is a VM that died here too, not "retry".
-    match remote.start("vm2", "small", None, at, Egress::open()).await {
+    match remote
+        .start("vm2", "small", None, at, Egress::open(), vec![])
+        .await
+    {
         Err(RuntimeError::VmExited { cause }) => assert_eq!(cause, "killed by signal 9"),
         other => panic!("{other:?}"),
     }
@@ -793,19 +807,34 @@ async fn a_nodes_vms_answer_through_the_link_as_they_would_at_home() {
     // Snapshots: taken, started from, restored and deleted on the node.
     assert_eq!(remote.snapshot("vm1", "snap_a").await.unwrap(), 72 << 20);
     remote
-        .start("vm1", "small", Some("snap_a"), at, Egress::blocked())
+        .start(
+            "vm1",
+            "small",
+            Some("snap_a"),
+            at,
+            Egress::blocked(),
+            vec![],
+        )
         .await
         .unwrap();
     let later = at + time::Duration::minutes(1);
-    // Each start of a VM carries its egress across the wire.
+    // Each start of a VM carries its egress and volumes across the wire.
+    let data = VmVolume {
+        volume: "vol_a".into(),
+        path: "/data".into(),
+        read_only: true,
+    };
     remote
-        .restore("vm1", "snap_a", later, Egress::open())
+        .restore("vm1", "snap_a", later, Egress::open(), vec![data.clone()])
         .await
         .unwrap();
     assert_eq!(*vms.expiry.lock().unwrap(), Some(later));
     remote.delete_snapshot("snap_a").await.unwrap();
     remote.pause("vm1").await.unwrap();
-    remote.resume("vm1", at, Egress::blocked()).await.unwrap();
+    remote
+        .resume("vm1", at, Egress::blocked(), vec![data.clone()])
+        .await
+        .unwrap();
     assert_eq!(*vms.expiry.lock().unwrap(), Some(at));
     // A volume's file is made, grown and removed by its node; a failure
     // comes back with its message.
@@ -830,11 +859,11 @@ async fn a_nodes_vms_answer_through_the_link_as_they_would_at_home() {
         *vms.snapshots.lock().unwrap(),
         [
             "save vm1 snap_a".to_string(),
-            format!("start vm1 snap_a {:?}", Egress::blocked()),
-            format!("restore vm1 snap_a {:?}", Egress::open()),
+            format!("start vm1 snap_a {:?} []", Egress::blocked()),
+            format!("restore vm1 snap_a {:?} [{data:?}]", Egress::open()),
             "delete snap_a".into(),
             "pause vm1".into(),
-            format!("resume vm1 {:?}", Egress::blocked()),
+            format!("resume vm1 {:?} [{data:?}]", Egress::blocked()),
             format!("create volume vol_a {}", 1u64 << 30),
             format!("resize volume vol_a {}", 2u64 << 30),
             "delete volume vol_a".into(),

@@ -646,9 +646,10 @@ impl sandpit_node::NodeState for ServedNode {
         snapshot: Option<&str>,
         expires_at: time::OffsetDateTime,
         egress: sandpit_runtime::Egress,
+        volumes: Vec<sandpit_host::machines::VmVolume>,
     ) -> Result<sandpit_host::machines::Started, sandpit_runtime::RuntimeError> {
         self.starts
-            .start(id, size, snapshot, expires_at, egress)
+            .start(id, size, snapshot, expires_at, egress, volumes)
             .await
     }
 }

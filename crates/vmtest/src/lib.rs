@@ -222,6 +222,7 @@ pub fn new_vm(id: &str) -> CreateVm {
         metadata: BTreeMap::new(),
         expires_at: time::OffsetDateTime::now_utc() + time::Duration::minutes(30),
         egress: sandpit_runtime::Egress::open(),
+        volumes: Vec::new(),
     }
 }
 

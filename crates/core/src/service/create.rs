@@ -244,8 +244,13 @@ impl Service {
         // Checked against the create's own env, before a template adds to it.
         let placeholders = self.placeholders_for(caller, &req).await?;
         let rules = self.stored_rules(caller, &req.network_rules).await?;
+        // A fork of a sandbox that mounted volumes gets them read-only
+        // (see `fork_mounts`), unless it names its own.
+        if let (Some(s), true) = (&req.snapshot_id, req.volumes.is_empty()) {
+            let snap = self.startable_snapshot(caller, s).await?;
+            req.volumes = self.fork_mounts(&snap.sandbox_id).await?;
+        }
         let mounts = self.checked_mounts(caller, &req.volumes).await?;
-        super::volumes::refuse_until_mounts_are_wired(&mounts)?;
         let (mut template_id, mut workdir) = (None, None);
         // What it starts from, and that one's size.
         let from = if let Some(s) = &req.snapshot_id {

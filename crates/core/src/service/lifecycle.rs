@@ -107,6 +107,7 @@ impl Service {
             // does not cut short.
             if let (Ok(machines), Some(me)) = (self.machines_for(&row).await, self.arc_self()) {
                 let first = row.clone();
+                let volumes = self.vm_volumes(&row).await?;
                 let local = row.host == self.config.host_name && self.vms.is_some();
                 let started = tokio::spawn(async move {
                     match local {
@@ -122,6 +123,7 @@ impl Service {
                                 first.snapshot_id.as_deref(),
                                 first.expires_at,
                                 me.egress(&first).await,
+                                volumes,
                             )
                             .await
                             .map(|_| ())
@@ -195,6 +197,7 @@ impl Service {
                 row.snapshot_id.as_deref(),
                 row.expires_at,
                 self.egress(&row).await,
+                self.vm_volumes(&row).await?,
             )
             .await
         {

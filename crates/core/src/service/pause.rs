@@ -98,7 +98,12 @@ impl Service {
         let machines = self.machines_for(&row).await?;
         let resuming = self.restoring(id).await;
         let resumed = machines
-            .resume(id, row.expires_at, self.egress(&row).await)
+            .resume(
+                id,
+                row.expires_at,
+                self.egress(&row).await,
+                self.vm_volumes(&row).await?,
+            )
             .await;
         drop(resuming);
         if let Err(e) = resumed {

@@ -526,7 +526,13 @@ impl Snapshots for Service {
         self.terminals.close(id);
         let restoring = self.restoring(id).await;
         let restored = machines
-            .restore(id, &snap.id, row.expires_at, self.egress(&row).await)
+            .restore(
+                id,
+                &snap.id,
+                row.expires_at,
+                self.egress(&row).await,
+                self.vm_volumes(&row).await?,
+            )
             .await;
         drop(restoring);
         if let Err(e) = restored {

@@ -14,8 +14,11 @@
 //! sandbox holds it is the store's to say, in the transaction that acts
 //! on it.
 //!
-//! Mounting in a VM is not wired yet: a create that names volumes is
-//! refused by [`refuse_until_mounts_are_wired`] after every other check.
+//! Every start of a sandbox's VM (its create, a restore, a resume) is
+//! told its mounts ([`Service::vm_volumes`]), as it is told its egress:
+//! the rows are the truth, the VM follows. A sandbox started from a
+//! snapshot that named none of its own gets the snapshot's sandbox's
+//! volumes read-only, at the same paths ([`Service::fork_mounts`]).
 
 use crate::api::{Caller, Volumes};
 use crate::config::storage_cost;
@@ -25,7 +28,7 @@ use crate::service::errors::runtime_error;
 use crate::service::lifecycle::lived_seconds;
 use crate::service::Service;
 use sandpit_host::ids::rfc3339;
-use sandpit_host::machines::Machines;
+use sandpit_host::machines::{Machines, VmVolume};
 use sandpit_store::{
     NewVolume, SandboxRow, SandboxStatus, VolumeChange, VolumeCreated, VolumeMountRow, VolumeRow,
     VolumeStatus, VolumesHeld,
@@ -133,25 +136,42 @@ impl CheckedMounts {
     }
 }
 
-/// The one refusal that stands between a create with volumes and a VM
-/// that mounts them: the VM side (volume slots, the agent's mount) is not
-/// wired to the create yet. Remove this call (in `Service::order`) once
-/// starting a VM attaches its sandbox's mounts
-/// (`Store::sandbox_volume_mounts`).
-pub(crate) fn refuse_until_mounts_are_wired(mounts: &CheckedMounts) -> Result<()> {
-    match mounts.mounts.is_empty() {
-        true => Ok(()),
-        false => Err(mounts_not_wired()),
+impl Service {
+    /// What sandbox `row`'s VM mounts, slot by slot, as every start of it
+    /// is told (its rows, by path).
+    pub(crate) async fn vm_volumes(&self, row: &SandboxRow) -> Result<Vec<VmVolume>> {
+        Ok(self
+            .store
+            .sandbox_volume_mounts(&row.id)
+            .await?
+            .into_iter()
+            .map(|m| VmVolume {
+                volume: m.volume_id,
+                path: m.path,
+                read_only: m.read_only,
+            })
+            .collect())
     }
-}
 
-/// What a create with volumes is answered until they are mounted in VMs
-/// (see [`refuse_until_mounts_are_wired`]).
-pub fn mounts_not_wired() -> CoreError {
-    CoreError::invalid(
-        "volumes cannot be mounted in sandboxes yet: create, list, resize and delete them now; \
-         mounting comes next",
-    )
+    /// The mounts of a sandbox started from a snapshot of sandbox
+    /// `origin`'s that names none of its own: the origin's volumes, each
+    /// read-only at its path. A snapshot records which volumes were
+    /// mounted, never their content (so the fork sees them as they are
+    /// now), and a fork never takes a volume read-write: its origin may
+    /// still hold it so, and two writers would corrupt it.
+    pub(crate) async fn fork_mounts(&self, origin: &str) -> Result<Vec<VolumeMount>> {
+        Ok(self
+            .store
+            .sandbox_volume_mounts(origin)
+            .await?
+            .into_iter()
+            .map(|m| VolumeMount {
+                volume: m.volume_id,
+                path: m.path,
+                read_only: true,
+            })
+            .collect())
+    }
 }
 
 /// A volume as the API shows it.

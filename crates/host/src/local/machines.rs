@@ -156,15 +156,17 @@ impl Machines for LocalVms {
         snapshot: Option<&str>,
         expires_at: OffsetDateTime,
         egress: Egress,
+        volumes: Vec<VmVolume>,
     ) -> VmResult<Started> {
         if let Some(snapshot) = snapshot {
             match LocalVms::state(self, id) {
                 Some(VmState::Running) => {
                     self.manager.set_expiry(id, expires_at)?;
                     self.ensure_egress(id, egress).await?;
+                    self.ensure_volumes(id, &volumes).await?;
                 }
                 _ => drop(
-                    self.create_from_snapshot(id, size, snapshot, expires_at, egress)
+                    self.create_from_snapshot(id, size, snapshot, expires_at, egress, volumes)
                         .await?,
                 ),
             }
@@ -175,8 +177,9 @@ impl Machines for LocalVms {
         if !claimed && matches!(LocalVms::state(self, id), Some(VmState::Running)) {
             self.manager.set_expiry(id, expires_at)?;
             self.ensure_egress(id, egress).await?;
+            self.ensure_volumes(id, &volumes).await?;
         } else {
-            self.create(id, size, expires_at, egress).await?;
+            self.create(id, size, expires_at, egress, volumes).await?;
         }
         Ok(Started::Booted)
     }
@@ -254,8 +257,9 @@ impl Machines for LocalVms {
         snapshot: &str,
         expires_at: OffsetDateTime,
         egress: Egress,
+        volumes: Vec<VmVolume>,
     ) -> VmResult<()> {
-        LocalVms::restore(self, id, snapshot, expires_at, egress).await
+        LocalVms::restore(self, id, snapshot, expires_at, egress, volumes).await
     }
 
     /// Saves the VM whole under its pause's name, then stops it.
@@ -265,17 +269,28 @@ impl Machines for LocalVms {
         let name = paused_name(id);
         // A pause that failed half-way left its save: it is stale.
         self.manager.delete_saved(&name).await?;
+        // Its volumes stay mounted in its saved memory, their content
+        // written out: they are the files' while it is paused.
+        let volumes = self.sync_volumes(id).await;
         self.manager.save(id, &name, AfterSave::Stay).await?;
         self.agents.lock().await.remove(id);
         match self.manager.destroy(id).await {
-            Ok(()) | Err(RuntimeError::NotFound(_)) => Ok(()),
-            Err(e) => Err(e),
+            Ok(()) | Err(RuntimeError::NotFound(_)) => {}
+            Err(e) => return Err(e),
         }
+        sync_volume_files(&self.manager.config().volumes_dir(), &volumes).await;
+        Ok(())
     }
 
     /// Starts the paused VM again from its pause's save (a VM that runs
     /// already just has its expiry moved).
-    async fn resume(&self, id: &str, expires_at: OffsetDateTime, egress: Egress) -> VmResult<()> {
+    async fn resume(
+        &self,
+        id: &str,
+        expires_at: OffsetDateTime,
+        egress: Egress,
+        volumes: Vec<VmVolume>,
+    ) -> VmResult<()> {
         let _one_at_a_time = self.saving.lock().await;
         if matches!(LocalVms::state(self, id), Some(VmState::Running)) {
             self.manager.set_expiry(id, expires_at)?;
@@ -285,7 +300,7 @@ impl Machines for LocalVms {
         let saved = self.manager.saved(&name)?;
         // What is left of a VM that died is no obstacle (but its saved
         // state is what resumes).
-        self.replace_from_snapshot(id, &saved.record.size, &name, expires_at, egress)
+        self.replace_from_snapshot(id, &saved.record.size, &name, expires_at, egress, volumes)
             .await?;
         self.manager.delete_saved(&name).await
     }

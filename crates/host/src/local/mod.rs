@@ -33,6 +33,7 @@ use crate::machines::{
 use async_trait::async_trait;
 use sandpit_protocol::ExecRequest;
 use sandpit_runtime::vm::process::Priority;
+use sandpit_runtime::vm::volumes::{sync_volume_files, VmVolume};
 use sandpit_runtime::{
     AfterSave, AgentClient, CreateVm, Egress, RuntimeError, VmManager, VmRecord, VmState,
 };
@@ -49,6 +50,11 @@ mod pool;
 
 use pool::Demand;
 pub use pool::PoolConfig;
+
+/// How long the guest of a VM that stops may take to write its volumes'
+/// cache out (a command may have left gigabytes dirty; a hostile guest may
+/// never answer).
+const VOLUME_SYNC_BOUND: Duration = Duration::from_secs(120);
 
 /// The saved state of a paused VM is the save named this, then its id.
 const PAUSED: &str = "paused-";
@@ -196,13 +202,15 @@ impl LocalVms {
         size: &str,
         expires_at: OffsetDateTime,
         egress: Egress,
+        volumes: Vec<VmVolume>,
     ) -> Result<VmRecord, RuntimeError> {
         if self.claimed.lock().unwrap().remove(id) {
             // From a pool lease to the sandbox's own expiry.
             self.manager.set_expiry(id, expires_at)?;
             // Made for any sandbox: it gets this one's network before
-            // anything of the sandbox's runs in it.
+            // anything of the sandbox's runs in it, and its volumes.
             self.ensure_egress(id, egress).await?;
+            self.ensure_volumes(id, &volumes).await?;
             let record = self.manager.record(id)?;
             // It was made at background priority; now it is live.
             sandpit_runtime::vm::process::set_priority(record.qemu_pid, Priority::Normal);
@@ -218,15 +226,52 @@ impl LocalVms {
         let _slot = self.start_slot().await?;
         let _charged = self.admit_start()?;
         self.ensure_template(size).await;
-        self.start_vm(
-            id,
-            size,
-            BTreeMap::new(),
+        let req = CreateVm {
+            id: id.to_string(),
+            size: size.to_string(),
+            metadata: BTreeMap::new(),
             expires_at,
             egress,
-            Priority::Normal,
-        )
-        .await
+            volumes,
+        };
+        self.start_vm(req, Priority::Normal).await
+    }
+
+    /// Gives running VM `id` the volumes `volumes` it does not hold yet
+    /// (see [`VmManager::mount_volumes`]).
+    pub async fn ensure_volumes(&self, id: &str, volumes: &[VmVolume]) -> Result<(), RuntimeError> {
+        if self.manager.record(id)?.volumes == volumes {
+            return Ok(());
+        }
+        let agent = self.agent(id).await?;
+        self.manager.mount_volumes(id, &agent, volumes).await
+    }
+
+    /// Before running VM `id` stops: what its guest caches of its volumes
+    /// written to them, within [`VOLUME_SYNC_BOUND`] (a guest that stalls
+    /// its agent gets no longer). The volumes it held, for
+    /// [`sync_volume_files`] once its QEMU is gone.
+    async fn sync_volumes(&self, id: &str) -> Vec<VmVolume> {
+        let Ok(record) = self.manager.record(id) else {
+            return Vec::new();
+        };
+        if record.volumes.is_empty() || self.manager.state(&record) != VmState::Running {
+            return record.volumes;
+        }
+        let synced = async {
+            let agent = self.agent(id).await?;
+            self.manager.sync_volumes(id, &agent, false).await
+        };
+        match tokio::time::timeout(VOLUME_SYNC_BOUND, synced).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(id, "syncing its volumes before it stops: {e}"),
+            Err(_) => tracing::warn!(
+                id,
+                "its volumes were not synced within {} s; it stops anyway",
+                VOLUME_SYNC_BOUND.as_secs()
+            ),
+        }
+        record.volumes
     }
 
     /// Gives running VM `id` the egress its sandbox has, if it has another
@@ -298,9 +343,10 @@ impl LocalVms {
         snapshot: &str,
         expires_at: OffsetDateTime,
         egress: Egress,
+        volumes: Vec<VmVolume>,
     ) -> Result<VmRecord, RuntimeError> {
         let vm = self
-            .start_from_snapshot(id, size, snapshot, expires_at, egress)
+            .start_from_snapshot(id, size, snapshot, expires_at, egress, volumes)
             .await?;
         self.agents
             .lock()
@@ -322,7 +368,9 @@ impl LocalVms {
         snapshot: &str,
         expires_at: OffsetDateTime,
         egress: Egress,
+        volumes: Vec<VmVolume>,
     ) -> Result<(), RuntimeError> {
+        let held_volumes = self.sync_volumes(id).await;
         let slot = self.agent_slot(id).await;
         let mut held = slot.lock().await;
         *held = None;
@@ -330,11 +378,12 @@ impl LocalVms {
             Ok(()) | Err(RuntimeError::NotFound(_)) => {}
             Err(e) => return Err(e),
         }
+        sync_volume_files(&self.manager.config().volumes_dir(), &held_volumes).await;
         if snapshot != paused_name(id) {
             self.manager.delete_saved(&paused_name(id)).await?;
         }
         let vm = self
-            .start_from_snapshot(id, size, snapshot, expires_at, egress)
+            .start_from_snapshot(id, size, snapshot, expires_at, egress, volumes)
             .await?;
         *held = Some(vm.agent);
         Ok(())
@@ -349,6 +398,7 @@ impl LocalVms {
         snapshot: &str,
         expires_at: OffsetDateTime,
         egress: Egress,
+        volumes: Vec<VmVolume>,
     ) -> Result<sandpit_runtime::Vm, RuntimeError> {
         let saved = self.manager.saved(snapshot)?;
         let _live = self.manager.hold_background();
@@ -362,6 +412,7 @@ impl LocalVms {
                     metadata: BTreeMap::new(),
                     expires_at,
                     egress,
+                    volumes,
                 },
                 &saved,
             )
@@ -373,11 +424,34 @@ impl LocalVms {
     pub async fn snapshot(&self, id: &str, snapshot: &str) -> Result<u64, RuntimeError> {
         let _one_at_a_time = self.saving.lock().await;
         let _live = self.manager.hold_background();
-        Ok(self
-            .manager
-            .save(id, snapshot, AfterSave::Run)
-            .await?
-            .bytes())
+        if self.manager.record(id)?.volumes.is_empty() {
+            return Ok(self
+                .manager
+                .save(id, snapshot, AfterSave::Run)
+                .await?
+                .bytes());
+        }
+        // A snapshot holds no volume: its memory must not have one
+        // mounted, whose cache would not match the volume it is started
+        // with later (see `sandpit_runtime::vm::volumes`).
+        let agent = self.agent(id).await?;
+        if let Err(e) = self.manager.sync_volumes(id, &agent, true).await {
+            // Those unmounted before the one that failed come back.
+            let _ = self.manager.remount_volumes(id, &agent).await;
+            return Err(match e {
+                RuntimeError::Agent(e) => RuntimeError::Busy(format!(
+                    "a snapshot unmounts the sandbox's volumes for a moment, and one could not \
+                     be: {}",
+                    e.message
+                )),
+                other => other,
+            });
+        }
+        let saved = self.manager.save(id, snapshot, AfterSave::Run).await;
+        let remounted = self.manager.remount_volumes(id, &agent).await;
+        let bytes = saved?.bytes();
+        remounted?;
+        Ok(bytes)
     }
 
     /// Replaces VM `id` by one from snapshot `snapshot`, same id. The old
@@ -388,11 +462,19 @@ impl LocalVms {
         snapshot: &str,
         expires_at: OffsetDateTime,
         egress: Egress,
+        volumes: Vec<VmVolume>,
     ) -> Result<(), RuntimeError> {
         let _one_at_a_time = self.saving.lock().await;
         let saved = self.manager.saved(snapshot)?;
-        self.replace_from_snapshot(id, &saved.record.size, snapshot, expires_at, egress)
-            .await
+        self.replace_from_snapshot(
+            id,
+            &saved.record.size,
+            snapshot,
+            expires_at,
+            egress,
+            volumes,
+        )
+        .await
     }
 
     /// The snapshots this host holds (not the saved state of paused VMs).
@@ -423,32 +505,15 @@ impl LocalVms {
         self.manager.set_expiry(id, at)
     }
 
-    async fn start_vm(
-        &self,
-        id: &str,
-        size: &str,
-        metadata: BTreeMap<String, String>,
-        expires_at: OffsetDateTime,
-        egress: Egress,
-        priority: Priority,
-    ) -> Result<VmRecord, RuntimeError> {
-        let vm = self
-            .manager
-            .create_with_priority(
-                CreateVm {
-                    id: id.to_string(),
-                    size: size.to_string(),
-                    metadata,
-                    expires_at,
-                    egress,
-                },
-                priority,
-            )
-            .await?;
+    /// Starts the VM `req` asks for, at CPU `priority`, and keeps its
+    /// agent connection.
+    async fn start_vm(&self, req: CreateVm, priority: Priority) -> Result<VmRecord, RuntimeError> {
+        let id = req.id.clone();
+        let vm = self.manager.create_with_priority(req, priority).await?;
         self.agents
             .lock()
             .await
-            .insert(id.to_string(), Arc::new(Mutex::new(Some(vm.agent.clone()))));
+            .insert(id, Arc::new(Mutex::new(Some(vm.agent.clone()))));
         Ok(vm.record)
     }
 
@@ -505,11 +570,13 @@ impl LocalVms {
 
     /// Kill the VM and remove its files. A VM that is already gone is fine.
     pub async fn destroy(&self, id: &str) -> Result<(), RuntimeError> {
+        let volumes = self.sync_volumes(id).await;
         self.agents.lock().await.remove(id);
         match self.manager.destroy(id).await {
             Ok(()) | Err(RuntimeError::NotFound(_)) => {}
             Err(e) => return Err(e),
         }
+        sync_volume_files(&self.manager.config().volumes_dir(), &volumes).await;
         // A paused VM's saved state goes with it.
         self.manager.delete_saved(&paused_name(id)).await
     }

@@ -354,13 +354,17 @@ impl LocalVms {
         // Made with only the CPU nothing else wants: live sandboxes first.
         let record = self
             .start_vm(
-                &id,
-                &size,
-                BTreeMap::from([(POOL_LABEL.to_string(), size.clone())]),
-                OffsetDateTime::now_utc() + POOL_LEASE,
-                // The operator's network; a sandbox that has another gets
-                // it when it takes the VM (`LocalVms::create`).
-                sandpit_runtime::Egress::open(),
+                CreateVm {
+                    id: id.clone(),
+                    size: size.clone(),
+                    metadata: BTreeMap::from([(POOL_LABEL.to_string(), size.clone())]),
+                    expires_at: OffsetDateTime::now_utc() + POOL_LEASE,
+                    // The operator's network; a sandbox that has another
+                    // gets it when it takes the VM (`LocalVms::create`),
+                    // and its volumes.
+                    egress: sandpit_runtime::Egress::open(),
+                    volumes: Vec::new(),
+                },
                 Priority::Background,
             )
             .await?;

@@ -91,6 +91,11 @@ pub struct SavedRecord {
     /// it is restored from the save (a VM of another id gets its own).
     #[serde(default)]
     pub machine_id: Option<String>,
+    /// The volumes its saved memory has mounted (a pause's save keeps
+    /// them; a snapshot is taken with them unmounted, and has none): a VM
+    /// started from it has them attached before its guest runs.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<crate::vm::volumes::VmVolume>,
 }
 
 /// A save on disk, ready to start VMs from.
@@ -208,6 +213,10 @@ impl VmManager {
                 changed_pages: 0,
                 created_at: time::OffsetDateTime::now_utc(),
                 machine_id: record.machine_id.clone(),
+                volumes: match after {
+                    AfterSave::Stay => record.volumes.clone(),
+                    AfterSave::Run => Vec::new(),
+                },
             },
             template,
             layers_dir: self.layers_dir(),
@@ -812,6 +821,7 @@ pub(crate) async fn load_saved_state(
     qemu_pid: u32,
     marker: &str,
     mapped: bool,
+    volumes: Vec<crate::vm::volumes::Opened>,
 ) -> Result<()> {
     let started = Instant::now();
     crate::vm::wait_for_socket(paths, &paths.qmp_socket(), "QMP", qemu_pid, marker).await?;
@@ -843,6 +853,10 @@ pub(crate) async fn load_saved_state(
                 console::tail_lines(&paths.qemu_log(), 3)
             ))
         })?;
+    // Its memory has them mounted: attached before the guest runs on.
+    for volume in volumes {
+        crate::vm::volumes::attach(&mut qmp, volume).await?;
+    }
     qmp.execute("cont", json!({})).await?;
     tracing::debug!(
         save = %saved.name,

@@ -773,6 +773,7 @@ mod tests {
                 changed_pages: 0,
                 created_at: time::OffsetDateTime::UNIX_EPOCH,
                 machine_id: None,
+                volumes: Vec::new(),
             },
             template: String::new(),
             layers: vec![

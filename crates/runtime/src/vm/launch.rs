@@ -266,6 +266,7 @@ impl VmManager {
                 _ => None,
             },
             egress: req.egress.clone(),
+            volumes: Vec::new(),
         };
         write_record(paths, &record)?;
         // Recorded first, so a failed start's clean-up stops QEMU and passt.
@@ -291,12 +292,27 @@ impl VmManager {
             wait_for_socket(paths, &paths.agent_socket(), "agent", qemu_pid, &marker).await?;
             AgentClient::connect(&paths.agent_socket(), boot_timeout).await
         };
+        // A save whose memory has volumes mounted is started with them
+        // (a resume): the same ones, in the same slots.
+        let mounted = match start {
+            Start::Saved(saved) => saved.record.volumes.clone(),
+            _ => Vec::new(),
+        };
+        if !mounted.is_empty() && mounted != req.volumes {
+            return Err(RuntimeError::Launch(format!(
+                "the save has volumes mounted ({mounted:?}): a VM from it holds those, not {:?}",
+                req.volumes
+            )));
+        }
+        let reopened = self.open_volumes(&paths.dir, &mounted).await?;
         let load = async {
             match start {
                 Start::Restore(t) => load_template_state(paths, t, qemu_pid, &marker).await,
                 Start::Saved(saved) => {
-                    crate::save::saved::load_saved_state(paths, saved, qemu_pid, &marker, mapped)
-                        .await
+                    crate::save::saved::load_saved_state(
+                        paths, saved, qemu_pid, &marker, mapped, reopened,
+                    )
+                    .await
                 }
                 Start::Cold | Start::Template { .. } => Ok(()),
             }
@@ -345,6 +361,12 @@ impl VmManager {
             // at normal priority (see `LocalVms::create`).
             agent.settle_clock(&req.id).await;
         }
+        if !mounted.is_empty() {
+            record.volumes = mounted;
+            write_record(paths, &record)?;
+        }
+        self.mount_volumes(&req.id, &agent, &req.volumes).await?;
+        record.volumes = req.volumes.clone();
         let configured = spawned.elapsed();
         if priority == Priority::Background && !matches!(start, Start::Template { .. }) {
             // A VM made ahead of demand runs one command before it is handed

@@ -99,6 +99,10 @@ pub struct VmRecord {
     /// values are never written here (see `Broker::without_values`).
     #[serde(default, serialize_with = "Egress::serialize_without_values")]
     pub egress: Egress,
+    /// The volumes in its slots (slot N the Nth), mounted in the guest
+    /// (see `volumes`).
+    #[serde(default)]
+    pub volumes: Vec<volumes::VmVolume>,
 }
 
 impl VmRecord {
@@ -272,6 +276,9 @@ pub struct CreateVm {
     pub expires_at: OffsetDateTime,
     /// What the guest may reach outside itself.
     pub egress: Egress,
+    /// The volumes mounted in the guest when the VM is handed over (see
+    /// [`VmManager::mount_volumes`]).
+    pub volumes: Vec<volumes::VmVolume>,
 }
 
 /// What one guest may reach outside itself, on top of what the operator's

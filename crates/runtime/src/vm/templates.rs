@@ -205,6 +205,7 @@ impl VmManager {
             // Far more than a build takes; a builder that died leaves no VM.
             expires_at: OffsetDateTime::now_utc() + TEMPLATE_BUILD_LEASE,
             egress: crate::vm::Egress::open(),
+            volumes: Vec::new(),
         };
         let mem = dir.join(template::MEM);
         let booted = self
