@@ -721,8 +721,7 @@ fn table() -> Table {
                 already is 409; past the account's quota (20 volumes, 100 GiB together by \
                 default) 429, saying which. With `Idempotency-Key`, a retry with the same key \
                 and body returns the volume the first request made (200); the same key with a \
-                different body is 409. Mounting volumes in sandboxes comes next: a create with \
-                `volumes` is refused (400) until then.",
+                different body is 409. A sandbox mounts it with `volumes` at its create.",
             params: vec![idempotency_header("volume")],
             body: Some(json_content(req.subschema_for::<CreateVolume>().to_value())),
             responses: vec![

@@ -40,7 +40,7 @@ pub struct CreateSandboxArgs {
     /// Names of the account's secrets to use (stored with `sandpit secret set` or PUT /v1/secrets/NAME). Each becomes an environment variable holding a placeholder, never the value: the service puts the value in for that secret's hosts only, in its header, on the way out over HTTPS. Use the variable as you would the key, e.g. `curl -H "Authorization: Bearer $OPENAI_API_KEY" https://api.openai.com/...`.
     #[serde(default)]
     pub secrets: Vec<String>,
-    /// The account's volumes to mount (at most 4; made with create_volume, listed by list_volumes): each `{volume: name or id, path: absolute directory such as /data, read_only: false}`. A volume is written by one sandbox at a time and read by any number. Not available yet: a create with volumes is refused until mounting is wired.
+    /// The account's volumes to mount (at most 4; made with create_volume, listed by list_volumes): each `{volume: name or id, path: absolute directory such as /data, read_only: false}`. A volume is written by one sandbox at a time and read by any number; what a sandbox writes there is kept after it ends.
     #[serde(default)]
     pub volumes: Vec<VolumeMount>,
 }

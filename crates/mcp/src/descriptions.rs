@@ -167,8 +167,9 @@ dataset, a cache.";
 pub(crate) const D_CREATE_VOLUME: &str = "\
 Create an empty volume, storage that outlives sandboxes: a named ext4 file system (size_gb \
 GiB, default 10) kept until delete_volume, whatever becomes of the sandboxes, and billed per \
-GB-month while it exists (get_usage shows it). Sandboxes are to mount it with create_sandbox's volumes; mounting is not \
-available yet, so create and list volumes now and mount them once it is.";
+GB-month while it exists (get_usage shows it). Mount it in a sandbox with create_sandbox's \
+volumes: its root directory belongs to the sandbox's user, what is written there is kept when \
+the sandbox ends, and the next sandbox that mounts it finds it.";
 
 pub(crate) const D_DELETE_VOLUME: &str = "\
 Delete a volume and everything on it, for good; its billing ends and its name is free again. \

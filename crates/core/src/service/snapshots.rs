@@ -415,8 +415,7 @@ impl Snapshots for Service {
             secrets_of: Some(row.id.clone()),
             // Its origin's too, with its secrets.
             network_rules: Default::default(),
-            // None until volumes are mounted in VMs (then its origin's,
-            // read-only).
+            // Its origin's, read-only (see `Service::fork_mounts`).
             volumes: Vec::new(),
         };
         let (_, size, timeout) = crate::service::checks::check_create(&self.config, &copy, None)?;

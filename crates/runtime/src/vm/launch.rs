@@ -365,8 +365,10 @@ impl VmManager {
             record.volumes = mounted;
             write_record(paths, &record)?;
         }
-        self.mount_volumes(&req.id, &agent, &req.volumes).await?;
-        record.volumes = req.volumes.clone();
+        if !req.volumes.is_empty() {
+            self.mount_volumes(&req.id, &agent, &req.volumes).await?;
+            record.volumes = req.volumes.clone();
+        }
         let configured = spawned.elapsed();
         if priority == Priority::Background && !matches!(start, Start::Template { .. }) {
             // A VM made ahead of demand runs one command before it is handed
