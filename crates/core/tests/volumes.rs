@@ -1,9 +1,9 @@
 //! Volumes through the core service, on this machine's own `LocalVms`:
 //! their files are really made, grown and removed (e2fsprogs on the host),
 //! and their rows really kept (SQLite). No VM boots: a volume's life needs
-//! none, and creates that mount volumes are refused before a VM would
-//! start (mounting comes next). A live sandbox that holds a volume is a
-//! row the test writes, as a create will once mounting is wired.
+//! none, and the creates here are refused before a VM would start. A live
+//! sandbox that holds a volume is a row the test writes (mounting in real
+//! VMs is `crates/cli/tests/e2e/volumes.rs`).
 
 use sandpit_core::api::prelude::*;
 use sandpit_core::config::ServiceConfig;
@@ -203,14 +203,6 @@ async fn a_volume_is_made_listed_grown_held_and_deleted_with_its_file() {
         e.message.contains(&holder) && e.message.contains("read-write"),
         "{e}"
     );
-    // Read-only would be allowed beside it: refused only because mounting
-    // is not wired yet, saying so.
-    let e = svc
-        .create_sandbox(&ann, mounting("data", "/work", true), None)
-        .await
-        .unwrap_err();
-    assert_eq!(e.kind, ErrorType::InvalidRequest);
-    assert!(e.message.contains("cannot be mounted"), "{e}");
     // Bad mounts are refused saying why, before anything else.
     for (path, why) in [
         ("/etc/x", "in /etc"),

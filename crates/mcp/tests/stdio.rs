@@ -134,7 +134,7 @@ async fn tools_list_has_every_tool_with_schemas_and_annotations() {
     says("snapshot_sandbox", &["risky change", "restore_sandbox"]);
     says(
         "create_volume",
-        &["outlives", "create_sandbox", "not available yet"],
+        &["outlives", "create_sandbox", "kept when the sandbox ends"],
     );
     let volumes = &create["properties"]["volumes"];
     assert!(volumes.is_object(), "create_sandbox.volumes: {create:?}");
