@@ -37,5 +37,5 @@ mod templates;
 mod terminal;
 mod topology;
 mod upgrade;
-mod volumes;
 mod volume_commands;
+mod volumes;

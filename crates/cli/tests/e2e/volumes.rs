@@ -60,7 +60,10 @@ async fn run(api: &Rest, id: &str, command: &str) -> (i64, String) {
         ex["stdout"].as_str().unwrap_or_default(),
         ex["stderr"].as_str().unwrap_or_default()
     );
-    (ex["exit_code"].as_i64().unwrap_or(-1), out.trim().to_string())
+    (
+        ex["exit_code"].as_i64().unwrap_or(-1),
+        out.trim().to_string(),
+    )
 }
 
 async fn sh(api: &Rest, id: &str, command: &str) -> String {
@@ -104,7 +107,10 @@ async fn wait_status(api: &Rest, id: &str, status: &str) -> Value {
         if now["status"] == status {
             return now;
         }
-        assert!(Instant::now() < deadline, "{id} never became {status}: {now}");
+        assert!(
+            Instant::now() < deadline,
+            "{id} never became {status}: {now}"
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
@@ -132,7 +138,12 @@ fn a_volume_keeps_what_sandboxes_wrote_through_destroys_and_kills() {
         let (_, held) = api.get(&format!("/volumes/{volume}")).await;
         assert_eq!(held["mounted_by"][0]["sandbox_id"], a.as_str(), "{held}");
         assert_eq!(
-            sh(&api, &a, "stat -c %U /data; findmnt -no FSTYPE,OPTIONS /data | tr -s ' '").await,
+            sh(
+                &api,
+                &a,
+                "stat -c %U /data; findmnt -no FSTYPE,OPTIONS /data | tr -s ' '"
+            )
+            .await,
             "user\next4 rw,nosuid,nodev,relatime"
         );
         let sum = sh(
@@ -146,7 +157,12 @@ fn a_volume_keeps_what_sandboxes_wrote_through_destroys_and_kills() {
         // Every byte is there in the next sandbox that mounts it.
         let b = sandbox_with(&api, &[("work", "/data", false)]).await;
         assert_eq!(
-            sh(&api, &b, "stat -c %s /data/blob; sha256sum < /data/blob | cut -d' ' -f1").await,
+            sh(
+                &api,
+                &b,
+                "stat -c %s /data/blob; sha256sum < /data/blob | cut -d' ' -f1"
+            )
+            .await,
             format!("209715200\n{sum}")
         );
         // One sandbox at a time holds it read-write.
@@ -217,7 +233,12 @@ fn a_volume_keeps_what_sandboxes_wrote_through_destroys_and_kills() {
         destroy(&api, &c).await;
         let d = sandbox_with(&api, &[("work", "/data", false)]).await;
         assert_eq!(
-            sh(&api, &d, "cat /data/before-server-died.txt; echo; sha256sum < /data/blob | cut -d' ' -f1").await,
+            sh(
+                &api,
+                &d,
+                "cat /data/before-server-died.txt; echo; sha256sum < /data/blob | cut -d' ' -f1"
+            )
+            .await,
             format!("here too\n{sum}")
         );
 
@@ -232,9 +253,7 @@ fn a_volume_keeps_what_sandboxes_wrote_through_destroys_and_kills() {
         let snap = id_of(&snap);
         // (Written out, as a reader sees only what its writer wrote out.)
         sh(&api, &d, "echo two > /data/step && sync").await;
-        let (st, fork) = api
-            .post("/sandboxes", json!({"snapshot_id": snap}))
-            .await;
+        let (st, fork) = api.post("/sandboxes", json!({"snapshot_id": snap})).await;
         assert_eq!(st, 201, "{fork}");
         let fork = id_of(&fork);
         assert_eq!(sh(&api, &fork, "cat /data/step").await, "two");
@@ -250,16 +269,17 @@ fn a_volume_keeps_what_sandboxes_wrote_through_destroys_and_kills() {
         assert_eq!(st, 200, "{restored}");
         assert_eq!(sh(&api, &d, "cat /data/step").await, "two");
         // A pause keeps it mounted; it is writable after the resume.
-        let (st, paused) = api
-            .post(&format!("/sandboxes/{d}/pause"), json!({}))
-            .await;
+        let (st, paused) = api.post(&format!("/sandboxes/{d}/pause"), json!({})).await;
         assert_eq!(st, 200, "{paused}");
-        let (st, resumed) = api
-            .post(&format!("/sandboxes/{d}/resume"), json!({}))
-            .await;
+        let (st, resumed) = api.post(&format!("/sandboxes/{d}/resume"), json!({})).await;
         assert_eq!(st, 200, "{resumed}");
         assert_eq!(
-            sh(&api, &d, "cat /data/step; echo three > /data/step; cat /data/step").await,
+            sh(
+                &api,
+                &d,
+                "cat /data/step; echo three > /data/step; cat /data/step"
+            )
+            .await,
             "two\nthree"
         );
         // Held, it cannot be deleted; free, it can.
