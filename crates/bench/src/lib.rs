@@ -10,6 +10,7 @@ mod load;
 mod preview;
 mod secrets;
 mod snapshots;
+mod volumes;
 
 use anyhow::Result;
 use clap::Args;
@@ -85,6 +86,9 @@ pub enum BenchMode {
     /// HTTPS request on a new and on a kept connection, and throughput,
     /// through the runtime's proxy on loopback (no VM, no root)
     Secrets(crate::secrets::SecretsBenchArgs),
+    /// Sequential write and read in a guest on a volume, against its own
+    /// disk in the same VM and run
+    Volumes(crate::volumes::VolumeBenchArgs),
 }
 
 /// Refills timed with a live sandbox's commands running.
@@ -460,6 +464,7 @@ pub async fn run(settings: &Settings, a: BenchArgs) -> Result<i32> {
         Some(BenchMode::Cluster(c)) => return crate::cluster::run(settings, c).await,
         Some(BenchMode::Snapshots(s)) => return crate::snapshots::run(settings, s).await,
         Some(BenchMode::Secrets(s)) => return crate::secrets::run(s).await,
+        Some(BenchMode::Volumes(v)) => return crate::volumes::run(settings, v).await,
         None => {}
     }
     let _owner = sandpit_server::serve::own(settings, sandpit_server::owner::Role::Bench)?;

@@ -515,7 +515,7 @@ impl Service {
         }
         let lost = self
             .store()
-            .declare_lost_nodes(m.config.lost_after(), |row, until| {
+            .declare_lost_nodes(m.config.lost_after(), &m.node.name, |row, until| {
                 crate::service::cost_until(row, until, self.config().paused_price_percent)
             })
             .await?;

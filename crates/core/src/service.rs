@@ -260,6 +260,9 @@ impl Service {
                 if let Err(e) = svc.sweep_volume_files(VOLUME_STUCK_AFTER).await {
                     tracing::warn!("sweeping volumes' files: {e}");
                 }
+                if let Err(e) = svc.charge_volumes(time::OffsetDateTime::now_utc()).await {
+                    tracing::warn!("charging volumes' storage: {e}");
+                }
                 drop(svc);
                 tokio::time::sleep(RETENTION_SWEEP).await;
             }

@@ -266,6 +266,28 @@ async fn a_volume_is_made_listed_grown_held_and_deleted_with_its_file() {
     assert!(billed.seconds >= 1, "{billed:?}");
     assert!(billed.cost_usd > 0.0, "{billed:?}");
     assert!(usage.total_cost_usd >= billed.cost_usd);
+    // The ledger is charged for it (the hourly sweep), once: to its delete.
+    let before = svc.store().balance(&ann.account_id).await.unwrap();
+    assert_eq!(
+        svc.charge_volumes(OffsetDateTime::now_utc()).await.unwrap(),
+        1
+    );
+    let charge = svc
+        .store()
+        .ledger(&ann.account_id)
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|l| l.note.as_deref().is_some_and(|n| n.contains(&data.id)))
+        .expect("a charge for the volume");
+    assert_eq!(charge.kind, "charge");
+    assert!(charge.amount_micros < 0, "{charge:?}");
+    assert_eq!(
+        svc.store().balance(&ann.account_id).await.unwrap(),
+        before + charge.amount_micros
+    );
+    let later = OffsetDateTime::now_utc() + time::Duration::hours(2);
+    assert_eq!(svc.charge_volumes(later).await.unwrap(), 0);
     // Its name is free again.
     make(&svc, &ann, create("data", Some(1))).await.unwrap();
 }

@@ -272,9 +272,17 @@ impl Store {
     /// conditional update under the node's row lock, so one of them wins
     /// each node and the others find nothing to do; a sandbox's settlement
     /// is [`Store::finish_sandbox`]'s, which never settles twice.
+    ///
+    /// The flip also asks that the sweeping member `sweeper`'s own lease be
+    /// live on the database's clock at that moment: a sweep whose
+    /// statements waited out a database outage (issued before it, run
+    /// after it) finds its own lease lapsed with everyone else's, since
+    /// nobody could renew meanwhile, and declares nothing; its members
+    /// renew first.
     pub async fn declare_lost_nodes(
         &self,
         grace: Duration,
+        sweeper: &str,
         charge: impl Fn(&SandboxRow, OffsetDateTime) -> i64,
     ) -> Result<Vec<LostNode>> {
         let now = now_ms_sql(self.engine);
@@ -292,15 +300,19 @@ impl Store {
             let sql = format!(
                 "UPDATE nodes SET state = 'lost', lost_at_ms = heartbeat_ms \
                  WHERE name = $1 AND state = 'up' AND lease_until_ms + $2 < {now} \
+                 AND EXISTS (SELECT 1 FROM nodes AS sweeper WHERE sweeper.name = $3 \
+                             AND sweeper.state = 'up' AND sweeper.lease_until_ms >= {now}) \
                  RETURNING *, {now} AS now_ms"
             );
             let Some(row) = sqlx::query(sqlx::AssertSqlSafe(sql))
                 .bind(&name)
                 .bind(millis(grace))
+                .bind(sweeper)
                 .fetch_optional(&mut *tx)
                 .await?
             else {
-                // Renewed, or another sweeper got there first.
+                // Renewed, another sweeper got there first, or this
+                // sweeper's own lease lapsed (a database outage).
                 continue;
             };
             let node = node_from(&row)?;

@@ -612,3 +612,77 @@ fn mount_from(row: &AnyRow) -> Result<VolumeMountRow> {
         read_only: get_i64(row, "read_only")? != 0,
     })
 }
+
+/// A volume with storage not charged yet ([`Store::unbilled_volumes`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnbilledVolume {
+    pub volume: VolumeRow,
+    /// Charged up to here (its `created_at` when never).
+    pub billed_until: OffsetDateTime,
+}
+
+impl Store {
+    /// The volumes whose storage is charged up to before `upto` (and
+    /// before their delete, once deleted): what the billing sweep charges.
+    pub async fn unbilled_volumes(&self, upto: OffsetDateTime) -> Result<Vec<UnbilledVolume>> {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {VOLUME_COLUMNS}, billed_until FROM volumes \
+             WHERE status <> 'creating' \
+             AND COALESCE(billed_until, created_at) < COALESCE(deleted_at, $1) \
+             AND COALESCE(billed_until, created_at) < $1 ORDER BY id"
+        )))
+        .bind(format_ts(upto))
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(|row| {
+            let volume = volume_from(row)?;
+            let billed_until = get_opt_ts(row, "billed_until")?.unwrap_or(volume.created_at);
+            Ok(UnbilledVolume {
+                volume,
+                billed_until,
+            })
+        })
+        .collect()
+    }
+
+    /// Charges volume `unbilled`'s account `amount_micros` for its storage
+    /// up to `to`, saying so in `note`: the ledger's charge and the
+    /// volume's `billed_until` in one transaction, which moves it only
+    /// from where `unbilled` read it. `false`: another charge (a replica's
+    /// sweep) moved it first, and nothing was charged.
+    pub async fn charge_volume(
+        &self,
+        unbilled: &UnbilledVolume,
+        to: OffsetDateTime,
+        amount_micros: i64,
+        note: &str,
+    ) -> Result<bool> {
+        let mut tx = self.write_tx().await?;
+        let moved = sqlx::query(
+            "UPDATE volumes SET billed_until = $1 \
+             WHERE id = $2 AND COALESCE(billed_until, created_at) = $3",
+        )
+        .bind(format_ts(to))
+        .bind(&unbilled.volume.id)
+        .bind(format_ts(unbilled.billed_until))
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if moved != 1 {
+            return Ok(false);
+        }
+        sqlx::query(
+            "INSERT INTO ledger (account_id, sandbox_id, kind, amount_micros, note, at) \
+             VALUES ($1, NULL, 'charge', $2, $3, $4)",
+        )
+        .bind(&unbilled.volume.account_id)
+        .bind(-amount_micros.abs())
+        .bind(note)
+        .bind(format_ts(now()))
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+}

@@ -2123,14 +2123,21 @@ async fn nodes_hold_leases_on_the_database_clock_and_lost_ones_settle_once(store
         }
     }
 
-    // b's lease ran out; four sweepers race, and b is declared lost once.
+    // b's lease ran out; a sweeper whose own lease ran out too (its
+    // statements waited out a database outage, when nobody could renew)
+    // declares nothing; four sweepers race, and b is declared lost once.
     tokio::time::sleep(StdDuration::from_millis(20)).await;
+    assert!(store
+        .declare_lost_nodes(StdDuration::ZERO, "b", |_, _| 0)
+        .await
+        .unwrap()
+        .is_empty());
     let sweeps: Vec<_> = (0..4)
         .map(|_| {
             let store = store.clone();
             tokio::spawn(async move {
                 store
-                    .declare_lost_nodes(StdDuration::ZERO, |s, until| {
+                    .declare_lost_nodes(StdDuration::ZERO, "a", |s, until| {
                         (until - s.created_at).whole_seconds() * 25
                     })
                     .await
@@ -2203,7 +2210,7 @@ async fn nodes_hold_leases_on_the_database_clock_and_lost_ones_settle_once(store
     assert_eq!(again.epoch, b.epoch + 1);
     assert_eq!((again.state, again.lost_at_ms), (NodeState::Up, None));
     assert!(store
-        .declare_lost_nodes(StdDuration::ZERO, |_, _| 0)
+        .declare_lost_nodes(StdDuration::ZERO, "a", |_, _| 0)
         .await
         .unwrap()
         .is_empty());

@@ -26,6 +26,7 @@ mod session;
 mod signup;
 mod templates;
 mod view;
+mod volumes;
 
 pub use signup::{ClientAddr, SignupConfig, SignupMode};
 
@@ -102,6 +103,9 @@ pub fn router(svc: Arc<Service>, config: WebConfig) -> Router {
         .route("/keys/{id}/revoke", post(keys::revoke))
         .route("/secrets", get(secrets::list).post(secrets::put))
         .route("/secrets/{name}/delete", post(secrets::delete))
+        .route("/volumes", get(volumes::list).post(volumes::create))
+        .route("/volumes/{id}/resize", post(volumes::resize))
+        .route("/volumes/{id}/delete", post(volumes::delete))
         .route("/accounts", get(pages::accounts))
         .route("/accounts/{id}/credit", post(pages::add_credit))
         .route("/assets/{file}", get(assets::serve))

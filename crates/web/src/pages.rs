@@ -94,6 +94,7 @@ async fn render_sandboxes(
         .await?;
     let templates = usable_templates(&web.api.list_templates(&signed.caller).await?.data);
     let secrets = web.api.list_secrets(&signed.caller).await?.data;
+    let volumes = web.api.list_volumes(&signed.caller).await?.data;
     let (live_ones, ended): (Vec<&Sandbox>, Vec<&Sandbox>) =
         list.data.iter().partition(|s| live(s));
     let csrf = signed.csrf();
@@ -158,6 +159,13 @@ async fn render_sandboxes(
                         datalist id="secret-names" {
                             @for s in &secrets { option value=(s.name) {} }
                         }
+                    }
+                }
+                @if !volumes.is_empty() {
+                    div {
+                        label for="volumes" { "Volumes (name:/path, :ro to read only; optional)" }
+                        input id="volumes" name="volumes" type="text" spellcheck="false"
+                            autocomplete="off" placeholder={ (volumes[0].name) ":/data" };
                     }
                 }
                 div { button type="submit" { "Create sandbox" } }
@@ -251,6 +259,35 @@ pub(crate) struct CreateForm {
     /// Secret names apart by commas or spaces.
     #[serde(default)]
     secrets: String,
+    /// Volume mounts apart by commas or spaces, each `name:/path`, with
+    /// `:ro` after it to mount it read-only.
+    #[serde(default)]
+    volumes: String,
+}
+
+/// The create form's volume mounts (see [`CreateForm::volumes`]).
+fn volume_mounts(field: &str) -> Result<Vec<sandpit_core::VolumeMount>, String> {
+    entries(Some(field))
+        .into_iter()
+        .map(|entry| {
+            let (rest, read_only) = match entry.strip_suffix(":ro") {
+                Some(rest) => (rest, true),
+                None => (entry.as_str(), false),
+            };
+            match rest.split_once(':') {
+                Some((volume, path)) if !volume.is_empty() && !path.is_empty() => {
+                    Ok(sandpit_core::VolumeMount {
+                        volume: volume.to_string(),
+                        path: path.to_string(),
+                        read_only,
+                    })
+                }
+                _ => Err(format!(
+                    "volume mount {entry:?} is not name:/path (or name:/path:ro)"
+                )),
+            }
+        })
+        .collect()
 }
 
 /// `POST /sandboxes`: create, then show it.
@@ -260,6 +297,12 @@ pub(crate) async fn create(
     PageForm(f): PageForm<CreateForm>,
 ) -> PageResult {
     signed.check_csrf(&f.csrf)?;
+    let volumes = match volume_mounts(&f.volumes) {
+        Ok(v) => v,
+        Err(why) => {
+            return render_sandboxes(&web, &signed, Some(&why), StatusCode::BAD_REQUEST).await
+        }
+    };
     let from_snapshot = !f.snapshot_id.is_empty();
     let from_template = !f.template.is_empty();
     let req = CreateSandbox {
@@ -270,6 +313,7 @@ pub(crate) async fn create(
         snapshot_id: from_snapshot.then_some(f.snapshot_id),
         template: from_template.then_some(f.template),
         secrets: entries(Some(&f.secrets)),
+        volumes,
         ..CreateSandbox::default()
     };
     match web.api.create_sandbox(&signed.caller, req, None).await {

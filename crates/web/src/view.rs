@@ -23,6 +23,7 @@ pub(crate) enum Section {
     Usage,
     Keys,
     Secrets,
+    Volumes,
     Accounts,
     None,
 }
@@ -58,6 +59,7 @@ pub(crate) fn page(
                                 (nav_item("/usage", "Usage", section == Section::Usage))
                                 (nav_item("/keys", "API keys", section == Section::Keys))
                                 (nav_item("/secrets", "Secrets", section == Section::Secrets))
+                                (nav_item("/volumes", "Volumes", section == Section::Volumes))
                                 @if s.admin {
                                     (nav_item("/accounts", "Accounts", section == Section::Accounts))
                                 }

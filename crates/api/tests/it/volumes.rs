@@ -123,22 +123,33 @@ async fn bad_volumes_and_mounts_are_refused_saying_why() {
         .unwrap();
     expect_error(r, 409, ErrorType::Conflict).await;
 
-    // A create that mounts one: a bad path says why; a good one is
-    // refused until mounting is wired.
-    for (path, status, why) in [
-        ("/proc/x", 400, "in /proc"),
-        ("/data/", 400, "not normalized"),
-        ("/data", 400, "cannot be mounted"),
-    ] {
+    // A create that mounts one: a bad path says why, an unknown volume
+    // is 404, a good one is made.
+    for (path, why) in [("/proc/x", "in /proc"), ("/data/", "not normalized")] {
         let r = s
             .a(Method::POST, "/sandboxes")
             .json(&json!({"volumes": [{"volume": "data", "path": path}]}))
             .send()
             .await
             .unwrap();
-        let e = expect_error(r, status, ErrorType::InvalidRequest).await;
+        let e = expect_error(r, 400, ErrorType::InvalidRequest).await;
         assert!(e.error.message.contains(why), "{path}: {}", e.error.message);
     }
+    let r = s
+        .a(Method::POST, "/sandboxes")
+        .json(&json!({"volumes": [{"volume": "nothing", "path": "/data"}]}))
+        .send()
+        .await
+        .unwrap();
+    let e = expect_error(r, 404, ErrorType::NotFound).await;
+    assert!(e.error.message.contains("nothing"), "{}", e.error.message);
+    let r = s
+        .a(Method::POST, "/sandboxes")
+        .json(&json!({"volumes": [{"volume": "data", "path": "/data"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
 }
 
 #[tokio::test]

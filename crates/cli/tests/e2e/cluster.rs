@@ -1203,6 +1203,46 @@ fn a_template_built_on_one_node_starts_on_another_which_fetches_it_first() {
         Some(copy.as_str())
     );
 
+    // A volume lives on one node (made where a sandbox would go: c, as b
+    // is full); a sandbox that mounts it is placed there, and refused,
+    // saying why, while that node is full.
+    let (st, v) = rt.block_on(api.post("/volumes", json!({"name": "shared", "size_gb": 1})));
+    assert_eq!(st, 201, "{v}");
+    let volume = v["id"].as_str().unwrap().to_string();
+    let kept_on = rt.block_on(db.volume_by_id(&volume)).unwrap().unwrap().host;
+    assert_eq!(kept_on, "c");
+    assert!(data_c
+        .join("volumes")
+        .join(format!("{volume}.img"))
+        .is_file());
+    let mounting = |read_only: bool| {
+        rt.block_on(api.post(
+            "/sandboxes",
+            json!({"volumes": [{"volume": "shared", "path": "/data", "read_only": read_only}]}),
+        ))
+    };
+    let (st, s) = mounting(false);
+    assert_eq!(st, 201, "{s}");
+    let writer = s["id"].as_str().unwrap().to_string();
+    assert_eq!(host_of(&writer), "c");
+    assert_eq!(
+        sh(&writer, "echo on-c > /data/where && cat /data/where"),
+        "on-c"
+    );
+    let (st, refused) = mounting(true);
+    assert_eq!(st, 503, "{refused}");
+    assert!(
+        refused["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("kept on node c"),
+        "{refused}"
+    );
+    for path in [format!("/sandboxes/{writer}"), format!("/volumes/{volume}")] {
+        let (st, gone) = rt.block_on(api.call(reqwest::Method::DELETE, &path, None));
+        assert_eq!(st, 200, "{path}: {gone}");
+    }
+
     // b dies: its template's sandboxes still start, on c, from the copy.
     b.sigkill();
     let deadline = Instant::now() + Duration::from_secs(60);

@@ -329,6 +329,31 @@ async fn a_person_uses_the_dashboard_in_a_real_browser() {
         "the form as sent, but its value"
     );
     shots.take(&b, "secrets").await;
+
+    // A volume made on its page, listed; a name the account has is told
+    // why, the form kept.
+    click_and_load(&b, "Volumes").await;
+    b.wait_for_text("No volumes yet", PATIENCE).await;
+    b.fill("Name", "dash-data").await;
+    b.fill("Size (GiB)", "1").await;
+    click_and_load(&b, "Create volume").await;
+    let listed = b.wait_for_text("Volumes (1)", PATIENCE).await;
+    assert!(
+        listed.contains("dash-data") && listed.contains("1 GiB") && listed.contains("ready"),
+        "{listed}"
+    );
+    b.fill("Name", "dash-data").await;
+    b.fill("Size (GiB)", "2").await;
+    click_and_load(&b, "Create volume").await;
+    b.wait_for_text("already", PATIENCE).await;
+    let kept = b
+        .execute(
+            "return ['volume-name', 'volume-size'].map(i => document.getElementById(i).value)",
+            vec![],
+        )
+        .await;
+    assert_eq!(kept, json!(["dash-data", "2"]), "the form as sent");
+    shots.take(&b, "volumes").await;
     click_and_load(&b, "Sandboxes").await;
 
     // Create a sandbox from the form, with the secret; its page shows it
@@ -337,6 +362,11 @@ async fn a_person_uses_the_dashboard_in_a_real_browser() {
     // snapshotted.)
     template_ready(&url, &admin_key).await;
     b.fill("Secrets (names, optional)", "DASH_TOKEN").await;
+    b.fill(
+        "Volumes (name:/path, :ro to read only; optional)",
+        "dash-data:/data",
+    )
+    .await;
     b.fill("Name (optional)", "demo").await;
     b.fill("Lifetime (minutes)", "30").await;
     click_and_load(&b, "Create sandbox").await;
@@ -347,6 +377,13 @@ async fn a_person_uses_the_dashboard_in_a_real_browser() {
     assert_eq!(sbx["size"], "small", "{sbx}");
     assert_eq!(sbx["name"], "demo", "{sbx}");
     assert_eq!(sbx["timeout_minutes"], 30, "{sbx}");
+    let (_, volume) = rest_get(&url, &admin_key, "/volumes/dash-data").await;
+    assert_eq!(
+        volume["mounted_by"][0]["sandbox_id"],
+        id.as_str(),
+        "{volume}"
+    );
+    assert_eq!(volume["mounted_by"][0]["path"], "/data", "{volume}");
 
     // A command from the command box, and its execution with its output.
     b.fill(

@@ -549,6 +549,40 @@ impl Service {
         Err(why)
     }
 
+    /// Charges every account for its volumes' storage not charged yet, up
+    /// to `upto` (to a volume's delete, once deleted): a ledger charge per
+    /// volume of its size for those seconds at `price_usd_per_gb_month`,
+    /// as the usage report counts it (run by [`Service::start`]'s hourly
+    /// sweep, so the balance trails the storage by an hour at most). The
+    /// charges made.
+    pub async fn charge_volumes(&self, upto: OffsetDateTime) -> Result<usize> {
+        let price = self.config.volumes.price_usd_per_gb_month;
+        let mut charged = 0;
+        for unbilled in self.store.unbilled_volumes(upto).await? {
+            let end = unbilled.volume.deleted_at.map_or(upto, |d| d.min(upto));
+            let seconds = (end - unbilled.billed_until).whole_seconds();
+            let Ok(seconds @ 1..) = u64::try_from(seconds) else {
+                continue;
+            };
+            let to = unbilled.billed_until + time::Duration::seconds(seconds as i64);
+            let amount = storage_cost(price, unbilled.volume.size_bytes, seconds);
+            let note = format!(
+                "volume {} ({}): {} GiB stored for {seconds} s",
+                unbilled.volume.name,
+                unbilled.volume.id,
+                unbilled.volume.size_bytes / GIB
+            );
+            if self
+                .store
+                .charge_volume(&unbilled, to, amount, &note)
+                .await?
+            {
+                charged += 1;
+            }
+        }
+        Ok(charged)
+    }
+
     /// Settles volumes whose making or growing never finished (the process
     /// doing it was lost): one never made is removed from its node and
     /// forgotten (its name, quota and key free again); one never grown is

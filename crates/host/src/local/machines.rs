@@ -272,7 +272,15 @@ impl Machines for LocalVms {
         // Its volumes stay mounted in its saved memory, their content
         // written out: they are the files' while it is paused.
         let volumes = self.sync_volumes(id).await;
-        self.manager.save(id, &name, AfterSave::Stay).await?;
+        let saved = self.manager.save(id, &name, AfterSave::Stay).await?;
+        // (Without them, a resumed reader gets fresh ones: logged.)
+        if let Err(e) = sandpit_runtime::vm::volumes::keep_overlays(
+            &self.manager.paths(id).dir,
+            &saved.dir,
+            &volumes,
+        ) {
+            tracing::warn!(id, "keeping its read-only volumes' overlays: {e}");
+        }
         self.agents.lock().await.remove(id);
         match self.manager.destroy(id).await {
             Ok(()) | Err(RuntimeError::NotFound(_)) => {}

@@ -304,7 +304,10 @@ impl VmManager {
                 req.volumes
             )));
         }
-        let reopened = self.open_volumes(&paths.dir, &mounted).await?;
+        let reopened = match start {
+            Start::Saved(saved) => self.open_volumes(&paths.dir, &saved.dir, &mounted).await?,
+            _ => Vec::new(),
+        };
         let load = async {
             match start {
                 Start::Restore(t) => load_template_state(paths, t, qemu_pid, &marker).await,

@@ -202,21 +202,48 @@ impl VmManager {
         }
     }
 
-    /// The files of the volumes `volumes` opened for a start whose saved
-    /// memory has them mounted (attached before its guest runs).
+    /// The files of the volumes `volumes` opened for a start from save
+    /// `saved_dir`, whose memory has them mounted (attached before its
+    /// guest runs): a read-only one's overlay is the one the save kept
+    /// ([`keep_overlays`]), whose blocks the guest's cache may hold.
     pub(crate) async fn open_volumes(
         &self,
         vm_dir: &Path,
+        saved_dir: &Path,
         volumes: &[VmVolume],
     ) -> Result<Vec<Opened>> {
         let files = VolumeFiles::new(self.config.volumes_dir());
         let mut opened = Vec::new();
         for (slot, volume) in volumes.iter().enumerate() {
+            let kept = overlay_name(slot as u32);
+            if volume.read_only && saved_dir.join(&kept).is_file() {
+                std::fs::copy(saved_dir.join(&kept), vm_dir.join(&kept)).map_err(
+                    RuntimeError::io(format!("copying {kept} of {}", saved_dir.display())),
+                )?;
+            }
             let file = files.path(&volume.volume)?;
             opened.push(open_volume(vm_dir, slot as u32, &file, volume.read_only).await?);
         }
         Ok(opened)
     }
+}
+
+/// The file of a read-only attach's overlay in slot `slot`.
+fn overlay_name(slot: u32) -> String {
+    format!("volume-{slot}.qcow2")
+}
+
+/// Keep with a pause's save in `saved_dir` the overlays of the read-only
+/// volumes of the VM in `vm_dir`: its saved memory may cache their blocks
+/// (a journal replayed into one), and the VM resumed from it must see the
+/// same ones.
+pub fn keep_overlays(vm_dir: &Path, saved_dir: &Path, volumes: &[VmVolume]) -> Result<()> {
+    for (slot, _) in volumes.iter().enumerate().filter(|(_, v)| v.read_only) {
+        let name = overlay_name(slot as u32);
+        std::fs::copy(vm_dir.join(&name), saved_dir.join(&name))
+            .map_err(RuntimeError::io(format!("keeping {name} with its save")))?;
+    }
+    Ok(())
 }
 
 /// Flush to the host's disk what was written to the read-write volumes of
@@ -351,8 +378,15 @@ async fn read_only_overlay(
     file: &Path,
     size: u64,
 ) -> Result<std::fs::File> {
-    let path = vm_dir.join(format!("volume-{slot}.qcow2"));
-    let _ = std::fs::remove_file(&path);
+    let path = vm_dir.join(overlay_name(slot));
+    if path.is_file() {
+        // Kept from a pause (see `keep_overlays`).
+        return std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(RuntimeError::io(format!("opening {}", path.display())));
+    }
     // `-u`: the backing is not opened here; QEMU is given it as a
     // node of its own, which the header's name does not override.
     let out = tokio::process::Command::new("qemu-img")
