@@ -91,9 +91,8 @@ async fn render(
                                 td {
                                     form class="inline" method="post" action={ "/volumes/" (v.id) "/resize" } {
                                         input type="hidden" name="csrf" value=(csrf);
-                                        label class="visually-hidden" for={ "grow-" (v.id) } { "New size of " (v.name) " (GiB)" }
                                         input id={ "grow-" (v.id) } name="size_gb" type="number" min=(v.size_gb)
-                                            value=(v.size_gb) required;
+                                            value=(v.size_gb) required aria-label={ "New size of " (v.name) " (GiB)" };
                                         button type="submit" aria-label={ "Grow " (v.name) } { "Grow" }
                                     }
                                     form class="inline" method="post" action={ "/volumes/" (v.id) "/delete" } {
