@@ -282,6 +282,23 @@ fn a_volume_keeps_what_sandboxes_wrote_through_destroys_and_kills() {
             .await,
             "two\nthree"
         );
+        // A reader paused and resumed reads on (its overlay kept).
+        let reader = sandbox_with(&api, &[("work", "/ro", true)]).await;
+        assert_eq!(
+            sh(&api, &reader, "sha256sum < /ro/blob | cut -d' ' -f1").await,
+            sum
+        );
+        for act in ["pause", "resume"] {
+            let (st, done) = api
+                .post(&format!("/sandboxes/{reader}/{act}"), json!({}))
+                .await;
+            assert_eq!(st, 200, "{act}: {done}");
+        }
+        assert_eq!(
+            sh(&api, &reader, "sha256sum < /ro/blob | cut -d' ' -f1").await,
+            sum
+        );
+        destroy(&api, &reader).await;
         // Held, it cannot be deleted; free, it can.
         let (st, _) = api
             .call(reqwest::Method::DELETE, &format!("/volumes/{volume}"), None)
