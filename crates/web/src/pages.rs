@@ -319,8 +319,7 @@ pub(crate) async fn create(
     match web.api.create_sandbox(&signed.caller, req, None).await {
         Ok((s, _)) => Ok(Redirect::to(&format!("/sandboxes/{}", s.id)).into_response()),
         Err(e) => {
-            let status =
-                StatusCode::from_u16(e.kind.http_status()).unwrap_or(StatusCode::BAD_REQUEST);
+            let status = crate::view::refused_status(&e);
             render_sandboxes(&web, &signed, Some(&e.message), status).await
         }
     }

@@ -167,8 +167,7 @@ pub(crate) async fn put(
     match web.api.put_secret(&signed.caller, f.name.trim(), req).await {
         Ok(_) => Ok(Redirect::to("/secrets").into_response()),
         Err(e) => {
-            let status =
-                StatusCode::from_u16(e.kind.http_status()).unwrap_or(StatusCode::BAD_REQUEST);
+            let status = crate::view::refused_status(&e);
             render(&web, &signed, Some((&e.message, &f)), status).await
         }
     }

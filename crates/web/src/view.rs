@@ -238,6 +238,11 @@ where
 }
 
 /// `s` for a URL's query or path segment.
+/// The status a page shows a refused form with: the API's for `e`.
+pub(crate) fn refused_status(e: &sandpit_core::CoreError) -> StatusCode {
+    StatusCode::from_u16(e.kind.http_status()).unwrap_or(StatusCode::BAD_REQUEST)
+}
+
 pub(crate) fn url_encode(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     for b in s.bytes() {

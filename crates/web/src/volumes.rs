@@ -134,8 +134,7 @@ pub(crate) async fn create(
     match web.api.create_volume(&signed.caller, req, None).await {
         Ok(_) => Ok(Redirect::to("/volumes").into_response()),
         Err(e) => {
-            let status =
-                StatusCode::from_u16(e.kind.http_status()).unwrap_or(StatusCode::BAD_REQUEST);
+            let status = crate::view::refused_status(&e);
             render(&web, &signed, Some((&e.message, Some(&f))), status).await
         }
     }
@@ -160,8 +159,7 @@ pub(crate) async fn resize(
     match web.api.resize_volume(&signed.caller, &id, req).await {
         Ok(_) => Ok(Redirect::to("/volumes").into_response()),
         Err(e) => {
-            let status =
-                StatusCode::from_u16(e.kind.http_status()).unwrap_or(StatusCode::BAD_REQUEST);
+            let status = crate::view::refused_status(&e);
             render(&web, &signed, Some((&e.message, None)), status).await
         }
     }
@@ -179,8 +177,7 @@ pub(crate) async fn delete(
     match web.api.delete_volume(&signed.caller, &id).await {
         Ok(_) => Ok(Redirect::to("/volumes").into_response()),
         Err(e) => {
-            let status =
-                StatusCode::from_u16(e.kind.http_status()).unwrap_or(StatusCode::BAD_REQUEST);
+            let status = crate::view::refused_status(&e);
             render(&web, &signed, Some((&e.message, None)), status).await
         }
     }
