@@ -30,6 +30,7 @@ pub mod host;
 pub mod image;
 pub mod save;
 pub mod vm;
+pub mod volume_content;
 pub mod volume_files;
 
 pub use channel::terminal::{Pty, PtyControl, PtySize};
