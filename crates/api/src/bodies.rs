@@ -63,6 +63,43 @@ pub struct FilesQuery {
     pub recursive: Option<bool>,
 }
 
+/// Query of `/volumes/{volume}/files`: a volume's files, read and
+/// written by the host while no sandbox mounts the volume read-write.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct VolumeFilesQuery {
+    /// Absolute in the volume (`/` is its root). Required, except to list
+    /// (default `/`).
+    #[serde(default)]
+    pub path: Option<String>,
+    /// `GET`: list the directory (`depth` levels down) instead of reading a
+    /// file.
+    #[serde(default)]
+    pub list: Option<bool>,
+    /// `GET` with `list`: how many levels down (default 1, at most 32).
+    #[serde(default)]
+    pub depth: Option<u32>,
+    /// `GET`: describe the path (a symbolic link itself) instead of reading it.
+    #[serde(default)]
+    pub stat: Option<bool>,
+    /// `PUT`: replace an existing file (default false: 409 if one is there).
+    #[serde(default)]
+    pub overwrite: Option<bool>,
+    /// `POST` (make a directory): make the missing directories above it too.
+    #[serde(default)]
+    pub parents: Option<bool>,
+    /// `PUT`, `POST`: the owner of what is made (default the sandbox user, 1000).
+    #[serde(default)]
+    pub uid: Option<u32>,
+    #[serde(default)]
+    pub gid: Option<u32>,
+    /// `PUT`, `POST`: permission bits, decimal or octal with a leading 0
+    /// (`0644`, as chmod takes it); default 0644 for a file, 0755 for a
+    /// directory.
+    #[serde(default)]
+    pub mode: Option<String>,
+}
+
 /// Query of `GET /usage`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]

@@ -11,7 +11,9 @@
 //! contract's list of routes, and another holds `docs/openapi.json` to this
 //! document.
 
-use crate::bodies::{ExposePortBody, ExtendBody, FilesQuery, PortClosed, SignUrlBody, UsageQuery};
+use crate::bodies::{
+    ExposePortBody, ExtendBody, FilesQuery, PortClosed, SignUrlBody, UsageQuery, VolumeFilesQuery,
+};
 use crate::error::ErrorBody;
 use crate::server;
 use crate::sse::OutputChunk;
@@ -28,6 +30,7 @@ use sandpit_core::{
     Sandbox, Secret, ServiceInfo, SignedUrl, Snapshot, Template, TerminalToken, Usage, Volume,
     WriteFile,
 };
+use sandpit_core::{VolumeFile, VolumeFileMeta};
 use schemars::generate::{Contract, SchemaGenerator, SchemaSettings};
 use schemars::JsonSchema;
 use serde_json::{json, Map, Value};
@@ -779,6 +782,150 @@ fn table() -> Table {
             params: vec![volume_param()],
             body: None,
             responses: vec![("200", "The deleted volume.", volume_resp)],
+            errors: Errors { not_found: true, conflict: true, ..AUTH },
+        },
+        Op {
+            method: "get",
+            path: "/v1/volumes/{volume}/files",
+            handler: get(server::get_volume_files),
+            id: "readVolumeFiles",
+            summary: "Read a volume's file, describe a path, or list a directory",
+            description: "A volume's files without a sandbox, read by the host from the volume \
+                while no live sandbox mounts it read-write (409 naming it otherwise). \
+                Paths are absolute in the volume (`/` its root). Without `list` or `stat`: the \
+                file itself, streamed (`application/octet-stream`, its `Content-Length`, its \
+                resolved path in `x-sandpit-path`; symbolic links inside the volume followed). \
+                `stat=true`: the path described. `list=true`: the directory's entries, `depth` \
+                levels down (default 1), each described.",
+            params: {
+                let mut p = vec![volume_param()];
+                p.extend(
+                    query_params::<VolumeFilesQuery>(&mut req)
+                        .into_iter()
+                        .filter(|q| ["path", "list", "depth", "stat"].contains(&q["name"].as_str().unwrap_or(""))),
+                );
+                p
+            },
+            body: None,
+            responses: vec![(
+                "200",
+                "The file (octet-stream), one VolumeFile with `stat`, or a list of them with `list`.",
+                json!({
+                    "application/json": {"schema": {"oneOf": [
+                        res.subschema_for::<VolumeFile>().to_value(),
+                        res.subschema_for::<List<VolumeFile>>().to_value(),
+                    ]}},
+                    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+                }),
+            )],
+            errors: Errors { not_found: true, conflict: true, ..AUTH },
+        },
+        Op {
+            method: "put",
+            path: "/v1/volumes/{volume}/files",
+            handler: put(server::put_volume_file),
+            id: "writeVolumeFile",
+            summary: "Write a volume's file",
+            description: "Writes the request body (`application/octet-stream`, with a \
+                `Content-Length`) to `path`, making the directories above it; the file is the \
+                sandbox user's (1000) and 0644 unless `uid`, `gid` and `mode` say otherwise. An \
+                existing file is replaced, at once, only with `overwrite=true` (409 otherwise); a \
+                directory never is. Refused (409, naming them) while any live sandbox mounts the \
+                volume; a sandbox's create that asks for it meanwhile waits its turn (409, retry). \
+                A body cut short writes nothing; one that does not fit is 409 (grow the volume).",
+            params: {
+                let mut p = vec![volume_param()];
+                p.extend(
+                    query_params::<VolumeFilesQuery>(&mut req)
+                        .into_iter()
+                        .filter(|q| ["path", "overwrite", "uid", "gid", "mode"].contains(&q["name"].as_str().unwrap_or(""))),
+                );
+                p
+            },
+            body: Some(json!({
+                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+            })),
+            responses: vec![(
+                "201",
+                "The file written, described.",
+                json_content(res.subschema_for::<VolumeFile>().to_value()),
+            )],
+            errors: Errors { body: true, not_found: true, conflict: true, ..AUTH },
+        },
+        Op {
+            method: "post",
+            path: "/v1/volumes/{volume}/files",
+            handler: post(server::make_volume_dir),
+            id: "makeVolumeDirectory",
+            summary: "Make a directory in a volume",
+            description: "Makes directory `path` (the sandbox user's, 0755, unless `uid`, `gid` \
+                and `mode` say otherwise), and with `parents=true` the missing ones above it. \
+                One that exists is 409. Same rule as writing a file.",
+            params: {
+                let mut p = vec![volume_param()];
+                p.extend(
+                    query_params::<VolumeFilesQuery>(&mut req)
+                        .into_iter()
+                        .filter(|q| ["path", "parents", "uid", "gid", "mode"].contains(&q["name"].as_str().unwrap_or(""))),
+                );
+                p
+            },
+            body: None,
+            responses: vec![(
+                "201",
+                "The directory, described.",
+                json_content(res.subschema_for::<VolumeFile>().to_value()),
+            )],
+            errors: Errors { not_found: true, conflict: true, ..AUTH },
+        },
+        Op {
+            method: "patch",
+            path: "/v1/volumes/{volume}/files",
+            handler: patch(server::patch_volume_file),
+            id: "changeVolumeFile",
+            summary: "Change a volume path's owner or mode",
+            description: "Sets what the body names of `path`'s owner and permission bits. \
+                Same rule as writing a file.",
+            params: {
+                let mut p = vec![volume_param()];
+                p.extend(
+                    query_params::<VolumeFilesQuery>(&mut req)
+                        .into_iter()
+                        .filter(|q| q["name"] == "path"),
+                );
+                p
+            },
+            body: Some(json_content(req.subschema_for::<VolumeFileMeta>().to_value())),
+            responses: vec![(
+                "200",
+                "The path, described.",
+                json_content(res.subschema_for::<VolumeFile>().to_value()),
+            )],
+            errors: Errors { body: true, not_found: true, conflict: true, ..AUTH },
+        },
+        Op {
+            method: "delete",
+            path: "/v1/volumes/{volume}/files",
+            handler: delete(server::delete_volume_file),
+            id: "deleteVolumeFile",
+            summary: "Delete a volume's file or directory",
+            description: "Removes `path`; a directory with everything in it. The volume's \
+                root is not removed (400). Same rule as writing a file.",
+            params: {
+                let mut p = vec![volume_param()];
+                p.extend(
+                    query_params::<VolumeFilesQuery>(&mut req)
+                        .into_iter()
+                        .filter(|q| q["name"] == "path"),
+                );
+                p
+            },
+            body: None,
+            responses: vec![(
+                "200",
+                "Deleted.",
+                json_content(res.subschema_for::<FileDeleted>().to_value()),
+            )],
             errors: Errors { not_found: true, conflict: true, ..AUTH },
         },
         Op {

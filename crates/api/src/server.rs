@@ -17,6 +17,7 @@ use sandpit_core::{
     ListExecutions, ListSandboxes, ListSnapshots, NetworkLists, PutSecret, ResizeVolume,
     RestoreSandbox, WriteFile,
 };
+use sandpit_core::{FileDeleted, List, VolumeCall, VolumeFile, VolumeFileMeta, VolumeOwnership};
 use serde::Serialize;
 
 #[cfg(doc)]
@@ -252,6 +253,148 @@ pub(crate) async fn delete_volume(
     Path(volume): Path<String>,
 ) -> ApiResult {
     ok(st.api.delete_volume(&c, &volume).await?)
+}
+
+/// `mode` as a query gives it: decimal, or octal with a leading 0.
+fn mode_of(q: &VolumeFilesQuery) -> ApiResult<Option<u32>> {
+    let Some(m) = q.mode.as_deref() else {
+        return Ok(None);
+    };
+    let parsed = match m.strip_prefix("0o").or_else(|| m.strip_prefix('0')) {
+        Some("") => Ok(0),
+        Some(octal) => u32::from_str_radix(octal, 8),
+        None => m.parse::<u32>(),
+    };
+    match parsed {
+        Ok(mode) if mode <= 0o7777 => Ok(Some(mode)),
+        _ => Err(ApiError::invalid(format!(
+            "mode {m:?} is not permission bits: decimal, or octal with a leading 0 (0644), \
+             at most 07777"
+        ))),
+    }
+}
+
+fn owner_of(q: &VolumeFilesQuery) -> ApiResult<VolumeOwnership> {
+    Ok(VolumeOwnership {
+        uid: q.uid,
+        gid: q.gid,
+        mode: mode_of(q)?,
+    })
+}
+
+fn volume_path(q: &VolumeFilesQuery) -> ApiResult<String> {
+    q.path
+        .clone()
+        .ok_or_else(|| ApiError::invalid("query parameter `path` is required"))
+}
+
+/// One description from a call that makes one.
+fn one(mut described: Vec<VolumeFile>) -> ApiResult<VolumeFile> {
+    described.pop().ok_or_else(|| {
+        ApiError::from(sandpit_core::CoreError::internal(
+            "a volume call described nothing",
+        ))
+    })
+}
+
+pub(crate) async fn get_volume_files(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(volume): Path<String>,
+    QueryParams(q): QueryParams<VolumeFilesQuery>,
+) -> ApiResult {
+    if q.list == Some(true) {
+        let call = VolumeCall::List {
+            path: q.path.clone().unwrap_or_else(|| "/".into()),
+            depth: q.depth.unwrap_or(1),
+        };
+        let entries = st.api.volume_files(&c, &volume, call).await?;
+        return ok(List::new(entries, false, None));
+    }
+    let path = volume_path(&q)?;
+    if q.stat == Some(true) {
+        let call = VolumeCall::Stat { path };
+        return ok(one(st.api.volume_files(&c, &volume, call).await?)?);
+    }
+    let file = st.api.download_volume_file(&c, &volume, &path).await?;
+    Ok(crate::raw::download_response(file))
+}
+
+pub(crate) async fn put_volume_file(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(volume): Path<String>,
+    QueryParams(q): QueryParams<VolumeFilesQuery>,
+    req: axum::extract::Request,
+) -> ApiResult {
+    let path = volume_path(&q)?;
+    let size = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+        .ok_or_else(|| ApiError::invalid("a file's upload needs a Content-Length"))?;
+    let body = Box::new(crate::raw::RequestBody::new(req.into_body()));
+    let made = st
+        .api
+        .upload_volume_file(
+            &c,
+            &volume,
+            &path,
+            size,
+            owner_of(&q)?,
+            q.overwrite.unwrap_or(false),
+            body,
+        )
+        .await?;
+    Ok((StatusCode::CREATED, Json(made)).into_response())
+}
+
+pub(crate) async fn make_volume_dir(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(volume): Path<String>,
+    QueryParams(q): QueryParams<VolumeFilesQuery>,
+) -> ApiResult {
+    let call = VolumeCall::MakeDir {
+        path: volume_path(&q)?,
+        owner: owner_of(&q)?,
+        parents: q.parents.unwrap_or(false),
+    };
+    let made = one(st.api.volume_files(&c, &volume, call).await?)?;
+    Ok((StatusCode::CREATED, Json(made)).into_response())
+}
+
+pub(crate) async fn patch_volume_file(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(volume): Path<String>,
+    QueryParams(q): QueryParams<VolumeFilesQuery>,
+    JsonBody(body): JsonBody<VolumeFileMeta>,
+) -> ApiResult {
+    let call = VolumeCall::SetMeta {
+        path: volume_path(&q)?,
+        owner: VolumeOwnership {
+            uid: body.uid,
+            gid: body.gid,
+            mode: body.mode,
+        },
+    };
+    ok(one(st.api.volume_files(&c, &volume, call).await?)?)
+}
+
+pub(crate) async fn delete_volume_file(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(volume): Path<String>,
+    QueryParams(q): QueryParams<VolumeFilesQuery>,
+) -> ApiResult {
+    let path = volume_path(&q)?;
+    let call = VolumeCall::Remove { path: path.clone() };
+    st.api.volume_files(&c, &volume, call).await?;
+    ok(FileDeleted {
+        path,
+        deleted: true,
+    })
 }
 
 pub(crate) async fn list_templates(State(st): State<AppState>, Authed(c): Authed) -> ApiResult {

@@ -723,6 +723,47 @@ pub trait Volumes: Send + Sync {
     ) -> Result<Volume> {
         Err(no_volumes())
     }
+    /// Runs a call on a volume's files, served by the host from the
+    /// volume's file: refused (conflict, naming them) while a live sandbox
+    /// mounts it read-write, or for a call that changes it, while any
+    /// does. What it describes (a listing's entries; one path's; none for
+    /// a removal).
+    async fn volume_files(
+        &self,
+        _caller: &Caller,
+        _volume: &str,
+        _call: VolumeCall,
+    ) -> Result<Vec<VolumeFile>> {
+        Err(no_volumes())
+    }
+    /// Writes `size` bytes from `body` to `path` of a volume, its
+    /// directories made (owned and moded as `owner` says: the guest's
+    /// user, 0644 by default); an existing file is replaced only with
+    /// `overwrite`. Same rule as [`Volumes::volume_files`]; a body that
+    /// ends early or runs long writes nothing.
+    #[allow(clippy::too_many_arguments)]
+    async fn upload_volume_file(
+        &self,
+        _caller: &Caller,
+        _volume: &str,
+        _path: &str,
+        _size: u64,
+        _owner: VolumeOwnership,
+        _overwrite: bool,
+        _body: Box<dyn ByteSource>,
+    ) -> Result<VolumeFile> {
+        Err(no_volumes())
+    }
+    /// Reads file `path` of a volume, a piece at a time. Same rule as
+    /// [`Volumes::volume_files`].
+    async fn download_volume_file(
+        &self,
+        _caller: &Caller,
+        _volume: &str,
+        _path: &str,
+    ) -> Result<FileDownload> {
+        Err(no_volumes())
+    }
     /// Deletes a volume and what it holds: what it was. Refused (conflict)
     /// while a live sandbox mounts it.
     async fn delete_volume(&self, _caller: &Caller, _volume: &str) -> Result<Volume> {

@@ -8,6 +8,10 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
+/// A call on a volume's files (`Volumes::volume_files`) and the owner and
+/// mode of what a call makes: the runtime's own words, which the node API
+/// carries too.
+pub use sandpit_host::machines::{Ownership as VolumeOwnership, VolumeCall};
 /// The lifecycle states: the store's types, since a row stores the word
 /// the API shows.
 pub use sandpit_store::SandboxStatus;
@@ -269,6 +273,52 @@ pub struct VolumeHolder {
     pub sandbox_id: String,
     pub path: String,
     pub read_only: bool,
+}
+
+/// A path in a volume, described (`/v1/volumes/{volume}/files`): read
+/// from the volume's file by the host, while no sandbox mounts it
+/// read-write.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct VolumeFile {
+    /// Always `"volume_file"`.
+    pub object: String,
+    /// Its last component (`/` for the volume's root).
+    pub name: String,
+    /// Absolute in the volume (`/` is its root, whatever path sandboxes
+    /// mount it at).
+    pub path: String,
+    /// `file`, `directory`, `symlink`, or `other` (a device, FIFO or
+    /// socket).
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// In bytes.
+    pub size: u64,
+    /// Permission bits, as a number (`0o644` is 420).
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+    /// RFC 3339 UTC, to the nanosecond.
+    pub atime: String,
+    pub mtime: String,
+    pub ctime: String,
+    /// A symbolic link's target (when short enough to be kept in its
+    /// inode, the common case).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target: Option<String>,
+}
+
+/// `PATCH /v1/volumes/{volume}/files` body: what to change of a path's
+/// owner and permission bits (absent: kept).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct VolumeFileMeta {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gid: Option<u32>,
+    /// Permission bits (at most `0o7777`, 4095).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<u32>,
 }
 
 /// `POST /v1/volumes` body and `create_volume` input.

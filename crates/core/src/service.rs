@@ -60,6 +60,7 @@ mod snapshots;
 mod templates;
 pub use templates::{parse_reference as parse_template_reference, MAX_TEMPLATE_FILES_BYTES};
 mod terminals;
+mod volume_files;
 mod volumes;
 
 pub use terminals::{check_terminal_size, MAX_TERMINALS, MAX_TERMINAL_CELLS, TERMINAL_TOKEN_TTL};

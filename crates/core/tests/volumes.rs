@@ -463,3 +463,248 @@ async fn a_deleted_volumes_file_left_behind_is_removed_and_a_stranger_kept() {
     assert!(!dir.path().join("volumes/vol_lost.img.making").exists());
     assert!(file(dir.path(), &kept.id).exists());
 }
+
+/// An upload's body from memory, in two pieces.
+struct Body(Vec<Vec<u8>>);
+
+#[async_trait::async_trait]
+impl sandpit_core::api::ByteSource for Body {
+    async fn next_chunk(&mut self) -> Option<std::io::Result<Vec<u8>>> {
+        (!self.0.is_empty()).then(|| Ok(self.0.remove(0)))
+    }
+}
+
+fn body(bytes: &[u8]) -> Box<Body> {
+    let (a, b) = bytes.split_at(bytes.len() / 2);
+    Box::new(Body(vec![a.to_vec(), b.to_vec()]))
+}
+
+async fn downloaded(svc: &Service, caller: &Caller, volume: &str, path: &str) -> Vec<u8> {
+    let mut file = svc
+        .download_volume_file(caller, volume, path)
+        .await
+        .unwrap();
+    let mut out = Vec::new();
+    while let Some(piece) = file.chunks.recv().await {
+        out.extend(piece.unwrap());
+    }
+    assert_eq!(out.len() as u64, file.size);
+    out
+}
+
+fn hold(
+    svc: &Service,
+    caller: &Caller,
+    sandbox: &str,
+    volume: &str,
+    read_only: bool,
+) -> impl std::future::Future<Output = sandpit_store::VolumesHeld> {
+    let (store, account, sandbox, volume) = (
+        svc.store().clone(),
+        caller.account_id.clone(),
+        sandbox.to_string(),
+        volume.to_string(),
+    );
+    async move {
+        store
+            .hold_volumes(
+                &account,
+                &sandbox,
+                &[VolumeMountRow {
+                    sandbox_id: sandbox.clone(),
+                    volume_id: volume,
+                    path: "/data".into(),
+                    read_only,
+                }],
+            )
+            .await
+            .unwrap()
+    }
+}
+
+/// The files of a volume without a sandbox, through the service: written,
+/// read, listed, described, changed and removed from its real file; read
+/// only while no sandbox writes the volume, changed only while none mounts
+/// it; and no sandbox takes it while the host works on it.
+#[tokio::test]
+async fn a_volumes_files_are_served_without_a_sandbox_while_none_writes_it() {
+    use sandpit_core::{VolumeCall, VolumeOwnership};
+    let dir = tempfile::tempdir().unwrap();
+    let svc = service(dir.path(), |_| {}).await;
+    let ann = account(&svc, "ann").await;
+    let bob = account(&svc, "bob").await;
+    let data = make(&svc, &ann, create("data", Some(1))).await.unwrap();
+
+    let bytes: Vec<u8> = (0..1_000_000u32).map(|i| (i % 251) as u8).collect();
+    let made = svc
+        .upload_volume_file(
+            &ann,
+            "data",
+            "/in/put.bin",
+            bytes.len() as u64,
+            VolumeOwnership::default(),
+            false,
+            body(&bytes),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (made.kind.as_str(), made.size, made.uid, made.mode),
+        ("file", 1_000_000, 1000, 0o644)
+    );
+    assert_eq!(downloaded(&svc, &ann, "data", "/in/put.bin").await, bytes);
+    // By id too; another account's caller finds nothing.
+    assert_eq!(
+        downloaded(&svc, &ann, &data.id, "/in/put.bin").await.len(),
+        1_000_000
+    );
+    let e = svc
+        .download_volume_file(&bob, &data.id, "/in/put.bin")
+        .await
+        .err()
+        .unwrap();
+    assert_eq!(e.kind, ErrorType::NotFound);
+    let e = svc
+        .volume_files(
+            &bob,
+            "data",
+            VolumeCall::List {
+                path: "/".into(),
+                depth: 1,
+            },
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorType::NotFound);
+
+    // A body that ends early writes nothing.
+    let e = svc
+        .upload_volume_file(
+            &ann,
+            "data",
+            "/short",
+            10,
+            VolumeOwnership::default(),
+            false,
+            body(b"abc"),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorType::InvalidRequest);
+    let listed = svc
+        .volume_files(
+            &ann,
+            "data",
+            VolumeCall::List {
+                path: "/".into(),
+                depth: 2,
+            },
+        )
+        .await
+        .unwrap();
+    let mut paths: Vec<&str> = listed.iter().map(|e| e.path.as_str()).collect();
+    paths.sort();
+    assert_eq!(paths, ["/in", "/in/put.bin", "/lost+found"]);
+    let e = svc
+        .volume_files(
+            &ann,
+            "data",
+            VolumeCall::Stat {
+                path: "/short".into(),
+            },
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorType::NotFound);
+    let e = svc
+        .volume_files(
+            &ann,
+            "data",
+            VolumeCall::Stat {
+                path: "/../etc".into(),
+            },
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorType::InvalidRequest);
+
+    // A reader mounts it: reads go on, changes are refused naming it.
+    let reader = live_sandbox(svc.store(), &ann).await;
+    assert_eq!(
+        hold(&svc, &ann, &reader, &data.id, true).await,
+        sandpit_store::VolumesHeld::Held
+    );
+    assert_eq!(
+        downloaded(&svc, &ann, "data", "/in/put.bin").await.len(),
+        1_000_000
+    );
+    let e = svc
+        .volume_files(&ann, "data", VolumeCall::Remove { path: "/in".into() })
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorType::Conflict);
+    assert!(e.message.contains(&reader), "{e}");
+    let e = svc
+        .upload_volume_file(
+            &ann,
+            "data",
+            "/x",
+            1,
+            VolumeOwnership::default(),
+            false,
+            body(b"x"),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorType::Conflict);
+    // A writer mounts it: reads are refused too.
+    let writer = live_sandbox(svc.store(), &ann).await;
+    assert_eq!(
+        hold(&svc, &ann, &writer, &data.id, false).await,
+        sandpit_store::VolumesHeld::Held
+    );
+    let e = svc
+        .download_volume_file(&ann, "data", "/in/put.bin")
+        .await
+        .err()
+        .unwrap();
+    assert_eq!(e.kind, ErrorType::Conflict);
+    assert!(e.message.contains(&writer), "{e}");
+    for id in [&reader, &writer] {
+        svc.store()
+            .finish_sandbox(
+                id,
+                SandboxStatus::Deleted,
+                "test",
+                OffsetDateTime::now_utc(),
+                0,
+            )
+            .await
+            .unwrap();
+    }
+
+    // While the host works on its files (a lease, as a call holds it), no
+    // sandbox takes the volume, nor is it grown or deleted.
+    let until = OffsetDateTime::now_utc() + time::Duration::minutes(1);
+    let leased = svc
+        .store()
+        .lease_volume(&ann.account_id, &data.id, "vlease_test", true, until)
+        .await
+        .unwrap();
+    assert!(
+        matches!(leased, sandpit_store::VolumeLeased::Leased(_)),
+        "{leased:?}"
+    );
+    let next = live_sandbox(svc.store(), &ann).await;
+    assert!(matches!(
+        hold(&svc, &ann, &next, &data.id, true).await,
+        sandpit_store::VolumesHeld::Leased { .. }
+    ));
+    let e = svc.delete_volume(&ann, "data").await.unwrap_err();
+    assert_eq!(e.kind, ErrorType::Conflict);
+    svc.store().end_volume_lease("vlease_test").await.unwrap();
+    assert_eq!(
+        hold(&svc, &ann, &next, &data.id, true).await,
+        sandpit_store::VolumesHeld::Held
+    );
+}

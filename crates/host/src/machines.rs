@@ -14,6 +14,7 @@ use sandpit_protocol::{
     ExecRequest, FileEntry, GuestStats, PathCall, PathEntry, ProcessCall, ProcessInfo, WatchEvent,
 };
 pub use sandpit_runtime::vm::volumes::VmVolume;
+pub use sandpit_runtime::volume_content::{EntryKind, Ownership, VolumeCall, VolumeEntry};
 pub use sandpit_runtime::Egress;
 use sandpit_runtime::{GuestExecEvent, RuntimeError, VmState};
 pub use sandpit_runtime::{PtyExit, PtySize};
@@ -188,6 +189,36 @@ pub trait Machines: Send + Sync {
 
     /// Removes volume `id`'s file (one already gone is fine).
     async fn delete_volume(&self, _id: &str) -> VmResult<()> {
+        Err(keeps_no_volumes())
+    }
+
+    /// Runs `call` on volume `id`'s files, here on the host, from its
+    /// file (see `sandpit_runtime::volume_content`). No VM may hold it
+    /// read-write meanwhile (none at all, for a call that changes it):
+    /// the caller's to see to.
+    async fn volume_call(&self, _id: &str, _call: VolumeCall) -> VmResult<Vec<VolumeEntry>> {
+        Err(keeps_no_volumes())
+    }
+
+    /// Writes a file of `size` bytes, sent as they come, to `path` of
+    /// volume `id`; [`Upload::finish`] puts it in place (its directories
+    /// made, owned as `owner` says; an existing file replaced only with
+    /// `overwrite`). Dropped before, nothing is written. Same rule as
+    /// [`Machines::volume_call`], by the time it finishes.
+    async fn volume_upload(
+        &self,
+        _id: &str,
+        _path: &str,
+        _size: u64,
+        _owner: Ownership,
+        _overwrite: bool,
+    ) -> VmResult<Box<dyn Upload>> {
+        Err(keeps_no_volumes())
+    }
+
+    /// Reads file `path` of volume `id` (copied whole before the first
+    /// piece is sent, so the volume is free again while it streams).
+    async fn volume_download(&self, _id: &str, _path: &str) -> VmResult<Box<dyn Download>> {
         Err(keeps_no_volumes())
     }
 

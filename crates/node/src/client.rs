@@ -15,8 +15,8 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::{Request, Response};
 use sandpit_host::machines::{
-    Command, Download, Duplex, Listing, Machines, PtyInput, PtyOutput, PtySize, Started, Terminal,
-    Tunnel, Upload, VmResult, Watch, TERMINAL_QUEUE,
+    Command, Download, Duplex, Listing, Machines, Ownership, PtyInput, PtyOutput, PtySize, Started,
+    Terminal, Tunnel, Upload, VmResult, VolumeCall, VolumeEntry, Watch, TERMINAL_QUEUE,
 };
 use sandpit_protocol::ExecRequest;
 use sandpit_runtime::vm::volumes::VmVolume;
@@ -478,6 +478,37 @@ impl Machines for RemoteNode {
             .await
     }
 
+    async fn volume_call(&self, id: &str, call: VolumeCall) -> VmResult<Vec<VolumeEntry>> {
+        self.call(&format!("volumes/{id}/call"), &call, START_TIMEOUT)
+            .await
+    }
+
+    async fn volume_upload(
+        &self,
+        id: &str,
+        path: &str,
+        size: u64,
+        owner: Ownership,
+        overwrite: bool,
+    ) -> VmResult<Box<dyn Upload>> {
+        let head = wire::VolumeUploadArgs {
+            path: path.to_string(),
+            size,
+            owner,
+            overwrite,
+        };
+        self.upload_to(&format!("volumes/{id}/upload"), &head).await
+    }
+
+    async fn volume_download(&self, id: &str, path: &str) -> VmResult<Box<dyn Download>> {
+        let args = wire::FileArgs {
+            path: path.to_string(),
+            ..Default::default()
+        };
+        self.download_from(&format!("volumes/{id}/download"), &args)
+            .await
+    }
+
     async fn set_expiry(&self, id: &str, at: OffsetDateTime) -> VmResult<()> {
         let args = wire::ExpiryArgs { at_ms: ms(at) };
         self.call(&format!("sandboxes/{id}/expiry"), &args, RESPONSE_TIMEOUT)
@@ -909,7 +940,7 @@ impl Command for RemoteCommand {
 impl RemoteNode {
     /// A call whose head is `head` and whose bytes follow from the
     /// returned [`Upload`]; the node answers once it has them all.
-    async fn upload_to(&self, route: &str, head: &wire::FileArgs) -> VmResult<Box<dyn Upload>> {
+    async fn upload_to<H: Serialize>(&self, route: &str, head: &H) -> VmResult<Box<dyn Upload>> {
         let (upstream, req) = self.headed(route, head).await;
         // The answer comes once the node has every byte: it is awaited
         // when the upload finishes, while the bytes go.

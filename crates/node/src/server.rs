@@ -244,6 +244,37 @@ async fn handle(state: Arc<dyn NodeState>, req: Request<Incoming>) -> Response<B
             let id = id.to_string();
             answer(detached(async move { vms.delete_volume(&id).await }).await)
         }
+        // A call on a volume's files runs to its end even if its caller
+        // goes (a change half made is worse than one unasked for).
+        (&hyper::Method::POST, ["node", "v1", "volumes", id, "call"]) => {
+            match body
+                .json::<sandpit_runtime::volume_content::VolumeCall>()
+                .await
+            {
+                Ok(call) => {
+                    let id = id.to_string();
+                    answer(detached(async move { vms.volume_call(&id, call).await }).await)
+                }
+                Err(r) => r,
+            }
+        }
+        (&hyper::Method::POST, ["node", "v1", "volumes", id, "upload"]) => {
+            match body.json::<wire::VolumeUploadArgs>().await {
+                Ok(a) => {
+                    let upload = vms
+                        .volume_upload(id, &a.path, a.size, a.owner, a.overwrite)
+                        .await;
+                    receive_into(upload, a.size, body).await
+                }
+                Err(r) => r,
+            }
+        }
+        (&hyper::Method::POST, ["node", "v1", "volumes", id, "download"]) => {
+            match body.json::<wire::FileArgs>().await {
+                Ok(a) => send_from(vms.volume_download(id, &a.path).await),
+                Err(r) => r,
+            }
+        }
         (&hyper::Method::POST, ["node", "v1", "warm", size, "take"]) => {
             answer(vms.take_warm(size).await.map(|id| wire::Warm { id }))
         }

@@ -257,6 +257,17 @@ pub struct VolumeArgs {
     pub bytes: u64,
 }
 
+/// A volume file's upload head (the bytes follow).
+#[derive(Debug, Serialize, Deserialize)]
+pub struct VolumeUploadArgs {
+    pub path: String,
+    pub size: u64,
+    #[serde(default)]
+    pub owner: sandpit_runtime::volume_content::Ownership,
+    #[serde(default)]
+    pub overwrite: bool,
+}
+
 /// `resume`'s arguments.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct ResumeArgs {

@@ -56,8 +56,6 @@ const TOOL_BOUND: std::time::Duration = std::time::Duration::from_secs(600);
 pub const DEFAULT_FILE_MODE: u32 = 0o644;
 /// A new directory's permission bits unless the call says.
 pub const DEFAULT_DIR_MODE: u32 = 0o755;
-/// Where `S_IFMT` puts the type in a mode.
-const TYPE_BITS: u32 = 0o170000;
 /// Symbolic links followed to read a file, at most.
 const MAX_LINKS_FOLLOWED: usize = 8;
 
@@ -1001,15 +999,18 @@ fn sync_file(path: &Path) -> Result<()> {
         .map_err(RuntimeError::io(format!("syncing {}", path.display())))
 }
 
-/// An anonymous file in `dir` (the volumes' directory: on the disk that
-/// holds them) for a call's bytes.
-pub fn scratch_file(dir: &Path) -> Result<std::fs::File> {
-    std::fs::create_dir_all(dir)
-        .map_err(RuntimeError::io(format!("creating {}", dir.display())))?;
-    tempfile::tempfile_in(dir).map_err(RuntimeError::io(format!(
-        "making a scratch file in {}",
-        dir.display()
-    )))
+impl VolumeFiles {
+    /// An anonymous file in the volumes' directory (on the disk that
+    /// holds them) for a call's bytes: gone when closed, whatever happens.
+    pub fn scratch_file(&self) -> Result<std::fs::File> {
+        let dir = self.dir();
+        std::fs::create_dir_all(dir)
+            .map_err(RuntimeError::io(format!("creating {}", dir.display())))?;
+        tempfile::tempfile_in(dir).map_err(RuntimeError::io(format!(
+            "making a scratch file in {}",
+            dir.display()
+        )))
+    }
 }
 
 /// Writes all of `bytes` to `file` at its end (a scratch file being
@@ -1035,16 +1036,14 @@ mod tests {
     }
 
     fn scratch_with(files: &VolumeFiles, bytes: &[u8]) -> std::fs::File {
-        let dir = files.path("vol_t").unwrap().parent().unwrap().to_path_buf();
-        let f = scratch_file(&dir).unwrap();
+        let f = files.scratch_file().unwrap();
         append(&f, bytes).unwrap();
         f
     }
 
     async fn read(files: &VolumeFiles, path: &str) -> Result<Vec<u8>> {
         use std::io::Read;
-        let dir = files.path("vol_t").unwrap().parent().unwrap().to_path_buf();
-        let mut to = scratch_file(&dir).unwrap();
+        let mut to = files.scratch_file().unwrap();
         files.read_file("vol_t", path, &to).await?;
         let mut bytes = Vec::new();
         to.read_to_end(&mut bytes).unwrap();
@@ -1326,7 +1325,7 @@ mod tests {
     #[test]
     fn times_past_2038_and_with_nanoseconds_are_read() {
         let t = parse_time(" 0x6b16bc43:00000004 -- Mon Dec  7 14:01:39 2026").unwrap();
-        assert_eq!(t.unix_timestamp(), 0x6b16bc43 + 0);
+        assert_eq!(t.unix_timestamp(), 0x6b16bc43);
         assert_eq!(t.nanosecond(), 1);
         let t = parse_time(" 0x00000010:00000001 -- x").unwrap();
         assert_eq!(t.unix_timestamp(), 16 + (1 << 32));

@@ -50,6 +50,11 @@ impl VolumeFiles {
         VolumeFiles { dir: dir.into() }
     }
 
+    /// Where the volumes' files are.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     /// Volume `id`'s file. An id is the service's (`vol_…`): anything that
     /// could name another path is refused.
     pub fn path(&self, id: &str) -> Result<PathBuf> {

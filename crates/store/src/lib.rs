@@ -121,8 +121,8 @@ pub use templates::{LayerRow, TemplateRow, TemplateStatus, MAX_LOG_BYTES};
 pub use tokens::TerminalGrant;
 pub use util::{format_ts, hash_key, new_id, parse_ts};
 pub use volumes::{
-    NewVolume, UnbilledVolume, VolumeChange, VolumeCreated, VolumeMountRow, VolumeRow,
-    VolumeStatus, VolumesHeld,
+    NewVolume, UnbilledVolume, VolumeChange, VolumeCreated, VolumeLeased, VolumeMountRow,
+    VolumeRow, VolumeStatus, VolumesHeld,
 };
 pub use web::WebSession;
 

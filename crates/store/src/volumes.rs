@@ -136,6 +136,26 @@ pub enum VolumesHeld {
         volume_id: String,
         sandbox_id: String,
     },
+    /// The host is reading or writing the volume's files until `until`
+    /// at the latest (see [`Store::lease_volume`]): nothing recorded.
+    Leased {
+        volume_id: String,
+        until: OffsetDateTime,
+    },
+}
+
+/// What [`Store::lease_volume`] came to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VolumeLeased {
+    /// Granted: the volume's row.
+    Leased(VolumeRow),
+    /// The account has no such volume (not deleted).
+    Missing,
+    /// It is being made or resized.
+    Busy(VolumeStatus),
+    /// These live sandboxes (by id) mount it read-write, or for a
+    /// writing lease at all.
+    Held(Vec<String>),
 }
 
 /// What [`Store::begin_volume_resize`] and [`Store::delete_volume`] came
@@ -150,6 +170,9 @@ pub enum VolumeChange {
     Held(Vec<String>),
     /// It is being made or resized: nothing changed.
     Busy(VolumeStatus),
+    /// The host is reading or writing its files until `until` at the
+    /// latest: nothing changed.
+    Leased(OffsetDateTime),
     /// The account's volumes have `used` bytes; the new size would take
     /// them past `limit` (resize only).
     OverBytes { used: u64, limit: u64 },
@@ -218,6 +241,19 @@ async fn holders_in(
     .fetch_all(&mut **tx)
     .await?;
     rows.iter().map(|r| get_str(r, "sandbox_id")).collect()
+}
+
+/// Until when the host reads or writes volume `id`'s files, if it does
+/// (the latest of its live leases).
+async fn leased_in(tx: &mut Transaction<'static, Any>, id: &str) -> Result<Option<OffsetDateTime>> {
+    let row = sqlx::query(
+        "SELECT MAX(until) AS until FROM volume_leases WHERE volume_id = $1 AND until > $2",
+    )
+    .bind(id)
+    .bind(format_ts(now()))
+    .fetch_one(&mut **tx)
+    .await?;
+    get_opt_ts(&row, "until")
 }
 
 /// The number and the bytes of the account's volumes not deleted, other
@@ -488,6 +524,12 @@ impl Store {
                     status: volume.status,
                 });
             }
+            if let Some(until) = leased_in(&mut tx, id).await? {
+                return Ok(VolumesHeld::Leased {
+                    volume_id: id.to_string(),
+                    until,
+                });
+            }
             let read_write = mounts.iter().any(|m| m.volume_id == id && !m.read_only);
             if read_write {
                 if let Some(by) = holders_in(&mut tx, id, true, sandbox_id)
@@ -538,6 +580,9 @@ impl Store {
         if volume.status != VolumeStatus::Ready {
             return Ok(VolumeChange::Busy(volume.status));
         }
+        if let Some(until) = leased_in(&mut tx, id).await? {
+            return Ok(VolumeChange::Leased(until));
+        }
         let holders = holders_in(&mut tx, id, false, "").await?;
         if !holders.is_empty() {
             return Ok(VolumeChange::Held(holders));
@@ -586,6 +631,9 @@ impl Store {
         if volume.status != VolumeStatus::Ready {
             return Ok(VolumeChange::Busy(volume.status));
         }
+        if let Some(until) = leased_in(&mut tx, id).await? {
+            return Ok(VolumeChange::Leased(until));
+        }
         let holders = holders_in(&mut tx, id, false, "").await?;
         if !holders.is_empty() {
             return Ok(VolumeChange::Held(holders));
@@ -601,6 +649,60 @@ impl Store {
         let row = volume_from(&row)?;
         tx.commit().await?;
         Ok(VolumeChange::Changed(row))
+    }
+}
+
+impl Store {
+    /// Leases the account's volume `id` to the host until `until`, as
+    /// `lease_id`, for a call on its files: granted if it is ready and no
+    /// live sandbox mounts it read-write (`writing`: mounts it at all).
+    /// No sandbox takes the volume while the lease is live, nor is it
+    /// resized or deleted (see [`Store::hold_volumes`]). Leases of
+    /// volumes that lapsed are forgotten here.
+    pub async fn lease_volume(
+        &self,
+        account_id: &str,
+        id: &str,
+        lease_id: &str,
+        writing: bool,
+        until: OffsetDateTime,
+    ) -> Result<VolumeLeased> {
+        let mut tx = self.write_tx().await?;
+        let Some(volume) = locked_volume(&mut tx, account_id, id).await? else {
+            return Ok(VolumeLeased::Missing);
+        };
+        if volume.status != VolumeStatus::Ready {
+            return Ok(VolumeLeased::Busy(volume.status));
+        }
+        let holders = holders_in(&mut tx, id, !writing, "").await?;
+        if !holders.is_empty() {
+            return Ok(VolumeLeased::Held(holders));
+        }
+        sqlx::query("DELETE FROM volume_leases WHERE volume_id = $1 AND until <= $2")
+            .bind(id)
+            .bind(format_ts(now()))
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(
+            "INSERT INTO volume_leases (id, volume_id, writing, until) VALUES ($1, $2, $3, $4)",
+        )
+        .bind(lease_id)
+        .bind(id)
+        .bind(i64::from(writing))
+        .bind(format_ts(until))
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(VolumeLeased::Leased(volume))
+    }
+
+    /// Ends lease `lease_id` (one lapsed or ended already is fine).
+    pub async fn end_volume_lease(&self, lease_id: &str) -> Result<()> {
+        sqlx::query("DELETE FROM volume_leases WHERE id = $1")
+            .bind(lease_id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
     }
 }
 

@@ -28,7 +28,10 @@ impl Service {
     /// One of the account's `max_concurrent_transfers` slots for a file
     /// read or write: its content, decoded and in flight, is in memory
     /// until it ends. Waits [`TRANSFER_WAIT`] at most.
-    async fn transfer_slot(&self, caller: &Caller) -> Result<tokio::sync::OwnedSemaphorePermit> {
+    pub(super) async fn transfer_slot(
+        &self,
+        caller: &Caller,
+    ) -> Result<tokio::sync::OwnedSemaphorePermit> {
         let max = self.config.max_concurrent_transfers;
         let slots = {
             let mut all = self.transfers.lock().unwrap();

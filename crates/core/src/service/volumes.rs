@@ -204,7 +204,7 @@ fn held(volume: &VolumeRow, holders: &[String], doing: &str) -> CoreError {
 }
 
 /// Volume `volume` is being made or resized.
-fn busy(volume: &str, status: VolumeStatus) -> CoreError {
+pub(super) fn busy(volume: &str, status: VolumeStatus) -> CoreError {
     CoreError::conflict(format!(
         "volume {volume:?} is {} now; retry in a moment",
         status.as_str()
@@ -212,7 +212,17 @@ fn busy(volume: &str, status: VolumeStatus) -> CoreError {
     .with_retry_after(2)
 }
 
-fn no_volume(volume: &str) -> CoreError {
+/// Volume `volume`'s files are being read or written by the host.
+fn leased(volume: &str, until: OffsetDateTime) -> CoreError {
+    CoreError::conflict(format!(
+        "volume {volume:?} is being read or written through its files API (until {} at the \
+         latest); retry in a moment",
+        rfc3339(until)
+    ))
+    .with_retry_after(2)
+}
+
+pub(super) fn no_volume(volume: &str) -> CoreError {
     CoreError::new(ErrorType::NotFound, format!("no volume {volume:?}"))
 }
 
@@ -354,6 +364,7 @@ impl Volumes for Service {
             VolumeChange::Missing => return Err(no_volume(volume)),
             VolumeChange::Held(holders) => return Err(held(&row, &holders, "resized")),
             VolumeChange::Busy(status) => return Err(busy(&row.name, status)),
+            VolumeChange::Leased(until) => return Err(leased(&row.name, until)),
             VolumeChange::OverBytes { used, limit } => {
                 return Err(over_bytes(used, bytes - row.size_bytes, limit))
             }
@@ -380,6 +391,38 @@ impl Volumes for Service {
         Ok(to_volume(&row, &[]))
     }
 
+    async fn volume_files(
+        &self,
+        caller: &Caller,
+        volume: &str,
+        call: VolumeCall,
+    ) -> Result<Vec<VolumeFile>> {
+        self.volume_files_call(caller, volume, call).await
+    }
+
+    async fn upload_volume_file(
+        &self,
+        caller: &Caller,
+        volume: &str,
+        path: &str,
+        size: u64,
+        owner: VolumeOwnership,
+        overwrite: bool,
+        body: Box<dyn crate::api::ByteSource>,
+    ) -> Result<VolumeFile> {
+        self.volume_file_upload(caller, volume, path, size, owner, overwrite, body)
+            .await
+    }
+
+    async fn download_volume_file(
+        &self,
+        caller: &Caller,
+        volume: &str,
+        path: &str,
+    ) -> Result<crate::api::FileDownload> {
+        self.volume_file_download(caller, volume, path).await
+    }
+
     async fn delete_volume(&self, caller: &Caller, volume: &str) -> Result<Volume> {
         let row = self.find_volume(caller, volume).await?;
         let gone = match self
@@ -391,6 +434,7 @@ impl Volumes for Service {
             VolumeChange::Missing => return Err(no_volume(volume)),
             VolumeChange::Held(holders) => return Err(held(&row, &holders, "deleted")),
             VolumeChange::Busy(status) => return Err(busy(&row.name, status)),
+            VolumeChange::Leased(until) => return Err(leased(&row.name, until)),
             VolumeChange::OverBytes { .. } => {
                 return Err(CoreError::internal("a delete counted bytes"))
             }
@@ -438,7 +482,7 @@ impl Service {
     }
 
     /// The account's volume of id `volume` (`vol_…`) or of that name.
-    async fn find_volume(&self, caller: &Caller, volume: &str) -> Result<VolumeRow> {
+    pub(super) async fn find_volume(&self, caller: &Caller, volume: &str) -> Result<VolumeRow> {
         let found = match volume.starts_with(ID_PREFIX) {
             true => self
                 .store
@@ -528,6 +572,14 @@ impl Service {
             VolumesHeld::Held => return Ok(()),
             VolumesHeld::Missing { volume_id } => no_volume(&volume_id),
             VolumesHeld::NotReady { volume_id, status } => busy(&volume_id, status),
+            VolumesHeld::Leased { volume_id, until } => {
+                let name = mounts
+                    .mounts
+                    .iter()
+                    .find(|(v, _, _)| v.id == volume_id)
+                    .map_or(volume_id.clone(), |(v, _, _)| v.name.clone());
+                leased(&name, until)
+            }
             VolumesHeld::HeldReadWrite {
                 volume_id,
                 sandbox_id,

@@ -3,6 +3,7 @@
 //! other members).
 
 use super::*;
+use crate::machines::{Ownership, VolumeCall, VolumeEntry};
 
 /// A command in a local guest; the warm pool's refills give way while it
 /// runs.
@@ -204,6 +205,34 @@ impl Machines for LocalVms {
 
     async fn delete_volume(&self, id: &str) -> VmResult<()> {
         self.volume_files().delete(id).await
+    }
+
+    async fn volume_call(&self, id: &str, call: VolumeCall) -> VmResult<Vec<VolumeEntry>> {
+        self.volume_files().call(id, call).await
+    }
+
+    async fn volume_upload(
+        &self,
+        id: &str,
+        path: &str,
+        size: u64,
+        owner: Ownership,
+        overwrite: bool,
+    ) -> VmResult<Box<dyn Upload>> {
+        Ok(Box::new(VolumeUploading::new(
+            self.volume_files(),
+            id,
+            path,
+            size,
+            owner,
+            overwrite,
+        )?))
+    }
+
+    async fn volume_download(&self, id: &str, path: &str) -> VmResult<Box<dyn Download>> {
+        Ok(Box::new(
+            VolumeDownloading::copy(self.volume_files(), id, path).await?,
+        ))
     }
 
     async fn snapshot(&self, id: &str, snapshot: &str) -> VmResult<u64> {

@@ -47,6 +47,9 @@ use tokio::sync::{Mutex, Notify, Semaphore};
 
 mod machines;
 mod pool;
+mod volume_content;
+
+use volume_content::{VolumeDownloading, VolumeUploading};
 
 use pool::Demand;
 pub use pool::PoolConfig;

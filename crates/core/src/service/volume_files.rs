@@ -1,0 +1,235 @@
+//! A volume's files without a sandbox (`Volumes::volume_files`,
+//! `upload_volume_file`, `download_volume_file`):
+//! served by the volume's node from its file
+//! (`sandpit_runtime::volume_content`), while no sandbox mounts it
+//! read-write — while none mounts it at all, for a call that changes it.
+//!
+//! The rule is the store's to keep, race-free: each call on the node
+//! holds a lease on the volume ([`Store::lease_volume`]), granted only
+//! while the rule holds, during which no sandbox takes the volume, nor is
+//! it resized or deleted. The lease is taken once the call can run at
+//! once (an upload's bytes are on the node already) and ended when the
+//! node is done, by a task of its own: a caller that goes away mid-call
+//! neither cuts the node's work short nor ends the lease before it. A
+//! lease of a process that died lapses at its bound.
+//!
+//! [`Store::lease_volume`]: sandpit_store::Store::lease_volume
+
+use crate::api::{ByteSource, Caller, FileDownload};
+use crate::error::{body_failed, body_length, CoreError, Result};
+use crate::model::*;
+use crate::service::errors::runtime_error;
+use crate::service::Service;
+use sandpit_host::machines::{EntryKind, Machines, VolumeEntry};
+use sandpit_store::{VolumeLeased, VolumeRow};
+use std::sync::Arc;
+use tokio::sync::mpsc;
+
+/// How long a lease outlives its start: past the node's own bound on a
+/// call (10 minutes), so that it never lapses while the node works.
+const LEASE_BOUND: time::Duration = time::Duration::minutes(15);
+
+/// A path in a volume as the API shows it.
+pub(crate) fn to_volume_file(e: &VolumeEntry) -> VolumeFile {
+    let ts = |t: time::OffsetDateTime| {
+        t.format(&time::format_description::well_known::Rfc3339)
+            .unwrap_or_default()
+    };
+    VolumeFile {
+        object: "volume_file".into(),
+        name: e.name.clone(),
+        path: e.path.clone(),
+        kind: match e.kind {
+            EntryKind::File => "file",
+            EntryKind::Directory => "directory",
+            EntryKind::Symlink => "symlink",
+            EntryKind::Unknown => "other",
+        }
+        .into(),
+        size: e.size,
+        mode: e.mode,
+        uid: e.uid,
+        gid: e.gid,
+        atime: ts(e.atime),
+        mtime: ts(e.mtime),
+        ctime: ts(e.ctime),
+        target: e.target.clone(),
+    }
+}
+
+/// A lease on a volume, and the node that serves its files.
+struct Leased {
+    lease_id: String,
+    row: VolumeRow,
+    machines: Arc<dyn Machines>,
+}
+
+impl Service {
+    /// Leases the caller's `volume` for a call (`writing`: one that
+    /// changes it), or says why not.
+    async fn lease_files(&self, caller: &Caller, volume: &str, writing: bool) -> Result<Leased> {
+        let row = self.find_volume(caller, volume).await?;
+        let machines = self.machines_on(&row.host, &row.id).await?;
+        let lease_id = sandpit_host::ids::new_id("vlease_");
+        let until = time::OffsetDateTime::now_utc() + LEASE_BOUND;
+        match self
+            .store
+            .lease_volume(&caller.account_id, &row.id, &lease_id, writing, until)
+            .await?
+        {
+            VolumeLeased::Leased(row) => Ok(Leased {
+                lease_id,
+                row,
+                machines,
+            }),
+            VolumeLeased::Missing => Err(super::volumes::no_volume(volume)),
+            VolumeLeased::Busy(status) => Err(super::volumes::busy(&row.name, status)),
+            VolumeLeased::Held(sandboxes) => Err(CoreError::conflict(if writing {
+                format!(
+                    "volume {:?} is mounted by sandboxes ({}): its files change here only \
+                     while no sandbox mounts it; write them from that sandbox, or destroy it first",
+                    row.name,
+                    sandboxes.join(", ")
+                )
+            } else {
+                format!(
+                    "volume {:?} is mounted read-write by sandbox {}: its files are read here \
+                     only while no sandbox writes them; read them from that sandbox, or destroy \
+                     it first",
+                    row.name,
+                    sandboxes.join(", ")
+                )
+            })),
+        }
+    }
+
+    /// Runs `work` on the leased volume's node in a task of its own, and
+    /// ends the lease once it is done, whether or not the caller waited.
+    async fn under_lease<T, F>(&self, leased: Leased, work: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: std::future::Future<Output = sandpit_runtime::Result<T>> + Send + 'static,
+    {
+        let store = self.store.clone();
+        let lease_id = leased.lease_id;
+        let done = tokio::spawn(async move {
+            let out = work.await;
+            if let Err(e) = store.end_volume_lease(&lease_id).await {
+                tracing::warn!(%lease_id, "ending a volume's lease (it lapses on its own): {e}");
+            }
+            out
+        })
+        .await
+        .map_err(|e| CoreError::internal(format!("a volume call's task failed: {e}")))?;
+        done.map_err(runtime_error)
+    }
+}
+
+/// The API's calls ([`Volumes`] implemented for the service in
+/// `volumes.rs` calls these).
+impl Service {
+    pub(crate) async fn volume_files_call(
+        &self,
+        caller: &Caller,
+        volume: &str,
+        call: VolumeCall,
+    ) -> Result<Vec<VolumeFile>> {
+        let leased = self.lease_files(caller, volume, call.changes()).await?;
+        let (machines, id) = (leased.machines.clone(), leased.row.id.clone());
+        let entries = self
+            .under_lease(leased, async move { machines.volume_call(&id, call).await })
+            .await?;
+        Ok(entries.iter().map(to_volume_file).collect())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) async fn volume_file_upload(
+        &self,
+        caller: &Caller,
+        volume: &str,
+        path: &str,
+        size: u64,
+        owner: VolumeOwnership,
+        overwrite: bool,
+        mut body: Box<dyn ByteSource>,
+    ) -> Result<VolumeFile> {
+        let _slot = self.transfer_slot(caller).await?;
+        let row = self.find_volume(caller, volume).await?;
+        if size > row.size_bytes {
+            return Err(CoreError::invalid(format!(
+                "{size} bytes do not fit in volume {:?} ({} bytes): grow it first",
+                row.name, row.size_bytes
+            )));
+        }
+        let machines = self.machines_on(&row.host, &row.id).await?;
+        // Dropped on any early return: the node discards what it had.
+        let mut upload = machines
+            .volume_upload(&row.id, path, size, owner, overwrite)
+            .await
+            .map_err(runtime_error)?;
+        let mut got = 0u64;
+        while let Some(chunk) = body.next_chunk().await {
+            let chunk = chunk.map_err(body_failed)?;
+            got += chunk.len() as u64;
+            if got > size {
+                return Err(body_length(got, size));
+            }
+            upload.send(&chunk).await.map_err(runtime_error)?;
+        }
+        if got != size {
+            return Err(body_length(got, size));
+        }
+        // Every byte is on the node: the volume is taken only now.
+        let leased = self.lease_files(caller, volume, true).await?;
+        let (machines, id) = (leased.machines.clone(), leased.row.id.clone());
+        let entries = self
+            .under_lease(leased, async move {
+                let (path, _) = upload.finish().await?;
+                machines.volume_call(&id, VolumeCall::Stat { path }).await
+            })
+            .await?;
+        entries
+            .first()
+            .map(to_volume_file)
+            .ok_or_else(|| CoreError::internal("a written file was not described"))
+    }
+
+    pub(crate) async fn volume_file_download(
+        &self,
+        caller: &Caller,
+        volume: &str,
+        path: &str,
+    ) -> Result<FileDownload> {
+        let slot = self.transfer_slot(caller).await?;
+        let leased = self.lease_files(caller, volume, false).await?;
+        let (machines, id, path) = (
+            leased.machines.clone(),
+            leased.row.id.clone(),
+            path.to_string(),
+        );
+        // Copied whole on the node under the lease; sent after it.
+        let mut download = self
+            .under_lease(
+                leased,
+                async move { machines.volume_download(&id, &path).await },
+            )
+            .await?;
+        let (tx, chunks) = mpsc::channel(4);
+        let (path, size) = (download.path().to_string(), download.size());
+        tokio::spawn(async move {
+            let _slot = slot;
+            loop {
+                let piece = match download.next_chunk().await {
+                    Ok(Some(piece)) => Ok(piece),
+                    Ok(None) => break,
+                    Err(e) => Err(runtime_error(e)),
+                };
+                let last = piece.is_err();
+                if tx.send(piece).await.is_err() || last {
+                    break;
+                }
+            }
+        });
+        Ok(FileDownload { path, size, chunks })
+    }
+}
