@@ -45,10 +45,14 @@ pub fn wants_raw(headers: &HeaderMap) -> bool {
         .any(|m| media_type(m).eq_ignore_ascii_case(OCTET_STREAM))
 }
 
-/// A request whose body is streamed to a guest, not held: the body budget
-/// leaves it alone.
+/// A request whose body is streamed to a guest or a volume, not held: the
+/// body budget leaves it alone (a sandbox's or a volume's raw upload, and
+/// E2B's volume upload, whose body is always the file).
 pub fn streams_body(req: &Request) -> bool {
-    req.method() == Method::PUT && req.uri().path().ends_with("/files") && sends_raw(req.headers())
+    let path = req.uri().path();
+    req.method() == Method::PUT
+        && ((path.ends_with("/files") && sends_raw(req.headers()))
+            || (path.contains("/volumecontent/") && path.ends_with("/file")))
 }
 
 /// A request body as an upload's source.

@@ -764,6 +764,18 @@ pub trait Volumes: Send + Sync {
     ) -> Result<FileDownload> {
         Err(no_volumes())
     }
+    /// A token that opens this volume's files alone, without the
+    /// account's key (E2B's volume token): good until the volume is
+    /// deleted, or the operator's secrets key changes.
+    async fn volume_token(&self, _caller: &Caller, _volume: &str) -> Result<String> {
+        Err(no_volumes())
+    }
+    /// The account that volume `volume_id`'s `token` was made for
+    /// ([`Volumes::volume_token`]): unauthorized for any other token, a
+    /// deleted volume's included.
+    async fn authenticate_volume(&self, _volume_id: &str, _token: &str) -> Result<Caller> {
+        Err(no_volumes())
+    }
     /// Deletes a volume and what it holds: what it was. Refused (conflict)
     /// while a live sandbox mounts it.
     async fn delete_volume(&self, _caller: &Caller, _volume: &str) -> Result<Volume> {

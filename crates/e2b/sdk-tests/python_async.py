@@ -6,7 +6,7 @@ Run by crates/cli/tests/e2e/e2b.rs like python_sync.py. Prints one
 import asyncio
 import time
 
-from e2b import AsyncSandbox, CommandExitException, NotFoundException
+from e2b import AsyncSandbox, AsyncVolume, CommandExitException, NotFoundException
 
 
 def ok(what):
@@ -100,6 +100,76 @@ async def main():
     except NotFoundException:
         pass
     ok("kill")
+
+    await volumes()
+
+
+async def volumes():
+    """E2B's volumes: made, filled and read without a sandbox (the volume
+    content API, by the volume's own token), then mounted in a sandbox
+    that sees and changes the files, then destroyed."""
+    vol = await AsyncVolume.create("py-async-data")
+    assert vol.name == "py-async-data" and vol.volume_id.startswith("vol_"), vol
+    assert any(v.volume_id == vol.volume_id for v in await AsyncVolume.list())
+    again = await AsyncVolume.connect(vol.volume_id)
+    assert again.volume_id == vol.volume_id
+    ok("Volume.create, list, connect")
+
+    blob = bytes(range(256)) * 4096  # 1 MiB, every byte value
+    entry = await vol.write_file("/models/weights.bin", blob)
+    assert entry.size == len(blob) and entry.type.value == "file", entry
+    await vol.write_file("/notes.txt", "first")
+    try:
+        await vol.write_file("/notes.txt", "second")
+        raise AssertionError("an existing file was overwritten unasked")
+    except Exception as e:
+        assert "exists" in str(e), e
+    await vol.write_file("/notes.txt", "second", force=True)
+    assert await vol.read_file("/notes.txt") == "second"
+    assert await vol.read_file("/models/weights.bin", format="bytes") == blob
+    ok("write_file, read_file (bytes and text), force to overwrite")
+
+    made = await vol.make_dir("/a/b/c", force=True)
+    assert made.type.value == "directory", made
+    listed = await vol.list("/", depth=3)
+    paths = sorted(e.path for e in listed)
+    for want in ["/a", "/a/b", "/a/b/c", "/models", "/models/weights.bin", "/notes.txt"]:
+        assert want in paths, paths
+    assert await vol.exists("/a/b/c") and not await vol.exists("/nothing")
+    info = await vol.get_info("/notes.txt")
+    assert info.size == 6 and info.uid == 1000, info
+    changed = await vol.update_metadata("/notes.txt", mode=0o600)
+    assert changed.mode & 0o777 == 0o600, changed
+    await vol.remove("/a")
+    assert not await vol.exists("/a/b")
+    ok("make_dir, list with depth, exists, get_info, update_metadata, remove")
+
+    sbx = await AsyncSandbox.create(timeout=120, volume_mounts={"/data": vol})
+    try:
+        seen = await sbx.commands.run("sha256sum /data/models/weights.bin && cat /data/notes.txt && id -u")
+        import hashlib
+        assert hashlib.sha256(blob).hexdigest() in seen.stdout, seen.stdout
+        assert "second" in seen.stdout, seen.stdout
+        await sbx.commands.run("echo from-the-sandbox > /data/made-inside.txt")
+        # Mounted read-write by a sandbox: the content API waits its turn.
+        try:
+            await vol.read_file("/notes.txt")
+            raise AssertionError("a volume held read-write was read from its file")
+        except Exception as e:
+            assert "mounted read-write" in str(e), e
+    finally:
+        assert await sbx.kill() is True
+    assert (await vol.read_file("/made-inside.txt")).strip() == "from-the-sandbox"
+    ok("volume_mounts: the sandbox sees the files; what it wrote is read after it ends")
+
+    assert await AsyncVolume.destroy(vol.volume_id) is True
+    assert await AsyncVolume.destroy(vol.volume_id) is False
+    try:
+        await vol.read_file("/notes.txt")
+        raise AssertionError("a destroyed volume's file was read")
+    except Exception:
+        pass
+    ok("Volume.destroy")
 
 
 asyncio.run(main())

@@ -50,6 +50,7 @@ pub fn control_plane(e2b: E2b) -> Router {
         .route("/templates/{id}", axum::routing::delete(delete_snapshot))
         .merge(crate::templates::routes())
         .merge(crate::secrets::routes())
+        .merge(crate::volumes::routes())
         .fallback(not_built)
         .with_state(e2b)
 }
@@ -166,6 +167,17 @@ async fn create(
     // E2B's default life is 300 s.
     req.timeout_minutes = Some(minutes(body.timeout.unwrap_or(300)));
     req.metadata = body.metadata.unwrap_or_default();
+    // E2B's mounts are read-write, by the volume's name.
+    req.volumes = body
+        .volume_mounts
+        .unwrap_or_default()
+        .into_iter()
+        .map(|m| sandpit_core::VolumeMount {
+            volume: m.name,
+            path: m.path,
+            read_only: false,
+        })
+        .collect();
     req.env = body.env_vars.unwrap_or_default();
     // `get_host(port)` names any port: E2B's sandboxes need no expose.
     req.every_port_public = true;
@@ -209,9 +221,6 @@ fn refuse_unsupported(body: &NewSandbox) -> Result<(), HttpError> {
     }
     if body.mcp.as_ref().is_some_and(|m| !m.is_null()) {
         return refuse("the MCP gateway (mcp=…)");
-    }
-    if body.volume_mounts.as_ref().is_some_and(|v| !v.is_empty()) {
-        return refuse("volumes");
     }
     Ok(())
 }

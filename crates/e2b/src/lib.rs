@@ -26,6 +26,7 @@ mod envd;
 mod error;
 mod secrets;
 mod templates;
+mod volumes;
 mod wire;
 
 use axum::http::{HeaderMap, Uri};

@@ -23,7 +23,15 @@ pub struct NewSandbox {
     pub auto_pause: Option<bool>,
     pub network: Option<Network>,
     pub mcp: Option<serde_json::Value>,
-    pub volume_mounts: Option<Vec<serde_json::Value>>,
+    pub volume_mounts: Option<Vec<VolumeMount>>,
+}
+
+/// A create's `volumeMounts` entry (`SandboxVolumeMount`): the account's
+/// volume `name` mounted read-write at `path`.
+#[derive(Debug, Deserialize)]
+pub struct VolumeMount {
+    pub name: String,
+    pub path: String,
 }
 
 /// `network` of a create (E2B's `SandboxNetworkConfig`). Sandpit serves

@@ -76,6 +76,7 @@ pub(crate) fn run_sdk_with(
         .env("PATH", std::env::var_os("PATH").unwrap_or_default())
         .env("E2B_API_URL", format!("{}/e2b", server.url))
         .env("E2B_SANDBOX_URL", &server.url)
+        .env("E2B_VOLUME_API_URL", format!("{}/e2b", server.url))
         .env("E2B_API_KEY", &e2b_key)
         .env("SANDPIT_REVOKED_KEY", revoked)
         .env(
@@ -249,6 +250,11 @@ fn the_python_and_javascript_sdks_drive_sandboxes_unchanged() {
         "files",
         "get_info, is_running",
         "kill",
+        "Volume.create, list, connect",
+        "write_file, read_file (bytes and text), force to overwrite",
+        "make_dir, list with depth, exists, get_info, update_metadata, remove",
+        "volume_mounts: the sandbox sees the files; what it wrote is read after it ends",
+        "Volume.destroy",
     ];
     checked("python_async.py", &done, &async_checks);
 }

@@ -310,5 +310,188 @@ fn a_volume_keeps_what_sandboxes_wrote_through_destroys_and_kills() {
             .await;
         assert_eq!(st, 200, "{gone}");
         assert!(!data.join("volumes").join(format!("{volume}.img")).exists());
+
+        files_without_a_sandbox(&api, &other).await;
     });
+}
+
+/// A raw PUT of `bytes` to a volume's `path` (query), and its answer.
+async fn put_raw(api: &Rest, volume: &str, query: &str, bytes: Vec<u8>) -> (u16, Value) {
+    let resp = api
+        .http
+        .put(format!("{}/v1/volumes/{volume}/files?{query}", api.url))
+        .bearer_auth(&api.key)
+        .header("content-type", "application/octet-stream")
+        .body(bytes)
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    (status, resp.json().await.unwrap_or(Value::Null))
+}
+
+/// A volume file's bytes (status, body) as a client downloads them.
+async fn get_raw(api: &Rest, volume: &str, path: &str) -> (u16, Vec<u8>) {
+    let resp = api
+        .http
+        .get(format!("{}/v1/volumes/{volume}/files", api.url))
+        .query(&[("path", path)])
+        .bearer_auth(&api.key)
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    (status, resp.bytes().await.unwrap().to_vec())
+}
+
+/// The content API's round trip without a sandbox: a binary file written
+/// over REST is what a sandbox mounting the volume reads, as its user's;
+/// what a sandbox wrote and never synced (still in the journal when its
+/// VM stopped) is read over REST once it is destroyed, a directory of
+/// 12,000 long names included; while a sandbox writes the volume its files
+/// are refused, naming it; a reader leaves them readable, not writable.
+async fn files_without_a_sandbox(api: &Rest, other: &Rest) {
+    let (st, made) = api
+        .post("/volumes", json!({"name": "files", "size_gb": 1}))
+        .await;
+    assert_eq!(st, 201, "{made}");
+    let blob: Vec<u8> = (0..3_000_000u32)
+        .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+        .collect();
+    let (st, put) = put_raw(api, "files", "path=/in/blob.bin", blob.clone()).await;
+    assert_eq!(st, 201, "{put}");
+    assert_eq!(
+        (
+            put["type"].as_str(),
+            put["size"].as_u64(),
+            put["uid"].as_u64()
+        ),
+        (Some("file"), Some(3_000_000), Some(1000)),
+        "{put}"
+    );
+    let (st, back) = get_raw(api, "files", "/in/blob.bin").await;
+    assert_eq!(st, 200);
+    assert!(back == blob, "the file read back differs");
+    let (st, listed) = api.get("/volumes/files/files?list=true&depth=2").await;
+    assert_eq!(st, 200, "{listed}");
+    let paths: Vec<&str> = listed["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["path"].as_str().unwrap())
+        .collect();
+    assert!(
+        paths.contains(&"/in/blob.bin") && paths.contains(&"/in"),
+        "{listed}"
+    );
+    // Another account: no such volume.
+    let (st, _) = other
+        .get("/volumes/files/files?path=/in/blob.bin&stat=true")
+        .await;
+    assert_eq!(st, 404);
+
+    // A sandbox mounting it reads the file as its user's; it writes a
+    // file and 12,000 long names, never synced.
+    let w = sandbox_with(api, &[("files", "/data", false)]).await;
+    let sum = {
+        use sha2::Digest;
+        hex::encode(sha2::Sha256::digest(&blob))
+    };
+    assert_eq!(
+        sh(
+            api,
+            &w,
+            "stat -c %U /data/in/blob.bin; sha256sum < /data/in/blob.bin | cut -d' ' -f1"
+        )
+        .await,
+        format!("user\n{sum}")
+    );
+    let long = "n".repeat(200);
+    sh(
+        api,
+        &w,
+        &format!(
+            "mkdir /data/many && cd /data/many && seq -w 1 12000 | sed 's/^/{long}-/' | xargs touch \
+             && echo written-in-the-guest > /data/guest.txt && ls /data/many | wc -l"
+        ),
+    )
+    .await;
+    // Held read-write: the files are refused, naming the sandbox.
+    let (st, refused) = api
+        .get("/volumes/files/files?path=/guest.txt&stat=true")
+        .await;
+    assert_eq!(st, 409, "{refused}");
+    assert!(refused.to_string().contains(&w), "{refused}");
+    let (st, refused) = put_raw(api, "files", "path=/x", b"x".to_vec()).await;
+    assert_eq!(st, 409, "{refused}");
+    destroy(api, &w).await;
+
+    // Destroyed: what it wrote is read from the volume's file.
+    let (st, text) = get_raw(api, "files", "/guest.txt").await;
+    assert_eq!(
+        (st, String::from_utf8_lossy(&text).as_ref()),
+        (200, "written-in-the-guest\n")
+    );
+    let (st, many) = api.get("/volumes/files/files?list=true&path=/many").await;
+    assert_eq!(st, 200);
+    let many = many["data"].as_array().unwrap();
+    assert_eq!(many.len(), 12_000);
+    assert!(many
+        .iter()
+        .all(|e| e["name"].as_str().unwrap().len() == 206 && e["uid"] == 1000));
+
+    // A reader: reads go on, changes are refused.
+    let r = sandbox_with(api, &[("files", "/ro", true)]).await;
+    let (st, _) = get_raw(api, "files", "/guest.txt").await;
+    assert_eq!(st, 200);
+    let (st, refused) = api
+        .call(
+            reqwest::Method::DELETE,
+            "/volumes/files/files?path=/many",
+            None,
+        )
+        .await;
+    assert_eq!(st, 409, "{refused}");
+    destroy(api, &r).await;
+    // Free again: a directory made, a mode changed, a tree removed.
+    let (st, dir) = api
+        .post(
+            "/volumes/files/files?path=/a/b&parents=true&mode=0700",
+            json!(null),
+        )
+        .await;
+    assert_eq!((st, dir["mode"].as_u64()), (201, Some(0o700)), "{dir}");
+    let (st, changed) = api
+        .call(
+            reqwest::Method::PATCH,
+            "/volumes/files/files?path=/guest.txt",
+            Some(json!({"mode": 0o600})),
+        )
+        .await;
+    assert_eq!(
+        (st, changed["mode"].as_u64()),
+        (200, Some(0o600)),
+        "{changed}"
+    );
+    let (st, gone) = api
+        .call(
+            reqwest::Method::DELETE,
+            "/volumes/files/files?path=/many",
+            None,
+        )
+        .await;
+    assert_eq!(st, 200, "{gone}");
+    let (st, _) = api.get("/volumes/files/files?path=/many&stat=true").await;
+    assert_eq!(st, 404);
+    // And a sandbox sees it so.
+    let last = sandbox_with(api, &[("files", "/data", false)]).await;
+    assert_eq!(
+        sh(api, &last, "ls /data; stat -c %a /data/guest.txt /data/a/b").await,
+        "a\nguest.txt\nin\nlost+found\n600\n700"
+    );
+    destroy(api, &last).await;
+    let (st, _) = api
+        .call(reqwest::Method::DELETE, "/volumes/files", None)
+        .await;
+    assert_eq!(st, 200);
 }

@@ -29,6 +29,24 @@ use tokio::sync::mpsc;
 /// call (10 minutes), so that it never lapses while the node works.
 const LEASE_BOUND: time::Duration = time::Duration::minutes(15);
 
+/// What starts a volume token.
+const TOKEN_PREFIX: &str = "svt1";
+
+/// Volume `volume_id`'s token for account `account_id`: both named, then
+/// their signature under the operator's key, `.`-separated (ids hold no
+/// `.`).
+fn volume_token_of(
+    key: &crate::secrets_key::SecretsKey,
+    account_id: &str,
+    volume_id: &str,
+) -> String {
+    let signed = key.sign(format!("volume-token\0{account_id}\0{volume_id}").as_bytes());
+    format!(
+        "{TOKEN_PREFIX}.{account_id}.{volume_id}.{}",
+        hex::encode(signed)
+    )
+}
+
 /// A path in a volume as the API shows it.
 pub(crate) fn to_volume_file(e: &VolumeEntry) -> VolumeFile {
     let ts = |t: time::OffsetDateTime| {
@@ -127,7 +145,36 @@ impl Service {
 
 /// The API's calls ([`Volumes`] implemented for the service in
 /// `volumes.rs` calls these).
+///
+/// [`Volumes`]: crate::api::Volumes
 impl Service {
+    pub(crate) async fn volume_token_for(&self, caller: &Caller, volume: &str) -> Result<String> {
+        let row = self.find_volume(caller, volume).await?;
+        Ok(volume_token_of(
+            &self.config.secrets_key,
+            &caller.account_id,
+            &row.id,
+        ))
+    }
+
+    pub(crate) async fn volume_token_caller(&self, volume_id: &str, token: &str) -> Result<Caller> {
+        let account_id = token
+            .split('.')
+            .nth(1)
+            .filter(|a| !a.is_empty())
+            .ok_or_else(CoreError::unauthorized)?;
+        let expected = volume_token_of(&self.config.secrets_key, account_id, volume_id);
+        if !crate::metrics::token_matches(&expected, token) {
+            return Err(CoreError::unauthorized());
+        }
+        match self.store.volume(account_id, volume_id).await? {
+            Some(v) if v.status != sandpit_store::VolumeStatus::Deleted => Ok(Caller {
+                account_id: account_id.to_string(),
+            }),
+            _ => Err(CoreError::unauthorized()),
+        }
+    }
+
     pub(crate) async fn volume_files_call(
         &self,
         caller: &Caller,

@@ -414,6 +414,14 @@ impl Volumes for Service {
             .await
     }
 
+    async fn volume_token(&self, caller: &Caller, volume: &str) -> Result<String> {
+        self.volume_token_for(caller, volume).await
+    }
+
+    async fn authenticate_volume(&self, volume_id: &str, token: &str) -> Result<Caller> {
+        self.volume_token_caller(volume_id, token).await
+    }
+
     async fn download_volume_file(
         &self,
         caller: &Caller,

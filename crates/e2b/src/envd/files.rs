@@ -331,7 +331,10 @@ async fn drain(mut body: axum::body::BodyDataStream) {
 
 /// The whole body, when it is at most `limit` bytes; `None` past it (what
 /// is left of it drained).
-async fn held_whole(body: axum::body::Body, limit: usize) -> Result<Option<Vec<u8>>, HttpError> {
+pub(crate) async fn held_whole(
+    body: axum::body::Body,
+    limit: usize,
+) -> Result<Option<Vec<u8>>, HttpError> {
     use futures::StreamExt;
     let (mut stream, mut out) = (body.into_data_stream(), Vec::new());
     while let Some(chunk) = stream.next().await {
@@ -414,7 +417,7 @@ impl std::io::Write for Bounded {
 }
 
 /// Bytes already held, as an upload's source.
-struct Whole(Option<Vec<u8>>);
+pub(crate) struct Whole(pub(crate) Option<Vec<u8>>);
 
 #[async_trait::async_trait]
 impl ByteSource for Whole {

@@ -10,6 +10,7 @@ mod filesystem;
 mod process;
 mod watch;
 
+pub(crate) use files::{held_whole, Whole};
 pub use watch::Watchers;
 
 use crate::error::{HttpError, RpcError};
