@@ -221,6 +221,7 @@ fn a_volume_keeps_what_sandboxes_wrote_through_destroys_and_kills() {
     server.sigkill();
     let server = Server::start_with(&data, CONFIG);
     let api = Rest::new(&server, &key);
+    let other = Rest::new(&server, &other_key);
     runtime.block_on(async {
         let (_, listed) = api.get("/sandboxes").await;
         let c = listed["data"]
