@@ -30,7 +30,7 @@ use sandpit_core::{
     Sandbox, Secret, ServiceInfo, SignedUrl, Snapshot, Template, TerminalToken, Usage, Volume,
     WriteFile,
 };
-use sandpit_core::{VolumeFile, VolumeFileMeta};
+use sandpit_core::{MoveVolume, VolumeFile, VolumeFileMeta};
 use schemars::generate::{Contract, SchemaGenerator, SchemaSettings};
 use schemars::JsonSchema;
 use serde_json::{json, Map, Value};
@@ -781,8 +781,24 @@ fn table() -> Table {
                 live sandbox mounts it, saying which.",
             params: vec![volume_param()],
             body: None,
-            responses: vec![("200", "The deleted volume.", volume_resp)],
+            responses: vec![("200", "The deleted volume.", volume_resp.clone())],
             errors: Errors { not_found: true, conflict: true, ..AUTH },
+        },
+        Op {
+            method: "post",
+            path: "/v1/volumes/{volume}/move",
+            handler: post(server::move_volume),
+            id: "moveVolume",
+            summary: "Move a volume to another node",
+            description: "In a cluster, copies the volume's file to node `node` (streamed, holes \
+                left out), then keeps it there: sandboxes that mount it run on that node from \
+                then on. Refused (409, naming them) while a live sandbox mounts it; meanwhile no \
+                sandbox takes it. A node that is not live is 503. A copy that fails leaves the \
+                volume where it was, whole.",
+            params: vec![volume_param()],
+            body: Some(json_content(req.subschema_for::<MoveVolume>().to_value())),
+            responses: vec![("200", "The volume, on its new node.", volume_resp)],
+            errors: Errors { body: true, not_found: true, conflict: true, ..AUTH },
         },
         Op {
             method: "get",

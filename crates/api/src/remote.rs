@@ -665,6 +665,15 @@ impl Volumes for RemoteApi {
         let r = self.request(caller, Method::DELETE, self.url(&["volumes", volume]))?;
         self.call(r).await
     }
+
+    async fn move_volume(&self, caller: &Caller, volume: &str, node: &str) -> Result<Volume> {
+        let r = self
+            .request(caller, Method::POST, self.url(&["volumes", volume, "move"]))?
+            .json(&sandpit_core::MoveVolume {
+                node: node.to_string(),
+            });
+        self.call(r).await
+    }
 }
 
 /// Read the event stream into `tx` until the last event, the receiver's

@@ -17,7 +17,9 @@ use sandpit_core::{
     ListExecutions, ListSandboxes, ListSnapshots, NetworkLists, PutSecret, ResizeVolume,
     RestoreSandbox, WriteFile,
 };
-use sandpit_core::{FileDeleted, List, VolumeCall, VolumeFile, VolumeFileMeta, VolumeOwnership};
+use sandpit_core::{
+    FileDeleted, List, MoveVolume, VolumeCall, VolumeFile, VolumeFileMeta, VolumeOwnership,
+};
 use serde::Serialize;
 
 #[cfg(doc)]
@@ -253,6 +255,15 @@ pub(crate) async fn delete_volume(
     Path(volume): Path<String>,
 ) -> ApiResult {
     ok(st.api.delete_volume(&c, &volume).await?)
+}
+
+pub(crate) async fn move_volume(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(volume): Path<String>,
+    JsonBody(body): JsonBody<MoveVolume>,
+) -> ApiResult {
+    ok(st.api.move_volume(&c, &volume, &body.node).await?)
 }
 
 /// `mode` as a query gives it: decimal, or octal with a leading 0.

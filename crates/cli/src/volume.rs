@@ -1,5 +1,6 @@
 //! `sandpit volume`: an account's volumes on a server (--url,
-//! SANDPIT_API_KEY): make one, list them, grow one, delete some. A thin
+//! SANDPIT_API_KEY): make one, list them, grow one, move one to another
+//! node, delete some. A thin
 //! client of `/v1/volumes`: every check is the server's.
 
 use crate::sandbox::{api_error, server, ServerArgs};
@@ -37,6 +38,19 @@ pub enum VolumeCommand {
         name: String,
         #[arg(long)]
         size_gb: u32,
+        #[command(flatten)]
+        server: ServerArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Move volume NAME (or id) to cluster node --to: its file copied
+    /// there (streamed), then its sandboxes run there; not while a sandbox
+    /// mounts it
+    Move {
+        name: String,
+        /// The node that is to keep it
+        #[arg(long)]
+        to: String,
         #[command(flatten)]
         server: ServerArgs,
         #[arg(long)]
@@ -89,6 +103,19 @@ pub async fn run(cmd: VolumeCommand) -> Result<i32> {
             let (api, caller) = server(&s).await?;
             let volume = api
                 .resize_volume(&caller, &name, ResizeVolume { size_gb })
+                .await
+                .map_err(api_error)?;
+            print_volume(&volume, json)
+        }
+        VolumeCommand::Move {
+            name,
+            to,
+            server: s,
+            json,
+        } => {
+            let (api, caller) = server(&s).await?;
+            let volume = api
+                .move_volume(&caller, &name, &to)
                 .await
                 .map_err(api_error)?;
             print_volume(&volume, json)

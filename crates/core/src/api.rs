@@ -764,6 +764,12 @@ pub trait Volumes: Send + Sync {
     ) -> Result<FileDownload> {
         Err(no_volumes())
     }
+    /// Moves a volume's file to cluster node `node` (`sandpit volume
+    /// move`): a streamed copy, while no sandbox mounts it (conflict
+    /// otherwise), after which its sandboxes run there. What it is now.
+    async fn move_volume(&self, _caller: &Caller, _volume: &str, _node: &str) -> Result<Volume> {
+        Err(no_volumes())
+    }
     /// A token that opens this volume's files alone, without the
     /// account's key (E2B's volume token): good until the volume is
     /// deleted, or the operator's secrets key changes.

@@ -334,6 +334,14 @@ pub struct CreateVolume {
     pub size_gb: Option<u32>,
 }
 
+/// `POST /v1/volumes/{volume}/move` body: where the volume goes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct MoveVolume {
+    /// The cluster node (its name) that is to keep the volume.
+    pub node: String,
+}
+
 /// `PATCH /v1/volumes/{volume}` body: a volume grown.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]

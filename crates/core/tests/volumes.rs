@@ -434,7 +434,7 @@ async fn a_volume_whose_making_or_growing_was_lost_is_settled_by_the_sweep() {
 }
 
 #[tokio::test]
-async fn a_deleted_volumes_file_left_behind_is_removed_and_a_stranger_kept() {
+async fn a_deleted_or_moved_volumes_file_left_behind_is_removed_and_a_stranger_kept() {
     let dir = tempfile::tempdir().unwrap();
     let svc = service(dir.path(), |_| {}).await;
     let ann = account(&svc, "ann").await;
@@ -451,16 +451,34 @@ async fn a_deleted_volumes_file_left_behind_is_removed_and_a_stranger_kept() {
     let kept = make(&svc, &ann, create("kept", Some(1))).await.unwrap();
     // A make lost mid-way, long ago.
     std::fs::write(dir.path().join("volumes/vol_lost.img.making"), b"").unwrap();
+    // A volume moved to another node whose old copy here stayed (the node
+    // was out of reach when the move removed it).
+    let moved = sandpit_store::NewVolume {
+        id: "vol_movedmovedmovedmovedmo".into(),
+        account_id: ann.account_id.clone(),
+        name: "moved".into(),
+        size_bytes: GIB,
+        host: "elsewhere".into(),
+        max_count: 20,
+        max_bytes: 100 * GIB,
+        idempotency: None,
+    };
+    svc.store().create_volume(&moved).await.unwrap();
+    svc.store().volume_ready(&moved.id, GIB).await.unwrap();
+    files.create(&moved.id, 64 << 20).await.unwrap();
 
     let after = sandpit_core::service::VOLUME_STUCK_AFTER;
     svc.sweep_volume_files(after).await.unwrap();
     assert!(!file(dir.path(), &gone.id).exists());
     assert!(file(dir.path(), "vol_strangerstrangerstrang").exists());
     assert!(file(dir.path(), &kept.id).exists());
-    // Recent: the make may still be under way.
+    // Recent: the make may still be under way, the copy may be one just
+    // received.
     assert!(dir.path().join("volumes/vol_lost.img.making").exists());
+    assert!(file(dir.path(), &moved.id).exists());
     svc.sweep_volume_files(time::Duration::ZERO).await.unwrap();
     assert!(!dir.path().join("volumes/vol_lost.img.making").exists());
+    assert!(!file(dir.path(), &moved.id).exists());
     assert!(file(dir.path(), &kept.id).exists());
 }
 

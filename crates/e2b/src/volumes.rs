@@ -23,7 +23,6 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, put};
 use axum::{Json, Router};
-use sandpit_core::api::ByteSource;
 use sandpit_core::{Caller, CreateVolume, ErrorType, VolumeCall, VolumeFile, VolumeOwnership};
 use serde::{Deserialize, Serialize};
 
@@ -351,31 +350,7 @@ async fn upload(
     Query(q): Query<PathQuery>,
     req: Request,
 ) -> ContentAnswer {
-    let length = req
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    let body = req.into_body();
-    let (size, source): (u64, Box<dyn ByteSource>) = match length {
-        Some(size) => (size, Box::new(sandpit_api::raw::RequestBody::new(body))),
-        None => {
-            let limit = e2b.max_body_bytes;
-            let bytes = crate::envd::held_whole(body, limit).await?.ok_or_else(|| {
-                HttpError::new(
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    format!(
-                        "an upload without Content-Length is held in memory, up to {limit} bytes \
-                         (the server's max_body_bytes): send its length to stream a larger file"
-                    ),
-                )
-            })?;
-            (
-                bytes.len() as u64,
-                Box::new(crate::envd::Whole(Some(bytes))),
-            )
-        }
-    };
+    let (size, source) = crate::envd::raw_upload(req, e2b.max_body_bytes).await?;
     let made = e2b
         .api
         .upload_volume_file(

@@ -222,6 +222,21 @@ pub trait Machines: Send + Sync {
         Err(keeps_no_volumes())
     }
 
+    /// Sends volume `id`'s file whole (its holes left out) to be received
+    /// by [`Machines::receive_volume`] on another node: `sandpit volume
+    /// move`. No VM may hold it, nor may anything change it meanwhile (the
+    /// caller's lease).
+    async fn send_volume(&self, _id: &str) -> VmResult<Box<dyn Download>> {
+        Err(keeps_no_volumes())
+    }
+
+    /// Receives volume `id`'s file, a stream of `size` bytes another
+    /// node's [`Machines::send_volume`] made; [`Upload::finish`] puts it
+    /// in place. Dropped before, nothing is left.
+    async fn receive_volume(&self, _id: &str, _size: u64) -> VmResult<Box<dyn Upload>> {
+        Err(keeps_no_volumes())
+    }
+
     /// Kills the VM and removes its files (one already gone is fine), its
     /// volumes synced first (the guest's cache, then the host's): what
     /// the guest wrote to them is in their files when this returns.

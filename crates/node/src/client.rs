@@ -500,6 +500,20 @@ impl Machines for RemoteNode {
         self.upload_to(&format!("volumes/{id}/upload"), &head).await
     }
 
+    async fn send_volume(&self, id: &str) -> VmResult<Box<dyn Download>> {
+        self.download_from(&format!("volumes/{id}/send"), &Nothing {})
+            .await
+    }
+
+    async fn receive_volume(&self, id: &str, size: u64) -> VmResult<Box<dyn Upload>> {
+        let head = wire::FileArgs {
+            size,
+            ..Default::default()
+        };
+        self.upload_to(&format!("volumes/{id}/receive"), &head)
+            .await
+    }
+
     async fn volume_download(&self, id: &str, path: &str) -> VmResult<Box<dyn Download>> {
         let args = wire::FileArgs {
             path: path.to_string(),

@@ -269,6 +269,17 @@ async fn handle(state: Arc<dyn NodeState>, req: Request<Incoming>) -> Response<B
                 Err(r) => r,
             }
         }
+        (&hyper::Method::POST, ["node", "v1", "volumes", id, "send"]) => {
+            send_from(vms.send_volume(id).await)
+        }
+        // A volume another node sends (`sandpit volume move`): the caller
+        // relays it.
+        (&hyper::Method::POST, ["node", "v1", "volumes", id, "receive"]) => {
+            match body.json::<wire::FileArgs>().await {
+                Ok(a) => receive_into(vms.receive_volume(id, a.size).await, a.size, body).await,
+                Err(r) => r,
+            }
+        }
         (&hyper::Method::POST, ["node", "v1", "volumes", id, "download"]) => {
             match body.json::<wire::FileArgs>().await {
                 Ok(a) => send_from(vms.volume_download(id, &a.path).await),

@@ -32,6 +32,7 @@ pub mod save;
 pub mod vm;
 pub mod volume_content;
 pub mod volume_files;
+pub mod volume_transfer;
 
 pub use channel::terminal::{Pty, PtyControl, PtySize};
 pub use channel::tunnel::{PtyExit, TunnelCloser, TunnelStream};

@@ -696,6 +696,45 @@ impl Store {
         Ok(VolumeLeased::Leased(volume))
     }
 
+    /// Moves lease `lease_id` on to `until` (a long call renews its lease
+    /// as it goes, so that one of a lost process lapses soon). False when
+    /// it lapsed or ended already.
+    pub async fn renew_volume_lease(&self, lease_id: &str, until: OffsetDateTime) -> Result<bool> {
+        let done = sqlx::query("UPDATE volume_leases SET until = $2 WHERE id = $1 AND until > $3")
+            .bind(lease_id)
+            .bind(format_ts(until))
+            .bind(format_ts(now()))
+            .execute(&self.pool)
+            .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    /// Records that volume `id`'s file is on node `to` now, not `from`
+    /// (`sandpit volume move`), while lease `lease_id` is live: false (and
+    /// nothing changed) otherwise, or if the volume is not `ready` on
+    /// `from` any more.
+    pub async fn move_volume(
+        &self,
+        id: &str,
+        from: &str,
+        to: &str,
+        lease_id: &str,
+    ) -> Result<bool> {
+        let done = sqlx::query(
+            "UPDATE volumes SET host = $3, changed_at = $5 WHERE id = $1 AND host = $2 \
+             AND status = 'ready' AND EXISTS (SELECT 1 FROM volume_leases \
+             WHERE id = $4 AND volume_id = $1 AND until > $5)",
+        )
+        .bind(id)
+        .bind(from)
+        .bind(to)
+        .bind(lease_id)
+        .bind(format_ts(now()))
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
     /// Ends lease `lease_id` (one lapsed or ended already is fine).
     pub async fn end_volume_lease(&self, lease_id: &str) -> Result<()> {
         sqlx::query("DELETE FROM volume_leases WHERE id = $1")

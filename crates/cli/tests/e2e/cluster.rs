@@ -1253,10 +1253,56 @@ fn a_template_built_on_one_node_starts_on_another_which_fetches_it_first() {
             .contains("node c"),
         "{refused}"
     );
-    for path in [format!("/sandboxes/{writer}"), format!("/volumes/{volume}")] {
-        let (st, gone) = rt.block_on(api.call(reqwest::Method::DELETE, &path, None));
-        assert_eq!(st, 200, "{path}: {gone}");
-    }
+    let (st, gone) = rt.block_on(api.call(
+        reqwest::Method::DELETE,
+        &format!("/sandboxes/{writer}"),
+        None,
+    ));
+    assert_eq!(st, 200, "{gone}");
+    // Its files without a sandbox: served by c, reached from a through
+    // the node API.
+    let read_where = || {
+        rt.block_on(async {
+            let resp = api
+                .http
+                .get(format!("{}/v1/volumes/shared/files", api.url))
+                .query(&[("path", "/where")])
+                .bearer_auth(&api.key)
+                .send()
+                .await
+                .unwrap();
+            (resp.status().as_u16(), resp.text().await.unwrap())
+        })
+    };
+    assert_eq!(read_where(), (200, "on-c\n".to_string()));
+    // Moved to b (`sandpit volume move`): streamed there and kept there,
+    // gone from c, what it holds with it.
+    let (st, moved) =
+        rt.block_on(api.post(&format!("/volumes/{volume}/move"), json!({"node": "b"})));
+    assert_eq!(st, 200, "{moved}");
+    assert_eq!(
+        rt.block_on(db.volume_by_id(&volume)).unwrap().unwrap().host,
+        "b"
+    );
+    assert!(data_b
+        .join("volumes")
+        .join(format!("{volume}.img"))
+        .is_file());
+    assert!(!data_c
+        .join("volumes")
+        .join(format!("{volume}.img"))
+        .exists());
+    assert_eq!(read_where(), (200, "on-c\n".to_string()));
+    let (st, refused) =
+        rt.block_on(api.post(&format!("/volumes/{volume}/move"), json!({"node": "b"})));
+    assert_eq!(st, 400, "{refused}");
+    let (st, gone) =
+        rt.block_on(api.call(reqwest::Method::DELETE, &format!("/volumes/{volume}"), None));
+    assert_eq!(st, 200, "{gone}");
+    assert!(!data_b
+        .join("volumes")
+        .join(format!("{volume}.img"))
+        .exists());
 
     // b dies: its template's sandboxes still start, on c, from the copy.
     b.sigkill();

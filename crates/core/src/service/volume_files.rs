@@ -280,3 +280,127 @@ impl Service {
         Ok(FileDownload { path, size, chunks })
     }
 }
+
+/// How long a move's lease lasts unless renewed, and how often it is.
+const MOVE_LEASE: time::Duration = time::Duration::minutes(2);
+const MOVE_RENEW: std::time::Duration = std::time::Duration::from_secs(30);
+
+impl Service {
+    /// The API's `move_volume`: the volume's file streamed from its node to
+    /// `node` under a lease (no sandbox takes it meanwhile, and none may
+    /// mount it to begin with), the row moved to `node` in a statement
+    /// that asks the lease to be live still, then the old file removed.
+    /// A copy that fails leaves the volume where it was, whole.
+    pub(crate) async fn volume_move(
+        &self,
+        caller: &Caller,
+        volume: &str,
+        node: &str,
+    ) -> Result<Volume> {
+        let row = self.find_volume(caller, volume).await?;
+        if row.host == node {
+            return Err(CoreError::invalid(format!(
+                "volume {:?} is on node {node} already",
+                row.name
+            )));
+        }
+        let to = self.machines_on(node, &row.id).await.map_err(|e| {
+            CoreError::new(
+                e.kind,
+                format!(
+                    "node {node:?} cannot take volume {:?}: {}",
+                    row.name, e.message
+                ),
+            )
+        })?;
+        let from = self.machines_on(&row.host, &row.id).await?;
+        let lease_id = sandpit_host::ids::new_id("vlease_");
+        let until = time::OffsetDateTime::now_utc() + MOVE_LEASE;
+        match self
+            .store
+            .lease_volume(&caller.account_id, &row.id, &lease_id, true, until)
+            .await?
+        {
+            VolumeLeased::Leased(_) => {}
+            VolumeLeased::Missing => return Err(super::volumes::no_volume(volume)),
+            VolumeLeased::Busy(status) => return Err(super::volumes::busy(&row.name, status)),
+            VolumeLeased::Held(sandboxes) => {
+                return Err(CoreError::conflict(format!(
+                    "volume {:?} is mounted by sandboxes ({}): it moves only while none \
+                     mounts it",
+                    row.name,
+                    sandboxes.join(", ")
+                )))
+            }
+        }
+        // The copy runs to its end in a task of its own, renewing the
+        // lease as it goes; the lease ends with it.
+        let (store, id, source, target) = (
+            self.store.clone(),
+            row.id.clone(),
+            row.host.clone(),
+            node.to_string(),
+        );
+        let moved = tokio::spawn(async move {
+            let copy = async {
+                // A copy the new node kept from an earlier move away from
+                // it is stale: the row says the volume is elsewhere.
+                to.delete_volume(&id).await?;
+                let mut sending = from.send_volume(&id).await?;
+                let mut receiving = to.receive_volume(&id, sending.size()).await?;
+                let mut renewed = std::time::Instant::now();
+                while let Some(piece) = sending.next_chunk().await? {
+                    receiving.send(&piece).await?;
+                    if renewed.elapsed() > MOVE_RENEW {
+                        renewed = std::time::Instant::now();
+                        let until = time::OffsetDateTime::now_utc() + MOVE_LEASE;
+                        if !store.renew_volume_lease(&lease_id, until).await.unwrap_or(false) {
+                            return Err(sandpit_runtime::RuntimeError::Busy(
+                                "the volume's lease lapsed mid-move; retry".into(),
+                            ));
+                        }
+                    }
+                }
+                receiving.finish().await.map(|_| ())
+            };
+            let copied = copy.await.map_err(runtime_error);
+            let recorded = match copied {
+                Ok(()) => store
+                    .move_volume(&id, &source, &target, &lease_id)
+                    .await
+                    .map_err(CoreError::from),
+                Err(e) => Err(e),
+            };
+            if let Err(e) = store.end_volume_lease(&lease_id).await {
+                tracing::warn!(%lease_id, "ending a volume's lease (it lapses on its own): {e}");
+            }
+            match recorded {
+                // Moved: the old file goes.
+                Ok(true) => {
+                    if let Err(e) = from.delete_volume(&id).await {
+                        tracing::warn!(%id, node = %source, "removing a moved volume's old file: {e}");
+                    }
+                    Ok(())
+                }
+                // Not recorded: the copy goes, the volume stays.
+                other => {
+                    if let Err(e) = to.delete_volume(&id).await {
+                        tracing::warn!(%id, node = %target, "removing a volume's copy not moved to: {e}");
+                    }
+                    match other {
+                        Ok(_) => Err(CoreError::conflict(
+                            "the volume changed while it was copied (its lease lapsed); retry",
+                        )),
+                        Err(e) => Err(e),
+                    }
+                }
+            }
+        })
+        .await
+        .map_err(|e| CoreError::internal(format!("a volume move's task failed: {e}")))?;
+        moved?;
+        let row = self.find_volume(caller, &row.id).await?;
+        let holders = self.store.volume_holders(&row.id).await?;
+        Ok(super::volumes::to_volume(&row, &holders))
+    }
+}

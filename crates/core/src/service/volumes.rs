@@ -175,7 +175,7 @@ impl Service {
 }
 
 /// A volume as the API shows it.
-fn to_volume(row: &VolumeRow, holders: &[VolumeMountRow]) -> Volume {
+pub(super) fn to_volume(row: &VolumeRow, holders: &[VolumeMountRow]) -> Volume {
     Volume {
         object: "volume".into(),
         id: row.id.clone(),
@@ -412,6 +412,10 @@ impl Volumes for Service {
     ) -> Result<VolumeFile> {
         self.volume_file_upload(caller, volume, path, size, owner, overwrite, body)
             .await
+    }
+
+    async fn move_volume(&self, caller: &Caller, volume: &str, node: &str) -> Result<Volume> {
+        self.volume_move(caller, volume, node).await
     }
 
     async fn volume_token(&self, caller: &Caller, volume: &str) -> Result<String> {
@@ -704,10 +708,15 @@ impl Service {
                 continue;
             }
             match self.store.volume_by_id(&file.id).await? {
-                Some(row)
-                    if row.status == VolumeStatus::Deleted && row.host == self.config.host_name =>
-                {
+                Some(row) if row.status == VolumeStatus::Deleted => {
                     tracing::warn!(id = %file.id, "removing a deleted volume's file");
+                    files.delete(&file.id).await.map_err(runtime_error)?;
+                }
+                // Kept on another node now (moved, its old copy's removal
+                // having failed): this copy is stale. (A copy just received,
+                // whose row is about to say so, is recent.)
+                Some(row) if row.host != self.config.host_name && file.modified < bound => {
+                    tracing::warn!(id = %file.id, node = %row.host, "removing a moved volume's old copy");
                     files.delete(&file.id).await.map_err(runtime_error)?;
                 }
                 Some(_) => {}

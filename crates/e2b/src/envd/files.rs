@@ -261,29 +261,7 @@ pub async fn upload(
             .path
             .clone()
             .ok_or_else(|| HttpError::bad_request("path is required"))?;
-        let length = req
-            .headers()
-            .get(header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u64>().ok());
-        let body = req.into_body();
-        let (size, source): (u64, Box<dyn ByteSource>) = match length {
-            Some(size) => (size, Box::new(RequestBody::new(body))),
-            None => {
-                let limit = e2b.max_body_bytes;
-                let bytes = held_whole(body, limit).await?.ok_or_else(|| {
-                    HttpError::new(
-                        StatusCode::PAYLOAD_TOO_LARGE,
-                        format!(
-                            "an upload without Content-Length is held in memory, up to \
-                             {limit} bytes (the server's max_body_bytes): send its length \
-                             to stream a larger file"
-                        ),
-                    )
-                })?;
-                (bytes.len() as u64, Box::new(Whole(Some(bytes))))
-            }
-        };
+        let (size, source) = raw_upload(req, e2b.max_body_bytes).await?;
         written.push(write(&e2b, &sandbox.caller, &sandbox.id, &dest, size, source).await?);
     }
     if written.is_empty() {
@@ -327,6 +305,33 @@ async fn drain(mut body: axum::body::BodyDataStream) {
             _ => return,
         }
     }
+}
+
+/// A raw upload's length and bytes: streamed as they come when it says
+/// its length, else held whole, up to `limit` bytes (then 413).
+pub(crate) async fn raw_upload(
+    req: Request,
+    limit: usize,
+) -> Result<(u64, Box<dyn ByteSource>), HttpError> {
+    let length = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let body = req.into_body();
+    if let Some(size) = length {
+        return Ok((size, Box::new(RequestBody::new(body))));
+    }
+    let bytes = held_whole(body, limit).await?.ok_or_else(|| {
+        HttpError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "an upload without Content-Length is held in memory, up to {limit} bytes (the \
+                 server's max_body_bytes): send its length to stream a larger file"
+            ),
+        )
+    })?;
+    Ok((bytes.len() as u64, Box::new(Whole(Some(bytes)))))
 }
 
 /// The whole body, when it is at most `limit` bytes; `None` past it (what
@@ -417,7 +422,7 @@ impl std::io::Write for Bounded {
 }
 
 /// Bytes already held, as an upload's source.
-pub(crate) struct Whole(pub(crate) Option<Vec<u8>>);
+struct Whole(Option<Vec<u8>>);
 
 #[async_trait::async_trait]
 impl ByteSource for Whole {

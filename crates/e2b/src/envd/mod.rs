@@ -10,7 +10,7 @@ mod filesystem;
 mod process;
 mod watch;
 
-pub(crate) use files::{held_whole, Whole};
+pub(crate) use files::raw_upload;
 pub use watch::Watchers;
 
 use crate::error::{HttpError, RpcError};

@@ -229,6 +229,20 @@ impl Machines for LocalVms {
         )?))
     }
 
+    async fn send_volume(&self, id: &str) -> VmResult<Box<dyn Download>> {
+        Ok(Box::new(VolumeSending {
+            id: id.to_string(),
+            sending: self.volume_files().send(id)?,
+        }))
+    }
+
+    async fn receive_volume(&self, id: &str, size: u64) -> VmResult<Box<dyn Upload>> {
+        Ok(Box::new(VolumeReceiving {
+            id: id.to_string(),
+            receiving: Some(self.volume_files().receive(id, size)?),
+        }))
+    }
+
     async fn volume_download(&self, id: &str, path: &str) -> VmResult<Box<dyn Download>> {
         Ok(Box::new(
             VolumeDownloading::copy(self.volume_files(), id, path).await?,

@@ -49,7 +49,7 @@ mod machines;
 mod pool;
 mod volume_content;
 
-use volume_content::{VolumeDownloading, VolumeUploading};
+use volume_content::{VolumeDownloading, VolumeReceiving, VolumeSending, VolumeUploading};
 
 use pool::Demand;
 pub use pool::PoolConfig;

@@ -2,7 +2,14 @@
 //! [`Machines::volume_download`]): the bytes pass through an anonymous
 //! scratch file beside the volumes, so that the volume is read or changed
 //! in one step by `sandpit_runtime::volume_content`, never while a caller
-//! is still sending or reading.
+//! is still sending or reading. And a whole volume's file on its way to or
+//! from another node ([`Machines::send_volume`], [`Machines::receive_volume`],
+//! `sandpit_runtime::volume_transfer`).
+//!
+//! [`Machines::volume_upload`]: crate::machines::Machines::volume_upload
+//! [`Machines::volume_download`]: crate::machines::Machines::volume_download
+//! [`Machines::send_volume`]: crate::machines::Machines::send_volume
+//! [`Machines::receive_volume`]: crate::machines::Machines::receive_volume
 
 use crate::machines::{Download, Ownership, Upload, VmResult};
 use async_trait::async_trait;
@@ -142,5 +149,56 @@ impl Download for VolumeDownloading {
         }
         piece.truncate(n);
         Ok(Some(piece))
+    }
+}
+
+/// A volume's file on its way to another node.
+pub(crate) struct VolumeSending {
+    pub(crate) id: String,
+    pub(crate) sending: sandpit_runtime::volume_transfer::VolumeSending,
+}
+
+#[async_trait]
+impl Download for VolumeSending {
+    fn path(&self) -> &str {
+        &self.id
+    }
+
+    fn size(&self) -> u64 {
+        self.sending.size()
+    }
+
+    async fn next_chunk(&mut self) -> VmResult<Option<Vec<u8>>> {
+        self.sending.next_piece().await
+    }
+}
+
+/// A volume's file coming from another node.
+pub(crate) struct VolumeReceiving {
+    pub(crate) id: String,
+    pub(crate) receiving: Option<sandpit_runtime::volume_transfer::VolumeReceiving>,
+}
+
+#[async_trait]
+impl Upload for VolumeReceiving {
+    async fn send(&mut self, data: &[u8]) -> VmResult<()> {
+        let mut receiving = self.receiving.take().expect("not finished");
+        let data = data.to_vec();
+        let (receiving, sent) = tokio::task::spawn_blocking(move || {
+            let sent = receiving.send(&data);
+            (receiving, sent)
+        })
+        .await
+        .map_err(|e| RuntimeError::Launch(format!("a volume's receiver: {e}")))?;
+        self.receiving = Some(receiving);
+        sent
+    }
+
+    async fn finish(mut self: Box<Self>) -> VmResult<(String, u64)> {
+        let receiving = self.receiving.take().expect("not finished");
+        tokio::task::spawn_blocking(move || receiving.finish())
+            .await
+            .map_err(|e| RuntimeError::Launch(format!("a volume's receiver: {e}")))??;
+        Ok((self.id.clone(), 0))
     }
 }

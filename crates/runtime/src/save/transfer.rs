@@ -413,7 +413,7 @@ fn file_name(path: &Path) -> Result<String> {
 /// The data of `file` (of `len` bytes) as (offset, length) extents, by
 /// `SEEK_DATA` and `SEEK_HOLE`; the whole file where the file system
 /// cannot tell.
-fn extents(file: &File, len: u64) -> std::io::Result<Vec<(u64, u64)>> {
+pub(crate) fn extents(file: &File, len: u64) -> std::io::Result<Vec<(u64, u64)>> {
     use std::os::fd::AsRawFd;
     let fd = file.as_raw_fd();
     let mut out = Vec::new();

@@ -30,8 +30,11 @@
 //! `"`). Bytes cross through anonymous files (`O_TMPFILE`), named to
 //! debugfs by `/proc/self/fd`, so a crash leaves none behind.
 
+mod parse;
+
 use crate::volume_files::VolumeFiles;
 use crate::{Result, RuntimeError};
+use parse::{by_command, parse_listings, parse_stat, parse_stats};
 use sandpit_protocol::{AgentError, ErrorKind, GUEST_UID};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -575,7 +578,15 @@ impl Image<'_> {
         let said = self.debugfs(false, &[format!("stat \"{path}\"")]).await?;
         match parse_stats(&said.out).into_iter().next() {
             Some((_, Some(entry))) => Ok(Some(entry)),
-            _ if said.errors.iter().any(|e| e.contains("not found")) => Ok(None),
+            // Nothing by that name, or a file where a directory was to be
+            // on its way: not there either.
+            _ if said
+                .errors
+                .iter()
+                .any(|e| e.contains("not found") || e.contains("not a directory")) =>
+            {
+                Ok(None)
+            }
             _ if said.errors.is_empty() => Ok(None),
             _ => Err(RuntimeError::ToolFailed {
                 tool: "debugfs".into(),
@@ -826,149 +837,6 @@ fn remove_command(entry: &VolumeEntry) -> String {
         EntryKind::Directory => format!("rmdir \"{}\"", entry.path),
         _ => format!("rm \"{}\"", entry.path),
     }
-}
-
-/// debugfs's echo of a command in a `-f` run.
-const ECHO: &str = "debugfs: ";
-
-/// Splits a `-f` run's output by command: each `(argument, lines)`.
-fn by_command(out: &str) -> Vec<(String, Vec<&str>)> {
-    let mut runs: Vec<(String, Vec<&str>)> = Vec::new();
-    for line in out.lines() {
-        if let Some(cmd) = line.strip_prefix(ECHO) {
-            let arg = cmd
-                .split_once(' ')
-                .map(|(_, a)| a.trim().trim_matches('"').to_string())
-                .unwrap_or_default();
-            runs.push((arg, Vec::new()));
-        } else if let Some((_, lines)) = runs.last_mut() {
-            lines.push(line);
-        }
-    }
-    runs
-}
-
-/// `ls -p` runs: each directory's entries, inode and name (`.` and `..`
-/// left out). A line
-/// is `/inode/mode/uid/gid/name/size/`; a name holding a newline goes on
-/// the next line, which does not start so.
-fn parse_listings(out: &str) -> Vec<(String, Vec<(u64, String)>)> {
-    by_command(out)
-        .into_iter()
-        .map(|(arg, lines)| {
-            let dir = arg.trim_start_matches("-p ").trim().trim_matches('"');
-            let mut records: Vec<String> = Vec::new();
-            for line in lines {
-                let starts = line.starts_with('/')
-                    && line[1..]
-                        .split('/')
-                        .next()
-                        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
-                match records.last_mut() {
-                    // debugfs ends a listing with an empty line.
-                    _ if line.is_empty() => {}
-                    Some(last) if !starts => {
-                        last.push('\n');
-                        last.push_str(line);
-                    }
-                    _ => records.push(line.to_string()),
-                }
-            }
-            let names = records
-                .iter()
-                .filter_map(|r| {
-                    // inode/mode/uid/gid/name (no `/` in it)/size
-                    let r = r.strip_prefix('/')?.strip_suffix('/')?;
-                    let (r, _size) = r.rsplit_once('/')?;
-                    let mut fields = r.splitn(5, '/');
-                    let inode = fields.next()?.parse().ok()?;
-                    let name = fields.nth(3)?;
-                    (name != "." && name != ".." && !name.is_empty())
-                        .then(|| (inode, name.to_string()))
-                })
-                .collect();
-            (dir.to_string(), names)
-        })
-        .collect()
-}
-
-/// `stat` runs: each path asked, described (none when debugfs found
-/// nothing there).
-fn parse_stats(out: &str) -> Vec<(String, Option<VolumeEntry>)> {
-    by_command(out)
-        .into_iter()
-        .map(|(path, lines)| {
-            let entry = parse_stat(&path, &lines);
-            (path, entry)
-        })
-        .collect()
-}
-
-fn parse_stat(path: &str, lines: &[&str]) -> Option<VolumeEntry> {
-    let mut kind = None;
-    let mut mode = None;
-    let mut uid = None;
-    let mut gid = None;
-    let mut size = None;
-    let (mut atime, mut mtime, mut ctime) = (None, None, None);
-    let mut target = None;
-    for line in lines {
-        let words: Vec<&str> = line.split_whitespace().collect();
-        if line.starts_with("Inode:") {
-            let ty = line.split("Type:").nth(1)?.split("Mode:").next()?.trim();
-            kind = Some(match ty {
-                "regular" => EntryKind::File,
-                "directory" => EntryKind::Directory,
-                "symlink" => EntryKind::Symlink,
-                _ => EntryKind::Unknown,
-            });
-            mode =
-                u32::from_str_radix(line.split("Mode:").nth(1)?.split_whitespace().next()?, 8).ok();
-        } else if line.starts_with("User:") {
-            uid = words.get(1).and_then(|w| w.parse().ok());
-            let at = |key: &str| words.iter().position(|w| *w == key).map(|i| i + 1);
-            gid = at("Group:").and_then(|i| words.get(i)?.parse().ok());
-            size = at("Size:").and_then(|i| words.get(i)?.parse().ok());
-        } else if let Some(v) = line.trim_start().strip_prefix("atime:") {
-            atime = parse_time(v);
-        } else if let Some(v) = line.trim_start().strip_prefix("mtime:") {
-            mtime = parse_time(v);
-        } else if let Some(v) = line.trim_start().strip_prefix("ctime:") {
-            ctime = parse_time(v);
-        } else if let Some(v) = line.trim_start().strip_prefix("Fast link dest:") {
-            target = Some(v.trim().trim_matches('"').to_string());
-        }
-    }
-    let mtime = mtime?;
-    Some(VolumeEntry {
-        name: name_of(path),
-        path: path.to_string(),
-        kind: kind?,
-        size: size?,
-        mode: mode? & 0o7777,
-        uid: uid?,
-        gid: gid?,
-        atime: atime.unwrap_or(mtime),
-        ctime: ctime.unwrap_or(mtime),
-        mtime,
-        target,
-    })
-}
-
-/// ` 0x6b16bc43:00000004 -- Mon Dec  7 …`: seconds, then the extra word
-/// (nanoseconds above two bits that extend the seconds past 2038).
-fn parse_time(v: &str) -> Option<OffsetDateTime> {
-    let raw = v.split_whitespace().next()?.strip_prefix("0x")?;
-    let (secs, extra) = match raw.split_once(':') {
-        Some((s, e)) => (s, u32::from_str_radix(e, 16).ok()?),
-        None => (raw, 0),
-    };
-    let secs = i64::from(u32::from_str_radix(secs, 16).ok()? as i32);
-    let secs = secs + (i64::from(extra & 3) << 32);
-    OffsetDateTime::from_unix_timestamp(secs)
-        .ok()?
-        .replace_nanosecond(extra >> 2)
-        .ok()
 }
 
 /// Runs `cmd` to its end within [`TOOL_BOUND`].
@@ -1319,21 +1187,6 @@ mod tests {
         assert!(
             top.iter().all(|e| !e.name.starts_with(".sandpit-upload")),
             "a failed write left its file: {top:?}"
-        );
-    }
-
-    #[test]
-    fn times_past_2038_and_with_nanoseconds_are_read() {
-        let t = parse_time(" 0x6b16bc43:00000004 -- Mon Dec  7 14:01:39 2026").unwrap();
-        assert_eq!(t.unix_timestamp(), 0x6b16bc43);
-        assert_eq!(t.nanosecond(), 1);
-        let t = parse_time(" 0x00000010:00000001 -- x").unwrap();
-        assert_eq!(t.unix_timestamp(), 16 + (1 << 32));
-        assert_eq!(
-            parse_time(" 0x6b16bc43 -- old inode")
-                .unwrap()
-                .unix_timestamp(),
-            0x6b16bc43
         );
     }
 }
