@@ -158,6 +158,13 @@ fn documents_exactly_the_contract_routes() {
         ("GET", "/v1/volumes/{volume}"),
         ("PATCH", "/v1/volumes/{volume}"),
         ("DELETE", "/v1/volumes/{volume}"),
+        ("POST", "/v1/volumes/{volume}/move"),
+        // Sandpit's own: a volume's files without a sandbox.
+        ("GET", "/v1/volumes/{volume}/files"),
+        ("PUT", "/v1/volumes/{volume}/files"),
+        ("POST", "/v1/volumes/{volume}/files"),
+        ("PATCH", "/v1/volumes/{volume}/files"),
+        ("DELETE", "/v1/volumes/{volume}/files"),
     ]
     .into_iter()
     .map(|(m, p)| (m.to_owned(), p.to_owned()))
