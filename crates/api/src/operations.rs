@@ -387,6 +387,17 @@ fn table() -> Table {
             json!({"type": "string"}),
         )
     };
+    // A volume's files call's parameters: the volume, and the named ones
+    // of its query.
+    let volume_files_params = |req: &mut SchemaGenerator, names: &[&str]| {
+        let mut p = vec![volume_param()];
+        p.extend(
+            query_params::<VolumeFilesQuery>(req)
+                .into_iter()
+                .filter(|q| names.contains(&q["name"].as_str().unwrap_or(""))),
+        );
+        p
+    };
     let idempotency_header = |what: &str| {
         json!({
             "name": "Idempotency-Key",
@@ -813,15 +824,7 @@ fn table() -> Table {
                 resolved path in `x-sandpit-path`; symbolic links inside the volume followed). \
                 `stat=true`: the path described. `list=true`: the directory's entries, `depth` \
                 levels down (default 1), each described.",
-            params: {
-                let mut p = vec![volume_param()];
-                p.extend(
-                    query_params::<VolumeFilesQuery>(&mut req)
-                        .into_iter()
-                        .filter(|q| ["path", "list", "depth", "stat"].contains(&q["name"].as_str().unwrap_or(""))),
-                );
-                p
-            },
+            params: volume_files_params(&mut req, &["path", "list", "depth", "stat"]),
             body: None,
             responses: vec![(
                 "200",
@@ -849,15 +852,7 @@ fn table() -> Table {
                 directory never is. Refused (409, naming them) while any live sandbox mounts the \
                 volume; a sandbox's create that asks for it meanwhile waits its turn (409, retry). \
                 A body cut short writes nothing; one that does not fit is 409 (grow the volume).",
-            params: {
-                let mut p = vec![volume_param()];
-                p.extend(
-                    query_params::<VolumeFilesQuery>(&mut req)
-                        .into_iter()
-                        .filter(|q| ["path", "overwrite", "uid", "gid", "mode"].contains(&q["name"].as_str().unwrap_or(""))),
-                );
-                p
-            },
+            params: volume_files_params(&mut req, &["path", "overwrite", "uid", "gid", "mode"]),
             body: Some(json!({
                 "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
             })),
@@ -877,15 +872,7 @@ fn table() -> Table {
             description: "Makes directory `path` (the sandbox user's, 0755, unless `uid`, `gid` \
                 and `mode` say otherwise), and with `parents=true` the missing ones above it. \
                 One that exists is 409. Same rule as writing a file.",
-            params: {
-                let mut p = vec![volume_param()];
-                p.extend(
-                    query_params::<VolumeFilesQuery>(&mut req)
-                        .into_iter()
-                        .filter(|q| ["path", "parents", "uid", "gid", "mode"].contains(&q["name"].as_str().unwrap_or(""))),
-                );
-                p
-            },
+            params: volume_files_params(&mut req, &["path", "parents", "uid", "gid", "mode"]),
             body: None,
             responses: vec![(
                 "201",
@@ -902,15 +889,7 @@ fn table() -> Table {
             summary: "Change a volume path's owner or mode",
             description: "Sets what the body names of `path`'s owner and permission bits. \
                 Same rule as writing a file.",
-            params: {
-                let mut p = vec![volume_param()];
-                p.extend(
-                    query_params::<VolumeFilesQuery>(&mut req)
-                        .into_iter()
-                        .filter(|q| q["name"] == "path"),
-                );
-                p
-            },
+            params: volume_files_params(&mut req, &["path"]),
             body: Some(json_content(req.subschema_for::<VolumeFileMeta>().to_value())),
             responses: vec![(
                 "200",
@@ -927,15 +906,7 @@ fn table() -> Table {
             summary: "Delete a volume's file or directory",
             description: "Removes `path`; a directory with everything in it. The volume's \
                 root is not removed (400). Same rule as writing a file.",
-            params: {
-                let mut p = vec![volume_param()];
-                p.extend(
-                    query_params::<VolumeFilesQuery>(&mut req)
-                        .into_iter()
-                        .filter(|q| q["name"] == "path"),
-                );
-                p
-            },
+            params: volume_files_params(&mut req, &["path"]),
             body: None,
             responses: vec![(
                 "200",
