@@ -277,6 +277,11 @@ beside guest-image target/release/sandpit image build --images-dir "$SANDPIT_IMA
 step "format"
 cargo fmt --all --check
 cargo fmt --check --manifest-path fuzz/Cargo.toml
+# The fuzz workspace has a lock file of its own, built --locked beside the
+# tests: a dependency the workspace gained must be in it too, said now rather
+# than after the tests.
+cargo metadata --locked --format-version 1 --manifest-path fuzz/Cargo.toml >/dev/null ||
+  { echo "$me: fuzz/Cargo.lock lacks a dependency the workspace gained: run 'cargo update --workspace --manifest-path fuzz/Cargo.toml' and commit it" >&2; exit 1; }
 
 step "test build, with clippy's lints"
 # The tests' build is also the lint pass: clippy-driver compiles the
