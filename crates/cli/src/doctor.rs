@@ -415,6 +415,9 @@ fn existing_ancestor(path: &Path) -> Option<PathBuf> {
 
 fn data_dir(dir: &Path) -> Finding {
     let check = "data directory";
+    if let Err(why) = sandpit_runtime::config::check_data_dir(dir) {
+        return Finding::fail(check, why, "");
+    }
     let Some(at) = existing_ancestor(dir) else {
         return Finding::fail(
             check,
@@ -468,20 +471,29 @@ fn data_dir(dir: &Path) -> Finding {
         );
     }
     let probe = dir.join(format!(".doctor-{}", std::process::id()));
-    match std::fs::write(&probe, b"") {
-        Ok(()) => {
-            let _ = std::fs::remove_file(&probe);
-            Finding::ok(
-                check,
-                format!("{} (mode {mode:o}, this user's, writable)", dir.display()),
-            )
-        }
-        Err(e) => Finding::fail(
+    if let Err(e) = std::fs::write(&probe, b"") {
+        return Finding::fail(
             check,
             format!("{} cannot be written: {e}", dir.display()),
             "a read-only or full filesystem: give sandpit a writable one",
-        ),
+        );
     }
+    let _ = std::fs::remove_file(&probe);
+    // VMs' QEMUs serve unix sockets in their directories here.
+    if let Err(e) = sandpit_runtime::vm::probe_socket(dir) {
+        return Finding::fail(
+            check,
+            format!("{} cannot hold unix sockets: {e}", dir.display()),
+            "a filesystem without unix sockets: give sandpit a local one",
+        );
+    }
+    Finding::ok(
+        check,
+        format!(
+            "{} (mode {mode:o}, this user's, writable, unix sockets work)",
+            dir.display()
+        ),
+    )
 }
 
 /// Free bytes for an unprivileged user on the filesystem holding `path`.

@@ -5,7 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// Resources of one sandbox size.
@@ -88,6 +88,28 @@ impl Default for NetworkPolicy {
             upstream_ca_certificates: Vec::new(),
         }
     }
+}
+
+/// The longest data directory path the runtime takes, in bytes. No socket
+/// path depends on it (see [`crate::vm::AGENT_SOCKET`]), but every path
+/// under it must stay within the system's limit on a path (4,096 bytes with
+/// its end, `PATH_MAX`), and the runtime names files up to 1,024 bytes
+/// below it (a VM's, a template's, a save's, a volume's).
+pub const MAX_DATA_DIR_BYTES: usize = 3072;
+
+/// Why the runtime cannot keep its files in `data_dir` (an absolute path),
+/// if it cannot: `serve`, `node`, `mcp` and `doctor` refuse such a
+/// directory at their start, never later.
+pub fn check_data_dir(data_dir: &Path) -> std::result::Result<(), String> {
+    let len = data_dir.as_os_str().len();
+    if len > MAX_DATA_DIR_BYTES {
+        return Err(format!(
+            "the data directory's path is {len} bytes long, longer than the {MAX_DATA_DIR_BYTES} \
+             bytes taken: the files under it would pass the system's limit of 4,096 bytes on a \
+             path; use a shorter --data-dir"
+        ));
+    }
+    Ok(())
 }
 
 /// Everything the runtime needs to know.
@@ -204,5 +226,21 @@ impl RuntimeConfig {
                 self.sizes.keys().cloned().collect::<Vec<_>>().join(", "),
             )
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_data_directory_is_refused_only_past_the_path_limit() {
+        let long = format!("/{}", "d/".repeat(100));
+        assert_eq!(check_data_dir(Path::new(&long)), Ok(()));
+        let at_limit = format!("/{}", "d".repeat(MAX_DATA_DIR_BYTES - 1));
+        assert_eq!(check_data_dir(Path::new(&at_limit)), Ok(()));
+        let why = check_data_dir(Path::new(&format!("{at_limit}d"))).unwrap_err();
+        assert!(why.contains("3073 bytes long"), "{why}");
+        assert!(why.contains("4,096"), "{why}");
     }
 }

@@ -108,9 +108,12 @@ fn data_dir_store_only(settings: &Settings, what: &str) -> Result<()> {
 
 /// Make the data directory if it is missing, and keep it its owner's: no
 /// one else lists or writes it (VMs' QEMUs, each its own uid, are given the
-/// right to walk through it by the runtime, and nothing more).
+/// right to walk through it by the runtime, and nothing more). A directory
+/// the runtime cannot keep its files in is refused here, at the start of
+/// `serve`, `node` and `mcp`, rather than when a VM starts.
 fn private_dir(dir: &std::path::Path) -> Result<()> {
     use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    sandpit_runtime::config::check_data_dir(dir).map_err(anyhow::Error::msg)?;
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)

@@ -32,7 +32,7 @@ use sandpit_protocol::{
     CHUNK_LEN, FRAME_MAGIC, HEADER_PREFIX_LEN, MAX_BODY_LEN, MAX_HEADER_LEN, PROTOCOL_GENERATION,
 };
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -67,10 +67,15 @@ pub(crate) async fn next_frame(
 /// Connect to a unix socket QEMU serves. QEMU binds it a moment before it
 /// listens, and a connect in between is refused: that is retried for up to
 /// a second.
+///
+/// The socket is named through a descriptor of its directory
+/// ([`short_socket_name`]), never by its whole path: a socket's address
+/// holds at most 107 bytes, and a data directory's path may be longer.
 pub(crate) async fn connect_qemu_socket(path: &Path) -> std::io::Result<UnixStream> {
+    let (_dir, short) = short_socket_name(path)?;
     let mut refused = 0;
     loop {
-        match UnixStream::connect(path).await {
+        match UnixStream::connect(&short).await {
             Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused && refused < 200 => {
                 refused += 1;
                 tokio::time::sleep(Duration::from_millis(5)).await;
@@ -78,6 +83,32 @@ pub(crate) async fn connect_qemu_socket(path: &Path) -> std::io::Result<UnixStre
             other => return other,
         }
     }
+}
+
+/// A name of the socket at `path` that fits a socket address whatever the
+/// length of `path`: `/proc/self/fd/N/NAME`, where N is the returned
+/// descriptor of the socket's directory (`O_PATH`), valid while it is open.
+/// A socket is reached by the file it is bound to (its inode), so any name
+/// that resolves to that file connects to it.
+pub(crate) fn short_socket_name(path: &Path) -> std::io::Result<(std::fs::File, PathBuf)> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("{} names no socket in a directory", path.display()),
+        ));
+    };
+    let dir = match dir.as_os_str().is_empty() {
+        true => Path::new("."),
+        false => dir,
+    };
+    let dir = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC)
+        .open(dir)?;
+    let short = PathBuf::from(format!("/proc/self/fd/{}", dir.as_raw_fd())).join(name);
+    Ok((dir, short))
 }
 
 /// What the agent said about itself in the handshake.

@@ -340,3 +340,40 @@ async fn handshake_after(leftover: Vec<u8>) {
         .expect("the ack behind the leftovers is found");
     assert_eq!(client.info().agent_version, "test");
 }
+
+/// A directory whose path is `len` bytes long, under `root`.
+fn long_dir(root: &Path, len: usize) -> PathBuf {
+    let mut dir = root.to_path_buf();
+    while dir.as_os_str().len() < len {
+        let left = len - dir.as_os_str().len() - 1;
+        dir.push("d".repeat(left.min(100)));
+    }
+    std::fs::create_dir_all(&dir).unwrap();
+    assert_eq!(dir.as_os_str().len(), len);
+    dir
+}
+
+#[tokio::test]
+async fn a_socket_in_a_directory_of_any_length_is_reached() {
+    let root = tempfile::tempdir().unwrap();
+    // A socket's address holds 107 bytes; these paths are far longer.
+    for len in [200, 1000] {
+        let dir = long_dir(root.path(), len);
+        let path = dir.join("qmp.sock");
+        // QEMU binds it relative to its working directory; here, by the
+        // same short name the host connects with.
+        let (_held, short) = short_socket_name(&path).unwrap();
+        assert!(short.as_os_str().len() < 40, "{}", short.display());
+        let listener = tokio::net::UnixListener::bind(&short).unwrap();
+        assert!(path.exists(), "bound where its whole path says");
+        let accepted = tokio::spawn(async move { listener.accept().await.map(drop) });
+        let mut s = connect_qemu_socket(&path).await.unwrap();
+        s.write_all(b"x").await.unwrap();
+        accepted.await.unwrap().unwrap();
+        crate::vm::probe_socket(&dir).unwrap();
+    }
+    // A socket that is not there is told as such, as a connect says it.
+    let missing = root.path().join("nowhere").join("agent.sock");
+    let e = connect_qemu_socket(&missing).await.unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::NotFound, "{e}");
+}

@@ -18,14 +18,6 @@ impl VmManager {
         priority: Priority,
     ) -> Result<Vm> {
         let setup_started = Instant::now();
-        #[cfg(unix)]
-        let sock_len = paths.agent_socket().as_os_str().len();
-        if sock_len > 100 {
-            return Err(RuntimeError::Launch(format!(
-                "the data directory path is too long for unix sockets ({} bytes); use a shorter --data-dir",
-                sock_len
-            )));
-        }
         let base = match start {
             Start::Restore(t) => t.disk(),
             Start::Saved(saved) => saved.disk(),
@@ -146,6 +138,8 @@ impl VmManager {
             .map_err(RuntimeError::io("creating qemu.log"))?;
         let mut cmd = tokio::process::Command::new(&self.config.qemu_binary);
         cmd.args(&args)
+            // Its sockets are named relative to it (see `AGENT_SOCKET`).
+            .current_dir(&paths.dir)
             .stdin(Stdio::null())
             .stdout(qemu_log.try_clone().map_err(RuntimeError::io("qemu.log"))?)
             .stderr(qemu_log)
@@ -638,14 +632,13 @@ impl VmManager {
                 "-device",
                 "virtio-serial-device",
                 "-chardev",
-                &format!(
-                    "socket,id=agent,path={},server=on,wait=off",
-                    p(paths.agent_socket())
-                ),
+                // Relative to QEMU's working directory, the VM's (see
+                // `AGENT_SOCKET`): short whatever the data directory's path.
+                &format!("socket,id=agent,path={AGENT_SOCKET},server=on,wait=off"),
                 "-device",
                 &format!("virtserialport,chardev=agent,name={AGENT_PORT_NAME}"),
                 "-qmp",
-                &format!("unix:{},server=on,wait=off", p(paths.qmp_socket())),
+                &format!("unix:{QMP_SOCKET},server=on,wait=off"),
                 "-drive",
                 &format!(
                     "id=root,file={},format=qcow2,if=none,discard=unmap,{}",

@@ -124,6 +124,31 @@ pub enum VmState {
     Exited { cause: String },
 }
 
+/// The name of a VM's agent socket in its directory. QEMU runs in the VM's
+/// directory and binds its sockets by these names, relative to it, and the
+/// host connects through a descriptor of the directory
+/// (`channel::short_socket_name`): a socket's address holds at most 107
+/// bytes, and no socket path depends on the data directory's length. (A
+/// VM started by a release that bound them by their whole path has them
+/// at the same place.)
+pub const AGENT_SOCKET: &str = "agent.sock";
+/// The name of a VM's QMP socket in its directory (see [`AGENT_SOCKET`]).
+pub const QMP_SOCKET: &str = "qmp.sock";
+
+/// Bind a unix socket in `dir` and connect to it the way the runtime
+/// reaches QEMU's sockets (through a descriptor of the directory): whether
+/// sockets work there, whatever the length of its path (`sandpit doctor`).
+pub fn probe_socket(dir: &Path) -> std::io::Result<()> {
+    let path = dir.join(format!(".socket-probe-{}", std::process::id()));
+    let (_dir, short) = crate::channel::short_socket_name(&path)?;
+    let _ = std::fs::remove_file(&path);
+    let listener = std::os::unix::net::UnixListener::bind(&short)?;
+    let connected = std::os::unix::net::UnixStream::connect(&short);
+    drop(listener);
+    let _ = std::fs::remove_file(&path);
+    connected.map(drop)
+}
+
 /// The files of one VM.
 #[derive(Debug, Clone)]
 pub struct VmPaths {
@@ -144,11 +169,14 @@ impl VmPaths {
             None => self.disk(),
         }
     }
+    /// The agent's socket: QEMU binds [`AGENT_SOCKET`] in its working
+    /// directory, this one (see [`AGENT_SOCKET`]).
     pub fn agent_socket(&self) -> PathBuf {
-        self.dir.join("agent.sock")
+        self.dir.join(AGENT_SOCKET)
     }
+    /// QMP's socket, bound like the agent's.
     pub fn qmp_socket(&self) -> PathBuf {
-        self.dir.join("qmp.sock")
+        self.dir.join(QMP_SOCKET)
     }
     pub fn console(&self) -> PathBuf {
         self.dir.join("console.log")
@@ -509,6 +537,7 @@ pub struct StartTimes {
 impl VmManager {
     /// A manager for `config.data_dir` booting `image`.
     pub fn new(config: RuntimeConfig, image: GuestImage) -> Result<VmManager> {
+        crate::config::check_data_dir(&config.data_dir).map_err(RuntimeError::Launch)?;
         let accel = crate::host::accel::choose(config.accel);
         std::fs::create_dir_all(config.vms_dir()).map_err(RuntimeError::io(format!(
             "creating {}",
