@@ -24,6 +24,7 @@ mod e2b;
 mod idle;
 mod lifecycle;
 mod load;
+mod long_paths;
 mod metrics;
 mod modes;
 mod network;
