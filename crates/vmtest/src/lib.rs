@@ -107,7 +107,8 @@ fn vm_uids_under(dir: &Path, depth: u32) -> Vec<u32> {
     out
 }
 
-/// A fresh data directory (short path: it holds unix sockets).
+/// A fresh data directory (in /tmp; its path's length does not matter to
+/// the runtime, see `crates/cli/tests/e2e/long_paths.rs`).
 pub fn data_dir() -> PathBuf {
     REGISTERED.get_or_init(|| {
         // SAFETY: registering a plain extern "C" fn.
