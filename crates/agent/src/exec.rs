@@ -204,7 +204,7 @@ fn run(
         gid: uid,
         cwd: &c_cwd,
         cgroup: cg.as_ref().map(ExecCgroup::dir_fd),
-        nproc: cgroup::pids_max(),
+        nproc: Some(cgroup::pids_max()),
         deadline,
     };
     let (status_tx, status_rx) = mpsc::channel();

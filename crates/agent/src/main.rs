@@ -50,6 +50,18 @@ pub fn is_pid1() -> bool {
 }
 
 fn main() {
+    // The agent's binary started for a file request, as the guest user.
+    if std::env::args_os()
+        .nth(1)
+        .is_some_and(|a| a == files::PROCESS_ARG)
+    {
+        files::process_main();
+    }
+    // SAFETY: plain syscall.
+    if unsafe { libc::geteuid() } == 0 {
+        // Each file request in a process of the guest user's (see `files`).
+        files::run_in_user_processes();
+    }
     // Before any thread exists, so that every thread inherits it: SIGCHLD is
     // only ever taken by the reaper's sigwait, SIGIO by the reader's.
     if let Err(e) = sys::block_signals(&[libc::SIGCHLD, libc::SIGIO]) {

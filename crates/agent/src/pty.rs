@@ -355,7 +355,7 @@ impl Terminal {
             gid: GUEST_UID,
             cwd: &cwd,
             cgroup: cgroup.as_ref().map(ExecCgroup::dir_fd),
-            nproc: cgroup::pids_max(),
+            nproc: Some(cgroup::pids_max()),
             deadline: None,
         };
         let (status_tx, status) = mpsc::channel();

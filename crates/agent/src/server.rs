@@ -33,24 +33,14 @@ pub struct Server {
 }
 
 /// Run `work` on a new thread; a panic or a failure to start becomes an error
-/// reply. `as_user` switches the thread's file credentials first.
-fn spawn_worker<F>(reply: Reply, id: RequestId, name: &str, as_user: bool, work: F)
+/// reply.
+fn spawn_worker<F>(reply: Reply, id: RequestId, name: &str, work: F)
 where
     F: FnOnce(&Reply) -> Result<(), AgentError> + Send + 'static,
 {
     let r = reply.clone();
     let spawned = thread::Builder::new().name(name.into()).spawn(move || {
-        let outcome = catch_unwind(AssertUnwindSafe(|| {
-            if as_user {
-                files::become_user().map_err(|e| {
-                    AgentError::new(
-                        ErrorKind::Io,
-                        format!("cannot switch to the guest user: {e}"),
-                    )
-                })?;
-            }
-            work(&r)
-        }));
+        let outcome = catch_unwind(AssertUnwindSafe(|| work(&r)));
         match outcome {
             Ok(Ok(())) => {}
             Ok(Err(e)) => r.error(id, e),
@@ -108,7 +98,7 @@ impl Server {
             }
             Message::Ping { id } => reply.done(id, DoneResult::Pong),
             Message::Configure { id, config } => {
-                spawn_worker(reply, id, "configure", false, move |r| {
+                spawn_worker(reply, id, "configure", move |r| {
                     config::configure(&config, &body)?;
                     r.done(id, DoneResult::Configured);
                     Ok(())
@@ -152,7 +142,7 @@ impl Server {
                 // Registered here, on the reader thread, before any ack
                 // or cancel for it can arrive.
                 let send_window = window.map(|w| files::open_read(id, w));
-                spawn_worker(reply, id, "read-file", true, move |r| {
+                spawn_worker(reply, id, "read-file", move |r| {
                     let read = files::read_file(r, id, &path, max_bytes, send_window.as_deref());
                     if send_window.is_some() {
                         files::close_read(id);
@@ -167,7 +157,7 @@ impl Server {
                 recursive,
                 max_entries,
             } => {
-                spawn_worker(reply, id, "list-files", true, move |r| {
+                spawn_worker(reply, id, "list-files", move |r| {
                     r.done(id, files::list(&path, recursive, max_entries)?);
                     Ok(())
                 });
@@ -177,13 +167,13 @@ impl Server {
                 path,
                 recursive,
             } => {
-                spawn_worker(reply, id, "delete-file", true, move |r| {
+                spawn_worker(reply, id, "delete-file", move |r| {
                     r.done(id, files::delete(&path, recursive)?);
                     Ok(())
                 });
             }
             Message::PathCall { id, call } => {
-                spawn_worker(reply, id, "path-call", true, move |r| {
+                spawn_worker(reply, id, "path-call", move |r| {
                     r.done(id, files::path_call(call)?);
                     Ok(())
                 });
@@ -200,7 +190,7 @@ impl Server {
             },
             Message::ProcessCall { id, pid, call } => {
                 // Input may wait for the command to read it.
-                spawn_worker(reply, id, "process-call", false, move |r| {
+                spawn_worker(reply, id, "process-call", move |r| {
                     r.done(id, processes::call(pid, call, &body)?);
                     Ok(())
                 });
@@ -216,7 +206,7 @@ impl Server {
                     Ok(stop) => stop,
                     Err(e) => return reply.error(id, e),
                 };
-                spawn_worker(reply, id, "watch-dir", true, move |r| {
+                spawn_worker(reply, id, "watch-dir", move |r| {
                     let watched = watch::run(r, id, &path, recursive, &stop);
                     watch::unregister(id);
                     watched
@@ -229,13 +219,13 @@ impl Server {
                 read_only,
             } => {
                 // As root: mounting is the host's to ask, not the user's.
-                spawn_worker(reply, id, "mount-volume", false, move |r| {
+                spawn_worker(reply, id, "mount-volume", move |r| {
                     r.done(id, volumes::mount(&serial, &path, read_only)?);
                     Ok(())
                 });
             }
             Message::SyncVolume { id, path, unmount } => {
-                spawn_worker(reply, id, "sync-volume", false, move |r| {
+                spawn_worker(reply, id, "sync-volume", move |r| {
                     r.done(id, volumes::sync(&path, unmount)?);
                     Ok(())
                 });
@@ -297,12 +287,6 @@ impl Server {
                 .name("write-file".into())
                 .spawn(move || {
                     let outcome = catch_unwind(AssertUnwindSafe(|| {
-                        files::become_user().map_err(|e| {
-                            AgentError::new(
-                                ErrorKind::Io,
-                                format!("cannot switch to the guest user: {e}"),
-                            )
-                        })?;
                         files::write_file(&path, size, mode, rx)
                     }));
                     match outcome {

@@ -66,8 +66,8 @@ pub struct Sandbox<'a> {
     pub cwd: &'a CStr,
     /// An open descriptor of the command's cgroup directory.
     pub cgroup: Option<RawFd>,
-    /// RLIMIT_NPROC; 0 = unlimited.
-    pub nproc: u32,
+    /// RLIMIT_NPROC (0 = unlimited); `None` keeps the agent's.
+    pub nproc: Option<u32>,
     /// When the command's time is up: a shell the user keeps stopping
     /// before its `execve` is killed then (see `reaper`).
     pub deadline: Option<Instant>,
@@ -499,16 +499,18 @@ fn enter_and_exec(a: &ChildArgs<'_>) -> Result<(), i32> {
         // (Nor are they exempt from the OOM killer: only the agent is, as
         // the global init.)
         libc::setpriority(libc::PRIO_PROCESS, 0, 0);
-        let lim = if s.nproc == 0 {
-            libc::RLIM_INFINITY
-        } else {
-            libc::rlim_t::from(s.nproc)
-        };
-        let rl = libc::rlimit {
-            rlim_cur: lim,
-            rlim_max: lim,
-        };
-        check(libc::setrlimit(libc::RLIMIT_NPROC, &rl) as libc::c_long)?;
+        if let Some(nproc) = s.nproc {
+            let lim = if nproc == 0 {
+                libc::RLIM_INFINITY
+            } else {
+                libc::rlim_t::from(nproc)
+            };
+            let rl = libc::rlimit {
+                rlim_cur: lim,
+                rlim_max: lim,
+            };
+            check(libc::setrlimit(libc::RLIMIT_NPROC, &rl) as libc::c_long)?;
+        }
         // Raw syscalls: glibc's setuid would broadcast to "all threads",
         // and this child is one thread sharing the agent's memory.
         let groups = [s.gid as libc::gid_t];

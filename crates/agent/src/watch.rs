@@ -1,38 +1,36 @@
 //! Watching a directory for changes ([`Message::WatchDir`]), with inotify.
 //!
-//! A watch runs on a thread of its own that has switched its file
-//! credentials to the guest user (see `files::become_user`) before it adds
-//! a single inotify watch: the kernel decides what the user may watch (it
-//! needs read permission on each directory), as it decides every other file
-//! call. A recursive watch adds every directory under the watched one, and
+//! A watch is carried out by a process of the guest user's (see `files`):
+//! the kernel decides what the user may watch (it needs read permission on
+//! each directory), as it decides every other file call. The agent's thread
+//! relays what that process sends. A recursive watch adds every directory under the watched one, and
 //! each directory made or moved in later, so a tree is followed as it grows.
 //!
-//! The thread reads the kernel's events, names them relative to the watched
-//! directory, and sends those of one read as one [`Message::WatchEvents`]
-//! frame. It ends when the host cancels it, when its session ends, when the
+//! The process reads the kernel's events, names them relative to the
+//! watched directory, and sends those of one read as one frame, which the
+//! agent sends on as one [`Message::WatchEvents`]. A watch ends when the
+//! host cancels it, when its session ends (its process is killed), when the
 //! watched directory goes, or when the kernel's queue overflowed (events
 //! were lost: the watch says so rather than going on with a gap).
 
 use crate::channel::Reply;
-use crate::files::io_error;
+use crate::files::{self, io_error, link::write_frame, link::Frame, WatchFrame};
 use crate::sys::{self, lock, EventFd};
 use sandpit_protocol::{
-    resolve_guest_path, AgentError, DoneResult, ErrorKind, Message, RequestId, WatchEvent,
-    WatchEventKind,
+    AgentError, DoneResult, ErrorKind, Message, RequestId, WatchEvent, WatchEventKind,
 };
 use std::collections::HashMap;
 use std::ffi::OsStr;
-use std::io;
+use std::io::{self, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-/// Most watches open at once. Each is an inotify instance counted against
-/// root's `fs.inotify.max_user_instances` (128 by default, shared with the
-/// guest's own root processes): past this many, a new watch is refused by
-/// name rather than with the kernel's bare "too many open files".
+/// Most watches open at once, each a process and an inotify instance of the
+/// guest user's (counted against `fs.inotify.max_user_instances`, 128 by
+/// default, with the user's own programs' instances).
 const MAX_WATCHES: usize = 64;
 
 /// Most directories one recursive watch follows.
@@ -98,8 +96,8 @@ pub fn stop_sessions_before(gen: u64) {
     }
 }
 
-/// Watch `path` until stopped: [`Message::Watching`], then the events.
-/// Runs as the guest user.
+/// Watch `path` until stopped: [`Message::Watching`], then the events, as
+/// the watch's process (the guest user's, see `files`) sends them.
 pub fn run(
     reply: &Reply,
     id: RequestId,
@@ -107,32 +105,9 @@ pub fn run(
     recursive: bool,
     stop: &Stop,
 ) -> Result<(), AgentError> {
-    let root = PathBuf::from(resolve_guest_path(path)?);
-    let meta = std::fs::metadata(&root).map_err(|e| io_error(&e, path))?;
-    if !meta.is_dir() {
-        return Err(AgentError::new(
-            ErrorKind::NotADirectory,
-            format!("{path}: not a directory"),
-        ));
-    }
-    let mut tree = Tree::new(recursive)?;
-    let root_wd = tree.add(&root, PathBuf::new(), true)?;
-    if recursive {
-        tree.add_below(&root, Path::new(""), None)?;
-    }
-    reply.send(
-        &Message::Watching {
-            id,
-            path: root.to_string_lossy().into_owned(),
-        },
-        &[],
-    );
-    let mut buf = vec![0u8; 64 * 1024];
+    let mut process = files::start_watch(path, recursive)?;
     loop {
-        let mut fds = [
-            sys::pollin(tree.fd.as_raw_fd()),
-            sys::pollin(stop.wake.raw()),
-        ];
+        let mut fds = [sys::pollin(process.fd()), sys::pollin(stop.wake.raw())];
         sys::poll(&mut fds, Some(SESSION_CHECK)).map_err(|e| io_error(&e, "a watch"))?;
         if sys::ready(&fds[1]) {
             reply.done(id, DoneResult::Cancelled);
@@ -144,6 +119,41 @@ pub fn run(
         if !sys::ready(&fds[0]) {
             continue;
         }
+        let message = match process.next()? {
+            WatchFrame::Watching { path } => Message::Watching { id, path },
+            WatchFrame::Events(events) => Message::WatchEvents { id, events },
+        };
+        reply.send(&message, &[]);
+    }
+}
+
+/// The watch itself, in its process: [`Frame::Watching`] once the watches
+/// are in place, then [`Frame::Events`] as the kernel reports them, until
+/// the watch must end (its error is the outcome) or the process is killed.
+/// `root` is resolved.
+pub fn serve(out: &mut impl Write, root: &str, recursive: bool) -> Result<DoneResult, AgentError> {
+    let gone = |e: io::Error| io_error(&e, "the agent's end");
+    let root = PathBuf::from(root);
+    let meta = std::fs::metadata(&root).map_err(|e| io_error(&e, &root.to_string_lossy()))?;
+    if !meta.is_dir() {
+        return Err(AgentError::new(
+            ErrorKind::NotADirectory,
+            format!("{}: not a directory", root.display()),
+        ));
+    }
+    let mut tree = Tree::new(recursive)?;
+    let root_wd = tree.add(&root, PathBuf::new(), true)?;
+    if recursive {
+        tree.add_below(&root, Path::new(""), None)?;
+    }
+    let watching = Frame::Watching {
+        path: root.to_string_lossy().into_owned(),
+    };
+    write_frame(out, &watching).map_err(gone)?;
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let mut fds = [sys::pollin(tree.fd.as_raw_fd())];
+        sys::poll(&mut fds, None).map_err(|e| io_error(&e, "a watch"))?;
         let n = match sys::read_fd(tree.fd.as_raw_fd(), &mut buf) {
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
@@ -152,13 +162,7 @@ pub fn run(
         let mut events = Vec::new();
         let outcome = tree.take(&root, root_wd, &buf[..n], &mut events);
         for batch in events.chunks(EVENTS_PER_FRAME) {
-            reply.send(
-                &Message::WatchEvents {
-                    id,
-                    events: batch.to_vec(),
-                },
-                &[],
-            );
+            write_frame(out, &Frame::Events(batch.to_vec())).map_err(gone)?;
         }
         outcome?;
     }

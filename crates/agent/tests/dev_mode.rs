@@ -436,6 +436,60 @@ fn serves_the_protocol_end_to_end() {
         matches!(&a.collect(11)[0].1.message, Message::Error { error, .. } if error.kind == ErrorKind::PermissionDenied)
     );
 
+    // Nor are the agent's own /proc files, which the kernel would let any
+    // thread of the agent read: only the user's own process is refused
+    // alike (read, listed, or through /proc/self, which is the reader's).
+    let agent = a.child.id();
+    for (id, path, list) in [
+        (30, format!("/proc/{agent}/maps"), false),
+        (31, format!("/proc/{agent}/environ"), false),
+        (32, format!("/proc/{agent}/fd"), true),
+    ] {
+        let m = if list {
+            Message::ListFiles {
+                id,
+                path: path.clone(),
+                recursive: false,
+                max_entries: 10,
+            }
+        } else {
+            Message::ReadFile {
+                id,
+                path: path.clone(),
+                max_bytes: 1 << 20,
+                window: None,
+            }
+        };
+        a.send(m, b"");
+        let answer = a.collect(id).remove(0).1.message;
+        assert!(
+            matches!(&answer, Message::Error { error, .. } if error.kind == ErrorKind::PermissionDenied),
+            "{path}: {answer:?}"
+        );
+    }
+    a.send(
+        Message::ReadFile {
+            id: 33,
+            path: "/proc/self/status".into(),
+            max_bytes: 1 << 20,
+            window: None,
+        },
+        b"",
+    );
+    let status: Vec<u8> = a
+        .collect(33)
+        .iter()
+        .filter(|(_, f)| matches!(f.message, Message::FileData { .. }))
+        .flat_map(|(_, f)| f.body.clone())
+        .collect();
+    let status = String::from_utf8_lossy(&status);
+    assert!(status.contains("Name:\tsandpit-files\n"), "{status}");
+    assert!(
+        status.contains("\nUid:\t1000\t1000\t1000\t1000\n"),
+        "{status}"
+    );
+    assert!(status.contains("\nCapEff:\t0000000000000000\n"), "{status}");
+
     a.send(
         Message::ListFiles {
             id: 12,

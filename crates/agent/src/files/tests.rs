@@ -2,7 +2,11 @@
 
 use super::*;
 use crate::channel::Outbox;
+use sandpit_protocol::{FileKind, CHUNK_LEN};
+use std::fs;
 use std::os::unix::fs::symlink;
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
 use std::sync::mpsc;
 
 fn scratch(name: &str) -> PathBuf {
@@ -274,11 +278,18 @@ fn listings_are_sorted_never_follow_symlinks_and_truncate() {
 
     let one = list(&s(&d.join("a/b/f.txt")), true, 10).unwrap();
     assert_eq!(names(&one), vec![("f.txt".into(), FileKind::File, 5)]);
-    let link = list(&s(&d.join("a/root-link")), true, 10).unwrap();
-    assert_eq!(
-        names(&link),
-        vec![("root-link".into(), FileKind::Symlink, 0)]
-    );
+    // A symlink named as the root: followed to a directory, as `ls` does
+    // (its entries' symlinks still are not); described when it leads to a
+    // file or nowhere.
+    symlink(d.join("a/b"), d.join("b-link")).unwrap();
+    let link = list(&s(&d.join("b-link")), true, 10).unwrap();
+    assert_eq!(names(&link), vec![("f.txt".into(), FileKind::File, 5)]);
+    symlink(d.join("a/b/f.txt"), d.join("f-link")).unwrap();
+    symlink(d.join("nowhere"), d.join("dangling")).unwrap();
+    for name in ["f-link", "dangling"] {
+        let link = list(&s(&d.join(name)), true, 10).unwrap();
+        assert_eq!(names(&link), vec![(name.into(), FileKind::Symlink, 0)]);
+    }
     assert_eq!(
         list(&s(&d.join("missing")), false, 1).unwrap_err().kind,
         ErrorKind::NotFound

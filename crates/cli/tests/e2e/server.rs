@@ -142,6 +142,55 @@ fn the_agent_flow_over_rest() {
         let (st, l) = api.get(&format!("/sandboxes/{id}/files?path=/workspace&list=true&recursive=true")).await;
         assert_eq!(st, 200, "{l}");
         assert!(l["entries"].as_array().unwrap().iter().any(|e| e["name"] == "out.txt"));
+        // The file API has the user's rights and no more: the agent's own
+        // /proc files (PID 1's) answer as the user's `cat` and `ls` do,
+        // read or listed, raw or not, and through a symlink the user made;
+        // /proc/self names the reader, the user's own; world-readable files
+        // and the user's own still read, and a write goes where the user
+        // may write, and nowhere else.
+        api.sh(&id, "ln -s /proc/1/maps agent-maps").await;
+        assert_eq!(
+            api.sh(&id, "for c in 'cat /proc/1/maps' 'ls /proc/1/fd' 'cat agent-maps'; do $c >/dev/null 2>&1 && echo read || echo refused; done").await,
+            "refused\nrefused\nrefused"
+        );
+        let raw = |path: &str| {
+            api.http
+                .get(format!("{}/v1/sandboxes/{id}/files?path={path}", api.url))
+                .header(reqwest::header::ACCEPT, "application/octet-stream")
+                .bearer_auth(&api.key)
+                .send()
+        };
+        for path in ["/proc/1/maps", "/proc/1/smaps", "/proc/1/exe", "/proc/1/fdinfo/3", "/proc/1/environ", "agent-maps"] {
+            let (st, err) = api.get(&format!("/sandboxes/{id}/files?path={path}")).await;
+            assert_eq!(st, 403, "{path}: {err}");
+            assert_eq!(err["error"]["type"], "forbidden", "{path}: {err}");
+            let answer = raw(path).await.unwrap();
+            assert_eq!(answer.status().as_u16(), 403, "raw {path}");
+        }
+        for dir in ["/proc/1/fd", "/proc/1/fdinfo", "/proc/1/map_files", "/proc/1/task/1/fd"] {
+            let (st, err) = api.get(&format!("/sandboxes/{id}/files?path={dir}&list=true")).await;
+            assert_eq!(st, 403, "{dir}: {err}");
+        }
+        let (st, f) = api.get(&format!("/sandboxes/{id}/files?path=/proc/self/status")).await;
+        assert_eq!(st, 200, "{f}");
+        let status = f["content"].as_str().unwrap_or_default();
+        assert!(status.contains("\nUid:\t1000\t1000\t1000\t1000\n"), "{status}");
+        assert!(status.contains("\nCapEff:\t0000000000000000\n"), "{status}");
+        let answer = raw("/etc/os-release").await.unwrap();
+        assert_eq!(answer.status().as_u16(), 200);
+        assert!(String::from_utf8_lossy(&answer.bytes().await.unwrap()).contains("Debian"));
+        let files = format!("/sandboxes/{id}/files");
+        let put = |path: &'static str| {
+            api.call(
+                reqwest::Method::PUT,
+                &files,
+                Some(json!({"path": path, "content": "mine", "encoding": "utf8"})),
+            )
+        };
+        assert_eq!(put("/tmp/mine.txt").await.0, 200);
+        assert_eq!(api.sh(&id, "stat -c %U:%s /tmp/mine.txt").await, "user:4");
+        let (st, err) = put("/etc/not-mine.txt").await;
+        assert_eq!(st, 403, "{err}");
         let (st, e) = api.post(&format!("/sandboxes/{id}/extend"), json!({"additional_minutes": 5})).await;
         assert_eq!((st, e["timeout_minutes"].as_u64()), (200, Some(15)));
         let (st, u) = api.get("/usage").await;
@@ -278,6 +327,24 @@ async fn mcp_flow<S: rmcp::service::Service<rmcp::RoleClient>>(
         .unwrap()
         .iter()
         .any(|e| e["name"] == "out.txt"));
+    // The agent's own memory map and descriptors are not the user's to
+    // read: refused, as `cat` is, with nothing of them in the answer.
+    for (tool, path) in [("read_file", "/proc/1/maps"), ("list_files", "/proc/1/fd")] {
+        let r = c
+            .call_tool(
+                CallToolRequestParams::new(tool)
+                    .with_arguments(args(json!({"sandbox_id": id, "path": path}))),
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.is_error, Some(true), "{tool} {path}: {r:?}");
+        let text = format!("{:?}", r.content);
+        assert!(
+            text.to_lowercase().contains("permission denied"),
+            "{tool} {path}: {text}"
+        );
+        assert!(!text.contains("sandpit-agent"), "{tool} {path}: {text}");
+    }
     let e = call(
         "extend_sandbox",
         json!({"sandbox_id": id, "additional_minutes": 5}),

@@ -877,3 +877,144 @@ fn a_volume_given_to_a_running_vm_is_mounted_written_and_kept_and_read_only_stay
         let _ = run(&s.vm, off).await;
     });
 }
+
+/// What a file call, or the user's own `head`/`ls`, made of one path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    /// Read or listed (or too large to read whole: there was content).
+    Read,
+    Denied,
+    Missing,
+    Failed,
+}
+
+fn agent_outcome<T>(r: &Result<T, RuntimeError>) -> Outcome {
+    match r {
+        Ok(_) => Outcome::Read,
+        Err(RuntimeError::Agent(e)) => match e.kind {
+            ErrorKind::TooLarge => Outcome::Read,
+            ErrorKind::PermissionDenied => Outcome::Denied,
+            ErrorKind::NotFound => Outcome::Missing,
+            _ => Outcome::Failed,
+        },
+        Err(e) => panic!("the agent did not answer: {e}"),
+    }
+}
+
+/// Every file call has the user's rights, decided by the kernel, even on
+/// the agent's own `/proc` files, which the kernel lets any thread of the
+/// agent read whatever its credentials: each entry of `/proc/1` (the
+/// agent; two levels), `/proc/1/task/1`, `/proc/self` and
+/// `/proc/thread-self` (which name whoever reads them) is read, or listed,
+/// through the agent and by the user's own `head` or `ls`, and the two
+/// must answer alike. A symlink the user made to the agent's memory map is
+/// no way round.
+#[test]
+fn file_calls_answer_as_the_user_would_on_every_proc_entry_of_the_agent() {
+    let s = vm();
+    block(async {
+        // The entries, found as root (the user may not list /proc/1/fd).
+        let mut find = req("{ find /proc/1 -mindepth 1 -maxdepth 2 -path '/proc/1/task/*' -prune -o -printf '%y %p\\n'; \
+             find /proc/1/task/1 /proc/self/ /proc/thread-self/ -mindepth 1 -maxdepth 1 -printf '%y %p\\n'; } \
+             | grep -v -e ' /proc/self/fd/' -e ' /proc/self/fdinfo/' -e ' /proc/self/task/' -e ' /proc/thread-self/fd/'");
+        find.as_root = true;
+        find.cwd = Some("/".into());
+        let found = s.vm.agent.exec_collect(find).await.expect("find as root");
+        let listing = String::from_utf8_lossy(&found.stdout).into_owned();
+        let mut entries: Vec<(bool, String)> = listing
+            .lines()
+            .filter_map(|l| l.split_once(' '))
+            .map(|(kind, path)| (kind == "d", path.trim_end_matches('/').to_string()))
+            .collect();
+        sh(
+            &s.vm,
+            "ln -sfn /proc/1/maps /workspace/agent-maps; ln -sfn /proc/1/fd /workspace/agent-fds",
+        )
+        .await;
+        entries.push((false, "/workspace/agent-maps".into()));
+        entries.push((true, "/workspace/agent-fds".into()));
+        assert!(entries.len() > 200, "too few entries found: {listing}");
+
+        // The user's answers, in one command.
+        let script = entries
+            .iter()
+            .map(|(dir, p)| format!("{} {p}", if *dir { 'd' } else { 'f' }))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let user = sh(
+            &s.vm,
+            &format!(
+                "while read -r kind p; do \
+                   if [ \"$kind\" = d ]; then err=$(ls -- \"$p\" 2>&1 >/dev/null); \
+                   else err=$(head -c 65536 -- \"$p\" 2>&1 >/dev/null); fi; \
+                   code=$?; \
+                   case \"$err\" in *'Permission denied'*|*'not permitted'*) o=denied;; \
+                     *'No such file'*) o=missing;; *) [ $code = 0 ] && o=read || o=failed;; esac; \
+                   printf '%s %s\\n' \"$o\" \"$p\"; \
+                 done <<'EOF'\n{script}\nEOF"
+            ),
+        )
+        .await;
+        let users: std::collections::HashMap<String, Outcome> = user
+            .lines()
+            .filter_map(|l| l.split_once(' '))
+            .map(|(o, p)| {
+                let o = match o {
+                    "read" => Outcome::Read,
+                    "denied" => Outcome::Denied,
+                    "missing" => Outcome::Missing,
+                    _ => Outcome::Failed,
+                };
+                (p.to_string(), o)
+            })
+            .collect();
+        assert_eq!(users.len(), entries.len(), "{user}");
+
+        // The agent's, the same paths through its file calls.
+        let mut differ = Vec::new();
+        let mut counts = std::collections::BTreeMap::new();
+        for (dir, p) in &entries {
+            let agent = if *dir {
+                agent_outcome(&s.vm.agent.list_files(p, false, 10_000).await)
+            } else {
+                agent_outcome(&s.vm.agent.read_file(p, 1 << 20).await)
+            };
+            let theirs = users[p];
+            *counts.entry(format!("{theirs:?}")).or_insert(0) += 1;
+            // The agent's descriptors come and go with its requests (this
+            // walk's among them): one there for the user's look and gone for
+            // the agent's is refused to one and missing to the other, the
+            // kernel's answers alike.
+            let passing = ["/fd/", "/fdinfo/", "/map_files/"]
+                .iter()
+                .any(|d| p.contains(d));
+            let nothing = |o: Outcome| matches!(o, Outcome::Denied | Outcome::Missing);
+            if agent != theirs && !(passing && nothing(agent) && nothing(theirs)) {
+                differ.push(format!("{p}: the agent {agent:?}, the user {theirs:?}"));
+            }
+        }
+        assert!(
+            differ.is_empty(),
+            "{} of {} paths answered otherwise than for the user:\n{}",
+            differ.len(),
+            entries.len(),
+            differ.join("\n")
+        );
+        // The walk met both kinds, and the ones the issue named.
+        assert!(
+            counts.get("Denied").copied().unwrap_or(0) > 20,
+            "{counts:?}"
+        );
+        assert!(counts.get("Read").copied().unwrap_or(0) > 50, "{counts:?}");
+        for denied in [
+            "/proc/1/maps",
+            "/proc/1/exe",
+            "/proc/1/fd",
+            "/proc/1/map_files",
+            "/workspace/agent-maps",
+        ] {
+            assert_eq!(users.get(denied), Some(&Outcome::Denied), "{denied}");
+        }
+        sh(&s.vm, "rm /workspace/agent-maps /workspace/agent-fds").await;
+    });
+}
