@@ -40,11 +40,8 @@ fn long_dir(root: &Path, name: &str, len: usize, make: bool) -> PathBuf {
         // Each part within the 255 bytes a file name may have.
         let part = left.min(200);
         dir.push("p".repeat(part));
-        left -= part;
-        if left > 0 {
-            // The next part's separator.
-            left -= 1;
-        }
+        // The next part comes after its separator.
+        left = left.saturating_sub(part + 1);
     }
     let dir = dir.join(name);
     assert_eq!(dir.as_os_str().len(), len, "{}", dir.display());
