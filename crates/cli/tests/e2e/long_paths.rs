@@ -98,6 +98,16 @@ fn a_server_a_node_and_mcp_on_200_character_data_directories_restore_snapshot_an
     let api = Rest::new(&server, &key);
     rt().block_on(async {
         api.template_ready().await;
+        let built: Vec<String> = std::fs::read_dir(&templates)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("small-"))
+            .collect();
+        assert_eq!(
+            built.len(),
+            1,
+            "the template, under the long path: {built:?}"
+        );
         let (st, a) = api.post("/sandboxes", json!({"timeout_minutes": 10})).await;
         assert_eq!(st, 201, "{a}");
         let a = a["id"].as_str().unwrap().to_string();
