@@ -201,6 +201,7 @@ fn run(
     let uid = if req.as_root { 0 } else { GUEST_UID };
     let sandbox = Sandbox {
         uid,
+        real_uid: None,
         gid: uid,
         cwd: &c_cwd,
         cgroup: cg.as_ref().map(ExecCgroup::dir_fd),

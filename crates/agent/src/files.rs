@@ -75,8 +75,9 @@ const ACK_PATIENCE: Duration = Duration::from_secs(120);
 const CUT_PATIENCE: Duration = Duration::from_secs(10);
 
 /// A frame no request of this kind answers with.
-fn unexpected(frame: &Frame) -> AgentError {
+pub(crate) fn unexpected(frame: &Frame) -> AgentError {
     let what = match frame {
+        Frame::Started { .. } => "its start",
         Frame::Info { .. } => "a file's size",
         Frame::Data(_) => "data",
         Frame::Watching { .. } | Frame::Events(_) => "a watch's frames",

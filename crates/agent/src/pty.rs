@@ -352,6 +352,7 @@ impl Terminal {
         let cgroup = cgroup::create_exec();
         let sandbox = Sandbox {
             uid: GUEST_UID,
+            real_uid: None,
             gid: GUEST_UID,
             cwd: &cwd,
             cgroup: cgroup.as_ref().map(ExecCgroup::dir_fd),

@@ -59,7 +59,11 @@ use std::time::Instant;
 
 /// Who the shell runs as, where, and in which cgroup.
 pub struct Sandbox<'a> {
+    /// The effective (and filesystem) uid: whose rights the process has.
     pub uid: u32,
+    /// The real and saved uid, when not `uid`: who may signal the process
+    /// (see `files`). Never 0: the process could become root again.
+    pub real_uid: Option<u32>,
     pub gid: u32,
     /// The working directory, entered after dropping to the user (so the
     /// user's permissions decide).
@@ -189,6 +193,25 @@ pub fn spawn(
         stdin: input.map(|(_, w)| w),
         terminal: None,
     })
+}
+
+/// Start `program` as [`spawn`] does, with `stdin` (a descriptor the caller
+/// keeps, e.g. a socket) as its stdin and /dev/null as its stdout and
+/// stderr. Returns its pid and a pidfd.
+pub fn spawn_on(
+    program: &CStr,
+    argv: &[CString],
+    env: &[CString],
+    sandbox: &Sandbox<'_>,
+    stdin: RawFd,
+    on_exit: ExitCallback,
+) -> Result<(u32, OwnedFd), SpawnError> {
+    let devnull = devnull()?.as_raw_fd();
+    let stdio = Stdio {
+        fds: [stdin, devnull, devnull],
+        terminal: false,
+    };
+    start(program, argv, env, sandbox, stdio, on_exit)
 }
 
 /// Start `program` as [`spawn`] does, on the terminal whose slave end is
@@ -520,7 +543,15 @@ fn enter_and_exec(a: &ChildArgs<'_>) -> Result<(), i32> {
             groups.as_ptr(),
         ))?;
         check(libc::syscall(libc::SYS_setgid, s.gid as libc::c_long))?;
-        check(libc::syscall(libc::SYS_setuid, s.uid as libc::c_long))?;
+        match s.real_uid {
+            None => check(libc::syscall(libc::SYS_setuid, s.uid as libc::c_long))?,
+            Some(real) => check(libc::syscall(
+                libc::SYS_setresuid,
+                real as libc::c_long,
+                s.uid as libc::c_long,
+                real as libc::c_long,
+            ))?,
+        }
         a.step.store(Step::Chdir as u8, Ordering::SeqCst);
         check(libc::chdir(s.cwd.as_ptr()) as libc::c_long)?;
         a.step.store(Step::Start as u8, Ordering::SeqCst);

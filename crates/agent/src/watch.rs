@@ -3,7 +3,7 @@
 //! A watch is carried out by a process of the guest user's (see `files`):
 //! the kernel decides what the user may watch (it needs read permission on
 //! each directory), as it decides every other file call. The agent's thread
-//! relays what that process sends. A recursive watch adds every directory under the watched one, and
+//! relays what that process sends, and closes its socket to end it. A recursive watch adds every directory under the watched one, and
 //! each directory made or moved in later, so a tree is followed as it grows.
 //!
 //! The process reads the kernel's events, names them relative to the
@@ -22,7 +22,7 @@ use sandpit_protocol::{
 use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::io::{self, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -129,9 +129,14 @@ pub fn run(
 
 /// The watch itself, in its process: [`Frame::Watching`] once the watches
 /// are in place, then [`Frame::Events`] as the kernel reports them, until
-/// the watch must end (its error is the outcome) or the process is killed.
-/// `root` is resolved.
-pub fn serve(out: &mut impl Write, root: &str, recursive: bool) -> Result<DoneResult, AgentError> {
+/// the watch must end (its error is the outcome), or the agent closes the
+/// request's socket, `peer`. `root` is resolved.
+pub fn serve(
+    out: &mut impl Write,
+    peer: RawFd,
+    root: &str,
+    recursive: bool,
+) -> Result<DoneResult, AgentError> {
     let gone = |e: io::Error| io_error(&e, "the agent's end");
     let root = PathBuf::from(root);
     let meta = std::fs::metadata(&root).map_err(|e| io_error(&e, &root.to_string_lossy()))?;
@@ -152,8 +157,20 @@ pub fn serve(out: &mut impl Write, root: &str, recursive: bool) -> Result<DoneRe
     write_frame(out, &watching).map_err(gone)?;
     let mut buf = vec![0u8; 64 * 1024];
     loop {
-        let mut fds = [sys::pollin(tree.fd.as_raw_fd())];
+        // The socket asked for nothing: poll reports its hang-up alone.
+        let closed = libc::pollfd {
+            fd: peer,
+            events: 0,
+            revents: 0,
+        };
+        let mut fds = [sys::pollin(tree.fd.as_raw_fd()), closed];
         sys::poll(&mut fds, None).map_err(|e| io_error(&e, "a watch"))?;
+        if fds[1].revents & (libc::POLLHUP | libc::POLLERR) != 0 {
+            return Err(AgentError::new(ErrorKind::Io, "the agent ended the watch"));
+        }
+        if !sys::ready(&fds[0]) {
+            continue;
+        }
         let n = match sys::read_fd(tree.fd.as_raw_fd(), &mut buf) {
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,

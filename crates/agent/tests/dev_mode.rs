@@ -485,7 +485,7 @@ fn serves_the_protocol_end_to_end() {
     let status = String::from_utf8_lossy(&status);
     assert!(status.contains("Name:\tsandpit-files\n"), "{status}");
     assert!(
-        status.contains("\nUid:\t1000\t1000\t1000\t1000\n"),
+        status.contains("\nUid:\t60001\t1000\t60001\t1000\n"),
         "{status}"
     );
     assert!(status.contains("\nCapEff:\t0000000000000000\n"), "{status}");

@@ -583,6 +583,27 @@ pub async fn run(settings: &Settings, a: BenchArgs) -> Result<i32> {
             execs.push(t.elapsed().as_secs_f64() * 1000.0);
             in_guest.push(shell_ms(&out.result));
         }
+        // Small files: each call is a process of the guest user's in the
+        // guest (see the agent's `files`), so their round trips are
+        // measured against the empty request's.
+        let small = vec![b'x'; 1024];
+        let (mut small_writes, mut small_reads, mut stats) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..a.execs {
+            let t = Instant::now();
+            vm.agent.write_file("small.txt", &small, None).await?;
+            small_writes.push(t.elapsed().as_secs_f64() * 1000.0);
+            let t = Instant::now();
+            let (_, back) = vm.agent.read_file("small.txt", 4096).await?;
+            small_reads.push(t.elapsed().as_secs_f64() * 1000.0);
+            anyhow::ensure!(back == small, "a small file read back differs");
+            let t = Instant::now();
+            vm.agent
+                .path_call(sandpit_protocol::PathCall::Stat {
+                    path: "small.txt".into(),
+                })
+                .await?;
+            stats.push(t.elapsed().as_secs_f64() * 1000.0);
+        }
         let payload: Vec<u8> = (0..16 * 1024 * 1024u32)
             .map(|i| (i * 7 + 3) as u8)
             .collect();
@@ -597,11 +618,31 @@ pub async fn run(settings: &Settings, a: BenchArgs) -> Result<i32> {
             reads.push(mb / t.elapsed().as_secs_f64());
             anyhow::ensure!(back == payload, "read back differs from what was written");
         }
-        anyhow::Ok((pings, execs, in_guest, writes, reads))
+        anyhow::Ok((
+            pings,
+            execs,
+            in_guest,
+            writes,
+            reads,
+            [small_writes, small_reads, stats],
+        ))
     }
     .await;
     m.destroy(&id).await?;
-    let (pings, execs, in_guest, writes, reads) = result?;
+    let (pings, execs, in_guest, writes, reads, small) = result?;
+    let ping_ms = median(pings.clone());
+    for (what, times) in ["write 1 KiB", "read 1 KiB", "stat"].iter().zip(small) {
+        let ms = median(times.clone());
+        row(
+            &mut rows,
+            format!("{what} round trip, direct ({} runs)", times.len()),
+            format!(
+                "{ms:.2} ms ({:.1}x an empty request to the agent; p90 {:.2} ms)",
+                ms / ping_ms,
+                percentile(&times, 0.9)
+            ),
+        );
+    }
     let exec_ms = median(execs.clone());
     row(
         &mut rows,

@@ -1,11 +1,12 @@
 //! What the agent and a file process say to each other.
 //!
-//! The agent writes one [`Request`] as a JSON line on the process's stdin,
-//! then, for a write, the file's bytes. The process answers on its stdout
-//! with [`Frame`]s: a tag byte, a little-endian u32 length, then the
-//! payload (the bytes themselves for [`Frame::Data`], JSON for the others).
-//! The last frame of a request is [`Frame::Done`]; a watch sends frames
-//! until it is killed.
+//! Each request has a socket of its own. The agent writes one [`Request`]
+//! on it as a JSON line, then, for a write, the file's bytes, and shuts its
+//! writing side. The process answers with [`Frame`]s: a tag byte, a
+//! little-endian u32 length, then the payload (the bytes themselves for
+//! [`Frame::Data`], JSON for the others). The first frame is
+//! [`Frame::Started`], the last [`Frame::Done`]; a watch sends frames until
+//! the agent closes its socket.
 //!
 //! The agent trusts none of it beyond its shape: the process runs as the
 //! guest user, whose other processes may signal it, so a frame that is
@@ -58,6 +59,9 @@ pub enum Request {
 /// One answer frame of a file process.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Frame {
+    /// The request has a process: its pid, to kill it by when the request
+    /// ends first (none on a thread of the agent's).
+    Started { pid: Option<u32> },
     /// A read's file and size, before its data.
     Info { path: String, size: u64 },
     /// A piece of a read's data, at most [`CHUNK_LEN`] bytes.
@@ -76,6 +80,7 @@ struct InfoBody {
     size: u64,
 }
 
+const TAG_STARTED: u8 = b'S';
 const TAG_INFO: u8 = b'I';
 const TAG_DATA: u8 = b'D';
 const TAG_WATCHING: u8 = b'W';
@@ -95,6 +100,7 @@ pub fn encode_request(request: &Request) -> Vec<u8> {
 /// Write `frame` to `out` as one tag, length and payload.
 pub fn write_frame(out: &mut impl Write, frame: &Frame) -> io::Result<()> {
     let (tag, payload): (u8, std::borrow::Cow<'_, [u8]>) = match frame {
+        Frame::Started { pid } => (TAG_STARTED, json(pid).into()),
         Frame::Info { path, size } => (
             TAG_INFO,
             json(&InfoBody {
@@ -146,6 +152,9 @@ pub fn read_frame(input: &mut impl Read) -> Result<Option<Frame>, AgentError> {
     })?;
     let parsed = |what: &str| broken(format!("{what} is not what it should be"));
     Ok(Some(match head[0] {
+        TAG_STARTED => Frame::Started {
+            pid: serde_json::from_slice(&payload).map_err(|_| parsed("a pid"))?,
+        },
         TAG_INFO => {
             let InfoBody { path, size } =
                 serde_json::from_slice(&payload).map_err(|_| parsed("a file's size"))?;
@@ -177,6 +186,8 @@ mod tests {
     #[test]
     fn frames_round_trip_and_broken_ones_are_errors() {
         let frames = vec![
+            Frame::Started { pid: Some(41) },
+            Frame::Started { pid: None },
             Frame::Info {
                 path: "/a b".into(),
                 size: 3,

@@ -276,8 +276,12 @@ impl Ord for Pending {
     }
 }
 
+/// The entries of `dir`, pushed; a directory that opens but refuses to be
+/// read (the kernel checks some `/proc` directories at `getdents`) is an
+/// error, as it is to `ls`.
 fn push_children(dir: &Path, prefix: &str, heap: &mut BinaryHeap<Pending>) -> io::Result<()> {
-    for entry in fs::read_dir(dir)?.flatten() {
+    for entry in fs::read_dir(dir)? {
+        let entry = entry?;
         let file_name = entry.file_name();
         let lossy = file_name.to_string_lossy();
         // d_type, or lstat when the filesystem does not fill it in.

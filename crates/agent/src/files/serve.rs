@@ -1,46 +1,112 @@
-//! The file process's side: read one [`Request`], carry it out, answer
-//! with [`Frame`]s (see `link`).
+//! The user's side: the file server, and one request's process.
 //!
-//! In a VM this runs in a process of its own, the agent's binary started as
-//! the guest user with [`PROCESS_ARG`]; where the agent is not root (in
-//! development, and in unit tests) on a thread of the agent, as whoever the
-//! agent is.
+//! In a VM the file server is the agent's binary started as the guest user
+//! with [`PROCESS_ARG`]: one small single-threaded process whose stdin is a
+//! socket from the agent. Each message on it carries one request's socket;
+//! the server forks a process for it (a fork of a small single-threaded
+//! process, no `execve`: a millisecond, where starting the binary anew took
+//! tens under emulation), which reads the request, carries it out, answers
+//! on the socket and exits. The server's children are reaped by the kernel
+//! (SIGCHLD ignored); the server exits when the agent closes its socket.
+//!
+//! Where the agent is not root (in development, and in unit tests) a
+//! request is served on a thread of the agent, as whoever the agent is.
 
 use super::link::{self, Frame, Request};
 use super::ops;
-use sandpit_protocol::{AgentError, ErrorKind};
-use std::fs::File;
-use std::io::{self, BufRead, BufReader, BufWriter, Write};
-use std::os::fd::FromRawFd;
+use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+use sandpit_protocol::{AgentError, ErrorKind, CHUNK_LEN};
+use std::io::{self, BufRead, BufReader, BufWriter, IoSliceMut};
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+use std::os::unix::net::UnixStream;
 
-/// The argument that makes the agent's binary a file process.
-pub const PROCESS_ARG: &str = "--file-process";
+/// The argument that makes the agent's binary the file server.
+pub const PROCESS_ARG: &str = "--file-server";
 
 /// The longest request line taken (paths are at most 4 KiB each).
 const MAX_REQUEST_LINE: u64 = 64 * 1024;
 
-/// The file process's `main`: stdin and stdout are the agent's pipes.
+/// The file server's `main`: stdin is the agent's socket.
 pub fn main() -> ! {
-    // Its name in `ps` (exec'd through a descriptor, it would be the
-    // descriptor's number).
-    // SAFETY: prctl with a NUL-terminated name of at most 16 bytes.
-    unsafe { libc::prctl(libc::PR_SET_NAME, c"sandpit-files".as_ptr()) };
-    // SAFETY: descriptors 0 and 1 are the pipes the agent gave this
-    // process, owned by nothing else here.
-    let (input, output) = unsafe { (File::from_raw_fd(0), File::from_raw_fd(1)) };
-    let mut input = BufReader::with_capacity(sandpit_protocol::CHUNK_LEN, input);
-    let mut output = BufWriter::with_capacity(sandpit_protocol::CHUNK_LEN + 64, output);
-    let code = match serve(&mut input, &mut output) {
-        Ok(()) => 0,
-        Err(_) => 1, // the agent's end is gone: nobody to tell
-    };
-    std::process::exit(code)
+    // SAFETY: prctl with a NUL-terminated name of at most 16 bytes, and
+    // signal() setting a disposition: plain syscalls.
+    unsafe {
+        // Its name in `ps` (exec'd through a descriptor, it would be the
+        // descriptor's number).
+        libc::prctl(libc::PR_SET_NAME, c"sandpit-files".as_ptr());
+        // Its children are reaped by the kernel.
+        libc::signal(libc::SIGCHLD, libc::SIG_IGN);
+        // `execve` made the saved uid the effective one, the user's: back
+        // to the real one, so that the user's processes may not signal
+        // this one (see `user_process`).
+        let real = libc::getuid();
+        if real != libc::geteuid() {
+            libc::setresuid(libc::uid_t::MAX, libc::uid_t::MAX, real);
+            // Unequal uids left it non-dumpable, its `/proc` entries root's:
+            // then a request could not read its own `/proc/self`, as any
+            // process of the user's does. Dumpable, they are its effective
+            // uid's, the user's; the kernel still lets nothing of the user's
+            // attach to it or read its memory (that needs the real and saved
+            // uids to be the user's too).
+            libc::prctl(libc::PR_SET_DUMPABLE, 1);
+        }
+    }
+    loop {
+        let mut byte = [0u8; 1];
+        let mut iov = [IoSliceMut::new(&mut byte)];
+        let mut space = nix::cmsg_space!([RawFd; 1]);
+        let received = recvmsg::<()>(0, &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC);
+        let message = match received {
+            Ok(m) => m,
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(_) => std::process::exit(1),
+        };
+        if message.bytes == 0 {
+            std::process::exit(0); // the agent closed its end
+        }
+        let Ok(cmsgs) = message.cmsgs() else {
+            continue;
+        };
+        for cmsg in cmsgs {
+            if let ControlMessageOwned::ScmRights(fds) = cmsg {
+                for fd in fds {
+                    // SAFETY: a descriptor this message gave us, owned by
+                    // nothing else.
+                    fork_for(unsafe { UnixStream::from_raw_fd(fd) });
+                }
+            }
+        }
+    }
 }
 
-/// Read one request from `input` and answer it on `output`.
-pub fn serve(input: &mut impl BufRead, output: &mut impl Write) -> io::Result<()> {
+/// Serve one request's socket in a child of its own.
+fn fork_for(socket: UnixStream) {
+    // SAFETY: the server is single-threaded: the child may do anything.
+    match unsafe { nix::unistd::fork() } {
+        Ok(nix::unistd::ForkResult::Child) => {
+            // SAFETY: the server's socket, not this request's to hold.
+            unsafe { libc::close(0) };
+            let code = match serve(socket, Some(std::process::id())) {
+                Ok(()) => 0,
+                Err(_) => 1, // the agent's end is gone: nobody to tell
+            };
+            std::process::exit(code)
+        }
+        // The parent drops its copy; a failed fork drops the only one, and
+        // the agent, hearing nothing, says so.
+        Ok(nix::unistd::ForkResult::Parent { .. }) | Err(_) => drop(socket),
+    }
+}
+
+/// Answer the one request that comes on `socket`: [`Frame::Started`]
+/// (with `pid`, this process's), then what the request makes.
+pub fn serve(socket: UnixStream, pid: Option<u32>) -> io::Result<()> {
+    let peer = socket.as_raw_fd();
+    let mut output = BufWriter::with_capacity(CHUNK_LEN + 64, socket.try_clone()?);
+    link::write_frame(&mut output, &Frame::Started { pid })?;
+    let mut input = BufReader::with_capacity(CHUNK_LEN, socket);
     let mut line = Vec::new();
-    io::Read::take(&mut *input, MAX_REQUEST_LINE).read_until(b'\n', &mut line)?;
+    io::Read::take(&mut input, MAX_REQUEST_LINE).read_until(b'\n', &mut line)?;
     let request: Request = match serde_json::from_slice(line.trim_ascii_end()) {
         Ok(r) => r,
         Err(e) => {
@@ -48,17 +114,17 @@ pub fn serve(input: &mut impl BufRead, output: &mut impl Write) -> io::Result<()
                 ErrorKind::InvalidRequest,
                 format!("the file process cannot read its request: {e}"),
             );
-            return link::write_frame(output, &Frame::Done(Err(refused)));
+            return link::write_frame(&mut output, &Frame::Done(Err(refused)));
         }
     };
     let outcome = match request {
-        Request::Read { path, max_bytes } => ops::read_file(output, &path, max_bytes),
+        Request::Read { path, max_bytes } => ops::read_file(&mut output, &path, max_bytes),
         Request::Write {
             path,
             size,
             mode,
             sync,
-        } => match ops::write_file(&path, size, mode, sync, input) {
+        } => match ops::write_file(&path, size, mode, sync, &mut input) {
             // The upload was cut: its temporary file is gone, nobody waits.
             Ok(None) => return Ok(()),
             Ok(Some(done)) => Ok(done),
@@ -71,7 +137,9 @@ pub fn serve(input: &mut impl BufRead, output: &mut impl Write) -> io::Result<()
         } => ops::list(&path, recursive, max_entries),
         Request::Delete { path, recursive } => ops::delete(&path, recursive),
         Request::Path { call } => ops::path_call(call),
-        Request::Watch { path, recursive } => crate::watch::serve(output, &path, recursive),
+        Request::Watch { path, recursive } => {
+            crate::watch::serve(&mut output, peer, &path, recursive)
+        }
     };
-    link::write_frame(output, &Frame::Done(outcome))
+    link::write_frame(&mut output, &Frame::Done(outcome))
 }

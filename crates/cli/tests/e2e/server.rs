@@ -174,7 +174,7 @@ fn the_agent_flow_over_rest() {
         let (st, f) = api.get(&format!("/sandboxes/{id}/files?path=/proc/self/status")).await;
         assert_eq!(st, 200, "{f}");
         let status = f["content"].as_str().unwrap_or_default();
-        assert!(status.contains("\nUid:\t1000\t1000\t1000\t1000\n"), "{status}");
+        assert!(status.contains("\nUid:\t60001\t1000\t60001\t1000\n"), "{status}");
         assert!(status.contains("\nCapEff:\t0000000000000000\n"), "{status}");
         let answer = raw("/etc/os-release").await.unwrap();
         assert_eq!(answer.status().as_u16(), 200);

@@ -91,9 +91,17 @@ fn the_agent_survives_what_the_user_does() {
         assert_ne!(out.result.exit_code, Some(0), "{:?}", out.result);
         healthy(&s).await;
 
-        // Kill everything the user can.
-        let _ = run(&s.vm, req_timeout("kill -9 -1", 10_000)).await;
+        // Kill everything the user can: the file server, which has the
+        // user's rights, is not the user's to kill or stop, and serves on.
+        s.vm.agent.write_file("before-kill.txt", b"1", None).await.unwrap();
+        let _ = run(&s.vm, req_timeout("kill -STOP -1; kill -9 -1", 10_000)).await;
         healthy(&s).await;
+        let refused = sh(&s.vm, "kill -STOP $(pgrep -o -x sandpit-files) 2>&1; echo $?").await;
+        assert!(
+            refused.contains("Operation not permitted") && refused.ends_with('1'),
+            "the user stopped the file server: {refused}"
+        );
+        s.vm.agent.write_file("after-kill.txt", b"2", None).await.unwrap();
 
         // A setsid'd process hog keeps running in the background; commands still work.
         sh(&s.vm, "setsid sh -c 'while :; do :; done' >/dev/null 2>&1 & setsid sh -c 'while :; do :; done' >/dev/null 2>&1 & echo ok").await;

@@ -913,10 +913,14 @@ fn agent_outcome<T>(r: &Result<T, RuntimeError>) -> Outcome {
 fn file_calls_answer_as_the_user_would_on_every_proc_entry_of_the_agent() {
     let s = vm();
     block(async {
-        // The entries, found as root (the user may not list /proc/1/fd).
+        // The entries, found as root (the user may not list /proc/1/fd),
+        // with the file server's own (a file call has started it).
+        s.vm.agent.write_file("walk.txt", b"", None).await.unwrap();
         let mut find = req("{ find /proc/1 -mindepth 1 -maxdepth 2 -path '/proc/1/task/*' -prune -o -printf '%y %p\\n'; \
-             find /proc/1/task/1 /proc/self/ /proc/thread-self/ -mindepth 1 -maxdepth 1 -printf '%y %p\\n'; } \
+             find /proc/1/task/1 /proc/self/ /proc/thread-self/ /proc/$(pgrep -o -x sandpit-files)/ \
+               -mindepth 1 -maxdepth 1 -printf '%y %p\\n'; } \
              | grep -v -e ' /proc/self/fd/' -e ' /proc/self/fdinfo/' -e ' /proc/self/task/' -e ' /proc/thread-self/fd/'");
+        // (The file server's entries are compared as any other process's.)
         find.as_root = true;
         find.cwd = Some("/".into());
         let found = s.vm.agent.exec_collect(find).await.expect("find as root");
@@ -1015,6 +1019,6 @@ fn file_calls_answer_as_the_user_would_on_every_proc_entry_of_the_agent() {
         ] {
             assert_eq!(users.get(denied), Some(&Outcome::Denied), "{denied}");
         }
-        sh(&s.vm, "rm /workspace/agent-maps /workspace/agent-fds").await;
+        sh(&s.vm, "rm /workspace/agent-maps /workspace/agent-fds /workspace/walk.txt").await;
     });
 }
