@@ -109,7 +109,10 @@ impl UserProcess {
                 Err(e) => {
                     return Err(AgentError::new(
                         ErrorKind::Io,
-                        format!("the user's file server did not start the request: {}", e.message),
+                        format!(
+                            "the user's file server did not start the request: {}",
+                            e.message
+                        ),
                     ))
                 }
             }

@@ -1019,6 +1019,10 @@ fn file_calls_answer_as_the_user_would_on_every_proc_entry_of_the_agent() {
         ] {
             assert_eq!(users.get(denied), Some(&Outcome::Denied), "{denied}");
         }
-        sh(&s.vm, "rm /workspace/agent-maps /workspace/agent-fds /workspace/walk.txt").await;
+        sh(
+            &s.vm,
+            "rm /workspace/agent-maps /workspace/agent-fds /workspace/walk.txt",
+        )
+        .await;
     });
 }
