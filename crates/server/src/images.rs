@@ -75,10 +75,14 @@ pub fn build(images_dir: &Path, agent: Option<&Path>) -> Result<GuestImage> {
         .with_context(|| format!("creating {}", images_dir.display()))?;
     let progress = BarProgress::new();
     let img = image::ensure_image(images_dir, &spec, &progress)?;
-    std::fs::write(
-        current_pointer(images_dir),
-        serde_json::to_vec_pretty(&img)?,
-    )?;
+    // Written beside, then renamed over: a reader (a server starting, the
+    // tests) never sees half a pointer, and a hard link to the old one (a
+    // copy of the directory made with `cp -l`) keeps pointing where it did.
+    let pointer = current_pointer(images_dir);
+    let partial = images_dir.join(format!(".current.json.{}.tmp", std::process::id()));
+    std::fs::write(&partial, serde_json::to_vec_pretty(&img)?)?;
+    std::fs::rename(&partial, &pointer)
+        .with_context(|| format!("replacing {}", pointer.display()))?;
     Ok(img)
 }
 
