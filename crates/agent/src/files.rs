@@ -32,6 +32,7 @@ use sandpit_protocol::{
     resolve_guest_path, AgentError, DoneResult, ErrorKind, Message, PathCall, RequestId,
 };
 use std::collections::HashMap;
+use std::fs;
 use std::io;
 use std::path::Path;
 use std::sync::mpsc::Receiver;
@@ -78,7 +79,7 @@ const CUT_PATIENCE: Duration = Duration::from_secs(10);
 pub(crate) fn unexpected(frame: &Frame) -> AgentError {
     let what = match frame {
         Frame::Started { .. } => "its start",
-        Frame::Info { .. } => "a file's size",
+        Frame::Info { .. } | Frame::Opened { .. } => "a file's size",
         Frame::Data(_) => "data",
         Frame::Watching { .. } | Frame::Events(_) => "a watch's frames",
         Frame::Done(_) => "an outcome",
@@ -213,6 +214,12 @@ pub fn read_file(
                     rest = &rest[n..];
                 }
             }
+            Frame::Opened { path, size } => {
+                let file = process.take_descriptor().ok_or_else(|| {
+                    AgentError::new(ErrorKind::Io, "the file process's descriptor did not come")
+                })?;
+                return send_opened(reply, id, path, size, fs::File::from(file), send_window);
+            }
             Frame::Done(outcome) => {
                 reply.done(id, outcome?);
                 return Ok(());
@@ -220,6 +227,61 @@ pub fn read_file(
             other => return Err(unexpected(&other)),
         }
     }
+}
+
+/// Send a file the user's process opened and handed over: `FileInfo`,
+/// `FileData` chunks under the send window, `Done{Read}`.
+fn send_opened(
+    reply: &Reply,
+    id: RequestId,
+    path: String,
+    size: u64,
+    mut file: fs::File,
+    send_window: Option<&SendWindow>,
+) -> Result<(), AgentError> {
+    use std::io::Read;
+    reply.send(
+        &Message::FileInfo {
+            id,
+            path: path.clone(),
+            size,
+        },
+        &[],
+    );
+    let mut buf = vec![0u8; sandpit_protocol::CHUNK_LEN.min(size as usize).max(1)];
+    let mut sent: u64 = 0;
+    while sent < size {
+        if !reply.is_current() {
+            return Ok(()); // the session ended: nobody to send to
+        }
+        let mut want = (size - sent).min(buf.len() as u64) as usize;
+        if let Some(w) = send_window {
+            match w.take_within(want, Some(ACK_PATIENCE)) {
+                Some(n) => want = n,
+                // Cancelled, or the host stopped taking it.
+                None => return Ok(()),
+            }
+        }
+        let n = match file.read(&mut buf[..want]) {
+            Ok(0) => break, // the file shrank meanwhile
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {
+                if let Some(w) = send_window {
+                    w.add(want as u64);
+                }
+                continue;
+            }
+            Err(e) => return Err(io_error(&e, &path)),
+        };
+        if let Some(w) = send_window {
+            // Window taken for bytes the file did not have goes back.
+            w.add((want - n) as u64);
+        }
+        reply.send(&Message::FileData { id }, &buf[..n]);
+        sent += n as u64;
+    }
+    reply.done(id, DoneResult::Read { path, bytes: sent });
+    Ok(())
 }
 
 // ---- list, delete, calls on paths --------------------------------------

@@ -64,6 +64,9 @@ pub enum Frame {
     Started { pid: Option<u32> },
     /// A read's file and size, before its data.
     Info { path: String, size: u64 },
+    /// A read's file, opened by the user's process, comes with this frame
+    /// as a descriptor (`SCM_RIGHTS`): the agent reads it; nothing follows.
+    Opened { path: String, size: u64 },
     /// A piece of a read's data, at most [`CHUNK_LEN`] bytes.
     Data(Vec<u8>),
     /// A watch has its watches in place.
@@ -82,6 +85,7 @@ struct InfoBody {
 
 const TAG_STARTED: u8 = b'S';
 const TAG_INFO: u8 = b'I';
+const TAG_OPENED: u8 = b'O';
 const TAG_DATA: u8 = b'D';
 const TAG_WATCHING: u8 = b'W';
 const TAG_EVENTS: u8 = b'E';
@@ -99,10 +103,25 @@ pub fn encode_request(request: &Request) -> Vec<u8> {
 
 /// Write `frame` to `out` as one tag, length and payload.
 pub fn write_frame(out: &mut impl Write, frame: &Frame) -> io::Result<()> {
+    let bytes = encode_frame(frame);
+    out.write_all(&bytes)?;
+    out.flush()
+}
+
+/// `frame` as one tag, length and payload.
+pub fn encode_frame(frame: &Frame) -> Vec<u8> {
     let (tag, payload): (u8, std::borrow::Cow<'_, [u8]>) = match frame {
         Frame::Started { pid } => (TAG_STARTED, json(pid).into()),
         Frame::Info { path, size } => (
             TAG_INFO,
+            json(&InfoBody {
+                path: path.clone(),
+                size: *size,
+            })
+            .into(),
+        ),
+        Frame::Opened { path, size } => (
+            TAG_OPENED,
             json(&InfoBody {
                 path: path.clone(),
                 size: *size,
@@ -114,12 +133,11 @@ pub fn write_frame(out: &mut impl Write, frame: &Frame) -> io::Result<()> {
         Frame::Events(events) => (TAG_EVENTS, json(events).into()),
         Frame::Done(outcome) => (TAG_DONE, json(outcome).into()),
     };
-    let mut head = [0u8; 5];
-    head[0] = tag;
-    head[1..].copy_from_slice(&(payload.len() as u32).to_le_bytes());
-    out.write_all(&head)?;
-    out.write_all(&payload)?;
-    out.flush()
+    let mut bytes = Vec::with_capacity(5 + payload.len());
+    bytes.push(tag);
+    bytes.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    bytes.extend_from_slice(&payload);
+    bytes
 }
 
 /// Read one frame from `input`; `Ok(None)` at a clean end before a frame.
@@ -160,6 +178,11 @@ pub fn read_frame(input: &mut impl Read) -> Result<Option<Frame>, AgentError> {
                 serde_json::from_slice(&payload).map_err(|_| parsed("a file's size"))?;
             Frame::Info { path, size }
         }
+        TAG_OPENED => {
+            let InfoBody { path, size } =
+                serde_json::from_slice(&payload).map_err(|_| parsed("a file's size"))?;
+            Frame::Opened { path, size }
+        }
         TAG_DATA => Frame::Data(payload),
         TAG_WATCHING => Frame::Watching {
             path: serde_json::from_slice(&payload).map_err(|_| parsed("a watch's path"))?,
@@ -193,6 +216,10 @@ mod tests {
                 size: 3,
             },
             Frame::Data(vec![0, 255, 10]),
+            Frame::Opened {
+                path: "/o".into(),
+                size: 9,
+            },
             Frame::Watching { path: "/w".into() },
             Frame::Events(vec![WatchEvent {
                 name: "x".into(),

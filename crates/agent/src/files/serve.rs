@@ -14,9 +14,9 @@
 
 use super::link::{self, Frame, Request};
 use super::ops;
-use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
 use sandpit_protocol::{AgentError, ErrorKind, CHUNK_LEN};
-use std::io::{self, BufRead, BufReader, BufWriter, IoSliceMut};
+use std::io::{self, BufRead, BufReader, BufWriter, IoSlice, IoSliceMut, Write};
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 
@@ -118,7 +118,14 @@ pub fn serve(socket: UnixStream, pid: Option<u32>) -> io::Result<()> {
         }
     };
     let outcome = match request {
-        Request::Read { path, max_bytes } => ops::read_file(&mut output, &path, max_bytes),
+        Request::Read { path, max_bytes } => match ops::read_file(&mut output, &path, max_bytes) {
+            Ok(ops::ReadOutcome::Sent(done)) => Ok(done),
+            Ok(ops::ReadOutcome::Opened { file, size }) => {
+                output.flush()?;
+                return hand_over(peer, &Frame::Opened { path, size }, &file);
+            }
+            Err(e) => Err(e),
+        },
         Request::Write {
             path,
             size,
@@ -142,4 +149,28 @@ pub fn serve(socket: UnixStream, pid: Option<u32>) -> io::Result<()> {
         }
     };
     link::write_frame(&mut output, &Frame::Done(outcome))
+}
+
+/// Send `frame` on `socket` with `file`'s descriptor beside it.
+fn hand_over(socket: RawFd, frame: &Frame, file: &std::fs::File) -> io::Result<()> {
+    let bytes = link::encode_frame(frame);
+    let fds = [file.as_raw_fd()];
+    let mut sent = 0;
+    while sent < bytes.len() {
+        // The descriptor goes with the first piece only.
+        let rights = [ControlMessage::ScmRights(&fds)];
+        let cmsgs: &[ControlMessage<'_>] = if sent == 0 { &rights } else { &[] };
+        match sendmsg::<()>(
+            socket,
+            &[IoSlice::new(&bytes[sent..])],
+            cmsgs,
+            MsgFlags::MSG_NOSIGNAL,
+            None,
+        ) {
+            Ok(n) => sent += n,
+            Err(nix::errno::Errno::EINTR) => {}
+            Err(e) => return Err(io::Error::from(e)),
+        }
+    }
+    Ok(())
 }

@@ -62,6 +62,8 @@ const START_PATIENCE: Duration = Duration::from_secs(20);
 /// A running file request.
 pub struct UserProcess {
     socket: UnixStream,
+    /// Descriptors that came with its frames, oldest first.
+    received: std::collections::VecDeque<OwnedFd>,
     /// Killed when dropped; `None` for a request served on a thread.
     pidfd: Option<OwnedFd>,
 }
@@ -87,6 +89,7 @@ impl UserProcess {
             ours.set_nonblocking(true).map_err(|e| io_error(&e))?;
             let mut process = UserProcess {
                 socket: ours,
+                received: Default::default(),
                 pidfd: None,
             };
             let started = process
@@ -151,6 +154,7 @@ impl UserProcess {
     pub fn next_frame(&mut self, patience: Duration) -> Result<Frame, AgentError> {
         let mut patient = Patient {
             socket: &mut self.socket,
+            received: &mut self.received,
             patience,
         };
         match link::read_frame(&mut patient)? {
@@ -160,6 +164,12 @@ impl UserProcess {
                 "the file request's process ended before answering (was it killed?)",
             )),
         }
+    }
+
+    /// The oldest descriptor that came with a frame (a read's file with
+    /// [`Frame::Opened`]).
+    pub fn take_descriptor(&mut self) -> Option<OwnedFd> {
+        self.received.pop_front()
     }
 
     /// Wait at most `patience` for the process to end (its socket closes),
@@ -189,20 +199,45 @@ impl Drop for UserProcess {
     }
 }
 
-/// The process's answers, each read waiting at most `patience`.
+/// The process's answers, each read waiting at most `patience`; the
+/// descriptors that come with them are kept in `received`.
 struct Patient<'a> {
     socket: &'a mut UnixStream,
+    received: &'a mut std::collections::VecDeque<OwnedFd>,
     patience: Duration,
 }
 
 impl Read for Patient<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         loop {
-            match self.socket.read(buf) {
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+            let mut iov = [io::IoSliceMut::new(buf)];
+            let mut space = nix::cmsg_space!([RawFd; 4]);
+            let got = socket::recvmsg::<()>(
+                self.socket.as_raw_fd(),
+                &mut iov,
+                Some(&mut space),
+                MsgFlags::MSG_CMSG_CLOEXEC,
+            );
+            match got {
+                Ok(message) => {
+                    let n = message.bytes;
+                    for cmsg in message.cmsgs().into_iter().flatten() {
+                        if let socket::ControlMessageOwned::ScmRights(fds) = cmsg {
+                            // SAFETY: descriptors this message gave us,
+                            // owned by nothing else.
+                            self.received.extend(
+                                fds.into_iter()
+                                    .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+                            );
+                        }
+                    }
+                    return Ok(n);
+                }
+                Err(nix::errno::Errno::EAGAIN) => {
                     wait_for(self.socket.as_raw_fd(), libc::POLLIN, self.patience)?
                 }
-                other => return other,
+                Err(nix::errno::Errno::EINTR) => {}
+                Err(e) => return Err(io::Error::from(e)),
             }
         }
     }
