@@ -108,21 +108,7 @@ fn a_server_a_node_and_mcp_on_200_character_data_directories_restore_snapshot_an
             1,
             "the template, under the long path: {built:?}"
         );
-        let (st, a) = api.post("/sandboxes", json!({"timeout_minutes": 10})).await;
-        assert_eq!(st, 201, "{a}");
-        let a = a["id"].as_str().unwrap().to_string();
-        assert!(restored_from_a_template(&data, &a), "{a} was booted");
-        api.sh(&a, "echo kept > /workspace/f").await;
-        let (st, snap) = api
-            .post(&format!("/sandboxes/{a}/snapshots"), json!({}))
-            .await;
-        assert_eq!(st, 201, "{snap}");
-        let (st, fork) = api
-            .post(&format!("/sandboxes/{a}/fork"), json!({"count": 1}))
-            .await;
-        assert_eq!(st, 201, "{fork}");
-        let copy = fork["sandboxes"][0]["id"].as_str().unwrap();
-        assert_eq!(api.sh(copy, "cat /workspace/f").await, "kept");
+        restore_snapshot_and_fork(&api, &data).await;
     });
     drop(server);
     kill_vms_under(&data);
@@ -180,21 +166,7 @@ fn a_server_a_node_and_mcp_on_200_character_data_directories_restore_snapshot_an
             );
             tokio::time::sleep(Duration::from_millis(250)).await;
         }
-        let (st, a) = api.post("/sandboxes", json!({"timeout_minutes": 10})).await;
-        assert_eq!(st, 201, "{a}");
-        let a = a["id"].as_str().unwrap().to_string();
-        assert!(restored_from_a_template(&node_data, &a), "{a} was booted");
-        api.sh(&a, "echo kept > /workspace/f").await;
-        let (st, snap) = api
-            .post(&format!("/sandboxes/{a}/snapshots"), json!({}))
-            .await;
-        assert_eq!(st, 201, "{snap}");
-        let (st, fork) = api
-            .post(&format!("/sandboxes/{a}/fork"), json!({"count": 1}))
-            .await;
-        assert_eq!(st, 201, "{fork}");
-        let copy = fork["sandboxes"][0]["id"].as_str().unwrap();
-        assert_eq!(api.sh(copy, "cat /workspace/f").await, "kept");
+        restore_snapshot_and_fork(&api, &node_data).await;
     });
     drop(replica);
     drop(node);
@@ -302,4 +274,24 @@ fn a_server_a_node_and_mcp_on_200_character_data_directories_restore_snapshot_an
     let line: Value = serde_json::from_str(line).unwrap();
     assert_eq!(line["verdict"], "fail", "{line}");
     assert!(line["found"].as_str().unwrap().contains(why), "{line}");
+}
+
+/// A sandbox created through `api` is restored from a template under
+/// `data`, snapshotted, and forked into a copy that has its file.
+async fn restore_snapshot_and_fork(api: &Rest, data: &Path) {
+    let (st, a) = api.post("/sandboxes", json!({"timeout_minutes": 10})).await;
+    assert_eq!(st, 201, "{a}");
+    let a = a["id"].as_str().unwrap().to_string();
+    assert!(restored_from_a_template(data, &a), "{a} was booted");
+    api.sh(&a, "echo kept > /workspace/f").await;
+    let (st, snap) = api
+        .post(&format!("/sandboxes/{a}/snapshots"), json!({}))
+        .await;
+    assert_eq!(st, 201, "{snap}");
+    let (st, fork) = api
+        .post(&format!("/sandboxes/{a}/fork"), json!({"count": 1}))
+        .await;
+    assert_eq!(st, 201, "{fork}");
+    let copy = fork["sandboxes"][0]["id"].as_str().unwrap();
+    assert_eq!(api.sh(copy, "cat /workspace/f").await, "kept");
 }
