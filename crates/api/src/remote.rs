@@ -241,9 +241,7 @@ impl Accounts for RemoteApi {
             .lock()
             .expect("keys lock")
             .insert(account.id.clone(), api_key.to_owned());
-        Ok(Caller {
-            account_id: account.id,
-        })
+        Ok(Caller::new(account.id, "api key"))
     }
 
     async fn usage(&self, caller: &Caller, days: Option<u32>) -> Result<Usage> {
@@ -856,3 +854,6 @@ mod tests {
         assert!(parse_error_body("<html>").is_none());
     }
 }
+
+#[async_trait]
+impl Events for RemoteApi {}

@@ -317,9 +317,7 @@ async fn side(
     Ok(Side {
         name,
         svc,
-        caller: Caller {
-            account_id: account.id,
-        },
+        caller: Caller::new(account.id, "bench"),
     })
 }
 

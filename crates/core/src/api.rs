@@ -1,6 +1,7 @@
 //! The operations an agent can ask for, as a few traits by subject
 //! ([`Sandboxes`], [`Snapshots`], [`Commands`], [`Files`], [`Ports`],
-//! [`Terminals`], [`Accounts`], [`Templates`], [`Secrets`], [`Volumes`]) that
+//! [`Terminals`], [`Accounts`], [`Templates`], [`Secrets`], [`Volumes`],
+//! [`Events`]) that
 //! [`SandboxApi`] gathers. The core
 //! service implements each in the module of its subject; a REST client
 //! implements them for a remote server. The REST, MCP and dashboard
@@ -47,10 +48,22 @@ fn no_terminals() -> crate::error::CoreError {
     )
 }
 
-/// Who is asking: an authenticated account.
+/// Who is asking: an authenticated account, and through what.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Caller {
     pub account_id: String,
+    /// Who acts, as the account's events name it (`key sp_ab12cd34e`,
+    /// `dashboard`, `sandbox token`, `sandpit mcp`…): never a secret.
+    pub actor: String,
+}
+
+impl Caller {
+    pub fn new(account_id: impl Into<String>, actor: impl Into<String>) -> Self {
+        Caller {
+            account_id: account_id.into(),
+            actor: actor.into(),
+        }
+    }
 }
 
 /// Where a streamed upload's bytes come from (an HTTP request's body).
@@ -134,6 +147,7 @@ pub trait SandboxApi:
     + Templates
     + Secrets
     + Volumes
+    + Events
 {
 }
 
@@ -148,6 +162,7 @@ impl<T> SandboxApi for T where
         + Templates
         + Secrets
         + Volumes
+        + Events
         + ?Sized
 {
 }
@@ -155,8 +170,8 @@ impl<T> SandboxApi for T where
 /// The API's traits, for `use sandpit_core::api::prelude::*`.
 pub mod prelude {
     pub use super::{
-        Accounts, Commands, Files, Ports, SandboxApi, Sandboxes, Secrets, Snapshots, Templates,
-        Terminals, Volumes,
+        Accounts, Commands, Events, Files, Ports, SandboxApi, Sandboxes, Secrets, Snapshots,
+        Templates, Terminals, Volumes,
     };
 }
 
@@ -861,5 +876,58 @@ mod key_tests {
         ] {
             assert_eq!(key(a, x).unwrap_err().kind, ErrorType::Unauthorized);
         }
+    }
+}
+
+fn no_events() -> crate::error::CoreError {
+    crate::error::CoreError::new(
+        crate::error::ErrorType::InvalidRequest,
+        "events and webhooks are kept by a Sandpit server's own API only",
+    )
+}
+
+/// The account's lifecycle events, and the webhooks they are POSTed to.
+#[async_trait]
+pub trait Events: Send + Sync {
+    /// The account's events (or one sandbox's: not found when it is not
+    /// the account's), oldest first, after `after`. `next_cursor` is always
+    /// set: the last event's cursor, or `after` itself when nothing came,
+    /// so a client polls with it.
+    async fn list_events(&self, _caller: &Caller, _q: ListEvents) -> Result<List<Event>> {
+        Err(no_events())
+    }
+    /// Registers a webhook; its address is refused when the operator does
+    /// not allow it. The answer carries its secret, once.
+    async fn create_webhook(&self, _caller: &Caller, _req: CreateWebhook) -> Result<Webhook> {
+        Err(no_events())
+    }
+    async fn list_webhooks(&self, _caller: &Caller) -> Result<List<Webhook>> {
+        Err(no_events())
+    }
+    async fn get_webhook(&self, _caller: &Caller, _id: &str) -> Result<Webhook> {
+        Err(no_events())
+    }
+    /// Removes a webhook: its pending deliveries are dropped.
+    async fn delete_webhook(&self, _caller: &Caller, _id: &str) -> Result<Webhook> {
+        Err(no_events())
+    }
+    /// A webhook's deliveries, newest first, with their attempts.
+    async fn list_deliveries(
+        &self,
+        _caller: &Caller,
+        _webhook_id: &str,
+        _q: ListDeliveries,
+    ) -> Result<List<WebhookDelivery>> {
+        Err(no_events())
+    }
+    /// Sends a delivery again, now (its earlier attempts kept): for one
+    /// that failed, or to replay one that was delivered.
+    async fn redeliver(
+        &self,
+        _caller: &Caller,
+        _webhook_id: &str,
+        _delivery_id: &str,
+    ) -> Result<WebhookDelivery> {
+        Err(no_events())
     }
 }

@@ -1042,3 +1042,163 @@ pub struct GuestInfo {
     pub user: String,
     pub workdir: String,
 }
+
+/// Something that happened to a sandbox (`GET /v1/events`): every change
+/// of its life, written in the same transaction as the change itself, so
+/// the log neither misses one nor tells of one that did not happen.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Event {
+    /// Always `"event"`.
+    pub object: String,
+    /// `evt_…`: the same in the log and in every webhook delivery of it
+    /// (the `webhook-id` header), so a receiver can drop a repeat.
+    pub id: String,
+    /// Its place in the account's log: `after=` this lists what came next.
+    pub cursor: String,
+    /// `sandbox.created`, `sandbox.started`, `sandbox.paused`,
+    /// `sandbox.resumed`, `sandbox.snapshotted`, `sandbox.forked`,
+    /// `sandbox.restored`, `sandbox.extended`, `sandbox.shortened`,
+    /// `sandbox.destroying`, `sandbox.killed`, `sandbox.expired`,
+    /// `sandbox.failed` or `sandbox.noted` (see [`EVENT_TYPES`]).
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub sandbox_id: String,
+    /// The sandbox's size (`small`, `medium`…).
+    pub size: String,
+    /// The sandbox's status right after it.
+    pub status: String,
+    /// Who caused it: `key sp_…` (the API key's prefix), `dashboard`,
+    /// `sandbox token`, `the expiry`, `the idle sweep`, `replica <name>`
+    /// (a control plane that found its node lost), `node <name>`…
+    pub actor: String,
+    /// Why, in words (a failure's cause, `expired`, `destroyed`…).
+    pub reason: Option<String>,
+    /// What else it carries, by type: `from` (`pool`, `template`,
+    /// `snapshot`, `cold`) for `started`; `snapshot_id` for `snapshotted`,
+    /// `restored`, and a sandbox `created` from a snapshot; `forks` for
+    /// `forked` and `forked_from` for a fork's `created`; `expires_at` and
+    /// `timeout_minutes` for `extended` and `shortened`; `node` for a
+    /// failure because its node was lost.
+    pub detail: serde_json::Map<String, serde_json::Value>,
+    /// RFC 3339 UTC.
+    pub at: String,
+}
+
+/// Every event type, in a sandbox's usual order.
+pub const EVENT_TYPES: &[&str] = &[
+    "sandbox.created",
+    "sandbox.started",
+    "sandbox.paused",
+    "sandbox.resumed",
+    "sandbox.snapshotted",
+    "sandbox.forked",
+    "sandbox.restored",
+    "sandbox.extended",
+    "sandbox.shortened",
+    "sandbox.noted",
+    "sandbox.destroying",
+    "sandbox.killed",
+    "sandbox.expired",
+    "sandbox.failed",
+];
+
+/// `GET /v1/events` query and `list_events` input.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ListEvents {
+    /// 1..500, default 100.
+    #[serde(default)]
+    pub limit: Option<u32>,
+    /// A cursor (an event's, or the previous page's `next_cursor`): list
+    /// what came after it. Absent: from the oldest kept.
+    #[serde(default)]
+    pub after: Option<String>,
+    /// Only this sandbox's (`GET /v1/sandboxes/{id}/events`).
+    #[serde(default)]
+    pub sandbox_id: Option<String>,
+}
+
+/// A URL the account wants its events POSTed to (`/v1/webhooks`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Webhook {
+    /// Always `"webhook"`.
+    pub object: String,
+    /// `wh_…`.
+    pub id: String,
+    pub url: String,
+    /// The event types it gets (see [`EVENT_TYPES`]); `["*"]`: all.
+    pub events: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    /// `whsec_…` + base64 of 32 random bytes: the HMAC-SHA256 key of its
+    /// deliveries' `webhook-signature` (Standard Webhooks). Given when it
+    /// is created, never again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret: Option<String>,
+    /// RFC 3339 UTC.
+    pub created_at: String,
+    /// Its deliveries by state: how many wait (a first try or a retry),
+    /// were delivered, gave up after a day of retries.
+    pub pending: u64,
+    pub delivered: u64,
+    pub failed: u64,
+}
+
+/// `POST /v1/webhooks` body and `create_webhook` input.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateWebhook {
+    /// `http://` or `https://`; its host must resolve to addresses the
+    /// operator allows (by default no loopback, link-local or private
+    /// range), checked now and at every delivery.
+    pub url: String,
+    /// Event types (see [`EVENT_TYPES`]); absent, empty or `["*"]`: all.
+    #[serde(default)]
+    pub events: Vec<String>,
+    #[serde(default)]
+    pub description: Option<String>,
+}
+
+/// One event's delivery to one webhook, with its attempts.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct WebhookDelivery {
+    /// Always `"webhook_delivery"`.
+    pub object: String,
+    /// The event's id (`evt_…`): a webhook gets each event once.
+    pub id: String,
+    pub webhook_id: String,
+    /// The event's type and sandbox.
+    pub event_type: String,
+    pub sandbox_id: String,
+    /// `pending` (waits for its first try or a retry), `delivered` (a 2xx
+    /// answer), `failed` (no 2xx in a day of retries).
+    pub status: String,
+    /// When it is tried next, while `pending`.
+    pub next_attempt_at: Option<String>,
+    /// Oldest first.
+    pub attempts: Vec<DeliveryAttempt>,
+    pub created_at: String,
+    pub delivered_at: Option<String>,
+}
+
+/// One POST of a delivery.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct DeliveryAttempt {
+    pub at: String,
+    /// The receiver's HTTP status, if it answered.
+    pub status_code: Option<u16>,
+    /// Why it did not count as delivered: the answer's status, or what
+    /// went wrong (refused address, connection, timeout…).
+    pub error: Option<String>,
+    pub duration_ms: u64,
+}
+
+/// `GET /v1/webhooks/{id}/deliveries` query.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ListDeliveries {
+    /// 1..100, default 20.
+    #[serde(default)]
+    pub limit: Option<u32>,
+    /// A delivery id: list older ones (the previous page's `next_cursor`).
+    #[serde(default)]
+    pub starting_after: Option<String>,
+}

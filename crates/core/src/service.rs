@@ -44,6 +44,7 @@ mod checks;
 mod create;
 mod disk;
 mod errors;
+mod events;
 mod exec;
 mod fetch;
 mod files;

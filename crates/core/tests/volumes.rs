@@ -43,7 +43,7 @@ async fn service(dir: &Path, f: impl FnOnce(&mut ServiceConfig)) -> Arc<Service>
 
 async fn account(svc: &Service, name: &str) -> Caller {
     let a = svc.create_account(name, 10.0).await.unwrap();
-    Caller { account_id: a.id }
+    Caller::new(a.id, "test")
 }
 
 fn create(name: &str, size_gb: Option<u32>) -> CreateVolume {

@@ -10,9 +10,7 @@ impl Accounts for Fake {
         ACCOUNTS
             .iter()
             .find(|(key, _, _)| *key == api_key)
-            .map(|(_, id, _)| Caller {
-                account_id: (*id).to_owned(),
-            })
+            .map(|(_, id, _)| Caller::new((*id).to_owned(), "api key"))
             .ok_or_else(CoreError::unauthorized)
     }
 
@@ -1009,3 +1007,8 @@ impl Templates for Fake {
         Ok(List::new(Vec::new(), false, None))
     }
 }
+
+/// The fake keeps no events: every call says so, as a remote that is not
+/// a Sandpit server does.
+#[async_trait]
+impl Events for Fake {}

@@ -2,9 +2,7 @@ use super::*;
 use sandpit_core::prelude::*;
 
 fn a() -> Caller {
-    Caller {
-        account_id: ACCOUNT_A.into(),
-    }
+    Caller::new(ACCOUNT_A.into(), "test")
 }
 
 fn run(command: &str) -> ExecParams {
@@ -136,9 +134,7 @@ async fn files_are_a_tree_with_directories() {
 }
 
 fn b() -> Caller {
-    Caller {
-        account_id: ACCOUNT_B.into(),
-    }
+    Caller::new(ACCOUNT_B.into(), "test")
 }
 
 async fn read(f: &Fake, id: &str, path: &str) -> Result<String> {

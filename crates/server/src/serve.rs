@@ -547,9 +547,7 @@ pub async fn mcp(settings: &Settings, args: McpArgs) -> Result<i32> {
                 .context("the local account vanished")?
         }
     };
-    let caller = Caller {
-        account_id: account.id,
-    };
+    let caller = Caller::new(account.id, "sandpit mcp");
     let api: Arc<dyn SandboxApi> = svc.clone();
     let served = sandpit_mcp::serve_stdio(api, caller).await;
     svc.shutdown().await;

@@ -105,9 +105,7 @@ impl FromRequestParts<Web> for Signed {
         };
         match session {
             Some(session) => Ok(Signed {
-                caller: Caller {
-                    account_id: session.account_id.clone(),
-                },
+                caller: Caller::new(session.account_id.clone(), "dashboard"),
                 session,
             }),
             // A page asked for without a session: the sign-in, which comes

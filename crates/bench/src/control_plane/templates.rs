@@ -43,9 +43,7 @@ impl Bench<'_> {
             .account_by_name("bench")
             .await?
             .context("the bench's account")?;
-        Ok(Caller {
-            account_id: account.id,
-        })
+        Ok(Caller::new(account.id, "bench"))
     }
 
     /// Builds `spec` as template `name`; the seconds it took.

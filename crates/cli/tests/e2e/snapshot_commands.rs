@@ -104,9 +104,7 @@ impl Server {
 }
 
 fn a() -> Caller {
-    Caller {
-        account_id: ACCOUNT_A.into(),
-    }
+    Caller::new(ACCOUNT_A.into(), "test")
 }
 
 fn lines(s: &str) -> Vec<&str> {

@@ -28,9 +28,7 @@ impl Accounts for Service {
     /// The API's `authenticate`.
     async fn authenticate(&self, api_key: &str) -> Result<Caller> {
         match self.store.authenticate(api_key).await? {
-            Some((_, acct)) => Ok(Caller {
-                account_id: acct.id,
-            }),
+            Some((key, acct)) => Ok(Caller::new(acct.id, format!("key {}", key.prefix))),
             None => Err(CoreError::unauthorized()),
         }
     }
@@ -43,9 +41,9 @@ impl Accounts for Service {
             _ => return Err(CoreError::not_found("sandbox", sandbox_id)),
         };
         match &row.access_token {
-            Some(expected) if crate::metrics::token_matches(expected, token) => Ok(Caller {
-                account_id: row.account_id,
-            }),
+            Some(expected) if crate::metrics::token_matches(expected, token) => {
+                Ok(Caller::new(row.account_id, "sandbox token"))
+            }
             _ => Err(CoreError::unauthorized()),
         }
     }
@@ -58,7 +56,7 @@ impl Accounts for Service {
     ) -> Result<(String, Caller)> {
         for (id, account_id, token) in self.store.live_sandbox_tokens().await? {
             if proof(&token) {
-                return Ok((id, Caller { account_id }));
+                return Ok((id, Caller::new(account_id, "sandbox token")));
             }
         }
         Err(CoreError::unauthorized())

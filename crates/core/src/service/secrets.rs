@@ -1052,9 +1052,7 @@ mod tests {
             .await
             .unwrap();
         let svc = Service::without_vms(config, store.clone());
-        let me = Caller {
-            account_id: acct.id.clone(),
-        };
+        let me = Caller::new(acct.id.clone(), "test");
         for (name, value) in [("OPENAI_API_KEY", "sk-openai"), ("OTHER", "sk-other")] {
             svc.put_secret(&me, name, put(&["api.openai.com"], None, None))
                 .await
@@ -1242,9 +1240,7 @@ mod tests {
             .await
             .unwrap();
         let svc = Service::without_vms(config, store.clone());
-        let me = Caller {
-            account_id: acct.id.clone(),
-        };
+        let me = Caller::new(acct.id.clone(), "test");
         let made = svc
             .create_secret(
                 &me,

@@ -180,8 +180,6 @@ impl Terminals for Service {
         if grant.sandbox_id != id {
             return Err(refused());
         }
-        Ok(Caller {
-            account_id: grant.account_id,
-        })
+        Ok(Caller::new(grant.account_id, "terminal token"))
     }
 }

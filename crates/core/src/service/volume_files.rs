@@ -168,9 +168,9 @@ impl Service {
             return Err(CoreError::unauthorized());
         }
         match self.store.volume(account_id, volume_id).await? {
-            Some(v) if v.status != sandpit_store::VolumeStatus::Deleted => Ok(Caller {
-                account_id: account_id.to_string(),
-            }),
+            Some(v) if v.status != sandpit_store::VolumeStatus::Deleted => {
+                Ok(Caller::new(account_id.to_string(), "volume token"))
+            }
             _ => Err(CoreError::unauthorized()),
         }
     }

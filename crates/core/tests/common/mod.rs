@@ -72,7 +72,7 @@ pub async fn service_configured(
 
 pub async fn account(svc: &Service, name: &str, usd: f64) -> Caller {
     let a = svc.create_account(name, usd).await.unwrap();
-    Caller { account_id: a.id }
+    Caller::new(a.id, "test")
 }
 
 pub fn cmd(c: &str) -> ExecParams {
