@@ -12,7 +12,11 @@ const NEEDED: &[&str] = &[
 ];
 
 fn main() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    // Read when it runs, not baked in when it was built: a build script
+    // compiled in another checkout of a shared target directory is run
+    // again here (when `static` changes) and must look here.
+    let manifest = std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR");
+    let dir = Path::new(&manifest);
     for file in NEEDED {
         println!("cargo:rerun-if-changed={file}");
         if !dir.join(file).is_file() {

@@ -18,6 +18,7 @@
 //! store directly.
 
 mod assets;
+mod events;
 mod files;
 mod keys;
 mod pages;
@@ -27,6 +28,7 @@ mod signup;
 mod templates;
 mod view;
 mod volumes;
+mod webhooks;
 
 pub use signup::{ClientAddr, SignupConfig, SignupMode};
 
@@ -106,6 +108,14 @@ pub fn router(svc: Arc<Service>, config: WebConfig) -> Router {
         .route("/volumes", get(volumes::list).post(volumes::create))
         .route("/volumes/{id}/resize", post(volumes::resize))
         .route("/volumes/{id}/delete", post(volumes::delete))
+        .route("/events", get(events::list))
+        .route("/webhooks", get(webhooks::list).post(webhooks::create))
+        .route("/webhooks/{id}", get(webhooks::show))
+        .route("/webhooks/{id}/delete", post(webhooks::delete))
+        .route(
+            "/webhooks/{id}/deliveries/{delivery}/redeliver",
+            post(webhooks::redeliver),
+        )
         .route("/accounts", get(pages::accounts))
         .route("/accounts/{id}/credit", post(pages::add_credit))
         .route("/assets/{file}", get(assets::serve))

@@ -1,6 +1,7 @@
 //! The dashboard's pages and the actions their forms post: sandboxes (the
-//! list, one sandbox, its terminal), snapshots, usage, and an operator's
-//! accounts. Keys and files have modules of their own.
+//! list, one sandbox with its events, its terminal), snapshots, usage, and
+//! an operator's accounts. Keys, files, events and the rest have modules of
+//! their own.
 
 use crate::assets;
 use crate::session::{safe_next, CsrfOnly, Signed};
@@ -449,7 +450,7 @@ pub(crate) struct SandboxQuery {
     path: Option<String>,
 }
 
-/// `/sandboxes/{id}`: one sandbox, its ports, files and executions.
+/// `/sandboxes/{id}`: one sandbox, its ports, files, executions and events.
 pub(crate) async fn sandbox(
     State(web): State<Web>,
     signed: Signed,
@@ -476,6 +477,7 @@ pub(crate) async fn sandbox(
         None
     };
     let executions = web.svc.store().sandbox_executions(&id, 20).await?;
+    let events = crate::events::sandbox_section(&web, c, &id).await;
     let act = |a: &str| format!("/sandboxes/{id}/act/{a}");
     let body = html! {
         p class="crumbs" { a href="/sandboxes" { "Sandboxes" } " / " (id) }
@@ -594,6 +596,7 @@ pub(crate) async fn sandbox(
                 }
             }
         }
+        (events)
     };
     Ok(page(&s.id, Some(&signed.session), Section::Sandboxes, body).into_response())
 }

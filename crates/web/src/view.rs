@@ -24,6 +24,8 @@ pub(crate) enum Section {
     Keys,
     Secrets,
     Volumes,
+    Events,
+    Webhooks,
     Accounts,
     None,
 }
@@ -56,10 +58,12 @@ pub(crate) fn page(
                                 (nav_item("/sandboxes", "Sandboxes", section == Section::Sandboxes))
                                 (nav_item("/snapshots", "Snapshots", section == Section::Snapshots))
                                 (nav_item("/templates", "Templates", section == Section::Templates))
+                                (nav_item("/events", "Events", section == Section::Events))
                                 (nav_item("/usage", "Usage", section == Section::Usage))
                                 (nav_item("/keys", "API keys", section == Section::Keys))
                                 (nav_item("/secrets", "Secrets", section == Section::Secrets))
                                 (nav_item("/volumes", "Volumes", section == Section::Volumes))
+                                (nav_item("/webhooks", "Webhooks", section == Section::Webhooks))
                                 @if s.admin {
                                     (nav_item("/accounts", "Accounts", section == Section::Accounts))
                                 }

@@ -1,4 +1,6 @@
-// Keeps every expiry countdown (<time class="countdown" datetime=...>) live.
+// Keeps every expiry countdown (<time class="countdown" datetime=...>) live,
+// and a webhook form's "All events" box in step with its event types (the
+// server reads only the types: none ticked is all).
 "use strict";
 (function () {
   function span(secs) {
@@ -14,8 +16,23 @@
       el.textContent = left > 0 ? "in " + span(left) : "now";
     });
   }
+  function eventBoxes() {
+    var all = document.querySelector("input[data-all-events]");
+    if (!all) return;
+    var types = document.querySelectorAll("input[data-event-type]");
+    all.addEventListener("change", function () {
+      if (all.checked) types.forEach(function (t) { t.checked = false; });
+      else if (![].some.call(types, function (t) { return t.checked; })) all.checked = true;
+    });
+    types.forEach(function (t) {
+      t.addEventListener("change", function () {
+        all.checked = ![].some.call(types, function (x) { return x.checked; });
+      });
+    });
+  }
   document.addEventListener("DOMContentLoaded", function () {
     tick();
     setInterval(tick, 1000);
+    eventBoxes();
   });
 })();
