@@ -17,7 +17,7 @@ use crate::Web;
 use axum::extract::{Query, State};
 use axum::response::{IntoResponse, Response};
 use maud::{html, Markup};
-use sandpit_core::{Caller, CoreError, ErrorType, Event, ListEvents};
+use sandpit_core::{Caller, CoreError, ErrorType, Event, List, ListEvents};
 use serde::Deserialize;
 use std::collections::VecDeque;
 
@@ -64,16 +64,27 @@ pub(crate) async fn window(
     at: &At,
     n: usize,
 ) -> Result<Window, CoreError> {
-    let query = |after: Option<String>, limit: u32| ListEvents {
-        limit: Some(limit),
-        after,
-        sandbox_id: sandbox.map(str::to_string),
+    let read = |after: Option<String>, limit: u32| {
+        web.api.list_events(
+            caller,
+            ListEvents {
+                limit: Some(limit),
+                after,
+                sandbox_id: sandbox.map(str::to_string),
+            },
+        )
     };
+    walk(read, at, n).await
+}
+
+/// [`window`] over `read` (the events after a cursor, at most so many).
+async fn walk<F, R>(read: F, at: &At, n: usize) -> Result<Window, CoreError>
+where
+    F: Fn(Option<String>, u32) -> R,
+    R: std::future::Future<Output = Result<List<Event>, CoreError>>,
+{
     if let At::After(after) = at {
-        let list = web
-            .api
-            .list_events(caller, query(after.clone(), n as u32))
-            .await?;
+        let list = read(after.clone(), n as u32).await?;
         return Ok(Window {
             older: after.is_some(),
             newer: list.has_more,
@@ -87,10 +98,7 @@ pub(crate) async fn window(
     let mut found = false;
     let mut ended = false;
     'walk: for _ in 0..WALK_PAGES {
-        let list = web
-            .api
-            .list_events(caller, query(after.clone(), API_PAGE))
-            .await?;
+        let list = read(after.clone(), API_PAGE).await?;
         let empty = list.data.is_empty();
         for e in list.data {
             if let At::Before(cursor) = at {
@@ -340,6 +348,72 @@ mod tests {
         let html = table(&events, false).into_string();
         assert!(!html.contains("href=\"/sandboxes/sbx_a\""), "{html}");
         assert!(!html.contains("<th scope=\"col\">Size</th>"), "{html}");
+    }
+
+    /// A log of `len` events (cursors 1..=len) read as the API reads it.
+    async fn read_log(
+        len: u32,
+        after: Option<String>,
+        limit: u32,
+    ) -> Result<List<Event>, CoreError> {
+        let from = after.map_or(0, |a| a.parse::<u32>().unwrap());
+        let to = (from + limit).min(len);
+        let data: Vec<Event> = (from + 1..=to)
+            .map(|i| event(i, "sandbox.noted", serde_json::json!({})))
+            .collect();
+        Ok(List::new(data, to < len, Some(to.to_string())))
+    }
+
+    fn cursors(w: &Window) -> (u32, u32, usize) {
+        let c = |e: &Event| e.cursor.parse::<u32>().unwrap();
+        (c(&w.events[0]), c(w.events.last().unwrap()), w.events.len())
+    }
+
+    #[tokio::test]
+    async fn windows_page_back_and_forth_through_a_long_log() {
+        let log = |len| move |after, limit| read_log(len, after, limit);
+        // The latest 100 of 1234, with older ones before them.
+        let w = walk(log(1234), &At::Latest, 100).await.unwrap();
+        assert_eq!(cursors(&w), (1135, 1234, 100));
+        assert!(w.older && !w.newer && !w.cut_short);
+        // Older: the 100 before the first shown.
+        let w = walk(log(1234), &At::Before("1135".into()), 100)
+            .await
+            .unwrap();
+        assert_eq!(cursors(&w), (1035, 1134, 100));
+        assert!(w.older && w.newer);
+        // The first ones: nothing older.
+        let w = walk(log(1234), &At::Before("60".into()), 100)
+            .await
+            .unwrap();
+        assert_eq!(cursors(&w), (1, 59, 59));
+        assert!(!w.older && w.newer);
+        // Newer: the ones after the last shown.
+        let w = walk(log(1234), &At::After(Some("59".into())), 100)
+            .await
+            .unwrap();
+        assert_eq!(cursors(&w), (60, 159, 100));
+        assert!(w.older && w.newer);
+        let w = walk(log(1234), &At::After(Some("1200".into())), 100)
+            .await
+            .unwrap();
+        assert_eq!(cursors(&w), (1201, 1234, 34));
+        assert!(w.older && !w.newer);
+        // A short log: all of it, nothing around it.
+        let w = walk(log(7), &At::Latest, 100).await.unwrap();
+        assert_eq!(cursors(&w), (1, 7, 7));
+        assert!(!w.older && !w.newer);
+        let w = walk(log(0), &At::Latest, 100).await.unwrap();
+        assert!(w.events.is_empty() && !w.older && !w.newer);
+        // A cursor not in the log is not found.
+        let e = walk(log(7), &At::Before("70".into()), 100)
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind, ErrorType::NotFound);
+        // Longer than a walk reads: the last that was read, said so.
+        let w = walk(log(20_000), &At::Latest, 100).await.unwrap();
+        assert_eq!(cursors(&w), (9901, 10_000, 100));
+        assert!(w.cut_short && w.newer && w.older);
     }
 
     #[test]

@@ -291,3 +291,136 @@ async fn replicas_share_the_sign_up_limit_of_an_address() {
         assert!(r.headers().contains_key("retry-after"));
     }
 }
+
+#[tokio::test]
+async fn the_events_page_says_when_there_are_none() {
+    let d = Dashboard::start().await;
+    let (cookie, _) = d.sign_in().await;
+    let page = d.page("/events", &cookie).await;
+    assert!(
+        page.contains("No events yet") && page.contains("aria-current=\"page\">Events</a>"),
+        "{page}"
+    );
+    assert_whole_document(&page);
+    // A cursor the log does not have is the dashboard's 404, framed.
+    let r = d
+        .http
+        .get(format!("{}/events?before=999999", d.url))
+        .header(COOKIE, &cookie)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    let page = r.text().await.unwrap();
+    assert!(page.contains("Sign out"), "{page}");
+}
+
+/// The value of the input with `id` on `page`.
+fn value_of<'a>(page: &'a str, id: &str) -> &'a str {
+    let input = page
+        .split(&format!("id=\"{id}\""))
+        .nth(1)
+        .unwrap_or_else(|| panic!("no #{id}: {page}"));
+    let input = &input[..input.find('>').unwrap()];
+    input
+        .split("value=\"")
+        .nth(1)
+        .map_or("", |v| v.split('"').next().unwrap())
+}
+
+#[tokio::test]
+async fn a_webhook_is_refused_with_its_form_kept_or_made_with_its_secret_shown_once() {
+    let d = Dashboard::start().await;
+    let (cookie, csrf) = d.sign_in().await;
+    let page = d.page("/webhooks", &cookie).await;
+    assert!(page.contains("No webhooks yet"), "{page}");
+    assert!(
+        page.contains("id=\"events-all\" name=\"all\" type=\"checkbox\" value=\"on\" checked"),
+        "all events by default: {page}"
+    );
+
+    // A loopback address is refused, saying why; the form comes back as
+    // it was sent.
+    let r = d
+        .post(
+            "/webhooks",
+            &cookie,
+            &[
+                ("csrf", &csrf),
+                ("url", "http://127.0.0.1:9/hook"),
+                ("description", "mine"),
+                ("events", "sandbox.paused"),
+                ("events", "sandbox.failed"),
+            ],
+        )
+        .await;
+    assert_eq!(r.status(), 400);
+    let page = r.text().await.unwrap();
+    assert!(page.contains("class=\"error\""), "{page}");
+    assert_eq!(value_of(&page, "webhook-url"), "http://127.0.0.1:9/hook");
+    assert_eq!(value_of(&page, "webhook-description"), "mine");
+    for t in ["sandbox.paused", "sandbox.failed"] {
+        assert!(
+            page.contains(&format!("value=\"{t}\" checked")),
+            "{t} not kept: {page}"
+        );
+    }
+    assert!(
+        !page.contains("value=\"sandbox.created\" checked"),
+        "{page}"
+    );
+    assert!(!page.contains("value=\"on\" checked"), "{page}");
+    assert_whole_document(&page);
+
+    // A public address: made, its secret on the answer and nowhere after.
+    let r = d
+        .post(
+            "/webhooks",
+            &cookie,
+            &[
+                ("csrf", &csrf),
+                ("url", "https://1.1.1.1/sandpit-hook"),
+                ("all", "on"),
+            ],
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["cache-control"], "no-store");
+    let page = r.text().await.unwrap();
+    let secret = value_of(&page, "webhook-secret").to_string();
+    assert!(secret.starts_with("whsec_"), "{page}");
+    assert!(page.contains("it is not shown again"), "{page}");
+    let list = d.page("/webhooks", &cookie).await;
+    assert!(
+        list.contains("Webhooks (1)")
+            && list.contains("https://1.1.1.1/sandpit-hook")
+            && list.contains("0 pending")
+            && !list.contains(&secret),
+        "{list}"
+    );
+    let id = list
+        .split("href=\"/webhooks/wh_")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .map(|rest| format!("wh_{rest}"))
+        .expect("a link to the webhook's page");
+    let one = d.page(&format!("/webhooks/{id}"), &cookie).await;
+    assert!(
+        one.contains("No deliveries yet") && !one.contains(&secret),
+        "{one}"
+    );
+    assert_whole_document(&one);
+
+    // Deleted from the list.
+    let r = d
+        .post(
+            &format!("/webhooks/{id}/delete"),
+            &cookie,
+            &[("csrf", &csrf)],
+        )
+        .await;
+    assert_eq!(r.status(), 303);
+    assert_eq!(r.headers()[LOCATION], "/webhooks");
+    let list = d.page("/webhooks", &cookie).await;
+    assert!(list.contains("No webhooks yet"), "{list}");
+}

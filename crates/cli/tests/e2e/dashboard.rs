@@ -3,7 +3,9 @@
 //! person does: sign in with the printed key, create a sandbox, run a
 //! command, use the file browser (upload, download, delete), expose a port
 //! and open its link, type into the terminal and read its output from the
-//! page, pause, resume and snapshot, find a template, read its build's
+//! page, pause, resume and snapshot, read the sandbox's events on its page
+//! and the Events page, be refused a webhook to a denied address (the form
+//! kept), find a template, read its build's
 //! log, rebuild it and start a sandbox from it, make and revoke a key, read usage,
 //! add credit as an operator, sign out, sign up with an invitation (and be
 //! refused past the per-address limit), and never see another account's
@@ -208,6 +210,49 @@ async fn click_and_load(b: &Browser, name: &str) {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// The event rows inside the element `arguments[0]` selects, newest
+/// first: each row's type and the sandbox it links to (none on a
+/// sandbox's own page).
+const EVENT_ROWS: &str = r#"
+return [...document.querySelector(arguments[0]).querySelectorAll('table.events tbody tr')].map(r => {
+  const link = r.querySelector('a[href^="/sandboxes/"]');
+  return [r.querySelector('code').textContent, link ? link.getAttribute('href') : null];
+});
+"#;
+
+/// `rows` (from [`EVENT_ROWS`], newest first) tell a sandbox's life so
+/// far: created, started, paused and resumed, in that order, each row of
+/// sandbox `id` (when the rows name theirs) linking to it.
+fn assert_lived(rows: &Value, id: Option<&str>) {
+    let rows = rows.as_array().expect("event rows");
+    let mut kinds: Vec<&str> = rows
+        .iter()
+        .filter(|r| match id {
+            Some(id) => r[1].as_str() == Some(&format!("/sandboxes/{id}")),
+            None => r[1].is_null(),
+        })
+        .map(|r| r[0].as_str().unwrap())
+        .collect();
+    kinds.reverse();
+    let mut wanted = [
+        "sandbox.created",
+        "sandbox.started",
+        "sandbox.paused",
+        "sandbox.resumed",
+    ]
+    .into_iter()
+    .peekable();
+    for k in &kinds {
+        if wanted.peek() == Some(k) {
+            wanted.next();
+        }
+    }
+    assert!(
+        wanted.peek().is_none() && kinds.first() == Some(&"sandbox.created"),
+        "not created, started, paused and resumed (oldest first): {kinds:?} of {rows:?}"
+    );
 }
 
 /// Wait until the executions' output (inside closed `<details>`) shows
@@ -543,6 +588,61 @@ async fn a_person_uses_the_dashboard_in_a_real_browser() {
     b.wait_for_text("Snapshot", PATIENCE).await;
     let (_, sbx) = rest_get(&url, &admin_key, &format!("/sandboxes/{id}")).await;
     assert_eq!(sbx["status"], "running", "{sbx}");
+
+    // Its events: on its page and on the Events page (newest first, each
+    // linking to its sandbox), made, started, paused and resumed, by the
+    // dashboard.
+    b.goto(&format!("{url}/sandboxes/{id}")).await;
+    b.wait_for_text("sandbox.resumed", PATIENCE).await;
+    let kinds = b.execute(EVENT_ROWS, vec![json!("#events")]).await;
+    assert_lived(&kinds, None);
+    b.execute("document.getElementById('events').scrollIntoView()", vec![])
+        .await;
+    shots.take(&b, "sandbox-events").await;
+    click_and_load(&b, "Events").await;
+    b.wait_for_text("sandbox.resumed", PATIENCE).await;
+    let rows = b.execute(EVENT_ROWS, vec![json!("main")]).await;
+    assert_lived(&rows, Some(&id));
+    shots.take(&b, "events").await;
+
+    // A webhook to an address the server does not allow is refused,
+    // saying why, the form as it was sent.
+    click_and_load(&b, "Webhooks").await;
+    b.wait_for_text("No webhooks yet", PATIENCE).await;
+    b.fill("URL", "http://127.0.0.1:9/hook").await;
+    b.fill("Description (optional)", "mine").await;
+    b.execute("document.getElementById('event-paused').click()", vec![])
+        .await;
+    click_and_load(&b, "Create webhook").await;
+    let refused = b
+        .execute(
+            "const e = document.querySelector('main p.error'); return e ? e.textContent : null",
+            vec![],
+        )
+        .await;
+    assert!(
+        refused.as_str().is_some_and(|e| e.contains("127.0.0.1")),
+        "no refusal naming the address: {refused}\n{}",
+        b.dump().await
+    );
+    let kept = b
+        .execute(
+            "return [document.getElementById('webhook-url').value, \
+             document.getElementById('webhook-description').value, \
+             document.getElementById('event-paused').checked, \
+             document.getElementById('events-all').checked]",
+            vec![],
+        )
+        .await;
+    assert_eq!(
+        kept,
+        json!(["http://127.0.0.1:9/hook", "mine", true, false]),
+        "the form as sent"
+    );
+    shots.take(&b, "webhooks").await;
+    let (_, hooks) = rest_get(&url, &admin_key, "/webhooks").await;
+    assert_eq!(hooks["data"], json!([]), "{hooks}");
+
     b.goto(&format!("{url}/sandboxes")).await;
     b.wait_for_text("Live (1)", PATIENCE).await;
     shots.take(&b, "sandboxes").await;
