@@ -108,3 +108,16 @@ pub struct UsageQuery {
     #[serde(default)]
     pub days: Option<u32>,
 }
+
+/// Query of `GET /sandboxes/{id}/events` (the sandbox is the path's).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SandboxEventsQuery {
+    /// 1..500, default 100.
+    #[serde(default)]
+    pub limit: Option<u32>,
+    /// A cursor (an event's, or the previous page's `next_cursor`): list
+    /// what came after it. Absent: from the oldest kept.
+    #[serde(default)]
+    pub after: Option<String>,
+}

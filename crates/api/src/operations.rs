@@ -12,7 +12,8 @@
 //! document.
 
 use crate::bodies::{
-    ExposePortBody, ExtendBody, FilesQuery, PortClosed, SignUrlBody, UsageQuery, VolumeFilesQuery,
+    ExposePortBody, ExtendBody, FilesQuery, PortClosed, SandboxEventsQuery, SignUrlBody,
+    UsageQuery, VolumeFilesQuery,
 };
 use crate::error::ErrorBody;
 use crate::server;
@@ -30,6 +31,7 @@ use sandpit_core::{
     Sandbox, Secret, ServiceInfo, SignedUrl, Snapshot, Template, TerminalToken, Usage, Volume,
     WriteFile,
 };
+use sandpit_core::{CreateWebhook, Event, ListDeliveries, ListEvents, Webhook, WebhookDelivery};
 use sandpit_core::{MoveVolume, VolumeFile, VolumeFileMeta};
 use schemars::generate::{Contract, SchemaGenerator, SchemaSettings};
 use schemars::JsonSchema;
@@ -314,6 +316,17 @@ hung up because its sandbox stopped (then a close, 1011). Closing the socket han
 shell up (SIGHUP to its session, as an ssh connection that drops). A sandbox has at most \
 16 terminals open (429 past that). Errors before the upgrade are ordinary JSON errors.";
 
+const EVENTS_DESCRIPTION: &str = "\
+Everything that happened to the account's sandboxes (created, started, paused, resumed, \
+snapshotted, forked, restored, extended, shortened, noted, destroying, killed, expired, \
+failed), oldest first, each written in the same transaction as the change itself. Each \
+event names who caused it (`actor`: the API key's prefix, `dashboard`, `the expiry`…) and \
+why (`reason`). Page with `after` (an event's `cursor`, or the previous page's \
+`next_cursor`) and `limit` (1..500, default 100); `sandbox_id` keeps one sandbox's (404 \
+when it is not the account's). To follow the log, poll with `after=next_cursor`: it is \
+always set once an event was seen, so nothing is missed or seen twice. A cursor that is \
+not one is 400.";
+
 /// The REST API: every `/v1` route of `docs/spec/rest-api.md`, plus
 /// `GET /v1/service` and `GET /v1/openapi.json` (both without a key).
 ///
@@ -408,7 +421,11 @@ fn table() -> Table {
         })
     };
 
-    let ops = vec![
+    let webhook = res.subschema_for::<Webhook>().to_value();
+    let delivery = res.subschema_for::<WebhookDelivery>().to_value();
+    let _ = res.subschema_for::<Event>();
+
+    let mut ops = vec![
         Op {
             method: "get",
             path: "/v1/service",
@@ -1267,6 +1284,202 @@ fn table() -> Table {
             errors: ON_SANDBOX,
         },
     ];
+    // Events and webhooks. Their lists' schemas are made here, after every
+    // other, so the other lists keep their generated names.
+    let event_list = res.subschema_for::<List<Event>>().to_value();
+    let webhook_list = res.subschema_for::<List<Webhook>>().to_value();
+    let delivery_list = res.subschema_for::<List<WebhookDelivery>>().to_value();
+    let (event_list_ref, webhook_list_ref, delivery_list_ref) = (
+        event_list.clone(),
+        webhook_list.clone(),
+        delivery_list.clone(),
+    );
+    ops.extend([
+        Op {
+            method: "get",
+            path: "/v1/events",
+            handler: get(server::list_events),
+            id: "listEvents",
+            summary: "List the account's events",
+            description: EVENTS_DESCRIPTION,
+            params: query_params::<ListEvents>(&mut req),
+            body: None,
+            responses: vec![(
+                "200",
+                "A page of events, oldest first; `next_cursor` is always set once any event was \
+                 seen (`after` itself when nothing came), so poll with it.",
+                json_content(event_list.clone()),
+            )],
+            errors: Errors {
+                not_found: true,
+                ..AUTH
+            },
+        },
+        Op {
+            method: "get",
+            path: "/v1/sandboxes/{id}/events",
+            handler: get(server::list_sandbox_events),
+            id: "listSandboxEvents",
+            summary: "List a sandbox's events",
+            description: "The sandbox's events, oldest first, as `GET /v1/events?sandbox_id=` \
+                lists them: paged with `after` (a cursor) and `limit` (1..500, default 100). \
+                A sandbox of another account is 404.",
+            params: {
+                let mut p = vec![id_param("sandbox")];
+                p.extend(query_params::<SandboxEventsQuery>(&mut req));
+                p
+            },
+            body: None,
+            responses: vec![(
+                "200",
+                "A page of the sandbox's events.",
+                json_content(event_list),
+            )],
+            errors: Errors {
+                not_found: true,
+                ..AUTH
+            },
+        },
+        Op {
+            method: "post",
+            path: "/v1/webhooks",
+            handler: post(server::create_webhook),
+            id: "createWebhook",
+            summary: "Register a webhook",
+            description:
+                "From now on the account's events of the types in `events` (absent, empty \
+                or `[\"*\"]`: all) are POSTed to `url` as JSON (the event object), signed as \
+                Standard Webhooks says: headers `webhook-id` (the event's id: drop a repeat), \
+                `webhook-timestamp` and `webhook-signature` (`v1,` + base64 of the HMAC-SHA256, \
+                under the secret's bytes after `whsec_`, of `id.timestamp.body`). A delivery \
+                that gets no 2xx answer is retried with backoff for a day. The answer carries \
+                the webhook's `secret`, this once: it is never shown again. An event type not \
+                in the list, a URL that is not http(s) or whose address the operator does \
+                not allow (by default no loopback, link-local or private range) is 400, \
+                saying which.",
+            params: vec![],
+            body: Some(json_content(
+                req.subschema_for::<CreateWebhook>().to_value(),
+            )),
+            responses: vec![(
+                "201",
+                "The webhook, with its secret (shown once).",
+                json_content(webhook.clone()),
+            )],
+            errors: Errors { body: true, ..AUTH },
+        },
+        Op {
+            method: "get",
+            path: "/v1/webhooks",
+            handler: get(server::list_webhooks),
+            id: "listWebhooks",
+            summary: "List webhooks",
+            description: "The account's webhooks, with their deliveries counted by state; never \
+                their secrets.",
+            params: vec![],
+            body: None,
+            responses: vec![(
+                "200",
+                "Every webhook, without its secret.",
+                json_content(webhook_list.clone()),
+            )],
+            errors: AUTH,
+        },
+        Op {
+            method: "get",
+            path: "/v1/webhooks/{id}",
+            handler: get(server::get_webhook),
+            id: "getWebhook",
+            summary: "Get a webhook",
+            description: "The webhook object (`wh_…`), with its deliveries counted by state; \
+                without its secret.",
+            params: vec![id_param("webhook")],
+            body: None,
+            responses: vec![(
+                "200",
+                "The webhook, without its secret.",
+                json_content(webhook.clone()),
+            )],
+            errors: Errors {
+                not_found: true,
+                ..AUTH
+            },
+        },
+        Op {
+            method: "delete",
+            path: "/v1/webhooks/{id}",
+            handler: delete(server::delete_webhook),
+            id: "deleteWebhook",
+            summary: "Delete a webhook",
+            description: "Stops its deliveries (those still pending are dropped) and answers \
+                with it as it was, without its secret. From then on it is 404.",
+            params: vec![id_param("webhook")],
+            body: None,
+            responses: vec![(
+                "200",
+                "The deleted webhook, without its secret.",
+                json_content(webhook),
+            )],
+            errors: Errors {
+                not_found: true,
+                ..AUTH
+            },
+        },
+        Op {
+            method: "get",
+            path: "/v1/webhooks/{id}/deliveries",
+            handler: get(server::list_deliveries),
+            id: "listWebhookDeliveries",
+            summary: "List a webhook's deliveries",
+            description: "The webhook's deliveries, newest first, each with its status \
+                (`pending`, `delivered`, `failed`) and its attempts (when, the receiver's \
+                status, the error, how long), paged with `limit` (1..100, default 20) and \
+                `starting_after` (the previous page's `next_cursor`).",
+            params: {
+                let mut p = vec![id_param("webhook")];
+                p.extend(query_params::<ListDeliveries>(&mut req));
+                p
+            },
+            body: None,
+            responses: vec![(
+                "200",
+                "A page of deliveries.",
+                json_content(delivery_list.clone()),
+            )],
+            errors: Errors {
+                not_found: true,
+                ..AUTH
+            },
+        },
+        Op {
+            method: "post",
+            path: "/v1/webhooks/{id}/deliveries/{delivery_id}/redeliver",
+            handler: post(server::redeliver),
+            id: "redeliverWebhookDelivery",
+            summary: "Send a delivery again",
+            description: "POSTs the delivery's event to the webhook again, now, signed afresh \
+                (its earlier attempts are kept): for one that failed, or to replay one that \
+                was delivered. Answers with the delivery and the new attempt.",
+            params: vec![
+                id_param("webhook"),
+                path_param(
+                    "delivery_id",
+                    "The delivery's id: its event's (`evt_…`).",
+                    json!({"type": "string"}),
+                ),
+            ],
+            body: None,
+            responses: vec![(
+                "200",
+                "The delivery, with its attempts.",
+                json_content(delivery),
+            )],
+            errors: Errors {
+                not_found: true,
+                ..AUTH
+            },
+        },
+    ]);
     // The terminal's messages, described by their schemas.
     let _ = req.subschema_for::<TerminalControl>();
     let _ = res.subschema_for::<TerminalEvent>();
@@ -1336,6 +1549,9 @@ fn table() -> Table {
     rename_schema(&mut doc, &port_list, "PortList");
     rename_schema(&mut doc, &execution_list, "ExecutionList");
     rename_schema(&mut doc, &snapshot_list_ref, "SnapshotList");
+    rename_schema(&mut doc, &event_list_ref, "EventList");
+    rename_schema(&mut doc, &webhook_list_ref, "WebhookList");
+    rename_schema(&mut doc, &delivery_list_ref, "WebhookDeliveryList");
     sort_keys(&mut doc);
     (routes, doc)
 }

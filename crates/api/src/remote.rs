@@ -22,6 +22,7 @@ use sandpit_core::{
     NetworkLists, Port, PutSecret, ResizeVolume, RestoreSandbox, Sandbox, Secret, ServiceInfo,
     SignedUrl, Snapshot, Template, Usage, Volume, WriteFile,
 };
+use sandpit_core::{CreateWebhook, Event, ListDeliveries, ListEvents, Webhook, WebhookDelivery};
 use serde::de::DeserializeOwned;
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -674,6 +675,78 @@ impl Volumes for RemoteApi {
     }
 }
 
+#[async_trait]
+impl Events for RemoteApi {
+    /// `GET /v1/sandboxes/{id}/events` when one sandbox's are asked for,
+    /// else `GET /v1/events`.
+    async fn list_events(&self, caller: &Caller, q: ListEvents) -> Result<List<Event>> {
+        let mut url = match &q.sandbox_id {
+            Some(id) => self.url(&["sandboxes", id, "events"]),
+            None => self.url(&["events"]),
+        };
+        {
+            let mut pairs = url.query_pairs_mut();
+            if let Some(limit) = q.limit {
+                pairs.append_pair("limit", &limit.to_string());
+            }
+            if let Some(after) = &q.after {
+                pairs.append_pair("after", after);
+            }
+        }
+        if url.query() == Some("") {
+            url.set_query(None);
+        }
+        self.get(caller, url).await
+    }
+
+    async fn create_webhook(&self, caller: &Caller, req: CreateWebhook) -> Result<Webhook> {
+        let r = self
+            .request(caller, Method::POST, self.url(&["webhooks"]))?
+            .json(&req);
+        self.call(r).await
+    }
+
+    async fn list_webhooks(&self, caller: &Caller) -> Result<List<Webhook>> {
+        self.get(caller, self.url(&["webhooks"])).await
+    }
+
+    async fn get_webhook(&self, caller: &Caller, id: &str) -> Result<Webhook> {
+        self.get(caller, self.url(&["webhooks", id])).await
+    }
+
+    async fn delete_webhook(&self, caller: &Caller, id: &str) -> Result<Webhook> {
+        let r = self.request(caller, Method::DELETE, self.url(&["webhooks", id]))?;
+        self.call(r).await
+    }
+
+    async fn list_deliveries(
+        &self,
+        caller: &Caller,
+        webhook_id: &str,
+        q: ListDeliveries,
+    ) -> Result<List<WebhookDelivery>> {
+        let mut url = self.url(&["webhooks", webhook_id, "deliveries"]);
+        page_query(&mut url, q.limit, q.starting_after.as_deref());
+        self.get(caller, url).await
+    }
+
+    async fn redeliver(
+        &self,
+        caller: &Caller,
+        webhook_id: &str,
+        delivery_id: &str,
+    ) -> Result<WebhookDelivery> {
+        let url = self.url(&[
+            "webhooks",
+            webhook_id,
+            "deliveries",
+            delivery_id,
+            "redeliver",
+        ]);
+        self.call(self.request(caller, Method::POST, url)?).await
+    }
+}
+
 /// Read the event stream into `tx` until the last event, the receiver's
 /// drop, or `cancel`; returning drops the response, which closes the
 /// connection, which makes the server cancel the command.
@@ -854,6 +927,3 @@ mod tests {
         assert!(parse_error_body("<html>").is_none());
     }
 }
-
-#[async_trait]
-impl Events for RemoteApi {}

@@ -17,6 +17,7 @@ use sandpit_core::{
     ListExecutions, ListSandboxes, ListSnapshots, NetworkLists, PutSecret, ResizeVolume,
     RestoreSandbox, WriteFile,
 };
+use sandpit_core::{CreateWebhook, ListDeliveries, ListEvents};
 use sandpit_core::{
     FileDeleted, List, MoveVolume, VolumeCall, VolumeFile, VolumeFileMeta, VolumeOwnership,
 };
@@ -643,4 +644,72 @@ pub(crate) async fn close_port(
     })?;
     st.api.close_port(&c, &id, port).await?;
     ok(PortClosed { port, closed: true })
+}
+
+pub(crate) async fn list_events(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    QueryParams(q): QueryParams<ListEvents>,
+) -> ApiResult {
+    ok(st.api.list_events(&c, q).await?)
+}
+
+pub(crate) async fn list_sandbox_events(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(id): Path<String>,
+    QueryParams(q): QueryParams<SandboxEventsQuery>,
+) -> ApiResult {
+    let q = ListEvents {
+        limit: q.limit,
+        after: q.after,
+        sandbox_id: Some(id),
+    };
+    ok(st.api.list_events(&c, q).await?)
+}
+
+pub(crate) async fn create_webhook(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    JsonBody(body): JsonBody<CreateWebhook>,
+) -> ApiResult {
+    let webhook = st.api.create_webhook(&c, body).await?;
+    Ok((StatusCode::CREATED, Json(webhook)).into_response())
+}
+
+pub(crate) async fn list_webhooks(State(st): State<AppState>, Authed(c): Authed) -> ApiResult {
+    ok(st.api.list_webhooks(&c).await?)
+}
+
+pub(crate) async fn get_webhook(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(id): Path<String>,
+) -> ApiResult {
+    ok(st.api.get_webhook(&c, &id).await?)
+}
+
+pub(crate) async fn delete_webhook(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(id): Path<String>,
+) -> ApiResult {
+    ok(st.api.delete_webhook(&c, &id).await?)
+}
+
+pub(crate) async fn list_deliveries(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path(id): Path<String>,
+    QueryParams(q): QueryParams<ListDeliveries>,
+) -> ApiResult {
+    ok(st.api.list_deliveries(&c, &id, q).await?)
+}
+
+pub(crate) async fn redeliver(
+    State(st): State<AppState>,
+    Authed(c): Authed,
+    Path((id, delivery_id)): Path<(String, String)>,
+) -> ApiResult {
+    ok(st.api.redeliver(&c, &id, &delivery_id).await?)
 }

@@ -185,6 +185,19 @@ impl Sandboxes for Fake {
             None => Held::new(&caller.account_id, s.clone()),
         };
         st.sandboxes.push(held);
+        let mut created = Detail::new();
+        let mut started = Detail::new();
+        match &req.snapshot_id {
+            Some(snap) => {
+                created.insert("snapshot_id".into(), snap.clone().into());
+                started.insert("from".into(), "snapshot".into());
+            }
+            None => {
+                started.insert("from".into(), "cold".into());
+            }
+        }
+        st.record(caller, &s, "sandbox.created", None, created);
+        st.record(caller, &s, "sandbox.started", None, started);
         if let Some(key) = idempotency_key {
             st.idempotency
                 .insert((caller.account_id.clone(), key), (asked, s.id.clone()));
@@ -286,12 +299,21 @@ impl Sandboxes for Fake {
         self.begin(caller, Op::DestroySandbox { id: id.into() })?;
         let mut st = self.state.lock().unwrap();
         let s = &mut st.held(caller, id)?.sandbox;
-        if s.status.is_live() {
-            s.status = SandboxStatus::Deleted;
-            s.deleted_at = Some(T0.into());
-            s.deleted_reason = Some("destroyed".into());
+        if !s.status.is_live() {
+            return Ok(s.clone());
         }
-        Ok(s.clone())
+        s.status = SandboxStatus::Deleted;
+        s.deleted_at = Some(T0.into());
+        s.deleted_reason = Some("destroyed".into());
+        let s = s.clone();
+        st.record(
+            caller,
+            &s,
+            "sandbox.killed",
+            Some("destroyed"),
+            Detail::new(),
+        );
+        Ok(s)
     }
 
     async fn pause_sandbox(&self, caller: &Caller, id: &str) -> Result<Sandbox> {
@@ -299,7 +321,10 @@ impl Sandboxes for Fake {
         let mut st = self.state.lock().unwrap();
         let h = st.held(caller, id)?;
         if h.sandbox.status != SandboxStatus::Paused {
-            st.running(caller, id)?.sandbox.status = SandboxStatus::Paused;
+            let h = st.running(caller, id)?;
+            h.sandbox.status = SandboxStatus::Paused;
+            let paused = h.sandbox.clone();
+            st.record(caller, &paused, "sandbox.paused", None, Detail::new());
         }
         Ok(st.held(caller, id)?.sandbox.clone())
     }
@@ -1008,7 +1033,174 @@ impl Templates for Fake {
     }
 }
 
-/// The fake keeps no events: every call says so, as a remote that is not
-/// a Sandpit server does.
+/// The events the fake wrote (see the crate's documentation), and
+/// webhooks kept and checked as the service keeps them, to which nothing
+/// is ever delivered.
 #[async_trait]
-impl Events for Fake {}
+impl Events for Fake {
+    async fn list_events(&self, caller: &Caller, q: ListEvents) -> Result<List<Event>> {
+        self.begin(caller, Op::ListEvents { query: q.clone() })?;
+        let limit = q.limit.unwrap_or(DEFAULT_EVENTS);
+        if !(1..=MAX_EVENTS).contains(&limit) {
+            return Err(CoreError::invalid(format!(
+                "limit must be between 1 and {MAX_EVENTS}, not {limit}"
+            )));
+        }
+        let mut st = self.state.lock().unwrap();
+        if let Some(id) = &q.sandbox_id {
+            st.held(caller, id)?;
+        }
+        let from = match &q.after {
+            None => 0,
+            Some(c) => c
+                .parse::<usize>()
+                .ok()
+                .filter(|n| *n <= st.events.len())
+                .ok_or_else(|| CoreError::invalid(format!("after {c:?} is not an event cursor")))?,
+        };
+        let theirs = |(a, e): &&(String, Event)| {
+            *a == caller.account_id && q.sandbox_id.as_ref().is_none_or(|id| e.sandbox_id == *id)
+        };
+        let mut data: Vec<Event> = st.events[from..]
+            .iter()
+            .filter(theirs)
+            .take(limit as usize + 1)
+            .map(|(_, e)| e.clone())
+            .collect();
+        let has_more = data.len() > limit as usize;
+        data.truncate(limit as usize);
+        let next = data.last().map(|e| e.cursor.clone()).or(q.after);
+        Ok(List::new(data, has_more, next))
+    }
+
+    async fn create_webhook(&self, caller: &Caller, req: CreateWebhook) -> Result<Webhook> {
+        self.begin(caller, Op::CreateWebhook { req: req.clone() })?;
+        let events = webhook_events(&req)?;
+        let secret = base64::engine::general_purpose::STANDARD.encode(rand::random::<[u8; 32]>());
+        let webhook = Webhook {
+            object: "webhook".into(),
+            id: new_id("wh_"),
+            url: req.url,
+            events,
+            description: req.description,
+            secret: None,
+            created_at: T0.into(),
+            pending: 0,
+            delivered: 0,
+            failed: 0,
+        };
+        let mut st = self.state.lock().unwrap();
+        st.webhooks
+            .push((caller.account_id.clone(), webhook.clone()));
+        Ok(Webhook {
+            secret: Some(format!("whsec_{secret}")),
+            ..webhook
+        })
+    }
+
+    async fn list_webhooks(&self, caller: &Caller) -> Result<List<Webhook>> {
+        self.begin(caller, Op::ListWebhooks)?;
+        let st = self.state.lock().unwrap();
+        let data = st
+            .webhooks
+            .iter()
+            .filter(|(a, _)| *a == caller.account_id)
+            .map(|(_, w)| w.clone())
+            .collect();
+        Ok(List::new(data, false, None))
+    }
+
+    async fn get_webhook(&self, caller: &Caller, id: &str) -> Result<Webhook> {
+        self.begin(caller, Op::GetWebhook { id: id.into() })?;
+        let st = self.state.lock().unwrap();
+        Ok(st.webhooks[webhook_at(&st, caller, id)?].1.clone())
+    }
+
+    async fn delete_webhook(&self, caller: &Caller, id: &str) -> Result<Webhook> {
+        self.begin(caller, Op::DeleteWebhook { id: id.into() })?;
+        let mut st = self.state.lock().unwrap();
+        let at = webhook_at(&st, caller, id)?;
+        Ok(st.webhooks.remove(at).1)
+    }
+
+    async fn list_deliveries(
+        &self,
+        caller: &Caller,
+        webhook_id: &str,
+        q: ListDeliveries,
+    ) -> Result<List<WebhookDelivery>> {
+        let op = Op::ListDeliveries {
+            webhook_id: webhook_id.into(),
+            query: q.clone(),
+        };
+        self.begin(caller, op)?;
+        page_limit(q.limit)?;
+        let st = self.state.lock().unwrap();
+        webhook_at(&st, caller, webhook_id)?;
+        // Nothing is delivered: no delivery is one to list after.
+        if let Some(c) = &q.starting_after {
+            return Err(unknown_cursor("delivery", c));
+        }
+        Ok(List::new(Vec::new(), false, None))
+    }
+
+    async fn redeliver(
+        &self,
+        caller: &Caller,
+        webhook_id: &str,
+        delivery_id: &str,
+    ) -> Result<WebhookDelivery> {
+        let op = Op::Redeliver {
+            webhook_id: webhook_id.into(),
+            delivery_id: delivery_id.into(),
+        };
+        self.begin(caller, op)?;
+        let st = self.state.lock().unwrap();
+        webhook_at(&st, caller, webhook_id)?;
+        Err(CoreError::not_found("delivery", delivery_id))
+    }
+}
+
+/// `list_events`' default and largest page.
+const DEFAULT_EVENTS: u32 = 100;
+const MAX_EVENTS: u32 = 500;
+
+/// The event types a new webhook gets, checked as the service checks them:
+/// its URL http or https, each type one of [`EVENT_TYPES`] or `*`; none,
+/// or `*` among them, is `["*"]`.
+fn webhook_events(req: &CreateWebhook) -> Result<Vec<String>> {
+    let url = req.url.to_ascii_lowercase();
+    let rest = url
+        .strip_prefix("https://")
+        .or_else(|| url.strip_prefix("http://"));
+    if !rest.is_some_and(|r| !r.is_empty() && !r.starts_with(['/', '?', '#'])) {
+        return Err(CoreError::invalid(format!(
+            "url {:?} is not an http:// or https:// URL with a host",
+            req.url
+        )));
+    }
+    let mut events: Vec<String> = Vec::new();
+    for e in &req.events {
+        if e != "*" && !EVENT_TYPES.contains(&e.as_str()) {
+            return Err(CoreError::invalid(format!(
+                "unknown event type {e:?}: one of {}, or \"*\" for all",
+                EVENT_TYPES.join(", ")
+            )));
+        }
+        if !events.contains(e) {
+            events.push(e.clone());
+        }
+    }
+    if events.is_empty() || events.iter().any(|e| e == "*") {
+        events = vec!["*".into()];
+    }
+    Ok(events)
+}
+
+/// Where the caller's webhook `id` is in `st.webhooks`.
+fn webhook_at(st: &State, caller: &Caller, id: &str) -> Result<usize> {
+    st.webhooks
+        .iter()
+        .position(|(a, w)| *a == caller.account_id && w.id == id)
+        .ok_or_else(|| CoreError::not_found("webhook", id))
+}

@@ -33,6 +33,18 @@
 //!   (through `create` from a snapshot or a fork).
 //! * A clock stopped at [`T0`]: every timestamp is `T0`, except a sandbox's
 //!   `expires_at` (`T0` plus its timeout).
+//! * Events, recorded as the service writes them for what the fake does:
+//!   `sandbox.created` and `sandbox.started` (`from`: `cold` or
+//!   `snapshot`) for a create, `sandbox.paused`, `sandbox.resumed` (a
+//!   paused sandbox resumed by any call that needs it too), and
+//!   `sandbox.killed` (`destroyed`) for a destroy; each names its caller's
+//!   actor. Their cursors count up from `1`; `list_events` pages them as
+//!   the service does (after a cursor, `limit` 1..500, `next_cursor` always
+//!   set once there is one).
+//! * Webhooks kept as the service keeps them, checked as it checks them
+//!   (http or https; each event type one of [`EVENT_TYPES`] or `*`), with a
+//!   `whsec_` secret shown by the create only; nothing is ever delivered,
+//!   so a webhook has no deliveries to list or send again.
 //! * The service's default configuration ([`ServiceConfig::default`]) with
 //!   preview URLs `https://{port}-{id}.sandpit.test`; change it with
 //!   [`Fake::configure`] (`service_info`'s limits follow it).
@@ -105,7 +117,7 @@ const KILLED: i32 = 128 + 9;
 /// The names of the operations [`Fake::calls`] records and
 /// [`Fake::fail_next`] takes: [`SandboxApi`]'s methods that act for an
 /// account.
-pub const OPERATIONS: [&str; 26] = [
+pub const OPERATIONS: [&str; 33] = [
     "create_sandbox",
     "get_sandbox",
     "list_sandboxes",
@@ -132,6 +144,13 @@ pub const OPERATIONS: [&str; 26] = [
     "close_port",
     "usage",
     "account",
+    "list_events",
+    "create_webhook",
+    "list_webhooks",
+    "get_webhook",
+    "delete_webhook",
+    "list_deliveries",
+    "redeliver",
 ];
 
 /// One call of an operation, as the fake received it.
@@ -265,6 +284,27 @@ pub enum Op {
     DeleteVolume {
         volume: String,
     },
+    ListEvents {
+        query: ListEvents,
+    },
+    CreateWebhook {
+        req: CreateWebhook,
+    },
+    ListWebhooks,
+    GetWebhook {
+        id: String,
+    },
+    DeleteWebhook {
+        id: String,
+    },
+    ListDeliveries {
+        webhook_id: String,
+        query: ListDeliveries,
+    },
+    Redeliver {
+        webhook_id: String,
+        delivery_id: String,
+    },
 }
 
 impl Op {
@@ -304,6 +344,13 @@ impl Op {
             Op::GetVolume { .. } => "get_volume",
             Op::ResizeVolume { .. } => "resize_volume",
             Op::DeleteVolume { .. } => "delete_volume",
+            Op::ListEvents { .. } => "list_events",
+            Op::CreateWebhook { .. } => "create_webhook",
+            Op::ListWebhooks => "list_webhooks",
+            Op::GetWebhook { .. } => "get_webhook",
+            Op::DeleteWebhook { .. } => "delete_webhook",
+            Op::ListDeliveries { .. } => "list_deliveries",
+            Op::Redeliver { .. } => "redeliver",
         }
     }
 }
@@ -349,6 +396,9 @@ struct HeldSnapshot {
 /// `Idempotency-Key`'s by).
 type Asked = (String, Option<String>, u32, Option<String>);
 
+/// What an event carries besides its fields ([`Event::detail`]).
+type Detail = serde_json::Map<String, serde_json::Value>;
+
 /// What a snapshot asks for: the sandbox and the name (what a retried
 /// `Idempotency-Key`'s is compared by).
 type SnapshotAsked = (String, Option<String>);
@@ -373,6 +423,12 @@ struct State {
     /// (account, key) -> ((name, size_gb), the volume as it was made):
     /// volume creates' keys.
     volume_keys: HashMap<(String, String), ((String, u32), Volume)>,
+    /// (account, event), oldest first: an event's cursor is its place
+    /// here, counted from 1.
+    events: Vec<(String, Event)>,
+    /// (account, webhook, without its secret), oldest first; deleted ones
+    /// are gone.
+    webhooks: Vec<(String, Webhook)>,
 }
 
 impl State {
@@ -391,7 +447,10 @@ impl State {
         let h = self.held(caller, id)?;
         if h.sandbox.status == SandboxStatus::Paused {
             h.sandbox.status = SandboxStatus::Running;
+            let resumed = h.sandbox.clone();
+            self.record(caller, &resumed, "sandbox.resumed", None, Detail::new());
         }
+        let h = self.held(caller, id)?;
         let s = &h.sandbox;
         if s.status != SandboxStatus::Running {
             let why = s
@@ -406,6 +465,31 @@ impl State {
             )));
         }
         Ok(h)
+    }
+
+    /// Write an event of the caller's about `sandbox` (as it is now).
+    fn record(
+        &mut self,
+        caller: &Caller,
+        sandbox: &Sandbox,
+        kind: &str,
+        reason: Option<&str>,
+        detail: Detail,
+    ) {
+        let event = Event {
+            object: "event".into(),
+            id: new_id("evt_"),
+            cursor: (self.events.len() + 1).to_string(),
+            kind: kind.into(),
+            sandbox_id: sandbox.id.clone(),
+            size: sandbox.size.clone(),
+            status: sandbox.status.as_str().into(),
+            actor: caller.actor.clone(),
+            reason: reason.map(Into::into),
+            detail,
+            at: T0.into(),
+        };
+        self.events.push((caller.account_id.clone(), event));
     }
 
     /// A snapshot of the caller's; another account's, or a deleted one, is

@@ -2,7 +2,7 @@ use super::*;
 use sandpit_core::prelude::*;
 
 fn a() -> Caller {
-    Caller::new(ACCOUNT_A.into(), "test")
+    Caller::new(ACCOUNT_A, "test")
 }
 
 fn run(command: &str) -> ExecParams {
@@ -134,7 +134,7 @@ async fn files_are_a_tree_with_directories() {
 }
 
 fn b() -> Caller {
-    Caller::new(ACCOUNT_B.into(), "test")
+    Caller::new(ACCOUNT_B, "test")
 }
 
 async fn read(f: &Fake, id: &str, path: &str) -> Result<String> {

@@ -3,6 +3,7 @@
 //! the one the MCP tests use too), driven with reqwest (directly, and
 //! through `RemoteApi`). One test binary, to link once.
 
+mod events;
 mod openapi_doc;
 mod remote;
 mod rest;

@@ -79,6 +79,14 @@ fn every_ref_resolves_and_ids_are_unique() {
         "RestoreSandbox",
         "Secret",
         "PutSecret",
+        "Event",
+        "EventList",
+        "Webhook",
+        "WebhookList",
+        "CreateWebhook",
+        "WebhookDelivery",
+        "WebhookDeliveryList",
+        "DeliveryAttempt",
     ] {
         assert!(schemas.contains_key(name), "no schema {name}");
     }
@@ -165,6 +173,18 @@ fn documents_exactly_the_contract_routes() {
         ("POST", "/v1/volumes/{volume}/files"),
         ("PATCH", "/v1/volumes/{volume}/files"),
         ("DELETE", "/v1/volumes/{volume}/files"),
+        // Sandpit's own: lifecycle events and the webhooks they are sent to.
+        ("GET", "/v1/events"),
+        ("GET", "/v1/sandboxes/{id}/events"),
+        ("POST", "/v1/webhooks"),
+        ("GET", "/v1/webhooks"),
+        ("GET", "/v1/webhooks/{id}"),
+        ("DELETE", "/v1/webhooks/{id}"),
+        ("GET", "/v1/webhooks/{id}/deliveries"),
+        (
+            "POST",
+            "/v1/webhooks/{id}/deliveries/{delivery_id}/redeliver",
+        ),
     ]
     .into_iter()
     .map(|(m, p)| (m.to_owned(), p.to_owned()))
@@ -183,6 +203,7 @@ async fn every_documented_route_is_served() {
                 .replace("{port}", "1")
                 .replace("{name}", "X")
                 .replace("{volume}", "v")
+                .replace("{delivery_id}", "evt_x")
         );
         let m = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
         let r = s.http.request(m, &url).send().await.unwrap();

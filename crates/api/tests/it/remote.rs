@@ -235,7 +235,7 @@ async fn errors_map_back_to_the_same_core_error() {
         ErrorType::NotFound
     );
     // A caller that never authenticated has no key.
-    let stranger = Caller::new("acct_x".into(), "test");
+    let stranger = Caller::new("acct_x", "test");
     assert_eq!(
         api.account(&stranger).await.unwrap_err().kind,
         ErrorType::Unauthorized
