@@ -8,12 +8,14 @@
 //! prints the whole error chain once, on stderr, and exits non-zero.
 
 mod doctor;
+mod events;
 mod operator;
 mod sandbox;
 mod secret;
 mod shell;
 mod template;
 mod volume;
+mod webhook;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -89,6 +91,17 @@ enum Command {
     Volume {
         #[command(subcommand)]
         command: volume::VolumeCommand,
+    },
+    /// The account's sandbox events on a server (--url, SANDPIT_API_KEY):
+    /// when, what, which sandbox, who and why, a line each; --follow for
+    /// new ones as they come
+    Events(events::EventsArgs),
+    /// Webhooks on a server (--url, SANDPIT_API_KEY): create one for the
+    /// account's events (its secret shown once), list, get, delete; a
+    /// webhook's deliveries, and redeliver one
+    Webhook {
+        #[command(subcommand)]
+        command: webhook::WebhookCommand,
     },
     /// Run the control plane: REST /v1 and MCP (Streamable HTTP) at /v1/mcp
     Serve(serve::ServeArgs),
@@ -207,6 +220,8 @@ async fn run(cli: Cli) -> Result<i32> {
         Command::Template { command } => template::run(&settings, command).await,
         Command::Secret { command } => secret::run(command).await,
         Command::Volume { command } => volume::run(command).await,
+        Command::Events(args) => events::run(args).await,
+        Command::Webhook { command } => webhook::run(command).await,
         Command::Serve(a) => serve::serve(&settings, a).await,
         Command::Mcp(a) => serve::mcp(&settings, a).await,
         Command::Node(a) => serve::node(&settings, a).await,
