@@ -607,7 +607,12 @@ impl StartRecords for StoreStarts {
     }
 
     async fn record_start(&self, id: &str, node: &str) -> VmResult<Option<SandboxRecord>> {
-        let row = self.store.record_start(id, node).await.map_err(database)?;
+        let cause = sandpit_store::Cause::by(format!("node {node}"));
+        let row = self
+            .store
+            .record_start(id, node, &cause)
+            .await
+            .map_err(database)?;
         Ok(row.as_ref().map(record_of))
     }
 
@@ -621,6 +626,7 @@ impl StartRecords for StoreStarts {
                     cause,
                     OffsetDateTime::now_utc(),
                     0,
+                    &sandpit_store::Cause::by(format!("node {node}")),
                 )
                 .await
                 .map_err(database)?;

@@ -96,6 +96,9 @@ pub struct ServiceConfig {
     pub idle_pause_secs: u64,
     /// `[volumes]`: quotas, sizes and price of accounts' volumes.
     pub volumes: VolumesConfig,
+    /// `[webhooks]`: where deliveries may go, and how long an attempt and
+    /// the events log last.
+    pub webhooks: WebhooksConfig,
     /// The commit the running binary was built from, which service info
     /// shows (`unknown` unless the binary says; not a setting).
     #[serde(skip)]
@@ -182,11 +185,69 @@ impl Default for ServiceConfig {
             paused_price_percent: 10,
             idle_pause_secs: 0,
             volumes: VolumesConfig::default(),
+            webhooks: WebhooksConfig::default(),
             commit: "unknown".into(),
             secrets_key: Default::default(),
         }
     }
 }
+
+/// `[webhooks]`: where deliveries may go, and how long things last.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WebhooksConfig {
+    /// Address ranges (IPv4 or IPv6 CIDR) no delivery may reach: by
+    /// default the guests' deny list (`[network] deny`, with its defaults:
+    /// private, loopback, link-local, carrier-grade NAT…) and their IPv6
+    /// kin (loopback, link-local, unique local, IPv4-mapped, multicast).
+    /// Filled by the server from `[network]`; not a setting of its own.
+    #[serde(skip)]
+    pub deny: Vec<String>,
+    /// Ranges the operator allows despite `deny` (e.g. a receiver on the
+    /// operator's own private network).
+    pub allow: Vec<String>,
+    /// One attempt's bound: connecting, sending, and the answer's status.
+    pub timeout_secs: u64,
+    /// Webhooks one account may have.
+    pub max_per_account: u32,
+    /// How long the events log keeps an event (and its deliveries), in days.
+    pub event_retention_days: u32,
+}
+
+impl Default for WebhooksConfig {
+    fn default() -> Self {
+        WebhooksConfig {
+            deny: WEBHOOK_DEFAULT_DENY.iter().map(|s| s.to_string()).collect(),
+            allow: Vec::new(),
+            timeout_secs: 10,
+            max_per_account: 20,
+            event_retention_days: 30,
+        }
+    }
+}
+
+/// What no webhook delivery reaches unless the operator allows it: the
+/// guests' default deny list and the IPv6 ranges of the same kinds.
+pub const WEBHOOK_DEFAULT_DENY: &[&str] = &[
+    "0.0.0.0/8",
+    "10.0.0.0/8",
+    "100.64.0.0/10",
+    "127.0.0.0/8",
+    "168.63.129.16/32",
+    "169.254.0.0/16",
+    "172.16.0.0/12",
+    "192.0.0.0/24",
+    "192.168.0.0/16",
+    "224.0.0.0/4",
+    "240.0.0.0/4",
+    "::/128",
+    "::1/128",
+    "::ffff:0:0/96",
+    "64:ff9b::/96",
+    "fc00::/7",
+    "fe80::/10",
+    "ff00::/8",
+];
 
 /// `[volumes]`: what an account may keep in volumes, and what it costs.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -64,6 +64,7 @@ mod terminals;
 mod volume_files;
 mod volumes;
 
+pub use events::{check_webhooks_config, refused_range, signature, RETRY_AFTER};
 pub use terminals::{check_terminal_size, MAX_TERMINALS, MAX_TERMINAL_CELLS, TERMINAL_TOKEN_TTL};
 pub use volumes::{check_mount_path, check_volume_name, MAX_SANDBOX_VOLUMES, VOLUME_STUCK_AFTER};
 
@@ -96,6 +97,8 @@ pub struct Service {
     /// (`serve --no-vms`), which reaches every VM through the nodes.
     vms: Option<Arc<LocalVms>>,
     reaper: Arc<Notify>,
+    /// Webhook deliveries being POSTed by this process (see `events`).
+    deliveries_in_flight: Arc<tokio::sync::Semaphore>,
     /// Held through an extension, from reading the sandbox to setting its
     /// VM's expiry: two extensions that read the same row would each
     /// store `timeout + add` (one of them lost, though both reserved), and
@@ -193,6 +196,7 @@ impl Service {
             store,
             vms,
             reaper: Arc::new(Notify::new()),
+            deliveries_in_flight: Arc::new(tokio::sync::Semaphore::new(events::MOST_IN_FLIGHT)),
             extending: tokio::sync::Mutex::new(()),
             previews: Arc::new(Previews::new(limits)),
             terminals: Default::default(),
@@ -265,6 +269,9 @@ impl Service {
                 if let Err(e) = svc.charge_volumes(time::OffsetDateTime::now_utc()).await {
                     tracing::warn!("charging volumes' storage: {e}");
                 }
+                if let Err(e) = svc.drop_old_events().await {
+                    tracing::warn!("dropping old events: {e}");
+                }
                 drop(svc);
                 tokio::time::sleep(RETENTION_SWEEP).await;
             }
@@ -276,6 +283,19 @@ impl Service {
                 let Some(svc) = me.upgrade() else { return };
                 if let Err(e) = svc.sample_disks().await {
                     tracing::warn!("measuring disk use: {e}");
+                }
+            }
+        });
+        // Webhook deliveries, on every control plane: each takes what is
+        // due with a lease, so none is POSTed by two at once.
+        let me = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                let Some(svc) = me.upgrade() else { return };
+                let taken = svc.deliver_due().await;
+                drop(svc);
+                if taken == 0 {
+                    tokio::time::sleep(events::DELIVERY_POLL).await;
                 }
             }
         });
@@ -380,7 +400,7 @@ impl Service {
             }
         };
         if row.status == SandboxStatus::Paused {
-            return Ok((self.wake(&row).await?, busy));
+            return Ok((self.wake(&row, &caller.actor).await?, busy));
         }
         if row.status != SandboxStatus::Running {
             return Err(not_running(&row));

@@ -96,6 +96,8 @@ async fn live_sandbox(store: &Store, caller: &Caller) -> String {
         network: None,
         template_id: None,
         workdir: None,
+        start_from: None,
+        cause: Default::default(),
     };
     match store.create_sandbox(new).await.unwrap() {
         CreateOutcome::Created(row) => row.id,
@@ -250,6 +252,7 @@ async fn a_volume_is_made_listed_grown_held_and_deleted_with_its_file() {
             "test",
             OffsetDateTime::now_utc(),
             0,
+            &sandpit_store::Cause::default(),
         )
         .await
         .unwrap();
@@ -696,6 +699,7 @@ async fn a_volumes_files_are_served_without_a_sandbox_while_none_writes_it() {
                 "test",
                 OffsetDateTime::now_utc(),
                 0,
+                &sandpit_store::Cause::default(),
             )
             .await
             .unwrap();

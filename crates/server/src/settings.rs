@@ -66,6 +66,9 @@ pub struct FileConfig {
     pub secrets: Option<SecretsSection>,
     /// Volumes: quotas per account, sizes and price.
     pub volumes: Option<sandpit_core::config::VolumesConfig>,
+    /// `[webhooks]`: ranges deliveries may reach despite the deny list,
+    /// an attempt's timeout, the events log's retention.
+    pub webhooks: Option<sandpit_core::config::WebhooksConfig>,
 }
 
 /// A size: resources and (for the server) its price.
@@ -454,6 +457,10 @@ impl Settings {
         if let Some(s) = file.boot_timeout_secs {
             rt.boot_timeout = Duration::from_secs(s);
         }
+        let default_deny = file
+            .network
+            .as_ref()
+            .is_none_or(|n| n.default_deny != Some(false));
         if let Some(n) = file.network {
             if let Some(e) = n.enabled {
                 rt.network.enabled = e;
@@ -474,6 +481,27 @@ impl Settings {
             rt.network.ca_certificates = n.ca_certificates.unwrap_or_default();
             rt.network.upstream_ca_certificates = n.upstream_ca_certificates.unwrap_or_default();
         }
+        // Deliveries leave from the control plane: what the guests may not
+        // reach, they may not either (and IPv6's kin of it), unless the
+        // operator allows a range in `[webhooks] allow`.
+        if let Some(w) = &file.webhooks {
+            service.webhooks = w.clone();
+        }
+        let mut deny: Vec<String> = match default_deny {
+            true => sandpit_core::config::WEBHOOK_DEFAULT_DENY
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+            false => Vec::new(),
+        };
+        for d in &rt.network.deny {
+            if !deny.contains(d) {
+                deny.push(d.clone());
+            }
+        }
+        service.webhooks.deny = deny;
+        sandpit_core::service::check_webhooks_config(&service.webhooks)
+            .map_err(anyhow::Error::msg)?;
         if let Some(v) = file.user_pids_max {
             rt.user_pids_max = v;
         }

@@ -91,6 +91,7 @@
 
 mod accounts;
 mod error;
+mod events;
 mod executions;
 mod key_spelling;
 mod nodes;
@@ -107,12 +108,14 @@ mod web;
 
 pub use accounts::{AccountRow, KeyRow, LedgerRow};
 pub use error::{Result, StoreError};
+pub use events::{
+    AttemptOutcome, AttemptRow, Cause, DeliveryRow, DeliveryStatus, DueDelivery, EventRow,
+    WebhookRow,
+};
 pub use executions::{ExecutionPage, ExecutionResult, ExecutionRow, PortRow};
 pub use key_spelling::{canonical_key, e2b_spelling};
 pub use nodes::{ms_to_time, Candidate, LostNode, NewNode, NodeRow};
-pub use sandboxes::{
-    CreateOutcome, EventRow, ExtendOutcome, NewSandbox, SandboxPage, SandboxRow, UsageRow,
-};
+pub use sandboxes::{CreateOutcome, ExtendOutcome, NewSandbox, SandboxPage, SandboxRow, UsageRow};
 pub use secrets::{NewSecret, SandboxBroker, SecretRow, SecretValue};
 pub use snapshots::{NewSnapshot, SnapshotOutcome, SnapshotPage, SnapshotRow, SnapshotStatus};
 pub use states::{ExecutionState, ExecutionStatus, NodeState, SandboxStatus};

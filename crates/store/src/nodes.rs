@@ -348,8 +348,18 @@ impl Store {
                 // Billed until the loss, never past its expiry.
                 let until = lost_at.min(sbx.expires_at).max(sbx.created_at);
                 let charged = charge(sbx, until);
-                if let Some(done) =
-                    finish_in(&mut tx, sbx, SandboxStatus::Failed, &reason, until, charged).await?
+                let cause =
+                    crate::Cause::by(format!("replica {sweeper}")).with("node", name.as_str());
+                if let Some(done) = finish_in(
+                    &mut tx,
+                    sbx,
+                    SandboxStatus::Failed,
+                    &reason,
+                    until,
+                    charged,
+                    &cause,
+                )
+                .await?
                 {
                     ended.push(done);
                 }

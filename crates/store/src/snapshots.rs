@@ -188,18 +188,46 @@ impl Store {
         Ok(SnapshotOutcome::Created(row))
     }
 
-    /// A `creating` snapshot is `ready`, taking `bytes`. `None` if it is
-    /// not `creating` any more (deleted while it was written).
-    pub async fn snapshot_ready(&self, id: &str, bytes: u64) -> Result<Option<SnapshotRow>> {
+    /// A `creating` snapshot is `ready`, taking `bytes`, and its sandbox's
+    /// log tells it (`sandbox.snapshotted`, if the sandbox is live), in one
+    /// transaction. `None` if it is not `creating` any more (deleted while
+    /// it was written).
+    pub async fn snapshot_ready(
+        &self,
+        id: &str,
+        bytes: u64,
+        cause: &crate::Cause,
+    ) -> Result<Option<SnapshotRow>> {
+        let mut tx = self.write_tx().await?;
         let row = sqlx::query(
             "UPDATE snapshots SET status = 'ready', bytes = $2 \
              WHERE id = $1 AND status = 'creating' RETURNING *",
         )
         .bind(id)
         .bind(i64::try_from(bytes).unwrap_or(i64::MAX))
-        .fetch_optional(&self.pool)
+        .fetch_optional(&mut *tx)
         .await?;
-        row.as_ref().map(snapshot_from).transpose()
+        let Some(snap) = row.as_ref().map(snapshot_from).transpose()? else {
+            return Ok(None);
+        };
+        if let Some(sandbox) = crate::sandboxes::sandbox_in(&mut tx, &snap.sandbox_id).await? {
+            if sandbox.is_live() {
+                let cause = cause.clone().with("snapshot_id", snap.id.as_str());
+                crate::events::insert_event(
+                    &mut tx,
+                    &sandbox.id,
+                    &sandbox.account_id,
+                    sandbox.status,
+                    "sandbox.snapshotted",
+                    None,
+                    &cause,
+                    now(),
+                )
+                .await?;
+            }
+        }
+        tx.commit().await?;
+        Ok(Some(snap))
     }
 
     /// Marks a snapshot `deleted` (its files are to go); the row as it was

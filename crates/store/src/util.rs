@@ -130,3 +130,10 @@ mod tests {
         assert_eq!(parse_ts(&format_ts(t)).unwrap(), t);
     }
 }
+
+/// RFC 3339 UTC, as the API writes times.
+pub fn format_rfc3339(t: OffsetDateTime) -> String {
+    t.to_offset(UtcOffset::UTC)
+        .format(&time::format_description::well_known::Rfc3339)
+        .expect("a UTC timestamp formats as RFC 3339")
+}

@@ -75,6 +75,8 @@ on_both_engines!(
     volumes_are_an_accounts_own_by_name_within_its_quota,
     a_volume_is_held_read_write_by_one_live_sandbox_at_a_time,
     a_held_volume_is_neither_resized_nor_deleted,
+    events_are_logged_in_order_and_fan_out_to_webhooks_in_order,
+    a_reader_paging_the_log_while_others_write_sees_every_event_once,
 );
 
 /// A row lock held by a transaction that never ends (its process stopped
@@ -278,6 +280,8 @@ fn sandbox(account_id: &str, created_at: OffsetDateTime, minutes: u32, reserve: 
         network: None,
         template_id: None,
         workdir: None,
+        start_from: None,
+        cause: Default::default(),
     }
 }
 
@@ -644,14 +648,26 @@ async fn the_ledger_reserves_refunds_and_settles_once(store: Store) {
     );
     // Something that happened to it, its status unchanged.
     assert!(store
-        .note_event(&sbx.id, "stopped: the disk")
+        .record_event(
+            &sbx.id,
+            "sandbox.noted",
+            Some("stopped: the disk"),
+            &Default::default()
+        )
         .await
         .unwrap());
 
     // Destroyed after 10 minutes: charged 15_000, the rest comes back.
     let ended = T0 + Duration::minutes(10);
     let done = store
-        .finish_sandbox(&sbx.id, SandboxStatus::Deleted, "destroyed", ended, 15_000)
+        .finish_sandbox(
+            &sbx.id,
+            SandboxStatus::Deleted,
+            "destroyed",
+            ended,
+            15_000,
+            &sandpit_store::Cause::default(),
+        )
         .await
         .unwrap()
         .unwrap();
@@ -688,7 +704,8 @@ async fn the_ledger_reserves_refunds_and_settles_once(store: Store) {
                 SandboxStatus::Deleted,
                 "expired",
                 ended + Duration::hours(1),
-                90_000
+                90_000,
+                &sandpit_store::Cause::default()
             )
             .await
             .unwrap(),
@@ -712,8 +729,19 @@ async fn the_ledger_reserves_refunds_and_settles_once(store: Store) {
         ]
     );
     // An ended sandbox's history is closed.
-    assert!(!store.note_event(&sbx.id, "late").await.unwrap());
-    assert!(!store.note_event("sbx_nope", "late").await.unwrap());
+    assert!(!store
+        .record_event(&sbx.id, "sandbox.noted", Some("late"), &Default::default())
+        .await
+        .unwrap());
+    assert!(!store
+        .record_event(
+            "sbx_nope",
+            "sandbox.noted",
+            Some("late"),
+            &Default::default()
+        )
+        .await
+        .unwrap());
 
     // A charge above the reservation is capped at it.
     let sbx2 = created(
@@ -729,6 +757,7 @@ async fn the_ledger_reserves_refunds_and_settles_once(store: Store) {
             "failed: boot",
             T0,
             1_000_000,
+            &sandpit_store::Cause::default(),
         )
         .await
         .unwrap()
@@ -738,13 +767,27 @@ async fn the_ledger_reserves_refunds_and_settles_once(store: Store) {
 
     assert!(matches!(
         store
-            .finish_sandbox("sbx_nope", SandboxStatus::Deleted, "destroyed", T0, 0)
+            .finish_sandbox(
+                "sbx_nope",
+                SandboxStatus::Deleted,
+                "destroyed",
+                T0,
+                0,
+                &sandpit_store::Cause::default()
+            )
             .await,
         Err(StoreError::NotFound(_))
     ));
     assert!(matches!(
         store
-            .finish_sandbox(&sbx2.id, SandboxStatus::Running, "x", T0, 0)
+            .finish_sandbox(
+                &sbx2.id,
+                SandboxStatus::Running,
+                "x",
+                T0,
+                0,
+                &sandpit_store::Cause::default()
+            )
             .await,
         Err(StoreError::Invalid(_))
     ));
@@ -828,7 +871,12 @@ async fn concurrent_creates_respect_the_concurrency_limit(store: Store) {
 
     // An ended sandbox frees its slot; `deleting` still holds one.
     store
-        .set_status(&live[0].id, SandboxStatus::Deleting, None)
+        .set_status(
+            &live[0].id,
+            SandboxStatus::Deleting,
+            None,
+            &sandpit_store::Cause::default(),
+        )
         .await
         .unwrap();
     assert!(matches!(
@@ -839,7 +887,14 @@ async fn concurrent_creates_respect_the_concurrency_limit(store: Store) {
         CreateOutcome::TooManySandboxes { live: 5, limit: 5 }
     ));
     store
-        .finish_sandbox(&live[0].id, SandboxStatus::Deleted, "destroyed", T0, 0)
+        .finish_sandbox(
+            &live[0].id,
+            SandboxStatus::Deleted,
+            "destroyed",
+            T0,
+            0,
+            &sandpit_store::Cause::default(),
+        )
         .await
         .unwrap();
     created(
@@ -893,7 +948,12 @@ async fn idempotency_keys_replay_or_conflict(store: Store) {
 
     // The replay follows the sandbox's state.
     let running = store
-        .set_status(&first.id, SandboxStatus::Running, None)
+        .set_status(
+            &first.id,
+            SandboxStatus::Running,
+            None,
+            &sandpit_store::Cause::default(),
+        )
         .await
         .unwrap();
     assert_eq!(
@@ -966,6 +1026,7 @@ async fn lists_are_newest_first_with_cursors(store: Store) {
             "destroyed",
             T0 + Duration::hours(1),
             0,
+            &sandpit_store::Cause::default(),
         )
         .await
         .unwrap()
@@ -1042,7 +1103,14 @@ async fn expiry_finds_live_sandboxes_past_their_time(store: Store) {
             .unwrap(),
     );
     store
-        .finish_sandbox(&ended.id, SandboxStatus::Deleted, "destroyed", T0, 0)
+        .finish_sandbox(
+            &ended.id,
+            SandboxStatus::Deleted,
+            "destroyed",
+            T0,
+            0,
+            &sandpit_store::Cause::default(),
+        )
         .await
         .unwrap();
 
@@ -1071,6 +1139,7 @@ async fn expiry_finds_live_sandboxes_past_their_time(store: Store) {
             "expired",
             short.expires_at,
             0,
+            &sandpit_store::Cause::default(),
         )
         .await
         .unwrap();
@@ -1118,10 +1187,16 @@ async fn a_nodes_start_is_recorded_only_on_its_provisioning_sandbox(store: Store
             .unwrap(),
     );
     // Another node's start changes nothing.
-    assert_eq!(store.record_start(&s.id, "elsewhere").await.unwrap(), None);
+    assert_eq!(
+        store
+            .record_start(&s.id, "elsewhere", &sandpit_store::Cause::default())
+            .await
+            .unwrap(),
+        None
+    );
     assert_eq!(store.sandbox(&s.id).await.unwrap().unwrap(), s);
     let r = store
-        .record_start(&s.id, "local")
+        .record_start(&s.id, "local", &sandpit_store::Cause::default())
         .await
         .unwrap()
         .expect("recorded");
@@ -1129,13 +1204,38 @@ async fn a_nodes_start_is_recorded_only_on_its_provisioning_sandbox(store: Store
     assert!(r.ready_at.is_some());
     assert_eq!(store.sandbox(&s.id).await.unwrap().unwrap(), r);
     // Once: a start asked again records nothing more.
-    assert_eq!(store.record_start(&s.id, "local").await.unwrap(), None);
+    assert_eq!(
+        store
+            .record_start(&s.id, "local", &sandpit_store::Cause::default())
+            .await
+            .unwrap(),
+        None
+    );
     store
-        .finish_sandbox(&s.id, SandboxStatus::Deleted, "destroyed", T0, 0)
+        .finish_sandbox(
+            &s.id,
+            SandboxStatus::Deleted,
+            "destroyed",
+            T0,
+            0,
+            &sandpit_store::Cause::default(),
+        )
         .await
         .unwrap();
-    assert_eq!(store.record_start(&s.id, "local").await.unwrap(), None);
-    assert_eq!(store.record_start("sbx_nope", "local").await.unwrap(), None);
+    assert_eq!(
+        store
+            .record_start(&s.id, "local", &sandpit_store::Cause::default())
+            .await
+            .unwrap(),
+        None
+    );
+    assert_eq!(
+        store
+            .record_start("sbx_nope", "local", &sandpit_store::Cause::default())
+            .await
+            .unwrap(),
+        None
+    );
     let events: Vec<String> = store
         .events(&s.id)
         .await
@@ -1187,7 +1287,12 @@ async fn status_changes_are_recorded_and_ended_sandboxes_stay_ended(store: Store
     );
     assert_eq!(s.ready_at, None);
     let r = store
-        .set_status(&s.id, SandboxStatus::Running, Some("booted"))
+        .set_status(
+            &s.id,
+            SandboxStatus::Running,
+            Some("booted"),
+            &sandpit_store::Cause::default(),
+        )
         .await
         .unwrap();
     assert_eq!(r.status, SandboxStatus::Running);
@@ -1195,31 +1300,67 @@ async fn status_changes_are_recorded_and_ended_sandboxes_stay_ended(store: Store
     // Same status: no event, no change.
     assert_eq!(
         store
-            .set_status(&s.id, SandboxStatus::Running, None)
+            .set_status(
+                &s.id,
+                SandboxStatus::Running,
+                None,
+                &sandpit_store::Cause::default()
+            )
             .await
             .unwrap(),
         r
     );
     let d = store
-        .set_status(&s.id, SandboxStatus::Deleting, None)
+        .set_status(
+            &s.id,
+            SandboxStatus::Deleting,
+            None,
+            &sandpit_store::Cause::default(),
+        )
         .await
         .unwrap();
     assert_eq!(d.ready_at, Some(ready));
     assert!(matches!(
-        store.set_status(&s.id, SandboxStatus::Deleted, None).await,
+        store
+            .set_status(
+                &s.id,
+                SandboxStatus::Deleted,
+                None,
+                &sandpit_store::Cause::default()
+            )
+            .await,
         Err(StoreError::Invalid(_))
     ));
     store
-        .finish_sandbox(&s.id, SandboxStatus::Deleted, "destroyed", T0, 0)
+        .finish_sandbox(
+            &s.id,
+            SandboxStatus::Deleted,
+            "destroyed",
+            T0,
+            0,
+            &sandpit_store::Cause::default(),
+        )
         .await
         .unwrap();
     assert!(matches!(
-        store.set_status(&s.id, SandboxStatus::Running, None).await,
+        store
+            .set_status(
+                &s.id,
+                SandboxStatus::Running,
+                None,
+                &sandpit_store::Cause::default()
+            )
+            .await,
         Err(StoreError::Conflict(_))
     ));
     assert!(matches!(
         store
-            .set_status("sbx_nope", SandboxStatus::Running, None)
+            .set_status(
+                "sbx_nope",
+                SandboxStatus::Running,
+                None,
+                &sandpit_store::Cause::default()
+            )
             .await,
         Err(StoreError::NotFound(_))
     ));
@@ -1254,7 +1395,14 @@ async fn extending_reserves_more_and_checks_the_balance(store: Store) {
     let new_exp = s.expires_at + Duration::minutes(30);
 
     let ExtendOutcome::Extended(e) = store
-        .extend_sandbox(&s.id, &acct.id, new_exp, 45, 45_000)
+        .extend_sandbox(
+            &s.id,
+            &acct.id,
+            new_exp,
+            45,
+            45_000,
+            &sandpit_store::Cause::default(),
+        )
         .await
         .unwrap()
     else {
@@ -1265,7 +1413,14 @@ async fn extending_reserves_more_and_checks_the_balance(store: Store) {
 
     assert_eq!(
         store
-            .extend_sandbox(&s.id, &acct.id, new_exp + Duration::hours(1), 105, 90_000)
+            .extend_sandbox(
+                &s.id,
+                &acct.id,
+                new_exp + Duration::hours(1),
+                105,
+                90_000,
+                &sandpit_store::Cause::default()
+            )
             .await
             .unwrap(),
         ExtendOutcome::InsufficientCredits {
@@ -1274,11 +1429,22 @@ async fn extending_reserves_more_and_checks_the_balance(store: Store) {
         }
     );
     assert!(matches!(
-        store.extend_sandbox(&s.id, &bob.id, new_exp, 45, 0).await,
+        store
+            .extend_sandbox(
+                &s.id,
+                &bob.id,
+                new_exp,
+                45,
+                0,
+                &sandpit_store::Cause::default()
+            )
+            .await,
         Err(StoreError::NotFound(_))
     ));
     assert!(matches!(
-        store.extend_sandbox(&s.id, &acct.id, T0, 45, 0).await,
+        store
+            .extend_sandbox(&s.id, &acct.id, T0, 45, 0, &sandpit_store::Cause::default())
+            .await,
         Err(StoreError::Invalid(_))
     ));
 
@@ -1290,6 +1456,7 @@ async fn extending_reserves_more_and_checks_the_balance(store: Store) {
             "destroyed",
             T0 + Duration::minutes(20),
             30_000,
+            &sandpit_store::Cause::default(),
         )
         .await
         .unwrap()
@@ -1298,7 +1465,14 @@ async fn extending_reserves_more_and_checks_the_balance(store: Store) {
     assert_never_negative(&store, &acct.id).await;
     assert!(matches!(
         store
-            .extend_sandbox(&s.id, &acct.id, new_exp, 45, 0)
+            .extend_sandbox(
+                &s.id,
+                &acct.id,
+                new_exp,
+                45,
+                0,
+                &sandpit_store::Cause::default()
+            )
             .await
             .unwrap(),
         ExtendOutcome::NotLive(_)
@@ -1323,7 +1497,14 @@ async fn shortening_gives_back_the_reservation_it_will_not_use(store: Store) {
     // To 20 minutes: the 40 it will not live go back.
     let sooner = made + Duration::minutes(20);
     let short = store
-        .shorten_sandbox(&s.id, &acct.id, sooner, 20, 60_000)
+        .shorten_sandbox(
+            &s.id,
+            &acct.id,
+            sooner,
+            20,
+            60_000,
+            &sandpit_store::Cause::default(),
+        )
         .await
         .unwrap()
         .expect("a live sandbox is shortened");
@@ -1334,7 +1515,9 @@ async fn shortening_gives_back_the_reservation_it_will_not_use(store: Store) {
     for at in [sooner, sooner + Duration::minutes(5), made] {
         assert!(
             matches!(
-                store.shorten_sandbox(&s.id, &acct.id, at, 10, 1).await,
+                store
+                    .shorten_sandbox(&s.id, &acct.id, at, 10, 1, &sandpit_store::Cause::default())
+                    .await,
                 Err(StoreError::Invalid(_))
             ),
             "{at}"
@@ -1342,7 +1525,14 @@ async fn shortening_gives_back_the_reservation_it_will_not_use(store: Store) {
     }
     assert!(matches!(
         store
-            .shorten_sandbox(&s.id, &bob.id, made + Duration::minutes(10), 10, 0)
+            .shorten_sandbox(
+                &s.id,
+                &bob.id,
+                made + Duration::minutes(10),
+                10,
+                0,
+                &sandpit_store::Cause::default()
+            )
             .await,
         Err(StoreError::NotFound(_))
     ));
@@ -1356,6 +1546,7 @@ async fn shortening_gives_back_the_reservation_it_will_not_use(store: Store) {
             "destroyed",
             made + Duration::minutes(10),
             15_000,
+            &sandpit_store::Cause::default(),
         )
         .await
         .unwrap()
@@ -1364,7 +1555,14 @@ async fn shortening_gives_back_the_reservation_it_will_not_use(store: Store) {
     assert_never_negative(&store, &acct.id).await;
     assert_eq!(
         store
-            .shorten_sandbox(&s.id, &acct.id, made + Duration::minutes(5), 5, 0)
+            .shorten_sandbox(
+                &s.id,
+                &acct.id,
+                made + Duration::minutes(5),
+                5,
+                0,
+                &sandpit_store::Cause::default()
+            )
             .await
             .unwrap(),
         None
@@ -1631,7 +1829,14 @@ async fn ports_are_opened_once_and_closed(store: Store) {
         .await
         .unwrap();
     store
-        .finish_sandbox(&s.id, SandboxStatus::Deleted, "destroyed", T0, 0)
+        .finish_sandbox(
+            &s.id,
+            SandboxStatus::Deleted,
+            "destroyed",
+            T0,
+            0,
+            &sandpit_store::Cause::default(),
+        )
         .await
         .unwrap();
     assert!(store.list_ports(&s.id).await.unwrap().is_empty());
@@ -1659,6 +1864,7 @@ async fn usage_lists_recent_sandboxes_with_their_charges(store: Store) {
             "expired",
             T0 - 40 * day + Duration::hours(1),
             90_000,
+            &sandpit_store::Cause::default(),
         )
         .await
         .unwrap();
@@ -1676,6 +1882,7 @@ async fn usage_lists_recent_sandboxes_with_their_charges(store: Store) {
             "destroyed",
             T0 - 29 * day,
             45_000,
+            &sandpit_store::Cause::default(),
         )
         .await
         .unwrap();
@@ -1774,6 +1981,7 @@ async fn disk_use_is_recorded_summed_over_live_sandboxes_and_limits_creates(stor
             "destroyed",
             T0 + Duration::minutes(1),
             0,
+            &sandpit_store::Cause::default(),
         )
         .await
         .unwrap();
@@ -1990,6 +2198,7 @@ async fn an_ended_sandboxs_executions_go_after_the_retention(store: Store) {
             "destroyed",
             T0 + Duration::minutes(5),
             0,
+            &sandpit_store::Cause::default(),
         )
         .await
         .unwrap();
@@ -2074,7 +2283,12 @@ async fn nodes_hold_leases_on_the_database_clock_and_lost_ones_settle_once(store
         n.host = host.into();
         let row = created(store.create_sandbox(n).await.unwrap());
         store
-            .set_status(&row.id, SandboxStatus::Running, None)
+            .set_status(
+                &row.id,
+                SandboxStatus::Running,
+                None,
+                &sandpit_store::Cause::default(),
+            )
             .await
             .unwrap();
         if host == "b" {
@@ -2374,9 +2588,20 @@ async fn snapshots_count_against_a_quota_replay_by_key_and_expire(store: Store) 
         store.create_snapshot(clash).await.unwrap(),
         SnapshotOutcome::IdempotencyConflict
     );
-    let ready = store.snapshot_ready(&a.id, 600).await.unwrap().unwrap();
+    let ready = store
+        .snapshot_ready(&a.id, 600, &sandpit_store::Cause::default())
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!((ready.status, ready.bytes), (SnapshotStatus::Ready, 600));
-    assert_eq!(store.snapshot_ready(&a.id, 1).await.unwrap(), None, "once");
+    assert_eq!(
+        store
+            .snapshot_ready(&a.id, 1, &sandpit_store::Cause::default())
+            .await
+            .unwrap(),
+        None,
+        "once"
+    );
     // A second fits the count (2); a third does not.
     let SnapshotOutcome::Created(b) = store
         .create_snapshot(new_snapshot(&acct.id, &sbx.id, None))
@@ -2397,7 +2622,11 @@ async fn snapshots_count_against_a_quota_replay_by_key_and_expire(store: Store) 
         }
     ));
     // Bytes count too: at 1000 of 1000, none more even under the count.
-    store.snapshot_ready(&b.id, 400).await.unwrap().unwrap();
+    store
+        .snapshot_ready(&b.id, 400, &sandpit_store::Cause::default())
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(
         store.delete_snapshot(&a.id).await.unwrap().unwrap().id,
         a.id
@@ -2465,17 +2694,46 @@ async fn a_paused_sandbox_stays_live_and_adds_up_its_paused_time(store: Store) {
             .unwrap(),
     );
     // Only a running sandbox pauses.
-    assert_eq!(store.pause_sandbox(&sbx.id).await.unwrap(), None);
+    assert_eq!(
+        store
+            .pause_sandbox(&sbx.id, &sandpit_store::Cause::default())
+            .await
+            .unwrap(),
+        None
+    );
     store
-        .set_status(&sbx.id, SandboxStatus::Running, None)
+        .set_status(
+            &sbx.id,
+            SandboxStatus::Running,
+            None,
+            &sandpit_store::Cause::default(),
+        )
         .await
         .unwrap();
-    let paused = store.pause_sandbox(&sbx.id).await.unwrap().unwrap();
+    let paused = store
+        .pause_sandbox(&sbx.id, &sandpit_store::Cause::default())
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(paused.status, SandboxStatus::Paused);
     assert!(paused.paused_at.is_some());
-    assert_eq!(store.pause_sandbox(&sbx.id).await.unwrap(), None, "once");
+    assert_eq!(
+        store
+            .pause_sandbox(&sbx.id, &sandpit_store::Cause::default())
+            .await
+            .unwrap(),
+        None,
+        "once"
+    );
     assert!(matches!(
-        store.set_status(&sbx.id, SandboxStatus::Paused, None).await,
+        store
+            .set_status(
+                &sbx.id,
+                SandboxStatus::Paused,
+                None,
+                &sandpit_store::Cause::default()
+            )
+            .await,
         Err(StoreError::Invalid(_))
     ));
     // Still live: it counts against the limit (1), is listed, expires,
@@ -2494,7 +2752,14 @@ async fn a_paused_sandbox_stays_live_and_adds_up_its_paused_time(store: Store) {
     );
     assert!(matches!(
         store
-            .extend_sandbox(&sbx.id, &acct.id, now + Duration::minutes(90), 90, 10)
+            .extend_sandbox(
+                &sbx.id,
+                &acct.id,
+                now + Duration::minutes(90),
+                90,
+                10,
+                &sandpit_store::Cause::default()
+            )
             .await
             .unwrap(),
         ExtendOutcome::Extended(_)
@@ -2506,12 +2771,27 @@ async fn a_paused_sandbox_stays_live_and_adds_up_its_paused_time(store: Store) {
     assert_eq!(due.len(), 1);
     // Its pause time adds up across pauses.
     tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
-    let running = store.resume_sandbox(&sbx.id).await.unwrap().unwrap();
+    let running = store
+        .resume_sandbox(&sbx.id, &sandpit_store::Cause::default())
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(running.status, SandboxStatus::Running);
     assert_eq!(running.paused_at, None);
     assert!(running.paused_seconds >= 1, "{running:?}");
-    assert_eq!(store.resume_sandbox(&sbx.id).await.unwrap(), None, "once");
-    store.pause_sandbox(&sbx.id).await.unwrap().unwrap();
+    assert_eq!(
+        store
+            .resume_sandbox(&sbx.id, &sandpit_store::Cause::default())
+            .await
+            .unwrap(),
+        None,
+        "once"
+    );
+    store
+        .pause_sandbox(&sbx.id, &sandpit_store::Cause::default())
+        .await
+        .unwrap()
+        .unwrap();
     let again = store.sandbox(&sbx.id).await.unwrap().unwrap();
     assert_eq!(
         again.paused_seconds_until(again.paused_at.unwrap() + Duration::seconds(5)),
@@ -2543,6 +2823,7 @@ async fn a_paused_sandbox_stays_live_and_adds_up_its_paused_time(store: Store) {
             "destroyed",
             OffsetDateTime::now_utc(),
             5,
+            &sandpit_store::Cause::default(),
         )
         .await
         .unwrap()
@@ -2572,7 +2853,12 @@ async fn the_tally_counts_a_hosts_live_sandboxes_and_their_reservations(store: S
     elsewhere.host = "other".into();
     created(store.create_sandbox(elsewhere).await.unwrap());
     store
-        .set_status(&a.id, SandboxStatus::Running, None)
+        .set_status(
+            &a.id,
+            SandboxStatus::Running,
+            None,
+            &sandpit_store::Cause::default(),
+        )
         .await
         .unwrap();
     let tally = |state: &str, count, reserved_micros| sandpit_store::SandboxTally {
@@ -2589,13 +2875,24 @@ async fn the_tally_counts_a_hosts_live_sandboxes_and_their_reservations(store: S
         ]
     );
     // A paused sandbox is counted as paused (its row says `running`).
-    store.pause_sandbox(&a.id).await.unwrap().unwrap();
+    store
+        .pause_sandbox(&a.id, &sandpit_store::Cause::default())
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(
         store.sandbox_tally("local").await.unwrap(),
         [tally("paused", 1, 90_000), tally("provisioning", 1, 90_000)]
     );
     store
-        .finish_sandbox(&b.id, SandboxStatus::Deleted, "destroyed", T0, 1_000)
+        .finish_sandbox(
+            &b.id,
+            SandboxStatus::Deleted,
+            "destroyed",
+            T0,
+            1_000,
+            &sandpit_store::Cause::default(),
+        )
         .await
         .unwrap();
     assert_eq!(
@@ -3111,7 +3408,14 @@ async fn secrets_are_an_accounts_own_and_sandboxes_keep_their_placeholders(store
 
     // An ended sandbox's egress changes no more.
     store
-        .finish_sandbox(&sbx.id, SandboxStatus::Deleted, "destroyed", T0, 0)
+        .finish_sandbox(
+            &sbx.id,
+            SandboxStatus::Deleted,
+            "destroyed",
+            T0,
+            0,
+            &sandpit_store::Cause::default(),
+        )
         .await
         .unwrap();
     assert!(store
@@ -3349,7 +3653,14 @@ async fn a_volume_is_held_read_write_by_one_live_sandbox_at_a_time(store: Store)
     );
     // The writer ends: the volume is free for another writer.
     store
-        .finish_sandbox(&writer, SandboxStatus::Deleted, "destroyed", T0, 0)
+        .finish_sandbox(
+            &writer,
+            SandboxStatus::Deleted,
+            "destroyed",
+            T0,
+            0,
+            &sandpit_store::Cause::default(),
+        )
         .await
         .unwrap();
     assert_eq!(
@@ -3385,7 +3696,14 @@ async fn a_held_volume_is_neither_resized_nor_deleted(store: Store) {
         held
     );
     store
-        .finish_sandbox(&sbx.id, SandboxStatus::Failed, "test", T0, 0)
+        .finish_sandbox(
+            &sbx.id,
+            SandboxStatus::Failed,
+            "test",
+            T0,
+            0,
+            &sandpit_store::Cause::default(),
+        )
         .await
         .unwrap();
     // Free: a resize past the account's bytes is refused, one within
@@ -3471,4 +3789,439 @@ async fn a_held_volume_is_neither_resized_nor_deleted(store: Store) {
         store.delete_volume(&acct.id, &vol.id).await.unwrap(),
         VolumeChange::Changed(_)
     ));
+}
+
+/// Every change of a sandbox's life is an event of its account's log, with
+/// its kind, actor and detail, in order; each webhook that wants it gets a
+/// delivery row in the same transaction; a worker takes a sandbox's
+/// deliveries to one webhook one after another, retries wait their time,
+/// a webhook's delete drops what it had pending, and the purge forgets.
+async fn events_are_logged_in_order_and_fan_out_to_webhooks_in_order(store: Store) {
+    use sandpit_store::{AttemptOutcome, Cause, DeliveryStatus};
+    let alice = store.create_account("alice", 100).await.unwrap();
+    let bob = store.create_account("bob", 100).await.unwrap();
+    store.add_credit(&alice.id, 1_000_000, None).await.unwrap();
+    let all = store
+        .create_webhook(
+            "wh_all",
+            &alice.id,
+            "http://a.example/",
+            &[],
+            None,
+            "whsec_x",
+        )
+        .await
+        .unwrap();
+    assert!(all.events.is_empty());
+    let kills = store
+        .create_webhook(
+            "wh_kills",
+            &alice.id,
+            "http://b.example/",
+            &["sandbox.killed".to_string()],
+            Some("ends only"),
+            "whsec_y",
+        )
+        .await
+        .unwrap();
+    assert_eq!(kills.events, ["sandbox.killed"]);
+
+    let now = OffsetDateTime::now_utc();
+    let s = created(
+        store
+            .create_sandbox(NewSandbox {
+                start_from: Some("pool".into()),
+                cause: Cause::by("key sp_alice").with("template", "web"),
+                ..sandbox(&alice.id, now, 30, 0)
+            })
+            .await
+            .unwrap(),
+    );
+    let by = |who: &str| Cause::by(who);
+    store
+        .set_status(&s.id, SandboxStatus::Running, None, &by("node a"))
+        .await
+        .unwrap();
+    store
+        .pause_sandbox(&s.id, &by("the idle sweep"))
+        .await
+        .unwrap()
+        .unwrap();
+    store
+        .resume_sandbox(&s.id, &by("key sp_alice"))
+        .await
+        .unwrap()
+        .unwrap();
+    let extended = store
+        .extend_sandbox(
+            &s.id,
+            &alice.id,
+            now + Duration::minutes(45),
+            45,
+            0,
+            &by("dashboard"),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(extended, ExtendOutcome::Extended(_)));
+    store
+        .finish_sandbox(
+            &s.id,
+            SandboxStatus::Deleted,
+            "destroyed",
+            now,
+            0,
+            &by("key sp_alice"),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    // Nothing is added to an ended sandbox's log.
+    assert!(!store
+        .record_event(&s.id, "sandbox.noted", Some("late"), &by("x"))
+        .await
+        .unwrap());
+
+    let log = store.account_events(&alice.id, 0, 100, None).await.unwrap();
+    let kinds: Vec<&str> = log.iter().map(|e| e.kind.as_str()).collect();
+    assert_eq!(
+        kinds,
+        [
+            "sandbox.created",
+            "sandbox.started",
+            "sandbox.paused",
+            "sandbox.resumed",
+            "sandbox.extended",
+            "sandbox.killed"
+        ]
+    );
+    let actors: Vec<&str> = log.iter().map(|e| e.actor.as_str()).collect();
+    assert_eq!(
+        actors,
+        [
+            "key sp_alice",
+            "node a",
+            "the idle sweep",
+            "key sp_alice",
+            "dashboard",
+            "key sp_alice"
+        ]
+    );
+    assert_eq!(log[0].detail["template"], "web");
+    assert_eq!(log[1].detail["from"], "pool", "{:?}", log[1].detail);
+    assert_eq!(log[4].detail["timeout_minutes"], 45);
+    assert_eq!(log[5].reason.as_deref(), Some("destroyed"));
+    assert_eq!(log[2].status, SandboxStatus::Paused);
+    assert!(log
+        .iter()
+        .all(|e| e.size == "small" && e.sandbox_id == s.id));
+    let seqs: Vec<i64> = log.iter().map(|e| e.seq.unwrap()).collect();
+    assert!(seqs.windows(2).all(|w| w[0] < w[1]), "{seqs:?}");
+    // A cursor lists what came after it; another account sees nothing.
+    let rest = store
+        .account_events(&alice.id, seqs[2], 100, None)
+        .await
+        .unwrap();
+    assert_eq!(rest.len(), 3);
+    assert_eq!(rest[0].kind, "sandbox.resumed");
+    assert!(store
+        .account_events(&bob.id, 0, 100, None)
+        .await
+        .unwrap()
+        .is_empty());
+    assert_eq!(
+        store
+            .account_events(&alice.id, 0, 100, Some("sbx_other"))
+            .await
+            .unwrap()
+            .len(),
+        0
+    );
+
+    // Deliveries: six for the webhook of all, one for the other.
+    let later = now + Duration::seconds(1);
+    let lease = later + Duration::seconds(60);
+    let due = store.claim_deliveries(later, lease, 100).await.unwrap();
+    let mut taken: Vec<(String, String)> = due
+        .iter()
+        .map(|d| (d.webhook_id.clone(), d.event.kind.clone()))
+        .collect();
+    taken.sort();
+    assert_eq!(
+        taken,
+        [
+            ("wh_all".to_string(), "sandbox.created".to_string()),
+            ("wh_kills".to_string(), "sandbox.killed".to_string())
+        ],
+        "one at a time per sandbox and webhook"
+    );
+    assert!(
+        store
+            .claim_deliveries(later, lease, 100)
+            .await
+            .unwrap()
+            .is_empty(),
+        "leased"
+    );
+    let first = due.iter().find(|d| d.webhook_id == "wh_all").unwrap();
+    assert_eq!(first.url, "http://a.example/");
+    assert_eq!(first.secret, "whsec_x");
+    assert!(store
+        .record_attempt(
+            "wh_all",
+            first.event.id,
+            &first.lease_until,
+            later,
+            Some(200),
+            None,
+            12,
+            &AttemptOutcome::Delivered,
+        )
+        .await
+        .unwrap());
+    // The next of the sandbox's events is due now; it fails and waits.
+    let due = store.claim_deliveries(later, lease, 100).await.unwrap();
+    assert_eq!(due.len(), 1);
+    assert_eq!(due[0].event.kind, "sandbox.started");
+    let retry_at = later + Duration::seconds(30);
+    store
+        .record_attempt(
+            "wh_all",
+            due[0].event.id,
+            &due[0].lease_until,
+            later,
+            Some(503),
+            Some("the receiver answered 503"),
+            5,
+            &AttemptOutcome::RetryAt(retry_at),
+        )
+        .await
+        .unwrap();
+    assert!(store
+        .claim_deliveries(later, lease, 100)
+        .await
+        .unwrap()
+        .is_empty());
+    let due = store
+        .claim_deliveries(retry_at, retry_at + Duration::seconds(60), 100)
+        .await
+        .unwrap();
+    assert_eq!(due.len(), 1);
+    assert_eq!(due[0].event.kind, "sandbox.started");
+    assert_eq!(due[0].attempts, 1);
+    // A stale lease records its attempt but changes nothing.
+    assert!(!store
+        .record_attempt(
+            "wh_all",
+            due[0].event.id,
+            "1999-01-01",
+            retry_at,
+            None,
+            Some("late"),
+            1,
+            &AttemptOutcome::Delivered,
+        )
+        .await
+        .unwrap());
+    let started = store
+        .delivery("wh_all", due[0].event.id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(started.status, DeliveryStatus::Pending);
+    assert_eq!(started.kind, "sandbox.started");
+    let attempts = store.attempts("wh_all", due[0].event.id).await.unwrap();
+    assert_eq!(attempts.len(), 2);
+    assert_eq!(attempts[0].status_code, Some(503));
+    assert_eq!(attempts[1].error.as_deref(), Some("late"));
+    // Given up: the next one goes.
+    store
+        .record_attempt(
+            "wh_all",
+            due[0].event.id,
+            &due[0].lease_until,
+            retry_at,
+            None,
+            Some("refused"),
+            1,
+            &AttemptOutcome::GaveUp,
+        )
+        .await
+        .unwrap();
+    let due = store
+        .claim_deliveries(retry_at, retry_at + Duration::seconds(60), 100)
+        .await
+        .unwrap();
+    assert_eq!(due.len(), 1);
+    assert_eq!(due[0].event.kind, "sandbox.paused");
+    let listed = store.deliveries("wh_all", 100, None).await.unwrap();
+    assert_eq!(listed.len(), 6);
+    assert_eq!(listed[0].kind, "sandbox.killed", "newest first");
+    let counts = store
+        .webhook_of(&alice.id, "wh_all")
+        .await
+        .unwrap()
+        .unwrap()
+        .counts;
+    assert_eq!(counts, [4, 1, 1]);
+    // Redelivered: pending again, due now, its attempts kept.
+    let again = store
+        .redeliver("wh_all", first.event.id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(again.status, DeliveryStatus::Pending);
+    assert_eq!(again.attempts, 0);
+    assert_eq!(
+        store
+            .attempts("wh_all", first.event.id)
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+
+    // Deleted: its pending deliveries go, and it gets no more.
+    assert!(store
+        .delete_webhook(&bob.id, "wh_all")
+        .await
+        .unwrap()
+        .is_none());
+    store
+        .delete_webhook(&alice.id, "wh_all")
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(store
+        .webhook_of(&alice.id, "wh_all")
+        .await
+        .unwrap()
+        .is_none());
+    assert_eq!(store.webhooks(&alice.id).await.unwrap().len(), 1);
+    let left = store.deliveries("wh_all", 100, None).await.unwrap();
+    assert!(
+        left.iter().all(|d| d.status != DeliveryStatus::Pending),
+        "{left:?}"
+    );
+    let t = created(
+        store
+            .create_sandbox(sandbox(&alice.id, now, 30, 0))
+            .await
+            .unwrap(),
+    );
+    assert_eq!(
+        store.deliveries("wh_all", 100, None).await.unwrap().len(),
+        left.len()
+    );
+    store
+        .finish_sandbox(
+            &t.id,
+            SandboxStatus::Deleted,
+            "expired",
+            now,
+            0,
+            &by("the expiry"),
+        )
+        .await
+        .unwrap();
+    let log = store
+        .account_events(&alice.id, 0, 100, Some(&t.id))
+        .await
+        .unwrap();
+    assert_eq!(log.last().unwrap().kind, "sandbox.expired");
+    assert_eq!(
+        store.deliveries("wh_kills", 100, None).await.unwrap().len(),
+        1
+    );
+
+    // The purge forgets events and their deliveries.
+    let gone = store
+        .purge_events(OffsetDateTime::now_utc() + Duration::days(1))
+        .await
+        .unwrap();
+    assert!(gone >= 8, "{gone}");
+    assert!(store
+        .account_events(&alice.id, 0, 100, None)
+        .await
+        .unwrap()
+        .is_empty());
+    assert!(store
+        .deliveries("wh_kills", 100, None)
+        .await
+        .unwrap()
+        .is_empty());
+}
+
+/// Writers add events to many sandboxes at once while a reader pages the
+/// account's log by cursor: the reader sees each event exactly once, none
+/// passed by a cursor that moved beyond it before it committed.
+async fn a_reader_paging_the_log_while_others_write_sees_every_event_once(store: Store) {
+    use sandpit_store::Cause;
+    let acct = store.create_account("alice", 100).await.unwrap();
+    store.add_credit(&acct.id, 1_000_000, None).await.unwrap();
+    let mut ids = Vec::new();
+    for _ in 0..6 {
+        let s = created(
+            store
+                .create_sandbox(sandbox(&acct.id, OffsetDateTime::now_utc(), 30, 0))
+                .await
+                .unwrap(),
+        );
+        ids.push(s.id);
+    }
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reader = {
+        let (store, account, done) = (store.clone(), acct.id.clone(), done.clone());
+        tokio::spawn(async move {
+            let (mut seen, mut after) = (Vec::new(), 0);
+            loop {
+                let finished = done.load(std::sync::atomic::Ordering::SeqCst);
+                let page = store
+                    .account_events(&account, after, 7, None)
+                    .await
+                    .unwrap();
+                if let Some(last) = page.last() {
+                    after = last.seq.unwrap();
+                }
+                let empty = page.is_empty();
+                seen.extend(page.into_iter().map(|e| e.id));
+                if finished && empty {
+                    return seen;
+                }
+            }
+        })
+    };
+    let mut writers = tokio::task::JoinSet::new();
+    for id in ids.clone() {
+        let store = store.clone();
+        writers.spawn(async move {
+            for n in 0..15 {
+                let reason = format!("note {n}");
+                assert!(store
+                    .record_event(&id, "sandbox.noted", Some(&reason), &Cause::by("test"))
+                    .await
+                    .unwrap());
+            }
+        });
+    }
+    while let Some(w) = writers.join_next().await {
+        w.unwrap();
+    }
+    done.store(true, std::sync::atomic::Ordering::SeqCst);
+    let seen = reader.await.unwrap();
+    let all: Vec<i64> = store
+        .account_events(&acct.id, 0, 500, None)
+        .await
+        .unwrap()
+        .iter()
+        .map(|e| e.id)
+        .collect();
+    assert_eq!(all.len(), 6 + 6 * 15);
+    let unique: HashSet<i64> = seen.iter().copied().collect();
+    assert_eq!(unique.len(), seen.len(), "an event was read twice");
+    assert_eq!(
+        unique,
+        all.iter().copied().collect::<HashSet<_>>(),
+        "an event was passed"
+    );
 }

@@ -81,6 +81,8 @@ fn a_server_on_postgresql_keeps_its_state_there_and_only_its_own_sandboxes() {
                 network: None,
                 template_id: None,
                 workdir: None,
+                start_from: None,
+                cause: Default::default(),
             })
             .await
             .unwrap()
@@ -89,7 +91,12 @@ fn a_server_on_postgresql_keeps_its_state_there_and_only_its_own_sandboxes() {
             other => panic!("{other:?}"),
         };
         store
-            .set_status(&row.id, SandboxStatus::Running, None)
+            .set_status(
+                &row.id,
+                SandboxStatus::Running,
+                None,
+                &sandpit_store::Cause::default(),
+            )
             .await
             .unwrap();
         row.id
@@ -606,6 +613,8 @@ fn a_replica_names_a_sandbox_after_the_warm_vm_a_node_published() {
             network: None,
             template_id: None,
             workdir: None,
+            start_from: None,
+            cause: Default::default(),
         };
         assert!(matches!(
             store.create_sandbox(taken).await.unwrap(),
@@ -653,6 +662,7 @@ fn a_replica_names_a_sandbox_after_the_warm_vm_a_node_published() {
                 "test",
                 time::OffsetDateTime::now_utc(),
                 0,
+                &sandpit_store::Cause::default(),
             )
             .await
             .unwrap();

@@ -101,6 +101,24 @@ struct Order<'c> {
     at: OffsetDateTime,
 }
 
+/// Who creates a sandbox, and what its `created` event tells of its
+/// origin: the snapshot or template it starts from, the sandbox it is a
+/// fork of.
+fn created_cause(caller: &Caller, order: &Order<'_>) -> sandpit_store::Cause {
+    let mut cause = sandpit_store::Cause::by(&caller.actor);
+    if let Some(snapshot) = &order.req.snapshot_id {
+        cause = cause.with("snapshot_id", snapshot.as_str());
+    }
+    if let Some(template) = &order.req.template {
+        cause = cause.with("template", template.as_str());
+    }
+    // Only a fork starts with its origin's secrets.
+    if let Some(origin) = &order.req.secrets_of {
+        cause = cause.with("forked_from", origin.as_str());
+    }
+    cause
+}
+
 /// Where a create was placed: the store's outcome there, the node's VMs,
 /// and whether its VM came from a warm pool.
 struct Placed {
@@ -523,6 +541,15 @@ impl Service {
             network: order.network.clone(),
             template_id: order.template_id.clone(),
             workdir: order.workdir.clone(),
+            start_from: Some(
+                match &order.from {
+                    Some(from) if from.fetch.is_some() => "template",
+                    Some(_) => "snapshot",
+                    None => "cold",
+                }
+                .into(),
+            ),
+            cause: created_cause(caller, order),
         };
         let outcome = self.store.create_sandbox_named(new, id).await;
         let warm = match taken.into_inner().unwrap() {
@@ -604,19 +631,20 @@ impl Service {
         target: &'a Placement,
         published: Option<String>,
         taken: &'a std::sync::Mutex<Option<std::result::Result<Option<String>, RuntimeError>>>,
-    ) -> impl std::future::Future<Output = Option<String>> + Send + 'a {
+    ) -> impl std::future::Future<Output = Option<(String, Option<&'static str>)>> + Send + 'a {
         async move {
             if let Some(id) = published {
                 *taken.lock().unwrap() = Some(Ok(None));
-                return Some(id);
+                return Some((id, Some("pool")));
             }
             if order.from.is_some() {
                 *taken.lock().unwrap() = Some(Ok(None));
-                return Some(new_id("sbx_"));
+                return Some((new_id("sbx_"), None));
             }
             let warm = target.machines.take_warm(&order.size_name).await;
             let id = match &warm {
-                Ok(warm) => Some(warm.clone().unwrap_or_else(|| new_id("sbx_"))),
+                Ok(Some(warm)) => Some((warm.clone(), Some("pool"))),
+                Ok(None) => Some((new_id("sbx_"), None)),
                 Err(e) => {
                     tracing::warn!(node = %target.host, "taking a warm VM: {e}");
                     None
@@ -649,6 +677,7 @@ impl Service {
                         &format!("failed: making its ports private: {why}"),
                         OffsetDateTime::now_utc(),
                         0,
+                        &sandpit_store::Cause::by(crate::service::events::SANDPIT),
                     )
                     .await;
                 Err(CoreError::internal(format!(

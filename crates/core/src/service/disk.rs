@@ -228,7 +228,16 @@ impl Service {
 
     /// Add `reason` to sandbox `id`'s events (its status unchanged).
     async fn note_event(&self, id: &str, reason: &str) {
-        if let Err(e) = self.store().note_event(id, reason).await {
+        if let Err(e) = self
+            .store()
+            .record_event(
+                id,
+                "sandbox.noted",
+                Some(reason),
+                &sandpit_store::Cause::by(crate::service::events::SANDPIT),
+            )
+            .await
+        {
             tracing::warn!(%id, "recording a sandbox event: {e}");
         }
     }

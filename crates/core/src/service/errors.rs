@@ -146,7 +146,12 @@ impl Service {
             }
             if row.status == SandboxStatus::Running {
                 let _ = self
-                    .end(row, SandboxStatus::Failed, &format!("failed: {cause}"))
+                    .end(
+                        row,
+                        SandboxStatus::Failed,
+                        &format!("failed: {cause}"),
+                        sandpit_store::Cause::by(crate::service::events::SANDPIT),
+                    )
                     .await;
                 return CoreError::conflict(format!(
                     "the sandbox's VM has stopped ({cause}); create a new sandbox"

@@ -75,7 +75,9 @@ impl Service {
             if !self.activity.claim_idle(&row.id, idle) {
                 continue;
             }
-            let paused = self.pause_row(&row.id).await;
+            let paused = self
+                .pause_row(&row.id, crate::service::events::IDLE_SWEEP)
+                .await;
             self.activity.release(&row.id);
             match paused {
                 Ok(_) => tracing::info!(id = %row.id, "paused after {idle:?} idle"),

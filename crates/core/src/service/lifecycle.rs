@@ -23,11 +23,12 @@ use crate::metrics::CreatePath;
 use crate::model::*;
 use crate::service::checks::{extension_minutes, page_limit, unknown_cursor};
 use crate::service::errors::{not_running, runtime_error};
+use crate::service::events::{EXPIRY, SANDPIT};
 use crate::service::Service;
 use sandpit_host::ids::rfc3339;
 use sandpit_host::machines::{Machines, Started};
 use sandpit_runtime::{RuntimeError, VmState};
-use sandpit_store::{ExtendOutcome, SandboxRow};
+use sandpit_store::{Cause, ExtendOutcome, SandboxRow};
 use std::sync::Arc;
 use std::time::Duration;
 use time::OffsetDateTime;
@@ -204,7 +205,12 @@ impl Service {
             Ok(Started::Booted) => {
                 let running = self
                     .store
-                    .set_status(&row.id, SandboxStatus::Running, None)
+                    .set_status(
+                        &row.id,
+                        SandboxStatus::Running,
+                        None,
+                        &Cause::by(format!("node {}", row.host)),
+                    )
                     .await?;
                 // Extended while it booted: the VM's watchdog has the old
                 // expiry.
@@ -242,6 +248,7 @@ impl Service {
                         &format!("failed: {e}"),
                         OffsetDateTime::now_utc(),
                         0,
+                        &Cause::by(format!("node {}", row.host)),
                     )
                     .await;
                 let now = OffsetDateTime::now_utc();
@@ -277,6 +284,7 @@ impl Service {
         row: &SandboxRow,
         end_status: SandboxStatus,
         reason: &str,
+        cause: Cause,
     ) -> Result<Option<SandboxRow>> {
         self.end_here(row).await;
         let now = OffsetDateTime::now_utc();
@@ -288,13 +296,14 @@ impl Service {
         // destroy ends it, charged, whichever of the two gets here first.
         let destroying = end_status == SandboxStatus::Failed
             && matches!(self.store.sandbox(&row.id).await, Ok(Some(r)) if r.status == SandboxStatus::Deleting);
-        let (end_status, reason) = if end_status == SandboxStatus::Failed && row.expires_at <= now {
-            (SandboxStatus::Deleted, "expired")
-        } else if destroying {
-            (SandboxStatus::Deleted, "destroyed")
-        } else {
-            (end_status, reason)
-        };
+        let (end_status, reason, cause) =
+            if end_status == SandboxStatus::Failed && row.expires_at <= now {
+                (SandboxStatus::Deleted, "expired", Cause::by(EXPIRY))
+            } else if destroying {
+                (SandboxStatus::Deleted, "destroyed", cause)
+            } else {
+                (end_status, reason, cause)
+            };
         // A sandbox the platform lost (its VM died, it never came up) is
         // not charged at all: the whole reservation comes back. Its time
         // paused (as the row is now: paused or resumed since `row` was
@@ -310,7 +319,7 @@ impl Service {
         };
         Ok(self
             .store
-            .finish_sandbox(&row.id, end_status, reason, now, charge)
+            .finish_sandbox(&row.id, end_status, reason, now, charge, &cause)
             .await?)
     }
 
@@ -352,7 +361,10 @@ impl Service {
         {
             Ok(rows) => {
                 for row in rows {
-                    if let Err(e) = self.end(&row, SandboxStatus::Deleted, "expired").await {
+                    if let Err(e) = self
+                        .end(&row, SandboxStatus::Deleted, "expired", Cause::by(EXPIRY))
+                        .await
+                    {
                         tracing::warn!(id = %row.id, "expiring: {e}");
                     }
                 }
@@ -435,7 +447,8 @@ impl Service {
         let mut keep = Vec::new();
         for row in &live {
             if row.expires_at <= now {
-                self.end(row, SandboxStatus::Deleted, "expired").await?;
+                self.end(row, SandboxStatus::Deleted, "expired", Cause::by(EXPIRY))
+                    .await?;
                 continue;
             }
             match row.status {
@@ -444,11 +457,13 @@ impl Service {
                         row,
                         SandboxStatus::Failed,
                         "failed: the server stopped while it was being created",
+                        Cause::by(SANDPIT),
                     )
                     .await?;
                 }
                 SandboxStatus::Deleting => {
-                    self.end(row, SandboxStatus::Deleted, "destroyed").await?;
+                    self.end(row, SandboxStatus::Deleted, "destroyed", Cause::by(SANDPIT))
+                        .await?;
                 }
                 // `live_sandboxes` returns none that ended.
                 SandboxStatus::Deleted | SandboxStatus::Failed => {}
@@ -460,6 +475,7 @@ impl Service {
                             row,
                             SandboxStatus::Failed,
                             "failed: its paused state vanished while the server was down",
+                            Cause::by(SANDPIT),
                         )
                         .await?;
                     }
@@ -467,14 +483,20 @@ impl Service {
                 SandboxStatus::Running => match vms.state(&row.id) {
                     Some(VmState::Running) => keep.push(row.id.clone()),
                     Some(VmState::Exited { cause }) => {
-                        self.end(row, SandboxStatus::Failed, &format!("failed: {cause}"))
-                            .await?;
+                        self.end(
+                            row,
+                            SandboxStatus::Failed,
+                            &format!("failed: {cause}"),
+                            Cause::by(SANDPIT),
+                        )
+                        .await?;
                     }
                     None => {
                         self.end(
                             row,
                             SandboxStatus::Failed,
                             "failed: its VM vanished while the server was down",
+                            Cause::by(SANDPIT),
                         )
                         .await?;
                     }
@@ -664,7 +686,14 @@ impl Sandboxes for Service {
         };
         let outcome = self
             .store
-            .extend_sandbox(id, &caller.account_id, new_expires, total as u32, extra)
+            .extend_sandbox(
+                id,
+                &caller.account_id,
+                new_expires,
+                total as u32,
+                extra,
+                &Cause::by(&caller.actor),
+            )
             .await;
         if !matches!(outcome, Ok(ExtendOutcome::Extended(_))) && matches!(vm_expiry, Some(Ok(()))) {
             if let Some(m) = &machines {
@@ -733,6 +762,7 @@ impl Sandboxes for Service {
                 new_expires,
                 timeout_minutes,
                 release.max(0),
+                &Cause::by(&caller.actor),
             )
             .await?
             .ok_or_else(|| {
@@ -756,16 +786,19 @@ impl Sandboxes for Service {
         }
         let _ = self
             .store
-            .set_status(id, SandboxStatus::Deleting, None)
+            .set_status(id, SandboxStatus::Deleting, None, &Cause::by(&caller.actor))
             .await;
         // As for create: a client that hangs up does not stop the teardown.
         let me = self
             .arc_self()
             .ok_or_else(|| CoreError::internal("the service is shutting down"))?;
-        let ended =
-            tokio::spawn(async move { me.end(&row, SandboxStatus::Deleted, "destroyed").await })
+        let cause = Cause::by(&caller.actor);
+        let ended = tokio::spawn(async move {
+            me.end(&row, SandboxStatus::Deleted, "destroyed", cause)
                 .await
-                .map_err(|e| CoreError::internal(format!("the destroy task failed: {e}")))??;
+        })
+        .await
+        .map_err(|e| CoreError::internal(format!("the destroy task failed: {e}")))??;
         match ended {
             Some(row) => Ok(to_sandbox(&row)),
             None => Ok(to_sandbox(&self.owned(caller, id).await?)),

@@ -16,7 +16,7 @@ use crate::error::{CoreError, Result};
 use crate::model::*;
 use crate::service::errors::{not_running, runtime_error};
 use crate::service::Service;
-use sandpit_store::SandboxRow;
+use sandpit_store::{Cause, SandboxRow};
 
 impl Service {
     /// The API's `pause_sandbox`. Pausing a paused sandbox is a no-op.
@@ -32,13 +32,15 @@ impl Service {
             .ok_or_else(|| CoreError::internal("the service is shutting down"))?;
         // A client that hangs up does not leave it half paused.
         let id = id.to_string();
-        tokio::spawn(async move { me.pause_row(&id).await })
+        let actor = caller.actor.clone();
+        tokio::spawn(async move { me.pause_row(&id, &actor).await })
             .await
             .map_err(|e| CoreError::internal(format!("the pause task failed: {e}")))?
             .map(|row| super::lifecycle::to_sandbox(&row))
     }
 
-    pub(super) async fn pause_row(&self, id: &str) -> Result<SandboxRow> {
+    /// Pauses sandbox `id`, as `actor` asked.
+    pub(super) async fn pause_row(&self, id: &str, actor: &str) -> Result<SandboxRow> {
         let _turn = self.turns.take(id).await;
         let row = self.current(id).await?;
         match row.status {
@@ -58,7 +60,7 @@ impl Service {
             tracing::warn!(id, "pausing failed: {e}");
             return Err(self.agent_failure(&row, e).await);
         }
-        match self.store.pause_sandbox(id).await? {
+        match self.store.pause_sandbox(id, &Cause::by(actor)).await? {
             Some(row) => Ok(row),
             // Ended meanwhile (destroyed, expired): so be it.
             None => Err(not_running(&self.current(id).await?)),
@@ -70,24 +72,27 @@ impl Service {
         let row = self.owned(caller, id).await?;
         match row.status {
             SandboxStatus::Running => Ok(super::lifecycle::to_sandbox(&row)),
-            SandboxStatus::Paused => Ok(super::lifecycle::to_sandbox(&self.wake(&row).await?)),
+            SandboxStatus::Paused => Ok(super::lifecycle::to_sandbox(
+                &self.wake(&row, &caller.actor).await?,
+            )),
             _ => Err(not_running(&row)),
         }
     }
 
     /// Paused sandbox `row` running again (whoever asks first: the others
-    /// wait for it and find it running).
-    pub(super) async fn wake(&self, row: &SandboxRow) -> Result<SandboxRow> {
+    /// wait for it and find it running), for `actor` (its event names who
+    /// needed it).
+    pub(super) async fn wake(&self, row: &SandboxRow, actor: &str) -> Result<SandboxRow> {
         let me = self
             .arc_self()
             .ok_or_else(|| CoreError::internal("the service is shutting down"))?;
-        let id = row.id.clone();
-        tokio::spawn(async move { me.wake_row(&id).await })
+        let (id, actor) = (row.id.clone(), actor.to_string());
+        tokio::spawn(async move { me.wake_row(&id, &actor).await })
             .await
             .map_err(|e| CoreError::internal(format!("the resume task failed: {e}")))?
     }
 
-    async fn wake_row(&self, id: &str) -> Result<SandboxRow> {
+    async fn wake_row(&self, id: &str, actor: &str) -> Result<SandboxRow> {
         let _turn = self.turns.take(id).await;
         let row = self.current(id).await?;
         match row.status {
@@ -110,7 +115,7 @@ impl Service {
             tracing::warn!(id, "resuming failed: {e}");
             return Err(runtime_error(e));
         }
-        match self.store.resume_sandbox(id).await? {
+        match self.store.resume_sandbox(id, &Cause::by(actor)).await? {
             Some(row) => Ok(row),
             None => match self.current(id).await? {
                 now if now.status == SandboxStatus::Running => Ok(now),

@@ -76,7 +76,7 @@ impl PreviewGate for Service {
         // A paused sandbox resumes for its visitors as for its owner.
         if row.status == SandboxStatus::Paused {
             row = self
-                .wake(&row)
+                .wake(&row, crate::service::events::PREVIEW)
                 .await
                 .map_err(|e| PreviewError::Unavailable {
                     id: id.to_string(),

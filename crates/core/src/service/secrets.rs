@@ -723,6 +723,7 @@ impl Service {
                 &format!("failed: giving it its secrets: {why}"),
                 OffsetDateTime::now_utc(),
                 0,
+                &sandpit_store::Cause::by(crate::service::events::SANDPIT),
             )
             .await;
         Err(CoreError::internal(format!(
@@ -1031,6 +1032,8 @@ mod tests {
             network: None,
             template_id: None,
             workdir: None,
+            start_from: None,
+            cause: Default::default(),
         };
         match svc.store.create_sandbox(new).await.unwrap() {
             sandpit_store::CreateOutcome::Created(row) => row,

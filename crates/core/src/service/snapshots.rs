@@ -24,7 +24,7 @@ use crate::service::checks::{page_limit, unknown_cursor};
 use crate::service::errors::{not_running, runtime_error};
 use crate::service::Service;
 use sandpit_host::ids::rfc3339;
-use sandpit_store::{NewSnapshot, SandboxRow, SnapshotOutcome, SnapshotRow, SnapshotStatus};
+use sandpit_store::{Cause, NewSnapshot, SandboxRow, SnapshotOutcome, SnapshotRow, SnapshotStatus};
 use sha2::Digest;
 use std::time::Duration;
 use time::OffsetDateTime;
@@ -46,6 +46,7 @@ impl Service {
         row: &SandboxRow,
         name: Option<String>,
         idempotency_key: Option<String>,
+        actor: &str,
     ) -> Result<(SnapshotRow, bool)> {
         if row.status != SandboxStatus::Running {
             return Err(not_running(row));
@@ -96,7 +97,8 @@ impl Service {
             .arc_self()
             .ok_or_else(|| CoreError::internal("the service is shutting down"))?;
         let row = row.clone();
-        tokio::spawn(async move { me.write_snapshot(&row, snap).await })
+        let cause = Cause::by(actor);
+        tokio::spawn(async move { me.write_snapshot(&row, snap, &cause).await })
             .await
             .map_err(|e| CoreError::internal(format!("the snapshot task failed: {e}")))?
             .map(|snap| (snap, false))
@@ -104,7 +106,12 @@ impl Service {
 
     /// The node saves `row`'s VM as `snap`; the row is `ready`, or deleted
     /// with whatever the node wrote.
-    async fn write_snapshot(&self, row: &SandboxRow, snap: SnapshotRow) -> Result<SnapshotRow> {
+    async fn write_snapshot(
+        &self,
+        row: &SandboxRow,
+        snap: SnapshotRow,
+        cause: &Cause,
+    ) -> Result<SnapshotRow> {
         let machines = match self.machines_for(row).await {
             Ok(m) => m,
             Err(e) => {
@@ -119,7 +126,7 @@ impl Service {
                     id = %row.id, snapshot = %snap.id,
                     "snapshot taken in {} ms, {bytes} bytes", started.elapsed().as_millis()
                 );
-                match self.store.snapshot_ready(&snap.id, bytes).await {
+                match self.store.snapshot_ready(&snap.id, bytes, cause).await {
                     Ok(Some(ready)) => {
                         // Its expiry may be the next one.
                         self.wake_reaper();
@@ -338,7 +345,9 @@ impl Snapshots for Service {
             }
         }
         let (row, _busy) = self.running(caller, id).await?;
-        let (snap, replayed) = self.save(&row, req.name, idempotency_key).await?;
+        let (snap, replayed) = self
+            .save(&row, req.name, idempotency_key, &caller.actor)
+            .await?;
         Ok((to_snapshot(&snap), replayed))
     }
 
@@ -433,7 +442,7 @@ impl Snapshots for Service {
                 ),
             ));
         }
-        let (snap, _) = self.save(&row, None, None).await?;
+        let (snap, _) = self.save(&row, None, None, &caller.actor).await?;
         let copy = CreateSandbox {
             snapshot_id: Some(snap.id.clone()),
             ..copy
@@ -454,6 +463,20 @@ impl Snapshots for Service {
             }));
         }
         if made.iter().all(|m| m.is_ok()) {
+            let forks: Vec<String> = made
+                .iter()
+                .filter_map(|m| m.as_ref().ok().map(|(s, _)| s.id.clone()))
+                .collect();
+            let cause = Cause::by(&caller.actor)
+                .with("snapshot_id", snap.id.as_str())
+                .with("forks", forks);
+            if let Err(e) = self
+                .store
+                .record_event(&row.id, "sandbox.forked", None, &cause)
+                .await
+            {
+                tracing::warn!(id = %row.id, "recording its fork: {e}");
+            }
             return Ok(Fork {
                 snapshot: to_snapshot(&snap),
                 sandboxes: made.into_iter().map(|m| m.expect("ok").0).collect(),
@@ -469,6 +492,7 @@ impl Snapshots for Service {
                                 &row,
                                 SandboxStatus::Failed,
                                 "failed: the fork it was part of failed",
+                                Cause::by(&caller.actor),
                             )
                             .await;
                     }
@@ -545,10 +569,19 @@ impl Snapshots for Service {
                         &row,
                         SandboxStatus::Failed,
                         &format!("failed: restoring snapshot {}: {e}", snap.id),
+                        Cause::by(&caller.actor),
                     )
                     .await;
             }
             return Err(runtime_error(e));
+        }
+        let cause = Cause::by(&caller.actor).with("snapshot_id", snap.id.as_str());
+        if let Err(e) = self
+            .store
+            .record_event(id, "sandbox.restored", None, &cause)
+            .await
+        {
+            tracing::warn!(id, "recording its restore: {e}");
         }
         let now = self.owned(caller, id).await?;
         // Extended while it was restored: the new VM's watchdog learns it.

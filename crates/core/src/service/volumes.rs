@@ -605,7 +605,12 @@ impl Service {
             }
         };
         if let Err(e) = self
-            .end(row, SandboxStatus::Failed, "its volumes were taken")
+            .end(
+                row,
+                SandboxStatus::Failed,
+                "its volumes were taken",
+                sandpit_store::Cause::by(crate::service::events::SANDPIT),
+            )
             .await
         {
             tracing::warn!(id = %row.id, "ending a sandbox whose volumes were taken: {e}");

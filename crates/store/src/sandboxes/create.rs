@@ -111,10 +111,11 @@ async fn insert_sandbox(
     postgres: bool,
 ) -> Result<Option<SandboxRow>> {
     let sql = insert_sql(postgres, "$14");
-    let query = bind_create(
+    let query = bind_create_event(
         sqlx::query(sqlx::AssertSqlSafe(sql)),
         new,
         new.host_epoch.and(host_max),
+        postgres,
     );
     let Some(row) = inserted(query.fetch_optional(&mut **tx).await, new)? else {
         return Ok(None);
@@ -125,8 +126,11 @@ async fn insert_sandbox(
     insert_event(
         tx,
         &row.id,
+        &row.account_id,
         SandboxStatus::Provisioning,
+        "sandbox.created",
         None,
+        &new.cause,
         row.created_at,
     )
     .await?;
@@ -185,9 +189,9 @@ fn insert_sql(postgres: bool, host_max: &str) -> String {
         "INSERT INTO sandboxes (id, account_id, name, size, vcpus, memory_mb, disk_gb, \
            timeout_minutes, status, price_micros_per_hour, host, created_at, expires_at, \
            snapshot_id, metadata, env, access_token, every_port_public, internet_access, \
-           template_id, workdir, network) \
+           template_id, workdir, network, start_from) \
          SELECT $1, $2, $3, $4, $5, $6, $7, $8, 'provisioning', $9, $10, $11, $12, $18, \
-           $20, $21, $22, $23, $24, $25, $26, $27 \
+           $20, $21, $22, $23, $24, $25, $26, $27, $28 \
          FROM accounts a WHERE a.id = $2 \
            AND NOT EXISTS (SELECT 1 FROM idempotency WHERE account_id = a.id AND key = $13) \
            AND ({host_max} IS NULL OR (SELECT COUNT(*) FROM sandboxes \
@@ -204,15 +208,17 @@ fn insert_sql(postgres: bool, host_max: &str) -> String {
     match postgres {
         true => format!(
             "WITH s AS ({sandbox}), \
-             e AS (INSERT INTO sandbox_events (sandbox_id, status, reason, at) \
-                   SELECT id, status, NULL, created_at FROM s), \
+             e AS (INSERT INTO {events} \
+                   SELECT id, account_id, status, 'sandbox.created', $29, NULL, $30, created_at \
+                   FROM s), \
              l AS (INSERT INTO ledger (account_id, sandbox_id, kind, amount_micros, note, at) \
                    SELECT account_id, id, 'reserve', -$15, 'create', created_at FROM s \
                    WHERE $15 > 0), \
              i AS (INSERT INTO idempotency (account_id, key, request_hash, sandbox_id, \
                      created_at) \
                    SELECT account_id, $13, $19, id, created_at FROM s WHERE $13 IS NOT NULL) \
-             SELECT * FROM s"
+             SELECT * FROM s",
+            events = crate::events::EVENT_COLUMNS
         ),
         false => sandbox,
     }
@@ -267,7 +273,7 @@ pub(crate) fn create_function() -> &'static (String, String) {
         let definition = format!(
             "CREATE OR REPLACE FUNCTION {name}(text, text, text, text, bigint, bigint, bigint, \
                  bigint, bigint, text, text, text, text, bigint, bigint, bigint, bigint, text, text, \
-                 text, text, text, bigint, bigint, text, text, text) \
+                 text, text, text, bigint, bigint, text, text, text, text, text, text) \
              RETURNS SETOF sandboxes LANGUAGE plpgsql AS $create$ {body} $create$"
         );
         (name, definition)
@@ -344,6 +350,22 @@ fn bind_create<'q>(
         .bind(&new.template_id)
         .bind(&new.workdir)
         .bind(&new.network)
+        .bind(&new.start_from)
+}
+
+/// [`bind_create`], then what only PostgreSQL's statement writes itself:
+/// the `created` event's actor and detail (on SQLite `insert_event` does).
+fn bind_create_event<'q>(
+    query: sqlx::query::Query<'q, Any, sqlx::any::AnyArguments>,
+    new: &'q NewSandbox,
+    fourteenth: Option<i64>,
+    postgres: bool,
+) -> sqlx::query::Query<'q, Any, sqlx::any::AnyArguments> {
+    let query = bind_create(query, new, fourteenth);
+    match postgres {
+        true => query.bind(&new.cause.actor).bind(new.cause.detail_text()),
+        false => query,
+    }
 }
 
 impl Store {
@@ -357,18 +379,21 @@ impl Store {
     /// the balance can never all pass the check.
     pub async fn create_sandbox(&self, new: NewSandbox) -> Result<CreateOutcome> {
         let id = new.id.clone();
-        self.create_sandbox_named(new, async { Some(id) }).await
+        self.create_sandbox_named(new, async { Some((id, None)) })
+            .await
     }
 
     /// [`Store::create_sandbox`] for a sandbox whose id is still on its
     /// way (`new.id` is not used): a warm VM taken from a node over the
     /// network names it. The transaction begins meanwhile, and nothing is
     /// locked or read until `id` is known. `None` from `id` abandons the
-    /// create: [`CreateOutcome::HostUnavailable`].
+    /// create: [`CreateOutcome::HostUnavailable`]. With the id may come how
+    /// its VM starts (a warm VM was taken: `pool`), replacing
+    /// `new.start_from`.
     pub async fn create_sandbox_named(
         &self,
         mut new: NewSandbox,
-        id: impl std::future::Future<Output = Option<String>>,
+        id: impl std::future::Future<Output = Option<(String, Option<&'static str>)>>,
     ) -> Result<CreateOutcome> {
         if new.reserve_micros < 0 {
             return Err(StoreError::Invalid(format!(
@@ -377,17 +402,26 @@ impl Store {
             )));
         }
         if self.engine == crate::Engine::Postgres {
-            let Some(id) = id.await else {
+            let Some((id, from)) = id.await else {
                 return Ok(CreateOutcome::HostUnavailable);
             };
             new.id = id;
+            if let Some(from) = from {
+                new.start_from = Some(from.into());
+            }
             // The common case in one round trip (see `create_function`).
             let sql = format!(
                 "SELECT * FROM {}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, \
-                 $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25, $26, $27)",
+                 $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, \
+                 $30)",
                 create_function().0
             );
-            let query = bind_create(sqlx::query(sqlx::AssertSqlSafe(sql)), &new, new.host_epoch);
+            let query = bind_create_event(
+                sqlx::query(sqlx::AssertSqlSafe(sql)),
+                &new,
+                new.host_epoch,
+                true,
+            );
             if let Some(row) = inserted(query.fetch_optional(&self.pool).await, &new)? {
                 return Ok(CreateOutcome::Created(row));
             }
@@ -398,10 +432,13 @@ impl Store {
         }
         let (tx, id) = tokio::join!(self.write_tx(), id);
         let tx = tx?;
-        let Some(id) = id else {
+        let Some((id, from)) = id else {
             return Ok(CreateOutcome::HostUnavailable);
         };
         new.id = id;
+        if let Some(from) = from {
+            new.start_from = Some(from.into());
+        }
         self.create_in(tx, new).await
     }
 

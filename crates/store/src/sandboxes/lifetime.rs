@@ -37,6 +37,30 @@ async fn set_lifetime_in(
     sandbox_from(&row)
 }
 
+/// The event of a change of `row`'s lifetime: its new expiry and timeout.
+async fn lifetime_event(
+    tx: &mut Transaction<'static, Any>,
+    row: &SandboxRow,
+    kind: &str,
+    cause: &Cause,
+) -> Result<()> {
+    let cause = cause
+        .clone()
+        .with("expires_at", crate::util::format_rfc3339(row.expires_at))
+        .with("timeout_minutes", row.timeout_minutes);
+    insert_event(
+        tx,
+        &row.id,
+        &row.account_id,
+        row.status,
+        kind,
+        None,
+        &cause,
+        now(),
+    )
+    .await
+}
+
 impl Store {
     /// Extends a `provisioning` or `running` sandbox of `account_id`: stores
     /// the new expiry and timeout and reserves `extra_reserve_micros` more,
@@ -51,6 +75,7 @@ impl Store {
         new_expires_at: OffsetDateTime,
         new_timeout_minutes: u32,
         extra_reserve_micros: i64,
+        cause: &Cause,
     ) -> Result<ExtendOutcome> {
         if extra_reserve_micros < 0 {
             return Err(StoreError::Invalid(format!(
@@ -92,6 +117,7 @@ impl Store {
             )
             .await?;
         }
+        lifetime_event(&mut tx, &updated, "sandbox.extended", cause).await?;
         tx.commit().await?;
         Ok(ExtendOutcome::Extended(updated))
     }
@@ -110,6 +136,7 @@ impl Store {
         new_expires_at: OffsetDateTime,
         new_timeout_minutes: u32,
         release_micros: i64,
+        cause: &Cause,
     ) -> Result<Option<SandboxRow>> {
         if release_micros < 0 {
             return Err(StoreError::Invalid(format!(
@@ -143,13 +170,14 @@ impl Store {
             )
             .await?;
         }
+        lifetime_event(&mut tx, &updated, "sandbox.shortened", cause).await?;
         tx.commit().await?;
         Ok(Some(updated))
     }
 
     /// A running sandbox whose VM was saved and stopped is `paused` from
     /// now. `None` if it is not running (or already paused).
-    pub async fn pause_sandbox(&self, id: &str) -> Result<Option<SandboxRow>> {
+    pub async fn pause_sandbox(&self, id: &str, cause: &Cause) -> Result<Option<SandboxRow>> {
         let mut tx = self.write_tx().await?;
         let at = now();
         let row = sqlx::query(
@@ -163,14 +191,24 @@ impl Store {
         let Some(row) = row.as_ref().map(sandbox_from).transpose()? else {
             return Ok(None);
         };
-        insert_event(&mut tx, id, SandboxStatus::Paused, None, at).await?;
+        insert_event(
+            &mut tx,
+            id,
+            &row.account_id,
+            SandboxStatus::Paused,
+            "sandbox.paused",
+            None,
+            cause,
+            at,
+        )
+        .await?;
         tx.commit().await?;
         Ok(Some(row))
     }
 
     /// A paused sandbox runs again: the pause's seconds are added to its
     /// paused time. `None` if it was not paused.
-    pub async fn resume_sandbox(&self, id: &str) -> Result<Option<SandboxRow>> {
+    pub async fn resume_sandbox(&self, id: &str, cause: &Cause) -> Result<Option<SandboxRow>> {
         let mut tx = self.write_tx().await?;
         let Some(row) = sandbox_in(&mut tx, id).await? else {
             return Err(StoreError::NotFound(format!("sandbox {id}")));
@@ -188,7 +226,17 @@ impl Store {
         .fetch_one(&mut *tx)
         .await?;
         let row = sandbox_from(&row)?;
-        insert_event(&mut tx, id, SandboxStatus::Running, Some("resumed"), at).await?;
+        insert_event(
+            &mut tx,
+            id,
+            &row.account_id,
+            SandboxStatus::Running,
+            "sandbox.resumed",
+            None,
+            cause,
+            at,
+        )
+        .await?;
         tx.commit().await?;
         Ok(Some(row))
     }

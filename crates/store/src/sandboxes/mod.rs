@@ -4,6 +4,7 @@
 
 use crate::accounts::balance_in;
 use crate::error::{Result, StoreError};
+use crate::events::{event_from, insert_event, kind_of, Cause, EventRow, EVENT_COLUMNS};
 use crate::states::{live_statuses, SandboxStatus};
 use crate::util::{
     format_ts, get_i64, get_opt_i64, get_opt_str, get_opt_ts, get_str, get_ts, get_u32, now,
@@ -143,6 +144,11 @@ pub struct NewSandbox {
     pub host_epoch: Option<i64>,
     /// The snapshot it starts from (`None`: the image).
     pub snapshot_id: Option<String>,
+    /// How its VM is to start (`pool`, `snapshot`, `template`, `cold`),
+    /// which its `started` event tells.
+    pub start_from: Option<String>,
+    /// Who creates it, and what its `created` event carries.
+    pub cause: Cause,
 }
 
 /// What [`Store::create_sandbox`] did.
@@ -184,16 +190,6 @@ pub enum ExtendOutcome {
     /// The sandbox is not `provisioning` or `running` (it is being deleted
     /// or has ended): the row as it is.
     NotLive(SandboxRow),
-}
-
-/// One status change of a sandbox.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EventRow {
-    pub id: i64,
-    pub sandbox_id: String,
-    pub status: SandboxStatus,
-    pub reason: Option<String>,
-    pub at: OffsetDateTime,
 }
 
 /// A page of [`Store::list_sandboxes`].
@@ -273,16 +269,6 @@ pub(crate) fn json_map_text(map: &std::collections::BTreeMap<String, String>) ->
     (!map.is_empty()).then(|| serde_json::to_string(map).expect("a map of strings serializes"))
 }
 
-fn event_from(row: &AnyRow) -> Result<EventRow> {
-    Ok(EventRow {
-        id: get_i64(row, "id")?,
-        sandbox_id: get_str(row, "sandbox_id")?,
-        status: SandboxStatus::stored(&get_str(row, "status")?)?,
-        reason: get_opt_str(row, "reason")?,
-        at: get_ts(row, "at")?,
-    })
-}
-
 /// The sandbox, read under its row lock (see [`crate::row_lock`]).
 pub(crate) async fn sandbox_in(
     tx: &mut Transaction<'static, Any>,
@@ -320,6 +306,7 @@ pub(crate) async fn finish_in(
     reason: &str,
     ended_at: OffsetDateTime,
     charge_micros: i64,
+    cause: &Cause,
 ) -> Result<Option<SandboxRow>> {
     if !row.is_live() {
         return Ok(None);
@@ -372,7 +359,17 @@ pub(crate) async fn finish_in(
     .fetch_one(&mut **tx)
     .await?;
     let updated = sandbox_from(&updated)?;
-    insert_event(tx, id, end_status, Some(reason), ended_at).await?;
+    insert_event(
+        tx,
+        id,
+        &row.account_id,
+        end_status,
+        kind_of(end_status, Some(reason)),
+        Some(reason),
+        cause,
+        ended_at,
+    )
+    .await?;
     sqlx::query("UPDATE ports SET closed_at = $2 WHERE sandbox_id = $1 AND closed_at IS NULL")
         .bind(id)
         .bind(format_ts(ended_at))
@@ -395,6 +392,7 @@ impl Store {
         id: &str,
         new_status: SandboxStatus,
         reason: Option<&str>,
+        cause: &Cause,
     ) -> Result<SandboxRow> {
         if !new_status.is_live() || new_status == SandboxStatus::Paused {
             return Err(StoreError::Invalid(format!(
@@ -403,7 +401,7 @@ impl Store {
             )));
         }
         if self.engine == crate::Engine::Postgres {
-            return self.set_status_at_once(id, new_status, reason).await;
+            return self.set_status_at_once(id, new_status, reason, cause).await;
         }
         let mut tx = self.write_tx().await?;
         let row = sandbox_in(&mut tx, id)
@@ -423,8 +421,20 @@ impl Store {
         .bind(format_ts(at))
         .fetch_one(&mut *tx)
         .await?;
+        let kind = kind_of(new_status, reason);
+        let cause = with_start_from(cause, kind, &updated)?;
         let updated = sandbox_from(&updated)?;
-        insert_event(&mut tx, id, new_status, reason, at).await?;
+        insert_event(
+            &mut tx,
+            id,
+            &updated.account_id,
+            new_status,
+            kind,
+            reason,
+            &cause,
+            at,
+        )
+        .await?;
         tx.commit().await?;
         Ok(updated)
     }
@@ -437,26 +447,35 @@ impl Store {
         id: &str,
         new_status: SandboxStatus,
         reason: Option<&str>,
+        cause: &Cause,
     ) -> Result<SandboxRow> {
-        let updated = sqlx::query(concat!(
-            "WITH u AS (UPDATE sandboxes SET status = $2, \
-                   ready_at = CASE WHEN $2 = 'running' AND ready_at IS NULL THEN $3 \
-                              ELSE ready_at END \
-                 WHERE id = $1 AND status IN ",
-            live_statuses!(),
-            " \
-                   AND status <> $2 \
-                 RETURNING *), \
-             e AS (INSERT INTO sandbox_events (sandbox_id, status, reason, at) \
-                   SELECT id, $2, $4, $3 FROM u) \
-             SELECT * FROM u"
-        ))
-        .bind(id)
-        .bind(new_status.as_str())
-        .bind(format_ts(now()))
-        .bind(reason)
-        .fetch_optional(&self.pool)
-        .await?;
+        let sql = format!(
+            concat!(
+                "WITH u AS (UPDATE sandboxes SET status = $2, \
+                       ready_at = CASE WHEN $2 = 'running' AND ready_at IS NULL THEN $3 \
+                                  ELSE ready_at END \
+                     WHERE id = $1 AND status IN ",
+                live_statuses!(),
+                " \
+                       AND status <> $2 \
+                     RETURNING *), \
+                 e AS (INSERT INTO {events} \
+                       SELECT id, account_id, $2, $5, $6, $4, {detail}, $3 FROM u) \
+                 SELECT * FROM u"
+            ),
+            events = EVENT_COLUMNS,
+            detail = START_FROM_DETAIL,
+        );
+        let updated = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(id)
+            .bind(new_status.as_str())
+            .bind(format_ts(now()))
+            .bind(reason)
+            .bind(kind_of(new_status, reason))
+            .bind(&cause.actor)
+            .bind(cause.detail_text())
+            .fetch_optional(&self.pool)
+            .await?;
         if let Some(updated) = updated {
             return sandbox_from(&updated);
         }
@@ -475,21 +494,32 @@ impl Store {
     /// with nothing changed, when the sandbox is not `provisioning` on
     /// `host` (not there, placed elsewhere, ended, or running already). On
     /// PostgreSQL one statement, so a node's start costs one round trip.
-    pub async fn record_start(&self, id: &str, host: &str) -> Result<Option<SandboxRow>> {
+    pub async fn record_start(
+        &self,
+        id: &str,
+        host: &str,
+        cause: &Cause,
+    ) -> Result<Option<SandboxRow>> {
         let at = now();
         if self.engine == crate::Engine::Postgres {
-            let updated = sqlx::query(
+            let sql = format!(
                 "WITH u AS (UPDATE sandboxes SET status = 'running', ready_at = $3 \
                      WHERE id = $1 AND host = $2 AND status = 'provisioning' RETURNING *), \
-                 e AS (INSERT INTO sandbox_events (sandbox_id, status, reason, at) \
-                       SELECT id, 'running', NULL, $3 FROM u) \
-                 SELECT * FROM u",
-            )
-            .bind(id)
-            .bind(host)
-            .bind(format_ts(at))
-            .fetch_optional(&self.pool)
-            .await?;
+                 e AS (INSERT INTO {EVENT_COLUMNS} \
+                       SELECT id, account_id, 'running', $5, $6, $4, {START_FROM_DETAIL}, $3 \
+                       FROM u) \
+                 SELECT * FROM u"
+            );
+            let updated = sqlx::query(sqlx::AssertSqlSafe(sql))
+                .bind(id)
+                .bind(host)
+                .bind(format_ts(at))
+                .bind(Option::<String>::None)
+                .bind("sandbox.started")
+                .bind(&cause.actor)
+                .bind(cause.detail_text())
+                .fetch_optional(&self.pool)
+                .await?;
             return updated.as_ref().map(sandbox_from).transpose();
         }
         let mut tx = self.write_tx().await?;
@@ -505,8 +535,19 @@ impl Store {
         let Some(updated) = updated else {
             return Ok(None);
         };
+        let cause = with_start_from(cause, "sandbox.started", &updated)?;
         let updated = sandbox_from(&updated)?;
-        insert_event(&mut tx, id, SandboxStatus::Running, None, at).await?;
+        insert_event(
+            &mut tx,
+            id,
+            &updated.account_id,
+            SandboxStatus::Running,
+            "sandbox.started",
+            None,
+            &cause,
+            at,
+        )
+        .await?;
         tx.commit().await?;
         Ok(Some(updated))
     }
@@ -528,6 +569,7 @@ impl Store {
         reason: &str,
         ended_at: OffsetDateTime,
         charge_micros: i64,
+        cause: &Cause,
     ) -> Result<Option<SandboxRow>> {
         if !end_status.is_ended() {
             return Err(StoreError::Invalid(format!(
@@ -538,7 +580,16 @@ impl Store {
         let Some(row) = sandbox_in(&mut tx, id).await? else {
             return Err(StoreError::NotFound(format!("sandbox {id}")));
         };
-        let updated = finish_in(&mut tx, &row, end_status, reason, ended_at, charge_micros).await?;
+        let updated = finish_in(
+            &mut tx,
+            &row,
+            end_status,
+            reason,
+            ended_at,
+            charge_micros,
+            cause,
+        )
+        .await?;
         tx.commit().await?;
         Ok(updated)
     }
@@ -728,43 +779,18 @@ impl Store {
         at.as_deref().map(parse_ts).transpose()
     }
 
-    /// Add to a live sandbox's history something that happened to it
-    /// without changing its status (a full host disk stopped its VM, and
-    /// the VM going on again), under the status it has now. Returns whether
-    /// the sandbox was live (nothing is added to an ended one's).
-    pub async fn note_event(&self, sandbox_id: &str, reason: &str) -> Result<bool> {
-        let mut tx = self.pool.begin().await?;
-        let status: Option<String> = sqlx::query_scalar(concat!(
-            "SELECT status FROM sandboxes WHERE id = $1 AND status IN ",
-            live_statuses!(),
-        ))
-        .bind(sandbox_id)
-        .fetch_optional(&mut *tx)
-        .await?;
-        let Some(status) = status.as_deref().map(SandboxStatus::stored).transpose()? else {
-            return Ok(false);
-        };
-        insert_event(
-            &mut tx,
-            sandbox_id,
-            status,
-            Some(reason),
-            OffsetDateTime::now_utc(),
-        )
-        .await?;
-        tx.commit().await?;
-        Ok(true)
-    }
-
     /// A sandbox's status history, oldest first.
     pub async fn events(&self, sandbox_id: &str) -> Result<Vec<EventRow>> {
-        sqlx::query("SELECT * FROM sandbox_events WHERE sandbox_id = $1 ORDER BY id")
-            .bind(sandbox_id)
-            .fetch_all(&self.pool)
-            .await?
-            .iter()
-            .map(event_from)
-            .collect()
+        sqlx::query(
+            "SELECT e.*, s.size FROM sandbox_events e JOIN sandboxes s ON s.id = e.sandbox_id \
+             WHERE e.sandbox_id = $1 ORDER BY e.id",
+        )
+        .bind(sandbox_id)
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(event_from)
+        .collect()
     }
 
     /// The account's sandboxes created at or after `since`, or alive at or
@@ -947,23 +973,22 @@ impl Store {
     }
 }
 
-async fn insert_event(
-    tx: &mut Transaction<'static, Any>,
-    sandbox_id: &str,
-    status: SandboxStatus,
-    reason: Option<&str>,
-    at: OffsetDateTime,
-) -> Result<()> {
-    sqlx::query(
-        "INSERT INTO sandbox_events (sandbox_id, status, reason, at) VALUES ($1, $2, $3, $4)",
-    )
-    .bind(sandbox_id)
-    .bind(status.as_str())
-    .bind(reason)
-    .bind(format_ts(at))
-    .execute(&mut **tx)
-    .await?;
-    Ok(())
+/// A `started` event's detail on PostgreSQL, in SQL over the updated row
+/// `u` and the statement's `$5` (kind) and `$7` (the cause's detail): how
+/// its VM started (`sandboxes.start_from`, one of a few plain words).
+const START_FROM_DETAIL: &str = "CASE WHEN $5 = 'sandbox.started' AND start_from IS NOT NULL \
+     THEN '{\"from\":\"' || start_from || '\"}' ELSE $7 END";
+
+/// The cause of a `started` event with how its VM started (the updated
+/// row's `start_from`); any other event's cause as it is.
+fn with_start_from(cause: &Cause, kind: &str, updated: &AnyRow) -> Result<Cause> {
+    let mut cause = cause.clone();
+    if kind == "sandbox.started" {
+        if let Some(from) = get_opt_str(updated, "start_from")? {
+            cause.detail.insert("from".into(), from.into());
+        }
+    }
+    Ok(cause)
 }
 
 async fn insert_ledger(
