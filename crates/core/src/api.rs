@@ -852,33 +852,6 @@ pub fn api_key_from_headers(
     Err(CoreError::unauthorized())
 }
 
-#[cfg(test)]
-mod key_tests {
-    use super::api_key_from_headers as key;
-    use crate::ErrorType;
-
-    #[test]
-    fn keys_are_read_from_either_header_and_other_schemes_are_refused() {
-        assert_eq!(key(Some(b"Bearer sp_1"), None).unwrap(), "sp_1");
-        assert_eq!(key(Some(b"bearer   sp_1 "), None).unwrap(), "sp_1");
-        assert_eq!(key(None, Some(b" sp_2")).unwrap(), "sp_2");
-        let e = key(Some(b"Basic dXNlcjpwYXNz"), Some(b"sp_2")).unwrap_err();
-        assert_eq!(e.kind, ErrorType::Unauthorized);
-        assert!(
-            e.message.contains("unsupported Authorization scheme"),
-            "{e}"
-        );
-        for (a, x) in [
-            (Some(&b"Bearer "[..]), None),
-            (None, Some(&b"  "[..])),
-            (None, None),
-            (Some(&b"Bearer \xff"[..]), None),
-        ] {
-            assert_eq!(key(a, x).unwrap_err().kind, ErrorType::Unauthorized);
-        }
-    }
-}
-
 fn no_events() -> crate::error::CoreError {
     crate::error::CoreError::new(
         crate::error::ErrorType::InvalidRequest,
@@ -929,5 +902,32 @@ pub trait Events: Send + Sync {
         _delivery_id: &str,
     ) -> Result<WebhookDelivery> {
         Err(no_events())
+    }
+}
+
+#[cfg(test)]
+mod key_tests {
+    use super::api_key_from_headers as key;
+    use crate::ErrorType;
+
+    #[test]
+    fn keys_are_read_from_either_header_and_other_schemes_are_refused() {
+        assert_eq!(key(Some(b"Bearer sp_1"), None).unwrap(), "sp_1");
+        assert_eq!(key(Some(b"bearer   sp_1 "), None).unwrap(), "sp_1");
+        assert_eq!(key(None, Some(b" sp_2")).unwrap(), "sp_2");
+        let e = key(Some(b"Basic dXNlcjpwYXNz"), Some(b"sp_2")).unwrap_err();
+        assert_eq!(e.kind, ErrorType::Unauthorized);
+        assert!(
+            e.message.contains("unsupported Authorization scheme"),
+            "{e}"
+        );
+        for (a, x) in [
+            (Some(&b"Bearer "[..]), None),
+            (None, Some(&b"  "[..])),
+            (None, None),
+            (Some(&b"Bearer \xff"[..]), None),
+        ] {
+            assert_eq!(key(a, x).unwrap_err().kind, ErrorType::Unauthorized);
+        }
     }
 }

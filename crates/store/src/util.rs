@@ -98,6 +98,13 @@ pub(crate) fn get_opt_ts(row: &AnyRow, col: &str) -> Result<Option<OffsetDateTim
     get_opt_str(row, col)?.as_deref().map(parse_ts).transpose()
 }
 
+/// RFC 3339 UTC, as the API writes times.
+pub fn format_rfc3339(t: OffsetDateTime) -> String {
+    t.to_offset(UtcOffset::UTC)
+        .format(&time::format_description::well_known::Rfc3339)
+        .expect("a UTC timestamp formats as RFC 3339")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -129,11 +136,4 @@ mod tests {
         let t = now();
         assert_eq!(parse_ts(&format_ts(t)).unwrap(), t);
     }
-}
-
-/// RFC 3339 UTC, as the API writes times.
-pub fn format_rfc3339(t: OffsetDateTime) -> String {
-    t.to_offset(UtcOffset::UTC)
-        .format(&time::format_description::well_known::Rfc3339)
-        .expect("a UTC timestamp formats as RFC 3339")
 }

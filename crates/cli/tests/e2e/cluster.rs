@@ -458,6 +458,26 @@ fn a_silent_node_is_declared_lost_its_sandboxes_settled_once_and_it_is_fenced() 
         Err(sandpit_node::NodeError::StaleEpoch(_))
     ));
 
+    // Each lost sandbox's log tells its failure once, not once per
+    // replica that swept, naming the node and the replica that declared it.
+    rt().block_on(async {
+        for id in [&on_b, &frozen] {
+            let (st, log) = via_a.get(&format!("/sandboxes/{id}/events")).await;
+            assert_eq!(st, 200, "{log}");
+            let failed: Vec<&serde_json::Value> = log["data"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|e| e["type"] == "sandbox.failed")
+                .collect();
+            assert_eq!(failed.len(), 1, "{id}: {log}");
+            assert_eq!(failed[0]["detail"]["node"], "b", "{}", failed[0]);
+            let actor = failed[0]["actor"].as_str().unwrap();
+            assert!(actor.starts_with("replica "), "{actor}");
+            assert_eq!(log["data"].as_array().unwrap().last(), Some(failed[0]));
+        }
+    });
+
     rt().block_on(async {
         let store = Store::connect(&url).await.unwrap();
         let nodes = store.nodes().await.unwrap();

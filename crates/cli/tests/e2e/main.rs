@@ -21,6 +21,7 @@ mod connections;
 mod dashboard;
 mod doctor;
 mod e2b;
+mod events;
 mod idle;
 mod lifecycle;
 mod load;
