@@ -104,7 +104,7 @@ impl Server {
 }
 
 fn a() -> Caller {
-    Caller::new(ACCOUNT_A.into(), "test")
+    Caller::new(ACCOUNT_A, "test")
 }
 
 fn lines(s: &str) -> Vec<&str> {
