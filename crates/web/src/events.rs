@@ -250,15 +250,15 @@ pub(crate) fn table(events: &[Event], with_sandbox: bool) -> Markup {
             tbody {
                 @for e in events.iter().rev() {
                     tr id={ "event-" (e.id) } {
-                        td { (ago(&e.at)) }
-                        td { code { (e.kind) } }
+                        td class="when" { (ago(&e.at)) }
+                        td class="kind" { code { (e.kind) } }
                         @if with_sandbox {
-                            td { a href={ "/sandboxes/" (e.sandbox_id) } { (e.sandbox_id) } }
-                            td { (e.size) }
+                            td class="sandbox" { a href={ "/sandboxes/" (e.sandbox_id) } { (e.sandbox_id) } }
+                            td class="size" data-label="size" { (e.size) }
                         }
-                        td { span class={ "badge " (e.status) } { (e.status) } }
-                        td { (e.actor) }
-                        td {
+                        td class="status" { span class={ "badge " (e.status) } { (e.status) } }
+                        td class="by" data-label="by" { (e.actor) }
+                        td class="why" {
                             @if let Some(r) = &e.reason { span class="line" { (r) } }
                             @for (key, value) in &e.detail {
                                 span class="line muted small" { (key) ": " (detail_value(value)) }
@@ -343,7 +343,7 @@ mod tests {
         assert!(html.contains("from: pool"), "{html}");
         assert!(html.contains("forks: sbx_b, sbx_c"), "{html}");
         assert!(html.contains("href=\"/sandboxes/sbx_a\""), "{html}");
-        assert!(html.contains("<td>small</td>"), "{html}");
+        assert!(html.contains(">small</td>"), "{html}");
         // On the sandbox's own page, no sandbox or size column.
         let html = table(&events, false).into_string();
         assert!(!html.contains("href=\"/sandboxes/sbx_a\""), "{html}");

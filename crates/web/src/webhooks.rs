@@ -390,7 +390,7 @@ fn delivery(h: &Webhook, d: &WebhookDelivery, csrf: &str) -> Markup {
             form class="inline" method="post"
                 action={ "/webhooks/" (h.id) "/deliveries/" (d.id) "/redeliver" } {
                 input type="hidden" name="csrf" value=(csrf);
-                button type="submit" aria-label={ "Redeliver " (d.id) } { "Redeliver" }
+                button type="submit" class="small" aria-label={ "Redeliver " (d.id) } { "Redeliver" }
             }
         }
     }

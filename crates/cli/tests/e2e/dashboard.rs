@@ -5,7 +5,8 @@
 //! and open its link, type into the terminal and read its output from the
 //! page, pause, resume and snapshot, read the sandbox's events on its page
 //! and the Events page, be refused a webhook to a denied address (the form
-//! kept), find a template, read its build's
+//! kept), make one to a receiver here (its secret shown once) and see its
+//! deliveries and redeliver one, find a template, read its build's
 //! log, rebuild it and start a sandbox from it, make and revoke a key, read usage,
 //! add credit as an operator, sign out, sign up with an invitation (and be
 //! refused past the per-address limit), and never see another account's
@@ -20,15 +21,18 @@ use crate::common::serve::*;
 use fantoccini::Locator;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Sign-up by invitation, two an hour from one address; beside the test
 /// size `small`, two dearer ones that come first in the alphabet (the
-/// form once picked the first of them).
+/// form once picked the first of them); webhooks may reach this host's
+/// loopback address (a receiver in the test), nothing else private.
 const SIGNUP: &str =
     "[signup]\nmode = \"invite\"\nfree_credit_usd = 2.5\nper_address_per_hour = 2\n\
     [sizes.large]\nvcpus = 2\nmemory_mb = 1024\ndisk_gb = 4\nprice_usd_per_hour = 0.55\n\
-    [sizes.medium]\nvcpus = 2\nmemory_mb = 1024\ndisk_gb = 4\nprice_usd_per_hour = 0.28\n";
+    [sizes.medium]\nvcpus = 2\nmemory_mb = 1024\ndisk_gb = 4\nprice_usd_per_hour = 0.28\n\
+    [webhooks]\nallow = [\"127.0.0.1/32\"]\n";
 /// How long a page may take to say what it should (a create or a terminal
 /// under emulation on a busy host).
 const PATIENCE: Duration = Duration::from_secs(120);
@@ -212,6 +216,31 @@ async fn click_and_load(b: &Browser, name: &str) {
     }
 }
 
+/// A webhook receiver on the loopback: its URL, and the `webhook-id` of
+/// every POST it answered (204).
+async fn receiver() -> (String, Arc<Mutex<Vec<String>>>) {
+    let got = Arc::new(Mutex::new(Vec::new()));
+    let kept = got.clone();
+    let app = axum::Router::new().route(
+        "/hook",
+        axum::routing::post(move |headers: axum::http::HeaderMap| {
+            let kept = kept.clone();
+            async move {
+                let id = headers
+                    .get("webhook-id")
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or_default();
+                kept.lock().unwrap().push(id.to_string());
+                axum::http::StatusCode::NO_CONTENT
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/hook", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (url, got)
+}
+
 /// The event rows inside the element `arguments[0]` selects, newest
 /// first: each row's type and the sandbox it links to (none on a
 /// sandbox's own page).
@@ -284,6 +313,7 @@ async fn a_person_uses_the_dashboard_in_a_real_browser() {
     let url = server.url.clone();
     let admin_key = server.admin_key.clone().expect("the first start's key");
     let shots = Shots::new();
+    let (hook_url, hook_got) = receiver().await;
     let b = Browser::start().await;
 
     // Sign in: a wrong key is told so; the right one lands on the
@@ -609,7 +639,7 @@ async fn a_person_uses_the_dashboard_in_a_real_browser() {
     // saying why, the form as it was sent.
     click_and_load(&b, "Webhooks").await;
     b.wait_for_text("No webhooks yet", PATIENCE).await;
-    b.fill("URL", "http://127.0.0.1:9/hook").await;
+    b.fill("URL", "http://169.254.169.254/hook").await;
     b.fill("Description (optional)", "mine").await;
     b.execute("document.getElementById('event-paused').click()", vec![])
         .await;
@@ -621,7 +651,9 @@ async fn a_person_uses_the_dashboard_in_a_real_browser() {
         )
         .await;
     assert!(
-        refused.as_str().is_some_and(|e| e.contains("127.0.0.1")),
+        refused
+            .as_str()
+            .is_some_and(|e| e.contains("169.254.169.254")),
         "no refusal naming the address: {refused}\n{}",
         b.dump().await
     );
@@ -636,12 +668,56 @@ async fn a_person_uses_the_dashboard_in_a_real_browser() {
         .await;
     assert_eq!(
         kept,
-        json!(["http://127.0.0.1:9/hook", "mine", true, false]),
+        json!(["http://169.254.169.254/hook", "mine", true, false]),
         "the form as sent"
+    );
+    shots.take(&b, "webhooks-refused").await;
+    let (_, hooks) = rest_get(&url, &admin_key, "/webhooks").await;
+    assert_eq!(hooks["data"], json!([]), "{hooks}");
+
+    // One to the receiver here, for every event ("All events" ticked again
+    // unticks the types): made, its secret shown this once, then listed
+    // without it.
+    b.fill("URL", &hook_url).await;
+    b.fill("Description (optional)", "the test's receiver")
+        .await;
+    b.execute("document.getElementById('events-all').click()", vec![])
+        .await;
+    let ticked = b
+        .execute(
+            "return [...document.querySelectorAll('input[type=checkbox]:checked')].map(c => c.id)",
+            vec![],
+        )
+        .await;
+    assert_eq!(ticked, json!(["events-all"]));
+    click_and_load(&b, "Create webhook").await;
+    b.wait_for_text("it is not shown again", PATIENCE).await;
+    let secret = b
+        .execute(
+            "return document.getElementById('webhook-secret').value",
+            vec![],
+        )
+        .await;
+    let secret = secret.as_str().unwrap().to_string();
+    assert!(secret.starts_with("whsec_"), "{secret}");
+    shots.take(&b, "webhook-created").await;
+    b.goto(&format!("{url}/webhooks")).await;
+    let listed = b.wait_for_text("Webhooks (1)", PATIENCE).await;
+    assert!(
+        listed.contains(&hook_url) && listed.contains("the test's receiver"),
+        "{listed}"
+    );
+    let html = b
+        .execute("return document.documentElement.outerHTML", vec![])
+        .await;
+    assert!(
+        !html.as_str().unwrap().contains(&secret),
+        "the secret shown again"
     );
     shots.take(&b, "webhooks").await;
     let (_, hooks) = rest_get(&url, &admin_key, "/webhooks").await;
-    assert_eq!(hooks["data"], json!([]), "{hooks}");
+    assert_eq!(hooks["data"][0]["events"], json!(["*"]), "{hooks}");
+    let hook = hooks["data"][0]["id"].as_str().unwrap().to_string();
 
     b.goto(&format!("{url}/sandboxes")).await;
     b.wait_for_text("Live (1)", PATIENCE).await;
@@ -693,6 +769,66 @@ async fn a_person_uses_the_dashboard_in_a_real_browser() {
         ended.matches("destroyed").count() == 3 && ended.contains("demo"),
         "{ended}"
     );
+
+    // The webhook got what happened since it was made (a snapshot, a
+    // create, a fork, the ends…): its page shows each delivery with its
+    // attempt; one sent again from the page has a second.
+    let page = format!("{url}/webhooks/{hook}");
+    let deadline = std::time::Instant::now() + PATIENCE;
+    let delivered = loop {
+        b.goto(&page).await;
+        let first = b
+            .execute(
+                "const d = document.querySelector('.delivery:has(.badge.delivered)'); \
+                 return d ? d.id.replace('delivery-', '') : null",
+                vec![],
+            )
+            .await;
+        if let Some(first) = first.as_str() {
+            break first.to_string();
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no delivery delivered\n{}",
+            b.dump().await
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    let text = b.text().await;
+    assert!(text.contains("HTTP 204"), "{text}");
+    assert!(
+        hook_got.lock().unwrap().contains(&delivered),
+        "the receiver did not get {delivered}"
+    );
+    click_and_load(&b, &format!("Redeliver {delivered}")).await;
+    let attempts = format!("#delivery-{delivered} ol.attempts li");
+    let deadline = std::time::Instant::now() + PATIENCE;
+    loop {
+        b.goto(&page).await;
+        let n = b
+            .execute(
+                "return document.querySelectorAll(arguments[0]).length",
+                vec![json!(attempts)],
+            )
+            .await;
+        if n.as_u64() >= Some(2) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no second attempt of {delivered}\n{}",
+            b.dump().await
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let got = hook_got.lock().unwrap().clone();
+    assert_eq!(
+        got.iter().filter(|id| **id == delivered).count(),
+        2,
+        "{got:?}"
+    );
+    shots.take(&b, "webhook").await;
+
     b.goto(&format!("{url}/snapshots")).await;
     while b.text().await.contains("Delete") {
         click_and_load(&b, "Delete").await;
