@@ -17,7 +17,7 @@ use std::sync::Arc;
 /// Start the server on one end of a duplex pipe; return the other end.
 fn start(api: Arc<Fake>) -> tokio::io::DuplexStream {
     let (server_end, client_end) = tokio::io::duplex(1 << 20);
-    let caller = Caller::new(ACCOUNT.into(), "test");
+    let caller = Caller::new(ACCOUNT, "test");
     let api: Arc<dyn SandboxApi> = api;
     tokio::spawn(async move {
         let (r, w) = tokio::io::split(server_end);
@@ -608,7 +608,7 @@ async fn snapshot_tools_pass_their_arguments_and_report_what_to_do() {
     .await);
     assert!(m.starts_with("invalid_request: count"), "{m}");
     // Not this account's (or no such) snapshot: where to look.
-    let theirs = Caller::new(sandpit_fake::ACCOUNT_B.into(), "test");
+    let theirs = Caller::new(sandpit_fake::ACCOUNT_B, "test");
     let other = api.add_sandbox(sandpit_fake::ACCOUNT_B, "sbx_theirs");
     let (their_snap, _) = api
         .snapshot_sandbox(&theirs, &other.id, Default::default(), None)
