@@ -57,7 +57,7 @@ struct Receiver {
 
 impl Receiver {
     fn start(host: &TestHost, secret: &str, out: &Path) -> Receiver {
-        let child = Command::new("ip")
+        let mut child = Command::new("ip")
             .args(["netns", "exec", &host.ns, "python3", "-c", RECEIVER_PY])
             .args([RECEIVER, &PORT.to_string(), secret])
             .arg(out)
@@ -70,6 +70,8 @@ impl Receiver {
             }
             std::thread::sleep(Duration::from_millis(100));
         }
+        let _ = child.kill();
+        let _ = child.wait();
         panic!("the webhook receiver did not start");
     }
 
