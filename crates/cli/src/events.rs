@@ -203,6 +203,7 @@ pub(crate) mod tests {
                 [t0, "sandbox.created", &one, "api key", "-"],
                 [t0, "sandbox.started", &one, "api key", "-"],
                 [t0, "sandbox.paused", &one, "api key", "-"],
+                [t0, "sandbox.destroying", &one, "api key", "-"],
                 [t0, "sandbox.killed", &one, "api key", "destroyed"],
                 [t0, "sandbox.created", &two, "api key", "-"],
                 [t0, "sandbox.started", &two, "api key", "-"],
@@ -213,7 +214,7 @@ pub(crate) mod tests {
         let theirs = printed(&api, &me, &["--sandbox", &two]).await;
         assert_eq!(
             theirs.lines().collect::<Vec<_>>(),
-            &all.lines().collect::<Vec<_>>()[4..]
+            &all.lines().collect::<Vec<_>>()[5..]
         );
         let page = printed(&api, &me, &["--limit", "2", "--json"]).await;
         let page: serde_json::Value = serde_json::from_str(&page).unwrap();

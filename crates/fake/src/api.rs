@@ -196,7 +196,11 @@ impl Sandboxes for Fake {
                 started.insert("from".into(), "cold".into());
             }
         }
-        st.record(caller, &s, "sandbox.created", None, created);
+        let provisioning = Sandbox {
+            status: SandboxStatus::Provisioning,
+            ..s.clone()
+        };
+        st.record(caller, &provisioning, "sandbox.created", None, created);
         st.record(caller, &s, "sandbox.started", None, started);
         if let Some(key) = idempotency_key {
             st.idempotency
@@ -302,17 +306,15 @@ impl Sandboxes for Fake {
         if !s.status.is_live() {
             return Ok(s.clone());
         }
+        s.status = SandboxStatus::Deleting;
+        let deleting = s.clone();
         s.status = SandboxStatus::Deleted;
         s.deleted_at = Some(T0.into());
         s.deleted_reason = Some("destroyed".into());
         let s = s.clone();
-        st.record(
-            caller,
-            &s,
-            "sandbox.killed",
-            Some("destroyed"),
-            Detail::new(),
-        );
+        let none = Detail::new;
+        st.record(caller, &deleting, "sandbox.destroying", None, none());
+        st.record(caller, &s, "sandbox.killed", Some("destroyed"), none());
         Ok(s)
     }
 
@@ -1046,22 +1048,22 @@ impl Events for Fake {
                 "limit must be between 1 and {MAX_EVENTS}, not {limit}"
             )));
         }
+        let from = match q.after.as_deref().map(str::trim) {
+            None | Some("") => 0,
+            Some(c) => c.parse::<usize>().map_err(|_| {
+                CoreError::invalid(format!(
+                    "after {c:?} is not a cursor (an event's `cursor`, or a list's `next_cursor`)"
+                ))
+            })?,
+        };
         let mut st = self.state.lock().unwrap();
         if let Some(id) = &q.sandbox_id {
             st.held(caller, id)?;
         }
-        let from = match &q.after {
-            None => 0,
-            Some(c) => c
-                .parse::<usize>()
-                .ok()
-                .filter(|n| *n <= st.events.len())
-                .ok_or_else(|| CoreError::invalid(format!("after {c:?} is not an event cursor")))?,
-        };
         let theirs = |(a, e): &&(String, Event)| {
             *a == caller.account_id && q.sandbox_id.as_ref().is_none_or(|id| e.sandbox_id == *id)
         };
-        let mut data: Vec<Event> = st.events[from..]
+        let mut data: Vec<Event> = st.events[from.min(st.events.len())..]
             .iter()
             .filter(theirs)
             .take(limit as usize + 1)
@@ -1069,8 +1071,11 @@ impl Events for Fake {
             .collect();
         let has_more = data.len() > limit as usize;
         data.truncate(limit as usize);
-        let next = data.last().map(|e| e.cursor.clone()).or(q.after);
-        Ok(List::new(data, has_more, next))
+        let next = data
+            .last()
+            .map(|e| e.cursor.clone())
+            .unwrap_or_else(|| from.to_string());
+        Ok(List::new(data, has_more, Some(next)))
     }
 
     async fn create_webhook(&self, caller: &Caller, req: CreateWebhook) -> Result<Webhook> {
@@ -1137,8 +1142,10 @@ impl Events for Fake {
         page_limit(q.limit)?;
         let st = self.state.lock().unwrap();
         webhook_at(&st, caller, webhook_id)?;
-        // Nothing is delivered: no delivery is one to list after.
-        if let Some(c) = &q.starting_after {
+        // A delivery's id is its event's; nothing is delivered here, so
+        // nothing is older than one.
+        let starting_after = q.starting_after.as_deref();
+        if let Some(c) = starting_after.filter(|c| !c.starts_with("evt_")) {
             return Err(unknown_cursor("delivery", c));
         }
         Ok(List::new(Vec::new(), false, None))
@@ -1165,31 +1172,47 @@ impl Events for Fake {
 const DEFAULT_EVENTS: u32 = 100;
 const MAX_EVENTS: u32 = 500;
 
-/// The event types a new webhook gets, checked as the service checks them:
-/// its URL http or https, each type one of [`EVENT_TYPES`] or `*`; none,
-/// or `*` among them, is `["*"]`.
+/// The event types a new webhook gets, checked as the service checks them
+/// (its URL http or https with a host and no credentials, each type one
+/// of [`EVENT_TYPES`], a description of at most 500 bytes); none, or `*`
+/// among them, is `["*"]`.
 fn webhook_events(req: &CreateWebhook) -> Result<Vec<String>> {
-    let url = req.url.to_ascii_lowercase();
-    let rest = url
-        .strip_prefix("https://")
-        .or_else(|| url.strip_prefix("http://"));
-    if !rest.is_some_and(|r| !r.is_empty() && !r.starts_with(['/', '?', '#'])) {
+    let url = req.url.trim();
+    let lower = url.to_ascii_lowercase();
+    let Some((scheme, rest)) = lower.split_once("://") else {
+        return Err(CoreError::invalid(format!("url {url:?} is not a URL")));
+    };
+    if !matches!(scheme, "http" | "https") {
         return Err(CoreError::invalid(format!(
-            "url {:?} is not an http:// or https:// URL with a host",
-            req.url
+            "url {url:?}: a webhook is http:// or https://, not {scheme}://"
         )));
     }
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+    if authority.contains('@') {
+        return Err(CoreError::invalid(format!(
+            "url {url:?} carries credentials; a webhook's deliveries are signed instead"
+        )));
+    }
+    if authority.split(':').next().unwrap_or_default().is_empty() {
+        return Err(CoreError::invalid(format!("url {url:?} names no host")));
+    }
+    if url.len() > 2048 {
+        return Err(CoreError::invalid("url is longer than 2048 bytes"));
+    }
     let mut events: Vec<String> = Vec::new();
-    for e in &req.events {
-        if e != "*" && !EVENT_TYPES.contains(&e.as_str()) {
+    for kind in req.events.iter().map(|e| e.trim()) {
+        if kind != "*" && !EVENT_TYPES.contains(&kind) {
             return Err(CoreError::invalid(format!(
-                "unknown event type {e:?}: one of {}, or \"*\" for all",
+                "event type {kind:?} is not one of {} (or \"*\")",
                 EVENT_TYPES.join(", ")
             )));
         }
-        if !events.contains(e) {
-            events.push(e.clone());
+        if !events.iter().any(|e| e == kind) {
+            events.push(kind.to_owned());
         }
+    }
+    if req.description.as_ref().is_some_and(|d| d.len() > 500) {
+        return Err(CoreError::invalid("description is longer than 500 bytes"));
     }
     if events.is_empty() || events.iter().any(|e| e == "*") {
         events = vec!["*".into()];

@@ -37,14 +37,14 @@
 //!   `sandbox.created` and `sandbox.started` (`from`: `cold` or
 //!   `snapshot`) for a create, `sandbox.paused`, `sandbox.resumed` (a
 //!   paused sandbox resumed by any call that needs it too), and
-//!   `sandbox.killed` (`destroyed`) for a destroy; each names its caller's
-//!   actor. Their cursors count up from `1`; `list_events` pages them as
-//!   the service does (after a cursor, `limit` 1..500, `next_cursor` always
-//!   set once there is one).
+//!   `sandbox.destroying` then `sandbox.killed` (`destroyed`) for a
+//!   destroy; each names its caller's actor. Their cursors count up from
+//!   `1`; `list_events` pages them as the service does (after a cursor,
+//!   `limit` 1..500, `next_cursor` always set: `0` before any).
 //! * Webhooks kept as the service keeps them, checked as it checks them
-//!   (http or https; each event type one of [`EVENT_TYPES`] or `*`), with a
-//!   `whsec_` secret shown by the create only; nothing is ever delivered,
-//!   so a webhook has no deliveries to list or send again.
+//!   (http or https with a host; each event type one of [`EVENT_TYPES`] or
+//!   `*`), with a `whsec_` secret shown by the create only; nothing is
+//!   ever delivered, so a webhook has no deliveries to list or send again.
 //! * The service's default configuration ([`ServiceConfig::default`]) with
 //!   preview URLs `https://{port}-{id}.sandpit.test`; change it with
 //!   [`Fake::configure`] (`service_info`'s limits follow it).

@@ -85,6 +85,7 @@ async fn a_sandboxs_life_is_listed_as_events_paged_by_cursor() {
             "sandbox.started",
             "sandbox.paused",
             "sandbox.resumed",
+            "sandbox.destroying",
             "sandbox.killed"
         ]
     );
@@ -94,9 +95,12 @@ async fn a_sandboxs_life_is_listed_as_events_paged_by_cursor() {
         assert_eq!(e.actor, "api key");
         assert!(EVENT_TYPES.contains(&e.kind.as_str()));
     }
+    assert_eq!(all.data[0].status, "provisioning");
     assert_eq!(all.data[1].detail["from"], "cold");
+    assert_eq!(all.data[1].status, "running");
     assert_eq!(all.data[2].status, "paused");
-    let killed = &all.data[4];
+    assert_eq!(all.data[4].status, "deleting");
+    let killed = &all.data[5];
     assert_eq!(
         (killed.status.as_str(), killed.reason.as_deref()),
         ("deleted", Some("destroyed"))
@@ -171,6 +175,10 @@ async fn a_sandboxs_life_is_listed_as_events_paged_by_cursor() {
 #[tokio::test]
 async fn bad_event_queries_are_refused_saying_why() {
     let s = Server::start().await;
+    // Before any event, the cursor to poll with is the log's start.
+    let none = events(&s, "").await;
+    assert!(none.data.is_empty() && !none.has_more);
+    assert_eq!(none.next_cursor.as_deref(), Some("0"));
     let sbx = s.create().await;
     for (path, why) in [
         ("/events?limit=0".to_string(), "limit"),
@@ -188,6 +196,10 @@ async fn bad_event_queries_are_refused_saying_why() {
         let e = expect_error(r, 400, ErrorType::InvalidRequest).await;
         assert!(e.error.message.contains(why), "{path}: {}", e.error.message);
     }
+    // A cursor past the last event lists nothing, and gives it back.
+    let later = events(&s, "?after=99").await;
+    assert!(later.data.is_empty());
+    assert_eq!(later.next_cursor.as_deref(), Some("99"));
     let r = s
         .a(Method::GET, "/sandboxes/sbx_none/events")
         .send()
@@ -335,7 +347,12 @@ async fn bad_webhooks_are_refused_saying_why() {
         ),
         (json!({"url": "ftp://h.example/x"}), "ftp://h.example/x"),
         (json!({"url": "h.example/x"}), "h.example/x"),
-        (json!({"url": "https://"}), "https://"),
+        (json!({"url": "https://"}), "names no host"),
+        (json!({"url": "https://user:pw@h.example/x"}), "credentials"),
+        (
+            json!({"url": "https://h.example/x", "description": "d".repeat(501)}),
+            "description",
+        ),
         (
             json!({"url": "https://h.example", "secret": "mine"}),
             "`secret`",
