@@ -2797,22 +2797,24 @@ async fn a_paused_sandbox_stays_live_and_adds_up_its_paused_time(store: Store) {
         again.paused_seconds_until(again.paused_at.unwrap() + Duration::seconds(5)),
         running.paused_seconds + 5
     );
-    // The history says so.
+    // The history says so (the extension while paused is an event of its
+    // own, the sandbox still paused).
     let events: Vec<_> = store
         .events(&sbx.id)
         .await
         .unwrap()
         .into_iter()
-        .map(|e| e.status)
+        .map(|e| (e.status, e.kind))
         .collect();
     assert_eq!(
         events,
         [
-            SandboxStatus::Provisioning,
-            SandboxStatus::Running,
-            SandboxStatus::Paused,
-            SandboxStatus::Running,
-            SandboxStatus::Paused
+            (SandboxStatus::Provisioning, "sandbox.created".to_string()),
+            (SandboxStatus::Running, "sandbox.started".to_string()),
+            (SandboxStatus::Paused, "sandbox.paused".to_string()),
+            (SandboxStatus::Paused, "sandbox.extended".to_string()),
+            (SandboxStatus::Running, "sandbox.resumed".to_string()),
+            (SandboxStatus::Paused, "sandbox.paused".to_string()),
         ]
     );
     // It ends like any other, its pause time kept for the bill.
