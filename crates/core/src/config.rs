@@ -217,7 +217,7 @@ pub struct WebhooksConfig {
 impl Default for WebhooksConfig {
     fn default() -> Self {
         WebhooksConfig {
-            deny: WEBHOOK_DEFAULT_DENY.iter().map(|s| s.to_string()).collect(),
+            deny: webhook_default_deny(),
             allow: Vec::new(),
             timeout_secs: 10,
             max_per_account: 20,
@@ -227,19 +227,19 @@ impl Default for WebhooksConfig {
 }
 
 /// What no webhook delivery reaches unless the operator allows it: the
-/// guests' default deny list and the IPv6 ranges of the same kinds.
-pub const WEBHOOK_DEFAULT_DENY: &[&str] = &[
-    "0.0.0.0/8",
-    "10.0.0.0/8",
-    "100.64.0.0/10",
-    "127.0.0.0/8",
-    "168.63.129.16/32",
-    "169.254.0.0/16",
-    "172.16.0.0/12",
-    "192.0.0.0/24",
-    "192.168.0.0/16",
-    "224.0.0.0/4",
-    "240.0.0.0/4",
+/// guests' default deny list (`sandpit_runtime`'s) and the IPv6 ranges of
+/// the same kinds.
+pub fn webhook_default_deny() -> Vec<String> {
+    sandpit_runtime::config::DEFAULT_DENY
+        .iter()
+        .chain(WEBHOOK_IPV6_DENY)
+        .map(|s| s.to_string())
+        .collect()
+}
+
+/// IPv6's unspecified, loopback, IPv4-mapped, NAT64, unique local,
+/// link-local and multicast ranges.
+const WEBHOOK_IPV6_DENY: &[&str] = &[
     "::/128",
     "::1/128",
     "::ffff:0:0/96",

@@ -488,10 +488,7 @@ impl Settings {
             service.webhooks = w.clone();
         }
         let mut deny: Vec<String> = match default_deny {
-            true => sandpit_core::config::WEBHOOK_DEFAULT_DENY
-                .iter()
-                .map(|s| s.to_string())
-                .collect(),
+            true => sandpit_core::config::webhook_default_deny(),
             false => Vec::new(),
         };
         for d in &rt.network.deny {
