@@ -7,7 +7,12 @@
 //! hands it to the service (`ServiceConfig::commit`).
 //!
 //! A build outside a Git checkout (a source tarball, a package build) takes
-//! `SANDPIT_COMMIT` from its environment, or says `unknown`.
+//! `SANDPIT_COMMIT` from its environment, or says `unknown`. Such a build
+//! watches where the checkout's `.git` would be: cargo names a path
+//! package's build-script run by its path inside the workspace, so a copy
+//! of the tree without `.git` that shares a target directory with a
+//! checkout would otherwise leave `unknown` there for the checkout's builds
+//! (its output watching nothing but `SANDPIT_COMMIT`).
 
 use std::path::Path;
 use std::process::Command;
@@ -29,6 +34,20 @@ fn main() {
         .or_else(|| git(&["rev-parse", "--short=12", "HEAD"]))
         .unwrap_or_else(|| "unknown".into());
     println!("cargo:rustc-env=SANDPIT_COMMIT={commit}");
+    if commit == "unknown" {
+        // By its absolute path, outside this package (which cargo keeps as
+        // it is, where it would keep one inside relative): while it is
+        // missing, cargo runs this script again at every build (cheap), in
+        // this tree and in any checkout that reuses this run's output.
+        let manifest = std::env::var("CARGO_MANIFEST_DIR").unwrap_or_default();
+        if let Some(workspace) = Path::new(&manifest).parent().and_then(Path::parent) {
+            println!(
+                "cargo:rerun-if-changed={}",
+                workspace.join(".git").display()
+            );
+        }
+        return;
+    }
     // Build again when HEAD moves: HEAD itself (a checkout), the branch it
     // names (a commit) and the packed refs (a gc). A path that does not
     // exist would make Cargo run this every time: only those that do.
