@@ -9,6 +9,7 @@
 
 mod doctor;
 mod events;
+mod nodes;
 mod operator;
 mod sandbox;
 mod secret;
@@ -108,8 +109,9 @@ enum Command {
     /// MCP over stdio: VMs on this machine for a local account, or --remote
     Mcp(serve::McpArgs),
     /// Run this machine's VMs for a cluster on PostgreSQL (no public API:
-    /// `serve --no-vms` replicas reach them over mutual TLS)
-    Node(serve::NodeArgs),
+    /// `serve --no-vms` replicas reach them over mutual TLS); or drain,
+    /// undrain and list the cluster's nodes
+    Node(NodeCli),
     /// Accounts of the control plane in the data directory
     Account {
         #[command(subcommand)]
@@ -147,6 +149,17 @@ enum Command {
     /// Measure create, exec and file-transfer speed and idle memory; print
     /// medians (`bench load`: many MCP clients against a running server)
     Bench(sandpit_bench::BenchArgs),
+}
+
+/// `sandpit node` runs a node; `sandpit node drain|undrain|list` acts on
+/// the cluster's nodes.
+#[derive(clap::Args)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
+struct NodeCli {
+    #[command(subcommand)]
+    command: Option<nodes::NodeCommand>,
+    #[command(flatten)]
+    run: Option<serve::NodeArgs>,
 }
 
 #[derive(Subcommand)]
@@ -224,7 +237,17 @@ async fn run(cli: Cli) -> Result<i32> {
         Command::Webhook { command } => webhook::run(command).await,
         Command::Serve(a) => serve::serve(&settings, a).await,
         Command::Mcp(a) => serve::mcp(&settings, a).await,
-        Command::Node(a) => serve::node(&settings, a).await,
+        Command::Node(NodeCli {
+            command: Some(command),
+            ..
+        }) => nodes::run(&settings, command).await,
+        Command::Node(NodeCli {
+            run: Some(a),
+            command: None,
+        }) => serve::node(&settings, a).await,
+        Command::Node(_) => anyhow::bail!(
+            "sandpit node: give --listen and --cluster-dir to run a node, or drain, undrain, list"
+        ),
         Command::Account { command } => operator::account(&settings, command).await,
         Command::Key { command } => operator::key(&settings, command).await,
         Command::Credit { command } => operator::credit(&settings, command).await,

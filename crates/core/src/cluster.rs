@@ -292,6 +292,9 @@ impl Service {
                 if let Err(e) = svc.routes.refresh(svc.store()).await {
                     tracing::warn!("reading the cluster's nodes: {e}");
                 }
+                if let Err(e) = svc.drain_nodes().await {
+                    tracing::warn!("draining nodes: {e}");
+                }
             }
         });
         Ok(row.epoch)
@@ -547,6 +550,14 @@ impl Service {
             if !row.is_live() {
                 tracing::info!(id = %row.id, "removing the VM of a sandbox that ended elsewhere");
                 self.end_here(&row).await;
+            } else if row.host != self.config().host_name
+                && !row.is_moving(OffsetDateTime::now_utc())
+            {
+                // Moved to another node, which runs it: never two copies.
+                tracing::warn!(id = %row.id, host = %row.host, "removing the VM of a sandbox now on another node");
+                if let Err(e) = vms.destroy(&row.id).await {
+                    tracing::warn!(id = %row.id, "removing it: {e}");
+                }
             } else if vms
                 .manager()
                 .expiry(&row.id)

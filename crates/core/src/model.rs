@@ -1078,7 +1078,8 @@ pub struct Event {
     /// `restored`, and a sandbox `created` from a snapshot; `forks` for
     /// `forked` and `forked_from` for a fork's `created`; `expires_at` and
     /// `timeout_minutes` for `extended` and `shortened`; `node` for a
-    /// failure because its node was lost.
+    /// failure because its node was lost; `from`, `to`, `bytes` (what was
+    /// carried) and `cut` (the connections closed) for `moved`.
     pub detail: serde_json::Map<String, serde_json::Value>,
     /// RFC 3339 UTC.
     pub at: String,
@@ -1095,6 +1096,7 @@ pub const EVENT_TYPES: &[&str] = &[
     "sandbox.restored",
     "sandbox.extended",
     "sandbox.shortened",
+    "sandbox.moved",
     "sandbox.noted",
     "sandbox.destroying",
     "sandbox.killed",

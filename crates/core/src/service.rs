@@ -51,6 +51,7 @@ mod files;
 mod gauges;
 mod idle;
 mod lifecycle;
+mod moves;
 mod network;
 mod pause;
 mod ports;
@@ -130,6 +131,9 @@ pub struct Service {
     /// resume): a call that finds it gone meanwhile is told to retry, and
     /// does not fail the sandbox.
     restoring: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// Held by this member's drainer while it moves sandboxes away from
+    /// draining nodes (see `service/moves.rs`): one at a time.
+    draining: Arc<tokio::sync::Mutex<()>>,
     /// Templates being fetched to a node by this member, one at a time
     /// per node and layer (see [`fetch`]).
     fetching: Arc<sandpit_host::turns::Turns>,
@@ -208,6 +212,7 @@ impl Service {
             node_link: std::sync::OnceLock::new(),
             routes: Default::default(),
             restoring: Default::default(),
+            draining: Default::default(),
             fetching: Default::default(),
             activity: Arc::new(Activity::new(tracking)),
             readings: Default::default(),
@@ -398,6 +403,20 @@ impl Service {
                 self.activity.forget(id);
                 return Err(e);
             }
+        };
+        // A move under way: the call waits for it, then goes to the node
+        // the sandbox is on.
+        let row = if row.is_moving(time::OffsetDateTime::now_utc()) {
+            match self.after_move(row).await {
+                Ok(row) => row,
+                Err(e) => {
+                    drop(busy);
+                    self.activity.forget(id);
+                    return Err(e);
+                }
+            }
+        } else {
+            row
         };
         if row.status == SandboxStatus::Paused {
             return Ok((self.wake(&row, &caller.actor).await?, busy));

@@ -94,6 +94,7 @@ mod error;
 mod events;
 mod executions;
 mod key_spelling;
+mod moves;
 mod nodes;
 mod sandboxes;
 mod secrets;

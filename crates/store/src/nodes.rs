@@ -42,6 +42,10 @@ pub struct NodeRow {
     /// sure one create at most gets it, and the node hands the VM over when
     /// that create's start comes (see `sandpit_core::cluster`).
     pub warm: BTreeMap<String, Vec<String>>,
+    /// Being emptied by an operator (`sandpit node drain`): it takes no
+    /// new sandbox and its sandboxes are moved to other nodes. Kept across
+    /// its restarts, until it is put back in service.
+    pub draining: bool,
     /// The database's clock when this row was read.
     pub now_ms: i64,
 }
@@ -112,6 +116,7 @@ fn node_from(row: &AnyRow) -> Result<NodeRow> {
         lost_at_ms: row.try_get::<Option<i64>, _>("lost_at_ms")?,
         max_sandboxes: u32_of(row, "max_sandboxes")?,
         warm: warm_from(&get_str(row, "warm")?)?,
+        draining: get_i64(row, "draining")? != 0,
         now_ms: get_i64(row, "now_ms")?,
     })
 }
@@ -230,6 +235,7 @@ impl Store {
                 live_statuses!(),
                 ") AS live \
              FROM nodes WHERE state = 'up' AND lease_until_ms > {now} AND max_sandboxes > 0 \
+               AND draining = 0 \
              ORDER BY name"
             ),
             now = now_ms_sql(self.engine)

@@ -146,8 +146,9 @@ impl Service {
 
 /// Snapshot `save` of `source` carried to `target` as `copy`; once more
 /// when the target lost a part it said it held meanwhile. Returns what
-/// the copy takes there.
-async fn carry(
+/// the copy takes there. (A template's save, and a moved sandbox's paused
+/// VM: one way to carry both.)
+pub(super) async fn carry(
     source: Arc<dyn Machines>,
     save: String,
     target: Arc<dyn Machines>,

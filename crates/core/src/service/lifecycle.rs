@@ -858,6 +858,8 @@ mod tests {
             private_traffic: false,
             template_id: None,
             workdir: None,
+            moving_to: None,
+            moving_until: None,
         }
     }
 

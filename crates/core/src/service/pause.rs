@@ -94,7 +94,7 @@ impl Service {
 
     async fn wake_row(&self, id: &str, actor: &str) -> Result<SandboxRow> {
         let _turn = self.turns.take(id).await;
-        let row = self.current(id).await?;
+        let row = self.after_move(self.current(id).await?).await?;
         match row.status {
             SandboxStatus::Running => return Ok(row),
             SandboxStatus::Paused => {}

@@ -73,6 +73,16 @@ impl PreviewGate for Service {
             .await
             .map_err(unavailable)?
             .ok_or_else(|| PreviewError::NoSuchSandbox(id.to_string()))?;
+        // Its visitors wait for a move as its owner's calls do.
+        if row.is_moving(OffsetDateTime::now_utc()) {
+            row = self
+                .after_move(row)
+                .await
+                .map_err(|e| PreviewError::Unavailable {
+                    id: id.to_string(),
+                    message: e.message,
+                })?;
+        }
         // A paused sandbox resumes for its visitors as for its owner.
         if row.status == SandboxStatus::Paused {
             row = self

@@ -62,7 +62,12 @@ const VOLUME_SYNC_BOUND: Duration = Duration::from_secs(120);
 /// The saved state of a paused VM is the save named this, then its id.
 const PAUSED: &str = "paused-";
 
-fn paused_name(id: &str) -> String {
+/// The save that holds paused VM `id` on its node: what a move of the
+/// sandbox to another node carries there (as a snapshot is carried, see
+/// `Machines::send_snapshot`), and what [`Machines::resume`] starts from.
+///
+/// [`Machines::resume`]: crate::machines::Machines::resume
+pub fn paused_name(id: &str) -> String {
     format!("{PAUSED}{id}")
 }
 

@@ -229,7 +229,7 @@ fn insert_sql(postgres: bool, host_max: &str) -> String {
 /// count its places), and the sweep that would declare it lost waits for
 /// the sandbox to exist, and then settles it with the others. The
 /// account's first. `host_max` is `NULL` when the node is not up at that
-/// epoch within its lease. Its parameters are named by the caller.
+/// epoch within its lease, or is draining. Its parameters are named by the caller.
 fn lock_sql(engine: crate::Engine, account: &str, node: &str, epoch: &str) -> String {
     let lock = match engine {
         crate::Engine::Postgres => " FOR NO KEY UPDATE",
@@ -238,7 +238,7 @@ fn lock_sql(engine: crate::Engine, account: &str, node: &str, epoch: &str) -> St
     format!(
         "SELECT (SELECT 1 FROM accounts WHERE id = {account}{lock}) AS account, \
            (SELECT max_sandboxes FROM nodes WHERE name = {node} AND epoch = {epoch} \
-              AND state = 'up' AND lease_until_ms > {}{lock}) AS host_max",
+              AND state = 'up' AND draining = 0 AND lease_until_ms > {}{lock}) AS host_max",
         crate::nodes::now_ms_sql(engine)
     )
 }

@@ -70,9 +70,19 @@ pub struct SandboxRow {
     pub template_id: Option<String>,
     /// See [`NewSandbox::workdir`].
     pub workdir: Option<String>,
+    /// Being moved to this node (see [`Store::begin_move`]), by a member
+    /// that holds the move until `moving_until`.
+    pub moving_to: Option<String>,
+    pub moving_until: Option<OffsetDateTime>,
 }
 
 impl SandboxRow {
+    /// Whether a move of it is under way at `now` (one whose holder was
+    /// lost lapses; see [`Store::lapsed_moves`]).
+    pub fn is_moving(&self, now: OffsetDateTime) -> bool {
+        self.moving_until.is_some_and(|until| until > now)
+    }
+
     /// Seconds it has been paused in all, up to `until`.
     pub fn paused_seconds_until(&self, until: OffsetDateTime) -> u64 {
         let now = self
@@ -252,6 +262,8 @@ pub(crate) fn sandbox_from(row: &AnyRow) -> Result<SandboxRow> {
         private_traffic: get_i64(row, "private_traffic")? != 0,
         template_id: get_opt_str(row, "template_id")?,
         workdir: get_opt_str(row, "workdir")?,
+        moving_to: get_opt_str(row, "moving_to")?,
+        moving_until: get_opt_ts(row, "moving_until")?,
     })
 }
 
