@@ -318,7 +318,7 @@ shell up (SIGHUP to its session, as an ssh connection that drops). A sandbox has
 
 const EVENTS_DESCRIPTION: &str = "\
 Everything that happened to the account's sandboxes (created, started, paused, resumed, \
-snapshotted, forked, restored, extended, shortened, noted, destroying, killed, expired, \
+snapshotted, forked, restored, extended, shortened, moved, noted, destroying, killed, expired, \
 failed), oldest first, each written in the same transaction as the change itself. Each \
 event names who caused it (`actor`: the API key's prefix, `dashboard`, `the expiry`…) and \
 why (`reason`). Page with `after` (an event's `cursor`, or the previous page's \

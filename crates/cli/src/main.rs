@@ -159,7 +159,7 @@ struct NodeCli {
     #[command(subcommand)]
     command: Option<nodes::NodeCommand>,
     #[command(flatten)]
-    run: Option<serve::NodeArgs>,
+    run: serve::NodeArgs,
 }
 
 #[derive(Subcommand)]
@@ -241,13 +241,7 @@ async fn run(cli: Cli) -> Result<i32> {
             command: Some(command),
             ..
         }) => nodes::run(&settings, command).await,
-        Command::Node(NodeCli {
-            run: Some(a),
-            command: None,
-        }) => serve::node(&settings, a).await,
-        Command::Node(_) => anyhow::bail!(
-            "sandpit node: give --listen and --cluster-dir to run a node, or drain, undrain, list"
-        ),
+        Command::Node(NodeCli { run, command: None }) => serve::node(&settings, run).await,
         Command::Account { command } => operator::account(&settings, command).await,
         Command::Key { command } => operator::key(&settings, command).await,
         Command::Credit { command } => operator::credit(&settings, command).await,

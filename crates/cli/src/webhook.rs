@@ -24,7 +24,7 @@ pub enum WebhookCommand {
         /// An event type it gets (again for more): sandbox.created,
         /// sandbox.started, sandbox.paused, sandbox.resumed,
         /// sandbox.snapshotted, sandbox.forked, sandbox.restored,
-        /// sandbox.extended, sandbox.shortened, sandbox.noted,
+        /// sandbox.extended, sandbox.shortened, sandbox.moved, sandbox.noted,
         /// sandbox.destroying, sandbox.killed, sandbox.expired,
         /// sandbox.failed, or * for all [default: all]
         #[arg(long = "event", value_name = "TYPE")]

@@ -568,6 +568,28 @@ impl Service {
                 }
             }
         }
+        // The saves of paused VMs whose sandbox is another node's (a move
+        // that was cut before its switch left its copy; one after it left
+        // the source's) or ended: nothing here will resume them.
+        let now = OffsetDateTime::now_utc();
+        for id in vms.paused() {
+            let stray = match self.store().sandbox(&id).await? {
+                Some(row) => {
+                    !row.is_moving(now) && (!row.is_live() || row.host != self.config().host_name)
+                }
+                None => false,
+            };
+            if stray {
+                tracing::info!(%id, "removing the paused save of a sandbox not on this node");
+                if let Err(e) = vms
+                    .manager()
+                    .delete_saved(&sandpit_host::local::paused_name(&id))
+                    .await
+                {
+                    tracing::warn!(%id, "removing it: {e}");
+                }
+            }
+        }
         Ok(())
     }
 }

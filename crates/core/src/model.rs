@@ -1058,6 +1058,7 @@ pub struct Event {
     /// `sandbox.created`, `sandbox.started`, `sandbox.paused`,
     /// `sandbox.resumed`, `sandbox.snapshotted`, `sandbox.forked`,
     /// `sandbox.restored`, `sandbox.extended`, `sandbox.shortened`,
+    /// `sandbox.moved`,
     /// `sandbox.destroying`, `sandbox.killed`, `sandbox.expired`,
     /// `sandbox.failed` or `sandbox.noted` (see [`EVENT_TYPES`]).
     #[serde(rename = "type")]

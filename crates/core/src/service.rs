@@ -134,6 +134,10 @@ pub struct Service {
     /// Held by this member's drainer while it moves sandboxes away from
     /// draining nodes (see `service/moves.rs`): one at a time.
     draining: Arc<tokio::sync::Mutex<()>>,
+    /// Whether this member moves draining nodes' sandboxes: a control
+    /// plane does ([`Service::drain_for_the_cluster`]); a node alone does
+    /// not (it may not reach the others).
+    drains: std::sync::atomic::AtomicBool,
     /// Templates being fetched to a node by this member, one at a time
     /// per node and layer (see [`fetch`]).
     fetching: Arc<sandpit_host::turns::Turns>,
@@ -213,6 +217,7 @@ impl Service {
             routes: Default::default(),
             restoring: Default::default(),
             draining: Default::default(),
+            drains: Default::default(),
             fetching: Default::default(),
             activity: Arc::new(Activity::new(tracking)),
             readings: Default::default(),

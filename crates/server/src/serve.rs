@@ -53,8 +53,10 @@ pub struct ServeArgs {
 #[derive(Args)]
 pub struct NodeArgs {
     /// Serve the node API (mutual TLS) here, for the cluster's replicas
-    #[arg(long, value_name = "ADDR")]
-    listen: String,
+    // (Options that clap requires: `sandpit node drain` and its kin, a
+    // subcommand, lift the requirement.)
+    #[arg(long, value_name = "ADDR", required = true)]
+    listen: Option<String>,
     /// The address the other members reach the node API at [default: the
     /// address --listen bound]
     #[arg(long, value_name = "HOST:PORT")]
@@ -64,8 +66,8 @@ pub struct NodeArgs {
     name: Option<String>,
     /// Where this node's certificates are: DIR/ca.pem, DIR/NAME.pem,
     /// DIR/NAME.key (`sandpit cluster issue DIR NAME`)
-    #[arg(long, value_name = "DIR")]
-    cluster_dir: std::path::PathBuf,
+    #[arg(long, value_name = "DIR", required = true)]
+    cluster_dir: Option<std::path::PathBuf>,
     #[command(flatten)]
     metrics: crate::metrics::MetricsArgs,
 }
@@ -281,6 +283,9 @@ pub async fn serve(settings: &Settings, args: ServeArgs) -> Result<i32> {
     let svc = service(settings).await?;
     if let (Some(dir), Some(_)) = (&args.cluster_dir, &settings.database_url) {
         link_cluster(&svc, settings, dir)?;
+        // A control plane moves draining nodes' sandboxes (a node alone
+        // may not reach the others).
+        svc.drain_for_the_cluster();
     }
     let node_task = node_api.map(|api| spawn_node_api(&svc, api));
     let metrics = crate::metrics::start(
@@ -474,13 +479,16 @@ pub async fn node(settings: &Settings, args: NodeArgs) -> Result<i32> {
     if settings.database_url.is_none() {
         bail!("sandpit node runs a node of a cluster: give --database (its PostgreSQL)");
     }
+    let (Some(listen), Some(cluster_dir)) = (&args.listen, &args.cluster_dir) else {
+        bail!("sandpit node runs a node: give --listen and --cluster-dir");
+    };
     let mut settings = settings.clone();
     name_member(&mut settings, args.name)?;
     let api = bind_node_api(
         &mut settings,
-        &args.listen,
+        listen,
         args.advertise.as_deref(),
-        &args.cluster_dir,
+        cluster_dir,
     )
     .await?;
     let settings = &settings;
@@ -488,7 +496,7 @@ pub async fn node(settings: &Settings, args: NodeArgs) -> Result<i32> {
     let svc = service(settings).await?;
     // A destroy or an expiry it serves for its own sandboxes needs no link;
     // it has one anyway, as every member.
-    link_cluster(&svc, settings, &args.cluster_dir)?;
+    link_cluster(&svc, settings, cluster_dir)?;
     let task = spawn_node_api(&svc, api);
     crate::metrics::start(
         &svc,

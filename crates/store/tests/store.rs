@@ -77,6 +77,7 @@ on_both_engines!(
     a_held_volume_is_neither_resized_nor_deleted,
     events_are_logged_in_order_and_fan_out_to_webhooks_in_order,
     a_reader_paging_the_log_while_others_write_sees_every_event_once,
+    a_draining_nodes_sandboxes_move_once_and_never_both_move_and_fail,
 );
 
 /// A row lock held by a transaction that never ends (its process stopped
@@ -4225,5 +4226,236 @@ async fn a_reader_paging_the_log_while_others_write_sees_every_event_once(store:
         unique,
         all.iter().copied().collect::<HashSet<_>>(),
         "an event was passed"
+    );
+}
+
+async fn a_draining_nodes_sandboxes_move_once_and_never_both_move_and_fail(store: Store) {
+    use sandpit_store::{Cause, NewNode};
+    use std::time::Duration as StdDuration;
+    let node = |name: &str| NewNode {
+        name: name.into(),
+        address: format!("{name}.internal:7443"),
+        vcpus: 2,
+        memory_mb: 4096,
+        max_sandboxes: 10,
+    };
+    let lease = StdDuration::from_secs(60);
+    let a = store.register_node(&node("a"), lease).await.unwrap();
+    let b = store.register_node(&node("b"), lease).await.unwrap();
+    store.register_node(&node("c"), lease).await.unwrap();
+    let acct = store.create_account("mover", 100).await.unwrap();
+    store.add_credit(&acct.id, 1_000_000, None).await.unwrap();
+    let mut on_a = Vec::new();
+    for _ in 0..3 {
+        let mut n = sandbox(&acct.id, OffsetDateTime::now_utc(), 60, 1_000);
+        n.host = "a".into();
+        n.host_epoch = Some(a.epoch);
+        let row = created(store.create_sandbox(n).await.unwrap());
+        store
+            .set_status(&row.id, SandboxStatus::Running, None, &Cause::default())
+            .await
+            .unwrap();
+        on_a.push(row.id);
+    }
+
+    // Draining: a takes no new sandbox (placement skips it, and a create
+    // placed on it before it knew is refused in its transaction); the mark
+    // outlives a's restart; unknown nodes are said so.
+    let drained = store.set_node_draining("a", true).await.unwrap().unwrap();
+    assert!(drained.draining);
+    assert!(store
+        .set_node_draining("nope", true)
+        .await
+        .unwrap()
+        .is_none());
+    let names = |c: Vec<sandpit_store::Candidate>| -> Vec<String> {
+        c.into_iter().map(|c| c.node.name).collect()
+    };
+    assert_eq!(
+        names(store.placement_candidates().await.unwrap()),
+        ["b", "c"]
+    );
+    let mut n = sandbox(&acct.id, OffsetDateTime::now_utc(), 60, 1_000);
+    n.host = "a".into();
+    n.host_epoch = Some(a.epoch);
+    assert_eq!(
+        store.create_sandbox(n).await.unwrap(),
+        CreateOutcome::HostUnavailable
+    );
+    let a = store.register_node(&node("a"), lease).await.unwrap();
+    assert!(a.draining, "a restart keeps the drain");
+    assert_eq!(store.live_sandboxes_on("a").await.unwrap().len(), 3);
+
+    // A move is held by one member at a time.
+    let until = OffsetDateTime::now_utc() + Duration::minutes(10);
+    let first = &on_a[0];
+    let held = store
+        .begin_move(first, "a", "b", until)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(held.moving_to.as_deref(), Some("b"));
+    assert!(held.is_moving(OffsetDateTime::now_utc()));
+    assert!(store
+        .begin_move(first, "a", "c", until)
+        .await
+        .unwrap()
+        .is_none());
+    assert!(
+        store
+            .begin_move(first, "b", "c", until)
+            .await
+            .unwrap()
+            .is_none(),
+        "not on b"
+    );
+    assert!(store.begin_move(first, "a", "a", until).await.is_err());
+    // Finished only to where it was taken, and logged once.
+    let cause = Cause::by("drain of node a")
+        .with("from", "a")
+        .with("to", "b");
+    assert!(store
+        .finish_move(first, "a", "c", &cause)
+        .await
+        .unwrap()
+        .is_none());
+    let moved = store
+        .finish_move(first, "a", "b", &cause)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(moved.host, "b");
+    assert!(
+        moved.is_moving(OffsetDateTime::now_utc()),
+        "held until its VM runs there"
+    );
+    assert!(store
+        .finish_move(first, "a", "b", &cause)
+        .await
+        .unwrap()
+        .is_none());
+    store.end_move(first, "b").await.unwrap();
+    let now = store.sandbox(first).await.unwrap().unwrap();
+    assert_eq!(
+        (now.host.as_str(), now.moving_to, now.moving_until),
+        ("b", None, None)
+    );
+    let kinds: Vec<_> = store
+        .account_events(&acct.id, 0, 100, Some(first))
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|e| e.kind == "sandbox.moved")
+        .map(|e| (e.actor, serde_json::Value::Object(e.detail)))
+        .collect();
+    assert_eq!(kinds.len(), 1, "{kinds:?}");
+    assert_eq!(kinds[0].0, "drain of node a");
+    assert_eq!(kinds[0].1, serde_json::json!({"from": "a", "to": "b"}));
+
+    // A paused sandbox moves paused.
+    let second = &on_a[1];
+    store
+        .pause_sandbox(second, &Cause::default())
+        .await
+        .unwrap()
+        .unwrap();
+    store
+        .begin_move(second, "a", "c", until)
+        .await
+        .unwrap()
+        .unwrap();
+    let moved = store
+        .finish_move(second, "a", "c", &cause)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (moved.host.as_str(), moved.status),
+        ("c", SandboxStatus::Paused)
+    );
+    store.end_move(second, "c").await.unwrap();
+
+    // A move whose member was lost lapses, and one member takes it over.
+    let third = &on_a[2];
+    let past = OffsetDateTime::now_utc() - Duration::seconds(1);
+    store
+        .begin_move(third, "a", "b", past)
+        .await
+        .unwrap()
+        .unwrap();
+    let lapsed: Vec<_> = store
+        .lapsed_moves(OffsetDateTime::now_utc())
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+    assert_eq!(lapsed, [third.clone()]);
+    let takers: Vec<_> = (0..4)
+        .map(|_| {
+            let (store, id) = (store.clone(), third.clone());
+            tokio::spawn(async move { store.take_over_move(&id, until).await.unwrap() })
+        })
+        .collect();
+    let mut took = 0;
+    for t in takers {
+        took += usize::from(t.await.unwrap().is_some());
+    }
+    assert_eq!(took, 1, "one member takes a lapsed move over");
+    assert!(store
+        .lapsed_moves(OffsetDateTime::now_utc())
+        .await
+        .unwrap()
+        .is_empty());
+
+    // The source node lost mid-move: the sandbox fails with it, and the
+    // move cannot finish after (never both).
+    assert!(store
+        .renew_lease("a", a.epoch, StdDuration::ZERO, &Default::default())
+        .await
+        .unwrap());
+    assert!(store
+        .renew_lease("c", 1, lease, &Default::default())
+        .await
+        .unwrap());
+    tokio::time::sleep(StdDuration::from_millis(50)).await;
+    let lost = store
+        .declare_lost_nodes(StdDuration::ZERO, "c", |_, _| 0)
+        .await
+        .unwrap();
+    assert_eq!(lost.len(), 1);
+    assert_eq!(
+        lost[0]
+            .sandboxes
+            .iter()
+            .map(|r| r.id.clone())
+            .collect::<Vec<_>>(),
+        [third.clone()],
+        "the moved ones are b's and c's now"
+    );
+    assert!(store
+        .finish_move(third, "a", "b", &cause)
+        .await
+        .unwrap()
+        .is_none());
+    let third_now = store.sandbox(third).await.unwrap().unwrap();
+    assert_eq!(
+        (third_now.status, third_now.host.as_str()),
+        (SandboxStatus::Failed, "a")
+    );
+    for (id, host) in [(first, "b"), (second, "c")] {
+        let row = store.sandbox(id).await.unwrap().unwrap();
+        assert!(row.is_live(), "{id}");
+        assert_eq!(row.host, host);
+    }
+    // Back in service.
+    let _ = b;
+    assert!(
+        !store
+            .set_node_draining("a", false)
+            .await
+            .unwrap()
+            .unwrap()
+            .draining
     );
 }

@@ -257,8 +257,159 @@ fn three_nodes_and_two_replicas_survive_losing_any_of_them() {
         }
     });
 
+    // n2 drained: its sandbox moves to another node with its memory (a
+    // counter running on from where it was, its token the same), its file,
+    // its web server behind the same preview URL and its id; a command
+    // sent during the move waits for it and runs; n2 takes no new sandbox.
+    let web = web.clone();
+    let (token, before) = {
+        exec(
+            &via_b,
+            &web,
+            "cat > /tmp/counter.py <<'EOF'\nimport os, time\ntoken = os.urandom(8).hex()\nn = 0\nwhile True:\n    n += 1\n    with open('/tmp/count.tmp', 'w') as f:\n        f.write(f'{token} {n}')\n    os.replace('/tmp/count.tmp', '/tmp/count')\n    time.sleep(0.1)\nEOF\n(nohup python3 /tmp/counter.py >/dev/null 2>&1 &)",
+        );
+        wait_until("the counter counts", Duration::from_secs(30), || {
+            exec(&via_b, &web, "cat /tmp/count 2>/dev/null || true")["stdout"]
+                .as_str()
+                .is_some_and(|c| {
+                    c.split(' ')
+                        .nth(1)
+                        .is_some_and(|n| n.parse::<u64>().unwrap_or(0) > 5)
+                })
+        });
+        let count = exec(&via_b, &web, "cat /tmp/count")["stdout"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        let (token, n) = count.split_once(' ').unwrap();
+        (token.to_string(), n.parse::<u64>().unwrap())
+    };
+    let drained = a.admin(&["node", "drain", "n2", "--no-wait"]);
+    assert!(drained.contains("node n2 is draining"), "{drained}");
+    wait_until("n2's sandbox being moved", Duration::from_secs(30), || {
+        row(&url, &web).moving_to.is_some()
+    });
+    let during = exec(&via_b, &web, "cat /tmp/count");
+    let during = during["stdout"].as_str().unwrap();
+    assert!(during.starts_with(&format!("{token} ")), "{during}");
+    let moved_to = row(&url, &web).host;
+    assert_ne!(moved_to, "n2", "the command ran before the move");
+    let done = a.admin(&["node", "drain", "n2"]);
+    assert!(done.contains("node n2 is drained"), "{done}");
+    let after = exec(&via_b, &web, "sleep 1; cat /tmp/count")["stdout"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let (same_token, n) = after.split_once(' ').unwrap();
+    assert_eq!(same_token, token, "the counter started again: {after}");
+    assert!(n.parse::<u64>().unwrap() > before, "{after} after {before}");
+    rt().block_on(async {
+        use base64::Engine;
+        let b64 = base64::engine::general_purpose::STANDARD;
+        let bytes: Vec<u8> = (0..=255u8).cycle().take(300_000).collect();
+        let (st, r) = via_b
+            .get(&format!(
+                "/sandboxes/{web}/files?path=blob.bin&encoding=base64"
+            ))
+            .await;
+        assert_eq!(st, 200, "{r}");
+        assert_eq!(b64.decode(r["content"].as_str().unwrap()).unwrap(), bytes);
+    });
+    // Its VM on n2 went before the one on the other node started.
+    assert_eq!(
+        pids_mentioning(&format!("sandpit-vm-{web}")).len(),
+        1,
+        "one VM of it"
+    );
+    rt().block_on(async {
+        let (st, s) = via_a.get(&format!("/sandboxes/{web}")).await;
+        assert_eq!(
+            (st, s["id"].as_str(), s["status"].as_str()),
+            (200, Some(web.as_str()), Some("running")),
+            "{s}"
+        );
+        let (st, events) = via_a.get(&format!("/sandboxes/{web}/events")).await;
+        assert_eq!(st, 200, "{events}");
+        let moved: Vec<&Value> = events["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["type"] == "sandbox.moved")
+            .collect();
+        assert_eq!(moved.len(), 1, "{events}");
+        assert_eq!(moved[0]["detail"]["from"], "n2", "{events}");
+        assert_eq!(moved[0]["detail"]["to"], moved_to.as_str(), "{events}");
+        assert_eq!(moved[0]["actor"], "drain of node n2", "{events}");
+        assert!(moved[0]["detail"]["cut"]
+            .as_str()
+            .unwrap()
+            .contains("reconnect"));
+        // The preview URL answers from the moved VM's web server.
+        let (st, p) = via_b
+            .post(&format!("/sandboxes/{web}/ports"), json!({"port": 8000}))
+            .await;
+        assert_eq!(st, 200, "{p}");
+        let client = reqwest::Client::new();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Ok(r) = client.get(p["url"].as_str().unwrap()).send().await {
+                if r.status() == 200 {
+                    assert_eq!(r.text().await.unwrap(), "hello from a node\n");
+                    break;
+                }
+            }
+            assert!(Instant::now() < deadline, "the preview after the move");
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    });
+    // A drained node takes nothing new; back in service, it does.
+    let listed = a.admin(&["node", "list"]);
+    assert!(
+        listed.contains("n2\tup, draining\t0 sandbox(es)"),
+        "{listed}"
+    );
+    let (st, s) = create(&via_a, None).unwrap();
+    assert_eq!(st, 201, "{s}");
+    assert_ne!(row(&url, s["id"].as_str().unwrap()).host, "n2");
+    rt().block_on(async {
+        let id = s["id"].as_str().unwrap();
+        let (st, d) = via_a
+            .call(reqwest::Method::DELETE, &format!("/sandboxes/{id}"), None)
+            .await;
+        assert_eq!(st, 200, "{d}");
+    });
+    a.admin(&["node", "undrain", "n2"]);
+    let mut on = on;
+    let fresh = wait_until(
+        "a create placed on n2 again",
+        Duration::from_secs(30),
+        || {
+            let (st, s) = create(&via_a, None).unwrap();
+            assert_eq!(st, 201, "{s}");
+            let id = s["id"].as_str().unwrap().to_string();
+            if row(&url, &id).host == "n2" {
+                on.insert("n2".into(), id);
+                return true;
+            }
+            false
+        },
+    );
+    eprintln!("n2 took a sandbox {fresh:?} after its undrain");
+
     // A replica killed mid-create: the retry with the same key on the
     // other replica gets the same sandbox, running, reserved once.
+    let rows = || {
+        rt().block_on(async {
+            let store = Store::connect(&url).await.unwrap();
+            store
+                .list_sandboxes(&team.id, 100, None, true)
+                .await
+                .unwrap()
+                .data
+                .len()
+        })
+    };
+    let rows_before = rows();
     let (tx, rx) = std::sync::mpsc::channel();
     let pending = {
         let via_a = Rest::new(&a, &key);
@@ -269,16 +420,7 @@ fn three_nodes_and_two_replicas_survive_losing_any_of_them() {
     };
     rx.recv().unwrap();
     let placed = wait_until("the create's row", Duration::from_secs(30), || {
-        rt().block_on(async {
-            let store = Store::connect(&url).await.unwrap();
-            store
-                .list_sandboxes(&team.id, 100, None, true)
-                .await
-                .unwrap()
-                .data
-                .len()
-                == 4
-        })
+        rows() == rows_before + 1
     });
     eprintln!("the row was there {placed:?} after the create began");
     a.sigkill();
@@ -368,28 +510,112 @@ fn three_nodes_and_two_replicas_survive_losing_any_of_them() {
     assert_eq!(exec(&via_b, &target, "echo again")["stdout"], "again\n");
     drop(via_a);
 
-    // SIGKILL n3: its sandbox fails and is refunded for the time after the
-    // loss, once; new creates go to the other nodes.
+    // n3 SIGKILLed in the middle of its drain: each of its sandboxes is
+    // either moved (running on another node, one VM of it) or failed with
+    // the node and refunded for the time after the loss, once; never both.
+    // New creates go to the other nodes.
+    // Two sandboxes on n3 (placement fills the least full node; those
+    // placed elsewhere go at once).
+    let live_on_n3 = || {
+        rt().block_on(async {
+            let store = Store::connect(&url).await.unwrap();
+            store.live_sandboxes_on("n3").await.unwrap().len()
+        })
+    };
+    for _ in 0..4 {
+        if live_on_n3() >= 2 {
+            break;
+        }
+        let (st, s) = create(&via_b, None).unwrap();
+        assert_eq!(st, 201, "{s}");
+        let id = s["id"].as_str().unwrap();
+        if row(&url, id).host != "n3" {
+            rt().block_on(async {
+                let (st, d) = via_b
+                    .call(reqwest::Method::DELETE, &format!("/sandboxes/{id}"), None)
+                    .await;
+                assert_eq!(st, 200, "{d}");
+            });
+        }
+    }
+    let on_n3: Vec<String> = rt().block_on(async {
+        let store = Store::connect(&url).await.unwrap();
+        store
+            .live_sandboxes_on("n3")
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|r| r.id)
+            .collect()
+    });
+    assert!(on_n3.contains(&on["n3"]), "{on_n3:?}");
+    assert_eq!(on_n3.len(), 2, "{on_n3:?}");
+    // Killed once the first has moved and the second's move has begun.
+    b.admin(&["node", "drain", "n3", "--no-wait"]);
+    wait_until(
+        "n3's second sandbox being moved",
+        Duration::from_secs(90),
+        || {
+            let (first, second) = (row(&url, &on_n3[0]), row(&url, &on_n3[1]));
+            first.host != "n3" && first.moving_to.is_none() && second.moving_to.is_some()
+        },
+    );
     let n3 = nodes[2].take().unwrap();
     let n3_data = n3.data.clone();
     n3.sigkill();
-    let lost = on["n3"].clone();
-    let settled = wait_until("n3's sandbox failed", Duration::from_secs(40), || {
-        status_of(&via_b, &lost).0 == "failed"
-    });
-    eprintln!("node loss settled {settled:?} after the SIGKILL (lease 3 s, grace 2 s)");
-    assert!(status_of(&via_b, &lost).1.contains("its node n3 was lost"));
+    let settled = wait_until(
+        "n3's sandboxes moved or failed",
+        Duration::from_secs(60),
+        || {
+            on_n3.iter().all(|id| {
+                let r = row(&url, id);
+                r.status == sandpit_store::SandboxStatus::Failed
+                    || (r.host != "n3" && r.moving_to.is_none() && r.is_live())
+            })
+        },
+    );
+    eprintln!("n3's drain and loss settled {settled:?} after the SIGKILL (lease 3 s, grace 2 s)");
+    let mut failed_with_n3 = Vec::new();
+    for id in &on_n3 {
+        let (status, reason) = status_of(&via_b, id);
+        let r = row(&url, id);
+        if status == "failed" {
+            assert!(reason.contains("its node n3 was lost"), "{id}: {reason}");
+            assert_eq!(r.host, "n3", "{id} failed with n3 but was moved");
+            failed_with_n3.push(id.clone());
+        } else {
+            assert_eq!(status, "running", "{id}");
+            assert_ne!(r.host, "n3");
+            assert_eq!(exec(&via_b, id, "echo here")["stdout"], "here\n");
+        }
+    }
+    eprintln!(
+        "of n3's {} sandboxes, {} failed with it and the others moved",
+        on_n3.len(),
+        failed_with_n3.len()
+    );
+    assert!(!failed_with_n3.contains(&on_n3[0]), "the first had moved");
     let (st, s) = create(&via_b, None).unwrap();
     assert_eq!(st, 201, "{s}");
     let placed_on = row(&url, s["id"].as_str().unwrap()).host;
     assert!(placed_on == "n1" || placed_on == "n2", "{placed_on}");
-    // n3 back: the VM of its lost sandbox goes.
+    // n3 back, still draining until told: the VMs of its lost sandboxes
+    // go; a moved one runs once, on its new node.
     nodes[2] = Some(restart_node(2, &n3_data));
     wait_until(
-        "the lost sandbox's VM removed",
+        "the lost sandboxes' VMs removed",
         Duration::from_secs(30),
-        || !vm_runs(&lost),
+        || failed_with_n3.iter().all(|id| !vm_runs(id)),
     );
+    for id in on_n3.iter().filter(|id| !failed_with_n3.contains(id)) {
+        assert_eq!(
+            pids_mentioning(&format!("sandpit-vm-{id}")).len(),
+            1,
+            "{id}"
+        );
+    }
+    assert!(b.admin(&["node", "list"]).contains("n3\tup, draining"));
+    b.admin(&["node", "undrain", "n3"]);
 
     // SIGSTOP n2 past its lease and the grace, then SIGCONT: fenced, its
     // VM goes, and it joins again under a new epoch.
@@ -449,7 +675,7 @@ fn three_nodes_and_two_replicas_survive_losing_any_of_them() {
     rt().block_on(async {
         let store = Store::connect(&url).await.unwrap();
         let ledger = store.ledger(&team.id).await.unwrap();
-        for id in [&lost, &frozen, &cut] {
+        for id in failed_with_n3.iter().chain([&frozen, &cut]) {
             let kinds: Vec<&str> = ledger
                 .iter()
                 .filter(|l| l.sandbox_id.as_deref() == Some(id.as_str()))

@@ -22,7 +22,7 @@
 //! another member then puts S right on the node its row names
 //! ([`Service::settle_lapsed_move`]), and a drain moves it again.
 //!
-//! Every member with a link to the nodes drains: each heartbeat, one
+//! Every control plane linked to the nodes drains: each heartbeat, one
 //! drainer per member takes the draining nodes' sandboxes one at a time
 //! ([`Service::drain_nodes`]). A sandbox with volumes stays: a volume's
 //! file lives on its node's disk (move it with `sandpit volume move` once
@@ -56,11 +56,21 @@ fn drain_actor(node: &str) -> String {
 }
 
 impl Service {
+    /// Makes this member (a control plane, linked to the nodes) one that
+    /// moves draining nodes' sandboxes.
+    pub fn drain_for_the_cluster(&self) {
+        self.drains
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Starts this member's drainer if draining nodes hold sandboxes (or
     /// moves lapsed) and none runs here: it moves them one at a time, then
     /// ends. Only a member that reaches other nodes drains.
     pub(crate) async fn drain_nodes(&self) -> Result<()> {
-        if self.membership().is_none() || self.node_link.get().is_none() {
+        if self.membership().is_none()
+            || self.node_link.get().is_none()
+            || !self.drains.load(std::sync::atomic::Ordering::Relaxed)
+        {
             return Ok(());
         }
         let Ok(one) = self.draining.clone().try_lock_owned() else {
