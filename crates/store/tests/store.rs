@@ -4390,7 +4390,7 @@ async fn a_draining_nodes_sandboxes_move_once_and_never_both_move_and_fail(store
         .into_iter()
         .map(|r| r.id)
         .collect();
-    assert_eq!(lapsed, [third.clone()]);
+    assert_eq!(lapsed, std::slice::from_ref(third));
     let takers: Vec<_> = (0..4)
         .map(|_| {
             let (store, id) = (store.clone(), third.clone());
@@ -4430,7 +4430,7 @@ async fn a_draining_nodes_sandboxes_move_once_and_never_both_move_and_fail(store
             .iter()
             .map(|r| r.id.clone())
             .collect::<Vec<_>>(),
-        [third.clone()],
+        std::slice::from_ref(third),
         "the moved ones are b's and c's now"
     );
     assert!(store
