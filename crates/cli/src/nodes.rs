@@ -53,7 +53,7 @@ pub async fn run(settings: &Settings, command: NodeCommand) -> Result<i32> {
         }
         NodeCommand::List => {
             for node in store.nodes().await? {
-                let live = store.live_sandboxes_on(&node.name).await?.len();
+                let live = store.live_sandboxes(&node.name).await?.len();
                 println!("{}", node_line(&node, live));
             }
             Ok(0)
@@ -70,7 +70,7 @@ async fn mark(store: &Store, name: &str, draining: bool) -> Result<NodeRow> {
 
 async fn drain(store: &Store, name: &str, no_wait: bool, timeout: Duration) -> Result<i32> {
     let node = mark(store, name, true).await?;
-    let left = store.live_sandboxes_on(name).await?;
+    let left = store.live_sandboxes(name).await?;
     println!(
         "node {name} is draining: it takes no new sandbox; {} to move",
         left.len()
@@ -87,7 +87,7 @@ async fn drain(store: &Store, name: &str, no_wait: bool, timeout: Duration) -> R
     let deadline = Instant::now() + timeout;
     let mut said = String::new();
     loop {
-        let left = store.live_sandboxes_on(name).await?;
+        let left = store.live_sandboxes(name).await?;
         if left.is_empty() {
             println!("node {name} is drained: it holds no sandbox and can be stopped");
             return Ok(0);

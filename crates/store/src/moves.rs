@@ -34,23 +34,6 @@ impl Store {
         self.node(name).await
     }
 
-    /// The live sandboxes whose VMs node `host` runs (or holds paused),
-    /// oldest first.
-    pub async fn live_sandboxes_on(&self, host: &str) -> Result<Vec<SandboxRow>> {
-        let sql = concat!(
-            "SELECT * FROM sandboxes WHERE host = $1 AND status IN ",
-            crate::states::live_statuses!(),
-            " ORDER BY created_at, id"
-        );
-        sqlx::query(sql)
-            .bind(host)
-            .fetch_all(&self.pool)
-            .await?
-            .iter()
-            .map(sandbox_from)
-            .collect()
-    }
-
     /// Takes the move of running (or paused) sandbox `id` from node `from`
     /// to node `to`, held until `until`: `None` when it is not live on
     /// `from` any more, or another move of it is under way.

@@ -4284,7 +4284,7 @@ async fn a_draining_nodes_sandboxes_move_once_and_never_both_move_and_fail(store
     );
     let a = store.register_node(&node("a"), lease).await.unwrap();
     assert!(a.draining, "a restart keeps the drain");
-    assert_eq!(store.live_sandboxes_on("a").await.unwrap().len(), 3);
+    assert_eq!(store.live_sandboxes("a").await.unwrap().len(), 3);
 
     // A move is held by one member at a time.
     let until = OffsetDateTime::now_utc() + Duration::minutes(10);

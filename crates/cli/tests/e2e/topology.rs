@@ -519,7 +519,7 @@ fn three_nodes_and_two_replicas_survive_losing_any_of_them() {
     let live_on_n3 = || {
         rt().block_on(async {
             let store = Store::connect(&url).await.unwrap();
-            store.live_sandboxes_on("n3").await.unwrap().len()
+            store.live_sandboxes("n3").await.unwrap().len()
         })
     };
     for _ in 0..4 {
@@ -541,7 +541,7 @@ fn three_nodes_and_two_replicas_survive_losing_any_of_them() {
     let on_n3: Vec<String> = rt().block_on(async {
         let store = Store::connect(&url).await.unwrap();
         store
-            .live_sandboxes_on("n3")
+            .live_sandboxes("n3")
             .await
             .unwrap()
             .into_iter()

@@ -109,7 +109,7 @@ impl Service {
     /// other node with room.
     async fn drain(&self, node: &str) -> Result<()> {
         let now = OffsetDateTime::now_utc();
-        for row in self.store.live_sandboxes_on(node).await? {
+        for row in self.store.live_sandboxes(node).await? {
             // Starting (its node records it) or ending: not yet, or never.
             if !matches!(row.status, SandboxStatus::Running | SandboxStatus::Paused)
                 || row.is_moving(now)
